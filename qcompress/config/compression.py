@@ -1,0 +1,291 @@
+"""Typed schema of the `compression_training` section (DeepSpeed's layout, its code's defaults).
+
+Where DeepSpeed's docs and code disagree we follow the code: activation `range_calibration`
+defaults to `dynamic` and every technique but weight quantization has `schedule_offset: 1000`.
+Our extensions are marked "ext" below and documented in README.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from ..errors import ConfigError
+from .schema import field, join, parse
+
+QUANT_TYPES = ("symmetric", "asymmetric")
+ALL_MODULES = None  # `modules` missing or "all": every compressible module
+
+
+def _parse_patterns(value, path):
+    """A `modules` list: regexes matched with re.search; "all"/"*"/missing mean every module."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected a list of regex strings, got {value!r}")
+    out = []
+    for i, pattern in enumerate(value):
+        if not isinstance(pattern, str):
+            raise ConfigError(join(path, i), f"expected a regex string, got {pattern!r}")
+        if pattern in ("all", "*"):
+            return ALL_MODULES
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(join(path, i), f"{pattern!r} is not a valid regex ({err})") from None
+        out.append(pattern)
+    return tuple(out)
+
+
+def _parse_related(value, path):
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected a list of lists of regex strings, got {value!r}")
+    out = []
+    for i, inner in enumerate(value):
+        patterns = _parse_patterns(inner, join(path, i))
+        if patterns is ALL_MODULES:
+            raise ConfigError(join(path, i), "related modules must be named, not 'all'")
+        out.append(patterns)
+    return tuple(out)
+
+
+# --- weight quantization ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FP16MixedQuantize:
+    enabled: bool = field(False)
+    quantize_change_ratio: float = field(0.001, gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class WeightQuantShared:
+    enabled: bool = field(False)
+    quantizer_kernel: bool = field(False, doc="accepted for compatibility; kernels are used when built")
+    schedule_offset: int = field(0, ge=0)
+    quantize_groups: int = field(1, ge=1)
+    quantize_verbose: bool = field(False)
+    quantization_type: str = field("symmetric", choices=QUANT_TYPES, lower=True)
+    rounding: str = field("nearest", choices=("nearest", "stochastic"), lower=True)
+    quantize_weight_in_forward: bool = field(False)
+    fp16_mixed_quantize: FP16MixedQuantize = field(FP16MixedQuantize())
+    numerics: str = field("default", choices=("default", "deepspeed"), lower=True, doc="ext")
+    ste: str = field("identity", choices=("identity", "clip"), lower=True,
+                     doc="ext: 'clip' zeroes the gradient of clipped elements")
+    seed: int = field(0, ge=0, doc="ext: stochastic-rounding seed")
+
+
+@dataclass(frozen=True)
+class WeightQuantParams:
+    start_bits: int = field(ge=1, le=16)
+    target_bits: int = field(ge=1, le=16)
+    quantization_period: int = field(1, ge=0)
+    period_growth: str = field("exponential", choices=("exponential", "linear"), lower=True,
+                               doc="ext: 'linear' spaces the bit drops evenly")
+    granularity: Optional[str] = field(None, choices=("tensor", "channel", "group"), lower=True,
+                                       doc="ext; default: quantize_groups chunks (tensor if 1)")
+    group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim")
+    ternary: bool = field(True, doc="ext: 2 bits means ternary (DeepSpeed); false: 4-level grid")
+
+    def _validate(self, path):
+        if self.target_bits > self.start_bits:
+            raise ConfigError(join(path, "target_bits"),
+                              f"{self.target_bits} is above start_bits {self.start_bits}; "
+                              "bits only go down over the schedule")
+        if self.group_size is not None and self.granularity not in (None, "group"):
+            raise ConfigError(join(path, "group_size"),
+                              f"group_size needs granularity 'group', not {self.granularity!r}")
+        if self.granularity == "group" and self.group_size is None:
+            raise ConfigError(join(path, "group_size"), "is required when granularity is 'group'")
+
+
+# --- activation quantization -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActQuantShared:
+    enabled: bool = field(False)
+    quantization_type: str = field("symmetric", choices=QUANT_TYPES, lower=True)
+    range_calibration: str = field("dynamic", choices=("dynamic", "static"), lower=True)
+    schedule_offset: int = field(1000, ge=0)
+    momentum: float = field(0.95, ge=0.0, lt=1.0, doc="ext: EMA momentum of static ranges")
+
+
+@dataclass(frozen=True)
+class ActQuantParams:
+    bits: int = field(ge=2, le=8)
+
+
+# --- pruning ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SparsePruningShared:
+    enabled: bool = field(False)
+    method: str = field("l1", choices=("l1", "topk", "snip_momentum"), lower=True)
+    schedule_offset: int = field(1000, ge=0)
+    schedule_offset_end: Optional[int] = field(None, ge=0)
+    schedule_offset_stride: int = field(1, ge=1)
+    block_pattern: str = field("4x1")
+    dense_ratio: float = field(0.1, gt=0.0, lt=1.0)
+    excluded_modules: Tuple[str, ...] = field(())
+
+    def _validate(self, path):
+        end = self.schedule_offset_end
+        if end is not None and end < self.schedule_offset:
+            raise ConfigError(join(path, "schedule_offset_end"),
+                              f"{end} is before schedule_offset {self.schedule_offset}")
+        if not re.fullmatch(r"\d+x\d+|\d+:\d+", self.block_pattern):
+            raise ConfigError(join(path, "block_pattern"),
+                              f"{self.block_pattern!r} must look like 'NxM' or 'N:M'")
+
+
+@dataclass(frozen=True)
+class RowPruningShared:
+    enabled: bool = field(False)
+    method: str = field("l1", choices=("l1", "topk"), lower=True)
+    schedule_offset: int = field(1000, ge=0)
+
+
+@dataclass(frozen=True)
+class HeadPruningShared:
+    enabled: bool = field(False)
+    method: str = field("topk", choices=("topk",), lower=True)
+    schedule_offset: int = field(1000, ge=0)
+    num_heads: Optional[int] = field(None, ge=1)
+
+    def _validate(self, path):
+        if self.enabled and self.num_heads is None:
+            raise ConfigError(join(path, "num_heads"), "is required when head pruning is enabled")
+
+
+@dataclass(frozen=True)
+class ChannelPruningShared:
+    enabled: bool = field(False)
+    method: str = field("l1", choices=("l1", "topk"), lower=True)
+    schedule_offset: int = field(1000, ge=0)
+
+
+@dataclass(frozen=True)
+class PruningParams:
+    dense_ratio: float = field(gt=0.0, le=1.0, doc="fraction of weights KEPT")
+
+
+# --- groups and techniques -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    params: Any
+    modules: Optional[Tuple[str, ...]]  # None: every compressible module
+    related_modules: Optional[Tuple[Tuple[str, ...], ...]] = None
+
+
+@dataclass(frozen=True)
+class Technique:
+    shared: Any
+    groups: Tuple[Group, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.shared.enabled)
+
+
+def _parse_group(name, raw, params_cls, path):
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a mapping with 'params' and 'modules', got {raw!r}")
+    allowed = ("params", "modules", "related_modules")
+    for key in raw:
+        if key not in allowed:
+            from .schema import did_you_mean
+            raise ConfigError(join(path, key), f"unknown key{did_you_mean(key, allowed)}; "
+                                               f"allowed keys: {list(allowed)}")
+    params = parse(params_cls, raw.get("params"), join(path, "params"))
+    modules = _parse_patterns(raw["modules"], join(path, "modules")) if "modules" in raw else None
+    related = _parse_related(raw.get("related_modules"), join(path, "related_modules"))
+    if related is not None:
+        n_mod = len(modules) if modules is not None else None
+        if n_mod is not None and len(related) != n_mod:
+            raise ConfigError(join(path, "related_modules"),
+                              f"has {len(related)} entries but modules has {n_mod}; they pair "
+                              "by position, so the lengths must match")
+    return Group(name=name, params=params, modules=modules, related_modules=related)
+
+
+def _technique_parser(shared_cls, params_cls, groups_optional=False):
+    def parse_technique(raw, path):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(path, f"expected a mapping, got {raw!r}")
+        allowed = ("shared_parameters", "different_groups")
+        for key in raw:
+            if key not in allowed:
+                from .schema import did_you_mean
+                raise ConfigError(join(path, key), f"unknown key{did_you_mean(key, allowed)}; "
+                                                   f"allowed keys: {list(allowed)}")
+        shared = parse(shared_cls, raw.get("shared_parameters"), join(path, "shared_parameters"))
+        groups_raw = raw.get("different_groups")
+        gpath = join(path, "different_groups")
+        if groups_raw is None:
+            if shared.enabled and not (groups_optional and getattr(shared, "method", "") == "snip_momentum"):
+                raise ConfigError(gpath, "is required when the technique is enabled")
+            groups_raw = {}
+        if not isinstance(groups_raw, dict):
+            raise ConfigError(gpath, f"expected a mapping of group name to group, got {groups_raw!r}")
+        groups = tuple(_parse_group(name, g, params_cls, join(gpath, name))
+                       for name, g in groups_raw.items())
+        return Technique(shared=shared, groups=groups)
+    return parse_technique
+
+
+@dataclass(frozen=True)
+class LayerReduction:
+    enabled: bool = field(False)
+    keep_number_layer: Optional[int] = field(None, ge=1)
+    module_name_prefix: Optional[str] = field(None)
+    teacher_layer: Tuple[int, ...] = field(())
+    other_module_name: Tuple[str, ...] = field(())
+
+    def _validate(self, path):
+        if not self.enabled:
+            return
+        if not self.module_name_prefix:
+            raise ConfigError(join(path, "module_name_prefix"), "is required when enabled")
+        if not self.teacher_layer:
+            raise ConfigError(join(path, "teacher_layer"), "is required when enabled")
+        if self.keep_number_layer is not None and self.keep_number_layer != len(self.teacher_layer):
+            raise ConfigError(join(path, "keep_number_layer"),
+                              f"{self.keep_number_layer} differs from len(teacher_layer) = "
+                              f"{len(self.teacher_layer)}")
+
+
+_EMPTY = dict(shared=None)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    weight_quantization: Technique = field(
+        Technique(WeightQuantShared()), parse=_technique_parser(WeightQuantShared, WeightQuantParams))
+    activation_quantization: Technique = field(
+        Technique(ActQuantShared()), parse=_technique_parser(ActQuantShared, ActQuantParams))
+    sparse_pruning: Technique = field(
+        Technique(SparsePruningShared()),
+        parse=_technique_parser(SparsePruningShared, PruningParams, groups_optional=True))
+    row_pruning: Technique = field(
+        Technique(RowPruningShared()), parse=_technique_parser(RowPruningShared, PruningParams))
+    head_pruning: Technique = field(
+        Technique(HeadPruningShared()), parse=_technique_parser(HeadPruningShared, PruningParams))
+    channel_pruning: Technique = field(
+        Technique(ChannelPruningShared()), parse=_technique_parser(ChannelPruningShared, PruningParams))
+    layer_reduction: LayerReduction = field(LayerReduction())
+
+    def techniques(self):
+        """(name, Technique) for the six group-based techniques, in DeepSpeed's clean order."""
+        names = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning",
+                 "channel_pruning", "activation_quantization")
+        return [(n, getattr(self, n)) for n in names]
+
+
+def replace(obj, **changes):
+    return dataclasses.replace(obj, **changes)

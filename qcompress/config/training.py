@@ -1,0 +1,156 @@
+"""Typed schema of the top-level training keys of a DeepSpeed-style config."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from ..errors import ConfigError
+from .compression import CompressionConfig
+from .schema import field, join, parse
+
+OPTIMIZER_TYPES = ("adam", "adamw", "lamb", "sgd", "onebitadam", "zerooneadam", "onebitlamb")
+SCHEDULER_TYPES = ("warmuplr", "warmupdecaylr", "warmupcosinelr", "onecycle")
+
+# DeepSpeed keys we accept so existing ds_config.json files load, but do not act on.
+IGNORED_DEEPSPEED_KEYS = (
+    "steps_per_print", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+    "zero_allow_untested_optimizer", "tensorboard", "wandb", "csv_monitor", "comet",
+    "flops_profiler", "activation_checkpointing", "comms_logger", "dump_state", "elasticity",
+    "aio", "checkpoint", "data_efficiency", "curriculum_learning", "amp", "autotuning",
+    "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer", "seed",
+)
+
+
+@dataclass(frozen=True)
+class FP16:
+    enabled: bool = field(False)
+    loss_scale: float = field(0.0, ge=0.0, doc="0 means dynamic loss scaling")
+    initial_scale_power: int = field(16, ge=0, le=64)
+    loss_scale_window: int = field(1000, ge=1)
+    hysteresis: int = field(2, ge=1)
+    min_loss_scale: float = field(1.0, gt=0.0)
+    consecutive_hysteresis: bool = field(False)
+    auto_cast: bool = field(False)
+
+
+@dataclass(frozen=True)
+class BF16:
+    enabled: bool = field(False)
+
+
+def _named_type(choices):
+    def check(value, path):
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a type name string, got {value!r}")
+        return value
+    return check
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    type: str = field(parse=_named_type(OPTIMIZER_TYPES))
+    params: Dict[str, Any] = field({})
+
+    def _validate(self, path):
+        if self.type.lower() not in OPTIMIZER_TYPES:
+            from .schema import did_you_mean
+            raise ConfigError(join(path, "type"), f"{self.type!r} is not a known optimizer; choose one of "
+                              "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb"
+                              f"{did_you_mean(self.type.lower(), OPTIMIZER_TYPES)}")
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    type: str = field(parse=_named_type(SCHEDULER_TYPES))
+    params: Dict[str, Any] = field({})
+
+    def _validate(self, path):
+        if self.type.lower() not in SCHEDULER_TYPES:
+            from .schema import did_you_mean
+            raise ConfigError(join(path, "type"), f"{self.type!r} is not a known LR scheduler; choose one of "
+                              "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"
+                              f"{did_you_mean(self.type.lower(), SCHEDULER_TYPES)}")
+
+
+@dataclass(frozen=True)
+class Offload:
+    device: str = field("none", choices=("none", "cpu"), lower=True)
+    pin_memory: bool = field(False)
+    buffer_count: int = field(4, ge=1)
+    fast_init: bool = field(False)
+    ratio: float = field(1.0, gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class ZeroOptimization:
+    stage: int = field(0, choices=(0, 1, 2, 3))
+    offload_optimizer: Offload = field(Offload())
+    offload_param: Offload = field(Offload())
+    reduce_bucket_size: int = field(500_000_000, ge=1)
+    allgather_bucket_size: int = field(500_000_000, ge=1)
+    overlap_comm: bool = field(False)
+    contiguous_gradients: bool = field(True)
+    reduce_scatter: bool = field(True)
+    allgather_partitions: bool = field(True)
+    round_robin_gradients: bool = field(False)
+    stage3_prefetch_bucket_size: int = field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = field(100_000, ge=0)
+    stage3_max_live_parameters: int = field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = field(False)
+    sub_group_size: int = field(1_000_000_000, ge=1)
+
+    def _validate(self, path):
+        if self.stage == 0 and (self.offload_param.device == "cpu" or self.offload_optimizer.device == "cpu"):
+            raise ConfigError(join(path, "stage"), "offload needs ZeRO stage 2 or 3 (FSDP2); stage is 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    train_batch_size: Optional[int] = field(None, ge=1)
+    train_micro_batch_size_per_gpu: Optional[int] = field(None, ge=1)
+    gradient_accumulation_steps: Optional[int] = field(None, ge=1)
+    gradient_clipping: float = field(0.0, ge=0.0)
+    fp16: FP16 = field(FP16())
+    bf16: BF16 = field(BF16())
+    optimizer: Optional[Optimizer] = field(None)
+    scheduler: Optional[Scheduler] = field(None)
+    zero_optimization: ZeroOptimization = field(ZeroOptimization())
+    communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
+    wall_clock_breakdown: bool = field(False)
+    compression_training: CompressionConfig = field(CompressionConfig())
+    raw: Dict[str, Any] = field({}, doc="the merged input document, for export metadata")
+
+    def _validate(self, path):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError(join(path, "bf16.enabled"), "fp16 and bf16 cannot both be enabled")
+
+    @property
+    def compression(self) -> CompressionConfig:
+        return self.compression_training
+
+    @property
+    def precision(self) -> str:
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+
+def parse_config(doc: dict, source: str = "") -> Config:
+    """Parse a merged document; DeepSpeed keys we do not implement are dropped with a warning."""
+    if not isinstance(doc, dict):
+        raise ConfigError(source, f"a config must be a mapping at the top level, got {type(doc).__name__}")
+    kept = {}
+    for key, value in doc.items():
+        if key in IGNORED_DEEPSPEED_KEYS:
+            if key not in ("steps_per_print", "prescale_gradients", "seed"):
+                warnings.warn(f"config key {key!r} is a DeepSpeed setting qcompress does not implement; ignored",
+                              stacklevel=3)
+            continue
+        if key == "bfloat16":  # DeepSpeed's older alias
+            key = "bf16"
+        kept[key] = value
+    if "raw" in kept:
+        raise ConfigError("raw", "unknown key")
+    cfg = parse(Config, kept, "")
+    object.__setattr__(cfg, "raw", doc)
+    return cfg

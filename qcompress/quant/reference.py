@@ -1,0 +1,315 @@
+"""Quantizer math in plain torch: the test oracle and the fallback when kernels are not built.
+
+Every element goes through the same few formulas (all in float32):
+
+default numerics (what export writes, what compressed-tensors / vLLM dequantize)
+  symmetric   s = absmax / qmax                     q = clamp(round(x / s), qmin, qmax)
+  asymmetric  lo = min(min, 0), hi = max(max, 0)     s = (hi - lo) / (qmax - qmin)
+              zp = clamp(qmin - round(lo / s), qmin, qmax)   q = clamp(round(x / s) + zp, qmin, qmax)
+  dequantize  x^ = (q - zp) * s
+deepspeed numerics (DeepSpeed's compression formulas, for users comparing runs)
+  symmetric   s = 2 absmax / 2^b                     q = clamp(round(x / s), -2^(b-1), 2^(b-1) - 1)
+  asymmetric  s = (max - min) / 2^b,  z = round(min / s) * s
+              q = clamp(round((x - z) / s), 0, 2^b - 1),     x^ = q * s + z
+binary (1 bit)   s = mean|x|,  q = +1 if x >= 0 else -1 (deepspeed: sign(x), sign(0) = 0)
+ternary (2 bits, when asked)  t = 0.7 mean|x|, keep = |x| > t, s = mean of |x| over kept,
+                 q = sign(x) * keep
+
+with qmin = -2^(b-1), qmax = 2^(b-1) - 1, integer ranges signed, round() half to even, and
+every scale floored at EPS so a zero-range group never gives NaN. Stochastic rounding replaces
+round(v) by floor(v + u) with u from :mod:`qcompress.quant.rng` (deepspeed: round(v + u - 0.5)).
+Sums (mean|x|) accumulate in float64 and round once to float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..errors import NonFiniteError
+from . import rng
+
+EPS = 2.0 ** -100  # scale floor: finite 1/EPS in float32, far below any real weight range
+GRANULARITIES = ("tensor", "channel", "group", "token")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything that decides how a tensor is quantized, validated once."""
+    bits: int
+    symmetric: bool = True
+    granularity: str = "tensor"
+    group_size: Optional[int] = None
+    num_groups: Optional[int] = None
+    rounding: str = "nearest"
+    seed: int = 0
+    numerics: str = "default"
+    ternary: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.bits == 1:
+            return "binary"
+        if self.bits == 2 and self.ternary:
+            return "ternary"
+        return "int"
+
+    @property
+    def qmin(self) -> int:
+        if self.numerics == "deepspeed" and not self.symmetric:
+            return 0
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        if self.numerics == "deepspeed" and not self.symmetric:
+            return (1 << self.bits) - 1
+        return (1 << (self.bits - 1)) - 1
+
+
+def make_spec(bits, *, symmetric=True, granularity="tensor", group_size=None, num_groups=None,
+              rounding="nearest", seed=0, numerics="default", ternary=False) -> Spec:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+        raise ValueError(f"bits must be an integer in 1..16, got {bits!r}")
+    if num_groups is not None:
+        if int(num_groups) < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups!r}")
+        granularity = "groups"
+    elif granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "group" and (group_size is None or int(group_size) < 1):
+        raise ValueError(f"granularity 'group' needs group_size >= 1, got {group_size!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if numerics not in ("default", "deepspeed"):
+        raise ValueError(f"numerics must be 'default' or 'deepspeed', got {numerics!r}")
+    spec = Spec(bits, bool(symmetric), granularity, group_size, num_groups, rounding, int(seed),
+                numerics, bool(ternary))
+    if spec.kind != "int" and not spec.symmetric:
+        raise ValueError(f"{spec.kind} quantization ({bits} bit) is symmetric only")
+    return spec
+
+
+# --- grouping: every granularity becomes a 2-D view [groups, elements] ---------------------------
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() >= 2 else 1
+
+
+def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(X, counts): X[g] holds group g's elements (zero padded), counts[g] the real ones."""
+    n = x.numel()
+    g = spec.granularity
+    if g == "tensor":
+        view = x.reshape(1, n)
+    elif g == "channel":
+        view = x.reshape(_rows(x), -1) if n else x.reshape(_rows(x), 0)
+    elif g == "token":
+        last = x.shape[-1] if x.dim() else 1
+        view = x.reshape(-1, last)
+    elif g == "groups":
+        if n % spec.num_groups:
+            raise ValueError(f"num_groups={spec.num_groups} does not divide the tensor's "
+                             f"{n} elements (shape {tuple(x.shape)})")
+        view = x.reshape(spec.num_groups, n // spec.num_groups)
+    else:  # group: contiguous runs of group_size along the input (last flattened) dim
+        rows = _rows(x)
+        k = n // rows if rows else 0
+        gs = spec.group_size
+        ng = max(1, math.ceil(k / gs))
+        x2 = x.reshape(rows, k)
+        if ng * gs != k:
+            x2 = torch.nn.functional.pad(x2, (0, ng * gs - k))
+        view = x2.reshape(rows * ng, gs)
+        counts = torch.full((rows, ng), gs, dtype=torch.int64)
+        if ng * gs != k:
+            counts[:, -1] = k - (ng - 1) * gs
+        return view, counts.reshape(-1).to(x.device)
+    counts = torch.full((view.shape[0],), view.shape[1], dtype=torch.int64, device=x.device)
+    return view, counts
+
+
+def scale_shape(x: torch.Tensor, spec: Spec) -> Tuple[int, ...]:
+    """Shape of the returned scale / zero point: broadcastable to x, or [rows, n_groups]."""
+    g = spec.granularity
+    if g == "tensor":
+        return (1,) * max(x.dim(), 1)
+    if g == "channel":
+        return (_rows(x),) + (1,) * max(x.dim() - 1, 1)
+    if g == "token":
+        return tuple(x.shape[:-1]) + (1,) if x.dim() else (1,)
+    if g == "groups":
+        return (spec.num_groups, 1)
+    rows = _rows(x)
+    k = x.numel() // rows if rows else 0
+    return (rows, max(1, math.ceil(k / spec.group_size)))
+
+
+def ungroup(view: torch.Tensor, x: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """Inverse of group_view for an elementwise result (drops the padding)."""
+    if spec.granularity == "group":
+        rows = _rows(x)
+        k = x.numel() // rows if rows else 0
+        view = view.reshape(rows, -1)[:, :k]
+    return view.reshape(x.shape)
+
+
+# --- statistics ----------------------------------------------------------------------------------
+
+def _check_finite(stat: torch.Tensor, what: str):
+    bad = ~torch.isfinite(stat)
+    if bool(bad.any()):
+        raise NonFiniteError(f"{int(bad.sum())} of {stat.numel()} quantization groups contain NaN or "
+                             f"Inf values ({what}); fix the input before quantizing")
+
+
+def _mean_abs(X: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    total = X.abs().sum(dim=1, dtype=torch.float64)
+    return (total / counts.clamp(min=1).to(torch.float64)).to(torch.float32)
+
+
+def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """Per-group (scale, zero_point-or-None, extra) from the float32 group view X."""
+    kind = spec.kind
+    if X.shape[1] == 0:
+        zeros = torch.zeros(X.shape[0], dtype=torch.float32, device=X.device)
+        zp = None if spec.symmetric else torch.zeros_like(zeros)
+        return zeros.clamp(min=EPS), zp, None
+    if kind == "binary":
+        s = _mean_abs(X, counts)
+        _check_finite(s, "mean |x|")
+        return s.clamp(min=EPS), None, None
+    if kind == "ternary":
+        thr = 0.7 * _mean_abs(X, counts)
+        _check_finite(thr, "mean |x|")
+        keep = X.abs() > thr[:, None]
+        kept = keep.sum(dim=1)
+        total = (X.abs() * keep).sum(dim=1, dtype=torch.float64)
+        s = (total / kept.clamp(min=1).to(torch.float64)).to(torch.float32)
+        return s.clamp(min=EPS), None, thr
+    ds = spec.numerics == "deepspeed"
+    if min_val is not None:
+        lo = torch.as_tensor(min_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
+        hi = torch.as_tensor(max_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
+    else:
+        lo, hi = X.amin(dim=1), X.amax(dim=1)
+    _check_finite(torch.stack([lo, hi]), "min/max")
+    if spec.symmetric:
+        amax = torch.maximum(lo.abs(), hi.abs())
+        s = (2.0 * amax / float(1 << spec.bits)) if ds else amax / float(spec.qmax)
+        return s.clamp(min=EPS), None, None
+    if ds:
+        s = ((hi - lo) / float(1 << spec.bits)).clamp(min=EPS)
+        zq = torch.round(lo / s)
+        return s, -zq, None
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    s = ((hi - lo) / float(spec.qmax - spec.qmin)).clamp(min=EPS)
+    zp = (spec.qmin - torch.round(lo / s)).clamp(spec.qmin, spec.qmax)
+    return s, zp, None
+
+
+# --- elementwise ---------------------------------------------------------------------------------
+
+def _round(v: torch.Tensor, spec: Spec, u: Optional[torch.Tensor]) -> torch.Tensor:
+    if spec.rounding == "nearest":
+        return torch.round(v)
+    if spec.numerics == "deepspeed":
+        return torch.round(v + (u - 0.5))
+    return torch.floor(v + u)
+
+
+def _noise(x: torch.Tensor, spec: Spec):
+    if spec.rounding != "stochastic":
+        return None
+    u = rng.uniform(spec.seed, x.numel(), device=x.device).reshape(x.shape)
+    return u
+
+
+def quantize_view(X, counts, spec: Spec, min_val=None, max_val=None, U=None):
+    """Integer codes (float32 holding integers), scale, zero point, and clip mask for group view X."""
+    s, zp, thr = qparams(X, counts, spec, min_val, max_val)
+    kind = spec.kind
+    if kind == "binary":
+        if spec.numerics == "deepspeed":
+            q = torch.sign(X)
+        else:
+            q = torch.where(X >= 0, 1.0, -1.0)
+        return q, s, None, torch.ones_like(X, dtype=torch.bool)
+    if kind == "ternary":
+        q = torch.where(X > thr[:, None], 1.0, torch.where(X < -thr[:, None], -1.0, 0.0))
+        return q, s, None, torch.ones_like(X, dtype=torch.bool)
+    if spec.numerics == "deepspeed" and not spec.symmetric:
+        z = (-zp[:, None]) * s[:, None]  # DeepSpeed's grid-snapped zero point, as a float
+        v = (X - z) / s[:, None]
+    else:
+        v = X / s[:, None]
+    r = _round(v, spec, U)
+    if zp is not None and spec.numerics != "deepspeed":
+        r = r + zp[:, None]
+    inside = (r >= spec.qmin) & (r <= spec.qmax)
+    q = r.clamp(spec.qmin, spec.qmax)
+    return q, s, zp, inside
+
+
+def dequantize_view(q, s, zp, spec: Spec):
+    if spec.numerics == "deepspeed" and not spec.symmetric:
+        return q * s[:, None] + (-zp[:, None]) * s[:, None]
+    if zp is not None:
+        return (q - zp[:, None]) * s[:, None]
+    return q * s[:, None]
+
+
+def _int_dtype(bits: int):
+    return torch.int8 if bits <= 8 else torch.int32
+
+
+def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """(q, scale, zero_point) with q an integer tensor shaped like x."""
+    xf = x.detach().to(torch.float32)
+    X, counts = group_view(xf, spec)
+    U = _noise(xf, spec)
+    if U is not None:
+        U, _ = group_view(U, spec)
+    q, s, zp, _ = quantize_view(X, counts, spec, min_val, max_val, U)
+    shape = scale_shape(x, spec)
+    q = ungroup(q, xf, spec).to(_int_dtype(spec.bits))
+    zp = None if zp is None else zp.reshape(shape).to(torch.int32)
+    return q, s.reshape(shape), zp
+
+
+def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """(x^ in x's dtype, bool mask of elements that were not clipped)."""
+    xf = x.detach().to(torch.float32)
+    X, counts = group_view(xf, spec)
+    U = _noise(xf, spec)
+    if U is not None:
+        U, _ = group_view(U, spec)
+    q, s, zp, inside = quantize_view(X, counts, spec, min_val, max_val, U)
+    y = dequantize_view(q, s, zp, spec)
+    return ungroup(y, xf, spec).to(x.dtype), ungroup(inside, xf, spec)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,
+               num_groups=None, dtype=torch.float32) -> torch.Tensor:
+    """x^ = (q - zero_point) * scale, expanding per-group scales when group_size / num_groups is given."""
+    qf = q.to(torch.float32)
+    s = scale.to(torch.float32)
+    z = None if zero_point is None else zero_point.to(torch.float32)
+    if num_groups is not None:
+        view = qf.reshape(num_groups, -1)
+        out = (view - z.reshape(-1, 1)) * s.reshape(-1, 1) if z is not None else view * s.reshape(-1, 1)
+        return out.reshape(q.shape).to(dtype)
+    if group_size is not None:
+        rows = _rows(q)
+        k = q.numel() // rows if rows else 0
+        ng = max(1, math.ceil(k / group_size))
+        s2 = s.reshape(rows, ng).repeat_interleave(group_size, dim=1)[:, :k]
+        q2 = qf.reshape(rows, k)
+        if z is not None:
+            q2 = q2 - z.reshape(rows, ng).repeat_interleave(group_size, dim=1)[:, :k]
+        return (q2 * s2).reshape(q.shape).to(dtype)
+    if z is not None:
+        qf = qf - z
+    return (qf * s).to(dtype)
