@@ -1,0 +1,47 @@
+"""Activation range observers: dynamic (recomputed every call) and static (EMA of min/max)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+class StaticRange:
+    """EMA of the whole-tensor min and max, initialised on the first batch, frozen in eval.
+
+    stored = momentum * stored + (1 - momentum) * current, as DeepSpeed's QuantAct (whose
+    momentum 0.95 was hard-coded; ours is `activation_quantization.shared_parameters.momentum`).
+    """
+
+    def __init__(self, momentum: float = 0.95):
+        self.momentum = float(momentum)
+        self.min: Optional[torch.Tensor] = None
+        self.max: Optional[torch.Tensor] = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.min is not None
+
+    def observe(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Fold x into the running range and return the range to quantize x with."""
+        with torch.no_grad():
+            cur_min = x.detach().amin().to(torch.float32)
+            cur_max = x.detach().amax().to(torch.float32)
+            if self.min is None:
+                self.min, self.max = cur_min.clone(), cur_max.clone()
+            else:
+                m = self.momentum
+                self.min = m * self.min.to(cur_min.device) + (1.0 - m) * cur_min
+                self.max = m * self.max.to(cur_max.device) + (1.0 - m) * cur_max
+        return self.min, self.max
+
+    def state_dict(self) -> dict:
+        if self.min is None:
+            return {}
+        return {"min": self.min.detach().cpu().clone(), "max": self.max.detach().cpu().clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if "min" in sd:
+            self.min, self.max = sd["min"].clone(), sd["max"].clone()
+        else:
+            self.min = self.max = None
