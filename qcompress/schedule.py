@@ -15,7 +15,6 @@ import torch.nn as nn
 
 from .nn.layers import CompressMixin
 from .quant.api import quantize_spec
-from .quant.reference import dequantize_view  # noqa: F401  (documented formula lives there)
 
 
 def drops_at(t: int, start: int, target: int, period: int, growth: str = "exponential") -> int:
