@@ -1,0 +1,262 @@
+"""clean_pruning: make pruning masks permanent and, with related_modules, slice them out.
+
+Order: sparse, row, head, channel (DeepSpeed's). Every technique bakes its mask at the
+configured dense_ratio, whatever step the schedule reached. Without related_modules, row /
+head / channel pruning only zero the pruned weights (and biases). With them:
+  row      primary drops output rows (+bias); related Linear drop those input columns
+  head     primary (O-projection) drops pruned heads' input columns; related Q/K/V drop the
+           heads' blocks of output rows (+bias); a parent with num_attention_heads /
+           all_head_size (HF attention) or num_heads gets them updated
+  channel  primary conv drops output channels (+bias); related conv drop input channels;
+           related BatchNorm2d drop weight, bias, running stats and update num_features
+Related modules pair by position: within group G, for the i-th `modules` regex and each regex
+in related_modules[i], the j-th matched related module gets the j-th matched primary's mask.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..nn.layers import CompressMixin, kind_of
+from .masks import ORDER
+
+RELATED_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
+                 "channel_pruning": ("conv", "batchnorm")}
+
+
+# --- tensor surgery ----------------------------------------------------------------------------
+
+def _matrix(mod) -> torch.Tensor:
+    w = mod.weight.data
+    return w.t() if kind_of(mod) == "hf_conv1d" else w
+
+
+def _set_weight(mod, view: torch.Tensor) -> None:
+    w = view.t() if kind_of(mod) == "hf_conv1d" else view
+    old = mod.weight
+    mod.weight = nn.Parameter(w.contiguous().clone(), requires_grad=old.requires_grad)
+
+
+def _set_bias(mod, b: Optional[torch.Tensor]) -> None:
+    if b is not None:
+        mod.bias = nn.Parameter(b.contiguous().clone(), requires_grad=mod.bias.requires_grad)
+
+
+def _slice_codes(mod, dim: int, keep: torch.Tensor) -> None:
+    """Keep baked integer codes (for export) consistent with a sliced weight, or drop them."""
+    wq = getattr(mod, "qc_wq", None)
+    if wq is None or wq.codes is None:
+        return
+    q, s, z = wq.codes
+    n = q.shape[dim]
+    out = [q.index_select(dim, keep)]
+    for t in (s, z):
+        if t is None or t.dim() <= dim or t.shape[dim] == 1:
+            out.append(t)
+        elif t.shape[dim] == n:
+            out.append(t.index_select(dim, keep))
+        else:   # grouped scales along the sliced dim: no exact slice
+            warnings.warn(f"{getattr(mod, 'qc_name', '?')}: integer codes dropped after slicing "
+                          "(group scales do not align with the pruned structure)")
+            wq.codes, wq.codes_spec = None, None
+            return
+    wq.codes = tuple(out)
+
+
+def _drop_outputs(mod, keep: torch.Tensor) -> None:
+    """Keep output rows/channels `keep` (index tensor) of a Linear / HF Conv1D / Conv."""
+    _set_weight(mod, _matrix(mod).index_select(0, keep))
+    if getattr(mod, "bias", None) is not None:
+        _set_bias(mod, mod.bias.data.index_select(0, keep))
+    _slice_codes(mod, 0, keep)
+    n = len(keep)
+    kind = kind_of(mod)
+    if kind == "linear":
+        mod.out_features = n
+    elif kind == "hf_conv1d":
+        mod.nf = n
+    elif kind == "conv":
+        mod.out_channels = n
+
+
+def _drop_inputs(mod, keep: torch.Tensor) -> None:
+    """Keep input columns/channels `keep` of a Linear / HF Conv1D / Conv."""
+    if kind_of(mod) == "conv" and mod.groups != 1:
+        raise ConfigError("", f"{getattr(mod, 'qc_name', type(mod).__name__)}: cannot drop input "
+                              f"channels of a grouped convolution (groups={mod.groups})")
+    _set_weight(mod, _matrix(mod).index_select(1, keep))
+    _slice_codes(mod, 1, keep)
+    kind = kind_of(mod)
+    if kind == "linear":
+        mod.in_features = len(keep)
+    elif kind == "conv":
+        mod.in_channels = len(keep)
+
+
+def _drop_bn(mod, keep: torch.Tensor) -> None:
+    if mod.affine:
+        _set_weight(mod, mod.weight.data.index_select(0, keep))
+        _set_bias(mod, mod.bias.data.index_select(0, keep))
+    for name in ("running_mean", "running_var"):
+        buf = getattr(mod, name, None)
+        if buf is not None:
+            setattr(mod, name, buf.index_select(0, keep).clone())
+    mod.num_features = len(keep)
+
+
+# --- pairing -----------------------------------------------------------------------------------
+
+def _pairs(tech: str, group, primaries: List[str], modules: Dict[str, nn.Module]):
+    """[(primary names, [(related regex, related names)])], one entry per `modules` regex."""
+    path = f"compression_training.{tech}.different_groups.{group.name}.related_modules"
+    patterns = group.modules if group.modules is not None else (None,)
+    related = group.related_modules
+    if len(related) != len(patterns):
+        raise ConfigError(path, f"has {len(related)} entries but the group has {len(patterns)} "
+                                "module patterns; they pair by position")
+    kinds = RELATED_KINDS[tech]
+    taken = set()
+    out = []
+    for pat, rel_patterns in zip(patterns, related):
+        prim = [n for n in primaries if n not in taken and (pat is None or re.search(pat, n))]
+        taken.update(prim)
+        rels = []
+        for rp in rel_patterns:
+            names = [n for n, m in modules.items() if n and kind_of(m) in kinds and re.search(rp, n)]
+            if len(names) != len(prim):
+                raise ConfigError(path, f"related regex {rp!r} matches {len(names)} module(s) "
+                                        f"{names[:6]}{'...' if len(names) > 6 else ''} but modules "
+                                        f"regex {pat!r} matched {len(prim)} pruned module(s) "
+                                        f"{prim[:6]}{'...' if len(prim) > 6 else ''}; the j-th related "
+                                        "module takes the j-th primary's mask, so the counts must "
+                                        "be equal (tighten the regex)")
+            rels.append((rp, names))
+        out.append((prim, rels))
+    return out
+
+
+def _check(cond, tech, group, msg):
+    if not cond:
+        raise ConfigError(f"compression_training.{tech}.different_groups.{group.name}.related_modules", msg)
+
+
+# --- per technique -----------------------------------------------------------------------------
+
+def _zero(mod, tech, state, mask: torch.Tensor) -> None:
+    """Multiply the mask in permanently (no shape change)."""
+    m = mask.to(mod.weight.dtype)
+    view = _matrix(mod)
+    if tech == "head_pruning":
+        out, inp = view.shape
+        view = (view.t().reshape(state.num_heads, -1) * m.reshape(-1, 1)).reshape(inp, out).t()
+    else:
+        view = view * m
+    with torch.no_grad():
+        mod.weight.data.copy_(view.t() if kind_of(mod) == "hf_conv1d" else view)
+        if tech in ("row_pruning", "channel_pruning") and getattr(mod, "bias", None) is not None:
+            mod.bias.data.mul_(m.reshape(-1))
+    _zero_codes(mod, tech, state, mask)
+
+
+def _zero_codes(mod, tech, state, mask) -> None:
+    """Baked integer codes must dequantize to the zeroed weights: q <- zero_point where pruned."""
+    wq = getattr(mod, "qc_wq", None)
+    if wq is None or wq.codes is None:
+        return
+    q, s, z = wq.codes
+    keep = mask.to(torch.bool)
+    if tech == "head_pruning":
+        out, inp = q.shape
+        keep = keep.reshape(-1, 1).expand(state.num_heads, inp // state.num_heads * out)
+        keep = keep.reshape(inp, out).t()
+    zero = torch.zeros((), dtype=q.dtype, device=q.device) if z is None else z.to(q.dtype)
+    try:
+        wq.codes = (torch.where(keep.expand_as(q), q, zero), s, z)
+    except RuntimeError:   # zero points laid out per group: no cheap broadcast
+        warnings.warn(f"{getattr(mod, 'qc_name', '?')}: integer codes dropped after pruning clean")
+        wq.codes, wq.codes_spec = None, None
+
+
+def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
+    keep = mask.reshape(-1).nonzero().flatten()
+    if tech in ("row_pruning", "channel_pruning"):
+        n_out = _matrix(mod).shape[0]
+        _drop_outputs(mod, keep)
+        for rp, names in rels:
+            r = modules[names[0]]
+            if kind_of(r) == "batchnorm":
+                _check(r.num_features == n_out, tech, group,
+                       f"{names[0]!r} has {r.num_features} features but {name!r} has {n_out} channels")
+                _drop_bn(r, keep)
+            else:
+                _check(_matrix(r).shape[1] == n_out, tech, group,
+                       f"{names[0]!r} takes {_matrix(r).shape[1]} inputs but {name!r} has {n_out} outputs")
+                _drop_inputs(r, keep)
+        return
+    # head pruning: primary is the O-projection
+    h = state.num_heads
+    inp = _matrix(mod).shape[1]
+    cols = (keep.reshape(-1, 1) * (inp // h) + torch.arange(inp // h, device=keep.device)).flatten()
+    _drop_inputs(mod, cols)
+    for rp, names in rels:
+        r = modules[names[0]]
+        out = _matrix(r).shape[0]
+        _check(out % h == 0, tech, group, f"{names[0]!r} has {out} outputs, not divisible by {h} heads")
+        rows = (keep.reshape(-1, 1) * (out // h) + torch.arange(out // h, device=keep.device)).flatten()
+        _drop_outputs(r, rows)
+        parent_name = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
+        if parent_name not in parents_done:
+            parents_done.add(parent_name)
+            _update_heads(modules.get(parent_name), len(keep))
+
+
+def _update_heads(parent, kept: int) -> None:
+    """Best effort: fix the head count of the attention module that owns Q/K/V."""
+    if parent is None:
+        return
+    if isinstance(getattr(parent, "num_attention_heads", None), int):
+        parent.num_attention_heads = kept
+        if isinstance(getattr(parent, "attention_head_size", None), int):
+            parent.all_head_size = kept * parent.attention_head_size
+    elif isinstance(getattr(parent, "num_heads", None), int):
+        parent.num_heads = kept
+
+
+@torch.no_grad()
+def clean_pruning(root: nn.Module, cfg) -> nn.Module:
+    cc = cfg.compression
+    for tech in ORDER:
+        technique = getattr(cc, tech)
+        modules = dict(root.named_modules())     # refreshed: earlier techniques replaced params
+        for group in technique.groups:
+            primaries = [n for n, m in modules.items() if isinstance(m, CompressMixin)
+                         and tech in m.qc_pruning and m.qc_pruning[tech].group == group.name]
+            masks = {n: modules[n].qc_pruning[tech].final_mask(modules[n]) for n in primaries}
+            if tech != "sparse_pruning" and group.related_modules:
+                parents_done = set()
+                for prim, rels in _pairs(tech, group, primaries, modules):
+                    for j, n in enumerate(prim):
+                        mod = modules[n]
+                        _slice(tech, group, n, mod, mod.qc_pruning[tech], masks[n],
+                               [(rp, [names[j]]) for rp, names in rels], modules, parents_done)
+            else:
+                for n in primaries:
+                    _zero(modules[n], tech, modules[n].qc_pruning[tech], masks[n])
+            for n in primaries:
+                modules[n].qc_pruning[tech].remove(modules[n])
+    _drop_stale_hooks(root)
+    return root
+
+
+def _drop_stale_hooks(root: nn.Module) -> None:
+    """Remove BatchNorm channel-mask hooks whose conv no longer carries channel pruning."""
+    from .setup import _ChannelMaskHook
+    for mod in root.modules():
+        for key, hook in list(mod._forward_hooks.items()):
+            if isinstance(hook, _ChannelMaskHook) and "channel_pruning" not in getattr(hook.conv, "qc_pruning", {}):
+                del mod._forward_hooks[key]

@@ -1,0 +1,118 @@
+"""enable_pruning: attach a pruning technique to one compress-aware module (init_compression)."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from .masks import l1_scores, topk_mask
+from .state import PruningState
+
+TECHNIQUES = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
+
+
+def _score_shape(technique, w, num_heads):
+    if technique == "sparse_pruning":
+        return tuple(w.shape)
+    if technique == "row_pruning":
+        return (w.shape[0], 1)
+    if technique == "head_pruning":
+        return (1, num_heads)
+    return (w.shape[0],) + (1,) * (w.dim() - 1)        # channel
+
+
+def enable_pruning(module, technique: str, shared, group, name: str, modules=None) -> PruningState:
+    """Create the technique's state on `module` (already compress-aware) and return it.
+
+    `modules` (dict name -> module of the whole model) is accepted for symmetry with clean;
+    related modules are only used by redundancy_clean.
+    """
+    if technique not in TECHNIQUES:
+        raise ValueError(f"unknown pruning technique {technique!r}")
+    path = f"compression_training.{technique}"
+    method = shared.method
+    if method == "snip_momentum":
+        raise ConfigError(f"{path}.shared_parameters.method",
+                          "'snip_momentum' is delegated to Intel Neural Compressor in DeepSpeed and "
+                          "is not supported by qcompress; use 'l1' or 'topk'")
+    w = module.weight_matrix_view(module.weight)
+    num_heads = getattr(shared, "num_heads", None) if technique == "head_pruning" else None
+    if technique == "head_pruning":
+        if w.dim() != 2 or w.shape[1] % num_heads:
+            raise ConfigError(f"{path}.shared_parameters.num_heads",
+                              f"{num_heads} does not divide the {w.shape[1]} input features of "
+                              f"{name!r} (head pruning masks the O-projection's input columns)")
+    if technique == "channel_pruning" and getattr(module, "groups", 1) != 1:
+        raise ConfigError(f"{path}.different_groups.{group.name}.modules",
+                          f"{name!r} is a grouped convolution (groups={module.groups}); channel "
+                          "pruning supports groups=1 only")
+    state = PruningState(
+        technique=technique, group=group.name, method=method, dense_ratio=group.params.dense_ratio,
+        offset=shared.schedule_offset,
+        offset_end=getattr(shared, "schedule_offset_end", None) if technique == "sparse_pruning" else None,
+        num_heads=num_heads)
+    if method == "topk":
+        scores = torch.empty(_score_shape(technique, w, num_heads), device=w.device,
+                             dtype=w.dtype if w.is_floating_point() else torch.float32)
+        nn.init.kaiming_uniform_(scores, a=math.sqrt(5))       # DeepSpeed's init
+        state.scores_name = f"{technique}_scores"
+        module.register_parameter(state.scores_name, nn.Parameter(scores))
+    else:
+        scores = l1_scores(technique, w)
+        if state.offset_end is not None and state.offset_end > state.offset:
+            state.l1_scores = scores                           # gradual: mask depends on the step
+        else:
+            state.l1_mask = topk_mask(scores, state.dense_ratio)
+    module.qc_pruning[technique] = state
+    state.update(0)
+    if technique != "sparse_pruning" and group.related_modules and modules is not None:
+        _check_related(module, technique, group, name, modules)
+    return state
+
+
+class _ChannelMaskHook:
+    """Forward hook on a BatchNorm2d that follows a channel-pruned conv: zero the pruned channels.
+
+    Without it, BN turns the conv's zeroed channels into a constant beta - gamma*mean/std that the
+    next layer consumes, so the masked model would differ from the sliced one redundancy_clean
+    makes. It holds the conv itself (not a closure) so deepcopy keeps the pairing.
+    """
+
+    def __init__(self, conv):
+        self.conv = conv
+
+    def __call__(self, bn, inputs, output):
+        state = self.conv.qc_pruning.get("channel_pruning")
+        if state is None or not state.active:
+            return output
+        m = state.mask(self.conv).reshape(1, -1, *([1] * (output.dim() - 2)))
+        return output * m.to(output.dtype)
+
+
+PRIMARY_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
+                 "channel_pruning": ("conv",)}
+
+
+def related_of(technique, group, name, modules):
+    """Names of the related modules paired with primary `name` (ConfigError if counts differ)."""
+    from ..nn.layers import kind_of
+    from .clean import _pairs
+    kinds = PRIMARY_KINDS[technique]
+    primaries = [n for n, m in modules.items() if n and kind_of(m) in kinds
+                 and (group.modules is None or any(re.search(p, n) for p in group.modules))]
+    for prim, rels in _pairs(technique, group, primaries, modules):
+        if name in prim:
+            return [names[prim.index(name)] for _, names in rels]
+    return []
+
+
+def _check_related(module, technique, group, name, modules):
+    """Validate the pairing at init (not only at clean); hook related BatchNorms for channels."""
+    from ..nn.layers import kind_of
+    for rname in related_of(technique, group, name, modules):
+        related = modules[rname]
+        if technique == "channel_pruning" and kind_of(related) == "batchnorm":
+            related.register_forward_hook(_ChannelMaskHook(module))

@@ -1,0 +1,105 @@
+"""Per-module pruning state: method, kept ratio, schedule, and the mask or the name of its scores.
+
+l1: the importance scores come from the weights once, at init_compression; the mask (or, with a
+    gradual window, the scores) lives here, not in the module's state_dict, so the model's keys
+    are unchanged. The CompressionScheduler saves it.
+topk: the scores are an nn.Parameter registered on the module as `<technique>_scores` (the
+    optimizer must train them), so they are in the module's state_dict; the mask is recomputed
+    from them at every forward, with a straight-through gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .masks import topk_binarize, topk_mask
+
+
+@dataclass
+class PruningState:
+    technique: str                 # sparse_pruning | row_pruning | head_pruning | channel_pruning
+    group: str
+    method: str                    # l1 | topk
+    dense_ratio: float             # fraction KEPT at the end of the schedule
+    offset: int                    # schedule_offset: masks apply from this step on
+    offset_end: Optional[int] = None   # sparse only: kept ratio ramps 1 -> dense_ratio until here
+    num_heads: Optional[int] = None    # head pruning
+    scores_name: Optional[str] = None  # topk: attribute name of the score Parameter
+    l1_scores: Optional[torch.Tensor] = None  # l1 with a ramp: init-time scores
+    l1_mask: Optional[torch.Tensor] = None    # l1 without a ramp: the fixed mask
+    # live state
+    active: bool = False
+    ratio: float = 1.0
+    step: int = 0
+
+    # --- schedule ---------------------------------------------------------------------------
+    def ratio_at(self, t: int) -> float:
+        end = self.offset_end
+        if t < self.offset:
+            return 1.0
+        if end is None or end <= self.offset or t >= end:
+            return self.dense_ratio
+        frac = (t - self.offset) / (end - self.offset)
+        return 1.0 - (1.0 - self.dense_ratio) * frac
+
+    def update(self, t: int) -> None:
+        self.step = t
+        self.active = t >= self.offset
+        self.ratio = self.ratio_at(t)
+
+    # --- masks ------------------------------------------------------------------------------
+    def mask(self, module, ratio: Optional[float] = None) -> torch.Tensor:
+        """The mask at the current (or given) kept ratio; differentiable w.r.t. topk scores."""
+        r = self.ratio if ratio is None else ratio
+        if self.method == "topk":
+            return topk_binarize(getattr(module, self.scores_name), r)
+        dev = module.weight.device
+        if self.l1_mask is not None and r == self.dense_ratio:
+            if self.l1_mask.device != dev:      # the model moved after init_compression
+                self.l1_mask = self.l1_mask.to(dev)
+            return self.l1_mask
+        if self.l1_scores.device != dev:
+            self.l1_scores = self.l1_scores.to(dev)
+        return topk_mask(self.l1_scores, r)
+
+    def final_mask(self, module) -> torch.Tensor:
+        """Boolean mask at the configured dense_ratio (what redundancy_clean makes permanent)."""
+        with torch.no_grad():
+            return self.mask(module, self.dense_ratio).detach() > 0.5
+
+    def remove(self, module) -> None:
+        """Forget this technique on `module` (after clean): drop the scores Parameter."""
+        if self.scores_name is not None and self.scores_name in module._parameters:
+            del module._parameters[self.scores_name]
+        module.qc_pruning.pop(self.technique, None)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {"method": self.method}
+        if self.l1_mask is not None:
+            sd["mask"] = self.l1_mask.detach().cpu().clone()
+        if self.l1_scores is not None:
+            sd["scores"] = self.l1_scores.detach().cpu().clone()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("method", self.method) != self.method:
+            raise ValueError(f"{self.technique}: checkpoint was saved with method {sd['method']!r}, "
+                             f"the config now says {self.method!r}")
+        for key, attr in (("mask", "l1_mask"), ("scores", "l1_scores")):
+            if key in sd:
+                cur = getattr(self, attr)
+                if cur is not None and tuple(cur.shape) != tuple(sd[key].shape):
+                    raise ValueError(f"{self.technique}: saved {key} has shape {tuple(sd[key].shape)}, "
+                                     f"this module needs {tuple(cur.shape)}")
+                dev = cur.device if cur is not None else None
+                setattr(self, attr, sd[key].to(dev) if dev is not None else sd[key].clone())
+
+    def describe(self) -> str:
+        short = self.technique.replace("_pruning", "")
+        heads = f" of {self.num_heads} heads" if self.num_heads else ""
+        window = f" from {self.offset}" + (f" to {self.offset_end}" if self.offset_end else "")
+        on = "" if self.active else " (off)"
+        return f"{short} {self.method} keep {self.ratio:.3g}{heads}{window}{on}"

@@ -1,0 +1,352 @@
+"""Pruning (sparse/row/head/channel), redundancy_clean slicing and scheduler state."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompress as qc
+from qcompress.errors import ConfigError
+from qcompress.pruning.masks import keep_count, topk_mask
+
+CIFAR = "/work/shared/ds_configs/compression/cifar/config/ds_config_channel_prune.json"
+
+
+def prune_cfg(tech, method="l1", ratio=0.5, offset=0, modules=("^0$",), related=None, **shared):
+    group = {"params": {"dense_ratio": ratio}, "modules": list(modules)}
+    if related is not None:
+        group["related_modules"] = related
+    sp = {"enabled": True, "schedule_offset": offset, "method": method, **shared}
+    return {"compression_training": {tech: {"shared_parameters": sp,
+                                            "different_groups": {"g1": {**group}}}}}
+
+
+def mlp(seed=0, d_in=6, hidden=10, d_out=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+# --- mask oracles ------------------------------------------------------------------------------
+
+def test_topk_mask_count_and_choice():
+    rng = np.random.default_rng(0)
+    for numel, ratio in [(30, 0.1), (30, 0.37), (7, 0.5), (12, 1.0), (5, 0.01)]:
+        s = rng.permutation(numel).astype(np.float32).reshape(-1)
+        mask = topk_mask(torch.from_numpy(s), ratio).numpy()
+        k = math.ceil(round(ratio * numel, 6))
+        assert mask.sum() == k
+        assert set(np.nonzero(mask)[0]) == set(np.argsort(-s)[:k])
+    assert keep_count(0.1, 30) == 3          # 0.1*30 = 3.0000000000000004 must not give 4
+
+
+def test_l1_masks_pick_largest():
+    m = mlp()
+    w = m[0].weight.detach().numpy().copy()
+    qc.init_compression(m, prune_cfg("row_pruning", ratio=0.3))
+    mask = m[0].qc_pruning["row_pruning"].mask(m[0]).reshape(-1).numpy()
+    k = math.ceil(0.3 * 10)
+    assert set(np.nonzero(mask)[0]) == set(np.argsort(-np.abs(w).sum(1))[:k])
+    # forward uses the masked rows and bias
+    x = torch.randn(5, 6)
+    ref = x @ (m[0].weight * torch.tensor(mask)[:, None]).T + m[0].bias * torch.tensor(mask)
+    torch.testing.assert_close(m[0](x), ref)
+
+    m = mlp()
+    w = m[0].weight.detach().numpy().copy()
+    qc.init_compression(m, prune_cfg("sparse_pruning", ratio=0.25))
+    eff = m[0].effective_weight().detach().numpy()
+    k = math.ceil(0.25 * w.size)
+    keep = np.zeros(w.size, bool)
+    keep[np.argsort(-np.abs(w).ravel())[:k]] = True
+    np.testing.assert_array_equal(eff.ravel(), np.where(keep, w.ravel(), 0))
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3))
+    w = conv[0].weight.detach().numpy().copy()
+    qc.init_compression(conv, prune_cfg("channel_pruning", ratio=0.5))
+    mask = conv[0].qc_pruning["channel_pruning"].mask(conv[0]).reshape(-1).numpy()
+    assert set(np.nonzero(mask)[0]) == set(np.argsort(-np.abs(w).sum((1, 2, 3)))[:4])
+    # l1 masks are not module buffers: state_dict keys unchanged
+    assert set(conv.state_dict()) == {"0.weight", "0.bias"}
+
+
+def test_topk_scores_shapes_keys_and_straight_through_grad():
+    m = mlp()
+    qc.init_compression(m, prune_cfg("row_pruning", method="topk", ratio=0.4))
+    scores = m[0].row_pruning_scores
+    assert scores.shape == (10, 1) and "0.row_pruning_scores" in m.state_dict()
+    x = torch.randn(5, 6)
+    m(x).square().sum().backward()
+    # oracle: gradient of the loss w.r.t. a row mask used as a plain multiplier
+    mask = topk_mask(scores.detach(), 0.4).clone().requires_grad_(True)
+    assert mask.sum() == 4
+    w, b = m[0].weight.detach(), m[0].bias.detach()
+    h = torch.relu(x @ (w * mask).T + b * mask.reshape(-1))
+    (h @ m[2].weight.detach().T + m[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(scores.grad, mask.grad)
+    assert scores.grad.abs().sum() > 0
+
+    for tech, mod, shape, extra in [("sparse_pruning", nn.Linear(6, 4), (4, 6), {}),
+                                    ("head_pruning", nn.Linear(8, 4), (1, 4), {"num_heads": 4}),
+                                    ("channel_pruning", nn.Conv2d(2, 6, 3), (6, 1, 1, 1), {})]:
+        net = nn.Sequential(mod)
+        qc.init_compression(net, prune_cfg(tech, method="topk", **extra))
+        assert getattr(net[0], f"{tech}_scores").shape == shape
+
+
+def test_head_mask_zeroes_input_columns():
+    lin = nn.Sequential(nn.Linear(8, 3))
+    qc.init_compression(lin, prune_cfg("head_pruning", method="topk", ratio=0.5, num_heads=4))
+    with torch.no_grad():
+        lin[0].head_pruning_scores.copy_(torch.tensor([[0.1, 0.9, -1.0, 0.5]]))
+    eff = lin[0].effective_weight().detach()
+    w = lin[0].weight.detach()
+    keep_cols = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool)   # heads 1 and 3 kept
+    torch.testing.assert_close(eff, w * keep_cols)
+
+
+def test_snip_momentum_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.method.*Neural Compressor"):
+        qc.init_compression(mlp(), prune_cfg("sparse_pruning", method="snip_momentum"))
+
+
+# --- schedule ----------------------------------------------------------------------------------
+
+def test_offset_respected_and_state_round_trip():
+    m = mlp()
+    ref = copy.deepcopy(m)
+    qc.init_compression(m, prune_cfg("row_pruning", method="topk", offset=3))
+    sched = qc.CompressionScheduler(m)
+    x = torch.randn(4, 6)
+    for step in range(5):
+        st = m[0].qc_pruning["row_pruning"]
+        assert st.active == (step >= 3)
+        same = torch.equal(m(x), ref(x))
+        assert same == (step < 3)
+        sched.step()
+    # sparse l1 with the (optional) end: kept ratio ramps 1 -> dense_ratio over [offset, end]
+    m = mlp()
+    qc.init_compression(m, prune_cfg("sparse_pruning", ratio=0.2, offset=2, schedule_offset_end=6))
+    sched = qc.CompressionScheduler(m)
+    kept = []
+    for _ in range(8):
+        kept.append(int((m[0].effective_weight() != 0).sum()))
+        sched.step()
+    assert kept == [60, 60, 60, keep_count(0.8, 60), keep_count(0.6, 60), keep_count(0.4, 60), 12, 12]
+    sd = sched.state_dict()
+    assert "scores" in sd["modules"]["0"]["prune.sparse_pruning"]
+    # round trip into a fresh model whose weights differ: the saved init-time scores win
+    m2 = mlp(seed=1)
+    m2.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        m2[0].weight.mul_(-1).add_(torch.randn_like(m2[0].weight))
+    qc.init_compression(m2, prune_cfg("sparse_pruning", ratio=0.2, offset=2, schedule_offset_end=6))
+    with torch.no_grad():
+        m2[0].weight.copy_(m[0].weight)
+    s2 = qc.CompressionScheduler(m2)
+    s2.load_state_dict(sd)
+    assert s2.training_steps == 8
+    torch.testing.assert_close(m2(torch.ones(2, 6)), m(torch.ones(2, 6)))
+
+
+def test_l1_mask_round_trip_without_ramp():
+    m = mlp()
+    qc.init_compression(m, prune_cfg("row_pruning", offset=0))
+    sd = qc.CompressionScheduler(m).state_dict()
+    m2 = mlp(seed=5)
+    qc.init_compression(m2, prune_cfg("row_pruning", offset=0))
+    qc.CompressionScheduler(m2).load_state_dict(sd)
+    torch.testing.assert_close(m2[0].qc_pruning["row_pruning"].l1_mask, m[0].qc_pruning["row_pruning"].l1_mask)
+
+
+# --- redundancy_clean --------------------------------------------------------------------------
+
+def test_row_clean_slices_mlp():
+    m = mlp(hidden=12)
+    cfg = prune_cfg("row_pruning", method="topk", ratio=0.5, related=[["^2$"]])
+    qc.init_compression(m, cfg)
+    x = torch.randn(7, 6)
+    y = m(x).detach()
+    qc.redundancy_clean(m, cfg)
+    assert (m[0].out_features, m[0].weight.shape, m[0].bias.shape) == (6, (6, 6), (6,))
+    assert (m[2].in_features, m[2].weight.shape) == (6, (3, 6))
+    assert "0.row_pruning_scores" not in m.state_dict() and not m[0].qc_pruning
+    torch.testing.assert_close(m(x), y)
+
+
+def test_row_clean_without_related_only_zeroes():
+    m = mlp()
+    cfg = prune_cfg("row_pruning", ratio=0.5)
+    qc.init_compression(m, cfg)
+    x = torch.randn(3, 6)
+    y = m(x).detach()
+    qc.redundancy_clean(m, cfg)
+    assert m[0].weight.shape == (10, 6) and int((m[0].weight.abs().sum(1) == 0).sum()) == 5
+    torch.testing.assert_close(m(x), y)
+
+
+def test_related_count_mismatch_names_group_and_regexes():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    cfg = prune_cfg("row_pruning", related=[["^[24]$"]])
+    pattern = r"row_pruning\.different_groups\.g1\.related_modules.*'\^\[24\]\$' matches 2.*'\^0\$' matched 1"
+    with pytest.raises(ConfigError, match=pattern):      # found at init already
+        qc.init_compression(copy.deepcopy(m), cfg)
+    ok = prune_cfg("row_pruning", related=[["^2$"]])
+    qc.init_compression(m, ok)
+    with pytest.raises(ConfigError, match=pattern):      # and at clean with another config
+        qc.redundancy_clean(m, cfg)
+
+
+def _bert(layers, heads=4, seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    conf = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=heads, intermediate_size=40,
+                                   max_position_embeddings=32, num_labels=3)
+    return transformers.BertForSequenceClassification(conf).eval()
+
+
+def test_head_clean_bert_matches_masked_model():
+    model = _bert(2)
+    cfg = {"compression_training": {
+        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
+                                               "num_heads": 4},
+                         "different_groups": {"hp1": {"params": {"dense_ratio": 0.5},
+                                                      "modules": ["attention.output.dense"],
+                                                      "related_modules": [["self.query", "self.key", "self.value"]]}}},
+        "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk"},
+                        "different_groups": {"rp1": {"params": {"dense_ratio": 0.5},
+                                                     "modules": ["intermediate.dense"],
+                                                     "related_modules": [["layer.\\w+.output.dense"]]}}}}}
+    qc.init_compression(model, cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    qc.redundancy_clean(model, cfg)
+    att = model.bert.encoder.layer[0].attention
+    assert att.self.query.weight.shape == (16, 32) and att.self.value.bias.shape == (16,)
+    assert att.output.dense.weight.shape == (32, 16)
+    assert att.self.num_attention_heads == 2 and att.self.all_head_size == 16
+    assert model.bert.encoder.layer[1].intermediate.dense.out_features == 20
+    assert model.bert.encoder.layer[1].output.dense.in_features == 20
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, c, 3, padding=1)
+        self.layer1 = nn.Sequential(Block(c), Block(c))
+        self.layer2 = nn.Sequential(Block(c))
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(torch.relu(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_cifar_channel_prune_config_end_to_end():
+    torch.manual_seed(0)
+    model = TinyResNet()
+    for mod in model.modules():              # non-trivial BN statistics
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-1, 1)
+            mod.running_var.uniform_(0.5, 2)
+            nn.init.uniform_(mod.weight, 0.5, 1.5)
+            nn.init.uniform_(mod.bias, -0.5, 0.5)
+    cfg = qc.load_config(CIFAR)
+    qc.init_compression(model, cfg)
+    sched = qc.CompressionScheduler(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(4, 3, 8, 8)
+    for _ in range(2):                       # scores train
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    with torch.no_grad():
+        y = model(x)
+    twin = copy.deepcopy(model)              # the BN hooks follow the copy's own convs
+    qc.redundancy_clean(twin, cfg)
+    assert model.layer1[0].bn1._forward_hooks and model.layer1[0].conv1.weight.shape[0] == 8
+    qc.redundancy_clean(model, cfg)
+    for blk in (model.layer1[0], model.layer1[1], model.layer2[0]):
+        assert blk.conv1.weight.shape == (4, 8, 3, 3) and blk.conv1.out_channels == 4
+        assert blk.conv2.weight.shape == (8, 4, 3, 3) and blk.conv2.in_channels == 4
+        assert blk.bn1.num_features == 4 and blk.bn1.running_var.shape == (4,)
+        assert not blk.bn1._forward_hooks
+    assert model.conv1.weight.shape == (8, 3, 3, 3)        # "layer....conv1" does not match it
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(twin(x), y, rtol=1e-5, atol=1e-5)
+
+
+def test_clean_with_weight_quant_keeps_codes_consistent():
+    from qcompress.quant.api import dequantize
+    m = mlp(hidden=8)
+    cfg = prune_cfg("row_pruning", ratio=0.5, related=[["^2$"]])
+    cfg["compression_training"]["weight_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
+        "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                                    "modules": ["^[02]$"]}}}
+    qc.init_compression(m, cfg)
+    x = torch.randn(5, 6)
+    y = m(x).detach()
+    qc.redundancy_clean(m, cfg)
+    assert m[0].weight.shape == (4, 6) and m[2].weight.shape == (3, 4)
+    for mod in (m[0], m[2]):
+        q, s, z = mod.qc_wq.codes
+        assert q.shape == mod.weight.shape
+        torch.testing.assert_close(dequantize(q, s, z), mod.weight.detach())
+    torch.testing.assert_close(m(x), y)
+
+
+@pytest.mark.parametrize("qtype", ["symmetric", "asymmetric"])
+def test_sparse_clean_zeroes_baked_codes(qtype):
+    from qcompress.quant.api import dequantize
+    m = mlp()
+    cfg = prune_cfg("sparse_pruning", ratio=0.3)
+    cfg["compression_training"]["weight_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
+                              "quantization_type": qtype},
+        "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"},
+                                    "modules": ["^0$"]}}}
+    qc.init_compression(m, cfg)
+    x = torch.randn(5, 6)
+    y = m(x).detach()
+    qc.redundancy_clean(m, cfg)
+    q, s, z = m[0].qc_wq.codes
+    torch.testing.assert_close(dequantize(q, s, z), m[0].weight.detach())
+    assert int((m[0].weight == 0).sum()) >= 60 - keep_count(0.3, 60)
+    torch.testing.assert_close(m(x), y)
+
+
+def test_row_clean_hf_conv1d():
+    pu = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(0)
+    m = nn.Sequential(pu.Conv1D(12, 6), nn.GELU(), pu.Conv1D(3, 12))   # Conv1D(nf, nx): weight [nx, nf]
+    cfg = prune_cfg("row_pruning", method="topk", ratio=0.5, related=[["^2$"]])
+    qc.init_compression(m, cfg)
+    assert m[0].row_pruning_scores.shape == (12, 1)
+    x = torch.randn(2, 4, 6)
+    y = m(x).detach()
+    qc.redundancy_clean(m, cfg)
+    assert m[0].weight.shape == (6, 6) and m[0].nf == 6 and m[2].weight.shape == (6, 3)
+    torch.testing.assert_close(m(x), y)
