@@ -1,0 +1,77 @@
+"""`qcompress export` / `qcompress inspect` entry points (qcompress/cli.py dispatches here).
+
+export builds the model with a user factory `package.module:function` (called with no
+arguments), loads a state_dict from a .safetensors file, applies the qcompress config with
+init_compression, puts every quantized module at its group's target_bits (the end of the
+bit schedule), bakes with redundancy_clean, and writes the export.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _factory(spec: str):
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
+        raise SystemExit(f"--model must look like 'package.module:function', got {spec!r}")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def cli_export(args) -> int:
+    """args: model ('module:function'), weights (.safetensors, optional), config, out,
+    max_shard_size ('2GB'), force (bool)."""
+    import qcompress
+    from safetensors.torch import load_file
+    from ..schedule import compress_modules
+    model = _factory(args.model)()
+    if getattr(args, "weights", None):
+        model.load_state_dict(load_file(args.weights), strict=True)
+    cfg = qcompress.load_config(args.config)
+    qcompress.init_compression(model, cfg)
+    for _, mod in compress_modules(model):
+        wq = mod.qc_wq
+        if wq is not None:
+            wq.active, wq.bits, wq.mix_ratio = True, wq.target_bits, 0.0
+        if mod.qc_aq is not None:
+            mod.qc_aq.active = True
+    qcompress.redundancy_clean(model, cfg)
+    out = qcompress.export_quantized(model, args.out, cfg,
+                                     max_shard_size=getattr(args, "max_shard_size", "2GB"),
+                                     force=bool(getattr(args, "force", False)))
+    print(f"wrote {out}")
+    return 0
+
+
+def cli_inspect(args) -> int:
+    """args: an argparse.Namespace with `path` (or the path itself)."""
+    from .inspect import inspect_checkpoint
+    path = args if isinstance(args, str) else args.path
+    print(inspect_checkpoint(path))
+    return 0
+
+
+def export_parser(p=None):
+    p = p or argparse.ArgumentParser(prog="qcompress export")
+    p.add_argument("--model", required=True, help="factory 'package.module:function' building the model")
+    p.add_argument("--weights", help="state_dict .safetensors of the trained model")
+    p.add_argument("--config", required=True, help="qcompress / DeepSpeed config (json or yaml)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--max-shard-size", dest="max_shard_size", default="2GB")
+    p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    return p
+
+
+def inspect_parser(p=None):
+    p = p or argparse.ArgumentParser(prog="qcompress inspect")
+    p.add_argument("path", help="export folder")
+    return p
+
+
+def main_export(argv=None) -> int:
+    return cli_export(export_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def main_inspect(argv=None) -> int:
+    return cli_inspect(inspect_parser().parse_args(sys.argv[1:] if argv is None else argv))

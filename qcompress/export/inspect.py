@@ -1,0 +1,62 @@
+"""inspect_checkpoint: a per-tensor table of an export (format, bits, shape, bytes, ratio vs fp32)."""
+from __future__ import annotations
+
+import math
+import os
+
+from . import safetensors_io as sio
+from .reader import read_config
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def inspect_checkpoint(folder) -> str:
+    """Rows per stored tensor; quantized modules' fp32 size is their weight's numel * 4."""
+    folder = os.fspath(folder)
+    _, _, qc, modules = read_config(folder)
+    headers = {}
+    for path in sio.checkpoint_files(folder):
+        entries, _, _ = sio.read_header(path)
+        for k, info in entries.items():
+            headers[k] = info
+    owner = {}
+    for name, rec in modules.items():
+        for suffix in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
+                       "weight_shape", "input_scale", "input_zero_point"):
+            owner[f"{name}.{suffix}"] = (name, rec)
+    rows = [("tensor", "format", "bits", "dtype", "shape", "bytes", "fp32 bytes", "ratio")]
+    total = total_fp32 = 0
+    for k in sorted(headers):
+        info = headers[k]
+        b = info["data_offsets"][1] - info["data_offsets"][0]
+        numel = math.prod(info["shape"]) if info["shape"] else 1
+        fmt, bits, fp32 = "dense", "-", numel * 4
+        if k in owner:
+            name, rec = owner[k]
+            w = rec.get("weights")
+            fmt = rec["format"]
+            if w is not None:
+                bits = str(w["num_bits"]) + ("" if rec["qtype"] == "int" else f" ({rec['qtype']})")
+            if k.endswith((".weight", ".weight_packed")) and w is not None:
+                fp32 = math.prod(rec["weight_shape"]) * 4
+            elif k.endswith(".weight") and w is None:
+                fp32 = numel * 4
+            else:
+                fp32 = 0          # scales etc. have no fp32 counterpart
+        total += b
+        total_fp32 += fp32
+        ratio = f"{b / fp32:.3f}" if fp32 else "-"
+        rows.append((k, fmt, bits, info["dtype"], "x".join(map(str, info["shape"])) or "scalar",
+                     str(b), str(fp32), ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"total {_fmt_bytes(total)} vs fp32 {_fmt_bytes(total_fp32)}: ratio "
+                 f"{total / max(total_fp32, 1):.3f}; quantization_config format "
+                 f"{qc.get('format')!r}, {len(modules)} quantized modules")
+    return "\n".join(lines)

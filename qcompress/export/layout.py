@@ -1,0 +1,130 @@
+"""config.json content: the compressed-tensors `quantization_config` and qcompress's manifest.
+
+Only nn.Linear modules go into `config_groups` (what compressed-tensors, transformers and vLLM
+load). Conv, Embedding and HF Conv1D weights are stored with the same tensor suffixes but are
+listed only in the `qcompress` manifest, which `load_quantized` reads. QuantizationArgs carry
+only the portable keys (no scale_dtype / zp_dtype, which loaders pinned to <=0.12 reject).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Dict, List, Optional
+
+MANIFEST_VERSION = 1
+PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token")
+
+
+def weight_args(e) -> dict:
+    return {"num_bits": e.bits, "type": "int", "symmetric": e.symmetric, "strategy": e.strategy,
+            "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": "minmax",
+            "observer_kwargs": {}, "block_structure": None}
+
+
+def input_args(a: Optional[dict]) -> Optional[dict]:
+    if a is None:
+        return None
+    return {"num_bits": a["num_bits"], "type": "int", "symmetric": a["symmetric"],
+            "strategy": a["strategy"], "group_size": None, "dynamic": a["dynamic"],
+            "actorder": None, "observer": a["observer"], "observer_kwargs": {},
+            "block_structure": None}
+
+
+def exact_target(names: List[str]) -> str:
+    """One `re:` target matching exactly these module names (compressed-tensors uses re.match)."""
+    return "re:^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def portable(m: dict) -> bool:
+    """Whether compressed-tensors can load this manifest record (nn.Linear, whole groups)."""
+    if m["kind"] != "linear":
+        return False
+    if (m["input_activations"] or {}).get("strategy", "token") not in PORTABLE_STRATEGIES:
+        return False
+    w = m["weights"]
+    if w is not None and w["strategy"] == "group" and m["weight_shape"][1] % w["group_size"]:
+        return False      # compressed-tensors needs in_features divisible by group_size
+    return True
+
+
+def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> dict:
+    """The compressed-tensors schema for the portable (nn.Linear) part of the manifest."""
+    groups: Dict[str, dict] = {}
+    members: Dict[str, List[str]] = {}
+    for name, m in modules.items():
+        if not portable(m):
+            continue
+        w = m["weights"]
+        scheme = {"weights": w, "input_activations": input_args(m["input_activations"]),
+                  "output_activations": None, "format": m["format"]}
+        key = json.dumps(scheme, sort_keys=True)
+        if key not in groups:
+            base = m["group"] or "group"
+            gname, i = base, 1
+            while gname in {g["name"] for g in groups.values()}:
+                gname, i = f"{base}_{i}", i + 1
+            groups[key] = {"name": gname, "scheme": scheme}
+            members[key] = []
+        members[key].append(name)
+    formats = sorted({g["scheme"]["format"] for g in groups.values()})
+    mixed = len(formats) > 1
+    config_groups = {}
+    for key, g in groups.items():
+        scheme = dict(g["scheme"])
+        if not mixed:
+            scheme.pop("format")      # per-group format only where needed (>= 0.11 key)
+        scheme["targets"] = [exact_target(members[key])]
+        config_groups[g["name"]] = scheme
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision" if mixed else (formats[0] if formats else "dense"),
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": sorted(plain_linears),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def module_record(kind: str, group: Optional[str], entry, act: Optional[dict]) -> dict:
+    rec = {"kind": kind, "group": group, "input_activations": act}
+    if entry is None:
+        rec.update(format="dense", weights=None)
+        return rec
+    rec.update(format=entry.fmt, weights=weight_args(entry), qtype=entry.qtype,
+               weight_shape=entry.shape, dtype=entry.dtype, transposed=entry.transposed,
+               target_bits=entry.target_bits)
+    return rec
+
+
+def expected_tensors(rec: dict) -> Dict[str, tuple]:
+    """suffix -> (dtype name, shape) that a manifest record promises, for load-time checks."""
+    import math
+    out = {}
+    act = rec.get("input_activations")
+    if act and not act["dynamic"]:
+        out["input_scale"] = ("float32", [1])
+        if not act["symmetric"]:
+            out["input_zero_point"] = ("int8", [1])
+    w = rec.get("weights")
+    if w is None:
+        return out
+    shape = rec["weight_shape"]
+    rows, k = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+    bits, strat = w["num_bits"], w["strategy"]
+    ng = 1 if strat in ("tensor", "channel") else math.ceil(k / w["group_size"])
+    sshape = [1] if strat == "tensor" else [rows, ng]
+    out["weight_scale"] = ("float32", sshape)
+    if rec["format"] == "pack-quantized":
+        out["weight_packed"] = ("int32", [rows, math.ceil(k * bits / 32)])
+        out["weight_shape"] = ("int64", [len(shape)])
+        if not w["symmetric"]:
+            out["weight_zero_point"] = (("int8", [1]) if strat == "tensor"
+                                        else ("int32", [math.ceil(rows * bits / 32), ng]))
+    else:
+        out["weight"] = ("int8", shape)
+        if not w["symmetric"]:
+            out["weight_zero_point"] = ("int8", sshape)
+    return out

@@ -1,0 +1,253 @@
+"""load_quantized: rebuild a model from an export, holding the integers and dequantizing in forward.
+
+Each quantized module keeps its class (a subclass is swapped in, as for training, so isinstance
+checks hold); its float `weight` parameter is replaced by buffers with the exported names
+(weight_packed / weight, weight_scale, ...), and `weight` becomes a property that dequantizes
+them on every access. Static activation quantization uses the stored input_scale.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..quant.api import fake_quantize_spec
+from ..quant.packing import unpack_int32
+from ..quant.reference import make_spec
+from . import layout
+from . import safetensors_io as sio
+from .codes import dequantize_2d, static_act_fake_quant
+from .errors import CheckpointError
+
+
+
+def _local(suffix: str) -> str:
+    # int8 codes are the file's `weight`; in memory they are `qweight`, so that `weight` can
+    # stay a property returning the dequantized float weight
+    return "qweight" if suffix == "weight" else suffix
+
+
+class QuantizedMixin:
+    """Shared part of every loaded quantized module."""
+
+    qx_kind = "linear"
+
+    def _qx_setup(self, name: str, rec: dict):
+        self.qx_name = name
+        self.qx_rec = rec
+        w = rec.get("weights")
+        self.qx_dtype = getattr(torch, rec.get("dtype") or "float32")
+        if w is not None:
+            self.__dict__.pop("weight", None)
+            del self._parameters["weight"]
+        for suffix, (dt, shape) in layout.expected_tensors(rec).items():
+            self.register_buffer(_local(suffix), torch.zeros(shape, dtype=getattr(torch, dt)))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if prefix + "qweight" in destination:     # back to the file's name
+            destination[prefix + "weight"] = destination.pop(prefix + "qweight")
+
+    @property
+    def weight(self):
+        rec = self.qx_rec
+        if rec.get("weights") is None:
+            return self._parameters["weight"]
+        return dequantize_record(rec, self._buffers)
+
+    def _qx_input(self, x):
+        act = self.qx_rec.get("input_activations")
+        if act is None or not torch.is_floating_point(x):
+            return x
+        if not act["dynamic"]:
+            return static_act_fake_quant(x, act["num_bits"], self.input_scale,
+                                         getattr(self, "input_zero_point", None))
+        gran = "channel" if act["strategy"] == "sample" else "token"
+        return fake_quantize_spec(x, make_spec(act["num_bits"], symmetric=act["symmetric"],
+                                               granularity=gran))
+
+    def extra_repr(self):
+        w = self.qx_rec.get("weights")
+        desc = "dense" if w is None else (f"{self.qx_rec['qtype']} {w['num_bits']}b {w['strategy']}"
+                                          + (f"{w['group_size']}" if w["group_size"] else ""))
+        return super().extra_repr() + f", qx: {self.qx_rec['format']} {desc}"
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Signed codes [rows, k] from int32 words packed along dim 1 (int32 math: runs every forward)."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)   # arithmetic shift, then mask
+    return u.reshape(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))
+
+
+def dequantize_record(rec: dict, buf) -> torch.Tensor:
+    """The float weight (state_dict orientation and dtype) of one exported module."""
+    w = rec["weights"]
+    shape = rec["weight_shape"]
+    rows = shape[0]
+    k = math.prod(shape[1:]) if len(shape) > 1 else 1
+    bits = w["num_bits"]
+    if rec["format"] == "pack-quantized":
+        q = _unpack_rows(buf["weight_packed"], bits, k)
+    else:
+        q = buf["qweight"].reshape(rows, k)
+    zp = buf.get("weight_zero_point")
+    if zp is not None and rec["format"] == "pack-quantized" and w["strategy"] != "tensor":
+        zp = unpack_int32(zp, bits, rows, dim=0)
+    gs = w["group_size"] if w["strategy"] == "group" else None
+    out = dequantize_2d(q, buf["weight_scale"], zp, gs).to(getattr(torch, rec["dtype"]))
+    out = out.reshape(shape)
+    return out.t() if rec.get("transposed") else out
+
+
+class _QLinear(QuantizedMixin):
+    def forward(self, x):
+        return F.linear(self._qx_input(x), self.weight, self.bias)
+
+
+class _QConv(QuantizedMixin):
+    def forward(self, x):
+        return self._conv_forward(self._qx_input(x), self.weight, self.bias)
+
+
+class _QEmbedding(QuantizedMixin):
+    def forward(self, x):
+        return F.embedding(x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+
+class _QHFConv1D(QuantizedMixin):
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = self._qx_input(x)
+        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(size_out)
+
+
+_FORWARDS = {"linear": _QLinear, "conv": _QConv, "embedding": _QEmbedding, "hf_conv1d": _QHFConv1D}
+_CACHE: Dict[type, type] = {}
+
+
+def _swap(module: nn.Module, kind: str, name: str, rec: dict):
+    cls = type(module)
+    if cls not in _CACHE:
+        _CACHE[cls] = type(f"Quantized{cls.__name__}", (_FORWARDS[kind], cls), {"__module__": __name__})
+    module.__class__ = _CACHE[cls]
+    module._qx_setup(name, rec)
+
+
+def _check_kind(module, kind, name, cfg_path):
+    from ..nn.layers import kind_of
+    if kind_of(module) != kind:
+        raise CheckpointError(f"{cfg_path}: module {name!r} is a {kind} in the checkpoint but a "
+                              f"{type(module).__name__} in the given model")
+
+
+def _check_against_quant_config(qc: dict, modules: dict, cfg_path: str):
+    """Every portable module in the manifest must be targeted by a matching config group."""
+    groups = qc.get("config_groups") or {}
+    for name, rec in modules.items():
+        if not layout.portable(rec) or rec.get("weights") is None:
+            continue
+        hits = [g for g, s in groups.items() if isinstance(s, dict) and any(
+            t.startswith("re:") and re.match(t[3:], name) or t == name for t in s.get("targets", []))]
+        if len(hits) != 1:
+            raise CheckpointError(f"{cfg_path}: quantized Linear {name!r} is matched by "
+                                  f"{len(hits)} quantization_config.config_groups (expected 1)")
+        args = groups[hits[0]].get("weights") or {}
+        for key in ("num_bits", "symmetric", "strategy", "group_size"):
+            if args.get(key) != rec["weights"][key]:
+                raise CheckpointError(f"{cfg_path}: config group {hits[0]!r} says {key}="
+                                      f"{args.get(key)!r} for {name!r}, the qcompress manifest says "
+                                      f"{rec['weights'][key]!r}")
+
+
+def read_config(folder: str):
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+        qc = config["quantization_config"]
+        modules = config["qcompress"]["modules"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: missing") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path}: not a qcompress export config ({type(e).__name__}: {e})") from None
+    return cfg_path, config, qc, modules
+
+
+def check_tensors(tensors, where, modules, cfg_path):
+    for name, rec in modules.items():
+        for suffix, (dt, shape) in layout.expected_tensors(rec).items():
+            key = f"{name}.{suffix}"
+            if key not in tensors:
+                raise CheckpointError(f"{cfg_path}: module {name!r} ({rec['format']}) needs tensor "
+                                      f"{key!r}, which no checkpoint file holds")
+            t = tensors[key]
+            if str(t.dtype).replace("torch.", "") != dt or list(t.shape) != list(shape):
+                raise CheckpointError(f"{where[key]}: tensor {key!r} is {t.dtype} {list(t.shape)}, "
+                                      f"but config.json implies {dt} {shape}")
+        w = rec.get("weights")
+        if w is not None and rec["format"] == "int-quantized":
+            q = tensors[f"{name}.weight"]
+            lo, hi = -(1 << (w["num_bits"] - 1)), (1 << (w["num_bits"] - 1)) - 1
+            if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+                raise CheckpointError(f"{where[f'{name}.weight']}: tensor {name + '.weight'!r} holds "
+                                      f"values outside the {w['num_bits']}-bit range [{lo}, {hi}]")
+        if w is not None and rec["format"] == "pack-quantized":
+            ws = tensors[f"{name}.weight_shape"].tolist()
+            if ws != list(rec["weight_shape"]):
+                raise CheckpointError(f"{where[f'{name}.weight_shape']}: tensor {name + '.weight_shape'!r}"
+                                      f" is {ws}, config.json says {rec['weight_shape']}")
+
+
+def load_quantized(folder, model: nn.Module) -> nn.Module:
+    """Load an export into `model` (a fresh, uncompressed instance of the architecture), in place.
+
+    Raises CheckpointError (naming file and tensor) for truncated, corrupted or inconsistent
+    checkpoints and for a model whose modules do not match the checkpoint.
+    """
+    folder = os.fspath(folder)
+    cfg_path, config, qc, modules = read_config(folder)
+    _check_against_quant_config(qc, modules, cfg_path)
+    tensors, where, _ = sio.read_checkpoint(folder)
+    check_tensors(tensors, where, modules, cfg_path)
+    root = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    named = dict(root.named_modules())
+    for name, rec in modules.items():
+        if name not in named:
+            raise CheckpointError(f"{cfg_path}: module {name!r} does not exist in the given model")
+        mod = named[name]
+        _check_kind(mod, rec["kind"], name, cfg_path)
+        if rec.get("weights") is not None:
+            want = list(rec["weight_shape"])
+            have = list(mod.weight.shape)
+            if rec.get("transposed"):
+                have = have[::-1]
+            if want != have:
+                raise CheckpointError(f"{cfg_path}: module {name!r} weight is {want} in the "
+                                      f"checkpoint but {have} in the given model")
+        _swap(mod, rec["kind"], name, rec)
+    for name, rec in modules.items():
+        if rec["format"] == "int-quantized":
+            tensors[f"{name}.qweight"] = tensors.pop(f"{name}.weight")
+    missing, unexpected = [], []
+    try:
+        result = root.load_state_dict(tensors, strict=False)
+        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    except RuntimeError as e:
+        raise CheckpointError(f"{folder}: tensors do not fit the model: {e}") from None
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}" + (" ..." if len(unexpected) > 5 else ""))
+        raise CheckpointError(f"{folder}: checkpoint tensors and model disagree: " + "; ".join(parts))
+    return model

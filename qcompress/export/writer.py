@@ -1,0 +1,153 @@
+"""export_quantized: write a model as a compressed-tensors checkpoint (see README "Export")."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from . import layout
+from . import safetensors_io as sio
+from .codes import act_entry, weight_entry
+from .errors import ExportError
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def _version():
+    from .. import __version__
+    return __version__
+
+
+def _raw_config(cfg, model) -> dict:
+    if cfg is None:
+        return {}
+    from ..config import as_config
+    raw = getattr(as_config(cfg), "raw", None)
+    return raw if isinstance(raw, dict) else {}
+
+
+def collect(model: nn.Module):
+    """(tensors to write, manifest modules, names of plain nn.Linear modules)."""
+    from ..nn.layers import CompressMixin
+    root = _unwrap(model)
+    sd = root.state_dict()
+    tensors: Dict[str, torch.Tensor] = {}
+    modules: Dict[str, dict] = {}
+    plain_linears: List[str] = []
+    replaced = {}
+    for name, mod in root.named_modules():
+        if not name:
+            continue
+        if not isinstance(mod, CompressMixin):
+            if isinstance(mod, nn.Linear):
+                plain_linears.append(name)
+            continue
+        wq = mod.qc_wq
+        entry = weight_entry(mod) if wq is not None and wq.active else None
+        act = act_entry(mod)
+        if entry is None and act is None:
+            if mod.qc_kind == "linear":
+                plain_linears.append(name)
+            continue
+        if mod.qc_kind == "batchnorm":
+            continue
+        act_args, act_tensors = act if act is not None else (None, {})
+        group = (wq.group if entry is not None else mod.qc_aq.group)
+        modules[name] = layout.module_record(mod.qc_kind, group, entry, act_args)
+        local = dict(act_tensors)
+        if entry is not None:
+            local.update(entry.tensors)
+            replaced[f"{name}.weight"] = True
+        for k, v in local.items():
+            replaced[f"{name}.{k}"] = v
+    seen = set()
+    for k, v in sd.items():
+        if k in replaced:
+            continue
+        v = v.detach().cpu()
+        if v.data_ptr() in seen and v.numel():     # tied weights: safetensors refuses shared storage
+            v = v.clone()
+        seen.add(v.data_ptr())
+        tensors[k] = v.contiguous()
+    for k, v in replaced.items():
+        if isinstance(v, torch.Tensor):
+            tensors[k] = v.detach().cpu().contiguous()
+    return tensors, modules, plain_linears
+
+
+def build_config(model, modules, plain_linears) -> dict:
+    root = _unwrap(model)
+    base = {}
+    hf_cfg = getattr(root, "config", None)
+    if hf_cfg is not None and hasattr(hf_cfg, "to_dict"):
+        base = hf_cfg.to_dict()
+        base.pop("quantization_config", None)
+    base["quantization_config"] = layout.quantization_config(modules, plain_linears)
+    base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
+                         "modules": modules}
+    return base
+
+
+def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB",
+                     force: bool = False) -> str:
+    """Write `model` (compress-aware, e.g. after redundancy_clean) to `out_dir`; returns out_dir.
+
+    Files: model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json
+    above max_shard_size) and config.json. Raises FileExistsError if out_dir already holds a
+    checkpoint and force is False; ExportError when a module cannot be exported exactly.
+    """
+    out_dir = os.fspath(out_dir)
+    limit = sio.parse_size(max_shard_size)
+    old = sio.existing_outputs(out_dir)
+    if old and not force:
+        raise FileExistsError(f"{os.path.join(out_dir, old[0])} already exists; pass force=True "
+                              "(CLI: --force) to overwrite")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    tensors, modules, plain_linears = collect(model)
+    if not modules:
+        raise ExportError("nothing to export: no module has active weight or activation "
+                          "quantization (call init_compression and train/schedule first)")
+    config = build_config(model, modules, plain_linears)
+    local_only = [n for n, r in modules.items() if not layout.portable(r)]
+    if local_only:
+        warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
+                      f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
+                      "groups; only qcompress.load_quantized reads them (see README, Export)",
+                      stacklevel=2)
+    metadata = {"format": "pt", "qcompress_version": _version(),
+                "qcompress_config": json.dumps(_raw_config(cfg, model), sort_keys=True, default=str)}
+    os.makedirs(out_dir, exist_ok=True)
+    shards = sio.plan_shards(tensors, limit)
+    n = len(shards)
+    staged = []
+    try:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            final = sio.SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tmp = sio.write_safetensors_tmp(out_dir, final, {k: tensors[k] for k in names}, metadata)
+            staged.append((tmp, final))
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            index = {"metadata": {"total_size": sum(sio.nbytes(t) for t in tensors.values())},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            staged.append((sio.write_text_tmp(out_dir, sio.INDEX, json.dumps(index, indent=2)),
+                           sio.INDEX))
+        staged.append((sio.write_text_tmp(out_dir, "config.json",
+                                          json.dumps(config, indent=2, sort_keys=True, default=str)),
+                       "config.json"))
+        new = {final for _, final in staged}
+        for stale in old:                  # forced overwrite: drop files of the previous layout
+            if stale not in new:
+                os.remove(os.path.join(out_dir, stale))
+        sio.commit(out_dir, staged)
+    except BaseException:
+        sio.discard(staged)
+        raise
+    return out_dir

@@ -1,0 +1,242 @@
+"""Export round trips: what is written dequantizes to effective_weight() bit for bit, and
+load_quantized reproduces the trained model's eval outputs. The oracle for the bytes on disk
+is compressed-tensors' own unpacking helper plus the closed-form (q - zp) * s."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+import qcompress
+from qcompress.export import export_quantized, inspect_checkpoint, load_quantized
+from qcompress.export.errors import ExportError
+
+ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 256)
+        self.fc = nn.Linear(256, 48)
+        self.conv = nn.Conv2d(16, 8, 3)       # K = 144: ragged last group for 64 and 128
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, ids, img):
+        h = self.fc(self.emb(ids))
+        return self.head(torch.relu(h)), self.conv(img)
+
+
+def wq_cfg(bits, symmetric=True, granularity="channel", group_size=None, modules=("fc", "emb", "conv"),
+           act=None, quantize_groups=1, numerics="default"):
+    params = {"start_bits": bits, "target_bits": bits, "ternary": False}
+    if granularity is not None:
+        params["granularity"] = granularity
+    if group_size:
+        params["group_size"] = group_size
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
+                              "quantization_type": "symmetric" if symmetric else "asymmetric",
+                              "quantize_groups": quantize_groups, "numerics": numerics},
+        "different_groups": {"wq1": {"params": params, "modules": list(modules)}}}}}
+    if act:
+        calib, asym = act
+        doc["compression_training"]["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
+                                  "quantization_type": "asymmetric" if asym else "symmetric"},
+            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["fc", "head", "conv"]}}}
+    return qcompress.load_config(doc)
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 40, (3, 7), generator=g), torch.randn(2, 16, 9, 9, generator=g)
+
+
+def compressed_net(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = Net()
+    qcompress.init_compression(m, cfg)
+    m.train()
+    m(*inputs())       # calibrates static activation ranges
+    return m.eval()
+
+
+def _dense(t):
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)     # standard strides, even for size-1 dims
+
+
+def oracle_dequant(sd, prefix, rec):
+    """Dequantize one module straight from the file with compressed-tensors' unpacker."""
+    w = rec["weights"]
+    shape = rec["weight_shape"]
+    rows, k = shape[0], math.prod(shape[1:])
+    bits = w["num_bits"]
+    if rec["format"] == "pack-quantized":
+        q = ct_helpers.unpack_from_int32(sd[prefix + ".weight_packed"], bits, torch.Size([rows, k]))
+    else:
+        q = sd[prefix + ".weight"].reshape(rows, k)
+    s = sd[prefix + ".weight_scale"]
+    z = sd.get(prefix + ".weight_zero_point")
+    if z is not None and rec["format"] == "pack-quantized" and w["strategy"] != "tensor":
+        # packed along dim 0 == packed along dim 1 of the transpose (CT 0.20's own dim-0 path
+        # trips over a 1-row packed tensor's strides, so use the dim-1 path)
+        z = ct_helpers.unpack_from_int32(_dense(z.t()), bits, torch.Size([s.shape[1], rows])).t()
+    if w["strategy"] == "group":
+        s = s.repeat_interleave(w["group_size"], 1)[:, :k]
+        z = None if z is None else z.repeat_interleave(w["group_size"], 1)[:, :k]
+    x = q.float() - z.float() if z is not None else q.float()
+    return (x * s).reshape(shape)
+
+
+CASES = [(b, sym, gran, gs) for b in (8, 4, 2, 1) for sym in (True, False) if not (b == 1 and not sym)
+         for gran, gs in (("channel", None), ("group", 32), ("group", 64), ("group", 128))]
+
+
+@pytest.mark.parametrize("bits,sym,gran,gs", CASES)
+def test_round_trip_bit_exact(tmp_path, bits, sym, gran, gs):
+    cfg = wq_cfg(bits, sym, gran, gs)
+    m = compressed_net(cfg)
+    ids, img = inputs()
+    with torch.no_grad():
+        ref = m(ids, img)
+    eff = {n: getattr(m, n).effective_weight().detach().clone() for n in ("fc", "emb", "conv")}
+    export_quantized(m, tmp_path / "out", cfg)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    modules = config["qcompress"]["modules"]
+    for name in ("fc", "emb", "conv"):
+        rec = modules[name]
+        assert rec["format"] == ("int-quantized" if bits == 8 else "pack-quantized")
+        assert rec["weights"]["num_bits"] == (2 if bits == 1 else bits)
+        assert (name + ".weight" in sd) == (bits == 8)
+        assert torch.equal(oracle_dequant(sd, name, rec), eff[name]), name
+        if bits != 8:
+            assert sd[name + ".weight_packed"].dtype == torch.int32
+            assert sd[name + ".weight_shape"].tolist() == list(eff[name].shape)
+        assert (name + ".weight_zero_point" in sd) == (not sym)
+    fresh = load_quantized(tmp_path / "out", Net().eval())
+    for name in ("fc", "emb", "conv"):
+        assert torch.equal(getattr(fresh, name).weight, eff[name])
+        assert "weight" not in dict(getattr(fresh, name).named_parameters())
+    with torch.no_grad():
+        out = fresh(ids, img)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
+@pytest.mark.parametrize("act", [("dynamic", False), ("static", False), ("static", True)])
+def test_activation_quantization_round_trip(tmp_path, act):
+    cfg = wq_cfg(4, True, "group", 32, act=act)
+    m = compressed_net(cfg)
+    ids, img = inputs()
+    ids2, img2 = ids.flip(0), img * 1.7      # static ranges must come from the checkpoint
+    with torch.no_grad():
+        ref, ref2 = m(ids, img), m(ids2, img2)
+    export_quantized(m, tmp_path / "out", cfg)
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    ia = [g["input_activations"] for g in qc["config_groups"].values() if g["input_activations"]]
+    assert ia, qc
+    if act[0] == "dynamic":
+        assert ia[0]["strategy"] == "token" and ia[0]["dynamic"] is True
+        assert "fc.input_scale" not in sd
+    else:
+        assert ia[0]["strategy"] == "tensor" and ia[0]["dynamic"] is False
+        assert sd["fc.input_scale"].dtype == torch.float32 and sd["fc.input_scale"].shape == (1,)
+        assert ("fc.input_zero_point" in sd) == act[1]
+        obs = m.fc.qc_aq.observer
+        amax = torch.maximum(obs.min.abs(), obs.max.abs())
+        if not act[1]:
+            assert torch.equal(sd["fc.input_scale"], (amax / 127).reshape(1))
+    fresh = load_quantized(tmp_path / "out", Net().eval())
+    with torch.no_grad():
+        out, out2 = fresh(ids, img), fresh(ids2, img2)
+    for a, b in zip(list(ref) + list(ref2), list(out) + list(out2)):
+        assert torch.equal(a, b)
+
+
+def test_ternary_and_binary_written_as_two_bits(tmp_path):
+    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {
+            "t": {"params": {"start_bits": 2, "target_bits": 2, "ternary": True, "granularity": "channel"},
+                  "modules": ["fc"]},
+            "b": {"params": {"start_bits": 1, "target_bits": 1, "granularity": "channel"},
+                  "modules": ["head"]}}}}})
+    m = compressed_net(cfg)
+    export_quantized(m, tmp_path / "out", cfg)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    mods = config["qcompress"]["modules"]
+    assert mods["fc"]["qtype"] == "ternary" and mods["head"]["qtype"] == "binary"
+    q = ct_helpers.unpack_from_int32(sd["fc.weight_packed"], 2, torch.Size([48, 256]))
+    assert set(q.unique().tolist()) == {-1, 0, 1}
+    q = ct_helpers.unpack_from_int32(sd["head.weight_packed"], 2, torch.Size([5, 48]))
+    assert set(q.unique().tolist()) == {-1, 1}
+    for n in ("fc", "head"):
+        assert torch.equal(oracle_dequant(sd, n, mods[n]), getattr(m, n).effective_weight())
+
+
+def test_quantize_groups_chunks(tmp_path):
+    # 48x256 weight: 4 chunks = 12 whole rows each -> channel; 96 chunks = half rows -> group 128
+    for n, strategy, gs in ((4, "channel", None), (96, "group", 128)):
+        cfg = wq_cfg(4, True, None, None, modules=("fc",), quantize_groups=n)
+        m = compressed_net(cfg)
+        out = tmp_path / f"g{n}"
+        export_quantized(m, out, cfg)
+        rec = json.loads((out / "config.json").read_text())["qcompress"]["modules"]["fc"]
+        assert (rec["weights"]["strategy"], rec["weights"]["group_size"]) == (strategy, gs)
+        sd = load_file(out / "model.safetensors")
+        assert torch.equal(oracle_dequant(sd, "fc", rec), m.fc.effective_weight())
+    # 48*256 / 256 chunks = 48 elements: neither divides nor is a multiple of the 256-long rows
+    cfg = wq_cfg(4, True, None, None, modules=("fc",), quantize_groups=256)
+    m = compressed_net(cfg)
+    with pytest.raises(ExportError, match="quantize_groups"):
+        export_quantized(m, tmp_path / "bad", cfg)
+    assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_odd_widths_and_baked_model(tmp_path):
+    cfg = wq_cfg(3, False, "group", 64)
+    m = compressed_net(cfg)
+    ids, img = inputs()
+    with torch.no_grad():
+        ref = m(ids, img)
+    qcompress.redundancy_clean(m, cfg)
+    export_quantized(m, tmp_path / "out", cfg)
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    assert sd["fc.weight"].dtype == torch.int8 and int(sd["fc.weight"].min()) >= -4
+    with torch.no_grad():
+        out = load_quantized(tmp_path / "out", Net().eval())(ids, img)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
+def test_metadata_and_inspect(tmp_path):
+    cfg = wq_cfg(4, True, "group", 32)
+    m = compressed_net(cfg)
+    export_quantized(m, tmp_path / "out", cfg)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt"
+    assert meta["qcompress_version"] == qcompress.__version__
+    assert json.loads(meta["qcompress_config"]) == cfg.raw
+    text = inspect_checkpoint(tmp_path / "out")
+    line = next(l for l in text.splitlines() if l.startswith("fc.weight_packed"))
+    assert "pack-quantized" in line and "48x32" in line and "0.125" in line
+    assert "ratio" in text.splitlines()[-1]
+
+
+def test_w4_group128_size_ratio(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "fp32.safetensors")
+    cfg = wq_cfg(4, True, "group", 128, modules=("0", "2"))
+    qcompress.init_compression(m, cfg)
+    export_quantized(m, tmp_path / "out", cfg)
+    ratio = os.path.getsize(tmp_path / "out" / "model.safetensors") / os.path.getsize(tmp_path / "fp32.safetensors")
+    assert ratio <= 0.14, ratio
