@@ -82,10 +82,13 @@ class CompressionScheduler:
     def _apply(self, first: bool = False) -> None:
         t = self.training_steps
         dropped_groups = set()
+        advanced = set()   # groups whose step moved: re-applying the same step must not anneal again
         for name, mod in self._modules.items():
             wq = mod.qc_wq
             if wq is not None and not wq.baked:
                 was_active, old_bits = wq.active, wq.bits
+                if wq.step != t:
+                    advanced.add(wq.group)
                 wq.active = t >= wq.offset
                 wq.step = t
                 if wq.active:
@@ -105,7 +108,7 @@ class CompressionScheduler:
             if wq.mix_enabled:
                 if wq.group in dropped_groups:
                     wq.mix_ratio = 1.0          # each precision drop restarts the anneal
-                else:
+                elif wq.group in advanced:
                     wq.mix_ratio = max(0.0, wq.mix_ratio - wq.change_ratio)
             if not wq.in_forward:
                 self._quantize_from_master(mod)
@@ -169,6 +172,11 @@ class CompressionScheduler:
                 dev = mod.weight.device
                 wq.master = entry["wq"]["master"].to(dev) if "master" in entry["wq"] else None
                 wq.applied = entry["wq"]["applied"].to(dev) if "applied" in entry["wq"] else None
+                if wq.applied is not None:
+                    # the weight held `applied` at save time; a scheduler built after the model
+                    # state was loaded may have requantized it from a stale master, so put it back
+                    with torch.no_grad():
+                        mod.weight.copy_(wq.applied.to(mod.weight.dtype))
             if "aq" in entry and mod.qc_aq is not None:
                 mod.qc_aq.observer.load_state_dict(entry["aq"])
             for tech, state in mod.qc_pruning.items():

@@ -193,6 +193,11 @@ def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max
     if min_val is not None:
         lo = torch.as_tensor(min_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
         hi = torch.as_tensor(max_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
+    elif bool((counts < X.shape[1]).any()):
+        # ragged last group: its zero padding must not widen the range (matters for asym)
+        real = torch.arange(X.shape[1], device=X.device)[None, :] < counts[:, None]
+        lo = torch.where(real, X, float("inf")).amin(dim=1)
+        hi = torch.where(real, X, -float("inf")).amax(dim=1)
     else:
         lo, hi = X.amin(dim=1), X.amax(dim=1)
     _check_finite(torch.stack([lo, hi]), "min/max")
@@ -201,7 +206,10 @@ def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max
         s = (2.0 * amax / float(1 << spec.bits)) if ds else amax / float(spec.qmax)
         return s.clamp(min=EPS), None, None
     if ds:
-        s = ((hi - lo) / float(1 << spec.bits)).clamp(min=EPS)
+        # Floor the step at the float32 resolution of the group's values: a (near-)constant group
+        # otherwise gets s ~ EPS and a zero point round(min / s) far outside int32 (DeepSpeed: NaN).
+        floor = torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -23
+        s = torch.maximum((hi - lo) / float(1 << spec.bits), floor).clamp(min=EPS)
         zq = torch.round(lo / s)
         return s, -zq, None
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
@@ -261,8 +269,9 @@ def dequantize_view(q, s, zp, spec: Spec):
     return q * s[:, None]
 
 
-def _int_dtype(bits: int):
-    return torch.int8 if bits <= 8 else torch.int32
+def _int_dtype(spec: Spec):
+    # deepspeed-asym codes are unsigned ([0, 2^b - 1]): 8 of them do not fit int8
+    return torch.int8 if spec.qmin >= -128 and spec.qmax <= 127 else torch.int32
 
 
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
@@ -274,7 +283,7 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
         U, _ = group_view(U, spec)
     q, s, zp, _ = quantize_view(X, counts, spec, min_val, max_val, U)
     shape = scale_shape(x, spec)
-    q = ungroup(q, xf, spec).to(_int_dtype(spec.bits))
+    q = ungroup(q, xf, spec).to(_int_dtype(spec))
     zp = None if zp is None else zp.reshape(shape).to(torch.int32)
     return q, s.reshape(shape), zp
 
