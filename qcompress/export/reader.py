@@ -207,12 +207,17 @@ def check_tensors(tensors, where, modules, cfg_path):
                                       f" is {ws}, config.json says {rec['weight_shape']}")
 
 
-def load_quantized(folder, model: nn.Module) -> nn.Module:
+def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Module:
     """Load an export into `model` (a fresh, uncompressed instance of the architecture), in place.
 
+    mode="exact" dequantizes each weight in every forward (bit-exact outputs); mode="fast" runs
+    integer-weight kernels where torch has them and a fused dequantization elsewhere (see
+    qcompress/export/fast.py; outputs equal "exact" up to float summation order).
     Raises CheckpointError (naming file and tensor) for truncated, corrupted or inconsistent
     checkpoints and for a model whose modules do not match the checkpoint.
     """
+    if mode not in ("exact", "fast"):
+        raise ValueError(f"load_quantized: mode must be 'exact' or 'fast', got {mode!r}")
     folder = os.fspath(folder)
     cfg_path, config, qc, modules = read_config(folder)
     _check_against_quant_config(qc, modules, cfg_path)
@@ -250,4 +255,7 @@ def load_quantized(folder, model: nn.Module) -> nn.Module:
         if unexpected:
             parts.append(f"unexpected {unexpected[:5]}" + (" ..." if len(unexpected) > 5 else ""))
         raise CheckpointError(f"{folder}: checkpoint tensors and model disagree: " + "; ".join(parts))
+    if mode == "fast":
+        from .fast import convert
+        convert(root, modules)
     return model

@@ -45,18 +45,30 @@ class _FakeQuantize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, spec, impl, clip_grad, min_val, max_val):
-        y, inside = impl.fake_quantize_with_mask(x, spec, min_val, max_val)
         if clip_grad:
+            y, inside = impl.fake_quantize_with_mask(x, spec, min_val, max_val)
             ctx.save_for_backward(inside)
+        else:
+            y = _values_only(impl, x, spec, min_val, max_val)
         ctx.clip_grad = clip_grad
+        ctx.impl = impl
         return y
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.clip_grad:
             (inside,) = ctx.saved_tensors
-            grad = grad * inside.to(grad.dtype)
+            fused = getattr(ctx.impl, "ste_backward", None)  # kernels: one pass
+            grad = fused(grad, inside) if fused else grad * inside.to(grad.dtype)
         return grad, None, None, None, None, None
+
+
+def _values_only(impl, x, spec, min_val, max_val):
+    """x^ without the clip mask (the kernels then skip writing it)."""
+    only = getattr(impl, "fake_quantize", None)
+    if only is not None:
+        return only(x, spec, min_val, max_val)
+    return impl.fake_quantize_with_mask(x, spec, min_val, max_val)[0]
 
 
 def fake_quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor",
@@ -80,7 +92,7 @@ def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=
     impl = _backend(backend)
     if torch.is_grad_enabled() and x.requires_grad:
         return _FakeQuantize.apply(x, spec, impl, clip_grad, min_val, max_val)
-    return impl.fake_quantize_with_mask(x, spec, min_val, max_val)[0]
+    return _values_only(impl, x, spec, min_val, max_val)
 
 
 def quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor", group_size=None,

@@ -1,17 +1,291 @@
-"""Bridge to the fused csrc/ kernels (filled in by the kernels work).
+"""Bridge to the fused csrc/ kernels (the `qcompress._C` extension).
 
-Exposes the same functions as :mod:`qcompress.quant.reference`:
-`fake_quantize_with_mask(x, spec, min_val, max_val)`, `quantize(x, spec, min_val, max_val)`,
-`dequantize(q, scale, zero_point, group_size=, num_groups=, dtype=)`.
+Same functions as :mod:`qcompress.quant.reference` (`fake_quantize_with_mask`, `quantize`,
+`dequantize`), :mod:`qcompress.quant.packing` (`pack_int32`, `unpack_int32`) and
+:mod:`qcompress.quant.onebit` (`onebit_compress`, `onebit_decode_average`), with the same bits.
+The operators live in the `torch.ops.qcompress` namespace with fake (meta) kernels registered
+here, so `torch.compile` treats them as opaque custom ops.
 """
 from __future__ import annotations
 
-_error = "the csrc extension is not part of this build yet"
+import math
+from typing import Optional, Tuple
+
+import torch  # must be imported before the extension (libc10)
+
+from ..errors import NonFiniteError
+from . import onebit as _onebit
+from . import packing as _packing
+from . import reference
+from .reference import Spec
+
+_error: Optional[str] = None
+_has_cuda = False
+try:
+    from .. import _C  # noqa: F401  (registers torch.ops.qcompress.*)
+    _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")
+except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
+    _error = f"{type(exc).__name__}: {exc}"
+
+_KIND = {"int": 0, "binary": 1, "ternary": 2}
+_NONFINITE = "qcompress.NonFiniteError: "
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def available() -> bool:
-    return False
+    """True when the compiled operators loaded."""
+    return _error is None
 
 
 def load_error() -> str:
-    return _error
+    """Why the extension did not load ('' when it did)."""
+    return _error or ""
+
+
+def _ops():
+    if _error is not None:
+        raise RuntimeError(f"qcompress kernels are not available: {_error}")
+    return torch.ops.qcompress
+
+
+def _on_kernel_device(*tensors) -> bool:
+    return all(t.device.type == "cpu" or (t.device.type == "cuda" and _has_cuda) for t in tensors)
+
+
+def _call(op, *args):
+    """Run an op, turning the kernels' NaN/Inf report into NonFiniteError."""
+    try:
+        return op(*args)
+    except RuntimeError as exc:
+        msg = str(exc)
+        if _NONFINITE in msg:
+            detail = msg.split(_NONFINITE, 1)[1].splitlines()[0]
+            raise NonFiniteError(detail) from None
+        raise
+
+
+# --- layout: every granularity is x viewed as [rows, cols] with groups of `group` along cols ----
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() >= 2 else 1
+
+
+def layout(x: torch.Tensor, spec: Spec) -> Tuple[int, int, int]:
+    """(rows, cols, group) of reference.group_view; group 0 for a zero-width view."""
+    n = x.numel()
+    g = spec.granularity
+    if g == "tensor":
+        return 1, n, n
+    if g == "channel":
+        rows = _rows(x)
+        cols = n // rows if rows else 0
+        return rows, cols, cols
+    if g == "token":
+        cols = x.shape[-1] if x.dim() else 1
+        rows = math.prod(x.shape[:-1]) if x.dim() else 1
+        return rows, cols, cols
+    if g == "groups":
+        if n % spec.num_groups:
+            raise ValueError(f"num_groups={spec.num_groups} does not divide the tensor's "
+                             f"{n} elements (shape {tuple(x.shape)})")
+        cols = n // spec.num_groups
+        return spec.num_groups, cols, cols
+    rows = _rows(x)
+    cols = n // rows if rows else 0
+    return rows, cols, spec.group_size
+
+
+def _args(x: torch.Tensor, spec: Spec, min_val, max_val):
+    rows, cols, group = layout(x, spec)
+    rng = None
+    if min_val is not None and spec.kind == "int":
+        rng = torch.stack([torch.as_tensor(min_val, dtype=torch.float32).reshape(()),
+                           torch.as_tensor(max_val, dtype=torch.float32).reshape(())]).to(x.device)
+    return (rng, rows, cols, group, spec.bits, _KIND[spec.kind], spec.symmetric,
+            spec.numerics == "deepspeed", 1 if spec.rounding == "stochastic" else 0,
+            spec.seed & 0xFFFFFFFF)
+
+
+def _prep(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x if x.dtype in _FLOATS else x.to(torch.float32)
+
+
+# --- the reference's functions ---------------------------------------------------------------
+
+def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, *, with_mask=True):
+    """(x^ in x's dtype, bool mask of elements that were not clipped), as the reference.
+
+    with_mask=False skips writing the mask (returns an empty one): less memory traffic when
+    no clip-aware gradient needs it.
+    """
+    if not _on_kernel_device(x):
+        return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
+    xk = _prep(x)
+    y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
+    y = y.reshape(x.shape)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y, (mask.reshape(x.shape) if with_mask else mask)
+
+
+def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None) -> torch.Tensor:
+    """x^ only (no clip mask written)."""
+    return fake_quantize_with_mask(x, spec, min_val, max_val, with_mask=False)[0]
+
+
+def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """(q, scale, zero_point) as reference.quantize."""
+    if not _on_kernel_device(x):
+        return reference.quantize(x, spec, min_val, max_val)
+    xk = _prep(x)
+    q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))
+    shape = reference.scale_shape(x, spec)
+    zp = zp.reshape(shape) if (spec.kind == "int" and not spec.symmetric) else None
+    return q.reshape(x.shape), s.reshape(shape), zp
+
+
+def _broadcast_layout(q: torch.Tensor, scale: torch.Tensor, zero_point):
+    """(rows, cols) when scale (and zero point) broadcast as one value per leading index block."""
+    if scale.dim() > q.dim():
+        return None
+    sshape = (1,) * (q.dim() - scale.dim()) + tuple(scale.shape)
+    d = 0
+    for i, v in enumerate(sshape):
+        if v != 1:
+            d = i + 1
+    if tuple(sshape[:d]) != tuple(q.shape[:d]) or any(v != 1 for v in sshape[d:]):
+        return None
+    if zero_point is not None and tuple(zero_point.shape) != tuple(scale.shape):
+        return None
+    rows = math.prod(q.shape[:d])
+    return rows, (q.numel() // rows if rows else 0)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,
+               num_groups=None, dtype=torch.float32) -> torch.Tensor:
+    """x^ = (q - zero_point) * scale, as reference.dequantize."""
+    simple = (not q.is_floating_point() and q.dtype != torch.bool and q.numel() > 0
+              and dtype in _FLOATS + (torch.float64,) and _on_kernel_device(q, scale)
+              and scale.device == q.device
+              and (zero_point is None or zero_point.device == q.device))
+    lay = None
+    if simple:
+        if num_groups is not None:
+            if q.numel() % num_groups == 0:
+                cols = q.numel() // num_groups
+                lay = (num_groups, cols, cols)
+        elif group_size is not None:
+            rows = _rows(q)
+            lay = (rows, q.numel() // rows, group_size)
+        else:
+            rc = _broadcast_layout(q, scale, zero_point)
+            if rc is not None:
+                lay = (rc[0], rc[1], rc[1])
+    if lay is None or scale.numel() != lay[0] * max(1, math.ceil(lay[1] / lay[2])):
+        return reference.dequantize(q, scale, zero_point, group_size=group_size,
+                                    num_groups=num_groups, dtype=dtype)
+    s = scale.to(torch.float32).reshape(-1)
+    z = None if zero_point is None else zero_point.to(torch.float32).reshape(-1)
+    return _ops().dequantize(q, s, z, *lay, dtype)
+
+
+def ste_backward(grad: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """grad * inside.to(grad.dtype) in one pass (clip-aware straight-through gradient)."""
+    if (not _on_kernel_device(grad, inside) or grad.device != inside.device
+            or grad.shape != inside.shape or grad.dtype not in _FLOATS + (torch.float64,)):
+        return grad * inside.to(grad.dtype)
+    return _ops().ste_backward(grad, inside)
+
+
+def pack_int32(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """As packing.pack_int32."""
+    _packing._check_bits(bits)
+    if q.dim() == 0 or q.is_floating_point() or q.dtype == torch.bool or not _on_kernel_device(q):
+        return _packing.pack_int32(q, bits, dim)
+    out = _ops().pack_int32(q.movedim(dim, -1), bits)
+    return out.movedim(-1, dim)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = -1) -> torch.Tensor:
+    """As packing.unpack_int32."""
+    _packing._check_bits(bits)
+    if packed.dim() == 0 or packed.dtype != torch.int32 or not _on_kernel_device(packed):
+        return _packing.unpack_int32(packed, bits, length, dim)
+    p = packed.movedim(dim, -1)
+    length = max(0, min(int(length), p.shape[-1] * (32 // bits)))
+    return _ops().unpack_int32(p, bits, length).movedim(-1, dim)
+
+
+def onebit_compress(x: torch.Tensor, error: torch.Tensor):
+    """As onebit.compress: (packed uint8 [n/8], scale float32 0-d, new_error float32 [n])."""
+    if x.numel() % 8:
+        raise ValueError(f"packbits needs a multiple of 8 elements, got {x.numel()}")
+    if not _on_kernel_device(x, error) or x.device != error.device:
+        return _onebit.compress(x, error)
+    xk = _prep(x)
+    err = error.detach()
+    if err.dtype != torch.float32:
+        err = err.to(torch.float32)
+    return _ops().onebit_compress(xk, err)
+
+
+def onebit_decode_average(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """As onebit.decode_average: packed uint8 [P, m], scales [P] -> float32 [8 m]."""
+    if not _on_kernel_device(packed, scales) or packed.dtype != torch.uint8 or packed.dim() != 2:
+        return _onebit.decode_average(packed, scales)
+    return _ops().onebit_decode_average(packed, scales.to(torch.float32))
+
+
+# --- fake (meta) kernels and autograd: opaque custom ops under torch.compile -------------------
+
+if _error is None:
+    @torch.library.register_fake("qcompress::fake_quant")
+    def _fake_fake_quant(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding,
+                         seed, with_mask):
+        mask = x.new_empty(x.shape if with_mask else (0,), dtype=torch.bool)
+        return torch.empty_like(x, memory_format=torch.contiguous_format), mask
+
+    @torch.library.register_fake("qcompress::quantize")
+    def _fake_quantize(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed):
+        ngr = max(1, -(-cols // group)) if group else 1
+        small = (bits <= 8) and not (deepspeed and not symmetric and bits == 8)
+        q = x.new_empty(x.shape, dtype=torch.int8 if small else torch.int32)
+        return q, x.new_empty((rows * ngr,), dtype=torch.float32), x.new_empty((rows * ngr,), dtype=torch.int32)
+
+    @torch.library.register_fake("qcompress::dequantize")
+    def _fake_dequantize(q, scale, zero_point, rows, cols, group, dtype):
+        return q.new_empty(q.shape, dtype=dtype)
+
+    @torch.library.register_fake("qcompress::ste_backward")
+    def _fake_ste_backward(grad, mask):
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("qcompress::pack_int32")
+    def _fake_pack(q, bits):
+        per = 32 // bits
+        return q.new_empty((*q.shape[:-1], -(-q.shape[-1] // per)), dtype=torch.int32)
+
+    @torch.library.register_fake("qcompress::unpack_int32")
+    def _fake_unpack(packed, bits, length):
+        return packed.new_empty((*packed.shape[:-1], length), dtype=torch.int8)
+
+    @torch.library.register_fake("qcompress::onebit_compress")
+    def _fake_onebit_compress(x, error):
+        n = x.numel()
+        return (x.new_empty((n // 8,), dtype=torch.uint8), x.new_empty((), dtype=torch.float32),
+                x.new_empty((n,), dtype=torch.float32))
+
+    @torch.library.register_fake("qcompress::onebit_decode_average")
+    def _fake_decode_average(packed, scales):
+        return packed.new_empty((8 * packed.shape[1],), dtype=torch.float32)
+
+    # Straight-through estimator for direct users of the op (api.fake_quantize has its own
+    # autograd.Function): the gradient passes through; the clip mask is not differentiable.
+    def _fq_setup(ctx, inputs, output):
+        pass
+
+    def _fq_backward(ctx, grad_y, grad_mask):
+        return (grad_y,) + (None,) * 11
+
+    torch.library.register_autograd("qcompress::fake_quant", _fq_backward, setup_context=_fq_setup)

@@ -1,0 +1,201 @@
+"""Fake-quantization throughput: our fused kernel vs our reference, torch's fake_quantize op and
+a plain copy (the bandwidth limit), side by side in one run.
+
+    python benchmarks/kernels.py            # default sweep (~3 minutes on 2 cores)
+    python benchmarks/kernels.py --full     # 1M..64M elements, every mode
+
+Each configuration is timed twice in separate processes: with torch's default CPU allocator
+(fresh output pages are faulted in and zeroed by the OS on every call, which an op returning a
+new tensor cannot avoid) and with THP_MEM_ALLOC_ENABLE=1 (huge pages: far fewer faults).
+Ratios are "copy time / op time" (higher is better; 1.0 = copy speed). Forward+backward uses the
+clip-aware straight-through gradient and is compared with the time of two copies.
+Writes/replaces the '## Kernels' section of benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SECTION = "## Kernels"
+
+
+def _timeit(fn, reps):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _paired(fns, reps):
+    """Best-of-reps times of several functions, interleaved so that load changes hit all alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def _configs(full):
+    sizes = [1 << 20, 1 << 22, 1 << 24, 1 << 26] if full else [1 << 20, 1 << 24]
+    out = []
+    for n in sizes:
+        for dtype in ("float32", "bfloat16"):
+            for bits in (8, 4):
+                for sym in (True, False):
+                    for gran in ("group128", "channel", "tensor"):
+                        for rounding in ("nearest", "stochastic"):
+                            big = n == 1 << 24 and dtype == "float32"
+                            if not full and not big and not (bits == 8 and rounding == "nearest"):
+                                continue  # default run: the whole matrix at the target size only
+                            if not full and dtype == "bfloat16" and n != 1 << 24:
+                                continue
+                            out.append(dict(n=n, dtype=dtype, bits=bits, sym=sym, gran=gran, rounding=rounding))
+    return out
+
+
+def child(args):
+    import torch
+    from qcompress.quant import api, kernels
+    torch.set_num_threads(args.threads)
+    if not kernels.available():
+        print(f"kernels not built: {kernels.load_error()}", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    cache = {}
+    for cfg in _configs(args.full):
+        n, dtype = cfg["n"], getattr(torch, cfg["dtype"])
+        key = (n, cfg["dtype"])
+        if key not in cache:
+            x = torch.randn(n // 4096, 4096).to(dtype)
+            y = torch.empty_like(x)
+            cache[key] = (x, y)
+        x, y = cache[key]
+        s = torch.full((x.shape[0],), 0.02)
+        zp = torch.zeros(x.shape[0], dtype=torch.int32)
+        try:  # timed next to ours (see below) so that both see the same machine load
+            torch_fn = lambda: torch.fake_quantize_per_channel_affine(x, s, zp, 0, -128, 127)  # noqa: E731
+            torch_fn()
+        except RuntimeError:
+            torch_fn = None
+        kw = dict(symmetric=cfg["sym"], rounding=cfg["rounding"], seed=1)
+        if cfg["gran"] == "group128":
+            kw.update(granularity="group", group_size=128)
+        else:
+            kw["granularity"] = cfg["gran"]
+
+        def fwd(backend):
+            return lambda: api.fake_quantize(x, cfg["bits"], backend=backend, **kw)
+
+        xg = x.detach().clone().requires_grad_(True)
+        g = torch.randn_like(x)
+
+        def fwd_bwd(backend):
+            def run():
+                y = api.fake_quantize(xg, cfg["bits"], clip_grad=True, backend=backend, **kw)
+                torch.autograd.grad(y, xg, g)
+            return run
+
+        copy, clone, ours, ours_fb = _paired([lambda: y.copy_(x), lambda: x.clone(), fwd("kernel"),
+                                              fwd_bwd("kernel")], args.reps)
+        torch_op = None
+        if torch_fn is not None:
+            torch_op, ours_again = _paired([torch_fn, fwd("kernel")], 2)
+            torch_op *= ours / ours_again  # scale to the load the main measurement saw
+        slow_ok = args.full or (cfg["bits"] == 8 and cfg["rounding"] == "nearest")
+        ref = _timeit(fwd("reference"), 1) if slow_ok else None
+        ref_fb = _timeit(fwd_bwd("reference"), 1) if slow_ok and cfg["gran"] == "group128" else None
+        row = dict(cfg, copy=copy, clone=clone, torch_op=torch_op, ours=ours, ours_fb=ours_fb, ref=ref,
+                   ref_fb=ref_fb)
+        rows.append(row)
+        print(_line(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f)
+
+
+def _r(a, b):
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
+def _line(r):
+    return (f"| {r['n'] >> 20}M | {r['dtype']} | int{r['bits']} | {'sym' if r['sym'] else 'asym'} | {r['gran']} | "
+            f"{r['rounding']} | {r['copy'] * 1e3:.1f} | {r['ours'] * 1e3:.1f} | {_r(r['copy'], r['ours'])} | "
+            f"{_r(r['clone'], r['ours'])} | {_r(r['torch_op'], r['ours'])} | {_r(r['ref'], r['ours'])} | "
+            f"{_r(2 * r['copy'], r['ours_fb'])} | {_r(r['ref_fb'], r['ours_fb'])} |")
+
+
+HEADER = ("| n | dtype | bits | range | granularity | rounding | copy ms | ours ms | copy/ours | "
+          "clone/ours | torch op/ours | reference/ours | fwd+bwd: 2 copies/ours | fwd+bwd: reference/ours |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _write_results(text):
+    path = os.path.join(HERE, "RESULTS.md")
+    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    start = old.find(SECTION + "\n")
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        nxt = old.find("\n## ", start + len(SECTION))
+        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
+    fd, tmp = tempfile.mkstemp(dir=HERE, suffix=".md")
+    with os.fdopen(fd, "w") as f:
+        f.write(new if new.endswith("\n") else new + "\n")
+    os.replace(tmp, path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="the whole sweep (1M..64M, every mode)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--allocators", default="default,thp", help="comma list of default,thp")
+    p.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    tables = []
+    for alloc in args.allocators.split(","):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+        if alloc == "thp":
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        title = f"allocator: {'THP_MEM_ALLOC_ENABLE=1' if alloc == 'thp' else 'default'}, {args.threads} threads"
+        print(f"\n{title}\n{HEADER}", flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--threads",
+               str(args.threads), "--reps", str(args.reps)] + (["--full"] if args.full else [])
+        subprocess.run(cmd, env=env, check=True)
+        rows = json.load(open(out))
+        os.unlink(out)
+        tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows))
+    if not args.no_write:
+        import torch
+        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+        text = (f"{SECTION}\n\n`python benchmarks/kernels.py{' --full' if args.full else ''}` "
+                f"(torch {torch.__version__}, {os.cpu_count()} CPUs, load average after the run {load}: "
+                "other jobs on a shared machine make single numbers noisy). Ratios: copy time / op time "
+                "(forward), 2 x copy time / op time (forward + clip-aware backward); clone = copy into a "
+                "freshly allocated tensor, which is what any op returning a new tensor pays.\n\n"
+                + "\n\n".join(tables) + "\n")
+        _write_results(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+// CPU fake-quantize and quantize: per-group statistics (min/max or mean|x|) fused with the
+// elementwise pass. Many small groups: one task per run of groups, the group stays in cache
+// between its two passes. Few large groups (per tensor): a chunked parallel reduction, then a
+// parallel elementwise pass.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+#include <ATen/cpu/vec/functional.h>
+
+namespace qc {
+namespace {
+
+struct Stats {
+  float lo = std::numeric_limits<float>::infinity();
+  float hi = -std::numeric_limits<float>::infinity();
+  double sum = 0.0;       // sum |x| (binary / ternary)
+  double kept_sum = 0.0;  // ternary: sum |x| over |x| > thr
+  int64_t kept = 0;
+};
+
+template <typename T>
+void range_stats(const T* x, int64_t n, Stats& st) {
+  V lo(st.lo), hi(st.hi);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    V v = load_f(x + i, kW);
+    lo = at::vec::minimum(lo, v);
+    hi = at::vec::maximum(hi, v);
+  }
+  // lane reductions (NaN propagating, order independent)
+  float a = at::vec::vec_reduce_all<float>([](V p, V q) { return at::vec::minimum(p, q); }, lo);
+  float b = at::vec::vec_reduce_all<float>([](V p, V q) { return at::vec::maximum(p, q); }, hi);
+  for (; i < n; ++i) {
+    float v = static_cast<float>(x[i]);
+    a = nan_min(a, v);
+    b = nan_max(b, v);
+  }
+  st.lo = a;
+  st.hi = b;
+}
+
+template <typename T>
+void abs_sum(const T* x, int64_t n, Stats& st) {
+  double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    float a[kW];
+    load_f(x + i, kW).abs().store(a);
+    for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(a[j]);
+  }
+  double s = st.sum;
+  for (int j = 0; j < kW; ++j) s += acc[j];
+  for (; i < n; ++i) s += static_cast<double>(fabs_(static_cast<float>(x[i])));
+  st.sum = s;
+}
+
+template <typename T>
+void kept_sum(const T* x, int64_t n, float thr, Stats& st) {
+  double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t cnt[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    float a[kW];
+    load_f(x + i, kW).abs().store(a);
+    for (int j = 0; j < kW; ++j) {
+      const bool k = a[j] > thr;
+      acc[j] += k ? static_cast<double>(a[j]) : 0.0;
+      cnt[j] += k;
+    }
+  }
+  double s = st.kept_sum;
+  int64_t c = st.kept;
+  for (int j = 0; j < kW; ++j) { s += acc[j]; c += cnt[j]; }
+  for (; i < n; ++i) {
+    float a = fabs_(static_cast<float>(x[i]));
+    if (a > thr) { s += static_cast<double>(a); ++c; }
+  }
+  st.kept_sum = s;
+  st.kept = c;
+}
+
+void merge(Stats& a, const Stats& b) {
+  a.lo = nan_min(a.lo, b.lo);
+  a.hi = nan_max(a.hi, b.hi);
+  a.sum += b.sum;
+  a.kept_sum += b.kept_sum;
+  a.kept += b.kept;
+}
+
+// Scale, zero point and threshold of one group from its statistics; false if non-finite.
+bool finalize_int(Stats st, int64_t count, const QuantConfig& c, Params& p) {
+  float lo = st.lo, hi = st.hi;
+  (void)count;  // the range covers the group's real elements only (no zero padding)
+  if (c.has_range) {
+    lo = c.range_lo;
+    hi = c.range_hi;
+  }
+  p = int_params(lo, hi, c.bits, c.symmetric, c.deepspeed, c.qmin, c.qmax);
+  return is_finite(lo) && is_finite(hi);
+}
+
+template <typename T, typename Q, int KIND, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, const QuantConfig& c,
+                   const Outputs<T, Q>& o) {
+  const V s(p.scale), z(p.z), zp(p.zp), thr(p.thr), qmin(c.qmin), qmax(c.qmax);
+  Noise noise(c.seed);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int n = static_cast<int>(std::min<int64_t>(kW, len - i));
+    const V xv = load_f(x + i, n);
+    V qv;
+    if constexpr (KIND == kInt) {
+      const V u = STOCH ? noise.get(flat0 + i, n) : V(0.0f);
+      const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(xv, s, z, zp, u);
+      qv = clamp_code(r, qmin, qmax);
+      if (o.mask) store_mask(o.mask + flat0 + i, inside_range(r, qmin, qmax), n);
+      if (o.y) store_f(o.y + flat0 + i, dequant_code<V, ASYM_DS, ADD_ZP>(qv, s, z, zp), n);
+    } else {
+      if constexpr (KIND == kBinary) qv = binary_code<V, DS>(xv);
+      else qv = ternary_code<V>(xv, thr);
+      if (o.mask) std::memset(o.mask + flat0 + i, 1, static_cast<size_t>(n));
+      if (o.y) store_f(o.y + flat0 + i, qv * s, n);
+    }
+    if (o.q) store_int(o.q + flat0 + i, qv, n);
+  }
+}
+
+template <typename T, typename Q, int KIND, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+int64_t run(const T* x, const QuantConfig& c, const Outputs<T, Q>& o) {
+  const int64_t ngr = c.groups_per_row();
+  const int64_t G = c.rows * ngr;
+  const int64_t n = c.rows * c.cols;
+  std::atomic<int64_t> bad{0};
+
+  auto start_of = [&](int64_t g) { return (g / ngr) * c.cols + (g % ngr) * c.group; };
+  auto count_of = [&](int64_t g) {
+    return std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
+  };
+  // Group statistics -> params; false when the group holds NaN/Inf.
+  auto params_of = [&](const T* gx, int64_t count, Stats st, Params& p, bool have_stats) {
+    if constexpr (KIND == kInt) {
+      if (!have_stats && !c.has_range) range_stats(gx, count, st);
+      return finalize_int(st, count, c, p);
+    } else {
+      if (!have_stats) abs_sum(gx, count, st);
+      const float mean = mean_from_sum(st.sum, count);
+      p = Params{clamp_min(mean, kEps), 0.0f, 0.0f, 0.0f};
+      if constexpr (KIND == kTernary) {
+        p.thr = ternary_threshold(mean);
+        if (!is_finite(p.thr)) return false;
+        if (!have_stats) kept_sum(gx, count, p.thr, st);
+        p.scale = clamp_min(mean_from_sum(st.kept_sum, st.kept), kEps);
+        return true;
+      }
+      return is_finite(mean);
+    }
+  };
+  auto emit = [&](int64_t g, const Params& p) {
+    if (o.scale) o.scale[g] = p.scale;
+    if (o.zp) o.zp[g] = p.zp;
+  };
+
+  const int nthreads = at::get_num_threads();
+  if (G >= 4 * static_cast<int64_t>(nthreads) || n <= 65536) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, c.group));
+    // Blocks of groups small enough to stay in L1/L2: all statistics first (independent
+    // dependency chains overlap), then the elementwise pass over the cached block.
+    constexpr int64_t kBlock = 64;
+    const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(kBlock, 8192 / std::max<int64_t>(1, c.group)));
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      Params ps[kBlock];
+      bool oks[kBlock];
+      for (int64_t b = g0; b < g1; b += per_block) {
+        const int64_t e = std::min(g1, b + per_block);
+        for (int64_t g = b; g < e; ++g) {
+          oks[g - b] = params_of(x + start_of(g), count_of(g), Stats{}, ps[g - b], false);
+          if (!oks[g - b]) bad.fetch_add(1);
+          emit(g, ps[g - b]);
+        }
+        for (int64_t g = b; g < e; ++g) {
+          if (!oks[g - b]) continue;
+          const int64_t st0 = start_of(g);
+          quant_segment<T, Q, KIND, STOCH, DS, ASYM_DS, ADD_ZP>(x + st0, count_of(g), st0, ps[g - b], c, o);
+        }
+      }
+    });
+    return bad.load();
+  }
+
+  // Few large groups: chunked reduction with a fixed chunking (deterministic for any thread count).
+  constexpr int64_t kChunk = 1 << 16;
+  struct Job { int64_t g, begin, end; };
+  std::vector<Job> jobs;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t st0 = start_of(g), cnt = count_of(g);
+    int64_t b = 0;
+    do {
+      const int64_t e = std::min(cnt, b + kChunk);
+      jobs.push_back({g, st0 + b, st0 + e});
+      b = e;
+    } while (b < cnt);
+  }
+  std::vector<Stats> part(jobs.size());
+  auto reduce = [&](auto&& fn) {
+    at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) fn(jobs[j], part[j]);
+    });
+  };
+  std::vector<Stats> gst(G);
+  auto combine = [&]() {
+    for (int64_t g = 0; g < G; ++g) gst[g] = Stats{};
+    for (size_t j = 0; j < jobs.size(); ++j) merge(gst[jobs[j].g], part[j]);
+  };
+  std::vector<Params> params(G);
+  std::vector<char> ok(G, 1);
+  if constexpr (KIND == kInt) {
+    if (!c.has_range) {
+      reduce([&](const Job& jb, Stats& st) { range_stats(x + jb.begin, jb.end - jb.begin, st); });
+      combine();
+    }
+  } else {
+    reduce([&](const Job& jb, Stats& st) { abs_sum(x + jb.begin, jb.end - jb.begin, st); });
+    combine();
+    if constexpr (KIND == kTernary) {
+      for (int64_t g = 0; g < G; ++g) params[g].thr = ternary_threshold(mean_from_sum(gst[g].sum, count_of(g)));
+      reduce([&](const Job& jb, Stats& st) {
+        st = Stats{};
+        kept_sum(x + jb.begin, jb.end - jb.begin, params[jb.g].thr, st);
+      });
+      std::vector<Stats> kst = gst;
+      combine();
+      for (int64_t g = 0; g < G; ++g) { gst[g].sum = kst[g].sum; }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    ok[g] = params_of(x + start_of(g), count_of(g), gst[g], params[g], true);
+    if (!ok[g]) bad.fetch_add(1);
+    emit(g, params[g]);
+  }
+  if (bad.load()) return bad.load();
+  at::parallel_for(0, n, 1 << 15, [&](int64_t b, int64_t e) {
+    int64_t i = b;
+    while (i < e) {  // split [b, e) into runs that stay inside one group
+      const int64_t row = i / c.cols, col = i % c.cols, j = col / c.group;
+      const int64_t g = row * ngr + j;
+      const int64_t end = std::min(e, row * c.cols + std::min(c.cols, (j + 1) * c.group));
+      quant_segment<T, Q, KIND, STOCH, DS, ASYM_DS, ADD_ZP>(x + i, end - i, i, params[g], c, o);
+      i = end;
+    }
+  });
+  return 0;
+}
+
+template <typename T, typename Q>
+int64_t dispatch_mode(const T* x, const QuantConfig& c, const Outputs<T, Q>& o) {
+  const bool st = c.rounding == kStochastic;
+  if (c.kind == kBinary) {
+    return c.deepspeed ? run<T, Q, kBinary, false, true, false, false>(x, c, o)
+                       : run<T, Q, kBinary, false, false, false, false>(x, c, o);
+  }
+  if (c.kind == kTernary) return run<T, Q, kTernary, false, false, false, false>(x, c, o);
+  if (c.symmetric) {
+    if (c.deepspeed) {
+      return st ? run<T, Q, kInt, true, true, false, false>(x, c, o)
+                : run<T, Q, kInt, false, true, false, false>(x, c, o);
+    }
+    return st ? run<T, Q, kInt, true, false, false, false>(x, c, o)
+              : run<T, Q, kInt, false, false, false, false>(x, c, o);
+  }
+  if (c.deepspeed) {
+    return st ? run<T, Q, kInt, true, true, true, false>(x, c, o)
+              : run<T, Q, kInt, false, true, true, false>(x, c, o);
+  }
+  return st ? run<T, Q, kInt, true, false, false, true>(x, c, o)
+            : run<T, Q, kInt, false, false, false, true>(x, c, o);
+}
+
+template <typename T>
+const T* data_of(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
+template <typename T>
+T* mdata_of(const at::Tensor& t) { return reinterpret_cast<T*>(t.mutable_data_ptr()); }
+
+void raise_bad(int64_t bad, int64_t groups) {
+  TORCH_CHECK(bad == 0, kNonFiniteTag, bad, " of ", groups,
+              " quantization groups contain NaN or Inf values; fix the input before quantizing");
+}
+
+// Fill scale/zp for the width-0 view (reference: scale EPS, zero point 0, no elements).
+void empty_groups(const QuantConfig& c, float* scale, float* zp) {
+  const int64_t G = c.rows * c.groups_per_row();
+  for (int64_t g = 0; g < G; ++g) {
+    if (scale) scale[g] = kEps;
+    if (zp) zp[g] = 0.0f;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fake_quant_cpu(const at::Tensor& x_, const std::optional<at::Tensor>& range,
+                                                  int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                  int64_t kind, bool symmetric, bool deepspeed,
+                                                  int64_t rounding, int64_t seed, bool with_mask) {
+  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
+  at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = at::empty(with_mask ? x.sizes() : at::IntArrayRef{0}, x.options().dtype(at::kBool));
+  // (an empty tensor with group > 0 still has groups: the reference reports their empty range)
+  if (c.group == 0 || c.rows == 0) return {y, mask};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_fake_quant", [&] {
+    Outputs<scalar_t, int8_t> o;
+    o.y = mdata_of<scalar_t>(y);
+    o.mask = with_mask ? mask.mutable_data_ptr<bool>() : nullptr;
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "qcompress::fake_quant: float64 input is converted by the Python wrapper");
+    } else {
+      raise_bad(dispatch_mode<scalar_t, int8_t>(data_of<scalar_t>(x), c, o), c.rows * c.groups_per_row());
+    }
+  });
+  return {y, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_, const std::optional<at::Tensor>& range,
+                                                            int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                            int64_t kind, bool symmetric, bool deepspeed,
+                                                            int64_t rounding, int64_t seed) {
+  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
+  at::Tensor x = x_.contiguous();
+  const int64_t G = c.rows * c.groups_per_row();
+  const bool small = c.qmin >= -128.0f && c.qmax <= 127.0f;  // codes fit int8
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(small ? at::kChar : at::kInt));
+  at::Tensor scale = at::empty({G}, x.options().dtype(at::kFloat));
+  at::Tensor zp = at::zeros({G}, x.options().dtype(at::kFloat));
+  if (c.group == 0) {
+    empty_groups(c, scale.data_ptr<float>(), zp.data_ptr<float>());
+    return {q, scale, zp.to(at::kInt)};
+  }
+  if (G == 0) return {q, scale, zp.to(at::kInt)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_quantize", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "qcompress::quantize: float64 input is converted by the Python wrapper");
+    } else {
+      int64_t bad;
+      if (small) {
+        Outputs<scalar_t, int8_t> o;
+        o.q = q.data_ptr<int8_t>();
+        o.scale = scale.data_ptr<float>();
+        o.zp = zp.data_ptr<float>();
+        bad = dispatch_mode<scalar_t, int8_t>(data_of<scalar_t>(x), c, o);
+      } else {
+        Outputs<scalar_t, int32_t> o;
+        o.q = q.data_ptr<int32_t>();
+        o.scale = scale.data_ptr<float>();
+        o.zp = zp.data_ptr<float>();
+        bad = dispatch_mode<scalar_t, int32_t>(data_of<scalar_t>(x), c, o);
+      }
+      raise_bad(bad, G);
+    }
+  });
+  return {q, scale, zp.to(at::kInt)};
+}
+
+}  // namespace qc

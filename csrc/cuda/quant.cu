@@ -1,0 +1,320 @@
+// CUDA fake-quantize / quantize / dequantize / straight-through backward.
+//
+// Statistics: each group is cut into segments of kSeg elements, one warp reduces one segment
+// (min/max, float64 sum |x|), a per-group pass combines the segments in order and computes the
+// scale (so results do not depend on the launch shape). Then one grid-stride elementwise pass.
+// The element math is qcompress/math.h, shared with the CPU kernels.
+#include "common.cuh"
+#include "qcompress/cuda_launchers.h"
+#include "qcompress/math.h"
+
+namespace qc {
+namespace cuda {
+namespace {
+
+constexpr int64_t kSeg = 1024;
+
+struct Partial {
+  float lo, hi;
+  double sum;       // sum |x|, or (second pass) sum |x| over |x| > thr
+  long long kept;   // second pass: count of |x| > thr
+};
+
+struct Geo {
+  int64_t rows, cols, group, ngr, spg;  // spg: segments per group
+  __device__ int64_t start(int64_t g) const { return (g / ngr) * cols + (g % ngr) * group; }
+  __device__ int64_t count(int64_t g) const {
+    int64_t c = cols - (g % ngr) * group;
+    c = c < group ? c : group;
+    return c < 0 ? 0 : c;
+  }
+};
+
+Geo make_geo(const qc_cuda_quant_args* a) {
+  Geo g;
+  g.rows = a->rows;
+  g.cols = a->cols;
+  g.group = a->group;
+  g.ngr = a->group > 0 ? (a->cols + a->group - 1) / a->group : 1;
+  if (g.ngr < 1) g.ngr = 1;
+  g.spg = a->group > 0 ? (a->group + kSeg - 1) / kSeg : 1;
+  return g;
+}
+
+__device__ __forceinline__ float warp_min(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nan_min(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ long long warp_sum_ll(long long v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One warp per segment. PASS 0: min/max and sum |x|; PASS 1: kept sum over |x| > thr[g].
+template <typename T, int PASS>
+__global__ void segment_stats(const T* __restrict__ x, Geo geo, const float* __restrict__ thr,
+                              Partial* __restrict__ part, int64_t segments) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; s < segments;
+       s += warps) {
+    const int64_t g = s / geo.spg, k = s % geo.spg;
+    const int64_t cnt = geo.count(g);
+    const int64_t b = k * kSeg;
+    const int64_t e = (b + kSeg < cnt) ? b + kSeg : cnt;
+    const T* gx = x + geo.start(g);
+    float lo = __int_as_float(0x7f800000), hi = -__int_as_float(0x7f800000);
+    double sum = 0.0;
+    long long kept = 0;
+    const float t = PASS == 1 ? thr[g] : 0.0f;
+    for (int64_t i = b + lane; i < e; i += 32) {
+      const float v = to_f(gx[i]);
+      const float a = fabs_(v);
+      if (PASS == 0) {
+        lo = nan_min(lo, v);
+        hi = nan_max(hi, v);
+        sum += static_cast<double>(a);
+      } else if (a > t) {
+        sum += static_cast<double>(a);
+        ++kept;
+      }
+    }
+    lo = warp_min(lo);
+    hi = warp_max(hi);
+    sum = warp_sum(sum);
+    kept = warp_sum_ll(kept);
+    if (lane == 0) part[s] = Partial{lo, hi, sum, kept};
+  }
+}
+
+// One thread per group: combine its segments in order, compute the parameters.
+// STAGE 0 (int, binary, ternary first pass) / STAGE 1 (ternary after the kept pass).
+template <int STAGE>
+__global__ void group_params(qc_cuda_quant_args a, Geo geo, const Partial* __restrict__ part,
+                             float* __restrict__ scale, float* __restrict__ zp, float* __restrict__ thr,
+                             int* __restrict__ bad, int64_t groups) {
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float lo = __int_as_float(0x7f800000), hi = -__int_as_float(0x7f800000);
+    double sum = 0.0;
+    long long kept = 0;
+    for (int64_t k = 0; k < geo.spg; ++k) {
+      const Partial p = part[g * geo.spg + k];
+      lo = nan_min(lo, p.lo);
+      hi = nan_max(hi, p.hi);
+      sum += p.sum;
+      kept += p.kept;
+    }
+    const int64_t cnt = geo.count(g);
+    bool ok = true;
+    float s = kEps, z = 0.0f;
+    if (a.kind == kInt) {
+      if (a.range != nullptr) {
+        lo = a.range[0];
+        hi = a.range[1];
+      }
+      const Params p = int_params(lo, hi, a.bits, a.symmetric != 0, a.deepspeed != 0, a.qmin, a.qmax);
+      ok = is_finite(lo) && is_finite(hi);
+      s = p.scale;
+      z = p.zp;
+      thr[g] = p.z;  // deepspeed asymmetric offset travels in the thr slot
+    } else if (STAGE == 0) {
+      const float mean = mean_from_sum(sum, cnt);
+      s = clamp_min(mean, kEps);
+      if (a.kind == kTernary) {
+        thr[g] = ternary_threshold(mean);
+        ok = is_finite(thr[g]);
+      } else {
+        thr[g] = 0.0f;
+        ok = is_finite(mean);
+      }
+    } else {
+      s = clamp_min(mean_from_sum(sum, kept), kEps);
+    }
+    scale[g] = s;
+    zp[g] = z;
+    if (!ok && STAGE == 0) atomicAdd(bad, 1);
+  }
+}
+
+template <typename T, typename Q, int KIND, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+__global__ void quant_elements(const T* __restrict__ x, Geo geo, qc_cuda_quant_args a,
+                               const float* __restrict__ scale, const float* __restrict__ zpv,
+                               const float* __restrict__ aux, T* __restrict__ y, bool* __restrict__ mask,
+                               Q* __restrict__ q, int64_t n) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / geo.cols, col = e % geo.cols;
+    const int64_t g = row * geo.ngr + col / geo.group;
+    const float xv = to_f(x[e]);
+    const float s = scale[g];
+    float qv;
+    if (KIND == kInt) {
+      float u = 0.0f;
+      if (STOCH) u = uniform(rng_key(a.seed, static_cast<uint32_t>(e >> 32)), static_cast<uint32_t>(e));
+      const float z = aux[g], zp = zpv[g];
+      const float r = int_code<float, STOCH, DS, ASYM_DS, ADD_ZP>(xv, s, z, zp, u);
+      qv = clamp_code(r, a.qmin, a.qmax);
+      if (mask) mask[e] = inside_range(r, a.qmin, a.qmax);
+      if (y) y[e] = from_f<T>(dequant_code<float, ASYM_DS, ADD_ZP>(qv, s, z, zp));
+    } else {
+      qv = KIND == kBinary ? binary_code<float, DS>(xv) : ternary_code<float>(xv, aux[g]);
+      if (mask) mask[e] = true;
+      if (y) y[e] = from_f<T>(qv * s);
+    }
+    if (q) q[e] = static_cast<Q>(static_cast<int>(qv));
+  }
+}
+
+template <typename T, typename Q, int KIND, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+void launch_elements(const qc_cuda_quant_args* a, const Geo& geo, const void* x, const float* scale,
+                     const float* zp, const float* aux, void* y, bool* mask, void* q, cudaStream_t st) {
+  const int64_t n = a->rows * a->cols;
+  quant_elements<T, Q, KIND, STOCH, DS, ASYM_DS, ADD_ZP><<<blocks_for(n, kThreads * 4), kThreads, 0, st>>>(
+      static_cast<const T*>(x), geo, *a, scale, zp, aux, static_cast<T*>(y), mask, static_cast<Q*>(q), n);
+}
+
+template <typename T, typename Q>
+void dispatch_elements(const qc_cuda_quant_args* a, const Geo& geo, const void* x, const float* scale,
+                       const float* zp, const float* aux, void* y, bool* mask, void* q, cudaStream_t st) {
+  const bool sto = a->rounding == kStochastic;
+#define QC_LAUNCH(K, S, D, A, Z) launch_elements<T, Q, K, S, D, A, Z>(a, geo, x, scale, zp, aux, y, mask, q, st)
+  if (a->kind == kBinary) {
+    if (a->deepspeed) QC_LAUNCH(kBinary, false, true, false, false);
+    else QC_LAUNCH(kBinary, false, false, false, false);
+  } else if (a->kind == kTernary) {
+    QC_LAUNCH(kTernary, false, false, false, false);
+  } else if (a->symmetric) {
+    if (a->deepspeed) { if (sto) QC_LAUNCH(kInt, true, true, false, false); else QC_LAUNCH(kInt, false, true, false, false); }
+    else { if (sto) QC_LAUNCH(kInt, true, false, false, false); else QC_LAUNCH(kInt, false, false, false, false); }
+  } else if (a->deepspeed) {
+    if (sto) QC_LAUNCH(kInt, true, true, true, false); else QC_LAUNCH(kInt, false, true, true, false);
+  } else {
+    if (sto) QC_LAUNCH(kInt, true, false, false, true); else QC_LAUNCH(kInt, false, false, false, true);
+  }
+#undef QC_LAUNCH
+}
+
+template <typename T>
+void run_quant(const qc_cuda_quant_args* a, const void* x, void* y, bool* mask, void* q, int q_dtype,
+               float* scale, float* zp, void* ws, int* bad, cudaStream_t st) {
+  const Geo geo = make_geo(a);
+  const int64_t groups = geo.rows * geo.ngr;
+  const int64_t segments = groups * geo.spg;
+  Partial* part = static_cast<Partial*>(ws);
+  float* aux = reinterpret_cast<float*>(part + segments);  // thr (binary/ternary) or z (int)
+  const T* xt = static_cast<const T*>(x);
+  const unsigned int warps_per_block = kThreads / 32;
+  const bool need_stats = a->kind != kInt || a->range == nullptr;
+  if (need_stats) {
+    segment_stats<T, 0><<<blocks_for(segments, warps_per_block), kThreads, 0, st>>>(xt, geo, aux, part, segments);
+  }
+  group_params<0><<<blocks_for(groups, kThreads), kThreads, 0, st>>>(*a, geo, part, scale, zp, aux, bad, groups);
+  if (a->kind == kTernary) {
+    segment_stats<T, 1><<<blocks_for(segments, warps_per_block), kThreads, 0, st>>>(xt, geo, aux, part, segments);
+    group_params<1><<<blocks_for(groups, kThreads), kThreads, 0, st>>>(*a, geo, part, scale, zp, aux, bad, groups);
+  }
+  if (q_dtype == 1) dispatch_elements<T, int32_t>(a, geo, x, scale, zp, aux, y, mask, q, st);
+  else dispatch_elements<T, int8_t>(a, geo, x, scale, zp, aux, y, mask, q, st);
+}
+
+// Static range without statistics: the partials are never read, but group_params combines
+// them, so they are filled with neutral values.
+__global__ void neutral_partials(Partial* part, int64_t segments) {
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < segments;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    part[s] = Partial{0.0f, 0.0f, 0.0, 0};
+  }
+}
+
+template <typename Q, typename O>
+__global__ void dequant_kernel(const Q* __restrict__ q, const float* __restrict__ scale,
+                               const float* __restrict__ zp, O* __restrict__ out, int64_t cols,
+                               int64_t group, int64_t ngr, int64_t n) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = (e / cols) * ngr + (e % cols) / group;
+    const float qv = static_cast<float>(q[e]);
+    const float v = zp ? (qv - zp[g]) * scale[g] : qv * scale[g];
+    out[e] = from_f<O>(v);
+  }
+}
+
+template <typename Q>
+int dequant_out(const void* q, const float* scale, const float* zp, void* out, int out_dtype,
+                int64_t cols, int64_t group, int64_t ngr, int64_t n, cudaStream_t st) {
+  const unsigned int b = blocks_for(n, kThreads * 4);
+  const Q* qt = static_cast<const Q*>(q);
+  if (out_dtype == 0) dequant_kernel<Q, float><<<b, kThreads, 0, st>>>(qt, scale, zp, static_cast<float*>(out), cols, group, ngr, n);
+  else if (out_dtype == 1) dequant_kernel<Q, __nv_bfloat16><<<b, kThreads, 0, st>>>(qt, scale, zp, static_cast<__nv_bfloat16*>(out), cols, group, ngr, n);
+  else dequant_kernel<Q, __half><<<b, kThreads, 0, st>>>(qt, scale, zp, static_cast<__half*>(out), cols, group, ngr, n);
+  return status();
+}
+
+template <typename T>
+__global__ void ste_kernel(const T* __restrict__ g, const bool* __restrict__ m, T* __restrict__ out, int64_t n) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[e] = from_f<T>(to_f(g[e]) * (m[e] ? 1.0f : 0.0f));
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace qc
+
+extern "C" size_t qc_cuda_quant_workspace(const qc_cuda_quant_args* a) {
+  const qc::cuda::Geo geo = qc::cuda::make_geo(a);
+  const int64_t groups = geo.rows * geo.ngr;
+  return static_cast<size_t>(groups * geo.spg) * sizeof(qc::cuda::Partial) +
+         static_cast<size_t>(groups) * sizeof(float);
+}
+
+extern "C" int qc_cuda_quant(const qc_cuda_quant_args* a, const void* x, int x_dtype, void* y, bool* mask,
+                             void* q, int q_dtype, float* scale, float* zp, void* workspace, int* bad,
+                             void* stream) {
+  using namespace qc::cuda;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a->rows * a->cols == 0 && a->group == 0) return 0;
+  if (a->kind == qc::kInt && a->range != nullptr) {
+    const Geo geo = make_geo(a);
+    const int64_t segments = geo.rows * geo.ngr * geo.spg;
+    neutral_partials<<<blocks_for(segments, kThreads), kThreads, 0, st>>>(static_cast<Partial*>(workspace), segments);
+  }
+  if (x_dtype == 0) run_quant<float>(a, x, y, mask, q, q_dtype, scale, zp, workspace, bad, st);
+  else if (x_dtype == 1) run_quant<__nv_bfloat16>(a, x, y, mask, q, q_dtype, scale, zp, workspace, bad, st);
+  else run_quant<__half>(a, x, y, mask, q, q_dtype, scale, zp, workspace, bad, st);
+  return status();
+}
+
+extern "C" int qc_cuda_dequantize(const void* q, int q_dtype, const float* scale, const float* zp, void* out,
+                                  int out_dtype, int64_t rows, int64_t cols, int64_t group, void* stream) {
+  using namespace qc::cuda;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t n = rows * cols;
+  if (n == 0) return 0;
+  int64_t ngr = (cols + group - 1) / group;
+  if (ngr < 1) ngr = 1;
+  if (q_dtype == 0) return dequant_out<int8_t>(q, scale, zp, out, out_dtype, cols, group, ngr, n, st);
+  return dequant_out<int32_t>(q, scale, zp, out, out_dtype, cols, group, ngr, n, st);
+}
+
+extern "C" int qc_cuda_ste_backward(const void* grad, int dtype, const bool* mask, void* out, int64_t n,
+                                    void* stream) {
+  using namespace qc::cuda;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (n == 0) return 0;
+  const unsigned int b = blocks_for(n, kThreads * 4);
+  if (dtype == 0) ste_kernel<float><<<b, kThreads, 0, st>>>(static_cast<const float*>(grad), mask, static_cast<float*>(out), n);
+  else if (dtype == 1) ste_kernel<__nv_bfloat16><<<b, kThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(grad), mask, static_cast<__nv_bfloat16*>(out), n);
+  else ste_kernel<__half><<<b, kThreads, 0, st>>>(static_cast<const __half*>(grad), mask, static_cast<__half*>(out), n);
+  return status();
+}

@@ -1,0 +1,213 @@
+// Torch glue for the CUDA kernels: argument checks, output allocation, stream, and the NaN/Inf
+// report. Compiled only in CUDA builds (csrc/build.py defines QC_WITH_CUDA); the kernels
+// themselves are plain .cu files behind the C launchers in qcompress/cuda_launchers.h.
+#ifdef QC_WITH_CUDA
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "cpu/kernels.h"
+#include "qcompress/cuda_launchers.h"
+#include "qcompress/math.h"
+
+namespace qc {
+namespace {
+
+void* stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()); }
+
+void check_launch(int rc, const char* what) {
+  TORCH_CHECK(rc == 0, "qcompress: CUDA launch of ", what, " failed with cudaError ", rc);
+}
+
+int float_code(at::ScalarType t) {
+  if (t == at::kFloat) return 0;
+  if (t == at::kBFloat16) return 1;
+  if (t == at::kHalf) return 2;
+  TORCH_CHECK(false, "qcompress: CUDA kernels take float32, bfloat16 or float16, got ", t);
+}
+
+qc_cuda_quant_args cuda_args(const QuantConfig& c, const std::optional<at::Tensor>& range, at::Tensor& range_dev) {
+  qc_cuda_quant_args a;
+  a.rows = c.rows;
+  a.cols = c.cols;
+  a.group = c.group;
+  a.bits = c.bits;
+  a.kind = c.kind;
+  a.rounding = c.rounding;
+  a.symmetric = c.symmetric ? 1 : 0;
+  a.deepspeed = c.deepspeed ? 1 : 0;
+  a.seed = c.seed;
+  a.qmin = c.qmin;
+  a.qmax = c.qmax;
+  a.range = nullptr;
+  if (range.has_value()) {
+    range_dev = range->to(at::kCUDA, at::kFloat).contiguous();
+    a.range = range_dev.data_ptr<float>();
+  }
+  return a;
+}
+
+// Runs the quantizer; any of y/mask/q may be undefined. Raises on NaN/Inf groups (one sync).
+void run(const at::Tensor& x, const QuantConfig& c, const std::optional<at::Tensor>& range, at::Tensor* y,
+         at::Tensor* mask, at::Tensor* q, at::Tensor* scale, at::Tensor* zp) {
+  at::Tensor range_dev;
+  qc_cuda_quant_args a = cuda_args(c, range, range_dev);
+  const int64_t groups = c.rows * c.groups_per_row();
+  at::Tensor sc = scale ? *scale : at::empty({groups}, x.options().dtype(at::kFloat));
+  at::Tensor z = zp ? *zp : at::empty({groups}, x.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({static_cast<int64_t>(qc_cuda_quant_workspace(&a))}, x.options().dtype(at::kByte));
+  at::Tensor bad = at::zeros({1}, x.options().dtype(at::kInt));
+  const int qcode = (q && q->scalar_type() == at::kInt) ? 1 : 0;
+  check_launch(qc_cuda_quant(&a, x.const_data_ptr(), float_code(x.scalar_type()),
+                             (y && y->defined()) ? y->mutable_data_ptr() : nullptr,
+                             (mask && mask->defined() && mask->numel()) ? mask->mutable_data_ptr<bool>() : nullptr,
+                             q ? q->mutable_data_ptr() : nullptr, qcode, sc.mutable_data_ptr<float>(),
+                             z.mutable_data_ptr<float>(), ws.mutable_data_ptr(), bad.mutable_data_ptr<int>(), stream()),
+               "quantize");
+  const int nbad = bad.item<int>();
+  TORCH_CHECK(nbad == 0, kNonFiniteTag, nbad, " of ", groups,
+              " quantization groups contain NaN or Inf values; fix the input before quantizing");
+}
+
+std::tuple<at::Tensor, at::Tensor> fake_quant_cuda(const at::Tensor& x_, const std::optional<at::Tensor>& range,
+                                                   int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                   int64_t kind, bool symmetric, bool deepspeed, int64_t rounding,
+                                                   int64_t seed, bool with_mask) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
+  at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = at::empty(with_mask ? x.sizes() : at::IntArrayRef{0}, x.options().dtype(at::kBool));
+  if (c.group == 0 || c.rows == 0) return {y, mask};
+  run(x, c, range, &y, &mask, nullptr, nullptr, nullptr);
+  return {y, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_, const std::optional<at::Tensor>& range,
+                                                             int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                             int64_t kind, bool symmetric, bool deepspeed,
+                                                             int64_t rounding, int64_t seed) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
+  at::Tensor x = x_.contiguous();
+  const int64_t groups = c.rows * c.groups_per_row();
+  const bool small = c.qmin >= -128.0f && c.qmax <= 127.0f;
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(small ? at::kChar : at::kInt));
+  at::Tensor scale = at::full({groups}, kEps, x.options().dtype(at::kFloat));
+  at::Tensor zp = at::zeros({groups}, x.options().dtype(at::kFloat));
+  if (c.group == 0 || groups == 0) return {q, scale, zp.to(at::kInt)};
+  run(x, c, range, nullptr, nullptr, &q, &scale, &zp);
+  return {q, scale, zp.to(at::kInt)};
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_,
+                           int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype) {
+  c10::cuda::CUDAGuard guard(q_.device());
+  check_dequant_args(q_, scale_, zp_, rows, cols, group);
+  at::Tensor q = q_.scalar_type() == at::kChar || q_.scalar_type() == at::kInt ? q_.contiguous()
+                                                                                 : q_.to(at::kInt).contiguous();
+  at::Tensor scale = scale_.contiguous();
+  at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
+  const at::ScalarType kdt = dtype == at::kDouble ? at::kFloat : dtype;
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(kdt));
+  if (q.numel()) {
+    check_launch(qc_cuda_dequantize(q.const_data_ptr(), q.scalar_type() == at::kChar ? 0 : 1,
+                                    scale.const_data_ptr<float>(), zp.defined() ? zp.const_data_ptr<float>() : nullptr,
+                                    out.mutable_data_ptr(), float_code(kdt), rows, cols, group, stream()),
+                 "dequantize");
+  }
+  return dtype == at::kDouble ? out.to(at::kDouble) : out;
+}
+
+at::Tensor ste_backward_cuda(const at::Tensor& grad_, const at::Tensor& mask_) {
+  c10::cuda::CUDAGuard guard(grad_.device());
+  TORCH_CHECK(mask_.scalar_type() == at::kBool && grad_.sizes() == mask_.sizes(),
+              "qcompress.ste_backward: mask must be bool and shaped like grad");
+  if (grad_.scalar_type() == at::kDouble) return grad_ * mask_.to(at::kDouble);
+  at::Tensor grad = grad_.contiguous(), mask = mask_.contiguous();
+  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  check_launch(qc_cuda_ste_backward(grad.const_data_ptr(), float_code(grad.scalar_type()), mask.const_data_ptr<bool>(),
+                                    out.mutable_data_ptr(), grad.numel(), stream()),
+               "ste_backward");
+  return out;
+}
+
+at::Tensor pack_int32_cuda(const at::Tensor& q_, int64_t bits) {
+  c10::cuda::CUDAGuard guard(q_.device());
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8");
+  TORCH_CHECK(q_.dim() >= 1 && !q_.is_floating_point(), "qcompress.pack_int32: expected integer codes");
+  // int8 keeps the low 8 bits, all that the b <= 8 bit fields depend on
+  at::Tensor q = q_.to(at::kChar).contiguous();
+  const int64_t per = 32 / bits, k = q.size(-1), rows = k ? q.numel() / k : 0;
+  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+  shape.back() = (k + per - 1) / per;
+  at::Tensor out = at::empty(shape, q.options().dtype(at::kInt));
+  check_launch(qc_cuda_pack_int32(q.const_data_ptr<int8_t>(), out.mutable_data_ptr<int32_t>(), rows, k,
+                                  static_cast<int>(bits), stream()),
+               "pack_int32");
+  return out;
+}
+
+at::Tensor unpack_int32_cuda(const at::Tensor& p_, int64_t bits, int64_t length) {
+  c10::cuda::CUDAGuard guard(p_.device());
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.unpack_int32: bits must be 1, 2, 4 or 8");
+  TORCH_CHECK(p_.scalar_type() == at::kInt && p_.dim() >= 1, "qcompress.unpack_int32: expected int32 words");
+  at::Tensor p = p_.contiguous();
+  const int64_t words = p.size(-1), rows = words ? p.numel() / words : 0;
+  TORCH_CHECK(length >= 0 && length <= words * (32 / bits), "qcompress.unpack_int32: length too large");
+  std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
+  shape.back() = length;
+  at::Tensor out = at::empty(shape, p.options().dtype(at::kChar));
+  check_launch(qc_cuda_unpack_int32(p.const_data_ptr<int32_t>(), out.mutable_data_ptr<int8_t>(), rows, words, length,
+                                    static_cast<int>(bits), stream()),
+               "unpack_int32");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cuda(const at::Tensor& x_, const at::Tensor& e_) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  TORCH_CHECK(x_.numel() == e_.numel() && x_.numel() % 8 == 0 && e_.scalar_type() == at::kFloat,
+              "qcompress.onebit_compress: x and float32 error must have the same multiple-of-8 size");
+  at::Tensor x = x_.contiguous().reshape(-1), err = e_.contiguous().reshape(-1);
+  const int64_t n = x.numel();
+  at::Tensor packed = at::empty({n / 8}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor new_err = at::empty({n}, x.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({static_cast<int64_t>(qc_cuda_onebit_workspace(n))}, x.options().dtype(at::kByte));
+  check_launch(qc_cuda_onebit_compress(x.const_data_ptr(), float_code(x.scalar_type()), err.const_data_ptr<float>(),
+                                       packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<float>(),
+                                       new_err.mutable_data_ptr<float>(), n, ws.mutable_data_ptr(), stream()),
+               "onebit_compress");
+  return {packed, scale, new_err};
+}
+
+at::Tensor onebit_decode_average_cuda(const at::Tensor& p_, const at::Tensor& s_) {
+  c10::cuda::CUDAGuard guard(p_.device());
+  TORCH_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
+                  s_.numel() == p_.size(0),
+              "qcompress.onebit_decode_average: expected uint8 [P, m] and float32 [P]");
+  at::Tensor p = p_.contiguous(), s = s_.contiguous();
+  at::Tensor out = at::empty({8 * p.size(1)}, p.options().dtype(at::kFloat));
+  check_launch(qc_cuda_onebit_decode_average(p.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(),
+                                             out.mutable_data_ptr<float>(), p.size(0), p.size(1), stream()),
+               "onebit_decode_average");
+  return out;
+}
+
+}  // namespace
+}  // namespace qc
+
+TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
+  m.impl("fake_quant", &qc::fake_quant_cuda);
+  m.impl("quantize", &qc::quantize_cuda);
+  m.impl("dequantize", &qc::dequantize_cuda);
+  m.impl("ste_backward", &qc::ste_backward_cuda);
+  m.impl("pack_int32", &qc::pack_int32_cuda);
+  m.impl("unpack_int32", &qc::unpack_int32_cuda);
+  m.impl("onebit_compress", &qc::onebit_compress_cuda);
+  m.impl("onebit_decode_average", &qc::onebit_decode_average_cuda);
+}
+
+#endif  // QC_WITH_CUDA

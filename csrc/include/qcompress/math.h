@@ -1,0 +1,207 @@
+// Per-element quantizer math, shared by the CPU and CUDA kernels.
+//
+// Bit-identical to qcompress/quant/reference.py, rng.py and onebit.py: every operation is a
+// single IEEE float32 operation in the same order as the reference (true division, no FMA:
+// build with -ffp-contract=off / --fmad=false), round() is half to even, and sums that the
+// reference does in float64 are done in double here too.
+//
+// The element functions are templates over the value type F so that the CPU kernels can run
+// them on at::vec::Vectorized<float> and the CUDA kernels on float: the per-type primitives
+// (round, floor, compare, select) live in the Ops<F> traits; Ops<float> is defined here.
+#pragma once
+
+#include <stdint.h>
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define QC_HD __host__ __device__ __forceinline__
+#else
+#define QC_HD inline
+#endif
+
+namespace qc {
+
+// Scale floor (2^-100): a zero-range group gets this scale, never 0 or NaN.
+constexpr float kEps = 0x1p-100f;
+
+enum Kind : int { kInt = 0, kBinary = 1, kTernary = 2 };
+enum Rounding : int { kNearest = 0, kStochastic = 1 };
+
+// ---- counter-based uniform numbers (rng.py) -----------------------------------------------------
+
+QC_HD uint32_t hash32(uint32_t x) {  // "lowbias32" xorshift-multiply mixer
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Per-seed key for element indices sharing the high 32 bits idx_hi.
+QC_HD uint32_t rng_key(uint32_t seed, uint32_t idx_hi) { return hash32(hash32(idx_hi) ^ seed); }
+
+// u(seed, i) in [0, 1): 24 random bits, exactly representable in float32.
+QC_HD float uniform(uint32_t key, uint32_t idx_lo) {
+  return static_cast<float>(hash32(idx_lo ^ key) >> 8) * 0x1p-24f;
+}
+
+// ---- scalar helpers with torch's NaN semantics ----------------------------------------------------
+
+QC_HD bool is_nan(float v) { return v != v; }
+QC_HD bool is_finite(float v) { return v == v && v - v == 0.0f; }
+// torch.minimum / torch.maximum / amin / amax: NaN wins.
+QC_HD float nan_min(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a)); }
+QC_HD float nan_max(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a)); }
+// tensor.clamp(min=lo) / clamp(max=hi): NaN passes through.
+QC_HD float clamp_min(float v, float lo) { return v < lo ? lo : v; }
+QC_HD float clamp_max(float v, float hi) { return v > hi ? hi : v; }
+QC_HD float fabs_(float v) { return v < 0.0f ? -v : (v == 0.0f ? 0.0f : v); }
+QC_HD float rint_(float v) {  // half to even under the default rounding mode
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  return std::nearbyint(v);
+#endif
+}
+
+// ---- per-group parameters ---------------------------------------------------------------------
+
+struct Params {
+  float scale;  // s
+  float zp;     // default asymmetric: integer zero point; deepspeed asymmetric: -round(lo / s)
+  float z;      // deepspeed asymmetric: float zero offset round(lo / s) * s, else 0
+  float thr;    // ternary threshold 0.7 mean|x|
+};
+
+// Integer quantizer from the group's range [lo, hi] (over its real elements, or the static range).
+QC_HD Params int_params(float lo, float hi, int bits, bool symmetric, bool deepspeed, float qmin,
+                        float qmax) {
+  Params p{0.0f, 0.0f, 0.0f, 0.0f};
+  if (symmetric) {
+    float amax = nan_max(fabs_(lo), fabs_(hi));
+    float s = deepspeed ? (2.0f * amax) / static_cast<float>(1 << bits) : amax / qmax;
+    p.scale = clamp_min(s, kEps);
+    return p;
+  }
+  if (deepspeed) {
+    // step floored at the float32 resolution of the group's values (reference.qparams)
+    float floor_ = nan_max(fabs_(lo), fabs_(hi)) * 0x1p-23f;
+    float s = clamp_min(nan_max((hi - lo) / static_cast<float>(1 << bits), floor_), kEps);
+    float zq = rint_(lo / s);
+    p.scale = s;
+    p.zp = -zq;
+    p.z = zq * s;
+    return p;
+  }
+  lo = clamp_max(lo, 0.0f);
+  hi = clamp_min(hi, 0.0f);
+  float s = clamp_min((hi - lo) / (qmax - qmin), kEps);
+  p.scale = s;
+  p.zp = clamp_max(clamp_min(qmin - rint_(lo / s), qmin), qmax);
+  return p;
+}
+
+// mean|x| from a float64 sum, rounded once to float32 (reference._mean_abs).
+QC_HD float mean_from_sum(double total, int64_t count) {
+  return static_cast<float>(total / static_cast<double>(count < 1 ? 1 : count));
+}
+
+QC_HD float ternary_threshold(float mean_abs) { return 0.7f * mean_abs; }
+
+// ---- elementwise: generic over the value type ----------------------------------------------------
+
+template <class F>
+struct Ops;
+
+template <>
+struct Ops<float> {
+  using Mask = bool;
+  static QC_HD float round(float v) { return rint_(v); }
+  static QC_HD float floor(float v) {
+#if defined(__CUDA_ARCH__)
+    return floorf(v);
+#else
+    return std::floor(v);
+#endif
+  }
+  static QC_HD bool lt(float a, float b) { return a < b; }
+  static QC_HD bool gt(float a, float b) { return a > b; }
+  static QC_HD bool ge(float a, float b) { return a >= b; }
+  static QC_HD bool le(float a, float b) { return a <= b; }
+  static QC_HD bool both(bool a, bool b) { return a && b; }
+  static QC_HD float select(bool m, float a, float b) { return m ? a : b; }
+  static QC_HD float abs(float v) { return fabs_(v); }
+};
+
+// Rounding of v = x / s (or (x - z) / s). DS: deepspeed numerics.
+template <class F, bool STOCHASTIC, bool DS>
+QC_HD F round_code(F v, F u) {
+  using O = Ops<F>;
+  if (!STOCHASTIC) return O::round(v);
+  if (DS) return O::round(v + (u - F(0.5f)));
+  return O::floor(v + u);
+}
+
+// Unclamped integer code r of x (reference.quantize_view before clamp).
+// ASYM_DS: deepspeed asymmetric (subtract z first, no zero point); ADD_ZP: default asymmetric.
+template <class F, bool STOCHASTIC, bool DS, bool ASYM_DS, bool ADD_ZP>
+QC_HD F int_code(F x, F s, F z, F zp, F u) {
+  F v = ASYM_DS ? (x - z) / s : x / s;
+  F r = round_code<F, STOCHASTIC, DS>(v, u);
+  return ADD_ZP ? r + zp : r;
+}
+
+// torch.clamp(r, qmin, qmax): NaN passes through.
+template <class F>
+QC_HD F clamp_code(F r, F qmin, F qmax) {
+  using O = Ops<F>;
+  r = O::select(O::lt(r, qmin), qmin, r);
+  return O::select(O::gt(r, qmax), qmax, r);
+}
+
+template <class F>
+QC_HD typename Ops<F>::Mask inside_range(F r, F qmin, F qmax) {
+  using O = Ops<F>;
+  return O::both(O::ge(r, qmin), O::le(r, qmax));
+}
+
+// x^ from the clamped code q (reference.dequantize_view).
+template <class F, bool ASYM_DS, bool ADD_ZP>
+QC_HD F dequant_code(F q, F s, F z, F zp) {
+  if (ASYM_DS) return q * s + z;
+  if (ADD_ZP) return (q - zp) * s;
+  return q * s;
+}
+
+// Binary code: default numerics +1 for x >= 0 else -1 (NaN -> -1); deepspeed sign(x).
+template <class F, bool DS>
+QC_HD F binary_code(F x) {
+  using O = Ops<F>;
+  if (DS) return O::select(O::gt(x, F(0.0f)), F(1.0f), O::select(O::lt(x, F(0.0f)), F(-1.0f), F(0.0f)));
+  return O::select(O::ge(x, F(0.0f)), F(1.0f), F(-1.0f));
+}
+
+template <class F>
+QC_HD F ternary_code(F x, F thr) {
+  using O = Ops<F>;
+  return O::select(O::gt(x, thr), F(1.0f), O::select(O::lt(x, F(0.0f) - thr), F(-1.0f), F(0.0f)));
+}
+
+// ---- 1-bit compressor (onebit.py) ----------------------------------------------------------------
+
+// scale = ||y|| / sqrt(n): float64 sum of squares, one rounding to float32 at the end.
+QC_HD float onebit_scale(double sum_sq, int64_t n) {
+  double m = sum_sq / static_cast<double>(n < 1 ? 1 : n);
+#if defined(__CUDA_ARCH__)
+  return static_cast<float>(sqrt(m));
+#else
+  return static_cast<float>(std::sqrt(m));
+#endif
+}
+
+// new error = y - scale * sign, sign = +1 for y >= 0 (zero counts as positive).
+QC_HD float onebit_error(float y, float scale) { return y >= 0.0f ? y - scale : y - (-scale); }
+
+}  // namespace qc

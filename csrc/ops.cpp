@@ -1,0 +1,40 @@
+// Operator schemas (declared once) and their CPU kernels. The CUDA kernels are registered in
+// csrc/cuda_ops.cpp when the extension is built with CUDA; fake (meta) kernels and autograd are
+// registered from Python in qcompress/quant/kernels.py.
+#include <torch/library.h>
+
+#include "cpu/kernels.h"
+
+TORCH_LIBRARY(qcompress, m) {
+  // x viewed as [rows, cols], groups of `group` along cols; kind 0 int / 1 binary / 2 ternary;
+  // rounding 0 nearest / 1 stochastic; range: optional float32 [min, max] (static range).
+  m.def("fake_quant(Tensor x, Tensor? range, int rows, int cols, int group, int bits, int kind, "
+        "bool symmetric, bool deepspeed, int rounding, int seed, bool with_mask) -> (Tensor, Tensor)");
+  m.def("quantize(Tensor x, Tensor? range, int rows, int cols, int group, int bits, int kind, "
+        "bool symmetric, bool deepspeed, int rounding, int seed) -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize(Tensor q, Tensor scale, Tensor? zero_point, int rows, int cols, int group, "
+        "ScalarType dtype) -> Tensor");
+  m.def("ste_backward(Tensor grad, Tensor mask) -> Tensor");
+  m.def("pack_int32(Tensor q, int bits) -> Tensor");
+  m.def("unpack_int32(Tensor packed, int bits, int length) -> Tensor");
+  m.def("onebit_compress(Tensor x, Tensor error) -> (Tensor, Tensor, Tensor)");
+  m.def("onebit_decode_average(Tensor packed, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
+  m.impl("fake_quant", &qc::fake_quant_cpu);
+  m.impl("quantize", &qc::quantize_cpu);
+  m.impl("dequantize", &qc::dequantize_cpu);
+  m.impl("ste_backward", &qc::ste_backward_cpu);
+  m.impl("pack_int32", &qc::pack_int32_cpu);
+  m.impl("unpack_int32", &qc::unpack_int32_cpu);
+  m.impl("onebit_compress", &qc::onebit_compress_cpu);
+  m.impl("onebit_decode_average", &qc::onebit_decode_average_cpu);
+}
+
+// Importing qcompress._C registers the operators; the module itself has no functions.
+#include <Python.h>
+
+static struct PyModuleDef qc_module = {PyModuleDef_HEAD_INIT, "_C", "qcompress C++/CUDA operators", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&qc_module); }

@@ -1,0 +1,32 @@
+"""train_batch_size = micro_batch × gradient_accumulation × world_size: any two give the third."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..errors import ConfigError
+
+
+def resolve_batch(tbs: Optional[int], mbs: Optional[int], gas: Optional[int],
+                  world: int) -> Tuple[Optional[int], Optional[int], int]:
+    """Return (train_batch_size, micro_batch, accumulation); ConfigError when they disagree."""
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * world:
+            raise ConfigError("train_batch_size", f"{tbs} != train_micro_batch_size_per_gpu ({mbs}) × "
+                              f"gradient_accumulation_steps ({gas}) × world size ({world}) = {mbs * gas * world}")
+        return tbs, mbs, gas
+    if tbs is not None and mbs is not None:
+        if tbs % (mbs * world):
+            raise ConfigError("train_batch_size", f"{tbs} is not divisible by train_micro_batch_size_per_gpu "
+                              f"({mbs}) × world size ({world})")
+        return tbs, mbs, tbs // (mbs * world)
+    if tbs is not None:
+        gas = gas or 1
+        if tbs % (gas * world):
+            raise ConfigError("train_batch_size", f"{tbs} is not divisible by gradient_accumulation_steps "
+                              f"({gas}) × world size ({world})")
+        return tbs, tbs // (gas * world), gas
+    if mbs is not None:
+        gas = gas or 1
+        return mbs * gas * world, mbs, gas
+    # No batch size at all: the engine only needs the accumulation count.
+    return None, None, gas or 1

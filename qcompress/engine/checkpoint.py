@@ -1,0 +1,346 @@
+"""Engine checkpoints: torch.distributed.checkpoint for tensors, JSON for the rest, committed atomically.
+
+Layout of <dir>/<tag>/: DCP files (model.*, optim.*, compression.*, lr.*), engine.json (rank 0:
+counters, loss scaler, LR and compression schedulers, optimizer hyper-parameters, client state)
+and ranks/rank<r>.json (RNG states and other per-rank values). Everything is first written into
+<dir>/.<tag>.tmp and renamed into place by rank 0 once every rank has finished, then <dir>/latest
+is replaced atomically, so a crash mid-save leaves the previous checkpoint and `latest` intact.
+
+Optimizer state, by how it is distributed:
+- "dcp" (stage 0 and FSDP2 stages 2/3): torch's get/set_optimizer_state_dict, keyed by
+  parameter name; FSDP2's sharded state reshards on load, so another world size works.
+- "zero1" (ZeroRedundancyOptimizer): each rank writes the state of the parameters it owns under
+  the same names; loading allocates from the checkpoint's metadata what the new owner needs.
+- "per_rank" (1-bit optimizers): each rank's full optimizer.state_dict() (their compression
+  errors differ per rank); a rank missing from the checkpoint starts from rank 0's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from .serialize import flatten, tensor_keys, unflatten
+
+FORMAT_VERSION = 1
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier(group=None) -> None:
+    if _dist_on() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Any:
+    with open(path, "r", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when torch.distributed is off; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not tag or tag.startswith(".") or "/" in tag or os.sep in tag or tag == "latest":
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', "
+                         "not 'latest')")
+    return tag
+
+
+# --- RNG -------------------------------------------------------------------------------------
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --- optimizer state -------------------------------------------------------------------------
+def _optim_mode(engine) -> str:
+    if engine.onebit:
+        return "per_rank"
+    return "zero1" if engine.stage == 1 and engine.world_size > 1 else "dcp"
+
+
+def _zero1_owned(engine):
+    """(fqn, param) for the parameters whose state this rank's ZeroRedundancyOptimizer shard holds."""
+    names = engine.param_names
+    for group in engine.optimizer.optim.param_groups:
+        for p in group["params"]:
+            yield names[p], p
+
+
+def _group_hparams(groups):
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _collect_optimizer(engine, tensors, rank_extra) -> Dict[str, Any]:
+    mode = _optim_mode(engine)
+    meta: Dict[str, Any] = {"mode": mode}
+    if mode == "dcp":
+        sd = get_optimizer_state_dict(engine.wrapped, engine.optimizer)
+        meta["skeleton"] = flatten(sd, "optim", tensors)
+    elif mode == "zero1":
+        scalars = {}
+        for fqn, p in _zero1_owned(engine):
+            for k, v in engine.optimizer.optim.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optim.state.{fqn}.{k}"] = v
+                else:
+                    scalars.setdefault(fqn, {})[k] = v
+        rank_extra["optim_scalars"] = scalars
+        meta["param_groups"] = _group_hparams(engine.optimizer.param_groups)
+    else:
+        sd = engine.optimizer.state_dict()
+        rank_extra["optim_skeleton"] = flatten(sd, f"optim.rank{engine.rank}", tensors)
+    return meta
+
+
+def _alloc_from_metadata(md, key: str) -> torch.Tensor:
+    entry = md.state_dict_metadata[key]
+    return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+
+
+# --- save ------------------------------------------------------------------------------------
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+    tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = os.fspath(save_dir)
+    final = os.path.join(save_dir, tag)
+    tmp = os.path.join(save_dir, f".{tag}.tmp")
+    rank, group = engine.rank, engine.group
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)      # leftovers of a crashed save
+        os.makedirs(os.path.join(tmp, "ranks"))
+    _barrier(group)
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for k, v in get_model_state_dict(engine.wrapped).items():
+        tensors[f"model.{k}"] = v
+    rank_extra: Dict[str, Any] = {"rng": rng_state()}
+    meta: Dict[str, Any] = {
+        "format": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
+        "precision": engine.precision, "counters": engine.counters(),
+        "optimizer": _collect_optimizer(engine, tensors, rank_extra),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "lr_scheduler": (flatten(engine.lr_scheduler.state_dict(), "lr", tensors)
+                         if engine.lr_scheduler is not None else None),
+        "compression": (flatten(engine.compression_scheduler.state_dict(), "compression", tensors)
+                        if engine.compression_scheduler is not None else None),
+        "client_state": flatten(client_state or {}, "client", tensors),
+    }
+    with _quiet_single_process():
+        dcp.save(tensors, checkpoint_id=tmp, process_group=group, no_dist=not _dist_on())
+    _write_json(os.path.join(tmp, "ranks", f"rank{rank}.json"), flatten(rank_extra, "", {}, inline=True))
+    if rank == 0:
+        _write_json(os.path.join(tmp, "engine.json"), meta)
+    _barrier(group)
+    if rank == 0:
+        old = os.path.join(save_dir, f".{tag}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, old)                   # `latest` may name another tag meanwhile
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        latest = os.path.join(save_dir, "latest")
+        tmp_latest = f"{latest}.tmp"
+        with open(tmp_latest, "w", encoding="utf-8") as fh:
+            fh.write(tag)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_latest, latest)
+        _fsync_dir(save_dir)
+    _barrier(group)
+    return final
+
+
+# --- load ------------------------------------------------------------------------------------
+def resolve(load_dir: str, tag: Optional[str]) -> str:
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the 'latest' file is missing; "
+                                    "pass tag= to pick one")
+        with open(latest, "r", encoding="utf-8") as fh:
+            tag = fh.read().strip()
+    path = os.path.join(load_dir, _check_tag(tag))
+    if not os.path.isfile(os.path.join(path, "engine.json")):
+        raise FileNotFoundError(f"{path!r} is not a complete qcompress checkpoint (engine.json missing)")
+    return path
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
+                    load_optimizer_states: bool = True) -> Tuple[str, dict]:
+    path = resolve(load_dir, tag)
+    meta = _read_json(os.path.join(path, "engine.json"))
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    md = dcp.FileSystemReader(path).read_metadata()
+    rank = engine.rank
+    rank_file = os.path.join(path, "ranks", f"rank{rank}.json")
+    same_rank = os.path.isfile(rank_file) and meta["world_size"] == engine.world_size
+    rank_extra = unflatten(_read_json(rank_file if same_rank else os.path.join(path, "ranks", "rank0.json")), {})
+
+    target: Dict[str, torch.Tensor] = {}
+    model_sd = get_model_state_dict(engine.wrapped)
+    for k, v in model_sd.items():
+        target[f"model.{k}"] = v
+
+    ometa = meta["optimizer"]
+    mode = _optim_mode(engine)
+    optim_plan = None
+    if load_optimizer_states:
+        if ometa["mode"] != mode and not {ometa["mode"], mode} <= {"dcp", "zero1"}:
+            raise ValueError(f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
+                             f"{mode!r} (1-bit optimizer checkpoints load only into 1-bit optimizers)")
+        optim_plan = _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path)
+
+    extra_keys = []
+    for name in ("lr_scheduler", "compression", "client_state"):
+        if meta.get(name) is not None:
+            extra_keys += tensor_keys(meta[name])
+    for key in extra_keys:
+        target[key] = _alloc_from_metadata(md, key)
+
+    with _quiet_single_process():
+        dcp.load(target, checkpoint_id=path, process_group=engine.group, no_dist=not _dist_on())
+
+    set_model_state_dict(engine.wrapped, {k[len("model."):]: v for k, v in target.items()
+                                          if k.startswith("model.")})
+    if optim_plan is not None:
+        optim_plan(target)
+    if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(unflatten(meta["lr_scheduler"], target))
+    if engine.compression_scheduler is not None and meta.get("compression") is not None:
+        engine.with_full_weights(engine.compression_scheduler.load_state_dict,
+                                 unflatten(meta["compression"], target))
+    engine.set_counters(meta["counters"])
+    if same_rank:
+        set_rng_state(rank_extra["rng"])
+    return path, unflatten(meta["client_state"], target)
+
+
+def _saved_optimizer(ometa) -> Dict[str, Any]:
+    """What engine.json holds of the optimizer: {"param_groups": hyper-parameters, "state":
+    {name: {key: non-tensor value}}} (tensor entries are None here), for either save mode."""
+    if ometa.get("skeleton") is not None:                  # "dcp": the whole state-dict skeleton
+        sk = unflatten(ometa["skeleton"], {k: None for k in tensor_keys(ometa["skeleton"])})
+        return {"param_groups": _group_hparams(sk.get("param_groups", [])), "state": sk.get("state", {})}
+    return {"param_groups": ometa.get("param_groups"), "state": {}}
+
+
+def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
+    """Add the optimizer's tensors to `target`; return a function that installs them after load."""
+    saved_keys = [k for k in md.state_dict_metadata if k.startswith("optim.state.")]
+    if mode == "per_rank":
+        skel = rank_extra["optim_skeleton"]
+        for key in tensor_keys(skel):
+            target[key] = _alloc_from_metadata(md, key)
+
+        def install(loaded):
+            engine.optimizer.load_state_dict(unflatten(skel, loaded))
+        return install
+    if not saved_keys:
+        return None                                  # saved before the first step: nothing to restore
+    saved = _saved_optimizer(ometa)
+    hparams = saved.get("param_groups")
+    if mode == "dcp":
+        current = get_optimizer_state_dict(engine.wrapped, engine.optimizer)  # allocates state if needed
+        local: Dict[str, torch.Tensor] = {}
+        skel = flatten(current, "optim", local)
+        for key, t in local.items():
+            if key not in md.state_dict_metadata:
+                raise KeyError(f"{path}: optimizer tensor {key!r} is not in the checkpoint")
+            target[key] = t
+
+        def install(loaded):
+            sd = unflatten(skel, loaded)
+            for fqn, st in saved.get("state", {}).items():      # non-tensor state values
+                for k, v in st.items():
+                    if v is not None and fqn in sd["state"]:
+                        sd["state"][fqn][k] = v
+            for g_now, g_saved in zip(sd["param_groups"], hparams or []):
+                g_now.update(g_saved)
+            set_optimizer_state_dict(engine.wrapped, engine.optimizer, sd)
+        return install
+    # zero1: this rank allocates the state of the parameters it owns now.
+    owned = list(_zero1_owned(engine))
+    for fqn, _ in owned:
+        prefix = f"optim.state.{fqn}."
+        for key in saved_keys:
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                target[key] = _alloc_from_metadata(md, key)
+    scalars = dict(rank_extra.get("optim_scalars", {}))
+    for fname in sorted(os.listdir(os.path.join(path, "ranks"))):  # owners may have changed
+        other = unflatten(_read_json(os.path.join(path, "ranks", fname)), {})
+        for fqn, vals in other.get("optim_scalars", {}).items():
+            scalars.setdefault(fqn, vals)
+
+    def install(loaded):
+        zopt = engine.optimizer
+        if hparams:
+            for g_now, g_saved in zip(zopt.param_groups, hparams):
+                g_now.update(g_saved)
+        for fqn, p in owned:
+            prefix = f"optim.state.{fqn}."
+            st = {}
+            for key, t in loaded.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    name = key[len(prefix):]
+                    st[name] = t if name == "step" else t.to(p.device)
+            st.update(scalars.get(fqn, {}))
+            if st:
+                zopt.optim.state[p] = st
+    return install

@@ -1,0 +1,439 @@
+"""The training engine behind qcompress.initialize (DeepSpeed's rhythm on torch.distributed).
+
+Call `loss = f(engine(x)); engine.backward(loss); engine.step()` for every micro-batch. The
+optimizer steps at accumulation boundaries; gradients are only communicated on the boundary
+micro-step (DDP's require_backward_grad_sync / FSDP2's set_requires_gradient_sync).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import as_config
+from ..errors import ConfigError
+from . import checkpoint as ckpt
+from .batch import resolve_batch
+from .lr_schedules import build_lr_scheduler
+from .memory import memory_report
+from .optimizers import build_optimizer, is_onebit, supports_shard_state
+from .precision import LossScaler, autocast_dtype
+from .zero import broadcast_module_state, build_zero1, full_weights, wrap_ddp, wrap_fsdp
+
+log = logging.getLogger("qcompress.engine")
+
+
+def _setup_distributed(stage: int):
+    """(rank, world_size, backend): reuse a process group, else torchrun's env, else one process.
+
+    FSDP2 needs a process group even alone, so stages 2/3 get a private 1-rank gloo group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)          # env:// from torchrun (RANK, MASTER_ADDR, ...)
+        return dist.get_rank(), world, backend
+    if stage >= 2:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return 0, 1, backend
+    return 0, 1, None
+
+
+def _pick_device(backend: Optional[str]) -> torch.device:
+    if torch.cuda.is_available() and backend in (None, "nccl"):
+        idx = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(idx)
+        return torch.device("cuda", idx)
+    return torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Engine:
+    """Returned by `qcompress.initialize`; see the module docstring for the call rhythm."""
+
+    def __init__(self, model: nn.Module, cfg, model_parameters=None):
+        cfg = as_config(cfg)
+        self.config = cfg
+        zero = cfg.zero_optimization
+        self.stage = zero.stage
+        self.offload = zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu"
+        self.onebit = is_onebit(cfg.optimizer)
+        if self.offload and self.stage < 2:
+            raise ConfigError("zero_optimization.stage",
+                              f"offload (CPUOffloadPolicy) needs FSDP2, i.e. stage 2 or 3; stage {self.stage} "
+                              "keeps parameters and optimizer state where the model is")
+        if self.onebit and self.stage >= 2:
+            raise ConfigError("zero_optimization.stage",
+                              f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
+                              f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
+                              "Use stage 0 or 1")
+        if self.onebit and self.stage == 1 and not supports_shard_state():
+            raise ConfigError("zero_optimization.stage",
+                              f"{cfg.optimizer.type} with stage 1 needs its state sharded by the compressed "
+                              "all-reduce's chunks (build_optimizer(shard_state=True)), which this "
+                              "qcompress.optim does not provide; ZeroRedundancyOptimizer cannot host it "
+                              "(it hands the optimizer averaged gradients of its shard only). Use stage 0")
+        self.rank, self.world_size, backend = _setup_distributed(self.stage)
+        self.group = None                                   # the default (world) group
+        self.device = _pick_device(backend)
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
+            resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                          cfg.gradient_accumulation_steps, self.world_size)
+        self.precision = cfg.precision
+        self._autocast = autocast_dtype(self.precision)
+        self.loss_scaler = LossScaler.from_config(cfg.fp16) if self.precision == "fp16" else None
+        self.gradient_clipping = float(cfg.gradient_clipping)
+        self.wall_clock_breakdown = bool(cfg.wall_clock_breakdown)
+        if self.wall_clock_breakdown and not log.handlers and not logging.getLogger().handlers:
+            # The user asked to see timings: print them even if logging was never configured.
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[qcompress] %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+
+        model.to(self.device)
+        self.module = model
+        # Before wrapping: the scheduler applies step 0 (it may write weights) on whole tensors.
+        self.compression_scheduler = self._make_compression_scheduler(model, cfg)
+        if self.world_size > 1:
+            # Every rank starts from rank 0's model, including compression state that
+            # init_compression derived from each rank's own initial weights.
+            broadcast_module_state(model)
+            self._broadcast_compression_state()
+        names_before = {id(p): n for n, p in model.named_parameters()}
+
+        self._hook = None
+        self.sharded = self.stage >= 2
+        if self.sharded:
+            self.wrapped = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
+                                     cfg.communication_data_type)
+        elif self.world_size > 1:
+            self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
+                                                zero.reduce_bucket_size, cfg.communication_data_type,
+                                                self.wall_clock_breakdown)
+        else:
+            self.wrapped = model
+        self.param_names = {p: n for n, p in model.named_parameters()}
+        params = self._resolve_params(model, model_parameters, names_before)
+        self.optimizer = self._make_optimizer(params, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.scheduler)
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._observers = self._static_observers(model)
+        self._has_buffers = any(True for _ in model.buffers())
+
+        self.global_steps = 0        # optimizer boundaries, skipped fp16 steps included (as DeepSpeed)
+        self.micro_steps = 0
+        self._accumulated = 0        # micro-batches since the last boundary
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: Optional[float] = None
+        self._timers: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "allreduce": 0.0, "step": 0.0}
+        self.last_timings: Dict[str, Optional[float]] = {}
+
+    # --- construction helpers ----------------------------------------------------------------
+    @staticmethod
+    def _make_compression_scheduler(model, cfg):
+        try:
+            from ..schedule import CompressionScheduler
+        except ImportError:
+            return None
+        return CompressionScheduler(model, cfg)
+
+    def _broadcast_compression_state(self) -> None:
+        sched = self.compression_scheduler
+        if sched is None:
+            return
+        from .serialize import flatten, unflatten
+        tensors: Dict[str, torch.Tensor] = {}
+        skel = flatten(sched.state_dict(), "c", tensors)
+        synced = {}
+        for key in sorted(tensors):
+            t = tensors[key].to(self.device).contiguous()
+            dist.broadcast(t, src=0, group=self.group)
+            synced[key] = t.to(tensors[key].device)
+        sched.load_state_dict(unflatten(skel, synced))
+
+    @staticmethod
+    def _resolve_params(model, model_parameters, names_before):
+        """The optimizer's params (or param groups), mapped onto the wrapped model's parameters
+        (FSDP2 replaces them with sharded DTensors)."""
+        now = dict(model.named_parameters())
+        if model_parameters is None:
+            return [p for p in now.values() if p.requires_grad]
+
+        def remap(p):
+            name = names_before.get(id(p))
+            if name is None:
+                if any(p is q for q in now.values()):
+                    return p
+                raise ValueError("model_parameters holds a tensor that is not a parameter of the model")
+            return now[name]
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            return [dict(g, params=[remap(p) for p in g["params"]]) for g in items]
+        return [remap(p) for p in items]
+
+    def _make_optimizer(self, params, cfg):
+        opt_cfg = cfg.optimizer
+        if opt_cfg is None:
+            raise ConfigError("optimizer", "initialize() needs an optimizer section (type and params)")
+        if self.stage == 1 and self.world_size > 1:
+            if self.onebit:
+                # 1-bit optimizers shard their own state by the compressed all-reduce's chunks.
+                return build_optimizer(params, opt_cfg, group=self.group, shard_state=True)
+            return build_zero1(params, lambda groups: build_optimizer(groups, opt_cfg), self.group)
+        return build_optimizer(params, opt_cfg, group=self.group)
+
+    @staticmethod
+    def _static_observers(model):
+        out = []
+        for m in model.modules():
+            aq = getattr(m, "qc_aq", None)
+            if aq is not None and getattr(aq, "calibration", None) == "static":
+                out.append(aq.observer)
+        return out
+
+    # --- the training rhythm -----------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while the current micro-batch is the last one before an optimizer step."""
+        return self._accumulated + 1 >= self.gradient_accumulation_steps
+
+    @property
+    def _allreduce_gradients(self) -> bool:
+        return bool(getattr(self.optimizer, "allreduce_gradients", True))
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        if self.sharded:
+            self.wrapped.set_requires_gradient_sync(sync)
+            if self.stage == 2:
+                # ZeRO-2 keeps whole weights: between accumulation micro-steps they stay gathered,
+                # so the next forward needs no all-gather; the boundary reshards for the step.
+                self.wrapped.set_reshard_after_backward(sync)
+        elif self.wrapped is not self.module:
+            self.wrapped.require_backward_grad_sync = sync
+
+    def forward(self, *args, **kwargs):
+        self._set_grad_sync(self.is_gradient_accumulation_boundary() and self._allreduce_gradients)
+        t0 = time.perf_counter()
+        ctx = (torch.autocast(self.device.type, dtype=self._autocast) if self._autocast is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out = self.wrapped(*args, **kwargs)
+        self._timers["forward"] += self._elapsed(t0)
+        return out
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate loss / accumulation steps (× the fp16 loss scale); returns the loss."""
+        scale = 1.0 / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        t0 = time.perf_counter()
+        hook_before = self._hook.seconds if self._hook is not None else 0.0
+        (loss.float() * scale if scale != 1.0 else loss).backward()
+        took = self._elapsed(t0)
+        if self._hook is not None:
+            comm = self._hook.seconds - hook_before
+            self._timers["allreduce"] += comm
+            took -= comm
+        self._timers["backward"] += took
+        return loss
+
+    def step(self) -> None:
+        """End of a micro-batch; at an accumulation boundary: unscale, clip, optimizer step,
+        LR and compression schedules (skipped together on every rank on fp16 overflow)."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self._accumulated += 1
+        if not boundary:
+            return
+        self._accumulated = 0
+        t0 = time.perf_counter()
+        overflow = self._unscale_and_clip()
+        if overflow:
+            self.skipped_steps += 1
+            if self.rank == 0:
+                log.info("step %d: fp16 gradient overflow, step skipped; loss scale %g -> %g",
+                         self.global_steps + 1, self.loss_scaler.scale,
+                         self._peek_scale_after_overflow())
+        else:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if self.compression_scheduler is not None:
+                self._compression_step()
+        self._sync_state()            # forwards moved buffers and ranges even on a skipped step
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        if self.train_batch_size is not None:
+            self.global_samples += self.train_batch_size
+        self._timers["step"] += self._elapsed(t0)
+        self._report_timers()
+
+    def _peek_scale_after_overflow(self) -> float:
+        s = self.loss_scaler
+        if s.dynamic and s.hysteresis_left <= 1:
+            return max(s.scale / 2.0, s.min_scale)
+        return s.scale
+
+    def _unscale_and_clip(self) -> bool:
+        """Global gradient norm across ranks and shards, fp16 unscale and clipping in one multiply.
+
+        Returns True when fp16 gradients overflowed on any rank."""
+        fp16 = self.loss_scaler is not None
+        if not fp16 and self.gradient_clipping <= 0:
+            return False
+        grads = [_local(p.grad) for p in self._trainable if p.grad is not None]
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            norms = torch._foreach_norm([g for g in grads if g.numel() > 0]) if grads else []
+            if norms:
+                sumsq = torch.stack([n.to(self.device, torch.float64) for n in norms]).square().sum()
+        local_grads = not self.sharded and not self._allreduce_gradients and self.world_size > 1
+        flag = torch.zeros((), dtype=torch.float64, device=self.device)
+        flag += (~torch.isfinite(sumsq)).to(torch.float64)
+        if self.world_size > 1 and (self.sharded or local_grads or fp16):
+            # Shards and local gradients add up their squares; replicated DDP grads already agree.
+            contrib = sumsq if (self.sharded or local_grads) else torch.zeros_like(sumsq)
+            buf = torch.stack([torch.nan_to_num(contrib, nan=0.0, posinf=0.0), flag])
+            dist.all_reduce(buf, group=self.group)
+            flag = buf[1]
+            if self.sharded:
+                sumsq = buf[0]
+            elif local_grads:
+                sumsq = buf[0] / self.world_size        # RMS over ranks of the local norms
+        overflow = bool(flag.item() > 0)
+        if overflow and fp16:
+            self._global_grad_norm = float("inf")
+            return True
+        inv_scale = 1.0 / self.loss_scaler.scale if fp16 else 1.0
+        norm = float(sumsq.sqrt().item()) * inv_scale
+        self._global_grad_norm = norm
+        coef = inv_scale
+        if self.gradient_clipping > 0 and norm > 0:
+            clip = self.gradient_clipping / (norm + 1e-6)
+            if clip < 1.0:
+                coef *= clip
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        return False
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Norm of the (unscaled, unclipped) averaged gradient at the last boundary; computed only
+        when gradient_clipping or fp16 is on."""
+        return self._global_grad_norm
+
+    # --- keeping ranks consistent ------------------------------------------------------------
+    def _compression_step(self) -> None:
+        self.with_full_weights(self.compression_scheduler.step)
+
+    def with_full_weights(self, fn, *args):
+        """Run fn (which reads or writes compress-aware modules' weights outside forward, e.g. the
+        compression scheduler) with whole weights in place of FSDP2 shards."""
+        if not self.sharded:
+            return fn(*args)
+        with full_weights(self.module, self.rank, self.world_size, self.device):
+            return fn(*args)
+
+    @torch.no_grad()
+    def _sync_state(self) -> None:
+        """Ranks see different data, so buffers and static activation ranges drift apart. Like DDP's
+        broadcast_buffers, rank 0's buffers win; static ranges are averaged. Once per optimizer step."""
+        if self.world_size == 1:
+            return
+        if self._has_buffers:
+            bufs = list(self.module.buffers())
+            for dtype in dict.fromkeys(b.dtype for b in bufs):   # same order on every rank
+                same = [b for b in bufs if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in same])
+                dist.broadcast(flat, src=0, group=self.group)
+                torch._foreach_copy_(same, [v.view_as(b) for v, b in
+                                            zip(torch.split(flat, [b.numel() for b in same]), same)])
+        live = [o for o in self._observers if o.initialized]
+        if live:
+            flat = torch.stack([t.to(self.device, torch.float32) for o in live for t in (o.min, o.max)])
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.world_size
+            for i, o in enumerate(live):
+                o.min, o.max = flat[2 * i].clone(), flat[2 * i + 1].clone()
+
+    # --- timing ------------------------------------------------------------------------------
+    def _elapsed(self, t0: float) -> float:
+        if self.wall_clock_breakdown and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _report_timers(self) -> None:
+        t = dict(self._timers)
+        if self.sharded:
+            t["allreduce"] = None    # FSDP2's reduce-scatter runs inside backward
+        elif self._hook is None:
+            t["allreduce"] = None if self.world_size > 1 else 0.0
+        self.last_timings = t
+        for k in self._timers:
+            self._timers[k] = 0.0
+        if self.wall_clock_breakdown and self.rank == 0:
+            def ms(v):
+                return "n/a (inside backward)" if v is None else f"{v * 1e3:.2f} ms"
+            log.info("step %d: forward %s | backward %s | allreduce %s | step %s", self.global_steps,
+                     ms(t["forward"]), ms(t["backward"]), ms(t["allreduce"]), ms(t["step"]))
+
+    # --- modes and accessors -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes on this rank: parameters, gradients, optimizer state (see engine.memory)."""
+        return memory_report(self.module, self.optimizer, self.stage, self.offload)
+
+    def counters(self) -> Dict[str, int]:
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
+
+    def set_counters(self, c: Dict[str, int]) -> None:
+        self.global_steps = int(c["global_steps"])
+        self.micro_steps = int(c["micro_steps"])
+        self.global_samples = int(c["global_samples"])
+        self.skipped_steps = int(c["skipped_steps"])
+        self._accumulated = 0        # checkpoints hold no partial gradients: start a fresh step
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+        """Collective: every rank calls it. Returns the checkpoint directory."""
+        if self._accumulated and self.rank == 0:
+            log.warning("saving a checkpoint %d micro-batches into an accumulation step: the partial "
+                        "gradients are not saved; resume starts a fresh step", self._accumulated)
+        return ckpt.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_optimizer_states: bool = True):
+        """Collective. Returns (path, client_state), as DeepSpeed does."""
+        return ckpt.load_checkpoint(self, load_dir, tag, load_optimizer_states)

@@ -1,0 +1,164 @@
+"""ZeRO stages on PyTorch's own engines: 0 = DDP, 1 = DDP + ZeroRedundancyOptimizer,
+2 = FSDP2 fully_shard(reshard_after_forward=False), 3 = fully_shard, offload = CPUOffloadPolicy."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None, None: None}
+
+
+def comm_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    return _COMM_DTYPES[name]
+
+
+@torch.no_grad()
+def broadcast_module_state(model: nn.Module, src: int = 0, group=None) -> None:
+    """Make every rank start from rank `src`'s parameters and buffers (one collective per dtype)."""
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())]
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in group_tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+class GradReduceHook:
+    """DDP comm hook: average a bucket across ranks, optionally in fp16/bf16 (works on gloo,
+    unlike torch's bf16_compress_hook on CPU). With `timed`, the all-reduce runs synchronously so
+    its wall time can be attributed (wall_clock_breakdown); otherwise it overlaps with backward."""
+
+    def __init__(self, group, world_size: int, dtype: Optional[torch.dtype], timed: bool):
+        self.group, self.world_size, self.dtype, self.timed = group, world_size, dtype, timed
+        self.seconds = 0.0
+
+    def reduce(self, bucket):
+        buf = bucket.buffer()
+        # Divide first so fp16 sums cannot overflow (as torch's fp16_compress_hook does).
+        send = buf.div(self.world_size).to(self.dtype) if self.dtype is not None else buf.div_(self.world_size)
+        if self.timed:
+            t0 = time.perf_counter()
+            dist.all_reduce(send, group=self.group)
+            if send.is_cuda:
+                torch.cuda.synchronize(send.device)
+            self.seconds += time.perf_counter() - t0
+            if send is not buf:
+                buf.copy_(send)
+            fut = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+        work = dist.all_reduce(send, group=self.group, async_op=True)
+
+        def done(f):
+            if send is not buf:
+                buf.copy_(send)
+            return buf
+        return work.get_future().then(done)
+
+
+def grad_reduce_hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
+    """The function DDP calls per bucket; the GradReduceHook instance is its state."""
+    return state.reduce(bucket)
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_bytes: int,
+             dtype_name: Optional[str], timed: bool):
+    device_ids = [device.index] if device.type == "cuda" else None
+    # Buffers are synced at optimizer boundaries instead of every forward (no communication on
+    # accumulation micro-steps); the keyword was renamed in recent torch.
+    import inspect
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                      inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
+    ddp = DDP(model, device_ids=device_ids, process_group=group,
+              bucket_cap_mb=max(bucket_bytes / (1024 * 1024), 1e-3),
+              gradient_as_bucket_view=True,     # grads live in the buckets: no second copy
+              **no_buffer_sync)
+    hook = None
+    dtype = comm_dtype(dtype_name)
+    if dtype is not None or timed:
+        hook = GradReduceHook(group, world_size, dtype, timed)
+        ddp.register_comm_hook(hook, grad_reduce_hook)
+    return ddp, hook
+
+
+def _owns_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload: bool,
+              dtype_name: Optional[str]):
+    """fully_shard every module that owns parameters, then the root (FSDP2's usual recipe)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+    kwargs = dict(mesh=mesh, reshard_after_forward=(stage == 3),
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
+                  mp_policy=MixedPrecisionPolicy(reduce_dtype=comm_dtype(dtype_name)))
+    for name, module in model.named_modules():
+        if name and _owns_params(module):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def build_zero1(params, factory, group):
+    """ZeroRedundancyOptimizer over `factory(param_groups)` (any optimizer built from the config)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def constructor(param_groups, **_):
+        return factory(param_groups)
+    return ZeroRedundancyOptimizer(params, optimizer_class=constructor, process_group=group)
+
+
+def _gather(p, device: torch.device) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor parameter, gathered on the training device (an
+    offloaded shard lives in CPU memory, which NCCL cannot gather from)."""
+    local = p.to_local()
+    if local.device == device:
+        return p.full_tensor()
+    from torch.distributed.tensor import DTensor
+    on_device = DTensor.from_local(local.to(device), p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+    return on_device.full_tensor()
+
+
+@contextlib.contextmanager
+def full_weights(model: nn.Module, rank: int, world: int, device: torch.device):
+    """Give compress-aware modules whole weights (not FSDP2 shards) while the compression scheduler
+    reads or rewrites them at step time, then copy each rank's slice of the result back."""
+    swapped = []
+    for m in model.modules():
+        if not hasattr(m, "qc_wq"):
+            continue
+        for pname, p in list(m._parameters.items()):
+            if p is None or not hasattr(p, "full_tensor"):
+                continue
+            full = nn.Parameter(_gather(p, device), requires_grad=p.requires_grad)
+            m._parameters[pname] = full
+            swapped.append((m, pname, p, full))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, pname, p, full in swapped:
+                local = p.to_local()
+                pieces = torch.chunk(full.detach(), world, dim=0)  # FSDP2 shards dim 0 like torch.chunk
+                mine = pieces[rank] if rank < len(pieces) else full.detach()[:0]
+                if local.shape != mine.shape:
+                    raise RuntimeError(f"cannot map {pname} of {type(m).__name__} back onto its shard "
+                                       f"({tuple(mine.shape)} vs {tuple(local.shape)})")
+                local.copy_(mine)
+                m._parameters[pname] = p

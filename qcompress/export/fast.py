@@ -1,0 +1,422 @@
+"""load_quantized(..., mode="fast"): integer-weight matmuls instead of a float weight per call.
+
+Each loaded quantized module gets a plan, chosen once at load time and logged:
+
+  int_mm    8-bit channel/tensor weights whose input is int8-quantized (dynamic per-token or
+            static per-tensor): the input is quantized to the codes training used and
+            torch._int_mm sums codes x codes exactly in int32; the scales (and zero-point
+            corrections) are applied once per output. W8A8.
+  int_mm24  8-bit channel/tensor weights of a float32 model without activation codes: each
+            token is rounded to a 24-bit integer grid (2^-24 of its largest entry, below fp32
+            rounding of the sums) and split into three signed 8-bit digits; three torch._int_mm
+            calls give exact integer products, combined in float64. No float weight is formed.
+  int8pack  8-bit symmetric channel/tensor weights, bf16/fp16 inputs, no activation codes:
+            torch._weight_int8pack_mm on the stored int8 codes.
+  int4pack  4-bit int group (32/64/128/256) weights of a bf16/fp16 model on CPU:
+            torch._weight_int4pack_mm_for_cpu on a layout converted once at load.
+  dequant   everything else (4-bit float32 layers, 8-bit groups, 2-bit, binary/ternary, conv,
+            embedding, HF Conv1D, odd shapes): the exact path, a float weight per call, with
+            the same values bit for bit. Packed 2/4-bit codes are re-laid out once as bit
+            planes that unpack ~4x faster than the exported int32 words. Logged as a fallback,
+            with the reason.
+
+Why float32 layers do not use int8pack/int4pack: in torch 2.13 on x86 those kernels are
+vectorized only for bfloat16 (float32 runs a scalar loop, 10-25x slower than the fp32 GEMM), and
+int4pack wants a (scale, zero) pair per group in the input dtype, which for float32 is twice the
+bytes of the exported scales. 4-bit float32 layers therefore stay on the dequant plan.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..quant.api import quantize_spec
+from ..quant.reference import make_spec
+from .errors import CheckpointError
+from .reader import _QLinear, QuantizedMixin, _unpack_rows, dequantize_record
+
+log = logging.getLogger("qcompress.export.fast")
+
+INT4_GROUPS = (32, 64, 128, 256)        # what _weight_int4pack_mm_for_cpu accepts
+_HALF = ("bfloat16", "float16")
+_EXACT_BUFFERS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+# --- packed 2/4-bit weights as bit planes (the dequant plan's layout) --------------------------
+# The int32 words of `weight_packed` interleave neighbouring columns, so unpacking them costs a
+# shift per lane over a [rows, words, lanes] tensor. At load we re-store the same bytes as uint8
+# "planes": bits [j*b, (j+1)*b) of byte c hold column j * K/per + c. A plane then unpacks with one
+# shift-and-mask straight into a contiguous column block of the float weight.
+
+def planes_ok(rec: dict) -> bool:
+    w = rec["weights"]
+    if rec["format"] != "pack-quantized" or w["num_bits"] not in (2, 4):
+        return False
+    shape = rec["weight_shape"]
+    k = math.prod(shape[1:]) if len(shape) > 1 else 1
+    per = 8 // w["num_bits"]
+    return k % per == 0 and (w["strategy"] != "group" or k % w["group_size"] == 0)
+
+
+def _to_planes(mod: nn.Module, rec: dict):
+    bits = rec["weights"]["num_bits"]
+    shape = rec["weight_shape"]
+    rows, k = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+    per = 8 // bits
+    u = (_unpack_rows(mod._buffers["weight_packed"], bits, k) + (1 << (bits - 1))).to(torch.uint8)
+    u = u.reshape(rows, per, k // per)
+    planes = u[:, 0].clone()
+    for j in range(1, per):
+        planes |= u[:, j] << (j * bits)
+    del mod._buffers["weight_packed"], mod._buffers["weight_shape"]
+    mod.register_buffer("fast_planes", planes)
+
+
+def planes_codes(rec: dict, planes: torch.Tensor) -> torch.Tensor:
+    """Unsigned codes [rows, K] (uint8, offset by 2^(b-1)) from the planes."""
+    bits = rec["weights"]["num_bits"]
+    per = 8 // bits
+    return torch.cat([(planes >> (j * bits)) & ((1 << bits) - 1) for j in range(per)], dim=1)
+
+
+def planes_dequantize(rec: dict, buf) -> torch.Tensor:
+    """Same values as reader.dequantize_record, bit for bit: (u - 2^(b-1) - zp) * s in fp32."""
+    w = rec["weights"]
+    bits, strat = w["num_bits"], w["strategy"]
+    shape = rec["weight_shape"]
+    rows, k = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+    per, mask = 8 // bits, (1 << bits) - 1
+    planes = buf["fast_planes"]
+    out = torch.empty(rows, k, dtype=torch.float32, device=planes.device)
+    blocks = out.view(rows, per, k // per)
+    for j in range(per):
+        p = planes if j == 0 else planes >> (j * bits)
+        blocks[:, j].copy_(p & mask if j < per - 1 else p)
+    off = float(1 << (bits - 1))
+    zp = buf.get("weight_zero_point")
+    if strat == "group":
+        view, ng = out.view(rows, -1, w["group_size"]), k // w["group_size"]
+        s = buf["weight_scale"].to(torch.float32).reshape(rows, ng, 1)
+        z = None if zp is None else _unpack_rows_dim0(zp, bits, rows).to(torch.float32).reshape(rows, ng, 1)
+    else:
+        view = out
+        s = buf["weight_scale"].to(torch.float32).reshape(-1, 1)
+        if zp is None:
+            z = None
+        elif strat == "tensor":
+            z = zp.to(torch.float32).reshape(1, 1)
+        else:
+            z = _unpack_rows_dim0(zp, bits, rows).to(torch.float32).reshape(rows, 1)
+    # integers are exact in fp32, so u - (off + z) equals the exact path's q - z; then one rounding
+    view.sub_(off if z is None else z + off).mul_(s)
+    out = out.to(getattr(torch, rec["dtype"])).reshape(shape)
+    return out.t() if rec.get("transposed") else out
+
+
+# --- plan selection ------------------------------------------------------------------------------
+
+def _act_codes(rec: dict) -> bool:
+    """Whether the layer's input is quantized to <= 8-bit integer codes we can reproduce."""
+    act = rec.get("input_activations")
+    if act is None or act["num_bits"] > 8:
+        return False
+    return (not act["dynamic"]) or act["strategy"] == "token"
+
+
+def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
+    """(plan, reason) for one loaded module; reason explains a 'dequant' fallback."""
+    w = rec.get("weights")
+    if w is None:
+        return "dense", "not quantized"
+    if rec["kind"] != "linear":
+        return "dequant", f"{rec['kind']} layer (integer kernels cover nn.Linear only)"
+    if rec.get("qtype", "int") != "int":
+        return "dequant", f"{rec['qtype']} weights (no integer kernel)"
+    bits, strat, dtype = w["num_bits"], w["strategy"], rec["dtype"]
+    if bits == 8 and strat in ("channel", "tensor"):
+        if _act_codes(rec) and _has_op("_int_mm"):
+            return "int_mm", ""
+        if rec.get("input_activations") is not None and not _act_codes(rec):
+            return "dequant", "input quantized to more than 8 bits or per-sample"
+        if dtype in _HALF:
+            if w["symmetric"] and _has_op("_weight_int8pack_mm"):
+                return "int8pack", ""
+            return "dequant", f"asymmetric 8-bit weights in a {dtype} layer"
+        if _has_op("_int_mm"):
+            return "int_mm24", ""
+        return "dequant", "this torch has no _int_mm"
+    if bits == 4 and strat in ("group", "channel"):
+        n, k = rec["weight_shape"]
+        gs = w["group_size"] if strat == "group" else k
+        if dtype not in _HALF:
+            return "dequant", ("4-bit float32 layer (torch's int4pack kernel is scalar for float32 "
+                               "and its fp32 scale/zero pairs outweigh the exported scales)")
+        if gs not in INT4_GROUPS or k % gs or n % 16 or k % 2:
+            return "dequant", f"4-bit shape {n}x{k} / group {gs} outside int4pack's limits"
+        if not _has_op("_weight_int4pack_mm_for_cpu"):
+            return "dequant", "this torch has no _weight_int4pack_mm_for_cpu"
+        return "int4pack", ""
+    return "dequant", f"{bits}-bit {strat} weights (no integer kernel)"
+
+
+# --- the fast module -----------------------------------------------------------------------------
+
+class FastMixin:
+    """Loaded quantized module running its plan; `weight` still returns the float weight."""
+
+    @property
+    def weight(self):
+        rec = self.qx_rec
+        if rec.get("weights") is None:
+            return self._parameters["weight"]
+        if self.qx_plan == "int4pack":
+            return _int4pack_weight(self)
+        if "fast_planes" in self._buffers:
+            return planes_dequantize(rec, self._buffers)
+        return dequantize_record(rec, self._buffers)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.qx_plan == "int4pack":
+            raise CheckpointError(f"module {self.qx_name!r} was loaded with mode='fast' into torch's "
+                                  "int4pack kernel layout, which cannot be saved back; load the "
+                                  "checkpoint with mode='exact' to get its state_dict")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        planes = destination.pop(prefix + "fast_planes", None)
+        if planes is not None:                  # back to the exported tensors
+            from ..quant.packing import pack_int32
+            rec = self.qx_rec
+            bits = rec["weights"]["num_bits"]
+            q = planes_codes(rec, planes).to(torch.int8) - (1 << (bits - 1))
+            destination[prefix + "weight_packed"] = pack_int32(q, bits, dim=1)
+            destination[prefix + "weight_shape"] = torch.tensor(rec["weight_shape"], dtype=torch.int64)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", plan: {self.qx_plan}"
+
+
+class FastLinearMixin(FastMixin):
+    def forward(self, x):
+        plan = self.qx_plan
+        if torch.is_grad_enabled() and x.requires_grad:     # the integer kernels have no backward
+            return F.linear(self._qx_input(x), self.weight, self.bias)
+        if plan == "int_mm" and x.is_floating_point() and _int_mm_ok(x, self.qweight):
+            return _forward_int_mm(self, x)
+        x = self._qx_input(x)
+        if plan == "int_mm24" and x.is_floating_point() and _int_mm_ok(x, self.qweight):
+            return _forward_int_mm24(self, x)
+        if plan == "int8pack" and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+            return _forward_int8pack(self, x)
+        if plan == "int4pack":
+            return _forward_int4pack(self, x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _flat(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k).contiguous()
+
+
+def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if self.bias is not None:
+        y = y + self.bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _int_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
+    if x.device != q.device:
+        return False
+    if x.device.type == "cuda":            # cuBLASLt int8 GEMM shape rules
+        m = x.numel() // x.shape[-1]
+        return m > 16 and q.shape[0] % 8 == 0 and q.shape[1] % 8 == 0
+    return x.device.type == "cpu"
+
+
+def _input_codes(self, x2: torch.Tensor):
+    """(codes int8 [M,K], scale [M,1] or [1,1] fp32, zero point int64 or None): the codes whose
+    dequantization is exactly the fake-quantized input of the exact path."""
+    act = self.qx_rec["input_activations"]
+    bits = act["num_bits"]
+    if act["dynamic"]:
+        spec = make_spec(bits, symmetric=act["symmetric"], granularity="token")
+        q, s, zp = quantize_spec(x2, spec)
+        return q.to(torch.int8), s.to(torch.float32), None if zp is None else zp.to(torch.int64)
+    # static range: same ops as codes.static_act_fake_quant
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    s = self.input_scale.to(torch.float32).reshape(1, 1)
+    r = torch.round(x2.to(torch.float32) / s)
+    zp = getattr(self, "input_zero_point", None)
+    if zp is None:
+        return r.clamp(qmin, qmax).to(torch.int8), s, None
+    z = zp.to(torch.float32).reshape(1, 1)
+    return (r + z).clamp(qmin, qmax).to(torch.int8), s, zp.to(torch.int64).reshape(1, 1)
+
+
+def _forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
+    q = self.qweight                                   # int8 [N, K]
+    x2 = _flat(x, q.shape[1])
+    qx, sx, zx = _input_codes(self, x2)
+    acc = torch._int_mm(qx, q.t())                     # exact int32 sums of code products
+    zw = getattr(self, "weight_zero_point", None)
+    if zx is not None or zw is not None:
+        # sum (qx - zx)(qw - zw) = acc - zw*sum(qx) - zx*sum(qw) + K*zx*zw, in int64
+        acc = acc.to(torch.int64)
+        if zw is not None:
+            zw = zw.to(torch.int64).reshape(1, -1)
+            acc = acc - zw * qx.sum(dim=1, dtype=torch.int64).reshape(-1, 1)
+        if zx is not None:
+            acc = acc - zx * q.sum(dim=1, dtype=torch.int64).reshape(1, -1)
+            if zw is not None:
+                acc = acc + q.shape[1] * zx * zw
+    sw = self.weight_scale.to(torch.float32).reshape(1, -1)
+    y = acc.to(torch.float32) * sx * sw
+    return _finish(self, y.to(x.dtype), x)
+
+
+_D1 = 127 * 65536 + 127 * 256 + 127     # largest integer three balanced int8 digits can hold
+
+
+def _digits(x2: torch.Tensor):
+    """x2 [M,K] ~ sx * (65536 a1 + 256 a2 + a3), digits int8, per-row scale sx [M,1] fp32.
+
+    The only rounding is x / sx (in float64) to the integer grid: half a step, 2^-24 of the
+    row's largest |x|; the digit split is exact float32 integer arithmetic (values < 2^24)."""
+    xf = x2.to(torch.float32)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    sx = torch.where(amax > 0, amax / _D1, torch.ones_like(amax))
+    big = torch.round(xf.double() / sx.double()).clamp_(-_D1, _D1).float()   # exact in fp32
+    # 256 a2 + a3 spans [-32896, 32639], so a1 takes what lies outside that window
+    a1 = torch.floor((big + 32896.0) / 65536.0)
+    r = big - a1 * 65536.0                    # [-32896, 32639]
+    a2 = torch.floor((r + 128.0) / 256.0)
+    a3 = r - a2 * 256.0                       # [-128, 127]
+    return (a1.to(torch.int8), a2.to(torch.int8), a3.to(torch.int8)), big, sx
+
+
+def _forward_int_mm24(self, x: torch.Tensor) -> torch.Tensor:
+    q = self.qweight
+    x2 = _flat(x, q.shape[1])
+    (a1, a2, a3), big, sx = _digits(x2)
+    qt = q.t()
+    acc = (torch._int_mm(a1, qt).to(torch.float64) * 65536.0
+           + torch._int_mm(a2, qt).to(torch.float64) * 256.0
+           + torch._int_mm(a3, qt).to(torch.float64))          # exact: |acc| < 2^53
+    zw = getattr(self, "weight_zero_point", None)
+    if zw is not None:                                          # sum_k X_k (q - zw)
+        acc = acc - big.to(torch.float64).sum(dim=1, keepdim=True) * zw.to(torch.float64).reshape(1, -1)
+    sw = self.weight_scale.to(torch.float64).reshape(1, -1)
+    y = (acc * sx.to(torch.float64) * sw).to(x.dtype)
+    return _finish(self, y, x)
+
+
+def _forward_int8pack(self, x: torch.Tensor) -> torch.Tensor:
+    q = self.qweight
+    s = self.weight_scale.to(x.dtype).reshape(-1).expand(q.shape[0]).contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(_flat(x, q.shape[1]), q, s)
+    return _finish(self, y, x)
+
+
+def _forward_int4pack(self, x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu":
+        raise RuntimeError(f"module {self.qx_name!r} holds torch's CPU int4pack layout; load the "
+                           "checkpoint with mode='exact' (or mode='fast' on CPU) for this device")
+    k = self.in_features
+    sz = self.fast_scales_zeros
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_flat(x.to(sz.dtype), k), self.fast_weight_int4,
+                                                   self.fast_group_size, sz)
+    return _finish(self, y.to(x.dtype), x)
+
+
+def _int4pack_weight(self) -> torch.Tensor:
+    """The float weight the int4pack kernel uses: the kernel applied to the identity."""
+    k = self.in_features
+    sz = self.fast_scales_zeros
+    eye = torch.eye(k, dtype=sz.dtype, device=sz.device)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.fast_weight_int4,
+                                                      self.fast_group_size, sz).t().contiguous()
+
+
+def _to_int4pack(mod: nn.Module, rec: dict):
+    """Replace the exported 4-bit buffers by torch's CPU int4pack layout (once, at load)."""
+    w = rec["weights"]
+    n, k = rec["weight_shape"]
+    gs = w["group_size"] if w["strategy"] == "group" else k
+    buf = mod._buffers
+    q = _unpack_rows(buf["weight_packed"], 4, k)                 # signed codes [-8, 7]
+    scale = buf["weight_scale"].to(torch.float32).reshape(n, -1)
+    zp = buf.get("weight_zero_point")
+    # kernel: w = (u - 8) * s + z with u = q + 8, so z = -zp * s (0 when symmetric)
+    zero = torch.zeros_like(scale) if zp is None else -(_unpack_rows_dim0(zp, 4, n).to(torch.float32) * scale)
+    dt = getattr(torch, rec["dtype"])
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dt).contiguous()          # [ng, N, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32).contiguous(), 1)
+    for name in _EXACT_BUFFERS:
+        buf.pop(name, None)
+    mod.register_buffer("fast_weight_int4", packed)
+    mod.register_buffer("fast_scales_zeros", sz)
+    mod.fast_group_size = gs
+
+
+def _unpack_rows_dim0(zp: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    from ..quant.packing import unpack_int32
+    return unpack_int32(zp, bits, rows, dim=0)
+
+
+_CACHE: Dict[type, type] = {}
+
+
+def _swap_fast(mod: nn.Module, plan: str):
+    base = type(mod)
+    if base not in _CACHE:
+        mixin = FastLinearMixin if issubclass(base, _QLinear) else FastMixin
+        _CACHE[base] = type("Fast" + base.__name__, (mixin, base), {"__module__": __name__})
+    mod.__class__ = _CACHE[base]
+    mod.qx_plan = plan
+
+
+def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
+    """Give every loaded quantized module of `root` its fast plan; returns name -> (plan, reason)."""
+    named = dict(root.named_modules())
+    plans: Dict[str, Tuple[str, str]] = {}
+    for name, rec in modules.items():
+        mod = named[name]
+        if not isinstance(mod, QuantizedMixin) or rec.get("weights") is None:
+            continue
+        plan, why = choose_plan(mod, rec)
+        if plan == "int4pack":
+            _to_int4pack(mod, rec)
+        elif plan == "dequant" and planes_ok(rec):
+            _to_planes(mod, rec)
+        _swap_fast(mod, plan)
+        plans[name] = (plan, why)
+    fallbacks = {n: why for n, (p, why) in plans.items() if p == "dequant"}
+    counts = {}
+    for p, _ in plans.values():
+        counts[p] = counts.get(p, 0) + 1
+    log.info("load_quantized(mode='fast'): %s", ", ".join(f"{c} x {p}" for p, c in sorted(counts.items())))
+    for n, why in fallbacks.items():
+        log.info("load_quantized(mode='fast'): %r falls back to dequantize-per-call: %s", n, why)
+    return plans
+
+
+def plans_of(model: nn.Module) -> Dict[str, str]:
+    """name -> plan for every fast-loaded module (for inspection and tests)."""
+    return {n: m.qx_plan for n, m in model.named_modules() if isinstance(m, FastMixin)}
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds (shared storage counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total

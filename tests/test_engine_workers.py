@@ -1,0 +1,342 @@
+"""Rank-side code for tests/test_engine.py (spawned by tests/dist_utils.run_ranks).
+
+Each worker runs many checks inside one process group and returns plain data; the assertions
+live in test_engine.py. No test functions here.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qcompress as qc
+from qcompress.engine import initialize
+
+IN, HID, OUT = 16, 32, 8
+STEPS = 6
+SAVE_AT = 3
+
+# W8A8: weights 10 -> 8 bits (drops after 2 and 4 optimizer steps, written at step time),
+# activations 8 bits with static (EMA) ranges from step 0.
+COMPRESSION = {
+    "weight_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "symmetric"},
+        "different_groups": {"wq": {"params": {"start_bits": 10, "target_bits": 8, "quantization_period": 2},
+                                    "modules": ["*"]}},
+    },
+    "activation_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["*"]}},
+    },
+}
+
+
+def make_cfg(stage=0, micro=4, gas=2, world=2, offload=False, static_ranges=True, **extra):
+    compression = copy.deepcopy(COMPRESSION)
+    if not static_ranges:   # per-token ranges do not depend on how samples are grouped
+        compression["activation_quantization"]["shared_parameters"]["range_calibration"] = "dynamic"
+    cfg = {
+        "train_batch_size": micro * gas * world,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                                     "warmup_num_steps": 3, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage},
+        "compression_training": compression,
+    }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    cfg.update(extra)
+    return cfg
+
+
+def make_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, OUT))
+    return qc.init_compression(model, qc.load_config(cfg))
+
+
+def global_batch(step, tbs):
+    """The same global batch of `tbs` samples for a step, whatever the world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(tbs, IN, generator=g)
+    y = torch.randint(0, OUT, (tbs,), generator=g)
+    return x, y
+
+
+def micro_batch(step, micro_idx, rank, world, micro, gas):
+    """Rank r's micro-batch m of a step; sample order: [rank][micro] blocks."""
+    x, y = global_batch(step, micro * gas * world)
+    start = (rank * gas + micro_idx) * micro
+    return x[start:start + micro], y[start:start + micro]
+
+
+def train_steps(engine, first, last, world, micro, gas, rank, hook=None):
+    """Optimizer steps first..last-1; returns per-micro-batch losses and grad norms."""
+    losses, norms = [], []
+    for step in range(first, last):
+        for m in range(gas):
+            x, y = micro_batch(step, m, rank, world, micro, gas)
+            loss = F.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            if hook is not None:
+                hook(engine, step, m)
+            engine.step()
+            losses.append(loss.detach().double().item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def full_params(engine):
+    """Whole (unsharded) parameters by name, identical on every rank."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone().cpu()
+    return out
+
+
+def full_optim_state(engine):
+    out = {}
+    opt = engine.optimizer
+    states = getattr(opt, "optim", opt).state
+    for p, st in states.items():
+        name = engine.param_names[p]
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{name}.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().cpu()
+    return out
+
+
+STAGES = [("s0", 0, False), ("s1", 1, False), ("s2", 2, False), ("s3", 3, False), ("s3off", 3, True)]
+
+
+def run_with_resume(rank, world, cfg, ckdir, micro, gas, keep_optim=False):
+    """Train, checkpoint after SAVE_AT steps, finish; then resume a fresh engine and finish again."""
+    engine = initialize(make_model(cfg), cfg)
+    losses, norms = train_steps(engine, 0, SAVE_AT, world, micro, gas, rank)
+    engine.save_checkpoint(ckdir, client_state={"epoch": 7})
+    saved = full_params(engine)
+    saved_optim = full_optim_state(engine) if keep_optim else None
+    more, more_norms = train_steps(engine, SAVE_AT, STEPS, world, micro, gas, rank)
+    out = {"losses": losses + more, "norms": norms + more_norms, "final": full_params(engine),
+           "memory": engine.memory_report(), "bits": engine.compression_scheduler.current_bits(),
+           "sched_steps": engine.compression_scheduler.training_steps, "saved": saved,
+           "tail_losses": more, "optim_state": saved_optim,
+           "num_params": sum(p.numel() for p in engine.module.parameters()),
+           "latest": open(os.path.join(ckdir, "latest")).read()}
+    del engine
+    # Resume: a model built from another seed, then the checkpoint.
+    engine2 = initialize(make_model(cfg, seed=123), cfg)
+    path, client = engine2.load_checkpoint(ckdir)
+    out.update(loaded=full_params(engine2), counters=engine2.counters(), client=client, lr=engine2.get_lr())
+    out["resumed_losses"], _ = train_steps(engine2, SAVE_AT, STEPS, world, micro, gas, rank)
+    out["resumed_final"] = full_params(engine2)
+    return out
+
+
+def run_stages(rank, world, ckpt_root):
+    """Every stage: train, checkpoint mid-way, resume into a fresh engine; plus the memory report,
+    gradient accumulation and fp16 overflow checks, all in one process group."""
+    micro, gas = 4, 2
+    results = {}
+    for label, stage, offload in STAGES:
+        cfg = make_cfg(stage, micro, gas, world, offload)
+        results[label] = run_with_resume(rank, world, cfg, os.path.join(ckpt_root, label), micro, gas,
+                                         keep_optim=label == "s1")
+    # Stage 3 with per-token activation ranges, whose results do not depend on the world size:
+    # the checkpoint run_stage3_one_rank resumes from.
+    cfg = make_cfg(3, micro, gas, world, static_ranges=False)
+    results["s3dyn"] = run_with_resume(rank, world, cfg, os.path.join(ckpt_root, "s3dyn"), micro, gas,
+                                       keep_optim=True)
+    results["accum"] = run_accumulation(rank, world)
+    results["overflow"] = run_overflow(rank, world)
+    results["onebit"] = run_onebit(rank, world, ckpt_root)
+    results["comm"] = run_comm_checks(rank, world)
+    return results
+
+
+def run_accumulation(rank, world):
+    """micro 2 × accumulation 4 vs micro 8 × accumulation 1, same global batches (stage 0)."""
+    out = {}
+    for micro, gas in ((2, 4), (8, 1)):
+        cfg = make_cfg(0, micro, gas, world, static_ranges=False)
+        engine = initialize(make_model(cfg), cfg)
+        # Rank r holds the same 8 samples in both layouts ([rank][micro] ordering).
+        train_steps(engine, 0, 3, world, micro, gas, rank)
+        out[f"{micro}x{gas}"] = full_params(engine)
+    return out
+
+
+def run_overflow(rank, world):
+    """fp16, stage 0 and stage 2: rank 1 alone gets an inf gradient at step 1."""
+    out = {}
+    for stage in (0, 2):
+        cfg = make_cfg(stage, 4, 2, world, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+
+        def poison(engine, step, m):
+            if step == 1 and m == 1 and rank == 1:
+                p = next(iter(engine.module.parameters()))
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.view(-1)[0] = float("inf")
+        engine = initialize(make_model(cfg), cfg)
+        train_steps(engine, 0, 1, world, 4, 2, rank)
+        before = full_params(engine)
+        scale_before = engine.loss_scale
+        sched_before = engine.compression_scheduler.training_steps
+        train_steps(engine, 1, 2, world, 4, 2, rank, hook=poison)
+        after = full_params(engine)
+        out[stage] = {
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+            "sched": (sched_before, engine.compression_scheduler.training_steps),
+            "scale": (scale_before, engine.loss_scale), "lr_iter": engine.lr_scheduler.last_batch_iteration,
+        }
+        train_steps(engine, 2, 3, world, 4, 2, rank)
+        out[stage]["sched_after_clean_step"] = engine.compression_scheduler.training_steps
+    return out
+
+
+def run_stage3_one_rank(rank, world, ckpt_root):
+    """Load the 2-rank stage-3 checkpoint on a single rank and keep training on the same batches."""
+    cfg1 = make_cfg(3, 4, 4, 1, static_ranges=False)   # same 16-sample global batch and blocks
+    engine = initialize(make_model(cfg1, seed=5), cfg1)
+    path, client = engine.load_checkpoint(os.path.join(ckpt_root, "s3dyn"))
+    loaded = full_params(engine)
+    optim_state = full_optim_state(engine)
+    losses, _ = train_steps(engine, SAVE_AT, STEPS, 1, 4, 4, rank)
+    # ZeRO-1 (each rank saved the state of the parameters it owned) onto one rank.
+    cfg_s1 = make_cfg(1, 4, 4, 1)
+    engine_s1 = initialize(make_model(cfg_s1, seed=9), cfg_s1)
+    engine_s1.load_checkpoint(os.path.join(ckpt_root, "s1"))
+    s1 = {"loaded": full_params(engine_s1), "optim_state": full_optim_state(engine_s1)}
+    s1["losses"], _ = train_steps(engine_s1, SAVE_AT, STEPS, 1, 4, 4, rank)
+    return {"s1": s1, "loaded": loaded, "optim_state": optim_state, "losses": losses, "final": full_params(engine),
+            "client": client}
+
+
+def grad_norm_oracle(micro, gas, world, cfg):
+    """Unsharded single-process global norm of the first step's averaged gradient.
+
+    One fresh model copy per simulated rank (each rank's static activation ranges start from its
+    own first batch), gradients summed with the engine's 1/(world·accumulation) weighting."""
+    total = None
+    for r in range(world):
+        model = make_model(cfg)
+        for m in range(gas):
+            x, y = micro_batch(0, m, r, world, micro, gas)
+            (F.cross_entropy(model(x), y) / (world * gas)).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        total = g if total is None else total + g
+    return total.norm().item()
+
+
+def onebit_cfg(stage):
+    cfg = make_cfg(stage, 4, 2, 2)
+    cfg["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}
+    cfg["gradient_clipping"] = 0.0
+    return cfg
+
+
+def run_onebit(rank, world, ckpt_root):
+    """1-bit Adam under stage 0 (warmup 2 steps, then compressed), with resume; stage 1 if the
+    optimizer can shard its state."""
+    from qcompress.engine.optimizers import supports_shard_state
+    out = {"s0": run_with_resume(rank, world, onebit_cfg(0), os.path.join(ckpt_root, "onebit0"), 4, 2)}
+    out["shard_state"] = supports_shard_state()
+    if out["shard_state"]:
+        out["s1"] = run_with_resume(rank, world, onebit_cfg(1), os.path.join(ckpt_root, "onebit1"), 4, 2)
+    return out
+
+
+_COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_single",
+            "all_gather_into_tensor", "broadcast", "all_to_all_single")
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives issued from Python (FSDP2's and our DDP hook's)."""
+
+    def __init__(self):
+        self.counts = {}
+        self._orig = {}
+
+    def __enter__(self):
+        for name in _COUNTED:
+            if hasattr(dist, name):
+                orig = getattr(dist, name)
+                self._orig[name] = orig
+
+                def wrapped(*a, _orig=orig, _name=name, **k):
+                    self.counts[_name] = self.counts.get(_name, 0) + 1
+                    return _orig(*a, **k)
+                setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+    def take(self):
+        out, self.counts = self.counts, {}
+        return out
+
+
+def run_comm_checks(rank, world):
+    """Collectives per micro-step (accumulation 2) and fp16/bf16 gradient communication."""
+    out = {"micro": {}, "dtype": {}}
+    for stage in (0, 1, 2, 3):
+        # wall_clock_breakdown routes DDP's all-reduce through our Python hook, so it is counted.
+        cfg = make_cfg(stage, 4, 2, world, wall_clock_breakdown=True, static_ranges=False)
+        engine = initialize(make_model(cfg), cfg)
+        train_steps(engine, 0, 1, world, 4, 2, rank)            # buckets and state settle
+        per_micro = []
+        with CollectiveCounter() as cc:
+            for m in range(2):
+                x, y = micro_batch(1, m, rank, world, 4, 2)
+                loss = F.cross_entropy(engine(x), y)
+                fwd = cc.take()
+                engine.backward(loss)
+                bwd = cc.take()
+                engine.step()
+                per_micro.append({"forward": fwd, "backward": bwd, "step": cc.take()})
+        out["micro"][stage] = per_micro
+        out.setdefault("timings", {})[stage] = dict(engine.last_timings)
+    for stage in (0, 3):    # odd row counts: FSDP2's uneven shards, weights rewritten at step time
+        cfg = make_cfg(stage, 4, 2, world)
+        torch.manual_seed(3)
+        model = qc.init_compression(nn.Sequential(nn.Linear(IN, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(),
+                                                  nn.Linear(3, 1), nn.ReLU(), nn.Linear(1, OUT)),
+                                    qc.load_config(cfg))
+        engine = initialize(model, cfg)
+        losses, _ = train_steps(engine, 0, 3, world, 4, 2, rank)
+        out.setdefault("odd", {})[stage] = (losses, full_params(engine))
+    for stage in (0, 2):    # buffers of two dtypes (BatchNorm): synced from rank 0 at each step
+        cfg = make_cfg(stage, 4, 2, world)
+        torch.manual_seed(0)
+        model = qc.init_compression(nn.Sequential(nn.Linear(IN, HID), nn.BatchNorm1d(HID), nn.ReLU(),
+                                                  nn.Linear(HID, OUT)), qc.load_config(cfg))
+        engine = initialize(model, cfg)
+        train_steps(engine, 0, 3, world, 4, 2, rank)
+        out.setdefault("bn", {})[stage] = {k: v.clone() for k, v in engine.module.state_dict().items()
+                                           if "running" in k or "num_batches" in k}
+    for stage in (0, 3):    # ranks built from different seeds start from rank 0's model
+        cfg = make_cfg(stage, 4, 2, world)
+        engine = initialize(make_model(cfg, seed=11 + rank), cfg)
+        train_steps(engine, 0, 2, world, 4, 2, rank)
+        out.setdefault("seeded", {})[stage] = full_params(engine)
+    for stage in (0, 2):
+        finals = {}
+        for dtype in ("fp32", "bf16", "fp16"):
+            cfg = make_cfg(stage, 4, 2, world, communication_data_type=dtype, static_ranges=False)
+            engine = initialize(make_model(cfg), cfg)
+            train_steps(engine, 0, 3, world, 4, 2, rank)
+            finals[dtype] = full_params(engine)
+        out["dtype"][stage] = finals
+    return out

@@ -1,0 +1,267 @@
+"""load_quantized(mode="fast") against mode="exact".
+
+The oracle is the exact path (itself checked bit for bit against the trained model here and in
+test_export.py). Tolerances:
+- fp32 integer GEMMs (int_mm, int_mm24): the fast path sums code products exactly in int32 and rounds
+  only when applying the two scales; the exact path rounds every product and partial sum in
+  fp32. Their gap is float summation error, <= K * 2^-24 * sum|x^ w^| in the worst case and
+  about sqrt(K) * 2^-24 of it in practice. We allow 1e-5 of the output scale (~170 * 2^-24 for
+  K <= 256), while a wrong code, scale or zero point moves outputs by at least one
+  quantization step (~1e-2 relative). int_mm24 also rounds each input token to 2^-24 of its
+  largest entry, an error of the same size as fp32 rounding of the products.
+- bf16 kernels (int8pack / int4pack): both paths round the output to bf16 (2^-8 relative) and
+  either the weight (exact) or the scale / zero (fast) to bf16 (2^-8 relative each), so
+  |fast - exact| <= 2^-7 * (|x| @ |W|^T) + 2^-7 * |exact| elementwise.
+- dequant plan: same values as the exact weight, so outputs are bit-identical.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompress
+from qcompress.export import export_quantized, load_quantized
+from qcompress.export import fast as fastmod
+from qcompress.export.errors import CheckpointError
+from qcompress.export.fast import plans_of, tensor_bytes
+
+
+def cfg_for(bits, symmetric=True, granularity="channel", group_size=None, act=None, modules=(".",)):
+    params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": granularity}
+    if group_size:
+        params["group_size"] = group_size
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
+                              "quantization_type": "symmetric" if symmetric else "asymmetric"},
+        "different_groups": {"wq1": {"params": params, "modules": list(modules)}}}}}
+    if act:
+        calib, asym = act
+        doc["compression_training"]["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
+                                  "quantization_type": "asymmetric" if asym else "symmetric"},
+            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": list(modules)}}}
+    return qcompress.load_config(doc)
+
+
+def mlp(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                         nn.Linear(128, 32)).to(dtype).eval()
+
+
+def export_and_load(tmp_path, make, cfg, calib_input):
+    trained = make()
+    qcompress.init_compression(trained, cfg)
+    trained.train()
+    trained(*calib_input)                # calibrates static activation ranges
+    trained.eval()
+    export_quantized(trained, tmp_path / "ckpt")
+    exact = load_quantized(tmp_path / "ckpt", make()).eval()
+    fast = load_quantized(tmp_path / "ckpt", make(), mode="fast").eval()
+    return trained, exact, fast
+
+
+def no_float_weight(monkeypatch):
+    """Make any per-call weight dequantization fail loudly."""
+    def boom(*a, **k):
+        raise AssertionError("a kernel plan dequantized the float weight in forward")
+    monkeypatch.setattr(fastmod, "planes_dequantize", boom)
+    monkeypatch.setattr(fastmod, "dequantize_record", boom)
+
+
+CASES = [  # bits, sym, granularity, group, act, dtype, expected plan
+    (8, True, "channel", None, None, torch.float32, "int_mm24"),
+    (8, False, "channel", None, None, torch.float32, "int_mm24"),
+    (8, False, "tensor", None, None, torch.float32, "int_mm24"),
+    (4, True, "group", 32, None, torch.float32, "dequant"),
+    (4, False, "group", 64, None, torch.float32, "dequant"),
+    (4, True, "group", 128, None, torch.float32, "dequant"),
+    (8, True, "channel", None, ("dynamic", False), torch.float32, "int_mm"),
+    (8, False, "channel", None, ("dynamic", True), torch.float32, "int_mm"),
+    (8, True, "tensor", None, ("static", True), torch.float32, "int_mm"),
+    (8, False, "channel", None, ("static", False), torch.float32, "int_mm"),
+    (8, True, "channel", None, None, torch.bfloat16, "int8pack"),
+    (8, True, "channel", None, ("dynamic", False), torch.bfloat16, "int_mm"),
+    (4, True, "group", 32, None, torch.bfloat16, "int4pack"),
+    (4, False, "group", 64, None, torch.bfloat16, "int4pack"),
+    (4, True, "group", 128, None, torch.bfloat16, "int4pack"),
+    (4, False, "group", 128, None, torch.bfloat16, "int4pack"),
+]
+
+
+@pytest.mark.parametrize("bits,sym,gran,gs,act,dtype,plan", CASES)
+def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gran, gs, act, dtype, plan):
+    g = torch.Generator().manual_seed(1)
+    calib = (torch.randn(6, 256, generator=g).to(dtype),)
+    trained, exact, fast = export_and_load(tmp_path, lambda: mlp(dtype), cfg_for(bits, sym, gran, gs, act),
+                                           calib)
+    assert set(plans_of(fast).values()) == {plan}
+    assert tensor_bytes(fast) <= tensor_bytes(exact)
+    x = torch.randn(3, 5, 256, generator=g).to(dtype)         # 3-D input: tokens flattened
+    with torch.no_grad():
+        assert torch.equal(exact(x), trained(x))                # the oracle is the trained model
+        if plan != "dequant":
+            no_float_weight(monkeypatch)
+        h = x
+        for i, (e, f) in enumerate(zip(exact, fast)):
+            want, got = e(h), f(h)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            if plan == "dequant" or not isinstance(e, nn.Linear):
+                assert torch.equal(got, want), f"layer {i}"
+            elif dtype == torch.float32:
+                err = (got - want).abs().max().item()
+                assert err <= 1e-5 * want.abs().max().item(), f"layer {i}: {err}"
+            else:
+                xin = e._qx_input(h).float()
+                bound = 2.0 ** -7 * (xin.abs() @ e.weight.float().abs().t() + want.float().abs())
+                assert bool(((got.float() - want.float()).abs() <= bound).all()), f"layer {i}"
+            h = want
+
+
+def test_fast_weight_and_state_dict(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    calib = (torch.randn(6, 256, generator=g),)
+    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32),
+                                     cfg_for(8, True, "channel", act=("dynamic", False)), calib)
+    # int_mm keeps the exported int8 codes: weight and state_dict are those of the exact path
+    assert torch.equal(fast[0].weight, exact[0].weight)
+    a, b = exact.state_dict(), fast.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # an input that needs a gradient takes the differentiable exact path (kernels have no backward)
+    xe = torch.randn(4, 256, generator=g, requires_grad=True)
+    xf = xe.detach().clone().requires_grad_(True)
+    exact(xe).square().sum().backward()
+    fast(xf).square().sum().backward()
+    assert torch.equal(xe.grad, xf.grad)
+
+    # dequant plan on re-laid-out 4-bit planes: state_dict gives the exported tensors back
+    _, exact_p, fast_p = export_and_load(tmp_path / "planes", lambda: mlp(torch.float32),
+                                         cfg_for(4, False, "group", 32), calib)
+    assert set(plans_of(fast_p).values()) == {"dequant"} and "fast_planes" in fast_p[0]._buffers
+    a, b = exact_p.state_dict(), fast_p.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(fast_p[0].weight, exact_p[0].weight)
+
+    _, exact4, fast4 = export_and_load(tmp_path / "w4", lambda: mlp(torch.bfloat16),
+                                       cfg_for(4, False, "group", 32), (calib[0].bfloat16(),))
+    # int4pack: `weight` is what the kernel uses, (u - 8) * s + z with s and z = -zp * s in bf16:
+    # each rounding is <= 2^-9 of at most 16 steps s, so it is within s / 8 of the exact weight,
+    # while one wrong code would be a whole step s off
+    w_fast, w_exact = fast4[0].weight.float(), exact4[0].weight.float()
+    assert w_fast.shape == w_exact.shape
+    step = exact4[0].weight_scale.repeat_interleave(32, dim=1)
+    assert bool(((w_fast - w_exact).abs() <= step / 8).all())
+    with pytest.raises(CheckpointError, match="mode='exact'"):
+        fast4.state_dict()
+
+
+def test_digits_are_exact_and_fine():
+    # int_mm24's activation split: the three int8 digits rebuild the 24-bit integers exactly, and
+    # those are within half a step (2^-24 of the row's largest |x|, ~1 fp32 ulp) of the input
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 300, generator=g) * torch.logspace(-20, 20, 6).reshape(6, 1)
+    x[1] = 0.0
+    x[2, :] = -3.0                         # every entry at the extreme of the grid
+    x[3, 7] = 1e6                          # one dominant entry
+    (a1, a2, a3), big, sx = fastmod._digits(x)
+    assert a1.dtype == a2.dtype == a3.dtype == torch.int8
+    rebuilt = a1.double() * 65536 + a2.double() * 256 + a3.double()
+    assert torch.equal(rebuilt, big.double())
+    step = sx.double()
+    assert bool(((big.double() * step - x.double()).abs() <= 0.5 * step * (1 + 1e-6)).all())
+    assert bool((x.abs().amax(dim=1, keepdim=True).double() <= fastmod._D1 * step * (1 + 1e-6)).all())
+
+
+def test_bad_mode(tmp_path):
+    with pytest.raises(ValueError, match="'turbo'"):
+        load_quantized(tmp_path, mlp(torch.float32), mode="turbo")
+
+
+class Mixed(nn.Module):
+    """Linear layers the kernels run, and layers that must fall back."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 48)            # W8A8 -> int_mm
+        self.two = nn.Linear(48, 32)           # 2-bit -> dequant
+        self.conv = nn.Conv2d(4, 8, 3)         # conv -> dequant
+
+    def forward(self, x, img):
+        return self.two(torch.relu(self.fc(x))), self.conv(img)
+
+
+def test_fallback_is_exercised_and_logged(tmp_path, caplog):
+    doc = {"compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {
+                "w8": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                       "modules": ["fc"]},
+                "w2": {"params": {"start_bits": 2, "target_bits": 2, "ternary": False,
+                                  "granularity": "group", "group_size": 16}, "modules": ["two", "conv"]}}},
+        "activation_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["fc"]}}}}}
+    g = torch.Generator().manual_seed(3)
+    inputs = (torch.randn(5, 64, generator=g), torch.randn(2, 4, 7, 7, generator=g))
+    with caplog.at_level(logging.INFO, logger="qcompress.export.fast"):
+        trained, exact, fast = export_and_load(tmp_path, lambda: (torch.manual_seed(0), Mixed())[1],
+                                               qcompress.load_config(doc), inputs)
+    assert plans_of(fast) == {"fc": "int_mm", "two": "dequant", "conv": "dequant"}
+    text = caplog.text
+    assert "'two' falls back" in text and "2-bit group" in text
+    assert "'conv' falls back" in text and "conv layer" in text
+    assert "'fc' falls back" not in text
+    with torch.no_grad():
+        (ye, ce), (yf, cf) = exact(*inputs), fast(*inputs)
+    assert torch.equal(ce, cf)
+    assert (yf - ye).abs().max().item() <= 1e-5 * ye.abs().max().item()
+    assert tensor_bytes(fast) <= tensor_bytes(exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_bert_fast_matches_exact(tmp_path, dtype):
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel
+    conf = BertConfig(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=128, max_position_embeddings=32)
+
+    def make():
+        torch.manual_seed(0)
+        return BertModel(conf).to(dtype).eval()
+
+    if dtype == torch.float32:     # W8A8 attention (int_mm), W8 feed-forward (int_mm24), W4 pooler
+        cfg = qcompress.load_config({"compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "enc": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                            "modules": ["encoder"]},
+                    "pool": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
+                                        "group_size": 32}, "modules": ["pooler"]}}},
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0,
+                                      "range_calibration": "dynamic"},
+                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["attention"]}}}}})
+        want = {"int_mm", "int_mm24", "dequant"}
+    else:                          # W4 group 32 everywhere (int4pack)
+        cfg = cfg_for(4, False, "group", 32, modules=("encoder", "pooler"))
+        want = {"int4pack"}
+    ids = torch.randint(0, 99, (2, 11), generator=torch.Generator().manual_seed(4))
+    trained, exact, fast = export_and_load(tmp_path, make, cfg, (ids,))
+    assert set(plans_of(fast).values()) == want
+    assert tensor_bytes(fast) <= tensor_bytes(exact)
+    with torch.no_grad():
+        e = exact(input_ids=ids).last_hidden_state.float()
+        f = fast(input_ids=ids).last_hidden_state.float()
+        assert torch.equal(exact(input_ids=ids).last_hidden_state, trained(input_ids=ids).last_hidden_state)
+    err = (f - e).abs().max().item()
+    if dtype == torch.float32:
+        # per-layer gaps of 1e-5 relative pass through LayerNorm (unit-scale outputs) twice
+        assert err <= 1e-4 * e.abs().max().item(), err
+    else:
+        # bf16: per-layer 2^-7 gaps (see the module docstring) through two LayerNorm'd blocks;
+        # a wrong group, scale or zero point gives O(1) differences after LayerNorm
+        assert err <= 2.0 ** -3 * e.abs().max().item(), err
+        assert (f - e).abs().mean().item() <= 2.0 ** -6 * e.abs().mean().item()
