@@ -484,3 +484,17 @@ def test_pack_roundtrip_and_compressed_tensors(bits):
 def test_pack_rejects_other_widths():
     with pytest.raises(ValueError):
         pack_int32(torch.zeros(4, 8, dtype=torch.int8), 3)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0,), (2, 0, 3)])
+@pytest.mark.parametrize("kw", [dict(granularity="group", group_size=4), dict(bits=2, ternary=True),
+                                dict(bits=1), dict(symmetric=False, granularity="group", group_size=4),
+                                dict(granularity="channel"), dict(granularity="token", symmetric=False)])
+def test_empty_tensors_keep_their_shape(shape, kw):
+    kw = dict(kw)
+    bits = kw.pop("bits", 4)
+    x = torch.randn(shape)
+    q, s, z = quantize(x, bits, backend="reference", **kw)
+    y = fake_quantize(x, bits, backend="reference", **kw)
+    assert q.shape == x.shape and y.shape == x.shape and y.numel() == 0
+    assert torch.isfinite(s).all()

@@ -119,7 +119,7 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
     with_mask=False skips writing the mask (returns an empty one): less memory traffic when
     no clip-aware gradient needs it.
     """
-    if not _on_kernel_device(x):
+    if not _on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
     y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
@@ -136,7 +136,7 @@ def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None) -> to
 
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     """(q, scale, zero_point) as reference.quantize."""
-    if not _on_kernel_device(x):
+    if not _on_kernel_device(x) or x.numel() == 0:
         return reference.quantize(x, spec, min_val, max_val)
     xk = _prep(x)
     q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))

@@ -98,6 +98,11 @@ def _rows(x: torch.Tensor) -> int:
     return x.shape[0] if x.dim() >= 2 else 1
 
 
+def _row_len(x: torch.Tensor) -> int:
+    """Elements per row of the [rows, -1] view (defined even when there are zero rows)."""
+    return math.prod(x.shape[1:]) if x.dim() >= 2 else x.numel()
+
+
 def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]:
     """(X, counts): X[g] holds group g's elements (zero padded), counts[g] the real ones."""
     n = x.numel()
@@ -108,7 +113,7 @@ def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]
         view = x.reshape(_rows(x), -1) if n else x.reshape(_rows(x), 0)
     elif g == "token":
         last = x.shape[-1] if x.dim() else 1
-        view = x.reshape(-1, last)
+        view = x.reshape(n // last if last else math.prod(x.shape[:-1]), last)
     elif g == "groups":
         if n % spec.num_groups:
             raise ValueError(f"num_groups={spec.num_groups} does not divide the tensor's "
@@ -116,7 +121,7 @@ def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]
         view = x.reshape(spec.num_groups, n // spec.num_groups)
     else:  # group: contiguous runs of group_size along the input (last flattened) dim
         rows = _rows(x)
-        k = n // rows if rows else 0
+        k = _row_len(x)
         gs = spec.group_size
         ng = max(1, math.ceil(k / gs))
         x2 = x.reshape(rows, k)
@@ -143,7 +148,7 @@ def scale_shape(x: torch.Tensor, spec: Spec) -> Tuple[int, ...]:
     if g == "groups":
         return (spec.num_groups, 1)
     rows = _rows(x)
-    k = x.numel() // rows if rows else 0
+    k = _row_len(x)
     return (rows, max(1, math.ceil(k / spec.group_size)))
 
 
@@ -151,8 +156,8 @@ def ungroup(view: torch.Tensor, x: torch.Tensor, spec: Spec) -> torch.Tensor:
     """Inverse of group_view for an elementwise result (drops the padding)."""
     if spec.granularity == "group":
         rows = _rows(x)
-        k = x.numel() // rows if rows else 0
-        view = view.reshape(rows, -1)[:, :k]
+        k = _row_len(x)
+        view = view.reshape(rows, view.numel() // rows if rows else 0)[:, :k]
     return view.reshape(x.shape)
 
 
@@ -198,6 +203,8 @@ def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max
         real = torch.arange(X.shape[1], device=X.device)[None, :] < counts[:, None]
         lo = torch.where(real, X, float("inf")).amin(dim=1)
         hi = torch.where(real, X, -float("inf")).amax(dim=1)
+        empty = counts == 0            # a group with no real element has range [0, 0]
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     else:
         lo, hi = X.amin(dim=1), X.amax(dim=1)
     _check_finite(torch.stack([lo, hi]), "min/max")
@@ -246,6 +253,8 @@ def quantize_view(X, counts, spec: Spec, min_val=None, max_val=None, U=None):
             q = torch.where(X >= 0, 1.0, -1.0)
         return q, s, None, torch.ones_like(X, dtype=torch.bool)
     if kind == "ternary":
+        if thr is None:                 # zero-width groups: nothing to quantize
+            return torch.zeros_like(X), s, None, torch.ones_like(X, dtype=torch.bool)
         q = torch.where(X > thr[:, None], 1.0, torch.where(X < -thr[:, None], -1.0, 0.0))
         return q, s, None, torch.ones_like(X, dtype=torch.bool)
     if spec.numerics == "deepspeed" and not spec.symmetric:
@@ -312,7 +321,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
         return out.reshape(q.shape).to(dtype)
     if group_size is not None:
         rows = _rows(q)
-        k = q.numel() // rows if rows else 0
+        k = _row_len(q)
         ng = max(1, math.ceil(k / group_size))
         s2 = s.reshape(rows, ng).repeat_interleave(group_size, dim=1)[:, :k]
         q2 = qf.reshape(rows, k)
