@@ -283,14 +283,19 @@ def _int_dtype(spec: Spec):
     return torch.int8 if spec.qmin >= -128 and spec.qmax <= 127 else torch.int32
 
 
-def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
-    """(q, scale, zero_point) with q an integer tensor shaped like x."""
-    xf = x.detach().to(torch.float32)
+def _codes(xf: torch.Tensor, spec: Spec, min_val, max_val):
+    """quantize_view over the grouped float32 tensor, with its stochastic-rounding noise."""
     X, counts = group_view(xf, spec)
     U = _noise(xf, spec)
     if U is not None:
         U, _ = group_view(U, spec)
-    q, s, zp, _ = quantize_view(X, counts, spec, min_val, max_val, U)
+    return quantize_view(X, counts, spec, min_val, max_val, U)
+
+
+def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """(q, scale, zero_point) with q an integer tensor shaped like x."""
+    xf = x.detach().to(torch.float32)
+    q, s, zp, _ = _codes(xf, spec, min_val, max_val)
     shape = scale_shape(x, spec)
     q = ungroup(q, xf, spec).to(_int_dtype(spec))
     zp = None if zp is None else zp.reshape(shape).to(torch.int32)
@@ -300,11 +305,7 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
 def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     """(x^ in x's dtype, bool mask of elements that were not clipped)."""
     xf = x.detach().to(torch.float32)
-    X, counts = group_view(xf, spec)
-    U = _noise(xf, spec)
-    if U is not None:
-        U, _ = group_view(U, spec)
-    q, s, zp, inside = quantize_view(X, counts, spec, min_val, max_val, U)
+    q, s, zp, inside = _codes(xf, spec, min_val, max_val)
     y = dequantize_view(q, s, zp, spec)
     return ungroup(y, xf, spec).to(x.dtype), ungroup(inside, xf, spec)
 
