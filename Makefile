@@ -34,7 +34,7 @@ demo: build fashion-mnist
 	$(VPY) -m model_zoo.demo_fashion_mnist
 
 test: build fashion-mnist cuda-check
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -rs --timeout=900 tests
 
 # Compile every .cu for sm_80 and sm_90; any error or warning fails.
 cuda-check:
