@@ -285,6 +285,15 @@ def test_onebit_adam_stage1_matches_stage0_bit_for_bit(two_rank):
         assert s1["losses"] == s0["losses"]
         assert all(torch.equal(s0["final"][k], s1["final"][k]) for k in s0["final"])
         assert s1["resumed_losses"] == s1["tail_losses"]
+    # stage 1 keeps the momentum whole and the variance only for each rank's chunk: across the two
+    # ranks, stage 1 saves exactly one rank's worth of variance, 4 bytes per parameter
+    n = two_rank[0]["onebit"]["s0"]["num_params"]
+    saved = sum(two_rank[r]["onebit"]["s0"]["memory"]["optimizer_state"] -
+                two_rank[r]["onebit"]["s1"]["memory"]["optimizer_state"] for r in range(2))
+    assert two_rank[0]["onebit"]["s0"]["memory"]["optimizer_state"] == 8 * n
+    assert saved == 4 * n
+    for kind, msg in ob["refused"].items():
+        assert msg is not None and "zero_optimization.stage" in msg and kind in msg, (kind, msg)
 
 
 def test_onebit_stage1_refused_without_shard_state():

@@ -253,6 +253,16 @@ def run_onebit(rank, world, ckpt_root):
     out["shard_state"] = supports_shard_state()
     if out["shard_state"]:
         out["s1"] = run_with_resume(rank, world, onebit_cfg(1), os.path.join(ckpt_root, "onebit1"), 4, 2)
+        # 0/1 Adam and 1-bit LAMB cannot shard their state: stage 1 must be a ConfigError saying why
+        out["refused"] = {}
+        for kind in ("ZeroOneAdam", "OneBitLamb"):
+            cfg = onebit_cfg(1)
+            cfg["optimizer"] = {"type": kind, "params": {"lr": 0.01}}
+            try:
+                initialize(make_model(cfg), cfg)
+                out["refused"][kind] = None
+            except qc.ConfigError as e:
+                out["refused"][kind] = str(e)
     return out
 
 

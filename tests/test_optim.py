@@ -568,3 +568,135 @@ def test_resume_is_bit_exact_across_processes(tmp_path, caplog):
         opt.load_state_dict(ckpt["optimizer"])
     assert "errors reset" in caplog.text
     assert opt.stage == "compression" and opt.counters["step"] == n // 2
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO stage 1
+_SHARD_SHAPES = [(7, 5), (13,), (3, 3, 3), (2, 9)]
+
+
+def _shard_run(rank, dtype, shard, steps, bucket_size, start=0, opt_sd=None, params0=None):
+    """OneBitAdam (freeze at step 3) on per-rank gradients; coordinate 2 of the second parameter never
+    gets a gradient (its variance stays 0: the dead-coordinate path)."""
+    g0 = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=g0).to(dtype).requires_grad_() for s in _SHARD_SHAPES]
+    if params0 is not None:
+        with torch.no_grad():
+            for p, v in zip(ps, params0):
+                p.copy_(v)
+    opt = OneBitAdam(ps, lr=0.01, freeze_step=3, weight_decay=0.01, bucket_size=bucket_size, shard_state=shard)
+    if opt_sd is not None:
+        opt.load_state_dict(opt_sd)
+    for t in range(start, steps):
+        g = torch.Generator().manual_seed(100 + 10 * t + rank)
+        for p in ps:
+            grad = torch.randn(p.shape, generator=g) * 0.1 + 0.02
+            if p.shape == (13,):
+                grad[2] = 0.0
+            p.grad = grad.to(dtype)
+        if opt.allreduce_gradients:
+            opt.sync_gradients()
+        opt.step()
+    return ps, opt
+
+
+def _state_bytes(opt):
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+
+
+def _rank_shard(rank, world, folder):
+    from qcompress import comm
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for bucket_size in (40, 1 << 20):  # many buckets (parameters straddle them) and one
+            key = f"{dtype}.{bucket_size}"
+            plain, opt0 = _shard_run(rank, dtype, False, 7, bucket_size)
+            comm.reset_stats()
+            sharded, opt1 = _shard_run(rank, dtype, True, 7, bucket_size)
+            sent_sharded = comm.stats()["bytes_sent"]
+            comm.reset_stats()
+            _shard_run(rank, dtype, False, 7, bucket_size)
+            out[key] = {"plain": [p.detach().clone() for p in plain],
+                        "sharded": [p.detach().clone() for p in sharded],
+                        "bytes": (_state_bytes(opt0), _state_bytes(opt1)),
+                        "extra_sent": sent_sharded - comm.stats()["bytes_sent"],
+                        "stage": opt1.stage}
+    # resume: 2 steps (warmup), save, new optimizer, load, 5 more (crossing the freeze)
+    ps, opt = _shard_run(rank, torch.float32, True, 2, 40)
+    path = os.path.join(folder, f"shard.rank{rank}.pt")
+    torch.save(opt.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    ps_mid = [p.detach().clone() for p in ps]
+    resumed, _ = _shard_run(rank, torch.float32, True, 7, 40, start=2,
+                            opt_sd=torch.load(path, weights_only=True), params0=ps_mid)
+    out["resumed"] = [p.detach().clone() for p in resumed]
+    # resume inside the compression stage (errors, frozen variance and dead pattern restored)
+    ps, opt = _shard_run(rank, torch.float32, True, 5, 40)
+    sd = opt.state_dict()
+    resumed, _ = _shard_run(rank, torch.float32, True, 7, 40, start=5, opt_sd=sd,
+                            params0=[p.detach().clone() for p in ps])
+    out["resumed_late"] = [p.detach().clone() for p in resumed]
+    return out
+
+
+def test_onebit_adam_shard_state_equals_unsharded_bit_for_bit(tmp_path):
+    res = run_ranks(_rank_shard, 2, str(tmp_path), timeout=TIMEOUT)
+    numel = sum(math.prod(s) for s in _SHARD_SHAPES)
+    for rank in range(2):
+        for key in (k for k in res[rank] if "." in k and not k.startswith("resumed")):
+            r = res[rank][key]
+            assert r["stage"] == "compression"
+            for a, b in zip(r["plain"], r["sharded"]):
+                assert torch.equal(a, b), f"rank {rank} {key}: sharded differs from unsharded"
+            for a, b in zip(r["sharded"], res[1 - rank][key]["sharded"]):
+                assert torch.equal(a, b), "ranks disagree"
+            full, sharded = r["bytes"]
+            # unsharded: momentum + variance (+ fp32 master for bf16) per element; sharded: the momentum
+            # whole, the rest only for this rank's elements, and the two ranks' elements partition the N
+            per_elem = 12 if "bfloat16" in key else 8
+            assert full == per_elem * numel
+            other = res[1 - rank][key]["bytes"][1]
+            assert (full - sharded) + (full - other) == (per_elem - 4) * numel
+            assert sharded < full and other < full
+            # own chunk per rank: each bucket of n elements padded to a multiple of 8 * 2, halved
+            buckets = [40, 40, 13] if key.endswith(".40") else [numel]
+            own = sum(-(-n // 16) * 8 for n in buckets)
+            itemsize = 2 if "bfloat16" in key else 4
+            # 7 parameter all-gathers of (P-1) * own elements, plus one uint8 gather of the dead pattern
+            assert r["extra_sent"] == 7 * itemsize * own + own
+        straight = res[rank]["torch.float32.40"]["sharded"]
+        for name in ("resumed", "resumed_late"):
+            for a, b in zip(straight, res[rank][name]):
+                assert torch.equal(a, b), f"rank {rank}: {name} drifted"
+
+
+def test_sharded_state_refuses_another_world_size(tmp_path):
+    run_ranks(_rank_shard_save, 2, str(tmp_path), timeout=TIMEOUT)
+    sd = torch.load(tmp_path / "s.rank1.pt", weights_only=True)
+    assert sd["qcompress"]["shard_state"] is True
+    ps = [torch.zeros(s, requires_grad=True) for s in _SHARD_SHAPES]
+    with pytest.raises(ValueError, match="world size/rank 2/1 cannot load at 1/0"):
+        OneBitAdam(ps, freeze_step=3, bucket_size=40, shard_state=True).load_state_dict(sd)
+    with pytest.raises(ValueError, match="shard_state=True"):
+        OneBitAdam(ps, freeze_step=3, bucket_size=40).load_state_dict(sd)
+
+
+def _rank_shard_save(rank, world, folder):
+    _, opt = _shard_run(rank, torch.float32, True, 4, 40)
+    path = os.path.join(folder, f"s.rank{rank}.pt")
+    torch.save(opt.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def test_shard_state_only_for_onebit_adam():
+    ps = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(ValueError, match="ZeroOneAdam.*local steps"):
+        ZeroOneAdam(ps, shard_state=True)
+    with pytest.raises(ValueError, match="OneBitLamb.*trust ratio"):
+        OneBitLamb(ps, shard_state=True)
+    for kind in ("ZeroOneAdam", "OneBitLamb", "Adam"):
+        with pytest.raises(ConfigError, match="zero_optimization.stage"):
+            build_optimizer(ps, {"type": kind, "params": {}}, shard_state=True)
+    opt = build_optimizer(ps, {"type": "OneBitAdam", "params": {}}, shard_state=True)
+    assert opt.shard_state
+    with pytest.raises(ConfigError, match="shard_state"):
+        build_optimizer(ps, {"type": "OneBitAdam", "params": {"shard_state": True}})

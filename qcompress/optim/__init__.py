@@ -34,6 +34,14 @@ Contract with the caller (the qcompress engine, a DDP hook, or a hand-written lo
   `ddp_hook_state=`. DDP's no_sync() still works for accumulation micro-steps.
 * Without DDP: call `optimizer.sync_gradients()` between backward and step(); it averages the
   gradients when allreduce_gradients is True and does nothing otherwise.
+* ZeRO stage 1: `OneBitAdam(..., shard_state=True)` (build_optimizer(..., shard_state=True)) keeps
+  the variance, its cached denominator and fp32 master copies only for this rank's chunk of each
+  flat bucket (the chunk it serves in the compressed all-reduce); the momentum stays whole (the
+  compression stage compresses all of it). step() updates the owned elements and all-gathers the
+  parameters: (P-1)/P * N * bytes_per_param per rank per step, counted in qcompress.comm.stats and
+  more than the 1-bit payload (~(P-1)/P * N/4). Results equal shard_state=False bit for bit; its
+  state_dict loads only at the same world size and rank. ZeroOneAdam and OneBitLamb refuse it (why:
+  build._NO_SHARD).
 * Every rank must call step() the same number of times (the compressed all-reduce is collective).
   A parameter without a gradient counts as a zero gradient in the compression stage.
 """

@@ -21,11 +21,19 @@ from .zoadam import ZeroOneAdam
 _PATH = "optimizer.params"
 _ONEBIT = {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb}
 _NAMES = "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb"
+# Why stage 1 (shard_state) is not offered; the optimizers' constructors raise the same reasons.
+_NO_SHARD = {
+    "zerooneadam": "its local steps move every rank's parameters by that rank's own momentum between "
+                   "synchronisations, so parameters differ across ranks and cannot be rebuilt from owned slices",
+    "onebitlamb": "its per-parameter trust ratio needs norms of whole parameters and updates; summing them "
+                  "from slices changes the summation order, so it would not match stage 0",
+}
 # Keys DeepSpeed accepts for Adam that steer its own kernel choice; nothing to do for us.
 _ADAM_IGNORED = ("torch_adam", "fused")
 
 
-def _accepted(cls, drop=("self", "params", "deepspeed", "group", "ddp_hook_state")):
+def _accepted(cls, drop=("self", "params", "deepspeed", "group", "ddp_hook_state",
+                           "shard_state")):
     sig = inspect.signature(cls.__init__)
     return [n for n, p in sig.parameters.items() if n not in drop and p.kind != p.VAR_KEYWORD
             and p.kind != p.VAR_POSITIONAL]
@@ -74,16 +82,23 @@ def _construct(cls, model_params, params, **extra):
         raise ConfigError(f"{_PATH}.{key}" if key else _PATH, msg) from None
 
 
-def build_optimizer(params, optimizer_cfg: Any, *, group=None) -> torch.optim.Optimizer:
+def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool = False) -> torch.optim.Optimizer:
     """Build the optimizer named by `optimizer_cfg` (a qcompress.config.Optimizer or {"type", "params"}).
 
-    `group` is the process group of the 1-bit optimizers (None: the default group)."""
+    `group` is the process group of the 1-bit optimizers (None: the default group). shard_state=True
+    (the engine's ZeRO stage 1 for 1-bit optimizers) shards OneBitAdam's state by the compressed
+    all-reduce's chunks; any other type raises a ConfigError on zero_optimization.stage saying why."""
     kind, p = _split(optimizer_cfg)
     name = kind.lower()
+    if shard_state and name != "onebitadam":
+        why = _NO_SHARD.get(name, "plain optimizers are sharded by ZeroRedundancyOptimizer, not shard_state")
+        raise ConfigError("zero_optimization.stage", f"{kind} cannot shard its state for stage 1: {why}. "
+                          "Use stage 0 (or OneBitAdam)")
     if name in _ONEBIT:
         cls = _ONEBIT[name]
         _check_keys(p, _accepted(cls), kind)
-        return _construct(cls, params, p, group=group)
+        extra = {"shard_state": True} if shard_state else {}
+        return _construct(cls, params, p, group=group, **extra)
     if name in ("adam", "adamw"):
         allowed = ["lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode",
                    *_ADAM_IGNORED]

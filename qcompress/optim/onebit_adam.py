@@ -5,11 +5,22 @@ Warmup (steps 1 .. freeze_step, gradients averaged by the caller):
 Compression stage (later steps, g is this rank's local gradient):
     m = compressed_mean(b1 m + (1-b1) g) [* exp_avg_mask];  v and bc2 stay as they were at freeze_step;
     the same update.  Groups with non_freeze=True keep the warmup algorithm on averaged gradients.
+
+shard_state=True (ZeRO stage 1, used by the qcompress engine): each rank owns the elements of the
+compressed parameters that form its server chunk of each flat bucket (_shard.Shards) and keeps the
+variance, the cached denominator and any fp32 master copy for those elements only; it updates only
+them and one all-gather per step rebuilds the parameters. The momentum stays full size on every
+rank: the compression stage compresses this rank's whole local momentum (and the compressed mean
+is needed whole for the next step's error feedback). Results are bit-identical to shard_state=False.
+non_freeze groups keep their state unsharded. A sharded state_dict loads only at the same world
+size and rank (ValueError otherwise: the owned slices would not line up).
 """
 from __future__ import annotations
 
 import torch
 
+from . import _dist
+from ._shard import Shards
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int
 
 
@@ -20,7 +31,7 @@ class OneBitAdam(CompressedOptimizer):
                  betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0,
                  amsgrad=False, cuda_aware=False, comm_backend_name="nccl", *, group=None,
                  compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
-                 ddp_hook_state=None):
+                 ddp_hook_state=None, shard_state=False):
         # deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware, comm_backend_name: accepted so DeepSpeed
         # configs load; DeepSpeed ignores the first three too, the last two pick transports we do not need.
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
@@ -30,6 +41,17 @@ class OneBitAdam(CompressedOptimizer):
         super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
                          comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state)
         self.freeze_step = freeze_step
+        if not isinstance(shard_state, bool):
+            raise ValueError(f"shard_state must be true or false, got {shard_state!r}")
+        self.shard_state = shard_state
+        self._shards = None
+
+    def _get_shards(self):
+        if not self.shard_state:
+            return None
+        if self._shards is None:
+            self._shards = Shards(self._compressed_params(), self._get_buckets(), self.comm_group)
+        return self._shards
 
     @property
     def allreduce_gradients(self) -> bool:
@@ -53,6 +75,8 @@ class OneBitAdam(CompressedOptimizer):
             self._adam_group(g, t, t)
         if compressed:
             self._compressed_step(compressed, t, c["var_steps"])
+        if self.shard_state:
+            self._get_shards().allgather_params()  # every rank updated only the elements it owns
         c["step"] = t
         if not frozen:
             c["var_steps"] = t
@@ -62,11 +86,21 @@ class OneBitAdam(CompressedOptimizer):
     def _adam_group(self, g, steps_m, steps_v):
         b1, b2 = g["betas"]
         bc1, bc2_sqrt = self.bias_corrections(g, steps_m, steps_v)
+        sh = None if g["non_freeze"] else self._get_shards()
         for p in g["params"]:
             grad = self._grad32(p)
             if grad is None:
                 continue
             st = self._state(p)
+            if sh is not None:
+                st["exp_avg"].lerp_(grad, 1 - b1)  # full: the compression stage compresses all of it
+                g_own = sh.owned(p, grad)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g_own, g_own, value=1 - b2)
+                p32 = self._param32_owned(p, sh)
+                self.adam_update_(p32, sh.owned(p, st["exp_avg"]), st["exp_avg_sq"], g["lr"],
+                                  g["weight_decay"], g["eps"], bc1, bc2_sqrt)
+                sh.write(p, p32)
+                continue
             p32 = self._param32(p)
             st["exp_avg"].lerp_(grad, 1 - b1)
             st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
@@ -87,6 +121,9 @@ class OneBitAdam(CompressedOptimizer):
                     st["exp_avg"].lerp_(grad, 1 - b1)
                 momenta.append(st["exp_avg"])
         self._get_buckets().allreduce_(momenta)
+        sh = self._get_shards()
+        if sh is not None:
+            self._gather_dead(sh)
         for g in groups:
             bc1, bc2_sqrt = self.bias_corrections(g, t, var_steps)
             for p in g["params"]:
@@ -94,6 +131,16 @@ class OneBitAdam(CompressedOptimizer):
                 mask = self._mask(p)
                 if mask is not None:
                     st["exp_avg"].mul_(mask)
+                if sh is not None:
+                    dead = self._dead[p]
+                    if dead is not False:
+                        st["exp_avg"].masked_fill_(dead, 0.0)
+                    p32 = self._param32_owned(p, sh)
+                    denom = self.frozen_denom(p, st["exp_avg_sq"], bc2_sqrt, g["eps"])
+                    self.adam_update_(p32, sh.owned(p, st["exp_avg"]), st["exp_avg_sq"], g["lr"],
+                                      g["weight_decay"], g["eps"], bc1, bc2_sqrt, denom)
+                    sh.write(p, p32)
+                    continue
                 self._zero_unseen_(p, st["exp_avg"], st["exp_avg_sq"])
                 p32 = self._param32(p)
                 denom = self.frozen_denom(p, st["exp_avg_sq"], bc2_sqrt, g["eps"])
@@ -105,5 +152,57 @@ class OneBitAdam(CompressedOptimizer):
         st = self.state[p]
         if "exp_avg" not in st:
             st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            sh = self._get_shards()
+            shape = (sh.owned_numel(p),) if sh is not None and sh.holds(p) else p.shape
+            st["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return st
+
+    def _param32_owned(self, p, sh) -> torch.Tensor:
+        """This rank's owned elements of p in float32: a copy of p's, or the (owned-size) master copy."""
+        if p.dtype == torch.float32:
+            return sh.owned(p, p.detach())
+        st = self.state[p]
+        if "master" not in st:
+            st["master"] = sh.owned(p, p.detach()).float()
+        return st["master"]
+
+    def _gather_dead(self, sh) -> None:
+        """The unsharded optimizer zeroes the momentum where the frozen variance is exactly 0, over the
+        whole momentum; with a sharded variance the pattern is assembled once (one uint8 all-gather,
+        on every rank together: _dead is filled and cleared on all ranks alike)."""
+        if all(p in self._dead for p in sh.params):
+            return
+        for p in sh.params:
+            self._state(p)
+        masks = sh.gather_masks(lambda p: self.state[p]["exp_avg_sq"] == 0)
+        for p, m in zip(sh.params, masks):
+            self._dead[p] = m.view_as(p) if bool(m.any()) else False
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["qcompress"]["shard_state"] = self.shard_state
+        return sd
+
+    def load_state_dict(self, state_dict):
+        extra = state_dict.get("qcompress") or {}
+        saved = bool(extra.get("shard_state", False))
+        if "qcompress" in state_dict and (saved or self.shard_state):
+            here = (self.world_size, _dist.rank(self.comm_group))
+            there = (extra.get("world_size"), extra.get("rank"))
+            if saved != self.shard_state:
+                raise ValueError(f"{type(self).__name__}: the state dict was saved with shard_state={saved} "
+                                 f"(ZeRO stage {1 if saved else 0}) but this optimizer has "
+                                 f"shard_state={self.shard_state}; the variance sizes do not match")
+            if there != here:
+                raise ValueError(f"{type(self).__name__}: sharded optimizer state saved at world size/rank "
+                                 f"{there[0]}/{there[1]} cannot load at {here[0]}/{here[1]}: each rank holds the "
+                                 "variance only for its chunk of the compressed all-reduce, whose bounds depend "
+                                 "on the world size; resume on the same world size")
+            if extra.get("layout") not in (None, self._get_buckets().layout()):
+                raise ValueError(f"{type(self).__name__}: sharded optimizer state saved with another bucket "
+                                 "layout (bucket_size or parameters changed); the owned slices do not line up")
+        super().load_state_dict(state_dict)
+
+    def _after_load(self):
+        self._shards = None

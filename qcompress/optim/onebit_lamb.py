@@ -28,7 +28,11 @@ class OneBitLamb(CompressedOptimizer):
                  max_coeff=10.0, min_coeff=0.01, amsgrad=False, cuda_aware=False, comm_backend_name="nccl",
                  coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, *, group=None,
                  compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
-                 ddp_hook_state=None):
+                 ddp_hook_state=None, shard_state=False):
+        if shard_state:
+            from .build import _NO_SHARD
+            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by OneBitLamb: "
+                             f"{_NO_SHARD['onebitlamb']}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
         check_positive_int("freeze_step", freeze_step)
         if not 0.0 <= min_coeff <= max_coeff:

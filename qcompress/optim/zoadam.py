@@ -31,7 +31,12 @@ class ZeroOneAdam(CompressedOptimizer):
                  eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0, var_freeze_step=100000,
                  var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16, amsgrad=False,
                  cuda_aware=False, comm_backend_name="nccl", *, group=None, compressor="onebit",
-                 bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None, ddp_hook_state=None):
+                 bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None, ddp_hook_state=None,
+                 shard_state=False):
+        if shard_state:
+            from .build import _NO_SHARD
+            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by ZeroOneAdam: "
+                             f"{_NO_SHARD['zerooneadam']}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
         check_positive_int("var_freeze_step", var_freeze_step)
         check_positive_int("var_update_scaler", var_update_scaler)
