@@ -19,6 +19,7 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("unpack_int32(Tensor packed, int bits, int length) -> Tensor");
   m.def("onebit_compress(Tensor x, Tensor error) -> (Tensor, Tensor, Tensor)");
   m.def("onebit_decode_average(Tensor packed, Tensor scales) -> Tensor");
+  m.def("onebit_decode(Tensor packed, Tensor scales) -> Tensor");  // [P, m] -> [P, 8m], row r = sign * s_r
 }
 
 TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
@@ -30,6 +31,7 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("unpack_int32", &qc::unpack_int32_cpu);
   m.impl("onebit_compress", &qc::onebit_compress_cpu);
   m.impl("onebit_decode_average", &qc::onebit_decode_average_cpu);
+  m.impl("onebit_decode", &qc::onebit_decode_cpu);
 }
 
 // Importing qcompress._C registers the operators; the module itself has no functions.

@@ -301,6 +301,24 @@ def test_onebit_decode_average_and_error_feedback_telescopes():
     torch.testing.assert_close(total_in - total_out, err.double(), rtol=0, atol=1e-4)
 
 
+def test_onebit_large_and_strided_rows_match_reference():
+    # outputs of >= 4 MB go through the kernels' reused-block path; payload rows are strided views
+    g = torch.Generator().manual_seed(7)
+    P_, m = 3, (1 << 17) + 5
+    payload = torch.randint(0, 256, (P_, m + 4), generator=g, dtype=torch.uint8)
+    rows, scales = payload[:, :m], torch.rand(P_, generator=g)
+    scales[1] = 0.0
+    for _ in range(2):
+        same(K.onebit_decode_average(rows, scales), O.decode_average(rows.contiguous(), scales), "average")
+        want = torch.stack([O.decode(rows[r].contiguous(), scales[r]) for r in range(P_)])
+        got = K.onebit_decode(rows, scales)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), "decode rows (signed zeros too)"
+    for n in ((1 << 20) + 8, (1 << 20) + 8, 3 * 65536 + 24):
+        x, e = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+        for a, b in zip(K.onebit_compress(x, e), O.compress(x, e)):
+            same(a, b, f"onebit compress n={n}")
+
+
 # --- torch.library and torch.compile ---------------------------------------------------------------
 
 def test_opcheck_every_op():
@@ -322,6 +340,7 @@ def test_opcheck_every_op():
     torch.library.opcheck(ops.unpack_int32, (ops.pack_int32(q, 4), 4, 10))
     torch.library.opcheck(ops.onebit_compress, (torch.randn(64), torch.randn(64)))
     torch.library.opcheck(ops.onebit_decode_average, (torch.randint(0, 256, (3, 8), dtype=torch.uint8), torch.rand(3)))
+    torch.library.opcheck(ops.onebit_decode, (torch.randint(0, 256, (3, 8), dtype=torch.uint8), torch.rand(3)))
 
 
 class _QLinear(torch.nn.Module):

@@ -62,5 +62,6 @@ at::Tensor pack_int32_cpu(const at::Tensor& q, int64_t bits);
 at::Tensor unpack_int32_cpu(const at::Tensor& packed, int64_t bits, int64_t length);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& x, const at::Tensor& error);
 at::Tensor onebit_decode_average_cpu(const at::Tensor& packed, const at::Tensor& scales);
+at::Tensor onebit_decode_cpu(const at::Tensor& packed, const at::Tensor& scales);
 
 }  // namespace qc

@@ -3,7 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -219,6 +225,12 @@ at::Tensor unpack_int32_cpu(const at::Tensor& packed_, int64_t bits, int64_t len
   return out;
 }
 
+// ---- the 1-bit compressor -------------------------------------------------------------------
+// Bit-for-bit with qcompress.quant.onebit: y = x + error in float32; the sum of squares in float64
+// over fixed 64K-element chunks (each chunk in a fixed lane order, chunks combined in index order,
+// so the scale does not depend on the thread count); sign bits MSB first; decode accumulates
+// 0 + sign_0 w_0 + sign_1 w_1 + ... in float32, chunk order j = 0 .. P-1, for every element.
+
 namespace {
 
 struct Bytes {  // reverse the 8 bits of a byte: lane 0 goes to the most significant bit
@@ -236,6 +248,136 @@ const Bytes& bytes() {
   return t;
 }
 
+constexpr int64_t kSqChunk = 1 << 16;  // elements per partial sum of squares (a multiple of 16)
+
+// Large 1-bit outputs (new errors, decoded values: tens of MB per call) come from a small cache
+// of page-aligned blocks instead of fresh at::empty memory: a fresh 64 MB buffer costs ~16K page
+// faults, which took longer than the whole 1-bit pass on the 2-core benchmark machine, and the
+// compressed all-reduce allocates the same few sizes on every call. A block returns to the cache
+// when its tensor dies; at most kCacheBytes are kept (oldest dropped first). Blocks are also
+// advised onto transparent huge pages where the system allows it.
+class BlockCache {
+ public:
+  static constexpr size_t kAlign = size_t{1} << 21;
+  static constexpr size_t kCacheBytes = size_t{384} << 20;
+
+  void* get(size_t len) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->first == len) {
+          void* p = it->second;
+          cached_ -= len;
+          free_.erase(it);
+          return p;
+        }
+      }
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, len) != 0) return nullptr;
+#if defined(MADV_HUGEPAGE)
+    madvise(p, len, MADV_HUGEPAGE);  // advisory: ignored when THP is off
+#endif
+    return p;
+  }
+
+  void put(void* p, size_t len) {
+    std::vector<void*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.emplace_back(len, p);
+      cached_ += len;
+      while (cached_ > kCacheBytes && !free_.empty()) {
+        cached_ -= free_.front().first;
+        drop.push_back(free_.front().second);
+        free_.pop_front();
+      }
+    }
+    for (void* q : drop) std::free(q);
+  }
+
+ private:
+  std::mutex mu_;
+  std::deque<std::pair<size_t, void*>> free_;
+  size_t cached_ = 0;
+};
+
+BlockCache& block_cache() {
+  static BlockCache* c = new BlockCache();  // never destroyed: tensors may outlive static teardown
+  return *c;
+}
+
+at::Tensor empty_float(at::IntArrayRef sizes, const at::TensorOptions& opt) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (!opt.device().is_cpu() || bytes < 2 * BlockCache::kAlign) return at::empty(sizes, opt.dtype(at::kFloat));
+  const size_t len = (bytes + BlockCache::kAlign - 1) / BlockCache::kAlign * BlockCache::kAlign;
+  void* p = block_cache().get(len);
+  if (p == nullptr) return at::empty(sizes, opt.dtype(at::kFloat));
+  return at::from_blob(p, sizes, [len](void* q) { block_cache().put(q, len); }, opt.dtype(at::kFloat));
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Lane t of the result holds bit (7 - t) of `byte` in its sign bit (MSB-first unpacking).
+inline __m256 sign_lanes(uint32_t byte) {
+  const __m256i sh = _mm256_setr_epi32(24, 25, 26, 27, 28, 29, 30, 31);
+  return _mm256_castsi256_ps(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(byte)), sh));
+}
+inline __m256d sq_lo(__m256 y) {
+  const __m256d d = _mm256_cvtps_pd(_mm256_castps256_ps128(y));
+  return _mm256_mul_pd(d, d);
+}
+inline __m256d sq_hi(__m256 y) {
+  const __m256d d = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
+  return _mm256_mul_pd(d, d);
+}
+#endif
+
+// One read of y = x + e over [b, end) (end - b a multiple of 8): its sign bytes into pk (MSB
+// first) and the float64 sum of squares in a fixed lane order (returned).
+template <typename T>
+double signs_sumsq_chunk(const T* xp, const float* e, uint8_t* pk, int64_t b, int64_t end) {
+  const uint8_t* rev = bytes().rev;
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 zero = _mm256_setzero_ps();
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = b;
+  for (; i + 16 <= end; i += 16) {
+    const __m256 y0 = load_f(xp + i, kW) + V::loadu(e + i);
+    const __m256 y1 = load_f(xp + i + 8, kW) + V::loadu(e + i + 8);
+    pk[i / 8] = rev[_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ))];
+    pk[i / 8 + 1] = rev[_mm256_movemask_ps(_mm256_cmp_ps(y1, zero, _CMP_GE_OQ))];
+    a0 = _mm256_add_pd(a0, sq_lo(y0));
+    a1 = _mm256_add_pd(a1, sq_hi(y0));
+    a2 = _mm256_add_pd(a2, sq_lo(y1));
+    a3 = _mm256_add_pd(a3, sq_hi(y1));
+  }
+  if (i < end) {
+    const __m256 y0 = load_f(xp + i, kW) + V::loadu(e + i);
+    pk[i / 8] = rev[_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ))];
+    a0 = _mm256_add_pd(a0, sq_lo(y0));
+    a1 = _mm256_add_pd(a1, sq_hi(y0));
+  }
+  const __m256d s = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+  double l[4];
+  _mm256_storeu_pd(l, s);
+  return (l[0] + l[1]) + (l[2] + l[3]);
+#else
+  double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = b; i < end; i += kW) {
+    float y[kW];
+    const V yv = load_f(xp + i, kW) + V::loadu(e + i);
+    pk[i / 8] = rev[mask_bits(yv >= V(0.0f)) & 0xFF];
+    yv.store(y);
+    for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(y[j]) * static_cast<double>(y[j]);
+  }
+  double s = 0.0;
+  for (int j = 0; j < kW; ++j) s += acc[j];
+  return s;
+#endif
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& x_, const at::Tensor& err_) {
@@ -247,45 +389,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Ten
   const int64_t n = x.numel();
   at::Tensor packed = at::empty({n / 8}, x.options().dtype(at::kByte));
   at::Tensor scale_t = at::empty({}, x.options().dtype(at::kFloat));
-  at::Tensor new_err = at::empty({n}, x.options().dtype(at::kFloat));
+  at::Tensor new_err = empty_float({n}, x.options());
   const float* e = err.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_onebit_compress", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "qcompress.onebit_compress: float64 input is converted by the Python wrapper");
     } else {
       const scalar_t* xp = x.data_ptr<scalar_t>();
-      // pass 1: float64 sum of squares of y = x + error over fixed chunks, combined in order
-      constexpr int64_t kChunk = 1 << 16;
-      const int64_t nch = (n + kChunk - 1) / kChunk;
+      uint8_t* pk = packed.data_ptr<uint8_t>();
+      // pass 1: partial float64 sums of squares per fixed chunk, and the sign bits (they do not
+      // need the scale), while x and e stream through once
+      const int64_t nch = (n + kSqChunk - 1) / kSqChunk;
       std::vector<double> part(nch, 0.0);
       at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
-          const int64_t b = c * kChunk, end = std::min(n, b + kChunk);
-          double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int64_t i = b; i < end; i += kW) {  // n is a multiple of 8
-            float y[kW];
-            (load_f(xp + i, kW) + V::loadu(e + i)).store(y);
-            for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(y[j]) * static_cast<double>(y[j]);
-          }
-          double s = 0.0;
-          for (int j = 0; j < kW; ++j) s += acc[j];
-          part[c] = s;
+          const int64_t b = c * kSqChunk, end = std::min(n, b + kSqChunk);
+          part[c] = signs_sumsq_chunk(xp, e, pk, b, end);
         }
       });
       double total = 0.0;
-      for (double v : part) total += v;
+      for (double v : part) total += v;  // chunk order: independent of the thread count
       const float scale = onebit_scale(total, n);
       *scale_t.data_ptr<float>() = scale;
-      // pass 2: sign bits (MSB first) and the new error
-      uint8_t* pk = packed.data_ptr<uint8_t>();
+      // pass 2: new error = y - scale * sign, i.e. y - s or y - (-s)
       float* ne = new_err.data_ptr<float>();
       const V sv(scale), nsv(-scale), zero(0.0f);
+      // The new error is read only at the next call: for large buffers, stream it past the caches
+      // (no read-for-ownership of the 4n output bytes). Outputs are at least 32-byte aligned.
+      const bool stream = n >= (int64_t{1} << 20) && reinterpret_cast<uintptr_t>(ne) % 32 == 0;
       at::parallel_for(0, n / 8, 4096, [&](int64_t b, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX2)
+        if (stream) {
+          for (int64_t k = b; k < end; ++k) {
+            const V y = load_f(xp + 8 * k, kW) + V::loadu(e + 8 * k);
+            _mm256_stream_ps(ne + 8 * k, y - V::blendv(nsv, sv, y >= zero));
+          }
+          _mm_sfence();
+          return;
+        }
+#endif
         for (int64_t k = b; k < end; ++k) {
           const V y = load_f(xp + 8 * k, kW) + V::loadu(e + 8 * k);
-          const V pos = y >= zero;
-          pk[k] = bytes().rev[mask_bits(pos) & 0xFF];
-          (y - V::blendv(nsv, sv, pos)).store(ne + 8 * k);
+          (y - V::blendv(nsv, sv, y >= zero)).store(ne + 8 * k);
         }
       });
     }
@@ -293,29 +438,105 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Ten
   return {packed, scale_t, new_err};
 }
 
-at::Tensor onebit_decode_average_cpu(const at::Tensor& packed_, const at::Tensor& scales_) {
-  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.dim() == 2,
-              "qcompress.onebit_decode_average: packed must be uint8 [P, m]");
-  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == packed_.size(0),
-              "qcompress.onebit_decode_average: expected ", packed_.size(0), " float32 scales");
-  at::Tensor packed = packed_.contiguous(), scales = scales_.contiguous();
-  const int64_t P = packed.size(0), m = packed.size(1);
-  at::Tensor out = at::empty({8 * m}, packed.options().dtype(at::kFloat));
-  std::vector<float> w(P);
-  for (int64_t j = 0; j < P; ++j) w[j] = scales.data_ptr<float>()[j] / static_cast<float>(P);
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, m, 2048, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < P; ++j) {  // chunk order j = 0 .. P-1, as the reference
-        const uint8_t byte = pk[j * m + k];
-        for (int t = 0; t < 8; ++t) acc[t] = acc[t] + (((byte >> (7 - t)) & 1) ? w[j] : -w[j]);
-      }
-      for (int t = 0; t < 8; ++t) o[8 * k + t] = acc[t];
+namespace {
+
+// out[r * ostride + 8 k + t] for bytes k in [k0, k1): average (P > 0 rows summed with weights w)
+// or, with `rows_out`, each row decoded alone as sign * w_r.
+void onebit_decode_range(const uint8_t* pk, int64_t pstride, const float* w, int64_t P, float* o,
+                         int64_t k0, int64_t k1, bool rows_out, int64_t ostride) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (rows_out) {
+    for (int64_t r = 0; r < P; ++r) {
+      const __m256 pos = _mm256_set1_ps(w[r]), neg = _mm256_set1_ps(-w[r]);
+      const uint8_t* row = pk + r * pstride;
+      float* orow = o + r * ostride;
+      for (int64_t k = k0; k < k1; ++k) _mm256_storeu_ps(orow + 8 * k, _mm256_blendv_ps(neg, pos, sign_lanes(row[k])));
     }
+    return;
+  }
+  // blocks of 4 bytes (32 values) held in registers across the P rows
+  constexpr int64_t kMaxP = 64;
+  __m256 pos[kMaxP], neg[kMaxP];
+  const int64_t pc = std::min(P, kMaxP);
+  for (int64_t j = 0; j < pc; ++j) { pos[j] = _mm256_set1_ps(w[j]); neg[j] = _mm256_set1_ps(-w[j]); }
+  auto wpos = [&](int64_t j) { return j < kMaxP ? pos[j] : _mm256_set1_ps(w[j]); };
+  auto wneg = [&](int64_t j) { return j < kMaxP ? neg[j] : _mm256_set1_ps(-w[j]); };
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < P; ++j) {
+      const uint8_t* row = pk + j * pstride + k;
+      const __m256 p = wpos(j), q = wneg(j);
+      a0 = _mm256_add_ps(a0, _mm256_blendv_ps(q, p, sign_lanes(row[0])));
+      a1 = _mm256_add_ps(a1, _mm256_blendv_ps(q, p, sign_lanes(row[1])));
+      a2 = _mm256_add_ps(a2, _mm256_blendv_ps(q, p, sign_lanes(row[2])));
+      a3 = _mm256_add_ps(a3, _mm256_blendv_ps(q, p, sign_lanes(row[3])));
+    }
+    _mm256_storeu_ps(o + 8 * k, a0);
+    _mm256_storeu_ps(o + 8 * k + 8, a1);
+    _mm256_storeu_ps(o + 8 * k + 16, a2);
+    _mm256_storeu_ps(o + 8 * k + 24, a3);
+  }
+  for (; k < k1; ++k) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < P; ++j) a = _mm256_add_ps(a, _mm256_blendv_ps(wneg(j), wpos(j), sign_lanes(pk[j * pstride + k])));
+    _mm256_storeu_ps(o + 8 * k, a);
+  }
+#else
+  for (int64_t k = k0; k < k1; ++k) {
+    if (rows_out) {
+      for (int64_t r = 0; r < P; ++r) {
+        const uint8_t byte = pk[r * pstride + k];
+        for (int t = 0; t < 8; ++t) o[r * ostride + 8 * k + t] = ((byte >> (7 - t)) & 1) ? w[r] : -w[r];
+      }
+      continue;
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < P; ++j) {  // chunk order j = 0 .. P-1, as the reference
+      const uint8_t byte = pk[j * pstride + k];
+      for (int t = 0; t < 8; ++t) acc[t] = acc[t] + (((byte >> (7 - t)) & 1) ? w[j] : -w[j]);
+    }
+    for (int t = 0; t < 8; ++t) o[8 * k + t] = acc[t];
+  }
+#endif
+}
+
+// packed: uint8 [P, >= m] rows with unit inner stride (a view of payload rows is fine: no copy).
+at::Tensor onebit_decode_impl(const at::Tensor& packed_, const at::Tensor& scales_, int64_t m, bool average,
+                              const char* name) {
+  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.dim() == 2, name, ": packed must be uint8 [P, m]");
+  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == packed_.size(0), name, ": expected ",
+              packed_.size(0), " float32 scales");
+  at::Tensor packed = packed_.stride(1) == 1 || packed_.size(1) <= 1 ? packed_ : packed_.contiguous();
+  at::Tensor scales = scales_.contiguous();
+  const int64_t P = packed.size(0);
+  at::Tensor out = average ? empty_float({8 * m}, packed.options()) : empty_float({P, 8 * m}, packed.options());
+  if (m == 0 || P == 0) {
+    if (average && m > 0) out.zero_();
+    return out;
+  }
+  std::vector<float> w(P);
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t j = 0; j < P; ++j) w[j] = average ? sp[j] / static_cast<float>(P) : sp[j];
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const int64_t pstride = P > 1 ? packed.stride(0) : m;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, m, 8192, [&](int64_t b, int64_t e) {
+    onebit_decode_range(pk, pstride, w.data(), P, o, b, e, !average, 8 * m);
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor onebit_decode_average_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+  return onebit_decode_impl(packed, scales, packed.dim() == 2 ? packed.size(1) : 0, true,
+                            "qcompress.onebit_decode_average");
+}
+
+at::Tensor onebit_decode_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+  return onebit_decode_impl(packed, scales, packed.dim() == 2 ? packed.size(1) : 0, false,
+                            "qcompress.onebit_decode");
 }
 
 }  // namespace qc

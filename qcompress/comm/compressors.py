@@ -68,6 +68,17 @@ def _onebit_ops():
     return _onebit_ref.compress, _onebit_ref.decode_average
 
 
+def _onebit_decode_op():
+    """The CPU kernel decoding payload rows on their own, or None (then a table lookup is used)."""
+    try:
+        from qcompress.quant import kernels
+    except ImportError:
+        return None
+    if kernels.available() and hasattr(kernels, "onebit_decode") and hasattr(torch.ops.qcompress, "onebit_decode"):
+        return kernels.onebit_decode
+    return None
+
+
 _SIGN_TABLES: dict = {}
 
 
@@ -101,6 +112,9 @@ class OneBitCompressor(Compressor):
         return torch.cat([rows, _scale_to_bytes(scales)], dim=1), new_error
 
     def decompress(self, payload, numel):
+        dec = _onebit_decode_op()
+        if dec is not None and payload.device.type == "cpu":  # reads the sign bytes in place, no copy
+            return dec(payload[:, : numel // 8], _bytes_to_scale(payload))
         # Table lookup: byte value -> its 8 values +-scale (exactly what sign * scale gives), one
         # gather per row instead of unpack + where + multiply (10x faster on CPU).
         scales = _bytes_to_scale(payload)
@@ -115,7 +129,10 @@ class OneBitCompressor(Compressor):
 
     def decompress_average(self, payload, numel):
         _, dec = _onebit_ops()
-        return dec(payload[:, : numel // 8].contiguous(), _bytes_to_scale(payload))
+        signs = payload[:, : numel // 8]
+        if signs.device.type != "cpu":  # the CPU kernel takes strided rows; keep others contiguous
+            signs = signs.contiguous()
+        return dec(signs, _bytes_to_scale(payload))
 
 
 class Int8Compressor(Compressor):
