@@ -49,7 +49,11 @@ def extensions():
     if not _have_compiler():
         return []
     arch = os.environ.get("QCOMPRESS_CPU_ARCH", "avx2" if _cpu_has_avx2() else "default")
-    cxx = ["-O3", "-g0", "-ffp-contract=off", "-fno-fast-math"]
+    # -fopenmp: at::parallel_for is header-inline OpenMP; without it every kernel runs on one
+    # thread. libgomp.so.1 resolves to the runtime torch already loaded (same soname), so
+    # torch.set_num_threads governs our kernels too.
+    cxx = ["-O3", "-g0", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    link = ["-fopenmp"]
     if arch == "avx2":
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     include = [os.path.join(ROOT, "include"), ROOT]
@@ -58,8 +62,8 @@ def extensions():
         nvcc = ["-O3", "--fmad=false"]
         return [CUDAExtension("qcompress._C", sources + _sources("cuda_ops.cpp") + _sources("cuda/*.cu"),
                               include_dirs=include, define_macros=[("QC_WITH_CUDA", "1")],
-                              extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
-    return [CppExtension("qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx})]
+                              extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)]
+    return [CppExtension("qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}, extra_link_args=link)]
 
 
 def cmdclass():

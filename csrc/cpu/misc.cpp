@@ -3,15 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <cstdlib>
-#include <deque>
-#include <mutex>
-#include <utility>
 #include <vector>
 
+#include "block_cache.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -106,7 +101,7 @@ at::Tensor dequantize_cpu(const at::Tensor& q_, const at::Tensor& scale_, const 
               "qcompress.dequantize: output dtype must be a float type, got ", dtype);
   at::Tensor q = q_.contiguous(), scale = scale_.contiguous();
   at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
-  at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
+  at::Tensor out = empty_reused(q.sizes(), q.options().dtype(dtype));
   if (q.numel() == 0) return out;
   const int64_t ngr = std::max<int64_t>(1, (cols + group - 1) / group);
   const float* s = scale.data_ptr<float>();
@@ -142,7 +137,7 @@ at::Tensor ste_backward_cpu(const at::Tensor& grad_, const at::Tensor& mask_) {
   TORCH_CHECK(grad_.sizes() == mask_.sizes(), "qcompress.ste_backward: grad ", grad_.sizes(),
               " and mask ", mask_.sizes(), " differ in shape");
   at::Tensor grad = grad_.contiguous(), mask = mask_.contiguous();
-  at::Tensor out = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor out = empty_reused(grad.sizes(), grad.options());
   const bool* m = mask.data_ptr<bool>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "qcompress_ste_backward", [&] {
     const scalar_t* g = grad.data_ptr<scalar_t>();
@@ -250,74 +245,6 @@ const Bytes& bytes() {
 
 constexpr int64_t kSqChunk = 1 << 16;  // elements per partial sum of squares (a multiple of 16)
 
-// Large 1-bit outputs (new errors, decoded values: tens of MB per call) come from a small cache
-// of page-aligned blocks instead of fresh at::empty memory: a fresh 64 MB buffer costs ~16K page
-// faults, which took longer than the whole 1-bit pass on the 2-core benchmark machine, and the
-// compressed all-reduce allocates the same few sizes on every call. A block returns to the cache
-// when its tensor dies; at most kCacheBytes are kept (oldest dropped first). Blocks are also
-// advised onto transparent huge pages where the system allows it.
-class BlockCache {
- public:
-  static constexpr size_t kAlign = size_t{1} << 21;
-  static constexpr size_t kCacheBytes = size_t{384} << 20;
-
-  void* get(size_t len) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->first == len) {
-          void* p = it->second;
-          cached_ -= len;
-          free_.erase(it);
-          return p;
-        }
-      }
-    }
-    void* p = nullptr;
-    if (posix_memalign(&p, kAlign, len) != 0) return nullptr;
-#if defined(MADV_HUGEPAGE)
-    madvise(p, len, MADV_HUGEPAGE);  // advisory: ignored when THP is off
-#endif
-    return p;
-  }
-
-  void put(void* p, size_t len) {
-    std::vector<void*> drop;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      free_.emplace_back(len, p);
-      cached_ += len;
-      while (cached_ > kCacheBytes && !free_.empty()) {
-        cached_ -= free_.front().first;
-        drop.push_back(free_.front().second);
-        free_.pop_front();
-      }
-    }
-    for (void* q : drop) std::free(q);
-  }
-
- private:
-  std::mutex mu_;
-  std::deque<std::pair<size_t, void*>> free_;
-  size_t cached_ = 0;
-};
-
-BlockCache& block_cache() {
-  static BlockCache* c = new BlockCache();  // never destroyed: tensors may outlive static teardown
-  return *c;
-}
-
-at::Tensor empty_float(at::IntArrayRef sizes, const at::TensorOptions& opt) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  if (!opt.device().is_cpu() || bytes < 2 * BlockCache::kAlign) return at::empty(sizes, opt.dtype(at::kFloat));
-  const size_t len = (bytes + BlockCache::kAlign - 1) / BlockCache::kAlign * BlockCache::kAlign;
-  void* p = block_cache().get(len);
-  if (p == nullptr) return at::empty(sizes, opt.dtype(at::kFloat));
-  return at::from_blob(p, sizes, [len](void* q) { block_cache().put(q, len); }, opt.dtype(at::kFloat));
-}
-
 #if defined(CPU_CAPABILITY_AVX2)
 // Lane t of the result holds bit (7 - t) of `byte` in its sign bit (MSB-first unpacking).
 inline __m256 sign_lanes(uint32_t byte) {
@@ -389,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Ten
   const int64_t n = x.numel();
   at::Tensor packed = at::empty({n / 8}, x.options().dtype(at::kByte));
   at::Tensor scale_t = at::empty({}, x.options().dtype(at::kFloat));
-  at::Tensor new_err = empty_float({n}, x.options());
+  at::Tensor new_err = empty_reused({n}, x.options().dtype(at::kFloat));
   const float* e = err.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_onebit_compress", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
@@ -510,7 +437,7 @@ at::Tensor onebit_decode_impl(const at::Tensor& packed_, const at::Tensor& scale
   at::Tensor packed = packed_.stride(1) == 1 || packed_.size(1) <= 1 ? packed_ : packed_.contiguous();
   at::Tensor scales = scales_.contiguous();
   const int64_t P = packed.size(0);
-  at::Tensor out = average ? empty_float({8 * m}, packed.options()) : empty_float({P, 8 * m}, packed.options());
+  at::Tensor out = empty_reused(average ? at::IntArrayRef{8 * m} : at::IntArrayRef{P, 8 * m}, packed.options().dtype(at::kFloat));
   if (m == 0 || P == 0) {
     if (average && m > 0) out.zero_();
     return out;

@@ -27,12 +27,22 @@ struct Ops<V> {
   static V gt(V a, V b) { return a > b; }
   static V ge(V a, V b) { return a >= b; }
   static V le(V a, V b) { return a <= b; }
+  static V eq(V a, V b) { return a == b; }
+  static V isnan(V v) { return v.isnan(); }
+  static V neg(V v) { return v.neg(); }
   static V both(V a, V b) { return a & b; }
   static V select(V m, V a, V b) { return V::blendv(b, a, m); }
   static V abs(V v) { return v.abs(); }
 };
 
 #if defined(CPU_CAPABILITY_AVX2)
+// clamp_code for vectors (overload of math.h's template): max_ps/min_ps return their second
+// operand when either is NaN or both are equal, so NaN passes through and ties keep r, exactly
+// as the select-based template; 2 ops instead of 4.
+inline V clamp_code(V r, V qmin, V qmax) {
+  return _mm256_min_ps(qmax, _mm256_max_ps(qmin, r));
+}
+
 // 8 bf16 / fp16 values <-> float32 lanes (exact widening; narrowing rounds to nearest even,
 // as c10::BFloat16 / c10::Half do).
 inline V load8(const c10::BFloat16* p) {

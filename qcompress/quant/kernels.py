@@ -9,6 +9,8 @@ here, so `torch.compile` treats them as opaque custom ops.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from typing import Optional, Tuple
 
 import torch  # must be imported before the extension (libc10)
@@ -26,6 +28,11 @@ try:
     _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")
 except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
     _error = f"{type(exc).__name__}: {exc}"
+
+_cache_mb = os.environ.get("QCOMPRESS_CPU_CACHE_MB", "").strip()
+if _cache_mb and not _cache_mb.lstrip("-").isdigit():
+    warnings.warn(f"QCOMPRESS_CPU_CACHE_MB={_cache_mb!r} is not a whole number of MB; the kernels keep "
+                  "the default 512 MB of reusable output blocks (0 turns the cache off)", stacklevel=2)
 
 _KIND = {"int": 0, "binary": 1, "ternary": 2}
 _NONFINITE = "qcompress.NonFiniteError: "

@@ -75,43 +75,6 @@ struct Params {
   float thr;    // ternary threshold 0.7 mean|x|
 };
 
-// Integer quantizer from the group's range [lo, hi] (over its real elements, or the static range).
-QC_HD Params int_params(float lo, float hi, int bits, bool symmetric, bool deepspeed, float qmin,
-                        float qmax) {
-  Params p{0.0f, 0.0f, 0.0f, 0.0f};
-  if (symmetric) {
-    float amax = nan_max(fabs_(lo), fabs_(hi));
-    float s = deepspeed ? (2.0f * amax) / static_cast<float>(1 << bits) : amax / qmax;
-    p.scale = clamp_min(s, kEps);
-    return p;
-  }
-  if (deepspeed) {
-    // step floored at the float32 resolution of the group's values (reference.qparams)
-    float floor_ = nan_max(fabs_(lo), fabs_(hi)) * 0x1p-23f;
-    float s = clamp_min(nan_max((hi - lo) / static_cast<float>(1 << bits), floor_), kEps);
-    float zq = rint_(lo / s);
-    p.scale = s;
-    p.zp = -zq;
-    p.z = zq * s;
-    return p;
-  }
-  lo = clamp_max(lo, 0.0f);
-  hi = clamp_min(hi, 0.0f);
-  float s = clamp_min((hi - lo) / (qmax - qmin), kEps);
-  p.scale = s;
-  p.zp = clamp_max(clamp_min(qmin - rint_(lo / s), qmin), qmax);
-  return p;
-}
-
-// mean|x| from a float64 sum, rounded once to float32 (reference._mean_abs).
-QC_HD float mean_from_sum(double total, int64_t count) {
-  return static_cast<float>(total / static_cast<double>(count < 1 ? 1 : count));
-}
-
-QC_HD float ternary_threshold(float mean_abs) { return 0.7f * mean_abs; }
-
-// ---- elementwise: generic over the value type ----------------------------------------------------
-
 template <class F>
 struct Ops;
 
@@ -130,10 +93,72 @@ struct Ops<float> {
   static QC_HD bool gt(float a, float b) { return a > b; }
   static QC_HD bool ge(float a, float b) { return a >= b; }
   static QC_HD bool le(float a, float b) { return a <= b; }
+  static QC_HD bool eq(float a, float b) { return a == b; }
+  static QC_HD bool isnan(float v) { return v != v; }
+  static QC_HD float neg(float v) { return -v; }
   static QC_HD bool both(bool a, bool b) { return a && b; }
   static QC_HD float select(bool m, float a, float b) { return m ? a : b; }
   static QC_HD float abs(float v) { return fabs_(v); }
 };
+
+// Integer quantizer of a group from its range [lo, hi] (over its real elements, or the static
+// range), generic over the value type so that the CPU kernels compute 8 groups per vector; the
+// scalar int_params below is its float instance (CUDA, per-tensor paths).
+template <class F>
+struct ParamsT {
+  F scale, zp, z;  // as Params
+};
+
+template <class F>
+QC_HD F nan_max_t(F a, F b) {  // nan_max for any value type
+  using O = Ops<F>;
+  return O::select(O::isnan(a), a, O::select(O::isnan(b), b, O::select(O::gt(b, a), b, a)));
+}
+template <class F>
+QC_HD F clamp_min_t(F v, F lo) { using O = Ops<F>; return O::select(O::lt(v, lo), lo, v); }
+template <class F>
+QC_HD F clamp_max_t(F v, F hi) { using O = Ops<F>; return O::select(O::gt(v, hi), hi, v); }
+template <class F>
+QC_HD F fabs_t(F v) {  // fabs_ for any value type: +0 for either zero, NaN passes through
+  using O = Ops<F>;
+  return O::select(O::lt(v, F(0.0f)), O::neg(v), O::select(O::eq(v, F(0.0f)), F(0.0f), v));
+}
+
+template <class F>
+QC_HD ParamsT<F> int_params_t(F lo, F hi, int bits, bool symmetric, bool deepspeed, F qmin, F qmax) {
+  using O = Ops<F>;
+  if (symmetric) {
+    F amax = nan_max_t(fabs_t(lo), fabs_t(hi));
+    F s = deepspeed ? (F(2.0f) * amax) / F(static_cast<float>(1 << bits)) : amax / qmax;
+    return {clamp_min_t(s, F(kEps)), F(0.0f), F(0.0f)};
+  }
+  if (deepspeed) {
+    // step floored at the float32 resolution of the group's values (reference.qparams)
+    F floor_ = nan_max_t(fabs_t(lo), fabs_t(hi)) * F(0x1p-23f);
+    F s = clamp_min_t(nan_max_t((hi - lo) / F(static_cast<float>(1 << bits)), floor_), F(kEps));
+    F zq = O::round(lo / s);
+    return {s, O::neg(zq), zq * s};
+  }
+  lo = clamp_max_t(lo, F(0.0f));
+  hi = clamp_min_t(hi, F(0.0f));
+  F s = clamp_min_t((hi - lo) / (qmax - qmin), F(kEps));
+  return {s, clamp_max_t(clamp_min_t(qmin - O::round(lo / s), qmin), qmax), F(0.0f)};
+}
+
+QC_HD Params int_params(float lo, float hi, int bits, bool symmetric, bool deepspeed, float qmin,
+                        float qmax) {
+  const ParamsT<float> p = int_params_t<float>(lo, hi, bits, symmetric, deepspeed, qmin, qmax);
+  return Params{p.scale, p.zp, p.z, 0.0f};
+}
+
+// mean|x| from a float64 sum, rounded once to float32 (reference._mean_abs).
+QC_HD float mean_from_sum(double total, int64_t count) {
+  return static_cast<float>(total / static_cast<double>(count < 1 ? 1 : count));
+}
+
+QC_HD float ternary_threshold(float mean_abs) { return 0.7f * mean_abs; }
+
+// ---- elementwise: generic over the value type ----------------------------------------------------
 
 // Rounding of v = x / s (or (x - z) / s). DS: deepspeed numerics.
 template <class F, bool STOCHASTIC, bool DS>
