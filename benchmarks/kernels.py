@@ -4,9 +4,10 @@ a plain copy (the bandwidth limit), side by side in one run.
     python benchmarks/kernels.py            # default sweep (~3 minutes on 2 cores)
     python benchmarks/kernels.py --full     # 1M..64M elements, every mode
 
-Each configuration is timed twice in separate processes: with torch's default CPU allocator
-(fresh output pages are faulted in and zeroed by the OS on every call, which an op returning a
-new tensor cannot avoid) and with THP_MEM_ALLOC_ENABLE=1 (huge pages: far fewer faults).
+Each configuration is timed in two processes: with the kernels' reused output blocks (the default,
+see csrc/cpu/block_cache.h) and with QCOMPRESS_CPU_CACHE_MB=0 (fresh output pages faulted in and
+zeroed by the OS on every call, as for any op returning a new tensor from torch's CPU allocator).
+`--allocators thp` adds a run with torch's THP_MEM_ALLOC_ENABLE=1.
 Ratios are "copy time / op time" (higher is better; 1.0 = copy speed). Forward+backward uses the
 clip-aware straight-through gradient and is compared with the time of two copies.
 Writes/replaces the '## Kernels' section of benchmarks/RESULTS.md.
@@ -142,6 +143,26 @@ HEADER = ("| n | dtype | bits | range | granularity | rounding | copy ms | ours 
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _targets(rows):
+    """Issue 3's targets on the 16M fp32 rows: forward >= 0.8x copy and >= 10x torch's op,
+    forward+backward <= 1.25x two copies."""
+    big = [r for r in rows if r["n"] == 1 << 24 and r["dtype"] == "float32"]
+    if not big:
+        return ""
+    def frac(pred):
+        ok = [r for r in big if pred(r)]
+        return f"{len(ok)}/{len(big)}"
+    fwd = sorted(r["copy"] / r["ours"] for r in big)
+    top = sorted(r["torch_op"] / r["ours"] for r in big if r["torch_op"])
+    fb = sorted(2 * r["copy"] / r["ours_fb"] for r in big)
+    return (f"\n\nTargets at 16M fp32 ({len(big)} modes): forward >= 0.8x copy in {frac(lambda r: r['copy'] / r['ours'] >= 0.8)} "
+            f"(median {fwd[len(fwd) // 2]:.2f}x, range {fwd[0]:.2f}-{fwd[-1]:.2f}); >= 10x torch's op in "
+            f"{frac(lambda r: r['torch_op'] and r['torch_op'] / r['ours'] >= 10)}"
+            + (f" (median {top[len(top) // 2]:.1f}x)" if top else "")
+            + f"; forward+backward <= 1.25x two copies in {frac(lambda r: 2 * r['copy'] / r['ours_fb'] >= 0.8)} "
+            f"(median 2 copies/ours {fb[len(fb) // 2]:.2f}).")
+
+
 def _write_results(text):
     path = os.path.join(HERE, "RESULTS.md")
     old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
@@ -162,7 +183,7 @@ def main():
     p.add_argument("--full", action="store_true", help="the whole sweep (1M..64M, every mode)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--allocators", default="default,thp", help="comma list of default,thp")
+    p.add_argument("--allocators", default="default,nocache", help="comma list of default,nocache,thp")
     p.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -173,18 +194,22 @@ def main():
     for alloc in args.allocators.split(","):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("THP_MEM_ALLOC_ENABLE", None)
+        env.pop("QCOMPRESS_CPU_CACHE_MB", None)
         if alloc == "thp":
             env["THP_MEM_ALLOC_ENABLE"] = "1"
+        if alloc == "nocache":
+            env["QCOMPRESS_CPU_CACHE_MB"] = "0"
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        title = f"allocator: {'THP_MEM_ALLOC_ENABLE=1' if alloc == 'thp' else 'default'}, {args.threads} threads"
+        title = {"default": "reused output blocks (default)", "nocache": "QCOMPRESS_CPU_CACHE_MB=0 (fresh pages)",
+                 "thp": "reused output blocks, THP_MEM_ALLOC_ENABLE=1"}[alloc] + f", {args.threads} threads"
         print(f"\n{title}\n{HEADER}", flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--threads",
                str(args.threads), "--reps", str(args.reps)] + (["--full"] if args.full else [])
         subprocess.run(cmd, env=env, check=True)
         rows = json.load(open(out))
         os.unlink(out)
-        tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows))
+        tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows) + _targets(rows))
     if not args.no_write:
         import torch
         load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
@@ -192,7 +217,7 @@ def main():
                 f"(torch {torch.__version__}, {os.cpu_count()} CPUs, load average after the run {load}: "
                 "other jobs on a shared machine make single numbers noisy). Ratios: copy time / op time "
                 "(forward), 2 x copy time / op time (forward + clip-aware backward); clone = copy into a "
-                "freshly allocated tensor, which is what any op returning a new tensor pays.\n\n"
+                "freshly allocated tensor (torch's allocator: fresh pages at 64 MB).\n\n"
                 + "\n\n".join(tables) + "\n")
         _write_results(text)
 

@@ -196,6 +196,22 @@ at::Tensor onebit_decode_average_cuda(const at::Tensor& p_, const at::Tensor& s_
   return out;
 }
 
+at::Tensor onebit_decode_cuda(const at::Tensor& p_, const at::Tensor& s_) {
+  c10::cuda::CUDAGuard guard(p_.device());
+  TORCH_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
+                  s_.numel() == p_.size(0),
+              "qcompress.onebit_decode: expected uint8 [P, m] and float32 [P]");
+  // rows may be strided (payload rows without their scale bytes); bytes within a row must not be
+  at::Tensor p = p_.size(1) <= 1 || p_.stride(1) == 1 ? p_ : p_.contiguous();
+  at::Tensor s = s_.contiguous();
+  at::Tensor out = at::empty({p.size(0), 8 * p.size(1)}, p.options().dtype(at::kFloat));
+  check_launch(qc_cuda_onebit_decode(p.const_data_ptr<uint8_t>(), p.size(0) > 1 ? p.stride(0) : p.size(1),
+                                     s.const_data_ptr<float>(), out.mutable_data_ptr<float>(), p.size(0),
+                                     p.size(1), stream()),
+               "onebit_decode");
+  return out;
+}
+
 }  // namespace
 }  // namespace qc
 
@@ -208,6 +224,7 @@ TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
   m.impl("unpack_int32", &qc::unpack_int32_cuda);
   m.impl("onebit_compress", &qc::onebit_compress_cuda);
   m.impl("onebit_decode_average", &qc::onebit_decode_average_cuda);
+  m.impl("onebit_decode", &qc::onebit_decode_cuda);
 }
 
 #endif  // QC_WITH_CUDA

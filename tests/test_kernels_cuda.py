@@ -93,6 +93,11 @@ def test_cuda_packing_onebit_and_backward():
     packed = torch.randint(0, 256, (4, 100), generator=g, dtype=torch.uint8)
     scales = torch.rand(4, generator=g)
     same(K.onebit_decode_average(packed.to(DEV), scales.to(DEV)), O.decode_average(packed, scales), "decode")
+    scales[2] = 0.0  # -0.0 for clear bits, as sign * scale gives
+    rows = packed.to(DEV)[:, :96]  # strided rows, as payload rows without their scale bytes
+    want = torch.stack([O.decode(packed[r, :96].contiguous(), scales[r]) for r in range(4)])
+    got = K.onebit_decode(rows, scales.to(DEV))
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), "decode rows"
     grad, mask = torch.randn(9, 7), torch.rand(9, 7) > 0.5
     same(K.ste_backward(grad.to(DEV), mask.to(DEV)), grad * mask.float(), "ste")
 

@@ -70,6 +70,18 @@ __global__ void decode_average(const uint8_t* __restrict__ packed, const float* 
   }
 }
 
+// Each row on its own: out[r, 8k + t] = +s_r or -s_r by bit (7 - t) of byte k of row r (rows may
+// sit row_stride bytes apart, e.g. payload rows followed by their scale bytes).
+__global__ void decode_rows(const uint8_t* __restrict__ packed, int64_t row_stride, const float* __restrict__ scales,
+                            float* __restrict__ out, int64_t P, int64_t m) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < P * 8 * m;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / (8 * m), c = i % (8 * m);
+    const float s = scales[r];
+    out[i] = ((packed[r * row_stride + c / 8] >> (7 - static_cast<int>(c % 8))) & 1) ? s : -s;
+  }
+}
+
 __global__ void pack_kernel(const int8_t* __restrict__ q, int32_t* __restrict__ out, int64_t rows, int64_t k,
                             int64_t words, int bits) {
   const int per = 32 / bits;
@@ -140,6 +152,15 @@ extern "C" int qc_cuda_onebit_decode_average(const uint8_t* packed, const float*
   using namespace qc::cuda;
   if (m == 0) return 0;
   decode_average<<<blocks_for(8 * m, kThreads * 4), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(packed, scales, out, P, m);
+  return status();
+}
+
+extern "C" int qc_cuda_onebit_decode(const uint8_t* packed, int64_t row_stride, const float* scales, float* out,
+                                     int64_t P, int64_t m, void* stream) {
+  using namespace qc::cuda;
+  if (P * m == 0) return 0;
+  decode_rows<<<blocks_for(P * 8 * m, kThreads * 4), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      packed, row_stride, scales, out, P, m);
   return status();
 }
 

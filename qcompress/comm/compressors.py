@@ -68,13 +68,14 @@ def _onebit_ops():
     return _onebit_ref.compress, _onebit_ref.decode_average
 
 
-def _onebit_decode_op():
-    """The CPU kernel decoding payload rows on their own, or None (then a table lookup is used)."""
+def _onebit_decode_op(payload):
+    """The kernel decoding payload rows on their own for payload's device, or None (then a table
+    lookup is used)."""
     try:
         from qcompress.quant import kernels
     except ImportError:
         return None
-    if kernels.available() and hasattr(kernels, "onebit_decode") and hasattr(torch.ops.qcompress, "onebit_decode"):
+    if kernels.available() and kernels._on_kernel_device(payload):
         return kernels.onebit_decode
     return None
 
@@ -112,8 +113,8 @@ class OneBitCompressor(Compressor):
         return torch.cat([rows, _scale_to_bytes(scales)], dim=1), new_error
 
     def decompress(self, payload, numel):
-        dec = _onebit_decode_op()
-        if dec is not None and payload.device.type == "cpu":  # reads the sign bytes in place, no copy
+        dec = _onebit_decode_op(payload)
+        if dec is not None:  # reads the sign bytes in place, no copy
             return dec(payload[:, : numel // 8], _bytes_to_scale(payload))
         # Table lookup: byte value -> its 8 values +-scale (exactly what sign * scale gives), one
         # gather per row instead of unpack + where + multiply (10x faster on CPU).

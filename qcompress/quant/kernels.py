@@ -249,8 +249,8 @@ def onebit_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
     Rows may be a view with a row stride (e.g. payload rows without their trailing scale bytes).
     """
-    if (_error is not None or packed.device.type != "cpu" or scales.device.type != "cpu"
-            or packed.dtype != torch.uint8 or packed.dim() != 2 or not hasattr(_ops(), "onebit_decode")):
+    if (_error is not None or not _on_kernel_device(packed, scales)
+            or packed.dtype != torch.uint8 or packed.dim() != 2):
         return torch.stack([_onebit.decode(packed[r], scales[r]) for r in range(packed.shape[0])]) \
             if packed.shape[0] else packed.new_empty((0, 8 * packed.shape[-1]), dtype=torch.float32)
     return _ops().onebit_decode(packed, scales.to(torch.float32))
@@ -259,10 +259,9 @@ def onebit_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # --- fake (meta) kernels and autograd: opaque custom ops under torch.compile -------------------
 
 if _error is None:
-    if hasattr(torch.ops.qcompress, "onebit_decode"):
-        @torch.library.register_fake("qcompress::onebit_decode")
-        def _fake_onebit_decode(packed, scales):
-            return packed.new_empty((packed.shape[0], 8 * packed.shape[1]), dtype=torch.float32)
+    @torch.library.register_fake("qcompress::onebit_decode")
+    def _fake_onebit_decode(packed, scales):
+        return packed.new_empty((packed.shape[0], 8 * packed.shape[1]), dtype=torch.float32)
 
     @torch.library.register_fake("qcompress::fake_quant")
     def _fake_fake_quant(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding,

@@ -45,6 +45,9 @@ int qc_cuda_onebit_compress(const void* x, int x_dtype, const float* error, uint
                             float* scale, float* new_error, int64_t n, void* workspace, void* stream);
 int qc_cuda_onebit_decode_average(const uint8_t* packed, const float* scales, float* out,
                                   int64_t P, int64_t m, void* stream);
+// packed: P rows of m bytes, row_stride bytes apart -> out float32 [P, 8 m], row r = sign * s_r.
+int qc_cuda_onebit_decode(const uint8_t* packed, int64_t row_stride, const float* scales, float* out,
+                          int64_t P, int64_t m, void* stream);
 
 #ifdef __cplusplus
 }
