@@ -11,7 +11,10 @@ config is load_config(base, *files) with the base at model_zoo/configs/fashion_m
 Defaults (about 50 s of CPU time, one torch thread; 2 min wall on a shared, busy 2-core machine):
 a fixed random 20,000-image subset of the 60,000 training images; FP32 baseline 2 epochs from
 scratch; each QAT run fine-tunes a copy of the FP32 model for 2 more epochs (314 steps at batch
-128) while the CompressionScheduler walks the bit schedule; the full 10,000-image test set. The QAT model is evaluated as trained (fake
+128) while the CompressionScheduler walks the bit schedule, and is compared with a copy fine-tuned
+for the same 2 epochs in FP32 (same budget, same data order); the full 10,000-image test set.
+Each QAT model is then exported as a quantized checkpoint (runs/demo/<schedule>/) and loaded back
+into a fresh model with load_quantized, whose test accuracy is printed next to the file size. The QAT model is evaluated as trained (fake
 quantization), then baked with redundancy_clean and evaluated again.
 
 One plain loop (forward, loss, backward, clip, optimizer step, scheduler step), no engine.
@@ -55,6 +58,8 @@ class RunResult:
     seconds: float = 0.0
     bits: Dict[str, int] = field(default_factory=dict)
     size_bytes: float = 0.0
+    disk_bytes: Optional[int] = None         # exported checkpoint (model.safetensors) on disk
+    reload_accuracy: Optional[float] = None  # load_quantized(export, fresh model)
     summary: str = ""
 
 
@@ -172,8 +177,21 @@ def split_schedule(arg: str) -> List[str]:
     return [p for p in arg.split("+") if p]
 
 
+def export_and_reload(model, cfg, out_dir: str, xt, yt) -> tuple:
+    """Write the baked model as a quantized checkpoint, load it into a fresh SmallCNN: (bytes, accuracy)."""
+    with warnings.catch_warnings():  # the CNN's convs are stored qcompress-style (README, Export)
+        warnings.filterwarnings("ignore", message=".*not nn.Linear layers with whole groups.*")
+        qcompress.export_quantized(model, out_dir, cfg, force=True)
+    reloaded = qcompress.load_quantized(out_dir, SmallCNN())
+    return os.path.getsize(os.path.join(out_dir, "model.safetensors")), evaluate(reloaded, xt, yt)
+
+
+def safe_name(files: Sequence[str]) -> str:
+    return "+".join(os.path.splitext(os.path.basename(f))[0] for f in files)
+
+
 def qat_run(fp32_model, files: Sequence[str], base: str, data, *, epochs: int, seed: int,
-            progress: bool) -> RunResult:
+            progress: bool, export_dir: Optional[str] = None) -> RunResult:
     (x, y), (xt, yt) = data
     cfg = qcompress.load_config(base, *files)
     name = "+".join(os.path.basename(f) for f in files)
@@ -201,13 +219,17 @@ def qat_run(fp32_model, files: Sequence[str], base: str, data, *, epochs: int, s
     qcompress.redundancy_clean(model, cfg)
     res.baked_accuracy = evaluate(model, xt, yt)
     res.size_bytes = model_size_bytes(model, at="target")
+    if export_dir:
+        res.disk_bytes, res.reload_accuracy = export_and_reload(model, cfg, os.path.join(export_dir, safe_name(files)),
+                                                                xt, yt)
     res.seconds = time.perf_counter() - t0
     return res
 
 
 def run(schedules: Sequence[Sequence[str]], *, base: str = BASE_CONFIG, epochs: int = 2,
         qat_epochs: int = 2, train_limit: Optional[int] = 20000, test_limit: Optional[int] = None,
-        seed: int = 0, data_dir: Optional[str] = None, progress: bool = True) -> List[RunResult]:
+        seed: int = 0, data_dir: Optional[str] = None, progress: bool = True,
+        export_dir: Optional[str] = None) -> List[RunResult]:
     """Train the FP32 baseline, then one QAT run per entry of `schedules` (a list of files each)."""
     t_start = time.perf_counter()
     # Parse every config before any training so a typo fails in a second, not after the baseline.
@@ -225,27 +247,50 @@ def run(schedules: Sequence[Sequence[str]], *, base: str = BASE_CONFIG, epochs: 
     steps = train(model, base_cfg, x, y, epochs=epochs, seed=seed, desc="FP32", progress=progress)
     fp32 = RunResult(name="fp32", accuracy=evaluate(model, xt, yt), steps=steps,
                      size_bytes=model_size_bytes(model), seconds=time.perf_counter() - t0)
+    if export_dir:
+        from safetensors.torch import save_file
+        os.makedirs(os.path.join(export_dir, "fp32"), exist_ok=True)
+        path = os.path.join(export_dir, "fp32", "model.safetensors")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+        fp32.disk_bytes = os.path.getsize(path)
     print(f"FP32 test accuracy: {fp32.accuracy:.4f}  ({steps} steps, {fp32.seconds:.1f} s, "
           f"{fp32.size_bytes / 1024:.1f} KiB)")
-    if schedules:
-        print(f"each QAT run fine-tunes a copy of this model for {qat_epochs} more epoch(s); "
-              "an under-trained baseline can therefore end below the compressed models")
     results = [fp32]
+    ref = fp32
+    if schedules:
+        # Each QAT run fine-tunes a copy for qat_epochs more; the fair baseline gets the same extra
+        # epochs in FP32 (same data order), so accuracy changes are not training-budget effects.
+        same = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        steps = train(same, base_cfg, x, y, epochs=qat_epochs, seed=seed + 1,
+                      desc=f"FP32 +{qat_epochs} epoch(s)", progress=progress)
+        ref = RunResult(name=f"fp32 +{qat_epochs} epoch(s) (QAT's budget)", accuracy=evaluate(same, xt, yt),
+                        steps=fp32.steps + steps, size_bytes=fp32.size_bytes, seconds=time.perf_counter() - t0)
+        results.append(ref)
+        print(f"FP32 fine-tuned for {qat_epochs} more epoch(s), the budget of each QAT run: "
+              f"{ref.accuracy:.4f}")
     for files in schedules:
-        res = qat_run(model, files, base, data, epochs=qat_epochs, seed=seed, progress=progress)
+        res = qat_run(model, files, base, data, epochs=qat_epochs, seed=seed, progress=progress,
+                      export_dir=export_dir)
         results.append(res)
         print(f"\n[{res.name}] bits in force after {res.steps} steps:")
         print(res.summary)
         print(f"[{res.name}] compressed test accuracy: {res.accuracy:.4f} "
-              f"(baked by redundancy_clean: {res.baked_accuracy:.4f}; FP32 {fp32.accuracy:.4f}, "
-              f"change {100 * (res.accuracy - fp32.accuracy):+.2f} points)")
+              f"(baked by redundancy_clean: {res.baked_accuracy:.4f}; FP32 with the same budget "
+              f"{ref.accuracy:.4f}, change {100 * (res.accuracy - ref.accuracy):+.2f} points)")
         print(f"[{res.name}] model size at target bits: {res.size_bytes / 1024:.1f} KiB "
               f"(FP32 {fp32.size_bytes / 1024:.1f} KiB, {fp32.size_bytes / res.size_bytes:.2f}x smaller); "
               f"{res.seconds:.1f} s")
+        if res.disk_bytes is not None:
+            print(f"[{res.name}] exported to {os.path.join(export_dir, safe_name(files))}: model.safetensors "
+                  f"{res.disk_bytes / 1024:.1f} KiB on disk (FP32 safetensors {fp32.disk_bytes / 1024:.1f} KiB, "
+                  f"{fp32.disk_bytes / res.disk_bytes:.2f}x smaller); reloaded with load_quantized: "
+                  f"test accuracy {res.reload_accuracy:.4f}")
     print("\nsummary")
-    print(f"  {'run':<40} {'test acc':>8} {'size KiB':>9}")
+    print(f"  {'run':<40} {'test acc':>8} {'size KiB':>9} {'on disk KiB':>12}")
     for r in results:
-        print(f"  {r.name:<40} {r.accuracy:>8.4f} {r.size_bytes / 1024:>9.1f}")
+        disk = f"{r.disk_bytes / 1024:>12.1f}" if r.disk_bytes is not None else f"{'-':>12}"
+        print(f"  {r.name:<40} {r.accuracy:>8.4f} {r.size_bytes / 1024:>9.1f} {disk}")
     print(f"total wall time: {time.perf_counter() - t_start:.1f} s (process CPU time {time.process_time():.1f} s)")
     return results
 
@@ -268,6 +313,9 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST *-ubyte.gz files")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--export-dir", default=os.path.join(ROOT, "runs", "demo"),
+                   help="where each QAT model is exported as a quantized checkpoint and reloaded "
+                        "(default: %(default)s; '' skips the export)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: this small CNN gains little from more, and "
                         "spinning threads slow it down badly on a busy machine)")
@@ -299,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     set_threads(args.threads)
     try:
         run(schedules, base=args.base, seed=args.seed, data_dir=args.data_dir,
-            progress=not args.no_progress, **options(args))
+            progress=not args.no_progress, export_dir=args.export_dir or None, **options(args))
     except DatasetMissing as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,12 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = sorted(glob.glob(os.path.join(ROOT, "schedules", "*.yaml")))
 
 
-def test_quick_demo_runs_end_to_end_and_prints_both_accuracies():
+def test_quick_demo_runs_end_to_end_and_prints_both_accuracies(tmp_path):
     if not zdata.fashion_mnist_available():
         pytest.skip(f"Fashion-MNIST is not installed in {zdata.fashion_mnist_dir()} "
                     "(apt-get install dataset-fashion-mnist)")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "model_zoo.demo_fashion_mnist", "--quick", "--no-progress"],
+    proc = subprocess.run([sys.executable, "-m", "model_zoo.demo_fashion_mnist", "--quick", "--no-progress",
+                           "--export-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": ROOT})
     elapsed = time.perf_counter() - t0
@@ -38,12 +39,24 @@ def test_quick_demo_runs_end_to_end_and_prints_both_accuracies():
     assert [r[0] for r in runs] == ["w8a8.yaml", "w4a8_progressive.yaml"]
     # 10 balanced classes: chance is 0.10; even a few hundred images must beat it clearly
     assert 0.3 < fp32 <= 1.0
+    same_budget = float(re.search(r"FP32 fine-tuned for 1 more epoch\(s\), the budget of each QAT run: ([0-9.]+)",
+                                  out).group(1))
+    assert 0.3 < same_budget <= 1.0
+    assert f"FP32 with the same budget {same_budget:.4f}" in out
     for name, acc, baked in runs:
         assert 0.3 < float(acc) <= 1.0
         # redundancy_clean bakes the same weights forward used, so eval predictions do not change
         assert acc == baked, name
     assert "bits in force" in out and "W8 →8 sym channel" in out and "A8 per sample" in out
     assert "model size at target bits" in out
+    # each QAT model was exported and reloaded: the reloaded model predicts exactly as the baked one
+    reloads = re.findall(r"\[(\S+)\] exported to .*?: model.safetensors ([0-9.]+) KiB on disk \(FP32 safetensors "
+                         r"([0-9.]+) KiB.*?test accuracy ([0-9.]+)", out)
+    assert [r[0] for r in reloads] == ["w8a8.yaml", "w4a8_progressive.yaml"]
+    for (name, acc, baked), (_, disk, fp32_disk, reloaded) in zip(runs, reloads):
+        assert reloaded == baked, name
+        assert float(disk) < float(fp32_disk) / 3, name  # 8 and 4-bit weights + scales
+    assert (tmp_path / "w4a8_progressive" / "model.safetensors").is_file()
 
 
 def test_missing_dataset_message_tells_how_to_install(tmp_path, capsys):
