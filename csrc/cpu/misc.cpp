@@ -74,8 +74,19 @@ void check_dequant_args(const at::Tensor& q, const at::Tensor& scale, const std:
 
 namespace {
 
+// n (1..8) integers from p as float32 lanes (exact for |q| < 2^24); lanes past n are 0.
 template <typename Q>
 inline V load_int(const Q* p, int n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (n == kW) {
+    if constexpr (sizeof(Q) == 1) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      return _mm256_cvtepi32_ps(std::is_signed_v<Q> ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    } else if constexpr (sizeof(Q) == 4 && std::is_signed_v<Q>) {
+      return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+  }
+#endif
   float tmp[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int j = 0; j < n; ++j) tmp[j] = static_cast<float>(p[j]);
   return V::loadu(tmp);
@@ -144,15 +155,15 @@ at::Tensor ste_backward_cpu(const at::Tensor& grad_, const at::Tensor& mask_) {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, grad.numel(), 1 << 15, [&](int64_t b, int64_t e) {
       // grad * mask.to(grad.dtype), as the reference backward: clipped elements give g * 0
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        int64_t i = b;
-        for (; i + kW <= e; i += kW) {
-          V mv = load_int(reinterpret_cast<const uint8_t*>(m + i), kW);
-          (V::loadu(g + i) * mv).store(o + i);
-        }
-        for (; i < e; ++i) o[i] = g[i] * static_cast<float>(m[i]);
+      // (bf16 / fp16: g * 1 and g * 0 are exact in float32, so one rounding back gives the same bits)
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        for (int64_t i = b; i < e; ++i) o[i] = g[i] * static_cast<double>(m[i]);
       } else {
-        for (int64_t i = b; i < e; ++i) o[i] = static_cast<scalar_t>(g[i] * static_cast<scalar_t>(m[i] ? 1 : 0));
+        const uint8_t* mb = reinterpret_cast<const uint8_t*>(m);
+        for (int64_t i = b; i < e; i += kW) {
+          const int n = static_cast<int>(std::min<int64_t>(kW, e - i));
+          store_f(o + i, load_f(g + i, n) * load_int(mb + i, n), n);
+        }
       }
     });
   });
