@@ -127,6 +127,19 @@ void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, cons
                    const Outputs<T, Q>& o) {
   const V s(p.scale), z(p.z), zp(p.zp), thr(p.thr), qmin(c.qmin), qmax(c.qmax);
   Noise noise(c.seed);
+  if constexpr (KIND == kInt) {
+    if (o.y != nullptr && o.mask == nullptr && o.q == nullptr) {  // the fake-quant forward: one output
+      T* y = o.y + flat0;
+      int64_t i = 0;
+      for (; i + kW <= len; i += kW) {
+        const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
+        const V q = clamp_code(int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u), qmin, qmax);
+        store_f(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(q, s, z, zp), kW);
+      }
+      if (i == len) return;
+      x += i, len -= i, flat0 += i;  // the tail: the general loop below
+    }
+  }
   for (int64_t i = 0; i < len; i += kW) {
     const int n = static_cast<int>(std::min<int64_t>(kW, len - i));
     const V xv = load_f(x + i, n);
