@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "block_cache.h"
@@ -128,14 +129,19 @@ void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, cons
   const V s(p.scale), z(p.z), zp(p.zp), thr(p.thr), qmin(c.qmin), qmax(c.qmax);
   Noise noise(c.seed);
   if constexpr (KIND == kInt) {
-    if (o.y != nullptr && o.mask == nullptr && o.q == nullptr) {  // the fake-quant forward: one output
+    if (o.y != nullptr && o.q == nullptr) {  // the fake-quant forward: full vectors, no per-lane checks
       T* y = o.y + flat0;
+      bool* mask = o.mask ? o.mask + flat0 : nullptr;
       int64_t i = 0;
-      for (; i + kW <= len; i += kW) {
-        const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
-        const V q = clamp_code(int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u), qmin, qmax);
-        store_f(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(q, s, z, zp), kW);
-      }
+      auto body = [&](auto with_mask) {
+        for (; i + kW <= len; i += kW) {
+          const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
+          const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u);
+          if constexpr (decltype(with_mask)::value) store_mask(mask + i, inside_range(r, qmin, qmax), kW);
+          store_f(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(clamp_code(r, qmin, qmax), s, z, zp), kW);
+        }
+      };
+      if (mask) body(std::true_type{}); else body(std::false_type{});
       if (i == len) return;
       x += i, len -= i, flat0 += i;  // the tail: the general loop below
     }
