@@ -322,6 +322,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CLIError as err:
         print(f"qcompress {args.command}: {err}", file=sys.stderr)
         return err.code
+    except (FileExistsError, ValueError) as err:
+        # export/inspect errors already name the file and tensor: a message, not a traceback
+        if args.command not in ("export", "inspect"):
+            raise
+        from .export.errors import CheckpointError, ExportError
+        if not isinstance(err, (FileExistsError, CheckpointError, ExportError)):
+            raise
+        print(f"qcompress {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

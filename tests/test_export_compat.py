@@ -3,6 +3,7 @@ and its own decompressors reproduce effective_weight() bit for bit; transformers
 export through its compressed-tensors quantizer with logits identical to load_quantized's."""
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -125,3 +126,86 @@ def test_gpt2_conv1d_and_stochastic_rounding(tmp_path):
     ours = load_quantized(tmp_path / "gpt2", GPT2LMHeadModel(conf).eval())
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, ref)
+
+
+def test_transformers_w4_bert_with_an_activation_only_linear(tmp_path):
+    # config_groups are written sorted and transformers 5.x decompresses every Linear with the
+    # first group's scheme: the activation-only group ("aq1" < "wq1") must not come first
+    pytest.importorskip("transformers")
+    from transformers import (AutoModelForSequenceClassification, BertConfig,
+                              BertForSequenceClassification, CompressedTensorsConfig)
+    torch.manual_seed(0)
+    conf = BertConfig(vocab_size=99, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=256, max_position_embeddings=32, num_labels=3)
+    model = BertForSequenceClassification(conf).eval()
+    cfg = qcompress.load_config({"compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"wq1": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
+                                                    "group_size": 128}, "modules": ["encoder"]}}},
+        "activation_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["pooler"]}}}}})
+    qcompress.init_compression(model, cfg)
+    ids = torch.randint(0, 99, (2, 11))
+    pooler = model.bert.pooler.dense
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        pooler.qc_aq.active = False
+        trained_dense_pooler = model(input_ids=ids).logits
+        pooler.qc_aq.active = True
+    assert not torch.equal(trained, trained_dense_pooler)
+    export_quantized(model, tmp_path / "bert", cfg)
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    groups = list(config["quantization_config"]["config_groups"].values())
+    assert [g["format"] for g in groups] == ["pack-quantized", "dense"]
+    hf = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "bert", quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    ours = load_quantized(tmp_path / "bert", BertForSequenceClassification(conf).eval())
+    hf_sd = hf.state_dict()
+    linears = [(n, m) for n, m in ours.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 8
+    for name, mod in linears:
+        assert torch.equal(hf_sd[name + ".weight"], mod.weight), name
+    with torch.no_grad():
+        hf_logits = hf(input_ids=ids).logits
+        our_logits = ours(input_ids=ids).logits
+    assert torch.equal(our_logits, trained)
+    # transformers' dequantize path (run_compressed=False) runs activations unquantized
+    assert torch.equal(hf_logits, trained_dense_pooler)
+
+
+def _two_group_net(first, second):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    groups = {"a": {"params": dict(first), "modules": ["^0$"]},
+              "b": {"params": dict(second), "modules": ["^2$"]}}
+    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": groups}}})
+    qcompress.init_compression(m, cfg)
+    return m, cfg
+
+
+W8 = {"start_bits": 8, "target_bits": 8, "granularity": "channel"}
+W4 = {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 32}
+W2 = {"start_bits": 2, "target_bits": 2, "granularity": "group", "group_size": 32}
+
+
+@pytest.mark.parametrize("first,second,message", [
+    (W8, W4, "transformers.*cannot load checkpoints that mix int-quantized and pack-quantized"),
+    (W2, W4, "transformers.*first config group's weight scheme.*2 different")])
+def test_export_warns_about_mixed_weight_schemes(tmp_path, first, second, message):
+    m, cfg = _two_group_net(first, second)
+    with pytest.warns(UserWarning, match=message):
+        export_quantized(m, tmp_path / "out", cfg)
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    ct_quant.QuantizationConfig.model_validate(qc)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "out", _two_group_net(first, second)[0])(x), m(x))
+    m, cfg = _two_group_net(W4, W4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_quantized(m, tmp_path / "same", cfg)

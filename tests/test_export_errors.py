@@ -2,6 +2,7 @@
 mismatches, interrupted writes, un-exportable models, and the CLI entry points."""
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -215,3 +216,144 @@ def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
     x = torch.randn(2, 128)
     with torch.no_grad():
         assert torch.equal(load_quantized(out, make_net())(x), ref(x))
+
+
+def _act_cfg(calibration):
+    doc = json.loads(json.dumps(CFG))
+    doc["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calibration},
+        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+    return qcompress.load_config(doc)
+
+
+def _exported_act(tmp_path, calibration):
+    cfg = _act_cfg(calibration)
+    m = qcompress.init_compression(make_net(), cfg).train()
+    m(torch.randn(4, 128))                       # calibrates the static ranges
+    out = tmp_path / calibration
+    export_quantized(m.eval(), out, cfg)
+    return out
+
+
+def _groups(c):
+    return c["quantization_config"]["config_groups"].values()
+
+
+def _set_inputs(c, value):
+    for g in _groups(c):
+        g["input_activations"] = value
+
+
+DYNAMIC_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
+                 "dynamic": True, "actorder": None, "observer": None, "observer_kwargs": {},
+                 "block_structure": None}
+STATIC_TENSOR = dict(DYNAMIC_TOKEN, strategy="tensor", dynamic=False, observer="minmax")
+
+QC_EDITS = [
+    ("plain", lambda c: c["quantization_config"].update(format="int-quantized"),
+     r"'0' format 'int-quantized'.*pack-quantized"),
+    ("plain", lambda c: c["quantization_config"].update(ignore=["0"]), r"ignore lists '0'"),
+    ("plain", lambda c: c["quantization_config"].update(ignore=["re:^2$"]), r"ignore lists '2'"),
+    ("plain", lambda c: c["quantization_config"].update(quantization_status="frozen"),
+     r"quantization_status is 'frozen'"),
+    ("plain", lambda c: _set_inputs(c, DYNAMIC_TOKEN), r"input_activations=8-bit token dynamic for '0'"),
+    ("static", lambda c: _set_inputs(c, DYNAMIC_TOKEN), r"input_activations\.strategy='token' for '0'"),
+    ("static", lambda c: _set_inputs(c, None), r"input_activations=null for '0'.*static"),
+    ("dynamic", lambda c: _set_inputs(c, STATIC_TENSOR), r"input_activations\.strategy='tensor' for '0'"),
+    ("dynamic", lambda c: _set_inputs(c, None), r"input_activations=null for '0'.*dynamic"),
+]
+
+
+@pytest.mark.parametrize("kind,edit,message", QC_EDITS, ids=[
+    "format", "ignore", "ignore-regex", "status", "inputs-added", "static-to-dynamic", "static-to-null",
+    "dynamic-to-static", "dynamic-to-null"])
+def test_quantization_config_must_agree_with_the_tensors(tmp_path, kind, edit, message):
+    out = exported(tmp_path)[1] if kind == "plain" else _exported_act(tmp_path, kind)
+    load_quantized(out, make_net())              # the untouched export loads
+    _edit_config(out, edit)
+    with pytest.raises(CheckpointError, match=r"config\.json: .*" + message):
+        load_quantized(out, make_net())
+
+
+def _drop(key):
+    return lambda c: c["qcompress"]["modules"]["0"].pop(key)
+
+
+def _group_size_zero(c):
+    for w in [g["weights"] for g in _groups(c)] + [r["weights"] for r in c["qcompress"]["modules"].values()]:
+        w["group_size"] = 0
+
+
+MANIFEST_EDITS = [
+    (_group_size_zero, r"module '0': weights\.group_size=0"),
+    (_drop("weight_shape"), r"module '0': weight_shape=None"),
+    (lambda c: c["qcompress"]["modules"]["0"]["weights"].pop("num_bits"), r"module '0': weights\.num_bits=None"),
+    (lambda c: c["qcompress"]["modules"]["0"].update(kind="lstm"), r"module '0': kind='lstm'"),
+]
+
+
+@pytest.mark.parametrize("edit,message", MANIFEST_EDITS,
+                         ids=["group-size-0", "no-weight-shape", "no-num-bits", "bad-kind"])
+def test_malformed_manifest_names_config_and_module(tmp_path, edit, message):
+    _, out = exported(tmp_path)
+    _edit_config(out, edit)
+    pattern = r"config\.json: qcompress manifest entry of " + message
+    with pytest.raises(CheckpointError, match=pattern):
+        load_quantized(out, make_net())
+    with pytest.raises(CheckpointError, match=pattern):
+        qcompress.export.inspect_checkpoint(out)
+
+
+def test_module_missing_from_manifest(tmp_path):
+    _, out = exported(tmp_path)
+    _edit_config(out, lambda c: c["qcompress"]["modules"].pop("2"))
+    with pytest.raises(CheckpointError, match=r"config\.json: the qcompress manifest does not list "
+                                              r"module '2'.*'2\.weight_packed'"):
+        load_quantized(out, make_net())
+
+
+def test_index_pointing_at_the_wrong_shard(tmp_path):
+    _, out = exported(tmp_path, max_shard_size="2KB")
+    index = json.loads((out / sio.INDEX).read_text())
+    wm = index["weight_map"]
+    shards = sorted(set(wm.values()))
+    assert len(shards) >= 2
+    key = next(k for k, f in wm.items() if f == shards[0])
+    assert key in load_file(out / shards[0]) and key not in load_file(out / shards[1])
+    (out / sio.INDEX).write_text(json.dumps(dict(index, weight_map=dict(wm, **{key: shards[1]}))))
+    with pytest.raises(CheckpointError, match=rf"index\.json: maps tensor '{re.escape(key)}' to "
+                                              rf"'{shards[1]}', but it is stored in {shards[0]}"):
+        load_quantized(out, make_net())
+    (out / sio.INDEX).write_text(json.dumps(dict(index, weight_map={k: f for k, f in wm.items() if k != key})))
+    with pytest.raises(CheckpointError, match=rf"index\.json: does not list tensor '{re.escape(key)}'"):
+        load_quantized(out, make_net())
+
+
+def test_cli_main_reports_export_errors_without_traceback(tmp_path, monkeypatch, capsys):
+    from qcompress import cli
+    (tmp_path / "qc_factory2.py").write_text(
+        "import torch.nn as nn, torch\n"
+        "def build():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cfg.json").write_text(json.dumps(CFG))
+    out = tmp_path / "out"
+    argv = ["export", "--model", "qc_factory2:build", "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert cli.main(argv) == 2                                  # FileExistsError: no --force
+    err = capsys.readouterr().err
+    assert err.startswith("qcompress export: error: ") and "already exists" in err and "--force" in err
+    assert "Traceback" not in err
+    doc = json.loads(json.dumps(CFG))
+    doc["compression_training"]["weight_quantization"]["shared_parameters"].update(
+        numerics="deepspeed", quantization_type="asymmetric")
+    (tmp_path / "ds.json").write_text(json.dumps(doc))
+    argv = ["export", "--model", "qc_factory2:build", "--config", str(tmp_path / "ds.json"),
+            "--out", str(tmp_path / "ds")]
+    assert cli.main(argv) == 2                                  # ExportError
+    assert capsys.readouterr().err.startswith("qcompress export: error: module '0': asymmetric DeepSpeed")
+    _edit_config(out, _group_size_zero)
+    assert cli.main(["inspect", str(out)]) == 2                 # CheckpointError
+    err = capsys.readouterr().err
+    assert err.startswith("qcompress inspect: error: ") and "config.json" in err and "group_size=0" in err

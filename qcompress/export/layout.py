@@ -47,6 +47,17 @@ def portable(m: dict) -> bool:
     return True
 
 
+def _group_names(groups: Dict[str, dict]) -> Dict[str, str]:
+    """key -> config group name, weight groups first once the names are sorted.
+
+    transformers (5.x) decompresses every Linear with the first config group's scheme, and
+    config.json is written with sorted keys, so an activation-only group must not sort first.
+    """
+    order = sorted(groups, key=lambda k: groups[k]["scheme"]["weights"] is None)
+    width = len(str(len(order) - 1))
+    return {k: f"group_{i:0{width}d}_{groups[k]['base']}" for i, k in enumerate(order)}
+
+
 def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> dict:
     """The compressed-tensors schema for the portable (nn.Linear) part of the manifest."""
     groups: Dict[str, dict] = {}
@@ -59,22 +70,18 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
                   "output_activations": None, "format": m["format"]}
         key = json.dumps(scheme, sort_keys=True)
         if key not in groups:
-            base = m["group"] or "group"
-            gname, i = base, 1
-            while gname in {g["name"] for g in groups.values()}:
-                gname, i = f"{base}_{i}", i + 1
-            groups[key] = {"name": gname, "scheme": scheme}
+            groups[key] = {"base": m["group"] or "group", "scheme": scheme}
             members[key] = []
         members[key].append(name)
     formats = sorted({g["scheme"]["format"] for g in groups.values()})
     mixed = len(formats) > 1
     config_groups = {}
-    for key, g in groups.items():
-        scheme = dict(g["scheme"])
+    for key, gname in _group_names(groups).items():
+        scheme = dict(groups[key]["scheme"])
         if not mixed:
             scheme.pop("format")      # per-group format only where needed (>= 0.11 key)
         scheme["targets"] = [exact_target(members[key])]
-        config_groups[g["name"]] = scheme
+        config_groups[gname] = scheme
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision" if mixed else (formats[0] if formats else "dense"),
@@ -86,6 +93,25 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+def transformers_caveat(qc: dict) -> Optional[str]:
+    """Why transformers cannot load this quantization_config correctly, or None.
+
+    transformers 5.x decompresses every (non-expert) Linear with the first config group's
+    scheme (integrations/compressed_tensors.py get_dense_scheme), so several weight schemes
+    fail to load (int-quantized next to pack-quantized) or silently load wrong weights.
+    """
+    schemes = [g for g in qc["config_groups"].values() if g["weights"] is not None]
+    formats = sorted({g.get("format") or qc["format"] for g in schemes})
+    if formats == ["int-quantized", "pack-quantized"]:
+        return ("transformers (5.x) cannot load checkpoints that mix int-quantized and "
+                "pack-quantized config groups")
+    distinct = {json.dumps(g["weights"], sort_keys=True) for g in schemes}
+    if len(distinct) > 1:
+        return ("transformers (5.x) decompresses every Linear with the first config group's "
+                f"weight scheme, and this checkpoint has {len(distinct)} different ones")
+    return None
 
 
 def module_record(kind: str, group: Optional[str], entry, act: Optional[dict]) -> dict:

@@ -191,19 +191,30 @@ def read_safetensors(path: str, verify: bool = True) -> Tuple[Dict[str, torch.Te
     return tensors, metadata
 
 
+def read_index(folder: str):
+    """The index's weight_map {tensor: shard file}, or None for a single-file checkpoint."""
+    index = os.path.join(folder, INDEX)
+    if not os.path.exists(index):
+        return None
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("weight_map must map tensor names to shard file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: corrupted index ({e})") from None
+    return weight_map
+
+
 def checkpoint_files(folder: str) -> List[str]:
     """The safetensors files of a checkpoint folder (from the index when sharded)."""
-    index = os.path.join(folder, INDEX)
-    if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: corrupted index ({e})") from None
+    weight_map = read_index(folder)
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
         for fn in files:
             if not os.path.exists(os.path.join(folder, fn)):
-                raise CheckpointError(f"{index}: names shard {fn!r}, which does not exist")
+                raise CheckpointError(f"{os.path.join(folder, INDEX)}: names shard {fn!r}, which "
+                                      "does not exist")
         return [os.path.join(folder, fn) for fn in files]
     single = os.path.join(folder, SINGLE)
     if not os.path.exists(single):
@@ -211,11 +222,25 @@ def checkpoint_files(folder: str) -> List[str]:
     return [single]
 
 
+def _check_index(folder: str, weight_map: dict, where: Dict[str, str]):
+    """Every tensor must sit in the shard the index names: loaders that trust the index
+    (transformers) open only that shard."""
+    index = os.path.join(folder, INDEX)
+    for k, fn in weight_map.items():
+        if k not in where:
+            raise CheckpointError(f"{os.path.join(folder, fn)}: missing tensor {k!r} listed in {INDEX}")
+        if os.path.normpath(os.path.join(folder, fn)) != os.path.normpath(where[k]):
+            raise CheckpointError(f"{index}: maps tensor {k!r} to {fn!r}, but it is stored in "
+                                  f"{os.path.basename(where[k])}")
+    for k in where:
+        if k not in weight_map:
+            raise CheckpointError(f"{index}: does not list tensor {k!r}, which "
+                                  f"{os.path.basename(where[k])} holds")
+
+
 def read_checkpoint(folder: str, verify: bool = True):
     """({name: tensor}, {name: file}, metadata of the first file)."""
     tensors, where, first_meta = {}, {}, None
-    index_map = None
-    index = os.path.join(folder, INDEX)
     for path in checkpoint_files(folder):
         t, meta = read_safetensors(path, verify)
         if first_meta is None:
@@ -224,13 +249,9 @@ def read_checkpoint(folder: str, verify: bool = True):
             if k in tensors:
                 raise CheckpointError(f"{path}: tensor {k!r} also appears in {where[k]}")
             tensors[k], where[k] = v, path
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            index_map = json.load(f)["weight_map"]
-        for k, fn in index_map.items():
-            if k not in tensors:
-                raise CheckpointError(f"{os.path.join(folder, fn)}: missing tensor {k!r} "
-                                      f"listed in {INDEX}")
+    weight_map = read_index(folder)
+    if weight_map is not None:
+        _check_index(folder, weight_map, where)
     return tensors, where, first_meta or {}
 
 

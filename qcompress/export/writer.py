@@ -88,6 +88,8 @@ def build_config(model, modules, plain_linears) -> dict:
     if hf_cfg is not None and hasattr(hf_cfg, "to_dict"):
         base = hf_cfg.to_dict()
         base.pop("quantization_config", None)
+        if not base.get("architectures"):     # a model built from a config: as save_pretrained does
+            base["architectures"] = [type(root).__name__]
     base["quantization_config"] = layout.quantization_config(modules, plain_linears)
     base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
                          "modules": modules}
@@ -120,6 +122,10 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
         warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
                       f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
                       "groups; only qcompress.load_quantized reads them (see README, Export)",
+                      stacklevel=2)
+    caveat = layout.transformers_caveat(config["quantization_config"])
+    if caveat:
+        warnings.warn(f"{caveat}; qcompress.load_quantized reads it exactly (see README, Export)",
                       stacklevel=2)
     metadata = {"format": "pt", "qcompress_version": _version(),
                 "qcompress_config": json.dumps(_raw_config(cfg, model), sort_keys=True, default=str)}
