@@ -22,8 +22,6 @@ from model_zoo.data import load_digits  # noqa: E402
 from model_zoo.models import SmallCNN  # noqa: E402
 
 DEFAULT = {
-    "train_micro_batch_size_per_gpu": 32,
-    "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 200, "warmup_num_steps": 20}},
@@ -37,6 +35,9 @@ DEFAULT = {
             "different_groups": {"a8": {"params": {"bits": 8}, "modules": ["*"]}}},
     },
 }
+# Only when the config gives no batch size: a fixed micro batch would contradict a ds_config.json's
+# train_batch_size and gradient_accumulation_steps.
+BATCH_DEFAULT = {"train_micro_batch_size_per_gpu": 32}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--config", action="append", default=[], help="YAML/JSON merged over the defaults")
@@ -46,6 +47,8 @@ parser.add_argument("--resume", action="store_true", help="continue from the lat
 args = parser.parse_args()
 
 cfg = qc.load_config(DEFAULT, *args.config)
+if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
+    cfg = qc.load_config(DEFAULT, BATCH_DEFAULT, *args.config)
 torch.manual_seed(0)                                   # same init everywhere (rank 0's wins anyway)
 model = qc.init_compression(SmallCNN(image_size=8, channels=(8, 16), hidden=64), cfg)
 engine = qc.initialize(model, cfg)                     # reads RANK / WORLD_SIZE from torchrun

@@ -160,6 +160,7 @@ def run_stages(rank, world, ckpt_root):
     results["overflow"] = run_overflow(rank, world)
     results["onebit"] = run_onebit(rank, world, ckpt_root)
     results["comm"] = run_comm_checks(rank, world)
+    results["clip"] = run_clipping(rank, world)
     return results
 
 
@@ -246,24 +247,68 @@ def onebit_cfg(stage):
 
 
 def run_onebit(rank, world, ckpt_root):
-    """1-bit Adam under stage 0 (warmup 2 steps, then compressed), with resume; stage 1 if the
-    optimizer can shard its state."""
-    from qcompress.engine.optimizers import supports_shard_state
+    """1-bit Adam under stage 0 (warmup 2 steps, then compressed) and stage 1, with resume."""
     out = {"s0": run_with_resume(rank, world, onebit_cfg(0), os.path.join(ckpt_root, "onebit0"), 4, 2)}
-    out["shard_state"] = supports_shard_state()
-    if out["shard_state"]:
-        out["s1"] = run_with_resume(rank, world, onebit_cfg(1), os.path.join(ckpt_root, "onebit1"), 4, 2)
-        # 0/1 Adam and 1-bit LAMB cannot shard their state: stage 1 must be a ConfigError saying why
-        out["refused"] = {}
-        for kind in ("ZeroOneAdam", "OneBitLamb"):
-            cfg = onebit_cfg(1)
-            cfg["optimizer"] = {"type": kind, "params": {"lr": 0.01}}
-            try:
-                initialize(make_model(cfg), cfg)
-                out["refused"][kind] = None
-            except qc.ConfigError as e:
-                out["refused"][kind] = str(e)
+    out["s1"] = run_with_resume(rank, world, onebit_cfg(1), os.path.join(ckpt_root, "onebit1"), 4, 2)
+    # 0/1 Adam and 1-bit LAMB cannot shard their state: stage 1 must be a ConfigError saying why
+    out["refused"] = {}
+    for kind in ("ZeroOneAdam", "OneBitLamb"):
+        cfg = onebit_cfg(1)
+        cfg["optimizer"] = {"type": kind, "params": {"lr": 0.01}}
+        try:
+            initialize(make_model(cfg), cfg)
+            out["refused"][kind] = None
+        except qc.ConfigError as e:
+            out["refused"][kind] = str(e)
     return out
+
+
+CLIP = {"max_norm": 0.05, "lr": 0.5, "steps": 2}
+
+
+def plain_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+
+
+def clip_cfg(stage, world):
+    """Plain SGD, no schedule, no compression: the update is -lr × the clipped gradient, so
+    whether clipping scaled the gradients shows in the parameters."""
+    cfg = make_cfg(stage, 4, 2, world, gradient_clipping=CLIP["max_norm"],
+                   optimizer={"type": "SGD", "params": {"lr": CLIP["lr"]}})
+    del cfg["scheduler"], cfg["compression_training"]
+    return cfg
+
+
+def run_clipping(rank, world):
+    """Parameters after each of CLIP["steps"] clipped SGD steps, per stage."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        engine = initialize(plain_model(), clip_cfg(stage, world))
+        out[stage] = []
+        for step in range(CLIP["steps"]):
+            train_steps(engine, step, step + 1, world, 4, 2, rank)
+            out[stage].append(full_params(engine))
+    return out
+
+
+def clipped_sgd_oracle(world):
+    """Single-process reference for run_clipping: the averaged gradient of the global batch,
+    torch.nn.utils.clip_grad_norm_, then p -= lr·g. Returns (params per step, norms per step)."""
+    model = plain_model()
+    params, norms = [], []
+    for step in range(CLIP["steps"]):
+        model.zero_grad()
+        for r in range(world):
+            for m in range(2):
+                x, y = micro_batch(step, m, r, world, 4, 2)
+                (F.cross_entropy(model(x), y) / (world * 2)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP["max_norm"]).item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= CLIP["lr"] * p.grad
+        params.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return params, norms
 
 
 _COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_single",
@@ -341,6 +386,11 @@ def run_comm_checks(rank, world):
         engine = initialize(make_model(cfg, seed=11 + rank), cfg)
         train_steps(engine, 0, 2, world, 4, 2, rank)
         out.setdefault("seeded", {})[stage] = full_params(engine)
+    out["bucket_bytes"] = {}
+    for dtype in ("fp32", "fp16"):    # reduce_bucket_size counts elements, whatever is sent
+        cfg = make_cfg(0, 4, 2, world, communication_data_type=dtype)
+        cfg["zero_optimization"]["reduce_bucket_size"] = 1000
+        out["bucket_bytes"][dtype] = initialize(make_model(cfg), cfg).wrapped.bucket_bytes_cap
     for stage in (0, 2):
         finals = {}
         for dtype in ("fp32", "bf16", "fp16"):

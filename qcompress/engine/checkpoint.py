@@ -5,6 +5,9 @@ counters, loss scaler, LR and compression schedulers, optimizer hyper-parameters
 and ranks/rank<r>.json (RNG states and other per-rank values). Everything is first written into
 <dir>/.<tag>.tmp and renamed into place by rank 0 once every rank has finished, then <dir>/latest
 is replaced atomically, so a crash mid-save leaves the previous checkpoint and `latest` intact.
+Re-saving an existing tag parks the old <tag> at <dir>/.<tag>.old until the new one is in place;
+loading falls back to the parked copy when <tag> is missing, so a crash at any point of the
+commit leaves a complete checkpoint under every tag `latest` can name.
 
 Optimizer state, by how it is distributed:
 - "dcp" (stage 0 and FSDP2 stages 2/3): torch's get/set_optimizer_state_dict, keyed by
@@ -151,6 +154,23 @@ def _alloc_from_metadata(md, key: str) -> torch.Tensor:
 
 
 # --- save ------------------------------------------------------------------------------------
+def _parked(save_dir: str, tag: str) -> str:
+    """Where a re-save parks the tag's previous checkpoint while the new one is moved in."""
+    return os.path.join(save_dir, f".{tag}.old")
+
+
+def _commit(tmp: str, final: str, parked: str) -> None:
+    """Rename the finished `tmp` to `final`. A directory cannot be replaced atomically, so an
+    existing `final` is first parked; until `tmp` is in place the parked copy is the tag's
+    checkpoint (resolve() falls back to it), so a crash between the renames loses nothing."""
+    if os.path.exists(final):
+        shutil.rmtree(parked, ignore_errors=True)   # leftover of a re-save that completed
+        os.replace(final, parked)
+    # else: a parked copy, if any, is the only complete one (an earlier re-save crashed): keep it
+    os.replace(tmp, final)
+    shutil.rmtree(parked, ignore_errors=True)
+
+
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.fspath(save_dir)
@@ -185,12 +205,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         _write_json(os.path.join(tmp, "engine.json"), meta)
     _barrier(group)
     if rank == 0:
-        old = os.path.join(save_dir, f".{tag}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(final):
-            os.replace(final, old)                   # `latest` may name another tag meanwhile
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _commit(tmp, final, _parked(save_dir, tag))
         latest = os.path.join(save_dir, "latest")
         tmp_latest = f"{latest}.tmp"
         with open(tmp_latest, "w", encoding="utf-8") as fh:
@@ -213,7 +228,10 @@ def resolve(load_dir: str, tag: Optional[str]) -> str:
                                     "pass tag= to pick one")
         with open(latest, "r", encoding="utf-8") as fh:
             tag = fh.read().strip()
-    path = os.path.join(load_dir, _check_tag(tag))
+    tag = _check_tag(tag)
+    path, parked = os.path.join(load_dir, tag), _parked(load_dir, tag)
+    if not os.path.exists(path) and os.path.isfile(os.path.join(parked, "engine.json")):
+        path = parked                    # a re-save of this tag crashed before its new copy was in place
     if not os.path.isfile(os.path.join(path, "engine.json")):
         raise FileNotFoundError(f"{path!r} is not a complete qcompress checkpoint (engine.json missing)")
     return path

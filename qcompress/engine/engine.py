@@ -22,9 +22,10 @@ from . import checkpoint as ckpt
 from .batch import resolve_batch
 from .lr_schedules import build_lr_scheduler
 from .memory import memory_report
-from .optimizers import build_optimizer, is_onebit, supports_shard_state
+from .optimizers import build_optimizer, is_onebit
 from .precision import LossScaler, autocast_dtype
-from .zero import broadcast_module_state, build_zero1, full_weights, wrap_ddp, wrap_fsdp
+from .zero import (broadcast_module_state, build_zero1, full_weights, time_reduce_scatter, wrap_ddp,
+                   wrap_fsdp)
 
 log = logging.getLogger("qcompress.engine")
 
@@ -78,12 +79,6 @@ class Engine:
                               f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
                               f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
                               "Use stage 0 or 1")
-        if self.onebit and self.stage == 1 and not supports_shard_state():
-            raise ConfigError("zero_optimization.stage",
-                              f"{cfg.optimizer.type} with stage 1 needs its state sharded by the compressed "
-                              "all-reduce's chunks (build_optimizer(shard_state=True)), which this "
-                              "qcompress.optim does not provide; ZeroRedundancyOptimizer cannot host it "
-                              "(it hands the optimizer averaged gradients of its shard only). Use stage 0")
         self.rank, self.world_size, backend = _setup_distributed(self.stage)
         self.group = None                                   # the default (world) group
         self.device = _pick_device(backend)
@@ -118,6 +113,8 @@ class Engine:
         if self.sharded:
             self.wrapped = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
                                      cfg.communication_data_type)
+            if self.wall_clock_breakdown:
+                self._hook = time_reduce_scatter(model)
         elif self.world_size > 1:
             self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
                                                 zero.reduce_bucket_size, cfg.communication_data_type,
@@ -279,8 +276,7 @@ class Engine:
             self.loss_scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
-        if self.train_batch_size is not None:
-            self.global_samples += self.train_batch_size
+        self.global_samples += self.train_batch_size
         self._timers["step"] += self._elapsed(t0)
         self._report_timers()
 
@@ -378,19 +374,22 @@ class Engine:
         return time.perf_counter() - t0
 
     def _report_timers(self) -> None:
+        """last_timings["allreduce"] is the gradient communication (FSDP2's reduce-scatter at
+        stages 2/3), taken out of "backward"; None when it could not be separated."""
         t = dict(self._timers)
-        if self.sharded:
-            t["allreduce"] = None    # FSDP2's reduce-scatter runs inside backward
-        elif self._hook is None:
-            t["allreduce"] = None if self.world_size > 1 else 0.0
+        if self._hook is None:
+            t["allreduce"] = None if self.world_size > 1 or self.sharded else 0.0
         self.last_timings = t
         for k in self._timers:
             self._timers[k] = 0.0
         if self.wall_clock_breakdown and self.rank == 0:
+            comm = "reduce-scatter" if self.sharded else "allreduce"
+            inside = " (incl. FSDP2 weight all-gathers)" if self.stage == 3 else ""
+
             def ms(v):
-                return "n/a (inside backward)" if v is None else f"{v * 1e3:.2f} ms"
-            log.info("step %d: forward %s | backward %s | allreduce %s | step %s", self.global_steps,
-                     ms(t["forward"]), ms(t["backward"]), ms(t["allreduce"]), ms(t["step"]))
+                return "n/a (counted in backward)" if v is None else f"{v * 1e3:.2f} ms"
+            log.info("step %d: forward %s | backward %s%s | %s %s | step %s", self.global_steps,
+                     ms(t["forward"]), ms(t["backward"]), inside, comm, ms(t["allreduce"]), ms(t["step"]))
 
     # --- modes and accessors -----------------------------------------------------------------
     def train(self, mode: bool = True):

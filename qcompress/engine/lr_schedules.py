@@ -7,10 +7,13 @@ not copy that quirk.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, List
 
 from ..errors import ConfigError
+
+log = logging.getLogger("qcompress.engine")
 
 _WARMUP_TYPES = ("log", "linear")
 
@@ -160,6 +163,11 @@ class WarmupCosineLR(_Schedule):
         super().load_state_dict(sd)
 
 
+def _uses_momentum(group) -> bool:
+    """Adam-style betas[0], or SGD-style momentum > 0."""
+    return "betas" in group or float(group.get("momentum", 0.0)) > 0.0
+
+
 class OneCycle(_Schedule):
     """1cycle: lr min->max->min over the two step sizes (momentum the other way), then optional decay."""
     PARAMS = ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
@@ -183,19 +191,21 @@ class OneCycle(_Schedule):
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "scheduler.params.cycle_max_lr")
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_step_size = int(decay_step_size)
-        self.cycle_momentum = bool(cycle_momentum)
         self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
         self.decay_mom_rate = float(decay_mom_rate)
-        if self.cycle_momentum:
-            g = optimizer.param_groups[0]
-            if "betas" not in g and "momentum" not in g:
-                raise ConfigError("scheduler.params.cycle_momentum",
-                                  "the optimizer has neither betas nor momentum to cycle; set it to false")
+        # As DeepSpeed: cycling is skipped for an optimizer without momentum (it would switch
+        # plain SGD's momentum on); per group, since SGD groups may differ.
+        self._mom_groups = ([g for g in optimizer.param_groups if _uses_momentum(g)]
+                            if cycle_momentum else [])
+        self.cycle_momentum = bool(self._mom_groups)
+        if cycle_momentum and not self.cycle_momentum:
+            log.info("OneCycle: the optimizer uses no momentum (no betas, SGD momentum 0); "
+                     "cycle_momentum is off")
         self.last_batch_iteration = max(0, int(last_batch_iteration))
         self._apply()
 
     def _set_momentum(self, mom: float) -> None:
-        for g in self.optimizer.param_groups:
+        for g in self._mom_groups:
             if "betas" in g:
                 g["betas"] = (mom, g["betas"][1])
             else:

@@ -46,10 +46,3 @@ def build_optimizer(params, opt_cfg, group=None, **extra):
     if extra and not accepts(builder, extra):
         raise ConfigError("optimizer.type", f"qcompress.optim.build_optimizer does not support {sorted(extra)}")
     return builder(params, opt_cfg, group=group, **extra)
-
-
-def supports_shard_state() -> bool:
-    """Whether qcompress.optim can shard a 1-bit optimizer's state for ZeRO stage 1."""
-    from .. import optim as qc_optim
-    builder = getattr(qc_optim, "build_optimizer", None)
-    return builder is not None and accepts(builder, ["shard_state"])

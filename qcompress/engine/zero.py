@@ -73,7 +73,18 @@ def grad_reduce_hook(state, bucket):  # no annotations: DDP checks them, and the
     return state.reduce(bucket)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_bytes: int,
+def bucket_cap_mb(elements: int, element_size: int) -> float:
+    """DDP's bucket_cap_mb (MiB) for buckets of `elements` gradients: reduce_bucket_size counts
+    elements, as in DeepSpeed. DDP sizes a bucket by its gradient buffer, which has the
+    parameters' dtype even when our hook sends fp16/bf16, so that dtype gives the bytes."""
+    return max(elements * element_size / (1024 * 1024), 1e-3)
+
+
+def _grad_element_size(model: nn.Module) -> int:
+    return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_elements: int,
              dtype_name: Optional[str], timed: bool):
     device_ids = [device.index] if device.type == "cuda" else None
     # Buffers are synced at optimizer boundaries instead of every forward (no communication on
@@ -82,7 +93,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                       inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
     ddp = DDP(model, device_ids=device_ids, process_group=group,
-              bucket_cap_mb=max(bucket_bytes / (1024 * 1024), 1e-3),
+              bucket_cap_mb=bucket_cap_mb(bucket_elements, _grad_element_size(model)),
               gradient_as_bucket_view=True,     # grads live in the buckets: no second copy
               **no_buffer_sync)
     hook = None
@@ -91,6 +102,47 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
         hook = GradReduceHook(group, world_size, dtype, timed)
         ddp.register_comm_hook(hook, grad_reduce_hook)
     return ddp, hook
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+class TimedReduceScatter:
+    """FSDP2 reduce-scatter (set_custom_reduce_scatter) that adds its wall time to `seconds`, for
+    wall_clock_breakdown. It waits for the work queued before it (backward kernels) before
+    starting the clock and for the collective after, so only the communication is counted; on
+    GPU that costs its overlap with backward, as the timed DDP hook does."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        _sync(input_tensor)
+        t0 = time.perf_counter()
+        work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        _sync(output_tensor)
+        self.seconds += time.perf_counter() - t0
+        return work
+
+
+def time_reduce_scatter(model: nn.Module) -> Optional[TimedReduceScatter]:
+    """Route every FSDP2 module's gradient reduce-scatter through one TimedReduceScatter; None
+    when this torch has no set_custom_reduce_scatter (the time then stays inside backward)."""
+    fsdp_modules = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+    if not fsdp_modules:
+        return None
+    timer = TimedReduceScatter()
+    for m in fsdp_modules:
+        m.set_custom_reduce_scatter(timer)
+    return timer
 
 
 def _owns_params(module: nn.Module) -> bool:
