@@ -13,9 +13,9 @@ import torch.nn as nn
 from .config import as_config
 from .config.compression import CompressionConfig, Group
 from .errors import ConfigError
-from .nn.layers import CompressMixin, kind_of, make_compress_aware
+from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware
 from .nn.state import ActQuant, WeightQuant
-from .schedule import CompressionScheduler, compress_modules
+from .schedule import REWRITTEN, CompressionScheduler, compress_modules
 
 log = logging.getLogger("qcompress")
 
@@ -34,8 +34,18 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
+def attention_internals(model: nn.Module) -> List[str]:
+    """Names of Linear children of nn.MultiheadAttention: MHA reads their weight directly
+    (F.multi_head_attention_forward) and never calls their forward, so they cannot be compressed."""
+    return [f"{n}.{c}" if n else c for n, m in _unwrap(model).named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            for c, child in m.named_children() if kind_of(child) is not None]
+
+
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    return [(n, m) for n, m in _unwrap(model).named_modules() if n and kind_of(m) is not None]
+    skip = set(attention_internals(model))
+    return [(n, m) for n, m in _unwrap(model).named_modules()
+            if n and n not in skip and kind_of(m) is not None]
 
 
 def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> List[str]:
@@ -47,10 +57,30 @@ def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> L
     return [n for n in pool if any(re.search(p, n) for p in group.modules)]
 
 
+def _check_attention_patterns(group: Group, matched: List[str], internals: List[str], path: str):
+    """A regex that selects only MHA projections asks for what cannot be done: refuse. A broader
+    regex just skips them (reported)."""
+    if group.modules is None or not internals:
+        return
+    for i, pattern in enumerate(group.modules):
+        hits = [n for n in internals if re.search(pattern, n)]
+        if hits and not any(re.search(pattern, n) for n in matched):
+            raise ConfigError(f"{path}[{i}]", f"{pattern!r} selects {hits}, the projection(s) of an "
+                              "nn.MultiheadAttention, which reads their weights directly and never "
+                              "calls their forward, so they cannot be compressed; name other modules")
+    skipped = [n for n in internals if any(re.search(p, n) for p in group.modules)]
+    if skipped:
+        msg = (f"{path}: skipping {skipped}: nn.MultiheadAttention never calls their forward, "
+               "so they cannot be compressed")
+        warnings.warn(msg, stacklevel=4)
+        log.warning(msg)
+
+
 def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     """{technique: {group: [module names]}} for every enabled technique; checks the claims."""
     cc: CompressionConfig = as_config(cfg).compression
     names = [(n, kind_of(m)) for n, m in compressible_modules(model)]
+    internals = attention_internals(model)
     result = {}
     for tech, technique in cc.techniques():
         if not technique.enabled:
@@ -60,6 +90,7 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
         for group in technique.groups:
             matched = match_group(names, group, tech)
             path = f"compression_training.{tech}.different_groups.{group.name}.modules"
+            _check_attention_patterns(group, matched, internals, path)
             for n in matched:
                 if n in claimed:
                     raise ConfigError(path, f"module {n!r} is already claimed by group "
@@ -75,14 +106,16 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     return result
 
 
-def _weight_quant(cfg, group: Group, module, name: str) -> WeightQuant:
+def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()) -> WeightQuant:
     shared = cfg.compression.weight_quantization.shared
     p = group.params
     kind = module.qc_kind
     gran, gsize, ngroups = p.granularity, p.group_size, None
     if gran is None:
-        if kind == "embedding":
-            gran = "channel"          # DeepSpeed: one group per vocabulary row
+        if kind == "embedding" or id(module.weight) in vocab_tables:
+            # DeepSpeed: one group per vocabulary row; a head tied to an Embedding (GPT-2's
+            # lm_head) quantizes the same table, so it must use the same groups
+            gran = "channel"
         elif shared.quantize_groups > 1:
             gran, ngroups = "groups", shared.quantize_groups
         else:
@@ -139,20 +172,75 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     assignments = plan(model, cfg)
     root = _unwrap(model)
     modules = dict(root.named_modules())
+    vocab_tables = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
     for tech, groups in assignments.items():
         technique = getattr(cc, tech)
         for group in technique.groups:
             for name in groups.get(group.name, ()):
                 mod = make_compress_aware(modules[name], name)
                 if tech == "weight_quantization":
-                    mod.qc_wq = _weight_quant(cfg, group, mod, name)
+                    mod.qc_wq = _weight_quant(cfg, group, mod, name, vocab_tables)
                 elif tech == "activation_quantization":
                     mod.qc_aq = _act_quant(cfg, group, mod)
                 else:
                     from .pruning.setup import enable_pruning
                     enable_pruning(mod, tech, technique.shared, group, name, modules)
+    _share_tied_weights(root)
+    _keep_python_forward(root)
+    root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
     CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
     return model
+
+
+def _share_tied_weights(root: nn.Module) -> None:
+    """Modules that use one weight Parameter (tied embeddings) share one master copy, so the
+    weight has one full-precision history; they must quantize it the same way."""
+    owner: Dict[int, Tuple[str, CompressMixin]] = {}
+    for name, mod in compress_modules(root):
+        if mod.qc_wq is None:
+            continue
+        first_name, first = owner.setdefault(id(mod.weight), (name, mod))
+        if first is mod:
+            continue
+        _check_same_quantization(first_name, first, name, mod)
+        mod.qc_wq.store = first.qc_wq.store
+        mod.qc_wq.seed = first.qc_wq.seed      # same stochastic rounding of the same tensor
+
+
+def _check_same_quantization(name_a: str, a: CompressMixin, name_b: str, b: CompressMixin) -> None:
+    sa, sb = a.qc_wq.settings(), b.qc_wq.settings()
+    diff = [f"{k} {sa[k]!r} vs {sb[k]!r}" for k in sa if sa[k] != sb[k]]
+    transposed = (a.qc_kind == "hf_conv1d") != (b.qc_kind == "hf_conv1d")
+    if transposed and sa["granularity"] != "tensor":
+        diff.append(f"{sa['granularity']} groups over transposed layouts ({a.qc_kind} vs {b.qc_kind})")
+    if diff:
+        raise ConfigError(f"compression_training.weight_quantization.different_groups.{b.qc_wq.group}",
+                          f"modules {name_a!r} (group {a.qc_wq.group!r}) and {name_b!r} (group "
+                          f"{b.qc_wq.group!r}) share one weight Parameter (tied weights) but would "
+                          f"quantize it differently: {'; '.join(diff)}. Give both the same bits, "
+                          "schedule and granularity, or quantize only one of them")
+
+
+def _fast_path_guard(module, args):
+    """Forward pre-hook that does nothing: its presence keeps TransformerEncoderLayer off its fused
+    inference path, which reads the Linear weights directly and would skip compression."""
+    return None
+
+
+def _keep_python_forward(root: nn.Module) -> None:
+    for layer in root.modules():
+        if isinstance(layer, nn.TransformerEncoderLayer):
+            for mod in layer.modules():
+                if _acts_in_forward(mod) and _fast_path_guard not in mod._forward_pre_hooks.values():
+                    mod.register_forward_pre_hook(_fast_path_guard)
+
+
+def _acts_in_forward(mod) -> bool:
+    """Whether the module's forward does the compression (not only the optimizer-step rewrite)."""
+    if not isinstance(mod, CompressMixin):
+        return False
+    return bool((mod.qc_wq is not None and mod.qc_wq.in_forward) or mod.qc_aq is not None
+                or mod.qc_pruning)
 
 
 @torch.no_grad()
@@ -164,9 +252,14 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
     it). Activation quantization stays: it is part of the compressed model's numerics.
     """
     root = _unwrap(model)
+    baked = set()      # tied weights: bake the shared Parameter once (re-quantizing may move it)
     for name, mod in compress_modules(root):
         wq = mod.qc_wq
+        if wq is not None and wq.active and not wq.baked and id(mod.weight) in baked:
+            wq.baked = True          # the shared MasterState already holds the codes
+            continue
         if wq is not None and wq.active and not wq.baked:
+            baked.add(id(mod.weight))
             codes = mod.quantized_weight()
             eff = mod.effective_weight().detach()
             mod.weight.data.copy_(eff)
@@ -194,7 +287,7 @@ def summary(model: nn.Module) -> str:
             w = f"W{now} →{wq.target_bits} {'sym' if wq.symmetric else 'asym'} {wq.describe()}"
         a = "-" if aq is None else (aq.describe() + ("" if aq.active else " (off)"))
         p = ", ".join(f"{t}:{s.describe()}" for t, s in mod.qc_pruning.items()) or "-"
-        base = [c for c in type(mod).__mro__[1:] if not issubclass(c, CompressMixin)][0]
+        base = base_class(type(mod))
         rows.append((name, base.__name__, w, a, p))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

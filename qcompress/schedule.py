@@ -3,8 +3,9 @@
 Weight groups go from start_bits to target_bits one bit per drop. With period P the drops come
 P, 2P, 4P, 8P ... steps after schedule_offset (DeepSpeed's doubling rule; start 12, target 8,
 P 50: 11 bits at 50, 10 at 100, 9 at 200, 8 at 400) or at P, 2P, 3P ... with
-`period_growth: linear`. Period 0 means target bits from the offset on. Unlike DeepSpeed, the
-schedule applies in every mode (fake quantization in forward, or once per optimizer step).
+`period_growth: linear`. Period 0 drops one bit at every step after the offset, as DeepSpeed
+(its `qsteps >= q_period` test always holds). Unlike DeepSpeed, the schedule applies in every
+mode (fake quantization in forward, or once per optimizer step).
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
+from .config import as_config
 from .nn.layers import CompressMixin
-from .quant.api import quantize_spec
+from .quant.api import dequantize, quantize_spec
+
+REWRITTEN = "_qc_rewritten"   # set on the root module by init_compression
 
 
 def drops_at(t: int, start: int, target: int, period: int, growth: str = "exponential") -> int:
@@ -24,15 +28,19 @@ def drops_at(t: int, start: int, target: int, period: int, growth: str = "expone
     total = start - target
     if total <= 0:
         return 0
-    if period <= 0:
-        return total
     k = 0
     while k < total:
-        due = period * (2 ** k) if growth == "exponential" else period * (k + 1)
-        if t < due:
+        if t < _due(k, period, growth):
             break
         k += 1
     return k
+
+
+def _due(k: int, period: int, growth: str) -> int:
+    """Steps after the offset at which drop k (0-based) happens."""
+    if period <= 0:
+        return k + 1                 # DeepSpeed with q_period 0: one bit per quantize call
+    return period * (2 ** k) if growth == "exponential" else period * (k + 1)
 
 
 def bits_at(step: int, *, start: int, target: int, period: int, offset: int = 0,
@@ -46,10 +54,8 @@ def change_points(start: int, target: int, period: int, offset: int = 0,
     """[(step, bits)] at the offset and at every drop."""
     points = [(offset, bits_at(offset, start=start, target=target, period=period, offset=offset,
                                growth=growth))]
-    total = start - target
-    for k in range(total if period > 0 else 0):
-        due = period * (2 ** k) if growth == "exponential" else period * (k + 1)
-        points.append((offset + due, start - k - 1))
+    for k in range(max(0, start - target)):
+        points.append((offset + _due(k, period, growth), start - k - 1))
     return points
 
 
@@ -57,6 +63,23 @@ def compress_modules(model: nn.Module) -> Iterator[Tuple[str, CompressMixin]]:
     for name, mod in model.named_modules():
         if isinstance(mod, CompressMixin):
             yield name, mod
+
+
+def _master_codes(mod: CompressMixin):
+    """((q, scale, zero_point), spec) of the master copy at the bits now in force."""
+    spec = mod.qc_wq.spec()
+    return quantize_spec(mod.weight_matrix_view(mod.qc_wq.master), spec), spec
+
+
+def _check_rewritten(model: nn.Module, cfg, modules) -> None:
+    """A config that compresses something needs a model rewritten by init_compression (DeepSpeed
+    silently did nothing here)."""
+    on = [name for name, tech in cfg.compression.techniques() if tech.enabled]
+    root = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    if on and not modules and not getattr(root, REWRITTEN, False):
+        raise ValueError(f"the config enables {', '.join(on)}, but the model has no compress-aware "
+                         "modules: call qcompress.init_compression(model, cfg) before building the "
+                         "CompressionScheduler")
 
 
 class CompressionScheduler:
@@ -71,6 +94,8 @@ class CompressionScheduler:
         self.model = model
         self.training_steps = 0
         self._modules = dict(compress_modules(model))
+        if cfg is not None:
+            _check_rewritten(model, as_config(cfg), self._modules)
         self._last_bits: Dict[str, int] = {}
         self._apply(first=True)
 
@@ -101,6 +126,7 @@ class CompressionScheduler:
                 aq.active = t >= aq.offset
             for state in mod.qc_pruning.values():
                 state.update(t)
+        written = set()    # tied weights: one MasterState, quantized once per step
         for name, mod in self._modules.items():
             wq = mod.qc_wq
             if wq is None or wq.baked or not wq.active:
@@ -110,7 +136,8 @@ class CompressionScheduler:
                     wq.mix_ratio = 1.0          # each precision drop restarts the anneal
                 elif wq.group in advanced:
                     wq.mix_ratio = max(0.0, wq.mix_ratio - wq.change_ratio)
-            if not wq.in_forward:
+            if not wq.in_forward and id(wq.store) not in written:
+                written.add(id(wq.store))
                 self._quantize_from_master(mod)
 
     @torch.no_grad()
@@ -118,22 +145,39 @@ class CompressionScheduler:
         """Optimizer-step mode: fold the optimizer's update into the master copy, requantize."""
         wq = mod.qc_wq
         w = mod.weight
+        if w.is_meta:
+            return                  # no values to quantize; the state moved along (to("meta"))
         if wq.master is None:
             wq.master = w.detach().to(torch.float32).clone()
         else:
             wq.master += w.detach().to(torch.float32) - wq.applied.to(torch.float32)
-        spec = wq.spec()
-        view = mod.weight_matrix_view(wq.master)
-        q, s, z = quantize_spec(view, spec)
-        from .quant.api import dequantize
-        deq = dequantize(q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
-                         num_groups=spec.num_groups)
-        deq = mod._from_matrix_view(deq)
+        (q, s, z), spec = _master_codes(mod)
+        deq = mod._from_matrix_view(dequantize(
+            q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
+            num_groups=spec.num_groups))
         r = wq.mix_ratio if wq.mix_enabled else 0.0
         new = deq if r <= 0.0 else r * wq.master + (1.0 - r) * deq
         w.copy_(new.to(w.dtype))
         wq.applied = w.detach().clone()
         wq.codes, wq.codes_spec = ((q, s, z), spec) if r <= 0.0 else (None, None)
+
+    @staticmethod
+    @torch.no_grad()
+    def _load_weight_state(mod: CompressMixin, entry: dict) -> None:
+        wq = mod.qc_wq
+        wq.mix_ratio = float(entry["mix_ratio"])
+        wq.baked = bool(entry.get("baked", False))
+        if "master_of" in entry:
+            return                  # tied weight: restored with the module that saved it
+        dev = mod.weight.device
+        wq.master = entry["master"].to(dev) if "master" in entry else None
+        wq.applied = entry["applied"].to(dev) if "applied" in entry else None
+        if wq.master is not None:
+            wq.codes = wq.codes_spec = None     # re-derived from the master at the loaded step
+        if wq.applied is not None:
+            # the weight held `applied` at save time; a scheduler built after the model state
+            # was loaded may have requantized it from a stale master, so put it back
+            mod.weight.copy_(wq.applied.to(mod.weight.dtype))
 
     # --- introspection --------------------------------------------------------------------------
     def current_bits(self) -> Dict[str, int]:
@@ -144,12 +188,16 @@ class CompressionScheduler:
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         mods = {}
+        saved: Dict[int, str] = {}    # id(MasterState) -> module that saved it (tied weights)
         for name, mod in self._modules.items():
             entry = {}
             if mod.qc_wq is not None:
                 wq = mod.qc_wq
                 entry["wq"] = {"mix_ratio": wq.mix_ratio, "baked": wq.baked}
-                if wq.master is not None:
+                if wq.master is not None and id(wq.store) in saved:
+                    entry["wq"]["master_of"] = saved[id(wq.store)]
+                elif wq.master is not None:
+                    saved[id(wq.store)] = name
                     entry["wq"]["master"] = wq.master.detach().cpu().clone()
                     entry["wq"]["applied"] = wq.applied.detach().cpu().clone()
             if mod.qc_aq is not None:
@@ -166,17 +214,7 @@ class CompressionScheduler:
             if mod is None:
                 raise KeyError(f"compression state names module {name!r}, which this model does not have")
             if "wq" in entry and mod.qc_wq is not None:
-                wq = mod.qc_wq
-                wq.mix_ratio = float(entry["wq"]["mix_ratio"])
-                wq.baked = bool(entry["wq"].get("baked", False))
-                dev = mod.weight.device
-                wq.master = entry["wq"]["master"].to(dev) if "master" in entry["wq"] else None
-                wq.applied = entry["wq"]["applied"].to(dev) if "applied" in entry["wq"] else None
-                if wq.applied is not None:
-                    # the weight held `applied` at save time; a scheduler built after the model
-                    # state was loaded may have requantized it from a stale master, so put it back
-                    with torch.no_grad():
-                        mod.weight.copy_(wq.applied.to(mod.weight.dtype))
+                self._load_weight_state(mod, entry["wq"])
             if "aq" in entry and mod.qc_aq is not None:
                 mod.qc_aq.observer.load_state_dict(entry["aq"])
             for tech, state in mod.qc_pruning.items():
@@ -191,6 +229,10 @@ class CompressionScheduler:
                 if wq.active:
                     wq.bits = bits_at(t, start=wq.start_bits, target=wq.target_bits,
                                       period=wq.period, offset=wq.offset, growth=wq.growth)
+                blended = wq.mix_enabled and wq.mix_ratio > 0.0
+                if wq.active and wq.master is not None and not blended and wq.codes is None:
+                    with torch.no_grad():
+                        wq.codes, wq.codes_spec = _master_codes(mod)
             if mod.qc_aq is not None:
                 mod.qc_aq.active = t >= mod.qc_aq.offset
             for state in mod.qc_pruning.values():

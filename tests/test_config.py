@@ -268,3 +268,64 @@ def test_snip_momentum_needs_no_groups():
 
 def test_config_error_is_value_error():
     assert issubclass(qcompress.ConfigError, ValueError)
+
+
+def test_group_size_alone_means_group_granularity():
+    params = load_config(_wq({**OK, "group_size": 32})).compression.weight_quantization.groups[0].params
+    assert (params.granularity, params.group_size) == ("group", 32)
+    for gran in ("tensor", "channel"):
+        with pytest.raises(ConfigError) as info:
+            load_config(_wq({**OK, "granularity": gran, "group_size": 32}))
+        assert info.value.path == f"{WQ}.different_groups.wq1.params.group_size"
+        assert repr(gran) in str(info.value)
+
+
+def test_internal_fields_are_not_document_keys():
+    from dataclasses import dataclass
+    from typing import Any, Dict
+    from qcompress.config.schema import field, parse, to_dict
+
+    @dataclass(frozen=True)
+    class Doc:
+        size: int = field(1)
+        raw: Dict[str, Any] = field({}, internal=True)
+
+    with pytest.raises(ConfigError) as info:
+        parse(Doc, {"raw": {}})
+    assert info.value.path == "raw" and "allowed keys: ['size']" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse(Doc, {"sise": 2})
+    assert "'raw'" not in str(info.value)
+    assert to_dict(parse(Doc, {"size": 2})) == {"size": 2}
+
+
+@pytest.mark.xfail(strict=True, reason="needs Config.raw declared field({}, internal=True) in "
+                                       "config/training.py (not this module's file); drop this mark then")
+def test_top_level_allowed_keys_do_not_list_raw():
+    with pytest.raises(ConfigError) as info:
+        load_config({"bogus": 1})
+    assert "'raw'" not in str(info.value)
+
+
+def test_merged_sources_errors_name_the_file(tmp_path):
+    base = tmp_path / "ds_config.json"
+    base.write_text(json.dumps({"train_batch_size": 8, **_wq(OK)}))
+    sched = tmp_path / "schedule.yaml"
+    sched.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
+                     "      wq1:\n        params: {start_bits: 8, target_bits: 4, quantisation_period: 3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(base), str(sched))
+    assert info.value.path == f"{WQ}.different_groups.wq1.params.quantisation_period"
+    assert "schedule.yaml" in str(info.value) and "ds_config.json" not in str(info.value)
+    # a bad value the later file does not override comes from the earlier one
+    base.write_text(json.dumps({"train_batch_size": 0, **_wq(OK)}))
+    sched.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
+                     "      wq1:\n        params: {start_bits: 8, target_bits: 4}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(base), str(sched))
+    assert info.value.path == "train_batch_size"
+    assert "ds_config.json" in str(info.value) and "schedule.yaml" not in str(info.value)
+    # ... and an overridden one from the later one; dicts are named by position
+    with pytest.raises(ConfigError) as info:
+        load_config(str(sched), {"train_batch_size": 4}, {"train_batch_size": -1})
+    assert "source 3 (a dict)" in str(info.value) and "schedule.yaml" not in str(info.value)

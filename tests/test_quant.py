@@ -498,3 +498,18 @@ def test_empty_tensors_keep_their_shape(shape, kw):
     y = fake_quantize(x, bits, backend="reference", **kw)
     assert q.shape == x.shape and y.shape == x.shape and y.numel() == 0
     assert torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "token"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_keeps_shape_of_1d_and_0d(backend, granularity, symmetric):
+    for x in (torch.linspace(-1.0, 2.0, 10), torch.tensor(3.0), torch.tensor(-0.7)):
+        q, s, z = quantize(x, 4, symmetric=symmetric, granularity=granularity, backend=backend)
+        d = dequantize(q, s, z, backend=backend)
+        assert d.shape == x.shape, (granularity, tuple(x.shape), tuple(d.shape))
+        # the one group of a 1-D / 0-d tensor, by hand: x^ = (q - zp) * s elementwise
+        zf = 0.0 if z is None else float(z.flatten()[0])
+        want = (q.to(torch.float32) - zf) * float(s.flatten()[0])
+        assert torch.equal(d, want)
+        assert torch.equal(d, fake_quantize(x, 4, symmetric=symmetric, granularity=granularity, backend=backend))

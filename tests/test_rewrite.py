@@ -311,3 +311,140 @@ def test_rewrite_time_config_errors():
     with pytest.raises(ConfigError) as info:
         init_compression(make_bert(), asym_ternary)
     assert info.value.path == "compression_training.weight_quantization.different_groups.g.params.target_bits"
+
+
+# --- tied weights, attention internals, group_size alone, pickling --------------------------------
+
+def _moq(groups, **shared):
+    return {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **shared},
+        "different_groups": groups}}}
+
+
+class TiedNet(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_tied_weights_share_one_master_and_do_not_drift():
+    cfg = _moq({"g": {"params": {"start_bits": 4, "target_bits": 4}}})
+    model = init_compression(TiedNet(), cfg)
+    sched = qcompress.CompressionScheduler(model, cfg)
+    assert model.emb.qc_wq.master is model.head.qc_wq.master
+    assert model.head.qc_wq.granularity == model.emb.qc_wq.granularity == "channel"   # one vocabulary table
+    w0, master0 = model.emb.weight.detach().clone(), model.emb.qc_wq.master.clone()
+    for _ in range(20):
+        sched.step()                                    # no optimizer update: nothing may move
+    assert torch.equal(model.emb.weight.detach(), w0) and torch.equal(model.emb.qc_wq.master, master0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randint(0, 32, (8, 5))
+    before = model.emb.weight.detach().clone()
+    F.cross_entropy(model(x).reshape(-1, 32), x.reshape(-1)).backward()
+    opt.step()
+    update = model.emb.weight.detach() - before
+    sched.step()                                        # the update reaches the master once, not twice
+    assert torch.equal(model.emb.qc_wq.master, master0 + update)
+    assert torch.equal(model.emb.weight.detach(), fake_quantize(master0 + update, 4, granularity="channel"))
+    # one master in the scheduler's checkpoint, restored for both modules
+    sd = sched.state_dict()
+    model2 = init_compression(TiedNet(seed=1), cfg)
+    model2.load_state_dict(model.state_dict())
+    qcompress.CompressionScheduler(model2, cfg).load_state_dict(sd)
+    assert torch.equal(model2.head.qc_wq.master, model.emb.qc_wq.master)
+    assert model2.head.qc_wq.master is model2.emb.qc_wq.master
+
+
+def test_tied_weights_quantized_differently_is_config_error():
+    cfg = _moq({"a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
+                "b": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["head"]}})
+    with pytest.raises(ConfigError) as info:
+        init_compression(TiedNet(), cfg)
+    msg = str(info.value)
+    assert "'emb'" in msg and "'head'" in msg and "start_bits 8 vs 4" in msg
+    assert info.value.path == "compression_training.weight_quantization.different_groups.b"
+    same = _moq({"a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
+                 "b": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["head"]}})
+    model = init_compression(TiedNet(), same)
+    assert model.emb.qc_wq.master is model.head.qc_wq.master
+
+
+def test_gpt2_tied_lm_head_and_wte_share_one_master():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    cfg = _moq({"g": {"params": {"start_bits": 8, "target_bits": 8}}})   # no `modules`: both claimed
+    init_compression(model, cfg)
+    sched = qcompress.CompressionScheduler(model, cfg)
+    head, wte = model.lm_head.qc_wq, model.transformer.wte.qc_wq
+    assert head.master is wte.master
+    w0 = model.lm_head.weight.detach().clone()
+    for _ in range(30):
+        sched.step()
+    assert torch.equal(model.lm_head.weight.detach(), w0)
+    assert torch.equal(w0, fake_quantize(head.master, 8, granularity="channel"))
+
+
+def test_multihead_attention_projection_is_not_claimed():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"g": {"params": {"start_bits": 2, "target_bits": 2}}}}}}
+    orig, plain = copy.deepcopy(layer), copy.deepcopy(layer)
+    init_compression(layer, cfg)
+    claimed = {n for n, m in layer.named_modules() if getattr(m, "qc_wq", None) is not None}
+    assert claimed == {"linear1", "linear2"}               # not self_attn.out_proj: MHA never calls it
+    # the fused inference path would skip linear1/linear2 too: the compressed layer must not take it
+    for name in ("linear1", "linear2"):
+        w = getattr(plain, name).weight
+        w.data.copy_(fake_quantize(w.detach(), 2, ternary=True))
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(layer(x), orig(x), atol=1e-2)       # the 2 bits do show
+    named = copy.deepcopy(cfg)
+    named["compression_training"]["weight_quantization"]["different_groups"]["g"]["modules"] = ["out_proj"]
+    with pytest.raises(ConfigError) as info:
+        init_compression(copy.deepcopy(orig), named)
+    assert info.value.path.endswith("different_groups.g.modules[0]")
+    assert "MultiheadAttention" in str(info.value) and "self_attn.out_proj" in str(info.value)
+    broad = copy.deepcopy(cfg)
+    broad["compression_training"]["weight_quantization"]["different_groups"]["g"]["modules"] = ["."]
+    with pytest.warns(UserWarning, match="self_attn.out_proj"):       # a broad regex skips it, reported
+        broad_model = init_compression(copy.deepcopy(orig), broad)
+    assert {n for n, m in broad_model.named_modules() if getattr(m, "qc_wq", None)} == {"linear1", "linear2"}
+
+
+def test_group_size_alone_means_group_granularity():
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantize_groups": 4},
+        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 16}}}}}}
+    model = init_compression(nn.Sequential(nn.Linear(64, 8)), cfg)
+    wq = model[0].qc_wq
+    assert (wq.granularity, wq.group_size, wq.num_groups) == ("group", 16, None)
+    w = model[0].weight.detach()
+    assert torch.equal(model[0].effective_weight().detach(), fake_quantize(w, 4, granularity="group", group_size=16))
+    assert "group16" in summary(model)
+
+
+@pytest.mark.parametrize("in_forward", [True, False])
+def test_whole_model_pickles(tmp_path, in_forward):
+    import io
+    cfg = _moq({"g": {"params": {"start_bits": 4, "target_bits": 4}}}, quantize_weight_in_forward=in_forward)
+    model = init_compression(TiedNet(), cfg)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert type(back.head) is type(model.head) and isinstance(back.head, nn.Linear)
+    assert back.head.weight is back.emb.weight and back.head.qc_wq.store is back.emb.qc_wq.store
+    x = torch.randint(0, 32, (3, 4))
+    assert torch.equal(back(x), model(x))

@@ -57,7 +57,8 @@ def test_documented_example():
     assert change_points(12, 8, 50) == [(0, 12), (50, 11), (100, 10), (200, 9), (400, 8)]
 
 
-@pytest.mark.parametrize("start,target,period", [(12, 8, 50), (8, 4, 3), (6, 1, 1), (4, 2, 7), (8, 8, 5)])
+@pytest.mark.parametrize("start,target,period", [(12, 8, 50), (8, 4, 3), (6, 1, 1), (4, 2, 7), (8, 8, 5),
+                                                  (8, 4, 0), (6, 1, 0), (8, 8, 0)])
 def test_exponential_rule_matches_deepspeed_simulation(start, target, period):
     ds = deepspeed_moq_bits(start, target, period, 1200)
     ours = [bits_at(t, start=start, target=target, period=period) for t in range(1201)]
@@ -69,7 +70,10 @@ def test_linear_growth_offset_and_period_zero():
     assert lin == [12, 11, 10, 10, 9, 8, 8]
     off = {t: bits_at(t, start=12, target=8, period=50, offset=10) for t in (0, 59, 60, 110, 209, 210, 410)}
     assert off == {0: 12, 59: 12, 60: 11, 110: 10, 209: 10, 210: 9, 410: 8}
-    assert [bits_at(t, start=12, target=8, period=0, offset=5) for t in (5, 6, 100)] == [8, 8, 8]
+    # period 0: DeepSpeed's `qsteps >= q_period` always holds, so one bit goes at every step
+    assert [bits_at(t, start=12, target=8, period=0, offset=5) for t in range(4, 11)] == [12, 12, 11, 10, 9, 8, 8]
+    assert [bits_at(t, start=12, target=8, period=0, growth="linear") for t in range(6)] == [12, 11, 10, 9, 8, 8]
+    assert change_points(12, 8, 0, offset=5) == [(5, 12), (6, 11), (7, 10), (8, 9), (9, 8)]
 
 
 @pytest.mark.parametrize("growth,offset", [("exponential", 0), ("exponential", 3), ("linear", 2)])
@@ -244,3 +248,117 @@ def test_low_precision_weights(dtype, in_forward):
         else:
             assert m.qc_wq.master.dtype == torch.float32
             assert torch.equal(eff, fake_quantize(m.qc_wq.master, bits).to(dtype))
+
+
+# --- optimizer-step state: devices, dtypes, loaded weights, the scheduler's config -----------------
+
+def _moq_model(cfg, seed=0):
+    return init_compression(Net(seed=seed), cfg)
+
+
+def test_optimizer_step_state_follows_the_module_to_meta_and_back():
+    cfg = wq_cfg(8, 4, 4, in_forward=False)
+    model = _moq_model(cfg)
+    keys = list(Net().state_dict())
+    model.to("meta")
+    for m in (model.fc1, model.fc2):
+        assert m.qc_wq.master.is_meta and m.qc_wq.applied.is_meta
+        assert all(t.is_meta for t in m.qc_wq.codes if t is not None)
+    sched = CompressionScheduler(model, cfg)     # used to crash: master on cpu, weight on meta
+    sched.step()
+    assert list(model.state_dict()) == keys
+    # materialize, then load real weights: they become the master and are quantized once
+    model.to_empty(device="cpu")
+    src = Net(seed=3)
+    model.load_state_dict(src.state_dict())
+    sched.step()
+    for n in ("fc1", "fc2"):
+        m, ref = getattr(model, n), getattr(src, n)
+        assert torch.equal(m.qc_wq.master, ref.weight)
+        assert torch.equal(m.weight.detach(), fake_quantize(ref.weight.detach(), m.qc_wq.bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_optimizer_step_state_follows_a_dtype_change(dtype):
+    cfg = wq_cfg(8, 8, 0, in_forward=False)
+    model = _moq_model(cfg)
+    sched = CompressionScheduler(model, cfg)
+    master = model.fc1.qc_wq.master.clone()
+    model.to(dtype)
+    wq = model.fc1.qc_wq
+    assert wq.master.dtype == torch.float32 and torch.equal(wq.master, master)
+    assert wq.applied.dtype == dtype and torch.equal(wq.applied, model.fc1.weight.detach())
+    for _ in range(3):
+        sched.step()            # no optimizer update: the cast is not an update of the master
+    assert torch.equal(wq.master, master)
+    assert torch.equal(model.fc1.weight.detach(), fake_quantize(master, 8).to(dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_optimizer_step_state_follows_the_module_to_cuda():
+    cfg = wq_cfg(8, 4, 2, in_forward=False)
+    model = _moq_model(cfg).cuda()
+    sched = CompressionScheduler(model, cfg)
+    assert model.fc1.qc_wq.master.is_cuda and model.fc1.qc_wq.codes[0].is_cuda
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data()
+    for t in range(1, 5):
+        _train_step(model, opt, x.cuda(), y.cuda())
+        sched.step()
+        m = model.fc1
+        assert torch.equal(m.weight.detach(), fake_quantize(m.qc_wq.master, bits_at(t, start=8, target=4, period=2)))
+    model.cpu()
+    assert model.fc1.qc_wq.master.device.type == "cpu" and model.fc1.qc_wq.codes[1].device.type == "cpu"
+    sched.step()
+
+
+@pytest.mark.parametrize("existing_scheduler", [False, True])
+def test_loaded_weights_become_the_master(existing_scheduler):
+    cfg = wq_cfg(4, 4, 0, in_forward=False)
+    a, b = _moq_model(cfg, seed=0), Net(seed=1)
+    sched = CompressionScheduler(a, cfg) if existing_scheduler else None
+    a.load_state_dict(b.state_dict())
+    if existing_scheduler:
+        sched.step()
+    else:
+        CompressionScheduler(a, cfg)
+    for n in ("fc1", "fc2"):
+        m, ref = getattr(a, n), getattr(b, n).weight.detach()
+        assert torch.equal(m.qc_wq.master, ref)                   # not B + A's old rounding error
+        assert torch.equal(m.weight.detach(), fake_quantize(ref, 4))
+        q, s, z, spec = m.quantized_weight()
+        assert torch.equal((q.float() * s), m.weight.detach())    # codes describe the new weight
+    # and the model's state_dict still loads into the original architecture
+    Net().load_state_dict(a.state_dict(), strict=True)
+
+
+def test_scheduler_checkpoint_restores_codes_of_the_master():
+    cfg = wq_cfg(8, 4, 2, in_forward=False)
+    model = _moq_model(cfg)
+    sched = CompressionScheduler(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data()
+    for _ in range(5):
+        _train_step(model, opt, x, y)
+        sched.step()
+    state, sd = model.state_dict(), sched.state_dict()
+    model2 = _moq_model(cfg, seed=4)
+    sched2 = CompressionScheduler(model2, cfg)
+    model2.load_state_dict(state)
+    sched2.load_state_dict(sd)
+    for n in ("fc1", "fc2"):
+        m, ref = getattr(model2, n), getattr(model, n)
+        assert torch.equal(m.qc_wq.master, ref.qc_wq.master)
+        for got, want in zip(m.quantized_weight()[:3], ref.quantized_weight()[:3]):
+            assert (got is None and want is None) or torch.equal(got, want)
+
+
+def test_scheduler_validates_its_config_and_the_rewrite():
+    from qcompress import ConfigError
+    cfg = wq_cfg(8, 8, 0)
+    with pytest.raises(ValueError, match="init_compression"):
+        CompressionScheduler(Net(), cfg)                     # DeepSpeed did nothing, silently
+    with pytest.raises(ConfigError, match="bogus"):
+        CompressionScheduler(_moq_model(cfg), {"bogus": 1})
+    CompressionScheduler(Net(), {"train_batch_size": 4})       # nothing to compress: fine
+    CompressionScheduler(Net())                                # no config: nothing to check

@@ -86,7 +86,8 @@ class WeightQuantParams:
                                doc="ext: 'linear' spaces the bit drops evenly")
     granularity: Optional[str] = field(None, choices=("tensor", "channel", "group"), lower=True,
                                        doc="ext; default: quantize_groups chunks (tensor if 1)")
-    group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim")
+    group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim; "
+                                      "alone it means granularity 'group'")
     ternary: bool = field(True, doc="ext: 2 bits means ternary (DeepSpeed); false: 4-level grid")
 
     def _validate(self, path):
@@ -96,7 +97,12 @@ class WeightQuantParams:
                               "bits only go down over the schedule")
         if self.group_size is not None and self.granularity not in (None, "group"):
             raise ConfigError(join(path, "group_size"),
-                              f"group_size needs granularity 'group', not {self.granularity!r}")
+                              f"{self.group_size} asks for groups of that size, but granularity is "
+                              f"{self.granularity!r}; drop one of them (group_size alone means "
+                              "granularity 'group')")
+        if self.group_size is not None and self.granularity is None:
+            # group_size alone overrides quantize_groups for this group: per-group granularity
+            object.__setattr__(self, "granularity", "group")
         if self.granularity == "group" and self.group_size is None:
             raise ConfigError(join(path, "group_size"), "is required when granularity is 'group'")
 

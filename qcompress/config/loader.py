@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import yaml
@@ -74,31 +75,62 @@ def deep_merge(base: Mapping, override: Mapping) -> dict:
 def load_config(*sources: Any) -> Config:
     """Load and merge config sources (dict, JSON/YAML path, or an already parsed Config).
 
-    Later sources override earlier ones key by key; the inputs are never mutated.
+    Later sources override earlier ones key by key; the inputs are never mutated. An error in the
+    merged document names the source its bad key or value came from.
     """
     if not sources:
         raise ConfigError("", "load_config needs at least one source (a dict or a file path)")
     merged: dict = {}
-    names = []
-    for src in sources:
+    docs = []          # (name, document) in merge order
+    for i, src in enumerate(sources):
         if isinstance(src, Config):
-            doc = src.raw
-            names.append("<Config>")
+            doc, name = src.raw, f"source {i + 1} (a parsed Config)"
         elif isinstance(src, Mapping):
-            doc = src
-            names.append("<dict>")
+            doc, name = src, f"source {i + 1} (a dict)"
         elif isinstance(src, (str, os.PathLike)):
-            doc = read_document(src)
-            names.append(os.fspath(src))
+            doc, name = read_document(src), os.fspath(src)
         else:
             raise ConfigError("", f"config source must be a dict or a file path, got {type(src).__name__}")
+        docs.append((name, doc))
         merged = deep_merge(merged, doc)
     try:
         return parse_config(merged)
     except ConfigError as err:
-        if len(names) == 1 and names[0] not in ("<dict>", "<Config>"):
-            raise ConfigError(err.path, f"{err.args[0].split(': ', 1)[-1]} (in {names[0]})") from None
-        raise
+        origin = _origin(err.path, docs)
+        if origin is None:
+            raise
+        message = str(err)[len(err.path) + 2:] if err.path else str(err)
+        raise ConfigError(err.path, f"{message} (in {origin})") from None
+
+
+_TOKEN = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
+
+
+def _depth(doc, path: str) -> int:
+    """How many leading components of the dotted key path `doc` holds."""
+    depth, node = 0, doc
+    for index, key in _TOKEN.findall(path):
+        if index and isinstance(node, (list, tuple)) and int(index) < len(node):
+            node = node[int(index)]
+        elif key and isinstance(node, Mapping) and key in node:
+            node = node[key]
+        else:
+            break
+        depth += 1
+    return depth
+
+
+def _origin(path: str, docs) -> str | None:
+    """The source a bad key path came from: the last one (it wins the merge) that holds the
+    deepest part of the path. None for a single dict, which has nothing to name."""
+    if len(docs) == 1:
+        name = docs[0][0]
+        return None if name.startswith("source ") else name
+    depths = [_depth(doc, path) for _, doc in docs]
+    best = max(depths)
+    if best == 0:
+        return "the merge of " + ", ".join(name for name, _ in docs)
+    return [name for (name, _), d in zip(docs, depths) if d == best][-1]
 
 
 def as_config(cfg: Any) -> Config:

@@ -18,10 +18,11 @@ _REQUIRED = object()
 
 def field(default: Any = _REQUIRED, *, choices=None, ge=None, le=None, gt=None, lt=None,
           alias: str | None = None, doc: str = "", parse: Callable | None = None,
-          lower: bool = False):
-    """Declare a config field. `parse(value, path)` may convert nested values itself."""
+          lower: bool = False, internal: bool = False):
+    """Declare a config field. `parse(value, path)` may convert nested values itself.
+    `internal` fields are set by code, never read from a document (not an allowed key)."""
     meta = dict(choices=choices, ge=ge, le=le, gt=gt, lt=lt, alias=alias, doc=doc, parse=parse,
-                lower=lower, required=default is _REQUIRED)
+                lower=lower, required=default is _REQUIRED, internal=internal)
     if default is _REQUIRED:
         return dataclasses.field(default=None, metadata=meta)
     if isinstance(default, (list, dict, set)):
@@ -121,7 +122,8 @@ def parse(cls, raw, path: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     by_key = {}
     for f in fields.values():
-        by_key[f.metadata.get("alias") or f.name] = f
+        if not f.metadata.get("internal"):
+            by_key[f.metadata.get("alias") or f.name] = f
     unknown = [k for k in raw if k not in by_key]
     if unknown:
         key = unknown[0]
@@ -156,7 +158,8 @@ def to_dict(obj) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):
-            out[f.metadata.get("alias") or f.name] = to_dict(getattr(obj, f.name))
+            if not f.metadata.get("internal"):   # not a document key: load_config would refuse it
+                out[f.metadata.get("alias") or f.name] = to_dict(getattr(obj, f.name))
         return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]

@@ -55,6 +55,35 @@ class CompressMixin:
         self.qc_aq: Optional[ActQuant] = None
         self.qc_pruning = {}          # technique -> pruning state (qcompress.pruning)
 
+    # --- module plumbing ----------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """.to() / .cuda() / .half() ...: the master copy and codes follow the weight."""
+        out = super()._apply(fn, recurse)
+        wq = self.__dict__.get("qc_wq")
+        if wq is not None:
+            wq.store.follow(self.weight)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A loaded weight is a new starting point, not an optimizer update: drop the master copy
+        and codes so the next scheduler step takes the loaded weight as the master."""
+        n_errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        wq = self.__dict__.get("qc_wq")
+        if wq is not None and prefix + "weight" in state_dict and len(error_msgs) == n_errors:
+            wq.store.reset()
+
+    def __reduce_ex__(self, protocol):
+        """Pickle by (base class, kind): the compress-aware class is made at run time, so pickle
+        cannot find it by name (torch.save(model) of a whole model)."""
+        rv = super().__reduce_ex__(protocol)
+        base = base_class(type(self))
+        if not isinstance(rv, tuple) or _CLASS_CACHE.get(base) is not type(self):
+            return rv       # a further subclass (e.g. FSDP's): leave it to its own rules
+        return (_new_compress_aware, (base, self.qc_kind)) + tuple(rv[2:])
+
     # --- weights ------------------------------------------------------------------------------
     def weight_matrix_view(self, w: torch.Tensor) -> torch.Tensor:
         """The weight as [out, ...] (HF Conv1D stores [in, out])."""
@@ -196,6 +225,17 @@ def compress_class(cls: type, kind: str) -> type:
     return _CLASS_CACHE[cls]
 
 
+def base_class(cls: type) -> type:
+    """The original torch class under a compress-aware class."""
+    return [c for c in cls.__mro__[1:] if not issubclass(c, CompressMixin)][0]
+
+
+def _new_compress_aware(base: type, kind: str):
+    """Unpickling: an empty instance of the compress-aware subclass of `base`."""
+    cls = compress_class(base, kind)
+    return cls.__new__(cls)
+
+
 def make_compress_aware(module: nn.Module, name: str) -> nn.Module:
     """Swap module's class in place; idempotent. Returns the same object."""
     if isinstance(module, CompressMixin):
@@ -211,7 +251,7 @@ def make_compress_aware(module: nn.Module, name: str) -> nn.Module:
 def restore_class(module: nn.Module) -> nn.Module:
     """Undo make_compress_aware (used after redundancy_clean when nothing is left to apply)."""
     if isinstance(module, CompressMixin):
-        base = [c for c in type(module).__mro__[1:] if not issubclass(c, CompressMixin)][0]
+        base = base_class(type(module))
         for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning"):
             module.__dict__.pop(attr, None)
         module.__class__ = base

@@ -2,17 +2,63 @@
 
 The scheduler writes these fields; the module's forward reads them. None of it is in the
 module's state_dict (keys stay those of the original model); the CompressionScheduler saves it.
+Tensors held here follow the module on .to()/.cuda()/.half() (CompressMixin._apply calls
+MasterState.follow) and are dropped when a state_dict is loaded into the module.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..calibration import StaticRange
 from ..quant import rng
 from ..quant.reference import Spec, make_spec
+
+
+class MasterState:
+    """Optimizer-step state of one weight Parameter: the full-precision master, the tensor last
+    written into the weight, and its integer codes. Modules that share one Parameter (tied
+    embeddings) share one MasterState, so the weight has one master and cannot drift."""
+
+    def __init__(self):
+        self.master: Optional[torch.Tensor] = None    # float32, on the weight's device
+        self.applied: Optional[torch.Tensor] = None   # weight's dtype and device
+        self.codes: Optional[tuple] = None            # (q, scale, zero_point) behind `applied`
+        self.codes_spec: Optional[Spec] = None
+
+    def reset(self) -> None:
+        """Forget everything: the next scheduler step takes the weight as it is as the master."""
+        self.master = self.applied = self.codes = self.codes_spec = None
+
+    def follow(self, weight: torch.Tensor) -> None:
+        """Move the state to where the weight now lives (after Module.to / cuda / half ...).
+
+        The master stays float32 (it is the full-precision copy); `applied` takes the weight's
+        dtype, as the weight itself was converted from it; codes keep their integer dtypes.
+        """
+        dev = weight.device
+        held = [t for t in (self.master, self.applied, *(self.codes or ())) if t is not None]
+        if not weight.is_meta and any(t.is_meta for t in held):
+            self.reset()       # to_empty(): the values are gone; re-read the weight next step
+            return
+        if self.master is not None:
+            self.master = self.master.to(dev)
+        if self.applied is not None:
+            self.applied = self.applied.to(dev, weight.dtype)
+        if self.codes is not None:
+            self.codes = tuple(None if t is None else t.to(dev) for t in self.codes)
+
+
+_WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
+                    "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
+                    "in_forward", "mix_enabled", "change_ratio")
+
+
+def _delegate(attr):
+    return property(lambda self: getattr(self.store, attr),
+                    lambda self, value: setattr(self.store, attr, value))
 
 
 @dataclass
@@ -41,11 +87,19 @@ class WeightQuant:
     bits: int = 0
     mix_ratio: float = 0.0         # share of the full-precision weight in the blend
     step: int = 0                  # training step the current bits/seed belong to
-    master: Optional[torch.Tensor] = None   # optimizer-step mode: full-precision weights
-    applied: Optional[torch.Tensor] = None  # optimizer-step mode: what was last written
     baked: bool = False            # redundancy_clean wrote the quantized weight in
-    codes: Optional[tuple] = None  # (q, scale, zero_point) last written into the weight
-    codes_spec: Optional[Spec] = None
+    store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
+
+    # optimizer-step mode: full-precision weights, what was last written, its codes (shared
+    # between modules tied to one Parameter, see MasterState)
+    master = _delegate("master")
+    applied = _delegate("applied")
+    codes = _delegate("codes")
+    codes_spec = _delegate("codes_spec")
+
+    def settings(self) -> Dict[str, object]:
+        """The settings that decide the quantized weight at every step (not group, seed, state)."""
+        return {k: getattr(self, k) for k in _WEIGHT_SETTINGS}
 
     def spec(self) -> Spec:
         seed = rng.mix_seed(self.seed, self.step) if self.rounding == "stochastic" else 0

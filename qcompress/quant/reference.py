@@ -331,4 +331,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
         return (q2 * s2).reshape(q.shape).to(dtype)
     if z is not None:
         qf = qf - z
-    return (qf * s).to(dtype)
+    out = qf * s
+    if out.shape != q.shape and out.numel() == q.numel():
+        # a 1-D tensor's channel scale is [1, 1] and a 0-d tensor's is [1]: broadcasting would
+        # add leading dims; x^ has q's shape
+        out = out.reshape(q.shape)
+    return out.to(dtype)
