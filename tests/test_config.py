@@ -299,8 +299,6 @@ def test_internal_fields_are_not_document_keys():
     assert to_dict(parse(Doc, {"size": 2})) == {"size": 2}
 
 
-@pytest.mark.xfail(strict=True, reason="needs Config.raw declared field({}, internal=True) in "
-                                       "config/training.py (not this module's file); drop this mark then")
 def test_top_level_allowed_keys_do_not_list_raw():
     with pytest.raises(ConfigError) as info:
         load_config({"bogus": 1})

@@ -120,7 +120,7 @@ class Config:
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
     compression_training: CompressionConfig = field(CompressionConfig())
-    raw: Dict[str, Any] = field({}, doc="the merged input document, for export metadata")
+    raw: Dict[str, Any] = field({}, internal=True, doc="the merged input document, for export metadata")
 
     def _validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:
@@ -149,8 +149,6 @@ def parse_config(doc: dict, source: str = "") -> Config:
         if key == "bfloat16":  # DeepSpeed's older alias
             key = "bf16"
         kept[key] = value
-    if "raw" in kept:
-        raise ConfigError("raw", "unknown key")
     cfg = parse(Config, kept, "")
     object.__setattr__(cfg, "raw", doc)
     return cfg
