@@ -104,6 +104,32 @@ class CompressionScheduler:
         self.training_steps += 1
         self._apply()
 
+    def finish(self) -> None:
+        """Jump past the end of every schedule: every technique on, weights at target_bits with no
+        fp16_mixed_quantize blend left (optimizer-step mode requantizes from the master copy).
+        What `qcompress export` applies to a model rebuilt from its trained weights."""
+        end = self.training_steps
+        for mod in self._modules.values():
+            wq, aq = mod.qc_wq, mod.qc_aq
+            if wq is not None and not wq.baked:
+                end = max(end, *(t for t, _ in change_points(wq.start_bits, wq.target_bits, wq.period,
+                                                             wq.offset, wq.growth)))
+            if aq is not None:
+                end = max(end, aq.offset)
+            for state in mod.qc_pruning.values():
+                end = max(end, state.offset, state.offset_end or 0)
+        self.training_steps = end
+        self._apply()
+        written = set()
+        for mod in self._modules.values():
+            wq = mod.qc_wq
+            if wq is None or wq.baked or not wq.mix_enabled or wq.mix_ratio == 0.0:
+                continue
+            wq.mix_ratio = 0.0
+            if not wq.in_forward and id(wq.store) not in written:
+                written.add(id(wq.store))
+                self._quantize_from_master(mod)
+
     def _apply(self, first: bool = False) -> None:
         t = self.training_steps
         dropped_groups = set()

@@ -14,6 +14,7 @@ import qcompress
 from qcompress.export import (CheckpointError, ExportError, export_quantized, load_quantized,
                               main_export, main_inspect)
 from qcompress.export import safetensors_io as sio
+from qcompress.quant import reference as R
 
 
 def make_net():
@@ -216,6 +217,32 @@ def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
     x = torch.randn(2, 128)
     with torch.no_grad():
         assert torch.equal(load_quantized(out, make_net())(x), ref(x))
+
+
+@pytest.mark.parametrize("in_forward", [True, False])
+def test_cli_export_writes_target_bit_codes(tmp_path, monkeypatch, in_forward):
+    # an 8 -> 4 bit schedule: the export must hold the weights quantized at 4 bits (optimizer-step
+    # mode quantized them at 8 bits when init_compression ran), whatever the mode
+    (tmp_path / "qc_factory3.py").write_text(
+        "import torch.nn as nn, torch\n"
+        "def build():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    net = make_net()
+    save_file(net.state_dict(), tmp_path / "w.safetensors")
+    doc = json.loads(json.dumps(CFG))
+    doc["compression_training"]["weight_quantization"]["shared_parameters"]["quantize_weight_in_forward"] = in_forward
+    doc["compression_training"]["weight_quantization"]["different_groups"]["wq1"]["params"].update(
+        start_bits=8, target_bits=4, quantization_period=10)
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    assert main_export(["--model", "qc_factory3:build", "--weights", str(tmp_path / "w.safetensors"),
+                        "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+    loaded = load_quantized(out, make_net())
+    for i in (0, 2):  # oracle: the reference quantizer at the target bits on the trained weights
+        want = R.fake_quantize_with_mask(net[i].weight.detach(),
+                                         R.make_spec(4, granularity="group", group_size=32))[0]
+        assert torch.equal(loaded[i].weight, want), i
 
 
 def _act_cfg(calibration):

@@ -24,18 +24,12 @@ def cli_export(args) -> int:
     max_shard_size ('2GB'), force (bool)."""
     import qcompress
     from safetensors.torch import load_file
-    from ..schedule import compress_modules
     model = _factory(args.model)()
     if getattr(args, "weights", None):
         model.load_state_dict(load_file(args.weights), strict=True)
     cfg = qcompress.load_config(args.config)
     qcompress.init_compression(model, cfg)
-    for _, mod in compress_modules(model):
-        wq = mod.qc_wq
-        if wq is not None:
-            wq.active, wq.bits, wq.mix_ratio = True, wq.target_bits, 0.0
-        if mod.qc_aq is not None:
-            mod.qc_aq.active = True
+    qcompress.CompressionScheduler(model, cfg).finish()  # target bits, requantized from the weights
     qcompress.redundancy_clean(model, cfg)
     out = qcompress.export_quantized(model, args.out, cfg,
                                      max_shard_size=getattr(args, "max_shard_size", "2GB"),
