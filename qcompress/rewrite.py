@@ -15,7 +15,7 @@ from .config.compression import CompressionConfig, Group
 from .errors import ConfigError
 from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware
 from .nn.state import ActQuant, WeightQuant
-from .schedule import REWRITTEN, CompressionScheduler, compress_modules
+from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 
 log = logging.getLogger("qcompress")
 
@@ -188,6 +188,7 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     _share_tied_weights(root)
     _keep_python_forward(root)
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
+    root.__dict__[CONFIG] = cfg
     CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
     return model
 

@@ -224,6 +224,9 @@ def test_metadata_and_inspect(tmp_path):
     assert meta["format"] == "pt"
     assert meta["qcompress_version"] == qcompress.__version__
     assert json.loads(meta["qcompress_config"]) == cfg.raw
+    export_quantized(m, tmp_path / "nocfg")  # without cfg: the config init_compression applied
+    with safe_open(tmp_path / "nocfg" / "model.safetensors", framework="pt") as f:
+        assert json.loads(f.metadata()["qcompress_config"]) == cfg.raw
     text = inspect_checkpoint(tmp_path / "out")
     line = next(l for l in text.splitlines() if l.startswith("fc.weight_packed"))
     assert "pack-quantized" in line and "48x32" in line and "0.125" in line
