@@ -167,6 +167,31 @@ def _rank_hierarchy(rank, world, seed, calls):
     return out
 
 
+def dyadic_input(rank: int, call: int) -> torch.Tensor:
+    """Multiples of 1/64: sums of a few of them, and their quarter, are exact in float32."""
+    return torch.round(make_input(21, rank, call) * 64) / 64
+
+
+def _rank_node_single(rank, world):
+    """hierarchy="node" on this single host, and an explicit one-node Hierarchy: nothing crosses nodes."""
+    import qcompress.comm.hierarchy as hmod
+
+    hmod._AUTO_CACHE.clear()  # the first "node" call detects the hosts (counted below)
+    one_node = qcomm.Hierarchy([list(range(world))])
+    states = {"node": qcomm.OneBitState(), "explicit": qcomm.OneBitState()}
+    out = {"node": [], "explicit": [], "bytes": []}
+    for k in range(2):
+        x = dyadic_input(rank, k)
+        before = qcomm.stats()
+        out["node"].append(qcomm.compressed_allreduce(x, states["node"], hierarchy="node"))
+        after = qcomm.stats()
+        out["bytes"].append((after["bytes_sent"] - before["bytes_sent"],
+                             after["bytes_received"] - before["bytes_received"]))
+        out["explicit"].append(qcomm.compressed_allreduce(x, states["explicit"], hierarchy=one_node))
+    out["errors_kept"] = [st.initialized for st in states.values()]
+    return out
+
+
 def _rank_buckets(rank, world, bucket_size):
     shapes = [(5, 7), (300,), (2, 3, 4), (1000,), (1,)]
     tensors = [make_input(11, rank, i, shape=s) for i, s in enumerate(shapes)]
@@ -293,6 +318,7 @@ def _rank_all(rank, world):
         out["nonfinite"] = _rank_nonfinite(rank, world)
     if world == 4:
         out["subgroup"] = _rank_subgroup(rank, world)
+        out["node_single"] = _rank_node_single(rank, world)
         out["hierarchy"] = _rank_hierarchy(rank, world, 3, 4)  # last: it fakes hostnames
     return out
 
@@ -323,9 +349,11 @@ def test_onebit_matches_simulation_bit_for_bit(world):
     for r in range(world):
         assert torch.equal(res[r]["errors"]["worker_error"], sim.ew[r])
         assert torch.equal(res[r]["errors"]["server_error"], sim.es[r])
-    # Exact byte count per call: two collectives, (P-1) payload rows of C/8 + 4 bytes each.
+    # Exact byte count per call: two collectives, (P-1) payload rows of C/8 + 4 bytes each; the first
+    # call (hierarchy "auto") also detects the hosts: one all-gather of a 32-byte digest per rank.
     row = sim.c // 8 + 4
-    assert all(s == 2 * (world - 1) * row for s in res[0]["sent"])
+    hosts = (world - 1) * 32
+    assert res[0]["sent"] == [2 * (world - 1) * row + hosts] + [2 * (world - 1) * row] * (calls - 1)
     assert res[0]["stats"]["bytes_received"] == res[0]["stats"]["bytes_sent"]
 
 
@@ -382,6 +410,24 @@ def test_hierarchy_simulated_nodes_matches_simulation():
             assert torch.equal(res[r]["auto"][k], expect), f"auto-detected hosts, call {k} rank {r}"
             assert torch.equal(res[r]["flat"][k], expect_flat)
     assert [res[r]["leader_has_errors"] for r in range(4)] == [True, False, True, False]
+
+
+def test_node_hierarchy_on_one_host_is_the_exact_average():
+    """One node: nothing crosses nodes, so nothing is compressed and no error is kept."""
+    world = 4
+    res = results(world, "node_single")
+    nbytes = 17 * 59 * 4
+    for k in range(2):
+        expect = sum(dyadic_input(r, k) for r in range(world)) / world  # exact: multiples of 1/256
+        for r in range(world):
+            assert torch.equal(res[r]["node"][k], expect), f"call {k} rank {r}"
+            assert torch.equal(res[r]["explicit"][k], expect), f"explicit Hierarchy, call {k} rank {r}"
+    for r in range(world):
+        assert res[r]["errors_kept"] == [False, False]
+        # reduce to the leader and broadcast back; the first call also exchanges 32-byte host digests
+        moved = (world - 1) * nbytes if r == 0 else nbytes
+        hosts = (world - 1) * 32
+        assert res[r]["bytes"] == [(moved + hosts, moved + hosts), (moved, moved)], r
 
 
 def test_subgroups_average_independently():
@@ -475,17 +521,34 @@ def test_world_size_one_applies_the_same_math():
     assert torch.equal(st.worker_error, sim.ew[0]) and torch.equal(st.server_error, sim.es[0])
 
 
-def test_reference_and_kernel_ops_give_the_simulated_bits(monkeypatch):
-    """The 1-bit compressor uses the fused kernels when built; both paths must give the same bits."""
-    import qcompress.comm.compressors as cmod
+def _reference_row_decode(payload):
+    """A decoder as compressors._onebit_decode_op returns one, built on the reference onebit.decode."""
     from qcompress.quant import onebit
 
-    paths = {"reference": lambda: (onebit.compress, onebit.decode_average)}
+    return lambda signs, scales: torch.stack([onebit.decode(signs[r], scales[r]) for r in range(signs.shape[0])])
+
+
+def _no_kernels():
+    raise AssertionError("a fused kernel ran on the reference path")
+
+
+def test_reference_and_kernel_ops_give_the_simulated_bits(monkeypatch):
+    """The 1-bit compressor uses the fused kernels when built; every path must give the same bits.
+    "reference" runs no kernel at all (compress, server average and the final decode)."""
+    import qcompress.comm.compressors as cmod
+    from qcompress.quant import kernels, onebit
+
+    reference_ops = lambda: (onebit.compress, onebit.decode_average)  # noqa: E731
+    paths = {"reference": (reference_ops, _reference_row_decode, True),
+             "table-lookup decode": (reference_ops, lambda payload: None, True)}
     if cmod._onebit_ops()[0] is not onebit.compress:
-        paths["kernels"] = cmod._onebit_ops
+        paths["kernels"] = (cmod._onebit_ops, cmod._onebit_decode_op, False)
     print("1-bit op paths checked:", sorted(paths))
-    for name, ops in paths.items():
+    real_ops = kernels._ops
+    for name, (ops, decode_op, forbid_kernels) in paths.items():
         monkeypatch.setattr(cmod, "_onebit_ops", ops)
+        monkeypatch.setattr(cmod, "_onebit_decode_op", decode_op)
+        monkeypatch.setattr(kernels, "_ops", _no_kernels if forbid_kernels else real_ops)
         st, sim = qcomm.OneBitState(), OneBitSim(1, 4000)
         for k in range(3):
             x = make_input(13, 0, k, shape=(4000,))

@@ -1,5 +1,6 @@
 """qcompress.optim: warmup equals the uncompressed algorithms, the compression stage equals its closed
 form on one rank, two gloo ranks train digits like Adam, resume is bit-exact, build_optimizer."""
+import copy
 import logging
 import math
 import os
@@ -86,7 +87,8 @@ def test_warmup_without_bias_correction_matches_formula():
 
 
 def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True):
-    """LAMB as DeepSpeed defines it, written from the formulas; returns (params, trust ratios per step)."""
+    """LAMB as DeepSpeed defines it, written from the formulas in their order, each operation rounded on
+    its own (moments moved as torch.optim.Adam moves them); returns (params, trust ratios per step)."""
     p = [q.detach().clone() for q in params]
     m = [torch.zeros_like(q) for q in p]
     v = [torch.zeros_like(q) for q in p]
@@ -120,8 +122,8 @@ def test_warmup_equals_reference_lamb(bias_correction):
         for _ in _drive(opt, ps, 10):
             pass
         for a, b in zip(expect, ps):
-            torch.testing.assert_close(b.detach(), a, rtol=2e-6, atol=1e-7)
-        assert opt.get_lamb_coeffs() == pytest.approx(coeffs[-1], rel=1e-5)
+            assert torch.equal(b.detach(), a), f"{type(opt).__name__} warmup differs from the formulas"
+        assert opt.get_lamb_coeffs() == coeffs[-1]
 
 
 # ------------------------------------------------------------------------------------------ one rank, compression
@@ -700,3 +702,333 @@ def test_shard_state_only_for_onebit_adam():
     assert opt.shard_state
     with pytest.raises(ConfigError, match="shard_state"):
         build_optimizer(ps, {"type": "OneBitAdam", "params": {"shard_state": True}})
+
+
+# ---------------------------------------------------------------------------------------------- four ranks
+# One spawned 4-rank job (spawning is the expensive part on a small machine) runs each 1-bit optimizer
+# through its freeze boundary, counts its bytes, and resumes across host layouts; the tests below check
+# it against single-process simulations written from the formulas (test_comm's OneBitSim for the
+# compressed all-reduce over each flat bucket).
+_W4 = 4
+_SHAPES4 = [(7, 5), (13,)]  # 48 elements; bucket_size 32 cuts the first parameter across two buckets
+_BUCKET4 = 32
+_LR, _B1, _B2, _EPS, _WD = 1e-2, 0.9, 0.99, 1e-8, 0.01
+
+
+def _params4(shapes=_SHAPES4):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _grads4(t, rank, shapes=_SHAPES4):
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    return [torch.randn(s, generator=g) * 0.1 + 0.05 for s in shapes]
+
+
+_RUNS4 = {  # name -> (constructor, steps); every run ends on a step where the ranks synchronise
+    "OneBitAdam": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
+                                             freeze_step=3, bucket_size=_BUCKET4), 6),
+    # variance steps 1, 2, 4; compressed gradients 3, 5, 6; local steps from 7, syncs at 7, 8, 10
+    "ZeroOneAdam": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
+                                               var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
+                                               local_step_clipper=2, bucket_size=_BUCKET4), 10),
+    "OneBitLamb": (lambda groups: OneBitLamb(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
+                                             freeze_step=3, max_coeff=0.5, coeff_beta=0.5,
+                                             bucket_size=_BUCKET4), 6),
+}
+
+
+def _rank_run4(rank, name):
+    """One optimizer on this rank's gradients: parameters and bytes sent per step (sync_gradients
+    included). OneBitAdam also has a non_freeze parameter (its gradient is averaged in every stage)."""
+    import qcompress.comm.hierarchy as hmod
+    from qcompress import comm
+    make, steps = _RUNS4[name]
+    ps = [p.clone().requires_grad_() for p in _params4()]
+    extra = [torch.zeros(3, requires_grad=True)] if name == "OneBitAdam" else []
+    groups = [{"params": ps}] + ([{"params": extra, "non_freeze": True}] if extra else [])
+    opt = make(groups)
+    hmod._AUTO_CACHE.clear()  # every run detects the hosts again, at its first compressed all-reduce
+    sent = []
+    for t in range(1, steps + 1):
+        comm.reset_stats()
+        for p, g in zip(ps + extra, _grads4(t, rank, _SHAPES4 + [(3,)] * len(extra))):
+            p.grad = g
+        opt.sync_gradients()
+        opt.step()
+        sent.append(comm.stats()["bytes_sent"])
+    return {"params": [p.detach().clone() for p in ps + extra], "sent": sent, "stage": opt.stage}
+
+
+def _rank_mixed_dtypes4(rank):
+    """sync_gradients with fp32 and bf16 gradients: one all_reduce per dtype."""
+    from qcompress import comm
+    ps = [torch.zeros(3, requires_grad=True), torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)]
+    opt = OneBitAdam(ps, freeze_step=5)
+    for p in ps:
+        p.grad = torch.full(p.shape, float(rank), dtype=p.dtype)
+    comm.reset_stats()
+    opt.sync_gradients()
+    return {"stats": comm.stats(), "grads": [p.grad.clone() for p in ps]}
+
+
+def _set_hosts(layout, rank):
+    """Simulated hosts: "1x4" (one host) or "2x2" (ranks 0, 1 on hostA, 2, 3 on hostB)."""
+    import qcompress.comm.hierarchy as hmod
+    hmod.socket.gethostname = (lambda: "hostA") if layout == "1x4" else (lambda: "hostA" if rank < 2 else "hostB")
+    hmod._AUTO_CACHE.clear()  # a restarted job detects its hosts anew
+
+
+def _rank_host_resume(rank):
+    """Save OneBitAdam in the compression stage on one host layout, resume on another ("restart":
+    new optimizer, hosts detected again) with the checkpoint's errors and with none."""
+    import qcompress.comm.hierarchy as hmod
+    real_gethostname = hmod.socket.gethostname
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("qcompress").addHandler(handler)
+
+    def drive(opt, ps, start, stop):
+        for t in range(start, stop):
+            for p, g in zip(ps, _grads4(t, rank)):
+                p.grad = g
+            opt.sync_gradients()
+            opt.step()
+
+    def fresh(values):
+        ps = [v.clone().requires_grad_() for v in values]
+        return ps, OneBitAdam(ps, lr=_LR, freeze_step=2, bucket_size=_BUCKET4)
+
+    out = {}
+    try:
+        for saved_on, resumed_on in (("1x4", "2x2"), ("2x2", "1x4"), ("2x2", "2x2")):
+            _set_hosts(saved_on, rank)
+            ps, opt = fresh(_params4())
+            drive(opt, ps, 1, 5)
+            sd, mid = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in ps]  # state_dict holds live tensors
+            drive(opt, ps, 5, 8)  # the same job going on: what an exact resume reproduces
+            out[(saved_on, resumed_on, "straight")] = [p.detach().clone() for p in ps]
+            _set_hosts(resumed_on, rank)
+            for errors in ("checkpoint", "none"):
+                ps2, opt2 = fresh(mid)
+                loaded = sd if errors == "checkpoint" else {**sd, "qcompress": {**sd["qcompress"], "errors": None}}
+                del messages[:]
+                opt2.load_state_dict(loaded)
+                drive(opt2, ps2, 5, 8)
+                out[(saved_on, resumed_on, errors)] = [p.detach().clone() for p in ps2]
+                out[(saved_on, resumed_on, errors, "log")] = list(messages)
+            out[(saved_on, "nodes")] = sd["qcompress"]["nodes"]
+    finally:
+        hmod.socket.gethostname = real_gethostname
+        hmod._AUTO_CACHE.clear()
+        logging.getLogger("qcompress").removeHandler(handler)
+    return out
+
+
+def _rank_all4(rank, world):
+    out = {name: _rank_run4(rank, name) for name in _RUNS4}
+    out["mixed"] = _rank_mixed_dtypes4(rank)
+    out["host_resume"] = _rank_host_resume(rank)  # last: it fakes hostnames
+    return out
+
+
+_RESULTS4: list = []
+
+
+def _results4(part):
+    if not _RESULTS4:
+        _RESULTS4.extend(run_ranks(_rank_all4, _W4, timeout=2 * TIMEOUT))
+    return [r[part] for r in _RESULTS4]
+
+
+class _BucketMean:
+    """The optimizers' compressed mean over flat buckets of `bucket` elements, simulated: per-rank
+    tensor lists laid end to end, each bucket averaged by test_comm's OneBitSim (its own errors)."""
+
+    def __init__(self, shapes, bucket=_BUCKET4, world=_W4):
+        from test_comm import OneBitSim
+        self.shapes = shapes
+        total = sum(math.prod(s) for s in shapes)
+        self.ranges = [(s, min(s + bucket, total)) for s in range(0, total, bucket)]
+        self.sims = [OneBitSim(world, e - s) for s, e in self.ranges]
+
+    def __call__(self, per_rank):
+        flats = [torch.cat([t.reshape(-1) for t in ts]) for ts in per_rank]
+        out = torch.cat([sim.step([f[s:e] for f in flats]) for sim, (s, e) in zip(self.sims, self.ranges)])
+        return [x.reshape(s) for x, s in zip(torch.split(out, [math.prod(s) for s in self.shapes]), self.shapes)]
+
+
+def _mean(per_rank):
+    return [sum(ts) / len(ts) for ts in zip(*per_rank)]
+
+
+def _adam_update(p, m, v, t, tv):
+    return p * (1 - _LR * _WD) - _LR / (1 - _B1 ** t) * m / (v.sqrt() / math.sqrt(1 - _B2 ** tv) + _EPS)
+
+
+def _sim_onebit_adam(steps=6, freeze=3):
+    shapes = _SHAPES4 + [(3,)]
+    p = _params4() + [torch.zeros(3)]
+    m = [torch.zeros_like(q) for q in p]
+    v = [torch.zeros_like(q) for q in p]
+    cmean = _BucketMean(_SHAPES4)
+    for t in range(1, steps + 1):
+        gs = [_grads4(t, r, shapes) for r in range(_W4)]
+        g = _mean(gs)
+        for i in range(3):  # warmup; the non_freeze parameter (i = 2) stays on this path
+            if t <= freeze or i == 2:
+                m[i] = _B1 * m[i] + (1 - _B1) * g[i]
+                v[i] = _B2 * v[i] + (1 - _B2) * g[i] * g[i]
+        if t > freeze:
+            m[:2] = cmean([[_B1 * m[i] + (1 - _B1) * gs[r][i] for i in range(2)] for r in range(_W4)])
+        p = [_adam_update(p[i], m[i], v[i], t, t if i == 2 else min(t, freeze)) for i in range(3)]
+    return p
+
+
+def _sim_zero_one_adam(steps=10, vfs=6):
+    p, n = _params4(), len(_SHAPES4)
+    m = [torch.zeros_like(q) for q in p]
+    v = [torch.zeros_like(q) for q in p]
+    cmean = _BucketMean(_SHAPES4)
+    var_interval, tv, interval, lcount = 1, 0, 1, 0
+    for t in range(1, vfs + 1):  # stage 1
+        gs = [_grads4(t, r) for r in range(_W4)]
+        full = t % var_interval == 0
+        g = _mean(gs) if full else cmean(gs)
+        m = [_B1 * m[i] + (1 - _B1) * g[i] for i in range(n)]
+        if full:
+            v = [_B2 * v[i] + (1 - _B2) * g[i] * g[i] for i in range(n)]
+            tv += 1
+            var_interval *= 2  # var_update_scaler = 1
+        p = [_adam_update(p[i], m[i], v[i], t, tv) for i in range(n)]
+    cmean = _BucketMean(_SHAPES4)  # stage 2 compresses another quantity: errors start from zero
+    sync = p
+    pr, mr = [list(p) for _ in range(_W4)], [list(m) for _ in range(_W4)]
+    acc = [[torch.zeros_like(q) for q in p] for _ in range(_W4)]
+    lrs, decay = 0.0, 1.0
+    for t in range(vfs + 1, steps + 1):  # stage 2: local steps on each rank, periodic synchronisation
+        bc1 = 1 - _B1 ** t
+        denom = [v[i].sqrt() / math.sqrt(1 - _B2 ** tv) + _EPS for i in range(n)]
+        for r in range(_W4):
+            g = _grads4(t, r)
+            for i in range(n):
+                mr[r][i] = _B1 * mr[r][i] + (1 - _B1) * g[i]
+                pr[r][i] = pr[r][i] * (1 - _LR * _WD) - _LR / bc1 * mr[r][i] / denom[i]
+                acc[r][i] = acc[r][i] + _LR / bc1 * mr[r][i]
+        lrs += _LR
+        decay *= 1 - _LR * _WD
+        if t % interval == 0:
+            a = cmean(acc)
+            sync = [sync[i] * decay - a[i] / denom[i] for i in range(n)]
+            pr = [list(sync) for _ in range(_W4)]
+            mr = [[a[i] * bc1 / lrs for i in range(n)] for _ in range(_W4)]
+            acc = [[torch.zeros_like(q) for q in p] for _ in range(_W4)]
+            lrs, decay = 0.0, 1.0
+        lcount += 1
+        if lcount == 2:  # local_step_scaler = 2, local_step_clipper = 2
+            lcount, interval = 0, min(2, interval * 2)
+    return pr[0]
+
+
+def _sim_onebit_lamb(steps=6, freeze=3, max_coeff=0.5, min_coeff=0.01, coeff_beta=0.5):
+    p, n = _params4(), len(_SHAPES4)
+    m = [torch.zeros_like(q) for q in p]
+    v = [torch.zeros_like(q) for q in p]
+    fresh, ema, last, scaling = [None] * n, [0.0] * n, [1.0] * n, None
+    cmean = _BucketMean(_SHAPES4)
+    for t in range(1, steps + 1):
+        gs = [_grads4(t, r) for r in range(_W4)]
+        bc1 = 1 - _B1 ** t
+        if t <= freeze:  # LAMB on averaged gradients; the trust ratio feeds the frozen coefficient
+            g = _mean(gs)
+            for i in range(n):
+                m[i] = _B1 * m[i] + (1 - _B1) * g[i]
+                v[i] = _B2 * v[i] + (1 - _B2) * g[i] * g[i]
+                u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(1 - _B2 ** t) + _EPS) + _WD * p[i]
+                c = min(max(float(p[i].norm()) / float(u.norm()), min_coeff), max_coeff)
+                ema[i] = coeff_beta * ema[i] + (1 - coeff_beta) * c
+                p[i] = p[i] - _LR * c * u
+                if t == freeze:
+                    fresh[i] = v[i].clone()
+            continue
+        if scaling is None:  # once: one common magnitude for every tensor in the buckets
+            rms = [float(q.norm()) / math.sqrt(q.numel()) for q in m]
+            scaling = [sum(rms) / n / r for r in rms]
+        local = [[(_B1 * m[i] + (1 - _B1) * gs[r][i]) * scaling[i] for i in range(n)] for r in range(_W4)]
+        m_prev, m = m, [x / s for x, s in zip(cmean(local), scaling)]
+        for i in range(n):
+            g_hat = (m[i] - _B1 * m_prev[i]) / (1 - _B1)
+            fresh[i] = _B2 * fresh[i] + (1 - _B2) * g_hat * g_hat
+            denom = v[i].sqrt() / math.sqrt(1 - _B2 ** freeze) + _EPS
+            pre = (m[i] / bc1) / denom
+            u = pre + _WD * p[i]
+            factor = float((denom / (fresh[i].sqrt() / math.sqrt(1 - _B2 ** t) + _EPS)).max())
+            ratio = min(1.0, float(pre.norm()) / float(u.norm()))
+            factor = min(max(factor * ratio + (1 - ratio), 0.5), 4.0)  # factor_min, factor_max defaults
+            factor = min(max(factor, last[i] * 0.9), last[i] * 1.1)  # factor_threshold 0.1
+            last[i] = factor
+            p[i] = p[i] - _LR * ema[i] * factor * u
+    return p
+
+
+@pytest.mark.parametrize("name, simulate", [("OneBitAdam", _sim_onebit_adam), ("ZeroOneAdam", _sim_zero_one_adam),
+                                            ("OneBitLamb", _sim_onebit_lamb)])
+def test_four_ranks_match_simulation_through_the_freeze(name, simulate):
+    res = _results4(name)
+    assert res[0]["stage"] == ("local_steps" if name == "ZeroOneAdam" else "compression")
+    for r in range(1, _W4):
+        for a, b in zip(res[0]["params"], res[r]["params"]):
+            assert torch.equal(a, b), f"{name}: rank {r} holds other parameters than rank 0"
+    expect = simulate()
+    start = _params4()
+    for i, (got, want) in enumerate(zip(res[0]["params"], expect)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} parameter {i}")
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(res[0]["params"], start))  # they moved
+
+
+def _ring(nbytes, world=_W4):
+    return 2 * (world - 1) * nbytes // world
+
+
+def test_four_ranks_bytes_sent_match_closed_form():
+    """Every collective counted: sync_gradients and non_freeze all_reduces (ring volume), each bucket's
+    compressed all-reduce (2 (P-1) rows of C/8 + 4 bytes), the one-time hostname exchange (32 bytes)."""
+    buckets = [min(_BUCKET4, 48 - s) for s in range(0, 48, _BUCKET4)]
+    onebit = sum(2 * (_W4 - 1) * (-(-n // (8 * _W4)) + 4) for n in buckets)  # C/8 = ceil(n / 8P)
+    hosts = (_W4 - 1) * 32
+    full, nf = _ring(4 * 51), _ring(4 * 3)  # all 51 fp32 gradients; the non_freeze parameter's 3
+    expect = {
+        "OneBitAdam": [full] * 3 + [nf + onebit + hosts, nf + onebit, nf + onebit],
+        "ZeroOneAdam": [_ring(4 * 48)] * 2 + [onebit + hosts, _ring(4 * 48), onebit, onebit]  # stage 1
+                       + [onebit, onebit, 0, onebit],  # local steps: bytes only where the ranks sync
+        "OneBitLamb": [_ring(4 * 48)] * 3 + [onebit + hosts, onebit, onebit],
+    }
+    for name, sent in expect.items():
+        for r, res in enumerate(_results4(name)):
+            assert res["sent"] == sent, f"{name} rank {r}"
+    for r, res in enumerate(_results4("mixed")):
+        assert res["stats"] == {"bytes_sent": _ring(12) + _ring(10), "bytes_received": _ring(12) + _ring(10)}
+        assert all(torch.equal(g, torch.full_like(g, 1.5)) for g in res["grads"])  # mean of ranks 0..3
+
+
+def _same(xs, ys):
+    return all(torch.equal(a, b) for a, b in zip(xs, ys))
+
+
+def test_resume_on_another_host_layout_resets_errors_on_every_rank():
+    """Same world size, other hosts: the errors were made for another node layout (flat P = 4 vs two
+    leaders at P = 2). Every rank must drop them at the first step, with a warning, and go on."""
+    res = _results4("host_resume")
+    assert res[0][("1x4", "nodes")] is None and res[0][("2x2", "nodes")] == [[0, 1], [2, 3]]
+    for key in (("1x4", "2x2"), ("2x2", "1x4"), ("2x2", "2x2")):
+        reset = key[0] != key[1]
+        for r in range(_W4):
+            assert _same(res[r][key + ("checkpoint",)], res[0][key + ("checkpoint",)]), (key, r)
+            assert not res[r][key + ("none", "log")]  # nothing to reset
+            log = res[r][key + ("checkpoint", "log")]
+            assert (len(log) == 1 and "errors reset" in log[0]) == reset, (key, r, log)
+        # a reset equals resuming without errors; kept errors do not
+        assert _same(res[0][key + ("checkpoint",)], res[0][key + ("none",)]) == reset, key
+        if not reset:  # same layout: the resume is exact
+            assert _same(res[0][key + ("checkpoint",)], res[0][key + ("straight",)])

@@ -57,6 +57,8 @@ class OneBitState:
         """True when the held errors fit a buffer of `numel` elements at `world_size` (or none are held).
 
         For resuming: errors saved at another world size do not fit; reset() them (with a warning).
+        In hierarchical mode the sizes follow the number of nodes, not the world size (non-leaders
+        hold none): compare against that layout (the optimizers record it, see optim._buckets).
         """
         if self.worker_error is None:
             return True
@@ -184,7 +186,8 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *
     (a OneBitState per buffer) carries this rank's errors between calls. compressor: a registered
     name ("onebit", "int8", ...) or a Compressor instance. hierarchy: "auto" (hierarchical when the
     group's ranks span several hosts, detected once per group), "flat", "node" (hierarchical by
-    hostname), or a Hierarchy object (explicit node groups, e.g. simulated nodes in tests).
+    hostname; a single node gives the exact average, uncompressed, and keeps no error), or a
+    Hierarchy object (explicit node groups, e.g. simulated nodes in tests).
 
     Raises qcompress.NonFiniteError on every rank (after the collectives, so none hangs) when any
     rank's input holds NaN or Inf; the errors in `state` are then left as they were, so a caller
@@ -201,7 +204,7 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *
 
     from .hierarchy import resolve_hierarchy  # local import: hierarchy builds on this module
 
-    hier = resolve_hierarchy(hierarchy, group)
+    hier = resolve_hierarchy(hierarchy, group, flat.device)
     if hier is None:
         out, finite = flat_compressed_allreduce(flat, state, group, comp)
     else:

@@ -7,18 +7,23 @@ For nodes N_1..N_K (lists of ranks; the first rank of each node is its leader) a
   3. the leaders run the flat compressed all-reduce among themselves (P = K, errors live only in the
      leaders' OneBitState);
   4. the leader broadcasts the result inside its node, so every rank ends with the same bits.
-Built from hostnames (all_gather_object) with hierarchy="node", automatically with "auto" when
-ranks span several hosts, or from explicit node lists: Hierarchy([[0, 1], [2, 3]]).
+With a single node (hierarchy="node" on one host, or Hierarchy([[0, ..., W-1]])) nothing crosses
+nodes, so nothing is compressed: the leader divides the sum by W and broadcasts the exact average;
+no error is kept.
+Built from hostnames (one all-gather of a 32-byte hostname digest per rank) with hierarchy="node",
+automatically with "auto" when ranks span several hosts, or from explicit node lists:
+Hierarchy([[0, 1], [2, 3]]).
 """
 from __future__ import annotations
 
+import hashlib
 import socket
 
 import torch
 import torch.distributed as dist
 
 from . import stats as _stats
-from .allreduce import flat_compressed_allreduce
+from .allreduce import _all_gather_flat, flat_compressed_allreduce
 
 
 class Hierarchy:
@@ -72,7 +77,11 @@ class Hierarchy:
                 _stats.add(0, (self.node_size - 1) * nbytes)
             else:
                 _stats.add(nbytes, 0)
-        if self.is_leader:
+        if self.is_leader and self.num_nodes == 1:
+            # Nothing crosses nodes: the exact average, and no error to keep.
+            out = buf / self.world_size
+            finite = bool(torch.isfinite(out).all())
+        elif self.is_leader:
             buf = buf * (self.num_nodes / self.world_size)
             out, finite = flat_compressed_allreduce(buf, state, self.leader_group, comp)
         else:
@@ -89,13 +98,33 @@ class Hierarchy:
         return out, finite
 
 
-def nodes_from_hostnames(group=None) -> list[list[int]]:
-    """Ranks of `group` grouped by hostname, in order of first appearance (collective call)."""
-    names = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    nodes: dict[str, list[int]] = {}
-    for r, host in enumerate(names):
-        nodes.setdefault(host, []).append(r)
+_HOST_KEY_BYTES = 32  # a sha256 of the hostname: fixed size, so one plain (counted) all-gather does
+
+
+def _collective_device(group):
+    """Where a small tensor must live for a collective on `group` (NCCL needs the current GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def nodes_from_hostnames(group=None, device=None) -> list[list[int]]:
+    """Ranks of `group` grouped by hostname, in order of first appearance (collective call: one
+    all-gather of 32 bytes per rank, counted in qcompress.comm.stats). device: where the gathered
+    tensor lives (default: CPU, or the current GPU under NCCL)."""
+    world = dist.get_world_size(group)
+    digest = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).digest()
+    device = _collective_device(group) if device is None else torch.device(device)
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    keys = torch.empty(world * _HOST_KEY_BYTES, dtype=torch.uint8, device=device)
+    if world > 1:
+        _all_gather_flat(keys, mine, group=group)
+        _stats.add((world - 1) * _HOST_KEY_BYTES, (world - 1) * _HOST_KEY_BYTES)
+    else:
+        keys.copy_(mine)
+    nodes: dict[bytes, list[int]] = {}
+    for r, key in enumerate(keys.cpu().reshape(world, _HOST_KEY_BYTES)):
+        nodes.setdefault(bytes(key.tolist()), []).append(r)
     return list(nodes.values())
 
 
@@ -106,8 +135,9 @@ def _group_key(group):
     return "world" if group is None or group is dist.group.WORLD else id(group)
 
 
-def resolve_hierarchy(hierarchy, group):
-    """None for the flat algorithm, else the Hierarchy to use (built and cached per group)."""
+def resolve_hierarchy(hierarchy, group, device=None):
+    """None for the flat algorithm, else the Hierarchy to use (built and cached per group). The first
+    "auto" / "node" resolution for a group is collective (hostnames); device: see nodes_from_hostnames."""
     if isinstance(hierarchy, Hierarchy):
         if _group_key(hierarchy.group) != _group_key(group):
             raise ValueError("the Hierarchy was built for a different process group than the one passed")
@@ -120,7 +150,7 @@ def resolve_hierarchy(hierarchy, group):
         return None
     key = (_group_key(group), dist.get_world_size(group), hierarchy)
     if key not in _AUTO_CACHE:
-        nodes = nodes_from_hostnames(group)
+        nodes = nodes_from_hostnames(group, device)
         if hierarchy == "auto" and len(nodes) == 1:
             _AUTO_CACHE[key] = None
         else:

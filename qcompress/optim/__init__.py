@@ -5,18 +5,21 @@ The 1-bit optimizers follow DeepSpeed's algorithms, parameter names and defaults
 GPU), on world size 1 too (also without torch.distributed initialised). Extra keyword arguments:
 `group` (process group, default world), `compressor` ("onebit", "int8" or a name registered with
 qcompress.comm.register_compressor), `bucket_size` (elements per compressed all-reduce call),
-`comm_hierarchy` (None = automatic: hierarchical when ranks span hosts; "node"; "flat"; or a
-qcompress.comm.Hierarchy), `ddp_hook_state` (see DDP below).
+`comm_hierarchy` (None = automatic: hierarchical when ranks span hosts; "node": hierarchical by
+host, so on a single host the exact uncompressed average; "flat"; or a qcompress.comm.Hierarchy),
+`ddp_hook_state` (see DDP below).
 
 Fixes over DeepSpeed: bias_correction is honoured (default True; bc2 counts variance updates and
 freezes with the variance); parameters may be fp32, bf16 or fp16 (moments, errors and a master copy
 of non-fp32 parameters are float32); the first step() updates the weights (no initialisation
 no-op step: warmup is exactly `freeze_step` updates); state_dict() holds the stage, every schedule
-counter, this rank's compression errors, the world size and rank, so resuming on the same world
-size is bit-exact; on another world size (or rank, or bucket layout) errors restart from zero with
-a warning on logging.getLogger("qcompress"). exp_avg_mask (a tensor covering the group's
-parameters flattened in order) is configuration and is never taken from a checkpoint. With one
-rank nothing is compressed (the mean over one rank is exact).
+counter, this rank's compression errors, the world size and rank and the node layout the errors
+belong to, so resuming on the same world size and hosts is bit-exact; on another world size (or
+rank, or bucket layout) errors restart from zero with a warning on logging.getLogger("qcompress"),
+and on another host layout (same world size, ranks spread over other nodes: checked at the first
+step after loading, when the hosts are detected) every rank does the same at that step.
+exp_avg_mask (a tensor covering the group's parameters flattened in order) is configuration and is
+never taken from a checkpoint. With one rank nothing is compressed (the mean over one rank is exact).
 
 Contract with the caller (the qcompress engine, a DDP hook, or a hand-written loop)
 ------------------------------------------------------------------------------------
@@ -33,7 +36,9 @@ Contract with the caller (the qcompress engine, a DDP hook, or a hand-written lo
   state in step with allreduce_gradients; or register the hook yourself and pass its state as
   `ddp_hook_state=`. DDP's no_sync() still works for accumulation micro-steps.
 * Without DDP: call `optimizer.sync_gradients()` between backward and step(); it averages the
-  gradients when allreduce_gradients is True and does nothing otherwise.
+  gradients when allreduce_gradients is True and does nothing otherwise. Its all-reduce (and that of
+  non_freeze groups in the compression stage) is counted in qcompress.comm.stats like every other
+  collective of the package.
 * ZeRO stage 1: `OneBitAdam(..., shard_state=True)` (build_optimizer(..., shard_state=True)) keeps
   the variance, its cached denominator and fp32 master copies only for this rank's chunk of each
   flat bucket (the chunk it serves in the compressed all-reduce); the momentum stays whole (the

@@ -8,19 +8,29 @@ qcompress.comm.BucketedCompressor, without its per-call allocations). The layout
 shapes and bucket_size, so it is identical on every rank and across resumes.
 
 With one rank nothing is sent and nothing is compressed: the mean over one rank is exact.
+
+The errors belong to a node layout (flat, or the hierarchical mode's nodes: leaders hold errors
+for P = number of nodes, other ranks none). "auto" / "node" resolve it from hostnames only at the
+first all-reduce, so errors restored from a checkpoint are checked against it there: made under
+another layout, they are dropped with a warning. The layouts are global facts, identical on every
+rank, so every rank drops or keeps its errors alike (no rank is left waiting in a collective).
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 import torch
 
 from . import _dist
 
+log = logging.getLogger("qcompress")
+UNKNOWN_NODES = "unknown"  # errors from a checkpoint that does not record its node layout
+
 
 class Buckets:
     def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
-                 compressor="onebit", comm_hierarchy=None):
+                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer"):
         self.numels = [p.numel() for p in params]
         self.total = sum(self.numels)
         self.bucket_size = int(bucket_size)
@@ -31,6 +41,10 @@ class Buckets:
         self.device = params[0].device if params else torch.device("cpu")
         self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
         self._flat = None   # persistent float32 staging buffer: no 4N-byte allocation per step
+        self.owner = owner  # names the optimizer in warnings
+        self.nodes = None   # node layout the errors belong to: None = flat, else lists of ranks
+        self._resolved = False
+        self._hier = None
 
     def _new_states(self):
         from ..comm import OneBitState
@@ -41,6 +55,7 @@ class Buckets:
         if _dist.world_size(self.group) == 1 or not tensors:
             return  # the mean over one rank is the tensor itself: nothing to send or compress
         from ..comm import compressed_allreduce
+        hier = self._resolve()
         if self.states is None:
             self.states = self._new_states()
         if self._flat is None:
@@ -50,11 +65,27 @@ class Buckets:
         for (start, end), state in zip(self.ranges, self.states):
             piece = flat[start:end]
             piece.copy_(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
-                                             hierarchy=self.hierarchy))
+                                             hierarchy="flat" if hier is None else hier))
         offset = 0
         for t, n in zip(tensors, self.numels):
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+    def _resolve(self):
+        """The Hierarchy this run uses (None: flat); collective the first time (hostnames). Drops
+        restored errors made under another node layout (on every rank alike, see the module doc)."""
+        if not self._resolved:
+            from ..comm.hierarchy import resolve_hierarchy
+            self._hier = resolve_hierarchy(self.hierarchy, self.group, self.device)
+            self._resolved = True
+            nodes = None if self._hier is None else [list(n) for n in self._hier.nodes]
+            if self.states is not None and self.nodes != nodes:
+                log.warning("%s: compression errors reset at the first step after loading (they were made for "
+                            "node layout %s, this run has %s); training continues with zero error feedback",
+                            self.owner, _describe(self.nodes), _describe(nodes))
+                self.states = None
+            self.nodes = nodes
+        return self._hier
 
     def reset_errors(self) -> None:
         self.states = None
@@ -69,7 +100,10 @@ class Buckets:
         """One {"worker_error", "server_error"} dict per bucket (empty for a bucket without errors)."""
         return None if self.states is None else [st.state_dict() for st in self.states]
 
-    def load_errors(self, saved: Optional[list]) -> None:
+    def load_errors(self, saved: Optional[list], nodes=UNKNOWN_NODES) -> None:
+        """Restore per-bucket errors made under node layout `nodes` (checked at the next all-reduce)."""
+        self.nodes = nodes
+        self._resolved = False  # the layout of this run is checked against `nodes` at the next all-reduce
         if not saved:
             self.states = None
             return
@@ -78,3 +112,11 @@ class Buckets:
         self.states = self._new_states()
         for st, entry in zip(self.states, saved):
             st.load_state_dict(entry)
+
+
+def _describe(nodes) -> str:
+    if nodes is None:
+        return "flat"
+    if nodes == UNKNOWN_NODES:
+        return "unknown (the checkpoint does not record it)"
+    return f"nodes {nodes}"

@@ -6,6 +6,8 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
+from ..comm.stats import add as _count_bytes  # not `import stats`: that name is stats()
+
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -20,7 +22,8 @@ def rank(group=None) -> int:
 
 
 def average_(tensors: List[torch.Tensor], group=None) -> None:
-    """All-reduce (mean) a list of tensors in place, one collective per dtype (flattened)."""
+    """All-reduce (mean) a list of tensors in place, one collective per dtype (flattened), each
+    counted in qcompress.comm.stats by the all_reduce rule (ring volume)."""
     size = world_size(group)
     if size == 1 or not tensors:
         return
@@ -30,6 +33,8 @@ def average_(tensors: List[torch.Tensor], group=None) -> None:
     for items in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in items])
         dist.all_reduce(flat, group=group)
+        volume = 2 * (size - 1) * flat.numel() * flat.element_size() // size
+        _count_bytes(volume, volume)
         flat.div_(size)
         offset = 0
         for t in items:

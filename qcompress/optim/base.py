@@ -14,12 +14,12 @@ from typing import Dict, List, Optional
 import torch
 
 from . import _dist
-from ._buckets import Buckets
+from ._buckets import UNKNOWN_NODES, Buckets
 
 log = logging.getLogger("qcompress")
 
 DEFAULT_BUCKET_SIZE = 1 << 24  # elements per compressed all-reduce call (64 MiB of float32)
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: records the node layout the compression errors were made for
 
 
 def check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy):
@@ -148,7 +148,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _get_buckets(self) -> Buckets:
         if self._buckets is None:
             self._buckets = Buckets(self._compressed_params(), self.bucket_size, self.comm_group,
-                                    self.compressor, self.comm_hierarchy)
+                                    self.compressor, self.comm_hierarchy, owner=type(self).__name__)
         return self._buckets
 
     def _mask(self, p) -> Optional[torch.Tensor]:
@@ -247,6 +247,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "counters": _copy_counters(self.counters),
             "layout": buckets.layout() if buckets is not None else None,
             "errors": buckets.errors_state_dict() if buckets is not None else None,
+            "nodes": buckets.nodes if buckets is not None else None,
         }
         return sd
 
@@ -282,7 +283,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             same_ws = extra["world_size"] == self.world_size and extra["rank"] == _dist.rank(self.comm_group)
             same_layout = extra.get("layout") == buckets.layout()
             if same_ws and same_layout:
-                buckets.load_errors(errors)
+                # Same world size and rank, but maybe other hosts: the node layout is checked at the
+                # first step (resolving it may need a collective, which load_state_dict must not issue).
+                buckets.load_errors(errors, _saved_nodes(extra))
             else:
                 why = (f"world size/rank {extra['world_size']}/{extra['rank']} -> "
                        f"{self.world_size}/{_dist.rank(self.comm_group)}" if not same_ws
@@ -294,6 +297,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _after_load(self):
         pass
+
+
+def _saved_nodes(extra):
+    """The node layout a checkpoint's errors were made for (see _buckets); version 1 did not record
+    it, but its "flat" runs were flat whatever the hosts."""
+    if "nodes" in extra:
+        return extra["nodes"]
+    return None if (extra.get("layout") or {}).get("hierarchy") == "flat" else UNKNOWN_NODES
 
 
 def _copy_counters(counters):

@@ -4,12 +4,26 @@ trust ratio ||p|| / ||u|| clipped to [min_coeff, max_coeff] (1 when either norm 
     m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
     u = (m / bc1) / (sqrt(v)/sqrt(bc2) + eps) + wd p;  c = clip(||p|| / ||u||);  p = p - lr c u
 bc1 = 1 - b1^t, bc2 = 1 - b2^t when bias_correction (default), else 1.
+Operations run in exactly that order, each rounded on its own (m and v as torch.optim.Adam moves
+them: m.lerp_(g, 1-b1), v.mul_(b2).addcmul_(g, g, value=1-b2)), so a LAMB written from these
+formulas gives the same bits. Fused forms are avoided on purpose: torch's add(alpha=) is a fused
+multiply-add on CPU and sqrt(bc2) via ** 0.5 (C pow) is not always correctly rounded.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .base import check_common
+
+
+def bias_corrections(group, steps_m: int, steps_v: int):
+    """(bc1, sqrt(bc2)) for LAMB, sqrt correctly rounded (1, 1 when bias_correction is off)."""
+    if not group["bias_correction"]:
+        return 1.0, 1.0
+    b1, b2 = group["betas"]
+    return 1 - b1 ** steps_m, math.sqrt(1 - b2 ** steps_v)
 
 
 def lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt, denom=None):
@@ -17,8 +31,14 @@ def lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt, denom=None)
     if denom is None:
         denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     pre = (exp_avg / bc1).div_(denom)
-    update = pre.add(p32, alpha=wd) if wd != 0 else pre
+    update = (p32 * wd).add_(pre) if wd != 0 else pre  # wd p rounded, then added: no fused multiply-add
     return update, pre, denom
+
+
+def apply_update_(p32, update, lr, coeff) -> None:
+    """p = p - (lr c) u, the product rounded before the subtraction (add_(alpha=) would fuse them).
+    Consumes `update`."""
+    p32.sub_(update.mul_(lr * coeff))
 
 
 def trust_ratio(p32, update, max_coeff, min_coeff) -> float:
@@ -36,7 +56,7 @@ def lamb_step_(p32, grad, exp_avg, exp_avg_sq, *, lr, betas, eps, wd, bc1, bc2_s
     exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
     update, _, _ = lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt)
     coeff = trust_ratio(p32, update, max_coeff, min_coeff)
-    p32.add_(update, alpha=-lr * coeff)
+    apply_update_(p32, update, lr, coeff)
     return coeff
 
 
@@ -79,7 +99,7 @@ class Lamb(torch.optim.Optimizer):
                         st["master"] = p.detach().float().clone()
                 st["step"] += 1
                 t = st["step"]
-                bc1, bc2_sqrt = ((1 - b1 ** t, (1 - b2 ** t) ** 0.5) if g["bias_correction"] else (1.0, 1.0))
+                bc1, bc2_sqrt = bias_corrections(g, t, t)
                 p32 = st.get("master", p)
                 grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
                 coeff = lamb_step_(p32, grad, st["exp_avg"], st["exp_avg_sq"], lr=g["lr"], betas=(b1, b2),

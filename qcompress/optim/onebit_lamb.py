@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int, rms
-from .lamb import lamb_direction, lamb_step_
+from .lamb import apply_update_, bias_corrections, lamb_direction, lamb_step_
 
 
 class OneBitLamb(CompressedOptimizer):
@@ -86,7 +86,7 @@ class OneBitLamb(CompressedOptimizer):
                 c["frozen"] = True
 
     def _warmup_group(self, g, t, snapshot):
-        bc1, bc2_sqrt = self.bias_corrections(g, t, t)
+        bc1, bc2_sqrt = bias_corrections(g, t, t)
         for p in g["params"]:
             grad = self._grad32(p)
             if grad is None:
@@ -137,8 +137,8 @@ class OneBitLamb(CompressedOptimizer):
         for g in groups:
             b1, b2 = g["betas"]
             lr, wd, eps = g["lr"], g["weight_decay"], g["eps"]
-            bc1, bc2_frozen = self.bias_corrections(g, t, c["var_steps"])
-            _, bc2_fresh = self.bias_corrections(g, t, t)
+            bc1, bc2_frozen = bias_corrections(g, t, c["var_steps"])
+            _, bc2_fresh = bias_corrections(g, t, t)
             for p in g["params"]:
                 st = self.state[p]
                 m = st["exp_avg"]
@@ -167,7 +167,7 @@ class OneBitLamb(CompressedOptimizer):
                 factor = min(max(factor, last * (1 - thr)), last * (1 + thr))
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
-                p32.add_(update, alpha=-lr * coeff)
+                apply_update_(p32, update, lr, coeff)
                 self._write_back(p, p32)
                 self._coeffs.append(coeff)
 
