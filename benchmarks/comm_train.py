@@ -1,6 +1,6 @@
 """Training throughput of a communication-heavy model: Adam + DDP vs 1-bit Adam vs 0/1 Adam.
 
-Two gloo ranks train a wide MLP (3 x Linear(4096, 4096), ~50M parameters) on a small batch, so a
+Two (or --worlds N ...) gloo ranks train a wide MLP (3 x Linear(4096, 4096), ~50M parameters) on a small batch, so a
 step is dominated by moving the gradients (Adam + DDP: a 200 MB fp32 all-reduce per step) or by
 the 1-bit path (compression math + ~N/4 bytes). By default the ranks run inside a private network
 namespace whose loopback is shaped to 1 Gbit/s with tbf (root, `ip` and `tc` needed; otherwise
@@ -14,6 +14,7 @@ section of benchmarks/RESULTS.md (other sections are kept).
 
     python benchmarks/comm_train.py                # shaped 1 Gbit/s when possible, ~3-5 minutes
     python benchmarks/comm_train.py --no-shape     # plain loopback
+    python benchmarks/comm_train.py --worlds 2 4   # 2 and 4 ranks, one table each
 """
 from __future__ import annotations
 
@@ -113,8 +114,9 @@ def _rank(rank, world, args):
 
 
 def run_ranks_here(args):
+    """{world size: results} for every --worlds entry."""
     from dist_utils import run_ranks
-    return run_ranks(_rank, 2, args, timeout=args.timeout, threads=1)[0]
+    return {str(w): run_ranks(_rank, w, args, timeout=args.timeout, threads=1)[0] for w in args.worlds}
 
 
 # ---------------------------------------------------------------------------------------------- shaping
@@ -148,8 +150,12 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def render(res, link, args, cmd):
-    world = 2
+def render(by_world, link, args, cmd):
+    parts = [render_world(res, int(world), link, args, cmd) for world, res in by_world.items()]
+    return SECTION + "\n\n" + "\n".join(parts)
+
+
+def render_world(res, world, link, args, cmd):
     n = next(iter(res.values()))["params"]
     ring = 2 * (world - 1) / world * 4 * n
     bound = 1.05 * (world - 1) / world * n / 4
@@ -161,8 +167,8 @@ def render(res, link, args, cmd):
             thr[(name, phase)] = world * BATCH / t
             rows.append((name, phase, len(rec["times"]), t, world * BATCH / t, sent))
     base = thr.get(("Adam + DDP (fp32)", "all-reduce"))
-    lines = [SECTION, "",
-             f"`{cmd}` on {platform.machine()} / {os.cpu_count()} CPUs, 2 gloo ranks (1 thread each), {link}; "
+    lines = [f"### {world} ranks", "",
+             f"`{cmd}` on {platform.machine()} / {os.cpu_count()} CPUs, {world} gloo ranks (1 thread each), {link}; "
              f"model {LAYERS} x Linear({WIDTH}, {WIDTH}) = {n / 1e6:.1f}M parameters, batch {BATCH} per rank, "
              f"MSE on random data; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average "
              f"at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: compare ratios within this table). "
@@ -175,7 +181,7 @@ def render(res, link, args, cmd):
         ratio = f"{s / base:.2f}x" if base else "n/a"
         src = " (ring formula)" if name.startswith("Adam") else ""
         lines.append(f"| {name} | {phase} | {k} | {t:.3f} | {s:.2f} | {ratio} | {sent / 1e6:.2f} MB{src} |")
-    lines += ["", f"Targets (issue 4), P = 2, N = {n}:", ""]
+    lines += ["", f"Targets (issue 4), P = {world}, N = {n}:", ""]
     for name in ("1-bit Adam", "0/1 Adam"):
         rec = res.get(name, {}).get("phases", {}).get("compression")
         if rec:
@@ -226,6 +232,7 @@ def main(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=3, help="freeze step (steps before compression)")
     ap.add_argument("--compression-steps", type=int, default=8, help="compression-stage steps per run")
     ap.add_argument("--local-steps", type=int, default=4, help="0/1 Adam local-step interval H")
+    ap.add_argument("--worlds", nargs="+", type=int, default=[2], help="rank counts to run (e.g. 2 4)")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds before the ranks are killed")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
