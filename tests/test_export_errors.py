@@ -195,12 +195,17 @@ def test_unexportable_models(tmp_path):
     assert not any((tmp_path / d).exists() and os.listdir(tmp_path / d) for d in "abcd")
 
 
-def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
-    (tmp_path / "qc_factory.py").write_text(
+def write_factory(tmp_path, monkeypatch, module):
+    """An importable `<module>:build` building make_net()'s architecture, for the CLI's --model."""
+    (tmp_path / f"{module}.py").write_text(
         "import torch.nn as nn, torch\n"
         "def build():\n    torch.manual_seed(0)\n"
         "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
+    write_factory(tmp_path, monkeypatch, "qc_factory")
     net = make_net()
     save_file(net.state_dict(), tmp_path / "w.safetensors")
     (tmp_path / "cfg.json").write_text(json.dumps(CFG))
@@ -223,11 +228,7 @@ def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
 def test_cli_export_writes_target_bit_codes(tmp_path, monkeypatch, in_forward):
     # an 8 -> 4 bit schedule: the export must hold the weights quantized at 4 bits (optimizer-step
     # mode quantized them at 8 bits when init_compression ran), whatever the mode
-    (tmp_path / "qc_factory3.py").write_text(
-        "import torch.nn as nn, torch\n"
-        "def build():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    write_factory(tmp_path, monkeypatch, "qc_factory3")
     net = make_net()
     save_file(net.state_dict(), tmp_path / "w.safetensors")
     doc = json.loads(json.dumps(CFG))
@@ -358,11 +359,7 @@ def test_index_pointing_at_the_wrong_shard(tmp_path):
 
 def test_cli_main_reports_export_errors_without_traceback(tmp_path, monkeypatch, capsys):
     from qcompress import cli
-    (tmp_path / "qc_factory2.py").write_text(
-        "import torch.nn as nn, torch\n"
-        "def build():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    write_factory(tmp_path, monkeypatch, "qc_factory2")
     (tmp_path / "cfg.json").write_text(json.dumps(CFG))
     out = tmp_path / "out"
     argv = ["export", "--model", "qc_factory2:build", "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
