@@ -8,11 +8,9 @@ import pytest
 
 import qcompress
 from qcompress import ConfigError, load_config
+from shared_paths import DS_COMPRESSION
 
-DS_CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "ds_configs",
-                                           "compression", "**", "*.json"), recursive=True))
-if not DS_CONFIGS:  # the shared folder sits beside the repository
-    DS_CONFIGS = sorted(glob.glob("/work/shared/ds_configs/compression/**/*.json", recursive=True))
+DS_CONFIGS = sorted(glob.glob(os.path.join(DS_COMPRESSION, "**", "*.json"), recursive=True))
 
 
 def _w8(modules=None, **params):

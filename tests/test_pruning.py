@@ -1,6 +1,7 @@
 """Pruning (sparse/row/head/channel), redundancy_clean slicing and scheduler state."""
 import copy
 import math
+import os
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import torch.nn as nn
 import qcompress as qc
 from qcompress.errors import ConfigError
 from qcompress.pruning.masks import keep_count, topk_mask
+from shared_paths import DS_COMPRESSION
 
-CIFAR = "/work/shared/ds_configs/compression/cifar/config/ds_config_channel_prune.json"
+CIFAR = os.path.join(DS_COMPRESSION, "cifar", "config", "ds_config_channel_prune.json")
 
 
 def prune_cfg(tech, method="l1", ratio=0.5, offset=0, modules=("^0$",), related=None, **shared):

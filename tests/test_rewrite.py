@@ -13,10 +13,11 @@ import torch.nn.functional as F
 import qcompress
 from qcompress import ConfigError, init_compression, load_config, redundancy_clean, summary
 from qcompress.quant import fake_quantize
+from shared_paths import DS_COMPRESSION
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the BERT/GPT-2 models")
 
-DS = "/work/shared/ds_configs/compression"
+DS = DS_COMPRESSION
 BERT_QUANT_CONFIGS = sorted(p for p in glob.glob(f"{DS}/bert/**/*.json", recursive=True)
                             if json.load(open(p))["compression_training"].get("weight_quantization", {})
                             .get("shared_parameters", {}).get("enabled"))
