@@ -6,6 +6,8 @@ is in test_engine_workers.py. The model is a small MLP rewritten by init_compres
 """
 from __future__ import annotations
 
+import glob
+import json
 import math
 import os
 
@@ -20,6 +22,8 @@ from qcompress.engine.precision import LossScaler
 
 import test_engine_workers as W
 from dist_utils import run_ranks
+from shared_paths import DS_COMPRESSION
+from tiny_models import TinyResNet, make_bert, make_gpt2
 
 STAGES = [s[0] for s in W.STAGES]
 
@@ -540,3 +544,97 @@ def test_buffers_agree_across_ranks(two_rank, stage):
     assert set(a) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert int(a["1.num_batches_tracked"]) == 6           # 3 steps × 2 micro-batches
+
+
+# --- a client optimizer (configs without an optimizer section, as DeepSpeed takes one) -----------
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("client", ["factory", "instance"])
+def test_client_optimizer_trains_like_a_plain_torch_loop(client):
+    # oracle: the same model, data, clipping and optimizer in a plain PyTorch loop
+    model, ref = _mlp(), _mlp()
+    make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    engine = initialize(model, {"train_batch_size": 4, "gradient_clipping": 0.5},
+                        optimizer=make if client == "factory" else make(model.parameters()))
+    ref_opt = make(ref.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert engine.global_steps == 5
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_client_optimizer_mistakes_are_named():
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    with pytest.raises(qc.ConfigError, match="optimizer.*keep one"):
+        initialize(_mlp(), cfg, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    model = _mlp()
+    with pytest.raises(qc.ConfigError, match=r"zero_optimization.stage.*factory"):
+        initialize(model, {"train_batch_size": 4, "zero_optimization": {"stage": 3}},
+                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not parameters of this model"):
+        initialize(model, {"train_batch_size": 4}, optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1))
+    with pytest.raises(qc.ConfigError, match="declare it in the config"):
+        initialize(model, {"train_batch_size": 4}, optimizer=lambda p: qc.optim.OneBitAdam(p, lr=1e-3))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        initialize(model, {"train_batch_size": 4}, optimizer="adam")
+
+
+SHARED_CONFIGS = sorted(glob.glob(os.path.join(DS_COMPRESSION, "**", "*.json"), recursive=True))
+
+
+def _model_for(path, raw):
+    """(student, teacher or None, loss of a module on a fixed batch) for one shared config."""
+    g = torch.Generator().manual_seed(2)
+    if os.sep + "bert" + os.sep in path:
+        lr_cfg = raw["compression_training"].get("layer_reduction", {})
+        layers = lr_cfg["keep_number_layer"] if lr_cfg.get("enabled") else 2
+        x, y = torch.randint(0, 96, (2, 16), generator=g), torch.tensor([0, 2])
+        loss = lambda m: torch.nn.functional.cross_entropy(m(input_ids=x).logits, y)  # noqa: E731
+        return make_bert(layers=layers), make_bert(seed=1, layers=12), loss
+    if os.sep + "gpt2" + os.sep in path:
+        x = torch.randint(0, 96, (2, 16), generator=g)
+        return make_gpt2(), None, lambda m: m(input_ids=x, labels=x).loss
+    x, y = torch.randn(2, 3, 8, 8, generator=g), torch.tensor([1, 7])
+    return TinyResNet(), None, lambda m: torch.nn.functional.cross_entropy(m(x), y)
+
+
+def test_six_shared_configs_found():
+    assert len(SHARED_CONFIGS) == 6, SHARED_CONFIGS
+
+
+@pytest.mark.parametrize("path", SHARED_CONFIGS, ids=lambda p: os.path.basename(p))
+def test_every_shared_ds_config_trains_under_initialize(path):
+    # DeepSpeed's own example configs, as users run them: init_compression (with a teacher for
+    # layer reduction), then initialize; the four BERT configs have no optimizer section, so they
+    # take a client optimizer as DeepSpeed's examples do
+    raw = json.load(open(path))
+    cfg = qc.load_config(path)
+    model, teacher, loss_of = _model_for(path, raw)
+    qc.init_compression(model, cfg, teacher_model=teacher)
+    client = None if cfg.optimizer is not None else (lambda p: torch.optim.AdamW(p, lr=1e-4))
+    engine = initialize(model, cfg, optimizer=client)
+    engine.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = 6
+    for _ in range(steps * engine.gradient_accumulation_steps):  # micro-batches (gpt2: 8 = 4 x 2)
+        loss = loss_of(engine)
+        engine.backward(loss)
+        engine.step()
+        assert math.isfinite(loss.item())
+    assert engine.global_steps == steps and engine.skipped_steps < steps  # fp16 may skip a few
+    assert any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    applied = steps - engine.skipped_steps
+    assert engine.compression_scheduler.training_steps == applied

@@ -12,6 +12,7 @@ import qcompress as qc
 from qcompress.errors import ConfigError
 from qcompress.pruning.masks import keep_count, topk_mask
 from shared_paths import DS_COMPRESSION
+from tiny_models import TinyResNet
 
 CIFAR = os.path.join(DS_COMPRESSION, "cifar", "config", "ds_config_channel_prune.json")
 
@@ -236,31 +237,6 @@ def test_head_clean_bert_matches_masked_model():
     assert model.bert.encoder.layer[1].output.dense.in_features == 20
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
-
-
-class TinyResNet(nn.Module):
-    def __init__(self, c=8):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, c, 3, padding=1)
-        self.layer1 = nn.Sequential(Block(c), Block(c))
-        self.layer2 = nn.Sequential(Block(c))
-        self.fc = nn.Linear(c, 10)
-
-    def forward(self, x):
-        x = self.layer2(self.layer1(torch.relu(self.conv1(x))))
-        return self.fc(x.mean((2, 3)))
 
 
 def test_cifar_channel_prune_config_end_to_end():

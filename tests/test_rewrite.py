@@ -14,6 +14,7 @@ import qcompress
 from qcompress import ConfigError, init_compression, load_config, redundancy_clean, summary
 from qcompress.quant import fake_quantize
 from shared_paths import DS_COMPRESSION
+from tiny_models import make_bert, make_gpt2
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the BERT/GPT-2 models")
 
@@ -23,21 +24,6 @@ BERT_QUANT_CONFIGS = sorted(p for p in glob.glob(f"{DS}/bert/**/*.json", recursi
                             .get("shared_parameters", {}).get("enabled"))
 GPT2_CONFIG = f"{DS}/gpt2/config/ds_config_W4or8A8_Qgroup64_fp16.json"
 NO_LAYER_REDUCTION = {"compression_training": {"layer_reduction": {"enabled": False}}}
-
-
-def make_bert(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=96, hidden_size=96, num_hidden_layers=2, num_attention_heads=12,
-                                  intermediate_size=384, max_position_embeddings=32, num_labels=3,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return transformers.BertForSequenceClassification(cfg).eval()
-
-
-def make_gpt2(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=96, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
 
 
 def bert_input():

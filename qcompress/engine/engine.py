@@ -60,12 +60,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+_INSTANCE_SHARDED = ("a ready optimizer instance holds the unsharded parameters, but stage {stage} shards them; "
+                     "pass a factory instead, e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4)")
+
+
+def _check_client_optimizer(optimizer, cfg) -> None:
+    if optimizer is None:
+        return
+    if cfg.optimizer is not None:
+        raise ConfigError("optimizer", f"the config has an optimizer section ({cfg.optimizer.type}) and "
+                          "initialize() got optimizer=...; keep one of them (DeepSpeed refuses both too)")
+    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise TypeError("initialize(optimizer=...) takes a torch.optim.Optimizer or a callable params -> "
+                        f"Optimizer, got {type(optimizer).__name__}")
+    stage = cfg.zero_optimization.stage
+    if isinstance(optimizer, torch.optim.Optimizer) and stage >= 2:  # before any process group exists
+        raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=stage))
+
+
 class Engine:
     """Returned by `qcompress.initialize`; see the module docstring for the call rhythm."""
 
-    def __init__(self, model: nn.Module, cfg, model_parameters=None):
+    def __init__(self, model: nn.Module, cfg, model_parameters=None, optimizer=None):
         cfg = as_config(cfg)
         self.config = cfg
+        _check_client_optimizer(optimizer, cfg)
         zero = cfg.zero_optimization
         self.stage = zero.stage
         self.offload = zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu"
@@ -123,7 +142,7 @@ class Engine:
             self.wrapped = model
         self.param_names = {p: n for n, p in model.named_parameters()}
         params = self._resolve_params(model, model_parameters, names_before)
-        self.optimizer = self._make_optimizer(params, cfg)
+        self.optimizer = self._make_optimizer(params, cfg, optimizer, model)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.scheduler)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._observers = self._static_observers(model)
@@ -181,16 +200,41 @@ class Engine:
             return [dict(g, params=[remap(p) for p in g["params"]]) for g in items]
         return [remap(p) for p in items]
 
-    def _make_optimizer(self, params, cfg):
+    def _make_optimizer(self, params, cfg, client, model):
+        if client is not None:
+            return self._client_optimizer(params, client, model)
         opt_cfg = cfg.optimizer
         if opt_cfg is None:
-            raise ConfigError("optimizer", "initialize() needs an optimizer section (type and params)")
+            raise ConfigError("optimizer", "initialize() needs an optimizer: an `optimizer` section (type and "
+                              "params) in the config, or initialize(..., optimizer=...) as DeepSpeed takes one")
         if self.stage == 1 and self.world_size > 1:
             if self.onebit:
                 # 1-bit optimizers shard their own state by the compressed all-reduce's chunks.
                 return build_optimizer(params, opt_cfg, group=self.group, shard_state=True)
             return build_zero1(params, lambda groups: build_optimizer(groups, opt_cfg), self.group)
         return build_optimizer(params, opt_cfg, group=self.group)
+
+    def _client_optimizer(self, params, client, model):
+        """A user's optimizer: built by its factory on the (wrapped) parameters, or used as given."""
+        if isinstance(client, torch.optim.Optimizer):
+            if self.sharded or (self.stage == 1 and self.world_size > 1):
+                raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=self.stage))
+            own = {id(p) for p in model.parameters()}
+            if any(id(p) not in own for g in client.param_groups for p in g["params"]):
+                raise ValueError("initialize(optimizer=...): the optimizer holds tensors that are not parameters "
+                                 "of this model (build it after init_compression, on model.parameters())")
+            opt = client
+        elif self.stage == 1 and self.world_size > 1:
+            opt = build_zero1(params, client, self.group)
+        else:
+            opt = client(params)
+        inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local one
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"initialize(optimizer=...) must build a torch.optim.Optimizer, got {type(inner).__name__}")
+        if getattr(inner, "allreduce_gradients", None) is not None:
+            raise ConfigError("optimizer", f"{type(inner).__name__} exchanges compressed gradients itself; declare "
+                              "it in the config's optimizer section so the engine wires its communication")
+        return opt
 
     @staticmethod
     def _static_observers(model):
