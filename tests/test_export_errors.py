@@ -1,5 +1,6 @@
 """Export/load failure modes: existing outputs, sharding, truncation, corruption, config and model
 mismatches, interrupted writes, un-exportable models, and the CLI entry points."""
+import copy
 import json
 import os
 import re
@@ -244,6 +245,38 @@ def test_cli_export_writes_target_bit_codes(tmp_path, monkeypatch, in_forward):
         want = R.fake_quantize_with_mask(net[i].weight.detach(),
                                          R.make_spec(4, granularity="group", group_size=32))[0]
         assert torch.equal(loaded[i].weight, want), i
+
+
+def test_cli_export_from_an_engine_checkpoint_keeps_static_ranges(tmp_path, monkeypatch):
+    # static activation ranges are training state, not weights: --weights cannot export them,
+    # --checkpoint restores them (and everything else) from engine.save_checkpoint
+    write_factory(tmp_path, monkeypatch, "qc_factory4")
+    doc = json.loads(json.dumps(CFG))
+    doc["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+    doc.update(train_batch_size=4, optimizer={"type": "SGD", "params": {"lr": 0.05}})
+    cfg = qcompress.load_config(doc)
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    model = qcompress.init_compression(make_net(), cfg)
+    engine = qcompress.initialize(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        loss = engine(torch.randn(4, 128, generator=g)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    trained = qcompress.redundancy_clean(copy.deepcopy(engine.module), cfg).eval()  # the oracle
+    out = tmp_path / "out"
+    assert main_export(["--model", "qc_factory4:build", "--checkpoint", str(tmp_path / "ckpt"),
+                        "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+    assert "0.input_scale" in load_file(out / "model.safetensors")
+    x = torch.randn(5, 128, generator=g)
+    with torch.no_grad():
+        assert torch.equal(load_quantized(out, make_net())(x), trained(x))
+    with pytest.raises(SystemExit, match="not both"):
+        main_export(["--model", "qc_factory4:build", "--checkpoint", str(tmp_path / "ckpt"), "--weights", "w",
+                     "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "o2")])
 
 
 def _act_cfg(calibration):

@@ -1,9 +1,10 @@
 """`qcompress export` / `qcompress inspect` entry points (qcompress/cli.py dispatches here).
 
 export builds the model with a user factory `package.module:function` (called with no
-arguments), loads a state_dict from a .safetensors file, applies the qcompress config with
-init_compression, puts every quantized module at its group's target_bits (the end of the
-bit schedule), bakes with redundancy_clean, and writes the export.
+arguments), applies the qcompress config with init_compression, loads the trained state (a
+state_dict .safetensors with --weights, or an engine checkpoint with --checkpoint, which also
+holds static activation ranges), puts every quantized module at its group's target_bits (the end
+of the bit schedule), bakes with redundancy_clean, and writes the export.
 """
 from __future__ import annotations
 
@@ -24,18 +25,43 @@ def cli_export(args) -> int:
     max_shard_size ('2GB'), force (bool)."""
     import qcompress
     from safetensors.torch import load_file
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint and getattr(args, "weights", None):
+        raise SystemExit("qcompress export: give --weights or --checkpoint, not both")
     model = _factory(args.model)()
     if getattr(args, "weights", None):
         model.load_state_dict(load_file(args.weights), strict=True)
     cfg = qcompress.load_config(args.config)
     qcompress.init_compression(model, cfg)
-    qcompress.CompressionScheduler(model, cfg).finish()  # target bits, requantized from the weights
+    if checkpoint:
+        sched = _load_engine_checkpoint(model, cfg, checkpoint, getattr(args, "tag", None))
+    else:
+        sched = qcompress.CompressionScheduler(model, cfg)
+    sched.finish()  # target bits (requantized from the master copy in optimizer-step mode)
     qcompress.redundancy_clean(model, cfg)
     out = qcompress.export_quantized(model, args.out, cfg,
                                      max_shard_size=getattr(args, "max_shard_size", "2GB"),
                                      force=bool(getattr(args, "force", False)))
     print(f"wrote {out}")
     return 0
+
+
+def _load_engine_checkpoint(model, cfg, directory, tag):
+    """Load a `engine.save_checkpoint` directory (any ZeRO stage, any world size) into a single-process
+    stage-0 engine around `model`: weights and the compression state (static activation ranges,
+    master copies, schedule position), which a plain state_dict lacks. Returns its scheduler."""
+    import torch
+    import qcompress
+    raw = dict(cfg.raw)
+    zero = dict(raw.get("zero_optimization") or {})
+    zero.update(stage=0, offload_optimizer={"device": "none"}, offload_param={"device": "none"})
+    # one process, no optimizer state: the batch split and the optimizer only have to be valid
+    raw.update(zero_optimization=zero, train_batch_size=1, train_micro_batch_size_per_gpu=1,
+               gradient_accumulation_steps=1)
+    client = None if cfg.optimizer is not None else (lambda params: torch.optim.SGD(params, lr=0.0))
+    engine = qcompress.initialize(model, raw, optimizer=client)
+    engine.load_checkpoint(directory, tag, load_optimizer_states=False)
+    return engine.compression_scheduler
 
 
 def cli_inspect(args) -> int:
@@ -50,6 +76,9 @@ def export_parser(p=None):
     p = p or argparse.ArgumentParser(prog="qcompress export")
     p.add_argument("--model", required=True, help="factory 'package.module:function' building the model")
     p.add_argument("--weights", help="state_dict .safetensors of the trained model")
+    p.add_argument("--checkpoint", help="an engine.save_checkpoint directory instead of --weights: also "
+                                        "restores static activation ranges and the compression schedule")
+    p.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
     p.add_argument("--config", required=True, help="qcompress / DeepSpeed config (json or yaml)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--max-shard-size", dest="max_shard_size", default="2GB")
