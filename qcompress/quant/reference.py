@@ -175,6 +175,18 @@ def _mean_abs(X: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return (total / counts.clamp(min=1).to(torch.float64)).to(torch.float32)
 
 
+def _range_over(hi: torch.Tensor, lo: torch.Tensor, d: float) -> torch.Tensor:
+    """(hi - lo) / d; where hi - lo overflows float32 (finite values near FLT_MAX), the halves'
+    difference over d / 2 instead, so the scale stays finite (other groups keep the plain formula's
+    bits). math.h range_over is the same."""
+    diff = hi - lo
+    out = diff / d
+    big = torch.isinf(diff)
+    if bool(big.any()):
+        out = torch.where(big, (hi * 0.5 - lo * 0.5) / (d * 0.5), out)
+    return out
+
+
 def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     """Per-group (scale, zero_point-or-None, extra) from the float32 group view X."""
     kind = spec.kind
@@ -210,17 +222,19 @@ def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max
     _check_finite(torch.stack([lo, hi]), "min/max")
     if spec.symmetric:
         amax = torch.maximum(lo.abs(), hi.abs())
-        s = (2.0 * amax / float(1 << spec.bits)) if ds else amax / float(spec.qmax)
+        # deepspeed's 2 amax / 2^b, as amax / 2^(b-1): the same bits (power-of-two scaling is exact)
+        # without overflowing at amax > FLT_MAX / 2
+        s = (amax / float(1 << (spec.bits - 1))) if ds else amax / float(spec.qmax)
         return s.clamp(min=EPS), None, None
     if ds:
         # Floor the step at the float32 resolution of the group's values: a (near-)constant group
         # otherwise gets s ~ EPS and a zero point round(min / s) far outside int32 (DeepSpeed: NaN).
         floor = torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -23
-        s = torch.maximum((hi - lo) / float(1 << spec.bits), floor).clamp(min=EPS)
+        s = torch.maximum(_range_over(hi, lo, float(1 << spec.bits)), floor).clamp(min=EPS)
         zq = torch.round(lo / s)
         return s, -zq, None
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    s = ((hi - lo) / float(spec.qmax - spec.qmin)).clamp(min=EPS)
+    s = _range_over(hi, lo, float(spec.qmax - spec.qmin)).clamp(min=EPS)
     zp = (spec.qmin - torch.round(lo / s)).clamp(spec.qmin, spec.qmax)
     return s, zp, None
 

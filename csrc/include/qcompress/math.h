@@ -124,24 +124,36 @@ QC_HD F fabs_t(F v) {  // fabs_ for any value type: +0 for either zero, NaN pass
   return O::select(O::lt(v, F(0.0f)), O::neg(v), O::select(O::eq(v, F(0.0f)), F(0.0f), v));
 }
 
+// (hi - lo) / d; where hi - lo overflows (finite values near FLT_MAX) the halves' difference over
+// d / 2 instead, so the scale stays finite (reference._range_over). For finite hi and lo, diff - diff
+// is NaN exactly when diff is infinite.
+template <class F>
+QC_HD F range_over(F hi, F lo, F d) {
+  using O = Ops<F>;
+  const F diff = hi - lo;
+  const F half = (hi * F(0.5f) - lo * F(0.5f)) / (d * F(0.5f));
+  return O::select(O::isnan(diff - diff), half, diff / d);
+}
+
 template <class F>
 QC_HD ParamsT<F> int_params_t(F lo, F hi, int bits, bool symmetric, bool deepspeed, F qmin, F qmax) {
   using O = Ops<F>;
   if (symmetric) {
     F amax = nan_max_t(fabs_t(lo), fabs_t(hi));
-    F s = deepspeed ? (F(2.0f) * amax) / F(static_cast<float>(1 << bits)) : amax / qmax;
+    // deepspeed's 2 amax / 2^b as amax / 2^(b-1): the same bits, no overflow near FLT_MAX
+    F s = deepspeed ? amax / F(static_cast<float>(1 << (bits - 1))) : amax / qmax;
     return {clamp_min_t(s, F(kEps)), F(0.0f), F(0.0f)};
   }
   if (deepspeed) {
     // step floored at the float32 resolution of the group's values (reference.qparams)
     F floor_ = nan_max_t(fabs_t(lo), fabs_t(hi)) * F(0x1p-23f);
-    F s = clamp_min_t(nan_max_t((hi - lo) / F(static_cast<float>(1 << bits)), floor_), F(kEps));
+    F s = clamp_min_t(nan_max_t(range_over(hi, lo, F(static_cast<float>(1 << bits))), floor_), F(kEps));
     F zq = O::round(lo / s);
     return {s, O::neg(zq), zq * s};
   }
   lo = clamp_max_t(lo, F(0.0f));
   hi = clamp_min_t(hi, F(0.0f));
-  F s = clamp_min_t((hi - lo) / (qmax - qmin), F(kEps));
+  F s = clamp_min_t(range_over(hi, lo, qmax - qmin), F(kEps));
   return {s, clamp_max_t(clamp_min_t(qmin - O::round(lo / s), qmin), qmax), F(0.0f)};
 }
 
