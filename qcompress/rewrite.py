@@ -188,7 +188,7 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     _share_tied_weights(root)
     _keep_python_forward(root)
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
-    root.__dict__[CONFIG] = cfg
+    root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
     CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
     return model
 

@@ -19,7 +19,7 @@ from .nn.layers import CompressMixin
 from .quant.api import dequantize, quantize_spec
 
 REWRITTEN = "_qc_rewritten"   # set on the root module by init_compression
-CONFIG = "_qc_config"         # the parsed config init_compression applied (export metadata default)
+CONFIG = "_qc_config"         # the config document init_compression applied (export metadata default)
 
 
 def drops_at(t: int, start: int, target: int, period: int, growth: str = "exponential") -> int:

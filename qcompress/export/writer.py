@@ -25,11 +25,9 @@ def _version():
 
 
 def _raw_config(cfg, model) -> dict:
-    if cfg is None:  # the config init_compression applied, when there was one
+    if cfg is None:  # the config document init_compression applied, when there was one
         from ..schedule import CONFIG
-        cfg = _unwrap(model).__dict__.get(CONFIG)
-    if cfg is None:
-        return {}
+        return dict(_unwrap(model).__dict__.get(CONFIG) or {})
     from ..config import as_config
     raw = getattr(as_config(cfg), "raw", None)
     return raw if isinstance(raw, dict) else {}
