@@ -53,11 +53,7 @@ QC_HD bool is_nan(float v) { return v != v; }
 QC_HD bool is_finite(float v) { return v == v && v - v == 0.0f; }
 // torch.minimum / torch.maximum / amin / amax: NaN wins.
 QC_HD float nan_min(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a)); }
-QC_HD float nan_max(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a)); }
-// tensor.clamp(min=lo) / clamp(max=hi): NaN passes through.
-QC_HD float clamp_min(float v, float lo) { return v < lo ? lo : v; }
-QC_HD float clamp_max(float v, float hi) { return v > hi ? hi : v; }
-QC_HD float fabs_(float v) { return v < 0.0f ? -v : (v == 0.0f ? 0.0f : v); }
+// nan_max, clamp_min, clamp_max and fabs_ are generic (float and CPU vectors) below, with Ops.
 QC_HD float rint_(float v) {  // half to even under the default rounding mode
 #if defined(__CUDA_ARCH__)
   return rintf(v);
@@ -77,6 +73,23 @@ struct Params {
 
 template <class F>
 struct Ops;
+
+// Generic over the value type (float on CUDA and in scalar code, Vectorized<float> on the CPU).
+template <class F>
+QC_HD F nan_max(F a, F b) {  // torch.maximum / amax: NaN wins
+  using O = Ops<F>;
+  return O::select(O::isnan(a), a, O::select(O::isnan(b), b, O::select(O::gt(b, a), b, a)));
+}
+// tensor.clamp(min=lo) / clamp(max=hi): NaN passes through.
+template <class F>
+QC_HD F clamp_min(F v, F lo) { using O = Ops<F>; return O::select(O::lt(v, lo), lo, v); }
+template <class F>
+QC_HD F clamp_max(F v, F hi) { using O = Ops<F>; return O::select(O::gt(v, hi), hi, v); }
+template <class F>
+QC_HD F fabs_(F v) {  // +0 for either zero, NaN passes through
+  using O = Ops<F>;
+  return O::select(O::lt(v, F(0.0f)), O::neg(v), O::select(O::eq(v, F(0.0f)), F(0.0f), v));
+}
 
 template <>
 struct Ops<float> {
@@ -109,21 +122,6 @@ struct ParamsT {
   F scale, zp, z;  // as Params
 };
 
-template <class F>
-QC_HD F nan_max_t(F a, F b) {  // nan_max for any value type
-  using O = Ops<F>;
-  return O::select(O::isnan(a), a, O::select(O::isnan(b), b, O::select(O::gt(b, a), b, a)));
-}
-template <class F>
-QC_HD F clamp_min_t(F v, F lo) { using O = Ops<F>; return O::select(O::lt(v, lo), lo, v); }
-template <class F>
-QC_HD F clamp_max_t(F v, F hi) { using O = Ops<F>; return O::select(O::gt(v, hi), hi, v); }
-template <class F>
-QC_HD F fabs_t(F v) {  // fabs_ for any value type: +0 for either zero, NaN passes through
-  using O = Ops<F>;
-  return O::select(O::lt(v, F(0.0f)), O::neg(v), O::select(O::eq(v, F(0.0f)), F(0.0f), v));
-}
-
 // (hi - lo) / d; where hi - lo overflows (finite values near FLT_MAX) the halves' difference over
 // d / 2 instead, so the scale stays finite (reference._range_over). For finite hi and lo, diff - diff
 // is NaN exactly when diff is infinite.
@@ -139,22 +137,22 @@ template <class F>
 QC_HD ParamsT<F> int_params_t(F lo, F hi, int bits, bool symmetric, bool deepspeed, F qmin, F qmax) {
   using O = Ops<F>;
   if (symmetric) {
-    F amax = nan_max_t(fabs_t(lo), fabs_t(hi));
+    F amax = nan_max(fabs_(lo), fabs_(hi));
     // deepspeed's 2 amax / 2^b as amax / 2^(b-1): the same bits, no overflow near FLT_MAX
     F s = deepspeed ? amax / F(static_cast<float>(1 << (bits - 1))) : amax / qmax;
-    return {clamp_min_t(s, F(kEps)), F(0.0f), F(0.0f)};
+    return {clamp_min(s, F(kEps)), F(0.0f), F(0.0f)};
   }
   if (deepspeed) {
     // step floored at the float32 resolution of the group's values (reference.qparams)
-    F floor_ = nan_max_t(fabs_t(lo), fabs_t(hi)) * F(0x1p-23f);
-    F s = clamp_min_t(nan_max_t(range_over(hi, lo, F(static_cast<float>(1 << bits))), floor_), F(kEps));
+    F floor_ = nan_max(fabs_(lo), fabs_(hi)) * F(0x1p-23f);
+    F s = clamp_min(nan_max(range_over(hi, lo, F(static_cast<float>(1 << bits))), floor_), F(kEps));
     F zq = O::round(lo / s);
     return {s, O::neg(zq), zq * s};
   }
-  lo = clamp_max_t(lo, F(0.0f));
-  hi = clamp_min_t(hi, F(0.0f));
-  F s = clamp_min_t(range_over(hi, lo, qmax - qmin), F(kEps));
-  return {s, clamp_max_t(clamp_min_t(qmin - O::round(lo / s), qmin), qmax), F(0.0f)};
+  lo = clamp_max(lo, F(0.0f));
+  hi = clamp_min(hi, F(0.0f));
+  F s = clamp_min(range_over(hi, lo, qmax - qmin), F(kEps));
+  return {s, clamp_max(clamp_min(qmin - O::round(lo / s), qmin), qmax), F(0.0f)};
 }
 
 QC_HD Params int_params(float lo, float hi, int bits, bool symmetric, bool deepspeed, float qmin,
