@@ -223,6 +223,21 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
     assert syncs == [8, 9, 10, 12, 16, 20]
 
 
+def _lamb_frozen_step(p, m, m_prev, v, fresh, last, ema, t, freeze, lr, b1, b2, eps, wd):
+    """One compression-stage 1-bit LAMB update of one tensor from the reference notes' formulas
+    (factor_min 0.5, factor_max 4.0, factor_threshold 0.1): (new p, new fresh variance, factor)."""
+    g_hat = (m - b1 * m_prev) / (1 - b1)
+    fresh = b2 * fresh + (1 - b2) * g_hat * g_hat
+    denom = v.sqrt() / math.sqrt(1 - b2 ** freeze) + eps
+    pre = (m / (1 - b1 ** t)) / denom
+    u = pre + wd * p
+    factor = float((denom / (fresh.sqrt() / math.sqrt(1 - b2 ** t) + eps)).max())
+    ratio = min(1.0, float(pre.norm()) / float(u.norm()))
+    factor = min(max(factor * ratio + (1 - ratio), 0.5), 4.0)
+    factor = min(max(factor, last * 0.9), last * 1.1)
+    return p - lr * ema * factor * u, fresh, factor
+
+
 def test_onebit_lamb_compression_stage_closed_form_one_rank():
     lr, b1, b2, eps, wd, freeze = 2e-2, 0.9, 0.99, 1e-6, 0.05, 4
     kw = dict(max_coeff=0.5, min_coeff=0.01, coeff_beta=0.5, factor_max=4.0, factor_min=0.5,
@@ -253,18 +268,8 @@ def test_onebit_lamb_compression_stage_closed_form_one_rank():
             else:
                 m_prev = m[i]
                 m[i] = b1 * m[i] + (1 - b1) * g[i]
-                g_hat = (m[i] - b1 * m_prev) / (1 - b1)
-                fresh[i] = b2 * fresh[i] + (1 - b2) * g_hat * g_hat
-                denom = v[i].sqrt() / math.sqrt(1 - b2 ** freeze) + eps
-                pre = (m[i] / bc1) / denom
-                u = pre + wd * p[i]
-                factor = float((denom / (fresh[i].sqrt() / math.sqrt(1 - b2 ** t) + eps)).max())
-                r = min(1.0, float(pre.norm()) / float(u.norm()))
-                factor = factor * r + (1 - r)
-                factor = min(max(factor, kw["factor_min"]), kw["factor_max"])
-                factor = min(max(factor, last[i] * 0.9), last[i] * 1.1)
-                last[i] = factor
-                p[i] = p[i] - lr * ema[i] * factor * u
+                p[i], fresh[i], last[i] = _lamb_frozen_step(p[i], m[i], m_prev, v[i], fresh[i], last[i], ema[i],
+                                                            t, freeze, lr, b1, b2, eps, wd)
         for a, b in zip(p, ps):
             torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.state[ps[0]]["exp_avg_sq"], v[0], rtol=1e-6, atol=0)
@@ -958,17 +963,8 @@ def _sim_onebit_lamb(steps=6, freeze=3, max_coeff=0.5, min_coeff=0.01, coeff_bet
         local = [[(_B1 * m[i] + (1 - _B1) * gs[r][i]) * scaling[i] for i in range(n)] for r in range(_W4)]
         m_prev, m = m, [x / s for x, s in zip(cmean(local), scaling)]
         for i in range(n):
-            g_hat = (m[i] - _B1 * m_prev[i]) / (1 - _B1)
-            fresh[i] = _B2 * fresh[i] + (1 - _B2) * g_hat * g_hat
-            denom = v[i].sqrt() / math.sqrt(1 - _B2 ** freeze) + _EPS
-            pre = (m[i] / bc1) / denom
-            u = pre + _WD * p[i]
-            factor = float((denom / (fresh[i].sqrt() / math.sqrt(1 - _B2 ** t) + _EPS)).max())
-            ratio = min(1.0, float(pre.norm()) / float(u.norm()))
-            factor = min(max(factor * ratio + (1 - ratio), 0.5), 4.0)  # factor_min, factor_max defaults
-            factor = min(max(factor, last[i] * 0.9), last[i] * 1.1)  # factor_threshold 0.1
-            last[i] = factor
-            p[i] = p[i] - _LR * ema[i] * factor * u
+            p[i], fresh[i], last[i] = _lamb_frozen_step(p[i], m[i], m_prev[i], v[i], fresh[i], last[i], ema[i],
+                                                        t, freeze, _LR, _B1, _B2, _EPS, _WD)
     return p
 
 
