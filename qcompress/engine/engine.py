@@ -217,7 +217,7 @@ class Engine:
     def _client_optimizer(self, params, client, model):
         """A user's optimizer: built by its factory on the (wrapped) parameters, or used as given."""
         if isinstance(client, torch.optim.Optimizer):
-            if self.sharded or (self.stage == 1 and self.world_size > 1):
+            if self.stage == 1 and self.world_size > 1:  # stages 2/3: refused before wrapping
                 raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=self.stage))
             own = {id(p) for p in model.parameters()}
             if any(id(p) not in own for g in client.param_groups for p in g["params"]):
