@@ -75,7 +75,7 @@ def _onebit_decode_op(payload):
         from qcompress.quant import kernels
     except ImportError:
         return None
-    if kernels.available() and kernels._on_kernel_device(payload):
+    if kernels.available() and kernels.on_kernel_device(payload):
         return kernels.onebit_decode
     return None
 

@@ -55,7 +55,8 @@ def _ops():
     return torch.ops.qcompress
 
 
-def _on_kernel_device(*tensors) -> bool:
+def on_kernel_device(*tensors) -> bool:
+    """True when every tensor lives where a built kernel runs (CPU, or CUDA in a CUDA build)."""
     return all(t.device.type == "cpu" or (t.device.type == "cuda" and _has_cuda) for t in tensors)
 
 
@@ -126,7 +127,7 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
     with_mask=False skips writing the mask (returns an empty one): less memory traffic when
     no clip-aware gradient needs it.
     """
-    if not _on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
+    if not on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
     y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
@@ -143,7 +144,7 @@ def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None) -> to
 
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     """(q, scale, zero_point) as reference.quantize."""
-    if not _on_kernel_device(x) or x.numel() == 0:
+    if not on_kernel_device(x) or x.numel() == 0:
         return reference.quantize(x, spec, min_val, max_val)
     xk = _prep(x)
     q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))
@@ -173,7 +174,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
                num_groups=None, dtype=torch.float32) -> torch.Tensor:
     """x^ = (q - zero_point) * scale, as reference.dequantize."""
     simple = (not q.is_floating_point() and q.dtype != torch.bool and q.numel() > 0
-              and dtype in _FLOATS + (torch.float64,) and _on_kernel_device(q, scale)
+              and dtype in _FLOATS + (torch.float64,) and on_kernel_device(q, scale)
               and scale.device == q.device
               and (zero_point is None or zero_point.device == q.device))
     lay = None
@@ -199,7 +200,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
 
 def ste_backward(grad: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
     """grad * inside.to(grad.dtype) in one pass (clip-aware straight-through gradient)."""
-    if (not _on_kernel_device(grad, inside) or grad.device != inside.device
+    if (not on_kernel_device(grad, inside) or grad.device != inside.device
             or grad.shape != inside.shape or grad.dtype not in _FLOATS + (torch.float64,)):
         return grad * inside.to(grad.dtype)
     return _ops().ste_backward(grad, inside)
@@ -208,7 +209,7 @@ def ste_backward(grad: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
 def pack_int32(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """As packing.pack_int32."""
     _packing._check_bits(bits)
-    if q.dim() == 0 or q.is_floating_point() or q.dtype == torch.bool or not _on_kernel_device(q):
+    if q.dim() == 0 or q.is_floating_point() or q.dtype == torch.bool or not on_kernel_device(q):
         return _packing.pack_int32(q, bits, dim)
     out = _ops().pack_int32(q.movedim(dim, -1), bits)
     return out.movedim(-1, dim)
@@ -217,7 +218,7 @@ def pack_int32(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = -1) -> torch.Tensor:
     """As packing.unpack_int32."""
     _packing._check_bits(bits)
-    if packed.dim() == 0 or packed.dtype != torch.int32 or not _on_kernel_device(packed):
+    if packed.dim() == 0 or packed.dtype != torch.int32 or not on_kernel_device(packed):
         return _packing.unpack_int32(packed, bits, length, dim)
     p = packed.movedim(dim, -1)
     length = max(0, min(int(length), p.shape[-1] * (32 // bits)))
@@ -228,7 +229,7 @@ def onebit_compress(x: torch.Tensor, error: torch.Tensor):
     """As onebit.compress: (packed uint8 [n/8], scale float32 0-d, new_error float32 [n])."""
     if x.numel() % 8:
         raise ValueError(f"packbits needs a multiple of 8 elements, got {x.numel()}")
-    if not _on_kernel_device(x, error) or x.device != error.device:
+    if not on_kernel_device(x, error) or x.device != error.device:
         return _onebit.compress(x, error)
     xk = _prep(x)
     err = error.detach()
@@ -239,7 +240,7 @@ def onebit_compress(x: torch.Tensor, error: torch.Tensor):
 
 def onebit_decode_average(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """As onebit.decode_average: packed uint8 [P, m], scales [P] -> float32 [8 m]."""
-    if not _on_kernel_device(packed, scales) or packed.dtype != torch.uint8 or packed.dim() != 2:
+    if not on_kernel_device(packed, scales) or packed.dtype != torch.uint8 or packed.dim() != 2:
         return _onebit.decode_average(packed, scales)
     return _ops().onebit_decode_average(packed, scales.to(torch.float32))
 
@@ -249,7 +250,7 @@ def onebit_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
     Rows may be a view with a row stride (e.g. payload rows without their trailing scale bytes).
     """
-    if (_error is not None or not _on_kernel_device(packed, scales)
+    if (_error is not None or not on_kernel_device(packed, scales)
             or packed.dtype != torch.uint8 or packed.dim() != 2):
         return torch.stack([_onebit.decode(packed[r], scales[r]) for r in range(packed.shape[0])]) \
             if packed.shape[0] else packed.new_empty((0, 8 * packed.shape[-1]), dtype=torch.float32)
