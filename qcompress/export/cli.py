@@ -9,15 +9,73 @@ of the bit schedule), bakes with redundancy_clean, and writes the export.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import importlib
+import os
 import sys
+
+from .errors import ExportError
+
+
+class FactoryError(ExportError):
+    """--model names no importable callable; `qcompress export` prints it and exits with status 2."""
+
+
+def _import_factory_module(spec: str, mod: str):
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError as err:
+        # only a miss of the named module (or its package) is the user's spelling; a missing
+        # dependency inside their module keeps its traceback
+        if err.name is None or not (mod == err.name or mod.startswith(err.name + ".")):
+            raise
+        raise FactoryError(f"--model {spec}: no module named {err.name!r} (looked in the current "
+                           f"directory {os.getcwd()} and on sys.path)") from None
+
+
+@contextlib.contextmanager
+def _cwd_on_path():
+    """The current directory first on sys.path while the factory is imported and called, as
+    `python -m qcompress` has it (the console script alone would not see a local mymodels.py)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def _factory(spec: str):
+    """The callable `package.module:function` names (call inside _cwd_on_path)."""
     mod, sep, fn = spec.partition(":")
     if not sep or not mod or not fn:
-        raise SystemExit(f"--model must look like 'package.module:function', got {spec!r}")
-    return getattr(importlib.import_module(mod), fn)
+        raise FactoryError(f"--model must look like 'package.module:function', got {spec!r}")
+    module = _import_factory_module(spec, mod)
+    if not hasattr(module, fn):
+        names = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
+        close = difflib.get_close_matches(fn, names, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise FactoryError(f"--model {spec}: module {mod!r} ({getattr(module, '__file__', '?')}) has no "
+                           f"attribute {fn!r}{hint}")
+    factory = getattr(module, fn)
+    if not callable(factory):
+        raise FactoryError(f"--model {spec}: {mod}.{fn} is a {type(factory).__name__}, not a callable "
+                           "that builds the model")
+    return factory
+
+
+def _build_model(spec: str):
+    import torch.nn as nn
+    with _cwd_on_path():
+        model = _factory(spec)()
+    if not isinstance(model, nn.Module):
+        raise FactoryError(f"--model {spec}: the factory returned a {type(model).__name__}, not a "
+                           "torch.nn.Module")
+    return model
 
 
 def cli_export(args) -> int:
@@ -28,7 +86,7 @@ def cli_export(args) -> int:
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint and getattr(args, "weights", None):
         raise SystemExit("qcompress export: give --weights or --checkpoint, not both")
-    model = _factory(args.model)()
+    model = _build_model(args.model)
     if getattr(args, "weights", None):
         model.load_state_dict(load_file(args.weights), strict=True)
     cfg = qcompress.load_config(args.config)
@@ -58,6 +116,8 @@ def _load_engine_checkpoint(model, cfg, directory, tag):
     # one process, no optimizer state: the batch split and the optimizer only have to be valid
     raw.update(zero_optimization=zero, train_batch_size=1, train_micro_batch_size_per_gpu=1,
                gradient_accumulation_steps=1)
+    for key in ("tensorboard", "csv_monitor"):   # loading trains nothing: no training logs
+        raw.pop(key, None)
     client = None if cfg.optimizer is not None else (lambda params: torch.optim.SGD(params, lr=0.0))
     engine = qcompress.initialize(model, raw, optimizer=client)
     engine.load_checkpoint(directory, tag, load_optimizer_states=False)
@@ -74,7 +134,8 @@ def cli_inspect(args) -> int:
 
 def export_parser(p=None):
     p = p or argparse.ArgumentParser(prog="qcompress export")
-    p.add_argument("--model", required=True, help="factory 'package.module:function' building the model")
+    p.add_argument("--model", required=True, help="factory 'package.module:function' building the model "
+                                            "(modules in the current directory are found, as with python -m)")
     p.add_argument("--weights", help="state_dict .safetensors of the trained model")
     p.add_argument("--checkpoint", help="an engine.save_checkpoint directory instead of --weights: also "
                                         "restores static activation ranges and the compression schedule")

@@ -363,6 +363,8 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     mode="exact" dequantizes each weight in every forward (bit-exact outputs); mode="fast" runs
     integer-weight kernels where torch has them and a fused dequantization elsewhere (see
     qcompress/export/fast.py; outputs equal "exact" up to float summation order).
+    Returns `model` in eval mode (dropout off), as transformers' from_pretrained does; call
+    `.train()` to fine-tune it further.
     Raises CheckpointError (naming file and tensor) for truncated, corrupted or inconsistent
     checkpoints and for a model whose modules do not match the checkpoint.
     """
@@ -409,4 +411,5 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     if mode == "fast":
         from .fast import convert
         convert(root, modules)
+    model.eval()      # an inference checkpoint, as transformers' from_pretrained returns it
     return model

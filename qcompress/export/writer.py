@@ -89,8 +89,9 @@ def build_config(model, modules, plain_linears) -> dict:
     if hf_cfg is not None and hasattr(hf_cfg, "to_dict"):
         base = hf_cfg.to_dict()
         base.pop("quantization_config", None)
-        if not base.get("architectures"):     # a model built from a config: as save_pretrained does
-            base["architectures"] = [type(root).__name__]
+        # the class exported, as save_pretrained writes it: a BertForSequenceClassification
+        # fine-tuned from a BertModel checkpoint must not reload as BertModel
+        base["architectures"] = [type(root).__name__]
     base["quantization_config"] = layout.quantization_config(modules, plain_linears)
     base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
                          "modules": modules}
