@@ -1,7 +1,7 @@
 """The `qcompress` command: train | export | inspect | schedule | bench.
 
     qcompress schedule schedules/w4a8_progressive.yaml [--plot bits.png] [--steps 500]
-    qcompress train schedules/w8a8.yaml [--quick]        (the Fashion-MNIST demo recipe)
+    qcompress train CFG [CFG ...] --model DIR --data PATH --task T --out DIR   (the main job)
     qcompress export --model pkg.mod:fn --weights w.safetensors --config cfg.yaml --out dir
     qcompress inspect dir
     qcompress bench [--full] [--write-results]   (prints; --write-results records benchmarks/RESULTS.md)
@@ -187,44 +187,29 @@ def cmd_schedule(args) -> int:
     return 0
 
 
-# --- train (the demo recipe) ----------------------------------------------------------------------
-
-def _import_demo():
-    try:
-        from model_zoo import demo_fashion_mnist
-    except ImportError:
-        if os.path.isdir(os.path.join(SOURCE_ROOT, "model_zoo")) and SOURCE_ROOT not in sys.path:
-            sys.path.insert(0, SOURCE_ROOT)
-            from model_zoo import demo_fashion_mnist
-        else:
-            raise CLIError("`qcompress train` runs model_zoo/demo_fashion_mnist.py, which ships with "
-                           "the source tree; run it from a checkout of qcompress", code=1) from None
-    return demo_fashion_mnist
-
+# --- train (the main job: qcompress/train/) -------------------------------------------------------
 
 def cmd_train(rest: List[str]) -> int:
-    demo = _import_demo()
-    p = argparse.ArgumentParser(
-        prog="qcompress train",
-        description="Train the Fashion-MNIST demo CNN: an FP32 baseline, then QAT with CFG files "
-                    "merged over the base training config (several CFGs make one merged run).")
-    p.add_argument("configs", nargs="*", metavar="CFG", help="schedule / training config files")
-    demo.build_parser(p)
-    ns = p.parse_args(rest)
-    demo.set_threads(ns.threads)
-    if ns.configs and ns.schedule:
-        raise CLIError("give config files either as arguments or with --schedule, not both")
-    if ns.configs:
-        schedules = [list(ns.configs)]
-    elif ns.schedule:
-        schedules = [demo.split_schedule(s) for s in ns.schedule]
-    else:
-        schedules = [[f] for f in demo.DEFAULT_SCHEDULES]
     try:
-        demo.run(schedules, base=ns.base, seed=ns.seed, data_dir=ns.data_dir,
-                 progress=not ns.no_progress, **demo.options(ns))
-    except demo.DatasetMissing as err:
+        from .train.args import build_parser, options_from
+        from .train.errors import JobError
+        from .train.job import run_job
+    except ImportError as err:
+        raise CLIError(f"`qcompress train` needs transformers ({err}): pip install 'qcompress[hf]'",
+                       code=1) from None
+    p = build_parser(argparse.ArgumentParser(prog="qcompress train"))
+    ns = p.parse_args(rest)
+    if ns.threads:
+        import torch
+        torch.set_num_threads(ns.threads)
+    try:
+        opts = options_from(ns)
+    except ValueError as err:
         raise CLIError(str(err)) from None
+    try:
+        run_job(opts)
+    except JobError as err:
+        raise CLIError(str(err), code=err.code) from None
     return 0
 
 
@@ -287,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcompress", description="Quantization-aware compression training.")
     sub = p.add_subparsers(dest="command", metavar="{train,export,inspect,schedule,bench}")
     # Delegating commands parse their own arguments (lazily imported parsers), so no help here.
-    sub.add_parser("train", add_help=False, help="train the Fashion-MNIST demo CNN with config files")
+    sub.add_parser("train", add_help=False,
+                   help="fine-tune a Hugging Face model with compression, evaluate, export, report")
     sub.add_parser("export", add_help=False, help="export a model as quantized safetensors")
     sub.add_parser("inspect", add_help=False, help="describe a quantized export")
     s = sub.add_parser("schedule", help="print (and plot) each group's bits at every step where they change",

@@ -1,0 +1,86 @@
+"""Command-line arguments of `qcompress train` and their mapping onto JobOptions."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from .job import JobOptions
+
+EPILOG = """\
+examples:
+  qcompress train schedules/w8a8.yaml --model ./all-MiniLM-L6-v2 --data bbc/ \\
+      --task text-classification --out runs/w8a8 --baseline
+  qcompress train ds_config.json schedules/w4_group32.yaml --model ./gpt2-austen \\
+      --data austen.txt --task causal-lm --out runs/w4 --max-steps 200
+  torchrun --nproc_per_node=2 -m qcompress train ... (rank 0 writes the outputs)
+
+outputs in --out: export/ (quantized safetensors + config + tokenizer), report.json, report.md,
+metrics.csv (one row per optimizer step), plots/loss.png, plots/bits.png, tensorboard/ (when
+tensorboard is installed), checkpoints/ (for --resume).
+"""
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="qcompress train")
+    p.description = ("Fine-tune a local Hugging Face model with compression on your data, evaluate FP32 / "
+                     "PTQ / QAT / exported, export a quantized checkpoint and write a report. CFG files "
+                     "(DeepSpeed layout, JSON or YAML) are merged in order.")
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("configs", nargs="+", metavar="CFG", help="config / schedule files, merged in order")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="local Hugging Face model folder (config.json, safetensors, tokenizer files)")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="CSV, TSV or JSON-lines file, a folder of class sub-folders of .txt files, "
+                        "or (causal-lm) a .txt file or a folder of them")
+    p.add_argument("--task", required=True, choices=("text-classification", "causal-lm"))
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    d = p.add_argument_group("data")
+    d.add_argument("--eval-data", metavar="PATH", help="evaluation data (default: a held-out fraction)")
+    d.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="held-out share when --eval-data is not given (seeded split; default 0.2)")
+    d.add_argument("--text-column", default="text", help="text column of CSV/TSV/JSONL data (default: text)")
+    d.add_argument("--label-column", default="label", help="label column (default: label)")
+    d.add_argument("--max-length", type=int, default=128, help="tokens per sample / LM block (default 128)")
+    d.add_argument("--max-train-samples", type=int, metavar="N", help="use the first N training samples")
+    d.add_argument("--max-eval-samples", type=int, metavar="N", help="use the first N evaluation samples")
+    t = p.add_argument_group("training")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=float, default=1.0, help="passes over the training data (default 1)")
+    length.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps (overrides --epochs)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the split, the head, the data order (default 0)")
+    t.add_argument("--baseline", action="store_true",
+                   help="also fine-tune an FP32 copy with the same budget (fp32_finetuned) and take PTQ of it")
+    t.add_argument("--lr", type=float, default=1e-4,
+                   help="learning rate of the default AdamW when the config has no optimizer (default 1e-4)")
+    t.add_argument("--batch-size", type=int, default=32,
+                   help="train_batch_size when the config sets no batch size (default 32)")
+    t.add_argument("--eval-batch-size", type=int, default=64)
+    t.add_argument("--save-steps", type=int, default=50,
+                   help="checkpoint every N optimizer steps for --resume (0: only at the end; default 50)")
+    t.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    r = p.add_argument_group("run")
+    r.add_argument("--resume", action="store_true", help="continue the interrupted run in --out exactly")
+    r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def options_from(ns: argparse.Namespace) -> JobOptions:
+    for name in ("max_length", "batch_size", "eval_batch_size"):
+        if getattr(ns, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.save_steps < 0:
+        raise ValueError(f"--save-steps must be >= 0, got {ns.save_steps}")
+    for name in ("max_train_samples", "max_eval_samples"):
+        v = getattr(ns, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    return JobOptions(configs=list(ns.configs), model=ns.model, data=ns.data, task=ns.task, out=ns.out,
+                      eval_data=ns.eval_data, eval_fraction=ns.eval_fraction, text_column=ns.text_column,
+                      label_column=ns.label_column, max_length=ns.max_length, epochs=ns.epochs,
+                      max_steps=ns.max_steps, seed=ns.seed, baseline=ns.baseline, resume=ns.resume,
+                      overwrite=ns.overwrite, lr=ns.lr, batch_size=ns.batch_size,
+                      eval_batch_size=ns.eval_batch_size, max_train_samples=ns.max_train_samples,
+                      max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
+                      progress=not ns.no_progress)

@@ -1,0 +1,61 @@
+"""Task metrics of a model on a tokenized dataset: accuracy (classification), perplexity (causal LM)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .batches import eval_batches
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, task: str, batch_size: int, pad_id: int,
+             forward: Optional[Callable] = None) -> Dict[str, float]:
+    """{'accuracy', 'loss'} or {'perplexity', 'loss'}; the model is put in eval mode and left there.
+    `forward(batch)` overrides model(**batch) (e.g. an engine's autocast)."""
+    model.eval()
+    run = forward or (lambda b: model(**b))
+    loss_sum, count, correct = 0.0, 0, 0
+    for batch in eval_batches(dataset, batch_size, pad_id):
+        labels = batch.pop("labels")
+        logits = _logits(run(batch)).float()
+        if task == "text-classification":
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+            correct += int((logits.argmax(-1) == labels).sum())
+            count += labels.numel()
+        else:
+            shift, target = logits[:, :-1], labels[:, 1:]
+            loss_sum += F.cross_entropy(shift.reshape(-1, shift.shape[-1]), target.reshape(-1),
+                                        ignore_index=-100, reduction="sum").item()
+            count += int((target != -100).sum())
+    if count == 0:
+        raise ValueError("the evaluation set is empty")
+    loss = loss_sum / count
+    if task == "text-classification":
+        return {"accuracy": correct / count, "loss": loss}
+    return {"perplexity": math.exp(min(loss, 700.0)), "loss": loss}
+
+
+def metric_name(task: str) -> str:
+    return "accuracy" if task == "text-classification" else "perplexity"
+
+
+@torch.no_grad()
+def max_logit_difference(a: nn.Module, b: nn.Module, dataset, batch_size: int, pad_id: int,
+                         batches: int = 2) -> float:
+    """Largest |logit_a - logit_b| over the first batches of the dataset (both in eval mode)."""
+    a.eval(), b.eval()
+    worst = 0.0
+    for i, batch in enumerate(eval_batches(dataset, batch_size, pad_id)):
+        if i >= batches:
+            break
+        batch.pop("labels")
+        worst = max(worst, (_logits(a(**batch)).float() - _logits(b(**batch)).float()).abs().max().item())
+    return worst

@@ -1,0 +1,419 @@
+"""The main job: fine-tune a local Hugging Face model with compression on the user's data, evaluate
+every stage, export a quantized checkpoint, and report what compression cost.
+
+Stages (report.json "stages"): fp32 (the starting model), fp32_finetuned (--baseline: the same
+budget without compression), ptq (quantized without training), qat (the compressed run after
+training), exported (the export reloaded by load_quantized; equals qat), transformers (the export
+loaded by transformers, where it can load that scheme). Every rank trains and evaluates; rank 0
+alone writes files. A run interrupted at any point continues with --resume.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import as_config, load_config
+from . import loop
+from .data import DataError, prepare_data
+from .errors import JobError
+from .evaluate import evaluate, max_logit_difference, metric_name
+from .models import describe, fp32_bytes, fresh_model, load_model, load_tokenizer
+from .report import MetricsLog, atomic_write, plot_bits, plot_loss, read_metrics, stage_table, write_report
+from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass
+class JobOptions:
+    configs: List[str]
+    model: str
+    data: str
+    task: str
+    out: str
+    eval_data: Optional[str] = None
+    eval_fraction: float = 0.2
+    text_column: str = "text"
+    label_column: str = "label"
+    max_length: int = 128
+    epochs: float = 1.0
+    max_steps: Optional[int] = None
+    seed: int = 0
+    baseline: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    lr: float = 1e-4
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    save_steps: int = 50
+    progress: bool = True
+    notes: List[str] = field(default_factory=list)
+
+    def fingerprint(self) -> str:
+        """What a resumed run must share with the interrupted one (not out/resume/progress)."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes")}
+        keep["config_text"] = [open(c, "rb").read().hex() if os.path.isfile(c) else c for c in self.configs]
+        return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --- set-up ------------------------------------------------------------------------------------
+
+def job_config(opts: JobOptions) -> dict:
+    """The merged config document, with the job's defaults where the configs say nothing."""
+    doc = copy.deepcopy(load_config(*opts.configs).raw) if opts.configs else {}
+    if not any(k in doc for k in BATCH_KEYS):
+        doc["train_batch_size"] = opts.batch_size
+    cc = doc.get("compression_training") or {}
+    if not isinstance(cc, dict) or not cc:
+        raise JobError(f"the configs {opts.configs} have no compression_training section: nothing to "
+                       "compress (see schedules/ for ready recipes)")
+    as_config(doc)          # a ConfigError names the key before anything runs
+    return doc
+
+
+def plain_config(doc: dict) -> dict:
+    """The same training without compression: the FP32 baseline's config."""
+    return {k: v for k, v in doc.items() if k != "compression_training"}
+
+
+def client_optimizer(doc: dict, lr: float):
+    """A default AdamW when the config has no optimizer section (initialize takes a factory)."""
+    if doc.get("optimizer"):
+        return None
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def prepare_out(opts: JobOptions, rank: int) -> None:
+    """Refuse to mix runs: an out folder holding a run needs --resume (continue) or --overwrite."""
+    if rank != 0:
+        return
+    taken = os.path.isdir(opts.out) and any(os.path.exists(os.path.join(opts.out, n)) for n in
+                                            ("report.json", "metrics.csv", "checkpoints", "export"))
+    if os.path.exists(opts.out) and not os.path.isdir(opts.out):
+        raise JobError(f"--out {opts.out} exists and is not a folder")
+    if taken and not (opts.resume or opts.overwrite):
+        raise JobError(f"--out {opts.out} already holds a run; pass --resume to continue it or "
+                       "--overwrite to start again")
+    if taken and opts.overwrite and not opts.resume:
+        for name in ("report.json", "report.md", "metrics.csv", "metrics_fp32.csv", "checkpoints",
+                     "export", "plots", "tensorboard"):
+            path = os.path.join(opts.out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    os.makedirs(os.path.join(opts.out, "checkpoints"), exist_ok=True)
+    os.makedirs(os.path.join(opts.out, "plots"), exist_ok=True)
+
+
+class Progress:
+    """Finished stages' results in checkpoints/progress.json, so --resume skips them."""
+
+    def __init__(self, out: str, fingerprint: str, resume: bool, rank: int):
+        self.path = os.path.join(out, "checkpoints", "progress.json")
+        self.rank = rank
+        self.data = {"fingerprint": fingerprint, "stages": {}, "wall_time_s": {}}
+        if resume and os.path.isfile(self.path):
+            with open(self.path, encoding="utf-8") as fh:
+                saved = json.load(fh)
+            if saved.get("fingerprint") != fingerprint:
+                raise JobError(f"--resume: {opts_out(out)} was started with other options, data or "
+                               "configs; resume with the same command, or start again with --overwrite")
+            self.data = saved
+
+    def done(self, stage: str) -> bool:
+        return stage in self.data["stages"]
+
+    def record(self, stage: str, result, seconds: float) -> None:
+        self.data["stages"][stage] = result
+        self.data["wall_time_s"][stage] = round(seconds, 3)
+        if self.rank == 0:
+            atomic_write(self.path, json.dumps(self.data, indent=2))
+
+
+def opts_out(out: str) -> str:
+    return f"--out {out}"
+
+
+# --- the job -----------------------------------------------------------------------------------
+
+class Job:
+    def __init__(self, opts: JobOptions):
+        self.opts = opts
+        self.rank = _rank()
+        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+
+    # one timed, resumable stage
+    def stage(self, name: str, fn):
+        if self.progress.done(name):
+            self.say(f"[{name}] done in an earlier run: {self.progress.data['stages'][name]}")
+            return self.progress.data["stages"][name]
+        t0 = time.perf_counter()
+        result = fn()
+        self.progress.record(name, result, time.perf_counter() - t0)
+        if isinstance(result, dict) and result.get(self.metric) is not None:
+            self.say(f"[{name}] {self.metric} {result[self.metric]:.4f}")
+        elif isinstance(result, dict) and result.get("reason"):
+            self.say(f"[{name}] not measured: {result['reason']}")
+        return result
+
+    def run(self) -> dict:
+        o = self.opts
+        t_start = time.perf_counter()
+        if o.task not in ("text-classification", "causal-lm"):
+            raise JobError(f"--task {o.task!r}: choose text-classification or causal-lm")
+        if o.max_steps is not None and o.max_steps < 1:
+            raise JobError(f"--max-steps must be >= 1, got {o.max_steps}")
+        if not o.epochs > 0:
+            raise JobError(f"--epochs must be > 0, got {o.epochs}")
+        doc = job_config(o)
+        cfg = as_config(doc)
+        from .models import check_model_folder
+        check_model_folder(o.model)
+        tok = load_tokenizer(o.model)
+        try:
+            data = prepare_data(o.task, o.data, tok, eval_data=o.eval_data, eval_fraction=o.eval_fraction,
+                                seed=o.seed, max_length=o.max_length, text_column=o.text_column,
+                                label_column=o.label_column, max_train_samples=o.max_train_samples,
+                                max_eval_samples=o.max_eval_samples)
+        except DataError as err:
+            raise JobError(str(err)) from None
+        prepare_out(o, self.rank)
+        _barrier()
+        self.progress = Progress(o.out, o.fingerprint(), o.resume, self.rank)
+        self.metric = metric_name(o.task)
+        self.tok, self.data, self.doc, self.cfg = tok, data, doc, cfg
+        self.say(f"data: {data.summary}")
+        model = load_model(o.model, o.task, data.labels, o.seed)
+        cls_name, n_params = describe(model)
+        size_fp32 = fp32_bytes(model)
+        self.say(f"model: {cls_name}, {n_params:,} parameters, {size_fp32 / 2**20:.1f} MiB in FP32")
+
+        stages: Dict[str, Optional[dict]] = {}
+        ev = self.evaluator()
+        stages["fp32"] = self.stage("fp32", lambda: ev(model))
+        finetuned = None
+        if o.baseline:
+            finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
+        ptq_source = finetuned if finetuned is not None else model
+        stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
+            ptq_source, cfg, lambda m: calibrate_static_ranges(m, self.calibration_batches()))))
+        del finetuned
+
+        engine, train_info = self.compressed_run(model, doc)
+        stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
+        report_bits = loop.final_bits(engine.module)
+        export_bytes = None
+        if self.rank == 0:
+            export_dir = os.path.join(o.out, "export")
+            stages["exported"], export_bytes = self.exported(engine.module, export_dir)
+            stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(export_dir))
+        _barrier()
+        report = dict(
+            task=o.task, model=os.path.abspath(o.model), model_class=cls_name, parameters=n_params,
+            configs=list(o.configs), config=doc, metric=self.metric,
+            data=dict(summary=data.summary, train=len(data.train), eval=len(data.eval),
+                      labels=data.labels, path=os.path.abspath(o.data),
+                      eval_data=o.eval_data and os.path.abspath(o.eval_data)),
+            training=train_info, stages=stages,
+            sizes=dict(fp32_bytes=size_fp32, export_bytes=export_bytes,
+                       compression_ratio=(size_fp32 / export_bytes) if export_bytes else None),
+            wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
+            notes=list(o.notes))
+        report["wall_time_s"]["total"] = round(time.perf_counter() - t_start, 3)
+        if self.rank == 0:
+            self.finish(report)
+        return report
+
+    # --- pieces -----------------------------------------------------------------------------
+    def evaluator(self):
+        o, data, pad = self.opts, None, None
+
+        def ev(model, forward=None):
+            return evaluate(model, self.data.eval, o.task, o.eval_batch_size, self.tok.pad_token_id,
+                            forward=forward)
+        return ev
+
+    def calibration_batches(self, n: int = 8):
+        """A few training batches for static activation ranges (PTQ has no training to set them)."""
+        from .batches import eval_batches
+        for i, b in enumerate(eval_batches(self.data.train, self.opts.eval_batch_size, self.tok.pad_token_id)):
+            if i >= n:
+                break
+            b.pop("labels")
+            yield b
+
+    def steps(self, engine) -> int:
+        from .batches import steps_per_epoch
+        if self.opts.max_steps is not None:
+            return self.opts.max_steps
+        return max(1, math.ceil(self.opts.epochs * steps_per_epoch(len(self.data.train), engine.train_batch_size)))
+
+    def make_phase(self, name, engine, ckpt, metrics_file, distiller=None):
+        o = self.opts
+        metrics = None
+        if self.rank == 0:
+            metrics = MetricsLog(os.path.join(o.out, metrics_file), loop.metric_columns(engine.module))
+        return loop.Phase(name=name, engine=engine, dataset=self.data.train, task=o.task,
+                          steps=self.steps(engine), seed=o.seed, pad_id=self.tok.pad_token_id,
+                          ckpt_dir=os.path.join(o.out, "checkpoints", ckpt), save_steps=o.save_steps,
+                          metrics=metrics, distiller=distiller, progress=o.progress)
+
+    def train_phase(self, phase) -> None:
+        start = loop.resume(phase) if self.opts.resume else 0
+        if phase.metrics is not None:
+            phase.metrics.resume_at(start if start else None)
+        if start:
+            self.say(f"[{phase.name}] resuming at step {start} of {phase.steps}")
+        loop.run(phase, start)
+
+    def baseline(self, model, doc):
+        """FP32 fine-tune of a copy with the same budget; its weights stay in checkpoints/ for PTQ."""
+        import qcompress
+        from safetensors.torch import load_file, save_file
+        o = self.opts
+        weights = os.path.join(o.out, "checkpoints", "fp32_finetuned.safetensors")
+        copy_ = copy.deepcopy(model)
+        if self.progress.done("fp32_finetuned"):
+            copy_.load_state_dict(load_file(weights), strict=False)   # tied weights are saved once
+            return copy_, self.progress.data["stages"]["fp32_finetuned"]
+
+        def train_and_eval():
+            plain = plain_config(doc)
+            engine = qcompress.initialize(copy_, plain, optimizer=client_optimizer(plain, o.lr))
+            self.train_phase(self.make_phase("fp32_finetuned", engine, "fp32", "metrics_fp32.csv"))
+            result = self.evaluator()(engine.module)
+            if self.rank == 0:
+                sd = {k: v.detach().cpu().contiguous() for k, v in engine.module.state_dict().items()}
+                _drop_shared(sd)
+                tmp = weights + ".tmp"
+                save_file(sd, tmp)
+                os.replace(tmp, weights)
+            return result
+        return copy_, self.stage("fp32_finetuned", train_and_eval)
+
+    def compressed_run(self, model, doc):
+        import qcompress
+        from .distill import Distiller, load_teacher
+        o = self.opts
+        cc = self.cfg.compression
+        dcfg = getattr(cc, "distillation", None)
+        teacher = None
+        if dcfg is not None and dcfg.enabled:
+            teacher = load_teacher(dcfg.teacher, model, lambda p: load_model(p, o.task, self.data.labels, o.seed))
+        lr_teacher = teacher if cc.layer_reduction.enabled else None
+        qcompress.init_compression(model, doc, teacher_model=lr_teacher)
+        engine = qcompress.initialize(model, doc, optimizer=client_optimizer(doc, o.lr))
+        distiller = Distiller.from_config(self.cfg, teacher) if teacher is not None else None
+        phase = self.make_phase("qat", engine, "qat", "metrics.csv", distiller)
+        t0 = time.perf_counter()
+        if self.progress.done("qat_train"):
+            loop.resume(phase)            # the trained weights and compression state
+        else:
+            self.train_phase(phase)
+            self.progress.record("qat_train", {"steps": phase.steps}, time.perf_counter() - t0)
+        info = dict(steps=phase.steps, train_batch_size=engine.train_batch_size,
+                    micro_batch_size=engine.train_micro_batch_size_per_gpu,
+                    gradient_accumulation_steps=engine.gradient_accumulation_steps,
+                    world_size=engine.world_size, precision=engine.precision,
+                    zero_stage=engine.stage, optimizer=(doc.get("optimizer") or {}).get("type", "AdamW (default)"),
+                    distillation=distiller is not None, seed=o.seed, max_length=o.max_length)
+        return engine, info
+
+    def exported(self, model, export_dir):
+        """Export (atomically: a complete folder replaces the old one) and reload with load_quantized."""
+        o = self.opts
+
+        def export_and_reload():
+            nbytes = export_model(model, self.doc, self.tok, export_dir)
+            fresh = fresh_model(model, o.task)
+            import qcompress
+            qcompress.load_quantized(export_dir, fresh)
+            result = self.evaluator()(fresh)
+            result["max_logit_diff_vs_qat"] = max_logit_difference(model, fresh, self.data.eval,
+                                                                   o.eval_batch_size, self.tok.pad_token_id)
+            result["export_bytes"] = nbytes
+            self._exported_model = fresh
+            return result
+        result = self.stage("exported", export_and_reload)
+        return result, result["export_bytes"]
+
+    def transformers_stage(self, export_dir):
+        o = self.opts
+        reference = getattr(self, "_exported_model", None)
+
+        def run(model):
+            result = self.evaluator()(model)
+            if reference is not None:
+                result["max_logit_diff_vs_exported"] = max_logit_difference(
+                    reference, model, self.data.eval, o.eval_batch_size, self.tok.pad_token_id)
+            return result
+        result = transformers_attempts(export_dir, o.task, run)
+        result.setdefault(self.metric, None)
+        diff = result.get("max_logit_diff_vs_exported")
+        if diff is not None and diff > 1e-3:
+            self.opts.notes.append(
+                f"transformers loads this export with other weights than qcompress.load_quantized "
+                f"(max |logit difference| {diff:.3g}): trust the 'exported' row; see README, Export")
+        return result
+
+    def finish(self, report: dict) -> None:
+        o = self.opts
+        write_report(o.out, report)
+        plots = []
+        runs = {"compressed": read_metrics(os.path.join(o.out, "metrics.csv"))}
+        if o.baseline:
+            runs["FP32 fine-tune"] = read_metrics(os.path.join(o.out, "metrics_fp32.csv"))
+        if plot_loss(os.path.join(o.out, "plots", "loss.png"), runs):
+            plots.append("plots/loss.png")
+        if plot_bits(os.path.join(o.out, "plots", "bits.png"), runs["compressed"]):
+            plots.append("plots/bits.png")
+        self.say("")
+        self.say(stage_table(report))
+        sz = report["sizes"]
+        if sz.get("export_bytes"):
+            self.say(f"\nexport: {sz['export_bytes'] / 2**20:.2f} MiB vs {sz['fp32_bytes'] / 2**20:.2f} MiB FP32 "
+                     f"({sz['compression_ratio']:.2f}x smaller), in {os.path.join(o.out, 'export')}")
+        self.say(f"report: {os.path.join(o.out, 'report.md')} (and report.json, metrics.csv)")
+        if plots:
+            self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
+        else:
+            self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+
+
+def _drop_shared(sd: dict) -> None:
+    """safetensors refuses tensors sharing storage (tied embeddings): keep the first of each."""
+    seen = set()
+    for k in list(sd):
+        ptr = (sd[k].data_ptr(), sd[k].numel())
+        if ptr in seen and sd[k].numel():
+            del sd[k]
+        seen.add(ptr)
+
+
+def run_job(opts: JobOptions) -> dict:
+    return Job(opts).run()

@@ -1,0 +1,177 @@
+"""One training phase (the FP32 baseline or the compressed run) through a qcompress engine:
+micro-batches, optional distillation, per-step metrics, checkpoints that resume exactly."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .batches import micro_batches
+from .report import METRIC_COLUMNS, MetricsLog
+
+_TAG = re.compile(r"^step(\d+)$")
+
+
+def group_columns(model: nn.Module) -> Dict[str, float]:
+    """Bits of every weight / activation group and kept density of every pruning group, as now."""
+    out: Dict[str, float] = {}
+    for _, m in model.named_modules():
+        wq, aq = getattr(m, "qc_wq", None), getattr(m, "qc_aq", None)
+        if wq is not None:
+            out[f"bits.{wq.group}"] = wq.bits if wq.active else 32
+        if aq is not None:
+            out[f"act_bits.{aq.group}"] = aq.bits if aq.active else 32
+        for st in (getattr(m, "qc_pruning", None) or {}).values():
+            out[f"density.{st.group}"] = st.ratio if st.active else 1.0
+    return out
+
+
+def final_bits(model: nn.Module) -> Dict[str, dict]:
+    """{'weight:<group>' / 'activation:<group>': {'bits', 'modules'}} at the end of training."""
+    out: Dict[str, dict] = {}
+    for _, m in model.named_modules():
+        for kind, q in (("weight", getattr(m, "qc_wq", None)), ("activation", getattr(m, "qc_aq", None))):
+            if q is None:
+                continue
+            rec = out.setdefault(f"{kind}:{q.group}", {"bits": set(), "modules": 0})
+            rec["bits"].add(q.bits if q.active else 32)
+            rec["modules"] += 1
+    return {k: {"bits": min(v["bits"]) if len(v["bits"]) == 1 else sorted(v["bits"]), "modules": v["modules"]}
+            for k, v in sorted(out.items())}
+
+
+@dataclass
+class Phase:
+    name: str                    # "qat" or "fp32_finetuned"
+    engine: object               # qcompress Engine
+    dataset: object
+    task: str
+    steps: int
+    seed: int
+    pad_id: int
+    ckpt_dir: str
+    save_steps: int
+    metrics: Optional[MetricsLog]   # rank 0 only
+    distiller: object = None
+    progress: bool = True
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+
+def latest_step(ckpt_dir: str) -> Optional[int]:
+    """The step of the checkpoint `latest` names in ckpt_dir, or None."""
+    path = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        m = _TAG.match(fh.read().strip())
+    return int(m.group(1)) if m else None
+
+
+def _prune_old_tags(ckpt_dir: str, keep: str) -> None:
+    for name in os.listdir(ckpt_dir):
+        if _TAG.match(name) and name != keep:
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def save(phase: Phase, step: int) -> None:
+    """Collective: every rank saves its part; rank 0 then drops the older tags."""
+    tag = f"step{step}"
+    phase.engine.save_checkpoint(phase.ckpt_dir, tag=tag, client_state={"step": step})
+    if phase.rank == 0:
+        _prune_old_tags(phase.ckpt_dir, tag)
+
+
+def resume(phase: Phase) -> int:
+    """Load the phase's latest checkpoint (collective); returns the step to continue from."""
+    if latest_step(phase.ckpt_dir) is None:
+        return 0
+    _, client = phase.engine.load_checkpoint(phase.ckpt_dir)
+    return int(client["step"])
+
+
+def _mean_across_ranks(values, engine):
+    if engine.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / engine.world_size).tolist()
+
+
+def _forward_loss(phase: Phase, batch: dict):
+    """(total loss, task loss, distillation loss or None) of one micro-batch."""
+    from .distill import causal_lm_mask
+    eng, distiller = phase.engine, phase.distiller
+    kwargs = dict(batch)
+    teacher_out = None
+    if distiller is not None:
+        teacher_out = distiller.teacher_outputs({k: v for k, v in batch.items() if k != "labels"})
+        if distiller.needs_hidden_states:
+            kwargs["output_hidden_states"] = True
+    out = eng(**kwargs)
+    task_loss = out.loss
+    if distiller is None:
+        return task_loss, task_loss, None
+    mask = causal_lm_mask(batch["labels"]) if phase.task == "causal-lm" else None
+    return distiller.loss(out, teacher_out, task_loss, mask)
+
+
+def run(phase: Phase, start_step: int = 0) -> None:
+    """Train from start_step to phase.steps, writing a metrics row per optimizer step (rank 0)."""
+    eng = phase.engine
+    eng.train()
+    bar = None
+    if phase.progress and phase.rank == 0:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=phase.steps, initial=start_step, desc=phase.name, unit="step", dynamic_ncols=True)
+    acc = eng.gradient_accumulation_steps
+    try:
+        for step in range(start_step, phase.steps):
+            t0 = time.perf_counter()
+            lr = eng.get_lr()[0]
+            sums = [0.0, 0.0, 0.0]
+            has_kd = False
+            for batch in micro_batches(phase.dataset, step, seed=phase.seed,
+                                       train_batch_size=eng.train_batch_size,
+                                       micro=eng.train_micro_batch_size_per_gpu, accumulation=acc,
+                                       rank=eng.rank, world=eng.world_size, pad_id=phase.pad_id):
+                total, task, kd = _forward_loss(phase, batch)
+                eng.backward(total)
+                eng.step()
+                sums[0] += float(total.detach()) / acc
+                sums[1] += float(task.detach()) / acc
+                if kd is not None:
+                    has_kd = True
+                    sums[2] += float(kd.detach()) / acc
+            loss, task_loss, kd_loss = _mean_across_ranks(sums, eng)
+            elapsed = time.perf_counter() - t0
+            if phase.rank == 0 and phase.metrics is not None:
+                row = dict(step=step + 1, loss=loss, task_loss=task_loss,
+                           distill_loss=kd_loss if has_kd else None, lr=lr,
+                           samples_per_s=eng.train_batch_size / elapsed)
+                row.update(group_columns(eng.module))
+                phase.metrics.write(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{eng.train_batch_size / elapsed:.1f}")
+            done = step + 1
+            if done == phase.steps or (phase.save_steps > 0 and done % phase.save_steps == 0):
+                save(phase, done)
+    finally:
+        if bar is not None:
+            bar.close()
+        if phase.metrics is not None:
+            phase.metrics.close()
+
+
+def metric_columns(model: nn.Module):
+    return METRIC_COLUMNS + sorted(group_columns(model))

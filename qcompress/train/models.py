@@ -1,0 +1,94 @@
+"""Loading a local Hugging Face model folder for a task, offline, and building fresh copies of it."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .errors import JobError
+
+AUTO_CLASSES = {"text-classification": "AutoModelForSequenceClassification",
+                "causal-lm": "AutoModelForCausalLM"}
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")        # nothing is ever downloaded
+    try:
+        import transformers
+    except ImportError:
+        raise JobError("qcompress train needs transformers: pip install 'qcompress[hf]'", code=1) from None
+    transformers.logging.set_verbosity_error()           # our report says what matters
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def auto_class(task: str):
+    return getattr(_transformers(), AUTO_CLASSES[task])
+
+
+def check_model_folder(folder: str) -> None:
+    if not os.path.isdir(folder):
+        raise JobError(f"--model {folder}: no such folder (a local Hugging Face model folder with "
+                       "config.json, safetensors weights and tokenizer files)")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise JobError(f"--model {folder}: no config.json there; is it a Hugging Face model folder?")
+
+
+def load_tokenizer(folder: str):
+    tf = _transformers()
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise JobError(f"--model {folder}: cannot load its tokenizer ({err})") from None
+    if tok.pad_token_id is None:     # GPT-2 style tokenizers: pad with eos (masked out anyway)
+        tok.pad_token = tok.eos_token or tok.sep_token
+    if tok.pad_token_id is None:
+        raise JobError(f"--model {folder}: the tokenizer has no pad, eos or sep token to pad batches with")
+    return tok
+
+
+def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed: int = 0) -> nn.Module:
+    """The pretrained model with the task's head; a classification head with one class per label
+    (a fresh head, seeded, unless the checkpoint's head already has that many classes)."""
+    check_model_folder(folder)
+    cls = auto_class(task)
+    kwargs = {}
+    if task == "text-classification":
+        kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
+                      label2id={name: i for i, name in enumerate(labels)}, ignore_mismatched_sizes=True)
+    torch.manual_seed(seed)
+    try:
+        model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+    except ValueError as err:
+        msg = str(err).splitlines()[0]
+        raise JobError(f"--model {folder} cannot do --task {task}: {msg}") from None
+    except OSError as err:
+        raise JobError(f"--model {folder}: cannot load the weights ({err})") from None
+    if task == "causal-lm" and getattr(model.config, "is_decoder", True) is False:
+        model.config.is_decoder = True      # BERT-style configs used as a causal LM
+    return model
+
+
+def fresh_model(model: nn.Module, task: str) -> nn.Module:
+    """An uncompressed instance of the same architecture and config (weights are overwritten later)."""
+    torch.manual_seed(0)
+    return auto_class(task).from_config(model.config, dtype=torch.float32)
+
+
+def fp32_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights and buffers stored as float32 (integers as they are)."""
+    total = 0
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * (4 if t.is_floating_point() else t.element_size())
+    return total
+
+
+def describe(model: nn.Module) -> Tuple[str, int]:
+    """(class name, parameter count)."""
+    return type(model).__name__, sum(p.numel() for p in model.parameters())

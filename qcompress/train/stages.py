@@ -1,0 +1,98 @@
+"""The model-building steps between training and the report: PTQ, export, reloading by transformers."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+
+def has_static_ranges(model: nn.Module) -> bool:
+    return any(getattr(getattr(m, "qc_aq", None), "calibration", None) == "static" for m in model.modules())
+
+
+@torch.no_grad()
+def calibrate_static_ranges(model: nn.Module, batches: Iterable[dict]) -> None:
+    """Static activation ranges learn in training mode; PTQ has no training, so run a few batches
+    (dropout off: every Dropout module is put in eval mode meanwhile)."""
+    if not has_static_ranges(model):
+        return
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    for b in batches:
+        model(**b)
+    model.eval()
+
+
+def quantize_without_training(source: nn.Module, cfg, calibrate: Callable[[nn.Module], None]) -> nn.Module:
+    """A compressed copy of `source` at the end of its schedules (target bits), no training."""
+    import qcompress
+    model = copy.deepcopy(source)
+    raw = cfg.raw
+    lr_on = cfg.compression.layer_reduction.enabled
+    qcompress.init_compression(model, raw, teacher_model=copy.deepcopy(source) if lr_on else None)
+    qcompress.CompressionScheduler(model, raw).finish()
+    calibrate(model)
+    model.eval()
+    return model
+
+
+def export_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int:
+    """Write the export (quantized safetensors + config.json + tokenizer files) into a fresh folder
+    beside export_dir, then swap it in, so export_dir is always a whole export. Returns its bytes."""
+    import warnings
+
+    import qcompress
+    parent = os.path.dirname(os.path.abspath(export_dir))
+    tmp = os.path.join(parent, f".{os.path.basename(export_dir)}.tmp{os.getpid()}")
+    old = os.path.join(parent, f".{os.path.basename(export_dir)}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # the transformers caveat is reported by the stage
+            qcompress.export_quantized(model, tmp, doc)
+        tokenizer.save_pretrained(tmp)
+        if os.path.isdir(export_dir):
+            os.replace(export_dir, old)
+        os.replace(tmp, export_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return export_bytes(export_dir)
+
+
+def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict]) -> dict:
+    """Load the export with transformers and run `run(model)` on it: plain from_pretrained first,
+    then with compressed-tensors decompressing on load. The first that loads and runs wins; the
+    result says which call it was, or (metric None) why none worked."""
+    from .models import auto_class
+    cls = auto_class(task)
+    errors = []
+    attempts = [("from_pretrained", {})]
+    try:
+        from transformers import CompressedTensorsConfig
+        attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(run_compressed=False))",
+                         {"quantization_config": CompressedTensorsConfig(run_compressed=False)}))
+    except ImportError as err:
+        errors.append(f"CompressedTensorsConfig unavailable ({err})")
+    for how, kwargs in attempts:
+        try:
+            model = cls.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32, **kwargs)
+            result = run(model.eval())
+        except Exception as err:   # noqa: BLE001 — any failure is a reason for the report
+            errors.append(f"{how}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+            continue
+        result["loaded_with"] = how
+        if errors:
+            result["failed_first"] = errors
+        return result
+    return {"reason": "; ".join(errors)}
