@@ -266,6 +266,37 @@ class LayerReduction:
                               f"{len(self.teacher_layer)}")
 
 
+def _parse_teacher(value, path):
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(path, f"expected 'self' or the path of a model folder, got {value!r}")
+    return value
+
+
+def _parse_layer_list(value, path):
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected a list of teacher layer indices, got {value!r}")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(join(path, i), f"expected a layer index >= 0, got {v!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """ext: knowledge distillation from a teacher while the student trains compressed (QAD).
+    Read by qcompress.train.distill and qcompress.hf; the rewrite and the schedules ignore it."""
+    enabled: bool = field(False)
+    teacher: str = field("self", parse=_parse_teacher,
+                         doc="'self': a frozen copy of the model before compression; or a model folder")
+    temperature: float = field(1.0, gt=0.0)
+    alpha: float = field(0.5, ge=0.0, le=1.0, doc="weight of the distillation loss; task gets 1 - alpha")
+    hidden_mse: float = field(0.0, ge=0.0, doc="weight of the hidden-state MSE (0 = off)")
+    teacher_layer: Optional[Tuple[int, ...]] = field(None, parse=_parse_layer_list,
+                                                     doc="student layer i <-> teacher layer teacher_layer[i]")
+
+
 _EMPTY = dict(shared=None)
 
 
@@ -285,6 +316,15 @@ class CompressionConfig:
     channel_pruning: Technique = field(
         Technique(ChannelPruningShared()), parse=_technique_parser(ChannelPruningShared, PruningParams))
     layer_reduction: LayerReduction = field(LayerReduction())
+    distillation: Distillation = field(Distillation())
+
+    def _validate(self, path):
+        kd, lr = self.distillation, self.layer_reduction
+        if kd.teacher_layer is not None and lr.enabled and len(kd.teacher_layer) != len(lr.teacher_layer):
+            raise ConfigError(join(path, "distillation.teacher_layer"),
+                              f"maps {len(kd.teacher_layer)} student layers, but layer_reduction keeps "
+                              f"{len(lr.teacher_layer)} (layer_reduction.teacher_layer); drop it to "
+                              "use layer_reduction's mapping")
 
     def techniques(self):
         """(name, Technique) for the six group-based techniques, in DeepSpeed's clean order."""
