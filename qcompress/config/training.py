@@ -15,7 +15,7 @@ SCHEDULER_TYPES = ("warmuplr", "warmupdecaylr", "warmupcosinelr", "onecycle")
 # DeepSpeed keys we accept so existing ds_config.json files load, but do not act on.
 IGNORED_DEEPSPEED_KEYS = (
     "steps_per_print", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-    "zero_allow_untested_optimizer", "tensorboard", "wandb", "csv_monitor", "comet",
+    "zero_allow_untested_optimizer", "wandb", "comet",
     "flops_profiler", "activation_checkpointing", "comms_logger", "dump_state", "elasticity",
     "aio", "checkpoint", "data_efficiency", "curriculum_learning", "amp", "autotuning",
     "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer", "seed",
@@ -107,6 +107,15 @@ class ZeroOptimization:
 
 
 @dataclass(frozen=True)
+class MonitorOutput:
+    """DeepSpeed's `tensorboard` and `csv_monitor` sections (its defaults): files under
+    output_path/job_name, written by engine.monitor on rank 0."""
+    enabled: bool = field(False)
+    output_path: str = field("", doc="folder; '' means the current directory, as DeepSpeed")
+    job_name: str = field("DeepSpeedJobName", doc="subfolder of output_path for this run")
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: Optional[int] = field(None, ge=1)
     train_micro_batch_size_per_gpu: Optional[int] = field(None, ge=1)
@@ -119,6 +128,8 @@ class Config:
     zero_optimization: ZeroOptimization = field(ZeroOptimization())
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
+    tensorboard: MonitorOutput = field(MonitorOutput())
+    csv_monitor: MonitorOutput = field(MonitorOutput())
     compression_training: CompressionConfig = field(CompressionConfig())
     raw: Dict[str, Any] = field({}, internal=True, doc="the merged input document, for export metadata")
 

@@ -22,6 +22,7 @@ from . import checkpoint as ckpt
 from .batch import resolve_batch
 from .lr_schedules import build_lr_scheduler
 from .memory import memory_report
+from .monitor import Monitor
 from .optimizers import build_optimizer, is_onebit
 from .precision import LossScaler, autocast_dtype
 from .zero import (broadcast_module_state, build_zero1, full_weights, time_reduce_scatter, wrap_ddp,
@@ -156,6 +157,9 @@ class Engine:
         self._global_grad_norm: Optional[float] = None
         self._timers: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "allreduce": 0.0, "step": 0.0}
         self.last_timings: Dict[str, Optional[float]] = {}
+        # DeepSpeed's tensorboard / csv_monitor sections; writes on rank 0 at each optimizer step
+        self.monitor = Monitor.from_config(cfg, self.rank)
+        self._step_losses = []       # detached losses given to backward since the last boundary
 
     # --- construction helpers ----------------------------------------------------------------
     @staticmethod
@@ -283,6 +287,8 @@ class Engine:
             scale *= self.loss_scaler.scale
         t0 = time.perf_counter()
         hook_before = self._hook.seconds if self._hook is not None else 0.0
+        if self.monitor.enabled:
+            self._step_losses.append(loss.detach().float().mean())
         (loss.float() * scale if scale != 1.0 else loss).backward()
         took = self._elapsed(t0)
         if self._hook is not None:
@@ -323,6 +329,21 @@ class Engine:
         self.global_samples += self.train_batch_size
         self._timers["step"] += self._elapsed(t0)
         self._report_timers()
+        if self.monitor.enabled:
+            self._write_monitor_events()
+
+    def _write_monitor_events(self) -> None:
+        """DeepSpeed's names at global_samples: the mean loss of this step's micro-batches (on
+        this rank), the learning rate and the fp16 loss scale the next step uses."""
+        events = []
+        if self._step_losses:
+            loss = torch.stack(self._step_losses).double().mean().item()
+            events.append(("Train/Samples/train_loss", loss, self.global_samples))
+        self._step_losses = []
+        events.append(("Train/Samples/lr", self.get_lr()[0], self.global_samples))
+        if self.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
+        self.monitor.write_events(events)
 
     def _peek_scale_after_overflow(self) -> float:
         s = self.loss_scaler
@@ -468,6 +489,7 @@ class Engine:
         self.global_samples = int(c["global_samples"])
         self.skipped_steps = int(c["skipped_steps"])
         self._accumulated = 0        # checkpoints hold no partial gradients: start a fresh step
+        self._step_losses = []
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
