@@ -15,9 +15,10 @@ CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -n
 
 .PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench clean
 
+# setuptools >= 70.1 builds editable wheels itself (the one a 3.11 venv starts with needs `wheel`)
 $(VPY):
 	$(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip "setuptools>=70.1" wheel
 
 # torch first, pinned to the CPU build on disk, so pip never pulls a CUDA build; nothing after it
 # asks for a torch that 2.13.0 does not satisfy. Re-run when this file or setup.py changes.
