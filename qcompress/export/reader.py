@@ -373,8 +373,11 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     folder = os.fspath(folder)
     cfg_path, config, qc, modules = read_config(folder)
     _check_against_quant_config(qc, modules, cfg_path)
-    tensors, where, _ = sio.read_checkpoint(folder)
+    unbound = []                  # files config.json does not bind: reported after content checks
+    tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
     check_tensors(tensors, where, modules, cfg_path)
+    if unbound:
+        raise CheckpointError(unbound[0])
     root = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
     named = dict(root.named_modules())
     for name, rec in modules.items():

@@ -12,6 +12,7 @@ import torch.nn as nn
 from . import layout
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
+from .commit import ExportWriter, dumps_config
 from .errors import ExportError
 
 
@@ -105,6 +106,8 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     Files: model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json
     above max_shard_size) and config.json. Raises FileExistsError if out_dir already holds a
     checkpoint and force is False; ExportError when a module cannot be exported exactly.
+    Overwriting is atomic as a whole: interrupted at any point, out_dir holds the previous export
+    or this one, never a mix; temporaries of earlier interrupted writers are removed.
     """
     out_dir = os.fspath(out_dir)
     limit = sio.parse_size(max_shard_size)
@@ -134,28 +137,18 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     os.makedirs(out_dir, exist_ok=True)
     shards = sio.plan_shards(tensors, limit)
     n = len(shards)
-    staged = []
-    try:
+    # All files go to hidden temporaries; config.json, which binds them by digest, is renamed
+    # in first, so a crash anywhere leaves the old export or the new one (export/commit.py).
+    with ExportWriter(out_dir) as writer:
         weight_map = {}
         for i, names in enumerate(shards):
             final = sio.SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            tmp = sio.write_safetensors_tmp(out_dir, final, {k: tensors[k] for k in names}, metadata)
-            staged.append((tmp, final))
+            writer.stage_safetensors(final, {k: tensors[k] for k in names}, metadata)
             weight_map.update({k: final for k in names})
         if n > 1:
             index = {"metadata": {"total_size": sum(sio.nbytes(t) for t in tensors.values())},
                      "weight_map": dict(sorted(weight_map.items()))}
-            staged.append((sio.write_text_tmp(out_dir, sio.INDEX, json.dumps(index, indent=2)),
-                           sio.INDEX))
-        staged.append((sio.write_text_tmp(out_dir, "config.json",
-                                          json.dumps(config, indent=2, sort_keys=True, default=str)),
-                       "config.json"))
-        new = {final for _, final in staged}
-        for stale in old:                  # forced overwrite: drop files of the previous layout
-            if stale not in new:
-                os.remove(os.path.join(out_dir, stale))
-        sio.commit(out_dir, staged)
-    except BaseException:
-        sio.discard(staged)
-        raise
+            writer.stage_text(sio.INDEX, json.dumps(index, indent=2))
+        config["qcompress"].update(writer.manifest())
+        writer.commit(dumps_config(config))
     return out_dir
