@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
@@ -67,7 +68,7 @@ def logits_of(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, dict):
+    if logits is None and isinstance(out, Mapping):
         logits = out.get("logits")
     if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         logits = out[0]
@@ -79,7 +80,7 @@ def logits_of(out: Any) -> torch.Tensor:
 
 def _hidden_of(out: Any, who: str) -> Sequence[torch.Tensor]:
     hidden = getattr(out, "hidden_states", None)
-    if hidden is None and isinstance(out, dict):
+    if hidden is None and isinstance(out, Mapping):
         hidden = out.get("hidden_states")
     if hidden is None:
         raise ValueError(f"{KEY}.hidden_mse is > 0 but the {who} output has no hidden_states: run its "
@@ -152,7 +153,7 @@ class Distiller:
         positional inputs) under no_grad in eval mode; labels are not passed."""
         self.teacher.eval()
         self._follow_device(batch)
-        if isinstance(batch, dict):
+        if isinstance(batch, Mapping):     # a dict, or transformers' BatchEncoding
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
             if self.needs_hidden_states:
                 inputs["output_hidden_states"] = True
@@ -163,7 +164,7 @@ class Distiller:
 
     def _follow_device(self, batch: Any) -> None:
         """Move the teacher to the device of the batch (a Trainer moves only the student)."""
-        tensors = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+        tensors = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
         dev = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
         p = next(self.teacher.parameters(), None)
         if dev is not None and p is not None and p.device != dev:

@@ -1,0 +1,187 @@
+"""CompressionCallback: compression training inside a transformers Trainer.
+
+    cb = CompressionCallback(cfg, export_dir="out/export")
+    trainer = Trainer(model, args, train_dataset=..., processing_class=tok, callbacks=[cb])
+    trainer.train()                            # or train(resume_from_checkpoint=True)
+
+What it does at each Trainer event:
+  on_init_end    init_compression(model, cfg) unless the model is already rewritten, before the
+                 Trainer builds its optimizer (topk scores get trained); builds the scheduler
+  on_train_begin resuming (global_step > 0): reloads the scheduler state from
+                 <output_dir>/checkpoint-<global_step>/ (the folder the Trainer resumes from)
+  on_step_end    one scheduler step per optimizer step (gradient accumulation counts once)
+  on_save        writes the scheduler state into the checkpoint folder the Trainer just wrote
+  on_train_end   export_quantized(model, export_dir) plus the tokenizer files
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import uuid
+from typing import Optional
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+
+from ..config import as_config
+from ..engine.serialize import flatten, tensor_keys, unflatten
+from ..export import export_quantized
+from ..export.safetensors_io import existing_outputs
+from ..rewrite import init_compression
+from ..schedule import REWRITTEN, CompressionScheduler
+
+log = logging.getLogger("qcompress.hf")
+
+STATE_JSON = "qcompress_compression.json"                # skeleton + step; written last
+STATE_TENSORS = "qcompress_compression.safetensors"      # masters, observer ranges, masks
+STATE_FORMAT = "qcompress-compression-state"
+CHECKPOINT_PREFIX = "checkpoint"                         # transformers' PREFIX_CHECKPOINT_DIR
+
+
+def _root(model):
+    return model.module if hasattr(model, "module") and hasattr(model.module, "named_modules") else model
+
+
+def _write_atomic(folder: str, name: str, write) -> None:
+    """write(tmp_path) into a temporary file beside `name`, fsync, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_compression_state(scheduler: CompressionScheduler, folder: str) -> None:
+    """Write the scheduler state into `folder`: tensors in safetensors, the rest in JSON, each
+    file atomically (temporary file + rename), the JSON last. A token binds the pair."""
+    tensors: dict = {}
+    skeleton = flatten(scheduler.state_dict(), "compression", tensors)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    token = uuid.uuid4().hex
+    meta = {"training_steps": str(scheduler.training_steps), "token": token}
+    _write_atomic(folder, STATE_TENSORS, lambda path: save_file(tensors, path, metadata=meta))
+    doc = {"format": STATE_FORMAT, "version": 1, "training_steps": scheduler.training_steps,
+           "token": token, "state": skeleton}
+
+    def write_json(path):
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+    _write_atomic(folder, STATE_JSON, write_json)
+
+
+def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None:
+    """Restore what save_compression_state wrote (no pickle: JSON + safetensors)."""
+    jpath, tpath = os.path.join(folder, STATE_JSON), os.path.join(folder, STATE_TENSORS)
+    for path in (jpath, tpath):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no qcompress compression state here (was the checkpoint "
+                                    "written by a Trainer with a CompressionCallback?)")
+    try:
+        with open(jpath, "r", encoding="utf-8") as fh:
+            doc = json.load(fh)
+        if doc.get("format") != STATE_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}")
+        skeleton, token = doc["state"], doc["token"]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{jpath}: not a qcompress compression state ({err})") from None
+    try:
+        with safe_open(tpath, framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:   # safetensors raises its own error types
+        raise ValueError(f"{tpath}: unreadable safetensors file ({err})") from None
+    if meta.get("token") != token:
+        raise ValueError(f"{tpath} does not belong to {STATE_JSON} in the same folder (written by "
+                         "another save; an interrupted checkpoint?)")
+    missing = [k for k in tensor_keys(skeleton) if k not in tensors]
+    if missing:
+        raise ValueError(f"{tpath}: tensor {missing[0]!r} is missing")
+    scheduler.load_state_dict(unflatten(skeleton, tensors))
+
+
+class CompressionCallback(TrainerCallback):
+    """Applies a qcompress config to the Trainer's model and drives its compression schedule;
+    see the module docstring. `force` lets the final export overwrite `export_dir`."""
+
+    def __init__(self, cfg, export_dir: Optional[str] = None, *, force: bool = False):
+        self.cfg = as_config(cfg)
+        self.export_dir = os.fspath(export_dir) if export_dir is not None else None
+        self.force = force
+        self.scheduler: Optional[CompressionScheduler] = None
+        self.model = None
+
+    # --- setup ----------------------------------------------------------------------------------
+    def _setup(self, model) -> None:
+        if model is None:
+            raise ValueError("CompressionCallback: the Trainer has no model (model_init is not supported: "
+                             "build the model first)")
+        if self.scheduler is not None and model is self.model:
+            return
+        if not getattr(_root(model), REWRITTEN, False):
+            init_compression(model, self.cfg)
+        self.model = model
+        self.scheduler = CompressionScheduler(model, self.cfg)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._setup(model)
+        if self.export_dir and not self.force and args.should_save:
+            old = existing_outputs(self.export_dir)
+            if old:   # fail now, not after training
+                raise FileExistsError(f"{os.path.join(self.export_dir, old[0])} already exists; pass "
+                                      "CompressionCallback(..., force=True) to overwrite it")
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._setup(model)
+        sched = self.scheduler
+        if state.global_step > 0 and sched.training_steps != state.global_step:
+            # Trainer resumes from <output_dir>/checkpoint-<global_step> (it read that folder's
+            # trainer_state.json); callbacks are not told the path, so rebuild it
+            folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(
+                    f"resuming at step {state.global_step}, but {folder} does not exist: the compression "
+                    "state is read from the checkpoint folder under args.output_dir; call "
+                    "callback.load_state(checkpoint_folder) before trainer.train() for a checkpoint "
+                    "kept elsewhere")
+            load_compression_state(sched, folder)
+            log.info("qcompress: compression state restored from %s (step %d)", folder, sched.training_steps)
+        elif state.global_step == 0 and sched.training_steps > 0:
+            log.warning("qcompress: a new training run starts while the compression schedule is at "
+                        "step %d; it continues from there", sched.training_steps)
+
+    def load_state(self, folder: str) -> None:
+        """Restore the compression state from a checkpoint folder (one written by on_save)."""
+        if self.scheduler is None:
+            raise RuntimeError("CompressionCallback.load_state: build the Trainer with this callback first")
+        load_compression_state(self.scheduler, os.fspath(folder))
+
+    # --- training -------------------------------------------------------------------------------
+    def on_step_end(self, args, state, control, **kwargs):
+        # called once per optimizer step, after the update (not on accumulation micro-steps)
+        self.scheduler.step()
+
+    def on_save(self, args, state, control, **kwargs):
+        if not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"the Trainer saved a checkpoint, but {folder} does not exist "
+                                    "(hyper-parameter search runs are not supported)")
+        save_compression_state(self.scheduler, folder)
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if not self.export_dir or not args.should_save:
+            return
+        export_quantized(self.model, self.export_dir, self.cfg, force=self.force)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(self.export_dir)
+        log.info("qcompress: exported the quantized model to %s", self.export_dir)

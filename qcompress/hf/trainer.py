@@ -1,0 +1,107 @@
+"""DistillationTrainer: a transformers Trainer whose training loss adds knowledge distillation
+from a frozen teacher (`compression_training.distillation`), for quantization-aware distillation.
+
+    trainer = DistillationTrainer(model, args, compression_config=cfg, train_dataset=...,
+                                  callbacks=[CompressionCallback(cfg)])
+
+The teacher "self" is copied from `model` here, before CompressionCallback rewrites it; a folder
+teacher is loaded with the student's own class (`type(model).from_pretrained`). Logs
+`task_loss` and `distill_loss` (means over the logging interval) beside `loss`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ..config import as_config
+from ..train.distill import IGNORE_INDEX, KEY, Distiller, causal_lm_mask, load_teacher
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    root = getattr(model, "module", model)
+    return type(root).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def distill_mask(logits: torch.Tensor, labels: Optional[torch.Tensor], causal: bool,
+                 attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Which logits rows the distillation loss averages over. [B, C] logits: every sample (None).
+    [B, L, V]: with labels, the positions that have a target (causal LM: shifted labels != -100,
+    see causal_lm_mask; otherwise labels != -100); without labels, the attention mask."""
+    if logits.dim() < 3:
+        return None
+    if labels is not None and labels.shape == logits.shape[:-1]:
+        return causal_lm_mask(labels) if causal else labels != IGNORE_INDEX
+    if attention_mask is not None and attention_mask.shape == logits.shape[:-1]:
+        return attention_mask.bool()
+    return None
+
+
+class DistillationTrainer(Trainer):
+    """Trainer with loss (1 - alpha) * task + alpha * (T^2 KL + hidden_mse * hidden MSE).
+
+    `compression_config`: the qcompress config (Config, dict or path) whose
+    `compression_training.distillation` section is used; `teacher`: a model that overrides the
+    section's `teacher`. With distillation disabled it trains like a plain Trainer.
+    Both losses are per-batch means, so the Trainer divides them by the accumulation steps.
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, model=None, args=None, *trainer_args, compression_config=None,
+                 teacher: Optional[nn.Module] = None, **trainer_kwargs):
+        if compression_config is None:
+            raise ValueError("DistillationTrainer needs compression_config= (the qcompress config with "
+                             f"a {KEY} section)")
+        cfg = as_config(compression_config)
+        kd = cfg.compression.distillation
+        self.distiller: Optional[Distiller] = None
+        if kd.enabled:
+            if teacher is None:
+                if model is None:
+                    raise ValueError("DistillationTrainer: model_init is not supported with distillation; "
+                                     "pass the model")
+                teacher = load_teacher(kd.teacher, model, lambda path: type(model).from_pretrained(path))
+            self.distiller = Distiller.from_config(cfg, teacher)
+        elif teacher is not None:
+            raise ValueError(f"DistillationTrainer got teacher= but {KEY}.enabled is false")
+        self._reset_kd_logs()
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+
+    def _reset_kd_logs(self):
+        self._kd_sums = {"task_loss": 0.0, "distill_loss": 0.0}
+        self._kd_count = 0
+
+    def train(self, *args, **kwargs):
+        self._reset_kd_logs()          # losses computed outside training do not enter the logs
+        return super().train(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.distiller is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        kd = self.distiller
+        labels = inputs.get("labels")
+        student_in = dict(inputs)
+        if kd.needs_hidden_states:
+            student_in["output_hidden_states"] = True
+        outputs = model(**student_in)     # per-batch mean task loss (no num_items_in_batch)
+        task = getattr(outputs, "loss", None) if labels is not None else None
+        if labels is not None and task is None:
+            raise ValueError("the batch has labels but the model returned no loss")
+        teacher_out = kd.teacher_outputs(inputs)
+        logits = outputs.logits
+        mask = distill_mask(logits, labels, _is_causal_lm(model), inputs.get("attention_mask"))
+        total, task, distill = kd.loss(outputs, teacher_out, task, mask)
+        self._kd_sums["task_loss"] += float(task.detach())
+        self._kd_sums["distill_loss"] += float(distill.detach())
+        self._kd_count += 1
+        return (total, outputs) if return_outputs else total
+
+    def log(self, logs, *args, **kwargs):
+        if self._kd_count and "loss" in logs:
+            logs.update({key: value / self._kd_count for key, value in self._kd_sums.items()})
+            self._reset_kd_logs()
+        return super().log(logs, *args, **kwargs)

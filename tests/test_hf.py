@@ -1,0 +1,298 @@
+"""transformers Trainer integration (qcompress.hf): CompressionCallback and DistillationTrainer on
+tiny BERT / GPT-2 folders from hf_fixtures.
+
+Oracles: DeepSpeed's doubling rule written out step by step (start 8, target 4, period 2: drops
+2, 4, 8 ... optimizer steps after the offset), the number of distinct weight values (at most
+2^bits), an uninterrupted run compared tensor by tensor with a resumed one, the model's own
+logits against the exported checkpoint's, and the distillation loss written out by hand."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_fixtures import tiny_bert_folder, tiny_gpt2_folder, topic_texts
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install qcompress[hf])")
+
+import qcompress as qc  # noqa: E402
+from qcompress.hf import CompressionCallback, DistillationTrainer  # noqa: E402
+from qcompress.hf.callback import STATE_JSON, STATE_TENSORS  # noqa: E402
+from qcompress.pruning.distill import hidden_state_mse  # noqa: E402
+
+QUERY = "bert.encoder.layer.0.attention.self.query"
+CFG = {"compression_training": {"weight_quantization": {
+    "shared_parameters": {"enabled": True},
+    "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 4, "quantization_period": 2},
+                                "modules": ["encoder", "classifier"]}}}}}
+# DeepSpeed's rule written out: one bit less 2, 4, 8 steps after offset 0
+EXPECTED_BITS = {0: 8, 1: 8, 2: 7, 3: 7, 4: 6, 5: 6, 6: 6}
+STEPS, SAVE_AT, ACCUM = 6, 3, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread; on a shared machine several threads mostly
+    wait for each other (a Trainer run here: ~2 s on one thread, ~25 s on two under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tiny_bert_folder(str(tmp_path_factory.mktemp("bert")), num_labels=3)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = topic_texts(n_per_class=8)          # 24 samples: 6 optimizer steps of 2 x 2
+    names = sorted({label for _, label in texts})
+    data = [dict(tok(t, truncation=True, max_length=16), labels=names.index(label)) for t, label in texts]
+    return folder, tok, data
+
+
+class Recorder(transformers.TrainerCallback):
+    """After every optimizer step: the step, the query layer's bits and its distinct weight
+    values, and how many micro-batches the model saw; bits at every accumulation micro-step."""
+
+    def __init__(self, cb, model):
+        self.cb, self.steps, self.micro = cb, [], []
+        self.forwards = 0
+        model.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def _bits(self):
+        return self.cb.scheduler.current_bits()[QUERY]
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        weight = dict(model.named_modules())[QUERY].weight
+        self.steps.append((state.global_step, self._bits(), weight.unique().numel(), self.forwards))
+        self.forwards = 0
+
+    def on_substep_end(self, args, state, control, **kw):
+        self.micro.append((state.global_step, self._bits()))
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def run(base, out, *, export=None, stop_at=None, resume=None, model=None):
+    folder, tok, data = base
+    model = model or transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    cb = CompressionCallback(CFG, export_dir=export)
+    rec = Recorder(cb, model)
+    args = transformers.TrainingArguments(
+        out, use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUM, learning_rate=1e-3, save_strategy="steps", save_steps=SAVE_AT,
+        logging_steps=1, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model, args, train_dataset=data, processing_class=tok,
+                                   callbacks=[cb, rec] + ([StopAt(stop_at)] if stop_at else []))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, cb, rec
+
+
+@pytest.fixture(scope="module")
+def full(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("full")
+    export = os.path.join(str(root), "export")
+    model, cb, rec = run(base, os.path.join(str(root), "out"), export=export)
+    return model, cb, rec, export
+
+
+def test_bits_drop_at_scheduled_optimizer_steps_under_accumulation(full):
+    model, cb, rec, _ = full
+    assert [s for s, *_ in rec.steps] == list(range(1, STEPS + 1))
+    for step, bits, distinct, forwards in rec.steps:
+        assert forwards == ACCUM                     # each optimizer step saw 2 micro-batches
+        assert bits == EXPECTED_BITS[step], (step, bits)
+        assert distinct <= 2 ** bits                 # the weight really sits on a `bits` grid
+    assert [d for _, b, d, _ in rec.steps if b == 8][0] > 2 ** 7   # and uses it (not a coarser one)
+    # micro-steps between two optimizer steps keep the bits of the last optimizer step
+    assert rec.micro == [(s, EXPECTED_BITS[s]) for s in range(STEPS)]
+    assert cb.scheduler.training_steps == STEPS
+
+
+def test_resume_from_checkpoint_continues_exactly(base, full, tmp_path):
+    model_full, cb_full, rec_full, _ = full
+    out = str(tmp_path / "out")
+    _, cb_half, rec_half = run(base, out, stop_at=SAVE_AT)
+    assert [s for s, *_ in rec_half.steps] == [1, 2, 3]
+    ckpt = os.path.join(out, f"checkpoint-{SAVE_AT}")
+    assert {STATE_JSON, STATE_TENSORS} <= set(os.listdir(ckpt))
+    with open(os.path.join(ckpt, STATE_JSON)) as fh:
+        assert json.load(fh)["training_steps"] == SAVE_AT
+
+    model_res, cb_res, rec_res = run(base, out, resume=True)
+    assert [(s, b) for s, b, *_ in rec_res.steps] == [(s, b) for s, b, *_ in rec_full.steps[SAVE_AT:]]
+    assert cb_res.scheduler.current_bits() == cb_full.scheduler.current_bits()
+    full_sd, res_sd = model_full.state_dict(), model_res.state_dict()
+    assert full_sd.keys() == res_sd.keys()
+    for name in full_sd:
+        assert torch.equal(full_sd[name], res_sd[name]), name
+    a, b = cb_full.scheduler.state_dict(), cb_res.scheduler.state_dict()
+    assert a["training_steps"] == b["training_steps"] == STEPS
+    masters = 0
+    for name, entry in a["modules"].items():
+        for key in ("master", "applied"):
+            if key in entry.get("wq", {}):
+                assert torch.equal(entry["wq"][key], b["modules"][name]["wq"][key]), (name, key)
+                masters += 1
+    assert masters == 2 * 13          # 12 encoder Linears + the classifier, master and applied
+
+    # the same checkpoint without its compression state: resuming would restart the schedule
+    os.remove(os.path.join(ckpt, STATE_JSON))
+    with pytest.raises(FileNotFoundError, match=STATE_JSON):
+        run(base, out, resume=ckpt)
+
+
+def test_export_loads_and_gives_the_trained_logits(base, full):
+    folder, tok, _ = base
+    model, _, _, export = full
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(export))
+    fresh = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    qc.load_quantized(export, fresh)
+    batch = tok([t for t, _ in topic_texts(n_per_class=2, seed=5)], padding=True, return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        want, got = model(**batch).logits, fresh(**batch).logits
+    assert torch.equal(want, got)
+    assert not torch.equal(want, transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+                           .eval()(**batch).logits)      # the trained, quantized model, not the start
+    again = transformers.AutoTokenizer.from_pretrained(export)
+    assert again.get_vocab() == tok.get_vocab()
+
+
+def _trainer(base, out, callbacks, model=None, cls=transformers.Trainer, **kw):
+    folder, tok, data = base
+    model = model or transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    args = transformers.TrainingArguments(out, use_cpu=True, report_to=[], max_steps=2,
+                                          per_device_train_batch_size=4, logging_steps=1,
+                                          save_strategy="no", disable_tqdm=True, seed=0)
+    return cls(model, args, train_dataset=data, processing_class=tok, callbacks=callbacks, **kw)
+
+
+def test_callback_rewrites_once_and_accepts_a_rewritten_model(base, tmp_path):
+    folder = base[0]
+    cb = CompressionCallback(CFG)
+    trainer = _trainer(base, str(tmp_path / "a"), [cb])
+    query = dict(trainer.model.named_modules())[QUERY]
+    assert query.qc_wq is not None and query.qc_wq.bits == 8   # rewritten at on_init_end
+    assert trainer.optimizer is None                            # before the optimizer exists
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    qc.init_compression(model, CFG)
+    state = dict(model.named_modules())[QUERY].qc_wq
+    cb2 = CompressionCallback(CFG)
+    _trainer(base, str(tmp_path / "b"), [cb2], model=model)
+    assert dict(model.named_modules())[QUERY].qc_wq is state   # not rewritten a second time
+    assert cb2.scheduler.model is model
+
+
+def test_export_dir_in_use_fails_before_training(base, tmp_path):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="config.json"):
+        _trainer(base, str(tmp_path / "out"), [CompressionCallback(CFG, export_dir=str(export))])
+
+
+# --- DistillationTrainer -----------------------------------------------------------------------
+
+KD = {"enabled": True, "temperature": 2.0, "alpha": 0.4, "hidden_mse": 0.5}
+
+
+def _manual_kd(student_out, teacher_out, mask=None):
+    """(1 - a) * task + a * (T^2 KL(teacher || student) + w * sum of hidden MSEs), by hand."""
+    T, a, w = KD["temperature"], KD["alpha"], KD["hidden_mse"]
+    pt = F.softmax(teacher_out.logits.double() / T, -1)
+    kl = (pt * (pt.log() - F.log_softmax(student_out.logits.double() / T, -1))).sum(-1)
+    kl = kl[mask].mean() if mask is not None else kl.mean()
+    mse = sum(((s.double() - t.double()) ** 2).mean()
+              for s, t in zip(student_out.hidden_states, teacher_out.hidden_states))
+    kd = T * T * kl + w * mse
+    return (1 - a) * student_out.loss.double() + a * kd, kd
+
+
+def test_distillation_trainer_loss_and_logs(base, tmp_path):
+    folder, tok, data = base
+    cfg = {**CFG, "compression_training": {**CFG["compression_training"], "distillation": KD}}
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)   # one forward = the next
+    trainer = _trainer(base, str(tmp_path / "out"), [CompressionCallback(cfg)], model=model,
+                       cls=DistillationTrainer, compression_config=cfg)
+    teacher, student = trainer.distiller.teacher, trainer.model
+    assert type(dict(teacher.named_modules())[QUERY]) is torch.nn.Linear      # full-precision copy
+    assert dict(student.named_modules())[QUERY].qc_wq is not None
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+    batch = trainer.data_collator(data[:4])
+    student.train()
+    total = trainer.compute_loss(student, dict(batch))
+    with torch.no_grad():
+        s_out = student(**batch, output_hidden_states=True)
+        t_out = teacher(**{k: v for k, v in batch.items() if k != "labels"}, output_hidden_states=True)
+    want, _ = _manual_kd(s_out, t_out)
+    assert total.item() == pytest.approx(want.item(), rel=1e-5)
+    assert hidden_state_mse(s_out.hidden_states, t_out.hidden_states, [0, 1]).item() > 0
+
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(logs) == 2 and all({"task_loss", "distill_loss"} <= set(r) for r in logs)
+    for r in logs:
+        assert r["loss"] == pytest.approx(0.6 * r["task_loss"] + 0.4 * r["distill_loss"], rel=1e-3, abs=1e-4)
+
+
+def test_distillation_trainer_causal_lm_uses_positions_with_a_label(tmp_path):
+    folder = tiny_gpt2_folder(str(tmp_path / "gpt2"))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                              attn_pdrop=0.0)
+    cfg = {"compression_training": {"distillation": KD}}
+    enc = tok(["the game team win", "market bank profit shares price growth"], padding=True,
+              return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    labels[0, 1] = -100                        # a prompt token without a target, too
+    batch = {**enc, "labels": labels}
+    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                                          disable_tqdm=True)
+    trainer = DistillationTrainer(model, args, compression_config=cfg,
+                                  teacher=transformers.AutoModelForCausalLM.from_pretrained(folder))
+    with torch.no_grad():
+        torch.nn.init.normal_(trainer.distiller.teacher.lm_head.weight)   # a teacher that disagrees
+    model.train()
+    total = trainer.compute_loss(model, dict(batch))
+    with torch.no_grad():
+        s_out = model(**batch, output_hidden_states=True)
+        t_out = trainer.distiller.teacher(**enc, output_hidden_states=True)
+    # logits at position i predict labels[i + 1]
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    mask[:, :-1] = labels[:, 1:] != -100
+    want, kd = _manual_kd(s_out, t_out, mask)
+    assert total.item() == pytest.approx(want.item(), rel=1e-5)
+    wrong, _ = _manual_kd(s_out, t_out, labels != -100)       # unshifted: a different number
+    assert abs(wrong.item() - want.item()) > 1e-4
+    with pytest.raises(ValueError, match="distillation.enabled is false"):
+        DistillationTrainer(model, args, compression_config={}, teacher=trainer.distiller.teacher)
+
+
+def test_qcompress_does_not_import_transformers_and_hf_says_what_to_install():
+    code = ("import sys\n"
+            "import qcompress, qcompress.train.distill\n"
+            "assert 'transformers' not in sys.modules, 'qcompress imported transformers'\n"
+            "sys.modules['transformers'] = None\n"
+            "try:\n"
+            "    import qcompress.hf\n"
+            "except ImportError as e:\n"
+            "    print('ERR', e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    assert "ERR" in res.stdout and "pip install qcompress[hf]" in res.stdout
