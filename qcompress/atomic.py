@@ -37,6 +37,8 @@ def fs_rmtree(path: str) -> None:
 
 def remove_quietly(path: str) -> None:
     """fs_remove, where a file that is already gone is fine."""
+    if not os.path.lexists(path):
+        return
     try:
         fs_remove(path)
     except FileNotFoundError:
@@ -44,6 +46,9 @@ def remove_quietly(path: str) -> None:
 
 
 def rmtree_quietly(path: str) -> None:
+    """fs_rmtree, where a folder that is already gone is fine."""
+    if not os.path.lexists(path):
+        return
     try:
         fs_rmtree(path)
     except FileNotFoundError:

@@ -7,7 +7,10 @@ and ranks/rank<r>.json (RNG states and other per-rank values). Everything is fir
 is replaced atomically, so a crash mid-save leaves the previous checkpoint and `latest` intact.
 Re-saving an existing tag parks the old <tag> at <dir>/.<tag>.old until the new one is in place;
 loading falls back to the parked copy when <tag> is missing, so a crash at any point of the
-commit leaves a complete checkpoint under every tag `latest` can name.
+commit leaves a complete checkpoint under every tag `latest` can name. Rank 0 holds an owner
+lock (<dir>/.<tag>.lock, qcompress/atomic.py) while it saves; the next save removes what dead
+writers left (their .tmp folders, .latest files, parked copies no longer needed), never what a
+live writer owns. Every rename and removal goes through qcompress.atomic's hooks.
 
 Optimizer state, by how it is distributed:
 - "dcp" (stage 0 and FSDP2 stages 2/3): torch's get/set_optimizer_state_dict, keyed by
@@ -23,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from .. import atomic
 from .serialize import flatten, tensor_keys, unflatten
 
 FORMAT_VERSION = 1
@@ -50,29 +53,14 @@ def _barrier(group=None) -> None:
 
 def _write_json(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic.remove_quietly(tmp)
+    atomic.write_text_new(tmp, json.dumps(obj))
+    atomic.fs_replace(tmp, path)
 
 
 def _read_json(path: str) -> Any:
     with open(path, "r", encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -159,30 +147,101 @@ def _parked(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f".{tag}.old")
 
 
+def _temp(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".{tag}.tmp")
+
+
+def _lock_path(save_dir: str, tag: str) -> str:
+    """Rank 0 holds an flock on this file while it saves `tag` (see qcompress/atomic.py)."""
+    return os.path.join(save_dir, f".{tag}.lock")
+
+
+def _latest_temp(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".{tag}.latest")
+
+
+_SUFFIXES = ("tmp", "old", "lock", "latest")     # .<tag>.<suffix>: the last dot ends the tag
+
+
+def _take_lock(save_dir: str, tag: str) -> atomic.OwnerLock:
+    """This writer's lock on `tag` (a dead writer's lock file is taken over)."""
+    path = _lock_path(save_dir, tag)
+    for _ in range(100):
+        try:
+            return atomic.OwnerLock.create(path)
+        except FileExistsError:
+            lock = atomic.OwnerLock.claim(path)
+            if lock is None and atomic.claims_supported():
+                raise RuntimeError(f"another process is saving checkpoint tag {tag!r} into "
+                                   f"{save_dir!r} right now ({path} is locked)") from None
+            if lock is not None:
+                lock.release()          # a dead writer's: remove it and create ours
+            else:
+                atomic.remove_quietly(path)
+    raise RuntimeError(f"cannot take the lock {path}")
+
+
+def clean_leftovers(save_dir: str, own: Optional[str] = None) -> None:
+    """Remove what crashed saves left in `save_dir`: `.<tag>.tmp` folders and `.<tag>.latest`
+    files of writers that are gone, and `.<tag>.old` copies once `<tag>` is in place again.
+    A tag whose lock a live writer holds is left alone (`own`: the caller's tag, already locked)."""
+    tags = set()
+    for name in os.listdir(save_dir):
+        tag, _, suffix = name[1:].rpartition(".")
+        if name.startswith(".") and tag and suffix in _SUFFIXES:
+            tags.add(tag)
+    for tag in sorted(tags):
+        lock = None
+        if tag != own:
+            lock = atomic.OwnerLock.claim(_lock_path(save_dir, tag))
+            if lock is None:                 # a live writer's
+                continue
+        try:
+            atomic.rmtree_quietly(_temp(save_dir, tag))
+            atomic.remove_quietly(_latest_temp(save_dir, tag))
+            if os.path.isfile(os.path.join(save_dir, tag, "engine.json")):
+                atomic.rmtree_quietly(_parked(save_dir, tag))   # else: the tag's only copy
+        finally:
+            if lock is not None:
+                lock.release()
+
+
 def _commit(tmp: str, final: str, parked: str) -> None:
     """Rename the finished `tmp` to `final`. A directory cannot be replaced atomically, so an
     existing `final` is first parked; until `tmp` is in place the parked copy is the tag's
     checkpoint (resolve() falls back to it), so a crash between the renames loses nothing."""
     if os.path.exists(final):
-        shutil.rmtree(parked, ignore_errors=True)   # leftover of a re-save that completed
-        os.replace(final, parked)
+        atomic.rmtree_quietly(parked)        # leftover of a re-save that completed
+        atomic.fs_replace(final, parked)
     # else: a parked copy, if any, is the only complete one (an earlier re-save crashed): keep it
-    os.replace(tmp, final)
-    shutil.rmtree(parked, ignore_errors=True)
+    atomic.fs_replace(tmp, final)
+    atomic.rmtree_quietly(parked)
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.fspath(save_dir)
     final = os.path.join(save_dir, tag)
-    tmp = os.path.join(save_dir, f".{tag}.tmp")
+    tmp = _temp(save_dir, tag)
     rank, group = engine.rank, engine.group
+    lock = None
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)      # leftovers of a crashed save
-        os.makedirs(os.path.join(tmp, "ranks"))
-    _barrier(group)
+        lock = _take_lock(save_dir, tag)
+    try:
+        if rank == 0:
+            clean_leftovers(save_dir, own=tag)      # crashed saves, this tag's included
+            os.makedirs(os.path.join(tmp, "ranks"))
+        _barrier(group)
+        _write_checkpoint(engine, save_dir, tag, tmp, final, client_state)
+    finally:
+        if lock is not None:
+            lock.release()
+    return final
 
+
+def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
+    rank, group = engine.rank, engine.group
     tensors: Dict[str, torch.Tensor] = {}
     for k, v in get_model_state_dict(engine.wrapped).items():
         tensors[f"model.{k}"] = v
@@ -206,16 +265,12 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     _barrier(group)
     if rank == 0:
         _commit(tmp, final, _parked(save_dir, tag))
-        latest = os.path.join(save_dir, "latest")
-        tmp_latest = f"{latest}.tmp"
-        with open(tmp_latest, "w", encoding="utf-8") as fh:
-            fh.write(tag)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_latest, latest)
-        _fsync_dir(save_dir)
+        tmp_latest = _latest_temp(save_dir, tag)
+        atomic.remove_quietly(tmp_latest)
+        atomic.write_text_new(tmp_latest, tag)
+        atomic.fs_replace(tmp_latest, os.path.join(save_dir, "latest"))
+        atomic.fsync_dir(save_dir)
     _barrier(group)
-    return final
 
 
 # --- load ------------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""Engine checkpoint reliability (issue 11): a crash at every rename and removal of a save
+(as an exception and as a kill) leaves `latest` loading exactly the previous or exactly the new
+checkpoint; temporaries of dead savers are removed by the next save (never a live saver's);
+checkpoint files get the mode of a plain write.
+
+Oracle: the engine's full parameters right after each save (W.full_params)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import test_engine_workers as W
+from qcompress import atomic
+from qcompress.engine import initialize
+from test_reliability_export import Crash, Inject
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _engine():
+    cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
+    return cfg, initialize(W.make_model(cfg), cfg)
+
+
+def _loaded(cfg, folder, tag=None):
+    fresh = initialize(W.make_model(cfg, seed=4), cfg)
+    fresh.load_checkpoint(str(folder), tag=tag)
+    return W.full_params(fresh)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _listing(folder):
+    return sorted(os.listdir(folder))
+
+
+@pytest.mark.parametrize("same_tag", [False, True], ids=["new-tag", "same-tag"])
+@pytest.mark.parametrize("dead", [False, True], ids=["exception", "kill"])
+def test_save_is_atomic_at_every_rename_and_remove(tmp_path, same_tag, dead):
+    cfg, engine = _engine()
+    W.train_steps(engine, 0, 2, 1, 4, 1, 0)
+    tag_old, tag_new = ("best", "best") if same_tag else ("global_step2", "global_step3")
+    base = tmp_path / "base"
+    engine.save_checkpoint(str(base), tag=tag_old)
+    old = W.full_params(engine)
+    W.train_steps(engine, 2, 3, 1, 4, 1, 0)
+    new = W.full_params(engine)
+    assert not _same(old, new)
+    outcomes = []
+    for k in range(1, 40):
+        d = tmp_path / f"k{k}"
+        shutil.copytree(base, d)
+        with Inject(k, dead):
+            try:
+                engine.save_checkpoint(str(d), tag=tag_new)
+                crashed = False
+            except Crash:
+                crashed = True
+        got = _loaded(cfg, d)                             # through `latest`
+        if not crashed:
+            assert _same(got, new)
+            assert _listing(d) == sorted({tag_old, tag_new, "latest"})
+            break
+        assert _same(got, old) or _same(got, new), f"crash at rename/remove {k}: neither"
+        outcomes.append("old" if _same(got, old) else "new")
+        if same_tag:                                       # by name too
+            by_name = _loaded(cfg, d, tag=tag_new)
+            assert _same(by_name, old) or _same(by_name, new)
+        engine.save_checkpoint(str(d), tag=tag_new)        # the next save repairs and cleans up
+        assert _same(_loaded(cfg, d), new)
+        assert _listing(d) == sorted({tag_old, tag_new, "latest"}), (k, _listing(d))
+    else:
+        pytest.fail("the save never finished")
+    # nothing is committed before `latest` (new tag) or the parked copy's removal (same tag)
+    # names the new checkpoint; from then on it stays the new one
+    assert outcomes[0] == "old" and outcomes == sorted(outcomes, key=lambda o: o == "new"), outcomes
+
+
+def test_leftovers_of_killed_saves_are_removed(tmp_path, monkeypatch):
+    # 12 saves of growing step numbers killed after writing everything: the next save removes
+    # all they left (each killed save would clean its predecessor; switched off to pile them up)
+    from qcompress.engine import checkpoint as ck
+    cfg, engine = _engine()
+    W.train_steps(engine, 0, 1, 1, 4, 1, 0)
+    d = str(tmp_path)
+    engine.save_checkpoint(d, tag="good")
+    monkeypatch.setattr(ck, "clean_leftovers", lambda *a, **k: None)
+    for step in range(12):
+        with Inject(3, dead=True):                         # dies at the commit rename
+            with pytest.raises(Crash):
+                engine.save_checkpoint(d, tag=f"global_step{step}")
+    monkeypatch.undo()
+    left = [f for f in _listing(d) if f.startswith(".")]
+    assert sum(f.endswith(".tmp") for f in left) == 12 and sum(f.endswith(".lock") for f in left) == 12
+    assert all(os.path.isfile(os.path.join(d, f".global_step{i}.tmp", "engine.json")) for i in range(12))
+    assert _same(_loaded(cfg, d), W.full_params(engine))   # `latest` still names "good"
+    engine.save_checkpoint(d, tag="global_step99")
+    assert _listing(d) == ["global_step99", "good", "latest"]
+
+
+_LIVE = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import test_engine_workers as W
+    from qcompress import atomic
+    from qcompress.engine import initialize
+    cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
+    engine = initialize(W.make_model(cfg), cfg)
+    def stall(*a):
+        print("written", flush=True)
+        time.sleep(600)
+    atomic.fs_replace = stall            # every file written; stop before the commit
+    engine.save_checkpoint({d!r}, tag="slow")
+""")
+
+
+def test_live_saver_is_not_cleaned_and_cannot_be_doubled(tmp_path):
+    d = str(tmp_path)
+    code = _LIVE.format(root=ROOT, tests=os.path.join(ROOT, "tests"), d=d)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        theirs = [f for f in _listing(d) if f.startswith(".slow.")]
+        assert sorted(theirs) == [".slow.lock", ".slow.tmp"]
+        cfg, engine = _engine()
+        engine.save_checkpoint(d, tag="other")             # cleans leftovers, not a live saver's
+        assert set(theirs) <= set(_listing(d))
+        with pytest.raises(RuntimeError, match="another process is saving checkpoint tag 'slow'"):
+            engine.save_checkpoint(d, tag="slow")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    engine.save_checkpoint(d, tag="other")
+    assert _listing(d) == ["latest", "other"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_checkpoint_files_honour_the_umask(tmp_path, umask):
+    cfg, engine = _engine()
+    old = os.umask(umask)
+    try:
+        engine.save_checkpoint(str(tmp_path))
+    finally:
+        os.umask(old)
+    for root, dirs, files in os.walk(tmp_path):
+        for f in files:
+            mode = os.stat(os.path.join(root, f)).st_mode & 0o777
+            assert mode == 0o666 & ~umask, (f, oct(mode))
+        for dname in dirs:
+            mode = os.stat(os.path.join(root, dname)).st_mode & 0o777
+            assert mode == 0o777 & ~umask, (dname, oct(mode))
