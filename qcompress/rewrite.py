@@ -13,7 +13,7 @@ import torch.nn as nn
 from .config import as_config
 from .config.compression import CompressionConfig, Group
 from .errors import ConfigError
-from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware
+from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware, unsupported_reason
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 
@@ -45,7 +45,53 @@ def attention_internals(model: nn.Module) -> List[str]:
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     skip = set(attention_internals(model))
     return [(n, m) for n, m in _unwrap(model).named_modules()
-            if n and n not in skip and kind_of(m) is not None]
+            if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
+
+
+def unsupported_modules(model: nn.Module) -> List[Tuple[str, str, str]]:
+    """(name, kind it would have, reason) of weight layers that cannot be compressed (transposed
+    convolutions, parametrized or computed weights)."""
+    out = []
+    for n, m in _unwrap(model).named_modules():
+        reason = unsupported_reason(m) if n else None
+        if reason:
+            out.append((n, kind_of(m) or "conv", f"{type(m).__name__}: {reason}"))
+    return out
+
+
+def _check_unsupported(tech: str, group: Group, unsupported, path: str) -> None:
+    """A regex that selects a module we cannot compress is refused, naming it; without `modules`
+    (every compressible module) such modules are skipped with a warning."""
+    hits = [(n, why) for n, kind, why in unsupported if kind in SUPPORTS[tech]]
+    if not hits:
+        return
+    if group.modules is None:
+        msg = (f"{path}: skipping {len(hits)} module(s) that cannot be compressed: "
+               + "; ".join(f"{n!r} ({why})" for n, why in hits))
+        warnings.warn(msg, stacklevel=4)
+        log.warning(msg)
+        return
+    for i, pattern in enumerate(group.modules):
+        for n, why in hits:
+            if re.search(pattern, n):
+                raise ConfigError(f"{path}[{i}]", f"{pattern!r} selects module {n!r}, which cannot be "
+                                  f"compressed ({why}); narrow the regex")
+
+
+def _check_grouped_channel_slicing(group: Group, matched: List[str], modules, path: str) -> None:
+    """Channel pruning with related_modules slices channels out; a grouped (depthwise) conv cannot
+    lose output or input channels alone (its groups tie them), so refuse before training."""
+    if not group.related_modules:
+        return
+    from .pruning.setup import related_of
+    for name in matched:
+        for n in [name] + related_of("channel_pruning", group, name, modules):
+            m = modules[n]
+            if kind_of(m) == "conv" and m.groups != 1:
+                raise ConfigError(f"{path.rsplit('.', 1)[0]}.related_modules",
+                                  f"module {n!r} is a grouped convolution (groups={m.groups}): "
+                                  "channel pruning cannot slice its channels; leave it out of "
+                                  "modules / related_modules (masks without related_modules work)")
 
 
 def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> List[str]:
@@ -81,6 +127,8 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     cc: CompressionConfig = as_config(cfg).compression
     names = [(n, kind_of(m)) for n, m in compressible_modules(model)]
     internals = attention_internals(model)
+    unsupported = unsupported_modules(model)
+    all_modules = dict(_unwrap(model).named_modules())
     result = {}
     for tech, technique in cc.techniques():
         if not technique.enabled:
@@ -91,6 +139,9 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
             matched = match_group(names, group, tech)
             path = f"compression_training.{tech}.different_groups.{group.name}.modules"
             _check_attention_patterns(group, matched, internals, path)
+            _check_unsupported(tech, group, unsupported, path)
+            if tech == "channel_pruning":
+                _check_grouped_channel_slicing(group, matched, all_modules, path)
             for n in matched:
                 if n in claimed:
                     raise ConfigError(path, f"module {n!r} is already claimed by group "

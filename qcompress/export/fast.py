@@ -137,6 +137,8 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
     w = rec.get("weights")
     if w is None:
         return "dense", "not quantized"
+    if rec["kind"] == "linear" and not isinstance(mod, _QLinear):
+        return "dequant", f"{type(mod).__name__} has its own forward (run on the dequantized weight)"
     if rec["kind"] != "linear":
         return "dequant", f"{rec['kind']} layer (integer kernels cover nn.Linear only)"
     if rec.get("qtype", "int") != "int":

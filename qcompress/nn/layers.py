@@ -3,17 +3,28 @@
 `make_compress_aware(module)` swaps a module's class for a subclass of its own class (so
 `isinstance` checks, parameters, their identity, device, dtype and state_dict keys are all
 kept) that applies weight quantization, pruning masks and input-activation quantization in
-forward. Supported: nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.BatchNorm2d and
-transformers' Conv1D (GPT-2, weight stored [in, out]).
+forward. Supported: nn.Linear, nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm2d, transformers'
+Conv1D (GPT-2, weight stored [in, out]) and their subclasses.
+
+Two forwards:
+- fast path: the library class's forward (and, for convs, `_conv_forward`) is inherited
+  unchanged, so the mixin calls the functional op itself with the effective tensors;
+- composed path: the class defines its own forward (TF-"same" padding, weight standardization,
+  scaled weights, ...). The mixin quantizes the first input, puts the effective weight and bias
+  into `_parameters` for the duration of the call (as torch.func.functional_call does), runs the
+  class's own forward, and puts the Parameters back. Whatever the forward does with
+  `self.weight` then acts on the compressed weight.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Dict, Optional, Type
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from ..quant.api import fake_quantize_spec
 from ..quant.reference import make_spec
@@ -27,13 +38,16 @@ def _is_hf_conv1d(module) -> bool:
     return cls.__name__ == "Conv1D" and "transformers" in cls.__module__ and hasattr(module, "nf")
 
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def kind_of(module) -> Optional[str]:
     """linear | conv | embedding | batchnorm | hf_conv1d, or None if not compressible."""
     if isinstance(module, CompressMixin):
         return module.qc_kind
     if isinstance(module, nn.Linear):
         return "linear"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+    if isinstance(module, _CONVS):
         return "conv"
     if isinstance(module, nn.Embedding):
         return "embedding"
@@ -133,7 +147,7 @@ class CompressMixin:
     # --- activations --------------------------------------------------------------------------
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         aq = self.qc_aq
-        if aq is None or not aq.active or not torch.is_floating_point(x):
+        if aq is None or not aq.active or not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return x
         if aq.calibration == "static":
             if self.training:
@@ -217,11 +231,130 @@ _FORWARDS: Dict[str, Type[CompressMixin]] = {
 }
 
 
+class _ComposedForward(CompressMixin):
+    """For classes with their own forward: run it as written, with the effective tensors in place.
+
+    The effective weight and bias are put into `_parameters` for the call only, the way
+    torch.func.functional_call swaps tensors in, so every `self.weight` / `self.bias` the forward
+    (or a method it calls, e.g. `super().forward`) reads is the compressed one; the Parameters are
+    back before the call returns, so parameter identity and state_dict are untouched.
+    """
+
+    def forward(self, *args, **kwargs):
+        if args:
+            args = (self.quantize_input(args[0]),) + args[1:]
+        elif kwargs and self.qc_aq is not None:
+            key = forward_input_name(base_class(type(self)))
+            if key in kwargs:
+                kwargs = {**kwargs, key: self.quantize_input(kwargs[key])}
+        params = self._parameters
+        w, b = params["weight"], params.get("bias")
+        ew, eb = self.effective_weight(), self.effective_bias()
+        wq = self.qc_wq
+        # the weight is compressed now (in forward, or written in by the optimizer-step mode)
+        watch = ew is not w or (wq is not None and wq.active)
+        if not watch and eb is b:             # nothing acts on the tensors (e.g. before the offset)
+            return super().forward(*args, **kwargs)
+        seen = self.__dict__
+        seen["_qc_weight_read"] = False
+        params["weight"] = ew
+        if b is not None:
+            params["bias"] = eb
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:
+            params["weight"] = w
+            if b is not None:
+                params["bias"] = b
+        if watch and not seen["_qc_weight_read"]:
+            _warn_unread(self)
+        return out
+
+    def __getattr__(self, name):
+        # nn.Module resolves parameters here: note that forward asked for the weight
+        if name == "weight":
+            self.__dict__["_qc_weight_read"] = True
+        return super().__getattr__(name)
+
+
+_INPUT_NAMES: Dict[type, Optional[str]] = {}
+
+
+def forward_input_name(cls: type) -> Optional[str]:
+    """Name of the first argument of `cls.forward` (for an input passed by keyword)."""
+    if cls not in _INPUT_NAMES:
+        try:
+            names = list(inspect.signature(cls.forward).parameters)[1:2]
+        except (TypeError, ValueError):
+            names = []
+        _INPUT_NAMES[cls] = names[0] if names else None
+    return _INPUT_NAMES[cls]
+
+
+_warned_unread = set()
+
+
+def _warn_unread(mod) -> None:
+    cls = base_class(type(mod))
+    if cls not in _warned_unread:
+        _warned_unread.add(cls)
+        warnings.warn(f"{mod.qc_name}: {cls.__module__}.{cls.__qualname__}.forward ran without reading "
+                      "self.weight, so the compressed weight was not used (does it read a copy of the "
+                      "weight, or does another module use it?); its outputs are not those of the "
+                      "compressed model", stacklevel=3)
+
+
+def library_class(cls: type) -> Optional[type]:
+    """The torch (or transformers Conv1D) class whose forward the fast path reproduces."""
+    for c in cls.__mro__:
+        if c in (nn.Linear, nn.Embedding, nn.BatchNorm2d) + _CONVS:
+            return c
+        if c.__name__ == "Conv1D" and "transformers" in c.__module__:
+            return c
+    return None
+
+
+def own_forward(cls: type) -> Optional[str]:
+    """The forward method `cls` defines over its library class ('forward', '_conv_forward'), or
+    None when it inherits them unchanged (and the fast path computes the same thing)."""
+    lib = library_class(cls)
+    for meth in ("forward", "_conv_forward"):
+        mine, theirs = getattr(cls, meth, None), getattr(lib, meth, None)
+        if theirs is not None and mine is not theirs:
+            return meth
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    """Why this weight layer cannot be made compress-aware; None when it can (or is no weight layer)."""
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return ("transposed convolutions are not supported (their weight is [in, out/groups, ...]: "
+                "per-channel scales and channel pruning would act on input channels)")
+    if isinstance(module, CompressMixin) or kind_of(module) in (None, "batchnorm"):
+        return None
+    if parametrize.is_parametrized(module):
+        return ("its tensors are computed by torch.nn.utils.parametrize (weight_norm, spectral_norm, "
+                "...), so no Parameter named weight exists to compress; remove the parametrization "
+                "(parametrize.remove_parametrizations) first")
+    if inspect.getattr_static(type(module), "weight", None) is not None:
+        return "its class defines `weight` itself (a property or class attribute), which hides the Parameter"
+    w = module._parameters.get("weight")
+    if not isinstance(w, nn.Parameter):
+        return ("its weight is not a registered Parameter (computed outside the parameters, e.g. by "
+                "the deprecated torch.nn.utils.weight_norm's forward pre-hook)")
+    if isinstance(w, nn.parameter.UninitializedParameter):
+        return "it is a lazy module whose weight is not materialized yet (run one forward first)"
+    return None
+
+
 def compress_class(cls: type, kind: str) -> type:
-    """The compress-aware subclass of `cls` (created once per class)."""
+    """The compress-aware subclass of `cls` (created once per class): the fast forward when `cls`
+    inherits its library class's forward, the composed one when it has its own."""
     if cls not in _CLASS_CACHE:
-        mixin = _FORWARDS[kind]
-        _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        fast = kind == "batchnorm" or own_forward(cls) is None   # BatchNorm's already defers to super()
+        mixin = _FORWARDS[kind] if fast else _ComposedForward
+        _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (mixin, cls),
+                                 {"__module__": __name__, "qc_kind": kind})
     return _CLASS_CACHE[cls]
 
 
@@ -243,6 +376,9 @@ def make_compress_aware(module: nn.Module, name: str) -> nn.Module:
     kind = kind_of(module)
     if kind is None:
         raise TypeError(f"{name}: {type(module).__name__} is not a compressible module")
+    reason = unsupported_reason(module)
+    if reason:
+        raise TypeError(f"{name}: {type(module).__name__} cannot be compressed: {reason}")
     module.__class__ = compress_class(type(module), kind)
     module._qc_setup(name)
     return module
@@ -252,7 +388,7 @@ def restore_class(module: nn.Module) -> nn.Module:
     """Undo make_compress_aware (used after redundancy_clean when nothing is left to apply)."""
     if isinstance(module, CompressMixin):
         base = base_class(type(module))
-        for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning"):
+        for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning", "_qc_weight_read"):
             module.__dict__.pop(attr, None)
         module.__class__ = base
     return module
