@@ -130,6 +130,22 @@ class _QHFConv1D(QuantizedMixin):
         return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(size_out)
 
 
+class _QComposed(QuantizedMixin):
+    """A class with its own forward (see nn/layers.py): it runs as written on the dequantized
+    `weight`, after the input quantization, as in training."""
+
+    def forward(self, *args, **kwargs):
+        from ..nn.layers import forward_input_name
+        if args and isinstance(args[0], torch.Tensor):
+            args = (self._qx_input(args[0]),) + args[1:]
+        elif not args:
+            own = next(c for c in type(self).__mro__ if not issubclass(c, QuantizedMixin))
+            key = forward_input_name(own)
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs = {**kwargs, key: self._qx_input(kwargs[key])}
+        return super().forward(*args, **kwargs)
+
+
 _FORWARDS = {"linear": _QLinear, "conv": _QConv, "embedding": _QEmbedding, "hf_conv1d": _QHFConv1D}
 _CACHE: Dict[type, type] = {}
 
@@ -137,7 +153,9 @@ _CACHE: Dict[type, type] = {}
 def _swap(module: nn.Module, kind: str, name: str, rec: dict):
     cls = type(module)
     if cls not in _CACHE:
-        _CACHE[cls] = type(f"Quantized{cls.__name__}", (_FORWARDS[kind], cls), {"__module__": __name__})
+        from ..nn.layers import own_forward
+        mixin = _FORWARDS[kind] if own_forward(cls) is None else _QComposed
+        _CACHE[cls] = type(f"Quantized{cls.__name__}", (mixin, cls), {"__module__": __name__})
     module.__class__ = _CACHE[cls]
     module._qx_setup(name, rec)
 
