@@ -1,8 +1,8 @@
 """DeepSpeed's `tensorboard` and `csv_monitor` config sections: the engine's monitor writes
 Train/Samples/train_loss, lr and loss_scale at global_samples, checked against a plain torch loop
 and read back with TensorBoard's own EventAccumulator."""
-import copy
 import csv
+import json
 import os
 import sys
 import warnings
@@ -202,3 +202,27 @@ def test_write_events_rejects_a_fractional_step(tmp_path):
     m.write_events([("a b/c", torch.tensor(0.25), torch.tensor(8))])     # tensors are fine
     m.close()
     assert read_csv(tmp_path / "DeepSpeedJobName" / "a_b_c.csv") == (["step", "c"], [(8, 0.25)])
+
+
+def test_export_from_a_checkpoint_writes_no_training_logs(tmp_path, monkeypatch):
+    from qcompress import cli
+    doc = make_cfg(csv_monitor={"enabled": True, "output_path": "logs"},
+                   tensorboard={"enabled": True, "output_path": "logs"},
+                   compression_training={"weight_quantization": {
+                       "shared_parameters": {"enabled": True},
+                       "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8},
+                                                   "modules": ["0", "2"]}}}})
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    (tmp_path / "qc_monitor_models.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def build():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))\n")
+    monkeypatch.chdir(tmp_path)
+    engine = initialize(qc.init_compression(make_model(), qc.load_config(doc)), doc)
+    train(engine, 0, 2)
+    engine.save_checkpoint("ckpt")
+    engine.monitor.close()
+    before = {p: os.path.getsize(os.path.join(d, p)) for d, _, fs in os.walk("logs") for p in fs}
+    assert cli.main(["export", "--model", "qc_monitor_models:build", "--checkpoint", "ckpt",
+                     "--config", "cfg.json", "--out", "out"]) == 0
+    after = {p: os.path.getsize(os.path.join(d, p)) for d, _, fs in os.walk("logs") for p in fs}
+    assert before == after and os.path.exists("out/model.safetensors")
