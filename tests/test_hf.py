@@ -7,6 +7,7 @@ Oracles: DeepSpeed's doubling rule written out step by step (start 8, target 4, 
 logits against the exported checkpoint's, and the distillation loss written out by hand."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -84,7 +85,7 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def run(base, out, *, export=None, stop_at=None, resume=None, model=None):
+def run(base, out, *, export=None, stop_at=None, resume=None, model=None, load_from=None):
     folder, tok, data = base
     model = model or transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     cb = CompressionCallback(CFG, export_dir=export)
@@ -95,6 +96,8 @@ def run(base, out, *, export=None, stop_at=None, resume=None, model=None):
         logging_steps=1, disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model, args, train_dataset=data, processing_class=tok,
                                    callbacks=[cb, rec] + ([StopAt(stop_at)] if stop_at else []))
+    if load_from:
+        cb.resume_from(load_from)
     trainer.train(resume_from_checkpoint=resume)
     return model, cb, rec
 
@@ -146,6 +149,14 @@ def test_resume_from_checkpoint_continues_exactly(base, full, tmp_path):
                 assert torch.equal(entry["wq"][key], b["modules"][name]["wq"][key]), (name, key)
                 masters += 1
     assert masters == 2 * 13          # 12 encoder Linears + the classifier, master and applied
+
+    # a checkpoint kept outside output_dir: resume_from(folder) continues exactly too
+    kept = str(tmp_path / "kept")
+    shutil.copytree(ckpt, kept)
+    model_kept, cb_kept, _ = run(base, str(tmp_path / "elsewhere"), resume=kept, load_from=kept)
+    assert cb_kept.scheduler.current_bits() == cb_full.scheduler.current_bits()
+    for name, value in model_kept.state_dict().items():
+        assert torch.equal(full_sd[name], value), name
 
     # the same checkpoint without its compression state: resuming would restart the schedule
     os.remove(os.path.join(ckpt, STATE_JSON))

@@ -8,7 +8,8 @@ What it does at each Trainer event:
   on_init_end    init_compression(model, cfg) unless the model is already rewritten, before the
                  Trainer builds its optimizer (topk scores get trained); builds the scheduler
   on_train_begin resuming (global_step > 0): reloads the scheduler state from
-                 <output_dir>/checkpoint-<global_step>/ (the folder the Trainer resumes from)
+                 <output_dir>/checkpoint-<global_step>/ (the folder the Trainer resumes from),
+                 or from the folder given to resume_from()
   on_step_end    one scheduler step per optimizer step (gradient accumulation counts once)
   on_save        writes the scheduler state into the checkpoint folder the Trainer just wrote
   on_train_end   export_quantized(model, export_dir) plus the tokenizer files
@@ -118,6 +119,7 @@ class CompressionCallback(TrainerCallback):
         self.force = force
         self.scheduler: Optional[CompressionScheduler] = None
         self.model = None
+        self._resume_folder: Optional[str] = None
 
     # --- setup ----------------------------------------------------------------------------------
     def _setup(self, model) -> None:
@@ -140,9 +142,12 @@ class CompressionCallback(TrainerCallback):
                                       "CompressionCallback(..., force=True) to overwrite it")
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # The Trainer has loaded the checkpoint's model weights by now; that load drops the master
+        # copies (nn/layers.py), so the compression state must be restored after it, here.
         self._setup(model)
         sched = self.scheduler
-        if state.global_step > 0 and sched.training_steps != state.global_step:
+        folder, self._resume_folder = self._resume_folder, None
+        if folder is None and state.global_step > 0 and sched.training_steps != state.global_step:
             # Trainer resumes from <output_dir>/checkpoint-<global_step> (it read that folder's
             # trainer_state.json); callbacks are not told the path, so rebuild it
             folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
@@ -150,19 +155,23 @@ class CompressionCallback(TrainerCallback):
                 raise FileNotFoundError(
                     f"resuming at step {state.global_step}, but {folder} does not exist: the compression "
                     "state is read from the checkpoint folder under args.output_dir; call "
-                    "callback.load_state(checkpoint_folder) before trainer.train() for a checkpoint "
+                    "callback.resume_from(checkpoint_folder) before trainer.train() for a checkpoint "
                     "kept elsewhere")
+        if folder is not None:
             load_compression_state(sched, folder)
+            if sched.training_steps != state.global_step:
+                raise ValueError(f"{folder}: compression state of step {sched.training_steps}, but the "
+                                 f"Trainer resumes at step {state.global_step}")
             log.info("qcompress: compression state restored from %s (step %d)", folder, sched.training_steps)
         elif state.global_step == 0 and sched.training_steps > 0:
             log.warning("qcompress: a new training run starts while the compression schedule is at "
                         "step %d; it continues from there", sched.training_steps)
 
-    def load_state(self, folder: str) -> None:
-        """Restore the compression state from a checkpoint folder (one written by on_save)."""
-        if self.scheduler is None:
-            raise RuntimeError("CompressionCallback.load_state: build the Trainer with this callback first")
-        load_compression_state(self.scheduler, os.fspath(folder))
+    def resume_from(self, folder: str) -> None:
+        """Restore the compression state from `folder` (a checkpoint written by on_save) when
+        train() starts: for train(resume_from_checkpoint=folder) with a folder outside
+        args.output_dir."""
+        self._resume_folder = os.fspath(folder)
 
     # --- training -------------------------------------------------------------------------------
     def on_step_end(self, args, state, control, **kwargs):
