@@ -79,19 +79,20 @@ def _check_unsupported(tech: str, group: Group, unsupported, path: str) -> None:
 
 
 def _check_grouped_channel_slicing(group: Group, matched: List[str], modules, path: str) -> None:
-    """Channel pruning with related_modules slices channels out; a grouped (depthwise) conv cannot
-    lose output or input channels alone (its groups tie them), so refuse before training."""
+    """Channel pruning with related_modules drops the related convs' input channels; a grouped
+    (depthwise) conv's groups tie its inputs to its outputs, so refuse it before training rather
+    than at redundancy_clean (grouped pruned convs themselves are refused by pruning/setup.py)."""
     if not group.related_modules:
         return
     from .pruning.setup import related_of
     for name in matched:
-        for n in [name] + related_of("channel_pruning", group, name, modules):
+        for n in related_of("channel_pruning", group, name, modules):
             m = modules[n]
             if kind_of(m) == "conv" and m.groups != 1:
                 raise ConfigError(f"{path.rsplit('.', 1)[0]}.related_modules",
-                                  f"module {n!r} is a grouped convolution (groups={m.groups}): "
-                                  "channel pruning cannot slice its channels; leave it out of "
-                                  "modules / related_modules (masks without related_modules work)")
+                                  f"module {n!r} (related to {name!r}) is a grouped convolution "
+                                  f"(groups={m.groups}): channel pruning cannot slice its input "
+                                  "channels alone; leave it out of related_modules")
 
 
 def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> List[str]:
