@@ -184,6 +184,7 @@ class Job:
     def run(self) -> dict:
         o = self.opts
         t_start = time.perf_counter()
+        own_group = not (dist.is_available() and dist.is_initialized())
         if o.task not in ("text-classification", "causal-lm"):
             raise JobError(f"--task {o.task!r}: choose text-classification or causal-lm")
         if o.max_steps is not None and o.max_steps < 1:
@@ -227,12 +228,12 @@ class Job:
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
         report_bits = loop.final_bits(engine.module)
-        export_bytes = None
-        if self.rank == 0:
-            export_dir = os.path.join(o.out, "export")
-            stages["exported"], export_bytes = self.exported(engine.module, export_dir)
-            stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(export_dir))
-        _barrier()
+        trained = self.release_ranks(engine, own_group)
+        if self.rank != 0:
+            return {}
+        export_dir = os.path.join(o.out, "export")
+        stages["exported"], export_bytes = self.exported(trained, export_dir)
+        stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(export_dir))
         report = dict(
             task=o.task, model=os.path.abspath(o.model), model_class=cls_name, parameters=n_params,
             configs=list(o.configs), config=doc, metric=self.metric,
@@ -245,8 +246,7 @@ class Job:
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
             notes=list(o.notes))
         report["wall_time_s"]["total"] = round(time.perf_counter() - t_start, 3)
-        if self.rank == 0:
-            self.finish(report)
+        self.finish(report)
         return report
 
     # --- pieces -----------------------------------------------------------------------------
@@ -343,6 +343,31 @@ class Job:
                     zero_stage=engine.stage, optimizer=(doc.get("optimizer") or {}).get("type", "AdamW (default)"),
                     distillation=distiller is not None, seed=o.seed, max_length=o.max_length)
         return engine, info
+
+    def release_ranks(self, engine, own_group: bool):
+        """After training and the qat stage, export and reloading are rank 0's alone: end the process
+        group we created (transformers' compressed-tensors loader runs collectives of its own when
+        one exists) and return the trained model unsharded. Sharded (ZeRO 2/3) weights come back
+        whole from the final engine checkpoint through a one-process engine."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return engine.module
+        _barrier()
+        if own_group:
+            dist.destroy_process_group()
+        if self.rank != 0 or not engine.sharded:
+            return engine.module
+        from ..export.cli import _load_engine_checkpoint
+        model = fresh_model(engine.module, self.opts.task)
+        import qcompress
+        qcompress.init_compression(model, self.doc)
+        saved = os.environ.get("WORLD_SIZE")
+        os.environ["WORLD_SIZE"] = "1"
+        try:
+            _load_engine_checkpoint(model, self.cfg, os.path.join(self.opts.out, "checkpoints", "qat"), None)
+        finally:
+            if saved is not None:
+                os.environ["WORLD_SIZE"] = saved
+        return model.eval()
 
     def exported(self, model, export_dir):
         """Export (atomically: a complete folder replaces the old one) and reload with load_quantized."""

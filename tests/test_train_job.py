@@ -1,0 +1,250 @@
+"""`qcompress train` end to end on tiny Hugging Face models built here: every data format, both
+tasks, every output file, exported == qat, --resume, torchrun with 2 ranks, and bad input."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_fixtures as hf
+from qcompress.cli import main as cli_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W8A8 = os.path.join(ROOT, "schedules", "w8a8.yaml")
+FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("job")
+    bert = hf.tiny_bert_folder(str(base / "bert"))
+    gpt2 = hf.tiny_gpt2_folder(str(base / "gpt2"))
+    rows = hf.topic_texts(10)
+    return dict(base=base, bert=bert, gpt2=gpt2, rows=rows)
+
+
+def write_data(folder, fmt, rows):
+    """The same (text, label) rows in each supported format; returns the --data path."""
+    os.makedirs(folder, exist_ok=True)
+    if fmt in ("csv", "tsv"):
+        path = os.path.join(folder, f"data.{fmt}")
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh, delimiter="," if fmt == "csv" else "\t")
+            w.writerow(["text", "label"])
+            w.writerows(rows)
+        return path
+    if fmt == "jsonl":
+        path = os.path.join(folder, "data.jsonl")
+        with open(path, "w", encoding="utf-8") as fh:
+            for t, y in rows:
+                fh.write(json.dumps({"text": t, "label": y}) + "\n")
+        return path
+    if fmt == "folders":
+        path = os.path.join(folder, "classes")
+        for i, (t, y) in enumerate(rows):
+            os.makedirs(os.path.join(path, y), exist_ok=True)
+            with open(os.path.join(path, y, f"{i:03d}.txt"), "w", encoding="utf-8") as fh:
+                fh.write(t)
+        return path
+    if fmt == "txt":
+        path = os.path.join(folder, "corpus.txt")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(t for t, _ in rows))
+        return path
+    if fmt == "txt-folder":
+        path = os.path.join(folder, "texts")
+        os.makedirs(path, exist_ok=True)
+        for i in range(3):
+            with open(os.path.join(path, f"part{i}.txt"), "w", encoding="utf-8") as fh:
+                fh.write("\n".join(t for t, _ in rows[i::3]))
+        return path
+    raise ValueError(fmt)
+
+
+def train(args, capsys=None):
+    code = cli_main(["train", *args])
+    return code
+
+
+def check_outputs(out, task, steps):
+    """Every file the issue names, with content that agrees with itself."""
+    for name in ("report.json", "report.md", "metrics.csv", "plots/loss.png", "plots/bits.png",
+                 "export/config.json", "export/model.safetensors", "export/tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    rep = json.load(open(os.path.join(out, "report.json")))
+    metric = "accuracy" if task == "text-classification" else "perplexity"
+    assert rep["task"] == task and rep["metric"] == metric
+    st = rep["stages"]
+    for stage in ("fp32", "ptq", "qat", "exported"):
+        assert st[stage][metric] is not None, stage
+    # the export reloaded by qcompress is the trained model, bit for bit
+    assert st["exported"][metric] == st["qat"][metric]
+    assert st["exported"]["max_logit_diff_vs_qat"] == 0.0
+    assert "transformers" in st and (st["transformers"][metric] is not None or st["transformers"]["reason"])
+    files = [f for f in os.listdir(os.path.join(out, "export")) if f.endswith(".safetensors")]
+    assert rep["sizes"]["export_bytes"] == sum(os.path.getsize(os.path.join(out, "export", f)) for f in files)
+    assert 0 < rep["sizes"]["export_bytes"] < rep["sizes"]["fp32_bytes"]
+    assert rep["final_bits"]["weight:w8"]["bits"] == 8
+    rows = list(csv.DictReader(open(os.path.join(out, "metrics.csv"))))
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    assert all(math.isfinite(float(r["loss"])) and float(r["samples_per_s"]) > 0 for r in rows)
+    assert {r["bits.w8"] for r in rows} == {"8"} and {r["act_bits.a8"] for r in rows} == {"8"}
+    assert rep["training"]["steps"] == steps
+    md = open(os.path.join(out, "report.md")).read()
+    assert "| qat |" in md and "| exported |" in md
+    return rep
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl", "folders"])
+def test_classification_every_format(folders, tmp_path, fmt):
+    data = write_data(str(tmp_path / "d"), fmt, folders["rows"])
+    out = str(tmp_path / "out")
+    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+                  "--out", out, "--max-steps", "3", *FAST]) == 0
+    rep = check_outputs(out, "text-classification", 3)
+    assert rep["data"]["labels"] == sorted(hf.TOPICS)
+    cfg = json.load(open(os.path.join(out, "export", "config.json")))
+    # the label mapping and the class actually exported reach the export's config
+    assert cfg["id2label"] == {str(i): y for i, y in enumerate(sorted(hf.TOPICS))}
+    assert cfg["architectures"] == ["BertForSequenceClassification"]
+
+
+@pytest.mark.parametrize("fmt", ["txt", "txt-folder", "jsonl"])
+def test_causal_lm_formats(folders, tmp_path, fmt):
+    data = write_data(str(tmp_path / "d"), fmt, folders["rows"] * 2)
+    out = str(tmp_path / "out")
+    assert train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm",
+                  "--out", out, "--max-steps", "2", *FAST]) == 0
+    rep = check_outputs(out, "causal-lm", 2)
+    # perplexity is exp of the mean token loss of the same stage
+    for stage in ("fp32", "qat"):
+        assert rep["stages"][stage]["perplexity"] == pytest.approx(math.exp(rep["stages"][stage]["loss"]))
+
+
+def test_baseline_and_distillation(folders, tmp_path):
+    """--baseline adds an FP32 fine-tune of the same budget; distillation fills distill_loss with
+    total = (1 - alpha) task + alpha KD."""
+    cfg = tmp_path / "kd.yaml"
+    cfg.write_text("compression_training:\n  distillation:\n    enabled: true\n    teacher: self\n"
+                   "    temperature: 2.0\n    alpha: 0.25\n")
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    assert train([W8A8, str(cfg), "--model", folders["bert"], "--data", data, "--task",
+                  "text-classification", "--out", out, "--max-steps", "3", "--baseline", *FAST]) == 0
+    rep = check_outputs(out, "text-classification", 3)
+    assert rep["stages"]["fp32_finetuned"]["accuracy"] is not None
+    assert rep["training"]["distillation"] is True
+    rows = list(csv.DictReader(open(os.path.join(out, "metrics.csv"))))
+    for r in rows:
+        total, task, kd = float(r["loss"]), float(r["task_loss"]), float(r["distill_loss"])
+        assert total == pytest.approx(0.75 * task + 0.25 * kd, rel=1e-4)
+    base = list(csv.DictReader(open(os.path.join(out, "metrics_fp32.csv"))))
+    assert len(base) == 3
+
+
+def _export_tensors(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "export", "model.safetensors"))
+
+
+def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monkeypatch):
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--max-steps", "6", "--save-steps", "2", *FAST]
+    whole = str(tmp_path / "whole")
+    assert train([*args, "--out", whole]) == 0
+
+    from qcompress.train import loop
+    real_save = loop.save
+
+    class Interrupted(Exception):
+        pass
+
+    def save_then_die(phase, step):
+        real_save(phase, step)
+        if phase.name == "qat" and step == 4:
+            raise Interrupted()
+    monkeypatch.setattr(loop, "save", save_then_die)
+    cut = str(tmp_path / "cut")
+    with pytest.raises(Interrupted):
+        train([*args, "--out", cut])
+    assert not os.path.exists(os.path.join(cut, "report.json"))   # nothing presented as done
+    monkeypatch.setattr(loop, "save", real_save)
+    assert train([*args, "--out", cut]) == 2                       # the folder holds a run
+    assert train([*args, "--out", cut, "--resume"]) == 0
+    a, b = _export_tensors(whole), _export_tensors(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ra = list(csv.DictReader(open(os.path.join(whole, "metrics.csv"))))
+    rb = list(csv.DictReader(open(os.path.join(cut, "metrics.csv"))))
+    assert [(r["step"], r["loss"]) for r in ra] == [(r["step"], r["loss"]) for r in rb]
+    # other options than the interrupted run: refused, not mixed
+    assert train([*args[:-len(FAST)], "--seed", "1", *FAST, "--out", cut, "--resume"]) == 2
+
+
+def test_torchrun_two_ranks_rank0_writes(folders, tmp_path):
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from dist_utils import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}",
+           "-m", "qcompress", "train", W8A8, "--model", folders["bert"], "--data", data, "--task",
+           "text-classification", "--out", out, "--max-steps", "3", *FAST]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = check_outputs(out, "text-classification", 3)
+    assert rep["training"]["world_size"] == 2
+    assert rep["training"]["micro_batch_size"] == 4          # 8 samples a step over 2 ranks
+    assert proc.stdout.count("| qat |") == 1                 # one report printed: rank 0's
+    leftovers = [f for f in os.listdir(out) if ".tmp" in f]
+    assert not leftovers
+
+
+def test_bad_input_exit_2(folders, tmp_path, capsys):
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    base = ["--task", "text-classification", "--max-steps", "1", *FAST]
+
+    def run(*args):
+        code = train([*args, *base] if "--task" not in args else list(args))
+        return code, capsys.readouterr().err
+
+    code, err = run(W8A8, "--model", str(tmp_path / "nope"), "--data", data, "--out", str(tmp_path / "o1"))
+    assert code == 2 and "nope" in err and "no such folder" in err
+    code, err = run(W8A8, "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o2"),
+                    "--text-column", "body")
+    assert code == 2 and "body" in err and "text" in err and "label" in err   # names the columns there
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    code, err = run(W8A8, "--model", folders["bert"], "--data", str(empty), "--out", str(tmp_path / "o3"))
+    assert code == 2 and "empty.csv" in err
+    bad_cfg = tmp_path / "bad.yaml"
+    bad_cfg.write_text("compression_training: {weight_quantization: [unclosed\n")
+    code, err = run(str(bad_cfg), "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o4"))
+    assert code == 2 and "bad.yaml" in err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("compression_training:\n  weight_quantisation: {}\n")
+    code, err = run(str(typo), "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o5"))
+    assert code == 2 and "weight_quantisation" in err and "weight_quantization" in err
+    code, err = run(str(tmp_path / "missing.yaml"), "--model", folders["bert"], "--data", data,
+                    "--out", str(tmp_path / "o6"))
+    assert code == 2 and "missing.yaml" in err
+    # a model that cannot do the task: a vision transformer folder asked for causal-lm
+    import transformers
+    vit = tmp_path / "vit"
+    hf.write_tokenizer(str(vit))
+    transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=32, image_size=8, patch_size=4)
+                          ).save_pretrained(str(vit))
+    code, err = run(W8A8, "--model", str(vit), "--data", data, "--out", str(tmp_path / "o7"),
+                    "--task", "causal-lm", "--max-steps", "1", *FAST)
+    assert code == 2 and "causal-lm" in err and "vit" in err.lower()
+    for o in ("o1", "o2", "o3", "o4", "o5", "o6", "o7"):
+        assert not os.path.exists(tmp_path / o / "report.json")
