@@ -51,6 +51,9 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     t.add_argument("--seed", type=int, default=0, help="seed of the split, the head, the data order (default 0)")
     t.add_argument("--baseline", action="store_true",
                    help="also fine-tune an FP32 copy with the same budget (fp32_finetuned) and take PTQ of it")
+    t.add_argument("--baseline-from", metavar="RUN",
+                   help="reuse the FP32 baseline of an earlier --baseline run in RUN (same model, data, "
+                        "budget and training config; checked)")
     t.add_argument("--lr", type=float, default=1e-4,
                    help="learning rate of the default AdamW when the config has no optimizer (default 1e-4)")
     t.add_argument("--batch-size", type=int, default=32,
@@ -83,4 +86,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       overwrite=ns.overwrite, lr=ns.lr, batch_size=ns.batch_size,
                       eval_batch_size=ns.eval_batch_size, max_train_samples=ns.max_train_samples,
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
+                      baseline_from=ns.baseline_from,
                       progress=not ns.no_progress)

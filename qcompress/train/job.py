@@ -58,15 +58,30 @@ class JobOptions:
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     save_steps: int = 50
+    baseline_from: Optional[str] = None
     progress: bool = True
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self) -> str:
         """What a resumed run must share with the interrupted one (not out/resume/progress)."""
         keep = {k: v for k, v in asdict(self).items()
-                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes")}
+                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from")}
         keep["config_text"] = [open(c, "rb").read().hex() if os.path.isfile(c) else c for c in self.configs]
-        return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return _digest(keep)
+
+    def baseline_fingerprint(self, plain_doc: dict) -> str:
+        """What decides the FP32 fine-tune: an earlier run with the same one can lend its baseline."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
+                         "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
+                         "max_train_samples", "max_eval_samples")}
+        keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
+        keep["plain_config"] = plain_doc
+        return _digest(keep)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # --- set-up ------------------------------------------------------------------------------------
@@ -87,6 +102,19 @@ def job_config(opts: JobOptions) -> dict:
 def plain_config(doc: dict) -> dict:
     """The same training without compression: the FP32 baseline's config."""
     return {k: v for k, v in doc.items() if k != "compression_training"}
+
+
+def with_tensorboard(doc: dict, out: str, name: str) -> dict:
+    """The engine's config for one training phase: TensorBoard events under out/tensorboard/<name>
+    when tensorboard is installed and the configs do not set up their own monitor."""
+    if "tensorboard" in doc:
+        return doc
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return doc
+    return dict(doc, tensorboard={"enabled": True, "output_path": os.path.join(out, "tensorboard"),
+                                  "job_name": name})
 
 
 def client_optimizer(doc: dict, lr: float):
@@ -218,7 +246,7 @@ class Job:
         ev = self.evaluator()
         stages["fp32"] = self.stage("fp32", lambda: ev(model))
         finetuned = None
-        if o.baseline:
+        if o.baseline or o.baseline_from:
             finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
         ptq_source = finetuned if finetuned is not None else model
         stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
@@ -298,13 +326,17 @@ class Job:
         o = self.opts
         weights = os.path.join(o.out, "checkpoints", "fp32_finetuned.safetensors")
         copy_ = copy.deepcopy(model)
+        self.progress.data["baseline_fingerprint"] = o.baseline_fingerprint(plain_config(doc))
+        if o.baseline_from and not self.progress.done("fp32_finetuned"):
+            self.borrow_baseline(weights)
         if self.progress.done("fp32_finetuned"):
             copy_.load_state_dict(load_file(weights), strict=False)   # tied weights are saved once
             return copy_, self.progress.data["stages"]["fp32_finetuned"]
 
         def train_and_eval():
             plain = plain_config(doc)
-            engine = qcompress.initialize(copy_, plain, optimizer=client_optimizer(plain, o.lr))
+            engine = qcompress.initialize(copy_, with_tensorboard(plain, o.out, "fp32_finetuned"),
+                                          optimizer=client_optimizer(plain, o.lr))
             self.train_phase(self.make_phase("fp32_finetuned", engine, "fp32", "metrics_fp32.csv"))
             result = self.evaluator()(engine.module)
             if self.rank == 0:
@@ -315,6 +347,31 @@ class Job:
                 os.replace(tmp, weights)
             return result
         return copy_, self.stage("fp32_finetuned", train_and_eval)
+
+    def borrow_baseline(self, weights: str) -> None:
+        """--baseline-from RUN: take RUN's FP32 fine-tune (weights and metrics) when it was trained
+        with the same model, data, budget and training config."""
+        src = self.opts.baseline_from
+        path = os.path.join(src, "checkpoints", "progress.json")
+        theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
+        if not (os.path.isfile(path) and os.path.isfile(theirs)):
+            raise JobError(f"--baseline-from {src}: no FP32 baseline there (run it with --baseline first)")
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        if saved.get("baseline_fingerprint") != self.progress.data["baseline_fingerprint"] or \
+                "fp32_finetuned" not in saved.get("stages", {}):
+            raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
+                           "budget or training config; run --baseline instead")
+        if self.rank == 0:
+            for src_file, dst in ((theirs, weights), (os.path.join(src, "metrics_fp32.csv"),
+                                                      os.path.join(self.opts.out, "metrics_fp32.csv"))):
+                if os.path.isfile(src_file):
+                    shutil.copyfile(src_file, dst + ".tmp")
+                    os.replace(dst + ".tmp", dst)
+        _barrier()
+        self.progress.record("fp32_finetuned", saved["stages"]["fp32_finetuned"],
+                             saved["wall_time_s"].get("fp32_finetuned", 0.0))
+        self.opts.notes.append(f"fp32_finetuned was trained by the run in {src} (--baseline-from)")
 
     def compressed_run(self, model, doc):
         import qcompress
@@ -327,7 +384,8 @@ class Job:
             teacher = load_teacher(dcfg.teacher, model, lambda p: load_model(p, o.task, self.data.labels, o.seed))
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
-        engine = qcompress.initialize(model, doc, optimizer=client_optimizer(doc, o.lr))
+        engine = qcompress.initialize(model, with_tensorboard(doc, o.out, "qat"),
+                                      optimizer=client_optimizer(doc, o.lr))
         distiller = Distiller.from_config(self.cfg, teacher) if teacher is not None else None
         phase = self.make_phase("qat", engine, "qat", "metrics.csv", distiller)
         t0 = time.perf_counter()
@@ -411,7 +469,7 @@ class Job:
         write_report(o.out, report)
         plots = []
         runs = {"compressed": read_metrics(os.path.join(o.out, "metrics.csv"))}
-        if o.baseline:
+        if os.path.isfile(os.path.join(o.out, "metrics_fp32.csv")):
             runs["FP32 fine-tune"] = read_metrics(os.path.join(o.out, "metrics_fp32.csv"))
         if plot_loss(os.path.join(o.out, "plots", "loss.png"), runs):
             plots.append("plots/loss.png")

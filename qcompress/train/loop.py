@@ -160,6 +160,10 @@ def run(phase: Phase, start_step: int = 0) -> None:
                            samples_per_s=eng.train_batch_size / elapsed)
                 row.update(group_columns(eng.module))
                 phase.metrics.write(row)
+                monitor = getattr(eng, "monitor", None)
+                if monitor is not None and monitor.enabled:
+                    monitor.write_events([(f"Train/Steps/{k}", float(v), step + 1) for k, v in row.items()
+                                          if k != "step" and v is not None])
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{eng.train_batch_size / elapsed:.1f}")
@@ -171,6 +175,9 @@ def run(phase: Phase, start_step: int = 0) -> None:
             bar.close()
         if phase.metrics is not None:
             phase.metrics.close()
+        monitor = getattr(eng, "monitor", None)
+        if monitor is not None:
+            monitor.close()
 
 
 def metric_columns(model: nn.Module):
