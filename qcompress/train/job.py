@@ -221,6 +221,10 @@ class Job:
             raise JobError(f"--epochs must be > 0, got {o.epochs}")
         doc = job_config(o)
         cfg = as_config(doc)
+        kd = cfg.compression.distillation
+        if kd.enabled and kd.teacher == "baseline" and not (o.baseline or o.baseline_from):
+            raise JobError("compression_training.distillation.teacher: 'baseline' is the FP32 fine-tune "
+                           "of this run: add --baseline (or --baseline-from RUN)")
         from .models import check_model_folder
         check_model_folder(o.model)
         tok = load_tokenizer(o.model)
@@ -249,9 +253,10 @@ class Job:
         if o.baseline or o.baseline_from:
             finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
         ptq_source = finetuned if finetuned is not None else model
+        self.finetuned = finetuned
         stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
             ptq_source, cfg, lambda m: calibrate_static_ranges(m, self.calibration_batches()))))
-        del finetuned
+        del finetuned, ptq_source
 
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
@@ -373,6 +378,23 @@ class Job:
                              saved["wall_time_s"].get("fp32_finetuned", 0.0))
         self.opts.notes.append(f"fp32_finetuned was trained by the run in {src} (--baseline-from)")
 
+    def teacher(self, spec: str, model, load_teacher):
+        """The distillation teacher: 'baseline' (our job's extension) is this run's FP32 fine-tune;
+        'self' the starting model (a fresh classification head teaches noise: say so); else a folder."""
+        o = self.opts
+        if spec == "baseline":
+            if self.finetuned is None:
+                raise JobError("compression_training.distillation.teacher: 'baseline' is the FP32 fine-tune "
+                               "of this run: add --baseline (or --baseline-from RUN)")
+            return load_teacher("self", self.finetuned, None)
+        if spec == "self" and getattr(model, "qc_fresh_head", False):
+            msg = ("compression_training.distillation.teacher is 'self', but the starting model's "
+                   "classification head is freshly initialised, so its logits are noise; use "
+                   "`teacher: baseline` with --baseline, or a fine-tuned model folder")
+            self.say(f"warning: {msg}")
+            o.notes.append(msg)
+        return load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed))
+
     def compressed_run(self, model, doc):
         import qcompress
         from .distill import Distiller, load_teacher
@@ -381,7 +403,8 @@ class Job:
         dcfg = getattr(cc, "distillation", None)
         teacher = None
         if dcfg is not None and dcfg.enabled:
-            teacher = load_teacher(dcfg.teacher, model, lambda p: load_model(p, o.task, self.data.labels, o.seed))
+            teacher = self.teacher(dcfg.teacher, model, load_teacher)
+        self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
         engine = qcompress.initialize(model, with_tensorboard(doc, o.out, "qat"),

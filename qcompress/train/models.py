@@ -60,12 +60,15 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
                       label2id={name: i for i, name in enumerate(labels)}, ignore_mismatched_sizes=True)
     torch.manual_seed(seed)
     try:
-        model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+        model, info = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                          output_loading_info=True, **kwargs)
     except ValueError as err:
         msg = str(err).splitlines()[0]
         raise JobError(f"--model {folder} cannot do --task {task}: {msg}") from None
     except OSError as err:
         raise JobError(f"--model {folder}: cannot load the weights ({err})") from None
+    # a head the checkpoint did not have (or had with another number of classes) starts random
+    model.qc_fresh_head = bool(info.get("missing_keys") or info.get("mismatched_keys"))
     if task == "causal-lm" and getattr(model.config, "is_decoder", True) is False:
         model.config.is_decoder = True      # BERT-style configs used as a causal LM
     return model
