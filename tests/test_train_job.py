@@ -96,6 +96,11 @@ def check_outputs(out, task, steps):
     assert all(math.isfinite(float(r["loss"])) and float(r["samples_per_s"]) > 0 for r in rows)
     assert {r["bits.w8"] for r in rows} == {"8"} and {r["act_bits.a8"] for r in rows} == {"8"}
     assert rep["training"]["steps"] == steps
+    try:
+        import tensorboard  # noqa: F401
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(out, "tensorboard", "qat")))
+    except ImportError:
+        print("tensorboard is not installed: no event files to check")
     md = open(os.path.join(out, "report.md")).read()
     assert "| qat |" in md and "| exported |" in md
     return rep
@@ -146,6 +151,22 @@ def test_baseline_and_distillation(folders, tmp_path):
         assert total == pytest.approx(0.75 * task + 0.25 * kd, rel=1e-4)
     base = list(csv.DictReader(open(os.path.join(out, "metrics_fp32.csv"))))
     assert len(base) == 3
+    # a second run borrows the checked baseline instead of training it again; teacher: baseline
+    # distils from that FP32 fine-tune
+    kd2 = tmp_path / "kd2.yaml"
+    kd2.write_text("compression_training:\n  distillation: {enabled: true, teacher: baseline, alpha: 1.0}\n")
+    out2 = str(tmp_path / "out2")
+    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "3", *FAST]
+    assert train([W8A8, str(kd2), *common, "--out", out2, "--baseline-from", out]) == 0
+    rep2 = json.load(open(os.path.join(out2, "report.json")))
+    assert rep2["stages"]["fp32_finetuned"] == rep["stages"]["fp32_finetuned"]
+    assert any("--baseline-from" in n for n in rep2["notes"])
+    rows2 = list(csv.DictReader(open(os.path.join(out2, "metrics.csv"))))
+    assert all(float(r["loss"]) == pytest.approx(float(r["distill_loss"]), rel=1e-5) for r in rows2)
+    # another budget: the baseline does not fit and is refused
+    assert train([W8A8, *common[:-len(FAST) - 2], "--max-steps", "4", *FAST, "--out", str(tmp_path / "o3"),
+                  "--baseline-from", out]) == 2
+    assert train([W8A8, str(kd2), *common, "--out", str(tmp_path / "o4")]) == 2   # baseline teacher, none
 
 
 def _export_tensors(out):
