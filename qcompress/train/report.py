@@ -203,12 +203,18 @@ def plot_bits(path: str, rows: List[Dict[str, str]]) -> bool:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = _floats(rows, "step")
     cols = list(rows[0].keys()) if rows else []
-    for c in cols:
-        if c.startswith(("bits.", "act_bits.")):
-            ax.step(steps, _floats(rows, c), where="post", label=c,
-                    linestyle="--" if c.startswith("act_") else "-")
+    top = 8.0
+    for i, c in enumerate(x for x in cols if x.startswith(("bits.", "act_bits."))):
+        ys = _floats(rows, c)
+        top = max([top] + [y for y in ys if y == y])
+        ax.step(steps, ys, where="post", label=c, linestyle="--" if c.startswith("act_") else "-",
+                linewidth=2.2 - 0.4 * (i % 3))      # equal lines stay visible on top of each other
+    from matplotlib.ticker import MaxNLocator
+    ax.set_ylim(0, top + 1)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("bits")
+    ax.set_ylabel("bits (32 = not yet quantized)")
     ax.grid(alpha=0.3)
     dens = [c for c in cols if c.startswith("density.")]
     if dens:
@@ -219,6 +225,6 @@ def plot_bits(path: str, rows: List[Dict[str, str]]) -> bool:
         ax2.set_ylim(0, 1.05)
         ax2.legend(fontsize=8, loc="lower right")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="best")
     _save(fig, plt, path)
     return True
