@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
-from .config.compression import CompressionConfig, Group
+from .config.compression import CompressionConfig, Group, group_setting
 from .errors import ConfigError
 from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware, unsupported_reason
+from .nn import ranges
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 
@@ -191,7 +192,9 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
         clip_grad=shared.ste == "clip", in_forward=shared.quantize_weight_in_forward,
         mix_enabled=shared.fp16_mixed_quantize.enabled,
         change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio,
-        seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0)
+        seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0,
+        range_observer=group_setting(cfg.compression.weight_quantization, group, "observer")[0],
+        range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]))
 
 
 def _act_quant(cfg, group: Group, module) -> ActQuant:
@@ -199,7 +202,10 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
     aq = ActQuant(group=group.name, bits=group.params.bits,
                   symmetric=shared.quantization_type == "symmetric",
                   calibration=shared.range_calibration, offset=shared.schedule_offset,
-                  per="sample" if module.qc_kind == "conv" else "token")
+                  per="sample" if module.qc_kind == "conv" else "token",
+                  range_observer=group_setting(cfg.compression.activation_quantization, group, "observer")[0],
+                  range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
+                                                    "range_learning")[0]))
     aq.observer.momentum = shared.momentum
     return aq
 
@@ -208,7 +214,8 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     """Rewrite `model` in place so the config's techniques apply; returns the same model.
 
     Compressible modules become compress-aware subclasses of their own class (parameters keep
-    identity, device, dtype and state_dict keys). Each technique's groups claim modules by
+    identity, device, dtype and state_dict keys); with `progressive_layer_drop` enabled, the
+    repeated transformer blocks become droppable the same way (qcompress.nn.pld). Each technique's groups claim modules by
     `re.search` on the dotted name; a module claimed twice by one technique is a ConfigError,
     a group that matches nothing is reported with a warning.
     """
@@ -225,20 +232,31 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     root = _unwrap(model)
     modules = dict(root.named_modules())
     vocab_tables = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
+    learned = set()
     for tech, groups in assignments.items():
         technique = getattr(cc, tech)
         for group in technique.groups:
             for name in groups.get(group.name, ()):
                 mod = make_compress_aware(modules[name], name)
+                gpath = f"compression_training.{tech}.different_groups.{group.name}.params.range_learning"
                 if tech == "weight_quantization":
                     mod.qc_wq = _weight_quant(cfg, group, mod, name, vocab_tables)
+                    if mod.qc_wq.range_learning and id(mod.weight) not in learned:
+                        learned.add(id(mod.weight))      # tied weights share the first one's scales
+                        ranges.register_weight_ranges(mod, gpath)
                 elif tech == "activation_quantization":
                     mod.qc_aq = _act_quant(cfg, group, mod)
+                    if mod.qc_aq.range_learning:
+                        ranges.register_input_ranges(mod, gpath)
                 else:
                     from .pruning.setup import enable_pruning
                     enable_pruning(mod, tech, technique.shared, group, name, modules)
     _share_tied_weights(root)
     _keep_python_forward(root)
+    if cfg.progressive_layer_drop.enabled:
+        from .nn.pld import apply_pld, pld_schedule
+        if pld_schedule(root) is None:   # a second init_compression leaves the blocks as they are
+            apply_pld(root, cfg.progressive_layer_drop)
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
     root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
     CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
@@ -258,6 +276,9 @@ def _share_tied_weights(root: nn.Module) -> None:
         _check_same_quantization(first_name, first, name, mod)
         mod.qc_wq.store = first.qc_wq.store
         mod.qc_wq.seed = first.qc_wq.seed      # same stochastic rounding of the same tensor
+        for pname in ranges.WEIGHT_PARAMS:     # one learned scale for one weight
+            if first._parameters.get(pname) is not None:
+                mod._parameters[pname] = first._parameters[pname]
 
 
 def _check_same_quantization(name_a: str, a: CompressMixin, name_b: str, b: CompressMixin) -> None:

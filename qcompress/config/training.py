@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional
 
 from ..errors import ConfigError
 from .compression import CompressionConfig
+from .pld import ProgressiveLayerDrop
 from .schema import field, join, parse
 
 OPTIMIZER_TYPES = ("adam", "adamw", "lamb", "sgd", "onebitadam", "zerooneadam", "onebitlamb")
@@ -75,11 +76,16 @@ class Scheduler:
 
 @dataclass(frozen=True)
 class Offload:
-    device: str = field("none", choices=("none", "cpu"), lower=True)
+    device: str = field("none", choices=("none", "cpu", "nvme"), lower=True)
+    nvme_path: Optional[str] = field(None, doc="folder for the swap files of device: nvme")
     pin_memory: bool = field(False)
     buffer_count: int = field(4, ge=1)
+    pipeline_read: bool = field(False)
+    pipeline_write: bool = field(False)
     fast_init: bool = field(False)
     ratio: float = field(1.0, gt=0.0, le=1.0)
+    buffer_size: int = field(100_000_000, ge=1, doc="offload_param only (DeepSpeed's key; unused)")
+    max_in_cpu: int = field(1_000_000_000, ge=0, doc="offload_param only (DeepSpeed's key; unused)")
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,21 @@ class ZeroOptimization:
     sub_group_size: int = field(1_000_000_000, ge=1)
 
     def _validate(self, path):
+        if self.offload_param.device == "nvme":
+            raise ConfigError(join(path, "offload_param.device"),
+                              "'nvme' (ZeRO-Infinity parameter offload) is not supported yet; use "
+                              "offload_param.device: cpu (FSDP2 CPUOffloadPolicy, stages 2/3), or "
+                              "offload_optimizer.device: nvme to keep the optimizer state on NVMe")
         if self.stage == 0 and (self.offload_param.device == "cpu" or self.offload_optimizer.device == "cpu"):
             raise ConfigError(join(path, "stage"), "offload needs ZeRO stage 2 or 3 (FSDP2); stage is 0")
+        nvme = self.offload_optimizer
+        if nvme.device == "nvme":
+            if self.stage == 0:
+                raise ConfigError(join(path, "stage"), "offload_optimizer.device: nvme needs ZeRO stage 1, 2 "
+                                  "or 3; stage is 0")
+            if not nvme.nvme_path:
+                raise ConfigError(join(path, "offload_optimizer.nvme_path"),
+                                  "is required with offload_optimizer.device: nvme (a folder on a fast disk)")
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,7 @@ class Config:
     zero_optimization: ZeroOptimization = field(ZeroOptimization())
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
+    progressive_layer_drop: ProgressiveLayerDrop = field(ProgressiveLayerDrop())
     tensorboard: MonitorOutput = field(MonitorOutput())
     csv_monitor: MonitorOutput = field(MonitorOutput())
     compression_training: CompressionConfig = field(CompressionConfig())

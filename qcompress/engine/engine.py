@@ -119,6 +119,7 @@ class Engine:
 
         model.to(self.device)
         self.module = model
+        self.pld = self._setup_pld(model, cfg)     # before wrapping: it swaps the blocks' classes
         # Before wrapping: the scheduler applies step 0 (it may write weights) on whole tensors.
         self.compression_scheduler = self._make_compression_scheduler(model, cfg)
         if self.world_size > 1:
@@ -138,7 +139,8 @@ class Engine:
         elif self.world_size > 1:
             self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
                                                 zero.reduce_bucket_size, cfg.communication_data_type,
-                                                self.wall_clock_breakdown)
+                                                self.wall_clock_breakdown,
+                                                find_unused_parameters=self.pld is not None)
         else:
             self.wrapped = model
         self.param_names = {p: n for n, p in model.named_parameters()}
@@ -162,6 +164,18 @@ class Engine:
         self._step_losses = []       # detached losses given to backward since the last boundary
 
     # --- construction helpers ----------------------------------------------------------------
+    @staticmethod
+    def _setup_pld(model, cfg):
+        """The model's progressive-layer-drop schedule: applied here when the config enables it and
+        init_compression did not (a DeepSpeed script calls initialize only)."""
+        from ..nn.pld import apply_pld, pld_schedule
+        sched = pld_schedule(model)
+        if sched is None and cfg.progressive_layer_drop.enabled:
+            sched = apply_pld(model, cfg.progressive_layer_drop)
+        if sched is not None:
+            sched.start_step(0, resumed=True)
+        return sched
+
     @staticmethod
     def _make_compression_scheduler(model, cfg):
         try:
@@ -327,6 +341,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.train_batch_size
+        if self.pld is not None:
+            self.pld.start_step(self.global_steps)   # theta for the next step, as DeepSpeed's update_state
         self._timers["step"] += self._elapsed(t0)
         self._report_timers()
         if self.monitor.enabled:
@@ -453,8 +469,9 @@ class Engine:
 
             def ms(v):
                 return "n/a (counted in backward)" if v is None else f"{v * 1e3:.2f} ms"
-            log.info("step %d: forward %s | backward %s%s | %s %s | step %s", self.global_steps,
-                     ms(t["forward"]), ms(t["backward"]), inside, comm, ms(t["allreduce"]), ms(t["step"]))
+            pld = "" if self.pld is None else f" | blocks run {100 * self.pld.last_share:.1f}%"
+            log.info("step %d: forward %s | backward %s%s | %s %s | step %s%s", self.global_steps,
+                     ms(t["forward"]), ms(t["backward"]), inside, comm, ms(t["allreduce"]), ms(t["step"]), pld)
 
     # --- modes and accessors -----------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -490,6 +507,8 @@ class Engine:
         self.skipped_steps = int(c["skipped_steps"])
         self._accumulated = 0        # checkpoints hold no partial gradients: start a fresh step
         self._step_losses = []
+        if self.pld is not None:     # PLD's theta and decisions follow from the step count alone
+            self.pld.start_step(self.global_steps, resumed=True)
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:

@@ -85,7 +85,9 @@ def _grad_element_size(model: nn.Module) -> int:
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_elements: int,
-             dtype_name: Optional[str], timed: bool):
+             dtype_name: Optional[str], timed: bool, find_unused_parameters: bool = False):
+    """find_unused_parameters: progressive layer drop skips whole blocks (the same on every rank),
+    whose parameters then get no gradient."""
     device_ids = [device.index] if device.type == "cuda" else None
     # Buffers are synced at optimizer boundaries instead of every forward (no communication on
     # accumulation micro-steps); the keyword was renamed in recent torch.
@@ -95,7 +97,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
     ddp = DDP(model, device_ids=device_ids, process_group=group,
               bucket_cap_mb=bucket_cap_mb(bucket_elements, _grad_element_size(model)),
               gradient_as_bucket_view=True,     # grads live in the buckets: no second copy
-              **no_buffer_sync)
+              find_unused_parameters=find_unused_parameters, **no_buffer_sync)
     hook = None
     dtype = comm_dtype(dtype_name)
     if dtype is not None or timed:

@@ -20,7 +20,8 @@ _TAG = re.compile(r"^step(\d+)$")
 
 
 def group_columns(model: nn.Module) -> Dict[str, float]:
-    """Bits of every weight / activation group and kept density of every pruning group, as now."""
+    """Bits of every weight / activation group, kept density of every pruning group and the
+    share of blocks progressive layer drop ran, as now."""
     out: Dict[str, float] = {}
     for _, m in model.named_modules():
         wq, aq = getattr(m, "qc_wq", None), getattr(m, "qc_aq", None)
@@ -30,6 +31,10 @@ def group_columns(model: nn.Module) -> Dict[str, float]:
             out[f"act_bits.{aq.group}"] = aq.bits if aq.active else 32
         for st in (getattr(m, "qc_pruning", None) or {}).values():
             out[f"density.{st.group}"] = st.ratio if st.active else 1.0
+    from ..nn.pld import pld_schedule
+    pld = pld_schedule(model)
+    if pld is not None:              # progressive layer drop: share of block calls run in the last step
+        out["pld.blocks_run"] = pld.last_share
     return out
 
 
