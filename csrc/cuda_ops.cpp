@@ -134,6 +134,70 @@ at::Tensor ste_backward_cuda(const at::Tensor& grad_, const at::Tensor& mask_) {
   return out;
 }
 
+void check_params_cuda(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
+                       const QuantConfig& c, const char* op) {
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
+              op, ": expected ", G, " float32 scales on ", x.device());
+  if (zp.has_value()) {
+    TORCH_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
+                op, ": expected ", G, " float32 zero points on ", x.device());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fake_quant_params_cuda(const at::Tensor& x_, const at::Tensor& scale_,
+                                                          const std::optional<at::Tensor>& zp_, int64_t rows,
+                                                          int64_t cols, int64_t group, int64_t bits, int64_t rounding,
+                                                          int64_t seed, bool with_mask) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
+                                    rounding, seed);
+  check_params_cuda(x_, scale_, zp_, c, "qcompress::fake_quant_params");
+  at::Tensor x = x_.contiguous(), scale = scale_.contiguous();
+  at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = at::empty(with_mask ? x.sizes() : at::IntArrayRef{0}, x.options().dtype(at::kBool));
+  if (c.group == 0 || c.rows == 0 || x.numel() == 0) return {y, mask};
+  at::Tensor unused;
+  qc_cuda_quant_args a = cuda_args(c, std::nullopt, unused);
+  check_launch(qc_cuda_fake_quant_params(&a, x.const_data_ptr(), float_code(x.scalar_type()),
+                                         scale.const_data_ptr<float>(), zp.defined() ? zp.const_data_ptr<float>() : nullptr,
+                                         y.mutable_data_ptr(), with_mask ? mask.mutable_data_ptr<bool>() : nullptr,
+                                         stream()),
+               "fake_quant_params");
+  return {y, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cuda(const at::Tensor& grad_, const at::Tensor& x_,
+                                                                 const at::Tensor& scale_,
+                                                                 const std::optional<at::Tensor>& zp_, int64_t rows,
+                                                                 int64_t cols, int64_t group, int64_t bits,
+                                                                 int64_t rounding, int64_t seed) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
+                                    rounding, seed);
+  check_params_cuda(x_, scale_, zp_, c, "qcompress::lsq_backward");
+  TORCH_CHECK(grad_.sizes() == x_.sizes() && grad_.device() == x_.device(),
+              "qcompress::lsq_backward: grad must be shaped like x, on its device");
+  at::Tensor x = x_.contiguous(), grad = grad_.contiguous(), scale = scale_.contiguous();
+  at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  at::Tensor grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor gs = at::zeros({G}, x.options().dtype(at::kFloat));
+  at::Tensor gz = at::zeros({zp.defined() ? G : 0}, x.options().dtype(at::kFloat));
+  if (c.group == 0 || G == 0 || x.numel() == 0) return {grad_x, gs, gz};
+  at::Tensor unused;
+  qc_cuda_quant_args a = cuda_args(c, std::nullopt, unused);
+  at::Tensor ws = at::empty({static_cast<int64_t>(qc_cuda_lsq_workspace(&a))}, x.options().dtype(at::kByte));
+  check_launch(qc_cuda_lsq_backward(&a, x.const_data_ptr(), float_code(x.scalar_type()), grad.const_data_ptr(),
+                                    float_code(grad.scalar_type()), scale.const_data_ptr<float>(),
+                                    zp.defined() ? zp.const_data_ptr<float>() : nullptr, grad_x.mutable_data_ptr(),
+                                    gs.mutable_data_ptr<float>(), zp.defined() ? gz.mutable_data_ptr<float>() : nullptr,
+                                    ws.mutable_data_ptr(), stream()),
+               "lsq_backward");
+  return {grad_x, gs, gz};
+}
+
 at::Tensor pack_int32_cuda(const at::Tensor& q_, int64_t bits) {
   c10::cuda::CUDAGuard guard(q_.device());
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8");
@@ -220,6 +284,8 @@ TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
   m.impl("quantize", &qc::quantize_cuda);
   m.impl("dequantize", &qc::dequantize_cuda);
   m.impl("ste_backward", &qc::ste_backward_cuda);
+  m.impl("fake_quant_params", &qc::fake_quant_params_cuda);
+  m.impl("lsq_backward", &qc::lsq_backward_cuda);
   m.impl("pack_int32", &qc::pack_int32_cuda);
   m.impl("unpack_int32", &qc::unpack_int32_cuda);
   m.impl("onebit_compress", &qc::onebit_compress_cuda);

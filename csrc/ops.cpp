@@ -15,6 +15,12 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("dequantize(Tensor q, Tensor scale, Tensor? zero_point, int rows, int cols, int group, "
         "ScalarType dtype) -> Tensor");
   m.def("ste_backward(Tensor grad, Tensor mask) -> Tensor");
+  // Integer fake-quant with given float32 [groups] scales (and zero points: asymmetric when
+  // present), default numerics; and its LSQ backward: (grad_x, sum grad * dx^/ds, sum grad * dx^/dz).
+  m.def("fake_quant_params(Tensor x, Tensor scale, Tensor? zero_point, int rows, int cols, int group, "
+        "int bits, int rounding, int seed, bool with_mask) -> (Tensor, Tensor)");
+  m.def("lsq_backward(Tensor grad, Tensor x, Tensor scale, Tensor? zero_point, int rows, int cols, "
+        "int group, int bits, int rounding, int seed) -> (Tensor, Tensor, Tensor)");
   m.def("pack_int32(Tensor q, int bits) -> Tensor");
   m.def("unpack_int32(Tensor packed, int bits, int length) -> Tensor");
   m.def("onebit_compress(Tensor x, Tensor error) -> (Tensor, Tensor, Tensor)");
@@ -27,6 +33,8 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("quantize", &qc::quantize_cpu);
   m.impl("dequantize", &qc::dequantize_cpu);
   m.impl("ste_backward", &qc::ste_backward_cpu);
+  m.impl("fake_quant_params", &qc::fake_quant_params_cpu);
+  m.impl("lsq_backward", &qc::lsq_backward_cpu);
   m.impl("pack_int32", &qc::pack_int32_cpu);
   m.impl("unpack_int32", &qc::unpack_int32_cpu);
   m.impl("onebit_compress", &qc::onebit_compress_cpu);

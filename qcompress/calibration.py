@@ -25,8 +25,13 @@ class StaticRange:
     def observe(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Fold x into the running range and return the range to quantize x with."""
         with torch.no_grad():
-            cur_min = x.detach().amin().to(torch.float32)
-            cur_max = x.detach().amax().to(torch.float32)
+            return self.update(x.detach().amin(), x.detach().amax())
+
+    def update(self, cur_min: torch.Tensor, cur_max: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Fold a batch's range (chosen by an observer) into the running range; returns it."""
+        with torch.no_grad():
+            cur_min = cur_min.detach().to(torch.float32)
+            cur_max = cur_max.detach().to(torch.float32)
             if self.min is None:
                 self.min, self.max = cur_min.clone(), cur_max.clone()
             else:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
+from .nn import ranges
 from .nn.layers import CompressMixin
 from .quant.api import dequantize, quantize_spec
 
@@ -67,9 +68,14 @@ def compress_modules(model: nn.Module) -> Iterator[Tuple[str, CompressMixin]]:
 
 
 def _master_codes(mod: CompressMixin):
-    """((q, scale, zero_point), spec) of the master copy at the bits now in force."""
+    """((q, scale, zero_point), spec) of the master copy at the bits now in force (with the mse
+    observer's shrink factors when it chose them)."""
     spec = mod.qc_wq.spec()
-    return quantize_spec(mod.weight_matrix_view(mod.qc_wq.master), spec), spec
+    view = mod.weight_matrix_view(mod.qc_wq.master)
+    params = ranges.weight_params(mod, view, spec)
+    if params is not None:
+        return quantize_spec(view, spec, scale=params[0], zero_point=params[1]), spec
+    return quantize_spec(view, spec), spec
 
 
 def _check_rewritten(model: nn.Module, cfg, modules) -> None:
@@ -135,6 +141,7 @@ class CompressionScheduler:
         t = self.training_steps
         dropped_groups = set()
         advanced = set()   # groups whose step moved: re-applying the same step must not anneal again
+        rerange = set()    # modules whose ranges the observer (re)initialises at this step
         for name, mod in self._modules.items():
             wq = mod.qc_wq
             if wq is not None and not wq.baked:
@@ -148,9 +155,13 @@ class CompressionScheduler:
                                       period=wq.period, offset=wq.offset, growth=wq.growth)
                     if not was_active or wq.bits != old_bits:
                         dropped_groups.add(wq.group)
+                        if wq.range_observer != "minmax" or wq.range_learning:
+                            rerange.add(name)
             aq = mod.qc_aq
             if aq is not None:
                 aq.active = t >= aq.offset
+                if aq.active and aq.range_learning:
+                    ranges.init_input_ranges(mod)     # once the static range has seen a batch
             for state in mod.qc_pruning.values():
                 state.update(t)
         written = set()    # tied weights: one MasterState, quantized once per step
@@ -158,6 +169,12 @@ class CompressionScheduler:
             wq = mod.qc_wq
             if wq is None or wq.baked or not wq.active:
                 continue
+            if name in rerange:
+                if wq.in_forward or wq.master is None:
+                    ranges.init_weight_ranges(mod)
+                else:
+                    wq.shrink = None          # re-searched on the updated master (_quantize_from_master)
+                    wq.pending_ranges = True
             if wq.mix_enabled:
                 if wq.group in dropped_groups:
                     wq.mix_ratio = 1.0          # each precision drop restarts the anneal
@@ -178,6 +195,9 @@ class CompressionScheduler:
             wq.master = w.detach().to(torch.float32).clone()
         else:
             wq.master += w.detach().to(torch.float32) - wq.applied.to(torch.float32)
+        if wq.pending_ranges:
+            wq.pending_ranges = False
+            ranges.init_weight_ranges(mod, source=wq.master)
         (q, s, z), spec = _master_codes(mod)
         deq = mod._from_matrix_view(dequantize(
             q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
@@ -194,6 +214,8 @@ class CompressionScheduler:
         wq = mod.qc_wq
         wq.mix_ratio = float(entry["mix_ratio"])
         wq.baked = bool(entry.get("baked", False))
+        wq.ranges_loaded = False          # the schedule's own state: bits and ranges are known
+        wq.shrink = entry["shrink"].to(mod.weight.device) if "shrink" in entry else None
         if "master_of" in entry:
             return                  # tied weight: restored with the module that saved it
         dev = mod.weight.device
@@ -227,8 +249,12 @@ class CompressionScheduler:
                     saved[id(wq.store)] = name
                     entry["wq"]["master"] = wq.master.detach().cpu().clone()
                     entry["wq"]["applied"] = wq.applied.detach().cpu().clone()
+                if wq.shrink is not None:
+                    entry["wq"]["shrink"] = wq.shrink.detach().cpu().clone()
             if mod.qc_aq is not None:
                 entry["aq"] = mod.qc_aq.observer.state_dict()
+                if mod.qc_aq.range_learning:
+                    entry["aq"]["learned_ready"] = mod.qc_aq.learned_ready
             for tech, state in mod.qc_pruning.items():
                 entry[f"prune.{tech}"] = state.state_dict()
             mods[name] = entry
@@ -244,6 +270,7 @@ class CompressionScheduler:
                 self._load_weight_state(mod, entry["wq"])
             if "aq" in entry and mod.qc_aq is not None:
                 mod.qc_aq.observer.load_state_dict(entry["aq"])
+                mod.qc_aq.learned_ready = bool(entry["aq"].get("learned_ready", False))
             for tech, state in mod.qc_pruning.items():
                 if f"prune.{tech}" in entry:
                     state.load_state_dict(entry[f"prune.{tech}"])

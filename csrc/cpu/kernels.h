@@ -58,6 +58,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
 at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                           int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype);
 at::Tensor ste_backward_cpu(const at::Tensor& grad, const at::Tensor& mask);
+std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x, const at::Tensor& scale,
+                                                         const std::optional<at::Tensor>& zp, int64_t rows,
+                                                         int64_t cols, int64_t group, int64_t bits, int64_t rounding,
+                                                         int64_t seed, bool with_mask);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
+                                                                const at::Tensor& scale,
+                                                                const std::optional<at::Tensor>& zp, int64_t rows,
+                                                                int64_t cols, int64_t group, int64_t bits,
+                                                                int64_t rounding, int64_t seed);
 at::Tensor pack_int32_cpu(const at::Tensor& q, int64_t bits);
 at::Tensor unpack_int32_cpu(const at::Tensor& packed, int64_t bits, int64_t length);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& x, const at::Tensor& error);

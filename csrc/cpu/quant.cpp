@@ -369,7 +369,171 @@ void empty_groups(const QuantConfig& c, float* scale, float* zp) {
   }
 }
 
+// ---- given (learned or observer-chosen) scales and zero points ------------------------------------
+
+// Per-group scale / zero point tensors must be float32 [groups] on x's device.
+void check_group_params(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
+                        const QuantConfig& c, const char* op) {
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
+              op, ": expected ", G, " float32 scales on ", x.device(), ", got ", scale.numel(), " ",
+              scale.scalar_type(), " on ", scale.device());
+  if (zp.has_value()) {
+    TORCH_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
+                op, ": expected ", G, " float32 zero points on ", x.device(), ", got ", zp->numel(), " ",
+                zp->scalar_type());
+  }
+}
+
+template <typename T, bool STOCH, bool ADD_ZP>
+void run_params(const T* x, const float* scale, const float* zp, const QuantConfig& c, const Outputs<T, int8_t>& o) {
+  const int64_t ngr = c.groups_per_row();
+  const int64_t n = c.rows * c.cols;
+  at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
+    int64_t i = b;
+    while (i < e) {  // runs of [b, e) inside one group
+      const int64_t row = i / c.cols, col = i % c.cols, j = col / c.group;
+      const int64_t g = row * ngr + j;
+      const int64_t end = std::min(e, row * c.cols + std::min(c.cols, (j + 1) * c.group));
+      const Params p{scale[g], ADD_ZP ? zp[g] : 0.0f, 0.0f, 0.0f};
+      quant_segment<T, int8_t, kInt, STOCH, false, false, ADD_ZP>(x + i, end - i, i, p, c, o);
+      i = end;
+    }
+  });
+}
+
+// LSQ gradients of one run of elements of group g (math in reference.lsq_backward).
+template <typename T, typename G, bool STOCH, bool ADD_ZP>
+void lsq_segment(const T* x, const G* grad, G* grad_x, int64_t begin, int64_t end, float s, float zp,
+                 const QuantConfig& c, double& acc_s, double& acc_z) {
+  double as = 0.0, az = 0.0;
+  const float qmin = c.qmin, qmax = c.qmax;
+  Noise noise(c.seed);
+  for (int64_t i = begin; i < end; ++i) {
+    const float xv = static_cast<float>(x[i]);
+    const float gv = static_cast<float>(grad[i]);
+    const float v = xv / s;
+    float u = 0.0f;
+    if (STOCH) u = uniform(noise.key_for(i), static_cast<uint32_t>(i));
+    const float r = round_code<float, STOCH, false>(v, u);
+    const float rz = ADD_ZP ? r + zp : r;
+    const bool below = rz < qmin, above = rz > qmax;
+    const bool inside = !(below || above);
+    const float ds = inside ? r - v : (below ? qmin - zp : qmax - zp);
+    as += static_cast<double>(gv) * static_cast<double>(ds);
+    if (!inside) az += static_cast<double>(gv) * static_cast<double>(-s);
+    grad_x[i] = static_cast<G>(gv * (inside ? 1.0f : 0.0f));
+  }
+  acc_s += as;
+  acc_z += az;
+}
+
+template <typename T, typename G, bool STOCH, bool ADD_ZP>
+void run_lsq(const T* x, const G* grad, G* grad_x, const float* scale, const float* zp, const QuantConfig& c,
+             float* gs, float* gz) {
+  const int64_t ngr = c.groups_per_row();
+  const int64_t groups = c.rows * ngr;
+  // Fixed chunking (not thread-dependent), partial sums combined in order: deterministic.
+  constexpr int64_t kChunk = 1 << 14;
+  struct Job { int64_t g, begin, end; };
+  std::vector<Job> jobs;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
+    const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
+    for (int64_t b = 0; b < cnt; b += kChunk) jobs.push_back({g, st0 + b, st0 + std::min(cnt, b + kChunk)});
+  }
+  std::vector<double> ps(jobs.size(), 0.0), pz(jobs.size(), 0.0);
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const Job& jb = jobs[j];
+      lsq_segment<T, G, STOCH, ADD_ZP>(x, grad, grad_x, jb.begin, jb.end, scale[jb.g], ADD_ZP ? zp[jb.g] : 0.0f,
+                                       c, ps[j], pz[j]);
+    }
+  });
+  std::vector<double> ts(groups, 0.0), tz(groups, 0.0);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    ts[jobs[j].g] += ps[j];
+    tz[jobs[j].g] += pz[j];
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    gs[g] = static_cast<float>(ts[g]);
+    if (gz) gz[g] = static_cast<float>(tz[g]);
+  }
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x_, const at::Tensor& scale_,
+                                                         const std::optional<at::Tensor>& zp_, int64_t rows,
+                                                         int64_t cols, int64_t group, int64_t bits, int64_t rounding,
+                                                         int64_t seed, bool with_mask) {
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
+                                    rounding, seed);
+  check_group_params(x_, scale_, zp_, c, "qcompress::fake_quant_params");
+  at::Tensor x = x_.contiguous(), scale = scale_.contiguous();
+  at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
+  at::Tensor y = empty_reused(x.sizes(), x.options());
+  at::Tensor mask = empty_reused(with_mask ? x.sizes() : at::IntArrayRef{0}, x.options().dtype(at::kBool));
+  if (c.group == 0 || c.rows == 0 || x.numel() == 0) return {y, mask};
+  const float* s = scale.data_ptr<float>();
+  const float* z = zp.defined() ? zp.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_fake_quant_params", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "qcompress::fake_quant_params: float64 input is converted by the Python wrapper");
+    } else {
+      Outputs<scalar_t, int8_t> o;
+      o.y = mdata_of<scalar_t>(y);
+      o.mask = with_mask ? mask.mutable_data_ptr<bool>() : nullptr;
+      const scalar_t* xd = data_of<scalar_t>(x);
+      const bool st = c.rounding == kStochastic;
+      if (z) {
+        if (st) run_params<scalar_t, true, true>(xd, s, z, c, o); else run_params<scalar_t, false, true>(xd, s, z, c, o);
+      } else {
+        if (st) run_params<scalar_t, true, false>(xd, s, z, c, o); else run_params<scalar_t, false, false>(xd, s, z, c, o);
+      }
+    }
+  });
+  return {y, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cpu(const at::Tensor& grad_, const at::Tensor& x_,
+                                                                const at::Tensor& scale_,
+                                                                const std::optional<at::Tensor>& zp_, int64_t rows,
+                                                                int64_t cols, int64_t group, int64_t bits,
+                                                                int64_t rounding, int64_t seed) {
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
+                                    rounding, seed);
+  check_group_params(x_, scale_, zp_, c, "qcompress::lsq_backward");
+  TORCH_CHECK(grad_.sizes() == x_.sizes() && grad_.is_floating_point() && grad_.device() == x_.device(),
+              "qcompress::lsq_backward: grad must be a floating tensor shaped like x");
+  at::Tensor x = x_.contiguous(), grad = grad_.contiguous(), scale = scale_.contiguous();
+  at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  at::Tensor grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor gs = at::zeros({G}, x.options().dtype(at::kFloat));
+  at::Tensor gz = at::zeros({zp.defined() ? G : 0}, x.options().dtype(at::kFloat));
+  if (c.group == 0 || G == 0 || x.numel() == 0) return {grad_x, gs, gz};
+  const float* s = scale.data_ptr<float>();
+  const float* z = zp.defined() ? zp.data_ptr<float>() : nullptr;
+  float* gsp = gs.data_ptr<float>();
+  float* gzp = zp.defined() ? gz.data_ptr<float>() : nullptr;
+  const bool st = c.rounding == kStochastic;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_lsq_backward_x", [&] {
+    using T = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "qcompress_lsq_backward_g", [&] {
+      using Gt = scalar_t;
+      const T* xd = data_of<T>(x);
+      const Gt* gd = data_of<Gt>(grad);
+      Gt* gx = mdata_of<Gt>(grad_x);
+      if (z) {
+        if (st) run_lsq<T, Gt, true, true>(xd, gd, gx, s, z, c, gsp, gzp); else run_lsq<T, Gt, false, true>(xd, gd, gx, s, z, c, gsp, gzp);
+      } else {
+        if (st) run_lsq<T, Gt, true, false>(xd, gd, gx, s, z, c, gsp, gzp); else run_lsq<T, Gt, false, false>(xd, gd, gx, s, z, c, gsp, gzp);
+      }
+    });
+  });
+  return {grad_x, gs, gz};
+}
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_cpu(const at::Tensor& x_, const std::optional<at::Tensor>& range,
                                                   int64_t rows, int64_t cols, int64_t group, int64_t bits,

@@ -267,9 +267,158 @@ __global__ void ste_kernel(const T* __restrict__ g, const bool* __restrict__ m, 
   }
 }
 
+// ---- given scales / zero points, and the LSQ backward ------------------------------------------------
+
+template <typename T, bool STOCH, bool ADD_ZP>
+__global__ void params_elements(const T* __restrict__ x, Geo geo, qc_cuda_quant_args a,
+                                const float* __restrict__ scale, const float* __restrict__ zpv,
+                                T* __restrict__ y, bool* __restrict__ mask, int64_t n) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = (e / geo.cols) * geo.ngr + (e % geo.cols) / geo.group;
+    const float s = scale[g], zp = ADD_ZP ? zpv[g] : 0.0f;
+    float u = 0.0f;
+    if (STOCH) u = uniform(rng_key(a.seed, static_cast<uint32_t>(e >> 32)), static_cast<uint32_t>(e));
+    const float r = int_code<float, STOCH, false, false, ADD_ZP>(to_f(x[e]), s, 0.0f, zp, u);
+    if (mask) mask[e] = inside_range(r, a.qmin, a.qmax);
+    if (y) y[e] = from_f<T>(dequant_code<float, false, ADD_ZP>(clamp_code(r, a.qmin, a.qmax), s, 0.0f, zp));
+  }
+}
+
+struct LsqPartial {
+  double s, z;
+};
+
+// One warp per segment of kSeg elements of a group: grad_x and the segment's partial sums.
+template <typename T, typename G, bool STOCH, bool ADD_ZP>
+__global__ void lsq_segments(const T* __restrict__ x, const G* __restrict__ grad, Geo geo, qc_cuda_quant_args a,
+                             const float* __restrict__ scale, const float* __restrict__ zpv,
+                             G* __restrict__ grad_x, LsqPartial* __restrict__ part, int64_t segments) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t sg = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; sg < segments;
+       sg += warps) {
+    const int64_t g = sg / geo.spg, k = sg % geo.spg;
+    const int64_t cnt = geo.count(g);
+    const int64_t b = k * kSeg;
+    const int64_t e = (b + kSeg < cnt) ? b + kSeg : cnt;
+    const int64_t base = geo.start(g);
+    const float s = scale[g], zp = ADD_ZP ? zpv[g] : 0.0f;
+    double as = 0.0, az = 0.0;
+    for (int64_t i = b + lane; i < e; i += 32) {
+      const int64_t idx = base + i;
+      const float xv = to_f(x[idx]), gv = to_f(grad[idx]);
+      const float v = xv / s;
+      float u = 0.0f;
+      if (STOCH) u = uniform(rng_key(a.seed, static_cast<uint32_t>(idx >> 32)), static_cast<uint32_t>(idx));
+      const float r = round_code<float, STOCH, false>(v, u);
+      const float rz = ADD_ZP ? r + zp : r;
+      const bool below = rz < a.qmin, above = rz > a.qmax;
+      const bool inside = !(below || above);
+      const float ds = inside ? r - v : (below ? a.qmin - zp : a.qmax - zp);
+      as += static_cast<double>(gv) * static_cast<double>(ds);
+      if (!inside) az += static_cast<double>(gv) * static_cast<double>(-s);
+      grad_x[idx] = from_f<G>(gv * (inside ? 1.0f : 0.0f));
+    }
+    as = warp_sum(as);
+    az = warp_sum(az);
+    if (lane == 0) part[sg] = LsqPartial{as, az};
+  }
+}
+
+__global__ void lsq_combine(Geo geo, const LsqPartial* __restrict__ part, float* __restrict__ gs,
+                            float* __restrict__ gz, int64_t groups) {
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double ts = 0.0, tz = 0.0;
+    for (int64_t k = 0; k < geo.spg; ++k) {
+      ts += part[g * geo.spg + k].s;
+      tz += part[g * geo.spg + k].z;
+    }
+    gs[g] = static_cast<float>(ts);
+    if (gz) gz[g] = static_cast<float>(tz);
+  }
+}
+
+template <typename T>
+void launch_params(const qc_cuda_quant_args* a, const void* x, const float* scale, const float* zp, void* y,
+                   bool* mask, cudaStream_t st) {
+  const Geo geo = make_geo(a);
+  const int64_t n = a->rows * a->cols;
+  const unsigned int b = blocks_for(n, kThreads * 4);
+  const T* xt = static_cast<const T*>(x);
+  T* yt = static_cast<T*>(y);
+  const bool sto = a->rounding == kStochastic;
+  if (zp) {
+    if (sto) params_elements<T, true, true><<<b, kThreads, 0, st>>>(xt, geo, *a, scale, zp, yt, mask, n);
+    else params_elements<T, false, true><<<b, kThreads, 0, st>>>(xt, geo, *a, scale, zp, yt, mask, n);
+  } else {
+    if (sto) params_elements<T, true, false><<<b, kThreads, 0, st>>>(xt, geo, *a, scale, zp, yt, mask, n);
+    else params_elements<T, false, false><<<b, kThreads, 0, st>>>(xt, geo, *a, scale, zp, yt, mask, n);
+  }
+}
+
+template <typename T, typename G>
+void launch_lsq(const qc_cuda_quant_args* a, const void* x, const void* grad, const float* scale, const float* zp,
+                void* grad_x, float* gs, float* gz, void* ws, cudaStream_t st) {
+  const Geo geo = make_geo(a);
+  const int64_t groups = geo.rows * geo.ngr;
+  const int64_t segments = groups * geo.spg;
+  LsqPartial* part = static_cast<LsqPartial*>(ws);
+  const unsigned int b = blocks_for(segments, kThreads / 32);
+  const T* xt = static_cast<const T*>(x);
+  const G* gt = static_cast<const G*>(grad);
+  G* gx = static_cast<G*>(grad_x);
+  const bool sto = a->rounding == kStochastic;
+  if (zp) {
+    if (sto) lsq_segments<T, G, true, true><<<b, kThreads, 0, st>>>(xt, gt, geo, *a, scale, zp, gx, part, segments);
+    else lsq_segments<T, G, false, true><<<b, kThreads, 0, st>>>(xt, gt, geo, *a, scale, zp, gx, part, segments);
+  } else {
+    if (sto) lsq_segments<T, G, true, false><<<b, kThreads, 0, st>>>(xt, gt, geo, *a, scale, zp, gx, part, segments);
+    else lsq_segments<T, G, false, false><<<b, kThreads, 0, st>>>(xt, gt, geo, *a, scale, zp, gx, part, segments);
+  }
+  lsq_combine<<<blocks_for(groups, kThreads), kThreads, 0, st>>>(geo, part, gs, gz, groups);
+}
+
+template <typename T>
+void launch_lsq_g(const qc_cuda_quant_args* a, const void* x, const void* grad, int g_dtype, const float* scale,
+                  const float* zp, void* grad_x, float* gs, float* gz, void* ws, cudaStream_t st) {
+  if (g_dtype == 0) launch_lsq<T, float>(a, x, grad, scale, zp, grad_x, gs, gz, ws, st);
+  else if (g_dtype == 1) launch_lsq<T, __nv_bfloat16>(a, x, grad, scale, zp, grad_x, gs, gz, ws, st);
+  else launch_lsq<T, __half>(a, x, grad, scale, zp, grad_x, gs, gz, ws, st);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace qc
+
+extern "C" int qc_cuda_fake_quant_params(const qc_cuda_quant_args* a, const void* x, int x_dtype, const float* scale,
+                                         const float* zp, void* y, bool* mask, void* stream) {
+  using namespace qc::cuda;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a->rows * a->cols == 0) return 0;
+  if (x_dtype == 0) launch_params<float>(a, x, scale, zp, y, mask, st);
+  else if (x_dtype == 1) launch_params<__nv_bfloat16>(a, x, scale, zp, y, mask, st);
+  else launch_params<__half>(a, x, scale, zp, y, mask, st);
+  return status();
+}
+
+extern "C" size_t qc_cuda_lsq_workspace(const qc_cuda_quant_args* a) {
+  const qc::cuda::Geo geo = qc::cuda::make_geo(a);
+  return static_cast<size_t>(geo.rows * geo.ngr * geo.spg) * sizeof(qc::cuda::LsqPartial);
+}
+
+extern "C" int qc_cuda_lsq_backward(const qc_cuda_quant_args* a, const void* x, int x_dtype, const void* grad,
+                                    int g_dtype, const float* scale, const float* zp, void* grad_x, float* gs,
+                                    float* gz, void* workspace, void* stream) {
+  using namespace qc::cuda;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a->rows * a->cols == 0) return 0;
+  if (x_dtype == 0) launch_lsq_g<float>(a, x, grad, g_dtype, scale, zp, grad_x, gs, gz, workspace, st);
+  else if (x_dtype == 1) launch_lsq_g<__nv_bfloat16>(a, x, grad, g_dtype, scale, zp, grad_x, gs, gz, workspace, st);
+  else launch_lsq_g<__half>(a, x, grad, g_dtype, scale, zp, grad_x, gs, gz, workspace, st);
+  return status();
+}
 
 extern "C" size_t qc_cuda_quant_workspace(const qc_cuda_quant_args* a) {
   const qc::cuda::Geo geo = qc::cuda::make_geo(a);

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
+OBSERVERS = ("minmax", "mse")   # compressed-tensors' observer names
 ALL_MODULES = None  # `modules` missing or "all": every compressible module
 
 
@@ -75,6 +76,9 @@ class WeightQuantShared:
     ste: str = field("identity", choices=("identity", "clip"), lower=True,
                      doc="ext: 'clip' zeroes the gradient of clipped elements")
     seed: int = field(0, ge=0, doc="ext: stochastic-rounding seed")
+    observer: str = field("minmax", choices=OBSERVERS, lower=True,
+                          doc="ext: default range observer of the groups (see WeightQuantParams)")
+    range_learning: bool = field(False, doc="ext: default of the groups' range_learning")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ class WeightQuantParams:
     group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim; "
                                       "alone it means granularity 'group'")
     ternary: bool = field(True, doc="ext: 2 bits means ternary (DeepSpeed); false: 4-level grid")
+    observer: Optional[str] = field(None, choices=OBSERVERS, lower=True,
+                                    doc="ext: 'minmax' or 'mse' (searched shrink of the range); "
+                                        "default: shared_parameters.observer")
+    range_learning: Optional[bool] = field(None, doc="ext: scales (and zero points) trained by LSQ; "
+                                                     "default: shared_parameters.range_learning")
 
     def _validate(self, path):
         if self.target_bits > self.start_bits:
@@ -116,11 +125,27 @@ class ActQuantShared:
     range_calibration: str = field("dynamic", choices=("dynamic", "static"), lower=True)
     schedule_offset: int = field(1000, ge=0)
     momentum: float = field(0.95, ge=0.0, lt=1.0, doc="ext: EMA momentum of static ranges")
+    observer: str = field("minmax", choices=OBSERVERS, lower=True, doc="ext: default of the groups")
+    range_learning: bool = field(False, doc="ext: default of the groups")
 
 
 @dataclass(frozen=True)
 class ActQuantParams:
     bits: int = field(ge=2, le=8)
+    observer: Optional[str] = field(None, choices=OBSERVERS, lower=True,
+                                    doc="ext: static ranges only: 'mse' searches a shrink of each "
+                                        "batch's range; default: shared_parameters.observer")
+    range_learning: Optional[bool] = field(None, doc="ext: the static range's scale (and zero point) "
+                                                     "trained by LSQ; default: shared_parameters")
+
+
+def group_setting(technique, group, key):
+    """A group's `observer` / `range_learning`: its own params', else shared_parameters'.
+    Returns (value, key path where it was set)."""
+    own = getattr(group.params, key)
+    if own is not None:
+        return own, f"different_groups.{group.name}.params.{key}"
+    return getattr(technique.shared, key), f"shared_parameters.{key}"
 
 
 # --- pruning ---------------------------------------------------------------------------------
@@ -319,12 +344,41 @@ class CompressionConfig:
     distillation: Distillation = field(Distillation())
 
     def _validate(self, path):
+        self._validate_ranges(path)
         kd, lr = self.distillation, self.layer_reduction
         if kd.teacher_layer is not None and lr.enabled and len(kd.teacher_layer) != len(lr.teacher_layer):
             raise ConfigError(join(path, "distillation.teacher_layer"),
                               f"maps {len(kd.teacher_layer)} student layers, but layer_reduction keeps "
                               f"{len(lr.teacher_layer)} (layer_reduction.teacher_layer); drop it to "
                               "use layer_reduction's mapping")
+
+    def _validate_ranges(self, path):
+        """Observers and range learning need what they act on (checked where the value was set)."""
+        wq = self.weight_quantization
+        sw = wq.shared
+        for group in wq.groups if wq.enabled else ():
+            rl, rl_at = group_setting(wq, group, "range_learning")
+            obs, obs_at = group_setting(wq, group, "observer")
+            where = join(path, "weight_quantization")
+            if rl and not sw.quantize_weight_in_forward:
+                raise ConfigError(join(where, rl_at), "range learning trains the scales through the forward "
+                                  "pass: it needs shared_parameters.quantize_weight_in_forward: true")
+            if rl and sw.fp16_mixed_quantize.enabled:
+                raise ConfigError(join(where, rl_at), "range learning and fp16_mixed_quantize do not combine "
+                                  "(the blend hides the learned grid); turn one off")
+            if (rl or obs == "mse") and sw.numerics == "deepspeed":
+                raise ConfigError(join(where, rl_at if rl else obs_at),
+                                  f"{'range learning' if rl else 'the mse observer'} works on the default "
+                                  "numerics (what export writes); shared_parameters.numerics is 'deepspeed'")
+        aq = self.activation_quantization
+        for group in aq.groups if aq.enabled else ():
+            where = join(path, "activation_quantization")
+            for key in ("range_learning", "observer"):
+                value, at = group_setting(aq, group, key)
+                if value not in (False, "minmax") and aq.shared.range_calibration != "static":
+                    raise ConfigError(join(where, at), f"{value!r} acts on stored (static) ranges; "
+                                      "shared_parameters.range_calibration is 'dynamic' (recomputed on "
+                                      "every call); set range_calibration: static")
 
     def techniques(self):
         """(name, Technique) for the six group-based techniques, in DeepSpeed's clean order."""

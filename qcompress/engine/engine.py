@@ -333,9 +333,10 @@ class Engine:
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            if self.compression_scheduler is not None:
-                self._compression_step()
         self._sync_state()            # forwards moved buffers and ranges even on a skipped step
+        if not overflow and self.compression_scheduler is not None:
+            # after the sync: learned activation ranges start from the ranks' common static range
+            self._compression_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)

@@ -36,6 +36,7 @@ class WeightEntry:
     transposed: bool          # HF Conv1D: the state_dict weight is the transpose
     target_bits: int
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    observer: str = "minmax"  # how the range was chosen (compressed-tensors' observer name)
 
 
 def fmt_for(bits: int) -> str:
@@ -136,7 +137,8 @@ def weight_entry(mod) -> WeightEntry:
     entry = WeightEntry(bits=bits, qtype=kind, symmetric=spec.symmetric, strategy=strategy,
                         group_size=gsize, fmt=fmt, shape=list(ref.shape),
                         dtype=str(ref.dtype).replace("torch.", ""),
-                        transposed=mod.qc_kind == "hf_conv1d", target_bits=wq.target_bits)
+                        transposed=mod.qc_kind == "hf_conv1d", target_bits=wq.target_bits,
+                        observer=wq.range_observer)
     t = entry.tensors
     if fmt == "pack-quantized":
         t["weight_packed"] = pack_int32(q2, bits, dim=1).contiguous()
@@ -166,6 +168,15 @@ def act_entry(mod):
     if aq is None or not aq.active:
         return None
     args = {"num_bits": aq.bits, "type": "int", "symmetric": aq.symmetric}
+    if aq.calibration == "static" and aq.range_learning and aq.learned_ready:
+        from ..quant.api import learned_params
+        spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
+        s, zp = learned_params(mod.input_scale, mod._parameters.get("input_zero_point"), spec)
+        tensors = {"input_scale": s.detach().cpu().reshape(1).to(torch.float32)}
+        if zp is not None:
+            tensors["input_zero_point"] = zp.detach().cpu().reshape(1).to(torch.int8)
+        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer)
+        return args, tensors
     if aq.calibration == "static":
         if not aq.observer.initialized:
             raise ExportError(f"module {mod.qc_name!r}: static activation range was never calibrated "
@@ -177,7 +188,7 @@ def act_entry(mod):
         tensors = {"input_scale": s.reshape(1).to(torch.float32)}
         if zp is not None:
             tensors["input_zero_point"] = zp.reshape(1).to(torch.int8)
-        args.update(strategy="tensor", dynamic=False, observer="minmax")
+        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer)
         return args, tensors
     strategy = "token" if aq.per == "token" else "sample"   # "sample": qcompress-only (Conv)
     args.update(strategy=strategy, dynamic=True, observer=None)

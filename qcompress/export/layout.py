@@ -17,7 +17,7 @@ PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token")
 
 def weight_args(e) -> dict:
     return {"num_bits": e.bits, "type": "int", "symmetric": e.symmetric, "strategy": e.strategy,
-            "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": "minmax",
+            "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": e.observer,
             "observer_kwargs": {}, "block_structure": None}
 
 

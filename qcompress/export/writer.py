@@ -37,6 +37,7 @@ def _raw_config(cfg, model) -> dict:
 def collect(model: nn.Module):
     """(tensors to write, manifest modules, names of plain nn.Linear modules)."""
     from ..nn.layers import CompressMixin
+    from ..nn.ranges import range_parameter_names
     root = _unwrap(model)
     sd = root.state_dict()
     tensors: Dict[str, torch.Tensor] = {}
@@ -50,6 +51,8 @@ def collect(model: nn.Module):
             if isinstance(mod, nn.Linear):
                 plain_linears.append(name)
             continue
+        for k in range_parameter_names(mod):   # learned ranges: written as the codes' scales, if at all
+            replaced[f"{name}.{k}"] = True
         wq = mod.qc_wq
         entry = weight_entry(mod) if wq is not None and wq.active else None
         act = act_entry(mod)

@@ -26,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from ..quant.api import fake_quantize_spec
+from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
 from ..quant.reference import make_spec
+from . import ranges
 from .state import ActQuant, WeightQuant
 
 _CLASS_CACHE: Dict[type, type] = {}
@@ -76,6 +77,8 @@ class CompressMixin:
         wq = self.__dict__.get("qc_wq")
         if wq is not None:
             wq.store.follow(self.weight)
+            if wq.shrink is not None and not self.weight.is_meta:
+                wq.shrink = wq.shrink.to(self.weight.device)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -88,6 +91,8 @@ class CompressMixin:
         wq = self.__dict__.get("qc_wq")
         if wq is not None and prefix + "weight" in state_dict and len(error_msgs) == n_errors:
             wq.store.reset()
+        if wq is not None and wq.range_learning and prefix + "weight_scale" in state_dict:
+            wq.ranges_loaded = True     # trained scales: the next range initialisation keeps them
 
     def __reduce_ex__(self, protocol):
         """Pickle by (base class, kind): the compress-aware class is made at run time, so pickle
@@ -120,7 +125,12 @@ class CompressMixin:
             return (*wq.codes, wq.codes_spec)
         w = self.weight if weight is None else weight
         spec = wq.spec()
-        q, s, z = quantize_spec(self.weight_matrix_view(w.detach()), spec)
+        view = self.weight_matrix_view(w.detach())
+        params = ranges.weight_params(self, view, spec)
+        if params is not None:
+            q, s, z = quantize_spec(view, spec, scale=params[0], zero_point=params[1])
+            return q, s, z, spec
+        q, s, z = quantize_spec(view, spec)
         return q, s, z, spec
 
     def effective_weight(self) -> torch.Tensor:
@@ -128,14 +138,27 @@ class CompressMixin:
         w = self.weight
         wq = self.qc_wq
         if wq is not None and wq.active and wq.in_forward and not wq.baked:
-            q = self._from_matrix_view(fake_quantize_spec(self.weight_matrix_view(w), wq.spec(),
-                                                          clip_grad=wq.clip_grad))
+            q = self._from_matrix_view(self._fake_quantize_weight(w, wq))
             r = wq.mix_ratio if wq.mix_enabled else 0.0
             w = q if r <= 0.0 else r * w + (1.0 - r) * q
+        elif wq is not None and wq.range_learning and not wq.baked:
+            w = ranges.attach_unused(w, self, ranges.WEIGHT_PARAMS)
         if self.qc_pruning:
             from ..pruning.masks import apply_weight_masks
             w = apply_weight_masks(self, w)
         return w
+
+    def _fake_quantize_weight(self, w, wq):
+        view = self.weight_matrix_view(w)
+        spec = wq.spec()
+        if wq.range_learning:
+            zp = self._parameters.get("weight_zero_point") if spec.kind == "int" else None
+            n = view.numel() // max(1, self.weight_scale.numel())
+            return fake_quantize_learned(view, spec, self.weight_scale, zp, grad_scale=lsq_grad_scale(n, spec))
+        params = ranges.weight_params(self, view.detach(), spec)
+        if params is not None:
+            return fake_quantize_spec(view, spec, clip_grad=wq.clip_grad, scale=params[0], zero_point=params[1])
+        return fake_quantize_spec(view, spec, clip_grad=wq.clip_grad)
 
     def effective_bias(self):
         b = getattr(self, "bias", None)
@@ -150,15 +173,24 @@ class CompressMixin:
         if aq is None or not aq.active or not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return x
         if aq.calibration == "static":
+            spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
+            if aq.range_learning and aq.learned_ready:
+                per_sample = x.numel() // max(1, x.shape[0]) if x.dim() > 1 else x.numel()
+                return fake_quantize_learned(x, spec, self.input_scale, self._parameters.get("input_zero_point"),
+                                             grad_scale=lsq_grad_scale(per_sample, spec))
             if self.training:
-                lo, hi = aq.observer.observe(x)
+                if aq.range_observer == "minmax":
+                    lo, hi = aq.observer.observe(x)
+                else:
+                    from ..quant.observers import activation_range
+                    lo, hi = aq.observer.update(*activation_range(x, spec, aq.range_observer))
             elif aq.observer.initialized:
                 lo, hi = aq.observer.min, aq.observer.max
             else:
                 _warn_uncalibrated(self.qc_name)
                 lo, hi = x.detach().amin().float(), x.detach().amax().float()
-            spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
-            return fake_quantize_spec(x, spec, min_val=lo, max_val=hi)
+            y = fake_quantize_spec(x, spec, min_val=lo, max_val=hi)
+            return ranges.attach_unused(y, self, ranges.INPUT_PARAMS) if aq.range_learning else y
         if aq.per == "sample":
             spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="channel")
         else:

@@ -53,7 +53,7 @@ class MasterState:
 
 _WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
                     "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
-                    "in_forward", "mix_enabled", "change_ratio")
+                    "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_learning")
 
 
 def _delegate(attr):
@@ -82,12 +82,20 @@ class WeightQuant:
     mix_enabled: bool              # fp16_mixed_quantize
     change_ratio: float
     seed: int
+    range_observer: str = "minmax"  # minmax | mse (qcompress.quant.observers)
+    range_learning: bool = False   # scales (zero points) are the module's weight_scale (_zero_point) Parameters
     # live state
     active: bool = False
     bits: int = 0
     mix_ratio: float = 0.0         # share of the full-precision weight in the blend
     step: int = 0                  # training step the current bits/seed belong to
     baked: bool = False            # redundancy_clean wrote the quantized weight in
+    shrink: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    # ^ mse observer, no range learning: each group's shrink factor, chosen at the first
+    #   quantization and at each bit drop, applied to the group's current range in every forward
+    ranges_loaded: bool = False    # learned scales came with a loaded state_dict: the next range
+    #                                (re)initialisation keeps them (a model rebuilt from trained weights)
+    pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
     store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
 
     # optimizer-step mode: full-precision weights, what was last written, its codes (shared
@@ -112,10 +120,14 @@ class WeightQuant:
 
     def describe(self) -> str:
         if self.granularity == "group":
-            return f"group{self.group_size}"
-        if self.granularity == "groups":
-            return f"{self.num_groups} chunks"
-        return self.granularity
+            out = f"group{self.group_size}"
+        elif self.granularity == "groups":
+            out = f"{self.num_groups} chunks"
+        else:
+            out = self.granularity
+        if self.range_observer != "minmax":
+            out += f" {self.range_observer}"
+        return out + (" learned" if self.range_learning else "")
 
 
 @dataclass
@@ -129,6 +141,12 @@ class ActQuant:
     per: str                       # token (Linear) | sample (Conv)
     active: bool = False
     observer: StaticRange = field(default_factory=StaticRange)
+    range_observer: str = "minmax"  # static ranges: minmax | mse (each batch's range shrunk)
+    range_learning: bool = False   # static range learned: the module's input_scale (_zero_point)
+    learned_ready: bool = False    # the learned range was initialised from the observer
 
     def describe(self) -> str:
-        return f"A{self.bits} {'static' if self.calibration == 'static' else 'per ' + self.per}"
+        out = f"A{self.bits} {'static' if self.calibration == 'static' else 'per ' + self.per}"
+        if self.range_observer != "minmax":
+            out += f" {self.range_observer}"
+        return out + (" learned" if self.range_learning else "")

@@ -44,12 +44,12 @@ class _FakeQuantize(torch.autograd.Function):
     """Straight-through estimator; with clip_grad the gradient of clipped elements is zero."""
 
     @staticmethod
-    def forward(ctx, x, spec, impl, clip_grad, min_val, max_val):
+    def forward(ctx, x, spec, impl, clip_grad, min_val, max_val, params=None):
         if clip_grad:
-            y, inside = impl.fake_quantize_with_mask(x, spec, min_val, max_val)
+            y, inside = _with_mask(impl, x, spec, min_val, max_val, params)
             ctx.save_for_backward(inside)
         else:
-            y = _values_only(impl, x, spec, min_val, max_val)
+            y = _values_only(impl, x, spec, min_val, max_val, params)
         ctx.clip_grad = clip_grad
         ctx.impl = impl
         return y
@@ -60,15 +60,23 @@ class _FakeQuantize(torch.autograd.Function):
             (inside,) = ctx.saved_tensors
             fused = getattr(ctx.impl, "ste_backward", None)  # kernels: one pass
             grad = fused(grad, inside) if fused else grad * inside.to(grad.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
-def _values_only(impl, x, spec, min_val, max_val):
+def _with_mask(impl, x, spec, min_val, max_val, params=None):
+    if params is None:
+        return impl.fake_quantize_with_mask(x, spec, min_val, max_val)
+    return impl.fake_quantize_with_mask(x, spec, min_val, max_val, params=params)
+
+
+def _values_only(impl, x, spec, min_val, max_val, params=None):
     """x^ without the clip mask (the kernels then skip writing it)."""
     only = getattr(impl, "fake_quantize", None)
     if only is not None:
-        return only(x, spec, min_val, max_val)
-    return impl.fake_quantize_with_mask(x, spec, min_val, max_val)[0]
+        if params is None:
+            return only(x, spec, min_val, max_val)
+        return only(x, spec, min_val, max_val, params=params)
+    return _with_mask(impl, x, spec, min_val, max_val, params)[0]
 
 
 def fake_quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor",
@@ -87,12 +95,84 @@ def fake_quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="te
                               backend=backend)
 
 
-def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=None, backend=None):
+def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=None, backend=None,
+                       scale=None, zero_point=None):
+    """As fake_quantize with a Spec. `scale` (and `zero_point`, asymmetric) give each group's
+    parameters instead of computing them from x (observer-chosen ranges); x's gradient is still
+    straight-through, nothing flows to the given parameters (see fake_quantize_learned)."""
     _check_range_args(spec, min_val, max_val)
     impl = _backend(backend)
+    params = None
+    if scale is not None:
+        if min_val is not None:
+            raise ValueError("give a static range (min_val/max_val) or per-group scales, not both")
+        params = (scale, zero_point)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuantize.apply(x, spec, impl, clip_grad, min_val, max_val)
-    return _values_only(impl, x, spec, min_val, max_val)
+        return _FakeQuantize.apply(x, spec, impl, clip_grad, min_val, max_val, params)
+    return _values_only(impl, x, spec, min_val, max_val, params)
+
+
+# --- learned step sizes (LSQ) ---------------------------------------------------------------------
+
+def learned_params(scale: torch.Tensor, zero_point, spec: Spec):
+    """The (scale, zero point) a learned range quantizes with: float32 [groups], the scale floored
+    at EPS, the zero point rounded (half to even) and clamped to the integer range. Export writes
+    exactly these."""
+    s = scale.detach().to(torch.float32).reshape(-1).clamp(min=reference.EPS)
+    z = None
+    if zero_point is not None:
+        z = torch.round(zero_point.detach().to(torch.float32).reshape(-1)).clamp(spec.qmin, spec.qmax)
+    return s, z
+
+
+def lsq_grad_scale(elements_per_scale: int, spec: Spec) -> float:
+    """LSQ's gradient scale g = 1 / sqrt(n * Qp): n elements share a scale, Qp is the largest
+    positive code (1 for binary and ternary)."""
+    qp = spec.qmax if spec.kind == "int" else 1
+    return 1.0 / float(max(1, int(elements_per_scale)) * max(1, qp)) ** 0.5
+
+
+class _LearnedFakeQuantize(torch.autograd.Function):
+    """LSQ: x^ = (clamp(round(x / s) + z) - z) * s with the gradients of reference.lsq_backward;
+    the scale's and zero point's are multiplied by grad_scale, and pass the EPS floor and the
+    zero point's rounding and clamp straight through."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, spec, impl, grad_scale):
+        s, z = learned_params(scale, zero_point, spec)
+        y = _values_only(impl, x, spec, None, None, (s, z))
+        ctx.save_for_backward(x, s, *(() if z is None else (z,)))
+        ctx.spec, ctx.impl, ctx.grad_scale = spec, impl, grad_scale
+        ctx.shapes = (scale.shape, scale.dtype, None if zero_point is None else (zero_point.shape, zero_point.dtype))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s, *rest = ctx.saved_tensors
+        z = rest[0] if rest else None
+        gx, gs, gz = ctx.impl.lsq_backward(grad.contiguous(), x, ctx.spec, s, z)
+        (s_shape, s_dtype, z_meta) = ctx.shapes
+        g_s = (gs * ctx.grad_scale).reshape(s_shape).to(s_dtype) if ctx.needs_input_grad[1] else None
+        g_z = None
+        if z_meta is not None and ctx.needs_input_grad[2] and gz is not None:
+            g_z = (gz * ctx.grad_scale).reshape(z_meta[0]).to(z_meta[1])
+        return (gx if ctx.needs_input_grad[0] else None), g_s, g_z, None, None, None
+
+
+def fake_quantize_learned(x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero_point=None, *,
+                          grad_scale: Optional[float] = None, backend=None) -> torch.Tensor:
+    """Fake-quantize x with learnable per-group `scale` (and `zero_point` when spec is asymmetric;
+    any shapes holding one value per group) and LSQ gradients to x, scale and zero point.
+    grad_scale defaults to lsq_grad_scale(elements per group)."""
+    if (zero_point is None) != spec.symmetric and spec.kind == "int":
+        raise ValueError("an asymmetric spec needs a zero point, a symmetric one none")
+    if spec.numerics != "default":
+        raise ValueError("learned ranges use the default numerics")
+    groups = reference.num_groups(x, spec)
+    if grad_scale is None:
+        grad_scale = lsq_grad_scale(x.numel() // max(1, groups), spec)
+    return _LearnedFakeQuantize.apply(x, scale, zero_point if spec.kind == "int" else None, spec,
+                                      _backend(backend), float(grad_scale))
 
 
 def quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor", group_size=None,
@@ -110,8 +190,11 @@ def quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor"
     return quantize_spec(x, spec, min_val=min_val, max_val=max_val, backend=backend)
 
 
-def quantize_spec(x, spec: Spec, *, min_val=None, max_val=None, backend=None):
+def quantize_spec(x, spec: Spec, *, min_val=None, max_val=None, backend=None, scale=None, zero_point=None):
+    """(q, scale, zero_point); given `scale` (and `zero_point`), the codes for those parameters."""
     _check_range_args(spec, min_val, max_val)
+    if scale is not None:
+        return _backend(backend).quantize(x, spec, None, None, params=(scale, zero_point))
     return _backend(backend).quantize(x, spec, min_val, max_val)
 
 

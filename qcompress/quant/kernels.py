@@ -121,12 +121,41 @@ def _prep(x: torch.Tensor) -> torch.Tensor:
 
 # --- the reference's functions ---------------------------------------------------------------
 
-def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, *, with_mask=True):
+def _params_kernel(x: torch.Tensor, spec: Spec, params) -> bool:
+    """Whether the given-parameters kernels take this call (else the reference does)."""
+    s = params[0]
+    return (spec.kind == "int" and spec.numerics == "default" and x.numel() > 0
+            and on_kernel_device(x, s) and s.device == x.device)
+
+
+def _group_params(x: torch.Tensor, spec: Spec, params):
+    groups = reference.num_groups(x, spec)
+    return reference.flat_params(params[0], params[1], groups, x.device)
+
+
+def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, *, with_mask=True,
+                            params=None):
     """(x^ in x's dtype, bool mask of elements that were not clipped), as the reference.
 
     with_mask=False skips writing the mask (returns an empty one): less memory traffic when
-    no clip-aware gradient needs it.
+    no clip-aware gradient needs it. `params` = (scale, zero point or None): given per-group
+    parameters (reference.quantize_view); integer kinds run the fake_quant_params kernel.
     """
+    if params is not None:
+        if not _params_kernel(x, spec, params):
+            return reference.fake_quantize_with_mask(x, spec, min_val, max_val, params)
+        xk = _prep(x)
+        s, z = _group_params(xk, spec, params)
+        if (z is None) != spec.symmetric:
+            raise ValueError("give a zero point exactly when the spec is asymmetric")
+        rows, cols, group = layout(xk, spec)
+        y, mask = _ops().fake_quant_params(xk, s, z, rows, cols, group, spec.bits,
+                                           1 if spec.rounding == "stochastic" else 0,
+                                           spec.seed & 0xFFFFFFFF, with_mask)
+        y = y.reshape(x.shape)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y, (mask.reshape(x.shape) if with_mask else mask)
     if not on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
@@ -137,15 +166,32 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
     return y, (mask.reshape(x.shape) if with_mask else mask)
 
 
-def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None) -> torch.Tensor:
     """x^ only (no clip mask written)."""
-    return fake_quantize_with_mask(x, spec, min_val, max_val, with_mask=False)[0]
+    return fake_quantize_with_mask(x, spec, min_val, max_val, with_mask=False, params=params)[0]
 
 
-def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
-    """(q, scale, zero_point) as reference.quantize."""
-    if not on_kernel_device(x) or x.numel() == 0:
-        return reference.quantize(x, spec, min_val, max_val)
+def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero_point=None):
+    """As reference.lsq_backward (integer kinds in one fused pass; binary/ternary by the reference)."""
+    if not _params_kernel(x, spec, (scale, zero_point)) or not on_kernel_device(grad) or grad.device != x.device:
+        return reference.lsq_backward(grad, x, spec, scale, zero_point)
+    xk = _prep(x)
+    g = grad if grad.dtype in _FLOATS else grad.to(torch.float32)
+    s, z = _group_params(xk, spec, (scale, zero_point))
+    rows, cols, group = layout(xk, spec)
+    gx, gs, gz = _ops().lsq_backward(g.detach(), xk, s, z, rows, cols, group, spec.bits,
+                                     1 if spec.rounding == "stochastic" else 0, spec.seed & 0xFFFFFFFF)
+    gx = gx.reshape(grad.shape)
+    if gx.dtype != grad.dtype:
+        gx = gx.to(grad.dtype)
+    return gx, gs, (gz if z is not None else None)
+
+
+def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
+    """(q, scale, zero_point) as reference.quantize (given `params`: by the reference, which
+    computes the same codes as fake_quant_params)."""
+    if params is not None or not on_kernel_device(x) or x.numel() == 0:
+        return reference.quantize(x, spec, min_val, max_val, params)
     xk = _prep(x)
     q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))
     shape = reference.scale_shape(x, spec)
@@ -280,6 +326,18 @@ if _error is None:
     @torch.library.register_fake("qcompress::dequantize")
     def _fake_dequantize(q, scale, zero_point, rows, cols, group, dtype):
         return q.new_empty(q.shape, dtype=dtype)
+
+    @torch.library.register_fake("qcompress::fake_quant_params")
+    def _fake_fake_quant_params(x, scale, zero_point, rows, cols, group, bits, rounding, seed, with_mask):
+        mask = x.new_empty(x.shape if with_mask else (0,), dtype=torch.bool)
+        return torch.empty_like(x, memory_format=torch.contiguous_format), mask
+
+    @torch.library.register_fake("qcompress::lsq_backward")
+    def _fake_lsq_backward(grad, x, scale, zero_point, rows, cols, group, bits, rounding, seed):
+        groups = scale.numel()
+        return (torch.empty_like(grad, memory_format=torch.contiguous_format),
+                x.new_empty((groups,), dtype=torch.float32),
+                x.new_empty((groups if zero_point is not None else 0,), dtype=torch.float32))
 
     @torch.library.register_fake("qcompress::ste_backward")
     def _fake_ste_backward(grad, mask):

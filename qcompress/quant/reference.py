@@ -187,8 +187,12 @@ def _range_over(hi: torch.Tensor, lo: torch.Tensor, d: float) -> torch.Tensor:
     return out
 
 
-def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max_val=None):
-    """Per-group (scale, zero_point-or-None, extra) from the float32 group view X."""
+def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max_val=None, shrink=None):
+    """Per-group (scale, zero_point-or-None, extra) from the float32 group view X.
+
+    `shrink` (float32 [groups], integer kinds): each group's range [lo, hi] becomes
+    [lo * shrink, hi * shrink] before the formulas (what the mse observer chose).
+    """
     kind = spec.kind
     if X.shape[1] == 0:
         zeros = torch.zeros(X.shape[0], dtype=torch.float32, device=X.device)
@@ -206,37 +210,51 @@ def qparams(X: torch.Tensor, counts: torch.Tensor, spec: Spec, min_val=None, max
         total = (X.abs() * keep).sum(dim=1, dtype=torch.float64)
         s = (total / kept.clamp(min=1).to(torch.float64)).to(torch.float32)
         return s.clamp(min=EPS), None, thr
-    ds = spec.numerics == "deepspeed"
     if min_val is not None:
         lo = torch.as_tensor(min_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
         hi = torch.as_tensor(max_val, dtype=torch.float32, device=X.device).reshape(1).expand(X.shape[0])
-    elif bool((counts < X.shape[1]).any()):
+    else:
+        lo, hi = group_minmax(X, counts)
+    _check_finite(torch.stack([lo, hi]), "min/max")
+    if shrink is not None:
+        shrink = shrink.to(device=X.device, dtype=torch.float32).reshape(-1)
+        lo, hi = lo * shrink, hi * shrink
+    s, zp = int_params(lo, hi, spec)
+    return s, zp, None
+
+
+def group_minmax(X: torch.Tensor, counts: torch.Tensor):
+    """(lo, hi) of each group's real elements (a ragged last group's zero padding excluded)."""
+    if bool((counts < X.shape[1]).any()):
         # ragged last group: its zero padding must not widen the range (matters for asym)
         real = torch.arange(X.shape[1], device=X.device)[None, :] < counts[:, None]
         lo = torch.where(real, X, float("inf")).amin(dim=1)
         hi = torch.where(real, X, -float("inf")).amax(dim=1)
         empty = counts == 0            # a group with no real element has range [0, 0]
-        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
-    else:
-        lo, hi = X.amin(dim=1), X.amax(dim=1)
-    _check_finite(torch.stack([lo, hi]), "min/max")
+        return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    return X.amin(dim=1), X.amax(dim=1)
+
+
+def int_params(lo: torch.Tensor, hi: torch.Tensor, spec: Spec):
+    """(scale, zero point or None) of the integer grid for per-group ranges [lo, hi]."""
+    ds = spec.numerics == "deepspeed"
     if spec.symmetric:
         amax = torch.maximum(lo.abs(), hi.abs())
         # deepspeed's 2 amax / 2^b, as amax / 2^(b-1): the same bits (power-of-two scaling is exact)
         # without overflowing at amax > FLT_MAX / 2
         s = (amax / float(1 << (spec.bits - 1))) if ds else amax / float(spec.qmax)
-        return s.clamp(min=EPS), None, None
+        return s.clamp(min=EPS), None
     if ds:
         # Floor the step at the float32 resolution of the group's values: a (near-)constant group
         # otherwise gets s ~ EPS and a zero point round(min / s) far outside int32 (DeepSpeed: NaN).
         floor = torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -23
         s = torch.maximum(_range_over(hi, lo, float(1 << spec.bits)), floor).clamp(min=EPS)
         zq = torch.round(lo / s)
-        return s, -zq, None
+        return s, -zq
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     s = _range_over(hi, lo, float(spec.qmax - spec.qmin)).clamp(min=EPS)
     zp = (spec.qmin - torch.round(lo / s)).clamp(spec.qmin, spec.qmax)
-    return s, zp, None
+    return s, zp
 
 
 # --- elementwise ---------------------------------------------------------------------------------
@@ -256,9 +274,18 @@ def _noise(x: torch.Tensor, spec: Spec):
     return u
 
 
-def quantize_view(X, counts, spec: Spec, min_val=None, max_val=None, U=None):
-    """Integer codes (float32 holding integers), scale, zero point, and clip mask for group view X."""
-    s, zp, thr = qparams(X, counts, spec, min_val, max_val)
+def quantize_view(X, counts, spec: Spec, min_val=None, max_val=None, U=None, params=None):
+    """Integer codes (float32 holding integers), scale, zero point, and clip mask for group view X.
+
+    `params` = (scale [groups], zero_point [groups] or None), float32: use these instead of
+    computing them from the groups (learned or observer-chosen ranges; binary and ternary codes
+    still come from the values and their threshold).
+    """
+    if params is None:
+        s, zp, thr = qparams(X, counts, spec, min_val, max_val)
+    else:
+        s, zp = params
+        thr = 0.7 * _mean_abs(X, counts) if spec.kind == "ternary" and X.shape[1] else None
     kind = spec.kind
     if kind == "binary":
         if spec.numerics == "deepspeed":
@@ -297,29 +324,51 @@ def _int_dtype(spec: Spec):
     return torch.int8 if spec.qmin >= -128 and spec.qmax <= 127 else torch.int32
 
 
-def _codes(xf: torch.Tensor, spec: Spec, min_val, max_val):
+def _codes(xf: torch.Tensor, spec: Spec, min_val, max_val, params=None):
     """quantize_view over the grouped float32 tensor, with its stochastic-rounding noise."""
     X, counts = group_view(xf, spec)
     U = _noise(xf, spec)
     if U is not None:
         U, _ = group_view(U, spec)
-    return quantize_view(X, counts, spec, min_val, max_val, U)
+    if params is not None:
+        params = flat_params(params[0], params[1], X.shape[0], X.device)
+    return quantize_view(X, counts, spec, min_val, max_val, U, params)
 
 
-def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
-    """(q, scale, zero_point) with q an integer tensor shaped like x."""
+def num_groups(x: torch.Tensor, spec: Spec) -> int:
+    """How many scales quantizing x with spec has (groups of the group view)."""
+    return math.prod(scale_shape(x, spec))
+
+
+def flat_params(scale: torch.Tensor, zero_point, groups: int, device):
+    """(scale, zero point) as float32 [groups] vectors; the zero point an integer in float, None
+    when symmetric. Raises when the counts do not match the groups."""
+    s = scale.detach().to(device=device, dtype=torch.float32).reshape(-1)
+    if s.numel() != groups:
+        raise ValueError(f"expected {groups} scales for this tensor and granularity, got {s.numel()}")
+    z = None
+    if zero_point is not None:
+        z = zero_point.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        if z.numel() != groups:
+            raise ValueError(f"expected {groups} zero points, got {z.numel()}")
+    return s, z
+
+
+def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
+    """(q, scale, zero_point) with q an integer tensor shaped like x; `params` as quantize_view's
+    (scale and zero point given, e.g. learned ones: they come back reshaped, the zero point int32)."""
     xf = x.detach().to(torch.float32)
-    q, s, zp, _ = _codes(xf, spec, min_val, max_val)
+    q, s, zp, _ = _codes(xf, spec, min_val, max_val, params)
     shape = scale_shape(x, spec)
     q = ungroup(q, xf, spec).to(_int_dtype(spec))
     zp = None if zp is None else zp.reshape(shape).to(torch.int32)
     return q, s.reshape(shape), zp
 
 
-def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
     """(x^ in x's dtype, bool mask of elements that were not clipped)."""
     xf = x.detach().to(torch.float32)
-    q, s, zp, inside = _codes(xf, spec, min_val, max_val)
+    q, s, zp, inside = _codes(xf, spec, min_val, max_val, params)
     y = dequantize_view(q, s, zp, spec)
     return ungroup(y, xf, spec).to(x.dtype), ungroup(inside, xf, spec)
 
@@ -351,3 +400,44 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
         # add leading dims; x^ has q's shape
         out = out.reshape(q.shape)
     return out.to(dtype)
+
+
+# --- learned step sizes (LSQ) ---------------------------------------------------------------------
+
+def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero_point=None):
+    """Gradients of x^ = (clamp(round(x / s) + z, qmin, qmax) - z) * s, with round() passed straight
+    through (LSQ, Esser et al. 2020; the zero point as in LSQ+):
+
+      inside the grid    dx^/dx = 1   dx^/ds = round(x / s) - x / s   dx^/dz = 0
+      clipped below      dx^/dx = 0   dx^/ds = qmin - z               dx^/dz = -s
+      clipped above      dx^/dx = 0   dx^/ds = qmax - z               dx^/dz = -s
+
+    binary / ternary (x^ = q * s, codes from the values): dx^/dx = 1, dx^/ds = q.
+    Returns (grad_x in grad's dtype, sum over each group of grad * dx^/ds, the same for z or None),
+    the sums float32 [groups] accumulated in float64 and not yet multiplied by any gradient scale.
+    """
+    xf = x.detach().to(torch.float32)
+    X, counts = group_view(xf, spec)
+    G, _ = group_view(grad.detach().to(torch.float32), spec)
+    s, zp = flat_params(scale, zero_point, X.shape[0], X.device)
+    if spec.kind != "int":
+        q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
+        gs = (G.double() * q.double()).sum(dim=1).to(torch.float32)
+        return grad.clone(), gs, None
+    U = _noise(xf, spec)
+    if U is not None:
+        U, _ = group_view(U, spec)
+    v = X / s[:, None]
+    r = _round(v, spec, U)
+    rz = r + zp[:, None] if zp is not None else r
+    below, above = rz < spec.qmin, rz > spec.qmax
+    inside = ~(below | above)
+    z = zp[:, None] if zp is not None else torch.zeros_like(s)[:, None]
+    ds = torch.where(inside, r - v, torch.where(below, spec.qmin - z, spec.qmax - z))
+    gs = (G.double() * ds.double()).sum(dim=1).to(torch.float32)
+    gz = None
+    if zp is not None:
+        dz = torch.where(inside, torch.zeros_like(v), -s[:, None].expand_as(v))
+        gz = (G.double() * dz.double()).sum(dim=1).to(torch.float32)
+    grad_x = grad * ungroup(inside, xf, spec).to(grad.dtype)
+    return grad_x, gs, gz

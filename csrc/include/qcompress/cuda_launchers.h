@@ -34,6 +34,19 @@ int qc_cuda_dequantize(const void* q, int q_dtype, const float* scale, const flo
 int qc_cuda_ste_backward(const void* grad, int dtype, const bool* mask, void* out, int64_t n,
                          void* stream);
 
+// Integer fake-quant with given per-group scales (and zero points when zp != NULL), default
+// numerics: a->range is ignored, a->symmetric must be (zp == NULL). y and/or mask may be NULL.
+int qc_cuda_fake_quant_params(const qc_cuda_quant_args* a, const void* x, int x_dtype, const float* scale,
+                              const float* zp, void* y, bool* mask, void* stream);
+
+// Bytes of device workspace that qc_cuda_lsq_backward needs (per-segment partial sums).
+size_t qc_cuda_lsq_workspace(const qc_cuda_quant_args* a);
+// LSQ backward: grad_x (grad's dtype), gs / gz float32 [groups] sums of grad * dx^/ds and
+// grad * dx^/dz (gz NULL when symmetric), combined in a fixed order (deterministic).
+int qc_cuda_lsq_backward(const qc_cuda_quant_args* a, const void* x, int x_dtype, const void* grad,
+                         int g_dtype, const float* scale, const float* zp, void* grad_x, float* gs,
+                         float* gz, void* workspace, void* stream);
+
 // q: int8 codes [rows, k] -> int32 words [rows, ceil(k / (32 / bits))].
 int qc_cuda_pack_int32(const int8_t* q, int32_t* out, int64_t rows, int64_t k, int bits, void* stream);
 int qc_cuda_unpack_int32(const int32_t* packed, int8_t* out, int64_t rows, int64_t words,

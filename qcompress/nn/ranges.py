@@ -1,0 +1,153 @@
+"""Observer-chosen and learned quantization ranges of compress-aware modules.
+
+- `observer: mse` without range learning: each group's shrink factor is searched at the first
+  quantization and at every bit drop (`init_weight_ranges`) and kept in `WeightQuant.shrink`;
+  every forward then quantizes with the factor times the group's current [min, max].
+- `range_learning: true`: the scales (and asymmetric zero points) are Parameters of the module,
+  named as compressed-tensors names the tensors export writes: `weight_scale`,
+  `weight_zero_point`, `input_scale`, `input_zero_point` (float32, one value per group). The
+  observer initialises them at the first quantization and at every bit drop (weights) or at the
+  first scheduler step after the static range saw a batch (activations); LSQ trains them
+  (qcompress.quant.api.fake_quantize_learned). Being Parameters, optimizers, ZeRO sharding,
+  state_dicts and checkpoints carry them.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..quant import observers
+from ..quant.api import learned_params
+from ..quant.reference import int_params, make_spec, scale_shape
+
+WEIGHT_PARAMS = ("weight_scale", "weight_zero_point")
+INPUT_PARAMS = ("input_scale", "input_zero_point")
+
+
+def range_parameter_names(mod) -> Tuple[str, ...]:
+    """Names of the learned-range Parameters registered on `mod` (for export, which writes its own)."""
+    return tuple(n for n in WEIGHT_PARAMS + INPUT_PARAMS if mod._parameters.get(n) is not None)
+
+
+def _claim(mod, name: str, path: str) -> None:
+    if name in mod._parameters or name in mod._buffers or name in mod.__dict__ or name in mod._modules:
+        raise ConfigError(path, f"module {mod.qc_name!r} already has an attribute {name!r}, where range "
+                          "learning keeps its learned scale; turn range_learning off for this module")
+
+
+def _weight_view(mod, source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    w = mod.weight if source is None else source
+    return mod.weight_matrix_view(w.detach())
+
+
+def register_weight_ranges(mod, path: str) -> None:
+    """Learned weight scale (and zero point) Parameters, set from the observer at the start bits."""
+    wq = mod.qc_wq
+    view = _weight_view(mod)
+    spec = wq.spec() if wq.bits else _spec_at(wq, wq.start_bits)
+    s, z = observers.weight_params(view, spec, "minmax")    # placeholders: set when quantization starts
+    shape = scale_shape(view, spec)
+    _claim(mod, "weight_scale", path)
+    mod.register_parameter("weight_scale", nn.Parameter(s.reshape(shape).to(view.device)))
+    if z is not None:
+        _claim(mod, "weight_zero_point", path)
+        mod.register_parameter("weight_zero_point", nn.Parameter(z.reshape(shape).to(view.device)))
+
+
+def _spec_at(wq, bits):
+    old = wq.bits
+    wq.bits = bits
+    try:
+        return wq.spec()
+    finally:
+        wq.bits = old
+
+
+def register_input_ranges(mod, path: str) -> None:
+    """Learned static input scale (and zero point) Parameters; set from the observer later."""
+    aq = mod.qc_aq
+    dev = mod.weight.device if getattr(mod, "weight", None) is not None else None
+    _claim(mod, "input_scale", path)
+    mod.register_parameter("input_scale", nn.Parameter(torch.ones(1, dtype=torch.float32, device=dev)))
+    if not aq.symmetric:
+        _claim(mod, "input_zero_point", path)
+        mod.register_parameter("input_zero_point", nn.Parameter(torch.zeros(1, dtype=torch.float32, device=dev)))
+
+
+@torch.no_grad()
+def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
+    """The observer's ranges at the bits now in force (first quantization, bit drops): the mse
+    shrink factors, and the learned scales unless they were just loaded with trained weights."""
+    wq = mod.qc_wq
+    spec = wq.spec()
+    view = _weight_view(mod, source)
+    if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
+        wq.shrink = observers.mse_shrink(view, spec)
+    else:
+        wq.shrink = None
+    if not wq.range_learning:
+        return
+    if wq.ranges_loaded:
+        wq.ranges_loaded = False
+        return
+    s, z = observers.weight_params(view, spec, wq.range_observer)
+    mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
+    zp = mod._parameters.get("weight_zero_point")
+    if zp is not None:
+        zp.copy_(z.reshape(zp.shape) if z is not None else torch.zeros_like(zp))
+
+
+def weight_params(mod, view: torch.Tensor, spec):
+    """(scale, zero point) the weight is quantized with now, or None for the spec's own (minmax)."""
+    wq = mod.qc_wq
+    if wq.range_learning:
+        return learned_params(mod.weight_scale, mod._parameters.get("weight_zero_point") if spec.kind == "int"
+                              else None, spec)
+    if wq.shrink is not None and spec.kind == "int":
+        return observers.weight_params(view, spec, "mse", shrink=wq.shrink)
+    return None
+
+
+def input_spec(aq):
+    return make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
+
+
+@torch.no_grad()
+def init_input_ranges(mod) -> bool:
+    """Learned static input range from the (synchronised) observer's EMA range; True when set."""
+    aq = mod.qc_aq
+    if aq.learned_ready or not aq.observer.initialized:
+        return False
+    lo, hi = aq.observer.min.reshape(1), aq.observer.max.reshape(1)
+    s, z = int_params(lo.float(), hi.float(), input_spec(aq))
+    mod.input_scale.copy_(s.reshape(mod.input_scale.shape).to(mod.input_scale.device))
+    zp = mod._parameters.get("input_zero_point")
+    if zp is not None:
+        zp.copy_(z.reshape(zp.shape).to(zp.device))
+    aq.learned_ready = True
+    return True
+
+
+class _Attach(torch.autograd.Function):
+    """Returns x unchanged; the given Parameters get zero gradients. Learned ranges not in use yet
+    (before the offset, before activation ranges are initialised) still take part in backward, so
+    DistributedDataParallel finds a gradient for every Parameter."""
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
+
+
+def attach_unused(x: torch.Tensor, mod, names) -> torch.Tensor:
+    params = [mod._parameters[n] for n in names if mod._parameters.get(n) is not None]
+    if not params or not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+        return x
+    return _Attach.apply(x, *params)
