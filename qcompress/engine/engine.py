@@ -88,8 +88,16 @@ class Engine:
         _check_client_optimizer(optimizer, cfg)
         zero = cfg.zero_optimization
         self.stage = zero.stage
-        self.offload = zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu"
+        self.nvme_offload = zero.offload_optimizer.device == "nvme"
+        # CPUOffloadPolicy: parameters, gradients and the update on the CPU (with NVMe, the
+        # optimizer state streams from disk into that CPU update)
+        self.offload = (zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu"
+                        or (self.nvme_offload and zero.stage >= 2))
         self.onebit = is_onebit(cfg.optimizer)
+        if self.onebit and self.nvme_offload:
+            raise ConfigError("zero_optimization.offload_optimizer.device",
+                              f"{cfg.optimizer.type} keeps compression errors beside its moments and steps them "
+                              "all at once; 'nvme' offload streams plain optimizers (Adam, AdamW, Lamb, SGD) only")
         if self.offload and self.stage < 2:
             raise ConfigError("zero_optimization.stage",
                               f"offload (CPUOffloadPolicy) needs FSDP2, i.e. stage 2 or 3; stage {self.stage} "
@@ -146,6 +154,7 @@ class Engine:
         self.param_names = {p: n for n, p in model.named_parameters()}
         params = self._resolve_params(model, model_parameters, names_before)
         self.optimizer = self._make_optimizer(params, cfg, optimizer, model)
+        self.nvme = self._attach_nvme(zero) if self.nvme_offload else None
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.scheduler)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._observers = self._static_observers(model)
@@ -231,6 +240,13 @@ class Engine:
                 return build_optimizer(params, opt_cfg, group=self.group, shard_state=True)
             return build_zero1(params, lambda groups: build_optimizer(groups, opt_cfg), self.group)
         return build_optimizer(params, opt_cfg, group=self.group)
+
+    def _attach_nvme(self, zero):
+        """Optimizer state in files under nvme_path (engine/nvme.py); checked before training."""
+        from .nvme import attach
+        local = getattr(self.optimizer, "optim", self.optimizer)    # ZeroRedundancyOptimizer's shard
+        return attach(local, zero.offload_optimizer, zero.sub_group_size,
+                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def _client_optimizer(self, params, client, model):
         """A user's optimizer: built by its factory on the (wrapped) parameters, or used as given."""
@@ -495,7 +511,7 @@ class Engine:
 
     def memory_report(self) -> Dict[str, int]:
         """Bytes on this rank: parameters, gradients, optimizer state (see engine.memory)."""
-        return memory_report(self.module, self.optimizer, self.stage, self.offload)
+        return memory_report(self.module, self.optimizer, self.stage, self.offload, nvme=self.nvme)
 
     def counters(self) -> Dict[str, int]:
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
@@ -517,8 +533,14 @@ class Engine:
         if self._accumulated and self.rank == 0:
             log.warning("saving a checkpoint %d micro-batches into an accumulation step: the partial "
                         "gradients are not saved; resume starts a fresh step", self._accumulated)
-        return ckpt.save_checkpoint(self, save_dir, tag, client_state)
+        with self._optimizer_state_in_memory():
+            return ckpt.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_optimizer_states: bool = True):
         """Collective. Returns (path, client_state), as DeepSpeed does."""
-        return ckpt.load_checkpoint(self, load_dir, tag, load_optimizer_states)
+        with self._optimizer_state_in_memory():
+            return ckpt.load_checkpoint(self, load_dir, tag, load_optimizer_states)
+
+    def _optimizer_state_in_memory(self):
+        """Checkpoints read and write optimizer.state: NVMe-offloaded state is mapped in meanwhile."""
+        return self.nvme.full_state() if self.nvme is not None else contextlib.nullcontext()

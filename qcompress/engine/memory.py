@@ -7,6 +7,9 @@ Model (ZeRO paper, fp32 weights as this engine keeps them; P = number of paramet
                                                        through backward: reshard_after_forward=False)
   stage 3: params 4P/W, grads 4P/W, optimizer kP/W
   offload (stage 2/3): the sharded params, grads and optimizer state live in CPU memory.
+  nvme (offload_optimizer.device: nvme, stages 1-3): the optimizer state lives in files ("nvme");
+      memory holds buffer_count host buffers of at most sub_group_size elements' state each, in
+      CPU memory ("offloaded"), beside what the stage keeps (stages 2/3 offload like "cpu").
 """
 from __future__ import annotations
 
@@ -26,17 +29,28 @@ def _local_bytes(t: torch.Tensor) -> int:
     return _local_numel(t) * t.element_size()
 
 
-def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offload: bool = False, *,
-                    param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> Dict[str, int]:
+def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offload=False, *,
+                    param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8,
+                    sub_group_size: int = 1_000_000_000, buffer_count: int = 4) -> Dict[str, int]:
     """Bytes per rank for parameters, gradients and optimizer state (Adam: optimizer_bytes=8).
 
+    offload: False / "none", True / "cpu" (CPUOffloadPolicy), or "nvme" (optimizer state in
+    files; sub_group_size and buffer_count bound its host buffers, as in the config).
     Returns {"parameters", "gradients", "optimizer_state", "total"} held on the training device
-    and "offloaded" held in CPU memory by the offload policy.
+    and "offloaded" held in CPU memory by the offload policy; with "nvme" also "nvme", the bytes
+    in files under nvme_path.
     """
     if stage not in (0, 1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"{stage!r}; choose 0, 1, 2 or 3")
     if world_size < 1 or num_params < 0:
         raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
+    placement = {False: "none", True: "cpu"}.get(offload, offload) if isinstance(offload, bool) else offload
+    if placement not in ("none", "cpu", "nvme"):
+        raise ConfigError("zero_optimization.offload_optimizer.device", f"{offload!r}; choose none, cpu or nvme")
+    if placement == "nvme":
+        return _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes,
+                              sub_group_size, buffer_count)
+    offload = placement == "cpu"
     if offload and stage < 2:
         raise ConfigError("zero_optimization.offload_optimizer.device", "offload needs stage 2 or 3")
     shard = math.ceil(num_params / world_size)
@@ -54,6 +68,26 @@ def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offloa
             "total": params + grads + optim, "offloaded": offloaded}
 
 
+def _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes,
+                   sub_group_size, buffer_count) -> Dict[str, int]:
+    if stage < 1:
+        raise ConfigError("zero_optimization.stage", "offload_optimizer.device: nvme needs stage 1, 2 or 3")
+    out = estimate_memory(num_params, world_size, stage, stage >= 2, param_bytes=param_bytes,
+                          grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    shard = math.ceil(num_params / world_size)
+    chunk = min(shard, sub_group_size)
+    buffers = min(buffer_count, math.ceil(shard / chunk) if chunk else 0) * chunk * optimizer_bytes
+    state = shard * optimizer_bytes
+    if stage >= 2:
+        out["offloaded"] += buffers - state          # the CPU update reads its state from disk
+    else:
+        out["optimizer_state"] = 0
+        out["total"] = out["parameters"] + out["gradients"]
+        out["offloaded"] = buffers
+    out["nvme"] = state
+    return out
+
+
 def _optimizer_state_bytes(optimizer) -> int:
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
     total = 0
@@ -64,7 +98,7 @@ def _optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def memory_report(module, optimizer, stage: int, offload: bool) -> Dict[str, int]:
+def memory_report(module, optimizer, stage: int, offload: bool, nvme=None) -> Dict[str, int]:
     """Measured bytes on this rank, in estimate_memory's categories.
 
     Parameters and optimizer state are measured from the live tensors (the local shard of a
@@ -80,9 +114,16 @@ def memory_report(module, optimizer, stage: int, offload: bool) -> Dict[str, int
     g_bytes = trainable_local if stage >= 2 else trainable_full
     o_bytes = _optimizer_state_bytes(optimizer)
     offloaded = 0
+    if nvme is not None:                 # the state in memory: scalars and the host buffers
+        o_bytes += nvme.resident_bytes()
     if offload:
         offloaded = local + trainable_local + o_bytes
         p_bytes = full if stage == 2 else 0
         g_bytes = o_bytes = 0
-    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer_state": o_bytes,
-            "total": p_bytes + g_bytes + o_bytes, "offloaded": offloaded}
+    elif nvme is not None:
+        offloaded, o_bytes = o_bytes, 0
+    out = {"parameters": p_bytes, "gradients": g_bytes, "optimizer_state": o_bytes,
+           "total": p_bytes + g_bytes + o_bytes, "offloaded": offloaded}
+    if nvme is not None:
+        out["nvme"] = nvme.disk_bytes()
+    return out
