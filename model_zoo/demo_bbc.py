@@ -74,8 +74,8 @@ def summary_table(rows) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"), help="runs go to OUT/<config>")
-    p.add_argument("--train-samples", type=int, default=480, help="training subset (of 1,780)")
-    p.add_argument("--eval-samples", type=int, default=200, help="evaluation subset (of 445)")
+    p.add_argument("--train-samples", type=int, default=400, help="training subset (of 1,780)")
+    p.add_argument("--eval-samples", type=int, default=160, help="evaluation subset (of 445)")
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--no-progress", dest="progress", action="store_false")
