@@ -9,7 +9,9 @@
 #include <torch/library.h>
 
 #include "cpu/kernels.h"
+#include "cpu/lowbit_gemm.h"
 #include "qcompress/cuda_launchers.h"
+#include "qcompress/lowbit.h"
 #include "qcompress/math.h"
 
 namespace qc {
@@ -276,6 +278,70 @@ at::Tensor onebit_decode_cuda(const at::Tensor& p_, const at::Tensor& s_) {
   return out;
 }
 
+// Low-bit matmuls (csrc/cuda/lowbit_gemm.cu) on the blocked layout the CPU prepack wrote.
+at::Tensor lowbit_bias(const std::optional<at::Tensor>& bias, int64_t n, const at::Tensor& like) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "qcompress.lowbit: bias has ", bias->numel(), " elements, expected ", n);
+  return bias->to(like.device(), at::kFloat).contiguous();
+}
+
+at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                              int64_t n, int64_t group, int64_t cbits) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  TORCH_CHECK(x_.dim() >= 1 && x_.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
+  const int64_t k = x_.size(-1);
+  lowbit_check_weight(packed, scales, offsets, n, k, group, cbits);
+  const bool dbl = x_.scalar_type() == at::kDouble;
+  at::Tensor x = (dbl ? x_.to(at::kFloat) : x_).contiguous();
+  const int64_t m = k ? x.numel() / k : 0;
+  at::Tensor bias = lowbit_bias(bias_, n, x);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  const bool has_offs = offsets.has_value() && offsets->numel();
+  check_launch(qc_cuda_lowbit_linear(x.const_data_ptr(), float_code(x.scalar_type()), packed.const_data_ptr<uint8_t>(),
+                                     scales.const_data_ptr<float>(),
+                                     has_offs ? offsets->const_data_ptr<uint8_t>() : nullptr,
+                                     bias.defined() ? bias.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), m, n,
+                                     k, group, static_cast<int>(cbits), stream()),
+               "lowbit_linear");
+  return dbl ? y.to(at::kDouble) : y;
+}
+
+at::Tensor lowbit_linear_a8_cuda(const at::Tensor& xq_, const at::Tensor& x_scale, const std::optional<at::Tensor>& x_zp,
+                                 const at::Tensor& packed, const at::Tensor& scales,
+                                 const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                                 int64_t n, int64_t group, int64_t cbits, at::ScalarType out_dtype) {
+  c10::cuda::CUDAGuard guard(xq_.device());
+  TORCH_CHECK(xq_.dim() >= 1 && xq_.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8");
+  const int64_t k = xq_.size(-1);
+  lowbit_check_weight(packed, scales, offsets, n, k, group, cbits);
+  at::Tensor xq = xq_.contiguous();
+  const int64_t m = k ? xq.numel() / k : 0;
+  auto per_token = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
+    TORCH_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
+                " elements, expected one per token (", m, ") or one");
+    return t.reshape({-1}).to(xq.device(), dt).expand({m}).contiguous();
+  };
+  at::Tensor sx = per_token(x_scale, at::kFloat, "x_scale");
+  at::Tensor zx = x_zp.has_value() ? per_token(*x_zp, at::kInt, "x_zero_point") : at::Tensor();
+  at::Tensor bias = lowbit_bias(bias_, n, xq);
+  const at::ScalarType kdt = out_dtype == at::kDouble ? at::kFloat : out_dtype;
+  std::vector<int64_t> shape(xq.sizes().begin(), xq.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, xq.options().dtype(kdt));
+  const bool has_offs = offsets.has_value() && offsets->numel();
+  check_launch(qc_cuda_lowbit_linear_a8(xq.const_data_ptr<int8_t>(), sx.const_data_ptr<float>(),
+                                        zx.defined() ? zx.const_data_ptr<int32_t>() : nullptr,
+                                        packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+                                        has_offs ? offsets->const_data_ptr<uint8_t>() : nullptr,
+                                        bias.defined() ? bias.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(),
+                                        float_code(kdt), m, n, k, group, static_cast<int>(cbits), stream()),
+               "lowbit_linear_a8");
+  return out_dtype == at::kDouble ? y.to(at::kDouble) : y;
+}
+
 }  // namespace
 }  // namespace qc
 
@@ -291,6 +357,8 @@ TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
   m.impl("onebit_compress", &qc::onebit_compress_cuda);
   m.impl("onebit_decode_average", &qc::onebit_decode_average_cuda);
   m.impl("onebit_decode", &qc::onebit_decode_cuda);
+  m.impl("lowbit_linear", &qc::lowbit_linear_cuda);
+  m.impl("lowbit_linear_a8", &qc::lowbit_linear_a8_cuda);
 }
 
 #endif  // QC_WITH_CUDA

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cpu/kernels.h"
+#include "cpu/lowbit_gemm.h"
 
 TORCH_LIBRARY(qcompress, m) {
   // x viewed as [rows, cols], groups of `group` along cols; kind 0 int / 1 binary / 2 ternary;
@@ -26,6 +27,15 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("onebit_compress(Tensor x, Tensor error) -> (Tensor, Tensor, Tensor)");
   m.def("onebit_decode_average(Tensor packed, Tensor scales) -> Tensor");
   m.def("onebit_decode(Tensor packed, Tensor scales) -> Tensor");  // [P, m] -> [P, 8m], row r = sign * s_r
+  // fused low-bit matmuls of load_quantized(mode="fast"): blocked layout of qcompress/lowbit.h
+  m.def("lowbit_prepack(Tensor q, Tensor scale, Tensor? zero_point, int group, int cbits) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("lowbit_unpack(Tensor packed, int n, int k, int group, int cbits) -> Tensor");
+  m.def("lowbit_linear(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int group, "
+        "int cbits) -> Tensor");
+  m.def("lowbit_linear_a8(Tensor xq, Tensor x_scale, Tensor? x_zero_point, Tensor packed, Tensor scales, "
+        "Tensor? offsets, Tensor? bias, int n, int group, int cbits, ScalarType out_dtype) -> Tensor");
+  m.def("lowbit_isa(str request) -> str", &qc::lowbit_isa);
 }
 
 TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
@@ -40,6 +50,10 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("onebit_compress", &qc::onebit_compress_cpu);
   m.impl("onebit_decode_average", &qc::onebit_decode_average_cpu);
   m.impl("onebit_decode", &qc::onebit_decode_cpu);
+  m.impl("lowbit_prepack", &qc::lowbit_prepack_cpu);
+  m.impl("lowbit_unpack", &qc::lowbit_unpack_cpu);
+  m.impl("lowbit_linear", &qc::lowbit_linear_cpu);
+  m.impl("lowbit_linear_a8", &qc::lowbit_linear_a8_cpu);
 }
 
 // Importing qcompress._C registers the operators; the module itself has no functions.

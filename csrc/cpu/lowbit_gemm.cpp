@@ -1,0 +1,539 @@
+// Fused low-bit matmuls on the CPU for load_quantized(mode="fast"): the weight stays in its
+// 4/8-bit codes (blocked layout, qcompress/lowbit.h) and is decoded in registers, never
+// materialised as a float matrix.
+//
+// - weight-only (float32 / bfloat16 / float16 activations): per 16 output rows and column, the
+//   codes are unpacked, turned into the exact path's float weight (u - o) * s, and multiplied
+//   into up to 8 tokens at once (a GEMV for one token, a register-tiled GEMM for many);
+// - W-A8 (int8 activation codes, e.g. dynamic per token): integer dot products of the codes
+//   (AVX-512 VNNI vpdpbusd, else maddubs + madd), one int32 sum per row and group, the zero-point
+//   corrections of lowbit.h's a8_group, and the scales applied once per group and token.
+// Instruction set chosen at run time (scalar, AVX2, AVX-512, AVX-512 VNNI): the vector tiles are
+// compiled once per ISA from lowbit_tiles.inc inside `#pragma GCC target` regions, whatever the
+// flags of the rest of the extension; QCOMPRESS_LOWBIT_ISA or the lowbit_isa op caps the choice.
+// Threads: row blocks split with at::parallel_for.
+#include "lowbit_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "qcompress/lowbit.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QC_LB_X86 1
+#include <immintrin.h>
+#endif
+
+namespace qc {
+namespace lowbit {
+namespace {
+
+struct WView {  // one blocked weight
+  const uint8_t* packed;
+  const float* scales;
+  const uint8_t* offs;   // null: symmetric
+  Geometry g;
+};
+
+struct A8View {  // activation codes of one call, padded to Kp columns
+  const int8_t* xq;
+  int64_t ldx, m;
+  const int32_t* xsum;   // [m][ng]
+  const float* sx;       // [m]
+  const int32_t* zx;     // [m] or null
+  const float* bias;     // [n] or null
+  float* y;              // [m][n]
+};
+
+inline int32_t load32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// y = tot * x_scale (+ bias) for one tile of A8 results (shared by every ISA).
+inline void a8_store(const WView& w, const A8View& a, int64_t m0, int mt, int64_t b, const float* out) {
+  for (int mm = 0; mm < mt; ++mm) {
+    const float sx = a.sx[m0 + mm];
+    float* yr = a.y + (m0 + mm) * w.g.n;
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t n = b * kRows + r;
+      if (n >= w.g.n) break;
+      const float v = out[mm * kRows + r] * sx;
+      yr[n] = a.bias ? v + a.bias[n] : v;
+    }
+  }
+}
+
+inline int off_at(const WView& w, int64_t n, int64_t gi) {
+  return w.offs ? w.offs[param_index(w.g, n, gi)] : code_bias(w.g.cbits);
+}
+
+// ---- scalar kernels (any CPU; also the reference for the vector tiles' layout handling) ------
+
+void wo_scalar(const WView& w, const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t b0,
+               int64_t b1) {
+  const Geometry& g = w.g;
+  const int64_t n1 = std::min(b1 * kRows, g.n);
+  for (int64_t n = b0 * kRows; n < n1; ++n) {
+    for (int64_t mm = 0; mm < m; ++mm) {
+      const float* xr = x + mm * ldx;
+      float acc = 0.0f;
+      for (int64_t gi = 0; gi < g.ng; ++gi) {
+        const float s = w.scales[param_index(g, n, gi)];
+        const int o = off_at(w, n, gi);
+        for (int64_t j = 0; j < g.gp; ++j) {
+          const int64_t kk = gi * g.gp + j;
+          acc += xr[kk] * dequant(code_at(w.packed, g, n, kk), o, s);
+        }
+      }
+      y[mm * g.n + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+}
+
+void a8_scalar(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
+  const Geometry& g = w.g;
+  const int64_t n1 = std::min(b1 * kRows, g.n);
+  for (int64_t n = b0 * kRows; n < n1; ++n) {
+    for (int64_t mm = 0; mm < a.m; ++mm) {
+      const int8_t* xr = a.xq + mm * a.ldx;
+      float tot = 0.0f;
+      for (int64_t gi = 0; gi < g.ng; ++gi) {
+        int32_t dot = 0, usum = 0;
+        for (int64_t j = 0; j < g.gp; ++j) {
+          const int64_t kk = gi * g.gp + j;
+          const int u = code_at(w.packed, g, n, kk);
+          dot += u * static_cast<int32_t>(xr[kk]);
+          usum += u;
+        }
+        const int64_t idx = param_index(g, n, gi);
+        const int o = off_at(w, n, gi);
+        const int32_t A = a8_group(dot, o, a.xsum[mm * g.ng + gi], a.zx ? a.zx[mm] : 0, group_wsum(usum, o, g.gp));
+        tot += static_cast<float>(A) * w.scales[idx];
+      }
+      const float v = tot * a.sx[mm];
+      a.y[mm * g.n + n] = a.bias ? v + a.bias[n] : v;
+    }
+  }
+}
+
+}  // namespace
+
+// ---- vector tiles, one copy per ISA -------------------------------------------------------------
+#if defined(QC_LB_X86)
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+struct VO {
+  static constexpr int L = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I load_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F load_f(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_f(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
+  static I srli(I v, int s) { return _mm256_srli_epi32(v, s); }
+  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // acc += sum of 4 products u8 x s8 per lane. maddubs saturates int16 pairs above 32767: exact
+  // for u <= 15 (2 * 15 * 128); 8-bit codes go through their two nibbles, u = 16 hi + lo.
+  static I dot4_u4(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I dot4_u8(I acc, I u, I s) {
+    const I nib = _mm256_set1_epi8(0x0F);
+    const I lo = _mm256_and_si256(u, nib), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), nib);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, s), _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, s), _mm256_set1_epi16(16)));
+  }
+};
+#define WO_NBLK 1
+#define WO_MT 4
+#define A8_MT 2
+#include "lowbit_tiles.inc"
+#undef WO_NBLK
+#undef WO_MT
+#undef A8_MT
+}  // namespace
+void wo(const WView& w, const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
+  else wo_run<8>(w, x, ldx, m, bias, y, b0, b1);
+}
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  else a8_run<8>(w, a, b0, b1);
+}
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace avx512 {
+namespace {
+struct VO {
+  static constexpr int L = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I load_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static F load_f(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_f(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I srli(I v, int s) { return _mm512_srli_epi32(v, static_cast<unsigned>(s)); }
+  static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static I dot4_u4(I acc, I u, I s) {  // see avx2::VO
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+  }
+  static I dot4_u8(I acc, I u, I s) {
+    const I nib = _mm512_set1_epi8(0x0F);
+    const I lo = _mm512_and_si512(u, nib), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), nib);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, s), _mm512_set1_epi16(1)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, s), _mm512_set1_epi16(16)));
+  }
+};
+#define WO_NBLK 2
+#define WO_MT 8
+#define A8_MT 6
+#include "lowbit_tiles.inc"
+#undef WO_NBLK
+#undef WO_MT
+#undef A8_MT
+}  // namespace
+void wo(const WView& w, const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
+  else wo_run<8>(w, x, ldx, m, bias, y, b0, b1);
+}
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  else a8_run<8>(w, a, b0, b1);
+}
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace vnni {
+namespace {
+struct VO : avx512::VO {
+  // vpdpbusd: 4 products u8 x s8 summed into each int32 lane, no saturation
+  static I dot4_u4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dot4_u8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+};
+#define WO_NBLK 2
+#define WO_MT 8
+#define A8_MT 6
+#include "lowbit_tiles.inc"
+#undef WO_NBLK
+#undef WO_MT
+#undef A8_MT
+}  // namespace
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  else a8_run<8>(w, a, b0, b1);
+}
+}  // namespace vnni
+#pragma GCC pop_options
+
+#endif  // QC_LB_X86
+
+// ---- instruction set, chosen at run time --------------------------------------------------------
+
+namespace {
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512_vnni"};
+
+int detect_isa() {
+#if defined(QC_LB_X86)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && __builtin_cpu_supports("avx512vnni")) return kAvx512Vnni;
+  if (avx512) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+int isa_from_name(c10::string_view name) {
+  for (int i = 0; i < 4; ++i)
+    if (name == kIsaNames[i]) return i;
+  return -1;
+}
+
+int initial_isa() {
+  const int best = detect_isa();
+  const char* env = std::getenv("QCOMPRESS_LOWBIT_ISA");
+  if (env == nullptr || *env == '\0' || std::string(env) == "auto") return best;
+  const int want = isa_from_name(env);
+  TORCH_CHECK(want >= 0, "QCOMPRESS_LOWBIT_ISA=", env, ": expected auto, scalar, avx2, avx512 or avx512_vnni");
+  return std::min(want, best);
+}
+
+std::atomic<int>& active_isa() {
+  static std::atomic<int> isa{initial_isa()};
+  return isa;
+}
+
+using WoFn = void (*)(const WView&, const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t);
+using A8Fn = void (*)(const WView&, const A8View&, int64_t, int64_t);
+
+WoFn wo_kernel(int isa) {
+#if defined(QC_LB_X86)
+  if (isa >= kAvx512) return &avx512::wo;
+  if (isa >= kAvx2) return &avx2::wo;
+#endif
+  (void)isa;
+  return &wo_scalar;
+}
+
+A8Fn a8_kernel(int isa) {
+#if defined(QC_LB_X86)
+  if (isa >= kAvx512Vnni) return &vnni::a8;
+  if (isa >= kAvx512) return &avx512::a8;
+  if (isa >= kAvx2) return &avx2::a8;
+#endif
+  (void)isa;
+  return &a8_scalar;
+}
+
+// ---- argument checks and the torch glue -----------------------------------------------------------
+
+Geometry checked_geometry(int64_t n, int64_t k, int64_t group, int64_t cbits) {
+  TORCH_CHECK(cbits == 4 || cbits == 8, "qcompress.lowbit: container bits must be 4 or 8, got ", cbits);
+  TORCH_CHECK(n >= 1 && k >= 1, "qcompress.lowbit: empty weight (", n, " x ", k, ")");
+  TORCH_CHECK(group >= 1 && group <= kMaxGroup, "qcompress.lowbit: group length ", group,
+              " outside [1, ", kMaxGroup, "] (int32 sums of longer groups could overflow)");
+  return make_geometry(n, k, group, static_cast<int>(cbits));
+}
+
+WView weight_view(const Geometry& g, const at::Tensor& packed, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& offsets) {
+  const int64_t params = g.nb * g.ng * kRows;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
+              "qcompress.lowbit: packed weight must be contiguous uint8 of ", g.nb * g.block_bytes(),
+              " bytes for a ", g.n, " x ", g.k, " weight (", g.cbits, "-bit, group ", g.group, "), got ",
+              packed.scalar_type(), " with ", packed.numel(), " elements");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == params,
+              "qcompress.lowbit: scales must be contiguous float32 with ", params, " elements, got ",
+              scales.scalar_type(), " with ", scales.numel());
+  WView w{packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), nullptr, g};
+  if (offsets.has_value() && offsets->numel()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kByte && offsets->is_contiguous() && offsets->numel() == params,
+                "qcompress.lowbit: offsets must be contiguous uint8 with ", params, " elements");
+    w.offs = offsets->const_data_ptr<uint8_t>();
+  }
+  return w;
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "qcompress.lowbit: ", what, " is on ", t.device(), ", expected the CPU");
+}
+
+// x [M, K] -> [M, Kp] with every group padded to gp columns (zeros), in `dtype`.
+at::Tensor pad_groups(const at::Tensor& x2, const Geometry& g, at::ScalarType dtype) {
+  at::Tensor x = x2.to(dtype);
+  if (g.kp == g.k) return x.contiguous();
+  const int64_t m = x.size(0);
+  if (g.ng * g.group != g.k) x = at::constant_pad_nd(x, {0, g.ng * g.group - g.k}, 0);
+  x = x.reshape({m, g.ng, g.group});
+  return at::constant_pad_nd(x, {0, g.gp - g.group}, 0).reshape({m, g.kp}).contiguous();
+}
+
+template <typename Fn>
+void over_blocks(const Geometry& g, int64_t m, int64_t step, const Fn& fn) {
+  // a task gets at least ~64K weight x token products, so small layers run on one thread
+  const int64_t units = (g.nb + step - 1) / step;
+  const int64_t per_unit = step * kRows * g.kp * std::max<int64_t>(m, 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(per_unit, 1));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    fn(u0 * step, std::min(u1 * step, g.nb));
+  });
+}
+
+}  // namespace
+}  // namespace lowbit
+
+using namespace lowbit;
+
+std::string lowbit_isa(c10::string_view request) {
+  if (!request.empty()) {
+    const int best = detect_isa();
+    const int want = request == "auto" ? best : isa_from_name(request);
+    TORCH_CHECK(want >= 0, "qcompress.lowbit_isa: unknown instruction set '", std::string(request),
+                "' (expected auto, scalar, avx2, avx512 or avx512_vnni)");
+    TORCH_CHECK(want <= best, "qcompress.lowbit_isa: this CPU does not have ", std::string(request),
+                " (best: ", kIsaNames[best], ")");
+    active_isa().store(want);
+  }
+  return kIsaNames[active_isa().load()];
+}
+
+void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                         int64_t n, int64_t k, int64_t group, int64_t cbits) {
+  weight_view(checked_geometry(n, k, group, cbits), packed, scales, offsets);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_prepack_cpu(
+    const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_, int64_t group,
+    int64_t cbits) {
+  TORCH_CHECK(q_.dim() == 2 && q_.scalar_type() == at::kChar, "qcompress.lowbit_prepack: codes must be int8 [N, K], got ",
+              q_.scalar_type(), " ", q_.sizes());
+  check_cpu(q_, "the weight codes");
+  const Geometry g = checked_geometry(q_.size(0), q_.size(1), group, cbits);
+  TORCH_CHECK(scale_.dim() == 2 && scale_.size(0) == g.n && scale_.size(1) == g.ng,
+              "qcompress.lowbit_prepack: scale must be [", g.n, ", ", g.ng, "], got ", scale_.sizes());
+  const int lo = -code_bias(g.cbits), hi = code_bias(g.cbits) - 1;
+  const at::Tensor q = q_.contiguous();
+  const at::Tensor scale = scale_.to(at::kFloat).contiguous();
+  at::Tensor zp;
+  if (zp_.has_value()) {
+    TORCH_CHECK(zp_->sizes() == scale_.sizes() && !zp_->is_floating_point(),
+                "qcompress.lowbit_prepack: zero point must be integer and shaped like scale ", scale_.sizes(),
+                ", got ", zp_->scalar_type(), " ", zp_->sizes());
+    zp = zp_->to(at::kInt).contiguous();
+    TORCH_CHECK(zp.numel() == 0 || (zp.min().item<int>() >= lo && zp.max().item<int>() <= hi),
+                "qcompress.lowbit_prepack: zero points outside the signed ", g.cbits, "-bit range");
+  }
+  TORCH_CHECK(q.min().item<int>() >= lo && q.max().item<int>() <= hi, "qcompress.lowbit_prepack: codes outside the signed ",
+              g.cbits, "-bit range [", lo, ", ", hi, "]");
+  const int64_t params = g.nb * g.ng * kRows;
+  at::Tensor packed = at::zeros({g.nb * g.block_bytes()}, q.options().dtype(at::kByte));
+  at::Tensor scales = at::zeros({params}, q.options().dtype(at::kFloat));
+  at::Tensor offs = at::zeros({zp.defined() ? params : 0}, q.options().dtype(at::kByte));
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  const float* sp = scale.const_data_ptr<float>();
+  const int32_t* zpp = zp.defined() ? zp.const_data_ptr<int32_t>() : nullptr;
+  uint8_t* pk = packed.mutable_data_ptr<uint8_t>();
+  float* sc = scales.mutable_data_ptr<float>();
+  uint8_t* of = zp.defined() ? offs.mutable_data_ptr<uint8_t>() : nullptr;
+  const int bias = code_bias(g.cbits);
+  at::parallel_for(0, g.nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = b0 * kRows; n < std::min(b1 * kRows, g.n); ++n) {
+      for (int64_t gi = 0; gi < g.ng; ++gi) {
+        const int64_t idx = param_index(g, n, gi);
+        const int o = offset_of(g.cbits, zpp ? zpp[n * g.ng + gi] : 0);
+        sc[idx] = sp[n * g.ng + gi];
+        if (of) of[idx] = static_cast<uint8_t>(o);
+        const int64_t len = g.group_len(gi);
+        for (int64_t j = 0; j < g.gp; ++j) {  // padding: u = o, a zero weight
+          const int u = j < len ? qp[n * g.k + gi * g.group + j] + bias : o;
+          set_code(pk, g, n, gi * g.gp + j, u);
+        }
+      }
+    }
+  });
+  return {packed, scales, offs};
+}
+
+at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, int64_t cbits) {
+  const Geometry g = checked_geometry(n, k, group, cbits);
+  check_cpu(packed, "the packed weight");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
+              "qcompress.lowbit_unpack: packed weight must be contiguous uint8 of ", g.nb * g.block_bytes(), " bytes");
+  at::Tensor q = at::empty({n, k}, packed.options().dtype(at::kChar));
+  const uint8_t* pk = packed.const_data_ptr<uint8_t>();
+  int8_t* qp = q.mutable_data_ptr<int8_t>();
+  const int bias = code_bias(g.cbits);
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < k; ++c) qp[r * k + c] = static_cast<int8_t>(code_at(pk, g, r, padded_col(g, c)) - bias);
+  });
+  return q;
+}
+
+at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                             int64_t n, int64_t group, int64_t cbits) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
+  check_cpu(x, "x");
+  const Geometry g = checked_geometry(n, x.size(-1), group, cbits);
+  const WView w = weight_view(g, packed, scales, offsets);
+  const int64_t m = g.k ? x.numel() / g.k : 0;
+  const at::Tensor xf = pad_groups(x.reshape({m, g.k}), g, at::kFloat);
+  at::Tensor bias;
+  if (bias_.has_value()) {
+    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear: bias has ", bias_->numel(), " elements, expected ", n);
+    bias = bias_->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m) {
+    const WoFn fn = wo_kernel(active_isa().load());
+    const float* xp = xf.const_data_ptr<float>();
+    const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+    float* yp = y.mutable_data_ptr<float>();
+    over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { fn(w, xp, g.kp, m, bp, yp, b0, b1); });
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
+                                const std::optional<at::Tensor>& x_zp, const at::Tensor& packed,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                                const std::optional<at::Tensor>& bias_, int64_t n, int64_t group, int64_t cbits,
+                                at::ScalarType out_dtype) {
+  TORCH_CHECK(xq.dim() >= 1 && xq.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8, got ",
+              xq.scalar_type());
+  check_cpu(xq, "the activation codes");
+  const Geometry g = checked_geometry(n, xq.size(-1), group, cbits);
+  const bool asym = x_zp.has_value();
+  const WView w = weight_view(g, packed, scales, offsets);
+  const int64_t m = g.k ? xq.numel() / g.k : 0;
+  const at::Tensor xp = pad_groups(xq.reshape({m, g.k}), g, at::kChar);
+  const at::Tensor xsum = xp.reshape({m, g.ng, g.gp}).sum(-1, false, at::kInt).contiguous();
+  auto per_token = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
+    TORCH_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
+                " elements, expected one per token (", m, ") or one");
+    return t.reshape({-1}).to(dt).expand({m}).contiguous();
+  };
+  const at::Tensor sx = per_token(x_scale, at::kFloat, "x_scale");
+  const at::Tensor zx = asym ? per_token(*x_zp, at::kInt, "x_zero_point") : at::Tensor();
+  at::Tensor bias;
+  if (bias_.has_value()) {
+    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear_a8: bias has ", bias_->numel(), " elements, expected ", n);
+    bias = bias_->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, xq.options().dtype(at::kFloat));
+  if (m) {
+    const A8View a{xp.const_data_ptr<int8_t>(), g.kp, m, xsum.const_data_ptr<int32_t>(), sx.const_data_ptr<float>(),
+                   asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+                   y.mutable_data_ptr<float>()};
+    const A8Fn fn = a8_kernel(active_isa().load());
+    over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
+  }
+  std::vector<int64_t> shape(xq.sizes().begin(), xq.sizes().end());
+  shape.back() = n;
+  return y.to(out_dtype).reshape(shape);
+}
+
+}  // namespace qc

@@ -1,0 +1,152 @@
+// Low-bit weight layout of the fused matmul kernels (load_quantized(mode="fast")) and the math
+// they share: csrc/cpu/lowbit_gemm.cpp (scalar, AVX2, AVX-512, AVX-512 VNNI) and
+// csrc/cuda/lowbit_gemm.cu all decode codes and combine integer sums with these functions (the
+// vector paths compute the same expressions lane by lane).
+//
+// Layout ("blocked"): a weight [N, K] with one scale (and zero point) per row and per group of
+// G consecutive columns is stored as
+//   - codes u = q + 2^(c-1), unsigned, in a c = 4 or 8 bit container (4: 1/2/3/4-bit weights,
+//     8: 5..8-bit weights);
+//   - every group padded with zero weights (u = o) to Gp = a multiple of 8 columns, so a 4-byte
+//     lane never straddles two groups: padded width Kp = ng * Gp;
+//   - rows in blocks of kRows = 16; per block, per chunk of 4 bytes x 16 rows (64 bytes, one
+//     512-bit vector): lane r holds row r's codes for 8 columns (4-bit: byte i = column i in the
+//     low nibble, column i + 4 in the high nibble) or 4 columns (8-bit: byte i = column i);
+//   - scales float [Nb][ng][16]; offsets o = 2^(c-1) + zero point, uint8 [Nb][ng][16] (absent
+//     when symmetric: o = 2^(c-1)).
+// Rows past N (last block) are zero weights with scale 0.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if !defined(QC_HD)
+#if defined(__CUDACC__)
+#define QC_HD __host__ __device__ __forceinline__
+#else
+#define QC_HD inline
+#endif
+#endif
+
+namespace qc {
+namespace lowbit {
+
+constexpr int kRows = 16;          // output rows per block
+constexpr int kLaneBytes = 4;      // bytes per (row, chunk)
+constexpr int kChunkBytes = kRows * kLaneBytes;
+constexpr int kKAlign = 8;         // groups are padded to a multiple of this many columns
+// Longest group: keeps every int32 sum of the W-A8 path exact (a8_group: each of its three
+// terms is at most 255 * 128 * 16384 < 2^29).
+constexpr int64_t kMaxGroup = 16384;
+
+struct Geometry {
+  int64_t n, k, group, ng, gp, kp, nb;  // rows, columns, group length, groups, padded group, Kp, blocks
+  int cbits;                             // container: 4 or 8
+  QC_HD int64_t k_per_chunk() const { return cbits == 4 ? 8 : 4; }
+  QC_HD int64_t chunks() const { return kp / k_per_chunk(); }            // per block
+  QC_HD int64_t block_bytes() const { return chunks() * kChunkBytes; }
+  QC_HD int64_t group_len(int64_t g) const {                             // real columns of group g
+    const int64_t rest = k - g * group;
+    return rest < group ? rest : group;
+  }
+};
+
+QC_HD Geometry make_geometry(int64_t n, int64_t k, int64_t group, int cbits) {
+  Geometry g;
+  g.n = n;
+  g.k = k;
+  g.group = group;
+  g.ng = group > 0 ? (k + group - 1) / group : 0;
+  g.gp = (group + kKAlign - 1) / kKAlign * kKAlign;
+  g.kp = g.ng * g.gp;
+  g.nb = (n + kRows - 1) / kRows;
+  g.cbits = cbits;
+  return g;
+}
+
+// Padded column of real column k.
+QC_HD int64_t padded_col(const Geometry& g, int64_t k) { return (k / g.group) * g.gp + k % g.group; }
+
+// Byte offset of the lane of row n that holds padded column kk.
+QC_HD int64_t lane_offset(const Geometry& g, int64_t n, int64_t kk) {
+  const int64_t b = n / kRows, r = n % kRows, c = kk / g.k_per_chunk();
+  return b * g.block_bytes() + c * kChunkBytes + r * kLaneBytes;
+}
+
+// Bit position of column kk's code inside its 32-bit lane.
+QC_HD int code_shift(int cbits, int64_t kk) {
+  if (cbits == 8) return static_cast<int>(kk % 4) * 8;
+  const int i = static_cast<int>(kk % 8);
+  return (i & 3) * 8 + (i >> 2) * 4;
+}
+
+// Unsigned code u of row n, padded column kk.
+QC_HD int code_at(const uint8_t* packed, const Geometry& g, int64_t n, int64_t kk) {
+  const uint8_t* lane = packed + lane_offset(g, n, kk);
+  const int sh = code_shift(g.cbits, kk);
+  const int byte = lane[sh / 8];
+  return g.cbits == 8 ? byte : (byte >> (sh % 8)) & 15;
+}
+
+QC_HD void set_code(uint8_t* packed, const Geometry& g, int64_t n, int64_t kk, int u) {
+  uint8_t* lane = packed + lane_offset(g, n, kk);
+  const int sh = code_shift(g.cbits, kk);
+  uint8_t& byte = lane[sh / 8];
+  if (g.cbits == 8) {
+    byte = static_cast<uint8_t>(u);
+  } else {
+    const int s = sh % 8;
+    byte = static_cast<uint8_t>((byte & ~(15 << s)) | ((u & 15) << s));
+  }
+}
+
+// Index of (row n, group gi) in the [Nb][ng][16] per-group arrays.
+QC_HD int64_t param_index(const Geometry& g, int64_t n, int64_t gi) {
+  return ((n / kRows) * g.ng + gi) * kRows + n % kRows;
+}
+
+QC_HD int code_bias(int cbits) { return 1 << (cbits - 1); }
+
+// o = 2^(c-1) + zero point: u - o is the integer q - zp of the exported tensors.
+QC_HD int offset_of(int cbits, int zero_point) { return code_bias(cbits) + zero_point; }
+
+// The float weight, bit for bit the exact path's (reader.dequantize_record: (q - zp) * s in
+// fp32): u - o is an exact small integer, the multiply rounds once.
+QC_HD float dequant(int u, int o, float s) { return static_cast<float>(u - o) * s; }
+
+// sum over one group of a * w, a = q_x - z_x (activation integers), w = u - o (weight integers),
+// from dot = sum u * q_x (what VNNI / maddubs compute on the stored codes), xsum = sum q_x and
+// wsum = sum w over the padded group (padding: q_x = 0 and w = 0, so it changes no sum):
+//   sum (q_x - z_x)(u - o) = sum u q_x - o sum q_x - z_x sum (u - o).
+QC_HD int32_t a8_group(int32_t dot, int o, int32_t xsum, int zx, int32_t wsum) {
+  return dot - o * xsum - zx * wsum;
+}
+
+// wsum from usum = sum u over the padded group (computed on the fly, only when z_x != 0: a dot
+// product of the codes with ones); padding holds u = o.
+QC_HD int32_t group_wsum(int32_t usum, int o, int64_t gp) { return usum - o * static_cast<int32_t>(gp); }
+
+}  // namespace lowbit
+}  // namespace qc
+
+// CUDA launchers (csrc/cuda/lowbit_gemm.cu), plain C types; 0 on success, else a cudaError_t.
+// x / y dtype codes as in cuda_launchers.h: 0 float32, 1 bfloat16, 2 float16.
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x [m, k] row-major, y [m, n].
+int qc_cuda_lowbit_linear(const void* x, int x_dtype, const uint8_t* packed, const float* scales,
+                          const uint8_t* offsets, const float* bias, void* y, int64_t m, int64_t n,
+                          int64_t k, int64_t group, int cbits, void* stream);
+
+// y[m, n] = x_scale[m] * sum_g scale[n, g] * a8_group(...) (+ bias[n]); xq int8 codes [m, k],
+// x_zp int32 [m] or NULL (symmetric).
+int qc_cuda_lowbit_linear_a8(const int8_t* xq, const float* x_scale, const int32_t* x_zp,
+                             const uint8_t* packed, const float* scales, const uint8_t* offsets,
+                             const float* bias, void* y, int y_dtype, int64_t m, int64_t n, int64_t k,
+                             int64_t group, int cbits, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

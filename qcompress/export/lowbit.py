@@ -1,0 +1,124 @@
+"""Python side of the fused low-bit matmul kernels of load_quantized(mode="fast").
+
+The operators (`torch.ops.qcompress.lowbit_*`, csrc/cpu/lowbit_gemm.cpp and
+csrc/cuda/lowbit_gemm.cu) keep a Linear weight in a blocked layout of its integer codes
+(csrc/include/qcompress/lowbit.h): 4-bit containers for 1-4-bit weights, 8-bit for 5-8-bit,
+one scale (and zero point) per row and group of columns, converted once at load from the
+exported compressed-tensors tensors and back for `state_dict()`.
+
+- `linear`: float32/bfloat16/float16 activations; the weight is decoded in registers to the exact
+  path's float values ((q - zp) * s in fp32, bit for bit), so outputs differ from
+  load_quantized(mode="exact") only by summation order.
+- `linear_a8`: int8 activation codes (what the exact path's input quantization produces) times
+  the weight codes, summed exactly in int32 per group; scales applied once per group and token.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..quant import kernels as _kernels
+
+ROWS = 16                 # output rows per block
+K_ALIGN = 8               # every group is padded to a multiple of 8 columns
+MAX_GROUP = 16384         # longest group whose int32 sums cannot overflow (lowbit.h kMaxGroup)
+CHUNK = 8192              # rows longer than MAX_GROUP (channel / tensor scales) sum in chunks
+
+
+def available() -> bool:
+    """True when the extension with the low-bit operators is loaded."""
+    return _kernels.available() and hasattr(torch.ops.qcompress, "lowbit_linear")
+
+
+def runs_on(device: torch.device) -> bool:
+    if not available():
+        return False
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda"
+            and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA"))
+
+
+def isa(request: str = "") -> str:
+    """The CPU instruction set the kernels use; `request` switches ("scalar", "avx2", "avx512",
+    "avx512_vnni", or "auto" for the best this CPU has). Also QCOMPRESS_LOWBIT_ISA at start."""
+    return torch.ops.qcompress.lowbit_isa(request)
+
+
+def container_bits(bits: int) -> int:
+    return 4 if bits <= 4 else 8
+
+
+def kernel_group(strategy: str, group_size: Optional[int], k: int) -> Optional[int]:
+    """Columns per scale in the kernel layout, or None when the kernels cannot take the group."""
+    if strategy == "group":
+        return group_size if group_size <= MAX_GROUP else None
+    return k if k <= MAX_GROUP else CHUNK
+
+
+class Packed(NamedTuple):
+    packed: torch.Tensor      # uint8 codes, blocked
+    scales: torch.Tensor      # float32 [Nb * ng * 16]
+    offsets: torch.Tensor     # uint8 [Nb * ng * 16] (empty: symmetric)
+
+
+def prepack(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int,
+            cbits: int) -> Packed:
+    """Signed codes q [N, K], scale / zero point [N, ceil(K / group)] -> the blocked layout."""
+    return Packed(*torch.ops.qcompress.lowbit_prepack(q.to(torch.int8).contiguous(), scale, zero_point,
+                                                     group, cbits))
+
+
+def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
+    """(q int8 [N, K], scale [N, ng] fp32, zero point int32 [N, ng] or None) from the layout."""
+    q = torch.ops.qcompress.lowbit_unpack(p.packed, n, k, group, cbits)
+    ng = math.ceil(k / group)
+
+    def rows(t):
+        return t.reshape(-1, ng, ROWS).transpose(1, 2).reshape(-1, ng)[:n]
+    zp = None if p.offsets.numel() == 0 else rows(p.offsets).to(torch.int32) - (1 << (cbits - 1))
+    return q, rows(p.scales), zp
+
+
+def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int):
+    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits)
+
+
+def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[torch.Tensor], p: Packed,
+              bias: Optional[torch.Tensor], n: int, group: int, cbits: int, out_dtype: torch.dtype):
+    return torch.ops.qcompress.lowbit_linear_a8(xq, x_scale, x_zero_point, p.packed, p.scales, p.offsets,
+                                                bias, n, group, cbits, out_dtype)
+
+
+# --- fake (meta) kernels: the operators are opaque to torch.compile ------------------------------
+
+def _geometry(n: int, k: int, group: int, cbits: int):
+    ng = -(-k // group)
+    gp = -(-group // K_ALIGN) * K_ALIGN
+    nb = -(-n // ROWS)
+    return nb, ng, nb * (ng * gp * cbits // 8) * ROWS
+
+
+if available():
+    @torch.library.register_fake("qcompress::lowbit_prepack")
+    def _fake_prepack(q, scale, zero_point, group, cbits):
+        n, k = q.shape
+        nb, ng, nbytes = _geometry(n, k, group, cbits)
+        params = nb * ng * ROWS
+        return (q.new_empty((nbytes,), dtype=torch.uint8), q.new_empty((params,), dtype=torch.float32),
+                q.new_empty((params if zero_point is not None else 0,), dtype=torch.uint8))
+
+    @torch.library.register_fake("qcompress::lowbit_unpack")
+    def _fake_unpack(packed, n, k, group, cbits):
+        return packed.new_empty((n, k), dtype=torch.int8)
+
+    @torch.library.register_fake("qcompress::lowbit_linear")
+    def _fake_linear(x, packed, scales, offsets, bias, n, group, cbits):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("qcompress::lowbit_linear_a8")
+    def _fake_linear_a8(xq, x_scale, x_zero_point, packed, scales, offsets, bias, n, group, cbits,
+                        out_dtype):
+        return xq.new_empty((*xq.shape[:-1], n), dtype=out_dtype)
