@@ -300,6 +300,7 @@ class NVMeOptimizerState:
         reads: Dict[int, Tuple[torch.Tensor, Optional[Future]]] = {}
         writes: List[Future] = []
         nxt = 0                                   # next chunk of `todo` whose read is not issued
+        current: Optional[torch.Tensor] = None
 
         def issue(i: int, block: bool) -> bool:
             c = todo[i]
@@ -318,19 +319,23 @@ class NVMeOptimizerState:
                     while nxt < len(todo) and issue(nxt, block=False):
                         nxt += 1
                 buf, fut = reads.pop(i)
+                current = buf                     # ours until a write takes it over
                 if fut is not None:
                     self._wait(fut, "read_wait_s")
                     self.stats["bytes_read"] += chunk.nbytes
                 self._update(chunk, buf)
-                buf = self._store(chunk, buf)
+                buf = current = self._store(chunk, buf)
                 wfut = self.io.submit(self._write, chunk, buf)
+                current = None
                 self.stats["bytes_written"] += chunk.nbytes
                 if self.pipeline_write:
                     writes.append(wfut)
                 else:
                     self._wait(wfut, "write_wait_s")
         finally:
-            for buf, fut in reads.values():      # an error mid-way: let issued reads finish
+            if current is not None:               # an error mid-way: give every buffer back
+                self.pool.release(current)
+            for buf, fut in reads.values():       # (issued reads finish first)
                 if fut is not None:
                     fut.exception()
                 self.pool.release(buf)
