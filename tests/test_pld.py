@@ -360,3 +360,24 @@ def test_ranks_agree_at_every_stage_and_with_onebit_adam(two_ranks):
         for rank in (0, 1):
             assert two_ranks[rank][label]["losses"] == pytest.approx(two_ranks[rank]["s0"]["losses"], rel=1e-4)
     assert r0["onebit"]["losses"][-1] != r0["onebit"]["losses"][0]
+
+
+def test_hf_trainer_callback_advances_the_schedule(tmp_path):
+    """qcompress.hf.CompressionCallback steps PLD with the Trainer's optimizer steps."""
+    from qcompress.hf import CompressionCallback
+    model = gpt2(layers=4)
+    data = [{"input_ids": batch(i, 0, micro=1)[0], "labels": batch(i, 0, micro=1)[0]} for i in range(12)]
+    cb = CompressionCallback({"progressive_layer_drop": {"enabled": True, "theta": 0.2, "gamma": 2.0}})
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=6,
+                                          per_device_train_batch_size=2, save_strategy="no",
+                                          disable_tqdm=True, seed=0, logging_steps=100)
+    trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[cb])
+    sched = P.pld_schedule(model)
+    log = record_decisions(sched)
+    trainer.train()
+    assert sched.step == 6
+    assert [s for s, _, _ in log] == [s for s in range(6) for _ in range(4)]
+    assert any(k == 0.0 for *_, k in log)
+    for s, i, k in log:
+        theta = (1 - 0.2) * math.exp(-2.0 * max(s - 1, 0)) + 0.2
+        assert k in (0.0, pytest.approx(1 - (i + 1) / 4 * (1 - theta)))

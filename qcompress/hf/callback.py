@@ -32,6 +32,7 @@ from ..engine.serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
 from ..export.safetensors_io import existing_outputs
 from ..rewrite import init_compression
+from ..nn.pld import pld_schedule
 from ..schedule import REWRITTEN, CompressionScheduler
 
 log = logging.getLogger("qcompress.hf")
@@ -166,6 +167,9 @@ class CompressionCallback(TrainerCallback):
         elif state.global_step == 0 and sched.training_steps > 0:
             log.warning("qcompress: a new training run starts while the compression schedule is at "
                         "step %d; it continues from there", sched.training_steps)
+        pld = pld_schedule(_root(model))
+        if pld is not None:            # progressive layer drop follows the step count alone
+            pld.start_step(state.global_step, resumed=True)
 
     def resume_from(self, folder: str) -> None:
         """Restore the compression state from `folder` (a checkpoint written by on_save) when
@@ -177,6 +181,9 @@ class CompressionCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         # called once per optimizer step, after the update (not on accumulation micro-steps)
         self.scheduler.step()
+        pld = pld_schedule(_root(self.model))
+        if pld is not None:
+            pld.start_step(state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if not args.should_save:
