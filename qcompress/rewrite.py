@@ -139,6 +139,9 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
         result[tech] = {}
         for group in technique.groups:
             matched = match_group(names, group, tech)
+            if tech == "sparse_pruning":               # shared_parameters.excluded_modules
+                from .pruning.setup import drop_excluded
+                matched = drop_excluded(technique, matched)
             path = f"compression_training.{tech}.different_groups.{group.name}.modules"
             _check_attention_patterns(group, matched, internals, path)
             _check_unsupported(tech, group, unsupported, path)

@@ -259,9 +259,10 @@ def test_case_insensitive_choices_and_aliases():
     assert load_config({"bfloat16": {"enabled": True}}).precision == "bf16"
 
 
-def test_snip_momentum_needs_no_groups():
-    cfg = load_config(_ct("sparse_pruning", {"method": "snip_momentum"}))
-    assert cfg.compression.sparse_pruning.groups == ()
+def test_snip_momentum_is_refused_at_load():
+    # DeepSpeed needs no groups for it, so without this check it would load and do nothing
+    with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.method.*Neural Compressor"):
+        load_config(_ct("sparse_pruning", {"method": "snip_momentum"}))
 
 
 def test_config_error_is_value_error():

@@ -33,10 +33,18 @@ def _parse_patterns(value, path):
             return ALL_MODULES
         try:
             re.compile(pattern)
-        except re.error as err:
+        except (re.error, RecursionError, OverflowError) as err:   # too deep / huge repeat count
             raise ConfigError(join(path, i), f"{pattern!r} is not a valid regex ({err})") from None
         out.append(pattern)
     return tuple(out)
+
+
+def _parse_excluded(value, path):
+    """sparse_pruning excluded_modules: regexes (re.search) of modules never sparse-pruned."""
+    patterns = _parse_patterns(value, path)
+    if patterns is ALL_MODULES:
+        raise ConfigError(path, "'all' would exclude every module; disable sparse pruning instead")
+    return patterns
 
 
 def _parse_related(value, path):
@@ -156,19 +164,35 @@ class SparsePruningShared:
     method: str = field("l1", choices=("l1", "topk", "snip_momentum"), lower=True)
     schedule_offset: int = field(1000, ge=0)
     schedule_offset_end: Optional[int] = field(None, ge=0)
-    schedule_offset_stride: int = field(1, ge=1)
-    block_pattern: str = field("4x1")
-    dense_ratio: float = field(0.1, gt=0.0, lt=1.0)
-    excluded_modules: Tuple[str, ...] = field(())
+    schedule_offset_stride: int = field(1, ge=1, doc="steps between updates of the ramped ratio")
+    block_pattern: Optional[str] = field(None, doc="snip_momentum only; l1/topk prune 1x1")
+    dense_ratio: Optional[float] = field(None, gt=0.0, lt=1.0, doc="snip_momentum only")
+    excluded_modules: Tuple[str, ...] = field((), parse=_parse_excluded)
 
     def _validate(self, path):
         end = self.schedule_offset_end
         if end is not None and end < self.schedule_offset:
             raise ConfigError(join(path, "schedule_offset_end"),
                               f"{end} is before schedule_offset {self.schedule_offset}")
-        if not re.fullmatch(r"\d+x\d+|\d+:\d+", self.block_pattern):
+        pattern = self.block_pattern
+        if pattern is not None and not (isinstance(pattern, str)
+                                        and re.fullmatch(r"\d+x\d+|\d+:\d+", pattern)):
             raise ConfigError(join(path, "block_pattern"),
-                              f"{self.block_pattern!r} must look like 'NxM' or 'N:M'")
+                              f"{pattern!r} must look like 'NxM' or 'N:M'")
+        if self.enabled and self.method == "snip_momentum":
+            raise ConfigError(join(path, "method"),
+                              "'snip_momentum' is delegated to Intel Neural Compressor in DeepSpeed and "
+                              "is not supported by qcompress; use 'l1' or 'topk'")
+        # keys DeepSpeed reads for snip_momentum only: l1/topk would ignore them, so refuse them
+        if pattern is not None and pattern not in ("1x1", "1:1"):
+            raise ConfigError(join(path, "block_pattern"),
+                              f"{pattern!r}: l1 and topk sparse pruning keep or drop single weights "
+                              "(1x1); block patterns belong to 'snip_momentum', which qcompress does "
+                              "not support. Remove the key")
+        if self.dense_ratio is not None:
+            raise ConfigError(join(path, "dense_ratio"),
+                              "applies to 'snip_momentum' only; for l1/topk set "
+                              "different_groups.<group>.params.dense_ratio")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,16 @@
-"""load_config: dicts and JSON/YAML files, later sources deep-merged over earlier ones."""
+"""load_config: dicts and JSON/YAML files, later sources deep-merged over earlier ones.
+
+Every source is checked as a whole before anything else reads it (`check_document`): string
+keys only, finite numbers, no container inside itself (a recursive YAML alias), at most
+MAX_DEPTH levels and MAX_VALUES values counted as a tree (YAML aliases that repeat large parts,
+"billion laughs", would otherwise expand in every later copy or dump). So every bad document
+gives a ConfigError, never another exception.
+"""
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from typing import Any, Mapping
@@ -10,10 +18,16 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import ConfigError
+from .schema import join
 from .training import Config, parse_config
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+# libyaml's parser when PyYAML was built with it (same documents, several times faster);
+# the constructor is SafeConstructor either way
+_SafeBase = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_SafeBase):
     """Safe YAML loader that refuses duplicate keys (a silent override is a config bug)."""
 
 
@@ -21,10 +35,16 @@ def _construct_mapping(loader, node, deep=False):
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:                 # a YAML complex key such as `? [1, 2]`
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a string, found {type(key).__name__} {key!r}",
+                key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+    return yaml.constructor.SafeConstructor.construct_mapping(loader, node, deep)
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
@@ -39,6 +59,62 @@ def _no_duplicates(pairs):
     return out
 
 
+MAX_DEPTH = 50          # nesting levels; DeepSpeed configs use about 6
+MAX_VALUES = 20_000     # values counted as a tree (an alias counts every time it is used)
+
+
+def _path(link) -> str:
+    """The dotted key path of a (parent link, key) chain."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path = join(path, key)
+    return path
+
+
+_PLAIN = (str, int, bool, type(None))
+
+
+def check_document(doc: Any, source: str = "") -> None:
+    """ConfigError naming the key path (and `source`) for what no config may hold; iterative,
+    so any depth or size is refused without exhausting the stack or the memory."""
+    where = f" (in {source})" if source else ""
+    stack = [(doc, None, 0, ())]   # (value, path link, depth, ids of the containers above)
+    count = 0
+    while stack:
+        value, link, depth, above = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(_path(link), f"the document expands to more than {MAX_VALUES} values"
+                                           f"{where} (YAML aliases that repeat large parts?)")
+        kind = type(value)
+        if kind in _PLAIN:
+            continue
+        if kind is float:
+            if not math.isfinite(value):
+                raise ConfigError(_path(link), f"{value!r} is not a finite number{where}")
+            continue
+        if not isinstance(value, (Mapping, list, tuple)):
+            continue
+        if id(value) in above:
+            raise ConfigError(_path(link), f"contains itself{where} (a recursive YAML alias?)")
+        if depth >= MAX_DEPTH:
+            raise ConfigError(_path(link), f"nested more than {MAX_DEPTH} levels deep{where}")
+        inner = above + (id(value),)
+        if isinstance(value, Mapping):
+            for key, sub in value.items():
+                if type(key) is not str:
+                    raise ConfigError(_path(link), f"key {key!r} is a {type(key).__name__}; config "
+                                                   f"keys must be strings{where}")
+                stack.append((sub, (link, key), depth + 1, inner))
+        else:
+            for i, sub in enumerate(value):
+                stack.append((sub, (link, i), depth + 1, inner))
+
+
 def read_document(path: str | os.PathLike) -> dict:
     """Read one JSON or YAML file into a dict; errors name the file."""
     path = os.fspath(path)
@@ -47,17 +123,36 @@ def read_document(path: str | os.PathLike) -> dict:
             text = fh.read()
     except OSError as err:
         raise ConfigError(path, f"cannot read config file ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(path, f"not UTF-8 text ({err})") from None
+    return parse_document(text, path)
+
+
+def parse_document(text: str, name: str) -> dict:
+    """Parse the text of a config file (JSON when `name` ends in .json, else YAML) into a
+    checked dict; errors name `name`."""
+    path = name
+    kind = "JSON" if path.endswith(".json") else "YAML"
     try:
-        if path.endswith(".json"):
+        if kind == "JSON":
             doc = json.loads(text, object_pairs_hook=_no_duplicates)
         else:
-            doc = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: subclass of SafeLoader
+            doc = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: SafeConstructor only
     except (ValueError, yaml.YAMLError) as err:
-        raise ConfigError(path, f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") from None
+        raise ConfigError(path, f"not valid {kind}: {err}") from None
+    except (IndexError, TypeError, AttributeError, KeyError, OverflowError) as err:
+        # PyYAML's constructors fail this way on explicitly tagged values that do not fit their
+        # tag (`x: !!float` with no value raises IndexError)
+        raise ConfigError(path, f"not valid {kind}: a value does not fit its tag "
+                                f"({type(err).__name__}: {err})") from None
+    except RecursionError:
+        raise ConfigError(path, f"not a usable {kind} document: nested too deeply "
+                                f"(at most {MAX_DEPTH} levels)") from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(path, f"top level must be a mapping, got {type(doc).__name__}")
+    check_document(doc, path)
     return doc
 
 
@@ -87,6 +182,7 @@ def load_config(*sources: Any) -> Config:
             doc, name = src.raw, f"source {i + 1} (a parsed Config)"
         elif isinstance(src, Mapping):
             doc, name = src, f"source {i + 1} (a dict)"
+            check_document(doc, name if len(sources) > 1 else "")
         elif isinstance(src, (str, os.PathLike)):
             doc, name = read_document(src), os.fspath(src)
         else:

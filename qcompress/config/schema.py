@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import typing
 from typing import Any, Callable, Mapping
 
@@ -37,8 +39,11 @@ def join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def did_you_mean(key: str, allowed) -> str:
-    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+def did_you_mean(key, allowed) -> str:
+    """' (did you mean 'x'?)' for a misspelt key or value (any type: a non-string never is one)."""
+    if not isinstance(key, str):
+        return ""
+    close = difflib.get_close_matches(key, [str(a) for a in allowed], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
@@ -86,7 +91,13 @@ def _check_type(value, tp, path):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            out = float(value)
+        except OverflowError:
+            out = math.inf
+        if not math.isfinite(out):      # inf or NaN: every use of it would be inf or NaN
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
+        return out
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
@@ -112,18 +123,25 @@ def _check_meta(value, meta, path):
             raise ConfigError(path, f"{value!r} is out of range; it must be {word} {bound}")
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(cls):
+    """(type hints, {document key: field}) of a config dataclass; evaluating the hints is most
+    of the cost of a parse, and they never change."""
+    hints = typing.get_type_hints(cls)
+    by_key = {}
+    for f in dataclasses.fields(cls):
+        if f.init and not f.metadata.get("internal"):
+            by_key[f.metadata.get("alias") or f.name] = f
+    return hints, by_key
+
+
 def parse(cls, raw, path: str = ""):
     """Build the frozen dataclass `cls` from the mapping `raw` (None means all defaults)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(path, f"expected a mapping, got {type(raw).__name__} {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    by_key = {}
-    for f in fields.values():
-        if not f.metadata.get("internal"):
-            by_key[f.metadata.get("alias") or f.name] = f
+    hints, by_key = _layout(cls)
     unknown = [k for k in raw if k not in by_key]
     if unknown:
         key = unknown[0]

@@ -20,17 +20,20 @@ IGNORED_DEEPSPEED_KEYS = (
     "flops_profiler", "activation_checkpointing", "comms_logger", "dump_state", "elasticity",
     "aio", "checkpoint", "data_efficiency", "curriculum_learning", "amp", "autotuning",
     "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer", "seed",
+    "eigenvalue", "quantize_training", "sparse_attention", "pipeline", "compile", "nebula",
+    "hybrid_engine", "data_types", "timers", "dataloader_drop_last",
 )
 
 
 @dataclass(frozen=True)
 class FP16:
     enabled: bool = field(False)
-    loss_scale: float = field(0.0, ge=0.0, doc="0 means dynamic loss scaling")
+    loss_scale: float = field(0.0, ge=0.0, le=2.0 ** 64, doc="0 means dynamic loss scaling; at most 2^64 "
+                              "(initial_scale_power's limit): larger static scales overflow every step")
     initial_scale_power: int = field(16, ge=0, le=64)
     loss_scale_window: int = field(1000, ge=1)
     hysteresis: int = field(2, ge=1)
-    min_loss_scale: float = field(1.0, gt=0.0)
+    min_loss_scale: float = field(1.0, gt=0.0, le=2.0 ** 64)
     consecutive_hysteresis: bool = field(False)
     auto_cast: bool = field(False)
 
@@ -147,6 +150,8 @@ class Config:
     zero_optimization: ZeroOptimization = field(ZeroOptimization())
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
+    comm_timeout_s: Optional[float] = field(None, gt=0.0, doc="ext: seconds a collective may wait for "
+                                            "every rank (default 1800; engine/comm_timeout.py)")
     progressive_layer_drop: ProgressiveLayerDrop = field(ProgressiveLayerDrop())
     tensorboard: MonitorOutput = field(MonitorOutput())
     csv_monitor: MonitorOutput = field(MonitorOutput())

@@ -19,6 +19,8 @@ import torch.nn as nn
 from ..config import as_config
 from ..errors import ConfigError
 from . import checkpoint as ckpt
+from .comm_timeout import (apply_to_existing_group, backward_collective, collective, forward_collective,
+                           guarded, timeout_of)
 from .batch import resolve_batch
 from .lr_schedules import build_lr_scheduler
 from .memory import memory_report
@@ -31,20 +33,23 @@ from .zero import (broadcast_module_state, build_zero1, full_weights, time_reduc
 log = logging.getLogger("qcompress.engine")
 
 
-def _setup_distributed(stage: int):
+def _setup_distributed(stage: int, cfg=None):
     """(rank, world_size, backend): reuse a process group, else torchrun's env, else one process.
 
-    FSDP2 needs a process group even alone, so stages 2/3 get a private 1-rank gloo group."""
+    FSDP2 needs a process group even alone, so stages 2/3 get a private 1-rank gloo group.
+    Groups created here wait at most comm_timeout_s for a collective (comm_timeout.py)."""
     if dist.is_available() and dist.is_initialized():
+        apply_to_existing_group(cfg)
         return dist.get_rank(), dist.get_world_size(), dist.get_backend()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)          # env:// from torchrun (RANK, MASTER_ADDR, ...)
+        dist.init_process_group(backend, timeout=timeout_of(cfg))   # env:// from torchrun
         return dist.get_rank(), world, backend
     if stage >= 2:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout_of(cfg))
         return 0, 1, backend
     return 0, 1, None
 
@@ -107,7 +112,7 @@ class Engine:
                               f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
                               f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
                               "Use stage 0 or 1")
-        self.rank, self.world_size, backend = _setup_distributed(self.stage)
+        self.rank, self.world_size, backend = _setup_distributed(self.stage, cfg)
         self.group = None                                   # the default (world) group
         self.device = _pick_device(backend)
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
@@ -133,7 +138,8 @@ class Engine:
         if self.world_size > 1:
             # Every rank starts from rank 0's model, including compression state that
             # init_compression derived from each rank's own initial weights.
-            broadcast_module_state(model)
+            with collective("initialize: the broadcast of rank 0's model", cfg.comm_timeout_s, self.world_size):
+                broadcast_module_state(model)
             self._broadcast_compression_state()
         names_before = {id(p): n for n, p in model.named_parameters()}
 
@@ -298,6 +304,7 @@ class Engine:
         elif self.wrapped is not self.module:
             self.wrapped.require_backward_grad_sync = sync
 
+    @guarded(forward_collective)
     def forward(self, *args, **kwargs):
         self._set_grad_sync(self.is_gradient_accumulation_boundary() and self._allreduce_gradients)
         t0 = time.perf_counter()
@@ -310,6 +317,7 @@ class Engine:
 
     __call__ = forward
 
+    @guarded(backward_collective)
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate loss / accumulation steps (× the fp16 loss scale); returns the loss."""
         scale = 1.0 / self.gradient_accumulation_steps
@@ -328,6 +336,8 @@ class Engine:
         self._timers["backward"] += took
         return loss
 
+    @guarded("engine.step: the all-reduce of the gradient norm / fp16 overflow flag and the optimizer's "
+             "collectives")
     def step(self) -> None:
         """End of a micro-batch; at an accumulation boundary: unscale, clip, optimizer step,
         LR and compression schedules (skipped together on every rank on fp16 overflow)."""
@@ -342,9 +352,14 @@ class Engine:
         if overflow:
             self.skipped_steps += 1
             if self.rank == 0:
-                log.info("step %d: fp16 gradient overflow, step skipped; loss scale %g -> %g",
-                         self.global_steps + 1, self.loss_scaler.scale,
-                         self._peek_scale_after_overflow())
+                # a scale that cannot go down (static, or at min_loss_scale) overflows again: WARNING
+                s = self.loss_scaler
+                stuck = not s.dynamic or s.scale <= s.min_scale
+                (log.warning if stuck else log.info)(
+                    "step %d: fp16 gradient overflow, step skipped; loss scale %g -> %g"
+                    + (" (it cannot go lower: lower fp16.loss_scale / min_loss_scale, or use 0 for "
+                       "dynamic scaling)" if stuck else ""),
+                    self.global_steps + 1, s.scale, self._peek_scale_after_overflow())
         else:
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -528,6 +543,7 @@ class Engine:
             self.pld.start_step(self.global_steps, resumed=True)
 
     # --- checkpoints -------------------------------------------------------------------------
+    @guarded("save_checkpoint: a barrier or the distributed checkpoint write")
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Collective: every rank calls it. Returns the checkpoint directory."""
         if self._accumulated and self.rank == 0:
@@ -536,6 +552,7 @@ class Engine:
         with self._optimizer_state_in_memory():
             return ckpt.save_checkpoint(self, save_dir, tag, client_state)
 
+    @guarded("load_checkpoint: the distributed checkpoint read")
     def load_checkpoint(self, load_dir, tag: Optional[str] = None, load_optimizer_states: bool = True):
         """Collective. Returns (path, client_state), as DeepSpeed does."""
         with self._optimizer_state_in_memory():

@@ -53,6 +53,7 @@ def enable_pruning(module, technique: str, shared, group, name: str, modules=Non
         technique=technique, group=group.name, method=method, dense_ratio=group.params.dense_ratio,
         offset=shared.schedule_offset,
         offset_end=getattr(shared, "schedule_offset_end", None) if technique == "sparse_pruning" else None,
+        stride=getattr(shared, "schedule_offset_stride", 1) if technique == "sparse_pruning" else 1,
         num_heads=num_heads)
     if method == "topk":
         scores = torch.empty(_score_shape(technique, w, num_heads), device=w.device,
@@ -71,6 +72,13 @@ def enable_pruning(module, technique: str, shared, group, name: str, modules=Non
     if technique != "sparse_pruning" and group.related_modules and modules is not None:
         _check_related(module, technique, group, name, modules)
     return state
+
+
+def drop_excluded(technique, names):
+    """`names` without the modules the technique's shared `excluded_modules` regexes (re.search)
+    select (sparse pruning's; DeepSpeed's snip_momentum key, honoured for l1 and topk)."""
+    excluded = getattr(technique.shared, "excluded_modules", ())
+    return [n for n in names if not any(re.search(p, n) for p in excluded)]
 
 
 class _ChannelMaskHook:

@@ -25,6 +25,7 @@ class PruningState:
     dense_ratio: float             # fraction KEPT at the end of the schedule
     offset: int                    # schedule_offset: masks apply from this step on
     offset_end: Optional[int] = None   # sparse only: kept ratio ramps 1 -> dense_ratio until here
+    stride: int = 1                    # sparse only: the ramped ratio changes every `stride` steps
     num_heads: Optional[int] = None    # head pruning
     scores_name: Optional[str] = None  # topk: attribute name of the score Parameter
     l1_scores: Optional[torch.Tensor] = None  # l1 with a ramp: init-time scores
@@ -41,6 +42,7 @@ class PruningState:
             return 1.0
         if end is None or end <= self.offset or t >= end:
             return self.dense_ratio
+        t = self.offset + (t - self.offset) // self.stride * self.stride   # schedule_offset_stride
         frac = (t - self.offset) / (end - self.offset)
         return 1.0 - (1.0 - self.dense_ratio) * frac
 
