@@ -68,13 +68,14 @@ def heavy_tailed(shape, seed=0):
 
 # --- 1. the mse observer -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("gran,gs", [("tensor", None), ("channel", None), ("group", 16)])
-def test_mse_choice_equals_brute_force_and_never_loses_to_minmax(sym, bits, gran, gs):
+def test_mse_choice_equals_brute_force_and_never_loses_to_minmax(backend, sym, bits, gran, gs):
     x = heavy_tailed((6, 40), seed=bits)        # 40 = 2 x 16 + 8: a ragged last group
     spec = make_spec(bits, symmetric=sym, granularity=gran, group_size=gs)
-    chosen = observers.mse_shrink(x, spec)
+    chosen = observers.mse_shrink(x, spec, backend=None if backend == "kernel" else "reference")
     groups = groups_of(x, gran, gs)
     assert chosen.shape == (len(groups),)
     for g, xs in enumerate(groups):
@@ -221,6 +222,9 @@ def test_given_parameter_kernels_match_the_reference(dtype, rounding, sym):
     assert torch.allclose(gk[1], gr[1], rtol=1e-6, atol=1e-6)
     if not sym:
         assert torch.allclose(gk[2], gr[2], rtol=1e-6, atol=1e-6)
+    # the fused mse search (float64 errors of every candidate) agrees with the reference's
+    for spec_m in (spec, make_spec(3, symmetric=sym, granularity="channel")):
+        assert torch.equal(observers.mse_shrink(x, spec_m), observers.mse_shrink(x, spec_m, backend="reference"))
     # the codes export writes dequantize to the fake-quantized values
     q, qs, qz = quantize_spec(x, spec, scale=s, zero_point=z)
     assert torch.equal(qc.quant.dequantize(q, qs, qz, group_size=16, dtype=dtype), yk)

@@ -461,7 +461,83 @@ void run_lsq(const T* x, const G* grad, G* grad_x, const float* scale, const flo
   }
 }
 
+// ---- the mse observer's search: squared errors of every candidate grid ------------------------------
+
+// err[k] = sum over the group of ((clamp(round(x / s_k) + z_k) - z_k) s_k - x)^2, each difference
+// squared in double (exact: a float32 squared fits a double) and summed in double.
+template <typename T, bool ADD_ZP>
+void mse_group(const T* x, int64_t len, const float* s, const float* z, int64_t K, int64_t stride,
+               float qmin, float qmax, double* err) {
+  const V vqmin(qmin), vqmax(qmax);
+  for (int64_t k = 0; k < K; ++k) {
+    const float sk = s[k * stride], zk = ADD_ZP ? z[k * stride] : 0.0f;
+    const V vs(sk), vz(zk);
+    double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + kW <= len; i += kW) {
+      const V xv = load_f(x + i, kW);
+      V r = (xv / vs).round();
+      if (ADD_ZP) r = r + vz;
+      const V q = clamp_code(r, vqmin, vqmax);
+      const V y = ADD_ZP ? (q - vz) * vs : q * vs;
+      float d[kW];
+      (y - xv).store(d);
+      for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(d[j]) * static_cast<double>(d[j]);
+    }
+    double total = 0.0;
+    for (int j = 0; j < kW; ++j) total += acc[j];
+    for (; i < len; ++i) {
+      const float xv = static_cast<float>(x[i]);
+      float r = rint_(xv / sk);
+      if (ADD_ZP) r = r + zk;
+      const float q = clamp_code(r, qmin, qmax);
+      const float d = (ADD_ZP ? (q - zk) * sk : q * sk) - xv;
+      total += static_cast<double>(d) * static_cast<double>(d);
+    }
+    err[k * stride] = total;
+  }
+}
+
 }  // namespace
+
+at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const std::optional<at::Tensor>& zps_,
+                          int64_t rows, int64_t cols, int64_t group, int64_t bits) {
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zps_.has_value(), false, 0, 0);
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.dim() == 2 && scales_.size(1) == G &&
+                  scales_.device() == x_.device(),
+              "qcompress::mse_errors: expected float32 scales [candidates, ", G, "]");
+  const int64_t K = scales_.size(0);
+  if (zps_.has_value()) {
+    TORCH_CHECK(zps_->scalar_type() == at::kFloat && zps_->sizes() == scales_.sizes(),
+                "qcompress::mse_errors: zero points must be float32 shaped like the scales");
+  }
+  at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
+  at::Tensor zps = zps_.has_value() ? zps_->contiguous() : at::Tensor();
+  at::Tensor err = at::zeros({K, G}, x.options().dtype(at::kDouble));
+  if (G == 0 || K == 0 || x.numel() == 0) return err;
+  const int64_t ngr = c.groups_per_row();
+  const float* s = scales.data_ptr<float>();
+  const float* z = zps.defined() ? zps.data_ptr<float>() : nullptr;
+  double* e = err.data_ptr<double>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_mse_errors", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "qcompress::mse_errors: float64 input is converted by the Python wrapper");
+    } else {
+      const scalar_t* xd = data_of<scalar_t>(x);
+      at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
+          const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
+          if (z) mse_group<scalar_t, true>(xd + st0, cnt, s + g, z + g, K, G, c.qmin, c.qmax, e + g);
+          else mse_group<scalar_t, false>(xd + st0, cnt, s + g, nullptr, K, G, c.qmin, c.qmax, e + g);
+        }
+      });
+    }
+  });
+  return err;
+}
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x_, const at::Tensor& scale_,
                                                          const std::optional<at::Tensor>& zp_, int64_t rows,

@@ -187,6 +187,19 @@ def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.T
     return gx, gs, (gz if z is not None else None)
 
 
+def mse_errors(x: torch.Tensor, spec: Spec, scales: torch.Tensor, zero_points=None):
+    """float64 [K, groups]: squared reconstruction error of x's groups under each of K candidate
+    (scale, zero point) rows (the mse observer's search in one fused pass per candidate); None
+    when no kernel runs here (CUDA tensors: the reference's vectorized search is fast there)."""
+    if _error is not None or x.device.type != "cpu" or spec.kind != "int" or x.numel() == 0:
+        return None
+    xk = _prep(x)
+    rows, cols, group = layout(xk, spec)
+    return _ops().mse_errors(xk, scales.to(torch.float32).contiguous(),
+                             None if zero_points is None else zero_points.to(torch.float32).contiguous(),
+                             rows, cols, group, spec.bits)
+
+
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
     """(q, scale, zero_point) as reference.quantize (given `params`: by the reference, which
     computes the same codes as fake_quant_params)."""
@@ -338,6 +351,10 @@ if _error is None:
         return (torch.empty_like(grad, memory_format=torch.contiguous_format),
                 x.new_empty((groups,), dtype=torch.float32),
                 x.new_empty((groups if zero_point is not None else 0,), dtype=torch.float32))
+
+    @torch.library.register_fake("qcompress::mse_errors")
+    def _fake_mse_errors(x, scales, zero_points, rows, cols, group, bits):
+        return scales.new_empty(scales.shape, dtype=torch.float64)
 
     @torch.library.register_fake("qcompress::ste_backward")
     def _fake_ste_backward(grad, mask):

@@ -10,9 +10,10 @@ mse     the group's [min, max] shrunk by the factor p that minimises the reconst
 Binary and ternary kinds have no range (scale = mean |x| of the values or of the kept values):
 both observers give their own scale there (shrink 1).
 
-The search is vectorized: one pass over the whole tensor per grid point, every group at once
-(80 passes, once per range update: the first quantization and each bit drop), never a Python
-loop over elements or groups.
+The search runs once per range update (the first quantization and each bit drop): on CPU in
+the fused `mse_errors` kernel (every candidate's scales computed at once, then one pass over the
+tensor per candidate that only accumulates errors), elsewhere vectorized in torch (one pass per
+grid point, every group at once); never a Python loop over elements or groups.
 """
 from __future__ import annotations
 
@@ -44,9 +45,24 @@ def _nearest(spec: Spec) -> Spec:
                                numerics=spec.numerics, ternary=spec.ternary)
 
 
+def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec) -> Optional[torch.Tensor]:
+    """The same search with the fused CPU kernel: every candidate's parameters at once, then one
+    pass over the tensor per candidate computing only the errors."""
+    from . import kernels
+    if not kernels.available():
+        return None
+    grid = shrink_grid(lo.device)[:, None]
+    s, zp = int_params(lo[None, :] * grid, hi[None, :] * grid, _nearest(spec))
+    err = kernels.mse_errors(x, spec, s, zp)
+    if err is None:
+        return None
+    return grid[:, 0][torch.argmin(err, dim=0)]      # argmin: the first (largest p) of equal errors
+
+
 def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
             spec: Spec) -> torch.Tensor:
-    """Per-group argmin over the grid of the squared error of X quantized with [p lo, p hi]."""
+    """Per-group argmin over the grid of the squared error of X quantized with [p lo, p hi]
+    (the reference: one vectorized pass per grid point)."""
     spec = _nearest(spec)
     best = torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     best_err = torch.full((X.shape[0],), float("inf"), dtype=torch.float64, device=X.device)
@@ -60,15 +76,19 @@ def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
     return best
 
 
-def mse_shrink(x: torch.Tensor, spec: Spec) -> torch.Tensor:
+def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
-    ternary kinds, which have no range)."""
+    ternary kinds, which have no range). backend: None (the CPU kernel when built) or "reference"."""
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if spec.kind != "int" or X.shape[1] == 0:
         return torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     lo, hi = group_minmax(X, counts)
     reference._check_finite(torch.stack([lo, hi]), "min/max")
+    if backend != "reference":
+        out = _search_kernel(xf, lo, hi, spec)
+        if out is not None:
+            return out
     return _search(X, counts, lo, hi, spec)
 
 

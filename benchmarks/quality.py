@@ -1,0 +1,267 @@
+"""Compression quality per recipe: FP32, PTQ (minmax and mse observers), QAT, QAT + range
+learning, QAD + range learning, all with the same step budget, through `qcompress train`.
+
+    python benchmarks/quality.py --task classifier [--train-samples 960 --eval-samples 300]
+    python benchmarks/quality.py --task lm --lm runs/gpt2-austen [--max-steps 60]
+    ... [--recipes w4_g32,w3_g32] [--out runs/quality] [--write-results]
+
+Workloads: all-MiniLM-L6-v2 fine-tuned on BBC News (accuracy; `make workloads`), and a causal LM
+made here (benchmarks/pretrain_gpt2.py: a Hugging Face folder with train.txt and heldout.txt next
+to the weights; perplexity on heldout.txt). Per recipe, three `qcompress train` runs share one FP32
+baseline (the first run's --baseline, then --baseline-from), each with a fragment merged over the
+recipe (written into its run folder):
+
+  qat     observer minmax, no range learning, no distillation -> the PTQ (minmax) and QAT rows
+  qat_rl  observer mse, range_learning, no distillation        -> the PTQ (mse) and QAT + RL rows
+  qad_rl  observer mse, range_learning, distillation from the FP32 fine-tune (KL, T 1, alpha 0.9)
+
+The share of the PTQ degradation recovered is (PTQ - method) / (PTQ - FP32) on the metric, with
+PTQ the minmax PTQ; it is left out where minmax PTQ is within 0.5 points (classifier) or 1 %
+(perplexity) of FP32. Progressive recipes get their drops spread over the run (linear growth,
+last drop at 4/5 of the steps). Each finished run is reused unless --rerun (its report.json).
+--write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
+tables of every task measured so far (kept in <out>/<task>/summary.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+RECIPES = {   # key: (label, schedule file, progressive)
+    "w8a8": ("W8A8", "schedules/w8a8.yaml", False),
+    "w4a8_g128": ("W4A8 g128", "schedules/w4a8_g128.yaml", False),
+    "w4_g32": ("W4 g32 (weight-only)", "schedules/w4_group32.yaml", False),
+    "w3_g32": ("W3 g32 (weight-only)", "schedules/w3_group32.yaml", False),
+    "w2a8_kd": ("ternary W2A8 (+ distillation)", "schedules/w2a8_kd.yaml", False),
+    "w8to4": ("progressive W8→4 A8", "schedules/w4a8_progressive.yaml", True),
+}
+VARIANTS = ("qat", "qat_rl", "qad_rl")
+
+
+def fragment(variant: str, progressive_period=None) -> dict:
+    wq = {"observer": "minmax" if variant == "qat" else "mse", "range_learning": variant != "qat"}
+    doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
+                                    "distillation": {"enabled": variant == "qad_rl"}}}
+    if variant == "qad_rl":
+        doc["compression_training"]["distillation"].update(teacher="baseline", temperature=1.0, alpha=0.9)
+    return doc
+
+
+def progressive_fix(recipe_file: str, steps: int) -> dict:
+    """Spread the recipe's bit drops evenly over the run: the last at 4/5 of the steps."""
+    import yaml
+    with open(os.path.join(ROOT, recipe_file), encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    groups = doc["compression_training"]["weight_quantization"]["different_groups"]
+    out = {}
+    for name, g in groups.items():
+        p = g["params"]
+        drops = max(1, p["start_bits"] - p["target_bits"])
+        out[name] = {"params": {"quantization_period": max(1, (4 * steps) // (5 * drops)),
+                                "period_growth": "linear"}}
+    return {"compression_training": {"weight_quantization": {"different_groups": out}}}
+
+
+def write_yaml(path: str, doc: dict) -> str:
+    import yaml
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(doc, fh, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def task_args(a) -> tuple:
+    """(qcompress train arguments for the data and model, metric, higher is better, steps)."""
+    if a.task == "classifier":
+        from model_zoo.demo_bbc import workloads
+        model, data = workloads()
+        args = ["--model", model, "--data", data, "--task", "text-classification",
+                "--max-length", str(a.max_length), "--batch-size", str(a.batch_size), "--epochs", "1"]
+        if a.train_samples:
+            args += ["--max-train-samples", str(a.train_samples)]
+        if a.eval_samples:
+            args += ["--max-eval-samples", str(a.eval_samples)]
+        n = a.train_samples or 1780
+        return args, "accuracy", True, math.ceil(n / a.batch_size)
+    lm = a.lm
+    for f in ("config.json", "train.txt", "heldout.txt"):
+        if not os.path.isfile(os.path.join(lm, f)):
+            raise SystemExit(f"--lm {lm}: no {f} there (make it with benchmarks/pretrain_gpt2.py)")
+    args = ["--model", lm, "--data", os.path.join(lm, "train.txt"), "--eval-data", os.path.join(lm, "heldout.txt"),
+            "--task", "causal-lm", "--max-length", str(a.max_length), "--batch-size", str(a.batch_size),
+            "--max-steps", str(a.max_steps), "--lr", str(a.lr)]
+    if a.eval_samples:
+        args += ["--max-eval-samples", str(a.eval_samples)]
+    return args, "perplexity", False, a.max_steps
+
+
+def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
+    report = os.path.join(out, "report.json")
+    if os.path.isfile(report) and not a.rerun:
+        print(f"=== reusing {report}", flush=True)
+        with open(report, encoding="utf-8") as fh:
+            return json.load(fh)
+    from qcompress.cli import main as qcompress_main
+    args = [*configs, *base_args, "--out", out, "--seed", str(a.seed), "--save-steps", "0", "--overwrite",
+            "--no-progress"]
+    args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
+    print(f"=== qcompress train {' '.join(args)}", flush=True)
+    if qcompress_main(["train", *args]):
+        raise SystemExit(f"run {out} failed")
+    with open(report, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def share(ptq, method, fp32):
+    return (ptq - method) / (ptq - fp32)
+
+
+def fmt_metric(v, metric):
+    return "—" if v is None else (f"{v:.4f}" if metric == "accuracy" else f"{v:.2f}")
+
+
+def table(summary: dict) -> str:
+    metric = summary["metric"]
+    acc = metric == "accuracy"
+    head = ("| recipe | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD + RL | recovered: QAT / QAT+RL / QAD+RL |"
+            " mse cuts PTQ excess by |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for key, row in summary["recipes"].items():
+        fp, pm, ps = row["fp32"], row["ptq_minmax"], row["ptq_mse"]
+        vals = [row.get(v) for v in VARIANTS]
+        small = (abs(pm - fp) < 0.005) if acc else (abs(pm - fp) / fp < 0.01)
+        if small:
+            rec = "n/a (PTQ ≈ FP32)"
+            cut = "n/a"
+        else:
+            rec = " / ".join("—" if v is None else f"{100 * share(pm, v, fp):.0f} %" for v in vals)
+            cut = f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
+        lines.append(f"| {row['label']} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
+                     f"{fmt_metric(ps, metric)} | " + " | ".join(fmt_metric(v, metric) for v in vals) +
+                     f" | {rec} | {cut} |")
+    return "\n".join(lines)
+
+
+def section(summaries: dict) -> str:
+    parts = ["## Compression quality (issue 15: observers, range learning, QAD)\n\n"
+             "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
+             "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
+             "range learning) and `qad_rl` (the same + distillation from the FP32 fine-tune, KL at T 1, alpha 0.9). "
+             "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
+             "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
+             "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
+    for task, s in summaries.items():
+        parts.append(f"\n### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n")
+        if s.get("notes"):
+            parts.append("\n" + "\n".join(f"- {n}" for n in s["notes"]) + "\n")
+    return "".join(parts)
+
+
+def write_results(text: str) -> None:
+    path = os.path.join(HERE, "RESULTS.md")
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
+    pattern = re.compile(r"^## Compression quality.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip() + "\n\n" + text
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(new)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("classifier", "lm"), required=True)
+    p.add_argument("--lm", default=os.path.join(ROOT, "runs", "gpt2-austen"))
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma list of {list(RECIPES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "quality"))
+    p.add_argument("--train-samples", type=int, default=None, help="classifier: first N training articles")
+    p.add_argument("--eval-samples", type=int, default=None, help="first N held-out examples / blocks")
+    p.add_argument("--max-steps", type=int, default=60, help="lm: optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rerun", action="store_true")
+    p.add_argument("--write-results", action="store_true")
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    base_args, metric, _, steps = task_args(a)
+    out_task = os.path.join(a.out, a.task)
+    summary_path = os.path.join(out_task, "summary.json")
+    summary = {"metric": metric, "recipes": {}}
+    if os.path.isfile(summary_path):
+        with open(summary_path, encoding="utf-8") as fh:
+            summary = json.load(fh)
+    t0 = time.perf_counter()
+    baseline = summary.get("baseline_run")
+    for key in [k for k in a.recipes.split(",") if k]:
+        label, recipe, progressive = RECIPES[key]
+        row = summary["recipes"].get(key, {"label": label})
+        for variant in [v for v in a.variants.split(",") if v]:
+            out = os.path.join(out_task, key, variant)
+            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant))]
+            if progressive:
+                frags.append(write_yaml(os.path.join(out_task, key, "spread_drops.yaml"),
+                                        progressive_fix(recipe, steps)))
+            rep = run_one(out, [os.path.join(ROOT, recipe), *frags], base_args, baseline, a)
+            baseline = baseline or out
+            st = rep["stages"]
+            row["fp32"] = st["fp32_finetuned"][metric]
+            row["fp32_start"] = st["fp32"][metric]
+            row["ptq_minmax" if variant == "qat" else "ptq_mse"] = st["ptq"][metric]
+            row[variant] = st["qat"][metric]
+            row[f"{variant}_exported"] = st["exported"][metric]
+            row[f"{variant}_max_logit_diff"] = st["exported"].get("max_logit_diff_vs_qat")
+            row[f"{variant}_train_s"] = rep["wall_time_s"].get("qat_train")
+            row["steps"] = rep["training"]["steps"]
+            summary["recipes"][key] = row
+            summary["baseline_run"] = baseline
+            summary.setdefault("data", rep["data"]["summary"])
+            os.makedirs(out_task, exist_ok=True)
+            with open(summary_path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=2)
+            os.replace(summary_path + ".tmp", summary_path)
+    import torch
+    if a.task == "classifier":
+        summary["title"] = "all-MiniLM-L6-v2 on BBC News (accuracy)"
+        n = a.train_samples or 1780
+        summary["setup"] = (f"One epoch on the first {n} training articles of the 80/20 split (seed {a.seed}), "
+                            f"batch {a.batch_size}, max length {a.max_length}, AdamW 1e-4; accuracy on "
+                            f"{a.eval_samples or 445} held-out articles ({summary.get('data', '')}). "
+                            f"{torch.get_num_threads()} threads on a shared 2-core CPU.")
+    else:
+        summary["title"] = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
+        summary["setup"] = (f"{a.max_steps} steps of batch {a.batch_size} × {a.max_length} tokens on its train.txt, "
+                            f"AdamW {a.lr}; perplexity on heldout.txt"
+                            f"{f' (first {a.eval_samples} blocks)' if a.eval_samples else ''}.")
+    with open(summary_path, "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2)
+    print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
+    if a.write_results:
+        summaries = {}
+        for task in ("classifier", "lm"):
+            f = os.path.join(a.out, task, "summary.json")
+            if os.path.isfile(f):
+                with open(f, encoding="utf-8") as fh:
+                    s = json.load(fh)
+                if "title" in s:
+                    summaries[task] = s
+        write_results(section(summaries))
+        print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
