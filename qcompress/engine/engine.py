@@ -84,6 +84,16 @@ def _check_client_optimizer(optimizer, cfg) -> None:
         raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=stage))
 
 
+
+RANKS_DIFFER = "_qc_ranks_differ"   # set on the model while ranks hold different weights
+
+
+def _refuse_unsynced_eval(module, args):
+    if not module.training and module.__dict__.get(RANKS_DIFFER):
+        raise RuntimeError("the ranks hold different weights (0/1 Adam's local steps since its last "
+                           "synchronization): call engine.eval() or engine.synchronize_ranks() on every "
+                           "rank before evaluating")
+
 class Engine:
     """Returned by `qcompress.initialize`; see the module docstring for the call rhythm."""
 
@@ -177,6 +187,7 @@ class Engine:
         # DeepSpeed's tensorboard / csv_monitor sections; writes on rank 0 at each optimizer step
         self.monitor = Monitor.from_config(cfg, self.rank)
         self._step_losses = []       # detached losses given to backward since the last boundary
+        self._eval_guard = None      # forward pre-hook refusing eval on ranks with their own weights
 
     # --- construction helpers ----------------------------------------------------------------
     @staticmethod
@@ -370,6 +381,7 @@ class Engine:
             self._compression_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        self._mark_ranks()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
         self.global_samples += self.train_batch_size
@@ -507,12 +519,39 @@ class Engine:
 
     # --- modes and accessors -----------------------------------------------------------------
     def train(self, mode: bool = True):
+        if not mode:
+            self.synchronize_ranks()
         self.module.train(mode)
         return self
 
     def eval(self):
-        self.module.eval()
-        return self
+        """Evaluation mode, after synchronize_ranks() (collective: every rank calls it)."""
+        return self.train(False)
+
+    # --- ranks that hold their own weights (0/1 Adam's local steps) ---------------------------
+    def _local_optimizer(self):
+        return getattr(self.optimizer, "optim", self.optimizer)
+
+    @property
+    def ranks_in_sync(self) -> bool:
+        """False while the optimizer's local steps (0/1 Adam between its sync steps) left each rank
+        its own weights."""
+        return bool(getattr(self._local_optimizer(), "ranks_in_sync", True))
+
+    def synchronize_ranks(self) -> None:
+        """Collective: give every rank the same weights now (0/1 Adam: its synchronization step run
+        early). eval(), save_checkpoint() and the end of `qcompress train` call it; until then an
+        eval-mode forward or export_quantized of such a model refuses to run."""
+        opt = self._local_optimizer()
+        if not self.ranks_in_sync and hasattr(opt, "synchronize"):
+            opt.synchronize()
+        self._mark_ranks()
+
+    def _mark_ranks(self) -> None:
+        differ = self.world_size > 1 and not self.ranks_in_sync
+        self.module.__dict__[RANKS_DIFFER] = differ
+        if differ and self._eval_guard is None:
+            self._eval_guard = self.module.register_forward_pre_hook(_refuse_unsynced_eval)
 
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
@@ -549,6 +588,7 @@ class Engine:
         if self._accumulated and self.rank == 0:
             log.warning("saving a checkpoint %d micro-batches into an accumulation step: the partial "
                         "gradients are not saved; resume starts a fresh step", self._accumulated)
+        self.synchronize_ranks()      # one model on every rank, whatever the optimizer's rhythm
         with self._optimizer_state_in_memory():
             return ckpt.save_checkpoint(self, save_dir, tag, client_state)
 

@@ -120,6 +120,10 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
                               "(CLI: --force) to overwrite")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if _unwrap(model).__dict__.get("_qc_ranks_differ"):
+        raise ExportError("the ranks hold different weights (0/1 Adam's local steps since its last "
+                          "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
+                          "and engine.save_checkpoint() do) before exporting")
     tensors, modules, plain_linears = collect(model)
     if not modules:
         raise ExportError("nothing to export: no module has active weight or activation "

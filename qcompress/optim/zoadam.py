@@ -57,6 +57,24 @@ class ZeroOneAdam(CompressedOptimizer):
         return not c["frozen"] and (c["step"] + 1) % c["var_interval"] == 0
 
     @property
+    def ranks_in_sync(self) -> bool:
+        """False while local steps since the last synchronization left each rank its own weights
+        (stage 2 between sync steps); every rank computes the same answer."""
+        c = self.counters
+        return not c["frozen"] or all(lr == 0.0 for lr in c["lrs"])
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Collective: run the synchronization of stage 2 now (the average of the accumulated local
+        updates applied from the last sync point) when ranks hold different weights, so every rank
+        has the same weights for an evaluation, a checkpoint or an export. The next scheduled sync
+        step comes as planned (local_step_interval is unchanged)."""
+        if self.ranks_in_sync:
+            return
+        comp = [(gi, g) for gi, g in enumerate(self.param_groups) if not g["non_freeze"]]
+        self._sync(self.counters["step"], comp)
+
+    @property
     def stage(self) -> str:
         if self.counters["frozen"]:
             return "local_steps"
@@ -185,6 +203,11 @@ class ZeroOneAdam(CompressedOptimizer):
             c["decay"][gi] *= 1 - lr * wd
         if t % c["local_step_interval"] != 0 or not comp:
             return
+        self._sync(t, comp)
+
+    def _sync(self, t, comp):
+        """Average the accumulated updates (1-bit) and apply them from the last sync point."""
+        c = self.counters
         accs = [self.state[p]["update_acc"] for _, g in comp for p in g["params"]]
         self._get_buckets().allreduce_(accs)
         for gi, g in comp:
