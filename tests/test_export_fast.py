@@ -1,7 +1,11 @@
 """load_quantized(mode="fast") against mode="exact".
 
 The oracle is the exact path (itself checked bit for bit against the trained model here and in
-test_export.py). Tolerances:
+test_export.py). With the C++ extension every int Linear runs qcompress's own kernels (plans
+lowbit / lowbit_a8, checked elementwise against a derived bound on odd shapes and every ISA in
+test_lowbit_kernels.py; here through the same whole-model tolerances as below). The torch-kernel
+plans (the only ones of a build without the extension) are tested with the extension switched
+off. Tolerances:
 - fp32 integer GEMMs (int_mm, int_mm24): the fast path sums code products exactly in int32 and rounds
   only when applying the two scales; the exact path rounds every product and partial sum in
   fp32. Their gap is float summation error, <= K * 2^-24 * sum|x^ w^| in the worst case and
@@ -12,6 +16,8 @@ test_export.py). Tolerances:
 - bf16 kernels (int8pack / int4pack): both paths round the output to bf16 (2^-8 relative) and
   either the weight (exact) or the scale / zero (fast) to bf16 (2^-8 relative each), so
   |fast - exact| <= 2^-7 * (|x| @ |W|^T) + 2^-7 * |exact| elementwise.
+- lowbit / lowbit_a8 in fp32: the exact path's weight bit for bit, summed in another order (and
+  integer sums for A8): within the same 1e-5 of the output scale; in bf16 the int8pack bound.
 - dequant plan: same values as the exact weight, so outputs are bit-identical.
 """
 import logging
@@ -23,6 +29,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
+from qcompress.export import lowbit
 from qcompress.export.errors import CheckpointError
 from qcompress.export.fast import plans_of, tensor_bytes
 
@@ -68,9 +75,31 @@ def no_float_weight(monkeypatch):
         raise AssertionError("a kernel plan dequantized the float weight in forward")
     monkeypatch.setattr(fastmod, "planes_dequantize", boom)
     monkeypatch.setattr(fastmod, "dequantize_record", boom)
+    monkeypatch.setattr(fastmod, "_lowbit_weight", boom)
 
 
-CASES = [  # bits, sym, granularity, group, act, dtype, expected plan
+def without_extension(monkeypatch):
+    """Plan selection of a build without qcompress's kernels (torch's own kernels only)."""
+    monkeypatch.setattr(lowbit, "available", lambda: False)
+
+
+def meta_bytes(fast, exact):
+    """What the kernels' layout may hold beyond the export: a zero point as one byte (offsets;
+    the export packs it at the weight's width) and a scale per row for per-tensor weights. The
+    codes themselves take no more than exported (out-features multiples of 16 and groups of
+    multiples of 8 / 16 columns, as here)."""
+    extra = 0
+    em = dict(exact.named_modules())
+    for name, m in fast.named_modules():
+        if "lowbit_scales" in getattr(m, "_buffers", {}):
+            extra += m.lowbit_offsets.numel()
+            extra += max(0, 4 * (m.lowbit_scales.numel() - em[name].weight_scale.numel()))
+    return extra
+
+
+needs_ext = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
+
+TORCH_CASES = [  # bits, sym, granularity, group, act, dtype, expected plan (no extension)
     (8, True, "channel", None, None, torch.float32, "int_mm24"),
     (8, False, "channel", None, None, torch.float32, "int_mm24"),
     (8, False, "tensor", None, None, torch.float32, "int_mm24"),
@@ -88,16 +117,25 @@ CASES = [  # bits, sym, granularity, group, act, dtype, expected plan
     (4, True, "group", 128, None, torch.bfloat16, "int4pack"),
     (4, False, "group", 128, None, torch.bfloat16, "int4pack"),
 ]
+# with the extension, the same layers run qcompress's kernels
+CASES = ([c + (False,) for c in TORCH_CASES]
+         + [c[:6] + ("lowbit_a8" if c[4] else "lowbit", True) for c in TORCH_CASES]
+         + [(2, False, "group", 16, None, torch.float32, "lowbit", True),
+            (8, False, "group", 32, ("static", True), torch.float32, "lowbit_a8", True)])
 
 
-@pytest.mark.parametrize("bits,sym,gran,gs,act,dtype,plan", CASES)
-def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gran, gs, act, dtype, plan):
+@pytest.mark.parametrize("bits,sym,gran,gs,act,dtype,plan,ext", CASES)
+def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gran, gs, act, dtype, plan, ext):
+    if ext and not lowbit.available():
+        pytest.skip("the qcompress C++ extension is not built")
+    if not ext:
+        without_extension(monkeypatch)
     g = torch.Generator().manual_seed(1)
     calib = (torch.randn(6, 256, generator=g).to(dtype),)
     trained, exact, fast = export_and_load(tmp_path, lambda: mlp(dtype), cfg_for(bits, sym, gran, gs, act),
                                            calib)
     assert set(plans_of(fast).values()) == {plan}
-    assert tensor_bytes(fast) <= tensor_bytes(exact)
+    assert tensor_bytes(fast) <= tensor_bytes(exact) + meta_bytes(fast, exact)
     x = torch.randn(3, 5, 256, generator=g).to(dtype)         # 3-D input: tokens flattened
     with torch.no_grad():
         assert torch.equal(exact(x), trained(x))                # the oracle is the trained model
@@ -119,7 +157,34 @@ def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gra
             h = want
 
 
-def test_fast_weight_and_state_dict(tmp_path):
+@needs_ext
+@pytest.mark.parametrize("bits,sym,gran,gs,act", [
+    (8, True, "channel", None, ("dynamic", False)),     # int-quantized, lowbit_a8
+    (8, False, "tensor", None, None),                   # int-quantized zero point [1]
+    (4, False, "group", 32, None),                      # packed codes and zero points
+    (4, False, "channel", None, ("static", True)),
+    (2, False, "tensor", None, None),                   # packed codes, zero point [1]
+    (5, False, "group", 64, None),                      # odd width in int8
+])
+def test_lowbit_weight_and_state_dict(tmp_path, bits, sym, gran, gs, act):
+    # the kernel layout gives the exported tensors back (names, dtypes, shapes, values) and the
+    # exact path's float weight, bit for bit
+    g = torch.Generator().manual_seed(2)
+    calib = (torch.randn(6, 256, generator=g),)
+    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(bits, sym, gran, gs, act), calib)
+    assert set(plans_of(fast).values()) == {"lowbit_a8" if act else "lowbit"}
+    assert "lowbit_packed" in fast[0]._buffers
+    a, b = exact.state_dict(), fast.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+    for e, f in zip(exact, fast):
+        if isinstance(e, nn.Linear):
+            assert torch.equal(f.weight, e.weight)
+
+
+def test_fast_weight_and_state_dict(tmp_path, monkeypatch):
+    without_extension(monkeypatch)
     g = torch.Generator().manual_seed(2)
     calib = (torch.randn(6, 256, generator=g),)
     _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32),
@@ -134,6 +199,14 @@ def test_fast_weight_and_state_dict(tmp_path):
     exact(xe).square().sum().backward()
     fast(xf).square().sum().backward()
     assert torch.equal(xe.grad, xf.grad)
+    if lowbit.available():        # the same with qcompress's kernels (lowbit_a8)
+        monkeypatch.undo()
+        fast_k = load_quantized(tmp_path / "ckpt", mlp(torch.float32), mode="fast")
+        assert set(plans_of(fast_k).values()) == {"lowbit_a8"}
+        xk = xe.detach().clone().requires_grad_(True)
+        fast_k(xk).square().sum().backward()
+        assert torch.equal(xe.grad, xk.grad)
+        without_extension(monkeypatch)
 
     # dequant plan on re-laid-out 4-bit planes: state_dict gives the exported tensors back
     _, exact_p, fast_p = export_and_load(tmp_path / "planes", lambda: mlp(torch.float32),
@@ -183,15 +256,20 @@ class Mixed(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(64, 48)            # W8A8 -> int_mm
-        self.two = nn.Linear(48, 32)           # 2-bit -> dequant
+        self.fc = nn.Linear(64, 48)            # W8A8 -> lowbit_a8 (no extension: int_mm)
+        self.two = nn.Linear(48, 32)           # 2-bit -> lowbit (no extension: dequant)
         self.conv = nn.Conv2d(4, 8, 3)         # conv -> dequant
 
     def forward(self, x, img):
         return self.two(torch.relu(self.fc(x))), self.conv(img)
 
 
-def test_fallback_is_exercised_and_logged(tmp_path, caplog):
+@pytest.mark.parametrize("ext", [False, True])
+def test_fallback_is_exercised_and_logged(tmp_path, caplog, monkeypatch, ext):
+    if ext and not lowbit.available():
+        pytest.skip("the qcompress C++ extension is not built")
+    if not ext:
+        without_extension(monkeypatch)
     doc = {"compression_training": {
         "weight_quantization": {
             "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
@@ -208,9 +286,15 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="qcompress.export.fast"):
         trained, exact, fast = export_and_load(tmp_path, lambda: (torch.manual_seed(0), Mixed())[1],
                                                qcompress.load_config(doc), inputs)
-    assert plans_of(fast) == {"fc": "int_mm", "two": "dequant", "conv": "dequant"}
     text = caplog.text
-    assert "'two' falls back" in text and "2-bit group" in text
+    if ext:
+        assert plans_of(fast) == {"fc": "lowbit_a8", "two": "lowbit", "conv": "dequant"}
+        assert "1 x dequant, 1 x lowbit, 1 x lowbit_a8" in text
+        assert f"lowbit kernels use {lowbit.isa()}" in text
+        assert "'two' falls back" not in text
+    else:
+        assert plans_of(fast) == {"fc": "int_mm", "two": "dequant", "conv": "dequant"}
+        assert "'two' falls back" in text and "2-bit group" in text
     assert "'conv' falls back" in text and "conv layer" in text
     assert "'fc' falls back" not in text
     with torch.no_grad():
@@ -220,9 +304,26 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog):
     assert tensor_bytes(fast) <= tensor_bytes(exact)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transformers_bert_fast_matches_exact(tmp_path, dtype):
+@needs_ext
+def test_lowbit_plan_refuses_overlong_groups():
+    # the int32 sums of the kernels hold groups of at most lowbit.MAX_GROUP columns
+    mod = fastmod._QLinear.__new__(type("QL", (fastmod._QLinear, nn.Linear), {}))
+    rec = {"kind": "linear", "qtype": "int", "dtype": "float32", "weight_shape": [4, 40000],
+           "input_activations": None,
+           "weights": {"num_bits": 4, "strategy": "group", "group_size": 20000, "symmetric": True}}
+    assert fastmod.choose_plan(mod, rec) == ("dequant", "group size 20000 above the kernels' 16384")
+    rec["weights"] = dict(rec["weights"], strategy="channel", group_size=None)   # chunked: kernels
+    assert fastmod.choose_plan(mod, rec) == ("lowbit", "")
+
+
+@pytest.mark.parametrize("dtype,ext", [(torch.float32, False), (torch.bfloat16, False),
+                                       (torch.float32, True), (torch.bfloat16, True)])
+def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext):
     pytest.importorskip("transformers")
+    if ext and not lowbit.available():
+        pytest.skip("the qcompress C++ extension is not built")
+    if not ext:
+        without_extension(monkeypatch)
     from transformers import BertConfig, BertModel
     conf = BertConfig(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=128, max_position_embeddings=32)
@@ -244,14 +345,14 @@ def test_transformers_bert_fast_matches_exact(tmp_path, dtype):
                 "shared_parameters": {"enabled": True, "schedule_offset": 0,
                                       "range_calibration": "dynamic"},
                 "different_groups": {"a": {"params": {"bits": 8}, "modules": ["attention"]}}}}})
-        want = {"int_mm", "int_mm24", "dequant"}
+        want = {"lowbit_a8", "lowbit"} if ext else {"int_mm", "int_mm24", "dequant"}
     else:                          # W4 group 32 everywhere (int4pack)
         cfg = cfg_for(4, False, "group", 32, modules=("encoder", "pooler"))
-        want = {"int4pack"}
+        want = {"lowbit"} if ext else {"int4pack"}
     ids = torch.randint(0, 99, (2, 11), generator=torch.Generator().manual_seed(4))
     trained, exact, fast = export_and_load(tmp_path, make, cfg, (ids,))
     assert set(plans_of(fast).values()) == want
-    assert tensor_bytes(fast) <= tensor_bytes(exact)
+    assert tensor_bytes(fast) <= tensor_bytes(exact) + meta_bytes(fast, exact)
     with torch.no_grad():
         e = exact(input_ids=ids).last_hidden_state.float()
         f = fast(input_ids=ids).last_hidden_state.float()

@@ -174,11 +174,13 @@ struct VO {
 #undef A8_MT
 }  // namespace
 void wo(const WView& w, const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
+  if (w.g.cbits == 2) wo_run<2>(w, x, ldx, m, bias, y, b0, b1);
+  else if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
   else wo_run<8>(w, x, ldx, m, bias, y, b0, b1);
 }
 void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  if (w.g.cbits == 2) a8_run<2>(w, a, b0, b1);
+  else if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
   else a8_run<8>(w, a, b0, b1);
 }
 }  // namespace avx2
@@ -228,11 +230,13 @@ struct VO {
 #undef A8_MT
 }  // namespace
 void wo(const WView& w, const float* x, int64_t ldx, int64_t m, const float* bias, float* y, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
+  if (w.g.cbits == 2) wo_run<2>(w, x, ldx, m, bias, y, b0, b1);
+  else if (w.g.cbits == 4) wo_run<4>(w, x, ldx, m, bias, y, b0, b1);
   else wo_run<8>(w, x, ldx, m, bias, y, b0, b1);
 }
 void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  if (w.g.cbits == 2) a8_run<2>(w, a, b0, b1);
+  else if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
   else a8_run<8>(w, a, b0, b1);
 }
 }  // namespace avx512
@@ -256,7 +260,8 @@ struct VO : avx512::VO {
 #undef A8_MT
 }  // namespace
 void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
+  if (w.g.cbits == 2) a8_run<2>(w, a, b0, b1);
+  else if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1);
   else a8_run<8>(w, a, b0, b1);
 }
 }  // namespace vnni
@@ -328,7 +333,7 @@ A8Fn a8_kernel(int isa) {
 // ---- argument checks and the torch glue -----------------------------------------------------------
 
 Geometry checked_geometry(int64_t n, int64_t k, int64_t group, int64_t cbits) {
-  TORCH_CHECK(cbits == 4 || cbits == 8, "qcompress.lowbit: container bits must be 4 or 8, got ", cbits);
+  TORCH_CHECK(cbits == 2 || cbits == 4 || cbits == 8, "qcompress.lowbit: container bits must be 2, 4 or 8, got ", cbits);
   TORCH_CHECK(n >= 1 && k >= 1, "qcompress.lowbit: empty weight (", n, " x ", k, ")");
   TORCH_CHECK(group >= 1 && group <= kMaxGroup, "qcompress.lowbit: group length ", group,
               " outside [1, ", kMaxGroup, "] (int32 sums of longer groups could overflow)");

@@ -1,6 +1,18 @@
 """load_quantized(..., mode="fast"): integer-weight matmuls instead of a float weight per call.
 
-Each loaded quantized module gets a plan, chosen once at load time and logged:
+Each loaded quantized module gets a plan, chosen once at load time and logged. With the compiled
+extension, every int/binary/ternary nn.Linear of up to 8 bits runs qcompress's own fused kernels
+(qcompress/export/lowbit.py; csrc/cpu/lowbit_gemm.cpp, csrc/cuda/lowbit_gemm.cu), whatever its
+dtype, strategy, symmetry or shape:
+
+  lowbit     float activations (no input quantization, or one without integer codes: the input
+             is fake-quantized first, as on the exact path): the codes are decoded in registers
+             to the exact path's float weight and multiplied in; no float weight is formed.
+  lowbit_a8  input quantized to <= 8-bit codes (dynamic per token or static per tensor): integer
+             dot products of activation and weight codes, exact int32 sums per group, scales
+             applied once per group and token. W8A8, W4A8.
+
+Without the extension (pure-torch install), torch's own kernels are used where they fit:
 
   int_mm    8-bit channel/tensor weights whose input is int8-quantized (dynamic per-token or
             static per-tensor): the input is quantized to the codes training used and
@@ -37,8 +49,10 @@ import torch.nn.functional as F
 
 from ..quant.api import quantize_spec
 from ..quant.reference import make_spec
+from . import lowbit
+from .codes import dequantize_2d
 from .errors import CheckpointError
-from .reader import _QLinear, QuantizedMixin, _unpack_rows, dequantize_record
+from .reader import _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record
 
 log = logging.getLogger("qcompress.export.fast")
 
@@ -137,13 +151,21 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
     w = rec.get("weights")
     if w is None:
         return "dense", "not quantized"
-    if rec["kind"] == "linear" and not isinstance(mod, _QLinear):
+    if rec["kind"] in ("linear", "hf_conv1d") and not isinstance(mod, (_QLinear, _QHFConv1D)):
         return "dequant", f"{type(mod).__name__} has its own forward (run on the dequantized weight)"
+    bits, strat, dtype = w["num_bits"], w["strategy"], rec["dtype"]
+    if rec["kind"] == "hf_conv1d" and lowbit.available():   # x @ W^T too, W stored [in, out]
+        rec = dict(rec, kind="linear")
     if rec["kind"] != "linear":
-        return "dequant", f"{rec['kind']} layer (integer kernels cover nn.Linear only)"
+        what = "nn.Linear and transformers' Conv1D" if lowbit.available() else "nn.Linear only"
+        return "dequant", f"{rec['kind']} layer (integer kernels cover {what})"
+    if lowbit.available():
+        k = rec["weight_shape"][1]
+        if lowbit.kernel_group(strat, w["group_size"], k) is None:
+            return "dequant", f"group size {w['group_size']} above the kernels' {lowbit.MAX_GROUP}"
+        return ("lowbit_a8" if _act_codes(rec) else "lowbit"), ""
     if rec.get("qtype", "int") != "int":
         return "dequant", f"{rec['qtype']} weights (no integer kernel)"
-    bits, strat, dtype = w["num_bits"], w["strategy"], rec["dtype"]
     if bits == 8 and strat in ("channel", "tensor"):
         if _act_codes(rec) and _has_op("_int_mm"):
             return "int_mm", ""
@@ -182,6 +204,8 @@ class FastMixin:
             return self._parameters["weight"]
         if self.qx_plan == "int4pack":
             return _int4pack_weight(self)
+        if "lowbit_packed" in self._buffers:
+            return _lowbit_weight(self)
         if "fast_planes" in self._buffers:
             return planes_dequantize(rec, self._buffers)
         return dequantize_record(rec, self._buffers)
@@ -192,6 +216,11 @@ class FastMixin:
                                   "int4pack kernel layout, which cannot be saved back; load the "
                                   "checkpoint with mode='exact' to get its state_dict")
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "lowbit_packed" in self._buffers:    # back to the exported tensors
+            for name in _LOWBIT_BUFFERS:
+                destination.pop(prefix + name, None)
+            for suffix, t in _lowbit_exported(self).items():
+                destination[prefix + suffix] = t
         planes = destination.pop(prefix + "fast_planes", None)
         if planes is not None:                  # back to the exported tensors
             from ..quant.packing import pack_int32
@@ -205,11 +234,27 @@ class FastMixin:
         return super().extra_repr() + f", plan: {self.qx_plan}"
 
 
+class FastConv1DMixin(FastMixin):
+    """transformers' Conv1D (GPT-2): y = x @ W + b with W [in, out], i.e. a Linear on W^T."""
+
+    def forward(self, x):
+        if (self.qx_plan in _LOWBIT_PLANS and not (torch.is_grad_enabled() and x.requires_grad)
+                and x.is_floating_point() and _lowbit_here(self, x)):
+            if self.qx_plan == "lowbit_a8":
+                return _forward_lowbit_a8(self, x)
+            return _forward_lowbit(self, self._qx_input(x))
+        return super().forward(x)
+
+
 class FastLinearMixin(FastMixin):
     def forward(self, x):
         plan = self.qx_plan
         if torch.is_grad_enabled() and x.requires_grad:     # the integer kernels have no backward
             return F.linear(self._qx_input(x), self.weight, self.bias)
+        if plan in _LOWBIT_PLANS and x.is_floating_point() and _lowbit_here(self, x):
+            if plan == "lowbit_a8":
+                return _forward_lowbit_a8(self, x)
+            return _forward_lowbit(self, self._qx_input(x))
         if plan == "int_mm" and x.is_floating_point() and _int_mm_ok(x, self.qweight):
             return _forward_int_mm(self, x)
         x = self._qx_input(x)
@@ -220,6 +265,119 @@ class FastLinearMixin(FastMixin):
         if plan == "int4pack":
             return _forward_int4pack(self, x)
         return F.linear(x, self.weight, self.bias)
+
+
+# --- qcompress's fused low-bit kernels (plans lowbit, lowbit_a8) ---------------------------------
+
+_LOWBIT_PLANS = ("lowbit", "lowbit_a8")
+_LOWBIT_BUFFERS = ("lowbit_packed", "lowbit_scales", "lowbit_offsets")
+
+
+def _exported_codes(mod: nn.Module, rec: dict):
+    """(q int8 [N, K], scale fp32 [N, s_cols], zero point [N, s_cols] or None) of the exported
+    tensors (s_cols: 1 for tensor / channel strategies, the group count for group)."""
+    w = rec["weights"]
+    bits, strat = w["num_bits"], w["strategy"]
+    n, k = rec["weight_shape"]
+    buf = mod._buffers
+    if rec["format"] == "pack-quantized":
+        q = _unpack_rows(buf["weight_packed"], bits, k)
+    else:
+        q = buf["qweight"].reshape(n, k)
+    scale = buf["weight_scale"].to(torch.float32)
+    s = scale.reshape(1, 1).expand(n, 1) if strat == "tensor" else scale.reshape(n, -1)
+    zp = buf.get("weight_zero_point")
+    if zp is None:
+        z = None
+    elif strat == "tensor":
+        z = zp.reshape(1, 1).expand(n, 1)
+    elif rec["format"] == "pack-quantized":
+        z = _unpack_rows_dim0(zp, bits, n).reshape(n, -1)
+    else:
+        z = zp.reshape(n, -1)
+    return q.to(torch.int8), s, z
+
+
+def _to_lowbit(mod: nn.Module, rec: dict):
+    """Replace the exported weight tensors by the kernels' blocked layout (once, at load)."""
+    w = rec["weights"]
+    n, k = rec["weight_shape"]
+    group = lowbit.kernel_group(w["strategy"], w["group_size"], k)
+    ng = -(-k // group)
+    q, s, z = _exported_codes(mod, rec)
+    if s.shape[1] != ng:                       # one scale per row, summed in chunks of `group`
+        s = s.expand(n, ng)
+        z = None if z is None else z.expand(n, ng)
+    cbits = lowbit.container_bits(w["num_bits"])
+    device = mod._buffers["weight_scale"].device
+    packed = lowbit.prepack(q.cpu(), s.contiguous().cpu(), None if z is None else z.contiguous().cpu(),
+                            group, cbits)
+    for name in _EXACT_BUFFERS + ("qweight",):
+        mod._buffers.pop(name, None)
+    for name, t in zip(_LOWBIT_BUFFERS, packed):
+        mod.register_buffer(name, t.to(device))
+    mod.qx_lowbit = (n, k, group, cbits)
+
+
+def _lowbit_packed(mod: nn.Module, device=None) -> "lowbit.Packed":
+    ts = (mod._buffers[name] for name in _LOWBIT_BUFFERS)
+    return lowbit.Packed(*(t if device is None else t.to(device) for t in ts))
+
+
+def _lowbit_codes(mod: nn.Module):
+    n, k, group, cbits = mod.qx_lowbit
+    return lowbit.unpack(_lowbit_packed(mod, "cpu"), n, k, group, cbits)
+
+
+def _lowbit_weight(mod: nn.Module) -> torch.Tensor:
+    """The exact path's float weight, from the kernel layout (same values bit for bit)."""
+    rec = mod.qx_rec
+    q, s, z = _lowbit_codes(mod)
+    w = dequantize_2d(q, s, z, mod.qx_lowbit[2]).to(getattr(torch, rec["dtype"])).reshape(rec["weight_shape"])
+    w = w.t() if rec.get("transposed") else w
+    return w.to(mod._buffers["lowbit_scales"].device)
+
+
+def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
+    """The exported tensors (names, dtypes, shapes, values) rebuilt from the kernel layout."""
+    from ..quant.packing import pack_int32
+    rec = mod.qx_rec
+    w = rec["weights"]
+    bits, strat = w["num_bits"], w["strategy"]
+    q, s, z = _lowbit_codes(mod)
+    if strat != "group":                       # scales were repeated per chunk: one per row
+        s, z = s[:, :1], None if z is None else z[:, :1]
+        if strat == "tensor":
+            s, z = s[:1].reshape(1), None if z is None else z[:1].reshape(1)
+    out = {"weight_scale": s.contiguous()}
+    packed = rec["format"] == "pack-quantized"
+    if packed:
+        out["weight_packed"] = pack_int32(q, bits, dim=1)
+        out["weight_shape"] = torch.tensor(rec["weight_shape"], dtype=torch.int64)
+    else:
+        out["weight"] = q.reshape(rec["weight_shape"]).contiguous()
+    if z is not None:
+        zi = z.to(torch.int8)
+        out["weight_zero_point"] = pack_int32(zi, bits, dim=0) if packed and strat != "tensor" else zi.contiguous()
+    device = mod._buffers["lowbit_scales"].device
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _lowbit_here(mod: nn.Module, x: torch.Tensor) -> bool:
+    return x.device == mod._buffers["lowbit_packed"].device and lowbit.runs_on(x.device)
+
+
+def _forward_lowbit(self, x: torch.Tensor) -> torch.Tensor:
+    n, _, group, cbits = self.qx_lowbit
+    return lowbit.linear(x, _lowbit_packed(self), self.bias, n, group, cbits)
+
+
+def _forward_lowbit_a8(self, x: torch.Tensor) -> torch.Tensor:
+    n, k, group, cbits = self.qx_lowbit
+    qx, sx, zx = _input_codes(self, _flat(x, k))
+    y = lowbit.linear_a8(qx, sx, None if zx is None else zx.to(torch.int32), _lowbit_packed(self), self.bias,
+                         n, group, cbits, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _flat(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -377,7 +535,8 @@ _CACHE: Dict[type, type] = {}
 def _swap_fast(mod: nn.Module, plan: str):
     base = type(mod)
     if base not in _CACHE:
-        mixin = FastLinearMixin if issubclass(base, _QLinear) else FastMixin
+        mixin = (FastLinearMixin if issubclass(base, _QLinear) else
+                 FastConv1DMixin if issubclass(base, _QHFConv1D) else FastMixin)
         _CACHE[base] = type("Fast" + base.__name__, (mixin, base), {"__module__": __name__})
     mod.__class__ = _CACHE[base]
     mod.qx_plan = plan
@@ -392,7 +551,9 @@ def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, s
         if not isinstance(mod, QuantizedMixin) or rec.get("weights") is None:
             continue
         plan, why = choose_plan(mod, rec)
-        if plan == "int4pack":
+        if plan in _LOWBIT_PLANS:
+            _to_lowbit(mod, rec)
+        elif plan == "int4pack":
             _to_int4pack(mod, rec)
         elif plan == "dequant" and planes_ok(rec):
             _to_planes(mod, rec)
@@ -403,6 +564,8 @@ def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, s
     for p, _ in plans.values():
         counts[p] = counts.get(p, 0) + 1
     log.info("load_quantized(mode='fast'): %s", ", ".join(f"{c} x {p}" for p, c in sorted(counts.items())))
+    if any(p in _LOWBIT_PLANS for p in counts):
+        log.info("load_quantized(mode='fast'): lowbit kernels use %s on the CPU", lowbit.isa())
     for n, why in fallbacks.items():
         log.info("load_quantized(mode='fast'): %r falls back to dequantize-per-call: %s", n, why)
     return plans

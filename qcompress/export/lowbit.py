@@ -2,7 +2,8 @@
 
 The operators (`torch.ops.qcompress.lowbit_*`, csrc/cpu/lowbit_gemm.cpp and
 csrc/cuda/lowbit_gemm.cu) keep a Linear weight in a blocked layout of its integer codes
-(csrc/include/qcompress/lowbit.h): 4-bit containers for 1-4-bit weights, 8-bit for 5-8-bit,
+(csrc/include/qcompress/lowbit.h): 2-bit containers for 1-2-bit weights, 4-bit for 3-4-bit,
+8-bit for 5-8-bit,
 one scale (and zero point) per row and group of columns, converted once at load from the
 exported compressed-tensors tensors and back for `state_dict()`.
 
@@ -22,7 +23,7 @@ import torch
 from ..quant import kernels as _kernels
 
 ROWS = 16                 # output rows per block
-K_ALIGN = 8               # every group is padded to a multiple of 8 columns
+K_ALIGN = 8               # every group is padded to a multiple of 8 columns (2-bit: 16)
 MAX_GROUP = 16384         # longest group whose int32 sums cannot overflow (lowbit.h kMaxGroup)
 CHUNK = 8192              # rows longer than MAX_GROUP (channel / tensor scales) sum in chunks
 
@@ -48,7 +49,7 @@ def isa(request: str = "") -> str:
 
 
 def container_bits(bits: int) -> int:
-    return 4 if bits <= 4 else 8
+    return 2 if bits <= 2 else 4 if bits <= 4 else 8
 
 
 def kernel_group(strategy: str, group_size: Optional[int], k: int) -> Optional[int]:
@@ -96,7 +97,8 @@ def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[to
 
 def _geometry(n: int, k: int, group: int, cbits: int):
     ng = -(-k // group)
-    gp = -(-group // K_ALIGN) * K_ALIGN
+    align = 2 * K_ALIGN if cbits == 2 else K_ALIGN
+    gp = -(-group // align) * align
     nb = -(-n // ROWS)
     return nb, ng, nb * (ng * gp * cbits // 8) * ROWS
 

@@ -5,13 +5,15 @@
 //
 // Layout ("blocked"): a weight [N, K] with one scale (and zero point) per row and per group of
 // G consecutive columns is stored as
-//   - codes u = q + 2^(c-1), unsigned, in a c = 4 or 8 bit container (4: 1/2/3/4-bit weights,
-//     8: 5..8-bit weights);
-//   - every group padded with zero weights (u = o) to Gp = a multiple of 8 columns, so a 4-byte
-//     lane never straddles two groups: padded width Kp = ng * Gp;
+//   - codes u = q + 2^(c-1), unsigned, in a c = 2, 4 or 8 bit container (2: 1/2-bit weights,
+//     4: 3/4-bit, 8: 5..8-bit);
+//   - every group padded with zero weights (u = o) to Gp = a multiple of 8 (2-bit: 16) columns,
+//     so a 4-byte lane never straddles two groups: padded width Kp = ng * Gp;
 //   - rows in blocks of kRows = 16; per block, per chunk of 4 bytes x 16 rows (64 bytes, one
-//     512-bit vector): lane r holds row r's codes for 8 columns (4-bit: byte i = column i in the
-//     low nibble, column i + 4 in the high nibble) or 4 columns (8-bit: byte i = column i);
+//     512-bit vector): lane r holds row r's codes for 32 / c columns: column i of the chunk is in
+//     byte i % 4 at bit (i / 4) * c (8-bit: byte i = column i; 4-bit: byte i holds columns i and
+//     i + 4; 2-bit: columns i, i + 4, i + 8, i + 12), so masking a lane's bytes at one bit offset
+//     gives 4 consecutive columns, one per byte (what vpdpbusd multiplies);
 //   - scales float [Nb][ng][16]; offsets o = 2^(c-1) + zero point, uint8 [Nb][ng][16] (absent
 //     when symmetric: o = 2^(c-1)).
 // Rows past N (last block) are zero weights with scale 0.
@@ -34,15 +36,15 @@ namespace lowbit {
 constexpr int kRows = 16;          // output rows per block
 constexpr int kLaneBytes = 4;      // bytes per (row, chunk)
 constexpr int kChunkBytes = kRows * kLaneBytes;
-constexpr int kKAlign = 8;         // groups are padded to a multiple of this many columns
+constexpr int kKAlign = 8;         // groups are padded to a multiple of this many columns (2-bit: 16)
 // Longest group: keeps every int32 sum of the W-A8 path exact (a8_group: each of its three
 // terms is at most 255 * 128 * 16384 < 2^29).
 constexpr int64_t kMaxGroup = 16384;
 
 struct Geometry {
   int64_t n, k, group, ng, gp, kp, nb;  // rows, columns, group length, groups, padded group, Kp, blocks
-  int cbits;                             // container: 4 or 8
-  QC_HD int64_t k_per_chunk() const { return cbits == 4 ? 8 : 4; }
+  int cbits;                             // container: 2, 4 or 8
+  QC_HD int64_t k_per_chunk() const { return 32 / cbits; }
   QC_HD int64_t chunks() const { return kp / k_per_chunk(); }            // per block
   QC_HD int64_t block_bytes() const { return chunks() * kChunkBytes; }
   QC_HD int64_t group_len(int64_t g) const {                             // real columns of group g
@@ -57,7 +59,8 @@ QC_HD Geometry make_geometry(int64_t n, int64_t k, int64_t group, int cbits) {
   g.k = k;
   g.group = group;
   g.ng = group > 0 ? (k + group - 1) / group : 0;
-  g.gp = (group + kKAlign - 1) / kKAlign * kKAlign;
+  const int64_t align = cbits == 2 ? 2 * kKAlign : kKAlign;
+  g.gp = (group + align - 1) / align * align;
   g.kp = g.ng * g.gp;
   g.nb = (n + kRows - 1) / kRows;
   g.cbits = cbits;
@@ -75,29 +78,23 @@ QC_HD int64_t lane_offset(const Geometry& g, int64_t n, int64_t kk) {
 
 // Bit position of column kk's code inside its 32-bit lane.
 QC_HD int code_shift(int cbits, int64_t kk) {
-  if (cbits == 8) return static_cast<int>(kk % 4) * 8;
-  const int i = static_cast<int>(kk % 8);
-  return (i & 3) * 8 + (i >> 2) * 4;
+  const int i = static_cast<int>(kk % (32 / cbits));
+  return (i & 3) * 8 + (i >> 2) * cbits;
 }
 
 // Unsigned code u of row n, padded column kk.
 QC_HD int code_at(const uint8_t* packed, const Geometry& g, int64_t n, int64_t kk) {
   const uint8_t* lane = packed + lane_offset(g, n, kk);
   const int sh = code_shift(g.cbits, kk);
-  const int byte = lane[sh / 8];
-  return g.cbits == 8 ? byte : (byte >> (sh % 8)) & 15;
+  return (lane[sh / 8] >> (sh % 8)) & ((1 << g.cbits) - 1);
 }
 
 QC_HD void set_code(uint8_t* packed, const Geometry& g, int64_t n, int64_t kk, int u) {
   uint8_t* lane = packed + lane_offset(g, n, kk);
   const int sh = code_shift(g.cbits, kk);
   uint8_t& byte = lane[sh / 8];
-  if (g.cbits == 8) {
-    byte = static_cast<uint8_t>(u);
-  } else {
-    const int s = sh % 8;
-    byte = static_cast<uint8_t>((byte & ~(15 << s)) | ((u & 15) << s));
-  }
+  const int s = sh % 8, mask = ((1 << g.cbits) - 1) << s;
+  byte = static_cast<uint8_t>((byte & ~mask) | ((u << s) & mask));
 }
 
 // Index of (row n, group gi) in the [Nb][ng][16] per-group arrays.

@@ -1,0 +1,266 @@
+"""qcompress's fused low-bit kernels (load_quantized(mode="fast") plans lowbit / lowbit_a8) against
+the exact path, on every instruction set this CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI).
+
+Oracle: load_quantized(mode="exact") of the same export (itself checked bit for bit against the
+trained model here and in test_export.py), and float64 sums for the raw operators.
+
+Bound. The fast plans multiply by the exact path's float weight bit for bit (w = (q - zp) * s in
+fp32; `weight` equality is asserted), so in float32 the outputs differ only in the rounding of
+the K products and of their sums: each side is within gamma_{K+4} * (|x| @ |W|^T + |b|) of the
+real-number result, gamma_n = n u / (1 - n u), u = 2^-24 (the standard bound for a length-K dot
+product; +4 for the bias add and, on lowbit_a8, the group-scale products, the token scale and the
+exact path's rounding of its fake-quantized input, while lowbit_a8's int32 group sums are exact).
+Hence |fast - exact| <= (2K + 8) u (|x^| @ |W|^T + |b|) elementwise, x^ the quantized input. A
+wrong code, scale, zero point or group boundary moves an output by a quantization step, about
+2^-8 of it or more, far above (2K + 8) u <= 2^-13 here.
+bfloat16: the exact path rounds the weight and the fake-quantized input to bf16 (2^-9 relative
+each) before its matmul and the result to bf16; the fast path rounds only the result:
+|fast - exact| <= 2^-7 (|x^| @ |W|^T + |b|) + 2^-7 |exact|.
+"""
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompress
+from qcompress.export import export_quantized, load_quantized
+from qcompress.export import fast as fastmod
+from qcompress.export import lowbit
+from qcompress.export.fast import plans_of
+
+pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
+
+ALL_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+
+
+def cpu_isas():
+    best = lowbit.isa("auto")
+    return ALL_ISAS[:ALL_ISAS.index(best) + 1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    if lowbit.available():
+        lowbit.isa("auto")
+
+
+def cfg_for(bits, gran, gs, sym, act):
+    params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": gran}
+    if gs:
+        params["group_size"] = gs
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
+                              "quantization_type": "symmetric" if sym else "asymmetric"},
+        "different_groups": {"w": {"params": params}}}}}
+    if act:
+        calib, asym = act
+        doc["compression_training"]["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
+                                  "quantization_type": "asymmetric" if asym else "symmetric"},
+            "different_groups": {"a": {"params": {"bits": 8}}}}
+    return qcompress.load_config(doc)
+
+
+def odd_model(dtype):
+    """In-features 100 / 37 / 50 and out-features 37 / 50 / 19: no multiple of the vector width
+    (8, 16 rows), and partial last groups for group sizes 16 and 32."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(100, 37), nn.GELU(), nn.Linear(37, 50, bias=False), nn.GELU(),
+                         nn.Linear(50, 19)).to(dtype).eval()
+
+
+def export_pair(tmp_path, make, cfg, calib):
+    trained = make()
+    qcompress.init_compression(trained, cfg)
+    trained.train()
+    trained(calib)                       # calibrates static activation ranges
+    trained.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # partial groups: "only qcompress.load_quantized reads them"
+        export_quantized(trained, tmp_path / "ckpt")
+    exact = load_quantized(tmp_path / "ckpt", make())
+    fast = load_quantized(tmp_path / "ckpt", make(), mode="fast")
+    return trained, exact, fast
+
+
+def no_float_weight(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a kernel plan built the float weight in forward")
+    for name in ("_lowbit_weight", "planes_dequantize", "dequantize_record"):
+        monkeypatch.setattr(fastmod, name, boom)
+
+
+def exact_and_bound(e, h, dtype):
+    """The exact layer's output on h and the elementwise bound of the docstring."""
+    want = e(h)
+    xin = e._qx_input(h).double()
+    w = e.weight.double()
+    b = 0.0 if e.bias is None else e.bias.double().abs()
+    mag = xin.abs() @ w.abs().t() + b
+    if dtype == torch.float32:
+        return want, (2 * w.shape[1] + 8) * 2.0 ** -24 * mag
+    return want, 2.0 ** -7 * (mag + want.double().abs())
+
+
+def check(got, want, bound, where):
+    assert got.dtype == want.dtype and got.shape == want.shape, where
+    diff = (got.double() - want.double()).abs()
+    assert bool((diff <= bound).all()), f"{where}: worst {float((diff / bound.clamp_min(1e-30)).max()):.3g} x bound"
+
+
+WEIGHTS = [  # bits, granularity, group size
+    (4, "group", 32),       # pack-quantized, 4-bit container
+    (2, "group", 16),       # pack-quantized 2-bit, in the 4-bit container
+    (8, "channel", None),   # int-quantized, 8-bit container
+    (5, "tensor", None),    # int-quantized 5-bit, one scale, 8-bit container
+]
+FP32_ACTS = [  # symmetric weights?, activation quantization (calibration, asymmetric)
+    (True, None), (False, None), (True, ("dynamic", False)), (False, ("dynamic", True)),
+    (False, ("static", True)),
+]
+CASES = ([(w, sym, act, torch.float32) for w in WEIGHTS for sym, act in FP32_ACTS]
+         + [(w, False, act, torch.bfloat16) for w in WEIGHTS for act in (None, ("dynamic", True))])
+
+
+@pytest.mark.parametrize("weights,sym,act,dtype", CASES,
+                         ids=[f"w{w[0]}{w[1]}{w[2] or ''}-{'sym' if s else 'asym'}-"
+                              f"{'none' if a is None else a[0] + ('A' if a[1] else 'S')}-{str(d)[6:]}"
+                              for w, s, a, d in CASES])
+def test_kernels_match_exact_path(tmp_path, monkeypatch, weights, sym, act, dtype):
+    bits, gran, gs = weights
+    g = torch.Generator().manual_seed(bits)
+    trained, exact, fast = export_pair(tmp_path, lambda: odd_model(dtype), cfg_for(bits, gran, gs, sym, act),
+                                       torch.randn(6, 100, generator=g).to(dtype))
+    plan = "lowbit_a8" if act else "lowbit"
+    assert set(plans_of(fast).values()) == {plan}
+    for e, f in zip(exact, fast):
+        if isinstance(e, nn.Linear):      # the kernels' weight is the exact path's, bit for bit
+            assert torch.equal(f.weight, e.weight)
+    inputs = [torch.randn(1, 100, generator=g).to(dtype),             # one token: the GEMV path
+              torch.randn(3, 11, 100, generator=g).to(dtype)]         # 33 tokens: tiles of 8/6/4/2 + rest
+    with torch.no_grad():
+        assert torch.equal(exact(inputs[1]), trained(inputs[1]))
+        for x in inputs:
+            h = x
+            for i, (e, f) in enumerate(zip(exact, fast)):
+                if not isinstance(e, nn.Linear):
+                    h = e(h)
+                    continue
+                want, bound = exact_and_bound(e, h, dtype)
+                with monkeypatch.context() as mp:
+                    no_float_weight(mp)
+                    for isa in cpu_isas():
+                        lowbit.isa(isa)
+                        check(f(h), want, bound, f"{isa}, {tuple(x.shape[:-1])} tokens, layer {i}")
+                h = want
+
+
+def test_isa_choice_and_refusal():
+    best = lowbit.isa("auto")
+    assert best in ALL_ISAS
+    assert lowbit.isa() == best
+    assert lowbit.isa("scalar") == "scalar" and lowbit.isa() == "scalar"
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
+        lowbit.isa("sse9")
+    if best != "avx512_vnni":
+        with pytest.raises(RuntimeError, match="does not have"):
+            lowbit.isa("avx512_vnni")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx512_vnni" in flags and " avx512bw" in flags:
+        assert best == "avx512_vnni", "the CPU has AVX-512 VNNI but the kernels do not use it"
+    env = dict(os.environ, QCOMPRESS_LOWBIT_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", "from qcompress.export import lowbit; print(lowbit.isa())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr[-500:]
+
+
+def _reference(q, s, zp, group):
+    n, k = q.shape
+    sc = s.double().repeat_interleave(group, 1)[:, :k]
+    z = 0.0 if zp is None else zp.double().repeat_interleave(group, 1)[:, :k]
+    return (q.double() - z) * sc
+
+
+def test_prepack_round_trip_and_errors():
+    g = torch.Generator().manual_seed(7)
+    for cbits, lo, hi in ((4, -8, 7), (8, -128, 127)):
+        for n, k, group in ((1, 1, 1), (17, 9, 4), (33, 100, 32), (5, 3000, 3000)):
+            ng = math.ceil(k / group)
+            q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+            s = torch.rand(n, ng, generator=g)
+            zp = torch.randint(lo, hi + 1, (n, ng), generator=g, dtype=torch.int8)
+            p = lowbit.prepack(q, s, zp, group, cbits)
+            q2, s2, z2 = lowbit.unpack(p, n, k, group, cbits)
+            assert torch.equal(q2, q) and torch.equal(s2, s) and torch.equal(z2, zp.to(torch.int32))
+    q = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="codes outside the signed 4-bit range"):
+        lowbit.prepack(q + 8, torch.ones(4, 1), None, 8, 4)
+    with pytest.raises(RuntimeError, match=r"scale must be \[4, 2\]"):
+        lowbit.prepack(q, torch.ones(4, 1), None, 4, 4)
+    with pytest.raises(RuntimeError, match="group length 20000 outside"):
+        lowbit.prepack(torch.zeros(1, 20000, dtype=torch.int8), torch.ones(1, 1), None, 20000, 8)
+    p = lowbit.prepack(q, torch.ones(4, 1), None, 8, 4)
+    with pytest.raises(RuntimeError, match="bias has 3 elements, expected 4"):
+        lowbit.linear(torch.zeros(2, 8), p, torch.zeros(3), 4, 8, 4)
+
+
+def test_int32_sums_at_the_longest_group():
+    # lowbit_a8 at the extremes the layout allows (group 16384, 8-bit codes at their ends,
+    # activation codes -128 and zero points -128): the int32 group sums must stay exact.
+    # Oracle: float64 sums of the same integers (exact below 2^53).
+    n, k = 16, lowbit.MAX_GROUP
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1::2] = 127
+    zp = torch.full((n, 1), 127, dtype=torch.int8)
+    zp[2::3] = -128
+    s = torch.full((n, 1), 2.0 ** -20)
+    p = lowbit.prepack(q, s, zp, k, 8)
+    xq = torch.full((2, k), -128, dtype=torch.int8)
+    xq[1, ::2] = 127
+    zx = torch.tensor([127, -128], dtype=torch.int32)
+    sx = torch.tensor([2.0 ** -10, 1.0])
+    a = (xq.double() - zx.double()[:, None])
+    want = (a @ (q.double() - zp.double()).t()) * 2.0 ** -20 * sx.double()[:, None]
+    for isa in cpu_isas():
+        lowbit.isa(isa)
+        got = lowbit.linear_a8(xq, sx, zx, p, None, n, k, 8, torch.float32)
+        # one float32 rounding of each 31-bit group sum and of the two scale products
+        assert torch.allclose(got.double(), want, rtol=4 * 2.0 ** -24, atol=0), isa
+
+
+def test_gpt2_conv1d_runs_the_kernels(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    conf = transformers.GPT2Config(vocab_size=64, n_embd=48, n_layer=2, n_head=2, n_positions=32)
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(conf).eval()
+
+    cfg = cfg_for(4, "group", 16, False, ("dynamic", True))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    trained = make()
+    qcompress.init_compression(trained, cfg)
+    trained.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_quantized(trained, tmp_path / "gpt2")
+    exact = load_quantized(tmp_path / "gpt2", make())
+    fast = load_quantized(tmp_path / "gpt2", make(), mode="fast")
+    plans = plans_of(fast)
+    conv1d = [n for n, m in fast.named_modules() if type(m).__name__.startswith("FastQuantizedConv1D")]
+    assert conv1d and all(plans[n] == "lowbit_a8" for n in conv1d)
+    with torch.no_grad():
+        e = exact(ids).logits
+        f = fast(ids).logits
+        assert torch.equal(e, trained(ids).logits)
+    for n in conv1d:
+        m, me = dict(fast.named_modules())[n], dict(exact.named_modules())[n]
+        assert torch.equal(m.weight, me.weight)
+    # per-layer gaps of the documented bound, through LayerNorms and 2 blocks
+    assert (f - e).abs().max().item() <= 1e-4 * e.abs().max().item()
