@@ -53,7 +53,8 @@ def make_model(vocab, layers, width, seed=0):
     import transformers
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=CONTEXT, n_embd=width, n_layer=layers,
-                                  n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     return transformers.GPT2LMHeadModel(cfg)
 
 
