@@ -59,3 +59,18 @@ def max_logit_difference(a: nn.Module, b: nn.Module, dataset, batch_size: int, p
         batch.pop("labels")
         worst = max(worst, (_logits(a(**batch)).float() - _logits(b(**batch)).float()).abs().max().item())
     return worst
+
+
+@torch.no_grad()
+def max_weight_difference(a: nn.Module, b: nn.Module) -> float:
+    """Largest |difference| between the `weight` tensors the two models' modules of the same name and
+    shape use now (a compressed module's is its dequantized weight); float weights only."""
+    theirs = dict(b.named_modules())
+    worst = 0.0
+    for name, m in a.named_modules():
+        w, other = getattr(m, "weight", None), getattr(theirs.get(name), "weight", None)
+        if not (isinstance(w, torch.Tensor) and isinstance(other, torch.Tensor)):
+            continue
+        if w.shape == other.shape and w.is_floating_point() and other.is_floating_point():
+            worst = max(worst, (w.detach().float() - other.detach().float()).abs().max().item())
+    return worst

@@ -26,7 +26,7 @@ from ..config import as_config, load_config
 from . import loop
 from .data import DataError, prepare_data
 from .errors import JobError
-from .evaluate import evaluate, max_logit_difference, metric_name
+from .evaluate import evaluate, max_logit_difference, max_weight_difference, metric_name
 from .models import describe, fp32_bytes, fresh_model, load_model, load_tokenizer
 from .report import MetricsLog, atomic_write, plot_bits, plot_loss, read_metrics, stage_table, write_report
 from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
@@ -477,14 +477,17 @@ class Job:
             if reference is not None:
                 result["max_logit_diff_vs_exported"] = max_logit_difference(
                     reference, model, self.data.eval, o.eval_batch_size, self.tok.pad_token_id)
+                result["max_weight_diff_vs_exported"] = max_weight_difference(reference, model)
             return result
         result = transformers_attempts(export_dir, o.task, run)
         result.setdefault(self.metric, None)
-        diff = result.get("max_logit_diff_vs_exported")
+        diff, wdiff = result.get("max_logit_diff_vs_exported"), result.get("max_weight_diff_vs_exported")
         if diff is not None and diff > 1e-3:
+            why = ("the same weights (every dequantized weight equal), but its decompressed layers run "
+                   "activations unquantized" if wdiff == 0.0 else f"other weights (max |difference| {wdiff:.3g})")
             self.opts.notes.append(
-                f"transformers loads this export with other weights than qcompress.load_quantized "
-                f"(max |logit difference| {diff:.3g}): trust the 'exported' row; see README, Export")
+                f"transformers' {result['loaded_with']} gives other logits than qcompress.load_quantized "
+                f"(max |difference| {diff:.3g}): {why}; the 'exported' row is the trained model")
         return result
 
     def finish(self, report: dict) -> None:
@@ -504,6 +507,8 @@ class Job:
         if sz.get("export_bytes"):
             self.say(f"\nexport: {sz['export_bytes'] / 2**20:.2f} MiB vs {sz['fp32_bytes'] / 2**20:.2f} MiB FP32 "
                      f"({sz['compression_ratio']:.2f}x smaller), in {os.path.join(o.out, 'export')}")
+        for note in report.get("notes") or []:
+            self.say(f"note: {note}")
         self.say(f"report: {os.path.join(o.out, 'report.md')} (and report.json, metrics.csv)")
         if plots:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
