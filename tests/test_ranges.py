@@ -501,3 +501,27 @@ def test_range_learning_beats_fixed_ranges_on_digits():
         torch.set_num_threads(n)
     print(f"digits W2 per tensor, 3 epochs: fixed ranges {acc[False]:.4f}, learned {acc[True]:.4f}")
     assert acc[True] >= acc[False] + 0.10, acc
+
+
+def test_mse_in_optimizer_step_mode_searches_the_master_at_each_drop():
+    """quantize_weight_in_forward: false: the weight holds the codes of the master copy quantized
+    with the mse shrink factors, re-searched on the updated master at each bit drop."""
+    m = mlp()
+    cfg = qc.load_config({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, "observer": "mse"},
+        "different_groups": {"w": {"params": {"start_bits": 6, "target_bits": 4, "quantization_period": 2,
+                                              "period_growth": "linear", "granularity": "channel"}}}}}})
+    qc.init_compression(m, cfg)
+    sched = qc.CompressionScheduler(m, cfg)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for step in range(1, 5):
+        opt.zero_grad()
+        m(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        sched.step()
+        wq = m[0].qc_wq
+        q, s, z, spec = m[0].quantized_weight()
+        assert torch.equal(qc.quant.dequantize(q, s, z), m[0].weight.detach())
+        if step in (2, 4):                      # drops to 5 and 4 bits
+            assert torch.equal(wq.shrink, observers.mse_shrink(wq.master, spec))
+    assert m[0].qc_wq.bits == 4
