@@ -144,15 +144,18 @@ def test_no_command_and_unknown_arguments(capsys):
 
 def test_train_bad_config_fails_before_training(tmp_path, capsys):
     missing = str(tmp_path / "missing.yaml")
-    assert cli.main(["train", missing, "--no-progress"]) == 2
+    assert cli.main(["train", missing, "--model", str(tmp_path), "--data", str(tmp_path), "--task",
+                     "text-classification", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert missing in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
-def test_train_without_data_explains_how_to_install(tmp_path, capsys):
-    rc = cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--data-dir", str(tmp_path),
-                   "--quick", "--no-progress"])
-    assert rc == 2
-    assert "dataset-fashion-mnist" in capsys.readouterr().err
+def test_train_names_its_required_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "--data" in err and "--task" in err and "--out" in err
 
 
 def test_export_and_inspect_report_a_missing_export_module(monkeypatch, capsys):
