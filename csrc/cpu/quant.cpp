@@ -138,7 +138,7 @@ void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, cons
           const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
           const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u);
           if constexpr (decltype(with_mask)::value) store_mask(mask + i, inside_range(r, qmin, qmax), kW);
-          store_f(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(clamp_code(r, qmin, qmax), s, z, zp), kW);
+          store_sat(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(clamp_code(r, qmin, qmax), s, z, zp), kW);
         }
       };
       if (mask) body(std::true_type{}); else body(std::false_type{});
@@ -155,7 +155,7 @@ void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, cons
       const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(xv, s, z, zp, u);
       qv = clamp_code(r, qmin, qmax);
       if (o.mask) store_mask(o.mask + flat0 + i, inside_range(r, qmin, qmax), n);
-      if (o.y) store_f(o.y + flat0 + i, dequant_code<V, ASYM_DS, ADD_ZP>(qv, s, z, zp), n);
+      if (o.y) store_sat(o.y + flat0 + i, dequant_code<V, ASYM_DS, ADD_ZP>(qv, s, z, zp), n);
     } else {
       if constexpr (KIND == kBinary) qv = binary_code<V, DS>(xv);
       else qv = ternary_code<V>(xv, thr);

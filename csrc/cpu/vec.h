@@ -100,6 +100,18 @@ inline void store_f(T* p, V v, int n) {
   }
 }
 
+// Largest finite value of a storage type, as float (fp32 FLT_MAX, bf16 (2 - 2^-7) 2^127, fp16 65504).
+template <typename T>
+constexpr float finite_max() {
+  if constexpr (std::is_same_v<T, c10::Half>) return 65504.0f;
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) return 0x1.fep127f;
+  else return 3.40282346638528859812e+38f;
+}
+
+// A dequantized value stored saturated (qc::saturate): finite in, finite out.
+template <typename T>
+inline void store_sat(T* p, V v, int n) { store_f(p, saturate(v, V(finite_max<T>())), n); }
+
 // Integer-valued float lanes to an integer type (values are already clamped into range).
 template <typename Q>
 inline void store_int(Q* p, V v, int n) {

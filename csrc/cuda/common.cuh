@@ -30,6 +30,24 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 template <>
 __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
+// Largest finite value of a storage type, as float (fp32 FLT_MAX, bf16 (2 - 2^-7) 2^127, fp16 65504).
+template <typename T>
+__device__ __forceinline__ float finite_max();
+template <>
+__device__ __forceinline__ float finite_max<float>() { return 3.40282346638528859812e+38f; }
+template <>
+__device__ __forceinline__ float finite_max<__nv_bfloat16>() { return 0x1.fep127f; }
+template <>
+__device__ __forceinline__ float finite_max<__half>() { return 65504.0f; }
+
+// A dequantized value stored saturated to +-finite_max<T> (qc::saturate; NaN passes): finite in,
+// finite out.
+template <typename T>
+__device__ __forceinline__ T from_f_sat(float v) {
+  const float m = finite_max<T>();
+  return from_f<T>(v < -m ? -m : (v > m ? m : v));
+}
+
 inline unsigned int blocks_for(int64_t n, int64_t per_block, unsigned int cap = 65535u * 16u) {
   int64_t b = (n + per_block - 1) / per_block;
   if (b < 1) b = 1;

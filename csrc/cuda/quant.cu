@@ -164,7 +164,7 @@ __global__ void quant_elements(const T* __restrict__ x, Geo geo, qc_cuda_quant_a
       const float r = int_code<float, STOCH, DS, ASYM_DS, ADD_ZP>(xv, s, z, zp, u);
       qv = clamp_code(r, a.qmin, a.qmax);
       if (mask) mask[e] = inside_range(r, a.qmin, a.qmax);
-      if (y) y[e] = from_f<T>(dequant_code<float, ASYM_DS, ADD_ZP>(qv, s, z, zp));
+      if (y) y[e] = from_f_sat<T>(dequant_code<float, ASYM_DS, ADD_ZP>(qv, s, z, zp));
     } else {
       qv = KIND == kBinary ? binary_code<float, DS>(xv) : ternary_code<float>(xv, aux[g]);
       if (mask) mask[e] = true;
@@ -281,7 +281,7 @@ __global__ void params_elements(const T* __restrict__ x, Geo geo, qc_cuda_quant_
     if (STOCH) u = uniform(rng_key(a.seed, static_cast<uint32_t>(e >> 32)), static_cast<uint32_t>(e));
     const float r = int_code<float, STOCH, false, false, ADD_ZP>(to_f(x[e]), s, 0.0f, zp, u);
     if (mask) mask[e] = inside_range(r, a.qmin, a.qmax);
-    if (y) y[e] = from_f<T>(dequant_code<float, false, ADD_ZP>(clamp_code(r, a.qmin, a.qmax), s, 0.0f, zp));
+    if (y) y[e] = from_f_sat<T>(dequant_code<float, false, ADD_ZP>(clamp_code(r, a.qmin, a.qmax), s, 0.0f, zp));
   }
 }
 

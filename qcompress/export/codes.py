@@ -44,8 +44,12 @@ def fmt_for(bits: int) -> str:
 
 
 def dequantize_2d(q: torch.Tensor, scale: torch.Tensor, zp: Optional[torch.Tensor],
-                  group_size: Optional[int]) -> torch.Tensor:
-    """(q - zp) * scale in float32 over a [rows, K] code matrix; same ops as the reference."""
+                  group_size: Optional[int], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(q - zp) * scale in float32 over a [rows, K] code matrix; same ops as the reference.
+    With `dtype`: saturated to its finite range and converted, as the fake quantizer's output."""
+    if dtype is not None:
+        from ..quant.reference import saturate
+        return saturate(dequantize_2d(q, scale, zp, group_size), dtype).to(dtype)
     qf = q.to(torch.float32)
     s = scale.to(torch.float32)
     z = None if zp is None else zp.to(torch.float32)
@@ -120,14 +124,14 @@ def weight_entry(mod) -> WeightEntry:
         if bool(((z2 < lo) | (z2 > hi)).any()):
             raise ExportError(f"module {name!r}: zero point outside the signed {bits}-bit range")
     ref2 = ref.reshape(rows, -1)
-    deq = dequantize_2d(q2, s2, z2, gsize).to(ref.dtype)
+    deq = dequantize_2d(q2, s2, z2, gsize, ref.dtype)
     if not torch.equal(deq, ref2):
         # pruning masks zero weights after quantization: store the zero point there instead
         fix = (ref2 == 0) & (deq != 0)
         if bool(fix.any()):
             zfill = torch.zeros_like(q2) if z2 is None else _expand(z2, gsize, q2.shape[1])
             q2 = torch.where(fix, zfill.to(torch.int8), q2)
-            deq = dequantize_2d(q2, s2, z2, gsize).to(ref.dtype)
+            deq = dequantize_2d(q2, s2, z2, gsize, ref.dtype)
         bad = int((deq != ref2).sum())
         if bad:
             raise ExportError(f"module {name!r}: the exported integers do not reproduce "

@@ -333,7 +333,7 @@ def _lowbit_weight(mod: nn.Module) -> torch.Tensor:
     """The exact path's float weight, from the kernel layout (same values bit for bit)."""
     rec = mod.qx_rec
     q, s, z = _lowbit_codes(mod)
-    w = dequantize_2d(q, s, z, mod.qx_lowbit[2]).to(getattr(torch, rec["dtype"])).reshape(rec["weight_shape"])
+    w = dequantize_2d(q, s, z, mod.qx_lowbit[2], getattr(torch, rec["dtype"])).reshape(rec["weight_shape"])
     w = w.t() if rec.get("transposed") else w
     return w.to(mod._buffers["lowbit_scales"].device)
 

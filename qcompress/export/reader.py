@@ -102,7 +102,7 @@ def dequantize_record(rec: dict, buf) -> torch.Tensor:
     if zp is not None and rec["format"] == "pack-quantized" and w["strategy"] != "tensor":
         zp = unpack_int32(zp, bits, rows, dim=0)
     gs = w["group_size"] if w["strategy"] == "group" else None
-    out = dequantize_2d(q, buf["weight_scale"], zp, gs).to(getattr(torch, rec["dtype"]))
+    out = dequantize_2d(q, buf["weight_scale"], zp, gs, getattr(torch, rec["dtype"]))
     out = out.reshape(shape)
     return out.t() if rec.get("transposed") else out
 

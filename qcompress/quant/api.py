@@ -101,6 +101,7 @@ def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=
     parameters instead of computing them from x (observer-chosen ranges); x's gradient is still
     straight-through, nothing flows to the given parameters (see fake_quantize_learned)."""
     _check_range_args(spec, min_val, max_val)
+    reference.check_float32_range(x)
     impl = _backend(backend)
     params = None
     if scale is not None:
@@ -193,6 +194,7 @@ def quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor"
 def quantize_spec(x, spec: Spec, *, min_val=None, max_val=None, backend=None, scale=None, zero_point=None):
     """(q, scale, zero_point); given `scale` (and `zero_point`), the codes for those parameters."""
     _check_range_args(spec, min_val, max_val)
+    reference.check_float32_range(x)
     if scale is not None:
         return _backend(backend).quantize(x, spec, None, None, params=(scale, zero_point))
     return _backend(backend).quantize(x, spec, min_val, max_val)

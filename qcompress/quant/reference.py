@@ -163,6 +163,23 @@ def ungroup(view: torch.Tensor, x: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 # --- statistics ----------------------------------------------------------------------------------
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def check_float32_range(x: torch.Tensor) -> None:
+    """A float64 tensor whose finite values lie beyond float32's range cannot be quantized (the
+    math is float32, where they become inf): say so, instead of the NaN/Inf report they would
+    otherwise trigger."""
+    if x.dtype != torch.float64 or not x.numel():
+        return
+    a = x.detach().abs()
+    big = (a > _F32_MAX) & torch.isfinite(a)
+    if bool(big.any()):
+        raise NonFiniteError(f"{int(big.sum())} finite float64 values exceed float32's range (largest "
+                             f"|x| = {float(a[big].max()):.4g} > {_F32_MAX:.4g}); the quantizer computes "
+                             "in float32, where they would be inf: scale the tensor down first")
+
+
 def _check_finite(stat: torch.Tensor, what: str):
     bad = ~torch.isfinite(stat)
     if bool(bad.any()):
@@ -245,6 +262,7 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, spec: Spec):
         s = (amax / float(1 << (spec.bits - 1))) if ds else amax / float(spec.qmax)
         return s.clamp(min=EPS), None
     if ds:
+        lo = lo + 0.0   # -0 -> +0: an all-zero group's offset round(lo / s) * s is +0 (math.h too)
         # Floor the step at the float32 resolution of the group's values: a (near-)constant group
         # otherwise gets s ~ EPS and a zero point round(min / s) far outside int32 (DeepSpeed: NaN).
         floor = torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -23
@@ -357,6 +375,7 @@ def flat_params(scale: torch.Tensor, zero_point, groups: int, device):
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
     """(q, scale, zero_point) with q an integer tensor shaped like x; `params` as quantize_view's
     (scale and zero point given, e.g. learned ones: they come back reshaped, the zero point int32)."""
+    check_float32_range(x)
     xf = x.detach().to(torch.float32)
     q, s, zp, _ = _codes(xf, spec, min_val, max_val, params)
     shape = scale_shape(x, spec)
@@ -367,10 +386,22 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=Non
 
 def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
     """(x^ in x's dtype, bool mask of elements that were not clipped)."""
+    check_float32_range(x)
     xf = x.detach().to(torch.float32)
     q, s, zp, inside = _codes(xf, spec, min_val, max_val, params)
-    y = dequantize_view(q, s, zp, spec)
+    y = saturate(dequantize_view(q, s, zp, spec), x.dtype)
     return ungroup(y, xf, spec).to(x.dtype), ungroup(inside, xf, spec)
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x^ clamped to the largest finite value of the output dtype (float32's for float64), so a
+    finite input gives a finite output where (q - zp) s or q s + z overshoots it (the grid reaches
+    half a step past the range; s * qmax can round above FLT_MAX). Other values keep their bits.
+    math.h saturate / store_sat do the same."""
+    if not dtype.is_floating_point:
+        return y
+    m = torch.finfo(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).max
+    return y.clamp(-m, m)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,

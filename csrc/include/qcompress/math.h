@@ -143,6 +143,9 @@ QC_HD ParamsT<F> int_params_t(F lo, F hi, int bits, bool symmetric, bool deepspe
     return {clamp_min(s, F(kEps)), F(0.0f), F(0.0f)};
   }
   if (deepspeed) {
+    // -0 + 0 = +0: the zero offset round(lo / s) * s of an all-zero group is +0 whichever zero
+    // the min reduction kept (its order differs between kernels and the reference)
+    lo = lo + F(0.0f);
     // step floored at the float32 resolution of the group's values (reference.qparams)
     F floor_ = nan_max(fabs_(lo), fabs_(hi)) * F(0x1p-23f);
     F s = clamp_min(nan_max(range_over(hi, lo, F(static_cast<float>(1 << bits))), floor_), F(kEps));
@@ -209,6 +212,11 @@ QC_HD F dequant_code(F q, F s, F z, F zp) {
   if (ADD_ZP) return (q - zp) * s;
   return q * s;
 }
+
+// A dequantized value saturated to +-m, the largest finite value of the output type: finite
+// inputs give finite outputs even where (q - zp) * s or q * s + z overshoots it (NaN passes).
+template <class F>
+QC_HD F saturate(F v, F m) { return clamp_max(clamp_min(v, Ops<F>::neg(m)), m); }
 
 // Binary code: default numerics +1 for x >= 0 else -1 (NaN -> -1); deepspeed sign(x).
 template <class F, bool DS>
