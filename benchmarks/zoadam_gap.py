@@ -144,7 +144,7 @@ def grad_of(model, vec, x, y):
     model.zero_grad(set_to_none=False)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone(), float(loss)
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone(), loss.item()
 
 
 # --- the 1-bit compressed all-reduce, from its definition -------------------------------------------

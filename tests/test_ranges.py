@@ -525,3 +525,31 @@ def test_mse_in_optimizer_step_mode_searches_the_master_at_each_drop():
         if step in (2, 4):                      # drops to 5 and 4 bits
             assert torch.equal(wq.shrink, observers.mse_shrink(wq.master, spec))
     assert m[0].qc_wq.bits == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learned_ternary_scale_gradient_and_export(tmp_path, backend):
+    """Ternary (2-bit) weights with a learned scale: x^ = q s with the codes q from the values'
+    threshold; d x^/d s = q, so the scale's gradient is g * sum(grad * q); export stays exact."""
+    x = heavy_tailed((4, 32), seed=5)
+    spec = make_spec(2, granularity="channel", ternary=True)
+    q = qc.quant.quantize(x, 2, granularity="channel", ternary=True)[0].float()
+    s = torch.full((4, 1), 0.7, requires_grad=True)
+    r = torch.randn(4, 32)
+    xs = x.clone().requires_grad_(True)
+    y = fake_quantize_learned(xs, spec, s, None, grad_scale=0.5, backend=backend)
+    assert torch.equal(y.detach(), q * 0.7)
+    (y * r).sum().backward()
+    assert torch.allclose(s.grad, 0.5 * (r * q).sum(1, keepdim=True), rtol=1e-6)
+    assert torch.equal(xs.grad, r)                     # straight through
+    m = mlp()
+    doc = copy.deepcopy(wq_cfg(bits=2, gran="channel", rl=True).raw)
+    doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["ternary"] = True
+    cfg = qc.load_config(doc)
+    qc.init_compression(m, cfg)
+    sched = qc.CompressionScheduler(m, cfg)
+    _train(m, sched, steps=2)
+    assert m[0].qc_wq.spec().kind == "ternary" and m[0].weight_scale.grad is not None
+    qc.export_quantized(m, tmp_path / "t", cfg)
+    fresh = qc.load_quantized(tmp_path / "t", mlp(seed=2))
+    assert torch.equal(fresh[0].weight, m[0].effective_weight().detach())
