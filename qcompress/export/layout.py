@@ -77,11 +77,15 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
     mixed = len(formats) > 1
     config_groups = {}
     for key, gname in _group_names(groups).items():
+        # every group names its format: without it compressed-tensors infers one from the scheme
+        # (W4A8 -> int-quantized, int-quantized 8-bit next to activations -> another layout) and
+        # transformers builds modules the tensors do not fit
         scheme = dict(groups[key]["scheme"])
-        if not mixed:
-            scheme.pop("format")      # per-group format only where needed (>= 0.11 key)
         scheme["targets"] = [exact_target(members[key])]
         config_groups[gname] = scheme
+    unloadable = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
+    if unloadable:
+        config_groups[REFUSAL_GROUP] = refusal_scheme(unloadable)
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision" if mixed else (formats[0] if formats else "dense"),
@@ -93,6 +97,23 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+# A config group that no compressed-tensors reader accepts (QuantizationScheme forbids unknown
+# keys), written when some quantized weights have no config group (transformers' Conv1D, Conv,
+# Embedding, Linears with partial groups): transformers would load those modules with random
+# weights, so it must refuse the export instead. Its names carry the message, as pydantic shortens
+# the value in its error.
+REFUSAL_GROUP = "qcompress_only_export"
+REFUSAL_KEY = "transformers_cannot_load_these_weights_use_qcompress_load_quantized"
+
+
+def refusal_scheme(names: List[str]) -> dict:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return {"targets": [], "weights": None, "input_activations": None, "output_activations": None,
+            REFUSAL_KEY: (f"{len(names)} quantized modules ({shown}) are not nn.Linear layers with whole "
+                          "groups (e.g. GPT-2's Conv1D, stored as [out, in] integer codes): transformers "
+                          "would load them with random weights; use qcompress.load_quantized(folder, model)")}
 
 
 def transformers_caveat(qc: dict) -> Optional[str]:

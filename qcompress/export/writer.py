@@ -133,7 +133,8 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     if local_only:
         warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
                       f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
-                      "groups; only qcompress.load_quantized reads them (see README, Export)",
+                      "groups; only qcompress.load_quantized reads them, transformers refuses the export "
+                      "(see README, Export)",
                       stacklevel=2)
     caveat = layout.transformers_caveat(config["quantization_config"])
     if caveat:

@@ -79,9 +79,9 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
     errors = []
     attempts = [("from_pretrained", {})]
     try:
-        from transformers import CompressedTensorsConfig
-        attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(run_compressed=False))",
-                         {"quantization_config": CompressedTensorsConfig(run_compressed=False)}))
+        from ..export.hf_compat import dequantize_config
+        attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(dequantize=True))",
+                         {"quantization_config": dequantize_config()}))
     except ImportError as err:
         errors.append(f"CompressedTensorsConfig unavailable ({err})")
     for how, kwargs in attempts:
