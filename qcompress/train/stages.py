@@ -74,7 +74,14 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
     """Load the export with transformers and run `run(model)` on it: plain from_pretrained first,
     then with compressed-tensors decompressing on load. The first that loads and runs wins; the
     result says which call it was, or (metric None) why none worked."""
+    import json
+
+    from ..export.layout import REFUSAL_GROUP, REFUSAL_KEY
     from .models import auto_class
+    with open(os.path.join(export_dir, "config.json"), encoding="utf-8") as fh:
+        groups = (json.load(fh).get("quantization_config") or {}).get("config_groups") or {}
+    if REFUSAL_GROUP in groups:      # the export itself says why transformers must not load it
+        return {"reason": f"the export refuses transformers: {groups[REFUSAL_GROUP].get(REFUSAL_KEY)}"}
     cls = auto_class(task)
     errors = []
     attempts = [("from_pretrained", {})]
