@@ -11,7 +11,8 @@ activations unquantized).
 - plain `from_pretrained(dir)` must load right or raise (transformers 5.23 / compressed-tensors
   0.20 build the module layout of asymmetric 2/4-bit weights with unpacked zero points and
   refuse the exported, packed ones);
-- mixed schemes: plain loads right; dequantize=True loads right or raises;
+- mixed weight schemes: plain loads right; dequantize=True (which decompresses every Linear with
+  the first config group's scheme) raises, through the export's guard group;
 - exports with weights compressed-tensors cannot describe (GPT-2's Conv1D, Embedding) are
   refused by both calls with an error that names qcompress.load_quantized.
 """
@@ -87,6 +88,10 @@ MIXED = {
     "mixed-w8-w4": config({"a": group(8, modules=ENC), "b": group(4, "group", 32, modules=HEAD)}),
     "mixed-channel-group16": config({"a": group(4, modules=ENC), "b": group(4, "group", 16, modules=HEAD)}),
     "mixed-group16-channel": config({"a": group(4, "group", 16, modules=ENC), "b": group(4, modules=HEAD)}),
+    "mixed-group32-group16": config({"a": group(4, "group", 32, modules=ENC), "b": group(4, "group", 16, modules=HEAD)}),
+    "mixed-w4-w2": config({"a": group(4, "group", 32, modules=ENC), "b": group(2, "group", 32, modules=HEAD)}),
+    "mixed-w2-w4": config({"a": group(2, "group", 32, modules=ENC), "b": group(4, "group", 32, modules=HEAD)}),
+    "mixed-w8-w5": config({"a": group(8, modules=ENC), "b": group(5, modules=HEAD)}),
 }
 
 
@@ -143,13 +148,13 @@ def test_every_scheme_loads_right(tmp_path, name):
 
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_schemes_load_right_or_fail(tmp_path, name):
+    # plain from_pretrained applies each config group's scheme; dequantize=True would decompress
+    # every Linear with the first group's (mixed-w4-w2 then loads wrong weights without the
+    # export's guard group), so it must refuse
     folder, ours = export(tmp_path, MIXED[name])
     loaded_right(transformers.BertForSequenceClassification.from_pretrained(folder).eval(), ours, False)
-    try:
-        hf = transformers.BertForSequenceClassification.from_pretrained(folder, quantization_config=dequantize_config())
-    except RuntimeError:
-        return                      # transformers decompresses every Linear with the first scheme
-    loaded_right(hf.eval(), ours, False)
+    with pytest.raises(RuntimeError, match="conversion"):
+        transformers.BertForSequenceClassification.from_pretrained(folder, quantization_config=dequantize_config())
 
 
 def gpt2():

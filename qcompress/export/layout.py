@@ -83,6 +83,9 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
         scheme = dict(groups[key]["scheme"])
         scheme["targets"] = [exact_target(members[key])]
         config_groups[gname] = scheme
+    weight_schemes = [g["weights"] for g in config_groups.values() if g["weights"] is not None]
+    if len({json.dumps(w, sort_keys=True) for w in weight_schemes}) > 1:
+        config_groups[GUARD_GROUP] = guard_scheme(weight_schemes[0])
     unloadable = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
     if unloadable:
         config_groups[REFUSAL_GROUP] = refusal_scheme(unloadable)
@@ -116,22 +119,37 @@ def refusal_scheme(names: List[str]) -> dict:
                           "would load them with random weights; use qcompress.load_quantized(folder, model)")}
 
 
-def transformers_caveat(qc: dict) -> Optional[str]:
-    """Why transformers cannot load this quantization_config correctly, or None.
+# With several weight schemes, transformers' dequantize=True path (it decompresses every Linear
+# with the first config group's scheme) would load some layers with wrong weights. A first group
+# (sorted names: "_" before "group_") that matches no module and names a format compressed-tensors
+# has no decompressor for (marlin-24, a legacy format) makes that path fail instead; plain
+# from_pretrained applies each group's own scheme and loads right; load_quantized skips it.
+GUARD_GROUP = "_qcompress_several_weight_schemes"
 
-    transformers 5.x decompresses every (non-expert) Linear with the first config group's
-    scheme (integrations/compressed_tensors.py get_dense_scheme), so several weight schemes
-    fail to load (int-quantized next to pack-quantized) or silently load wrong weights.
+
+def guard_scheme(weights: dict) -> dict:
+    return {"targets": ["re:^$"], "weights": weights, "input_activations": None,
+            "output_activations": None, "format": "marlin-24"}
+
+
+def transformers_caveat(qc: dict) -> Optional[str]:
+    """What transformers cannot do with this quantization_config, or None.
+
+    transformers 5.x with `dequantize=True` decompresses every (non-expert) Linear with the first
+    config group's scheme (integrations/compressed_tensors.py get_dense_scheme); the guard group
+    makes it refuse such checkpoints, which plain `from_pretrained` loads right.
     """
-    schemes = [g for g in qc["config_groups"].values() if g["weights"] is not None]
+    schemes = [g for n, g in qc["config_groups"].items() if g["weights"] is not None and n != GUARD_GROUP]
     formats = sorted({g.get("format") or qc["format"] for g in schemes})
+    how = "; plain from_pretrained loads it"
     if formats == ["int-quantized", "pack-quantized"]:
         return ("transformers (5.x) cannot load checkpoints that mix int-quantized and "
-                "pack-quantized config groups")
+                "pack-quantized config groups with CompressedTensorsConfig(dequantize=True)" + how)
     distinct = {json.dumps(g["weights"], sort_keys=True) for g in schemes}
     if len(distinct) > 1:
-        return ("transformers (5.x) decompresses every Linear with the first config group's "
-                f"weight scheme, and this checkpoint has {len(distinct)} different ones")
+        return ("transformers (5.x) with CompressedTensorsConfig(dequantize=True) decompresses every "
+                f"Linear with the first config group's weight scheme, and this checkpoint has {len(distinct)} "
+                "different ones: it refuses to load it that way" + how)
     return None
 
 

@@ -306,7 +306,12 @@ def _check_against_quant_config(qc: dict, modules: dict, cfg_path: str):
             raise CheckpointError(f"{cfg_path}: quantized Linear {name!r} is matched by "
                                   f"{len(hits)} quantization_config.config_groups (expected 1)")
         gname, scheme = hits[0], groups[hits[0]]
-        fmt = scheme.get("format") or qc.get("format")
+        # the group's format is what compressed-tensors uses; loaders older than its per-group
+        # key read the top-level one, so that must agree too unless it says mixed-precision
+        top = qc.get("format")
+        fmt = scheme.get("format") or top
+        if fmt == rec["format"] and top not in (None, "mixed-precision"):
+            fmt = top
         if fmt != rec["format"]:
             raise CheckpointError(f"{cfg_path}: quantization_config gives {name!r} format {fmt!r} "
                                   f"(config group {gname!r}), but its tensors are {rec['format']}")
