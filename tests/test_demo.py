@@ -134,8 +134,12 @@ def test_every_schedule_file_loads_and_applies_to_the_demo_model():
         cfg = qc.load_config(path)
         wq = cfg.compression.weight_quantization
         if not wq.enabled:
-            assert cfg.optimizer is not None, f"{path} configures neither compression nor an optimizer"
+            overlay = "compression_training" in cfg.raw   # e.g. observer settings merged over a recipe
+            assert cfg.optimizer is not None or overlay, \
+                f"{path} configures neither compression nor an optimizer"
             continue
+        if any(g.modules is not None for g in wq.groups):
+            continue   # module regexes of transformer recipes: tests/test_train_job.py applies them
         model = SmallCNN()
         qc.init_compression(model, cfg)
         start = {g.params.start_bits for g in wq.groups}

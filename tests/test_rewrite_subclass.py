@@ -362,7 +362,10 @@ def test_compressed_train_export_reload(name, in_forward, tmp_path):
     for mode in ("exact", "fast"):
         loaded = qc.load_quantized(out_dir, make_model(name, seed=99), mode=mode)
         with torch.no_grad():
-            assert torch.equal(loaded(x), got), mode
+            if mode == "exact":
+                assert torch.equal(loaded(x), got), mode
+            else:   # fused low-bit kernels sum in another order (bound: README, Export, fast mode)
+                torch.testing.assert_close(loaded(x), got, rtol=1e-4, atol=1e-5)
 
 
 # --- conv variants -----------------------------------------------------------------------------

@@ -269,3 +269,14 @@ def test_bad_input_exit_2(folders, tmp_path, capsys):
     assert code == 2 and "causal-lm" in err and "vit" in err.lower()
     for o in ("o1", "o2", "o3", "o4", "o5", "o6", "o7"):
         assert not os.path.exists(tmp_path / o / "report.json")
+
+
+def test_ternary_recipe_targets_the_blocks(folders):
+    """schedules/w2a8_kd.yaml: ternary weights in the transformer blocks, 8 bits elsewhere."""
+    import qcompress as qc
+    import transformers
+    model = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
+    qc.init_compression(model, qc.load_config(os.path.join(ROOT, "schedules", "w2a8_kd.yaml")))
+    bits = {n: m.qc_wq.bits for n, m in model.named_modules() if getattr(m, "qc_wq", None) is not None}
+    assert bits and all((b == 2) == (".layer." in n) for n, b in bits.items()), bits
+    assert bits["classifier"] == 8 and bits["bert.embeddings.word_embeddings"] == 8
