@@ -109,9 +109,8 @@ def with_tensorboard(doc: dict, out: str, name: str) -> dict:
     when tensorboard is installed and the configs do not set up their own monitor."""
     if "tensorboard" in doc:
         return doc
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is None:
         return doc
     return dict(doc, tensorboard={"enabled": True, "output_path": os.path.join(out, "tensorboard"),
                                   "job_name": name})
@@ -169,7 +168,7 @@ class Progress:
             with open(self.path, encoding="utf-8") as fh:
                 saved = json.load(fh)
             if saved.get("fingerprint") != fingerprint:
-                raise JobError(f"--resume: {opts_out(out)} was started with other options, data or "
+                raise JobError(f"--resume: the run in --out {out} was started with other options, data or "
                                "configs; resume with the same command, or start again with --overwrite")
             self.data = saved
 
@@ -181,10 +180,6 @@ class Progress:
         self.data["wall_time_s"][stage] = round(seconds, 3)
         if self.rank == 0:
             atomic_write(self.path, json.dumps(self.data, indent=2))
-
-
-def opts_out(out: str) -> str:
-    return f"--out {out}"
 
 
 # --- the job -----------------------------------------------------------------------------------
@@ -249,14 +244,12 @@ class Job:
         stages: Dict[str, Optional[dict]] = {}
         ev = self.evaluator()
         stages["fp32"] = self.stage("fp32", lambda: ev(model))
-        finetuned = None
+        self.finetuned = None          # the FP32 fine-tune: PTQ source and `teacher: baseline`
         if o.baseline or o.baseline_from:
-            finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
-        ptq_source = finetuned if finetuned is not None else model
-        self.finetuned = finetuned
+            self.finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
         stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
-            ptq_source, cfg, lambda m: calibrate_static_ranges(m, self.calibration_batches()))))
-        del finetuned, ptq_source
+            model if self.finetuned is None else self.finetuned, cfg,
+            lambda m: calibrate_static_ranges(m, self.calibration_batches()))))
 
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
@@ -284,7 +277,7 @@ class Job:
 
     # --- pieces -----------------------------------------------------------------------------
     def evaluator(self):
-        o, data, pad = self.opts, None, None
+        o = self.opts
 
         def ev(model, forward=None):
             return evaluate(model, self.data.eval, o.task, o.eval_batch_size, self.tok.pad_token_id,

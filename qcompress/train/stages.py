@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
