@@ -13,7 +13,7 @@ BUILD_STAMP := $(VENV)/.build-stamp
 # every source the editable install compiles (not the byte code or objects a build leaves there)
 CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.o' ! -name '*.so' 2>/dev/null)
 
-.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench clean
+.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench bench-peers clean
 
 # setuptools >= 70.1 builds editable wheels itself (the one a 3.11 venv starts with needs `wheel`)
 $(VPY):
@@ -80,6 +80,12 @@ cuda-check:
 # Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/RESULTS.md.
 bench: $(BUILD_STAMP)
 	$(VPY) benchmarks/kernels.py $(BENCH_ARGS)
+
+# Benchmark-only peers for benchmarks/train_step.py (not needed by `make test`): DeepSpeed's
+# compression library (last release that has it, no ops built) and torchao's QAT. Neither may
+# replace the CPU torch: both accept torch 2.13.0, checked with pip install --dry-run.
+bench-peers: $(DEPS_STAMP)
+	DS_BUILD_OPS=0 $(PIP) install -q deepspeed==0.19.6 "torchao==0.18.*"
 
 clean:
 	rm -rf build *.egg-info qcompress/*.so $(BUILD_STAMP)
