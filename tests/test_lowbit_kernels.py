@@ -13,9 +13,15 @@ exact path's rounding of its fake-quantized input, while lowbit_a8's int32 group
 Hence |fast - exact| <= (2K + 8) u (|x^| @ |W|^T + |b|) elementwise, x^ the quantized input. A
 wrong code, scale, zero point or group boundary moves an output by a quantization step, about
 2^-8 of it or more, far above (2K + 8) u <= 2^-13 here.
-bfloat16: the exact path rounds the weight and the fake-quantized input to bf16 (2^-9 relative
-each) before its matmul and the result to bf16; the fast path rounds only the result:
-|fast - exact| <= 2^-7 (|x^| @ |W|^T + |b|) + 2^-7 |exact|.
+bfloat16 / float16 (unit roundoff u_d = 2^-8 / 2^-11): the kernels take the same (fake-quantized)
+input, widened exactly to fp32, multiply by the fp32 weight and round only the result to the
+dtype; the exact path rounds the weight to the dtype (u_d each), on lowbit_a8 also its
+dequantized input (u_d each), sums in fp32 and rounds the result (u_d). So
+|fast - exact| <= 2 u_d |x^| @ |W|^T + u_d (|exact| + |fast|) + the fp32 summation term above,
+and |fast| <= |exact| + |fast - exact| turns the middle term into 2 u_d |exact| up to u_d^2.
+float16 also has subnormals below 2^-14: a rounded weight or input entry can be off by 2^-25
+absolutely, which adds 2^-25 (sum |x^| + sum |W| + 1) per output (the weights here never get that
+small, the term is there for soundness).
 """
 import math
 import os
@@ -103,9 +109,14 @@ def exact_and_bound(e, h, dtype):
     w = e.weight.double()
     b = 0.0 if e.bias is None else e.bias.double().abs()
     mag = xin.abs() @ w.abs().t() + b
+    fp32_sums = (2 * w.shape[1] + 8) * 2.0 ** -24 * mag
     if dtype == torch.float32:
-        return want, (2 * w.shape[1] + 8) * 2.0 ** -24 * mag
-    return want, 2.0 ** -7 * (mag + want.double().abs())
+        return want, fp32_sums
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    bound = 2 * u * (mag + want.double().abs()) + fp32_sums
+    if dtype == torch.float16:       # subnormal rounding of weights, inputs and the result
+        bound = bound + 2.0 ** -25 * (xin.abs().sum(-1, keepdim=True) + w.abs().sum(-1) + 1)
+    return want, bound
 
 
 def check(got, want, bound, where):
@@ -124,8 +135,11 @@ FP32_ACTS = [  # symmetric weights?, activation quantization (calibration, asymm
     (True, None), (False, None), (True, ("dynamic", False)), (False, ("dynamic", True)),
     (False, ("static", True)),
 ]
+HALF_WEIGHTS = WEIGHTS + [(8, "group", 32), (4, "channel", None)]   # W4/W8 x group/channel
+HALF_ACTS = (None, ("dynamic", True))
 CASES = ([(w, sym, act, torch.float32) for w in WEIGHTS for sym, act in FP32_ACTS]
-         + [(w, False, act, torch.bfloat16) for w in WEIGHTS for act in (None, ("dynamic", True))])
+         + [(w, sym, act, dt) for dt in (torch.bfloat16, torch.float16) for w in HALF_WEIGHTS
+            for sym in (True, False) for act in HALF_ACTS])
 
 
 @pytest.mark.parametrize("weights,sym,act,dtype", CASES,
