@@ -208,7 +208,8 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
                   per="sample" if module.qc_kind == "conv" else "token",
                   range_observer=group_setting(cfg.compression.activation_quantization, group, "observer")[0],
                   range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
-                                                    "range_learning")[0]))
+                                                    "range_learning")[0]),
+                  fused=shared.fused_backward, share_input=shared.share_input)
     aq.observer.momentum = shared.momentum
     return aq
 

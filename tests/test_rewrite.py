@@ -145,6 +145,7 @@ def test_missing_modules_means_every_compressible_module():
 
 
 def _count_weight_fake_quant(model, monkeypatch):
+    import qcompress.nn.fused as fused
     import qcompress.nn.layers as layers
     ptrs = {p.data_ptr() for p in model.parameters()}
     calls = {"weight": 0, "other": 0}
@@ -154,6 +155,12 @@ def _count_weight_fake_quant(model, monkeypatch):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real(x, *a, **k)
     monkeypatch.setattr(layers, "fake_quantize_spec", spy)
+    real_codes = fused.quantize_spec     # the fused path quantizes activations to int8 codes
+
+    def spy_codes(x, *a, **k):
+        calls["weight" if x.data_ptr() in ptrs else "other"] += 1
+        return real_codes(x, *a, **k)
+    monkeypatch.setattr(fused, "quantize_spec", spy_codes)
     return calls
 
 

@@ -135,6 +135,10 @@ class ActQuantShared:
     momentum: float = field(0.95, ge=0.0, lt=1.0, doc="ext: EMA momentum of static ranges")
     observer: str = field("minmax", choices=OBSERVERS, lower=True, doc="ext: default of the groups")
     range_learning: bool = field(False, doc="ext: default of the groups")
+    fused_backward: bool = field(True, doc="ext: Linear/Conv keep the input's int8 codes for backward "
+                                 "instead of a float copy (qcompress.nn.fused); false: the unfused path")
+    share_input: bool = field(True, doc="ext: modules fed one tensor with the same dynamic settings "
+                              "(Q/K/V, gate/up) quantize it once")
 
 
 @dataclass(frozen=True)

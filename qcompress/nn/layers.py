@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
 from ..quant.reference import make_spec
-from . import ranges
+from . import fused, ranges
 from .state import ActQuant, WeightQuant
 
 _CLASS_CACHE: Dict[type, type] = {}
@@ -148,13 +148,17 @@ class CompressMixin:
             w = apply_weight_masks(self, w)
         return w
 
-    def _fake_quantize_weight(self, w, wq):
+    def _fake_quantize_weight(self, w, wq, spec=None, learned=None):
+        """w^ in [out, ...] orientation. `spec` and `learned` (scale, zero point) stand in for
+        wq.spec() and the module's learned-range Parameters (the fused backward's recompute)."""
         view = self.weight_matrix_view(w)
-        spec = wq.spec()
+        spec = wq.spec() if spec is None else spec
         if wq.range_learning:
-            zp = self._parameters.get("weight_zero_point") if spec.kind == "int" else None
-            n = view.numel() // max(1, self.weight_scale.numel())
-            return fake_quantize_learned(view, spec, self.weight_scale, zp, grad_scale=lsq_grad_scale(n, spec))
+            scale, zp = learned if learned is not None else (self.weight_scale,
+                                                             self._parameters.get("weight_zero_point"))
+            zp = zp if spec.kind == "int" else None
+            n = view.numel() // max(1, scale.numel())
+            return fake_quantize_learned(view, spec, scale, zp, grad_scale=lsq_grad_scale(n, spec))
         params = ranges.weight_params(self, view.detach(), spec)
         if params is not None:
             return fake_quantize_spec(view, spec, clip_grad=wq.clip_grad, scale=params[0], zero_point=params[1])
@@ -168,33 +172,39 @@ class CompressMixin:
         return b
 
     # --- activations --------------------------------------------------------------------------
+    def input_spec(self):
+        """The activation quantizer's Spec: per tensor (static), per sample (convs) or per token."""
+        aq = self.qc_aq
+        if aq.calibration == "static":
+            return make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
+        return make_spec(aq.bits, symmetric=aq.symmetric, granularity="channel" if aq.per == "sample" else "token")
+
+    def static_input_range(self, x: torch.Tensor, spec):
+        """(lo, hi) a static activation range quantizes x with now; training updates the observer."""
+        aq = self.qc_aq
+        if self.training:
+            if aq.range_observer == "minmax":
+                return aq.observer.observe(x)
+            from ..quant.observers import activation_range
+            return aq.observer.update(*activation_range(x, spec, aq.range_observer))
+        if aq.observer.initialized:
+            return aq.observer.min, aq.observer.max
+        _warn_uncalibrated(self.qc_name)
+        return x.detach().amin().float(), x.detach().amax().float()
+
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         aq = self.qc_aq
         if aq is None or not aq.active or not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return x
+        spec = self.input_spec()
         if aq.calibration == "static":
-            spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
             if aq.range_learning and aq.learned_ready:
                 per_sample = x.numel() // max(1, x.shape[0]) if x.dim() > 1 else x.numel()
                 return fake_quantize_learned(x, spec, self.input_scale, self._parameters.get("input_zero_point"),
                                              grad_scale=lsq_grad_scale(per_sample, spec))
-            if self.training:
-                if aq.range_observer == "minmax":
-                    lo, hi = aq.observer.observe(x)
-                else:
-                    from ..quant.observers import activation_range
-                    lo, hi = aq.observer.update(*activation_range(x, spec, aq.range_observer))
-            elif aq.observer.initialized:
-                lo, hi = aq.observer.min, aq.observer.max
-            else:
-                _warn_uncalibrated(self.qc_name)
-                lo, hi = x.detach().amin().float(), x.detach().amax().float()
+            lo, hi = self.static_input_range(x, spec)
             y = fake_quantize_spec(x, spec, min_val=lo, max_val=hi)
             return ranges.attach_unused(y, self, ranges.INPUT_PARAMS) if aq.range_learning else y
-        if aq.per == "sample":
-            spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="channel")
-        else:
-            spec = make_spec(aq.bits, symmetric=aq.symmetric, granularity="token")
         return fake_quantize_spec(x, spec)
 
     def extra_repr(self) -> str:
@@ -215,13 +225,16 @@ def _warn_uncalibrated(name):
     if name not in _warned_uncalibrated:
         _warned_uncalibrated.add(name)
         warnings.warn(f"{name}: static activation range used in eval before any training batch "
-                      "calibrated it; falling back to this batch's own range", stacklevel=3)
+                      "calibrated it; falling back to this batch's own range", stacklevel=4)
 
 
 class _LinearForward(CompressMixin):
     qc_kind = "linear"
 
     def forward(self, x):
+        plan = fused.plan(self, x, "linear")
+        if plan is not None:
+            return fused.run(plan, x)
         return F.linear(self.quantize_input(x), self.effective_weight(), self.effective_bias())
 
 
@@ -229,6 +242,9 @@ class _ConvForward(CompressMixin):
     qc_kind = "conv"
 
     def forward(self, x):
+        plan = fused.plan(self, x, "conv")
+        if plan is not None:
+            return fused.run(plan, x)
         return self._conv_forward(self.quantize_input(x), self.effective_weight(), self.effective_bias())
 
 
@@ -251,6 +267,9 @@ class _HFConv1DForward(CompressMixin):
     qc_kind = "hf_conv1d"
 
     def forward(self, x):
+        plan = fused.plan(self, x, "hf_conv1d")
+        if plan is not None:
+            return fused.run(plan, x)
         size_out = x.size()[:-1] + (self.nf,)
         x = self.quantize_input(x)
         x = torch.addmm(self.effective_bias(), x.reshape(-1, x.size(-1)), self.effective_weight())

@@ -144,6 +144,8 @@ class ActQuant:
     range_observer: str = "minmax"  # static ranges: minmax | mse (each batch's range shrunk)
     range_learning: bool = False   # static range learned: the module's input_scale (_zero_point)
     learned_ready: bool = False    # the learned range was initialised from the observer
+    fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)
+    share_input: bool = True       # siblings fed the same tensor quantize it once (dynamic ranges)
 
     def describe(self) -> str:
         out = f"A{self.bits} {'static' if self.calibration == 'static' else 'per ' + self.per}"

@@ -1,0 +1,272 @@
+"""Fused compress-aware Linear / Conv / transformers Conv1D: backward keeps the input's codes.
+
+Unfused, `F.linear(fake_quantize(x), fake_quantize(w), b)` makes autograd keep x^ (a float copy
+of the input) and w^ (a float copy of the weight) until backward. x^ is exactly (q - zp) * s for
+its integer codes q (int8 up to 8 bits) and its per-token / per-sample / per-tensor scale and
+zero point, so the one autograd Function here keeps those and dequantizes in backward; w^ is
+recomputed in backward from the weight Parameter (and its learned scales), which the module holds
+anyway, and in optimizer-step mode w^ *is* the Parameter. Backward runs the ops torch's own
+derivatives of addmm / mm / convolution run (same layouts, same autocast casts) on the same
+values, and the weight quantizer's own backward (straight-through, clip mask, LSQ) on the
+recomputed w^, so every gradient is bit for bit the unfused path's.
+
+Shared inputs: sibling modules fed one tensor with the same dynamic activation settings (Q/K/V,
+gate/up) quantize it once. The last codes are kept per thread, keyed by the tensor itself (a weak
+reference), its version counter and the Spec: a different tensor (a pre-hook's result, a
+checkpoint recompute's) or an in-place change quantizes anew, so sharing never changes a value.
+Static ranges are not shared: every module's observer must see its input.
+
+`plan(mod, x, op)` returns None where the fused path does not apply; the module then runs the
+composed autograd path as before (reasons at each `return None`).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..quant.api import dequantize, quantize_spec
+from ..quant.reference import saturate
+
+_enabled = True
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fused path on or off process-wide (off: every module runs the composed autograd
+    path, as before issue 13); returns the previous setting."""
+    global _enabled
+    old, _enabled = _enabled, bool(flag)
+    return old
+
+
+@contextlib.contextmanager
+def enabled(flag: bool):
+    """`with fused.enabled(False): ...` runs the block on the unfused path."""
+    old = set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+# --- shared-input codes --------------------------------------------------------------------------
+
+class _LastCodes(threading.local):
+    entry = None        # (weakref to x, x._version, spec, (q, s, z))
+
+
+_last = _LastCodes()
+
+
+def clear_shared() -> None:
+    """Forget the kept codes (they are small, and also saved for backward while training)."""
+    _last.entry = None
+
+
+def _input_codes(mod, x, spec):
+    """(q, scale, zero point) of x under the module's activation quantizer, shared with the
+    previous module when that one quantized this very tensor (same version) the same way."""
+    aq = mod.qc_aq
+    if aq.calibration == "static":
+        lo, hi = mod.static_input_range(x, spec)   # this module's observer sees x, as unfused
+        return quantize_spec(x, spec, min_val=lo, max_val=hi)
+    share = aq.share_input and not x.is_inference()   # inference tensors keep no version counter
+    if share:
+        e = _last.entry
+        if e is not None and e[0]() is x and e[1] == x._version and e[2] == spec:
+            return e[3]
+    codes = quantize_spec(x, spec)
+    if share:
+        _last.entry = (weakref.ref(x), x._version, spec, codes)
+    return codes
+
+
+def _dequantize(q, s, z, dtype, spec):
+    """x^ in x's dtype, bit for bit the fake quantizer's output (which saturates at the dtype's
+    largest finite value; the check on the scales is cheap and almost never true)."""
+    y = dequantize(q, s, z, dtype=dtype)
+    lim = torch.finfo(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).max
+    if s.device.type != "cpu" or float(s.amax()) * float(spec.qmax - spec.qmin + 1) >= lim:
+        y = saturate(y, dtype)
+    return y
+
+
+# --- when the fused path applies -----------------------------------------------------------------
+
+class Plan:
+    """What one fused forward does: the op, the activation Spec, how the weight is made."""
+    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink")
+
+    def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink):
+        self.mod, self.op, self.spec = mod, op, spec
+        self.weight_mode, self.weight_spec, self.shrink = weight_mode, weight_spec, shrink
+
+    def weight(self, w, scale=None, zero_point=None):
+        """The weight the op uses: the Parameter itself, or its fake-quantized copy."""
+        if self.weight_mode == "param":
+            return w
+        mod, wq = self.mod, self.mod.qc_wq
+        if wq.shrink is not self.shrink:
+            raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
+                               "backward (a scheduler step in between?); run backward first")
+        learned = (scale, zero_point) if wq.range_learning else None
+        return mod._from_matrix_view(mod._fake_quantize_weight(w, wq, spec=self.weight_spec, learned=learned))
+
+    def run(self, xq, w, bias):
+        mod = self.mod
+        if self.op == "linear":
+            return F.linear(xq, w, bias)
+        if self.op == "conv":
+            return mod._conv_forward(xq, w, bias)
+        size_out = xq.size()[:-1] + (mod.nf,)      # transformers Conv1D, as its forward
+        return torch.addmm(bias, xq.reshape(-1, xq.size(-1)), w).view(size_out)
+
+
+def plan(mod, x, op: str) -> Optional[Plan]:
+    """The fused plan for this forward, or None to run the composed path."""
+    aq = mod.qc_aq
+    if not _enabled or aq is None or not aq.active or not aq.fused:
+        return None
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None     # float64 and non-float inputs: rare, left to the composed path
+    if x.dim() < 2 or x.numel() == 0:
+        return None     # 1-D inputs take matmul's vector path, whose derivative differs
+    if aq.bits > 8:
+        return None     # int32 codes would take as much memory as the float32 input
+    if aq.range_learning:
+        return None     # LSQ's scale gradient needs x / s - round(x / s), which the codes do not hold
+    if mod.qc_pruning:
+        return None     # masks multiply the weight and bias inside autograd: kept composed
+    if torch.compiler.is_compiling():
+        return None     # the shared-codes cache (weak references) is not traceable
+    if op == "conv" and (mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
+        return None     # F.pad or padding='same' run before the convolution: another graph
+    wq = mod.qc_wq
+    weight_spec = shrink = None
+    if wq is None or wq.baked:
+        mode = "param"
+    elif wq.active and wq.in_forward:
+        if wq.mix_enabled and wq.mix_ratio > 0.0:
+            return None  # fp16_mixed blend r w + (1 - r) w^: a transient schedule phase
+        mode, weight_spec, shrink = "fake_quant", wq.spec(), wq.shrink
+    elif wq.range_learning:
+        return None      # unused learned scales get zero gradients (ranges.attach_unused)
+    else:
+        mode = "param"   # not active yet, or optimizer-step mode: the weight is the quantized one
+    return Plan(mod, op, mod.input_spec(), mode, weight_spec, shrink)
+
+
+def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
+    mod = p.mod
+    q, s, z = _input_codes(mod, x, p.spec)
+    w_scale = w_zp = None
+    if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
+        w_scale = mod.weight_scale
+        w_zp = mod._parameters.get("weight_zero_point") if p.weight_spec.kind == "int" else None
+    return _FusedCompressed.apply(x, mod.weight, mod.bias, w_scale, w_zp, q, s, z, p)
+
+
+# --- the autograd Function -----------------------------------------------------------------------
+
+def _autocast_dtype(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _cast(t, dtype):
+    """What autocast does to an argument of a lower-precision op (cached_cast)."""
+    if dtype is None or t is None or t.dtype == dtype or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
+def _mat1_grad(grad, mat2, mat1):
+    """torch's mm_mat1_backward: the gradient of mat1 in mat1 @ mat2."""
+    if mat1.stride(0) == 1 and mat1.stride(1) == mat1.size(0):
+        return mat2.mm(grad.t()).t()
+    return grad.mm(mat2.t())
+
+
+def _mat2_grad(grad, mat1, mat2):
+    """torch's mm_mat2_backward: the gradient of mat2 in mat1 @ mat2."""
+    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+def _op_grads(p: Plan, grad, xc, wc, bias_shape, need_x, need_w, need_b):
+    """(grad of x^, of the weight the op used, of the bias) in the op's compute dtype."""
+    mod = p.mod
+    if p.op == "conv":
+        n = xc.dim() - 2
+        return torch.ops.aten.convolution_backward(
+            grad, xc, wc, None if bias_shape is None else list(bias_shape), list(mod.stride),
+            list(mod.padding), list(mod.dilation), False, [0] * n, mod.groups, [need_x, need_w, need_b])
+    g2 = grad.reshape(-1, grad.size(-1))
+    x2 = xc.reshape(-1, xc.size(-1))
+    mat2 = wc.t() if p.op == "linear" else wc      # linear: x @ w.t(); Conv1D: x @ w
+    gx = _mat1_grad(g2, mat2, x2).reshape(xc.shape) if need_x else None
+    gw = None
+    if need_w:
+        gw = _mat2_grad(g2, x2, mat2)
+        gw = gw.t() if p.op == "linear" else gw
+    gb = g2.sum_to_size(bias_shape) if need_b else None
+    return gx, gw, gb
+
+
+class _FusedCompressed(torch.autograd.Function):
+    """op(dequantize(q, s, z), w^, b); saves the codes, the scales and the Parameters only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, p):
+        xq = _dequantize(q, s, z, x.dtype, p.spec)
+        out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
+        ctx.p = p
+        ctx.cast = _autocast_dtype(x.device.type)
+        ctx.x_dtype = x.dtype
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.save_for_backward(q, s, z, weight, w_scale, w_zp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, s, z, weight, w_scale, w_zp = ctx.saved_tensors
+        p = ctx.p
+        need_x, need_w, need_b, need_s, need_z = ctx.needs_input_grad[:5]
+        weight_grads = need_w or need_s or need_z
+        # the weight the forward used; with autograd recording when the quantizer's own backward
+        # (straight-through, clip mask, LSQ) has to carry the gradient on to the Parameters
+        leaves = []
+        track = weight_grads and p.weight_mode == "fake_quant"
+        with torch.set_grad_enabled(track):
+            if track:
+                w_in, s_in, z_in = (None if t is None else t.detach().requires_grad_(need)
+                                    for t, need in ((weight, need_w), (w_scale, need_s), (w_zp, need_z)))
+                leaves = [t for t, need in ((w_in, need_w), (s_in, need_s), (z_in, need_z)) if need]
+                w_used = p.weight(w_in, s_in, z_in)
+            else:
+                w_used = p.weight(weight, w_scale, w_zp)
+        xq = _dequantize(q, s, z, ctx.x_dtype, p.spec) if weight_grads else None
+        bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
+        gx, gw, gb = _op_grads(p, grad, _cast(xq, ctx.cast), _cast(w_used.detach(), ctx.cast), bias_shape,
+                               need_x, weight_grads, need_b)
+        if gx is not None:
+            gx = gx.to(ctx.x_dtype)
+        if gb is not None:
+            gb = gb.to(ctx.bias_meta[1])
+        g_w = g_s = g_z = None
+        if weight_grads:
+            gw = gw.to(w_used.dtype)
+            if track:
+                got = iter(torch.autograd.grad(w_used, leaves, gw))
+                g_w = next(got) if need_w else None
+                g_s = next(got) if need_s else None
+                g_z = next(got) if need_z else None
+            else:
+                g_w = gw
+        return gx, g_w, gb, g_s, g_z, None, None, None, None
