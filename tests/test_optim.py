@@ -387,6 +387,25 @@ def test_build_optimizer_types_and_semantics():
     assert type(build_optimizer(ps, {"type": "OneBitLamb", "params": {"factor_max": 2.0}})) is OneBitLamb
 
 
+def test_scale_per_tensor_from_config_and_recorded_in_the_checkpoint_layout():
+    """ZeroOneAdam defaults to one 1-bit scale per tensor, OneBitAdam to DeepSpeed's one per flat bucket;
+    the choice reaches the optimizer from a ds_config and is part of the saved compression layout (a
+    resume under the other choice drops the errors: its buckets differ)."""
+    ps = [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    built = {(kind, str(v)): build_optimizer(ps, {"type": kind, "params": {} if v is None else
+                                                 {"scale_per_tensor": v, "bucket_size": 32}})
+             for kind in ("ZeroOneAdam", "OneBitAdam") for v in (None, True, False)}
+    assert built["ZeroOneAdam", "None"].scale_per_tensor and not built["OneBitAdam", "None"].scale_per_tensor
+    for kind in ("ZeroOneAdam", "OneBitAdam"):
+        per, flat = built[kind, "True"], built[kind, "False"]
+        assert per.scale_per_tensor and not flat.scale_per_tensor
+        # 43 elements, buckets of 32: per tensor [0, 32), [32, 40), [40, 43); flat [0, 32), [32, 43)
+        assert per._get_buckets().ranges == [(0, 32), (32, 40), (40, 43)]
+        assert flat._get_buckets().ranges == [(0, 32), (32, 43)]
+        assert per.state_dict()["qcompress"]["layout"]["per_tensor"] is True
+        assert "per_tensor" not in flat.state_dict()["qcompress"]["layout"]
+
+
 @pytest.mark.parametrize("cfg, path, text", [
     ({"type": "OneBitAdam", "params": {"freeze_stp": 3}}, "optimizer.params.freeze_stp", "did you mean 'freeze_step'"),
     ({"type": "ZeroOneAdam", "params": {"var_freeze_steps": 3}}, "optimizer.params.var_freeze_steps",
@@ -397,6 +416,10 @@ def test_build_optimizer_types_and_semantics():
     ({"type": "OneBitAdam", "params": {"freeze_step": -1}}, "optimizer.params.freeze_step", ">= 1"),
     ({"type": "OneBitLmab"}, "optimizer.type", "did you mean 'onebitlamb'"),
     ({"type": "Adam", "prams": {}}, "optimizer.prams", "did you mean 'params'"),
+    ({"type": "ZeroOneAdam", "params": {"scale_per_tensor": "yes"}}, "optimizer.params.scale_per_tensor",
+     "true or false"),
+    ({"type": "OneBitLamb", "params": {"scale_per_tensor": True}}, "optimizer.params.scale_per_tensor",
+     "unknown parameter"),
 ])
 def test_build_optimizer_errors(cfg, path, text):
     with pytest.raises(ConfigError) as info:
@@ -737,6 +760,14 @@ _RUNS4 = {  # name -> (constructor, steps); every run ends on a step where the r
     "ZeroOneAdam": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
                                                var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
                                                local_step_clipper=2, bucket_size=_BUCKET4), 10),
+    # one 1-bit scale per flat bucket (DeepSpeed's fp16 layout) instead of the default one per tensor
+    "ZeroOneAdamFlat": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
+                                                   var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
+                                                   local_step_clipper=2, bucket_size=_BUCKET4,
+                                                   scale_per_tensor=False), 10),
+    "OneBitAdamPerTensor": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS,
+                                                      weight_decay=_WD, freeze_step=3, bucket_size=_BUCKET4,
+                                                      scale_per_tensor=True), 6),
     "OneBitLamb": (lambda groups: OneBitLamb(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
                                              freeze_step=3, max_coeff=0.5, coeff_beta=0.5,
                                              bucket_size=_BUCKET4), 6),
@@ -750,7 +781,7 @@ def _rank_run4(rank, name):
     from qcompress import comm
     make, steps = _RUNS4[name]
     ps = [p.clone().requires_grad_() for p in _params4()]
-    extra = [torch.zeros(3, requires_grad=True)] if name == "OneBitAdam" else []
+    extra = [torch.zeros(3, requires_grad=True)] if name.startswith("OneBitAdam") else []
     groups = [{"params": ps}] + ([{"params": extra, "non_freeze": True}] if extra else [])
     opt = make(groups)
     hmod._AUTO_CACHE.clear()  # every run detects the hosts again, at its first compressed all-reduce
@@ -849,13 +880,15 @@ def _results4(part):
 
 class _BucketMean:
     """The optimizers' compressed mean over flat buckets of `bucket` elements, simulated: per-rank
-    tensor lists laid end to end, each bucket averaged by test_comm's OneBitSim (its own errors)."""
+    tensor lists laid end to end, each bucket averaged by test_comm's OneBitSim (its own errors).
+    per_tensor: every tensor is cut into its own buckets (its own 1-bit scales)."""
 
-    def __init__(self, shapes, bucket=_BUCKET4, world=_W4):
+    def __init__(self, shapes, bucket=_BUCKET4, world=_W4, per_tensor=False):
         from test_comm import OneBitSim
         self.shapes = shapes
-        total = sum(math.prod(s) for s in shapes)
-        self.ranges = [(s, min(s + bucket, total)) for s in range(0, total, bucket)]
+        sizes = [math.prod(s) for s in shapes]
+        spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))] if per_tensor else [(0, sum(sizes))]
+        self.ranges = [(s, min(s + bucket, hi)) for lo, hi in spans for s in range(lo, hi, bucket)]
         self.sims = [OneBitSim(world, e - s) for s, e in self.ranges]
 
     def __call__(self, per_rank):
@@ -872,12 +905,12 @@ def _adam_update(p, m, v, t, tv):
     return p * (1 - _LR * _WD) - _LR / (1 - _B1 ** t) * m / (v.sqrt() / math.sqrt(1 - _B2 ** tv) + _EPS)
 
 
-def _sim_onebit_adam(steps=6, freeze=3):
+def _sim_onebit_adam(steps=6, freeze=3, per_tensor=False):
     shapes = _SHAPES4 + [(3,)]
     p = _params4() + [torch.zeros(3)]
     m = [torch.zeros_like(q) for q in p]
     v = [torch.zeros_like(q) for q in p]
-    cmean = _BucketMean(_SHAPES4)
+    cmean = _BucketMean(_SHAPES4, per_tensor=per_tensor)
     for t in range(1, steps + 1):
         gs = [_grads4(t, r, shapes) for r in range(_W4)]
         g = _mean(gs)
@@ -891,11 +924,11 @@ def _sim_onebit_adam(steps=6, freeze=3):
     return p
 
 
-def _sim_zero_one_adam(steps=10, vfs=6):
+def _sim_zero_one_adam(steps=10, vfs=6, per_tensor=True):
     p, n = _params4(), len(_SHAPES4)
     m = [torch.zeros_like(q) for q in p]
     v = [torch.zeros_like(q) for q in p]
-    cmean = _BucketMean(_SHAPES4)
+    cmean = _BucketMean(_SHAPES4, per_tensor=per_tensor)
     var_interval, tv, interval, lcount = 1, 0, 1, 0
     for t in range(1, vfs + 1):  # stage 1
         gs = [_grads4(t, r) for r in range(_W4)]
@@ -907,7 +940,7 @@ def _sim_zero_one_adam(steps=10, vfs=6):
             tv += 1
             var_interval *= 2  # var_update_scaler = 1
         p = [_adam_update(p[i], m[i], v[i], t, tv) for i in range(n)]
-    cmean = _BucketMean(_SHAPES4)  # stage 2 compresses another quantity: errors start from zero
+    cmean = _BucketMean(_SHAPES4, per_tensor=per_tensor)  # stage 2 compresses another quantity: errors restart
     sync = p
     pr, mr = [list(p) for _ in range(_W4)], [list(m) for _ in range(_W4)]
     acc = [[torch.zeros_like(q) for q in p] for _ in range(_W4)]
@@ -968,11 +1001,13 @@ def _sim_onebit_lamb(steps=6, freeze=3, max_coeff=0.5, min_coeff=0.01, coeff_bet
     return p
 
 
-@pytest.mark.parametrize("name, simulate", [("OneBitAdam", _sim_onebit_adam), ("ZeroOneAdam", _sim_zero_one_adam),
-                                            ("OneBitLamb", _sim_onebit_lamb)])
+@pytest.mark.parametrize("name, simulate", [
+    ("OneBitAdam", _sim_onebit_adam), ("ZeroOneAdam", _sim_zero_one_adam), ("OneBitLamb", _sim_onebit_lamb),
+    ("ZeroOneAdamFlat", lambda: _sim_zero_one_adam(per_tensor=False)),
+    ("OneBitAdamPerTensor", lambda: _sim_onebit_adam(per_tensor=True))])
 def test_four_ranks_match_simulation_through_the_freeze(name, simulate):
     res = _results4(name)
-    assert res[0]["stage"] == ("local_steps" if name == "ZeroOneAdam" else "compression")
+    assert res[0]["stage"] == ("local_steps" if name.startswith("ZeroOneAdam") else "compression")
     for r in range(1, _W4):
         for a, b in zip(res[0]["params"], res[r]["params"]):
             assert torch.equal(a, b), f"{name}: rank {r} holds other parameters than rank 0"
@@ -990,14 +1025,21 @@ def _ring(nbytes, world=_W4):
 def test_four_ranks_bytes_sent_match_closed_form():
     """Every collective counted: sync_gradients and non_freeze all_reduces (ring volume), each bucket's
     compressed all-reduce (2 (P-1) rows of C/8 + 4 bytes), the one-time hostname exchange (32 bytes)."""
-    buckets = [min(_BUCKET4, 48 - s) for s in range(0, 48, _BUCKET4)]
-    onebit = sum(2 * (_W4 - 1) * (-(-n // (8 * _W4)) + 4) for n in buckets)  # C/8 = ceil(n / 8P)
+    def onebit_bytes(buckets):
+        return sum(2 * (_W4 - 1) * (-(-n // (8 * _W4)) + 4) for n in buckets)  # C/8 = ceil(n / 8P)
+    onebit = onebit_bytes([32, 16])       # 48 elements end to end, cut every 32
+    per_tensor = onebit_bytes([32, 3, 13])  # (7, 5) cut at 32 and (13,): one scale per piece
     hosts = (_W4 - 1) * 32
     full, nf = _ring(4 * 51), _ring(4 * 3)  # all 51 fp32 gradients; the non_freeze parameter's 3
+
+    def zero_one(ob):
+        return ([_ring(4 * 48)] * 2 + [ob + hosts, _ring(4 * 48), ob, ob]  # stage 1
+                + [ob, ob, 0, ob])  # local steps: bytes only where the ranks sync
     expect = {
         "OneBitAdam": [full] * 3 + [nf + onebit + hosts, nf + onebit, nf + onebit],
-        "ZeroOneAdam": [_ring(4 * 48)] * 2 + [onebit + hosts, _ring(4 * 48), onebit, onebit]  # stage 1
-                       + [onebit, onebit, 0, onebit],  # local steps: bytes only where the ranks sync
+        "OneBitAdamPerTensor": [full] * 3 + [nf + per_tensor + hosts, nf + per_tensor, nf + per_tensor],
+        "ZeroOneAdam": zero_one(per_tensor),
+        "ZeroOneAdamFlat": zero_one(onebit),
         "OneBitLamb": [_ring(4 * 48)] * 3 + [onebit + hosts, onebit, onebit],
     }
     for name, sent in expect.items():

@@ -30,14 +30,22 @@ UNKNOWN_NODES = "unknown"  # errors from a checkpoint that does not record its n
 
 class Buckets:
     def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
-                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer"):
+                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False):
         self.numels = [p.numel() for p in params]
         self.total = sum(self.numels)
         self.bucket_size = int(bucket_size)
         self.group = group
         self.compressor = compressor
         self.hierarchy = "auto" if comm_hierarchy is None else comm_hierarchy
-        self.ranges = [(s, min(s + self.bucket_size, self.total)) for s in range(0, self.total, self.bucket_size)]
+        self.per_tensor = bool(per_tensor)
+        if self.per_tensor:
+            # one bucket per parameter (split at bucket_size): every tensor gets its own 1-bit scales
+            self.ranges, start = [], 0
+            for n in self.numels:
+                self.ranges += [(s, min(s + self.bucket_size, start + n)) for s in range(start, start + n, self.bucket_size)]
+                start += n
+        else:
+            self.ranges = [(s, min(s + self.bucket_size, self.total)) for s in range(0, self.total, self.bucket_size)]
         self.device = params[0].device if params else torch.device("cpu")
         self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
         self._flat = None   # persistent float32 staging buffer: no 4N-byte allocation per step
@@ -93,8 +101,11 @@ class Buckets:
     # ----------------------------------------------------------------- checkpointing
     def layout(self) -> dict:
         name = lambda x: x if isinstance(x, str) else type(x).__name__  # noqa: E731
-        return {"bucket_size": self.bucket_size, "numels": list(self.numels),
-                "compressor": name(self.compressor), "hierarchy": name(self.hierarchy)}
+        out = {"bucket_size": self.bucket_size, "numels": list(self.numels),
+               "compressor": name(self.compressor), "hierarchy": name(self.hierarchy)}
+        if self.per_tensor:
+            out["per_tensor"] = True
+        return out
 
     def errors_state_dict(self) -> Optional[list]:
         """One {"worker_error", "server_error"} dict per bucket (empty for a bucket without errors)."""

@@ -57,8 +57,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
     _COUNTERS: Dict[str, object] = {}
 
     def __init__(self, params, defaults, *, group=None, compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE,
-                 comm_hierarchy=None, ddp_hook_state=None):
+                 comm_hierarchy=None, ddp_hook_state=None, scale_per_tensor=False):
+        if not isinstance(scale_per_tensor, bool):
+            raise ValueError(f"scale_per_tensor must be true or false, got {scale_per_tensor!r}")
         super().__init__(params, defaults)
+        # True: every parameter tensor is compressed on its own, with its own 1-bit scales (one
+        # compressed all-reduce per tensor); False: tensors laid end to end share a bucket's scale.
+        self.scale_per_tensor = scale_per_tensor
         self.comm_group = group
         self.compressor = compressor
         self.bucket_size = bucket_size
@@ -148,7 +153,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _get_buckets(self) -> Buckets:
         if self._buckets is None:
             self._buckets = Buckets(self._compressed_params(), self.bucket_size, self.comm_group,
-                                    self.compressor, self.comm_hierarchy, owner=type(self).__name__)
+                                    self.compressor, self.comm_hierarchy, owner=type(self).__name__,
+                                    per_tensor=self.scale_per_tensor)
         return self._buckets
 
     def _mask(self, p) -> Optional[torch.Tensor]:

@@ -14,6 +14,9 @@ rank: the compression stage compresses this rank's whole local momentum (and the
 is needed whole for the next step's error feedback). Results are bit-identical to shard_state=False.
 non_freeze groups keep their state unsharded. A sharded state_dict loads only at the same world
 size and rank (ValueError otherwise: the owned slices would not line up).
+
+scale_per_tensor=True compresses each parameter tensor with its own 1-bit scales (see zoadam.py);
+the default False keeps DeepSpeed's fp16 layout (one scale per flat bucket).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class OneBitAdam(CompressedOptimizer):
                  betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0,
                  amsgrad=False, cuda_aware=False, comm_backend_name="nccl", *, group=None,
                  compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
-                 ddp_hook_state=None, shard_state=False):
+                 ddp_hook_state=None, shard_state=False, scale_per_tensor=False):
         # deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware, comm_backend_name: accepted so DeepSpeed
         # configs load; DeepSpeed ignores the first three too, the last two pick transports we do not need.
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
@@ -39,7 +42,8 @@ class OneBitAdam(CompressedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
-                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state)
+                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state,
+                         scale_per_tensor=scale_per_tensor)
         self.freeze_step = freeze_step
         if not isinstance(shard_state, bool):
             raise ValueError(f"shard_state must be true or false, got {shard_state!r}")
@@ -201,7 +205,8 @@ class OneBitAdam(CompressedOptimizer):
                                  "on the world size; resume on the same world size")
             if extra.get("layout") not in (None, self._get_buckets().layout()):
                 raise ValueError(f"{type(self).__name__}: sharded optimizer state saved with another bucket "
-                                 "layout (bucket_size or parameters changed); the owned slices do not line up")
+                                 "layout (bucket_size, scale_per_tensor or parameters changed); the owned "
+                                 "slices do not line up")
         super().load_state_dict(state_dict)
 
     def _after_load(self):

@@ -11,10 +11,14 @@ a <- compressed_mean(a) [* mask];  p <- p_sync * prod(1 - lr_t wd) - a / (sqrt(v
 m <- a * bc1 / sum(lr_t). local_step_interval doubles (up to local_step_clipper) every
 local_step_scaler steps.
 
-Differences from DeepSpeed's version (by design): bias correction (bc1 over all steps, bc2 over
-variance steps); the synchronized parameters are recomputed from the stored last-sync point, so
-ranks stay bit-identical instead of drifting by rounding; the momentum rebuilt at a sync holds no
-weight-decay term; resuming restores every schedule counter.
+Differences from DeepSpeed's version (by design): each parameter tensor is compressed with its own
+1-bit scales by default (scale_per_tensor=True, one compressed all-reduce per tensor, as DeepSpeed's
+fp32 path does; its fp16 path, and scale_per_tensor=False, share one scale over the flattened
+model, so a tensor of small gradients (LayerNorm, biases) moves by the whole model's RMS over its
+own tiny frozen variance: the 0/1 Adam gap of benchmarks/RESULTS.md); bias correction (bc1 over all
+steps, bc2 over variance steps); the synchronized parameters are recomputed from the stored
+last-sync point, so ranks stay bit-identical instead of drifting by rounding; the momentum rebuilt
+at a sync holds no weight-decay term; resuming restores every schedule counter.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ class ZeroOneAdam(CompressedOptimizer):
                  var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16, amsgrad=False,
                  cuda_aware=False, comm_backend_name="nccl", *, group=None, compressor="onebit",
                  bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None, ddp_hook_state=None,
-                 shard_state=False):
+                 shard_state=False, scale_per_tensor=True):
         if shard_state:
             from .build import _NO_SHARD
             raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by ZeroOneAdam: "
@@ -45,7 +49,8 @@ class ZeroOneAdam(CompressedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bool(bias_correction))
         super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
-                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state)
+                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state,
+                         scale_per_tensor=scale_per_tensor)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
