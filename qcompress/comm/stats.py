@@ -20,13 +20,21 @@ import threading
 
 _lock = threading.Lock()
 _counts = {"bytes_sent": 0, "bytes_received": 0}
+_running = {"bytes_sent": 0, "bytes_received": 0}  # never reset: the engine's counter reads differences
 
 
 def add(sent: int, received: int) -> None:
     """Record one collective's traffic for this rank."""
     with _lock:
-        _counts["bytes_sent"] += int(sent)
-        _counts["bytes_received"] += int(received)
+        for d in (_counts, _running):
+            d["bytes_sent"] += int(sent)
+            d["bytes_received"] += int(received)
+
+
+def running_totals() -> dict:
+    """Like stats(), but since the process started (reset_stats() leaves it alone)."""
+    with _lock:
+        return dict(_running)
 
 
 def stats() -> dict:

@@ -27,8 +27,9 @@ from .memory import memory_report
 from .monitor import Monitor
 from .optimizers import build_optimizer, is_onebit
 from .precision import LossScaler, autocast_dtype
-from .zero import (broadcast_module_state, build_zero1, full_weights, time_reduce_scatter, wrap_ddp,
-                   wrap_fsdp)
+from .traffic import Traffic, count_fsdp
+from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
+                   wrap_ddp, wrap_fsdp)
 
 log = logging.getLogger("qcompress.engine")
 
@@ -123,6 +124,7 @@ class Engine:
                               f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
                               "Use stage 0 or 1")
         self.rank, self.world_size, backend = _setup_distributed(self.stage, cfg)
+        self.traffic = Traffic(self.world_size)             # comm_bytes(): every byte this engine moves
         self.group = None                                   # the default (world) group
         self.device = _pick_device(backend)
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
@@ -149,7 +151,7 @@ class Engine:
             # Every rank starts from rank 0's model, including compression state that
             # init_compression derived from each rank's own initial weights.
             with collective("initialize: the broadcast of rank 0's model", cfg.comm_timeout_s, self.world_size):
-                broadcast_module_state(model)
+                broadcast_module_state(model, traffic=self.traffic)
             self._broadcast_compression_state()
         names_before = {id(p): n for n, p in model.named_parameters()}
 
@@ -158,13 +160,18 @@ class Engine:
         if self.sharded:
             self.wrapped = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
                                      cfg.communication_data_type)
-            if self.wall_clock_breakdown:
+            timer = TimedReduceScatter() if self.wall_clock_breakdown else None
+            self._fsdp_counted = count_fsdp(model, self.traffic, timer)
+            if self._fsdp_counted:
+                self._hook = timer
+            elif self.wall_clock_breakdown:
                 self._hook = time_reduce_scatter(model)
         elif self.world_size > 1:
             self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
                                                 zero.reduce_bucket_size, cfg.communication_data_type,
                                                 self.wall_clock_breakdown,
-                                                find_unused_parameters=self.pld is not None)
+                                                find_unused_parameters=self.pld is not None,
+                                                traffic=self.traffic)
         else:
             self.wrapped = model
         self.param_names = {p: n for n, p in model.named_parameters()}
@@ -221,6 +228,7 @@ class Engine:
         for key in sorted(tensors):
             t = tensors[key].to(self.device).contiguous()
             dist.broadcast(t, src=0, group=self.group)
+            self.traffic.broadcast("broadcast", t.numel() * t.element_size(), self.rank == 0)
             synced[key] = t.to(tensors[key].device)
         sched.load_state_dict(unflatten(skel, synced))
 
@@ -373,6 +381,7 @@ class Engine:
                     self.global_steps + 1, s.scale, self._peek_scale_after_overflow())
         else:
             self.optimizer.step()
+            self._count_zero1()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._sync_state()            # forwards moved buffers and ranges even on a skipped step
@@ -432,6 +441,7 @@ class Engine:
             contrib = sumsq if (self.sharded or local_grads) else torch.zeros_like(sumsq)
             buf = torch.stack([torch.nan_to_num(contrib, nan=0.0, posinf=0.0), flag])
             dist.all_reduce(buf, group=self.group)
+            self.traffic.all_reduce("engine", buf.numel() * buf.element_size())
             flag = buf[1]
             if self.sharded:
                 sumsq = buf[0]
@@ -458,6 +468,30 @@ class Engine:
         when gradient_clipping or fp16 is on."""
         return self._global_grad_norm
 
+    # --- bytes on the wire -------------------------------------------------------------------
+    def comm_bytes(self) -> Dict[str, object]:
+        """This rank's bytes sent and received by everything the engine runs since it was built (or
+        reset_comm_bytes()): {"bytes_sent", "bytes_received", "by_kind": {kind: {...}}} with kinds
+        ddp, fsdp, broadcast, engine, optimizer, zero1 (rules: qcompress.engine.traffic).
+        Unlike qcompress.comm.stats(), it includes DDP's / FSDP2's own gradient traffic."""
+        out = self.traffic.snapshot()
+        if self.sharded and not getattr(self, "_fsdp_counted", True):
+            out["uncounted"] = "fsdp (this torch has no set_custom_reduce_scatter / set_custom_all_gather)"
+        return out
+
+    def reset_comm_bytes(self) -> None:
+        self.traffic.reset()
+
+    def _count_zero1(self) -> None:
+        """ZeroRedundancyOptimizer broadcasts each rank's updated partition to the others."""
+        opt = self.optimizer
+        owner = getattr(opt, "_param_to_rank", None)
+        if owner is None or self.world_size == 1:
+            return
+        mine = sum(p.numel() * p.element_size() for p, r in owner.items() if r == self.rank)
+        rest = sum(p.numel() * p.element_size() for p, r in owner.items() if r != self.rank)
+        self.traffic.add("zero1", (self.world_size - 1) * mine, rest)
+
     # --- keeping ranks consistent ------------------------------------------------------------
     def _compression_step(self) -> None:
         self.with_full_weights(self.compression_scheduler.step)
@@ -482,12 +516,14 @@ class Engine:
                 same = [b for b in bufs if b.dtype == dtype]
                 flat = torch.cat([b.reshape(-1) for b in same])
                 dist.broadcast(flat, src=0, group=self.group)
+                self.traffic.broadcast("broadcast", flat.numel() * flat.element_size(), self.rank == 0)
                 torch._foreach_copy_(same, [v.view_as(b) for v, b in
                                             zip(torch.split(flat, [b.numel() for b in same]), same)])
         live = [o for o in self._observers if o.initialized]
         if live:
             flat = torch.stack([t.to(self.device, torch.float32) for o in live for t in (o.min, o.max)])
             dist.all_reduce(flat, group=self.group)
+            self.traffic.all_reduce("engine", flat.numel() * flat.element_size())
             flat /= self.world_size
             for i, o in enumerate(live):
                 o.min, o.max = flat[2 * i].clone(), flat[2 * i + 1].clone()

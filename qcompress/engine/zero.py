@@ -19,7 +19,7 @@ def comm_dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 @torch.no_grad()
-def broadcast_module_state(model: nn.Module, src: int = 0, group=None) -> None:
+def broadcast_module_state(model: nn.Module, src: int = 0, group=None, traffic=None) -> None:
     """Make every rank start from rank `src`'s parameters and buffers (one collective per dtype)."""
     tensors = [t for t in list(model.parameters()) + list(model.buffers())]
     by_dtype = {}
@@ -28,6 +28,8 @@ def broadcast_module_state(model: nn.Module, src: int = 0, group=None) -> None:
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
         dist.broadcast(flat, src=src, group=group)
+        if traffic is not None:
+            traffic.broadcast("broadcast", flat.numel() * flat.element_size(), dist.get_rank(group) == src)
         offset = 0
         for t in group_tensors:
             n = t.numel()
@@ -40,14 +42,18 @@ class GradReduceHook:
     unlike torch's bf16_compress_hook on CPU). With `timed`, the all-reduce runs synchronously so
     its wall time can be attributed (wall_clock_breakdown); otherwise it overlaps with backward."""
 
-    def __init__(self, group, world_size: int, dtype: Optional[torch.dtype], timed: bool):
+    def __init__(self, group, world_size: int, dtype: Optional[torch.dtype], timed: bool, traffic=None):
         self.group, self.world_size, self.dtype, self.timed = group, world_size, dtype, timed
+        self.traffic = traffic      # engine.traffic.Traffic: counts each bucket as it is sent
         self.seconds = 0.0
 
     def reduce(self, bucket):
         buf = bucket.buffer()
-        # Divide first so fp16 sums cannot overflow (as torch's fp16_compress_hook does).
+        # Divide first so fp16 sums cannot overflow (as torch's fp16_compress_hook does; torch's
+        # own allreduce_hook divides first too, and matches DDP without a hook).
         send = buf.div(self.world_size).to(self.dtype) if self.dtype is not None else buf.div_(self.world_size)
+        if self.traffic is not None:
+            self.traffic.all_reduce("ddp", send.numel() * send.element_size())
         if self.timed:
             t0 = time.perf_counter()
             dist.all_reduce(send, group=self.group)
@@ -85,9 +91,11 @@ def _grad_element_size(model: nn.Module) -> int:
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_elements: int,
-             dtype_name: Optional[str], timed: bool, find_unused_parameters: bool = False):
+             dtype_name: Optional[str], timed: bool, find_unused_parameters: bool = False, traffic=None):
     """find_unused_parameters: progressive layer drop skips whole blocks (the same on every rank),
-    whose parameters then get no gradient."""
+    whose parameters then get no gradient. traffic (engine.traffic.Traffic): count every gradient
+    bucket and DDP's start-up broadcast of the module state; the hook is registered for it even
+    when nothing else needs one. Returns (ddp, the hook when fp16/bf16 or timing asked for it)."""
     device_ids = [device.index] if device.type == "cuda" else None
     # Buffers are synced at optimizer boundaries instead of every forward (no communication on
     # accumulation micro-steps); the keyword was renamed in recent torch.
@@ -98,12 +106,17 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
               bucket_cap_mb=bucket_cap_mb(bucket_elements, _grad_element_size(model)),
               gradient_as_bucket_view=True,     # grads live in the buckets: no second copy
               find_unused_parameters=find_unused_parameters, **no_buffer_sync)
+    if traffic is not None:     # DDP broadcast rank 0's parameters (and buffers, see above) when built
+        buffers = list(model.buffers()) if "forward_sync_buffers" in no_buffer_sync else []
+        state = list(model.parameters()) + buffers
+        traffic.broadcast("broadcast", sum(t.numel() * t.element_size() for t in state),
+                          dist.get_rank(group) == 0)
     hook = None
     dtype = comm_dtype(dtype_name)
-    if dtype is not None or timed:
-        hook = GradReduceHook(group, world_size, dtype, timed)
+    if dtype is not None or timed or traffic is not None:
+        hook = GradReduceHook(group, world_size, dtype, timed, traffic)
         ddp.register_comm_hook(hook, grad_reduce_hook)
-    return ddp, hook
+    return ddp, (hook if dtype is not None or timed else None)
 
 
 def _sync(t: torch.Tensor) -> None:
