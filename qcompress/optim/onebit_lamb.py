@@ -11,6 +11,8 @@ Compression stage (local gradients):
      factor = max(denominator ratio frozen / fresh), blended with ||u_pre||/||u|| when wd > 0,
      clipped to [factor_min, factor_max] and to within factor_threshold of the last factor;
      p = p - lr * lamb_coeff_freeze * factor * u.
+There is no scale_per_tensor option (OneBitAdam, ZeroOneAdam): step 1 already brings every
+tensor's momentum (as it was at the freeze) to one RMS before the one-scale compression.
 """
 from __future__ import annotations
 
