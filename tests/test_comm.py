@@ -295,6 +295,35 @@ def _rank_nonfinite(rank, world):
             "bucket_kept": bucket_kept}
 
 
+def _rank_many(rank, world):
+    """flat_compressed_allreduce_many (the per-tensor buckets' path) on buffers of 5, 64 and 131
+    elements over 3 calls, beside one flat_compressed_allreduce per buffer with its own state; then
+    a NaN in the last buffer on rank 1: every rank reports non-finite and keeps all its errors."""
+    from qcompress.comm.allreduce import flat_compressed_allreduce, flat_compressed_allreduce_many
+    from qcompress.comm.compressors import get_compressor
+    comp = get_compressor("onebit")
+    sizes = (5, 64, 131)
+    many, single = [qcomm.OneBitState() for _ in sizes], [qcomm.OneBitState() for _ in sizes]
+    out = {"many": [], "single": [], "bytes_many": [], "bytes_single": []}
+    for call in range(3):
+        xs = [make_input(40 + i, rank, call, shape=(n,)) for i, n in enumerate(sizes)]
+        before = qcomm.stats()["bytes_sent"]
+        got, finite = flat_compressed_allreduce_many(xs, many, None, comp)
+        out["bytes_many"].append(qcomm.stats()["bytes_sent"] - before)
+        assert finite
+        out["many"].append(got)
+        before = qcomm.stats()["bytes_sent"]
+        out["single"].append([flat_compressed_allreduce(x, st, None, comp)[0] for x, st in zip(xs, single)])
+        out["bytes_single"].append(qcomm.stats()["bytes_sent"] - before)
+    kept = [st.state_dict() for st in many]
+    bad = [make_input(50 + i, rank, 9, shape=(n,)) for i, n in enumerate(sizes)]
+    if rank == 1:
+        bad[2][7] = float("nan")
+    _, out["finite_with_nan"] = flat_compressed_allreduce_many(bad, many, None, comp)
+    out["kept"] = all(torch.equal(a[k], st.state_dict()[k]) for a, st in zip(kept, many) for k in a)
+    return out
+
+
 def _rank_subgroup(rank, world):
     """Two independent pairs {0, 2} and {1, 3}, each averaging over its own subgroup."""
     import torch.distributed as dist
@@ -316,6 +345,7 @@ def _rank_all(rank, world):
         out["custom"] = _rank_custom(rank, world)
         out["ddp"] = _rank_ddp_hook(rank, world)
         out["nonfinite"] = _rank_nonfinite(rank, world)
+    out["many"] = _rank_many(rank, world)
     if world == 4:
         out["subgroup"] = _rank_subgroup(rank, world)
         out["node_single"] = _rank_node_single(rank, world)
@@ -608,3 +638,16 @@ def test_padding_is_a_multiple_of_8_world_only():
     assert qcomm.padded_length(1024, 4) == 1024
     assert qcomm.padded_length(1003, 3) == 1008
     assert qcomm.padded_length(1003, 3, "int8") == 1005
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_many_buffers_in_two_collectives_equal_one_call_each(world):
+    for r in results(world, "many"):
+        for got, want in zip(r["many"], r["single"]):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+        assert r["bytes_many"] == r["bytes_single"]
+        assert not r["finite_with_nan"] and r["kept"]
+    first = results(world, "many")[0]["many"]
+    for other in results(world, "many")[1:]:   # bit-identical on every rank
+        assert all(torch.equal(a, b) for x, y in zip(first, other["many"]) for a, b in zip(x, y))

@@ -178,6 +178,60 @@ def flat_compressed_allreduce(flat: torch.Tensor, state: OneBitState, group, com
     return out[:n], finite
 
 
+def flat_compressed_allreduce_many(flats, states, group, comp):
+    """flat_compressed_allreduce of several buffers at once, each with its own state and scales, in
+    the same two collectives: every buffer's P payload rows are laid side by side, so rank r receives
+    its row of every buffer in one all_to_all_single, and one all-gather returns all server rows.
+    Bytes are those of one call per buffer; results equal them bit for bit (the same math per buffer).
+    -> (list of float32 results, finite); errors are kept for every buffer or for none."""
+    world, _ = group_size_rank(group)
+    sizes, rows, new_worker = [], [], []
+    for flat, state in zip(flats, states):
+        n = flat.numel()
+        padded = padded_length(n, world, comp)
+        state._prepare(padded, world, flat.device, comp.name)
+        x = flat if padded == n else torch.cat([flat, flat.new_zeros(padded - n)])
+        r, we = comp.compress(x, state.worker_error, world)
+        sizes.append((n, padded // world, r.shape[1]))
+        rows.append(r)
+        new_worker.append(we)
+    widths = [b for _, _, b in sizes]
+    total = sum(widths)
+    send = torch.cat(rows, dim=1)
+    if world > 1:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        _stats.add((world - 1) * total, (world - 1) * total)
+    else:
+        recv = send
+    server_rows, new_server = [], []
+    for part, state, (_, chunk, _) in zip(torch.split(recv, widths, dim=1), states, sizes):
+        mean_chunk = _average(comp, part.contiguous(), chunk)
+        row, se = comp.compress(mean_chunk, state.server_error, 1)
+        server_rows.append(row.reshape(-1))
+        new_server.append(se)
+    mine = torch.cat(server_rows)
+    if world > 1:
+        gathered = torch.empty(world * total, dtype=torch.uint8, device=mine.device)
+        _all_gather_flat(gathered, mine, group=group)
+        _stats.add((world - 1) * total, (world - 1) * total)
+        gathered = gathered.reshape(world, total)
+    else:
+        gathered = mine.reshape(1, total)
+    outs, finite = [], True
+    check = getattr(comp, "payload_finite", None)
+    for part, (n, chunk, _) in zip(torch.split(gathered, widths, dim=1), sizes):
+        part = part.contiguous()
+        out = comp.decompress(part, chunk).reshape(-1)
+        ok = check(part) if check is not None else None
+        finite = finite and bool(torch.isfinite(out).all() if ok is None else ok)
+        outs.append(out[:n])
+    if finite:
+        for state, we, se in zip(states, new_worker, new_server):
+            state.worker_error, state.server_error = we, se
+    return outs, finite
+
+
 def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *,
                          compressor="onebit", hierarchy="auto") -> torch.Tensor:
     """Error-compensated compressed average of `tensor` over `group` (default: the world).

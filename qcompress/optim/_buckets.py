@@ -70,10 +70,24 @@ class Buckets:
             self._flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
         flat = self._flat
         torch.cat([t.reshape(-1) for t in tensors], out=flat)
-        for (start, end), state in zip(self.ranges, self.states):
-            piece = flat[start:end]
-            piece.copy_(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
-                                             hierarchy="flat" if hier is None else hier))
+        if self.per_tensor and hier is None:
+            # many small buffers: their rows share the two collectives of one call (latency)
+            from ..comm.allreduce import flat_compressed_allreduce_many
+            from ..comm.compressors import get_compressor
+            from ..errors import NonFiniteError
+            pieces = [flat[s:e] for s, e in self.ranges]
+            outs, finite = flat_compressed_allreduce_many(pieces, self.states, self.group,
+                                                          get_compressor(self.compressor))
+            if not finite:
+                raise NonFiniteError(f"{self.owner}: the compressed quantity holds NaN or Inf on at least one "
+                                     "rank (every rank raises this; the error-feedback state was left unchanged)")
+            for piece, out in zip(pieces, outs):
+                piece.copy_(out)
+        else:
+            for (start, end), state in zip(self.ranges, self.states):
+                piece = flat[start:end]
+                piece.copy_(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
+                                                 hierarchy="flat" if hier is None else hier))
         offset = 0
         for t, n in zip(tensors, self.numels):
             t.copy_(flat[offset:offset + n].view_as(t))
