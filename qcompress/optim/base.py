@@ -61,8 +61,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not isinstance(scale_per_tensor, bool):
             raise ValueError(f"scale_per_tensor must be true or false, got {scale_per_tensor!r}")
         super().__init__(params, defaults)
-        # True: every parameter tensor is compressed on its own, with its own 1-bit scales (one
-        # compressed all-reduce per tensor); False: tensors laid end to end share a bucket's scale.
+        # True: every parameter tensor is compressed on its own, with its own 1-bit scales and errors
+        # (their rows share two collectives, _buckets.py); False: tensors end to end share a bucket's scale.
         self.scale_per_tensor = scale_per_tensor
         self.comm_group = group
         self.compressor = compressor

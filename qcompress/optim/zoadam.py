@@ -11,14 +11,16 @@ a <- compressed_mean(a) [* mask];  p <- p_sync * prod(1 - lr_t wd) - a / (sqrt(v
 m <- a * bc1 / sum(lr_t). local_step_interval doubles (up to local_step_clipper) every
 local_step_scaler steps.
 
-Differences from DeepSpeed's version (by design): each parameter tensor is compressed with its own
-1-bit scales by default (scale_per_tensor=True, one compressed all-reduce per tensor, as DeepSpeed's
-fp32 path does; its fp16 path, and scale_per_tensor=False, share one scale over the flattened
-model, so a tensor of small gradients (LayerNorm, biases) moves by the whole model's RMS over its
-own tiny frozen variance: the 0/1 Adam gap of benchmarks/RESULTS.md); bias correction (bc1 over all
-steps, bc2 over variance steps); the synchronized parameters are recomputed from the stored
-last-sync point, so ranks stay bit-identical instead of drifting by rounding; the momentum rebuilt
-at a sync holds no weight-decay term; resuming restores every schedule counter.
+Differences from DeepSpeed's version (by design):
+- each parameter tensor is compressed with its own 1-bit scales and errors by default
+  (scale_per_tensor=True, as DeepSpeed's fp32 path does with one compressed all-reduce per tensor;
+  here all tensors share two collectives). DeepSpeed's fp16 path, and scale_per_tensor=False,
+  share one scale over the flattened model, which moves each tensor by the whole model's RMS
+  over its own frozen variance: the 0/1 Adam gap in benchmarks/RESULTS.md;
+- bias correction (bc1 over all steps, bc2 over variance steps);
+- the synchronized parameters are recomputed from the stored last-sync point, so ranks stay
+  bit-identical instead of drifting by rounding; the momentum rebuilt at a sync holds no
+  weight-decay term; resuming restores every schedule counter.
 """
 from __future__ import annotations
 
