@@ -604,7 +604,7 @@ def test_resume_is_bit_exact_across_processes(tmp_path, caplog):
 _SHARD_SHAPES = [(7, 5), (13,), (3, 3, 3), (2, 9)]
 
 
-def _shard_run(rank, dtype, shard, steps, bucket_size, start=0, opt_sd=None, params0=None):
+def _shard_run(rank, dtype, shard, steps, bucket_size, start=0, opt_sd=None, params0=None, per_tensor=False):
     """OneBitAdam (freeze at step 3) on per-rank gradients; coordinate 2 of the second parameter never
     gets a gradient (its variance stays 0: the dead-coordinate path)."""
     g0 = torch.Generator().manual_seed(0)
@@ -613,7 +613,8 @@ def _shard_run(rank, dtype, shard, steps, bucket_size, start=0, opt_sd=None, par
         with torch.no_grad():
             for p, v in zip(ps, params0):
                 p.copy_(v)
-    opt = OneBitAdam(ps, lr=0.01, freeze_step=3, weight_decay=0.01, bucket_size=bucket_size, shard_state=shard)
+    opt = OneBitAdam(ps, lr=0.01, freeze_step=3, weight_decay=0.01, bucket_size=bucket_size, shard_state=shard,
+                     scale_per_tensor=per_tensor)
     if opt_sd is not None:
         opt.load_state_dict(opt_sd)
     for t in range(start, steps):
@@ -636,20 +637,21 @@ def _state_bytes(opt):
 def _rank_shard(rank, world, folder):
     from qcompress import comm
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        for bucket_size in (40, 1 << 20):  # many buckets (parameters straddle them) and one
-            key = f"{dtype}.{bucket_size}"
-            plain, opt0 = _shard_run(rank, dtype, False, 7, bucket_size)
-            comm.reset_stats()
-            sharded, opt1 = _shard_run(rank, dtype, True, 7, bucket_size)
-            sent_sharded = comm.stats()["bytes_sent"]
-            comm.reset_stats()
-            _shard_run(rank, dtype, False, 7, bucket_size)
-            out[key] = {"plain": [p.detach().clone() for p in plain],
-                        "sharded": [p.detach().clone() for p in sharded],
-                        "bytes": (_state_bytes(opt0), _state_bytes(opt1)),
-                        "extra_sent": sent_sharded - comm.stats()["bytes_sent"],
-                        "stage": opt1.stage}
+    runs = [(dtype, bucket_size, False) for dtype in (torch.float32, torch.bfloat16)
+            for bucket_size in (40, 1 << 20)]  # many buckets (parameters straddle them) and one
+    for dtype, bucket_size, per_tensor in runs + [(torch.float32, 40, True)]:  # and per-tensor scales
+        key = ("per_tensor." if per_tensor else "") + f"{dtype}.{bucket_size}"
+        plain, opt0 = _shard_run(rank, dtype, False, 7, bucket_size, per_tensor=per_tensor)
+        comm.reset_stats()
+        sharded, opt1 = _shard_run(rank, dtype, True, 7, bucket_size, per_tensor=per_tensor)
+        sent_sharded = comm.stats()["bytes_sent"]
+        comm.reset_stats()
+        _shard_run(rank, dtype, False, 7, bucket_size, per_tensor=per_tensor)
+        out[key] = {"plain": [p.detach().clone() for p in plain],
+                    "sharded": [p.detach().clone() for p in sharded],
+                    "bytes": (_state_bytes(opt0), _state_bytes(opt1)),
+                    "extra_sent": sent_sharded - comm.stats()["bytes_sent"],
+                    "stage": opt1.stage}
     # resume: 2 steps (warmup), save, new optimizer, load, 5 more (crossing the freeze)
     ps, opt = _shard_run(rank, torch.float32, True, 2, 40)
     path = os.path.join(folder, f"shard.rank{rank}.pt")
@@ -688,7 +690,8 @@ def test_onebit_adam_shard_state_equals_unsharded_bit_for_bit(tmp_path):
             assert (full - sharded) + (full - other) == (per_elem - 4) * numel
             assert sharded < full and other < full
             # own chunk per rank: each bucket of n elements padded to a multiple of 8 * 2, halved
-            buckets = [40, 40, 13] if key.endswith(".40") else [numel]
+            buckets = ([35, 13, 27, 18] if key.startswith("per_tensor") else [40, 40, 13] if key.endswith(".40")
+                       else [numel])
             own = sum(-(-n // 16) * 8 for n in buckets)
             itemsize = 2 if "bfloat16" in key else 4
             # 7 parameter all-gathers of (P-1) * own elements, plus one uint8 gather of the dead pattern
