@@ -49,12 +49,19 @@ def make_model(kind):
     torch.manual_seed(0)
     if kind == "linear":
         return nn.Sequential(nn.Linear(48, 64), nn.GELU(), nn.Linear(64, 32))
+    if kind == "hf_conv1d":     # GPT-2's Linear, weight stored [in, out]
+        from transformers.pytorch_utils import Conv1D
+        model = nn.Sequential(Conv1D(64, 48), nn.GELU(), Conv1D(32, 64))
+        with torch.no_grad():
+            for m in model[::2]:
+                m.bias.normal_()
+        return model
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1))
 
 
 def make_input(kind):
     g = torch.Generator().manual_seed(1)
-    shape = (3, 7, 48) if kind == "linear" else (2, 3, 9, 9)
+    shape = (2, 3, 9, 9) if kind == "conv" else (3, 7, 48)
     return (torch.randn(shape, generator=g) * 2 + 0.3).requires_grad_(True)
 
 
@@ -86,8 +93,7 @@ def assert_same(a, b):
 def fused_plans(model, x):
     """How many compress-aware modules would take the fused path now (checked on the first)."""
     first = [m for m in model.modules() if hasattr(m, "qc_aq")][0]
-    op = "linear" if isinstance(first, nn.Linear) else "conv"
-    return fused.plan(first, x, op) is not None
+    return fused.plan(first, x, first.qc_kind) is not None
 
 
 CASES = [c for c in itertools.product(("linear", "conv"), GRANULARITIES, ("identity", "clip"),
@@ -122,6 +128,28 @@ def test_fused_asymmetric_and_4bit_weights(backend, kind, calibration, dtype):
         x = make_input(kind)
         assert fused_plans(model, x)
         assert_same(step(model, x, True, dtype), step(model, x, False, dtype))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("in_forward,learn", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fused_transformers_conv1d(backend, granularity, in_forward, learn, dtype):
+    pytest.importorskip("transformers", reason="transformers provides GPT-2's Conv1D")
+    model = make_model("hf_conv1d")
+    init_compression(model, make_cfg(granularity, "clip", "dynamic", in_forward, learn, symmetric=False))
+    x = make_input("hf_conv1d")
+    assert fused_plans(model, x)
+    assert_same(step(model, x, True, dtype), step(model, x, False, dtype))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_fused_fp16_autocast(backend, kind):
+    for cfg in (make_cfg("channel", "clip", "dynamic", True, True), make_cfg("tensor", "identity", "static", False)):
+        model = make_model(kind)
+        init_compression(model, cfg)
+        x = make_input(kind)
+        assert fused_plans(model, x)
+        assert_same(step(model, x, True, torch.float16), step(model, x, False, torch.float16))
 
 
 def test_fused_bf16_inputs_and_weights(backend):
