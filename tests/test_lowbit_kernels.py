@@ -1,5 +1,5 @@
 """qcompress's fused low-bit kernels (load_quantized(mode="fast") plans lowbit / lowbit_a8) against
-the exact path, on every instruction set this CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI).
+the exact path, on every instruction set this CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI, AMX).
 
 Oracle: load_quantized(mode="exact") of the same export (itself checked bit for bit against the
 trained model here and in test_export.py), and float64 sums for the raw operators.
@@ -10,9 +10,14 @@ the K products and of their sums: each side is within gamma_{K+4} * (|x| @ |W|^T
 real-number result, gamma_n = n u / (1 - n u), u = 2^-24 (the standard bound for a length-K dot
 product; +4 for the bias add and, on lowbit_a8, the group-scale products, the token scale and the
 exact path's rounding of its fake-quantized input, while lowbit_a8's int32 group sums are exact).
-Hence |fast - exact| <= (2K + 8) u (|x^| @ |W|^T + |b|) elementwise, x^ the quantized input. A
-wrong code, scale, zero point or group boundary moves an output by a quantization step, about
-2^-8 of it or more, far above (2K + 8) u <= 2^-13 here.
+Hence |fast - exact| <= (2K + 8) u (|x^| @ |W|^T + |b|) elementwise, x^ the quantized input.
+The AMX weight-only kernel (16 tokens or more) sums differently: x is split into P <= 3 bf16
+pieces (exact), every product piece * (q - zp) is exact, the P * (group length) <= 3K of them are
+summed in fp32 per group, then y += s_g * S_g (one rounding per group, ng <= K, and the bias):
+within gamma_{3K + K + 1} * 1.01 (the pieces' magnitudes sum to at most 1.01 |x|) of the real
+result, so |fast - exact| <= (5.1 K + 6) u (...) there; the tests use (6K + 16) u for every
+kernel. A wrong code, scale, zero point or group boundary moves an output by a quantization step,
+about 2^-8 of it or more, far above (6K + 16) u <= 2^-14 here.
 bfloat16 / float16 (unit roundoff u_d = 2^-8 / 2^-11): the kernels take the same (fake-quantized)
 input, widened exactly to fp32, multiply by the fp32 weight and round only the result to the
 dtype; the exact path rounds the weight to the dtype (u_d each), on lowbit_a8 also its
@@ -41,7 +46,7 @@ from qcompress.export.fast import plans_of
 
 pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
 
-ALL_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+ALL_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")
 
 
 def cpu_isas():
@@ -109,7 +114,7 @@ def exact_and_bound(e, h, dtype):
     w = e.weight.double()
     b = 0.0 if e.bias is None else e.bias.double().abs()
     mag = xin.abs() @ w.abs().t() + b
-    fp32_sums = (2 * w.shape[1] + 8) * 2.0 ** -24 * mag
+    fp32_sums = (6 * w.shape[1] + 16) * 2.0 ** -24 * mag
     if dtype == torch.float32:
         return want, fp32_sums
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
@@ -182,12 +187,13 @@ def test_isa_choice_and_refusal():
     assert lowbit.isa("scalar") == "scalar" and lowbit.isa() == "scalar"
     with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
         lowbit.isa("sse9")
-    if best != "avx512_vnni":
+    if best != "amx":
         with pytest.raises(RuntimeError, match="does not have"):
-            lowbit.isa("avx512_vnni")
+            lowbit.isa("amx")
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if " avx512_vnni" in flags and " avx512bw" in flags:
-        assert best == "avx512_vnni", "the CPU has AVX-512 VNNI but the kernels do not use it"
+        want = "amx" if all(f" {f}" in flags for f in ("amx_tile", "amx_int8", "amx_bf16")) else "avx512_vnni"
+        assert best == want, f"the CPU has {want} but the kernels use {best}"
     env = dict(os.environ, QCOMPRESS_LOWBIT_ISA="scalar")
     out = subprocess.run([sys.executable, "-c", "from qcompress.export import lowbit; print(lowbit.isa())"],
                          env=env, capture_output=True, text=True, timeout=120)
@@ -278,3 +284,87 @@ def test_gpt2_conv1d_runs_the_kernels(tmp_path):
         assert torch.equal(m.weight, me.weight)
     # per-layer gaps of the documented bound, through LayerNorms and 2 blocks
     assert (f - e).abs().max().item() <= 1e-4 * e.abs().max().item()
+
+
+def _codes(g, n, k, group, cbits, sym):
+    lo, hi = -(1 << (cbits - 1)), (1 << (cbits - 1)) - 1
+    ng = math.ceil(k / group)
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, ng, generator=g) * 0.01 + 1e-4
+    zp = None if sym else torch.randint(lo, hi + 1, (n, ng), generator=g, dtype=torch.int8)
+    return q, s, zp
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_tiles_against_references():
+    # Shapes where the AMX kernels run (16+ tokens, padded groups of whole k steps): 4/8-bit,
+    # sym/asym, group and channel scales, partial last groups, rows not a multiple of 16 or 32,
+    # token counts 16 / 33 / 300 (padded to tiles of 16, two token tiles per pass).
+    # W-A8: the int32 sums and the epilogue are the VNNI kernel's, so outputs are equal bit for
+    # bit; weight-only: float64 reference within the docstring's (6K + 16) u bound (fp32) or the
+    # half-precision one (inputs already in the dtype, so only the result rounding: u_d).
+    g = torch.Generator().manual_seed(11)
+    for cbits in (4, 8):
+        for n, k, group in ((37, 200, 64), (16, 384, 384), (50, 128, 128), (33, 96, 32)):
+            for sym in (True, False):
+                q, s, zp = _codes(g, n, k, group, cbits, sym)
+                p = lowbit.prepack(q, s, zp, group, cbits)
+                w = _reference(q, s, zp, group)
+                bias = torch.randn(n, generator=g)
+                for m in (16, 33, 300):
+                    for dt in (torch.float32, torch.bfloat16, torch.float16):
+                        x = torch.randn(m, k, generator=g).to(dt)
+                        lowbit.isa("amx")
+                        got = lowbit.linear(x, p, bias, n, group, cbits)
+                        assert got.dtype == dt
+                        want = x.double() @ w.t() + bias.double()
+                        mag = x.double().abs() @ w.abs().t() + bias.double().abs()
+                        bound = (6 * k + 16) * 2.0 ** -24 * mag
+                        if dt != torch.float32:
+                            bound = bound + (2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11) * want.abs()
+                        where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {dt}"
+                        assert bool(((got.double() - want).abs() <= bound).all()), where
+                    if k % 64:
+                        continue                     # W-A8 tiles take 64-column steps
+                    xq = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+                    sx = torch.rand(m, generator=g)
+                    for zx in (None, torch.randint(-128, 128, (m,), generator=g, dtype=torch.int32)):
+                        lowbit.isa("avx512_vnni")
+                        want = lowbit.linear_a8(xq, sx, zx, p, bias, n, group, cbits, torch.float32)
+                        lowbit.isa("amx")
+                        got = lowbit.linear_a8(xq, sx, zx, p, bias, n, group, cbits, torch.float32)
+                        assert torch.equal(got, want), f"W-A8 {cbits}-bit {n}x{k} group {group} {m} tokens"
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_leaves_other_tile_users_alone():
+    # oneDNN runs bf16 matmuls on AMX tiles too, with its own tile configuration; our kernels
+    # load theirs per task and release the tiles after. Interleaved calls must not change
+    # torch's results (oracle: the same matmul before any of ours ran).
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 256, generator=g).bfloat16()
+    x = torch.randn(48, 256, generator=g).bfloat16()
+    first = torch.nn.functional.linear(x, w)
+    q, s, zp = _codes(g, 96, 256, 128, 4, True)
+    p = lowbit.prepack(q, s, zp, 128, 4)
+    lowbit.isa("amx")
+    for _ in range(5):
+        lowbit.linear(x, p, None, 96, 128, 4)
+        assert torch.equal(torch.nn.functional.linear(x, w), first)
+
+
+def test_amx_takes_nonfinite_inputs_elsewhere():
+    # inf / nan have no bf16 pieces: the AMX path hands such inputs to the vector kernels, whose
+    # results follow IEEE (oracle: the float64 product, inf and nan where it has them)
+    g = torch.Generator().manual_seed(3)
+    q, s, zp = _codes(g, 16, 64, 64, 8, True)
+    q[q == 0] = 1                              # no 0 * inf
+    p = lowbit.prepack(q, s, zp, 64, 8)
+    x = torch.randn(20, 64, generator=g)
+    x[3, 5] = float("inf")
+    x[7, 1] = float("nan")
+    want = x.double() @ _reference(q, s, zp, 64).t()
+    got = lowbit.linear(x, p, None, 16, 64, 8).double()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)

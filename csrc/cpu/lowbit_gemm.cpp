@@ -8,7 +8,9 @@
 // - W-A8 (int8 activation codes, e.g. dynamic per token): integer dot products of the codes
 //   (AVX-512 VNNI vpdpbusd, else maddubs + madd), one int32 sum per row and group, the zero-point
 //   corrections of lowbit.h's a8_group, and the scales applied once per group and token.
-// Instruction set chosen at run time (scalar, AVX2, AVX-512, AVX-512 VNNI): the vector tiles are
+// - 16 tokens or more on a CPU with AMX: the tile kernels of lowbit_amx.cpp (same int32 sums
+//   for W-A8; bf16 tiles with exact products for weight-only).
+// Instruction set chosen at run time (scalar, AVX2, AVX-512, AVX-512 VNNI, AMX): the vector tiles are
 // compiled once per ISA from lowbit_tiles.inc inside `#pragma GCC target` regions, whatever the
 // flags of the rest of the extension; QCOMPRESS_LOWBIT_ISA or the lowbit_isa op caps the choice.
 // Threads: row blocks split with at::parallel_for.
@@ -23,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "lowbit_amx.h"
+#include "lowbit_views.h"
 #include "qcompress/lowbit.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -33,23 +37,6 @@
 namespace qc {
 namespace lowbit {
 namespace {
-
-struct WView {  // one blocked weight
-  const uint8_t* packed;
-  const float* scales;
-  const uint8_t* offs;   // null: symmetric
-  Geometry g;
-};
-
-struct A8View {  // activation codes of one call, padded to Kp columns
-  const int8_t* xq;
-  int64_t ldx, m;
-  const int32_t* xsum;   // [m][ng]
-  const float* sx;       // [m]
-  const int32_t* zx;     // [m] or null
-  const float* bias;     // [n] or null
-  float* y;              // [m][n]
-};
 
 inline int32_t load32(const int8_t* p) {
   int32_t v;
@@ -274,15 +261,16 @@ void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1) {
 
 namespace {
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512_vnni"};
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
+constexpr int kIsas = 5;
+const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni", "amx"};
 
 int detect_isa() {
 #if defined(QC_LB_X86)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && __builtin_cpu_supports("avx512vnni")) return kAvx512Vnni;
+  if (avx512 && __builtin_cpu_supports("avx512vnni")) return amx::available() ? kAmx : kAvx512Vnni;
   if (avx512) return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
@@ -290,7 +278,7 @@ int detect_isa() {
 }
 
 int isa_from_name(c10::string_view name) {
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kIsas; ++i)
     if (name == kIsaNames[i]) return i;
   return -1;
 }
@@ -300,7 +288,7 @@ int initial_isa() {
   const char* env = std::getenv("QCOMPRESS_LOWBIT_ISA");
   if (env == nullptr || *env == '\0' || std::string(env) == "auto") return best;
   const int want = isa_from_name(env);
-  TORCH_CHECK(want >= 0, "QCOMPRESS_LOWBIT_ISA=", env, ": expected auto, scalar, avx2, avx512 or avx512_vnni");
+  TORCH_CHECK(want >= 0, "QCOMPRESS_LOWBIT_ISA=", env, ": expected auto, scalar, avx2, avx512, avx512_vnni or amx");
   return std::min(want, best);
 }
 
@@ -398,7 +386,7 @@ std::string lowbit_isa(c10::string_view request) {
     const int best = detect_isa();
     const int want = request == "auto" ? best : isa_from_name(request);
     TORCH_CHECK(want >= 0, "qcompress.lowbit_isa: unknown instruction set '", std::string(request),
-                "' (expected auto, scalar, avx2, avx512 or avx512_vnni)");
+                "' (expected auto, scalar, avx2, avx512, avx512_vnni or amx)");
     TORCH_CHECK(want <= best, "qcompress.lowbit_isa: this CPU does not have ", std::string(request),
                 " (best: ", kIsaNames[best], ")");
     active_isa().store(want);
@@ -494,11 +482,29 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
     bias = bias_->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m) {
-    const WoFn fn = wo_kernel(active_isa().load());
-    const float* xp = xf.const_data_ptr<float>();
-    const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
-    float* yp = y.mutable_data_ptr<float>();
+  const float* xp = xf.const_data_ptr<float>();
+  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  const int isa = active_isa().load();
+  bool done = m == 0;
+  if (!done && isa >= kAmx && m >= amx::kTileRows && amx::fits(g, false)) {
+    // bf16 pieces whose sum is x exactly: float32 needs 3, float16 2, bfloat16 1
+    const at::ScalarType dt = x.scalar_type();
+    const int pieces = dt == at::kBFloat16 ? 1 : dt == at::kHalf ? 2 : 3;
+    const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+    at::Tensor xs = at::empty({pieces, m16, g.kp}, x.options().dtype(at::kBFloat16));
+    uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.mutable_data_ptr());
+    std::atomic<bool> finite{true};
+    at::parallel_for(0, m16, std::max<int64_t>(1, (int64_t{1} << 16) / g.kp), [&](int64_t r0, int64_t r1) {
+      if (!amx::split(xp, g.kp, m, r0, r1, pieces, m16, xsp)) finite.store(false);
+    });
+    if (finite.load()) {  // inf / nan have no bf16 pieces: such inputs take the vector kernels
+      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, b0, b1); });
+      done = true;
+    }
+  }
+  if (!done) {
+    const WoFn fn = wo_kernel(isa);
     over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { fn(w, xp, g.kp, m, bp, yp, b0, b1); });
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -533,11 +539,19 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
     bias = bias_->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({m, n}, xq.options().dtype(at::kFloat));
-  if (m) {
+  const int isa = active_isa().load();
+  if (m && isa >= kAmx && m >= amx::kTileRows && amx::fits(g, true)) {
+    const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+    const at::Tensor x16 = m16 == m ? xp : at::constant_pad_nd(xp, {0, 0, 0, m16 - m}, 0);  // zero token rows
+    const A8View a{x16.const_data_ptr<int8_t>(), g.kp, m, xsum.const_data_ptr<int32_t>(), sx.const_data_ptr<float>(),
+                   asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+                   y.mutable_data_ptr<float>()};
+    over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::a8(w, a, m16, b0, b1); });
+  } else if (m) {
     const A8View a{xp.const_data_ptr<int8_t>(), g.kp, m, xsum.const_data_ptr<int32_t>(), sx.const_data_ptr<float>(),
                    asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
                    y.mutable_data_ptr<float>()};
-    const A8Fn fn = a8_kernel(active_isa().load());
+    const A8Fn fn = a8_kernel(isa);
     over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
   }
   std::vector<int64_t> shape(xq.sizes().begin(), xq.sizes().end());

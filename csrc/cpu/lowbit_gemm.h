@@ -38,7 +38,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
 void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                          int64_t n, int64_t k, int64_t group, int64_t cbits);
 
-// The instruction set the CPU kernels use ("scalar", "avx2", "avx512", "avx512_vnni"); a
+// The instruction set the CPU kernels use ("scalar", "avx2", "avx512", "avx512_vnni", "amx"); a
 // non-empty request switches to that one (at most what the CPU has), "auto" back to the best.
 std::string lowbit_isa(c10::string_view request);
 

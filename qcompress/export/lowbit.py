@@ -44,7 +44,7 @@ def runs_on(device: torch.device) -> bool:
 
 def isa(request: str = "") -> str:
     """The CPU instruction set the kernels use; `request` switches ("scalar", "avx2", "avx512",
-    "avx512_vnni", or "auto" for the best this CPU has). Also QCOMPRESS_LOWBIT_ISA at start."""
+    "avx512_vnni", "amx", or "auto" for the best this CPU has). Also QCOMPRESS_LOWBIT_ISA at start."""
     return torch.ops.qcompress.lowbit_isa(request)
 
 

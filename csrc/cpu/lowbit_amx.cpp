@@ -1,0 +1,393 @@
+// AMX tile kernels of the low-bit matmuls for 16 tokens or more (Sapphire Rapids and later).
+// Same layout and math as lowbit_gemm.cpp (qcompress/lowbit.h); what changes is who multiplies:
+//
+// - W-A8: TDPBSUD multiplies int8 activation rows (A tiles, 16 tokens x 64 columns) by the
+//   unsigned weight codes (B tiles). One B tile row is 4 columns x 16 weight rows, which is
+//   exactly one 64-byte chunk of the 8-bit layout, so 8-bit weights are read in place; 4-bit
+//   chunks are split into their low / high nibbles first. The int32 group sums are the vector
+//   kernels' (exact), followed by the same epilogue (lowbit.h a8_group, then tot += A * s), so
+//   the outputs equal the AVX-512 VNNI kernel's bit for bit.
+// - weight-only: TDPBF16PS on bfloat16 tiles. The weight integers u - o (|u - o| <= 255) are
+//   exact in bf16, and x is split into 1-3 bf16 pieces whose sum is x exactly (3 for float32,
+//   2 for float16, 1 for bfloat16), so every product is exact; sums run in fp32 per group and
+//   y += s_g * S_g once per group. Outputs differ from the exact path by rounding only
+//   (bound in tests/test_lowbit_kernels.py). AMX flushes bf16 subnormals (pieces below 2^-126)
+//   to zero, an error below 2^-126 |u - o| per product.
+// Tile state is per thread and other libraries (oneDNN) use it too: every task loads our tile
+// configuration and releases the tiles when it ends.
+#include "lowbit_amx.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define QC_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace qc {
+namespace lowbit {
+namespace amx {
+
+bool fits(const Geometry& g, bool a8) {
+  return (g.cbits == 4 || g.cbits == 8) && g.gp % (a8 ? 64 : 32) == 0;
+}
+
+#if defined(QC_AMX)
+
+namespace {
+
+bool request_tiles() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx512 = (b >> 16 & 1) && (b >> 17 & 1) && (b >> 30 & 1) && (b >> 31 & 1) && (c >> 11 & 1);
+  const bool tiles = (d >> 22 & 1) && (d >> 24 & 1) && (d >> 25 & 1);   // AMX-BF16, AMX-TILE, AMX-INT8
+  if (!avx512 || !tiles) return false;
+  // Linux hands out tile data only to processes that ask (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+constexpr int64_t kStepBytes = 1024;
+
+// Tokens per pass over the weights: the A rows of a pass (all columns, every piece) stay in a
+// core's L2 while every row block of the task streams by; each pass re-decodes the weights.
+int64_t chunk_rows(int64_t row_bytes) {
+  constexpr int64_t kBudget = int64_t{1} << 20;
+  const int64_t rows = kBudget / std::max<int64_t>(row_bytes, 1) / 32 * 32;
+  return std::min<int64_t>(512, std::max<int64_t>(32, rows));
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = request_tiles();
+  return ok;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+namespace {
+
+// tileloadd / tilestored are asm statements without memory operands: keep the compiler from
+// moving our buffer stores past them or our loads before them.
+inline void barrier() { asm volatile("" ::: "memory"); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C (2 token tiles x 2 row blocks), 4-5: A, 6-7: B; each 16 rows x 64 bytes.
+struct TileScope {
+  TileScope() {
+    TileConfig c;
+    std::memset(&c, 0, sizeof(c));
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~TileScope() { _tile_release(); }
+};
+
+inline __m512i offsets_of(const WView& w, int64_t idx, int cb) {
+  return w.offs ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.offs + idx)))
+                : _mm512_set1_epi32(code_bias(cb));
+}
+
+// ---- W-A8 ------------------------------------------------------------------------------------
+
+// B tiles (one per 64 columns) of group gi of block bb; usum: sum of the codes per row (only
+// wanted when the activations have zero points).
+template <int CB>
+const uint8_t* a8_btiles(const WView& w, int64_t bb, int64_t gi, uint8_t* buf, __m512i* usum) {
+  const Geometry& g = w.g;
+  const int64_t chunks = g.gp / (32 / CB);
+  const uint8_t* src = w.packed + bb * g.block_bytes() + gi * chunks * kChunkBytes;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i us = _mm512_setzero_si512();
+  if constexpr (CB == 8) {
+    if (usum)
+      for (int64_t c = 0; c < chunks; ++c) us = _mm512_dpbusd_epi32(us, _mm512_loadu_si512(src + c * kChunkBytes), ones);
+    if (usum) *usum = us;
+    return src;
+  } else {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i raw = _mm512_loadu_si512(src + c * kChunkBytes);
+      const __m512i lo = _mm512_and_si512(raw, nib);                         // columns 0..3
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);   // columns 4..7
+      _mm512_storeu_si512(buf + (2 * c) * kChunkBytes, lo);
+      _mm512_storeu_si512(buf + (2 * c + 1) * kChunkBytes, hi);
+      if (usum) us = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(us, lo, ones), hi, ones);
+    }
+    if (usum) *usum = us;
+    return buf;
+  }
+}
+
+// C tiles of 16 (TWO_M: 32) tokens x 16 (TWO_N: 32) rows over `steps` k steps, stored to cbuf[mi][j].
+template <bool TWO_M, bool TWO_N>
+void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t steps, int32_t (*cbuf)[2][256]) {
+  barrier();
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if constexpr (TWO_M) _tile_zero(2);
+  if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, xa + s * 64, ldx);
+    if constexpr (TWO_M) _tile_loadd(5, xa + 16 * ldx + s * 64, ldx);
+    _tile_loadd(6, bt[0] + s * kStepBytes, 64);
+    if constexpr (TWO_N) _tile_loadd(7, bt[1] + s * kStepBytes, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (TWO_N) _tile_dpbsud(1, 4, 7);
+    if constexpr (TWO_M) _tile_dpbsud(2, 5, 6);
+    if constexpr (TWO_M && TWO_N) _tile_dpbsud(3, 5, 7);
+  }
+  _tile_stored(0, cbuf[0][0], 64);
+  if constexpr (TWO_N) _tile_stored(1, cbuf[0][1], 64);
+  if constexpr (TWO_M) _tile_stored(2, cbuf[1][0], 64);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, cbuf[1][1], 64);
+  barrier();
+}
+
+template <int CB>
+void a8_run(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
+  const Geometry& g = w.g;
+  const int64_t steps = g.gp / 64;
+  std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
+  const int64_t mchunk = chunk_rows(g.kp);
+  std::vector<float> tot(mchunk * 2 * kRows);
+  alignas(64) int32_t cbuf[2][2][256];
+  TileScope tiles;
+  for (int64_t mc = 0; mc < m16; mc += mchunk) {
+    const int64_t mrows = std::min(mchunk, m16 - mc);
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int nb2 = b + 2 <= b1 ? 2 : 1;
+      std::fill(tot.begin(), tot.end(), 0.0f);
+      for (int64_t gi = 0; gi < g.ng; ++gi) {
+        const uint8_t* bt[2] = {nullptr, nullptr};
+        __m512 sv[2];
+        __m512i ov[2], ws[2];
+        for (int j = 0; j < nb2; ++j) {
+          __m512i us;
+          bt[j] = a8_btiles<CB>(w, b + j, gi, bbuf.data() + (CB == 4 ? j * steps * kStepBytes : 0), a.zx ? &us : nullptr);
+          const int64_t idx = ((b + j) * g.ng + gi) * kRows;
+          sv[j] = _mm512_loadu_ps(w.scales + idx);
+          ov[j] = offsets_of(w, idx, CB);
+          // wsum = sum (u - o) = sum u - o * gp (padding holds u = o)
+          ws[j] = a.zx ? _mm512_sub_epi32(us, _mm512_mullo_epi32(ov[j], _mm512_set1_epi32(static_cast<int32_t>(g.gp))))
+                       : _mm512_setzero_si512();
+        }
+        for (int64_t mt = mc; mt < mc + mrows; mt += 32) {
+          const bool two = mt + 16 < mc + mrows;
+          const int8_t* xa = a.xq + mt * a.ldx + gi * g.gp;
+          if (two && nb2 == 2) a8_dot<true, true>(xa, a.ldx, bt, steps, cbuf);
+          else if (two) a8_dot<true, false>(xa, a.ldx, bt, steps, cbuf);
+          else if (nb2 == 2) a8_dot<false, true>(xa, a.ldx, bt, steps, cbuf);
+          else a8_dot<false, false>(xa, a.ldx, bt, steps, cbuf);
+          for (int mi = 0; mi < (two ? 2 : 1); ++mi) {
+            for (int r = 0; r < 16; ++r) {
+              const int64_t row = mt + mi * 16 + r;
+              if (row >= a.m) break;
+              const __m512i xs = _mm512_set1_epi32(a.xsum[row * g.ng + gi]);
+              float* t = tot.data() + (row - mc) * 2 * kRows;
+              for (int j = 0; j < nb2; ++j) {
+                // lowbit.h a8_group, lane by lane, as the vector kernels compute it
+                __m512i v = _mm512_sub_epi32(_mm512_load_si512(cbuf[mi][j] + r * 16), _mm512_mullo_epi32(ov[j], xs));
+                if (a.zx) v = _mm512_sub_epi32(v, _mm512_mullo_epi32(_mm512_set1_epi32(a.zx[row]), ws[j]));
+                _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv[j], _mm512_loadu_ps(t + j * 16)));
+              }
+            }
+          }
+        }
+      }
+      for (int64_t row = mc; row < std::min(mc + mrows, a.m); ++row) {
+        const float sx = a.sx[row];
+        const float* t = tot.data() + (row - mc) * 2 * kRows;
+        float* yr = a.y + row * g.n;
+        for (int r = 0; r < nb2 * kRows; ++r) {
+          const int64_t n = b * kRows + r;
+          if (n >= g.n) break;
+          const float v = t[r] * sx;
+          yr[n] = a.bias ? v + a.bias[n] : v;
+        }
+      }
+    }
+  }
+}
+
+// ---- weight-only -----------------------------------------------------------------------------
+
+// bf16 B tiles (one per 32 columns: 16 rows of 2 columns x 16 weight rows) of the integers
+// u - o of group gi of block bb.
+template <int CB>
+void wo_btiles(const WView& w, int64_t bb, int64_t gi, __m512i o, uint8_t* dst) {
+  constexpr int KC = 32 / CB;  // columns per chunk
+  const Geometry& g = w.g;
+  const int64_t chunks = g.gp / KC;
+  const uint8_t* src = w.packed + bb * g.block_bytes() + gi * chunks * kChunkBytes;
+  const __m512i mask = _mm512_set1_epi32((1 << CB) - 1);
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i raw = _mm512_loadu_si512(src + c * kChunkBytes);
+#pragma GCC unroll 8
+    for (int i = 0; i < KC; i += 2) {
+      const unsigned sh0 = (i & 3) * 8 + (i >> 2) * CB, sh1 = ((i + 1) & 3) * 8 + ((i + 1) >> 2) * CB;  // code_shift
+      const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, sh0), mask), o));
+      const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, sh1), mask), o));
+      // |u - o| <= 255 is exact in bf16: its bits are the float's top half
+      const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(v0), 16),
+                                           _mm512_and_si512(_mm512_castps_si512(v1), top));
+      _mm512_storeu_si512(dst + (c * KC / 2 + i / 2) * 64, pair);
+    }
+  }
+}
+
+template <bool TWO_M, bool TWO_N>
+void wo_dot(const uint16_t* xa, int64_t piece, int pieces, int64_t ldx, const uint8_t* const* bt, int64_t steps,
+            float (*cbuf)[2][256]) {
+  const int64_t stride = ldx * 2;
+  barrier();
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if constexpr (TWO_M) _tile_zero(2);
+  if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, bt[0] + s * kStepBytes, 64);
+    if constexpr (TWO_N) _tile_loadd(7, bt[1] + s * kStepBytes, 64);
+    for (int p = 0; p < pieces; ++p) {
+      const uint16_t* pa = xa + p * piece + s * 32;
+      _tile_loadd(4, pa, stride);
+      if constexpr (TWO_M) _tile_loadd(5, pa + 16 * ldx, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (TWO_N) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (TWO_M) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TWO_M && TWO_N) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf[0][0], 64);
+  if constexpr (TWO_N) _tile_stored(1, cbuf[0][1], 64);
+  if constexpr (TWO_M) _tile_stored(2, cbuf[1][0], 64);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, cbuf[1][1], 64);
+  barrier();
+}
+
+template <int CB>
+void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
+            float* y, int64_t b0, int64_t b1) {
+  const Geometry& g = w.g;
+  const int64_t steps = g.gp / 32;
+  std::vector<uint8_t> bbuf(2 * steps * kStepBytes);
+  const int64_t mchunk = chunk_rows(g.kp * 2 * pieces);
+  std::vector<float> tot(mchunk * 2 * kRows);
+  alignas(64) float cbuf[2][2][256];
+  TileScope tiles;
+  for (int64_t mc = 0; mc < m16; mc += mchunk) {
+    const int64_t mrows = std::min(mchunk, m16 - mc);
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int nb2 = b + 2 <= b1 ? 2 : 1;
+      std::fill(tot.begin(), tot.end(), 0.0f);
+      for (int64_t gi = 0; gi < g.ng; ++gi) {
+        const uint8_t* bt[2] = {nullptr, nullptr};
+        __m512 sv[2];
+        for (int j = 0; j < nb2; ++j) {
+          const int64_t idx = ((b + j) * g.ng + gi) * kRows;
+          sv[j] = _mm512_loadu_ps(w.scales + idx);
+          uint8_t* dst = bbuf.data() + j * steps * kStepBytes;
+          wo_btiles<CB>(w, b + j, gi, offsets_of(w, idx, CB), dst);
+          bt[j] = dst;
+        }
+        for (int64_t mt = mc; mt < mc + mrows; mt += 32) {
+          const bool two = mt + 16 < mc + mrows;
+          const uint16_t* xa = xp + mt * ldx + gi * g.gp;
+          const int64_t piece = m16 * ldx;
+          if (two && nb2 == 2) wo_dot<true, true>(xa, piece, pieces, ldx, bt, steps, cbuf);
+          else if (two) wo_dot<true, false>(xa, piece, pieces, ldx, bt, steps, cbuf);
+          else if (nb2 == 2) wo_dot<false, true>(xa, piece, pieces, ldx, bt, steps, cbuf);
+          else wo_dot<false, false>(xa, piece, pieces, ldx, bt, steps, cbuf);
+          for (int mi = 0; mi < (two ? 2 : 1); ++mi) {
+            for (int r = 0; r < 16; ++r) {
+              const int64_t row = mt + mi * 16 + r;
+              if (row >= m) break;
+              float* t = tot.data() + (row - mc) * 2 * kRows;
+              for (int j = 0; j < nb2; ++j)   // y += s_g * S_g, one rounding per group
+                _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(_mm512_load_ps(cbuf[mi][j] + r * 16), sv[j],
+                                                             _mm512_loadu_ps(t + j * 16)));
+            }
+          }
+        }
+      }
+      for (int64_t row = mc; row < std::min(mc + mrows, m); ++row) {
+        const float* t = tot.data() + (row - mc) * 2 * kRows;
+        float* yr = y + row * g.n;
+        for (int r = 0; r < nb2 * kRows; ++r) {
+          const int64_t n = b * kRows + r;
+          if (n >= g.n) break;
+          yr[n] = bias ? t[r] + bias[n] : t[r];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) a8_run<4>(w, a, m16, b0, b1);
+  else a8_run<8>(w, a, m16, b0, b1);
+}
+
+void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
+        float* y, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) wo_run<4>(w, xp, pieces, ldx, m, m16, bias, y, b0, b1);
+  else wo_run<8>(w, xp, pieces, ldx, m, m16, bias, y, b0, b1);
+}
+
+bool split(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16, uint16_t* out) {
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i expo = _mm512_set1_epi32(0x7F800000);
+  __mmask16 bad = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    for (int64_t k = 0; k < ldx; k += 16) {
+      const int64_t left = std::min<int64_t>(16, ldx - k);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = row < m ? _mm512_maskz_loadu_ps(lanes, x + row * ldx + k) : _mm512_setzero_ps();
+      for (int p = 0; p < pieces; ++p) {
+        const __m512i bits = _mm512_castps_si512(v);
+        // round to nearest even bf16; the last piece is exact (a remainder of <= 8 bits)
+        const __m512i h = p + 1 < pieces
+            ? _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one))), 16)
+            : _mm512_srli_epi32(bits, 16);
+        const __m512i hb = _mm512_slli_epi32(h, 16);
+        bad |= _mm512_mask_cmpeq_epi32_mask(lanes, _mm512_and_si512(hb, expo), expo);   // inf / nan
+        _mm256_mask_storeu_epi16(out + (p * m16 + row) * ldx + k, lanes, _mm512_cvtepi32_epi16(h));
+        v = _mm512_sub_ps(v, _mm512_castsi512_ps(hb));
+      }
+    }
+  }
+  return bad == 0;
+}
+
+#pragma GCC pop_options
+
+#else  // no AMX build
+
+bool available() { return false; }
+void a8(const WView&, const A8View&, int64_t, int64_t, int64_t) {}
+void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t) {}
+bool split(const float*, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }
+
+#endif
+
+}  // namespace amx
+}  // namespace lowbit
+}  // namespace qc
