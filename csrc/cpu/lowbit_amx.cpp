@@ -103,6 +103,24 @@ inline __m512i offsets_of(const WView& w, int64_t idx, int cb) {
                 : _mm512_set1_epi32(code_bias(cb));
 }
 
+// y[row][n] = tot * sx[row] (W-A8; sx null: weight-only) + bias[n] for rows [r0, r1) and the
+// real rows of blocks b, b + nb2 - 1; tot rows start at r0 (the pass's first row).
+void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const float* bias, float* y, int64_t n,
+                int64_t b, int nb2) {
+  for (int j = 0; j < nb2; ++j) {
+    const int64_t n0 = (b + j) * kRows;
+    if (n0 >= n) break;
+    const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(kRows, n - n0)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
+    for (int64_t row = r0; row < r1; ++row) {
+      __m512 v = _mm512_loadu_ps(tot + (row - r0) * 2 * kRows + j * kRows);
+      if (sx) v = _mm512_mul_ps(v, _mm512_set1_ps(sx[row]));
+      if (bias) v = _mm512_add_ps(v, bv);
+      _mm512_mask_storeu_ps(y + row * n + n0, lanes, v);
+    }
+  }
+}
+
 // ---- W-A8 ------------------------------------------------------------------------------------
 
 // B tiles (one per 64 columns) of group gi of block bb; usum: sum of the codes per row (only
@@ -165,14 +183,14 @@ void a8_run(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1
   const int64_t steps = g.gp / 64;
   std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
   const int64_t mchunk = chunk_rows(g.kp);
-  std::vector<float> tot(mchunk * 2 * kRows);
+  std::vector<float> tot(std::min(mchunk, m16) * 2 * kRows);
   alignas(64) int32_t cbuf[2][2][256];
   TileScope tiles;
   for (int64_t mc = 0; mc < m16; mc += mchunk) {
     const int64_t mrows = std::min(mchunk, m16 - mc);
     for (int64_t b = b0; b < b1; b += 2) {
       const int nb2 = b + 2 <= b1 ? 2 : 1;
-      std::fill(tot.begin(), tot.end(), 0.0f);
+      std::fill(tot.begin(), tot.begin() + mrows * 2 * kRows, 0.0f);
       for (int64_t gi = 0; gi < g.ng; ++gi) {
         const uint8_t* bt[2] = {nullptr, nullptr};
         __m512 sv[2];
@@ -210,17 +228,7 @@ void a8_run(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1
           }
         }
       }
-      for (int64_t row = mc; row < std::min(mc + mrows, a.m); ++row) {
-        const float sx = a.sx[row];
-        const float* t = tot.data() + (row - mc) * 2 * kRows;
-        float* yr = a.y + row * g.n;
-        for (int r = 0; r < nb2 * kRows; ++r) {
-          const int64_t n = b * kRows + r;
-          if (n >= g.n) break;
-          const float v = t[r] * sx;
-          yr[n] = a.bias ? v + a.bias[n] : v;
-        }
-      }
+      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, g.n, b, nb2);
     }
   }
 }
@@ -288,14 +296,14 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
   const int64_t steps = g.gp / 32;
   std::vector<uint8_t> bbuf(2 * steps * kStepBytes);
   const int64_t mchunk = chunk_rows(g.kp * 2 * pieces);
-  std::vector<float> tot(mchunk * 2 * kRows);
+  std::vector<float> tot(std::min(mchunk, m16) * 2 * kRows);
   alignas(64) float cbuf[2][2][256];
   TileScope tiles;
   for (int64_t mc = 0; mc < m16; mc += mchunk) {
     const int64_t mrows = std::min(mchunk, m16 - mc);
     for (int64_t b = b0; b < b1; b += 2) {
       const int nb2 = b + 2 <= b1 ? 2 : 1;
-      std::fill(tot.begin(), tot.end(), 0.0f);
+      std::fill(tot.begin(), tot.begin() + mrows * 2 * kRows, 0.0f);
       for (int64_t gi = 0; gi < g.ng; ++gi) {
         const uint8_t* bt[2] = {nullptr, nullptr};
         __m512 sv[2];
@@ -326,15 +334,7 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
           }
         }
       }
-      for (int64_t row = mc; row < std::min(mc + mrows, m); ++row) {
-        const float* t = tot.data() + (row - mc) * 2 * kRows;
-        float* yr = y + row * g.n;
-        for (int r = 0; r < nb2 * kRows; ++r) {
-          const int64_t n = b * kRows + r;
-          if (n >= g.n) break;
-          yr[n] = bias ? t[r] + bias[n] : t[r];
-        }
-      }
+      store_rows(tot.data(), mc, std::min(mc + mrows, m), nullptr, bias, y, g.n, b, nb2);
     }
   }
 }

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..quant import kernels as _kernels
 from ..quant.api import quantize_spec
 from ..quant.reference import make_spec
 from . import lowbit
@@ -320,8 +321,9 @@ def _to_lowbit(mod: nn.Module, rec: dict):
 
 
 def _lowbit_packed(mod: nn.Module, device=None) -> "lowbit.Packed":
-    ts = (mod._buffers[name] for name in _LOWBIT_BUFFERS)
-    return lowbit.Packed(*(t if device is None else t.to(device) for t in ts))
+    b = mod._buffers           # read per call (plain lookups: at one token this is per-call overhead)
+    p = lowbit.Packed(b["lowbit_packed"], b["lowbit_scales"], b["lowbit_offsets"])
+    return p if device is None else lowbit.Packed(*(t.to(device) for t in p))
 
 
 def _lowbit_codes(mod: nn.Module):
@@ -405,8 +407,13 @@ def _input_codes(self, x2: torch.Tensor):
     act = self.qx_rec["input_activations"]
     bits = act["num_bits"]
     if act["dynamic"]:
-        spec = make_spec(bits, symmetric=act["symmetric"], granularity="token")
-        q, s, zp = quantize_spec(x2, spec)
+        spec = self.__dict__.get("qx_token_spec")
+        if spec is None:                   # built once: a Spec per call costs more than the matmul at one token
+            spec = self.qx_token_spec = make_spec(bits, symmetric=act["symmetric"], granularity="token")
+        if x2.dtype != torch.float64 and _kernels.available() and _kernels.on_kernel_device(x2):
+            q, s, zp = _kernels.quantize(x2, spec)     # what quantize_spec dispatches to, minus its checks
+        else:
+            q, s, zp = quantize_spec(x2, spec)
         return q.to(torch.int8), s.to(torch.float32), None if zp is None else zp.to(torch.int64)
     # static range: same ops as codes.static_act_fake_quant
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1

@@ -33,13 +33,23 @@ def available() -> bool:
     return _kernels.available() and hasattr(torch.ops.qcompress, "lowbit_linear")
 
 
+_RUNS_ON = {}
+
+
 def runs_on(device: torch.device) -> bool:
+    """Whether the operators have kernels for this device type (cached: asked on every call)."""
+    ok = _RUNS_ON.get(device.type)
+    if ok is None:
+        ok = _RUNS_ON[device.type] = _runs_on(device.type)
+    return ok
+
+
+def _runs_on(kind: str) -> bool:
     if not available():
         return False
-    if device.type == "cpu":
+    if kind == "cpu":
         return True
-    return (device.type == "cuda"
-            and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA"))
+    return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA")
 
 
 def isa(request: str = "") -> str:
