@@ -11,7 +11,8 @@ decay. Each compressed optimizer runs at its uncompressed base's lr:
 
   AdamW (base)      lr 2e-3
   1-bit Adam        freeze_step = 20 % of the steps (DeepSpeed's 15-25 %); one 1-bit scale per
-                    flat bucket (DeepSpeed's fp16 layout), and a second run with scale_per_tensor
+                    tensor (the default), and a second run with one scale per flat bucket
+                    (scale_per_tensor false: DeepSpeed's fp16 layout)
   0/1 Adam          var_freeze_step 20 %, var_update_scaler 16, local_step_scaler 20 %,
                     local_step_clipper 16 (the tutorial's schedule scaled to the run)
   LAMB (base)       lr 2e-2
@@ -47,8 +48,8 @@ SECTION = "## Compressed optimizers: convergence"
 CTX, GLOBAL_BATCH, VAL_BATCHES = 64, 32, 8
 ADAM_LR, LAMB_LR = 2e-3, 2e-2
 RUNS = ("adamw", "onebitadam", "onebitadam_pt", "zerooneadam", "lamb", "onebitlamb")
-LABEL = {"adamw": "AdamW", "onebitadam": "1-bit Adam", "onebitadam_pt": "1-bit Adam, scale per tensor",
-         "zerooneadam": "0/1 Adam", "lamb": "LAMB", "onebitlamb": "1-bit LAMB"}
+LABEL = {"adamw": "AdamW", "onebitadam": "1-bit Adam, one scale (scale_per_tensor false)",
+         "onebitadam_pt": "1-bit Adam (default: scale per tensor)", "zerooneadam": "0/1 Adam (default: scale per tensor)", "lamb": "LAMB", "onebitlamb": "1-bit LAMB"}
 BASE = {"onebitadam": "adamw", "onebitadam_pt": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
 
 
@@ -56,9 +57,9 @@ def optimizer_cfg(name, steps):
     freeze = max(1, steps // 5)
     return {
         "adamw": {"type": "AdamW", "params": {"lr": ADAM_LR, "weight_decay": 0.0}},
-        "onebitadam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
-        "onebitadam_pt": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze,
-                                                           "scale_per_tensor": True}},
+        "onebitadam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze,
+                                                        "scale_per_tensor": False}},
+        "onebitadam_pt": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
         "zerooneadam": {"type": "ZeroOneAdam", "params": {"lr": ADAM_LR, "var_freeze_step": freeze,
                                                           "var_update_scaler": 16, "local_step_scaler": freeze,
                                                           "local_step_clipper": 16}},

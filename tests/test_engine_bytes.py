@@ -71,9 +71,10 @@ def test_engine_counts_ddp_and_compressed_bytes_on_two_ranks():
     P = 2
     state = 259 * 4                                   # bytes of the model's parameters (no buffers)
     ring = 2 * (P - 1) * state // P                   # one fp32 gradient all-reduce, ring volume
-    # 1-bit all-reduce of 259 elements: padded to a multiple of 8P = 16 -> 272, chunk 136; a row is
-    # 136 sign bits + one float32 scale; all_to_all and all_gather each move (P-1) rows each way
-    row = 272 // P // 8 + 4
+    # 1-bit all-reduce, one scale per tensor (192, 16, 48 and 3 elements): each padded to a multiple of
+    # 8P = 16, cut in P chunks; a row is the chunk's sign bits + one float32 scale; all_to_all and
+    # all_gather each move (P-1) rows of every tensor each way
+    row = sum(-(-n // 16) * 16 // P // 8 + 4 for n in (192, 16, 48, 3))
     onebit_call = 2 * (P - 1) * row
     hosts = (P - 1) * 32          # once: the all-gather of hostname digests that looks for nodes
     for rank, r in enumerate(res):

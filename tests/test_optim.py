@@ -388,14 +388,14 @@ def test_build_optimizer_types_and_semantics():
 
 
 def test_scale_per_tensor_from_config_and_recorded_in_the_checkpoint_layout():
-    """ZeroOneAdam defaults to one 1-bit scale per tensor, OneBitAdam to DeepSpeed's one per flat bucket;
+    """ZeroOneAdam and OneBitAdam default to one 1-bit scale per tensor (False: DeepSpeed's one per flat bucket);
     the choice reaches the optimizer from a ds_config and is part of the saved compression layout (a
     resume under the other choice drops the errors: its buckets differ)."""
     ps = [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)]
     built = {(kind, str(v)): build_optimizer(ps, {"type": kind, "params": {} if v is None else
                                                  {"scale_per_tensor": v, "bucket_size": 32}})
              for kind in ("ZeroOneAdam", "OneBitAdam") for v in (None, True, False)}
-    assert built["ZeroOneAdam", "None"].scale_per_tensor and not built["OneBitAdam", "None"].scale_per_tensor
+    assert built["ZeroOneAdam", "None"].scale_per_tensor and built["OneBitAdam", "None"].scale_per_tensor
     for kind in ("ZeroOneAdam", "OneBitAdam"):
         per, flat = built[kind, "True"], built[kind, "False"]
         assert per.scale_per_tensor and not flat.scale_per_tensor
@@ -758,7 +758,7 @@ def _grads4(t, rank, shapes=_SHAPES4):
 
 _RUNS4 = {  # name -> (constructor, steps); every run ends on a step where the ranks synchronise
     "OneBitAdam": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
-                                             freeze_step=3, bucket_size=_BUCKET4), 6),
+                                             freeze_step=3, bucket_size=_BUCKET4, scale_per_tensor=False), 6),
     # variance steps 1, 2, 4; compressed gradients 3, 5, 6; local steps from 7, syncs at 7, 8, 10
     "ZeroOneAdam": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
                                                var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
@@ -768,9 +768,8 @@ _RUNS4 = {  # name -> (constructor, steps); every run ends on a step where the r
                                                    var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
                                                    local_step_clipper=2, bucket_size=_BUCKET4,
                                                    scale_per_tensor=False), 10),
-    "OneBitAdamPerTensor": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS,
-                                                      weight_decay=_WD, freeze_step=3, bucket_size=_BUCKET4,
-                                                      scale_per_tensor=True), 6),
+    "OneBitAdamPerTensor": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS,  # the default
+                                                      weight_decay=_WD, freeze_step=3, bucket_size=_BUCKET4), 6),
     "OneBitLamb": (lambda groups: OneBitLamb(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
                                              freeze_step=3, max_coeff=0.5, coeff_beta=0.5,
                                              bucket_size=_BUCKET4), 6),
