@@ -49,7 +49,8 @@ CTX, GLOBAL_BATCH, VAL_BATCHES = 64, 32, 8
 ADAM_LR, LAMB_LR = 2e-3, 2e-2
 RUNS = ("adamw", "onebitadam", "onebitadam_pt", "zerooneadam", "lamb", "onebitlamb")
 LABEL = {"adamw": "AdamW", "onebitadam": "1-bit Adam, one scale (scale_per_tensor false)",
-         "onebitadam_pt": "1-bit Adam (default: scale per tensor)", "zerooneadam": "0/1 Adam (default: scale per tensor)", "lamb": "LAMB", "onebitlamb": "1-bit LAMB"}
+         "onebitadam_pt": "1-bit Adam (default: scale per tensor)",
+         "zerooneadam": "0/1 Adam (default: scale per tensor)", "lamb": "LAMB", "onebitlamb": "1-bit LAMB"}
 BASE = {"onebitadam": "adamw", "onebitadam_pt": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
 
 

@@ -4,8 +4,11 @@ The optimizers compress one float32 quantity per parameter (momentum, gradient o
 update), always for the same parameter list in the same order: the tensors are laid end to end in
 a persistent staging buffer and cut into buckets of `bucket_size` elements, each one
 qcompress.comm.compressed_allreduce call with its own OneBitState (the layout of
-qcompress.comm.BucketedCompressor, without its per-call allocations). The layout depends only on the parameter
-shapes and bucket_size, so it is identical on every rank and across resumes.
+qcompress.comm.BucketedCompressor, without its per-call allocations). With per_tensor (the
+optimizers' scale_per_tensor) every tensor starts a bucket of its own, so it gets its own 1-bit
+scales and errors; on the flat path all those buckets share the two collectives of one call
+(qcompress.comm.allreduce.flat_compressed_allreduce_many). The layout depends only on the parameter
+shapes, bucket_size and per_tensor, so it is identical on every rank and across resumes.
 
 With one rank nothing is sent and nothing is compressed: the mean over one rank is exact.
 
@@ -42,7 +45,8 @@ class Buckets:
             # one bucket per parameter (split at bucket_size): every tensor gets its own 1-bit scales
             self.ranges, start = [], 0
             for n in self.numels:
-                self.ranges += [(s, min(s + self.bucket_size, start + n)) for s in range(start, start + n, self.bucket_size)]
+                end = start + n
+                self.ranges += [(s, min(s + self.bucket_size, end)) for s in range(start, end, self.bucket_size)]
                 start += n
         else:
             self.ranges = [(s, min(s + self.bucket_size, self.total)) for s in range(0, self.total, self.bucket_size)]
