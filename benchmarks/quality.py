@@ -16,8 +16,8 @@ recipe (written into its run folder):
   qad_rl  observer mse, range_learning, distillation from the FP32 fine-tune (KL, T 1, alpha 0.9)
 
 The share of the PTQ degradation recovered is (PTQ - method) / (PTQ - FP32) on the metric, with
-PTQ the minmax PTQ; it is left out where minmax PTQ is within 0.5 points (classifier) or 1 %
-(perplexity) of FP32. Progressive recipes get their drops spread over the run (linear growth,
+PTQ the minmax PTQ; it is left out where minmax PTQ is within 0.5 points (classifier) or 0.2 %
+(perplexity) of FP32. Issue 15's targets are checked from the rows and listed under each table. Progressive recipes get their drops spread over the run (linear growth,
 last drop at 4/5 of the steps). Each finished run is reused unless --rerun (its report.json).
 --write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
 tables of every task measured so far (kept in <out>/<task>/summary.json).
@@ -116,11 +116,30 @@ def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
     args = [*configs, *base_args, "--out", out, "--seed", str(a.seed), "--save-steps", "0", "--overwrite",
             "--no-progress"]
     args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
+    if a.threads:
+        args += ["--threads", str(a.threads)]
     print(f"=== qcompress train {' '.join(args)}", flush=True)
     if qcompress_main(["train", *args]):
         raise SystemExit(f"run {out} failed")
     with open(report, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+def update_summary(path: str, metric: str, key=None, row=None, **fields) -> dict:
+    """Read-modify-write of summary.json: several processes (one per recipe) may share it."""
+    summary = {"metric": metric, "recipes": {}}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            summary = json.load(fh)
+    if key is not None:
+        summary["recipes"][key] = row
+    summary.update({k: v for k, v in fields.items() if v is not None})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2)
+    os.replace(tmp, path)
+    return summary
 
 
 def share(ptq, method, fp32):
@@ -131,26 +150,61 @@ def fmt_metric(v, metric):
     return "—" if v is None else (f"{v:.4f}" if metric == "accuracy" else f"{v:.2f}")
 
 
+def small_ptq_loss(pm, fp, acc: bool) -> bool:
+    """PTQ too close to FP32 for a share to mean anything: 2 articles (classifier), 0.2 % (perplexity)."""
+    return abs(pm - fp) < 0.005 if acc else abs(pm - fp) / fp < 0.002
+
+
 def table(summary: dict) -> str:
     metric = summary["metric"]
     acc = metric == "accuracy"
-    head = ("| recipe | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD + RL | recovered: QAT / QAT+RL / QAD+RL |"
-            " mse cuts PTQ excess by |\n|---|---|---|---|---|---|---|---|---|")
+    head = ("| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD + RL | recovered: QAT / QAT+RL / "
+            "QAD+RL | mse cuts PTQ excess by |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for key, row in summary["recipes"].items():
-        fp, pm, ps = row["fp32"], row["ptq_minmax"], row["ptq_mse"]
+        fp, pm, ps = row["fp32"], row.get("ptq_minmax"), row.get("ptq_mse")
         vals = [row.get(v) for v in VARIANTS]
-        small = (abs(pm - fp) < 0.005) if acc else (abs(pm - fp) / fp < 0.01)
-        if small:
-            rec = "n/a (PTQ ≈ FP32)"
-            cut = "n/a"
+        if pm is None or small_ptq_loss(pm, fp, acc):
+            rec = "n/a (PTQ ≈ FP32)" if pm is not None else "—"
+            cut = "n/a" if pm is not None else "—"
         else:
             rec = " / ".join("—" if v is None else f"{100 * share(pm, v, fp):.0f} %" for v in vals)
-            cut = f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
-        lines.append(f"| {row['label']} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
+            cut = "—" if ps is None else f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
+        budget = f" ({row['budget']})" if row.get("budget") else ""
+        lines.append(f"| {row['label']}{budget} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
                      f"{fmt_metric(ps, metric)} | " + " | ".join(fmt_metric(v, metric) for v in vals) +
                      f" | {rec} | {cut} |")
     return "\n".join(lines)
+
+
+def targets(summary: dict) -> list:
+    """Issue 15's targets, met or missed, from the measured rows (a target whose rows are missing is left out)."""
+    r, out = summary["recipes"], []
+
+    def verdict(ok):
+        return "**met**" if ok else "**missed**"
+    if summary["metric"] == "perplexity":
+        w4 = r.get("w4_g32", {})
+        if w4.get("ptq_minmax") is not None and w4.get("ptq_mse") is not None:
+            fp, pm, ps = w4["fp32"], w4["ptq_minmax"], w4["ptq_mse"]
+            cut = 1 - (ps - fp) / (pm - fp)
+            out.append(f"Target: mse observer cuts the W4 g32 PTQ perplexity excess by ≥ 1/3: {verdict(cut >= 1 / 3)} "
+                       f"(+{pm - fp:.3f} → +{ps - fp:.3f} over FP32 {fp:.3f}: cut by {100 * cut:.0f} %).")
+        for key, bits, goal in (("w4_g32", "W4 g32", 0.9), ("w3_g32", "W3 g32", 0.7)):
+            row = r.get(key, {})
+            if row.get("qad_rl") is None or row.get("ptq_minmax") is None:
+                continue
+            fp, pm, v = row["fp32"], row["ptq_minmax"], row["qad_rl"]
+            sh = share(pm, v, fp)
+            out.append(f"Target: QAD + range learning recovers ≥ {100 * goal:.0f} % of the {bits} PTQ degradation: "
+                       f"{verdict(sh >= goal)} (FP32 {fp:.3f}, PTQ {pm:.3f}, QAD + RL {v:.3f}: {100 * sh:.0f} %).")
+    else:
+        row = r.get("w2a8_kd", {})
+        if row.get("qad_rl") is not None:
+            d = 100 * (row["qad_rl"] - row["fp32"])
+            out.append(f"Target: ternary W2 with distillation within 3 accuracy points of FP32: {verdict(d >= -3)} "
+                       f"(QAD + RL {row['qad_rl']:.4f} vs FP32 {row['fp32']:.4f}: {d:+.2f} points).")
+    return out
 
 
 def section(summaries: dict) -> str:
@@ -163,8 +217,9 @@ def section(summaries: dict) -> str:
              "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
     for task, s in summaries.items():
         parts.append(f"\n### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n")
-        if s.get("notes"):
-            parts.append("\n" + "\n".join(f"- {n}" for n in s["notes"]) + "\n")
+        notes = targets(s) + list(s.get("notes") or [])
+        if notes:
+            parts.append("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
     return "".join(parts)
 
 
@@ -193,11 +248,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per run (default: torch's)")
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--baseline-from", default=None, metavar="RUN",
+                   help="a finished run folder of the same task and budget whose FP32 fine-tune to reuse")
     p.add_argument("--write-results", action="store_true")
+    p.add_argument("--note", action="append", default=None,
+                   help="a sentence listed under this task's table (repeat; replaces the task's notes)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base_args, metric, _, steps = task_args(a)
+    if a.task == "classifier":
+        budget = f"{a.train_samples or 1780} articles, {steps} steps"
+    else:
+        budget = f"{a.max_steps} steps of {a.batch_size} × {a.max_length}"
     out_task = os.path.join(a.out, a.task)
     summary_path = os.path.join(out_task, "summary.json")
     summary = {"metric": metric, "recipes": {}}
@@ -205,10 +269,11 @@ def main(argv=None) -> int:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
     t0 = time.perf_counter()
-    baseline = summary.get("baseline_run")
+    baseline = a.baseline_from or summary.get("baseline_run")
     for key in [k for k in a.recipes.split(",") if k]:
         label, recipe, progressive = RECIPES[key]
         row = summary["recipes"].get(key, {"label": label})
+        row["label"] = label
         for variant in [v for v in a.variants.split(",") if v]:
             out = os.path.join(out_task, key, variant)
             frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant))]
@@ -226,28 +291,24 @@ def main(argv=None) -> int:
             row[f"{variant}_max_logit_diff"] = st["exported"].get("max_logit_diff_vs_qat")
             row[f"{variant}_train_s"] = rep["wall_time_s"].get("qat_train")
             row["steps"] = rep["training"]["steps"]
-            summary["recipes"][key] = row
-            summary["baseline_run"] = baseline
-            summary.setdefault("data", rep["data"]["summary"])
-            os.makedirs(out_task, exist_ok=True)
-            with open(summary_path + ".tmp", "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2)
-            os.replace(summary_path + ".tmp", summary_path)
+            row["budget"] = budget
+            summary = update_summary(summary_path, metric, key=key, row=row, baseline_run=baseline,
+                                     data=rep["data"]["summary"])
     import torch
     if a.task == "classifier":
-        summary["title"] = "all-MiniLM-L6-v2 on BBC News (accuracy)"
-        n = a.train_samples or 1780
-        summary["setup"] = (f"One epoch on the first {n} training articles of the 80/20 split (seed {a.seed}), "
-                            f"batch {a.batch_size}, max length {a.max_length}, AdamW 1e-4; accuracy on "
-                            f"{a.eval_samples or 445} held-out articles ({summary.get('data', '')}). "
-                            f"{torch.get_num_threads()} threads on a shared 2-core CPU.")
+        title = "all-MiniLM-L6-v2 on BBC News (accuracy)"
+        setup = (f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "
+                 f"steps per recipe in its row), batch {a.batch_size}, max length {a.max_length}, AdamW "
+                 f"{a.lr} (weight decay 0.01); accuracy on {a.eval_samples or 445} held-out articles "
+                 f"({summary.get('data', '')}). {a.threads or torch.get_num_threads()} thread(s) per run "
+                 "on a shared 2-core CPU.")
     else:
-        summary["title"] = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
-        summary["setup"] = (f"{a.max_steps} steps of batch {a.batch_size} × {a.max_length} tokens on its train.txt, "
-                            f"AdamW {a.lr}; perplexity on heldout.txt"
-                            f"{f' (first {a.eval_samples} blocks)' if a.eval_samples else ''}.")
-    with open(summary_path, "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=2)
+        title = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
+        setup = (f"Steps of batch × tokens on its train.txt per recipe in its row, AdamW {a.lr} (weight decay "
+                 f"0.01), constant lr; perplexity on heldout.txt"
+                 f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
+                 f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU.")
+    summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
     print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
     if a.write_results:
         summaries = {}
