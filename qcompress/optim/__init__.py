@@ -7,7 +7,10 @@ GPU), on world size 1 too (also without torch.distributed initialised). Extra ke
 qcompress.comm.register_compressor), `bucket_size` (elements per compressed all-reduce call),
 `comm_hierarchy` (None = automatic: hierarchical when ranks span hosts; "node": hierarchical by
 host, so on a single host the exact uncompressed average; "flat"; or a qcompress.comm.Hierarchy),
-`ddp_hook_state` (see DDP below).
+`ddp_hook_state` (see DDP below), `scale_per_tensor` (OneBitAdam, ZeroOneAdam; default True: each
+parameter tensor compressed with its own 1-bit scales and errors, all tensors in the same two
+collectives; False: DeepSpeed's fp16 layout, one scale per flat bucket, which converged worse,
+benchmarks/RESULTS.md).
 
 Fixes over DeepSpeed: bias_correction is honoured (default True; bc2 counts variance updates and
 freezes with the variance); parameters may be fp32, bf16 or fp16 (moments, errors and a master copy
