@@ -1072,3 +1072,42 @@ def test_resume_on_another_host_layout_resets_errors_on_every_rank():
         assert _same(res[0][key + ("checkpoint",)], res[0][key + ("none",)]) == reset, key
         if not reset:  # same layout: the resume is exact
             assert _same(res[0][key + ("checkpoint",)], res[0][key + ("straight",)])
+
+
+def _rank_layout_resume(rank, world):
+    """Errors saved under one scale_per_tensor choice load only under the same one."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("qcompress").addHandler(handler)
+    out = {}
+    try:
+        ps = [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)]
+        opt = ZeroOneAdam(ps, var_freeze_step=10, var_update_scaler=1, bucket_size=32)
+        for t in range(3):       # steps 1, 2 variance steps, step 3 a compressed-gradient step
+            g = torch.Generator().manual_seed(10 * t + rank)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.sync_gradients()
+            opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        for per_tensor in (True, False):
+            del messages[:]
+            other = ZeroOneAdam([torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)],
+                                var_freeze_step=10, var_update_scaler=1, bucket_size=32,
+                                scale_per_tensor=per_tensor)
+            other.load_state_dict(sd)
+            out[per_tensor] = {"errors": other._get_buckets().errors_state_dict(), "log": list(messages)}
+        out["saved"] = sd["qcompress"]["errors"]
+    finally:
+        logging.getLogger("qcompress").removeHandler(handler)
+    return out
+
+
+def test_errors_resume_only_under_the_same_scale_per_tensor():
+    for r in run_ranks(_rank_layout_resume, 2, timeout=TIMEOUT):
+        assert len(r["saved"]) == 3 and all(e for e in r["saved"])     # three per-tensor buckets with errors
+        kept = r[True]["errors"]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(kept, r["saved"]) for k in a) and not r[True]["log"]
+        assert r[False]["errors"] is None
+        assert any("bucket layout changed" in m for m in r[False]["log"])
