@@ -336,3 +336,33 @@ def test_shared_input_with_hooks_that_change_the_input(backend):
         runs.append(step(model, x, use_fused))
     assert_same(runs[0], runs[1])
     assert_same(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv", "hf_conv1d"])
+@pytest.mark.parametrize("frozen", ["weights", "first_layer", "input"])
+def test_fused_partial_gradients(backend, kind, frozen):
+    """Only some gradients asked for (frozen weights, a frozen first layer, an input without
+    gradient): the same ones as unfused, and nothing for the rest."""
+    if kind == "hf_conv1d":
+        pytest.importorskip("transformers", reason="transformers provides GPT-2's Conv1D")
+    model = make_model(kind)
+    init_compression(model, make_cfg("channel", "clip", "dynamic", True, False))
+    if frozen == "weights":
+        for m in model[::2]:
+            m.weight.requires_grad_(False)
+    elif frozen == "first_layer":
+        model[0].requires_grad_(False)
+    x = make_input(kind)
+    if frozen == "input":
+        x = x.detach()
+    runs = []
+    for use_fused in (True, False):
+        m = copy.deepcopy(model)
+        xi = x.detach().clone().requires_grad_(frozen != "input")
+        with fused.enabled(use_fused):
+            out = m(xi)
+        out.square().sum().backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        grads["input"] = xi.grad
+        runs.append((out, grads))
+    assert_same(*runs)

@@ -185,9 +185,10 @@ def _cast(t, dtype):
     return t.to(dtype)
 
 
-def _mat1_grad(grad, mat2, mat1):
-    """torch's mm_mat1_backward: the gradient of mat1 in mat1 @ mat2."""
-    if mat1.stride(0) == 1 and mat1.stride(1) == mat1.size(0):
+def _mat1_grad(grad, mat2, mat1_shape):
+    """torch's mm_mat1_backward: the gradient of mat1 in mat1 @ mat2, for a contiguous mat1 (x^
+    always is), which counts as column-major only when it is [1, 1]."""
+    if mat1_shape[0] == 1 and mat1_shape[1] == 1:
         return mat2.mm(grad.t()).t()
     return grad.mm(mat2.t())
 
@@ -199,23 +200,28 @@ def _mat2_grad(grad, mat1, mat2):
     return mat1.t().mm(grad)
 
 
-def _op_grads(p: Plan, grad, xc, wc, bias_shape, need_x, need_w, need_b):
-    """(grad of x^, of the weight the op used, of the bias) in the op's compute dtype."""
+def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, need_w, need_b):
+    """(grad of x^, of the weight the op used, of the bias) in the op's compute dtype. x^ is
+    dequantized here and let go before the input's gradient is made, which can reuse its memory."""
     mod = p.mod
-    if p.op == "conv":
+    if p.op == "conv":     # the input's shape and dtype are needed even without weight gradients
+        xc = _cast(_dequantize(q, s, z, x_dtype, p.spec), cast)
         n = xc.dim() - 2
         return torch.ops.aten.convolution_backward(
             grad, xc, wc, None if bias_shape is None else list(bias_shape), list(mod.stride),
             list(mod.padding), list(mod.dilation), False, [0] * n, mod.groups, [need_x, need_w, need_b])
     g2 = grad.reshape(-1, grad.size(-1))
-    x2 = xc.reshape(-1, xc.size(-1))
     mat2 = wc.t() if p.op == "linear" else wc      # linear: x @ w.t(); Conv1D: x @ w
-    gx = _mat1_grad(g2, mat2, x2).reshape(xc.shape) if need_x else None
-    gw = None
+    gw = gx = gb = None
     if need_w:
-        gw = _mat2_grad(g2, x2, mat2)
+        xc = _cast(_dequantize(q, s, z, x_dtype, p.spec), cast)
+        gw = _mat2_grad(g2, xc.reshape(-1, xc.size(-1)), mat2)
         gw = gw.t() if p.op == "linear" else gw
-    gb = g2.sum_to_size(bias_shape) if need_b else None
+        del xc
+    if need_x:
+        gx = _mat1_grad(g2, mat2, (g2.size(0), q.size(-1))).reshape(q.shape)
+    if need_b:
+        gb = g2.sum_to_size(bias_shape)
     return gx, gw, gb
 
 
@@ -251,10 +257,9 @@ class _FusedCompressed(torch.autograd.Function):
                 w_used = p.weight(w_in, s_in, z_in)
             else:
                 w_used = p.weight(weight, w_scale, w_zp)
-        xq = _dequantize(q, s, z, ctx.x_dtype, p.spec) if weight_grads else None
         bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
-        gx, gw, gb = _op_grads(p, grad, _cast(xq, ctx.cast), _cast(w_used.detach(), ctx.cast), bias_shape,
-                               need_x, weight_grads, need_b)
+        gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
+                               bias_shape, need_x, weight_grads, need_b)
         if gx is not None:
             gx = gx.to(ctx.x_dtype)
         if gb is not None:
