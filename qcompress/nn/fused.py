@@ -85,14 +85,16 @@ def _input_codes(mod, x, spec):
     return codes
 
 
-def _dequantize(q, s, z, dtype, spec):
+def _dequantize(q, s, z, dtype, spec, cast=None):
     """x^ in x's dtype, bit for bit the fake quantizer's output (which saturates at the dtype's
-    largest finite value; the check on the scales is cheap and almost never true)."""
-    y = dequantize(q, s, z, dtype=dtype)
+    largest finite value; the check on the scales is cheap and almost never true). With `cast`
+    (autocast's dtype) x^ as autocast would cast it, written directly: the float32 value rounded
+    once to nearest even either way."""
     lim = torch.finfo(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).max
     if s.device.type != "cpu" or float(s.amax()) * float(spec.qmax - spec.qmin + 1) >= lim:
-        y = saturate(y, dtype)
-    return y
+        return _cast(saturate(dequantize(q, s, z, dtype=dtype), dtype), cast)
+    out = dtype if cast is None or dtype == torch.float64 else cast
+    return dequantize(q, s, z, dtype=out)
 
 
 # --- when the fused path applies -----------------------------------------------------------------
@@ -205,7 +207,7 @@ def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, nee
     dequantized here and let go before the input's gradient is made, which can reuse its memory."""
     mod = p.mod
     if p.op == "conv":     # the input's shape and dtype are needed even without weight gradients
-        xc = _cast(_dequantize(q, s, z, x_dtype, p.spec), cast)
+        xc = _dequantize(q, s, z, x_dtype, p.spec, cast)
         n = xc.dim() - 2
         return torch.ops.aten.convolution_backward(
             grad, xc, wc, None if bias_shape is None else list(bias_shape), list(mod.stride),
@@ -214,7 +216,7 @@ def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, nee
     mat2 = wc.t() if p.op == "linear" else wc      # linear: x @ w.t(); Conv1D: x @ w
     gw = gx = gb = None
     if need_w:
-        xc = _cast(_dequantize(q, s, z, x_dtype, p.spec), cast)
+        xc = _dequantize(q, s, z, x_dtype, p.spec, cast)
         gw = _mat2_grad(g2, xc.reshape(-1, xc.size(-1)), mat2)
         gw = gw.t() if p.op == "linear" else gw
         del xc
@@ -230,10 +232,10 @@ class _FusedCompressed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, p):
-        xq = _dequantize(q, s, z, x.dtype, p.spec)
+        ctx.cast = _autocast_dtype(x.device.type)
+        xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)    # autocast then has nothing to cast
         out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
         ctx.p = p
-        ctx.cast = _autocast_dtype(x.device.type)
         ctx.x_dtype = x.dtype
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         ctx.save_for_backward(q, s, z, weight, w_scale, w_zp)
