@@ -368,3 +368,21 @@ def test_amx_takes_nonfinite_inputs_elsewhere():
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_half_inputs_and_outputs_match_the_float32_path():
+    # bf16 / fp16 activations are read and the result written in their own dtype (no copies):
+    # the pieces of a bf16/fp16 value widened to fp32 are the same plus exact zeros, so the result
+    # must equal the float32 call converted by torch, bit for bit (with and without padded groups)
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.bfloat16, torch.float16):
+        for k, group in ((384, 128), (200, 64)):
+            q, s, zp = _codes(g, 40, k, group, 4, False)
+            p = lowbit.prepack(q, s, zp, group, 4)
+            x = torch.randn(33, k, generator=g).to(dt)
+            b = torch.randn(40, generator=g)
+            lowbit.isa("amx")
+            got = lowbit.linear(x, p, b, 40, group, 4)
+            assert got.dtype == dt
+            assert torch.equal(got, lowbit.linear(x.float(), p, b, 40, group, 4).to(dt)), (dt, k)

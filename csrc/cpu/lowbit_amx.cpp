@@ -103,10 +103,22 @@ inline __m512i offsets_of(const WView& w, int64_t idx, int cb) {
                 : _mm512_set1_epi32(code_bias(cb));
 }
 
+// 16 floats to bf16 / fp16 bits, rounded to nearest even like torch's conversions (bf16 NaN: 0x7FC0).
+inline __m256i to_half_bits(__m512 v, int dt) {
+  if (dt == kF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i bits = _mm512_castps_si512(v);
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                              _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
+      16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(h);
+}
+
 // y[row][n] = tot * sx[row] (W-A8; sx null: weight-only) + bias[n] for rows [r0, r1) and the
-// real rows of blocks b, b + nb2 - 1; tot rows start at r0 (the pass's first row).
-void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const float* bias, float* y, int64_t n,
-                int64_t b, int nb2) {
+// real rows of blocks b, b + nb2 - 1, y in ydt; tot rows start at r0 (the pass's first row).
+void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const float* bias, void* y, int ydt,
+                int64_t n, int64_t b, int nb2) {
   for (int j = 0; j < nb2; ++j) {
     const int64_t n0 = (b + j) * kRows;
     if (n0 >= n) break;
@@ -116,7 +128,8 @@ void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const
       __m512 v = _mm512_loadu_ps(tot + (row - r0) * 2 * kRows + j * kRows);
       if (sx) v = _mm512_mul_ps(v, _mm512_set1_ps(sx[row]));
       if (bias) v = _mm512_add_ps(v, bv);
-      _mm512_mask_storeu_ps(y + row * n + n0, lanes, v);
+      if (ydt == kF32) _mm512_mask_storeu_ps(static_cast<float*>(y) + row * n + n0, lanes, v);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + row * n + n0, lanes, to_half_bits(v, ydt));
     }
   }
 }
@@ -228,7 +241,7 @@ void a8_run(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1
           }
         }
       }
-      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, g.n, b, nb2);
+      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, kF32, g.n, b, nb2);
     }
   }
 }
@@ -291,7 +304,7 @@ void wo_dot(const uint16_t* xa, int64_t piece, int pieces, int64_t ldx, const ui
 
 template <int CB>
 void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-            float* y, int64_t b0, int64_t b1) {
+            void* y, int ydt, int64_t b0, int64_t b1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 32;
   std::vector<uint8_t> bbuf(2 * steps * kStepBytes);
@@ -334,7 +347,7 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
           }
         }
       }
-      store_rows(tot.data(), mc, std::min(mc + mrows, m), nullptr, bias, y, g.n, b, nb2);
+      store_rows(tot.data(), mc, std::min(mc + mrows, m), nullptr, bias, y, ydt, g.n, b, nb2);
     }
   }
 }
@@ -347,12 +360,13 @@ void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
 }
 
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-        float* y, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) wo_run<4>(w, xp, pieces, ldx, m, m16, bias, y, b0, b1);
-  else wo_run<8>(w, xp, pieces, ldx, m, m16, bias, y, b0, b1);
+        void* y, int ydt, int64_t b0, int64_t b1) {
+  if (w.g.cbits == 4) wo_run<4>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1);
+  else wo_run<8>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1);
 }
 
-bool split(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16, uint16_t* out) {
+bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16,
+           uint16_t* out) {
   const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i expo = _mm512_set1_epi32(0x7F800000);
   __mmask16 bad = 0;
@@ -360,7 +374,13 @@ bool split(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int p
     for (int64_t k = 0; k < ldx; k += 16) {
       const int64_t left = std::min<int64_t>(16, ldx - k);
       const __mmask16 lanes = static_cast<__mmask16>((1u << left) - 1);
-      __m512 v = row < m ? _mm512_maskz_loadu_ps(lanes, x + row * ldx + k) : _mm512_setzero_ps();
+      __m512 v = _mm512_setzero_ps();
+      if (row < m && xdt == kF32) {
+        v = _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(x) + row * ldx + k);
+      } else if (row < m) {   // bf16 / fp16 bits, widened exactly
+        const __m256i h = _mm256_maskz_loadu_epi16(lanes, static_cast<const uint16_t*>(x) + row * ldx + k);
+        v = xdt == kF16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
       for (int p = 0; p < pieces; ++p) {
         const __m512i bits = _mm512_castps_si512(v);
         // round to nearest even bf16; the last piece is exact (a remainder of <= 8 bits)
@@ -383,8 +403,8 @@ bool split(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int p
 
 bool available() { return false; }
 void a8(const WView&, const A8View&, int64_t, int64_t, int64_t) {}
-void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t) {}
-bool split(const float*, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }
+void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t) {}
+bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }
 
 #endif
 

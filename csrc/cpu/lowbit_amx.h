@@ -12,6 +12,8 @@ namespace amx {
 
 constexpr int kTileRows = 16;   // tokens per A tile: calls pad their rows to a multiple of this
 
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };   // activations and weight-only outputs
+
 // CPU has AMX-TILE/INT8/BF16 and AVX-512, and the kernel granted this process tile data (asked once).
 bool available();
 
@@ -23,15 +25,18 @@ bool fits(const Geometry& g, bool a8);
 // rows (a multiple of 16, padding rows zero); a.m real rows are written. Row blocks [b0, b1).
 void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1);
 
-// rows [r0, r1) of m16 from a float32 [m, ldx] matrix (rows past m: zeros) -> `pieces` bfloat16 matrices (bits) [pieces][m16][ldx]
-// whose sum is x exactly (1: x is bf16-valued, 2: float16-valued, 3: any float32). False when
-// an entry is not finite (the caller takes another kernel).
-bool split(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16, uint16_t* out);
+// rows [r0, r1) of m16 from a [m, ldx] matrix x of dtype xdt (rows past m: zeros) -> `pieces`
+// bfloat16 matrices (bits) [pieces][m16][ldx] whose sum is x exactly (1: x is bf16-valued,
+// 2: float16-valued, 3: any float32). False when an entry is not finite (the caller takes
+// another kernel).
+bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16,
+           uint16_t* out);
 
 // Weight-only on bf16 tiles: y[m][n] = sum_g s_g * sum_{k in g} x[m][k] (u - o) (+ bias), x given
 // as `pieces` bf16 matrices from split(); products exact, sums in fp32. Row blocks [b0, b1).
+// y [m, n] is written in ydt (rounded to nearest even, as torch converts).
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-        float* y, int64_t b0, int64_t b1);
+        void* y, int ydt, int64_t b0, int64_t b1);
 
 }  // namespace amx
 }  // namespace lowbit

@@ -475,40 +475,56 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   const Geometry g = checked_geometry(n, x.size(-1), group, cbits);
   const WView w = weight_view(g, packed, scales, offsets);
   const int64_t m = g.k ? x.numel() / g.k : 0;
-  const at::Tensor xf = pad_groups(x.reshape({m, g.k}), g, at::kFloat);
+  const at::Tensor x2 = x.reshape({m, g.k});
   at::Tensor bias;
   if (bias_.has_value()) {
     TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear: bias has ", bias_->numel(), " elements, expected ", n);
     bias = bias_->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.const_data_ptr<float>();
   const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
-  float* yp = y.mutable_data_ptr<float>();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
   const int isa = active_isa().load();
-  bool done = m == 0;
-  if (!done && isa >= kAmx && m >= amx::kTileRows && amx::fits(g, false)) {
-    // bf16 pieces whose sum is x exactly: float32 needs 3, float16 2, bfloat16 1
+  if (m >= amx::kTileRows && isa >= kAmx && amx::fits(g, false)) {
+    // bf16 pieces whose sum is x exactly: float32 needs 3, float16 2, bfloat16 1. Read straight
+    // from x and written straight in its dtype when no group needs padding: under load every
+    // extra parallel region (a dtype copy) can cost a scheduler slice.
     const at::ScalarType dt = x.scalar_type();
+    const int code = dt == at::kFloat ? amx::kF32 : dt == at::kBFloat16 ? amx::kBF16 : dt == at::kHalf ? amx::kF16 : -1;
     const int pieces = dt == at::kBFloat16 ? 1 : dt == at::kHalf ? 2 : 3;
+    const bool direct = code >= 0 && g.kp == g.k;
+    const at::Tensor xin = direct ? x2.contiguous() : pad_groups(x2, g, at::kFloat);
+    const int xcode = direct ? code : amx::kF32;
     const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
     at::Tensor xs = at::empty({pieces, m16, g.kp}, x.options().dtype(at::kBFloat16));
     uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.mutable_data_ptr());
-    std::atomic<bool> finite{true};
-    at::parallel_for(0, m16, std::max<int64_t>(1, (int64_t{1} << 16) / g.kp), [&](int64_t r0, int64_t r1) {
-      if (!amx::split(xp, g.kp, m, r0, r1, pieces, m16, xsp)) finite.store(false);
-    });
-    if (finite.load()) {  // inf / nan have no bf16 pieces: such inputs take the vector kernels
-      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, b0, b1); });
-      done = true;
+    const void* xip = xin.const_data_ptr();
+    bool finite = true;
+    if (m16 * g.kp * pieces <= (int64_t{1} << 20)) {   // small: on this thread, no parallel region
+      finite = amx::split(xip, xcode, g.kp, m, 0, m16, pieces, m16, xsp);
+    } else {
+      std::atomic<bool> ok{true};
+      at::parallel_for(0, m16, std::max<int64_t>(1, (int64_t{1} << 16) / g.kp), [&](int64_t r0, int64_t r1) {
+        if (!amx::split(xip, xcode, g.kp, m, r0, r1, pieces, m16, xsp)) ok.store(false);
+      });
+      finite = ok.load();
+    }
+    if (finite) {  // inf / nan have no bf16 pieces: such inputs take the vector kernels
+      at::Tensor y = at::empty({m, n}, x.options().dtype(code >= 0 ? dt : at::kFloat));
+      void* yp = y.mutable_data_ptr();
+      const int ycode = code >= 0 ? code : amx::kF32;
+      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, ycode, b0, b1); });
+      return y.to(dt).reshape(shape);
     }
   }
-  if (!done) {
+  const at::Tensor xf = pad_groups(x2, g, at::kFloat);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m) {
     const WoFn fn = wo_kernel(isa);
+    const float* xp = xf.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
     over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { fn(w, xp, g.kp, m, bp, yp, b0, b1); });
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
   return y.to(x.scalar_type()).reshape(shape);
 }
 
