@@ -334,8 +334,8 @@ def fmt_section(args, bw, bw_end, rows):
            "share the 2 CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
            "torch's fp32 weight-only kernels: 3 rounds, each forward takes tens of seconds). speedup = fp32 min / "
            "variant min. limit = weight bytes / copy bandwidth (the lower of the two measurements), the "
-           "memory-bound time of a forward; % of limit = limit / ours (above 100%: weights served from the "
-           "32 MB L3 cache).", ""]
+           "memory-bound time of a forward; % of limit = limit / ours (above 100%: the weights came from "
+           "cache, not memory).", ""]
     for kind, title in (("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
                         ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, "
                                    "ms per forward"),
