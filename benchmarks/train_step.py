@@ -221,7 +221,9 @@ def child(model_name, variant, steps, threads):
 def memory(model_name, variant, a):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", model_name, variant,
            "--mem-steps", str(a.mem_steps), "--threads", str(a.threads)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    # a fixed mmap threshold: glibc's adaptive one made FP32's peak RSS vary by ~100 MB between runs
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
         err = (p.stderr.strip().splitlines() or ["no output"])[-1]
@@ -260,10 +262,10 @@ def table(model_name, variants, times, errors, mem):
     for v in variants:
         m = mem.get(v, {})
         err = errors.get(v) or m.get("error")
-        if v not in times:
+        if v not in times and times:
             lines.append(f"| {LABELS[v]} | fails: {err} | | | | | |")
             continue
-        t = times[v]
+        t = times.get(v) or [float("nan")]
         tmin, tmed = min(t), statistics.median(t)
         rel = (f"{tmin / min(base_t):.3f} / {tmed / statistics.median(base_t):.3f}" if base_t else "-")
         if "error" in m or not m:
@@ -311,12 +313,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bert,llama")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="0: memory only")
     p.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
     p.add_argument("--mem-steps", type=int, default=2, help="steps before reading the peak RSS")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mem-jobs", type=int, default=2, help="memory subprocesses run at once")
     p.add_argument("--label", default="", help="what code was measured (e.g. a commit)")
+    p.add_argument("--save", help="also write the raw numbers to this JSON file")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -331,11 +334,12 @@ def main(argv=None):
         p.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     t0 = time.time()
     load0 = os.getloadavg()
-    parts, goals = [], []
+    parts, goals, saved = [], [], {}
     for model_name in a.models.split(","):
         with ThreadPoolExecutor(a.mem_jobs) as pool:    # RSS is per process: running side by side is fine
             mem = dict(zip(variants, pool.map(lambda v: memory(model_name, v, a), variants)))
-        times, errors = timing(model_name, variants, a)
+        times, errors = timing(model_name, variants, a) if a.rounds else ({}, {})
+        saved[model_name] = {"times": times, "errors": errors, "memory": mem}
         parts += table(model_name, variants, times, errors, mem) + [""]
         goals += targets(model_name, times, mem)
         print("\n".join(parts[-len(variants) - 5:]), flush=True)
@@ -348,6 +352,9 @@ def main(argv=None):
             f"{a.steps} steps per variant, interleaved in one process (min and median). Memory: fresh process per "
             f"variant, peak RSS after {a.mem_steps} steps; saved for backward = bytes autograd keeps for the "
             "backward of one step (saved_tensors_hooks, parameters not counted; in brackets its int8 part).", ""]
+    if a.save:
+        with open(a.save, "w", encoding="utf-8") as fh:
+            json.dump(saved, fh, indent=1)
     text = "\n".join(head + parts + ["Targets (issue 13):", ""] + goals) + "\n"
     print("\n" + text)
     if a.write_results:
