@@ -68,6 +68,7 @@ class GradReduceHook:
         work = dist.all_reduce(send, group=self.group, async_op=True)
 
         def done(f):
+            f.value()       # re-raises a failed or timed-out all-reduce (else DDP never sees it)
             if send is not buf:
                 buf.copy_(send)
             return buf
