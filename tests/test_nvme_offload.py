@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -122,12 +123,20 @@ def test_reads_of_the_next_chunk_overlap_the_update(tmp_path):
         nv = eng.nvme
         real_read, real_update = nv._read, nv._update
 
+        issued = threading.Event()     # read 1 was issued: set by the I/O thread
+
         def read(chunk, buf, real=real_read):
             events.append(("read", chunk.index))
+            if chunk.index == 1:
+                issued.set()
             real(chunk, buf)
 
         def update(chunk, buf, real=real_update):
             events.append(("update", chunk.index))
+            if pipelined and chunk.index == 0:
+                # On a loaded machine the I/O thread may not be scheduled before a short update
+                # ends; a pipelined read is issued without waiting for it, so wait (bounded) for it.
+                issued.wait(timeout=30)
             real(chunk, buf)
             events.append(("updated", chunk.index))
         nv._read, nv._update = read, update
