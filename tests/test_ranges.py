@@ -553,3 +553,27 @@ def test_learned_ternary_scale_gradient_and_export(tmp_path, backend):
     qc.export_quantized(m, tmp_path / "t", cfg)
     fresh = qc.load_quantized(tmp_path / "t", mlp(seed=2))
     assert torch.equal(fresh[0].weight, m[0].effective_weight().detach())
+
+
+def test_job_optimizer_gives_learned_ranges_their_own_group_without_decay():
+    """qcompress train's default AdamW: learned ranges at RANGE_LR_FACTOR x lr, weight decay 0;
+    every other parameter exactly once at the job's lr with decay 0.01."""
+    from qcompress.train.job import RANGE_LR_FACTOR, client_optimizer
+    m = mlp()
+    cfg = wq_cfg(bits=4, rl=True, act="symmetric")
+    qc.init_compression(m, cfg)
+    named = dict(m.named_parameters())
+    ranges_ = {n for n in named if n.rsplit(".", 1)[-1] in ("weight_scale", "weight_zero_point",
+                                                              "input_scale", "input_zero_point")}
+    assert ranges_, "range learning registered no parameters"
+    opt = client_optimizer({}, 1e-3, m)(list(m.parameters()))
+    by_id = {id(p): n for n, p in named.items()}
+    seen = [by_id[id(p)] for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(named)                    # each parameter once
+    for g in opt.param_groups:
+        names = {by_id[id(p)] for p in g["params"]}
+        if names & ranges_:
+            assert names <= ranges_ and g["weight_decay"] == 0.0 and g["lr"] == pytest.approx(1e-3 * RANGE_LR_FACTOR)
+        else:
+            assert g["weight_decay"] == 0.01 and g["lr"] == 1e-3
+    assert client_optimizer({"optimizer": {"type": "Adam"}}, 1e-3, m) is None   # the config's own optimizer
