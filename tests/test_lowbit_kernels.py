@@ -386,3 +386,47 @@ def test_amx_half_inputs_and_outputs_match_the_float32_path():
             got = lowbit.linear(x, p, b, 40, group, 4)
             assert got.dtype == dt
             assert torch.equal(got, lowbit.linear(x.float(), p, b, 40, group, 4).to(dt)), (dt, k)
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_split_scratch_reuse_keeps_results():
+    # The bf16 pieces of the input live in a grow-only buffer per calling thread (a fresh one per
+    # call page-faulted 5-19 MB per MiniLM layer at 2048 tokens). A later, smaller call runs on a
+    # buffer holding a bigger call's pieces, and other threads have their own: every result must
+    # equal the same call made first on a fresh thread, bit for bit (stale pieces never read),
+    # and the big call must still be within the float64 bound.
+    import threading
+    g = torch.Generator().manual_seed(7)
+    lowbit.isa("amx")
+    calls = []
+    for n, k, group, cbits, m, dt in ((40, 200, 64, 4, 33, torch.float32), (96, 384, 128, 8, 1100, torch.float32),
+                                      (24, 96, 32, 4, 17, torch.float16), (40, 200, 64, 4, 300, torch.bfloat16)):
+        q, s, zp = _codes(g, n, k, group, cbits, False)
+        calls.append((torch.randn(m, k, generator=g).to(dt), lowbit.prepack(q, s, zp, group, cbits),
+                      torch.randn(n, generator=g), n, group, cbits))
+
+    def run_all(out):
+        lowbit.isa("amx")
+        out.extend(lowbit.linear(*c) for c in calls)
+
+    fresh = []
+    for c in calls:                            # each call first on a thread of its own
+        t = threading.Thread(target=lambda c=c: (lowbit.isa("amx"), fresh.append(lowbit.linear(*c))))
+        t.start()
+        t.join()
+    for _ in range(2):                         # grown, shrunk, grown again on this thread
+        here = []
+        run_all(here)
+        for i, (a, b) in enumerate(zip(here, fresh)):
+            assert torch.equal(a, b), f"call {i}"
+    other = []
+    t = threading.Thread(target=run_all, args=(other,))
+    t.start()
+    t.join()
+    assert all(torch.equal(a, b) for a, b in zip(other, fresh))
+    x, p, bias, n, group, cbits = calls[1]
+    q, s, zp = lowbit.unpack(p, n, x.shape[1], group, cbits)
+    w = _reference(q, s, zp, group)
+    want = x.double() @ w.t() + bias.double()
+    bound = (6 * x.shape[1] + 16) * 2.0 ** -24 * (x.double().abs() @ w.abs().t() + bias.double().abs())
+    assert bool(((fresh[1].double() - want).abs() <= bound).all())
