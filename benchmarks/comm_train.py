@@ -127,8 +127,10 @@ def shaping_unavailable() -> str:
     return f"{' and '.join(missing)} missing" if missing else ""
 
 
-def run_shaped(args, argv):
-    ns = f"qc-bench-train-{os.getpid()}"
+def run_shaped(args, argv, script=None, name="train"):
+    """Run `script` (default: this file) with --inner-json in a private network namespace whose
+    loopback is shaped to args.rate; returns the JSON it wrote. convergence.py shares this."""
+    ns = f"qc-bench-{name}-{os.getpid()}"
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     sh = lambda *cmd: subprocess.run(list(cmd), check=True)  # noqa: E731
@@ -137,7 +139,8 @@ def run_shaped(args, argv):
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", args.rate,
            "burst", "512kb", "latency", "50ms")
-        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner-json", out, *argv)
+        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(script or __file__), "--inner-json", out,
+           *argv)
         with open(out) as f:
             return json.load(f)
     finally:

@@ -33,9 +33,7 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -159,21 +157,8 @@ def run_here(a):
 
 
 def run_shaped(a, argv):
-    ns = f"qc-bench-conv-{os.getpid()}"
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    sh = lambda *cmd: subprocess.run(list(cmd), check=True)  # noqa: E731
-    try:
-        sh("ip", "netns", "add", ns)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", a.rate,
-           "burst", "512kb", "latency", "50ms")
-        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner-json", out, *argv)
-        with open(out) as f:
-            return json.load(f)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        os.unlink(out)
+    import comm_train      # the shaped-namespace runner, shared
+    return comm_train.run_shaped(a, argv, script=__file__, name="conv")
 
 
 # ------------------------------------------------------------------------------------------- report
