@@ -13,13 +13,23 @@ recipe (written into its run folder):
 
   qat     observer minmax, no range learning, no distillation -> the PTQ (minmax) and QAT rows
   qat_rl  observer mse, range_learning, no distillation        -> the PTQ (mse) and QAT + RL rows
-  qad_rl  observer mse, range_learning, distillation from the FP32 fine-tune (KL, T 1, alpha 0.9)
+  qad_rl  observer mse, range_learning, distillation (KL, T 1, alpha 0.9): for the causal LM from
+          the pretrained model itself (`teacher: self`, a frozen copy of --lm, as llm-compressor and
+          ModelOpt distil from the original model); for the classifier from the FP32 fine-tune
+          (`teacher: baseline`: its pretrained checkpoint has a random head)
+
+The learned ranges train in qcompress train's default AdamW, in their own group (0.1x the lr, no
+weight decay).
 
 The share of the PTQ degradation recovered is (PTQ - method) / (PTQ - FP32) on the metric, with
-PTQ the minmax PTQ; it is left out where minmax PTQ is within 0.5 points (classifier) or 0.2 %
-(perplexity) worse than FP32, or better. Issue 15's targets are checked from the rows and listed
-under each table. Progressive recipes get their drops spread over the run (linear growth, last drop
-at 4/5 of the steps). Each finished run is reused unless --rerun (its report.json).
+PTQ the minmax PTQ (the causal LM's target lines also give it against the pretrained checkpoint's
+perplexity, the `self` teacher's); it is left out where minmax PTQ is within 0.5 points
+(classifier) or 0.2 % (perplexity) worse than FP32, or better. Issue 15's targets are checked
+from the rows and listed under each table. Progressive recipes get their drops spread over the run
+(linear growth, last drop at 4/5 of the steps). Each finished run is reused unless --rerun (its
+report.json; --rerun reruns every run named by --recipes x --variants, and --baseline-from /
+the summary's baseline_run lends the FP32 fine-tune only to runs with the same arguments: pass
+--lm the same way, the job compares the eval path as given).
 --write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
 tables of every task measured so far (kept in <out>/<task>/summary.json).
 """
@@ -48,12 +58,16 @@ RECIPES = {   # key: (label, schedule file, progressive)
 VARIANTS = ("qat", "qat_rl", "qad_rl")
 
 
-def fragment(variant: str, progressive_period=None) -> dict:
+def fragment(variant: str, task: str = "lm") -> dict:
+    """The variant's overrides. QAD's teacher: the pretrained model itself (`self`) for the causal LM,
+    as llm-compressor / ModelOpt distil from the original model; the FP32 fine-tune (`baseline`) for
+    the classifier, whose pretrained checkpoint has a random head."""
     wq = {"observer": "minmax" if variant == "qat" else "mse", "range_learning": variant != "qat"}
     doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
                                     "distillation": {"enabled": variant == "qad_rl"}}}
     if variant == "qad_rl":
-        doc["compression_training"]["distillation"].update(teacher="baseline", temperature=1.0, alpha=0.9)
+        doc["compression_training"]["distillation"].update(
+            teacher="self" if task == "lm" else "baseline", temperature=1.0, alpha=0.9)
     return doc
 
 
@@ -198,8 +212,12 @@ def targets(summary: dict) -> list:
                 continue
             fp, pm, v = row["fp32"], row["ptq_minmax"], row["qad_rl"]
             sh = share(pm, v, fp)
+            pre = row.get("fp32_start")
+            vs_pre = (f"; against the pretrained checkpoint's {pre:.3f}: {100 * share(pm, v, pre):.0f} %"
+                      if pre is not None and pm > pre else "")
             out.append(f"Target: QAD + range learning recovers ≥ {100 * goal:.0f} % of the {bits} PTQ degradation: "
-                       f"{verdict(sh >= goal)} (FP32 {fp:.3f}, PTQ {pm:.3f}, QAD + RL {v:.3f}: {100 * sh:.0f} %).")
+                       f"{verdict(sh >= goal)} (FP32 {fp:.3f}, PTQ {pm:.3f}, QAD + RL {v:.3f}: {100 * sh:.0f} %"
+                       f"{vs_pre}).")
     else:
         row = r.get("w2a8_kd", {})
         if row.get("qad_rl") is not None:
@@ -213,7 +231,12 @@ def section(summaries: dict) -> str:
     parts = ["## Compression quality (issue 15: observers, range learning, QAD)\n\n"
              "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
              "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
-             "range learning) and `qad_rl` (the same + distillation from the FP32 fine-tune, KL at T 1, alpha 0.9). "
+             "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
+             "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
+             "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
+             "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay (qcompress train's "
+             "default since the causal LM's range-learning probe below); the classifier's RL rows were measured "
+             "before that, with the ranges in the weights' group (lr 1e-4, weight decay 0.01). "
              "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
              "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
              "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
@@ -229,7 +252,7 @@ def write_results(text: str) -> None:
     path = os.path.join(HERE, "RESULTS.md")
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
     pattern = re.compile(r"^## Compression quality.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip() + "\n\n" + text
+    new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(new)
@@ -278,7 +301,7 @@ def main(argv=None) -> int:
         row["label"] = label
         for variant in [v for v in a.variants.split(",") if v]:
             out = os.path.join(out_task, key, variant)
-            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant))]
+            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant, a.task))]
             if progressive:
                 frags.append(write_yaml(os.path.join(out_task, key, "spread_drops.yaml"),
                                         progressive_fix(recipe, steps)))
@@ -297,6 +320,7 @@ def main(argv=None) -> int:
             summary = update_summary(summary_path, metric, key=key, row=row, baseline_run=baseline,
                                      data=rep["data"]["summary"])
     import torch
+    from qcompress.train.job import RANGE_LR_FACTOR
     if a.task == "classifier":
         title = "all-MiniLM-L6-v2 on BBC News (accuracy)"
         setup = (f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "
@@ -307,7 +331,7 @@ def main(argv=None) -> int:
     else:
         title = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
         setup = (f"Steps of batch × tokens on its train.txt per recipe in its row, AdamW {a.lr} (weight decay "
-                 f"0.01), constant lr; perplexity on heldout.txt"
+                 f"0.01; learned ranges {RANGE_LR_FACTOR * a.lr:g}, no decay), constant lr; perplexity on heldout.txt"
                  f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
                  f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU.")
     summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
