@@ -280,3 +280,19 @@ def test_ternary_recipe_targets_the_blocks(folders):
     bits = {n: m.qc_wq.bits for n, m in model.named_modules() if getattr(m, "qc_wq", None) is not None}
     assert bits and all((b == 2) == (".layer." in n) for n, b in bits.items()), bits
     assert bits["classifier"] == 8 and bits["bert.embeddings.word_embeddings"] == 8
+
+
+def test_baseline_fingerprint_names_files_not_how_they_were_spelled(tmp_path, monkeypatch):
+    """--baseline-from must match a run given the same model/data/eval files by relative or absolute
+    path (eval_data was compared as spelled), and must not match another eval file."""
+    from qcompress.train.job import JobOptions
+    (tmp_path / "m").mkdir()
+    for name in ("train.txt", "heldout.txt", "other.txt"):
+        (tmp_path / name).write_text("x\n")
+    monkeypatch.chdir(tmp_path)
+    rel = JobOptions(configs=[], model="m", data="train.txt", task="causal-lm", out="o", eval_data="heldout.txt")
+    ab = JobOptions(configs=[], model=str(tmp_path / "m"), data=str(tmp_path / "train.txt"), task="causal-lm",
+                    out="o2", eval_data=str(tmp_path / "heldout.txt"))
+    other = JobOptions(configs=[], model="m", data="train.txt", task="causal-lm", out="o", eval_data="other.txt")
+    assert rel.baseline_fingerprint({}) == ab.baseline_fingerprint({})
+    assert rel.baseline_fingerprint({}) != other.baseline_fingerprint({})

@@ -76,6 +76,7 @@ class JobOptions:
                          "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
                          "max_train_samples", "max_eval_samples")}
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
+        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
         keep["plain_config"] = plain_doc
         return _digest(keep)
 
