@@ -131,6 +131,16 @@ def padded_length(numel: int, world: int, compressor="onebit") -> int:
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _exchange(rows: torch.Tensor, row_bytes: int, world: int, group) -> torch.Tensor:
+    """all_to_all of the compressed rows (row r goes to rank r), counted in comm.stats()."""
+    if world <= 1:
+        return rows
+    recv = torch.empty_like(rows)
+    dist.all_to_all_single(recv, rows, group=group)
+    _stats.add((world - 1) * row_bytes, (world - 1) * row_bytes)
+    return recv
+
+
 def _average(comp, payload, numel):
     fn = getattr(comp, "decompress_average", None)
     return fn(payload, numel) if fn is not None else Compressor.decompress_average(comp, payload, numel)
@@ -152,12 +162,7 @@ def flat_compressed_allreduce(flat: torch.Tensor, state: OneBitState, group, com
 
     rows, worker_error = comp.compress(x, state.worker_error, world)
     row_bytes = rows.shape[1]
-    if world > 1:
-        recv = torch.empty_like(rows)
-        dist.all_to_all_single(recv, rows, group=group)
-        _stats.add((world - 1) * row_bytes, (world - 1) * row_bytes)
-    else:
-        recv = rows
+    recv = _exchange(rows, row_bytes, world, group)
 
     mean_chunk = _average(comp, recv, chunk)
     server_row, server_error = comp.compress(mean_chunk, state.server_error, 1)
@@ -198,12 +203,7 @@ def flat_compressed_allreduce_many(flats, states, group, comp):
     widths = [b for _, _, b in sizes]
     total = sum(widths)
     send = torch.cat(rows, dim=1)
-    if world > 1:
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        _stats.add((world - 1) * total, (world - 1) * total)
-    else:
-        recv = send
+    recv = _exchange(send, total, world, group)
     server_rows, new_server = [], []
     for part, state, (_, chunk, _) in zip(torch.split(recv, widths, dim=1), states, sizes):
         mean_chunk = _average(comp, part.contiguous(), chunk)
