@@ -27,7 +27,7 @@ from .memory import memory_report
 from .monitor import Monitor
 from .optimizers import build_optimizer, is_onebit
 from .precision import LossScaler, autocast_dtype
-from .traffic import Traffic, count_fsdp
+from .traffic import Traffic, count_fsdp, nbytes_of
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
                    wrap_ddp, wrap_fsdp)
 
@@ -488,8 +488,8 @@ class Engine:
         owner = getattr(opt, "_param_to_rank", None)
         if owner is None or self.world_size == 1:
             return
-        mine = sum(p.numel() * p.element_size() for p, r in owner.items() if r == self.rank)
-        rest = sum(p.numel() * p.element_size() for p, r in owner.items() if r != self.rank)
+        mine = nbytes_of(p for p, r in owner.items() if r == self.rank)
+        rest = nbytes_of(p for p, r in owner.items() if r != self.rank)
         self.traffic.add("zero1", (self.world_size - 1) * mine, rest)
 
     # --- keeping ranks consistent ------------------------------------------------------------

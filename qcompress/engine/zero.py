@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .traffic import nbytes_of
+
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None, None: None}
 
 
@@ -110,8 +112,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
     if traffic is not None:     # DDP broadcast rank 0's parameters (and buffers, see above) when built
         buffers = list(model.buffers()) if "forward_sync_buffers" in no_buffer_sync else []
         state = list(model.parameters()) + buffers
-        traffic.broadcast("broadcast", sum(t.numel() * t.element_size() for t in state),
-                          dist.get_rank(group) == 0)
+        traffic.broadcast("broadcast", nbytes_of(state), dist.get_rank(group) == 0)
     hook = None
     dtype = comm_dtype(dtype_name)
     if dtype is not None or timed or traffic is not None:
