@@ -30,7 +30,21 @@ from __future__ import annotations
 import threading
 from typing import Dict
 
+import torch
+import torch.distributed as dist
+
 from ..comm.stats import running_totals as _running_totals  # the module, not comm.stats()
+
+
+def reduce_scatter(*args, **kwargs):
+    """dist.reduce_scatter_single, or its old name reduce_scatter_tensor (it warns in recent torch);
+    looked up per call, so whatever wraps torch.distributed's functions sees it."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def all_gather(*args, **kwargs):
+    """dist.all_gather_single, or its old name all_gather_into_tensor; looked up per call."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 KINDS = ("ddp", "fsdp", "broadcast", "engine", "optimizer", "zero1")
 
@@ -78,44 +92,40 @@ def nbytes_of(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class CountingReduceScatter:
+class CustomComm:
+    """Base of the FSDP2 custom comms (set_custom_reduce_scatter / set_custom_all_gather): plain
+    buffers."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class CountingReduceScatter(CustomComm):
     """FSDP2 custom reduce-scatter that counts its bytes (and, when `timer` is given, is timed)."""
 
     def __init__(self, traffic: Traffic, timer=None):
         self.traffic, self.timer = traffic, timer
 
-    def allocate(self, size, *, dtype, device):
-        import torch
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
         world = dist.get_world_size(group)
         v = (world - 1) * input_tensor.numel() * input_tensor.element_size() // world
         self.traffic.add("fsdp", v, v)
         if self.timer is not None:
             return self.timer(output_tensor, input_tensor, group, op, async_op)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-class CountingAllGather:
+class CountingAllGather(CustomComm):
     """FSDP2 custom all-gather that counts its bytes."""
 
     def __init__(self, traffic: Traffic):
         self.traffic = traffic
 
-    def allocate(self, size, *, dtype, device):
-        import torch
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        import torch.distributed as dist
         world = dist.get_world_size(group)
         v = (world - 1) * input_tensor.numel() * input_tensor.element_size()
         self.traffic.add("fsdp", v, v)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def count_fsdp(model, traffic: Traffic, timer=None) -> bool:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .traffic import nbytes_of
+from .traffic import CustomComm, nbytes_of, reduce_scatter
 
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None, None: None}
 
@@ -126,7 +126,7 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
-class TimedReduceScatter:
+class TimedReduceScatter(CustomComm):
     """FSDP2 reduce-scatter (set_custom_reduce_scatter) that adds its wall time to `seconds`, for
     wall_clock_breakdown. It waits for the work queued before it (backward kernels) before
     starting the clock and for the collective after, so only the communication is counted; on
@@ -135,11 +135,7 @@ class TimedReduceScatter:
     def __init__(self):
         self.seconds = 0.0
 
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         _sync(input_tensor)
         t0 = time.perf_counter()
         work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
