@@ -152,8 +152,10 @@ def ranges_ids(model: Optional[torch.nn.Module]) -> set:
     FSDP2 wrapping replaced the Parameters)."""
     if model is None:
         return set()
-    from ..nn.ranges import INPUT_PARAMS, WEIGHT_PARAMS
-    return {id(p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in WEIGHT_PARAMS + INPUT_PARAMS}
+    from ..nn.layers import CompressMixin
+    from ..nn.ranges import range_parameter_names
+    return {id(m._parameters[n]) for m in model.modules() if isinstance(m, CompressMixin)
+            for n in range_parameter_names(m)}
 
 
 def _rank() -> int:
