@@ -129,22 +129,31 @@ void quant_segment(const T* x, int64_t len, int64_t flat0, const Params& p, cons
   const V s(p.scale), z(p.z), zp(p.zp), thr(p.thr), qmin(c.qmin), qmax(c.qmax);
   Noise noise(c.seed);
   if constexpr (KIND == kInt) {
-    if (o.y != nullptr && o.q == nullptr) {  // the fake-quant forward: full vectors, no per-lane checks
-      T* y = o.y + flat0;
-      bool* mask = o.mask ? o.mask + flat0 : nullptr;
-      int64_t i = 0;
-      auto body = [&](auto with_mask) {
-        for (; i + kW <= len; i += kW) {
-          const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
-          const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u);
-          if constexpr (decltype(with_mask)::value) store_mask(mask + i, inside_range(r, qmin, qmax), kW);
-          store_sat(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(clamp_code(r, qmin, qmax), s, z, zp), kW);
-        }
-      };
-      if (mask) body(std::true_type{}); else body(std::false_type{});
-      if (i == len) return;
-      x += i, len -= i, flat0 += i;  // the tail: the general loop below
+    // Full vectors, no per-lane checks: the fake-quant forward (values, maybe the mask) and the
+    // codes of quantize (maybe with values); the tail takes the general loop below.
+    T* y = o.y ? o.y + flat0 : nullptr;
+    Q* q = o.q ? o.q + flat0 : nullptr;
+    bool* mask = o.mask ? o.mask + flat0 : nullptr;
+    int64_t i = 0;
+    auto body = [&](auto with_mask, auto with_y, auto with_q) {
+      for (; i + kW <= len; i += kW) {
+        const V u = STOCH ? noise.get(flat0 + i, kW) : V(0.0f);
+        const V r = int_code<V, STOCH, DS, ASYM_DS, ADD_ZP>(load_f(x + i, kW), s, z, zp, u);
+        if constexpr (decltype(with_mask)::value) store_mask(mask + i, inside_range(r, qmin, qmax), kW);
+        const V qv = clamp_code(r, qmin, qmax);
+        if constexpr (decltype(with_y)::value) store_sat(y + i, dequant_code<V, ASYM_DS, ADD_ZP>(qv, s, z, zp), kW);
+        if constexpr (decltype(with_q)::value) store_int(q + i, qv, kW);
+      }
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    if (q == nullptr && y != nullptr) {
+      if (mask) body(yes{}, yes{}, no{}); else body(no{}, yes{}, no{});
+    } else if (q != nullptr && mask == nullptr) {
+      if (y) body(no{}, yes{}, yes{}); else body(no{}, no{}, yes{});
     }
+    if (i == len) return;
+    x += i, len -= i, flat0 += i;
   }
   for (int64_t i = 0; i < len; i += kW) {
     const int n = static_cast<int>(std::min<int64_t>(kW, len - i));

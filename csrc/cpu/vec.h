@@ -115,6 +115,24 @@ inline void store_sat(T* p, V v, int n) { store_f(p, saturate(v, V(finite_max<T>
 // Integer-valued float lanes to an integer type (values are already clamped into range).
 template <typename Q>
 inline void store_int(Q* p, V v, int n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (n == kW) {  // the lanes hold integers (exact), or NaN (INT32_MIN, like the scalar cast)
+    const __m256i i32 = _mm256_cvtps_epi32(v);
+    if constexpr (std::is_same_v<Q, int8_t>) {  // low byte of each lane, as static_cast<int8_t>
+      const __m256i low = _mm256_shuffle_epi8(
+          i32, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const int32_t a = _mm_cvtsi128_si32(_mm256_castsi256_si128(low));
+      const int32_t b = _mm_cvtsi128_si32(_mm256_extracti128_si256(low, 1));
+      std::memcpy(p, &a, 4);
+      std::memcpy(p + 4, &b, 4);
+      return;
+    } else if constexpr (std::is_same_v<Q, int32_t>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), i32);
+      return;
+    }
+  }
+#endif
   float tmp[kW];
   v.store(tmp);
   for (int j = 0; j < n; ++j) p[j] = static_cast<Q>(static_cast<int32_t>(tmp[j]));
