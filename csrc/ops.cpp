@@ -38,6 +38,9 @@ TORCH_LIBRARY(qcompress, m) {
         "int cbits) -> Tensor");
   m.def("lowbit_linear_a8(Tensor xq, Tensor x_scale, Tensor? x_zero_point, Tensor packed, Tensor scales, "
         "Tensor? offsets, Tensor? bias, int n, int group, int cbits, ScalarType out_dtype) -> Tensor");
+  // dynamic per-token activation codes (the quantize op's) and lowbit_linear_a8 in one call
+  m.def("lowbit_linear_dyn_a8(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, "
+        "int group, int cbits, int abits, bool symmetric, int seed) -> Tensor");
   m.def("lowbit_isa(str request) -> str", &qc::lowbit_isa);
 }
 
@@ -58,6 +61,7 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("lowbit_unpack", &qc::lowbit_unpack_cpu);
   m.impl("lowbit_linear", &qc::lowbit_linear_cpu);
   m.impl("lowbit_linear_a8", &qc::lowbit_linear_a8_cpu);
+  m.impl("lowbit_linear_dyn_a8", &qc::lowbit_linear_dyn_a8_cpu);
 }
 
 // Importing qcompress._C registers the operators; the module itself has no functions.

@@ -430,3 +430,29 @@ def test_amx_split_scratch_reuse_keeps_results():
     want = x.double() @ w.t() + bias.double()
     bound = (6 * x.shape[1] + 16) * 2.0 ** -24 * (x.double().abs() @ w.abs().t() + bias.double().abs())
     assert bool(((fresh[1].double() - want).abs() <= bound).all())
+
+
+def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
+    # lowbit_linear_dyn_a8 (what the fast plan runs for dynamic per-token inputs) must be the
+    # quantize op's codes fed to lowbit_linear_a8, bit for bit, for every shape and dtype
+    from qcompress.quant import kernels as K
+    from qcompress.quant.api import make_spec
+    g = torch.Generator().manual_seed(5)
+    for cbits, group, sym_w in ((8, 37, True), (4, 32, False)):
+        for n, k, m in ((19, 37, 1), (33, 70, 17), (16, 64, 40)):
+            q, s, zp = _codes(g, n, k, min(group, k), cbits, sym_w)
+            p = lowbit.prepack(q, s, zp, min(group, k), cbits)
+            bias = torch.randn(n, generator=g)
+            for abits, sym in ((8, True), (8, False), (5, True)):
+                spec = make_spec(abits, symmetric=sym, granularity="token")
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
+                    xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
+                    want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
+                                            min(group, k), cbits, dtype).reshape(3, m, n)
+                    got = lowbit.linear_dyn_a8(x, p, bias, n, min(group, k), cbits, abits, sym, spec.seed)
+                    assert got.dtype == dtype and got.shape == want.shape
+                    assert torch.equal(got, want), (cbits, n, k, m, abits, sym, dtype)
+    with pytest.raises(RuntimeError, match="activation bits must be 2..8"):
+        lowbit.linear_dyn_a8(torch.zeros(2, 8), lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8),
+                             torch.ones(4, 1), None, 8, 4), None, 4, 8, 4, 9, True, 0)

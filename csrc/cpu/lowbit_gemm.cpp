@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "lowbit_amx.h"
 #include "lowbit_views.h"
 #include "qcompress/lowbit.h"
@@ -376,6 +377,25 @@ void over_blocks(const Geometry& g, int64_t m, int64_t step, const Fn& fn) {
   });
 }
 
+// Sum of the int8 codes per token and group ([m, ng] int32): a plain loop the compiler
+// vectorizes; an ATen reduction costs more than the whole matmul at 64 tokens x 384.
+at::Tensor group_sums(const at::Tensor& xp, int64_t m, const Geometry& g) {
+  at::Tensor out = at::empty({m, g.ng}, xp.options().dtype(at::kInt));
+  const int8_t* x = xp.const_data_ptr<int8_t>();
+  int32_t* o = out.mutable_data_ptr<int32_t>();
+  const int64_t gp = g.gp;
+  at::parallel_for(0, m * g.ng, std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(gp, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {   // groups are contiguous: token t, group i at (t * ng + i) * gp
+      const int8_t* p = x + r * gp;
+      int32_t acc = 0;
+      for (int64_t j = 0; j < gp; ++j) acc += p[j];
+      o[r] = acc;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace lowbit
 
@@ -557,7 +577,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
   const WView w = weight_view(g, packed, scales, offsets);
   const int64_t m = g.k ? xq.numel() / g.k : 0;
   const at::Tensor xp = pad_groups(xq.reshape({m, g.k}), g, at::kChar);
-  const at::Tensor xsum = xp.reshape({m, g.ng, g.gp}).sum(-1, false, at::kInt).contiguous();
+  const at::Tensor xsum = group_sums(xp, m, g);
   auto per_token = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
     TORCH_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
                 " elements, expected one per token (", m, ") or one");
@@ -589,6 +609,20 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
   std::vector<int64_t> shape(xq.sizes().begin(), xq.sizes().end());
   shape.back() = n;
   return y.to(out_dtype).reshape(shape);
+}
+
+at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
+                                    int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
+                                    int64_t seed) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear_dyn_a8: x must be a float tensor");
+  TORCH_CHECK(abits >= 2 && abits <= 8, "qcompress.lowbit_linear_dyn_a8: activation bits must be 2..8, got ", abits);
+  const int64_t k = x.size(-1);
+  const int64_t m = k ? x.numel() / k : 0;
+  // kind 0 (integer), rounding 0 (nearest), numerics default: the token Spec's arguments
+  auto [q, s, zp] = quantize_cpu(x, std::nullopt, m, k, k, abits, 0, symmetric, false, 0, seed);
+  const std::optional<at::Tensor> z = symmetric ? std::nullopt : std::optional<at::Tensor>(zp);
+  return lowbit_linear_a8_cpu(q, s, z, packed, scales, offsets, bias, n, group, cbits, x.scalar_type());
 }
 
 }  // namespace qc

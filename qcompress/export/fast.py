@@ -380,6 +380,12 @@ def _forward_lowbit(self, x: torch.Tensor) -> torch.Tensor:
 
 def _forward_lowbit_a8(self, x: torch.Tensor) -> torch.Tensor:
     n, k, group, cbits = self.qx_lowbit
+    spec = _token_spec(self)
+    if spec is not None and x.device.type == "cpu" and x.dtype != torch.float64 and _kernels.available():
+        # the same codes as _input_codes, quantized and multiplied in one C++ call: at one token the
+        # Python between two ops costs more than the matmul
+        return _kernels._call(lowbit.linear_dyn_a8, x, _lowbit_packed(self), self.bias, n, group, cbits,
+                              spec.bits, spec.symmetric, spec.seed)
     qx, sx, zx = _input_codes(self, _flat(x, k))
     y = lowbit.linear_a8(qx, sx, None if zx is None else zx.to(torch.int32), _lowbit_packed(self), self.bias,
                          n, group, cbits, x.dtype)
@@ -405,15 +411,24 @@ def _int_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def _token_spec(self):
+    """The dynamic per-token Spec of the module's input codes (built once), or None (static range)."""
+    act = self.qx_rec["input_activations"]
+    if not act["dynamic"]:
+        return None
+    spec = self.__dict__.get("qx_token_spec")
+    if spec is None:                   # built once: a Spec per call costs more than the matmul at one token
+        spec = self.qx_token_spec = make_spec(act["num_bits"], symmetric=act["symmetric"], granularity="token")
+    return spec
+
+
 def _input_codes(self, x2: torch.Tensor):
     """(codes int8 [M,K], scale [M,1] or [1,1] fp32, zero point int64 or None): the codes whose
     dequantization is exactly the fake-quantized input of the exact path."""
     act = self.qx_rec["input_activations"]
     bits = act["num_bits"]
     if act["dynamic"]:
-        spec = self.__dict__.get("qx_token_spec")
-        if spec is None:                   # built once: a Spec per call costs more than the matmul at one token
-            spec = self.qx_token_spec = make_spec(bits, symmetric=act["symmetric"], granularity="token")
+        spec = _token_spec(self)
         if x2.dtype != torch.float64 and _kernels.available() and _kernels.on_kernel_device(x2):
             q, s, zp = _kernels.quantize(x2, spec)     # what quantize_spec dispatches to, minus its checks
         else:

@@ -103,6 +103,13 @@ def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[to
                                                 bias, n, group, cbits, out_dtype)
 
 
+def linear_dyn_a8(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
+                  abits: int, symmetric: bool, seed: int):
+    """linear_a8 on x's dynamic per-token codes (the quantize op's, nearest rounding), one C++ call."""
+    return torch.ops.qcompress.lowbit_linear_dyn_a8(x, p.packed, p.scales, p.offsets, bias, n, group, cbits,
+                                                    abits, symmetric, seed)
+
+
 # --- fake (meta) kernels: the operators are opaque to torch.compile ------------------------------
 
 def _geometry(n: int, k: int, group: int, cbits: int):
@@ -134,3 +141,7 @@ if available():
     def _fake_linear_a8(xq, x_scale, x_zero_point, packed, scales, offsets, bias, n, group, cbits,
                         out_dtype):
         return xq.new_empty((*xq.shape[:-1], n), dtype=out_dtype)
+
+    @torch.library.register_fake("qcompress::lowbit_linear_dyn_a8")
+    def _fake_linear_dyn_a8(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, seed):
+        return x.new_empty((*x.shape[:-1], n))
