@@ -8,11 +8,12 @@
 //   kernels' (exact), followed by the same epilogue (lowbit.h a8_group, then tot += A * s), so
 //   the outputs equal the AVX-512 VNNI kernel's bit for bit.
 // - weight-only: TDPBF16PS on bfloat16 tiles. The weight integers u - o (|u - o| <= 255) are
-//   exact in bf16, and x is split into 1-3 bf16 pieces whose sum is x exactly (3 for float32,
-//   2 for float16, 1 for bfloat16), so every product is exact; sums run in fp32 per group and
-//   y += s_g * S_g once per group. Outputs differ from the exact path by rounding only
-//   (bound in tests/test_lowbit_kernels.py). AMX flushes bf16 subnormals (pieces below 2^-126)
-//   to zero, an error below 2^-126 |u - o| per product.
+//   exact in bf16, and x is split into bf16 pieces, each rounded to nearest: 1 for bfloat16 and
+//   2 for float16 (their sum is x exactly), 2 for float32 (high piece and rounded rest: within
+//   2^-16 |x| of x). Every product is exact; sums run in fp32 per group and y += s_g * S_g once
+//   per group. Outputs differ from the exact path by rounding and, for float32, the 2^-16 |x|
+//   rest (bound in tests/test_lowbit_kernels.py). AMX flushes bf16 subnormals (pieces below
+//   2^-126) to zero, an error below 2^-126 |u - o| per product.
 // Tile state is per thread and other libraries (oneDNN) use it too: every task loads our tile
 // configuration and releases the tiles when it ends.
 #include "lowbit_amx.h"
@@ -383,10 +384,9 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
       }
       for (int p = 0; p < pieces; ++p) {
         const __m512i bits = _mm512_castps_si512(v);
-        // round to nearest even bf16; the last piece is exact (a remainder of <= 8 bits)
-        const __m512i h = p + 1 < pieces
-            ? _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one))), 16)
-            : _mm512_srli_epi32(bits, 16);
+        // round to nearest even bf16 (a rest that fits 8 bits, as float16's last piece, stays as is)
+        const __m512i h =
+            _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one))), 16);
         const __m512i hb = _mm512_slli_epi32(h, 16);
         bad |= _mm512_mask_cmpeq_epi32_mask(lanes, _mm512_and_si512(hb, expo), expo);   // inf / nan
         _mm256_mask_storeu_epi16(out + (p * m16 + row) * ldx + k, lanes, _mm512_cvtepi32_epi16(h));

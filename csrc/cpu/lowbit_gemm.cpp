@@ -488,7 +488,7 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 }
 
 
-// The bf16 pieces of a float input (float32: 3 x 2 bytes per element) live in a grow-only buffer
+// The bf16 pieces of a float input (float32: 2 x 2 bytes per element) live in a grow-only buffer
 // kept per calling thread, up to kScratchCap bytes. A fresh buffer per call was a fresh mmap for
 // MiniLM-sized inputs (4.7-19 MB at 2048 tokens): the kernel then zero-filled its pages on first
 // touch, and those page faults (system time) made the weight-only layers slower than fp32 even
@@ -522,12 +522,14 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   shape.back() = n;
   const int isa = active_isa().load();
   if (m >= amx::kTileRows && isa >= kAmx && amx::fits(g, false)) {
-    // bf16 pieces whose sum is x exactly: float32 needs 3, float16 2, bfloat16 1. Read straight
+    // bf16 pieces of x: bfloat16 1 and float16 2 (their sum is x exactly); float32 2, the high
+    // piece and the rounded rest, which leave |x - pieces| <= 2^-16 |x| (a third piece would make
+    // it exact but costs half again the tile work, for an error below the fp32 sums'). Read straight
     // from x and written straight in its dtype when no group needs padding: under load every
     // extra parallel region (a dtype copy) can cost a scheduler slice.
     const at::ScalarType dt = x.scalar_type();
     const int code = dt == at::kFloat ? amx::kF32 : dt == at::kBFloat16 ? amx::kBF16 : dt == at::kHalf ? amx::kF16 : -1;
-    const int pieces = dt == at::kBFloat16 ? 1 : dt == at::kHalf ? 2 : 3;
+    const int pieces = dt == at::kBFloat16 ? 1 : 2;
     const bool direct = code >= 0 && g.kp == g.k;
     const at::Tensor xin = direct ? x2.contiguous() : pad_groups(x2, g, at::kFloat);
     const int xcode = direct ? code : amx::kF32;
