@@ -135,12 +135,16 @@ struct VO {
   static F set1f(float v) { return _mm256_set1_ps(v); }
   static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
   static I srli(I v, int s) { return _mm256_srli_epi32(v, s); }
+  static I slli(I v, int s) { return _mm256_slli_epi32(v, s); }
+  static I srai(I v, int s) { return _mm256_srai_epi32(v, s); }
+  static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
   static I andi(I a, I b) { return _mm256_and_si256(a, b); }
   static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
   static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   // acc += sum of 4 products u8 x s8 per lane. maddubs saturates int16 pairs above 32767: exact
   // for u <= 15 (2 * 15 * 128); 8-bit codes go through their two nibbles, u = 16 hi + lo.
@@ -193,12 +197,16 @@ struct VO {
   static F set1f(float v) { return _mm512_set1_ps(v); }
   static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
   static I srli(I v, int s) { return _mm512_srli_epi32(v, static_cast<unsigned>(s)); }
+  static I slli(I v, int s) { return _mm512_slli_epi32(v, static_cast<unsigned>(s)); }
+  static I srai(I v, int s) { return _mm512_srai_epi32(v, static_cast<unsigned>(s)); }
+  static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
   static I andi(I a, I b) { return _mm512_and_si512(a, b); }
   static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
   static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static I dot4_u4(I acc, I u, I s) {  // see avx2::VO
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
