@@ -161,6 +161,52 @@ def test_fused_bf16_inputs_and_weights(backend):
     assert_same(step(model, x, True), step(model, x, False))
 
 
+def weight_only_cfg(granularity, ste, learn, wbits=4, symmetric=True):
+    cfg = make_cfg(granularity, ste, "dynamic", True, learn, symmetric=symmetric, wbits=wbits)
+    del cfg["compression_training"]["activation_quantization"]
+    return cfg
+
+
+WEIGHT_ONLY = [c for c in itertools.product(("linear", "conv", "hf_conv1d"), GRANULARITIES,
+                                            ("identity", "clip"), (False, True), (True, False))]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind,granularity,ste,learn,symmetric", WEIGHT_ONLY)
+def test_fused_weight_only_gradients_equal_unfused_bit_for_bit(backend, kind, granularity, ste, learn, symmetric,
+                                                               dtype):
+    # no activation quantization: the Function keeps the input itself and recomputes w^
+    if kind == "hf_conv1d":
+        pytest.importorskip("transformers", reason="transformers provides GPT-2's Conv1D")
+    model = make_model(kind)
+    init_compression(model, weight_only_cfg(granularity, ste, learn, symmetric=symmetric))
+    x = make_input(kind)
+    first = model[0]
+    assert first.qc_aq is None or not first.qc_aq.active
+    assert fused.plan(first, x, first.qc_kind) is not None
+    assert_same(step(model, x, True, dtype), step(model, x, False, dtype))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weight_only_keeps_what_fp32_keeps(backend, dtype):
+    # saved for backward: the input, cast as autocast casts it, and nothing weight-sized: the
+    # plain Linear's bytes in fp32, fewer under autocast (where it also keeps the weight's bf16
+    # cast); unfused QAT also keeps w^ (a float copy of the weight)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(256, 192))
+    model = copy.deepcopy(plain)
+    init_compression(model, weight_only_cfg("group", "clip", False))
+    x = (torch.randn(4, 64, 256) * 3).requires_grad_(True)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)   # noqa: E731
+    kept, fp32 = saved_tensors(model, x, True, dtype), saved_tensors(plain, x, True, dtype)
+    assert nbytes(kept) == x.numel() * (2 if dtype else 4)
+    assert nbytes(kept) == nbytes(fp32) if dtype is None else nbytes(kept) < nbytes(fp32)
+    assert not any(t.numel() == model[0].weight.numel() for t in kept)
+    unfused = saved_tensors(model, x, False, dtype)
+    assert any(t.numel() == model[0].weight.numel() and t.is_floating_point() for t in unfused)
+    assert nbytes(unfused) >= nbytes(kept) + model[0].weight.numel() * (2 if dtype else 4)
+
+
 # --- what backward keeps ---------------------------------------------------------------------------
 
 def saved_tensors(model, x, use_fused, autocast=None):

@@ -16,6 +16,10 @@ reference), its version counter and the Spec: a different tensor (a pre-hook's r
 checkpoint recompute's) or an in-place change quantizes anew, so sharing never changes a value.
 Static ranges are not shared: every module's observer must see its input.
 
+Weight-only modules (no activation quantization, or not active yet) with w^ made in forward take
+the same Function with the input itself as the saved "codes": autograd then keeps x, as FP32
+training does, and no float copy of the weight.
+
 `plan(mod, x, op)` returns None where the fused path does not apply; the module then runs the
 composed autograd path as before (reasons at each `return None`).
 """
@@ -131,15 +135,16 @@ class Plan:
 def plan(mod, x, op: str) -> Optional[Plan]:
     """The fused plan for this forward, or None to run the composed path."""
     aq = mod.qc_aq
-    if not _enabled or aq is None or not aq.active or not aq.fused:
+    act = aq is not None and aq.active
+    if not _enabled or (act and not aq.fused):
         return None
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None     # float64 and non-float inputs: rare, left to the composed path
     if x.dim() < 2 or x.numel() == 0:
         return None     # 1-D inputs take matmul's vector path, whose derivative differs
-    if aq.bits > 8:
+    if act and aq.bits > 8:
         return None     # int32 codes would take as much memory as the float32 input
-    if aq.range_learning:
+    if act and aq.range_learning:
         return None     # LSQ's scale gradient needs x / s - round(x / s), which the codes do not hold
     if mod.qc_pruning:
         return None     # masks multiply the weight and bias inside autograd: kept composed
@@ -159,12 +164,14 @@ def plan(mod, x, op: str) -> Optional[Plan]:
         return None      # unused learned scales get zero gradients (ranges.attach_unused)
     else:
         mode = "param"   # not active yet, or optimizer-step mode: the weight is the quantized one
-    return Plan(mod, op, mod.input_spec(), mode, weight_spec, shrink)
+    if not act and mode != "fake_quant":
+        return None      # nothing quantized in forward: the composed path is FP32's
+    return Plan(mod, op, mod.input_spec() if act else None, mode, weight_spec, shrink)
 
 
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     mod = p.mod
-    q, s, z = _input_codes(mod, x, p.spec)
+    q, s, z = (x, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: x itself
     w_scale = w_zp = None
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale
@@ -202,12 +209,17 @@ def _mat2_grad(grad, mat1, mat2):
     return mat1.t().mm(grad)
 
 
+def _op_input(p: Plan, q, s, z, x_dtype, cast):
+    """What the op multiplied: x^ from its codes, or (weight-only) the saved, already cast input."""
+    return q if p.spec is None else _dequantize(q, s, z, x_dtype, p.spec, cast)
+
+
 def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, need_w, need_b):
     """(grad of x^, of the weight the op used, of the bias) in the op's compute dtype. x^ is
     dequantized here and let go before the input's gradient is made, which can reuse its memory."""
     mod = p.mod
     if p.op == "conv":     # the input's shape and dtype are needed even without weight gradients
-        xc = _dequantize(q, s, z, x_dtype, p.spec, cast)
+        xc = _op_input(p, q, s, z, x_dtype, cast)
         n = xc.dim() - 2
         return torch.ops.aten.convolution_backward(
             grad, xc, wc, None if bias_shape is None else list(bias_shape), list(mod.stride),
@@ -216,7 +228,7 @@ def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, nee
     mat2 = wc.t() if p.op == "linear" else wc      # linear: x @ w.t(); Conv1D: x @ w
     gw = gx = gb = None
     if need_w:
-        xc = _dequantize(q, s, z, x_dtype, p.spec, cast)
+        xc = _op_input(p, q, s, z, x_dtype, cast)
         gw = _mat2_grad(g2, xc.reshape(-1, xc.size(-1)), mat2)
         gw = gw.t() if p.op == "linear" else gw
         del xc
@@ -233,7 +245,10 @@ class _FusedCompressed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, p):
         ctx.cast = _autocast_dtype(x.device.type)
-        xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)    # autocast then has nothing to cast
+        if p.spec is None:          # weight-only: keep the input as autocast would cast it for the op
+            xq = q = _cast(x, ctx.cast)
+        else:
+            xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)    # autocast then has nothing to cast
         out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
         ctx.p = p
         ctx.x_dtype = x.dtype
