@@ -34,7 +34,6 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
                                 const std::optional<at::Tensor>& bias, int64_t n, int64_t group, int64_t cbits,
                                 at::ScalarType out_dtype);
 
-// Shape / dtype checks of a blocked weight for an n x k matmul (any device; used by the CUDA glue).
 // y of lowbit_linear_a8 on the codes that quantize(x, per token, abits bits, nearest) makes: both
 // ops' CPU implementations called in turn, without the Python between them.
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -42,6 +41,7 @@ at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packe
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
                                     int64_t seed);
 
+// Shape / dtype checks of a blocked weight for an n x k matmul (any device; used by the CUDA glue).
 void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                          int64_t n, int64_t k, int64_t group, int64_t cbits);
 

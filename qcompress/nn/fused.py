@@ -171,7 +171,7 @@ def plan(mod, x, op: str) -> Optional[Plan]:
 
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     mod = p.mod
-    q, s, z = (x, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: x itself
+    q, s, z = (None, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: forward keeps x
     w_scale = w_zp = None
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale
