@@ -43,7 +43,7 @@ import torch.nn.functional as F                   # noqa: E402
 import qcompress                                  # noqa: E402
 from qcompress.export import export_quantized, load_quantized  # noqa: E402
 from qcompress.export import fast as fastmod      # noqa: E402
-from qcompress.export import lowbit               # noqa: E402
+from qcompress.quant import lowbit               # noqa: E402
 from qcompress.export.fast import plans_of, tensor_bytes  # noqa: E402
 
 SECTION = "## Inference of exported checkpoints"

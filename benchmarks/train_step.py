@@ -10,6 +10,7 @@ One step = forward + backward + AdamW step (+ the framework's scheduler step), b
 tokens. Every variant quantizes the same modules, every nn.Linear (heads included; embeddings
 left alone, as torchao's Linear-only QAT does):
   qc_*   qcompress recipes schedules/{w8a8,w4a8_g128,w4_group128}.yaml, `modules` set to the Linears
+  qc_*_i8  the same with `int8_forward: true` (the forward multiplies the integer codes)
   ds_*   DeepSpeed: symmetric weights quantized in forward, dynamic symmetric per-token 8-bit inputs;
          DeepSpeed has one `quantize_groups` for all modules, so each layer's group count is set
          after init_compression: out_features (= per channel) or numel / 128 (= groups of 128)
@@ -48,11 +49,13 @@ BATCH, SEQ = 16, 128
 VARIANTS = {  # name: (framework, recipe)
     "fp32": ("fp32", None),
     "qc_w8a8": ("qcompress", "w8a8"), "qc_w4a8": ("qcompress", "w4a8"), "qc_w4": ("qcompress", "w4"),
+    "qc_w8a8_i8": ("qcompress", "w8a8+int8"), "qc_w4a8_i8": ("qcompress", "w4a8+int8"),
     "ds_w8a8": ("deepspeed", "w8a8"), "ds_w4a8": ("deepspeed", "w4a8"),
     "ao_w8a8": ("torchao", "w8a8"), "ao_w4a8": ("torchao", "w4a8"),
 }
 LABELS = {"fp32": "FP32", "qc_w8a8": "qcompress W8A8", "qc_w4a8": "qcompress W4A8 g128",
-          "qc_w4": "qcompress W4 g128 (weight-only)", "ds_w8a8": "DeepSpeed W8A8",
+          "qc_w4": "qcompress W4 g128 (weight-only)", "qc_w8a8_i8": "qcompress W8A8, int8_forward",
+          "qc_w4a8_i8": "qcompress W4A8 g128, int8_forward", "ds_w8a8": "DeepSpeed W8A8",
           "ds_w4a8": "DeepSpeed W4A8 g128", "ao_w8a8": "torchao W8A8 (asym act)",
           "ao_w4a8": "torchao W4A8 g128 (asym act)"}
 TITLES = {"bert": "BERT 6 x 384, 12 heads, MLP 1536 (all-MiniLM-L6-v2's shape), sequence classification",
@@ -91,8 +94,11 @@ def linear_pattern(model):
 def apply_qcompress(model, recipe):
     import yaml
     import qcompress as qc
+    recipe, _, option = recipe.partition("+")
     with open(os.path.join(ROOT, "schedules", SCHEDULES[recipe]), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
+    if option == "int8":     # the opt-in integer forward (qcompress.nn.int8_forward)
+        cfg["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = True
     for tech in cfg["compression_training"].values():
         for group in tech["different_groups"].values():
             group["modules"] = [linear_pattern(model)]
@@ -288,12 +294,13 @@ def targets(model_name, times, mem):
         return out
     f_min, f_med = min(times["fp32"]), statistics.median(times["fp32"])
     f_rss = mem["fp32"]["peak_rss_mb"]
-    for v in ("qc_w8a8", "qc_w4a8"):
+    for v in ("qc_w8a8", "qc_w4a8", "qc_w8a8_i8", "qc_w4a8_i8"):
         if v not in times or "peak_rss_mb" not in mem.get(v, {}):
             continue
         r_min, r_med = min(times[v]) / f_min, statistics.median(times[v]) / f_med
         d = mem[v]["peak_rss_mb"] - f_rss
-        peers = [p for p in (v.replace("qc_", "ds_"), v.replace("qc_", "ao_")) if p in times]
+        base = v.replace("_i8", "")
+        peers = [p for p in (base.replace("qc_", "ds_"), base.replace("qc_", "ao_")) if p in times]
         ahead_t = all(statistics.median(times[p]) > statistics.median(times[v]) for p in peers)
         ahead_m = all(mem.get(p, {}).get("peak_rss_mb", 0) > mem[v]["peak_rss_mb"] for p in peers)
         out.append(f"- {model_name} {LABELS[v]}: peak RSS ≤ FP32 {'met' if d <= 0 else 'missed'} ({d:+.0f} MB); "

@@ -209,7 +209,8 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
                   range_observer=group_setting(cfg.compression.activation_quantization, group, "observer")[0],
                   range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
                                                     "range_learning")[0]),
-                  fused=shared.fused_backward, share_input=shared.share_input)
+                  fused=shared.fused_backward, share_input=shared.share_input,
+                  int8_forward=shared.int8_forward)
     aq.observer.momentum = shared.momentum
     return aq
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
-from qcompress.export import lowbit
+from qcompress.quant import lowbit
 from qcompress.export.errors import CheckpointError
 from qcompress.export.fast import plans_of, tensor_bytes
 

@@ -45,7 +45,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
-from qcompress.export import lowbit
+from qcompress.quant import lowbit
 from qcompress.export.fast import plans_of
 
 pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
@@ -202,7 +202,7 @@ def test_isa_choice_and_refusal():
         want = "amx" if all(f" {f}" in flags for f in ("amx_tile", "amx_int8", "amx_bf16")) else "avx512_vnni"
         assert best == want, f"the CPU has {want} but the kernels use {best}"
     env = dict(os.environ, QCOMPRESS_LOWBIT_ISA="scalar")
-    out = subprocess.run([sys.executable, "-c", "from qcompress.export import lowbit; print(lowbit.isa())"],
+    out = subprocess.run([sys.executable, "-c", "from qcompress.quant import lowbit; print(lowbit.isa())"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr[-500:]
 

@@ -139,6 +139,9 @@ class ActQuantShared:
                                  "instead of a float copy (qcompress.nn.fused); false: the unfused path")
     share_input: bool = field(True, doc="ext: modules fed one tensor with the same dynamic settings "
                               "(Q/K/V, gate/up) quantize it once")
+    int8_forward: bool = field(False, doc="ext: fused Linear/Conv1D forwards multiply the integer codes "
+                               "(int8 kernel, exact sums; what the fast export computes) instead of "
+                               "the dequantized float copies; CPU; needs fused_backward")
 
 
 @dataclass(frozen=True)

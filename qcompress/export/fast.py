@@ -2,7 +2,7 @@
 
 Each loaded quantized module gets a plan, chosen once at load time and logged. With the compiled
 extension, every int/binary/ternary nn.Linear of up to 8 bits runs qcompress's own fused kernels
-(qcompress/export/lowbit.py; csrc/cpu/lowbit_gemm.cpp, csrc/cuda/lowbit_gemm.cu), whatever its
+(qcompress/quant/lowbit.py; csrc/cpu/lowbit_gemm.cpp, csrc/cuda/lowbit_gemm.cu), whatever its
 dtype, strategy, symmetry or shape:
 
   lowbit     float activations (no input quantization, or one without integer codes: the input
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from ..quant import kernels as _kernels
 from ..quant.api import quantize_spec
 from ..quant.reference import make_spec
-from . import lowbit
+from ..quant import lowbit
 from .codes import dequantize_2d
 from .errors import CheckpointError
 from .reader import _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record

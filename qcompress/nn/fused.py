@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant.api import dequantize, quantize_spec
+from . import int8_forward
 from ..quant.reference import saturate
 
 _enabled = True
@@ -105,11 +106,12 @@ def _dequantize(q, s, z, dtype, spec, cast=None):
 
 class Plan:
     """What one fused forward does: the op, the activation Spec, how the weight is made."""
-    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink")
+    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8")
 
-    def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink):
+    def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink, int8=False):
         self.mod, self.op, self.spec = mod, op, spec
         self.weight_mode, self.weight_spec, self.shrink = weight_mode, weight_spec, shrink
+        self.int8 = int8    # forward multiplies the codes (int8_forward), backward as always
 
     def weight(self, w, scale=None, zero_point=None):
         """The weight the op uses: the Parameter itself, or its fake-quantized copy."""
@@ -166,7 +168,9 @@ def plan(mod, x, op: str) -> Optional[Plan]:
         mode = "param"   # not active yet, or optimizer-step mode: the weight is the quantized one
     if not act and mode != "fake_quant":
         return None      # nothing quantized in forward: the composed path is FP32's
-    return Plan(mod, op, mod.input_spec() if act else None, mode, weight_spec, shrink)
+    spec = mod.input_spec() if act else None
+    int8 = act and aq.int8_forward and int8_forward.reason(mod, op, mode, weight_spec, spec) is None
+    return Plan(mod, op, spec, mode, weight_spec, shrink, int8)
 
 
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
@@ -247,9 +251,12 @@ class _FusedCompressed(torch.autograd.Function):
         ctx.cast = _autocast_dtype(x.device.type)
         if p.spec is None:          # weight-only: keep the input as autocast would cast it for the op
             xq = q = _cast(x, ctx.cast)
+            out = None
         else:
-            xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)    # autocast then has nothing to cast
-        out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
+            out = int8_forward.run(p.mod, x, weight, bias, q, s, z, ctx.cast or x.dtype) if p.int8 else None
+            xq = None if out is not None else _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)
+        if out is None:
+            out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
         ctx.p = p
         ctx.x_dtype = x.dtype
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)

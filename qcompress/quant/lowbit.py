@@ -1,4 +1,5 @@
-"""Python side of the fused low-bit matmul kernels of load_quantized(mode="fast").
+"""Python side of the fused low-bit matmul kernels: load_quantized(mode="fast") and the fused
+QAT forward's `int8_forward` (qcompress/nn/int8_forward.py).
 
 The operators (`torch.ops.qcompress.lowbit_*`, csrc/cpu/lowbit_gemm.cpp and
 csrc/cuda/lowbit_gemm.cu) keep a Linear weight in a blocked layout of its integer codes
@@ -20,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..quant import kernels as _kernels
+from . import kernels as _kernels
 
 ROWS = 16                 # output rows per block
 K_ALIGN = 8               # every group is padded to a multiple of 8 columns (2-bit: 16)

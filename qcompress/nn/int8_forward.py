@@ -1,0 +1,95 @@
+"""Integer forward of the fused compress-aware Linear / Conv1D (opt-in: `int8_forward: true`).
+
+With quantized activations the forward's product x^ @ w^.T is a product of integer codes:
+x^ = (qx - zx) * sx per token (or per tensor) and w^ = (qw - zw) * sw per row and group. The
+float path multiplies the dequantized copies in fp32 (or autocast's dtype) with a GEMM's
+rounding; this path hands the codes to the low-bit kernel of the exported model's fast mode
+(`lowbit_linear_a8`: exact int32 sums per group, the scales applied once per group and token)
+and writes the result in the op's dtype. So the training forward computes what
+`load_quantized(..., mode="fast")` will compute on the exported checkpoint, and on CPUs with
+VNNI / AMX it is 5-8x cheaper than the fp32 GEMM at training batch sizes
+(benchmarks/RESULTS.md, issue 13).
+
+The values differ from the float path's only by that path's own rounding (the integer sums are
+exact); backward is unchanged (it dequantizes the same codes and recomputes w^), so each layer's
+gradients given its output gradient are the float path's bit for bit, and the network's differ
+by what the forward's rounding changed. Off by default for that reason: the default fused path
+stays bit for bit the unfused one.
+
+Applies on CPU (the CUDA kernel of that op is a correctness kernel, slower than cuBLAS) to Linear
+and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest rounding) per
+tensor, channel or row group; elsewhere the float forward runs (`reason()` says why).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..quant import lowbit
+
+
+def reason(mod, op: str, weight_mode: str, weight_spec, act_spec) -> Optional[str]:
+    """Why the integer forward cannot run for this module's settings (None: it can)."""
+    if op not in ("linear", "hf_conv1d"):
+        return "convolutions keep the float forward"
+    if act_spec is None:
+        return "no activation codes (weight-only)"
+    if weight_mode != "fake_quant":
+        return "the weight is not quantized in forward"
+    ws = weight_spec
+    if ws.kind != "int" or ws.bits > 8 or ws.numerics != "default" or ws.rounding != "nearest":
+        return f"weights {ws.bits}-bit {ws.kind}/{ws.numerics}/{ws.rounding}: the kernel takes int 2-8 bit, nearest"
+    if act_spec.numerics != "default":
+        return "activation numerics other than default"
+    if ws.granularity == "group":
+        k = mod.weight_matrix_view(mod.weight).shape[1]
+        if ws.num_groups is not None or not ws.group_size or k % ws.group_size:
+            return "groups that do not tile each row"
+    elif ws.granularity not in ("tensor", "channel"):
+        return f"weight granularity {ws.granularity!r}"
+    if not lowbit.available():
+        return "the extension is not built"
+    return None
+
+
+def _weight_layout(mod, weight: torch.Tensor):
+    """The weight's codes for this forward in the kernel's blocked layout, or None when they do
+    not fit it (zero points outside the container's range)."""
+    q, s, z, spec = mod.quantized_weight(weight)
+    n, k = q.shape
+    group = lowbit.kernel_group(spec.granularity, spec.group_size, k)
+    if group is None:
+        return None
+    ng = -(-k // group)
+    s = s.to(torch.float32).reshape(n, -1) if s.numel() > 1 else s.to(torch.float32).reshape(1, 1).expand(n, 1)
+    if s.shape[1] not in (1, ng):
+        return None
+    cbits = lowbit.container_bits(spec.bits)
+    if z is not None:
+        z = (z.reshape(n, -1) if z.numel() > 1 else z.reshape(1, 1).expand(n, 1)).to(torch.int32)
+        lo, hi = z.aminmax()
+        if int(lo) < -(1 << (cbits - 1)) or int(hi) >= (1 << (cbits - 1)):
+            return None
+        z = z.expand(n, ng).contiguous()
+    s = s.expand(n, ng).contiguous()
+    return lowbit.prepack(q.to(torch.int8), s, z, group, cbits), n, group, cbits
+
+
+def run(mod, x: torch.Tensor, weight: torch.Tensor, bias, q, s, z, out_dtype) -> Optional[torch.Tensor]:
+    """op(x^, w^) + b from the codes, in out_dtype; None where the float forward has to run."""
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        return None
+    k = q.shape[-1]
+    m = q.numel() // max(k, 1)
+    if s.numel() not in (1, m) or (z is not None and z.numel() not in (1, m)):
+        return None           # per-sample scales of 3-D inputs: not one per token
+    with torch.no_grad():
+        layout = _weight_layout(mod, weight)
+        if layout is None:
+            return None
+        packed, n, group, cbits = layout
+        zx = None if z is None else z.reshape(-1).to(torch.int32)
+        y = lowbit.linear_a8(q.reshape(m, k), s.reshape(-1).to(torch.float32), zx, packed,
+                             None if bias is None else bias.detach(), n, group, cbits, out_dtype)
+    return y.reshape(*q.shape[:-1], n)
