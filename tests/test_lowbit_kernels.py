@@ -346,6 +346,32 @@ def test_amx_tiles_against_references():
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_weight_only_token_split_equals_block_split():
+    # With 2+ threads and 64+ tokens the AMX weight-only kernel splits small layers over tokens
+    # (each task all row blocks, its own tokens) instead of row blocks; every output row is then
+    # summed in the same order, so the result equals the one-thread (row block) run bit for bit.
+    g = torch.Generator().manual_seed(12)
+    old = torch.get_num_threads()
+    try:
+        for cbits, n, k, group in ((4, 50, 384, 128), (8, 40, 256, 256)):
+            q, s, zp = _codes(g, n, k, group, cbits, False)
+            p = lowbit.prepack(q, s, zp, group, cbits)
+            bias = torch.randn(n, generator=g)
+            for m in (64, 100, 300):
+                for dt in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k, generator=g).to(dt)
+                    lowbit.isa("amx")
+                    torch.set_num_threads(1)
+                    one = lowbit.linear(x, p, bias, n, group, cbits)
+                    torch.set_num_threads(2)
+                    two = lowbit.linear(x, p, bias, n, group, cbits)
+                    assert torch.equal(one, two), f"{cbits}-bit {n}x{k} {m} tokens {dt}"
+    finally:
+        torch.set_num_threads(old)
+        lowbit.isa("auto")
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
 def test_amx_leaves_other_tile_users_alone():
     # oneDNN runs bf16 matmuls on AMX tiles too, with its own tile configuration; our kernels
     # load theirs per task and release the tiles after. Interleaved calls must not change

@@ -305,16 +305,16 @@ void wo_dot(const uint16_t* xa, int64_t piece, int pieces, int64_t ldx, const ui
 
 template <int CB>
 void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-            void* y, int ydt, int64_t b0, int64_t b1) {
+            void* y, int ydt, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 32;
   std::vector<uint8_t> bbuf(2 * steps * kStepBytes);
   const int64_t mchunk = chunk_rows(g.kp * 2 * pieces);
-  std::vector<float> tot(std::min(mchunk, m16) * 2 * kRows);
+  std::vector<float> tot(std::min(mchunk, t1 - t0) * 2 * kRows);
   alignas(64) float cbuf[2][2][256];
   TileScope tiles;
-  for (int64_t mc = 0; mc < m16; mc += mchunk) {
-    const int64_t mrows = std::min(mchunk, m16 - mc);
+  for (int64_t mc = t0; mc < t1; mc += mchunk) {
+    const int64_t mrows = std::min(mchunk, t1 - mc);
     for (int64_t b = b0; b < b1; b += 2) {
       const int nb2 = b + 2 <= b1 ? 2 : 1;
       std::fill(tot.begin(), tot.begin() + mrows * 2 * kRows, 0.0f);
@@ -361,9 +361,9 @@ void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
 }
 
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-        void* y, int ydt, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) wo_run<4>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1);
-  else wo_run<8>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1);
+        void* y, int ydt, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
+  if (w.g.cbits == 4) wo_run<4>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1, t0, t1);
+  else wo_run<8>(w, xp, pieces, ldx, m, m16, bias, y, ydt, b0, b1, t0, t1);
 }
 
 bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int pieces, int64_t m16,
@@ -403,7 +403,8 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
 
 bool available() { return false; }
 void a8(const WView&, const A8View&, int64_t, int64_t, int64_t) {}
-void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t) {}
+void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,
+        int64_t) {}
 bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }
 
 #endif

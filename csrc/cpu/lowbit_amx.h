@@ -33,10 +33,11 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
            uint16_t* out);
 
 // Weight-only on bf16 tiles: y[m][n] = sum_g s_g * sum_{k in g} x[m][k] (u - o) (+ bias), x given
-// as `pieces` bf16 matrices from split(); products exact, sums in fp32. Row blocks [b0, b1).
-// y [m, n] is written in ydt (rounded to nearest even, as torch converts).
+// as `pieces` bf16 matrices from split(); products exact, sums in fp32. Row blocks [b0, b1),
+// token rows [t0, t1) (multiples of 16). y [m, n] is written in ydt (rounded to nearest even, as
+// torch converts).
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
-        void* y, int ydt, int64_t b0, int64_t b1);
+        void* y, int ydt, int64_t b0, int64_t b1, int64_t t0, int64_t t1);
 
 }  // namespace amx
 }  // namespace lowbit

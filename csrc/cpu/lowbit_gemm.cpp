@@ -387,6 +387,19 @@ void over_blocks(const Geometry& g, int64_t m, int64_t step, const Fn& fn) {
   });
 }
 
+// AMX weight-only: split the work over tokens (every thread decodes every row block, for its own
+// tokens) rather than over row blocks (every thread reads every token's bf16 pieces)?
+constexpr int64_t kTokenTask = 32;   // two A tiles
+bool split_by_tokens(const Geometry& g, int64_t m16) {
+  const int64_t threads = at::get_num_threads();
+  static const char* force = std::getenv("QCOMPRESS_LOWBIT_SPLIT");   // "tokens" / "blocks": for measurements
+  if (force && force[0] == 't') return threads > 1 && m16 >= 2 * kTokenTask;
+  if (force && force[0] == 'b') return false;
+  // measured (benchmarks/RESULTS.md): tokens win up to 2048 x 2048 weights (384-wide layers at 64
+  // tokens: 33 vs 53 us), row blocks from 4096 x 4096 on, where decoding every block twice costs more
+  return threads > 1 && m16 >= threads * kTokenTask && g.n * g.kp <= (int64_t{1} << 22);
+}
+
 // Sum of the int8 codes per token and group ([m, ng] int32): a plain loop the compiler
 // vectorizes; an ATen reduction costs more than the whole matmul at 64 tokens x 384.
 at::Tensor group_sums(const at::Tensor& xp, int64_t m, const Geometry& g) {
@@ -573,8 +586,26 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
     at::Tensor xs = split_scratch(pieces * m16 * g.kp).view({pieces, m16, g.kp});
     uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.mutable_data_ptr());
     const void* xip = xin.const_data_ptr();
+    at::Tensor y = at::empty({m, n}, x.options().dtype(code >= 0 ? dt : at::kFloat));
+    void* yp = y.mutable_data_ptr();
+    const int ycode = code >= 0 ? code : amx::kF32;
     bool finite = true;
-    if (m16 * g.kp * pieces <= (int64_t{1} << 20)) {   // small: on this thread, no parallel region
+    if (split_by_tokens(g, m16)) {
+      // each task splits its own tokens and runs every row block on them: no thread reads the
+      // bf16 pieces another core just wrote (pulling them over cost a 384-wide layer at 64 tokens
+      // as much as the second thread saved)
+      std::atomic<bool> ok{true};
+      at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
+        const int64_t r0 = u0 * kTokenTask, r1 = std::min(u1 * kTokenTask, m16);
+        if (!amx::split(xip, xcode, g.kp, m, r0, r1, pieces, m16, xsp)) {
+          ok.store(false);
+          return;
+        }
+        amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, ycode, 0, g.nb, r0, r1);
+      });
+      if (ok.load()) return y.to(dt).reshape(shape);
+      finite = false;
+    } else if (m16 * g.kp * pieces <= (int64_t{1} << 20)) {   // small: on this thread, no parallel region
       finite = amx::split(xip, xcode, g.kp, m, 0, m16, pieces, m16, xsp);
     } else {
       std::atomic<bool> ok{true};
@@ -584,10 +615,9 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
       finite = ok.load();
     }
     if (finite) {  // inf / nan have no bf16 pieces: such inputs take the vector kernels
-      at::Tensor y = at::empty({m, n}, x.options().dtype(code >= 0 ? dt : at::kFloat));
-      void* yp = y.mutable_data_ptr();
-      const int ycode = code >= 0 ? code : amx::kF32;
-      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, ycode, b0, b1); });
+      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) {
+        amx::wo(w, xsp, pieces, g.kp, m, m16, bp, yp, ycode, b0, b1, 0, m16);
+      });
       return y.to(dt).reshape(shape);
     }
   }
