@@ -192,16 +192,16 @@ void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t ste
 }
 
 template <int CB>
-void a8_run(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
+void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 64;
   std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
   const int64_t mchunk = chunk_rows(g.kp);
-  std::vector<float> tot(std::min(mchunk, m16) * 2 * kRows);
+  std::vector<float> tot(std::min(mchunk, t1 - t0) * 2 * kRows);
   alignas(64) int32_t cbuf[2][2][256];
   TileScope tiles;
-  for (int64_t mc = 0; mc < m16; mc += mchunk) {
-    const int64_t mrows = std::min(mchunk, m16 - mc);
+  for (int64_t mc = t0; mc < t1; mc += mchunk) {
+    const int64_t mrows = std::min(mchunk, t1 - mc);
     for (int64_t b = b0; b < b1; b += 2) {
       const int nb2 = b + 2 <= b1 ? 2 : 1;
       std::fill(tot.begin(), tot.begin() + mrows * 2 * kRows, 0.0f);
@@ -355,9 +355,9 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
 
 }  // namespace
 
-void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1) {
-  if (w.g.cbits == 4) a8_run<4>(w, a, m16, b0, b1);
-  else a8_run<8>(w, a, m16, b0, b1);
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
+  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1, t0, t1);
+  else a8_run<8>(w, a, b0, b1, t0, t1);
 }
 
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
@@ -402,7 +402,7 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
 #else  // no AMX build
 
 bool available() { return false; }
-void a8(const WView&, const A8View&, int64_t, int64_t, int64_t) {}
+void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t) {}
 void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,
         int64_t) {}
 bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }

@@ -22,8 +22,9 @@ bool available();
 bool fits(const Geometry& g, bool a8);
 
 // W-A8 on tiles: same int32 group sums and float epilogue as the vector kernels. a.xq has m16
-// rows (a multiple of 16, padding rows zero); a.m real rows are written. Row blocks [b0, b1).
-void a8(const WView& w, const A8View& a, int64_t m16, int64_t b0, int64_t b1);
+// rows (a multiple of 16, padding rows zero); a.m real rows are written. Row blocks [b0, b1), token
+// rows [t0, t1) (multiples of 16).
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1);
 
 // rows [r0, r1) of m16 from a [m, ldx] matrix x of dtype xdt (rows past m: zeros) -> `pieces`
 // bfloat16 matrices (bits) [pieces][m16][ldx] whose sum is x exactly (1: x is bf16-valued,

@@ -387,8 +387,8 @@ void over_blocks(const Geometry& g, int64_t m, int64_t step, const Fn& fn) {
   });
 }
 
-// AMX weight-only: split the work over tokens (every thread decodes every row block, for its own
-// tokens) rather than over row blocks (every thread reads every token's bf16 pieces)?
+// AMX kernels: split the work over tokens (every thread decodes every row block, for its own
+// tokens) rather than over row blocks (every thread reads every token's bf16 pieces / codes)?
 constexpr int64_t kTokenTask = 32;   // two A tiles
 bool split_by_tokens(const Geometry& g, int64_t m16) {
   const int64_t threads = at::get_num_threads();
@@ -666,7 +666,13 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
     const A8View a{x16.const_data_ptr<int8_t>(), g.kp, m, xsum.const_data_ptr<int32_t>(), sx.const_data_ptr<float>(),
                    asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
                    y.mutable_data_ptr<float>()};
-    over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::a8(w, a, m16, b0, b1); });
+    if (split_by_tokens(g, m16)) {   // as the weight-only kernel: each task its tokens, every row block
+      at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
+        amx::a8(w, a, 0, g.nb, u0 * kTokenTask, std::min(u1 * kTokenTask, m16));
+      });
+    } else {
+      over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::a8(w, a, b0, b1, 0, m16); });
+    }
   } else if (m) {
     const A8View a{xp.const_data_ptr<int8_t>(), g.kp, m, xsum.const_data_ptr<int32_t>(), sx.const_data_ptr<float>(),
                    asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
