@@ -272,7 +272,10 @@ class _FusedCompressed(torch.autograd.Function):
         # the weight the forward used; with autograd recording when the quantizer's own backward
         # (straight-through, clip mask, LSQ) has to carry the gradient on to the Parameters
         leaves = []
-        track = weight_grads and p.weight_mode == "fake_quant"
+        wq = p.mod.qc_wq
+        # straight-through without clip mask or learned ranges: the weight's gradient is the op's
+        # own, so w^ is made without a graph and no nested autograd pass runs
+        track = weight_grads and p.weight_mode == "fake_quant" and (wq.range_learning or wq.clip_grad)
         with torch.set_grad_enabled(track):
             if track:
                 w_in, s_in, z_in = (None if t is None else t.detach().requires_grad_(need)
