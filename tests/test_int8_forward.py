@@ -151,3 +151,24 @@ def test_training_follows_the_float_path():
     assert losses[0][-1] < losses[0][0]
     for a, b in zip(*losses):
         assert abs(a - b) <= 1e-3 * abs(a), losses
+
+
+def test_bf16_weights_and_inputs():
+    """A model cast to bfloat16 (no autocast). The oracle's x^ and w^ are the bf16 fake quantizers'
+    outputs, (q - zp) * s rounded to bf16 (2^-8 relative each), while the kernel multiplies the
+    codes with the fp32 scales; so the bound is those two roundings, the fp32 sums' and the bf16
+    output's."""
+    mod = layer("linear", make_cfg(granularity="group", wbits=4)).to(torch.bfloat16)
+    q = mod[0]
+    x = inputs().to(torch.bfloat16)
+    assert fused.plan(q, x, "linear").int8
+    y = mod(x)
+    assert y.dtype == torch.bfloat16
+    with torch.no_grad(), fused.enabled(False):
+        xh = q.quantize_input(x).double()
+        wh = q.effective_weight().double()
+    b = q.bias.double()
+    exact = xh @ wh.t() + b
+    bound = (8 * U + 2 * 2.0 ** -8) * (xh.abs() @ wh.abs().t() + b.abs()) + 2.0 ** -8 * exact.abs()
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
