@@ -296,3 +296,23 @@ def test_baseline_fingerprint_names_files_not_how_they_were_spelled(tmp_path, mo
     other = JobOptions(configs=[], model="m", data="train.txt", task="causal-lm", out="o", eval_data="other.txt")
     assert rel.baseline_fingerprint({}) == ab.baseline_fingerprint({})
     assert rel.baseline_fingerprint({}) != other.baseline_fingerprint({})
+
+
+@pytest.mark.parametrize("task", ["text-classification", "causal-lm"])
+def test_int8_forward_export_equals_the_trained_model(folders, tmp_path, task):
+    """Trained with int8_forward, the export reloads in fast mode (the same int8 kernels) and
+    reproduces the trained model bit for bit; the exact reload would differ by float rounding."""
+    from qcompress.quant import lowbit
+    if not lowbit.available():
+        pytest.skip("the C++ extension with the low-bit kernels is not built")
+    frag = tmp_path / "int8.yaml"
+    frag.write_text("compression_training:\n  activation_quantization:\n    shared_parameters:\n"
+                    "      int8_forward: true\n")
+    model = folders["bert"] if task == "text-classification" else folders["gpt2"]
+    rows = folders["rows"] if task == "text-classification" else folders["rows"] * 2
+    data = write_data(str(tmp_path / "d"), "jsonl", rows)
+    out = str(tmp_path / "out")
+    assert train([W8A8, str(frag), "--model", model, "--data", data, "--task", task,
+                  "--out", out, "--max-steps", "2", *FAST]) == 0
+    rep = check_outputs(out, task, 2)
+    assert rep["stages"]["exported"]["reload_mode"] == "fast"
