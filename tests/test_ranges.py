@@ -1,7 +1,8 @@
 """Range observers (minmax, mse) and range learning (LSQ scales and zero points), issue 15.
 
 Oracles: the mse observer's choice against a brute-force search over the same grid written here
-group by group; LSQ gradients against torch autograd of the straight-through formula written
+group by group, followed (symmetric grids) by the least-squares refinement of the scale written
+here too; LSQ gradients against torch autograd of the straight-through formula written
 here (and finite differences where the function is smooth); the fused kernels against the
 reference; exports against compressed-tensors' own decompressors; resume against the
 uninterrupted run; range learning against the same QAT run without it on real data (digits).
@@ -40,7 +41,7 @@ def groups_of(x, gran, gs=None):
 
 def grid_params(lo, hi, p, bits, sym):
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    p = torch.tensor(p, dtype=torch.float32)
+    p = torch.as_tensor(p, dtype=torch.float32)
     lo, hi = lo * p, hi * p
     if sym:
         return (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp(min=R.EPS), None
@@ -58,6 +59,26 @@ def fq(x, s, z, bits):
 
 def sq_err(y, x):
     return float(((y - x).double() ** 2).sum())
+
+
+def least_squares_refined(xs, lo, hi, p, err, bits, iters=observers.REFINE_ITERS):
+    """The documented refinement of a symmetric group's factor p (error err), one group, by hand:
+    s' = sum x q / sum q^2 with the codes of the current scale, p' = p s' / s in float32, kept while
+    its error is strictly smaller, at most `iters` times. Returns (p, err)."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    p = torch.as_tensor(p, dtype=torch.float32)
+    for _ in range(iters):
+        s, _ = grid_params(lo, hi, p, bits, True)
+        q = torch.round(xs / s).clamp(qmin, qmax).double()
+        num, den = float((xs.double() * q).sum()), float((q * q).sum())
+        if den <= 0 or num <= 0:
+            break
+        p_new = torch.tensor(float(p) * num / (float(s) * den), dtype=torch.float32)
+        e_new = sq_err(fq(xs, *grid_params(lo, hi, p_new, bits, True), bits), xs)
+        if not e_new < err:
+            break
+        p, err = p_new, e_new
+    return p, err
 
 
 def heavy_tailed(shape, seed=0):
@@ -78,12 +99,19 @@ def test_mse_choice_equals_brute_force_and_never_loses_to_minmax(backend, sym, b
     chosen = observers.mse_shrink(x, spec, backend=None if backend == "kernel" else "reference")
     groups = groups_of(x, gran, gs)
     assert chosen.shape == (len(groups),)
+    refined = 0
     for g, xs in enumerate(groups):
         lo, hi = xs.min(), xs.max()
         errs = [sq_err(fq(xs, *grid_params(lo, hi, p, bits, sym), bits), xs) for p in GRID]
         best = min(range(len(GRID)), key=lambda k: (errs[k], k))     # ties: the larger p
-        assert chosen[g] == torch.tensor(GRID[best], dtype=torch.float32), (g, GRID[best], float(chosen[g]))
-        assert errs[best] <= errs[0]            # p = 1 is minmax
+        want, err = torch.tensor(GRID[best], dtype=torch.float32), errs[best]
+        if sym:                                 # then least squares on the scale, kept only if better
+            want, err = least_squares_refined(xs, lo, hi, want, err, bits)
+            refined += int(err < errs[best])
+        assert chosen[g] == want, (g, GRID[best], float(want), float(chosen[g]))
+        assert err <= errs[best] <= errs[0]     # never worse than the grid's choice; p = 1 is minmax
+    if sym and bits <= 4:
+        assert refined > 0                      # the refinement does act on coarse grids
     # and as quantizer parameters: never a larger reconstruction error than minmax, per group
     s, z = observers.weight_params(x, spec, "mse")
     s0, z0 = observers.weight_params(x, spec, "minmax")
