@@ -30,6 +30,10 @@ from the rows and listed under each table. Progressive recipes get their drops s
 report.json; --rerun reruns every run named by --recipes x --variants, and --baseline-from /
 the summary's baseline_run lends the FP32 fine-tune only to runs with the same arguments: pass
 --lm the same way, the job compares the eval path as given).
+--ptq-whole-set (causal LM): also PTQ the borrowed FP32 fine-tune with each recipe's minmax and mse
+configs and evaluate it on every held-out block (not only --eval-samples'), in this process with
+the job's own steps (quantize_without_training, the job's calibration batches, evaluate); listed as
+a separate line under the table, which keeps the runs' `ptq` stage (the table's measure).
 --write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
 tables of every task measured so far (kept in <out>/<task>/summary.json).
 """
@@ -140,6 +144,72 @@ def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
         return json.load(fh)
 
 
+def ptq_whole_set(a, recipes, baseline_run: str, n_eval=None) -> dict:
+    """{recipe key: {"blocks", "fp32", "minmax", "mse"}}: the FP32 fine-tune of baseline_run and its
+    PTQ with each recipe's qat (minmax) and qat_rl (mse) configs, perplexity on the first n_eval
+    held-out blocks (None: all of them). The same steps as the job's fp32_finetuned and ptq stages."""
+    import torch
+    from safetensors.torch import load_file
+    from qcompress.config import load_config
+    from qcompress.train.batches import eval_batches
+    from qcompress.train.data import prepare_data
+    from qcompress.train.evaluate import evaluate
+    from qcompress.train.models import load_model, load_tokenizer
+    from qcompress.train.stages import calibrate_static_ranges, quantize_without_training
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tok = load_tokenizer(a.lm)
+    data = prepare_data("causal-lm", os.path.join(a.lm, "train.txt"), tok, eval_data=os.path.join(a.lm, "heldout.txt"),
+                        seed=a.seed, max_length=a.max_length, max_eval_samples=n_eval)
+    model = load_model(a.lm, "causal-lm", None, a.seed)
+    model.load_state_dict(load_file(os.path.join(baseline_run, "checkpoints", "fp32_finetuned.safetensors")),
+                          strict=False)                                  # tied weights are saved once
+
+    def ev(m):
+        return evaluate(m, data.eval, "causal-lm", 64, tok.pad_token_id)["perplexity"]
+
+    def calibration(m):                       # the job's calibration_batches: 8 training batches
+        def batches():
+            for i, b in enumerate(eval_batches(data.train, 64, tok.pad_token_id)):
+                if i >= 8:
+                    break
+                b.pop("labels")
+                yield b
+        calibrate_static_ranges(m, batches())
+
+    fp32 = ev(model)
+    out = {}
+    for key in recipes:
+        _, recipe, progressive = RECIPES[key]
+        row = {"blocks": len(data.eval), "fp32": fp32}
+        for variant, col in (("qat", "minmax"), ("qat_rl", "mse")):
+            docs = [os.path.join(ROOT, recipe), fragment(variant, "lm")]
+            if progressive:
+                docs.append(progressive_fix(recipe, a.max_steps))
+            row[col] = ev(quantize_without_training(model, load_config(*docs), calibration))
+            print(f"=== whole-set PTQ {key} {col}: {row[col]:.4f} (FP32 {fp32:.4f}, {len(data.eval)} blocks)", flush=True)
+        out[key] = row
+    return out
+
+
+def whole_set_line(summary: dict) -> str:
+    """The --ptq-whole-set figures as one labelled sentence (empty when none were measured)."""
+    parts = []
+    for key, row in summary["recipes"].items():
+        w = row.get("ptq_whole_set")
+        if not w:
+            continue
+        fp, pm, ps = w["fp32"], w["minmax"], w["mse"]
+        cut = f"cut {100 * (1 - (ps - fp) / (pm - fp)):.1f} %" if not small_ptq_loss(pm, fp, False) else "PTQ ≈ FP32"
+        parts.append(f"{row['label']} minmax {pm:.3f}, mse {ps:.3f} ({cut})")
+        blocks, fp32 = w["blocks"], fp
+    if not parts:
+        return ""
+    return (f"Outside the table, PTQ of the same FP32 fine-tune on all {blocks} held-out blocks "
+            f"(`--ptq-whole-set`, the mse observer with its least-squares refinement; the table's measure is the "
+            f"runs' `ptq` stage on the first blocks above): FP32 {fp32:.3f}; " + "; ".join(parts) + ".")
+
+
 def update_summary(path: str, metric: str, key=None, row=None, **fields) -> dict:
     """Read-modify-write of summary.json: several processes (one per recipe) may share it."""
     summary = {"metric": metric, "recipes": {}}
@@ -242,7 +312,8 @@ def section(summaries: dict) -> str:
              "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
     for task, s in summaries.items():
         parts.append(f"\n### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n")
-        notes = targets(s) + list(s.get("notes") or [])
+        whole = whole_set_line(s) if s.get("metric") == "perplexity" else ""
+        notes = targets(s) + ([whole] if whole else []) + list(s.get("notes") or [])
         if notes:
             parts.append("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
     return "".join(parts)
@@ -277,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--rerun", action="store_true")
     p.add_argument("--baseline-from", default=None, metavar="RUN",
                    help="a finished run folder of the same task and budget whose FP32 fine-tune to reuse")
+    p.add_argument("--ptq-whole-set", action="store_true",
+                   help="lm: also PTQ the FP32 fine-tune (minmax, mse) and evaluate it on every held-out block")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
@@ -319,6 +392,14 @@ def main(argv=None) -> int:
             row["budget"] = budget
             summary = update_summary(summary_path, metric, key=key, row=row, baseline_run=baseline,
                                      data=rep["data"]["summary"])
+    if a.ptq_whole_set and a.task == "lm":
+        if not baseline:
+            raise SystemExit("--ptq-whole-set needs a finished FP32 fine-tune (--baseline-from or a measured run)")
+        keys = [k for k in a.recipes.split(",") if k]
+        for key, w in ptq_whole_set(a, keys, baseline).items():
+            row = summary["recipes"].get(key, {"label": RECIPES[key][0]})
+            row["ptq_whole_set"] = w
+            summary = update_summary(summary_path, metric, key=key, row=row)
     import torch
     from qcompress.train.job import RANGE_LR_FACTOR
     if a.task == "classifier":
