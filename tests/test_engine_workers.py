@@ -400,3 +400,34 @@ def run_comm_checks(rank, world):
             finals[dtype] = full_params(engine)
         out["dtype"][stage] = finals
     return out
+
+
+def run_int8_forward(rank, world):
+    """W8A8 with weights quantized in forward and per-token activations, int8_forward on and off,
+    at stage 0 and stage 3 (FSDP2): losses, final parameters and how many forwards ran on the
+    int8 kernel."""
+    from qcompress.quant import lowbit
+    calls = [0]
+    real = lowbit.linear_a8
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    lowbit.linear_a8 = counted
+    out = {}
+    try:
+        for int8 in (False, True):
+            for stage in (0, 3):
+                cfg = make_cfg(stage, 4, 2, world, static_ranges=False)
+                wq = cfg["compression_training"]["weight_quantization"]
+                wq["shared_parameters"]["quantize_weight_in_forward"] = True
+                wq["different_groups"]["wq"]["params"].update(start_bits=8, target_bits=8)
+                cfg["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = int8
+                calls[0] = 0
+                engine = initialize(make_model(cfg), cfg)
+                losses, _ = train_steps(engine, 0, STEPS, world, 4, 2, rank)
+                out[(int8, stage)] = {"losses": losses, "final": full_params(engine), "int8_calls": calls[0]}
+    finally:
+        lowbit.linear_a8 = real
+    return out
