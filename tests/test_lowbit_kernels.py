@@ -467,6 +467,40 @@ def test_amx_split_scratch_reuse_keeps_results():
     assert bool(((fresh[1].double() - want).abs() <= bound).all())
 
 
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
+    # With AMX, 2 threads, 64+ tokens and groups of whole 64-column steps, lowbit_linear_dyn_a8 runs
+    # one parallel region whose tasks quantize, sum and multiply their own tokens: still the quantize
+    # op's codes fed to lowbit_linear_a8, bit for bit; NaN input fails as the quantize op does.
+    from qcompress.quant import kernels as K
+    from qcompress.quant.api import make_spec
+    g = torch.Generator().manual_seed(6)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for cbits, group, sym_w in ((8, 128, True), (4, 64, False)):
+            n, k = 40, 128
+            q, s, zp = _codes(g, n, k, group, cbits, sym_w)
+            p = lowbit.prepack(q, s, zp, group, cbits)
+            bias = torch.randn(n, generator=g)
+            for m in (22, 100):                       # 66 and 300 tokens (not multiples of 16)
+                for abits, sym in ((8, True), (8, False), (5, True)):
+                    spec = make_spec(abits, symmetric=sym, granularity="token")
+                    for dtype in (torch.float32, torch.bfloat16):
+                        x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
+                        xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
+                        want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
+                                                group, cbits, dtype).reshape(3, m, n)
+                        got = lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, abits, sym, spec.seed)
+                        assert got.dtype == dtype and torch.equal(got, want), (cbits, m, abits, sym, dtype)
+            x = torch.randn(100, k, generator=g)
+            x[70, 3] = float("nan")
+            with pytest.raises(RuntimeError, match="contain NaN or Inf"):
+                lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, 8, True, 0)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
     # lowbit_linear_dyn_a8 (what the fast plan runs for dynamic per-token inputs) must be the
     # quantize op's codes fed to lowbit_linear_a8, bit for bit, for every shape and dtype

@@ -57,6 +57,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
                                                             int64_t rounding, int64_t seed);
 at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                           int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype);
+// Rows [r0, r1) of quantize_cpu with one group per row (per token), nearest rounding, default
+// numerics, 2..8 bits, on a contiguous float32/bfloat16/float16 x [m, k]: codes to q + r0 * k, scale
+// and zero point (a float holding the integer; untouched when symmetric) to [r0, r1). For a task of
+// the fused low-bit matmul, which quantizes the tokens it multiplies. Returns the rows that hold
+// NaN/Inf; raise_nonfinite(bad, rows) then fails as the quantize op does.
+int64_t quantize_token_rows(const at::Tensor& x, int64_t r0, int64_t r1, int bits, bool symmetric, int8_t* q,
+                            float* scale, float* zp);
+void raise_nonfinite(int64_t bad, int64_t groups);
 at::Tensor ste_backward_cpu(const at::Tensor& grad, const at::Tensor& mask);
 std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x, const at::Tensor& scale,
                                                          const std::optional<at::Tensor>& zp, int64_t rows,

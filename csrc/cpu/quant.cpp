@@ -683,4 +683,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
   return {q, scale, zp.to(at::kInt)};
 }
 
+int64_t quantize_token_rows(const at::Tensor& x, int64_t r0, int64_t r1, int bits, bool symmetric, int8_t* q,
+                            float* scale, float* zp) {
+  const int64_t k = x.size(-1);
+  QuantConfig c;
+  c.rows = r1 - r0;
+  c.cols = k;
+  c.group = k;
+  c.bits = bits;
+  c.kind = kInt;
+  c.rounding = kNearest;
+  c.symmetric = symmetric;
+  c.qmin = static_cast<float>(-(1 << (bits - 1)));
+  c.qmax = static_cast<float>((1 << (bits - 1)) - 1);
+  if (c.rows <= 0 || k == 0) return 0;
+  int64_t bad = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_quantize_rows", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      Outputs<scalar_t, int8_t> o;
+      o.q = q + r0 * k;
+      o.scale = scale + r0;
+      o.zp = zp + r0;
+      bad = dispatch_mode<scalar_t, int8_t>(data_of<scalar_t>(x) + r0 * k, c, o);
+    }
+  });
+  return bad;
+}
+
+void raise_nonfinite(int64_t bad, int64_t groups) { raise_bad(bad, groups); }
+
 }  // namespace qc
