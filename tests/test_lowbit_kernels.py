@@ -467,13 +467,28 @@ def test_amx_split_scratch_reuse_keeps_results():
     assert bool(((fresh[1].double() - want).abs() <= bound).all())
 
 
+def _check_dyn_a8(g, p, bias, n, k, m, group, cbits):
+    """lowbit_linear_dyn_a8 on 3 x m tokens equals the quantize op's codes fed to lowbit_linear_a8,
+    bit for bit, for 8-bit sym / asym and 5-bit activations, float32 and bfloat16."""
+    from qcompress.quant import kernels as K
+    from qcompress.quant.api import make_spec
+    for abits, sym in ((8, True), (8, False), (5, True)):
+        spec = make_spec(abits, symmetric=sym, granularity="token")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
+            xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
+            want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
+                                    group, cbits, dtype).reshape(3, m, n)
+            got = lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, abits, sym, spec.seed)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(got, want), (cbits, n, k, m, abits, sym, dtype)
+
+
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
 def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
     # With AMX, 2 threads, 64+ tokens and groups of whole 64-column steps, lowbit_linear_dyn_a8 runs
     # one parallel region whose tasks quantize, sum and multiply their own tokens: still the quantize
     # op's codes fed to lowbit_linear_a8, bit for bit; NaN input fails as the quantize op does.
-    from qcompress.quant import kernels as K
-    from qcompress.quant.api import make_spec
     g = torch.Generator().manual_seed(6)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -484,15 +499,7 @@ def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
             p = lowbit.prepack(q, s, zp, group, cbits)
             bias = torch.randn(n, generator=g)
             for m in (22, 100):                       # 66 and 300 tokens (not multiples of 16)
-                for abits, sym in ((8, True), (8, False), (5, True)):
-                    spec = make_spec(abits, symmetric=sym, granularity="token")
-                    for dtype in (torch.float32, torch.bfloat16):
-                        x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
-                        xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
-                        want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
-                                                group, cbits, dtype).reshape(3, m, n)
-                        got = lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, abits, sym, spec.seed)
-                        assert got.dtype == dtype and torch.equal(got, want), (cbits, m, abits, sym, dtype)
+                _check_dyn_a8(g, p, bias, n, k, m, group, cbits)
             x = torch.randn(100, k, generator=g)
             x[70, 3] = float("nan")
             with pytest.raises(RuntimeError, match="contain NaN or Inf"):
@@ -504,24 +511,13 @@ def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
 def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
     # lowbit_linear_dyn_a8 (what the fast plan runs for dynamic per-token inputs) must be the
     # quantize op's codes fed to lowbit_linear_a8, bit for bit, for every shape and dtype
-    from qcompress.quant import kernels as K
-    from qcompress.quant.api import make_spec
     g = torch.Generator().manual_seed(5)
     for cbits, group, sym_w in ((8, 37, True), (4, 32, False)):
         for n, k, m in ((19, 37, 1), (33, 70, 17), (16, 64, 40)):
             q, s, zp = _codes(g, n, k, min(group, k), cbits, sym_w)
             p = lowbit.prepack(q, s, zp, min(group, k), cbits)
             bias = torch.randn(n, generator=g)
-            for abits, sym in ((8, True), (8, False), (5, True)):
-                spec = make_spec(abits, symmetric=sym, granularity="token")
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
-                    xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
-                    want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
-                                            min(group, k), cbits, dtype).reshape(3, m, n)
-                    got = lowbit.linear_dyn_a8(x, p, bias, n, min(group, k), cbits, abits, sym, spec.seed)
-                    assert got.dtype == dtype and got.shape == want.shape
-                    assert torch.equal(got, want), (cbits, n, k, m, abits, sym, dtype)
+            _check_dyn_a8(g, p, bias, n, k, m, min(group, k), cbits)
     with pytest.raises(RuntimeError, match="activation bits must be 2..8"):
         lowbit.linear_dyn_a8(torch.zeros(2, 8), lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8),
                              torch.ones(4, 1), None, 8, 4), None, 4, 8, 4, 9, True, 0)
