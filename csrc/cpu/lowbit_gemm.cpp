@@ -400,22 +400,33 @@ bool split_by_tokens(const Geometry& g, int64_t m16) {
   return threads > 1 && m16 >= threads * kTokenTask && g.n * g.kp <= (int64_t{1} << 22);
 }
 
-// Sum of the int8 codes per token and group ([m, ng] int32): a plain loop the compiler
-// vectorizes; an ATen reduction costs more than the whole matmul at 64 tokens x 384.
+// fn(r0, r1) over token rows [0, m16) in tasks of kTokenTask rows (the token split above).
+template <typename Fn>
+void over_tokens(int64_t m16, const Fn& fn) {
+  at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
+    fn(u0 * kTokenTask, std::min(u1 * kTokenTask, m16));
+  });
+}
+
+// Sums of the padded codes x [m][Kp] over flat groups [i0, i1) (token t, group i is flat group
+// t * ng + i, at (t * ng + i) * gp): a plain loop the compiler vectorizes.
+void sum_groups(const int8_t* x, int64_t gp, int64_t i0, int64_t i1, int32_t* o) {
+  for (int64_t r = i0; r < i1; ++r) {
+    const int8_t* p = x + r * gp;
+    int32_t acc = 0;
+    for (int64_t j = 0; j < gp; ++j) acc += p[j];
+    o[r] = acc;
+  }
+}
+
+// Sum of the int8 codes per token and group ([m, ng] int32); an ATen reduction costs more than
+// the whole matmul at 64 tokens x 384.
 at::Tensor group_sums(const at::Tensor& xp, int64_t m, const Geometry& g) {
   at::Tensor out = at::empty({m, g.ng}, xp.options().dtype(at::kInt));
   const int8_t* x = xp.const_data_ptr<int8_t>();
   int32_t* o = out.mutable_data_ptr<int32_t>();
-  const int64_t gp = g.gp;
-  at::parallel_for(0, m * g.ng, std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(gp, 1)),
-                   [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {   // groups are contiguous: token t, group i at (t * ng + i) * gp
-      const int8_t* p = x + r * gp;
-      int32_t acc = 0;
-      for (int64_t j = 0; j < gp; ++j) acc += p[j];
-      o[r] = acc;
-    }
-  });
+  at::parallel_for(0, m * g.ng, std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(g.gp, 1)),
+                   [&](int64_t i0, int64_t i1) { sum_groups(x, g.gp, i0, i1, o); });
   return out;
 }
 
@@ -595,8 +606,7 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
       // bf16 pieces another core just wrote (pulling them over cost a 384-wide layer at 64 tokens
       // as much as the second thread saved)
       std::atomic<bool> ok{true};
-      at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
-        const int64_t r0 = u0 * kTokenTask, r1 = std::min(u1 * kTokenTask, m16);
+      over_tokens(m16, [&](int64_t r0, int64_t r1) {
         if (!amx::split(xip, xcode, g.kp, m, r0, r1, pieces, m16, xsp)) {
           ok.store(false);
           return;
@@ -667,9 +677,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
                    asym ? zx.const_data_ptr<int32_t>() : nullptr, bias.defined() ? bias.const_data_ptr<float>() : nullptr,
                    y.mutable_data_ptr<float>()};
     if (split_by_tokens(g, m16)) {   // as the weight-only kernel: each task its tokens, every row block
-      at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
-        amx::a8(w, a, 0, g.nb, u0 * kTokenTask, std::min(u1 * kTokenTask, m16));
-      });
+      over_tokens(m16, [&](int64_t r0, int64_t r1) { amx::a8(w, a, 0, g.nb, r0, r1); });
     } else {
       over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::a8(w, a, b0, b1, 0, m16); });
     }
@@ -717,8 +725,8 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
   const A8View a{q, g.kp, m, xsum.data(), sx.data(), symmetric ? nullptr : zx.data(),
                  bias.defined() ? bias.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>()};
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, (m16 + kTokenTask - 1) / kTokenTask, 1, [&](int64_t u0, int64_t u1) {
-    const int64_t r0 = u0 * kTokenTask, r1 = std::min(u1 * kTokenTask, m16), real = std::min(r1, m);
+  over_tokens(m16, [&](int64_t r0, int64_t r1) {
+    const int64_t real = std::min(r1, m);
     if (real > r0) {
       const int64_t b = quantize_token_rows(xc, r0, real, static_cast<int>(abits), symmetric, q, sx.data(), zf.data());
       if (b) {
@@ -728,14 +736,9 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
     }
     const int64_t pad0 = std::max(real, r0);   // token rows past m: zero codes
     if (r1 > pad0) std::memset(q + pad0 * k, 0, static_cast<size_t>((r1 - pad0) * k));
-    for (int64_t r = r0; r < real; ++r) {   // group sums, as group_sums(); zero points as int32
-      for (int64_t gi = 0; gi < g.ng; ++gi) {
-        const int8_t* p = q + r * k + gi * g.gp;
-        int32_t acc = 0;
-        for (int64_t j = 0; j < g.gp; ++j) acc += p[j];
-        xsum[r * g.ng + gi] = acc;
-      }
-      if (!symmetric) zx[r] = static_cast<int32_t>(zf[r]);
+    if (real > r0) sum_groups(q, g.gp, r0 * g.ng, real * g.ng, xsum.data());   // Kp == K here
+    if (!symmetric) {
+      for (int64_t r = r0; r < real; ++r) zx[r] = static_cast<int32_t>(zf[r]);
     }
     amx::a8(w, a, 0, g.nb, r0, r1);
   });

@@ -308,15 +308,10 @@ def _to_lowbit(mod: nn.Module, rec: dict):
     w = rec["weights"]
     n, k = rec["weight_shape"]
     group = lowbit.kernel_group(w["strategy"], w["group_size"], k)
-    ng = -(-k // group)
     q, s, z = _exported_codes(mod, rec)
-    if s.shape[1] != ng:                       # one scale per row, summed in chunks of `group`
-        s = s.expand(n, ng)
-        z = None if z is None else z.expand(n, ng)
     cbits = lowbit.container_bits(w["num_bits"])
     device = mod._buffers["weight_scale"].device
-    packed = lowbit.prepack(q.cpu(), s.contiguous().cpu(), None if z is None else z.contiguous().cpu(),
-                            group, cbits)
+    packed = lowbit.prepack_rows(q.cpu(), s.cpu(), None if z is None else z.cpu(), group, cbits)
     for name in _EXACT_BUFFERS + ("qweight",):
         mod._buffers.pop(name, None)
     for name, t in zip(_LOWBIT_BUFFERS, packed):

@@ -61,9 +61,8 @@ def _weight_layout(mod, weight: torch.Tensor):
     group = lowbit.kernel_group(spec.granularity, spec.group_size, k)
     if group is None:
         return None
-    ng = -(-k // group)
     s = s.to(torch.float32).reshape(n, -1) if s.numel() > 1 else s.to(torch.float32).reshape(1, 1).expand(n, 1)
-    if s.shape[1] not in (1, ng):
+    if s.shape[1] not in (1, -(-k // group)):
         return None
     cbits = lowbit.container_bits(spec.bits)
     if z is not None:
@@ -71,9 +70,7 @@ def _weight_layout(mod, weight: torch.Tensor):
         lo, hi = z.aminmax()
         if int(lo) < -(1 << (cbits - 1)) or int(hi) >= (1 << (cbits - 1)):
             return None
-        z = z.expand(n, ng).contiguous()
-    s = s.expand(n, ng).contiguous()
-    return lowbit.prepack(q.to(torch.int8), s, z, group, cbits), n, group, cbits
+    return lowbit.prepack_rows(q.to(torch.int8), s, z, group, cbits), n, group, cbits
 
 
 def run(mod, x: torch.Tensor, weight: torch.Tensor, bias, q, s, z, out_dtype) -> Optional[torch.Tensor]:

@@ -83,6 +83,17 @@ def prepack(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Ten
                                                      group, cbits))
 
 
+def prepack_rows(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int,
+                 cbits: int) -> Packed:
+    """prepack with scale / zero point [N, 1] (one per row: tensor / channel strategies, summed in
+    groups of `group` columns) or [N, ceil(K / group)]."""
+    n, ng = q.shape[0], -(-q.shape[1] // group)
+    if scale.shape[1] != ng:
+        scale = scale.expand(n, ng)
+        zero_point = None if zero_point is None else zero_point.expand(n, ng)
+    return prepack(q, scale.contiguous(), None if zero_point is None else zero_point.contiguous(), group, cbits)
+
+
 def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
     """(q int8 [N, K], scale [N, ng] fp32, zero point int32 [N, ng] or None) from the layout."""
     q = torch.ops.qcompress.lowbit_unpack(p.packed, n, k, group, cbits)

@@ -84,9 +84,7 @@ def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
     best = torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     best_err = torch.full((X.shape[0],), float("inf"), dtype=torch.float64, device=X.device)
     for p in shrink_grid(X.device):
-        s, zp = int_params(lo * p, hi * p, spec)
-        q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
-        err = (dequantize_view(q, s, zp, spec) - X).double().square().sum(dim=1)
+        err = _errors(X, counts, lo, hi, p, spec)[0]
         better = err < best_err          # strict: on a tie the larger shrink factor stays
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, p, best)

@@ -89,13 +89,6 @@ QC_HD int code_at(const uint8_t* packed, const Geometry& g, int64_t n, int64_t k
   return (lane[sh / 8] >> (sh % 8)) & ((1 << g.cbits) - 1);
 }
 
-QC_HD void set_code(uint8_t* packed, const Geometry& g, int64_t n, int64_t kk, int u) {
-  uint8_t* lane = packed + lane_offset(g, n, kk);
-  const int sh = code_shift(g.cbits, kk);
-  uint8_t& byte = lane[sh / 8];
-  const int s = sh % 8, mask = ((1 << g.cbits) - 1) << s;
-  byte = static_cast<uint8_t>((byte & ~mask) | ((u << s) & mask));
-}
 
 // Index of (row n, group gi) in the [Nb][ng][16] per-group arrays.
 QC_HD int64_t param_index(const Geometry& g, int64_t n, int64_t gi) {
