@@ -20,7 +20,12 @@ piece * (q - zp) is exact, the P * (group length) <= 2K of them are summed in fp
 then y += s_g * S_g (one rounding per group, ng <= K, and the bias): within gamma_{2K + K + 1}
 * 1.01 (the pieces' magnitudes sum to at most 1.01 |x|) of the real result, so
 |fast - exact| <= (4.1 K + 6) u (...) + 2^-16 (...) there; the tests use (6K + 16) u for every
-kernel, plus 2^-16 (...) for this one on float32. A wrong code, scale, zero point or group boundary moves an output by a quantization step,
+kernel, plus a float32 term for the AMX tiles. Where the groups are whole 64-column steps and
+unpadded, AMX takes float32 inputs as two int8 digits per element instead (csrc/cpu/lowbit_amx.h
+digits): x^ = sx D per token, |x - x^| <= amax / 64000 with amax the token's largest |x|, and then
+the W-A8 int32 sums (exact) and one rounding of 256 A0 + A1 per group; so the float32 term is
+(amax / 64000) sum |W| per output, which also covers the pieces' 2^-16 (|x| @ |W|^T).
+A wrong code, scale, zero point or group boundary moves an output by a quantization step,
 about 2^-8 of it or more, far above (6K + 16) u <= 2^-14 here.
 bfloat16 / float16 (unit roundoff u_d = 2^-8 / 2^-11): the kernels take the same (fake-quantized)
 input, widened exactly to fp32, multiply by the fp32 weight and round only the result to the
@@ -111,9 +116,14 @@ def no_float_weight(monkeypatch):
         monkeypatch.setattr(fastmod, name, boom)
 
 
+def digit_term(x, w):
+    """The AMX float32 term of the docstring: (token amax / 64000) * sum |W| per output."""
+    return x.double().abs().amax(-1, keepdim=True) / 64000 * w.double().abs().sum(-1)
+
+
 def exact_and_bound(e, h, dtype, split_rest=False):
     """The exact layer's output on h and the elementwise bound of the docstring (split_rest: plus
-    the AMX weight-only kernel's 2^-16 |x| float32 rest)."""
+    the AMX weight-only kernel's float32 term)."""
     want = e(h)
     xin = e._qx_input(h).double()
     w = e.weight.double()
@@ -121,7 +131,7 @@ def exact_and_bound(e, h, dtype, split_rest=False):
     mag = xin.abs() @ w.abs().t() + b
     fp32_sums = (6 * w.shape[1] + 16) * 2.0 ** -24 * mag
     if dtype == torch.float32:
-        return want, fp32_sums + (2.0 ** -16 * mag if split_rest else 0.0)
+        return want, fp32_sums + (digit_term(xin, w) if split_rest else 0.0)
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
     bound = 2 * u * (mag + want.double().abs()) + fp32_sums
     if dtype == torch.float16:       # subnormal rounding of weights, inputs and the result
@@ -327,12 +337,20 @@ def test_amx_tiles_against_references():
                         want = x.double() @ w.t() + bias.double()
                         mag = x.double().abs() @ w.abs().t() + bias.double().abs()
                         bound = (6 * k + 16) * 2.0 ** -24 * mag
-                        if dt == torch.float32:                  # the 2^-16 |x| rest of two pieces
-                            bound = bound + 2.0 ** -16 * mag
+                        if dt == torch.float32:                  # int8 digits, or the rest of two pieces
+                            bound = bound + digit_term(x, w)
                         else:
                             bound = bound + (2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11) * want.abs()
                         where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {dt}"
                         assert bool(((got.double() - want).abs() <= bound).all()), where
+                        if dt == torch.float32:                  # the bf16 pieces, within 2^-16 |x|
+                            os.environ["QCOMPRESS_LOWBIT_FP32"] = "pieces"
+                            try:
+                                got = lowbit.linear(x, p, bias, n, group, cbits)
+                            finally:
+                                del os.environ["QCOMPRESS_LOWBIT_FP32"]
+                            bound = (6 * k + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag
+                            assert bool(((got.double() - want).abs() <= bound).all()), where + " pieces"
                     if k % 64:
                         continue                     # W-A8 tiles take 64-column steps
                     xq = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
@@ -346,26 +364,29 @@ def test_amx_tiles_against_references():
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
-def test_amx_weight_only_token_split_equals_block_split():
+def test_amx_weight_only_token_split_equals_block_split(monkeypatch):
     # With 2+ threads and 64+ tokens the AMX weight-only kernel splits small layers over tokens
     # (each task all row blocks, its own tokens) instead of row blocks; every output row is then
-    # summed in the same order, so the result equals the one-thread (row block) run bit for bit.
+    # summed in the same order, so the result equals the one-thread (row block) run bit for bit,
+    # for float32 on int8 digits and on bf16 pieces alike.
     g = torch.Generator().manual_seed(12)
     old = torch.get_num_threads()
     try:
-        for cbits, n, k, group in ((4, 50, 384, 128), (8, 40, 256, 256)):
-            q, s, zp = _codes(g, n, k, group, cbits, False)
-            p = lowbit.prepack(q, s, zp, group, cbits)
-            bias = torch.randn(n, generator=g)
-            for m in (64, 100, 300):
-                for dt in (torch.float32, torch.bfloat16):
-                    x = torch.randn(m, k, generator=g).to(dt)
-                    lowbit.isa("amx")
-                    torch.set_num_threads(1)
-                    one = lowbit.linear(x, p, bias, n, group, cbits)
-                    torch.set_num_threads(2)
-                    two = lowbit.linear(x, p, bias, n, group, cbits)
-                    assert torch.equal(one, two), f"{cbits}-bit {n}x{k} {m} tokens {dt}"
+        for fp32 in ("digits", "pieces"):
+            monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", fp32)
+            for cbits, n, k, group in ((4, 50, 384, 128), (8, 40, 256, 256)):
+                q, s, zp = _codes(g, n, k, group, cbits, False)
+                p = lowbit.prepack(q, s, zp, group, cbits)
+                bias = torch.randn(n, generator=g)
+                for m in (64, 100, 300):
+                    for dt in (torch.float32, torch.bfloat16):
+                        x = torch.randn(m, k, generator=g).to(dt)
+                        lowbit.isa("amx")
+                        torch.set_num_threads(1)
+                        one = lowbit.linear(x, p, bias, n, group, cbits)
+                        torch.set_num_threads(2)
+                        two = lowbit.linear(x, p, bias, n, group, cbits)
+                        assert torch.equal(one, two), f"{fp32} {cbits}-bit {n}x{k} {m} tokens {dt}"
     finally:
         torch.set_num_threads(old)
         lowbit.isa("auto")
@@ -406,10 +427,12 @@ def test_amx_takes_nonfinite_inputs_elsewhere():
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
-def test_amx_half_inputs_and_outputs_match_the_float32_path():
+def test_amx_half_inputs_and_outputs_match_the_float32_path(monkeypatch):
     # bf16 / fp16 activations are read and the result written in their own dtype (no copies):
     # the pieces of a bf16/fp16 value widened to fp32 are the same plus exact zeros, so the result
-    # must equal the float32 call converted by torch, bit for bit (with and without padded groups)
+    # must equal the float32 call on bf16 pieces converted by torch, bit for bit (with and without
+    # padded groups)
+    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")
     g = torch.Generator().manual_seed(1)
     for dt in (torch.bfloat16, torch.float16):
         for k, group in ((384, 128), (200, 64)):
@@ -464,7 +487,76 @@ def test_amx_split_scratch_reuse_keeps_results():
     w = _reference(q, s, zp, group)
     want = x.double() @ w.t() + bias.double()
     bound = (6 * x.shape[1] + 16) * 2.0 ** -24 * (x.double().abs() @ w.abs().t() + bias.double().abs())
-    assert bool(((fresh[1].double() - want).abs() <= bound).all())
+    assert bool(((fresh[1].double() - want).abs() <= bound + digit_term(x, w)).all())
+
+
+def _digits_reference(x):
+    """x^ = sx D per token in float64, from the definition in csrc/cpu/lowbit_amx.h (digits), each
+    step in float32 as the kernel rounds it: inv = kDigitMax / amax, D = round(x * inv) clamped to
+    +-kDigitMax, sx = amax / kDigitMax (a zero token: zeros)."""
+    top = 127 * 256 + 127
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.tensor(float(top)) / amax
+    d = torch.round(x * inv).clamp(-top, top)
+    xh = (amax / top).double() * d.double()
+    return torch.where(amax == 0, torch.zeros_like(xh), xh)
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_float32_digits_against_their_definition(monkeypatch):
+    # The int8-digit path must compute exactly x^ @ W^T with x^ the digits' value (reference above,
+    # written from the definition), up to float32 rounding of the group sums: (6K + 16) u, no
+    # digit term. Ragged tokens (16 / 33 / 300, one of them all zeros, scales from 1e-3 to 1e3),
+    # 4 / 8-bit, sym / asym, one thread and two (row-block and token split).
+    g = torch.Generator().manual_seed(21)
+    old = torch.get_num_threads()
+    lowbit.isa("amx")
+    try:
+        for cbits, n, k, group in ((4, 50, 384, 128), (8, 37, 256, 256), (4, 24, 192, 64)):
+            for sym in (True, False):
+                q, s, zp = _codes(g, n, k, group, cbits, sym)
+                p = lowbit.prepack(q, s, zp, group, cbits)
+                w = _reference(q, s, zp, group)
+                bias = torch.randn(n, generator=g)
+                for m in (16, 33, 300):
+                    x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-3, 4, (m, 1), generator=g)
+                    x[m // 2] = 0
+                    xh = _digits_reference(x)
+                    want = xh @ w.t() + bias.double()
+                    bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
+                    for threads in (1, 2):
+                        torch.set_num_threads(threads)
+                        got = lowbit.linear(x, p, bias, n, group, cbits).double()
+                        where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {threads} threads"
+                        assert bool(((got - want).abs() <= bound).all()), where
+                        monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")   # not the same sums: the
+                        other = lowbit.linear(x, p, bias, n, group, cbits).double()   # digit path ran
+                        monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
+                        assert not torch.equal(got, other), where
+    finally:
+        torch.set_num_threads(old)
+        lowbit.isa("auto")
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
+def test_amx_float32_digits_hand_tiny_tokens_to_the_pieces():
+    # A token whose amax is below kDigitTiny (1e-30) has no digit scale (kDigitMax / amax overflows):
+    # the call takes the bf16 pieces, within their 2^-16 |x| bound of the float64 product
+    g = torch.Generator().manual_seed(22)
+    q, s, zp = _codes(g, 32, 128, 128, 8, True)
+    p = lowbit.prepack(q, s, zp, 128, 8)
+    w = _reference(q, s, zp, 128)
+    x = torch.randn(20, 128, generator=g)
+    x[4] *= 1e-33
+    lowbit.isa("amx")
+    try:
+        got = lowbit.linear(x, p, None, 32, 128, 8).double()
+    finally:
+        lowbit.isa("auto")
+    want = x.double() @ w.t()
+    mag = x.double().abs() @ w.abs().t()
+    assert bool(((got - want).abs() <= (6 * 128 + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag).all())
+    assert float(got[4].abs().max()) > 0            # not flushed to zero as a digit scale of 0 would
 
 
 def _check_dyn_a8(g, p, bias, n, k, m, group, cbits):

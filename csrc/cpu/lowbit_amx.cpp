@@ -14,6 +14,8 @@
 //   per group. Outputs differ from the exact path by rounding and, for float32, the 2^-16 |x|
 //   rest (bound in tests/test_lowbit_kernels.py). AMX flushes bf16 subnormals (pieces below
 //   2^-126) to zero, an error below 2^-126 |u - o| per product.
+// - weight-only float32 where the W-A8 tiles fit: x as two int8 digits per element (digits(),
+//   lowbit_amx.h), then the W-A8 kernel with the two digits' int32 sums combined per group.
 // Tile state is per thread and other libraries (oneDNN) use it too: every task loads our tile
 // configuration and releases the tiles when it ends.
 #include "lowbit_amx.h"
@@ -191,12 +193,35 @@ void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t ste
   barrier();
 }
 
-template <int CB>
+// tot[token] += s * (256 * A0 + A1) for the 16 tokens from mt, A_d = C_d - o * xsum_d (lowbit.h
+// a8_group without activation zero points) of digit d. 256 * float(A0) is exact; the sum rounds once.
+inline void digit_epilogue(const int32_t (*cbuf)[2][256], const A8View& a, int64_t ng, int64_t gi, int64_t mt,
+                           int64_t mc, int nb2, const __m512i* ov, const __m512* sv, float* tot) {
+  const __m512 radix = _mm512_set1_ps(256.0f);
+  for (int r = 0; r < 16; ++r) {
+    const int64_t row = mt + r;
+    if (row >= a.m) break;
+    const int64_t v0 = 2 * mt + r;   // code rows of the token's two digits: v0, v0 + 16
+    const __m512i xs0 = _mm512_set1_epi32(a.xsum[v0 * ng + gi]), xs1 = _mm512_set1_epi32(a.xsum[(v0 + 16) * ng + gi]);
+    float* t = tot + (row - mc) * 2 * kRows;
+    for (int j = 0; j < nb2; ++j) {
+      const __m512i d0 = _mm512_sub_epi32(_mm512_load_si512(cbuf[0][j] + r * 16), _mm512_mullo_epi32(ov[j], xs0));
+      const __m512i d1 = _mm512_sub_epi32(_mm512_load_si512(cbuf[1][j] + r * 16), _mm512_mullo_epi32(ov[j], xs1));
+      const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), radix, _mm512_cvtepi32_ps(d1));
+      _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(both, sv[j], _mm512_loadu_ps(t + j * 16)));
+    }
+  }
+}
+
+// DIG 1: a.xq holds one code row per token. DIG 2: two digit rows per token (digits() below), 16
+// tokens' first digits then their second digits per 32 code rows, so the two A tiles of a pass are
+// one token tile's two digits and their int32 sums combine as 256 * A0 + A1.
+template <int CB, int DIG>
 void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 64;
   std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
-  const int64_t mchunk = chunk_rows(g.kp);
+  const int64_t mchunk = chunk_rows(g.kp * DIG);
   std::vector<float> tot(std::min(mchunk, t1 - t0) * 2 * kRows);
   alignas(64) int32_t cbuf[2][2][256];
   TileScope tiles;
@@ -219,13 +244,17 @@ void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0,
           ws[j] = a.zx ? _mm512_sub_epi32(us, _mm512_mullo_epi32(ov[j], _mm512_set1_epi32(static_cast<int32_t>(g.gp))))
                        : _mm512_setzero_si512();
         }
-        for (int64_t mt = mc; mt < mc + mrows; mt += 32) {
-          const bool two = mt + 16 < mc + mrows;
-          const int8_t* xa = a.xq + mt * a.ldx + gi * g.gp;
+        for (int64_t mt = mc; mt < mc + mrows; mt += 32 / DIG) {
+          const bool two = DIG == 2 || mt + 16 < mc + mrows;
+          const int8_t* xa = a.xq + mt * DIG * a.ldx + gi * g.gp;
           if (two && nb2 == 2) a8_dot<true, true>(xa, a.ldx, bt, steps, cbuf);
           else if (two) a8_dot<true, false>(xa, a.ldx, bt, steps, cbuf);
           else if (nb2 == 2) a8_dot<false, true>(xa, a.ldx, bt, steps, cbuf);
           else a8_dot<false, false>(xa, a.ldx, bt, steps, cbuf);
+          if constexpr (DIG == 2) {
+            digit_epilogue(cbuf, a, g.ng, gi, mt, mc, nb2, ov, sv, tot.data());
+            continue;
+          }
           for (int mi = 0; mi < (two ? 2 : 1); ++mi) {
             for (int r = 0; r < 16; ++r) {
               const int64_t row = mt + mi * 16 + r;
@@ -355,9 +384,54 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
 
 }  // namespace
 
-void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
-  if (w.g.cbits == 4) a8_run<4>(w, a, b0, b1, t0, t1);
-  else a8_run<8>(w, a, b0, b1, t0, t1);
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1, int digits) {
+  if (digits == 2) {
+    if (w.g.cbits == 4) a8_run<4, 2>(w, a, b0, b1, t0, t1);
+    else a8_run<8, 2>(w, a, b0, b1, t0, t1);
+  } else if (w.g.cbits == 4) {
+    a8_run<4, 1>(w, a, b0, b1, t0, t1);
+  } else {
+    a8_run<8, 1>(w, a, b0, b1, t0, t1);
+  }
+}
+
+bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx) {
+  const __m512i lim = _mm512_set1_epi32(kDigitMax), half = _mm512_set1_epi32(128);
+  for (int64_t row = r0; row < r1; ++row) {
+    int8_t* c0 = codes + ((row / 16) * 32 + row % 16) * ldx;   // first digit; the second 16 rows on
+    int8_t* c1 = c0 + 16 * ldx;
+    const float* xr = x + row * ldx;
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; row < m && k < ldx; k += 16) {
+      const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, ldx - k)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(lanes, xr + k);
+      bad |= _mm512_fpclass_ps_mask(v, 0x99);   // QNaN, SNaN, +inf, -inf
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
+    if (bad) return false;
+    const float amax = _mm512_reduce_max_ps(mx);
+    if (amax == 0.0f) {   // a zero token (or a padding row): zero digits, any scale
+      std::memset(c0, 0, static_cast<size_t>(ldx));
+      std::memset(c1, 0, static_cast<size_t>(ldx));
+      sx[row] = 0.0f;
+      continue;
+    }
+    if (amax < kDigitTiny) return false;   // 32639 / amax would overflow
+    sx[row] = amax / static_cast<float>(kDigitMax);
+    const __m512 inv = _mm512_set1_ps(static_cast<float>(kDigitMax) / amax);
+    for (int64_t k = 0; k < ldx; k += 16) {
+      const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, ldx - k)) - 1);
+      __m512i d = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, xr + k), inv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      d = _mm512_max_epi32(_mm512_min_epi32(d, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(d, half), 8);   // floor((D + 128) / 256)
+      const __m512i lo = _mm512_sub_epi32(d, _mm512_slli_epi32(hi, 8));    // in [-128, 127]
+      _mm_mask_storeu_epi8(c0 + k, lanes, _mm512_cvtepi32_epi8(hi));
+      _mm_mask_storeu_epi8(c1 + k, lanes, _mm512_cvtepi32_epi8(lo));
+    }
+  }
+  return true;
 }
 
 void wo(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t m, int64_t m16, const float* bias,
@@ -402,7 +476,8 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
 #else  // no AMX build
 
 bool available() { return false; }
-void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t) {}
+void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t, int) {}
+bool digits(const float*, int64_t, int64_t, int64_t, int64_t, int8_t*, float*) { return false; }
 void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,
         int64_t) {}
 bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }

@@ -24,7 +24,22 @@ bool fits(const Geometry& g, bool a8);
 // W-A8 on tiles: same int32 group sums and float epilogue as the vector kernels. a.xq has m16
 // rows (a multiple of 16, padding rows zero); a.m real rows are written. Row blocks [b0, b1), token
 // rows [t0, t1) (multiples of 16).
-void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1);
+// digits 2: a.xq, a.xsum and a.sx come from digits() (two code rows per token); weight-only
+// float32 as a W-A8 product, y = sx * sum_g s_g (256 A0 + A1).
+void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1, int digits = 1);
+
+// Float32 activations as two int8 digits per element, for the weight-only kernel: per token,
+// sx = amax / kDigitMax and D = round(x * (kDigitMax / amax)) (nearest even, |D| <= kDigitMax),
+// D = 256 d0 + d1 with d1 in [-128, 127], d0 in [-127, 127]. So |x - sx D| <= sx / 2 (1 + 2^-6)
+// (x * inv and sx round, |x / sx| <= kDigitMax): within amax / 64000 (about 2^-16 amax) of x,
+// where two bf16 pieces are within 2^-16 |x|; the
+// int8 tiles run at twice the bf16 rate and take the weight codes as they are stored (no decode).
+// Token rows [r0, r1) (multiples of 16) of x [m, ldx] (rows past m: zero digits) to codes laid
+// out [m16 / 16][2][16][ldx] and sx [m16]. False when a row holds inf / nan or its amax is below
+// kDigitTiny (the caller takes the bf16 pieces).
+constexpr int32_t kDigitMax = 127 * 256 + 127;
+constexpr float kDigitTiny = 1e-30f;
+bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx);
 
 // rows [r0, r1) of m16 from a [m, ldx] matrix x of dtype xdt (rows past m: zeros) -> `pieces`
 // bfloat16 matrices (bits) [pieces][m16][ldx] whose sum is x exactly (1: x is bf16-valued,

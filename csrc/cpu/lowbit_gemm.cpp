@@ -563,6 +563,51 @@ static at::Tensor split_scratch(int64_t elems) {
   return buf.narrow(0, 0, elems);
 }
 
+// Weight-only float32 on the AMX int8 tiles: x as two int8 digits per element (amx::digits), then
+// the W-A8 kernel, in one parallel region when the layer splits over tokens. Measured against the
+// two bf16 pieces (benchmarks/RESULTS.md): half the tile work, and the weight codes are read as
+// stored instead of decoded to bf16 in every task. Undefined when it does not apply (padded
+// groups, groups not a whole number of 64-column steps, inf / nan or a tiny token: the caller
+// takes the bf16 pieces); QCOMPRESS_LOWBIT_FP32=pieces turns it off, for measurements and tests.
+static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m) {
+  const char* force = std::getenv("QCOMPRESS_LOWBIT_FP32");
+  if ((force && force[0] == 'p') || g.kp != g.k || !amx::fits(g, true)) return {};
+  const at::Tensor xc = x2.contiguous();
+  const float* xp = xc.const_data_ptr<float>();
+  const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+  // two int8 code rows per token: the bytes of one bf16 piece
+  at::Tensor scratch = split_scratch(m16 * g.k);
+  int8_t* codes = reinterpret_cast<int8_t*>(scratch.mutable_data_ptr());
+  std::vector<float> sx(static_cast<size_t>(m16));
+  std::vector<int32_t> xsum(static_cast<size_t>(2 * m16 * g.ng));
+  at::Tensor y = at::empty({m, g.n}, xc.options());
+  const A8View a{codes, g.kp, m, xsum.data(), sx.data(), nullptr, bias, y.mutable_data_ptr<float>()};
+  std::atomic<bool> ok{true};
+  auto prepare = [&](int64_t r0, int64_t r1) {   // token rows [r0, r1): digits and their group sums
+    if (!amx::digits(xp, g.k, m, r0, r1, codes, sx.data())) {
+      ok.store(false);
+      return false;
+    }
+    sum_groups(codes, g.gp, 2 * r0 * g.ng, 2 * r1 * g.ng, xsum.data());
+    return true;
+  };
+  if (split_by_tokens(g, m16)) {
+    over_tokens(m16, [&](int64_t r0, int64_t r1) {
+      if (prepare(r0, r1)) amx::a8(w, a, 0, g.nb, r0, r1, 2);
+    });
+    return ok.load() ? y : at::Tensor();
+  }
+  if (m16 * g.k <= (int64_t{1} << 19)) {   // small: on this thread, no parallel region
+    prepare(0, m16);
+  } else {
+    at::parallel_for(0, m16 / amx::kTileRows, std::max<int64_t>(1, (int64_t{1} << 12) / g.k),
+                     [&](int64_t u0, int64_t u1) { prepare(u0 * amx::kTileRows, u1 * amx::kTileRows); });
+  }
+  if (!ok.load()) return {};
+  over_blocks(g, m, 2, [&](int64_t b0, int64_t b1) { amx::a8(w, a, b0, b1, 0, m16, 2); });
+  return y;
+}
+
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                              int64_t n, int64_t group, int64_t cbits) {
@@ -581,6 +626,9 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   const int isa = active_isa().load();
+  if (x.scalar_type() == at::kFloat && m >= amx::kTileRows && isa >= kAmx) {
+    if (at::Tensor y = wo_digits(x2, w, g, bp, m); y.defined()) return y.reshape(shape);
+  }
   if (m >= amx::kTileRows && isa >= kAmx && amx::fits(g, false)) {
     // bf16 pieces of x: bfloat16 1 and float16 2 (their sum is x exactly); float32 2, the high
     // piece and the rounded rest, which leave |x - pieces| <= 2^-16 |x| (a third piece would make
