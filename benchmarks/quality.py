@@ -34,6 +34,8 @@ the summary's baseline_run lends the FP32 fine-tune only to runs with the same a
 configs and evaluate it on every held-out block (not only --eval-samples'), in this process with
 the job's own steps (quantize_without_training, the job's calibration batches, evaluate); listed as
 a separate line under the table, which keeps the runs' `ptq` stage (the table's measure).
+--ptq-pretrained (causal LM): the same PTQ of the pretrained checkpoint --lm itself (no fine-tune),
+on the first --eval-samples blocks and on all of them; another line under the table.
 --write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
 tables of every task measured so far (kept in <out>/<task>/summary.json).
 """
@@ -144,10 +146,11 @@ def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
         return json.load(fh)
 
 
-def ptq_whole_set(a, recipes, baseline_run: str, n_eval=None) -> dict:
-    """{recipe key: {"blocks", "fp32", "minmax", "mse"}}: the FP32 fine-tune of baseline_run and its
-    PTQ with each recipe's qat (minmax) and qat_rl (mse) configs, perplexity on the first n_eval
-    held-out blocks (None: all of them). The same steps as the job's fp32_finetuned and ptq stages."""
+def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
+    """{recipe key: {"blocks", "fp32", "minmax", "mse"}}: the FP32 fine-tune of baseline_run (None:
+    the pretrained checkpoint --lm itself) and its PTQ with each recipe's qat (minmax) and qat_rl
+    (mse) configs, perplexity on the first n_eval held-out blocks (None: all of them). The same steps
+    as the job's fp32_finetuned and ptq stages."""
     import torch
     from safetensors.torch import load_file
     from qcompress.config import load_config
@@ -162,8 +165,9 @@ def ptq_whole_set(a, recipes, baseline_run: str, n_eval=None) -> dict:
     data = prepare_data("causal-lm", os.path.join(a.lm, "train.txt"), tok, eval_data=os.path.join(a.lm, "heldout.txt"),
                         seed=a.seed, max_length=a.max_length, max_eval_samples=n_eval)
     model = load_model(a.lm, "causal-lm", None, a.seed)
-    model.load_state_dict(load_file(os.path.join(baseline_run, "checkpoints", "fp32_finetuned.safetensors")),
-                          strict=False)                                  # tied weights are saved once
+    if baseline_run:                                                     # tied weights are saved once
+        model.load_state_dict(load_file(os.path.join(baseline_run, "checkpoints", "fp32_finetuned.safetensors")),
+                              strict=False)
 
     def ev(m):
         return evaluate(m, data.eval, "causal-lm", 64, tok.pad_token_id)["perplexity"]
@@ -208,6 +212,26 @@ def whole_set_line(summary: dict) -> str:
     return (f"Outside the table, PTQ of the same FP32 fine-tune on all {blocks} held-out blocks "
             f"(`--ptq-whole-set`, the mse observer with its least-squares refinement; the table's measure is the "
             f"runs' `ptq` stage on the first blocks above): FP32 {fp32:.3f}; " + "; ".join(parts) + ".")
+
+
+def pretrained_line(summary: dict) -> str:
+    """The --ptq-pretrained figures as one labelled sentence (empty when none were measured)."""
+    parts, sizes = [], None
+    for key, row in summary["recipes"].items():
+        ws = row.get("ptq_pretrained")
+        if not ws:
+            continue
+        runs = sorted(ws.values(), key=lambda w: w["blocks"])
+        sizes = " / ".join(str(w["blocks"]) for w in runs)
+        fp32 = " / ".join(f"{w['fp32']:.3f}" for w in runs)
+        cuts = " / ".join(f"{100 * (1 - (w['mse'] - w['fp32']) / (w['minmax'] - w['fp32'])):.1f} %" for w in runs)
+        parts.append(f"{row['label']} minmax " + " / ".join(f"{w['minmax']:.3f}" for w in runs)
+                     + ", mse " + " / ".join(f"{w['mse']:.3f}" for w in runs) + f" (cut {cuts})")
+    if not parts:
+        return ""
+    return (f"PTQ of the pretrained checkpoint itself (`--ptq-pretrained`: no fine-tune, the model a user "
+            f"would quantize; the same observers and steps), first {sizes} held-out blocks: FP32 {fp32}; "
+            + "; ".join(parts) + ".")
 
 
 def update_summary(path: str, metric: str, key=None, row=None, **fields) -> dict:
@@ -312,8 +336,8 @@ def section(summaries: dict) -> str:
              "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
     for task, s in summaries.items():
         parts.append(f"\n### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n")
-        whole = whole_set_line(s) if s.get("metric") == "perplexity" else ""
-        notes = targets(s) + ([whole] if whole else []) + list(s.get("notes") or [])
+        lines = [whole_set_line(s), pretrained_line(s)] if s.get("metric") == "perplexity" else []
+        notes = targets(s) + [x for x in lines if x] + list(s.get("notes") or [])
         if notes:
             parts.append("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
     return "".join(parts)
@@ -350,6 +374,9 @@ def main(argv=None) -> int:
                    help="a finished run folder of the same task and budget whose FP32 fine-tune to reuse")
     p.add_argument("--ptq-whole-set", action="store_true",
                    help="lm: also PTQ the FP32 fine-tune (minmax, mse) and evaluate it on every held-out block")
+    p.add_argument("--ptq-pretrained", action="store_true",
+                   help="causal LM: also PTQ the pretrained checkpoint (--lm, no fine-tune) with each recipe's "
+                        "minmax and mse configs, on the first --eval-samples blocks and on all of them")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
@@ -400,6 +427,13 @@ def main(argv=None) -> int:
             row = summary["recipes"].get(key, {"label": RECIPES[key][0]})
             row["ptq_whole_set"] = w
             summary = update_summary(summary_path, metric, key=key, row=row)
+    if a.ptq_pretrained and a.task == "lm":
+        keys = [k for k in a.recipes.split(",") if k]
+        for n_eval in dict.fromkeys((a.eval_samples, None)):
+            for key, w in ptq_whole_set(a, keys, None, n_eval).items():
+                row = summary["recipes"].get(key, {"label": RECIPES[key][0]})
+                row.setdefault("ptq_pretrained", {})[str(w["blocks"])] = w
+                summary = update_summary(summary_path, metric, key=key, row=row)
     import torch
     from qcompress.train.job import RANGE_LR_FACTOR
     if a.task == "classifier":
