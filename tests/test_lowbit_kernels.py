@@ -64,8 +64,10 @@ def cpu_isas():
 
 
 @pytest.fixture(autouse=True)
-def _restore_isa():
+def _restore_isa_and_threads():
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
     if lowbit.available():
         lowbit.isa("auto")
 
@@ -312,8 +314,14 @@ def _codes(g, n, k, group, cbits, sym):
     return q, s, zp
 
 
+def _layer(g, cbits, n, k, group, sym):
+    """Random codes of one layer: (its packed form, its float64 weight, a bias)."""
+    q, s, zp = _codes(g, n, k, group, cbits, sym)
+    return lowbit.prepack(q, s, zp, group, cbits), _reference(q, s, zp, group), torch.randn(n, generator=g)
+
+
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
-def test_amx_tiles_against_references():
+def test_amx_tiles_against_references(monkeypatch):
     # Shapes where the AMX kernels run (16+ tokens, padded groups of whole k steps): 4/8-bit,
     # sym/asym, group and channel scales, partial last groups, rows not a multiple of 16 or 32,
     # token counts 16 / 33 / 300 (padded to tiles of 16, two token tiles per pass).
@@ -324,10 +332,7 @@ def test_amx_tiles_against_references():
     for cbits in (4, 8):
         for n, k, group in ((37, 200, 64), (16, 384, 384), (50, 128, 128), (33, 96, 32)):
             for sym in (True, False):
-                q, s, zp = _codes(g, n, k, group, cbits, sym)
-                p = lowbit.prepack(q, s, zp, group, cbits)
-                w = _reference(q, s, zp, group)
-                bias = torch.randn(n, generator=g)
+                p, w, bias = _layer(g, cbits, n, k, group, sym)
                 for m in (16, 33, 300):
                     for dt in (torch.float32, torch.bfloat16, torch.float16):
                         x = torch.randn(m, k, generator=g).to(dt)
@@ -344,11 +349,9 @@ def test_amx_tiles_against_references():
                         where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {dt}"
                         assert bool(((got.double() - want).abs() <= bound).all()), where
                         if dt == torch.float32:                  # the bf16 pieces, within 2^-16 |x|
-                            os.environ["QCOMPRESS_LOWBIT_FP32"] = "pieces"
-                            try:
-                                got = lowbit.linear(x, p, bias, n, group, cbits)
-                            finally:
-                                del os.environ["QCOMPRESS_LOWBIT_FP32"]
+                            monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")
+                            got = lowbit.linear(x, p, bias, n, group, cbits)
+                            monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
                             bound = (6 * k + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag
                             assert bool(((got.double() - want).abs() <= bound).all()), where + " pieces"
                     if k % 64:
@@ -370,26 +373,21 @@ def test_amx_weight_only_token_split_equals_block_split(monkeypatch):
     # summed in the same order, so the result equals the one-thread (row block) run bit for bit,
     # for float32 on int8 digits and on bf16 pieces alike.
     g = torch.Generator().manual_seed(12)
-    old = torch.get_num_threads()
-    try:
-        for fp32 in ("digits", "pieces"):
-            monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", fp32)
-            for cbits, n, k, group in ((4, 50, 384, 128), (8, 40, 256, 256)):
-                q, s, zp = _codes(g, n, k, group, cbits, False)
-                p = lowbit.prepack(q, s, zp, group, cbits)
-                bias = torch.randn(n, generator=g)
-                for m in (64, 100, 300):
-                    for dt in (torch.float32, torch.bfloat16):
-                        x = torch.randn(m, k, generator=g).to(dt)
-                        lowbit.isa("amx")
-                        torch.set_num_threads(1)
-                        one = lowbit.linear(x, p, bias, n, group, cbits)
-                        torch.set_num_threads(2)
-                        two = lowbit.linear(x, p, bias, n, group, cbits)
-                        assert torch.equal(one, two), f"{fp32} {cbits}-bit {n}x{k} {m} tokens {dt}"
-    finally:
-        torch.set_num_threads(old)
-        lowbit.isa("auto")
+    for fp32 in ("digits", "pieces"):
+        monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", fp32)
+        for cbits, n, k, group in ((4, 50, 384, 128), (8, 40, 256, 256)):
+            q, s, zp = _codes(g, n, k, group, cbits, False)
+            p = lowbit.prepack(q, s, zp, group, cbits)
+            bias = torch.randn(n, generator=g)
+            for m in (64, 100, 300):
+                for dt in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k, generator=g).to(dt)
+                    lowbit.isa("amx")
+                    torch.set_num_threads(1)
+                    one = lowbit.linear(x, p, bias, n, group, cbits)
+                    torch.set_num_threads(2)
+                    two = lowbit.linear(x, p, bias, n, group, cbits)
+                    assert torch.equal(one, two), f"{fp32} {cbits}-bit {n}x{k} {m} tokens {dt}"
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
@@ -509,33 +507,25 @@ def test_amx_float32_digits_against_their_definition(monkeypatch):
     # digit term. Ragged tokens (16 / 33 / 300, one of them all zeros, scales from 1e-3 to 1e3),
     # 4 / 8-bit, sym / asym, one thread and two (row-block and token split).
     g = torch.Generator().manual_seed(21)
-    old = torch.get_num_threads()
     lowbit.isa("amx")
-    try:
-        for cbits, n, k, group in ((4, 50, 384, 128), (8, 37, 256, 256), (4, 24, 192, 64)):
-            for sym in (True, False):
-                q, s, zp = _codes(g, n, k, group, cbits, sym)
-                p = lowbit.prepack(q, s, zp, group, cbits)
-                w = _reference(q, s, zp, group)
-                bias = torch.randn(n, generator=g)
-                for m in (16, 33, 300):
-                    x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-3, 4, (m, 1), generator=g)
-                    x[m // 2] = 0
-                    xh = _digits_reference(x)
-                    want = xh @ w.t() + bias.double()
-                    bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
-                    for threads in (1, 2):
-                        torch.set_num_threads(threads)
-                        got = lowbit.linear(x, p, bias, n, group, cbits).double()
-                        where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {threads} threads"
-                        assert bool(((got - want).abs() <= bound).all()), where
-                        monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")   # not the same sums: the
-                        other = lowbit.linear(x, p, bias, n, group, cbits).double()   # digit path ran
-                        monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
-                        assert not torch.equal(got, other), where
-    finally:
-        torch.set_num_threads(old)
-        lowbit.isa("auto")
+    for cbits, n, k, group in ((4, 50, 384, 128), (8, 37, 256, 256), (4, 24, 192, 64)):
+        for sym in (True, False):
+            p, w, bias = _layer(g, cbits, n, k, group, sym)
+            for m in (16, 33, 300):
+                x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-3, 4, (m, 1), generator=g)
+                x[m // 2] = 0
+                xh = _digits_reference(x)
+                want = xh @ w.t() + bias.double()
+                bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    got = lowbit.linear(x, p, bias, n, group, cbits).double()
+                    where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {threads} threads"
+                    assert bool(((got - want).abs() <= bound).all()), where
+                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")   # not the same sums: the
+                    other = lowbit.linear(x, p, bias, n, group, cbits).double()   # digit path ran
+                    monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
+                    assert not torch.equal(got, other), where
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
@@ -549,10 +539,7 @@ def test_amx_float32_digits_hand_tiny_tokens_to_the_pieces():
     x = torch.randn(20, 128, generator=g)
     x[4] *= 1e-33
     lowbit.isa("amx")
-    try:
-        got = lowbit.linear(x, p, None, 32, 128, 8).double()
-    finally:
-        lowbit.isa("auto")
+    got = lowbit.linear(x, p, None, 32, 128, 8).double()
     want = x.double() @ w.t()
     mag = x.double().abs() @ w.abs().t()
     assert bool(((got - want).abs() <= (6 * 128 + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag).all())
@@ -582,22 +569,18 @@ def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
     # one parallel region whose tasks quantize, sum and multiply their own tokens: still the quantize
     # op's codes fed to lowbit_linear_a8, bit for bit; NaN input fails as the quantize op does.
     g = torch.Generator().manual_seed(6)
-    old = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        for cbits, group, sym_w in ((8, 128, True), (4, 64, False)):
-            n, k = 40, 128
-            q, s, zp = _codes(g, n, k, group, cbits, sym_w)
-            p = lowbit.prepack(q, s, zp, group, cbits)
-            bias = torch.randn(n, generator=g)
-            for m in (22, 100):                       # 66 and 300 tokens (not multiples of 16)
-                _check_dyn_a8(g, p, bias, n, k, m, group, cbits)
-            x = torch.randn(100, k, generator=g)
-            x[70, 3] = float("nan")
-            with pytest.raises(RuntimeError, match="contain NaN or Inf"):
-                lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, 8, True, 0)
-    finally:
-        torch.set_num_threads(old)
+    for cbits, group, sym_w in ((8, 128, True), (4, 64, False)):
+        n, k = 40, 128
+        q, s, zp = _codes(g, n, k, group, cbits, sym_w)
+        p = lowbit.prepack(q, s, zp, group, cbits)
+        bias = torch.randn(n, generator=g)
+        for m in (22, 100):                       # 66 and 300 tokens (not multiples of 16)
+            _check_dyn_a8(g, p, bias, n, k, m, group, cbits)
+        x = torch.randn(100, k, generator=g)
+        x[70, 3] = float("nan")
+        with pytest.raises(RuntimeError, match="contain NaN or Inf"):
+            lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, 8, True, 0)
 
 
 def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
