@@ -316,6 +316,33 @@ def write_results(text):
     pld.write_section(os.path.join(HERE, "RESULTS.md"), text)
 
 
+def profile(model_name, variants, a):
+    """Where a step's time goes: torch.profiler over 3 steps per variant (after 2 warm-up steps),
+    the ops with the most self CPU time in ms per step, and the minor page faults and system time of
+    3 more steps (getrusage). For the overhead of a variant over FP32, compare their tables."""
+    import resource
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for v in variants:
+        step = setup(model_name, v)[2]
+        step()
+        step()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(3):
+            step()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:a.profile_top]
+        print(f"\n{model_name} {LABELS[v]}: minor page faults {(after.ru_minflt - before.ru_minflt) / 3:.0f} per step, "
+              f"system time {(after.ru_stime - before.ru_stime) / 3 * 1e3:.0f} ms per step")
+        print("| op | calls per step | self CPU ms per step |\n|---|---:|---:|")
+        for e in rows:
+            print(f"| {e.key} | {e.count / 3:.0f} | {e.self_cpu_time_total / 3e3:.1f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bert,llama")
@@ -328,6 +355,8 @@ def main(argv=None):
     p.add_argument("--label", default="", help="what code was measured (e.g. a commit)")
     p.add_argument("--save", help="also write the raw numbers to this JSON file")
     p.add_argument("--write-results", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print where each variant's step time goes, no timing table")
+    p.add_argument("--profile-top", type=int, default=16, help="ops listed per variant with --profile")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -339,6 +368,16 @@ def main(argv=None):
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    if a.profile:     # one process per variant: allocator and caches as a fresh job has them
+        for model_name in a.models.split(","):
+            for v in variants:
+                if len(variants) == 1 and "," not in a.models:
+                    profile(model_name, variants, a)
+                else:
+                    subprocess.run([sys.executable, os.path.abspath(__file__), "--profile", "--models", model_name,
+                                    "--variants", v, "--threads", str(a.threads), "--profile-top", str(a.profile_top)],
+                                   check=True)
+        return 0
     t0 = time.time()
     load0 = os.getloadavg()
     parts, goals, saved = [], [], {}
