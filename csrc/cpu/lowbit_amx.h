@@ -32,8 +32,8 @@ void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int
 // sx = amax / kDigitMax and D = round(x * (kDigitMax / amax)) (nearest even, |D| <= kDigitMax),
 // D = 256 d0 + d1 with d1 in [-128, 127], d0 in [-127, 127]. So |x - sx D| <= sx / 2 (1 + 2^-6)
 // (x * inv and sx round, |x / sx| <= kDigitMax): within amax / 64000 (about 2^-16 amax) of x,
-// where two bf16 pieces are within 2^-16 |x|; the
-// int8 tiles run at twice the bf16 rate and take the weight codes as they are stored (no decode).
+// where two bf16 pieces are within 2^-16 |x|; the int8 tiles run at twice the bf16 rate and take
+// the weight codes as they are stored (no decode).
 // Token rows [r0, r1) (multiples of 16) of x [m, ldx] (rows past m: zero digits) to codes laid
 // out [m16 / 16][2][16][ldx] and sx [m16]. False when a row holds inf / nan or its amax is below
 // kDigitTiny (the caller takes the bf16 pieces).
