@@ -8,6 +8,12 @@ of 200 calls, after 20 warm-up calls), once with the default float32 path (two i
 element on the W-A8 tiles) and once with QCOMPRESS_LOWBIT_FP32=pieces (two bf16 pieces on the bf16
 tiles), the two timed back to back per shape. Needs a CPU with AMX; elsewhere both rows time the
 same vector kernel.
+
+    python benchmarks/lowbit_fp32.py --accuracy
+
+instead prints how far each path's output is from the exact plan's end to end: all-MiniLM-L6-v2
+(`make workloads`) exported W4 g128 / W8 per channel, 4 x 64 tokens, the relative difference of the
+last hidden state and the largest logit difference, fast against exact, for both paths.
 """
 import argparse
 import os
@@ -34,14 +40,65 @@ def per_call_us(fn, reps=200, rounds=7):
     return best * 1e6
 
 
+def accuracy():
+    import copy
+    import tempfile
+    import transformers
+    import qcompress
+    from qcompress.export import export_quantized, load_quantized
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import inference                                   # its MiniLM folder and recipes
+    transformers.logging.set_verbosity_error()
+    folder = inference.minilm_folder()
+    if folder is None:
+        sys.exit("all-MiniLM-L6-v2 not installed (make workloads)")
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=4).eval()
+
+    ids = torch.randint(1000, 30000, (4, 64), generator=torch.Generator().manual_seed(0))
+    print("| weights | outputs compared | last hidden state: relative difference | max logit difference |\n|---|---|---:|---:|")
+    for name, doc, _ in inference.SCHEMES[:2]:
+        doc = copy.deepcopy(doc)
+        for tech in doc["compression_training"].values():
+            for grp in tech["different_groups"].values():
+                grp["modules"] = ["encoder", "pooler", "classifier"]
+        model = make()
+        qcompress.init_compression(model, qcompress.load_config(doc))
+        model.eval()
+        with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+            model(input_ids=ids[:1])                     # the first forward sets the weights' codes
+            export_quantized(model, os.path.join(tmp, "ckpt"), force=True)
+            exact = load_quantized(os.path.join(tmp, "ckpt"), make())(input_ids=ids, output_hidden_states=True)
+            base = make()(input_ids=ids, output_hidden_states=True)     # the quantization's own effect
+            hb, he = base.hidden_states[-1], exact.hidden_states[-1]
+            print(f"| {name} | exact plan against the FP32 model | {float((he - hb).norm() / hb.norm()):.2e} | "
+                  f"{float((exact.logits - base.logits).abs().max()):.2e} |", flush=True)
+            fast = load_quantized(os.path.join(tmp, "ckpt"), make(), mode="fast")
+            for path in ("digits", "pieces"):
+                if path == "pieces":
+                    os.environ["QCOMPRESS_LOWBIT_FP32"] = "pieces"
+                try:
+                    out = fast(input_ids=ids, output_hidden_states=True)
+                finally:
+                    os.environ.pop("QCOMPRESS_LOWBIT_FP32", None)
+                h, he = out.hidden_states[-1], exact.hidden_states[-1]
+                print(f"| {name} | fast ({path}) against exact | {float((h - he).norm() / he.norm()):.2e} | "
+                      f"{float((out.logits - exact.logits).abs().max()):.2e} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 2048])
+    ap.add_argument("--accuracy", action="store_true", help="end-to-end difference to the exact plan instead")
     args = ap.parse_args()
     if not lowbit.available():
         sys.exit("the qcompress extension is not built (make build)")
     torch.set_num_threads(args.threads)
+    if args.accuracy:
+        return accuracy()
     g = torch.Generator().manual_seed(0)
     print(f"lowbit kernels: {lowbit.isa()}, {args.threads} threads")
     print("| weights | layer | tokens | digits (us) | pieces (us) | pieces / digits |\n|---|---|---:|---:|---:|---:|")
