@@ -329,8 +329,7 @@ def section(summaries: dict) -> str:
              "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
              "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
              "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay (qcompress train's "
-             "default since the causal LM's range-learning probe below); the classifier's RL rows were measured "
-             "before that, with the ranges in the weights' group (lr 1e-4, weight decay 0.01). "
+             "default since the causal LM's range-learning probe below). "
              "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
              "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
              "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
