@@ -1,19 +1,21 @@
-"""Weight-only float32 layers on AMX: int8 digits against bf16 pieces, side by side.
+"""Weight-only float32 layers: int8 digits against the earlier float paths, side by side.
 
-    python benchmarks/lowbit_fp32.py [--threads 2] [--tokens 32 64 2048]
+    python benchmarks/lowbit_fp32.py [--threads 2] [--tokens 1 32 64 2048]
 
-For MiniLM's layer shapes (384 -> 384, 384 -> 1536, 1536 -> 384) and the 2048-wide stack's, W4
-group 128 and W8 per channel, symmetric: microseconds per `lowbit.linear` call (min over 7 rounds
-of 200 calls, after 20 warm-up calls), once with the default float32 path (two int8 digits per
-element on the W-A8 tiles) and once with QCOMPRESS_LOWBIT_FP32=pieces (two bf16 pieces on the bf16
-tiles), the two timed back to back per shape. Needs a CPU with AMX; elsewhere both rows time the
-same vector kernel.
+For MiniLM's and GPT-2's layer shapes (384 -> 384, 384 -> 1536, 1536 -> 384) and the 2048-wide
+stack's, W4 group 128 and W8 per channel, symmetric: microseconds per `lowbit.linear` call (min over
+7 rounds of 200 calls, after 20 warm-up calls), once with the default float32 path (two int8 digits
+per element: on the W-A8 tiles from 16 tokens, on the VNNI W-A8 kernel below that) and once with
+QCOMPRESS_LOWBIT_FP32=pieces (the bf16 pieces on the bf16 tiles from 16 tokens, the float kernel
+below), the two timed back to back per shape. Needs AVX-512 VNNI, and AMX for 16 tokens or more;
+elsewhere both rows time the same kernel.
 
     python benchmarks/lowbit_fp32.py --accuracy
 
 instead prints how far each path's output is from the exact plan's end to end: all-MiniLM-L6-v2
-(`make workloads`) exported W4 g128 / W8 per channel, 4 x 64 tokens, the relative difference of the
-last hidden state and the largest logit difference, fast against exact, for both paths.
+(`make workloads`) exported W4 g128 / W8 per channel, 4 x 64 tokens (tiles) and 1 x 8 (GEMV), the
+relative difference of the last hidden state and the largest logit difference, fast against exact for
+both paths, and exact against the FP32 model.
 """
 import argparse
 import os
@@ -45,7 +47,7 @@ def accuracy():
     import tempfile
     import transformers
     import qcompress
-    from qcompress.export import export_quantized, load_quantized
+    from qcompress.export import export_quantized
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import inference                                   # its MiniLM folder and recipes
     transformers.logging.set_verbosity_error()
@@ -57,8 +59,9 @@ def accuracy():
         torch.manual_seed(0)
         return transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=4).eval()
 
-    ids = torch.randint(1000, 30000, (4, 64), generator=torch.Generator().manual_seed(0))
-    print("| weights | outputs compared | last hidden state: relative difference | max logit difference |\n|---|---|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    print("| weights | tokens | outputs compared | last hidden state: relative difference | max logit difference |\n"
+          "|---|---|---|---:|---:|")
     for name, doc, _ in inference.SCHEMES[:2]:
         doc = copy.deepcopy(doc)
         for tech in doc["compression_training"].values():
@@ -68,30 +71,40 @@ def accuracy():
         qcompress.init_compression(model, qcompress.load_config(doc))
         model.eval()
         with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-            model(input_ids=ids[:1])                     # the first forward sets the weights' codes
-            export_quantized(model, os.path.join(tmp, "ckpt"), force=True)
-            exact = load_quantized(os.path.join(tmp, "ckpt"), make())(input_ids=ids, output_hidden_states=True)
-            base = make()(input_ids=ids, output_hidden_states=True)     # the quantization's own effect
-            hb, he = base.hidden_states[-1], exact.hidden_states[-1]
-            print(f"| {name} | exact plan against the FP32 model | {float((he - hb).norm() / hb.norm()):.2e} | "
-                  f"{float((exact.logits - base.logits).abs().max()):.2e} |", flush=True)
-            fast = load_quantized(os.path.join(tmp, "ckpt"), make(), mode="fast")
-            for path in ("digits", "pieces"):
-                if path == "pieces":
-                    os.environ["QCOMPRESS_LOWBIT_FP32"] = "pieces"
-                try:
-                    out = fast(input_ids=ids, output_hidden_states=True)
-                finally:
-                    os.environ.pop("QCOMPRESS_LOWBIT_FP32", None)
-                h, he = out.hidden_states[-1], exact.hidden_states[-1]
-                print(f"| {name} | fast ({path}) against exact | {float((h - he).norm() / he.norm()):.2e} | "
-                      f"{float((out.logits - exact.logits).abs().max()):.2e} |", flush=True)
+            model(input_ids=torch.randint(1000, 30000, (1, 64), generator=g))   # sets the weights' codes
+            ckpt = os.path.join(tmp, "ckpt")
+            export_quantized(model, ckpt, force=True)
+            for shape in ((4, 64), (1, 8)):           # 4 x 64 tokens: the AMX tiles; 8: the digit GEMV
+                compare(name, make, ckpt, torch.randint(1000, 30000, shape, generator=g))
+
+
+def compare(name, make, ckpt, ids):
+    """Rows of --accuracy for one export and input: exact against FP32, fast (both paths) against exact."""
+    from qcompress.export import load_quantized
+    tokens = " x ".join(map(str, ids.shape))
+
+    def row(what, out, ref):
+        h, hr = out.hidden_states[-1], ref.hidden_states[-1]
+        print(f"| {name} | {tokens} | {what} | {float((h - hr).norm() / hr.norm()):.2e} | "
+              f"{float((out.logits - ref.logits).abs().max()):.2e} |", flush=True)
+
+    with torch.no_grad():
+        exact = load_quantized(ckpt, make())(input_ids=ids, output_hidden_states=True)
+        row("exact plan against the FP32 model", exact, make()(input_ids=ids, output_hidden_states=True))
+        fast = load_quantized(ckpt, make(), mode="fast")
+        for path in ("digits", "pieces"):
+            if path == "pieces":
+                os.environ["QCOMPRESS_LOWBIT_FP32"] = "pieces"
+            try:
+                row(f"fast ({path}) against exact", fast(input_ids=ids, output_hidden_states=True), exact)
+            finally:
+                os.environ.pop("QCOMPRESS_LOWBIT_FP32", None)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 2048])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 2048])
     ap.add_argument("--accuracy", action="store_true", help="end-to-end difference to the exact plan instead")
     args = ap.parse_args()
     if not lowbit.available():

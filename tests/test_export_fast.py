@@ -147,9 +147,14 @@ def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gra
             assert got.dtype == want.dtype and got.shape == want.shape
             if plan == "dequant" or not isinstance(e, nn.Linear):
                 assert torch.equal(got, want), f"layer {i}"
-            elif dtype == torch.float32:
-                err = (got - want).abs().max().item()
-                assert err <= 1e-5 * want.abs().max().item(), f"layer {i}: {err}"
+            elif dtype == torch.float32:   # tests/test_lowbit_kernels.py's bound: float32 sums, and
+                xin = e._qx_input(h).double()  # the int8 digits of the input (amax / 64000 per element)
+                w = e.weight.double().abs()
+                b = 0.0 if e.bias is None else e.bias.double().abs()
+                bound = ((6 * w.shape[1] + 16) * 2.0 ** -24 * (xin.abs() @ w.t() + b)
+                         + xin.abs().amax(-1, keepdim=True) / 64000 * w.sum(-1))
+                worst = float(((got.double() - want.double()).abs() / bound).max())
+                assert worst <= 1, f"layer {i}: {worst:.3g} x bound"
             else:
                 xin = e._qx_input(h).float()
                 bound = 2.0 ** -7 * (xin.abs() @ e.weight.float().abs().t() + want.float().abs())
@@ -300,7 +305,9 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog, monkeypatch, ext):
     with torch.no_grad():
         (ye, ce), (yf, cf) = exact(*inputs), fast(*inputs)
     assert torch.equal(ce, cf)
-    assert (yf - ye).abs().max().item() <= 1e-5 * ye.abs().max().item()
+    # float32 weight-only layers take the input as int8 digits (within amax / 64000 of each element;
+    # every layer's bound: tests/test_lowbit_kernels.py), carried through two layers here
+    assert (yf - ye).abs().max().item() <= 1e-4 * ye.abs().max().item()
     assert tensor_bytes(fast) <= tensor_bytes(exact)
 
 

@@ -189,12 +189,15 @@ def test_kernels_match_exact_path(tmp_path, monkeypatch, weights, sym, act, dtyp
                     h = e(h)
                     continue
                 want, bound = exact_and_bound(e, h, dtype)
-                tiles = not act and h.numel() // h.shape[-1] >= 16      # the AMX weight-only kernel
+                # weight-only float32 on int8 digits or bf16 pieces: the AMX tiles (16+ tokens) and,
+                # with VNNI, the digit GEMV (fewer tokens)
+                tiles = h.numel() // h.shape[-1] >= 16
+                split = {"amx": not act, "avx512_vnni": not act and not tiles}
                 with monkeypatch.context() as mp:
                     no_float_weight(mp)
                     for isa in cpu_isas():
                         lowbit.isa(isa)
-                        b = exact_and_bound(e, h, dtype, split_rest=True)[1] if isa == "amx" and tiles else bound
+                        b = exact_and_bound(e, h, dtype, split_rest=True)[1] if split.get(isa) else bound
                         check(f(h), want, b, f"{isa}, {tuple(x.shape[:-1])} tokens, layer {i}")
                 h = want
 
@@ -526,6 +529,47 @@ def test_amx_float32_digits_against_their_definition(monkeypatch):
                     other = lowbit.linear(x, p, bias, n, group, cbits).double()   # digit path ran
                     monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
                     assert not torch.equal(got, other), where
+
+
+@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") not in ("avx512_vnni", "amx"),
+                    reason="the CPU has no AVX-512 VNNI")
+def test_gemv_float32_digits_against_their_definition(monkeypatch):
+    # Below 16 tokens, float32 weight-only runs each token's two int8 digits as two rows of the
+    # VNNI W-A8 kernel: exactly x^ @ W^T (x^ the digits' value, reference above) up to float32
+    # rounding, (6K + 16) u. 2 / 4 / 8-bit containers, sym / asym, padded and partial groups, 1 / 5
+    # tokens with a zero token; inf / nan and a tiny token take the float kernel (IEEE results,
+    # and within its own bound of the float64 product).
+    g = torch.Generator().manual_seed(23)
+    for isa in ("avx512_vnni", lowbit.isa("auto")):
+        lowbit.isa(isa)
+        for cbits, n, k, group in ((4, 50, 384, 128), (8, 37, 200, 200), (4, 24, 100, 32), (2, 20, 96, 16)):
+            for sym in (True, False):
+                p, w, bias = _layer(g, cbits, n, k, group, sym)
+                for m in (1, 5):
+                    x = torch.randn(m, k, generator=g) * 10.0 ** torch.randint(-3, 4, (m, 1), generator=g)
+                    if m > 1:
+                        x[m - 1] = 0
+                    xh = _digits_reference(x)
+                    want = xh @ w.t() + bias.double()
+                    bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
+                    got = lowbit.linear(x, p, bias, n, group, cbits).double()
+                    where = f"{isa} {cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens"
+                    assert bool(((got - want).abs() <= bound).all()), where
+                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")         # the float kernel: other sums
+                    assert not torch.equal(got, lowbit.linear(x, p, bias, n, group, cbits).double()), where
+                    monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
+        p, w, bias = _layer(g, 8, 16, 64, 64, True)
+        for bad in (float("inf"), float("nan"), 1e-33):
+            x = torch.randn(2, 64, generator=g)
+            x[1] = x[1] * bad if bad < 1 else x[1]
+            if bad >= 1:
+                x[1, 5] = bad
+            got = lowbit.linear(x, p, None, 16, 64, 8).double()
+            want = x.double() @ w.t()
+            assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+            fin = torch.isfinite(want)
+            mag = (x.double().abs() @ w.abs().t())[fin]
+            assert bool(((got[fin] - want[fin]).abs() <= (6 * 64 + 16) * 2.0 ** -24 * mag).all()), (isa, bad)
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")

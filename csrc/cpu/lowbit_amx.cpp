@@ -395,11 +395,12 @@ void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int
   }
 }
 
-bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx) {
+bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx, bool tiles) {
   const __m512i lim = _mm512_set1_epi32(kDigitMax), half = _mm512_set1_epi32(128);
   for (int64_t row = r0; row < r1; ++row) {
-    int8_t* c0 = codes + ((row / 16) * 32 + row % 16) * ldx;   // first digit; the second 16 rows on
-    int8_t* c1 = c0 + 16 * ldx;
+    // the first digit's row; the second's 16 rows on (tiles) or next
+    int8_t* c0 = codes + (tiles ? (row / 16) * 32 + row % 16 : 2 * row) * ldx;
+    int8_t* c1 = c0 + (tiles ? 16 : 1) * ldx;
     const float* xr = x + row * ldx;
     __m512 mx = _mm512_setzero_ps();
     __mmask16 bad = 0;
@@ -414,11 +415,18 @@ bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8
     if (amax == 0.0f) {   // a zero token (or a padding row): zero digits, any scale
       std::memset(c0, 0, static_cast<size_t>(ldx));
       std::memset(c1, 0, static_cast<size_t>(ldx));
-      sx[row] = 0.0f;
+      if (tiles) sx[row] = 0.0f;
+      else sx[2 * row] = sx[2 * row + 1] = 0.0f;
       continue;
     }
     if (amax < kDigitTiny) return false;   // 32639 / amax would overflow
-    sx[row] = amax / static_cast<float>(kDigitMax);
+    const float s = amax / static_cast<float>(kDigitMax);
+    if (tiles) {
+      sx[row] = s;
+    } else {
+      sx[2 * row] = 256.0f * s;
+      sx[2 * row + 1] = s;
+    }
     const __m512 inv = _mm512_set1_ps(static_cast<float>(kDigitMax) / amax);
     for (int64_t k = 0; k < ldx; k += 16) {
       const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, ldx - k)) - 1);
@@ -477,7 +485,7 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
 
 bool available() { return false; }
 void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t, int) {}
-bool digits(const float*, int64_t, int64_t, int64_t, int64_t, int8_t*, float*) { return false; }
+bool digits(const float*, int64_t, int64_t, int64_t, int64_t, int8_t*, float*, bool) { return false; }
 void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,
         int64_t) {}
 bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }

@@ -34,12 +34,15 @@ void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int
 // (x * inv and sx round, |x / sx| <= kDigitMax): within amax / 64000 (about 2^-16 amax) of x,
 // where two bf16 pieces are within 2^-16 |x|; the int8 tiles run at twice the bf16 rate and take
 // the weight codes as they are stored (no decode).
-// Token rows [r0, r1) (multiples of 16) of x [m, ldx] (rows past m: zero digits) to codes laid
-// out [m16 / 16][2][16][ldx] and sx [m16]. False when a row holds inf / nan or its amax is below
-// kDigitTiny (the caller takes the bf16 pieces).
+// Token rows [r0, r1) of x [m, ldx] (rows past m: zero digits) to codes laid out
+// tiles: [m16 / 16][2][16][ldx] with sx [m16] (r0, r1 multiples of 16), for the tile kernel;
+// else: [2 m][ldx], each token's two digits as two rows with scales sx[2t] = 256 s, sx[2t + 1] = s,
+// for the vector W-A8 kernel (y = row 2t + row 2t + 1). Plain AVX-512, no tile instructions.
+// False when a row holds inf / nan or its amax is below kDigitTiny (the caller takes another path).
 constexpr int32_t kDigitMax = 127 * 256 + 127;
 constexpr float kDigitTiny = 1e-30f;
-bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx);
+bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx,
+            bool tiles = true);
 
 // rows [r0, r1) of m16 from a [m, ldx] matrix x of dtype xdt (rows past m: zeros) -> `pieces`
 // bfloat16 matrices (bits) [pieces][m16][ldx] whose sum is x exactly (1: x is bf16-valued,

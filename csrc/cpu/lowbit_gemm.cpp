@@ -608,6 +608,36 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
   return y;
 }
 
+// Weight-only float32 below 16 tokens (the GEMV) on a CPU with AVX-512 VNNI: each token's two int8
+// digits (amx::digits, row layout) as two tokens of the vector W-A8 kernel, whose integer dot products
+// take a quarter of the float kernel's instructions per weight, then y = row 2t + row 2t + 1 + bias.
+// Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
+// apply (inf / nan or a tiny token: the caller takes the float kernel); QCOMPRESS_LOWBIT_FP32=pieces
+// turns it off.
+static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
+                              int isa) {
+  const char* force = std::getenv("QCOMPRESS_LOWBIT_FP32");
+  if ((force && force[0] == 'p') || isa < kAvx512Vnni || m == 0) return {};
+  const at::Tensor xf = pad_groups(x2, g, at::kFloat);
+  std::vector<int8_t> codes(static_cast<size_t>(2 * m * g.kp));
+  std::vector<float> sx(static_cast<size_t>(2 * m));
+  if (!amx::digits(xf.const_data_ptr<float>(), g.kp, m, 0, m, codes.data(), sx.data(), false)) return {};
+  std::vector<int32_t> xsum(static_cast<size_t>(2 * m * g.ng));
+  sum_groups(codes.data(), g.gp, 0, 2 * m * g.ng, xsum.data());
+  std::vector<float> y2(static_cast<size_t>(2 * m * g.n));
+  const A8View a{codes.data(), g.kp, 2 * m, xsum.data(), sx.data(), nullptr, nullptr, y2.data()};
+  const A8Fn fn = a8_kernel(isa);
+  over_blocks(g, 2 * m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
+  at::Tensor y = at::empty({m, g.n}, xf.options());
+  float* yp = y.mutable_data_ptr<float>();
+  for (int64_t t = 0; t < m; ++t) {
+    const float* hi = y2.data() + 2 * t * g.n;
+    const float* lo = hi + g.n;
+    for (int64_t j = 0; j < g.n; ++j) yp[t * g.n + j] = hi[j] + lo[j] + (bias ? bias[j] : 0.0f);
+  }
+  return y;
+}
+
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                              int64_t n, int64_t group, int64_t cbits) {
@@ -678,6 +708,9 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
       });
       return y.to(dt).reshape(shape);
     }
+  }
+  if (x.scalar_type() == at::kFloat && m < amx::kTileRows) {
+    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa); y.defined()) return y.reshape(shape);
   }
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
