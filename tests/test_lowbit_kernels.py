@@ -22,7 +22,8 @@ then y += s_g * S_g (one rounding per group, ng <= K, and the bias): within gamm
 |fast - exact| <= (4.1 K + 6) u (...) + 2^-16 (...) there; the tests use (6K + 16) u for every
 kernel, plus a float32 term for the AMX tiles. Where the groups are whole 64-column steps and
 unpadded, AMX takes float32 inputs as two int8 digits per element instead (csrc/cpu/lowbit_amx.h
-digits): x^ = sx D per token, |x - x^| <= amax / 64000 with amax the token's largest |x|, and then
+digits), and so does the GEMV below 16 tokens on a CPU with VNNI (any group, through the W-A8
+kernel): x^ = sx D per token, |x - x^| <= amax / 64000 with amax the token's largest |x|, and then
 the W-A8 int32 sums (exact) and one rounding of 256 A0 + A1 per group; so the float32 term is
 (amax / 64000) sum |W| per output, which also covers the pieces' 2^-16 (|x| @ |W|^T).
 A wrong code, scale, zero point or group boundary moves an output by a quantization step,
