@@ -563,15 +563,22 @@ static at::Tensor split_scratch(int64_t elems) {
   return buf.narrow(0, 0, elems);
 }
 
+// QCOMPRESS_LOWBIT_FP32=pieces: float32 weight-only inputs keep the earlier float paths (bf16 pieces
+// on the tiles, the float GEMV) instead of int8 digits; read per call so tests and measurements can
+// switch it.
+static bool fp32_digits_off() {
+  const char* force = std::getenv("QCOMPRESS_LOWBIT_FP32");
+  return force && force[0] == 'p';
+}
+
 // Weight-only float32 on the AMX int8 tiles: x as two int8 digits per element (amx::digits), then
 // the W-A8 kernel, in one parallel region when the layer splits over tokens. Measured against the
 // two bf16 pieces (benchmarks/RESULTS.md): half the tile work, and the weight codes are read as
 // stored instead of decoded to bf16 in every task. Undefined when it does not apply (padded
 // groups, groups not a whole number of 64-column steps, inf / nan or a tiny token: the caller
-// takes the bf16 pieces); QCOMPRESS_LOWBIT_FP32=pieces turns it off, for measurements and tests.
+// takes the bf16 pieces) or turned off (fp32_digits_off).
 static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m) {
-  const char* force = std::getenv("QCOMPRESS_LOWBIT_FP32");
-  if ((force && force[0] == 'p') || g.kp != g.k || !amx::fits(g, true)) return {};
+  if (fp32_digits_off() || g.kp != g.k || !amx::fits(g, true)) return {};
   const at::Tensor xc = x2.contiguous();
   const float* xp = xc.const_data_ptr<float>();
   const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
@@ -612,12 +619,10 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
 // digits (amx::digits, row layout) as two tokens of the vector W-A8 kernel, whose integer dot products
 // take a quarter of the float kernel's instructions per weight, then y = row 2t + row 2t + 1 + bias.
 // Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
-// apply (inf / nan or a tiny token: the caller takes the float kernel); QCOMPRESS_LOWBIT_FP32=pieces
-// turns it off.
+// apply (inf / nan or a tiny token: the caller takes the float kernel) or turned off (fp32_digits_off).
 static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
                               int isa) {
-  const char* force = std::getenv("QCOMPRESS_LOWBIT_FP32");
-  if ((force && force[0] == 'p') || isa < kAvx512Vnni || m == 0) return {};
+  if (fp32_digits_off() || isa < kAvx512Vnni || m == 0) return {};
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
   std::vector<int8_t> codes(static_cast<size_t>(2 * m * g.kp));
   std::vector<float> sx(static_cast<size_t>(2 * m));

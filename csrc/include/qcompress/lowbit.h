@@ -89,7 +89,6 @@ QC_HD int code_at(const uint8_t* packed, const Geometry& g, int64_t n, int64_t k
   return (lane[sh / 8] >> (sh % 8)) & ((1 << g.cbits) - 1);
 }
 
-
 // Index of (row n, group gi) in the [Nb][ng][16] per-group arrays.
 QC_HD int64_t param_index(const Geometry& g, int64_t n, int64_t gi) {
   return ((n / kRows) * g.ng + gi) * kRows + n % kRows;
