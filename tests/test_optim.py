@@ -86,7 +86,8 @@ def test_warmup_without_bias_correction_matches_formula():
         torch.testing.assert_close(b.detach(), a, rtol=1e-6, atol=1e-7)
 
 
-def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True):
+def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True,
+                    eps_inside_sqrt=False):
     """LAMB as DeepSpeed defines it, written from the formulas in their order, each operation rounded on
     its own (moments moved as torch.optim.Adam moves them); returns (params, trust ratios per step)."""
     p = [q.detach().clone() for q in params]
@@ -100,7 +101,8 @@ def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bi
         for i, g in enumerate(_grads(t - 1, [q.shape for q in p])):
             m[i].lerp_(g, 1 - b1)
             v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
-            u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(bc2) + eps) + wd * p[i]
+            denom = (v[i] / bc2 + eps).sqrt() if eps_inside_sqrt else v[i].sqrt() / math.sqrt(bc2) + eps
+            u = (m[i] / bc1) / denom + wd * p[i]
             wn, un = float(p[i].norm()), float(u.norm())
             c = 1.0 if wn == 0 or un == 0 else min(max(wn / un, min_coeff), max_coeff)
             p[i] = p[i] - lr * c * u
@@ -124,6 +126,24 @@ def test_warmup_equals_reference_lamb(bias_correction):
         for a, b in zip(expect, ps):
             assert torch.equal(b.detach(), a), f"{type(opt).__name__} warmup differs from the formulas"
         assert opt.get_lamb_coeffs() == coeffs[-1]
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_lamb_eps_inside_sqrt_follows_deepspeeds_definition(bias_correction):
+    # DeepSpeed's FusedLamb: eps is added to the bias-corrected second moment under the square
+    # root. It used to be accepted and ignored, silently training the eps-outside variant.
+    kw = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.05, max_coeff=1.2, min_coeff=0.01,
+              bias_correction=bias_correction)
+    expect, _ = _lamb_reference(_params(), 6, 2e-2, 0.9, 0.99, 1e-3, 0.05, 1.2, 0.01, bias_correction,
+                                eps_inside_sqrt=True)
+    outside, _ = _lamb_reference(_params(), 6, 2e-2, 0.9, 0.99, 1e-3, 0.05, 1.2, 0.01, bias_correction)
+    assert not all(torch.equal(a, b) for a, b in zip(expect, outside)), "eps placement must matter here"
+    ps = _params()
+    opt = build_optimizer(ps, {"type": "Lamb", "params": dict(kw, eps_inside_sqrt=True)})
+    for _ in _drive(opt, ps, 6):
+        pass
+    for a, b in zip(expect, ps):
+        assert torch.equal(b.detach(), a)
 
 
 # ------------------------------------------------------------------------------------------ one rank, compression

@@ -4,6 +4,8 @@ trust ratio ||p|| / ||u|| clipped to [min_coeff, max_coeff] (1 when either norm 
     m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
     u = (m / bc1) / (sqrt(v)/sqrt(bc2) + eps) + wd p;  c = clip(||p|| / ||u||);  p = p - lr c u
 bc1 = 1 - b1^t, bc2 = 1 - b2^t when bias_correction (default), else 1.
+eps_inside_sqrt=True (DeepSpeed FusedLamb's option) adds eps to the bias-corrected second moment
+before the square root instead: u = (m / bc1) / sqrt(v / bc2 + eps) + wd p.
 Operations run in exactly that order, each rounded on its own (m and v as torch.optim.Adam moves
 them: m.lerp_(g, 1-b1), v.mul_(b2).addcmul_(g, g, value=1-b2)), so a LAMB written from these
 formulas gives the same bits. Fused forms are avoided on purpose: torch's add(alpha=) is a fused
@@ -49,12 +51,15 @@ def trust_ratio(p32, update, max_coeff, min_coeff) -> float:
     return min(max(w / u, min_coeff), max_coeff)
 
 
-def lamb_step_(p32, grad, exp_avg, exp_avg_sq, *, lr, betas, eps, wd, bc1, bc2_sqrt, max_coeff, min_coeff):
-    """One LAMB step on float32 tensors in place; returns the trust ratio used."""
+def lamb_step_(p32, grad, exp_avg, exp_avg_sq, *, lr, betas, eps, wd, bc1, bc2_sqrt, max_coeff, min_coeff,
+               eps_inside_sqrt=False, bc2=1.0):
+    """One LAMB step on float32 tensors in place; returns the trust ratio used. `bc2` (1 - b2^t,
+    or 1) is read only with eps_inside_sqrt."""
     b1, b2 = betas
     exp_avg.lerp_(grad, 1 - b1)
     exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-    update, _, _ = lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt)
+    denom = (exp_avg_sq / bc2).add_(eps).sqrt_() if eps_inside_sqrt else None
+    update, _, _ = lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt, denom)
     coeff = trust_ratio(p32, update, max_coeff, min_coeff)
     apply_update_(p32, update, lr, coeff)
     return coeff
@@ -70,7 +75,8 @@ class Lamb(torch.optim.Optimizer):
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
+                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
+                        eps_inside_sqrt=bool(eps_inside_sqrt))
         super().__init__(params, defaults)
         self._coeffs = []
 
@@ -102,9 +108,11 @@ class Lamb(torch.optim.Optimizer):
                 bc1, bc2_sqrt = bias_corrections(g, t, t)
                 p32 = st.get("master", p)
                 grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
+                inside = g.get("eps_inside_sqrt", False)    # absent from groups saved before it existed
                 coeff = lamb_step_(p32, grad, st["exp_avg"], st["exp_avg_sq"], lr=g["lr"], betas=(b1, b2),
                                    eps=g["eps"], wd=g["weight_decay"], bc1=bc1, bc2_sqrt=bc2_sqrt,
-                                   max_coeff=g["max_coeff"], min_coeff=g["min_coeff"])
+                                   max_coeff=g["max_coeff"], min_coeff=g["min_coeff"], eps_inside_sqrt=inside,
+                                   bc2=(1 - b2 ** t) if g["bias_correction"] else 1.0)
                 if p32 is not p:
                     p.copy_(p32)
                 self._coeffs.append(coeff)
