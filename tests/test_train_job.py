@@ -316,3 +316,53 @@ def test_int8_forward_export_equals_the_trained_model(folders, tmp_path, task):
                   "--out", out, "--max-steps", "2", *FAST]) == 0
     rep = check_outputs(out, task, 2)
     assert rep["stages"]["exported"]["reload_mode"] == "fast"
+
+
+def _tree(folder):
+    """{relative path: bytes} of every file below folder."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(root, n)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = fh.read()
+    return out
+
+
+def test_inputs_checked_before_out_is_touched(folders, tmp_path, capsys):
+    """A model that cannot load, a config the model reveals as wrong (a module claimed twice) and a
+    bad --baseline-from stop the job before --out is created, and --overwrite loses nothing of the
+    run already there (these were checked only after the folder was made, the old run deleted and
+    the FP32 stages trained)."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    common = ["--data", data, "--task", "text-classification", "--max-steps", "1", *FAST]
+    prev = str(tmp_path / "prev")
+    assert train([W8A8, "--model", folders["bert"], *common, "--out", prev, "--baseline"]) == 0
+    before = _tree(prev)
+    assert "report.json" in before and "export/model.safetensors" in before
+    capsys.readouterr()
+
+    no_weights = tmp_path / "no_weights"
+    hf.write_tokenizer(str(no_weights))
+    (no_weights / "config.json").write_text(open(os.path.join(folders["bert"], "config.json")).read())
+    twice = tmp_path / "twice.yaml"      # a second group over every module: claims what w8 claimed
+    twice.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
+                     "      w4: {params: {start_bits: 4, target_bits: 4}}\n")
+    cases = [
+        ([W8A8, "--model", str(no_weights)], "no_weights"),
+        ([W8A8, str(twice), "--model", folders["bert"]], "twice.yaml"),
+        ([W8A8, "--model", folders["bert"], "--baseline-from", str(tmp_path / "nowhere")], "nowhere"),
+        # the baseline to reuse is the run --overwrite would delete
+        ([W8A8, "--model", folders["bert"], "--baseline-from", prev], "--out folder itself"),
+    ]
+    for args, named in cases:
+        if prev not in args:
+            fresh = str(tmp_path / "fresh")
+            assert train([*args, *common, "--out", fresh]) == 2, args
+            err = capsys.readouterr().err
+            assert named in err, err
+            assert not os.path.exists(fresh), (args, os.listdir(fresh))
+        assert train([*args, *common, "--out", prev, "--overwrite"]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert named in err and "\n" not in err, err
+        assert _tree(prev) == before, args

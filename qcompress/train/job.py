@@ -265,13 +265,18 @@ class Job:
                                 max_eval_samples=o.max_eval_samples)
         except DataError as err:
             raise JobError(str(err)) from None
+        self.say(f"data: {data.summary}")
+        # The model loads and --baseline-from / --resume are checked before --out is touched:
+        # --overwrite deletes the previous run, which a bad input must not cost.
+        model = load_model(o.model, o.task, data.labels, o.seed)
+        check_compression(model, doc, o.configs)
+        if o.baseline_from:
+            baseline_source(o, plain_config(doc))
+        self.progress = Progress(o.out, o.fingerprint(), o.resume, self.rank)
         prepare_out(o, self.rank)
         _barrier()
-        self.progress = Progress(o.out, o.fingerprint(), o.resume, self.rank)
         self.metric = metric_name(o.task)
         self.tok, self.data, self.doc, self.cfg = tok, data, doc, cfg
-        self.say(f"data: {data.summary}")
-        model = load_model(o.model, o.task, data.labels, o.seed)
         cls_name, n_params = describe(model)
         size_fp32 = fp32_bytes(model)
         self.say(f"model: {cls_name}, {n_params:,} parameters, {size_fp32 / 2**20:.1f} MiB in FP32")
@@ -385,16 +390,8 @@ class Job:
         """--baseline-from RUN: take RUN's FP32 fine-tune (weights and metrics) when it was trained
         with the same model, data, budget and training config."""
         src = self.opts.baseline_from
-        path = os.path.join(src, "checkpoints", "progress.json")
+        saved = baseline_source(self.opts, plain_config(self.doc))
         theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
-        if not (os.path.isfile(path) and os.path.isfile(theirs)):
-            raise JobError(f"--baseline-from {src}: no FP32 baseline there (run it with --baseline first)")
-        with open(path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        if saved.get("baseline_fingerprint") != self.progress.data["baseline_fingerprint"] or \
-                "fp32_finetuned" not in saved.get("stages", {}):
-            raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
-                           "budget or training config; run --baseline instead")
         if self.rank == 0:
             for src_file, dst in ((theirs, weights), (os.path.join(src, "metrics_fp32.csv"),
                                                       os.path.join(self.opts.out, "metrics_fp32.csv"))):
@@ -403,7 +400,7 @@ class Job:
                     os.replace(dst + ".tmp", dst)
         _barrier()
         self.progress.record("fp32_finetuned", saved["stages"]["fp32_finetuned"],
-                             saved["wall_time_s"].get("fp32_finetuned", 0.0))
+                             (saved.get("wall_time_s") or {}).get("fp32_finetuned", 0.0))
         self.opts.notes.append(f"fp32_finetuned was trained by the run in {src} (--baseline-from)")
 
     def teacher(self, spec: str, model, load_teacher):
@@ -547,6 +544,54 @@ class Job:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
             self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+
+
+def check_compression(model: torch.nn.Module, doc: dict, configs: List[str]) -> None:
+    """Apply the configs to a throwaway copy of the model, so the mistakes only the model reveals (a
+    module claimed by two groups, tied weights quantized unalike, a regex selecting only attention
+    internals) stop the job before anything is written or trained, not after the FP32 stages."""
+    import logging
+    import warnings
+
+    import qcompress
+    from ..errors import ConfigError
+    probe = copy.deepcopy(model)
+    teacher = copy.deepcopy(model) if as_config(doc).compression.layer_reduction.enabled else None
+    logger = logging.getLogger("qcompress")
+    level = logger.level
+    logger.setLevel(logging.ERROR)          # warnings (a group matching nothing) come once, later
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qcompress.init_compression(probe, doc, teacher_model=teacher)
+    except ConfigError as err:
+        raise JobError(f"config error in {' + '.join(configs)} for this model: {err}") from None
+    finally:
+        logger.setLevel(level)
+        del probe, teacher
+
+
+def baseline_source(opts: JobOptions, plain_doc: dict) -> dict:
+    """--baseline-from RUN: RUN's progress.json when RUN holds an FP32 fine-tune trained with the
+    same model, data, budget and training config (else a JobError naming what is wrong)."""
+    src = opts.baseline_from
+    if os.path.realpath(src) == os.path.realpath(opts.out):
+        # --overwrite would delete the very baseline it is asked to reuse
+        raise JobError(f"--baseline-from {src} is the --out folder itself; name the earlier run's folder")
+    path = os.path.join(src, "checkpoints", "progress.json")
+    theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
+    if not (os.path.isfile(path) and os.path.isfile(theirs)):
+        raise JobError(f"--baseline-from {src}: no FP32 baseline there (run it with --baseline first)")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise JobError(f"--baseline-from {src}: cannot read {path} ({err})") from None
+    if not isinstance(saved, dict) or saved.get("baseline_fingerprint") != opts.baseline_fingerprint(plain_doc) \
+            or "fp32_finetuned" not in (saved.get("stages") or {}):
+        raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
+                       "budget or training config; run --baseline instead")
+    return saved
 
 
 def _drop_shared(sd: dict) -> None:
