@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import qcompress
 from qcompress.export import export_quantized, inspect_checkpoint, load_quantized
 from qcompress.export.errors import ExportError
+from qcompress.quant import reference as R
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -243,3 +244,36 @@ def test_w4_group128_size_ratio(tmp_path):
     export_quantized(m, tmp_path / "out", cfg)
     ratio = os.path.getsize(tmp_path / "out" / "model.safetensors") / os.path.getsize(tmp_path / "fp32.safetensors")
     assert ratio <= 0.14, ratio
+
+
+def test_tied_gpt2_exports_after_redundancy_clean(tmp_path):
+    # GPT-2 ties lm_head to wte; redundancy_clean bakes the shared weight once, so both modules
+    # hold the same code and scale tensors, which safetensors refuses to write as two names.
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4,
+                                                "granularity": "channel"}}}}}}
+    cfg = qcompress.load_config(doc)
+    model = build()
+    wte = model.transformer.wte.weight.detach().clone()
+    model = qcompress.redundancy_clean(qcompress.init_compression(model, cfg), cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
+        export_quantized(model, tmp_path / "out", cfg)
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(sd["lm_head.weight_packed"], sd["transformer.wte.weight_packed"])
+    loaded = load_quantized(tmp_path / "out", build())
+    # oracle: the reference quantizer on the starting embedding, 4-bit per row
+    want = R.fake_quantize_with_mask(wte, R.make_spec(4, granularity="channel"))[0]
+    assert torch.equal(loaded.lm_head.weight, want) and torch.equal(loaded.transformer.wte.weight, want)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -71,18 +71,22 @@ def collect(model: nn.Module):
             replaced[f"{name}.weight"] = True
         for k, v in local.items():
             replaced[f"{name}.{k}"] = v
-    seen = set()
     for k, v in sd.items():
-        if k in replaced:
-            continue
-        v = v.detach().cpu()
-        if v.data_ptr() in seen and v.numel():     # tied weights: safetensors refuses shared storage
-            v = v.clone()
-        seen.add(v.data_ptr())
-        tensors[k] = v.contiguous()
+        if k not in replaced:
+            tensors[k] = v.detach().cpu().contiguous()
     for k, v in replaced.items():
         if isinstance(v, torch.Tensor):
             tensors[k] = v.detach().cpu().contiguous()
+    # Tied weights (GPT-2's wte / lm_head) give one tensor under two names, and after
+    # redundancy_clean their codes and scales are one tensor too: safetensors refuses shared
+    # storage, so every name after the first gets its own copy.
+    seen = set()
+    for k, v in tensors.items():
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in seen and v.numel():
+            tensors[k] = v = v.clone()
+            ptr = v.untyped_storage().data_ptr()
+        seen.add(ptr)
     return tensors, modules, plain_linears
 
 
