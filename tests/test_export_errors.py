@@ -414,3 +414,64 @@ def test_cli_main_reports_export_errors_without_traceback(tmp_path, monkeypatch,
     assert cli.main(["inspect", str(out)]) == 2                 # CheckpointError
     err = capsys.readouterr().err
     assert err.startswith("qcompress inspect: error: ") and "config.json" in err and "group_size=0" in err
+
+
+def test_cli_export_weights_errors_name_the_file(tmp_path, monkeypatch, capsys):
+    # --weights that is missing, truncated or from another model: one line naming the file (and
+    # the tensors), exit status 2, nothing written
+    from qcompress import cli
+    write_factory(tmp_path, monkeypatch, "qc_factory5")
+    (tmp_path / "cfg.json").write_text(json.dumps(CFG))
+    save_file(make_net().state_dict(), tmp_path / "w.safetensors")
+    (tmp_path / "trunc.safetensors").write_bytes((tmp_path / "w.safetensors").read_bytes()[:900])
+    other = make_net().state_dict()
+    other["4.weight"] = torch.zeros(8, 16)                 # a layer of another shape
+    save_file(other, tmp_path / "shape.safetensors")
+    save_file({k: v for k, v in make_net().state_dict().items() if k != "2.bias"}, tmp_path / "miss.safetensors")
+    cases = {"nope": r"--weights .*nope\.safetensors: no such file",
+             "trunc": r"trunc\.safetensors: truncated: tensor '[0-9.a-z]+' ends at byte",
+             "shape": r"shape\.safetensors: tensor '4\.weight' is \[8, 16\], the model's is \[8, 32\]",
+             "miss": r"miss\.safetensors: does not fit .* 1 tensors of the model are not in the file \(2\.bias\)"}
+    for name, pattern in cases.items():
+        out = tmp_path / f"out_{name}"
+        argv = ["export", "--model", "qc_factory5:build", "--weights", str(tmp_path / f"{name}.safetensors"),
+                "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("qcompress export: error: ") and "Traceback" not in err, err
+        assert re.search(pattern, err), (name, err)
+        assert not out.exists()
+
+
+def test_cli_export_weights_with_tied_tensors_saved_once(tmp_path, monkeypatch):
+    # transformers' save_pretrained and safetensors' save_model keep one name of a tied tensor
+    # (GPT-2: transformer.wte.weight, no lm_head.weight): --weights must accept such a file
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    (tmp_path / "qc_gpt2f.py").write_text(
+        "import torch, transformers\n"
+        "def build():\n    torch.manual_seed(0)\n"
+        "    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, "
+        "n_layer=1, n_head=2, n_positions=16))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.manual_seed(5)
+    trained = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1,
+                                                                   n_head=2, n_positions=16))
+    trained.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    assert "lm_head.weight" not in load_file(weights)
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte", "lm_head"]}}}}}
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the Embedding is a qcompress-only export
+        assert main_export(["--model", "qc_gpt2f:build", "--weights", str(weights),
+                            "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+    import qc_gpt2f
+    loaded = load_quantized(out, qc_gpt2f.build())
+    # oracle: the reference 8-bit per-row quantizer on the saved (trained) embedding
+    want = R.fake_quantize_with_mask(trained.transformer.wte.weight.detach(), R.make_spec(8, granularity="channel"))[0]
+    assert torch.equal(loaded.lm_head.weight, want) and torch.equal(loaded.transformer.wte.weight, want)
+    assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, trained.transformer.h[0].attn.c_attn.weight)

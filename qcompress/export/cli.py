@@ -82,13 +82,12 @@ def cli_export(args) -> int:
     """args: model ('module:function'), weights (.safetensors, optional), config, out,
     max_shard_size ('2GB'), force (bool)."""
     import qcompress
-    from safetensors.torch import load_file
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint and getattr(args, "weights", None):
         raise SystemExit("qcompress export: give --weights or --checkpoint, not both")
     model = _build_model(args.model)
     if getattr(args, "weights", None):
-        model.load_state_dict(load_file(args.weights), strict=True)
+        load_weights(model, args.weights)
     cfg = qcompress.load_config(args.config)
     qcompress.init_compression(model, cfg)
     if checkpoint:
@@ -102,6 +101,45 @@ def cli_export(args) -> int:
                                      force=bool(getattr(args, "force", False)))
     print(f"wrote {out}")
     return 0
+
+
+def load_weights(model, path: str) -> None:
+    """Load the state_dict file `path` (--weights) into `model`, strictly, with errors that name
+    the file and tensors (CheckpointError: `qcompress export` prints it and exits 2).
+
+    Tied parameters (GPT-2's lm_head / wte) are one tensor under several state_dict names, and
+    safetensors stores only one of them (`save_model`, transformers' `save_pretrained`): a name
+    missing from the file is fine when another name of the same tensor is there."""
+    from . import safetensors_io as sio
+    from .errors import CheckpointError
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--weights {path}: no such file")
+    state, _ = sio.read_safetensors(path)        # header, truncation and CRC checks, no pickle
+    own = model.state_dict(keep_vars=True)
+    names_of = {}
+    for k, t in own.items():
+        names_of.setdefault(id(t), []).append(k)
+    for k, t in own.items():
+        if k not in state:
+            alias = next((a for a in names_of[id(t)] if a in state), None)
+            if alias is not None:
+                state[k] = state[alias]
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        def some(keys):
+            return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        parts = ([f"{len(missing)} tensors of the model are not in the file ({some(missing)})"] if missing else [])
+        parts += ([f"{len(unexpected)} tensors of the file are not in the model ({some(unexpected)})"]
+                  if unexpected else [])
+        raise CheckpointError(f"{path}: does not fit the --model model ({type(model).__name__}): "
+                              + "; ".join(parts))
+    for k, t in own.items():
+        if tuple(state[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"{path}: tensor {k!r} is {list(state[k].shape)}, the model's is "
+                                  f"{list(t.shape)}")
+    model.load_state_dict(state, strict=True)
 
 
 def _load_engine_checkpoint(model, cfg, directory, tag):
