@@ -366,3 +366,35 @@ def test_inputs_checked_before_out_is_touched(folders, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert named in err and "\n" not in err, err
         assert _tree(prev) == before, args
+
+
+def test_fine_tuned_head_keeps_its_classes_under_sorted_labels(tmp_path):
+    """A checkpoint whose head already fits but lists its classes in another order than the sorted
+    data labels: each class keeps its own logit (transformers' output for that name), not the one
+    at the same position (the head was reused as is, so 'tech' answered as 'business')."""
+    import transformers
+    from qcompress.train.models import load_model
+    folder = hf.tiny_bert_folder(str(tmp_path / "clf"), num_labels=3)
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    ckpt_order = ["tech", "business", "sport"]
+    cfg["id2label"] = {str(i): n for i, n in enumerate(ckpt_order)}
+    cfg["label2id"] = {n: i for i, n in enumerate(ckpt_order)}
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    batch = tok(["the market and the bank", "phone software", "team win the cup"], return_tensors="pt",
+                padding=True)
+    ref = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = ref(**batch).logits
+    labels = sorted(ckpt_order)
+    model = load_model(folder, "text-classification", labels).eval()
+    assert not model.qc_fresh_head
+    assert model.config.id2label == dict(enumerate(labels))
+    with torch.no_grad():
+        got = model(**batch).logits
+    for i, name in enumerate(labels):
+        assert torch.equal(got[:, i], want[:, ckpt_order.index(name)]), name
+    # the data's own order already: nothing moves
+    same = load_model(folder, "text-classification", ckpt_order).eval()
+    with torch.no_grad():
+        assert torch.equal(same(**batch).logits, want)

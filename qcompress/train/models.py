@@ -54,10 +54,11 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
     (a fresh head, seeded, unless the checkpoint's head already has that many classes)."""
     check_model_folder(folder)
     cls = auto_class(task)
-    kwargs = {}
+    kwargs, ckpt_labels = {}, None
     if task == "text-classification":
         kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
                       label2id={name: i for i, name in enumerate(labels)}, ignore_mismatched_sizes=True)
+        ckpt_labels = _checkpoint_labels(folder)
     torch.manual_seed(seed)
     try:
         model, info = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
@@ -69,9 +70,39 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
         raise JobError(f"--model {folder}: cannot load the weights ({err})") from None
     # a head the checkpoint did not have (or had with another number of classes) starts random
     model.qc_fresh_head = bool(info.get("missing_keys") or info.get("mismatched_keys"))
+    if task == "text-classification" and not model.qc_fresh_head and ckpt_labels is not None \
+            and ckpt_labels != list(labels) and sorted(ckpt_labels) == sorted(labels):
+        # from_pretrained keeps the head's rows in the checkpoint's class order while our id2label
+        # is sorted: without this, a fine-tuned head would answer "tech" under the name "business"
+        _reorder_head(model, folder, [ckpt_labels.index(name) for name in labels])
     if task == "causal-lm" and getattr(model.config, "is_decoder", True) is False:
         model.config.is_decoder = True      # BERT-style configs used as a causal LM
     return model
+
+
+def _checkpoint_labels(folder: str) -> Optional[List[str]]:
+    """The class names of the checkpoint's own head in id order (None when it names none)."""
+    try:
+        cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+        names = [str(cfg.id2label[i]) for i in range(len(cfg.id2label))]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return names if len(set(names)) == len(names) else None
+
+
+@torch.no_grad()
+def _reorder_head(model: nn.Module, folder: str, order: List[int]) -> None:
+    """Put the output rows of the classification head (the last Linear with one output per class,
+    as transformers' heads are) in `order`: new class i is the checkpoint's class order[i]."""
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == len(order)]
+    if not heads:
+        raise JobError(f"--model {folder}: cannot find the classification head to put its classes in the "
+                       "order of the data's labels")
+    head = heads[-1]
+    index = torch.tensor(order, device=head.weight.device)
+    head.weight.copy_(head.weight.index_select(0, index))
+    if head.bias is not None:
+        head.bias.copy_(head.bias.index_select(0, index))
 
 
 def fresh_model(model: nn.Module, task: str) -> nn.Module:
