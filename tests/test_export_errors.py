@@ -475,3 +475,23 @@ def test_cli_export_weights_with_tied_tensors_saved_once(tmp_path, monkeypatch):
     want = R.fake_quantize_with_mask(trained.transformer.wte.weight.detach(), R.make_spec(8, granularity="channel"))[0]
     assert torch.equal(loaded.lm_head.weight, want) and torch.equal(loaded.transformer.wte.weight, want)
     assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight, trained.transformer.h[0].attn.c_attn.weight)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("baked", [False, True])
+def test_nonfinite_weight_is_an_export_error_naming_the_tensor(tmp_path, value, baked):
+    # was a NonFiniteError without a module name (or "integers do not reproduce" once baked);
+    # the export already in the folder stays as it was
+    m, out = exported(tmp_path)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    cfg = qcompress.load_config(CFG)
+    bad = qcompress.init_compression(make_net(), cfg)
+    if baked:
+        bad = qcompress.redundancy_clean(bad, cfg)
+    with torch.no_grad():
+        bad[2].weight[5, 7] = value
+    with pytest.raises(ExportError, match=r"module '2': tensor '2\.weight' holds 1 NaN or Inf values "
+                                          r"\(the first at index \[5, 7\]"):
+        export_quantized(bad.eval(), out, cfg, force=True)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    load_quantized(out, make_net())

@@ -103,7 +103,12 @@ def weight_entry(mod) -> WeightEntry:
         raise ExportError(f"module {name!r}: asymmetric DeepSpeed numerics (x^ = q*s + z) have no "
                           f"compressed-tensors equivalent; set {WQ_KEY}.shared_parameters.numerics "
                           "to 'default'")
-    got = mod.quantized_weight()
+    _check_finite(mod, name)
+    from ..errors import NonFiniteError
+    try:
+        got = mod.quantized_weight()
+    except NonFiniteError as e:            # e.g. a learned scale gone NaN: name the module
+        raise ExportError(f"module {name!r}: cannot quantize its weight ({e})") from None
     if got is None:
         raise ExportError(f"module {name!r}: weight quantization has no codes "
                           "(baked during an fp16_mixed_quantize blend)")
@@ -157,6 +162,18 @@ def weight_entry(mod) -> WeightEntry:
         else:
             t["weight_zero_point"] = zi.contiguous()
     return entry
+
+
+def _check_finite(mod, name: str) -> None:
+    """NaN / Inf in a weight (diverged training, a bad edit) has no integer code: say which
+    tensor and where, instead of a quantizer error without a name."""
+    w = mod.weight.detach()
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ExportError(f"module {name!r}: tensor {name + '.weight'!r} holds {int(bad.sum())} NaN or "
+                          f"Inf values (the first at index {first}, value {float(w[tuple(first)])}); "
+                          "integer codes cannot represent them: fix or retrain the weights before exporting")
 
 
 def _expand(z2, gsize, k):
