@@ -495,3 +495,32 @@ def test_nonfinite_weight_is_an_export_error_naming_the_tensor(tmp_path, value, 
         export_quantized(bad.eval(), out, cfg, force=True)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
     load_quantized(out, make_net())
+
+
+def test_folder_in_place_of_the_safetensors_file(tmp_path):
+    # was an IsADirectoryError (a traceback in the CLI) instead of a CheckpointError naming it
+    m, out = exported(tmp_path)
+    os.remove(out / "model.safetensors")
+    os.mkdir(out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a regular file"):
+        load_quantized(out, make_net())
+
+
+def test_wrong_model_class_names_both_classes(tmp_path):
+    # a classifier's export loaded into the bare encoder: the missing module alone does not say
+    # what went wrong; config.json's architectures does
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import warnings
+    bcfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16, num_labels=3)
+    torch.manual_seed(0)
+    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["classifier"]}}}}})
+    model = qcompress.init_compression(transformers.BertForSequenceClassification(bcfg), cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_quantized(model, tmp_path / "out", cfg)
+    with pytest.raises(CheckpointError, match=r"module 'classifier' does not exist in the given model \(the "
+                                              r"export is a BertForSequenceClassification, the given model a BertModel\)"):
+        load_quantized(tmp_path / "out", transformers.BertModel(bcfg))

@@ -405,7 +405,11 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     named = dict(root.named_modules())
     for name, rec in modules.items():
         if name not in named:
-            raise CheckpointError(f"{cfg_path}: module {name!r} does not exist in the given model")
+            arch = config.get("architectures")
+            hint = ""
+            if isinstance(arch, list) and arch and type(root).__name__ not in arch:
+                hint = f" (the export is a {arch[0]}, the given model a {type(root).__name__})"
+            raise CheckpointError(f"{cfg_path}: module {name!r} does not exist in the given model{hint}")
         mod = named[name]
         _check_kind(mod, rec["kind"], name, cfg_path)
         if rec.get("weights") is not None:

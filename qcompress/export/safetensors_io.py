@@ -122,11 +122,16 @@ def _header_bounds(path: str) -> Tuple[int, int]:
         size = os.path.getsize(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
+    if not os.path.isfile(path):      # a folder (or a device) where the file should be
+        raise CheckpointError(f"{path}: not a regular file")
     if size < 8:
         raise CheckpointError(f"{path}: truncated ({size} bytes; a safetensors file starts with an "
                               "8-byte header length)")
-    with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))
+    try:
+        with open(path, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
     if hlen > size - 8:
         raise CheckpointError(f"{path}: truncated or corrupted header (header says {hlen} bytes, "
                               f"file has {size - 8} after the length field)")
