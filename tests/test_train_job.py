@@ -398,3 +398,29 @@ def test_fine_tuned_head_keeps_its_classes_under_sorted_labels(tmp_path):
     same = load_model(folder, "text-classification", ckpt_order).eval()
     with torch.no_grad():
         assert torch.equal(same(**batch).logits, want)
+
+
+def test_resume_knows_the_data_not_how_paths_are_spelled(folders, tmp_path, monkeypatch, capsys):
+    """--resume refuses a data file edited since the run started (it was accepted: the fingerprint
+    held the path only) and accepts the same files and configs named from another folder."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    args = ["--model", folders["bert"], "--task", "text-classification", "--max-steps", "1", *FAST]
+    monkeypatch.chdir(tmp_path)
+    assert train([W8A8, *args, "--data", os.path.relpath(data), "--out", "out", "--baseline"]) == 0
+    report = json.load(open(os.path.join(out, "report.json")))
+    # the same run named by absolute paths from elsewhere, and the config through another spelling
+    monkeypatch.chdir(tmp_path / "d")
+    same_cfg = os.path.join(os.path.relpath(os.path.dirname(W8A8)), ".", os.path.basename(W8A8))
+    assert train([same_cfg, *args, "--data", data, "--out", out, "--baseline", "--resume"]) == 0
+    assert "done in an earlier run" in capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "report.json")))["stages"] == report["stages"]
+    # the data file edited in place: one label changed
+    rows = [list(r) for r in folders["rows"]]
+    rows[0][1] = rows[1][1] if rows[0][1] != rows[1][1] else rows[2][1]
+    write_data(str(tmp_path / "d"), "csv", rows)
+    assert train([W8A8, *args, "--data", data, "--out", out, "--baseline", "--resume"]) == 2
+    assert "other options, data or configs" in capsys.readouterr().err
+    # nor does an edited file lend its run's baseline
+    assert train([W8A8, *args, "--data", data, "--out", str(tmp_path / "o2"), "--baseline-from", out]) == 2
+    assert "another model, data" in capsys.readouterr().err

@@ -62,14 +62,20 @@ class JobOptions:
     progress: bool = True
     notes: List[str] = field(default_factory=list)
 
-    def fingerprint(self) -> str:
-        """What a resumed run must share with the interrupted one (not out/resume/progress)."""
+    def fingerprint(self, data_digest: Optional[str] = None) -> str:
+        """What a resumed run must share with the interrupted one (not out/resume/progress): files by
+        absolute path and configs by content (`./a.yaml` from another folder is the same run), and
+        the data by what was read from it (an edited data file is other data)."""
         keep = {k: v for k, v in asdict(self).items()
-                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from")}
-        keep["config_text"] = [open(c, "rb").read().hex() if os.path.isfile(c) else c for c in self.configs]
+                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
+                             "configs")}
+        keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
+        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
+        keep["config_text"] = [_file_hex(c) for c in self.configs]
+        keep["data_digest"] = data_digest
         return _digest(keep)
 
-    def baseline_fingerprint(self, plain_doc: dict) -> str:
+    def baseline_fingerprint(self, plain_doc: dict, data_digest: Optional[str] = None) -> str:
         """What decides the FP32 fine-tune: an earlier run with the same one can lend its baseline."""
         keep = {k: v for k, v in asdict(self).items()
                 if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
@@ -78,7 +84,27 @@ class JobOptions:
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
         keep["plain_config"] = plain_doc
+        keep["data_digest"] = data_digest
         return _digest(keep)
+
+
+def _file_hex(path: str) -> str:
+    if not os.path.isfile(path):
+        return path
+    with open(path, "rb") as fh:
+        return fh.read().hex()
+
+
+def data_digest(data) -> str:
+    """A digest of the tokenized train and eval sets and the label names: the data a run saw."""
+    h = hashlib.sha256(json.dumps(data.labels).encode())
+    for part in (data.train, data.eval):
+        h.update(b"|%d|" % len(part))
+        for item in part.items:
+            for key in sorted(item):
+                h.update(key.encode())
+                h.update(item[key].numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _digest(obj) -> str:
@@ -270,9 +296,10 @@ class Job:
         # --overwrite deletes the previous run, which a bad input must not cost.
         model = load_model(o.model, o.task, data.labels, o.seed)
         check_compression(model, doc, o.configs)
+        self.data_digest = data_digest(data)
         if o.baseline_from:
-            baseline_source(o, plain_config(doc))
-        self.progress = Progress(o.out, o.fingerprint(), o.resume, self.rank)
+            baseline_source(o, plain_config(doc), self.data_digest)
+        self.progress = Progress(o.out, o.fingerprint(self.data_digest), o.resume, self.rank)
         prepare_out(o, self.rank)
         _barrier()
         self.metric = metric_name(o.task)
@@ -364,7 +391,7 @@ class Job:
         o = self.opts
         weights = os.path.join(o.out, "checkpoints", "fp32_finetuned.safetensors")
         copy_ = copy.deepcopy(model)
-        self.progress.data["baseline_fingerprint"] = o.baseline_fingerprint(plain_config(doc))
+        self.progress.data["baseline_fingerprint"] = o.baseline_fingerprint(plain_config(doc), self.data_digest)
         if o.baseline_from and not self.progress.done("fp32_finetuned"):
             self.borrow_baseline(weights)
         if self.progress.done("fp32_finetuned"):
@@ -390,7 +417,7 @@ class Job:
         """--baseline-from RUN: take RUN's FP32 fine-tune (weights and metrics) when it was trained
         with the same model, data, budget and training config."""
         src = self.opts.baseline_from
-        saved = baseline_source(self.opts, plain_config(self.doc))
+        saved = baseline_source(self.opts, plain_config(self.doc), self.data_digest)
         theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
         if self.rank == 0:
             for src_file, dst in ((theirs, weights), (os.path.join(src, "metrics_fp32.csv"),
@@ -571,7 +598,7 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str]) -> 
         del probe, teacher
 
 
-def baseline_source(opts: JobOptions, plain_doc: dict) -> dict:
+def baseline_source(opts: JobOptions, plain_doc: dict, digest: Optional[str] = None) -> dict:
     """--baseline-from RUN: RUN's progress.json when RUN holds an FP32 fine-tune trained with the
     same model, data, budget and training config (else a JobError naming what is wrong)."""
     src = opts.baseline_from
@@ -587,7 +614,8 @@ def baseline_source(opts: JobOptions, plain_doc: dict) -> dict:
             saved = json.load(fh)
     except (OSError, ValueError) as err:
         raise JobError(f"--baseline-from {src}: cannot read {path} ({err})") from None
-    if not isinstance(saved, dict) or saved.get("baseline_fingerprint") != opts.baseline_fingerprint(plain_doc) \
+    mine = opts.baseline_fingerprint(plain_doc, digest)
+    if not isinstance(saved, dict) or saved.get("baseline_fingerprint") != mine \
             or "fp32_finetuned" not in (saved.get("stages") or {}):
         raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
                        "budget or training config; run --baseline instead")
