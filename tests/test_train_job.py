@@ -424,3 +424,30 @@ def test_resume_knows_the_data_not_how_paths_are_spelled(folders, tmp_path, monk
     # nor does an edited file lend its run's baseline
     assert train([W8A8, *args, "--data", data, "--out", str(tmp_path / "o2"), "--baseline-from", out]) == 2
     assert "another model, data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe, said", [
+    # pruning alone: the export (a quantized checkpoint) failed with a traceback after training
+    ("compression_training:\n  sparse_pruning:\n    shared_parameters: {enabled: true, schedule_offset: 0, "
+     "method: l1}\n    different_groups:\n      sp: {params: {dense_ratio: 0.5}}\n", "quantize no module"),
+    # weights quantized only from step 50 of a 3-step run: nothing active to export at the end
+    ("compression_training:\n  weight_quantization:\n    shared_parameters: {enabled: true, schedule_offset: 50}\n"
+     "    different_groups:\n      w8: {params: {start_bits: 8, target_bits: 8}}\n", "starts at step 50"),
+])
+def test_nothing_to_export_is_refused_up_front(folders, tmp_path, capsys, recipe, said):
+    cfg = tmp_path / "recipe.yaml"
+    cfg.write_text(recipe)
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    assert train([str(cfg), "--model", folders["bert"], "--data", data, "--task", "text-classification",
+                  "--out", out, "--max-steps", "3", *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and "recipe.yaml" in err and "\n" not in err, err
+    assert not os.path.exists(out)
+    # the same recipe long enough to reach the offset runs and exports
+    if "50" in said:
+        assert train([str(cfg), "--model", folders["bert"], "--data", data, "--task", "text-classification",
+                      "--out", out, "--max-steps", "50", "--save-steps", "0", *FAST]) == 0
+        rep = json.load(open(os.path.join(out, "report.json")))
+        assert rep["final_bits"]["weight:w8"]["bits"] == 8
+        assert rep["stages"]["exported"]["max_logit_diff_vs_qat"] == 0.0

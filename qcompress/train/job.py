@@ -295,7 +295,7 @@ class Job:
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
         model = load_model(o.model, o.task, data.labels, o.seed)
-        check_compression(model, doc, o.configs)
+        check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)))
         self.data_digest = data_digest(data)
         if o.baseline_from:
             baseline_source(o, plain_config(doc), self.data_digest)
@@ -359,6 +359,19 @@ class Job:
                 break
             b.pop("labels")
             yield b
+
+    def planned_steps(self, cfg, n_train: int) -> int:
+        """The optimizer steps each phase will take, from the configs before any engine exists (a
+        batch size that does not fit the world size is a ConfigError here, not after the FP32 stages)."""
+        from ..engine.batch import resolve_batch
+        from .batches import steps_per_epoch
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+            else int(os.environ.get("WORLD_SIZE", "1"))
+        tbs, _, _ = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                  cfg.gradient_accumulation_steps, world)
+        if self.opts.max_steps is not None:
+            return self.opts.max_steps
+        return max(1, math.ceil(self.opts.epochs * steps_per_epoch(n_train, tbs)))
 
     def steps(self, engine) -> int:
         from .batches import steps_per_epoch
@@ -573,10 +586,11 @@ class Job:
             self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
 
 
-def check_compression(model: torch.nn.Module, doc: dict, configs: List[str]) -> None:
+def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], steps: int) -> None:
     """Apply the configs to a throwaway copy of the model, so the mistakes only the model reveals (a
     module claimed by two groups, tied weights quantized unalike, a regex selecting only attention
-    internals) stop the job before anything is written or trained, not after the FP32 stages."""
+    internals) stop the job before anything is written or trained, not after the FP32 stages; so
+    does a run that would have nothing quantized to export after its last step (`steps`)."""
     import logging
     import warnings
 
@@ -595,7 +609,17 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str]) -> 
         raise JobError(f"config error in {' + '.join(configs)} for this model: {err}") from None
     finally:
         logger.setLevel(level)
-        del probe, teacher
+    offsets = [q.offset for m in probe.modules() for q in (getattr(m, "qc_wq", None), getattr(m, "qc_aq", None))
+               if q is not None]
+    del probe, teacher
+    if not offsets:
+        raise JobError(f"the configs {' + '.join(configs)} quantize no module of this model (no weight_quantization "
+                       "or activation_quantization group matches one): qcompress train exports a quantized "
+                       "checkpoint; see schedules/ for recipes")
+    if min(offsets) > steps:
+        raise JobError(f"quantization starts at step {min(offsets)} (schedule_offset in {' + '.join(configs)}) but "
+                       f"the run ends at step {steps}: nothing would be quantized to export; lower schedule_offset "
+                       "or train longer (--max-steps / --epochs)")
 
 
 def baseline_source(opts: JobOptions, plain_doc: dict, digest: Optional[str] = None) -> dict:
