@@ -13,7 +13,8 @@ import torch.nn as nn
 from .config import as_config
 from .config.compression import CompressionConfig, Group, group_setting
 from .errors import ConfigError
-from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware, unsupported_reason
+from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
+                        unsupported_reason)
 from .nn import ranges
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
@@ -226,16 +227,44 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     """
     cfg = as_config(cfg)
     cc = cfg.compression
+    done = [n for n, _ in compress_modules(_unwrap(model))]
+    if done:
+        # A second rewrite would keep the first config's settings on modules the second does not
+        # claim, and in optimizer-step mode take the already quantized weights as new masters.
+        raise ValueError(f"init_compression: the model was already rewritten by init_compression "
+                         f"({len(done)} compress-aware modules, e.g. {done[0]!r}); a second call would "
+                         "mix both configs and, with quantize_weight_in_forward: false, take the "
+                         "quantized weights as the full-precision masters. Apply the config to a "
+                         "freshly built model instead")
+    if cc.layer_reduction.enabled and teacher_model is None:
+        raise ConfigError("compression_training.layer_reduction.enabled",
+                          "layer reduction initialises the student from a teacher: pass "
+                          "init_compression(model, cfg, teacher_model=...)")
+    assignments = plan(model, cfg)     # checks the claims before anything is written
     if cc.layer_reduction.enabled:
         from .pruning.layer_reduction import student_initialization
-        if teacher_model is None:
-            raise ConfigError("compression_training.layer_reduction.enabled",
-                              "layer reduction initialises the student from a teacher: pass "
-                              "init_compression(model, cfg, teacher_model=...)")
         student_initialization(model, teacher_model, cc.layer_reduction)
-    assignments = plan(model, cfg)
     root = _unwrap(model)
     modules = dict(root.named_modules())
+    # what each module holds now, so a config error found while rewriting leaves the model as it was
+    before = {id(m): (set(m._parameters), set(m._buffers)) for m in modules.values()}
+    try:
+        _rewrite(root, cfg, assignments, modules)
+        CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
+    except BaseException:
+        _undo_rewrite(modules, before)
+        raise
+    if cfg.progressive_layer_drop.enabled:
+        from .nn.pld import apply_pld, pld_schedule
+        if pld_schedule(root) is None:   # a second init_compression leaves the blocks as they are
+            apply_pld(root, cfg.progressive_layer_drop)
+    root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
+    root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
+    return model
+
+
+def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
+    cc = cfg.compression
     vocab_tables = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
     learned = set()
     for tech, groups in assignments.items():
@@ -257,15 +286,30 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
                     from .pruning.setup import enable_pruning
                     enable_pruning(mod, tech, technique.shared, group, name, modules)
     _share_tied_weights(root)
+    _warn_tied_unselected(root)
     _keep_python_forward(root)
-    if cfg.progressive_layer_drop.enabled:
-        from .nn.pld import apply_pld, pld_schedule
-        if pld_schedule(root) is None:   # a second init_compression leaves the blocks as they are
-            apply_pld(root, cfg.progressive_layer_drop)
-    root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
-    root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
-    CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
-    return model
+
+
+@torch.no_grad()
+def _undo_rewrite(modules: Dict[str, nn.Module], before) -> None:
+    """Put back what a failed init_compression changed: full-precision weights written over by
+    the optimizer-step mode, registered scale / score Parameters, the modules' classes."""
+    for mod in modules.values():
+        if not isinstance(mod, CompressMixin):
+            continue
+        wq = mod.__dict__.get("qc_wq")
+        if wq is not None and wq.master is not None:
+            mod.weight.data.copy_(wq.master.to(mod.weight.dtype))
+            wq.store.reset()
+        params, buffers = before[id(mod)]
+        for key in [k for k in mod._parameters if k not in params]:
+            del mod._parameters[key]
+        for key in [k for k in mod._buffers if k not in buffers]:
+            del mod._buffers[key]
+        for hook_id, hook in list(mod._forward_pre_hooks.items()):
+            if hook is _fast_path_guard:
+                del mod._forward_pre_hooks[hook_id]
+        restore_class(mod)
 
 
 def _share_tied_weights(root: nn.Module) -> None:
@@ -282,8 +326,32 @@ def _share_tied_weights(root: nn.Module) -> None:
         mod.qc_wq.store = first.qc_wq.store
         mod.qc_wq.seed = first.qc_wq.seed      # same stochastic rounding of the same tensor
         for pname in ranges.WEIGHT_PARAMS:     # one learned scale for one weight
-            if first._parameters.get(pname) is not None:
-                mod._parameters[pname] = first._parameters[pname]
+            # registered on the tied module whose group the config lists first, which need not
+            # be the first in the model (lm_head's group before wte's)
+            shared = first._parameters.get(pname)
+            if shared is None:
+                shared = mod._parameters.get(pname)
+            if shared is not None:
+                first._parameters[pname] = mod._parameters[pname] = shared
+
+
+def _warn_tied_unselected(root: nn.Module) -> None:
+    """Optimizer-step mode writes the quantized weight into the Parameter itself, so a module tied
+    to it (GPT-2's wte under lm_head) uses it too, although no group selected that module."""
+    written = {id(m.weight): n for n, m in compress_modules(root)
+               if m.qc_wq is not None and not m.qc_wq.in_forward}
+    if not written:
+        return
+    for name, mod in root.named_modules():
+        w = mod._parameters.get("weight") if name else None
+        if w is None or id(w) not in written or getattr(mod, "qc_wq", None) is not None:
+            continue
+        msg = (f"compression_training.weight_quantization: module {name!r} shares its weight Parameter "
+               f"with {written[id(w)]!r} (tied weights), which is quantized with "
+               "quantize_weight_in_forward: false, i.e. written into that Parameter at each step: "
+               f"{name!r} uses the quantized weight too, although no group selects it")
+        warnings.warn(msg, stacklevel=3)
+        log.warning(msg)
 
 
 def _check_same_quantization(name_a: str, a: CompressMixin, name_b: str, b: CompressMixin) -> None:

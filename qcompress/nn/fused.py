@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..errors import NonFiniteError
 from ..quant.api import dequantize, quantize_spec
 from . import int8_forward
 from ..quant.reference import saturate
@@ -175,7 +176,11 @@ def plan(mod, x, op: str) -> Optional[Plan]:
 
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     mod = p.mod
-    q, s, z = (None, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: forward keeps x
+    try:
+        q, s, z = (None, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: forward keeps x
+    except NonFiniteError as err:
+        from .layers import located      # layers imports this module
+        raise located(mod, "input", err) from None
     w_scale = w_zp = None
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
+from ..errors import NonFiniteError
 from ..quant.reference import make_spec
 from . import fused, ranges
 from .state import ActQuant, WeightQuant
@@ -151,6 +152,12 @@ class CompressMixin:
     def _fake_quantize_weight(self, w, wq, spec=None, learned=None):
         """w^ in [out, ...] orientation. `spec` and `learned` (scale, zero point) stand in for
         wq.spec() and the module's learned-range Parameters (the fused backward's recompute)."""
+        try:
+            return self._fake_quantize_weight_of(w, wq, spec, learned)
+        except NonFiniteError as err:
+            raise located(self, "weight", err) from None
+
+    def _fake_quantize_weight_of(self, w, wq, spec, learned):
         view = self.weight_matrix_view(w)
         spec = wq.spec() if spec is None else spec
         if wq.range_learning:
@@ -182,6 +189,10 @@ class CompressMixin:
     def static_input_range(self, x: torch.Tensor, spec):
         """(lo, hi) a static activation range quantizes x with now; training updates the observer."""
         aq = self.qc_aq
+        if self.training and aq.observer.initialized and _recomputing():
+            # activation checkpointing re-runs forward inside backward: quantize with the range
+            # the original forward used, and fold the batch into the EMA only once
+            return aq.observer.min, aq.observer.max
         if self.training:
             if aq.range_observer == "minmax":
                 return aq.observer.observe(x)
@@ -196,6 +207,13 @@ class CompressMixin:
         aq = self.qc_aq
         if aq is None or not aq.active or not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return x
+        try:
+            return self._quantize_input_of(x)
+        except NonFiniteError as err:
+            raise located(self, "input", err) from None
+
+    def _quantize_input_of(self, x: torch.Tensor) -> torch.Tensor:
+        aq = self.qc_aq
         spec = self.input_spec()
         if aq.calibration == "static":
             if aq.range_learning and aq.learned_ready:
@@ -216,6 +234,19 @@ class CompressMixin:
         if self.qc_aq is not None:
             parts.append(self.qc_aq.describe() + ("" if self.qc_aq.active else " (off)"))
         return base + (", qc: " + "; ".join(parts) if parts else "")
+
+
+def located(mod, what: str, err: NonFiniteError) -> NonFiniteError:
+    """The quantizer's NonFiniteError naming the module and tensor it came from (a diverged
+    training run says where the NaN or Inf first reached a quantizer)."""
+    cls = base_class(type(mod)).__name__
+    return NonFiniteError(f"module {mod.qc_name!r} ({cls}), its {what}: {err}")
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation-checkpoint recompute
+    (reentrant or not; torch's checkpoint asks the same question this way)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 _warned_uncalibrated = set()

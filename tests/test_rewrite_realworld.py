@@ -1,0 +1,274 @@
+"""init_compression as a user applies it to transformers models (random weights, no download):
+module outputs against a closed-form fake-quant oracle, generate(), activation checkpointing with
+static ranges, tied weights, a failed rewrite leaving the model as it was, NaN/Inf naming the module."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import qcompress as qc
+from qcompress import ConfigError, NonFiniteError, init_compression
+from qcompress.nn import fused
+
+transformers = pytest.importorskip("transformers", reason="transformers is needed for the real architectures")
+
+
+# --- an oracle written from the README's formulas, not from qcompress.quant --------------------------
+
+def fq_rows(a: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric fake quantization of each row of a 2-D tensor: scale = absmax / (2^(b-1) - 1),
+    round half to even, clamp to [-2^(b-1), 2^(b-1) - 1]; a zero row gets scale 2^-100 (a
+    left-padded token's attention output is all zeros)."""
+    qmax = 2 ** (bits - 1) - 1
+    s = a.float().abs().amax(-1, keepdim=True) / qmax
+    s = torch.where(s == 0, torch.full_like(s, 2.0 ** -100), s)
+    return torch.clamp(torch.round(a.float() / s), -qmax - 1, qmax) * s
+
+
+def oracle_linear(x, w, b, wbits, group_size, abits):
+    """F.linear of the per-token fake-quantized input and the per-group (or per-row) weight."""
+    out_f, in_f = w.shape
+    wq = fq_rows(w.reshape(-1, group_size) if group_size else w, wbits).reshape(out_f, in_f)
+    xq = fq_rows(x.reshape(-1, x.shape[-1]), abits).reshape(x.shape)
+    return F.linear(xq, wq, b)
+
+
+def wa_cfg(wbits, group_size=None, abits=8, **act_shared):
+    params = dict(start_bits=wbits, target_bits=wbits, quantization_period=0)
+    params.update(group_size=group_size) if group_size else params.update(granularity="channel")
+    return {"compression_training": {
+        "weight_quantization": {"shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
+                                                      "schedule_offset": 0},
+                                "different_groups": {"w": {"params": params}}},
+        "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0, **act_shared},
+                                    "different_groups": {"a": {"params": {"bits": abits}}}}}}
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=1, eos_token_id=2)).eval()
+
+
+def falcon(seed=0):
+    torch.manual_seed(seed)   # FalconLinear: a Linear subclass with its own forward (composed path)
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)).eval()
+
+
+def record_linears(model):
+    """Each activation-quantized Linear / Conv1D's (input, output), cloned: some models add to a
+    module's output in place afterwards (Falcon's mlp_output += attention_output)."""
+    recs, handles = {}, []
+    for name, mod in model.named_modules():
+        if getattr(mod, "qc_aq", None) is not None and mod.qc_kind in ("linear", "hf_conv1d"):
+            handles.append(mod.register_forward_hook(
+                lambda m, a, o, name=name: recs.__setitem__(name, (a[0].detach().clone(), o.detach().clone()))))
+    return recs, handles
+
+
+@pytest.mark.parametrize("build", [llama, gpt2, falcon], ids=["llama", "gpt2", "falcon"])
+@pytest.mark.parametrize("wbits,group_size", [(8, None), (4, 32)], ids=["w8ch", "w4g32"])
+def test_every_linear_equals_the_closed_form_oracle_and_generate_runs(build, wbits, group_size):
+    model = build()
+    init_compression(model, wa_cfg(wbits, group_size))
+    mods = dict(model.named_modules())
+    recs, handles = record_linears(model)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0                                      # left padding
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    linears = [n for n, m in mods.items() if isinstance(m, nn.Linear) or m.__class__.__name__.endswith("Conv1D")]
+    assert sorted(recs) == sorted(linears) and len(recs) >= 7    # every Linear, lm_head included
+    for name, (x, out) in recs.items():
+        mod = mods[name]
+        w = mod.weight.detach().t() if mod.qc_kind == "hf_conv1d" else mod.weight.detach()
+        ref = oracle_linear(x, w, None if mod.bias is None else mod.bias.detach(), wbits, group_size, 8)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        cached = model.generate(input_ids=ids[1:], max_new_tokens=4, do_sample=False, use_cache=True)
+        uncached = model.generate(input_ids=ids[1:], max_new_tokens=4, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 13) and torch.equal(cached, uncached)
+
+
+# --- static ranges under activation checkpointing ---------------------------------------------------
+
+STATIC = {"compression_training": {"activation_quantization": {
+    "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static",
+                          "quantization_type": "asymmetric", "momentum": 0.5},
+    "different_groups": {"a": {"params": {"bits": 8}}}}}}
+
+
+class Stack(nn.Module):
+    def __init__(self, ckpt=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x) if self.ckpt is None else checkpoint(b, x, use_reentrant=self.ckpt)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_static_ranges_fold_each_batch_once_under_activation_checkpointing(reentrant):
+    """The recompute in backward must neither fold the batch into the EMA a second time nor quantize
+    with another range than the forward did (it did both: gradients of a different function)."""
+    plain, ckpt = Stack(), Stack(ckpt=reentrant)
+    init_compression(plain, STATIC)
+    init_compression(ckpt, STATIC)
+    g = torch.Generator().manual_seed(0)
+    lo = hi = None
+    for step in range(3):
+        x = torch.randn(4, 5, 16, generator=g) * (step + 1)
+        lo = x.amin() if lo is None else 0.5 * lo + 0.5 * x.amin()     # the documented EMA, by hand
+        hi = x.amax() if hi is None else 0.5 * hi + 0.5 * x.amax()
+        for model in (plain, ckpt):
+            model.zero_grad()
+            model(x.requires_grad_(reentrant)).pow(2).sum().backward()
+        for a, b in zip(plain.parameters(), ckpt.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for model in (plain, ckpt):
+            obs = model.blocks[0][0].qc_aq.observer
+            assert torch.allclose(obs.min, lo) and torch.allclose(obs.max, hi)
+        assert torch.equal(plain.blocks[1][0].qc_aq.observer.max, ckpt.blocks[1][0].qc_aq.observer.max)
+
+
+def test_static_ranges_with_transformers_gradient_checkpointing():
+    plain, ckpt = llama(), llama()
+    for model in (plain, ckpt):
+        init_compression(model, STATIC)
+        model.train()
+    (getattr(ckpt, "activation_checkpointing_enable", None) or ckpt.gradient_checkpointing_enable)()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 10), generator=g)
+        for model in (plain, ckpt):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    down = (plain.model.layers[1].mlp.down_proj, ckpt.model.layers[1].mlp.down_proj)
+    assert torch.equal(down[0].qc_aq.observer.min, down[1].qc_aq.observer.min)
+
+
+# --- a rewrite either happens whole or not at all; never twice --------------------------------------
+
+def _moq(shared=None, **groups):
+    return {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **(shared or {})},
+        "different_groups": groups or {"w": {"params": {"start_bits": 4, "target_bits": 4}}}}}}
+
+
+def _snapshot(model):
+    return ({n: type(m) for n, m in model.named_modules()},
+            {k: v.clone() for k, v in model.state_dict().items()},
+            [(n, p) for n, p in model.named_parameters()])
+
+
+def _assert_untouched(model, snap):
+    classes, sd, params = snap
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    now = model.state_dict()
+    assert list(now) == list(sd)
+    for k, v in sd.items():
+        assert torch.equal(now[k], v) or (v.isnan().any() and torch.equal(now[k].isnan(), v.isnan())), k
+    assert [(n, p) for n, p in model.named_parameters()] == params
+
+
+def test_config_error_found_while_rewriting_leaves_the_model_as_it_was():
+    model = gpt2()
+    snap = _snapshot(model)
+    # the Embeddings (per row) pass, then c_attn's 12288 weights are not divisible by 7
+    with pytest.raises(ConfigError, match="quantize_groups: 7 does not divide"):
+        init_compression(model, _moq({"quantize_groups": 7}))
+    _assert_untouched(model, snap)
+    init_compression(model, _moq())                     # the corrected config applies
+    assert model.transformer.h[0].attn.c_attn.qc_wq.bits == 4
+
+
+def test_nonfinite_weight_at_step_zero_restores_the_weights_already_quantized():
+    model = gpt2()
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_proj.weight[0, 0] = float("nan")
+    snap = _snapshot(model)
+    with pytest.raises(NonFiniteError):
+        init_compression(model, _moq())   # optimizer-step mode writes wte, c_attn ... before c_proj
+    _assert_untouched(model, snap)
+
+
+def test_tied_range_learning_with_the_head_group_listed_first():
+    """lm_head's group before wte's: the learned scale was registered on lm_head, the tied weight's
+    owner is wte, which then had none (AttributeError at the first quantization)."""
+    model = gpt2()
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "range_learning": True},
+        "different_groups": {"head": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["lm_head"]},
+                             "emb": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte"]}}}}}
+    init_compression(model, cfg)
+    wte, head = model.transformer.wte, model.lm_head
+    assert wte.weight_scale is head.weight_scale
+    w = wte.weight.detach()
+    assert torch.equal(wte.weight_scale.detach(), w.abs().amax(1, keepdim=True) / 127)   # per-row minmax
+    assert torch.equal(head.effective_weight(), fq_rows(w, 8))
+    ids = torch.randint(0, 128, (1, 6))
+    model(ids).logits.sum().backward()
+    assert wte.weight_scale.grad is not None and wte.weight_scale.grad.abs().sum() > 0
+
+
+def test_second_init_compression_is_refused_and_keeps_the_master():
+    model = nn.Sequential(nn.Linear(16, 16))
+    w0 = model[0].weight.detach().clone()
+    init_compression(model, _moq())
+    with pytest.raises(ValueError, match="already rewritten by init_compression.*'0'"):
+        init_compression(model, _moq())
+    assert torch.equal(model[0].qc_wq.master, w0)     # the full-precision weights are still there
+
+
+def test_tied_module_no_group_selects_is_reported_in_optimizer_step_mode():
+    model = gpt2()
+    with pytest.warns(UserWarning, match="'transformer.wte' shares its weight Parameter with 'lm_head'"):
+        init_compression(model, _moq(w={"params": {"start_bits": 4, "target_bits": 4}, "modules": ["lm_head"]}))
+    # in forward mode the Parameter is never written: nothing to report
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = _moq({"quantize_weight_in_forward": True},
+                   w={"params": {"start_bits": 4, "target_bits": 4}, "modules": ["lm_head"]})
+        init_compression(gpt2(), cfg)
+
+
+# --- NaN / Inf: say which module and which tensor ---------------------------------------------------
+
+@pytest.mark.parametrize("fused_on", [True, False], ids=["fused", "unfused"])
+def test_nonfinite_error_names_the_module_and_tensor(fused_on):
+    model = llama()
+    init_compression(model, wa_cfg(8))
+    ids = torch.randint(0, 128, (1, 5))
+    up = model.model.layers[1].mlp.up_proj
+    with fused.enabled(fused_on):
+        with torch.no_grad():
+            up.weight[3, 3] = float("inf")
+        with pytest.raises(NonFiniteError, match=r"module 'model.layers.1.mlp.up_proj' \(Linear\), its weight: "
+                                                 r"1 of 128 quantization groups contain NaN or Inf"):
+            model(ids)
+        with torch.no_grad():
+            up.weight[3, 3] = 0.0
+            model.model.layers[0].input_layernorm.weight[0] = float("nan")
+        with pytest.raises(NonFiniteError, match=r"module 'model.layers.0.self_attn.q_proj' \(Linear\), its input"):
+            model(ids)
