@@ -178,3 +178,16 @@ def test_weights_transformers_cannot_describe_are_refused(tmp_path, case):
     # qcompress reads it, and it is what was trained
     with torch.no_grad():
         assert torch.isfinite(ours(IDS).logits).all()
+
+
+def test_bfloat16_export_records_its_dtype(tmp_path):
+    # a model cast with .to(bfloat16) keeps "float32" in its transformers config; save_pretrained
+    # writes the parameters' dtype instead, and from_pretrained's default dtype ("auto") reads it:
+    # the export loaded as a float32 model
+    def make():
+        return bert().to(torch.bfloat16)
+    folder, ours = export(tmp_path, config({"w": group(8, modules=ENC)}), make)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = transformers.BertForSequenceClassification.from_pretrained(folder, quantization_config=dequantize_config())
+    assert hf.dtype == torch.bfloat16
+    loaded_right(hf.eval(), ours, False)

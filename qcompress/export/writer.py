@@ -100,6 +100,12 @@ def build_config(model, modules, plain_linears) -> dict:
         # the class exported, as save_pretrained writes it: a BertForSequenceClassification
         # fine-tuned from a BertModel checkpoint must not reload as BertModel
         base["architectures"] = [type(root).__name__]
+        # the dtype trained in, as save_pretrained records it: a model cast with .to(bfloat16)
+        # keeps "float32" in its config, and transformers' default dtype="auto" reads this key
+        dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), None)
+        if dtype is not None:
+            base["dtype"] = str(dtype).replace("torch.", "")
+            base.pop("torch_dtype", None)
     base["quantization_config"] = layout.quantization_config(modules, plain_linears)
     base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
                          "modules": modules}
