@@ -451,3 +451,29 @@ def test_nothing_to_export_is_refused_up_front(folders, tmp_path, capsys, recipe
         rep = json.load(open(os.path.join(out, "report.json")))
         assert rep["final_bits"]["weight:w8"]["bits"] == 8
         assert rep["stages"]["exported"]["max_logit_diff_vs_qat"] == 0.0
+
+
+def test_export_clears_what_a_killed_export_left(folders, tmp_path):
+    """export_model swaps a whole folder in; the folders a killed export left (named by its pid)
+    are removed by the next export instead of piling up beside it."""
+    import qcompress as qc
+    import transformers
+    from qcompress.train.stages import export_model
+    model = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
+    doc = qc.load_config(W8A8).raw
+    qc.init_compression(model, doc)
+    tok = transformers.AutoTokenizer.from_pretrained(folders["bert"])
+    out = tmp_path / "run"
+    stale = [out / ".export.tmp4242", out / ".export.old4242"]
+    for d in stale:
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"partial")
+    (out / "export.keep").write_text("not ours")           # other names stay
+    nbytes = export_model(model.eval(), doc, tok, str(out / "export"))
+    assert sorted(os.listdir(out)) == ["export", "export.keep"]
+    assert nbytes == os.path.getsize(out / "export" / "model.safetensors") > 0
+    fresh = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
+    qc.load_quantized(str(out / "export"), fresh)
+    batch = tok(["the market and the bank"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(**batch).logits, model(**batch).logits)

@@ -53,9 +53,14 @@ def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int
 
     import qcompress
     parent = os.path.dirname(os.path.abspath(export_dir))
-    tmp = os.path.join(parent, f".{os.path.basename(export_dir)}.tmp{os.getpid()}")
-    old = os.path.join(parent, f".{os.path.basename(export_dir)}.old{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    base = os.path.basename(export_dir)
+    tmp = os.path.join(parent, f".{base}.tmp{os.getpid()}")
+    old = os.path.join(parent, f".{base}.old{os.getpid()}")
+    # a run killed while exporting left its folders under its own pid: the resumed run (another
+    # pid) would otherwise keep a whole stale export copy per interruption
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        if name.startswith((f".{base}.tmp", f".{base}.old")):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")       # the transformers caveat is reported by the stage
