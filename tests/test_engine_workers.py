@@ -431,3 +431,43 @@ def run_int8_forward(rank, world):
     finally:
         lowbit.linear_a8 = real
     return out
+
+
+def tied_cfg(stage, compress):
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage}}
+    if compress:   # weights written at optimizer-step time: the engine gathers the tied weight whole
+        cfg["compression_training"] = {"weight_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": False},
+            "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8}}}}}
+    return cfg
+
+
+def tied_batch(step, rank, micro, world):
+    """Rank r's slice of the step's global batch of token ids (GPT-2 of tiny_models: vocab 96)."""
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randint(0, 96, (micro * world, 12), generator=g)
+    return x[rank * micro:(rank + 1) * micro]
+
+
+def run_tied(rank, world, steps=1):
+    """GPT-2 with its tied lm_head / wte at every stage (FSDP2 needs them in one group)."""
+    from tiny_models import make_gpt2
+    out = {}
+    for compress in (False, True):
+        for stage in (0, 2, 3):
+            cfg = tied_cfg(stage, compress)
+            model = make_gpt2()
+            if compress:
+                qc.init_compression(model, qc.load_config(cfg))
+            engine = initialize(model.train(), cfg)
+            micro = engine.train_micro_batch_size_per_gpu
+            for step in range(steps):
+                x = tied_batch(step, rank, micro, world)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+            params = full_params(engine)
+            out[(compress, stage)] = {"final": params, "tied": engine.module.lm_head.weight is
+                                      engine.module.transformer.wte.weight}
+    return out

@@ -162,9 +162,35 @@ def _owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def shard_units(model: nn.Module):
+    """What wrap_fsdp passes to fully_shard, children before parents: each non-root module that owns
+    parameters, except that modules sharing a Parameter (tied weights: GPT-2's lm_head and wte) form
+    one list, as FSDP2 requires (one FSDP group per parameter)."""
+    owners = [m for name, m in model.named_modules() if name and _owns_params(m)]
+    root = list(range(len(owners)))
+
+    def find(i):
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+    first_owner = {}
+    for i, m in enumerate(owners):
+        for p in m.parameters(recurse=False):
+            j = find(first_owner.setdefault(id(p), i))
+            root[find(i)] = j
+    units = {}
+    for i in range(len(owners)):
+        units.setdefault(find(i), []).append(i)
+    # A unit goes after every module below any of its members: order by its first pre-order index.
+    ordered = sorted(units.values(), key=lambda idx: idx[0], reverse=True)
+    return [owners[idx[0]] if len(idx) == 1 else [owners[i] for i in idx] for idx in ordered]
+
+
 def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload: bool,
               dtype_name: Optional[str]):
-    """fully_shard every module that owns parameters, then the root (FSDP2's usual recipe)."""
+    """fully_shard every module that owns parameters (tied ones together), then the root (FSDP2's
+    usual recipe)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -172,9 +198,8 @@ def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload
     kwargs = dict(mesh=mesh, reshard_after_forward=(stage == 3),
                   offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
                   mp_policy=MixedPrecisionPolicy(reduce_dtype=comm_dtype(dtype_name)))
-    for name, module in model.named_modules():
-        if name and _owns_params(module):
-            fully_shard(module, **kwargs)
+    for unit in shard_units(model):
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -205,20 +230,28 @@ def full_weights(model: nn.Module, rank: int, world: int, device: torch.device):
     """Give compress-aware modules whole weights (not FSDP2 shards) while the compression scheduler
     reads or rewrites them at step time, then copy each rank's slice of the result back."""
     swapped = []
+    gathered = {}     # id(shard) -> whole Parameter: tied weights (lm_head / wte) stay one tensor
     for m in model.modules():
         if not hasattr(m, "qc_wq"):
             continue
         for pname, p in list(m._parameters.items()):
             if p is None or not hasattr(p, "full_tensor"):
                 continue
-            full = nn.Parameter(_gather(p, device), requires_grad=p.requires_grad)
+            full = gathered.get(id(p))
+            if full is None:
+                full = gathered[id(p)] = nn.Parameter(_gather(p, device), requires_grad=p.requires_grad)
             m._parameters[pname] = full
             swapped.append((m, pname, p, full))
     try:
         yield
     finally:
         with torch.no_grad():
+            copied = set()
             for m, pname, p, full in swapped:
+                m._parameters[pname] = p
+                if id(p) in copied:    # a tied weight: its one whole copy went back already
+                    continue
+                copied.add(id(p))
                 local = p.to_local()
                 pieces = torch.chunk(full.detach(), world, dim=0)  # FSDP2 shards dim 0 like torch.chunk
                 mine = pieces[rank] if rank < len(pieces) else full.detach()[:0]
@@ -226,4 +259,3 @@ def full_weights(model: nn.Module, rank: int, world: int, device: torch.device):
                     raise RuntimeError(f"cannot map {pname} of {type(m).__name__} back onto its shard "
                                        f"({tuple(mine.shape)} vs {tuple(local.shape)})")
                 local.copy_(mine)
-                m._parameters[pname] = p
