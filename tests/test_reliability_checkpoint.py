@@ -156,3 +156,74 @@ def test_checkpoint_files_honour_the_umask(tmp_path, umask):
         for dname in dirs:
             mode = os.stat(os.path.join(root, dname)).st_mode & 0o777
             assert mode == 0o777 & ~umask, (dname, oct(mode))
+
+
+def _damage(kind, ck):
+    """Damage the checkpoint folder `ck` one way; returns the path the error must name."""
+    def truncate(path, size):
+        with open(path, "r+b") as fh:
+            fh.truncate(size)
+        return path
+    distcp = sorted(f for f in os.listdir(ck) if f.endswith(".distcp"))[0]
+    if kind == "engine.json truncated":
+        return truncate(os.path.join(ck, "engine.json"), 40)
+    if kind == "engine.json not an object":
+        with open(os.path.join(ck, "engine.json"), "w") as fh:
+            fh.write("[]")
+        return os.path.join(ck, "engine.json")
+    if kind == "rank file missing":
+        os.remove(os.path.join(ck, "ranks", "rank0.json"))
+        return os.path.join(ck, "ranks", "rank0.json")
+    if kind == ".metadata truncated":
+        return truncate(os.path.join(ck, ".metadata"), os.path.getsize(os.path.join(ck, ".metadata")) // 2)
+    if kind == "tensor file truncated":
+        truncate(os.path.join(ck, distcp), os.path.getsize(os.path.join(ck, distcp)) // 2)
+        return ck
+    if kind == "tensor file missing":
+        os.remove(os.path.join(ck, distcp))
+        return ck
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["engine.json truncated", "engine.json not an object", "rank file missing",
+                                  ".metadata truncated", "tensor file truncated", "tensor file missing"])
+def test_damaged_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path, kind):
+    # Damage used to surface as a bare JSONDecodeError / AttributeError / UnpicklingError, or as
+    # DCP's CheckpointException, a BaseException that `except Exception` does not catch.
+    from qcompress.engine import CheckpointError
+    cfg, engine = _engine()
+    W.train_steps(engine, 0, 2, 1, 4, 1, 0)
+    d = str(tmp_path)
+    engine.save_checkpoint(d, tag="good")
+    shutil.copytree(os.path.join(d, "good"), os.path.join(d, "bad"))
+    named = _damage(kind, os.path.join(d, "bad"))
+    fresh = initialize(W.make_model(cfg, seed=4), cfg)
+    before = W.full_params(fresh)
+    with pytest.raises(CheckpointError) as err:
+        fresh.load_checkpoint(d, tag="bad")
+    assert isinstance(err.value, ValueError) and named in str(err.value)
+    assert _same(W.full_params(fresh), before)                 # nothing was half-loaded
+    assert fresh.global_steps == 0
+    fresh.load_checkpoint(d, tag="good")                        # the engine is still usable
+    assert _same(W.full_params(fresh), W.full_params(engine))
+
+
+def test_checkpoint_of_another_model_or_optimizer_is_refused(tmp_path):
+    # Saved weights the model lacks were dropped silently, and another optimizer's state loaded
+    # silently (SGD took AdamW's betas and eps into its param groups).
+    from qcompress.engine import CheckpointError
+    cfg, engine = _engine()
+    W.train_steps(engine, 0, 2, 1, 4, 1, 0)
+    d = str(tmp_path)
+    engine.save_checkpoint(d, tag="t")
+    plain = dict(cfg, compression_training={})
+    smaller = torch.nn.Sequential(torch.nn.Linear(W.IN, W.HID), torch.nn.ReLU(), torch.nn.Linear(W.HID, W.HID))
+    with pytest.raises(CheckpointError, match=r"weights this model does not have: 4\.bias, 4\.weight"):
+        initialize(smaller, plain).load_checkpoint(d, tag="t")
+    sgd_cfg = dict(cfg, optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}})
+    sgd = initialize(W.make_model(cfg, seed=4), sgd_cfg)
+    with pytest.raises(CheckpointError, match="saved by AdamW, this engine runs SGD"):
+        sgd.load_checkpoint(d, tag="t")
+    assert "betas" not in sgd.optimizer.param_groups[0]
+    sgd.load_checkpoint(d, tag="t", load_optimizer_states=False)    # the weights alone
+    assert _same(W.full_params(sgd), W.full_params(engine))

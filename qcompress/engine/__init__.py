@@ -1,4 +1,5 @@
 """Training engine: qcompress.initialize(model, cfg) and memory estimates per ZeRO stage."""
+from .checkpoint import CheckpointError
 from .engine import Engine
 from .memory import estimate_memory
 
@@ -18,4 +19,4 @@ def initialize(model, cfg, model_parameters=None, optimizer=None) -> Engine:
     return Engine(model, cfg, model_parameters, optimizer)
 
 
-__all__ = ["initialize", "estimate_memory", "Engine"]
+__all__ = ["initialize", "estimate_memory", "Engine", "CheckpointError"]

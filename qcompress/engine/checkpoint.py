@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -40,6 +41,11 @@ from .. import atomic
 from .serialize import flatten, tensor_keys, unflatten
 
 FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is damaged, incomplete or does not fit this engine; the message names
+    the file or folder. Raised before the engine's model or optimizer is changed."""
 
 
 def _dist_on() -> bool:
@@ -59,8 +65,50 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _read_json(path: str) -> Any:
-    with open(path, "r", encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:          # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(f"{path}: cannot read this checkpoint file ({type(e).__name__}: {e}); "
+                              "the checkpoint is damaged or incomplete, load another tag") from e
+
+
+_ENGINE_KEYS = ("format", "world_size", "counters", "optimizer", "client_state")
+
+
+def _read_meta(path: str) -> Dict[str, Any]:
+    meta = _read_json(os.path.join(path, "engine.json"))
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{os.path.join(path, 'engine.json')}: checkpoint format {found!r}, "
+                              f"expected {FORMAT_VERSION}")
+    missing = [k for k in _ENGINE_KEYS if k not in meta]
+    if missing or not isinstance(meta["optimizer"], dict) or "mode" not in meta["optimizer"]:
+        raise CheckpointError(f"{os.path.join(path, 'engine.json')}: damaged, "
+                              f"missing {', '.join(missing) or 'optimizer.mode'}")
+    return meta
+
+
+def _read_metadata(path: str):
+    """DCP's .metadata index (torch reads it with pickle; any failure there means a damaged file)."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:      # noqa: BLE001 - unpickling fails in many ways on a damaged file
+        raise CheckpointError(f"{os.path.join(path, '.metadata')}: cannot read the tensor index "
+                              f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete") from e
+
+
+def _dcp_load(target, path: str, group) -> None:
+    """dcp.load, with its CheckpointException (a BaseException holding every failing rank's
+    error and traceback) turned into one CheckpointError naming the folder and each rank's error."""
+    try:
+        with _quiet_single_process():
+            dcp.load(target, checkpoint_id=path, process_group=group, no_dist=not _dist_on())
+    except CheckpointException as e:
+        why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}".rstrip(": ")
+                        for r, (exc, _) in sorted(e.failures.items()))
+        raise CheckpointError(f"{path}: reading the checkpoint's tensors (*.distcp) failed: {why}. "
+                              "The files are damaged or the model differs from the saved one") from None
 
 
 @contextlib.contextmanager
@@ -114,9 +162,14 @@ def _group_hparams(groups):
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
+def _optimizer_class(engine) -> str:
+    """The optimizer's class name (ZeroRedundancyOptimizer's local one), checked on load."""
+    return type(getattr(engine.optimizer, "optim", engine.optimizer)).__name__
+
+
 def _collect_optimizer(engine, tensors, rank_extra) -> Dict[str, Any]:
     mode = _optim_mode(engine)
-    meta: Dict[str, Any] = {"mode": mode}
+    meta: Dict[str, Any] = {"mode": mode, "class": _optimizer_class(engine)}
     if mode == "dcp":
         sd = get_optimizer_state_dict(engine.wrapped, engine.optimizer)
         meta["skeleton"] = flatten(sd, "optim", tensors)
@@ -137,7 +190,10 @@ def _collect_optimizer(engine, tensors, rank_extra) -> Dict[str, Any]:
 
 
 def _alloc_from_metadata(md, key: str) -> torch.Tensor:
-    entry = md.state_dict_metadata[key]
+    entry = md.state_dict_metadata.get(key)
+    if entry is None or not hasattr(entry, "size"):
+        raise CheckpointError(f"tensor {key!r} is named by the checkpoint's JSON files but not in its "
+                              ".metadata index: the checkpoint is damaged or mixes files of two saves")
     return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
 
@@ -295,10 +351,8 @@ def resolve(load_dir: str, tag: Optional[str]) -> str:
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True) -> Tuple[str, dict]:
     path = resolve(load_dir, tag)
-    meta = _read_json(os.path.join(path, "engine.json"))
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT_VERSION}")
-    md = dcp.FileSystemReader(path).read_metadata()
+    meta = _read_meta(path)
+    md = _read_metadata(path)
     rank = engine.rank
     rank_file = os.path.join(path, "ranks", f"rank{rank}.json")
     same_rank = os.path.isfile(rank_file) and meta["world_size"] == engine.world_size
@@ -308,14 +362,26 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     model_sd = get_model_state_dict(engine.wrapped)
     for k, v in model_sd.items():
         target[f"model.{k}"] = v
+    unexpected = sorted(k[len("model."):] for k in md.state_dict_metadata
+                        if k.startswith("model.") and k not in target)
+    if unexpected:      # strict, as DeepSpeed's load_module_strict: weights must not be dropped silently
+        more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{path}: the checkpoint holds weights this model does not have: "
+                              f"{', '.join(unexpected[:5])}{more}")
 
     ometa = meta["optimizer"]
     mode = _optim_mode(engine)
     optim_plan = None
     if load_optimizer_states:
         if ometa["mode"] != mode and not {ometa["mode"], mode} <= {"dcp", "zero1"}:
-            raise ValueError(f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
+            raise CheckpointError(f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
                              f"{mode!r} (1-bit optimizer checkpoints load only into 1-bit optimizers)")
+        saved_cls, now_cls = ometa.get("class"), _optimizer_class(engine)
+        if saved_cls is not None and saved_cls != now_cls:
+            # torch would copy the other optimizer's hyper-parameters into these param groups
+            raise CheckpointError(f"{path}: optimizer state was saved by {saved_cls}, this engine runs "
+                                  f"{now_cls}; load with load_optimizer_states=False to take the weights "
+                                  "(and schedules) alone")
         optim_plan = _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path)
 
     extra_keys = []
@@ -325,8 +391,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     for key in extra_keys:
         target[key] = _alloc_from_metadata(md, key)
 
-    with _quiet_single_process():
-        dcp.load(target, checkpoint_id=path, process_group=engine.group, no_dist=not _dist_on())
+    _dcp_load(target, path, engine.group)
 
     set_model_state_dict(engine.wrapped, {k[len("model."):]: v for k, v in target.items()
                                           if k.startswith("model.")})
@@ -375,7 +440,9 @@ def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
         skel = flatten(current, "optim", local)
         for key, t in local.items():
             if key not in md.state_dict_metadata:
-                raise KeyError(f"{path}: optimizer tensor {key!r} is not in the checkpoint")
+                raise CheckpointError(f"{path}: optimizer tensor {key!r} is not in the checkpoint (the model "
+                                      "or optimizer differs from the one saved; load_optimizer_states=False "
+                                      "loads the weights alone)")
             target[key] = t
 
         def install(loaded):
