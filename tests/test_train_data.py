@@ -342,10 +342,19 @@ def bad(tmp_path, name, content):
     ("items.json", '[{"text": "a", "label": "x"}, 3]', r"items.json, item 2: expected a JSON object, got int"),
     ("data.parquet", "x", r"data.parquet: unknown data file type '.parquet'"),
     ("labels.txt", "the game", r"labels.txt: a .txt file holds no labels"),
+    # two columns of one name: the last one was read, silently
+    ("twice.csv", "text,label,text\nthe game,x,the web\n", r"twice.csv: the header names column 'text' 2 times "
+                                                          r"\(columns 1, 3\)"),
+    ("twice.tsv", "label\ttext\tlabel\nx\tthe game\ty\n", r"twice.tsv: the header names column 'label' 2 times"),
 ])
 def test_bad_files(tmp_path, name, content, message):
     with pytest.raises(DataError, match=message):
         read_examples(bad(tmp_path, name, content), "text-classification")
+
+
+def test_causal_lm_ignores_a_repeated_label_column(tmp_path):
+    path = bad(tmp_path, "lm.csv", "text,label,label\nthe game,x,y\n")
+    assert read_examples(path, "causal-lm").texts == ["the game"]
 
 
 def test_bad_folders_and_paths(tmp_path):

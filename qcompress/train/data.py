@@ -147,6 +147,11 @@ def _read_delimited(path: str, delimiter: str, task: str, text_column: str, labe
             if header is None:
                 raise DataError(f"{path}: the file is empty (a header row naming the columns comes first)")
             header = [h.strip() for h in header]
+            for column in (text_column,) + ((label_column,) if task == "text-classification" else ()):
+                at = [i + 1 for i, h in enumerate(header) if h == column]
+                if len(at) > 1:     # a dict per row would silently keep the last of them
+                    raise DataError(f"{path}: the header names column {column!r} {len(at)} times "
+                                    f"(columns {', '.join(map(str, at))}); rename all but one")
             for cells in reader:
                 if not cells or all(not c.strip() for c in cells):
                     continue                               # blank lines separate nothing
