@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
+from .config.loader import source_of
 from .config.compression import CompressionConfig, Group, group_setting
 from .errors import ConfigError
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
@@ -127,7 +128,8 @@ def _check_attention_patterns(group: Group, matched: List[str], internals: List[
 
 def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     """{technique: {group: [module names]}} for every enabled technique; checks the claims."""
-    cc: CompressionConfig = as_config(cfg).compression
+    cfg = as_config(cfg)
+    cc: CompressionConfig = cfg.compression
     names = [(n, kind_of(m)) for n, m in compressible_modules(model)]
     internals = attention_internals(model)
     unsupported = unsupported_modules(model)
@@ -156,7 +158,7 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
                 claimed[n] = group.name
             if not matched:
                 msg = (f"{path}: group {group.name!r} matches no compressible module "
-                       f"(patterns {list(group.modules) if group.modules else 'all'})")
+                       f"(patterns {list(group.modules) if group.modules else 'all'}){source_of(cfg, path)}")
                 warnings.warn(msg, stacklevel=3)
                 log.warning(msg)
             result[tech][group.name] = matched
@@ -226,6 +228,16 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     a group that matches nothing is reported with a warning.
     """
     cfg = as_config(cfg)
+    try:
+        return _init_compression(model, cfg, teacher_model)
+    except ConfigError as err:
+        where = source_of(cfg, err.path)
+        if not where or str(err).endswith(where):
+            raise
+        raise ConfigError(err.path, f"{str(err)[len(err.path) + 2:] if err.path else err}{where}") from None
+
+
+def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module]) -> nn.Module:
     cc = cfg.compression
     done = [n for n, _ in compress_modules(_unwrap(model))]
     if done:

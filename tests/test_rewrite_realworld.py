@@ -272,3 +272,53 @@ def test_nonfinite_error_names_the_module_and_tensor(fused_on):
             model.model.layers[0].input_layernorm.weight[0] = float("nan")
         with pytest.raises(NonFiniteError, match=r"module 'model.layers.0.self_attn.q_proj' \(Linear\), its input"):
             model(ids)
+
+
+def test_config_error_with_layer_reduction_leaves_the_student_weights_alone():
+    """The claims are checked before layer reduction copies the teacher's layers in (it copied
+    first, so a config error left a half-initialised student behind)."""
+    def bert(layers, seed):
+        torch.manual_seed(seed)
+        return transformers.BertModel(transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+            intermediate_size=40, max_position_embeddings=32))
+    student, teacher = bert(2, 1), bert(4, 0)
+    snap = _snapshot(student)
+    cfg = {"compression_training": {
+        "layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "encoder.layer",
+                            "teacher_layer": [1, 3], "other_module_name": ["embeddings"]},
+        "weight_quantization": {"shared_parameters": {"enabled": True},
+                                "different_groups": {"a": {"params": {"start_bits": 8, "target_bits": 8},
+                                                           "modules": ["query"]},
+                                                     "b": {"params": {"start_bits": 4, "target_bits": 4},
+                                                           "modules": ["attention.self"]}}}}}
+    with pytest.raises(ConfigError, match="already claimed by group 'a'"):
+        init_compression(student, cfg, teacher_model=teacher)
+    _assert_untouched(student, snap)
+
+
+def test_errors_found_at_rewrite_time_name_the_file_the_key_came_from(tmp_path):
+    base = tmp_path / "ds_config.json"
+    base.write_text('{"train_batch_size": 8, "compression_training": {"weight_quantization": {'
+                    '"shared_parameters": {"enabled": true, "quantize_weight_in_forward": true}, '
+                    '"different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}}}}}')
+    frag = tmp_path / "groups7.yaml"
+    frag.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n"
+                    "      quantize_groups: 7\n")
+    with pytest.raises(ConfigError, match=r"quantize_groups: 7 does not divide .*\(in .*groups7\.yaml\)$"):
+        init_compression(gpt2(), qc.load_config(str(base), str(frag)))
+    whole = tmp_path / "whole.yaml"
+    whole.write_text("compression_training:\n  weight_quantization:\n    shared_parameters: "
+                     "{enabled: true, quantize_groups: 7}\n    different_groups:\n"
+                     "      w: {params: {start_bits: 8, target_bits: 8}}\n")
+    with pytest.raises(ConfigError, match=r"quantize_groups: 7 does not divide .*\(in .*whole\.yaml\)$"):
+        init_compression(gpt2(), str(whole))   # a path given to init_compression itself
+    none = tmp_path / "none.yaml"
+    none.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
+                    "      w: {modules: [nothing_has_this_name]}\n")
+    with pytest.warns(UserWarning, match=r"group 'w' matches no compressible module .*\(in .*none\.yaml\)"):
+        init_compression(gpt2(), qc.load_config(str(base), str(none)))
+    # a single dict has no file to name: the message is as before
+    with pytest.raises(ConfigError) as info:
+        init_compression(gpt2(), _moq({"quantize_groups": 7}))
+    assert "(in " not in str(info.value)

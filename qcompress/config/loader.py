@@ -190,13 +190,25 @@ def load_config(*sources: Any) -> Config:
         docs.append((name, doc))
         merged = deep_merge(merged, doc)
     try:
-        return parse_config(merged)
+        cfg = parse_config(merged)
     except ConfigError as err:
         origin = _origin(err.path, docs)
         if origin is None:
             raise
         message = str(err)[len(err.path) + 2:] if err.path else str(err)
         raise ConfigError(err.path, f"{message} (in {origin})") from None
+    # kept (not a field: no effect on equality or export) so errors found later, when the config
+    # meets the model (init_compression), can name the file too
+    object.__setattr__(cfg, "_sources", tuple(docs))
+    return cfg
+
+
+def source_of(cfg: Config, path: str) -> str:
+    """' (in FILE)' for the source `cfg` took the key `path` from, as load_config's own errors
+    name it; '' when there is nothing to name (a single dict, a Config not made by load_config)."""
+    docs = getattr(cfg, "_sources", None)
+    origin = _origin(path, docs) if docs else None
+    return f" (in {origin})" if origin else ""
 
 
 _TOKEN = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
