@@ -477,3 +477,22 @@ def test_export_clears_what_a_killed_export_left(folders, tmp_path):
     batch = tok(["the market and the bank"], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(fresh.eval()(**batch).logits, model(**batch).logits)
+
+
+def test_a_schedule_cut_short_is_said(folders, tmp_path, capsys):
+    """w4a8_progressive (8 -> 4 bits, period 30) trained 2 steps ends at 8 bits: the export is 8-bit
+    while the ptq row is at 4; the run says so (it was silent) and a finished schedule says nothing."""
+    from qcompress.schedule import bits_at
+    progressive = os.path.join(ROOT, "schedules", "w4a8_progressive.yaml")
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "2", *FAST]
+    out = str(tmp_path / "short")
+    assert train([progressive, *common, "--out", out]) == 0
+    rep = json.load(open(os.path.join(out, "report.json")))
+    ended = bits_at(2, start=8, target=4, period=30, offset=0)
+    assert ended == 8 and rep["final_bits"]["weight:w8_to_4"]["bits"] == ended
+    said = [n for n in rep["notes"] if "w8_to_4" in n]
+    assert len(said) == 1 and "8 bits" in said[0] and "target_bits 4" in said[0], rep["notes"]
+    assert "warning: weight group 'w8_to_4'" in capsys.readouterr().out
+    assert train([W8A8, *common, "--out", str(tmp_path / "w8")]) == 0
+    assert not json.load(open(tmp_path / "w8" / "report.json"))["notes"]

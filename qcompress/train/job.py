@@ -321,6 +321,9 @@ class Job:
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
         report_bits = loop.final_bits(engine.module)
+        for line in loop.schedule_shortfalls(engine.module):
+            self.say(f"warning: {line}")
+            o.notes.append(line)
         trained = self.release_ranks(engine, own_group)
         if self.rank != 0:
             return {}

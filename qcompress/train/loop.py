@@ -52,6 +52,26 @@ def final_bits(model: nn.Module) -> Dict[str, dict]:
             for k, v in sorted(out.items())}
 
 
+def schedule_shortfalls(model: nn.Module) -> list:
+    """One line per weight group whose schedule had not reached target_bits (or had not started)
+    when training ended: the export holds what the model has now, not the recipe's target."""
+    now: Dict[str, tuple] = {}
+    for _, m in model.named_modules():
+        wq = getattr(m, "qc_wq", None)
+        if wq is not None and not getattr(wq, "baked", False):
+            now.setdefault(wq.group, (wq.bits if wq.active else None, wq.target_bits, wq.offset))
+    lines = []
+    for group, (bits, target, offset) in sorted(now.items()):
+        if bits is None:
+            lines.append(f"weight group {group!r} was never quantized: its schedule starts at step {offset}, "
+                         "after the last step; it is exported unquantized")
+        elif bits != target:
+            lines.append(f"weight group {group!r} ended training at {bits} bits, not its target_bits {target}: "
+                         "the schedule needs more steps; the qat row and the export are at "
+                         f"{bits} bits (the ptq row is at {target})")
+    return lines
+
+
 @dataclass
 class Phase:
     name: str                    # "qat" or "fp32_finetuned"
