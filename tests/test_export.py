@@ -277,3 +277,30 @@ def test_tied_gpt2_exports_after_redundancy_clean(tmp_path):
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_float32_export_loads_into_a_bfloat16_model(tmp_path, mode):
+    # was a dtype error at the first forward (float32 weights, bfloat16 activations); now the
+    # weights are the exported ones rounded to the model's dtype, as transformers casts a checkpoint
+    def net(dtype=torch.float32):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16, bias=False)).to(dtype)
+    cfg = qcompress.load_config(wq_cfg(4, granularity="group", group_size=32, modules=("0", "2")))
+    model = qcompress.init_compression(net(), cfg).eval()
+    export_quantized(model, tmp_path / "out", cfg)
+    ours = load_quantized(tmp_path / "out", net(torch.bfloat16), mode=mode)
+    # oracle: a plain bfloat16 model holding the float32 reload's weights cast to bfloat16
+    exact32 = load_quantized(tmp_path / "out", net())
+    dense = net(torch.bfloat16)
+    with torch.no_grad():
+        for i in (0, 2):
+            assert torch.equal(ours[i].weight, exact32[i].weight.to(torch.bfloat16)), i
+            dense[i].weight.copy_(exact32[i].weight)
+        x = torch.randn(5, 64).to(torch.bfloat16)
+        y, want = ours(x), dense(x)
+    assert y.dtype == torch.bfloat16
+    if mode == "exact":
+        assert torch.equal(y, want)
+    else:   # the fused kernels sum in another order: within bfloat16 rounding of the result
+        assert torch.allclose(y.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))

@@ -524,3 +524,12 @@ def test_wrong_model_class_names_both_classes(tmp_path):
     with pytest.raises(CheckpointError, match=r"module 'classifier' does not exist in the given model \(the "
                                               r"export is a BertForSequenceClassification, the given model a BertModel\)"):
         load_quantized(tmp_path / "out", transformers.BertModel(bcfg))
+
+
+def test_loading_into_an_already_loaded_model_says_so(tmp_path):
+    # was KeyError: 'weight'
+    m, out = exported(tmp_path)
+    loaded = load_quantized(out, make_net())
+    with pytest.raises(CheckpointError, match=r"module '0' of the given model already holds a loaded export "
+                                              r"\(QuantizedLinear\); pass a fresh model"):
+        load_quantized(out, loaded)

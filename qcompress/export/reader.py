@@ -411,8 +411,16 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
                 hint = f" (the export is a {arch[0]}, the given model a {type(root).__name__})"
             raise CheckpointError(f"{cfg_path}: module {name!r} does not exist in the given model{hint}")
         mod = named[name]
+        if isinstance(mod, QuantizedMixin):
+            raise CheckpointError(f"{cfg_path}: module {name!r} of the given model already holds a loaded "
+                                  f"export ({type(mod).__name__}); pass a fresh model")
         _check_kind(mod, rec["kind"], name, cfg_path)
         if rec.get("weights") is not None:
+            if mod.weight.is_floating_point() and str(mod.weight.dtype) != f"torch.{rec['dtype']}":
+                # a float32 export loaded into a bfloat16 model: its weights are the exported
+                # float weights rounded to the model's dtype (as transformers casts a checkpoint),
+                # not float32 weights that the bf16 activations cannot be multiplied with
+                rec["dtype"] = str(mod.weight.dtype).replace("torch.", "")
             want = list(rec["weight_shape"])
             have = list(mod.weight.shape)
             if rec.get("transposed"):
