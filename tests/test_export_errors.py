@@ -533,3 +533,15 @@ def test_loading_into_an_already_loaded_model_says_so(tmp_path):
     with pytest.raises(CheckpointError, match=r"module '0' of the given model already holds a loaded export "
                                               r"\(QuantizedLinear\); pass a fresh model"):
         load_quantized(out, loaded)
+
+
+def test_a_file_given_for_the_export_folder(tmp_path, capsys):
+    # `qcompress inspect out/model.safetensors` was a NotADirectoryError traceback
+    from qcompress import cli
+    m, out = exported(tmp_path)
+    target = str(out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a folder; an export is the folder"):
+        load_quantized(target, make_net())
+    assert cli.main(["inspect", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qcompress inspect: error: ") and "not a folder" in err

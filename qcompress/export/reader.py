@@ -325,6 +325,9 @@ def _check_against_quant_config(qc: dict, modules: dict, cfg_path: str):
 
 
 def read_config(folder: str):
+    if os.path.exists(folder) and not os.path.isdir(folder):   # e.g. the path of model.safetensors
+        raise CheckpointError(f"{folder}: not a folder; an export is the folder that holds config.json "
+                              "and the safetensors files")
     cfg_path = os.path.join(folder, "config.json")
     try:
         with open(cfg_path, encoding="utf-8") as f:
