@@ -496,3 +496,34 @@ def test_a_schedule_cut_short_is_said(folders, tmp_path, capsys):
     assert "warning: weight group 'w8_to_4'" in capsys.readouterr().out
     assert train([W8A8, *common, "--out", str(tmp_path / "w8")]) == 0
     assert not json.load(open(tmp_path / "w8" / "report.json"))["notes"]
+
+
+def test_max_length_beyond_the_position_table_is_refused(folders, tmp_path, capsys):
+    """position_limit is the longest input each model runs (one more token fails in its forward:
+    the oracle), and --max-length past it is one line, exit 2, before --out is made (it was an
+    IndexError traceback in the fp32 stage)."""
+    import transformers
+    from qcompress.train.models import position_limit
+    models = [transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=16,
+                                                             max_position_embeddings=40)),
+              transformers.GPT2Model(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                                             n_positions=40)),
+              # RoBERTa's positions start after padding_idx: 40 rows hold 38 tokens
+              transformers.RobertaModel(transformers.RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                                   num_attention_heads=2, intermediate_size=16,
+                                                                   max_position_embeddings=40, pad_token_id=1))]
+    for model in models:
+        limit = position_limit(model.eval())
+        with torch.no_grad():
+            model(input_ids=torch.full((1, limit), 5))
+            with pytest.raises((IndexError, RuntimeError)):
+                model(input_ids=torch.full((1, limit + 1), 5))
+    assert [position_limit(m) for m in models] == [40, 40, 38]
+    data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 4)
+    out = str(tmp_path / "out")
+    assert train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--out", out,
+                  "--max-steps", "1", *FAST[2:], "--max-length", "129"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-length 129" in err and "(128)" in err and "\n" not in err, err
+    assert not os.path.exists(out)

@@ -27,7 +27,7 @@ from . import loop
 from .data import DataError, prepare_data
 from .errors import JobError
 from .evaluate import evaluate, max_logit_difference, max_weight_difference, metric_name
-from .models import describe, fp32_bytes, fresh_model, load_model, load_tokenizer
+from .models import check_max_length, describe, fp32_bytes, fresh_model, load_model, load_tokenizer
 from .report import MetricsLog, atomic_write, plot_bits, plot_loss, read_metrics, stage_table, write_report
 from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
 
@@ -295,6 +295,7 @@ class Job:
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
         model = load_model(o.model, o.task, data.labels, o.seed)
+        check_max_length(model, o.model, o.max_length)     # else an IndexError in the first forward
         check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)))
         self.data_digest = data_digest(data)
         if o.baseline_from:

@@ -111,6 +111,26 @@ def fresh_model(model: nn.Module, task: str) -> nn.Module:
     return auto_class(task).from_config(model.config, dtype=torch.float32)
 
 
+def position_limit(model: nn.Module) -> Optional[int]:
+    """Tokens the model can take: the rows of its learned position table (`*position*` / GPT-2's
+    `wpe`), less RoBERTa-style offsets (positions start after padding_idx); None without such a
+    table (rotary / relative positions have no hard limit)."""
+    limit = None
+    for name, m in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(m, nn.Embedding) and ("position" in last or last == "wpe"):
+            n = m.num_embeddings - (m.padding_idx + 1 if m.padding_idx is not None else 0)
+            limit = n if limit is None else min(limit, n)
+    return limit
+
+
+def check_max_length(model: nn.Module, folder: str, max_length: int) -> None:
+    limit = position_limit(model)
+    if limit is not None and max_length > limit:
+        raise JobError(f"--max-length {max_length} is more tokens than --model {folder} has positions for "
+                       f"({limit}); use --max-length {limit} or less")
+
+
 def fp32_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights and buffers stored as float32 (integers as they are)."""
     total = 0
