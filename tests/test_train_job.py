@@ -527,3 +527,23 @@ def test_max_length_beyond_the_position_table_is_refused(folders, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert "--max-length 129" in err and "(128)" in err and "\n" not in err, err
     assert not os.path.exists(out)
+
+
+def test_report_json_is_written_last(folders, tmp_path, monkeypatch):
+    """A run that dies while drawing its plots has no report.json (it was written first, so the
+    folder looked finished without plots); --resume then finishes it."""
+    from qcompress.train import job
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--out", str(tmp_path / "out"), "--max-steps", "1", *FAST]
+    real = job.plot_bits
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(job, "plot_bits", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train(args)
+    assert not os.path.exists(tmp_path / "out" / "report.json")
+    monkeypatch.setattr(job, "plot_bits", real)
+    assert train([*args, "--resume"]) == 0
+    check_outputs(str(tmp_path / "out"), "text-classification", 1)

@@ -566,7 +566,6 @@ class Job:
 
     def finish(self, report: dict) -> None:
         o = self.opts
-        write_report(o.out, report)
         plots = []
         runs = {"compressed": read_metrics(os.path.join(o.out, "metrics.csv"))}
         if os.path.isfile(os.path.join(o.out, "metrics_fp32.csv")):
@@ -575,6 +574,7 @@ class Job:
             plots.append("plots/loss.png")
         if plot_bits(os.path.join(o.out, "plots", "bits.png"), runs["compressed"]):
             plots.append("plots/bits.png")
+        write_report(o.out, report)     # last: a folder with report.json holds a finished run
         self.say("")
         self.say(stage_table(report))
         sz = report["sizes"]

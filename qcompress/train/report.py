@@ -82,8 +82,9 @@ STAGE_TEXT = {
 
 
 def write_report(out_dir: str, report: dict) -> None:
-    atomic_write(os.path.join(out_dir, "report.json"), json.dumps(report, indent=2, sort_keys=False) + "\n")
+    # report.json last: its presence is what marks a finished run
     atomic_write(os.path.join(out_dir, "report.md"), report_markdown(report))
+    atomic_write(os.path.join(out_dir, "report.json"), json.dumps(report, indent=2, sort_keys=False) + "\n")
 
 
 def _fmt(v, digits=4) -> str:
