@@ -107,6 +107,22 @@ def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> L
     return [n for n in pool if any(re.search(p, n) for p in group.modules)]
 
 
+_KIND_NAMES = {"linear": "Linear", "conv": "Conv", "embedding": "Embedding", "hf_conv1d": "transformers Conv1D"}
+
+
+def _other_kinds(names: List[Tuple[str, str]], group: Group, technique: str) -> str:
+    """Why a group matched nothing when its regexes do select modules: of kinds the technique
+    does not act on (an Embedding named for activation quantization)."""
+    if group.modules is None:
+        return ""
+    hits = [(n, k) for n, k in names if k not in SUPPORTS[technique] and any(re.search(p, n) for p in group.modules)]
+    if not hits:
+        return ""
+    kinds = ", ".join(_KIND_NAMES[k] for k in SUPPORTS[technique])
+    shown = ", ".join(f"{n!r} ({_KIND_NAMES.get(k, k)})" for n, k in hits[:5])
+    return f"; it selects {shown}{' ...' if len(hits) > 5 else ''}, but {technique} acts on {kinds} only"
+
+
 def _check_attention_patterns(group: Group, matched: List[str], internals: List[str], path: str):
     """A regex that selects only MHA projections asks for what cannot be done: refuse. A broader
     regex just skips them (reported)."""
@@ -158,7 +174,8 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
                 claimed[n] = group.name
             if not matched:
                 msg = (f"{path}: group {group.name!r} matches no compressible module "
-                       f"(patterns {list(group.modules) if group.modules else 'all'}){source_of(cfg, path)}")
+                       f"(patterns {'all' if group.modules is None else list(group.modules)})"
+                       f"{_other_kinds(names, group, tech)}{source_of(cfg, path)}")
                 warnings.warn(msg, stacklevel=3)
                 log.warning(msg)
             result[tech][group.name] = matched

@@ -322,3 +322,19 @@ def test_errors_found_at_rewrite_time_name_the_file_the_key_came_from(tmp_path):
     with pytest.raises(ConfigError) as info:
         init_compression(gpt2(), _moq({"quantize_groups": 7}))
     assert "(in " not in str(info.value)
+
+
+def test_group_matching_nothing_says_why():
+    def act(modules):
+        return {"compression_training": {"activation_quantization": {
+            "shared_parameters": {"enabled": True},
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": modules}}}}}
+    # an empty list selects nothing; it is not 'all' (the warning said "patterns all")
+    model = gpt2()
+    with pytest.warns(UserWarning, match=r"group 'a' matches no compressible module \(patterns \[\]\)$"):
+        init_compression(model, act([]))
+    assert qc.summary(model).count("\n") == 1     # header and rule only: nothing was rewritten
+    # the regex selects the embeddings, which activation quantization does not act on
+    with pytest.warns(UserWarning, match=r"\(patterns \['wte'\]\); it selects 'transformer.wte' \(Embedding\), "
+                                         r"but activation_quantization acts on Linear, Conv, transformers Conv1D only"):
+        init_compression(gpt2(), act(["wte"]))
