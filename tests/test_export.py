@@ -304,3 +304,34 @@ def test_float32_export_loads_into_a_bfloat16_model(tmp_path, mode):
         assert torch.equal(y, want)
     else:   # the fused kernels sum in another order: within bfloat16 rounding of the result
         assert torch.allclose(y.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_loaded_model_cast_with_to_keeps_its_scales(tmp_path, mode):
+    # loaded.to(bfloat16) cast the float32 scales (changing the weights) and left the dequantized
+    # weight float32: the first forward failed. Now the scales stay as exported and the weights
+    # follow the model's dtype, as a load into a bfloat16 model gives them.
+    def net(dtype=torch.float32):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16)).to(dtype)
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["0", "2"]}}}}}
+    doc["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+    cfg = qcompress.load_config(doc)
+    model = qcompress.init_compression(net(), cfg)
+    model.train()
+    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))   # calibrates the ranges
+    qcompress.CompressionScheduler(model, cfg).step()
+    export_quantized(model.eval(), tmp_path / "out", cfg)
+    cast = load_quantized(tmp_path / "out", net(), mode=mode).to(torch.bfloat16)
+    want = load_quantized(tmp_path / "out", net(torch.bfloat16), mode=mode)   # oracle: loaded as bf16
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(cast(x), want(x))
+    sd = cast.state_dict()
+    for k, t in load_file(tmp_path / "out" / "model.safetensors").items():
+        if not k.endswith("bias"):
+            assert sd[k].dtype == t.dtype and torch.equal(sd[k], t), k

@@ -61,6 +61,23 @@ class QuantizedMixin:
             return self._parameters["weight"]
         return dequantize_record(rec, self._buffers)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) / .half(): the scales (this module's float buffers) keep their dtype,
+        # since casting them would change the exported weights; the dequantized weight follows the
+        # model's new dtype instead, as when the export is loaded into a model of that dtype
+        floats = {k: b for k, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        out = super()._apply(fn, recurse)
+        for k, old in floats.items():
+            new = self._buffers.get(k)
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        if self.qx_rec.get("weights") is not None:
+            probe = fn(torch.empty(0, dtype=self.qx_dtype))
+            if probe.is_floating_point() and probe.dtype != self.qx_dtype:
+                self.qx_dtype = probe.dtype
+                self.qx_rec = dict(self.qx_rec, dtype=str(probe.dtype).replace("torch.", ""))
+        return out
+
     def _qx_input(self, x):
         act = self.qx_rec.get("input_activations")
         if act is None or not torch.is_floating_point(x):
