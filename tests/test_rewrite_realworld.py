@@ -338,3 +338,19 @@ def test_group_matching_nothing_says_why():
     with pytest.warns(UserWarning, match=r"\(patterns \['wte'\]\); it selects 'transformer.wte' \(Embedding\), "
                                          r"but activation_quantization acts on Linear, Conv, transformers Conv1D only"):
         init_compression(gpt2(), act(["wte"]))
+
+
+def test_compressed_layers_keep_their_forward_argument_names():
+    """`linear(input=x)` works on a torch Linear; the rewrite renamed the argument to x."""
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"lin": nn.Linear(4, 4), "conv": nn.Conv1d(4, 4, 1), "emb": nn.Embedding(5, 4),
+                           "c1d": Conv1D(4, 4)})
+    model = copy.deepcopy(plain)
+    init_compression(model, wa_cfg(8))
+    calls = {"lin": ("input", torch.randn(2, 4)), "conv": ("input", torch.randn(2, 4, 3)),
+             "emb": ("input", torch.tensor([1, 2])), "c1d": ("x", torch.randn(2, 4))}
+    for name, (kw, x) in calls.items():
+        assert isinstance(model[name], qc.nn.CompressMixin), name
+        assert torch.equal(model[name](**{kw: x}), model[name](x)), name
+        plain[name](**{kw: x})                       # the same keyword the library class takes

@@ -259,39 +259,41 @@ def _warn_uncalibrated(name):
                       "calibrated it; falling back to this batch's own range", stacklevel=4)
 
 
+# The fast forwards keep the library classes' argument names (`input`; transformers' Conv1D `x`),
+# so a call by keyword (`linear(input=x)`) works as it did before the rewrite.
 class _LinearForward(CompressMixin):
     qc_kind = "linear"
 
-    def forward(self, x):
-        plan = fused.plan(self, x, "linear")
+    def forward(self, input):
+        plan = fused.plan(self, input, "linear")
         if plan is not None:
-            return fused.run(plan, x)
-        return F.linear(self.quantize_input(x), self.effective_weight(), self.effective_bias())
+            return fused.run(plan, input)
+        return F.linear(self.quantize_input(input), self.effective_weight(), self.effective_bias())
 
 
 class _ConvForward(CompressMixin):
     qc_kind = "conv"
 
-    def forward(self, x):
-        plan = fused.plan(self, x, "conv")
+    def forward(self, input):
+        plan = fused.plan(self, input, "conv")
         if plan is not None:
-            return fused.run(plan, x)
-        return self._conv_forward(self.quantize_input(x), self.effective_weight(), self.effective_bias())
+            return fused.run(plan, input)
+        return self._conv_forward(self.quantize_input(input), self.effective_weight(), self.effective_bias())
 
 
 class _EmbeddingForward(CompressMixin):
     qc_kind = "embedding"
 
-    def forward(self, x):
-        return F.embedding(x, self.effective_weight(), self.padding_idx, self.max_norm,
+    def forward(self, input):
+        return F.embedding(input, self.effective_weight(), self.padding_idx, self.max_norm,
                            self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
 class _BatchNormForward(CompressMixin):
     qc_kind = "batchnorm"   # passive side of channel pruning only
 
-    def forward(self, x):
-        return super().forward(x)
+    def forward(self, input):
+        return super().forward(input)
 
 
 class _HFConv1DForward(CompressMixin):
