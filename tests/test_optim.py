@@ -440,6 +440,16 @@ def test_scale_per_tensor_from_config_and_recorded_in_the_checkpoint_layout():
      "true or false"),
     ({"type": "OneBitLamb", "params": {"scale_per_tensor": True}}, "optimizer.params.scale_per_tensor",
      "unknown parameter"),
+    # torch.optim's own checks: an IndexError, a message without the key, or nothing at all
+    ({"type": "Adam", "params": {"betas": [0.9]}}, "optimizer.params.betas", "two numbers"),
+    ({"type": "AdamW", "params": {"lr": "1e-3"}}, "optimizer.params.lr", "finite number"),
+    ({"type": "Adam", "params": {"lr": True}}, "optimizer.params.lr", "finite number"),
+    ({"type": "Adam", "params": {"lr": -1.0}}, "optimizer.params.lr", "Invalid learning rate"),
+    ({"type": "Adam", "params": {"amsgrad": "yes"}}, "optimizer.params.amsgrad", "true or false"),
+    ({"type": "SGD", "params": {"momentum": None}}, "optimizer.params.momentum", "finite number"),
+    # a compressor name is first used at freeze_step: checked when the optimizer is built
+    ({"type": "OneBitAdam", "params": {"compressor": "onebt"}}, "optimizer.params.compressor",
+     "unknown compressor 'onebt'; known: int8, onebit"),
 ])
 def test_build_optimizer_errors(cfg, path, text):
     with pytest.raises(ConfigError) as info:

@@ -35,6 +35,12 @@ def check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size,
         raise ValueError("amsgrad is not supported by the 1-bit optimizers (nor by DeepSpeed's)")
     if not (isinstance(compressor, str) and compressor) and not hasattr(compressor, "compress"):
         raise ValueError(f"compressor must be a compressor name such as 'onebit' or 'int8', got {compressor!r}")
+    if isinstance(compressor, str):
+        # checked now: it is first used at freeze_step, possibly hours into the run
+        from ..comm.compressors import available_compressors
+        if compressor.lower() not in available_compressors():
+            raise ValueError(f"unknown compressor {compressor!r}; known: "
+                             f"{', '.join(available_compressors())} (qcompress.comm.register_compressor adds one)")
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
     if isinstance(comm_hierarchy, str) or comm_hierarchy is None:

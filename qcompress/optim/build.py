@@ -7,6 +7,7 @@ AdamW (decoupled weight decay) unless params say "adam_w_mode": false, which giv
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Mapping
 
 import torch
@@ -69,6 +70,32 @@ def _check_keys(params: dict, allowed, kind):
                               f"{did_you_mean(key, allowed)}; allowed: {', '.join(sorted(allowed))}")
 
 
+_NUMBERS = ("lr", "eps", "weight_decay", "momentum", "dampening")
+_FLAGS = ("amsgrad", "nesterov")
+
+
+def _check_torch_params(params: dict) -> None:
+    """Types of torch.optim's arguments, checked here: torch compares them without looking (a string
+    lr fails with "'<=' not supported", a one-value betas with an IndexError, amsgrad "yes" passes)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    for key in _NUMBERS:
+        if key in params and not number(params[key]):
+            raise ConfigError(f"{_PATH}.{key}", f"expected a finite number, got {params[key]!r}")
+    for key in _FLAGS:
+        if key in params and not isinstance(params[key], bool):
+            raise ConfigError(f"{_PATH}.{key}", f"expected true or false, got {params[key]!r}")
+    if "betas" in params:
+        b = params["betas"]
+        if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(number(x) for x in b)):
+            raise ConfigError(f"{_PATH}.betas", f"expected two numbers [beta1, beta2], got {b!r}")
+
+
+# torch's messages name the argument in words; map them back to the key
+_TORCH_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "momentum": "momentum",
+                "weight_decay": "weight_decay", "dampening": "dampening", "nesterov": "nesterov"}
+
+
 def _construct(cls, model_params, params, **extra):
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
@@ -78,7 +105,8 @@ def _construct(cls, model_params, params, **extra):
         msg = str(e)
         low = msg.lower()
         key = next((k for k in params if msg.startswith(k) or f"'{k}'" in msg), None) or \
-            next((k for k in params if k.rstrip("s") in low), None)
+            next((k for k in params if k.rstrip("s") in low), None) or \
+            next((k for w, k in _TORCH_WORDS.items() if w in low and k in params), None)
         raise ConfigError(f"{_PATH}.{key}" if key else _PATH, msg) from None
 
 
@@ -111,6 +139,7 @@ def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool
         if not p.pop("bias_correction", True):
             raise ConfigError(f"{_PATH}.bias_correction", "false is not supported for Adam/AdamW "
                               "(torch.optim.Adam always corrects); remove it or use true")
+        _check_torch_params(p)
         cls = torch.optim.AdamW if (name == "adamw" or w_mode) else torch.optim.Adam
         p.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch.optim.AdamW's own is 0.01
         return _construct(cls, params, p)
@@ -120,6 +149,7 @@ def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool
     if name == "sgd":
         _check_keys(p, ["lr", "momentum", "dampening", "weight_decay", "nesterov"], kind)
         p.setdefault("lr", 1e-3)
+        _check_torch_params(p)
         return _construct(torch.optim.SGD, params, p)
     raise ConfigError("optimizer.type", f"{kind!r} is not a known optimizer; choose one of {_NAMES}"
                       f"{did_you_mean(name, ['adam', 'adamw', 'lamb', 'sgd', *_ONEBIT])}")
