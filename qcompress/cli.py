@@ -199,13 +199,13 @@ def cmd_train(rest: List[str]) -> int:
                        code=1) from None
     p = build_parser(argparse.ArgumentParser(prog="qcompress train"))
     ns = p.parse_args(rest)
-    if ns.threads:
-        import torch
-        torch.set_num_threads(ns.threads)
     try:
         opts = options_from(ns)
     except ValueError as err:
         raise CLIError(str(err)) from None
+    if ns.threads:
+        import torch
+        torch.set_num_threads(ns.threads)
     try:
         run_job(opts)
     except JobError as err:

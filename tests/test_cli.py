@@ -181,3 +181,19 @@ def test_bench_runs_the_script_with_arguments(monkeypatch, tmp_path, capsys):
     assert cli.main(["bench", "--quick"]) == 0
     assert "bench args ['--quick']" in capsys.readouterr().out
     assert cli.main(["bench", "--fail"]) == 3
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "-1"), ("--lr", "nan"), ("--epochs", "inf"),
+                                         ("--threads", "-2"), ("--threads", "0")])
+def test_train_bad_numbers_exit_2_before_anything(tmp_path, capsys, flag, value):
+    """Options torch would refuse only later (AdamW's lr, after the FP32 stages; set_num_threads) or
+    never (--epochs inf overflowed the step count) are one line and exit status 2 up front."""
+    import torch
+    threads = torch.get_num_threads()
+    assert cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", str(tmp_path),
+                     "--data", str(tmp_path), "--task", "text-classification", "--out", str(tmp_path / "out"),
+                     "--no-progress", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+    assert torch.get_num_threads() == threads

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Optional
 
 from .job import JobOptions
@@ -70,6 +71,13 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
 
 
 def options_from(ns: argparse.Namespace) -> JobOptions:
+    # checked here, before anything runs: AdamW refused them only after the FP32 stages, with a traceback
+    if not (math.isfinite(ns.lr) and ns.lr >= 0):
+        raise ValueError(f"--lr must be a finite number >= 0, got {ns.lr}")
+    if not (math.isfinite(ns.epochs) and ns.epochs > 0):
+        raise ValueError(f"--epochs must be a finite number > 0, got {ns.epochs}")
+    if ns.threads is not None and ns.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {ns.threads}")
     for name in ("max_length", "batch_size", "eval_batch_size"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
