@@ -354,3 +354,35 @@ def test_compressed_layers_keep_their_forward_argument_names():
         assert isinstance(model[name], qc.nn.CompressMixin), name
         assert torch.equal(model[name](**{kw: x}), model[name](x)), name
         plain[name](**{kw: x})                       # the same keyword the library class takes
+
+
+def test_modules_hooked_by_accelerate_are_compressed():
+    """accelerate's hooks (device_map / offloading) replace `module.forward` on the instance with a
+    wrapper calling the forward bound before the rewrite: every Linear ran in float, silently."""
+    hooks = pytest.importorskip("accelerate.hooks", reason="accelerate is not installed")
+    model = llama()
+    hooks.attach_align_device_hook(model, execution_device=torch.device("cpu"))
+    assert "_old_forward" in model.model.layers[0].mlp.up_proj.__dict__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # accelerate's own convention: nothing to report
+        init_compression(model, wa_cfg(4, 32))
+    recs, handles = record_linears(model)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 7)))
+    assert len(recs) == 15
+    for name, (x, out) in recs.items():
+        mod = dict(model.named_modules())[name]
+        ref = oracle_linear(x, mod.weight.detach(), None if mod.bias is None else mod.bias.detach(), 4, 32, 8)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=name)
+    hooks.remove_hook_from_submodules(model)    # the forward left behind is still the compressed one
+    up = model.model.layers[0].mlp.up_proj
+    x = torch.randn(1, 3, 64)
+    torch.testing.assert_close(up(x), oracle_linear(x, up.weight.detach(), None, 4, 32, 8), rtol=1e-5, atol=1e-6)
+
+
+def test_other_instance_forwards_are_reported():
+    model = nn.Sequential(nn.Linear(8, 8))
+    old = model[0].forward
+    model[0].forward = lambda x: old(x)
+    with pytest.warns(UserWarning, match=r"^0: its forward was replaced on the instance"):
+        init_compression(model, wa_cfg(4))

@@ -18,6 +18,7 @@ Two forwards:
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 from typing import Dict, Optional, Type
 
@@ -463,9 +464,32 @@ def make_compress_aware(module: nn.Module, name: str) -> nn.Module:
     reason = unsupported_reason(module)
     if reason:
         raise TypeError(f"{name}: {type(module).__name__} cannot be compressed: {reason}")
-    module.__class__ = compress_class(type(module), kind)
+    base = type(module)
+    module.__class__ = compress_class(base, kind)
     module._qc_setup(name)
+    _rebind_saved_forward(module, base, type(module), name)
     return module
+
+
+def _rebind_saved_forward(module: nn.Module, old_cls: type, new_cls: type, name: Optional[str]) -> None:
+    """A forward set on the instance outlives the class swap and would run the old class's forward
+    (no compression). accelerate's hooks (device_map, offloading) keep that forward bound in
+    `_old_forward` and call it from the instance's `forward`: re-bind it to the new class. Any
+    other instance forward is reported (warned once per module), as it may bypass compression."""
+    d = module.__dict__
+    if "forward" not in d and "_old_forward" not in d:
+        return
+    saved = d.get("_old_forward")
+    if (isinstance(saved, types.MethodType) and saved.__self__ is module
+            and saved.__func__ is getattr(old_cls, "forward")):
+        d["_old_forward"] = types.MethodType(new_cls.forward, module)
+        return
+    if name is not None:
+        warnings.warn(f"{name}: its forward was replaced on the instance (module.forward = ...); that "
+                      "function runs instead of the compress-aware forward, so this module's outputs "
+                      "are not compressed unless it calls type(module).forward. Set such hooks after "
+                      "init_compression, or use register_forward_hook / register_forward_pre_hook",
+                      stacklevel=4)
 
 
 def restore_class(module: nn.Module) -> nn.Module:
@@ -474,5 +498,7 @@ def restore_class(module: nn.Module) -> nn.Module:
         base = base_class(type(module))
         for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning", "_qc_weight_read"):
             module.__dict__.pop(attr, None)
+        cls = type(module)
         module.__class__ = base
+        _rebind_saved_forward(module, cls, base, None)
     return module
