@@ -212,6 +212,29 @@ def test_initialize_rejects_impossible_configs():
         initialize(model, cfg)
 
 
+@pytest.mark.parametrize("sched, path", [
+    ({"type": "WarmupLR", "params": {"warmup_min_lr": -1.0}}, "warmup_min_lr"),   # trained with lr < 0
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": "3e-4"}}, "warmup_max_lr"),  # a bare ValueError
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}}, "warmup_num_steps"),
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 10.7, "warmup_num_steps": 2}}, "total_num_steps"),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "cos_min_ratio": "x"}}, "cos_min_ratio"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": [-0.1], "cycle_max_lr": 1.0}}, "cycle_min_lr"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "decay_step_size": -1}},
+     "decay_step_size"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_momentum": "no"}},
+     "cycle_momentum"),
+])
+def test_scheduler_values_are_checked_by_key(sched, path):
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": sched}
+    with pytest.raises(qc.ConfigError) as err:
+        initialize(torch.nn.Linear(3, 2), cfg)
+    assert err.value.path == f"scheduler.params.{path}"
+    # the accepted forms of the same keys still build
+    ok = {"type": "OneCycle", "params": {"cycle_min_lr": [0.1], "cycle_max_lr": 1, "cycle_first_step_size": 4.0,
+                                         "cycle_second_step_size": None, "cycle_momentum": False}}
+    assert initialize(torch.nn.Linear(3, 2), dict(cfg, scheduler=ok)).get_lr() == [0.1]
+
+
 def test_single_process_fp16_bf16_train():
     for prec in ("bf16", "fp16"):
         cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1, **{prec: {"enabled": True}})

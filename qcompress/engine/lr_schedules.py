@@ -35,6 +35,40 @@ def _check_params(name: str, params: Dict[str, Any], allowed) -> None:
                           f"unknown parameter for {name}; allowed: {', '.join(sorted(allowed))}")
 
 
+# Value checks by parameter name (one meaning per name across the four schedules).
+_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")      # number or one per group
+_STEPS = ("warmup_num_steps", "total_num_steps", "cycle_first_step_size", "cycle_second_step_size",
+          "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size")
+_NON_NEGATIVE = ("warmup_min_ratio", "cos_min_ratio", "decay_lr_rate", "decay_mom_rate", "cycle_min_mom",
+                 "cycle_max_mom")
+
+
+def _check_values(params: Dict[str, Any]) -> None:
+    """Types and signs, named by key: float('abc') raised a bare ValueError, and a negative
+    warmup_min_lr trained with negative learning rates (gradient ascent) without a word."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    for key, v in params.items():
+        path = f"scheduler.params.{key}"
+        if key in _RATES:
+            values = v if isinstance(v, (list, tuple)) else [v]
+            if not values or not all(number(x) and x >= 0 for x in values):
+                raise ConfigError(path, f"expected a learning rate >= 0 (or one per parameter group), got {v!r}")
+        elif key in _STEPS:
+            if v is None and key in ("cycle_second_step_size", "cycle_second_stair_count"):
+                continue                       # None: same as the first
+            if not (number(v) and float(v).is_integer() and v >= 0):
+                raise ConfigError(path, f"expected a whole number of steps >= 0, got {v!r}")
+        elif key in _NON_NEGATIVE:
+            if not (number(v) and v >= 0):
+                raise ConfigError(path, f"expected a number >= 0, got {v!r}")
+        elif key == "last_batch_iteration":
+            if not (number(v) and float(v).is_integer()):
+                raise ConfigError(path, f"expected a whole number, got {v!r}")
+        elif key == "cycle_momentum" and not isinstance(v, bool):
+            raise ConfigError(path, f"expected true or false, got {v!r}")
+
+
 class _Schedule:
     """Base: holds the iteration counter and writes rates into the optimizer's param groups."""
 
@@ -237,6 +271,7 @@ def build_lr_scheduler(optimizer, sched_cfg):
     cls = SCHEDULES[sched_cfg.type.lower()]
     params = dict(sched_cfg.params)
     _check_params(sched_cfg.type, params, cls.PARAMS)
+    _check_values(params)
     try:
         return cls(optimizer, **params)
     except TypeError as err:  # a required parameter is missing
