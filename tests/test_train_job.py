@@ -547,3 +547,34 @@ def test_report_json_is_written_last(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(job, "plot_bits", real)
     assert train([*args, "--resume"]) == 0
     check_outputs(str(tmp_path / "out"), "text-classification", 1)
+
+
+def test_gpt2_without_pad_token_classifies_padded_batches(folders, tmp_path, capsys):
+    """A GPT-2 checkpoint with no pad_token_id (as most are) as a text classifier: the job pads with
+    eos and now records that id in the config, so each text's logits in a padded batch are those of
+    the text alone (transformers refused batches > 1 with a traceback in the fp32 stage)."""
+    import transformers
+    from qcompress.train.data import collate
+    from qcompress.train.models import load_model, load_tokenizer
+    folder = str(tmp_path / "gpt2")
+    tok = hf.write_tokenizer(folder)
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                  bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    cfg_json = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg_json.get("pad_token_id") is None
+    tok = load_tokenizer(folder)
+    model = load_model(folder, "text-classification", ["a", "b", "c"], 0, tok.pad_token_id).eval()
+    texts = ["the game", "the market and the bank were up", "phone"]
+    items = [{k: torch.tensor(v) for k, v in tok(t).items()} for t in texts]
+    batch = collate(items, tok.pad_token_id)
+    with torch.no_grad():
+        together = model(**batch).logits
+        alone = torch.cat([model(**{k: v[None] for k, v in it.items()}).logits for it in items])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    assert train([W8A8, "--model", folder, "--data", data, "--task", "text-classification", "--out", out,
+                  "--max-steps", "1", *FAST]) == 0
+    assert json.load(open(os.path.join(out, "export", "config.json")))["pad_token_id"] == tok.pad_token_id

@@ -294,7 +294,7 @@ class Job:
         self.say(f"data: {data.summary}")
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
-        model = load_model(o.model, o.task, data.labels, o.seed)
+        model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id)
         check_max_length(model, o.model, o.max_length)     # else an IndexError in the first forward
         check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)))
         self.data_digest = data_digest(data)
@@ -462,7 +462,8 @@ class Job:
                    "`teacher: baseline` with --baseline, or a fine-tuned model folder")
             self.say(f"warning: {msg}")
             o.notes.append(msg)
-        return load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed))
+        return load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed,
+                                                                       self.tok.pad_token_id))
 
     def compressed_run(self, model, doc):
         import qcompress

@@ -49,9 +49,11 @@ def load_tokenizer(folder: str):
     return tok
 
 
-def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed: int = 0) -> nn.Module:
+def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed: int = 0,
+               pad_token_id: Optional[int] = None) -> nn.Module:
     """The pretrained model with the task's head; a classification head with one class per label
-    (a fresh head, seeded, unless the checkpoint's head already has that many classes)."""
+    (a fresh head, seeded, unless the checkpoint's head already has that many classes).
+    `pad_token_id`: the id batches are padded with, recorded in a config that has none."""
     check_model_folder(folder)
     cls = auto_class(task)
     kwargs, ckpt_labels = {}, None
@@ -75,6 +77,10 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
         # from_pretrained keeps the head's rows in the checkpoint's class order while our id2label
         # is sorted: without this, a fine-tuned head would answer "tech" under the name "business"
         _reorder_head(model, folder, [ckpt_labels.index(name) for name in labels])
+    if getattr(model.config, "pad_token_id", None) is None and pad_token_id is not None:
+        # decoder classifiers (GPT2ForSequenceClassification, ...) find each text's last token by
+        # the config's pad id and refuse batches without one; GPT-2 checkpoints have none
+        model.config.pad_token_id = pad_token_id
     if task == "causal-lm" and getattr(model.config, "is_decoder", True) is False:
         model.config.is_decoder = True      # BERT-style configs used as a causal LM
     return model
