@@ -366,3 +366,32 @@ def test_exported_files_honour_the_umask(tmp_path, models, umask):
             assert os.stat(tmp_path / f"plain{sharded}").st_mode & 0o777 == 0o666 & ~umask
     finally:
         os.umask(old)
+
+
+def test_full_disk_keeps_the_old_export(tmp_path):
+    # a write that runs out of space (here: RLIMIT_FSIZE, EFBIG) was safetensors' own error
+    # without the file; it is an OSError naming the file, the old export untouched, no temporaries
+    out = tmp_path / "out"
+    export_quantized(compressed(0), out)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    child = textwrap.dedent(f"""
+        import resource, signal, sys, torch.nn as nn, torch
+        sys.path.insert(0, {ROOT!r})
+        import qcompress
+        from qcompress.export import export_quantized
+        cfg = qcompress.load_config({CFG!r})
+        torch.manual_seed(1)
+        big = nn.Sequential(nn.Linear(128, 4096), nn.ReLU(), nn.Linear(4096, 32), nn.ReLU(), nn.Linear(32, 8))
+        big = qcompress.init_compression(big, cfg).eval()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+        try:
+            export_quantized(big, {str(out)!r}, cfg, force=True)
+        except OSError as e:
+            print("OSError:", e)
+    """)
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert "OSError:" in run.stdout and "cannot write the export file" in run.stdout, run.stdout + run.stderr
+    assert str(out) in run.stdout
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    load_quantized(out, make_net())

@@ -91,7 +91,10 @@ def write_safetensors_new(path: str, tensors: Dict[str, torch.Tensor], metadata:
     fd = atomic.create_exclusive(path)        # the mode a plain write gets (umask, default ACL)
     mode = os.fstat(fd).st_mode & 0o7777
     os.close(fd)
-    save_file(tensors, path, metadata=meta)
+    try:
+        save_file(tensors, path, metadata=meta)
+    except Exception as e:              # a full disk comes back as safetensors' own error type
+        raise OSError(f"{path}: cannot write the export file ({e})") from None
     os.chmod(path, mode)                      # safetensors replaces the file with a 0600 one
     atomic.fsync_file(path)
     return header_digest(path)
