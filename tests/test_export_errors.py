@@ -545,3 +545,38 @@ def test_a_file_given_for_the_export_folder(tmp_path, capsys):
     assert cli.main(["inspect", target]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qcompress inspect: error: ") and "not a folder" in err
+
+
+@pytest.mark.parametrize("kind,flag", [("hf_conv1d", False), ("linear", True)])
+def test_manifest_transposed_flag_must_fit_the_kind(tmp_path, kind, flag):
+    # a square Conv1D (GPT-2's attn.c_proj) passes every shape check: with the flag cleared it
+    # loaded the transposed weight without a word
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1,
+                                                                     n_head=2, n_positions=16))
+    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8},
+                                   "modules": ["attn.c_proj", "mlp.c_fc"]}}}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = qcompress.init_compression(build(), cfg).eval()
+        export_quantized(model, tmp_path / "out", cfg)
+    loaded = load_quantized(tmp_path / "out", build())
+    assert torch.equal(loaded.transformer.h[0].attn.c_proj.weight,
+                       model.transformer.h[0].attn.c_proj.effective_weight())
+    name = "transformer.h.0.attn.c_proj"
+
+    def edit(c):
+        rec = c["qcompress"]["modules"][name]
+        rec["transposed"] = flag
+        if kind == "linear":
+            rec["kind"] = "linear"
+    _edit_config(tmp_path / "out", edit)
+    with pytest.raises(CheckpointError, match=rf"module '{re.escape(name)}': transposed={flag} does not fit "
+                                              rf"kind '{kind}'"):
+        load_quantized(tmp_path / "out", build())

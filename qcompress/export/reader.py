@@ -232,6 +232,10 @@ def _weights_problem(rec) -> str:
         return f"dtype={rec.get('dtype')!r} (expected a torch float dtype name, e.g. 'float32')"
     if rec.get("qtype") not in ("int", "binary", "ternary"):
         return f"qtype={rec.get('qtype')!r} (expected 'int', 'binary' or 'ternary')"
+    # a square Conv1D would pass every shape check with the flag wrong, and load transposed weights
+    if rec.get("transposed", False) is not (rec["kind"] == "hf_conv1d"):
+        return (f"transposed={rec.get('transposed')!r} does not fit kind {rec['kind']!r} (exactly the "
+                "transformers Conv1D weights are stored transposed)")
     return ""
 
 
