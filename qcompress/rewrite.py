@@ -277,16 +277,18 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
     modules = dict(root.named_modules())
     # what each module holds now, so a config error found while rewriting leaves the model as it was
     before = {id(m): (set(m._parameters), set(m._buffers)) for m in modules.values()}
+    from .nn.pld import apply_pld, pld_schedule, remove_pld
+    had_pld = pld_schedule(root) is not None
     try:
         _rewrite(root, cfg, assignments, modules)
         CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
+        if cfg.progressive_layer_drop.enabled and not had_pld:
+            apply_pld(root, cfg.progressive_layer_drop)   # a second init_compression leaves the blocks
     except BaseException:
+        if not had_pld:
+            remove_pld(root)
         _undo_rewrite(modules, before)
         raise
-    if cfg.progressive_layer_drop.enabled:
-        from .nn.pld import apply_pld, pld_schedule
-        if pld_schedule(root) is None:   # a second init_compression leaves the blocks as they are
-            apply_pld(root, cfg.progressive_layer_drop)
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
     root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
     return model

@@ -386,3 +386,15 @@ def test_other_instance_forwards_are_reported():
     model[0].forward = lambda x: old(x)
     with pytest.warns(UserWarning, match=r"^0: its forward was replaced on the instance"):
         init_compression(model, wa_cfg(4))
+
+
+def test_progressive_layer_drop_error_leaves_the_model_as_it_was():
+    model = gpt2()
+    snap = _snapshot(model)
+    cfg = {**wa_cfg(8), "progressive_layer_drop": {"enabled": True, "modules": ["no_such_block"]}}
+    with pytest.raises(ConfigError, match=r"progressive_layer_drop.modules\[0\]: 'no_such_block' matches no module"):
+        init_compression(model, cfg)
+    _assert_untouched(model, snap)
+    cfg["progressive_layer_drop"]["modules"] = [r"h\.\d+$"]
+    init_compression(model, cfg)                      # the corrected config applies
+    assert model.transformer.h[1].qc_pld.depth == 2 and model.lm_head.qc_aq.active
