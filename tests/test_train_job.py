@@ -578,3 +578,39 @@ def test_gpt2_without_pad_token_classifies_padded_batches(folders, tmp_path, cap
     assert train([W8A8, "--model", folder, "--data", data, "--task", "text-classification", "--out", out,
                   "--max-steps", "1", *FAST]) == 0
     assert json.load(open(os.path.join(out, "export", "config.json")))["pad_token_id"] == tok.pad_token_id
+
+
+def test_a_live_run_keeps_its_out_folder(folders, tmp_path, capsys):
+    """While a job runs, its --out is flock-ed: a second job there (--overwrite, --resume) is one
+    line and exit 2 and touches nothing (it deleted the live run's checkpoints, or appended its
+    own rows to the same metrics.csv); once the holder is gone, --resume works."""
+    import fcntl
+    from qcompress.train.job import LOCK_NAME
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = tmp_path / "out"
+    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--out", str(out), "--max-steps", "1", *FAST]
+    assert train(args) == 0
+    before = _tree(out)
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, sys, time\n"
+                               f"f = open({str(out / LOCK_NAME)!r}, 'a+')\n"
+                               "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+                               "print('held', flush=True)\n"
+                               "sys.stdin.read()\n"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        for extra in ("--overwrite", "--resume"):
+            assert train([*args, extra]) == 2, extra
+            err = capsys.readouterr().err.strip()
+            assert "in use by another qcompress train" in err and "\n" not in err, err
+            assert _tree(out) == before, extra
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert train([*args, "--resume"]) == 0
+    # and this process let go of it: another process can take the lock now
+    with open(out / LOCK_NAME, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -195,27 +195,69 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def prepare_out(opts: JobOptions, rank: int) -> None:
-    """Refuse to mix runs: an out folder holding a run needs --resume (continue) or --overwrite."""
-    if rank != 0:
-        return
-    taken = os.path.isdir(opts.out) and any(os.path.exists(os.path.join(opts.out, n)) for n in
-                                            ("report.json", "metrics.csv", "checkpoints", "export"))
+def check_out(opts: JobOptions) -> bool:
+    """Refuse to mix runs: an out folder holding a run needs --resume (continue) or --overwrite.
+    Returns whether it holds one."""
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise JobError(f"--out {opts.out} exists and is not a folder")
+    taken = os.path.isdir(opts.out) and any(os.path.exists(os.path.join(opts.out, n)) for n in
+                                            ("report.json", "metrics.csv", "checkpoints", "export"))
     if taken and not (opts.resume or opts.overwrite):
         raise JobError(f"--out {opts.out} already holds a run; pass --resume to continue it or "
                        "--overwrite to start again")
-    if taken and opts.overwrite and not opts.resume:
-        for name in ("report.json", "report.md", "metrics.csv", "metrics_fp32.csv", "checkpoints",
-                     "export", "plots", "tensorboard"):
-            path = os.path.join(opts.out, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-    os.makedirs(os.path.join(opts.out, "checkpoints"), exist_ok=True)
-    os.makedirs(os.path.join(opts.out, "plots"), exist_ok=True)
+    return taken
+
+
+LOCK_NAME = ".qcompress-train.lock"
+
+
+def lock_out(out: str):
+    """An exclusive flock on out/.qcompress-train.lock, held while the job runs (the kernel drops it
+    when the process dies, kill -9 included): a second job on the same --out, --resume or
+    --overwrite alike, would interleave metrics rows and delete checkpoints under a live run."""
+    try:
+        import fcntl
+    except ImportError:          # no flock (Windows): no guard
+        return None
+    fh = open(os.path.join(out, LOCK_NAME), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip()
+        fh.close()
+        raise JobError(f"--out {out} is in use by another qcompress train that is still running"
+                       f"{f' (pid {holder})' if holder else ''}; wait for it to end or pick another --out") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
+def prepare_out(opts: JobOptions, rank: int):
+    """Rank 0: lock --out, then (with --overwrite) delete the run there. Returns the lock's file."""
+    if rank != 0:
+        return None
+    taken = check_out(opts)
+    os.makedirs(opts.out, exist_ok=True)
+    lock = lock_out(opts.out)
+    try:
+        if taken and opts.overwrite and not opts.resume:
+            for name in ("report.json", "report.md", "metrics.csv", "metrics_fp32.csv", "checkpoints",
+                         "export", "plots", "tensorboard"):
+                path = os.path.join(opts.out, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(os.path.join(opts.out, "checkpoints"), exist_ok=True)
+        os.makedirs(os.path.join(opts.out, "plots"), exist_ok=True)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    return lock
 
 
 class Progress:
@@ -266,6 +308,14 @@ class Job:
         return result
 
     def run(self) -> dict:
+        self._out_lock = None
+        try:
+            return self._run()
+        finally:
+            if self._out_lock is not None:    # released now, not when the Job is collected
+                self._out_lock.close()
+
+    def _run(self) -> dict:
         o = self.opts
         t_start = time.perf_counter()
         own_group = not (dist.is_available() and dist.is_initialized())
@@ -275,6 +325,8 @@ class Job:
             raise JobError(f"--max-steps must be >= 1, got {o.max_steps}")
         if not o.epochs > 0:
             raise JobError(f"--epochs must be > 0, got {o.epochs}")
+        if self.rank == 0:
+            check_out(o)        # cheap: before the model loads (prepare_out checks again)
         doc = job_config(o)
         cfg = as_config(doc)
         kd = cfg.compression.distillation
@@ -301,7 +353,7 @@ class Job:
         if o.baseline_from:
             baseline_source(o, plain_config(doc), self.data_digest)
         self.progress = Progress(o.out, o.fingerprint(self.data_digest), o.resume, self.rank)
-        prepare_out(o, self.rank)
+        self._out_lock = prepare_out(o, self.rank)
         _barrier()
         self.metric = metric_name(o.task)
         self.tok, self.data, self.doc, self.cfg = tok, data, doc, cfg
