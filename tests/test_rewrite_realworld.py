@@ -398,3 +398,27 @@ def test_progressive_layer_drop_error_leaves_the_model_as_it_was():
     cfg["progressive_layer_drop"]["modules"] = [r"h\.\d+$"]
     init_compression(model, cfg)                      # the corrected config applies
     assert model.transformer.h[1].qc_pld.depth == 2 and model.lm_head.qc_aq.active
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_embedding_with_max_norm(sparse):
+    """F.embedding(max_norm=...) renormalizes rows of the weight it gets in place; given the
+    fake-quantized copy (an autograd view) that raised a RuntimeError about views."""
+    torch.manual_seed(0)
+    plain = nn.Embedding(10, 4, max_norm=1.0, padding_idx=0, sparse=sparse)
+    with torch.no_grad():
+        plain.weight.mul_(3)                      # most rows above max_norm
+    model = nn.Sequential(copy.deepcopy(plain))
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}}}}}
+    init_compression(model, cfg)
+    idx = torch.tensor([0, 3, 5, 3])
+    ref_out = plain(idx)                          # renorms rows 0, 3, 5 of plain.weight in place
+    out = model(idx)
+    assert torch.equal(model[0].weight, plain.weight)            # renormed as the library class does
+    assert torch.equal(out, fq_rows(plain.weight.detach(), 8)[idx])   # then quantized per row
+    assert not torch.equal(out, ref_out)
+    out.sum().backward()
+    grad = model[0].weight.grad.to_dense()
+    assert torch.equal(grad[0], torch.zeros(4)) and grad[3].eq(2).all()   # padding row; row 3 twice

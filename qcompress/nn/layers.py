@@ -286,7 +286,13 @@ class _EmbeddingForward(CompressMixin):
     qc_kind = "embedding"
 
     def forward(self, input):
-        return F.embedding(input, self.effective_weight(), self.padding_idx, self.max_norm,
+        if self.max_norm is not None:
+            # F.embedding renormalizes the looked-up rows of the weight it is given in place: do
+            # that to the Parameter, as the library class does (the fake-quantized copy is an
+            # autograd view that cannot be changed in place), then quantize the renormed weight
+            with torch.no_grad():
+                torch.embedding_renorm_(self.weight, input.contiguous(), self.max_norm, self.norm_type)
+        return F.embedding(input, self.effective_weight(), self.padding_idx, None,
                            self.norm_type, self.scale_grad_by_freq, self.sparse)
 
 
