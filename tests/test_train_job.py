@@ -614,3 +614,29 @@ def test_a_live_run_keeps_its_out_folder(folders, tmp_path, capsys):
     # and this process let go of it: another process can take the lock now
     with open(out / LOCK_NAME, "a+") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_baseline_from_on_a_rank_that_does_not_copy(folders, tmp_path, monkeypatch):
+    """Under torchrun, rank 0 copies RUN's FP32 fine-tune into --out while the other ranks go on
+    (no process group, so no barrier, yet): rank 1 loaded that copy and could find it missing
+    (FileNotFoundError, 1 run in 2 here). Rank 1 alone, without a rank 0, now loads RUN's weights."""
+    from safetensors.torch import load_file
+    from qcompress.train import job
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "1", *FAST]
+    src = str(tmp_path / "src")
+    assert train([W8A8, *common, "--out", src, "--baseline"]) == 0
+
+    class Reached(Exception):
+        pass
+
+    def stop(model, cfg, calibrate):
+        raise Reached(model)
+    monkeypatch.setattr(job, "quantize_without_training", stop)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(Reached) as got:
+        train([W8A8, *common, "--out", str(tmp_path / "out"), "--baseline-from", src])
+    want = load_file(os.path.join(src, "checkpoints", "fp32_finetuned.safetensors"))
+    sd = got.value.args[0].state_dict()
+    assert want and all(torch.equal(sd[k], v) for k, v in want.items())
+    assert not os.path.exists(tmp_path / "out")        # rank 1 writes nothing

@@ -461,10 +461,13 @@ class Job:
         weights = os.path.join(o.out, "checkpoints", "fp32_finetuned.safetensors")
         copy_ = copy.deepcopy(model)
         self.progress.data["baseline_fingerprint"] = o.baseline_fingerprint(plain_config(doc), self.data_digest)
+        source = weights
         if o.baseline_from and not self.progress.done("fp32_finetuned"):
-            self.borrow_baseline(weights)
+            # every rank reads RUN's own file: rank 0's copy into --out may not be there yet (no
+            # process group, so no barrier, before the first engine exists)
+            source = self.borrow_baseline(weights)
         if self.progress.done("fp32_finetuned"):
-            copy_.load_state_dict(load_file(weights), strict=False)   # tied weights are saved once
+            copy_.load_state_dict(load_file(source), strict=False)   # tied weights are saved once
             return copy_, self.progress.data["stages"]["fp32_finetuned"]
 
         def train_and_eval():
@@ -482,9 +485,9 @@ class Job:
             return result
         return copy_, self.stage("fp32_finetuned", train_and_eval)
 
-    def borrow_baseline(self, weights: str) -> None:
+    def borrow_baseline(self, weights: str) -> str:
         """--baseline-from RUN: take RUN's FP32 fine-tune (weights and metrics) when it was trained
-        with the same model, data, budget and training config."""
+        with the same model, data, budget and training config. Returns RUN's weights file."""
         src = self.opts.baseline_from
         saved = baseline_source(self.opts, plain_config(self.doc), self.data_digest)
         theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
@@ -498,6 +501,7 @@ class Job:
         self.progress.record("fp32_finetuned", saved["stages"]["fp32_finetuned"],
                              (saved.get("wall_time_s") or {}).get("fp32_finetuned", 0.0))
         self.opts.notes.append(f"fp32_finetuned was trained by the run in {src} (--baseline-from)")
+        return theirs
 
     def teacher(self, spec: str, model, load_teacher):
         """The distillation teacher: 'baseline' (our job's extension) is this run's FP32 fine-tune;
