@@ -34,7 +34,15 @@ SUPPORTS = {
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    """The model inside a wrapper (DistributedDataParallel, DataParallel, an engine) that holds
+    nothing but it as `module`. A model that merely has a child named `module` beside others (a
+    backbone and a head) is the model itself: unwrapping it left everything else uncompressed."""
+    inner = getattr(model, "module", None)
+    if not isinstance(inner, nn.Module):
+        return model
+    if isinstance(model, nn.Module) and any(c is not inner for _, c in model.named_children()):
+        return model
+    return inner
 
 
 def attention_internals(model: nn.Module) -> List[str]:

@@ -422,3 +422,32 @@ def test_embedding_with_max_norm(sparse):
     out.sum().backward()
     grad = model[0].weight.grad.to_dense()
     assert torch.equal(grad[0], torch.zeros(4)) and grad[3].eq(2).all()   # padding row; row 3 twice
+
+
+class _BackboneAndHead(nn.Module):
+    """A model whose backbone attribute happens to be called `module` (not a DDP wrapper)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.module = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.module(x))
+
+
+def test_a_child_named_module_is_not_taken_for_a_wrapper():
+    """init_compression unwrapped `model.module` as if the model were DDP: the head stayed float,
+    the backbone's names lost their prefix, and the summary listed the backbone only."""
+    model = _BackboneAndHead()
+    init_compression(model, wa_cfg(4))
+    assert [line.split()[0] for line in qc.summary(model).splitlines()[2:]] == ["module.0", "head"]
+    x = torch.randn(3, 8)
+    h = model.module(x)
+    torch.testing.assert_close(model(x), oracle_linear(h, model.head.weight.detach(), model.head.bias.detach(),
+                                                       4, None, 8), rtol=1e-5, atol=1e-6)
+    # a real wrapper (nothing but `module`) is still looked through
+    wrapped = nn.parallel.DataParallel(_BackboneAndHead())
+    init_compression(wrapped, wa_cfg(4))
+    assert [line.split()[0] for line in qc.summary(wrapped).splitlines()[2:]] == ["module.0", "head"]
