@@ -332,6 +332,9 @@ def bad(tmp_path, name, content):
     ("short.csv", "label,text\nsport,the game\ntech\n", r"short.csv, line 3, column 'text': the text is missing"),
     ("wide.csv", "text,label\na,b,c\n", r"wide.csv, line 2: 3 fields but the header names 2 columns"),
     ("latin1.csv", b"text,label\ncaf\xe9,x\n", r"latin1.csv: not valid UTF-8"),
+    # Excel's "Unicode text" export: UTF-16 with a byte-order mark; the message says which encoding
+    ("excel.tsv", "text\tlabel\ncafé\tx\n".encode("utf-16"), r"excel.tsv: UTF-16 text .*save it as UTF-8"),
+    ("utf16.jsonl", '{"text": "a", "label": "x"}\n'.encode("utf-16"), r"utf16.jsonl: UTF-16 text"),
     ("broken.jsonl", '{"text": "a", "label": "x"}\n{"text": \n', r"broken.jsonl, line 2: not valid JSON"),
     ("list.jsonl", '["a", "x"]\n', r"list.jsonl, line 1: expected a JSON object, got list"),
     ("null.jsonl", '{"text": null, "label": "x"}\n', r"null.jsonl, line 1, column 'text': the text is missing"),

@@ -161,7 +161,7 @@ def _read_delimited(path: str, delimiter: str, task: str, text_column: str, labe
                 # A short row lacks its last columns: those read as missing (None), not as "".
                 rows.append((where, dict(zip(header, cells))))
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise _not_utf8(path, e) from None
     except csv.Error as e:
         raise DataError(f"{path}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file: {e}") from None
     except OSError as e:
@@ -174,7 +174,7 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
         with open(path, encoding="utf-8-sig") as f:
             content = f.read()
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise _not_utf8(path, e) from None
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
     rows: List[Tuple[str, dict]] = []
@@ -210,6 +210,17 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
                 seen.add(k)
                 columns.append(k)
     return _rows_to_examples(path, rows, columns, task, text_column, label_column)
+
+
+def _not_utf8(path: str, e: UnicodeDecodeError) -> DataError:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+    except OSError:
+        head = b""
+    if head in (b"\xff\xfe", b"\xfe\xff"):    # spreadsheets' "Unicode text" export is UTF-16
+        return DataError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+    return DataError(f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
 
 
 def _visible(names: Iterable[str]) -> List[str]:
