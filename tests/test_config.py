@@ -326,3 +326,11 @@ def test_merged_sources_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(str(sched), {"train_batch_size": 4}, {"train_batch_size": -1})
     assert "source 3 (a dict)" in str(info.value) and "schedule.yaml" not in str(info.value)
+
+
+@pytest.mark.parametrize("pattern", ["a{4294967296}", "(" * 2000 + ")" * 2000], ids=["huge_repeat", "deep"])
+def test_pld_module_regexes_that_do_not_compile_are_config_errors(pattern):
+    """progressive_layer_drop.modules let OverflowError / RecursionError out of re.compile (the
+    compression groups' modules already turned them into ConfigErrors)."""
+    with pytest.raises(ConfigError, match=r"^progressive_layer_drop\.modules\[0\]: .* is not a valid regex"):
+        load_config({"progressive_layer_drop": {"enabled": True, "modules": [pattern]}})

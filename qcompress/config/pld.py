@@ -20,7 +20,7 @@ def _patterns(value, path):
             raise ConfigError(join(path, i), f"expected a regex string, got {pattern!r}")
         try:
             re.compile(pattern)
-        except re.error as err:
+        except (re.error, RecursionError, OverflowError) as err:   # too deep / huge repeat count
             raise ConfigError(join(path, i), f"{pattern!r} is not a valid regex: {err}") from None
     return tuple(value)
 
