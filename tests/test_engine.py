@@ -167,6 +167,17 @@ def test_stage3_resumes_on_one_rank(two_rank, one_rank):
     assert _close(one_rank["final"], two_rank[0]["s3dyn"]["final"])
 
 
+def test_sharded_onebit_state_at_another_world_size_is_refused_before_loading(two_rank, one_rank):
+    # The refusal came after the weights were already overwritten (optimizer installed last).
+    s1 = one_rank["s1"]
+    assert s1["onebit_refused"] is not None
+    kind, msg = s1["onebit_refused"]
+    assert kind == "CheckpointError" and "onebit1" in msg and "shard_state=True" in msg
+    assert s1["onebit_untouched"] and s1["onebit_steps"] == 0
+    saved = two_rank[0]["onebit"]["s1"]["saved"]
+    assert all(torch.equal(saved[k], s1["onebit_weights_only"][k]) for k in saved)
+
+
 def test_checkpoint_dir_is_atomic(two_rank, ckpt_root):
     d = os.path.join(ckpt_root, "s0")
     names = sorted(os.listdir(d))

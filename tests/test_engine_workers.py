@@ -219,6 +219,20 @@ def run_stage3_one_rank(rank, world, ckpt_root):
     engine_s1.load_checkpoint(os.path.join(ckpt_root, "s1"))
     s1 = {"loaded": full_params(engine_s1), "optim_state": full_optim_state(engine_s1)}
     s1["losses"], _ = train_steps(engine_s1, SAVE_AT, STEPS, 1, 4, 4, rank)
+    # OneBitAdam's sharded (stage 1) state resumes only at its world size: refused, model untouched
+    cfg_ob = onebit_cfg(1)
+    cfg_ob.update(train_batch_size=8, gradient_accumulation_steps=2)
+    engine_ob = initialize(make_model(cfg_ob, seed=9), cfg_ob)
+    before = full_params(engine_ob)
+    try:
+        engine_ob.load_checkpoint(os.path.join(ckpt_root, "onebit1"))
+        s1["onebit_refused"] = None
+    except ValueError as e:
+        s1["onebit_refused"] = (type(e).__name__, str(e))
+    s1["onebit_untouched"] = all(torch.equal(before[k], v) for k, v in full_params(engine_ob).items())
+    s1["onebit_steps"] = engine_ob.global_steps
+    engine_ob.load_checkpoint(os.path.join(ckpt_root, "onebit1"), load_optimizer_states=False)
+    s1["onebit_weights_only"] = full_params(engine_ob)
     return {"s1": s1, "loaded": loaded, "optim_state": optim_state, "losses": losses, "final": full_params(engine),
             "client": client}
 

@@ -45,7 +45,9 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint on disk is damaged, incomplete or does not fit this engine; the message names
-    the file or folder. Raised before the engine's model or optimizer is changed."""
+    the file or folder. Everything but the tensor data (JSON files, the .metadata index, weight
+    names and shapes, the optimizer's class and layout) is checked before any tensor is read into
+    the engine; a tensor file that fails while being read may leave the weights partly loaded."""
 
 
 def _dist_on() -> bool:
@@ -108,7 +110,8 @@ def _dcp_load(target, path: str, group) -> None:
         why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}".rstrip(": ")
                         for r, (exc, _) in sorted(e.failures.items()))
         raise CheckpointError(f"{path}: reading the checkpoint's tensors (*.distcp) failed: {why}. "
-                              "The files are damaged or the model differs from the saved one") from None
+                              "The files are damaged or the model differs from the saved one; this "
+                              "engine's weights may be partly overwritten, load another checkpoint") from None
 
 
 @contextlib.contextmanager
@@ -424,6 +427,13 @@ def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
     saved_keys = [k for k in md.state_dict_metadata if k.startswith("optim.state.")]
     if mode == "per_rank":
         skel = rank_extra["optim_skeleton"]
+        check = getattr(engine.optimizer, "check_state_dict", None)
+        if check is not None:       # before dcp.load writes the saved weights into the model
+            try:
+                check(unflatten(skel, {k: None for k in tensor_keys(skel)}))
+            except ValueError as e:
+                raise CheckpointError(f"{path}: the optimizer state does not load into this engine: {e} "
+                                      "(load_optimizer_states=False loads the weights alone)") from e
         for key in tensor_keys(skel):
             target[key] = _alloc_from_metadata(md, key)
 

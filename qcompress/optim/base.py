@@ -263,12 +263,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         }
         return sd
 
-    def load_state_dict(self, state_dict):
+    def check_state_dict(self, state_dict) -> None:
+        """Raise ValueError when `state_dict` cannot load here, reading only its non-tensor entries
+        (the engine asks before it reads any checkpoint tensor into the model)."""
         extra = state_dict.get("qcompress")
         if extra is None or extra.get("optimizer") != type(self).__name__:
             found = "a plain torch optimizer" if extra is None else extra.get("optimizer")
             raise ValueError(f"this state dict was not saved by qcompress.optim.{type(self).__name__} "
                              f"(it comes from {found})")
+
+    def load_state_dict(self, state_dict):
+        CompressedOptimizer.check_state_dict(self, state_dict)
+        extra = state_dict["qcompress"]
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         masks = [g.get("exp_avg_mask") for g in self.param_groups]

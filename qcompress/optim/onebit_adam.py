@@ -191,6 +191,11 @@ class OneBitAdam(CompressedOptimizer):
         return sd
 
     def load_state_dict(self, state_dict):
+        self.check_state_dict(state_dict)
+        super().load_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict) -> None:
+        super().check_state_dict(state_dict)
         extra = state_dict.get("qcompress") or {}
         saved = bool(extra.get("shard_state", False))
         if "qcompress" in state_dict and (saved or self.shard_state):
@@ -209,7 +214,6 @@ class OneBitAdam(CompressedOptimizer):
                 raise ValueError(f"{type(self).__name__}: sharded optimizer state saved with another bucket "
                                  "layout (bucket_size, scale_per_tensor or parameters changed); the owned "
                                  "slices do not line up")
-        super().load_state_dict(state_dict)
 
     def _after_load(self):
         self._shards = None
