@@ -470,20 +470,29 @@ class Job:
             copy_.load_state_dict(load_file(source), strict=False)   # tied weights are saved once
             return copy_, self.progress.data["stages"]["fp32_finetuned"]
 
+        trained = {"model": copy_}
+
         def train_and_eval():
             plain = plain_config(doc)
             engine = qcompress.initialize(copy_, with_tensorboard(plain, o.out, "fp32_finetuned"),
                                           optimizer=client_optimizer(plain, o.lr))
             self.train_phase(self.make_phase("fp32_finetuned", engine, "fp32", "metrics_fp32.csv"))
             result = self.evaluator()(engine.module)
+            sd = _full_state_dict(engine.module)     # collective under ZeRO 2/3: every rank calls it
+            if engine.sharded:
+                # FSDP2 sharded copy_ in place: PTQ deep-copies the fine-tune and the teacher runs it
+                # on every rank, so they get a whole, unsharded model (deepcopy of FSDP raised)
+                whole = fresh_model(copy_, o.task)
+                whole.load_state_dict(sd, strict=False)
+                trained["model"] = whole.eval()
             if self.rank == 0:
-                sd = {k: v.detach().cpu().contiguous() for k, v in engine.module.state_dict().items()}
                 _drop_shared(sd)
                 tmp = weights + ".tmp"
                 save_file(sd, tmp)
                 os.replace(tmp, weights)
             return result
-        return copy_, self.stage("fp32_finetuned", train_and_eval)
+        result = self.stage("fp32_finetuned", train_and_eval)
+        return trained["model"], result
 
     def borrow_baseline(self, weights: str) -> str:
         """--baseline-from RUN: take RUN's FP32 fine-tune (weights and metrics) when it was trained
@@ -705,6 +714,18 @@ def baseline_source(opts: JobOptions, plain_doc: dict, digest: Optional[str] = N
         raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
                        "budget or training config; run --baseline instead")
     return saved
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict:
+    """The model's state_dict as whole CPU tensors; a sharded (FSDP2 DTensor) entry is gathered,
+    collectively, so every rank must call this in the same order."""
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for k, v in model.state_dict().items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu().contiguous()
+    return out
 
 
 def _drop_shared(sd: dict) -> None:
