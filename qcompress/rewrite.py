@@ -187,7 +187,38 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
                 warnings.warn(msg, stacklevel=3)
                 log.warning(msg)
             result[tech][group.name] = matched
+    wq = cc.weight_quantization
+    if wq.enabled and any(g.modules is None for g in wq.groups):
+        _report_uncompressible(all_modules, names, cfg)
     return result
+
+
+def _report_uncompressible(modules: Dict[str, nn.Module], names: List[Tuple[str, str]], cfg) -> None:
+    """'Every compressible module' can leave much of a model in full precision without a word:
+    weights that are Parameters of other modules (3-D expert tensors of mixture-of-experts blocks,
+    routers, nn.MultiheadAttention's in_proj_weight). Report them when they hold a noticeable share
+    (5 %) of the model's matrix parameters, largest first."""
+    covered = {id(modules[n].weight) for n, _ in names}
+    seen, others, total = set(), [], 0
+    for name, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or p.dim() < 2 or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            if id(p) not in covered:
+                others.append((p.numel(), f"{name}.{pname}" if name else pname, type(mod).__name__, tuple(p.shape)))
+    left = sum(n for n, *_ in others)
+    if not total or left < 0.05 * total:
+        return
+    others.sort(key=lambda o: -o[0])
+    shown = "; ".join(f"{n!r} ({cls}, {list(shape)})" for _, n, cls, shape in others[:6])
+    path = "compression_training.weight_quantization.different_groups"
+    msg = (f"{path}: {left / total:.0%} of the model's weight matrices ({left:,} values) are Parameters "
+           f"no group can compress (of modules other than Linear / Conv / Embedding / transformers Conv1D, "
+           f"or read directly by nn.MultiheadAttention) and stay full precision: {shown}{' ...' if len(others) > 6 else ''}{source_of(cfg, path)}")
+    warnings.warn(msg, stacklevel=4)
+    log.warning(msg)
 
 
 def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()) -> WeightQuant:

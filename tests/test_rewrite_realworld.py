@@ -451,3 +451,34 @@ def test_a_child_named_module_is_not_taken_for_a_wrapper():
     wrapped = nn.parallel.DataParallel(_BackboneAndHead())
     init_compression(wrapped, wa_cfg(4))
     assert [line.split()[0] for line in qc.summary(wrapped).splitlines()[2:]] == ["module.0", "head"]
+
+
+def test_weights_no_group_can_compress_are_reported():
+    """transformers 5 keeps a mixture-of-experts block's experts as 3-D Parameters of one module:
+    'every compressible module' quantized 17 % of a Mixtral's matrices and said nothing."""
+    torch.manual_seed(0)
+    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    experts = 2 * (4 * 256 * 64 + 4 * 64 * 128)
+    routers = 2 * 4 * 64
+    matrices = sum(p.numel() for p in moe.parameters() if p.dim() >= 2)
+    share = f"{(experts + routers) / matrices:.0%}"
+    with pytest.warns(UserWarning, match=rf"different_groups: {share} of the model's weight matrices "
+                                         rf"\({experts + routers:,} values\) are Parameters no group can compress"
+                                         r".*'model.layers.0.mlp.experts.gate_up_proj' \(MixtralExperts, \[4, 256, 64\]\)"):
+        init_compression(moe, wa_cfg(4, 32))
+    # the usual architectures have nothing (or next to nothing) outside compressible layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_compression(llama(), wa_cfg(4, 32))
+        vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                           num_attention_heads=4, image_size=32, patch_size=8))
+        init_compression(vit, wa_cfg(8))          # cls token and position embeddings: about 1 %
+    # named groups choose their modules themselves: nothing to add
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = wa_cfg(4, 32)
+        cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["modules"] = ["self_attn"]
+        cfg["compression_training"]["activation_quantization"]["different_groups"]["a"]["modules"] = ["self_attn"]
+        init_compression(transformers.MixtralForCausalLM(moe.config), cfg)
