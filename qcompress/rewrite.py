@@ -315,7 +315,8 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
     root = _unwrap(model)
     modules = dict(root.named_modules())
     # what each module holds now, so a config error found while rewriting leaves the model as it was
-    before = {id(m): (set(m._parameters), set(m._buffers)) for m in modules.values()}
+    before = {id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))
+              for m in modules.values()}
     from .nn.pld import apply_pld, pld_schedule, remove_pld
     had_pld = pld_schedule(root) is not None
     try:
@@ -365,20 +366,22 @@ def _undo_rewrite(modules: Dict[str, nn.Module], before) -> None:
     """Put back what a failed init_compression changed: full-precision weights written over by
     the optimizer-step mode, registered scale / score Parameters, the modules' classes."""
     for mod in modules.values():
+        params, buffers, hooks, pre_hooks = before[id(mod)]
+        # hooks the rewrite added, here or on related modules (a channel-pruned conv's BatchNorm)
+        for key in [k for k in mod._forward_hooks if k not in hooks]:
+            del mod._forward_hooks[key]
+        for key in [k for k in mod._forward_pre_hooks if k not in pre_hooks]:
+            del mod._forward_pre_hooks[key]
         if not isinstance(mod, CompressMixin):
             continue
         wq = mod.__dict__.get("qc_wq")
         if wq is not None and wq.master is not None:
             mod.weight.data.copy_(wq.master.to(mod.weight.dtype))
             wq.store.reset()
-        params, buffers = before[id(mod)]
         for key in [k for k in mod._parameters if k not in params]:
             del mod._parameters[key]
         for key in [k for k in mod._buffers if k not in buffers]:
             del mod._buffers[key]
-        for hook_id, hook in list(mod._forward_pre_hooks.items()):
-            if hook is _fast_path_guard:
-                del mod._forward_pre_hooks[hook_id]
         restore_class(mod)
 
 

@@ -482,3 +482,24 @@ def test_weights_no_group_can_compress_are_reported():
         cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["modules"] = ["self_attn"]
         cfg["compression_training"]["activation_quantization"]["different_groups"]["a"]["modules"] = ["self_attn"]
         init_compression(transformers.MixtralForCausalLM(moe.config), cfg)
+
+
+def test_failed_rewrite_removes_the_hooks_it_put_on_related_modules():
+    """Channel pruning hooks the BatchNorm after the pruned conv; when a later step of the rewrite
+    failed, the hook stayed and every forward then raised AttributeError (qc_pruning was gone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 4 * 4, 2))
+    with torch.no_grad():
+        model[4].weight[0, 0] = float("nan")
+    snap = _snapshot(model)
+    hooks = (dict(model[1]._forward_hooks), dict(model[1]._forward_pre_hooks))
+    cfg = _moq()
+    cfg["compression_training"]["channel_pruning"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0},
+        "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"], "related_modules": [["^1$"]]}}}
+    with pytest.raises(NonFiniteError, match=r"module '4' \(Linear\)|NaN"):
+        init_compression(model, cfg)        # optimizer-step quantization of '4' at step 0
+    _assert_untouched(model, snap)
+    assert (dict(model[1]._forward_hooks), dict(model[1]._forward_pre_hooks)) == hooks
+    model.eval()(torch.randn(2, 3, 4, 4))
