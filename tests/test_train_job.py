@@ -665,3 +665,38 @@ def test_baseline_under_zero3(folders, tmp_path):
     for k in w0:
         torch.testing.assert_close(w3[k], w0[k], rtol=1e-4, atol=1e-5)
     assert r3["stages"]["ptq"]["loss"] == pytest.approx(r0["stages"]["ptq"]["loss"], rel=1e-3)
+
+
+def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
+    """A run interrupted in one process and resumed under torchrun with 2 continues (same samples
+    per step) but cannot be bit-identical to an uninterrupted run: it said nothing; now the report
+    notes it, and the uninterrupted world size gets no such note."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "cut")
+    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--max-steps", "4", "--save-steps", "2", *FAST, "--out", out]
+    from qcompress.train import loop
+    real_save = loop.save
+
+    class Interrupted(Exception):
+        pass
+
+    def save_then_die(phase, step):
+        real_save(phase, step)
+        if phase.name == "qat" and step == 2:
+            raise Interrupted()
+    monkeypatch.setattr(loop, "save", save_then_die)
+    with pytest.raises(Interrupted):
+        train(args)
+    monkeypatch.setattr(loop, "save", real_save)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from dist_utils import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--resume"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.load(open(os.path.join(out, "report.json")))
+    assert rep["training"]["world_size"] == 2
+    said = [n for n in rep["notes"] if "resumed with 2 process(es)" in n]
+    assert len(said) == 1 and "had 1" in said[0], rep["notes"]
+    assert proc.stdout.count("warning: resumed with 2") == 1

@@ -190,6 +190,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _world() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -263,16 +269,26 @@ def prepare_out(opts: JobOptions, rank: int):
 class Progress:
     """Finished stages' results in checkpoints/progress.json, so --resume skips them."""
 
-    def __init__(self, out: str, fingerprint: str, resume: bool, rank: int):
+    def __init__(self, out: str, fingerprint: str, resume: bool, rank: int, world: int = 1):
         self.path = os.path.join(out, "checkpoints", "progress.json")
         self.rank = rank
-        self.data = {"fingerprint": fingerprint, "stages": {}, "wall_time_s": {}}
+        self.data = {"fingerprint": fingerprint, "stages": {}, "wall_time_s": {}, "world_size": world}
+        self.world_note = None
         if resume and os.path.isfile(self.path):
             with open(self.path, encoding="utf-8") as fh:
                 saved = json.load(fh)
             if saved.get("fingerprint") != fingerprint:
                 raise JobError(f"--resume: the run in --out {out} was started with other options, data or "
                                "configs; resume with the same command, or start again with --overwrite")
+            before = saved.get("world_size")
+            if before is not None and before != world and not ("qat_train" in saved.get("stages", {})):
+                # the same samples per step, but each rank's dropout stream and the gradient sums
+                # change: not the bit-identical continuation --resume otherwise gives
+                self.world_note = (f"resumed with {world} process(es); the interrupted run had {before}: the same "
+                                   "data order, but dropout and gradient sums differ from an uninterrupted run")
+            saved["world_size"] = world
+            if self.world_note:       # kept for the report, whatever later resumes use
+                saved["notes"] = saved.get("notes", []) + [self.world_note]
             self.data = saved
 
     def done(self, stage: str) -> bool:
@@ -352,7 +368,10 @@ class Job:
         self.data_digest = data_digest(data)
         if o.baseline_from:
             baseline_source(o, plain_config(doc), self.data_digest)
-        self.progress = Progress(o.out, o.fingerprint(self.data_digest), o.resume, self.rank)
+        self.progress = Progress(o.out, o.fingerprint(self.data_digest), o.resume, self.rank, _world())
+        if self.progress.world_note:
+            self.say(f"warning: {self.progress.world_note}")
+        o.notes.extend(self.progress.data.get("notes", []))
         self._out_lock = prepare_out(o, self.rank)
         _barrier()
         self.metric = metric_name(o.task)
@@ -421,8 +440,7 @@ class Job:
         batch size that does not fit the world size is a ConfigError here, not after the FP32 stages)."""
         from ..engine.batch import resolve_batch
         from .batches import steps_per_epoch
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-            else int(os.environ.get("WORLD_SIZE", "1"))
+        world = _world()
         tbs, _, _ = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                                   cfg.gradient_accumulation_steps, world)
         if self.opts.max_steps is not None:
