@@ -724,3 +724,19 @@ def test_tied_weights_train_at_every_stage_like_stage0():
         return (codes - codes.round()).abs().max().item()
     assert off_grid(res[0][(True, 3)]["final"]["transformer.wte.weight"]) < 1e-3
     assert off_grid(res[0][(False, 3)]["final"]["transformer.wte.weight"]) > 0.1
+
+
+def test_ddp_stages_refuse_a_step_with_unused_parameters():
+    """A trainable parameter outside the loss kept DDP from averaging its bucket (step 1 applied
+    this rank's own gradients) and step 2 failed telling the user to pass find_unused_parameters
+    to a DDP the engine builds. Now the first step is refused, naming the parameters."""
+    res = run_ranks(W.run_unused, 2, timeout=200)
+    for rank in range(2):
+        for stage in (0, 1):
+            msg = res[rank][stage]
+            assert msg is not None and "spare.weight, spare.bias" in msg and "requires_grad_(False)" in msg
+            assert res[rank][f"untouched{stage}"]
+    # frozen as advised, it trains, and both ranks hold the same weights
+    for stage in (0, 1):
+        a, b = res[0][f"frozen{stage}"], res[1][f"frozen{stage}"]
+        assert torch.equal(a, b) and not torch.equal(a, W.WithUnused().body.weight.detach())

@@ -485,3 +485,44 @@ def run_tied(rank, world, steps=1):
             out[(compress, stage)] = {"final": params, "tied": engine.module.lm_head.weight is
                                       engine.module.transformer.wte.weight}
     return out
+
+
+class WithUnused(nn.Module):
+    """A model whose `spare` Linear never takes part in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(IN, OUT)
+        self.spare = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def run_unused(rank, world):
+    """Stages 0/1 (DDP) with a parameter the loss does not use: the step is refused, naming it."""
+    out = {}
+    for stage in (0, 1):
+        cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+        model = WithUnused()
+        engine = initialize(model, cfg)
+        before = full_params(engine)
+        x, y = micro_batch(0, 0, rank, world, 4, 1)
+        engine.backward(F.cross_entropy(engine(x), y))
+        try:
+            engine.step()
+            out[stage] = None
+        except RuntimeError as e:
+            out[stage] = str(e)
+        out[f"untouched{stage}"] = all(torch.equal(before[k], v) for k, v in full_params(engine).items())
+        frozen = WithUnused()
+        frozen.spare.requires_grad_(False)          # the advice in the message: then it trains
+        engine = initialize(frozen, cfg)
+        for step in range(2):
+            x, y = micro_batch(step, 0, rank, world, 4, 1)
+            engine.backward(F.cross_entropy(engine(x), y))
+            engine.step()
+        out[f"frozen{stage}"] = full_params(engine)["body.weight"]
+    return out

@@ -367,6 +367,7 @@ class Engine:
             return
         self._accumulated = 0
         t0 = time.perf_counter()
+        self._check_ddp_used_every_parameter()
         overflow = self._unscale_and_clip()
         if overflow:
             self.skipped_steps += 1
@@ -400,6 +401,24 @@ class Engine:
         self._report_timers()
         if self.monitor.enabled:
             self._write_monitor_events()
+
+    def _check_ddp_used_every_parameter(self) -> None:
+        """DDP (stages 0/1) all-reduces a bucket only once all its parameters got a gradient: a
+        parameter the loss did not use leaves its bucket unreduced (those gradients stay this rank's
+        own) and the next forward fails with DDP's advice to pass find_unused_parameters=True, which
+        the engine's user cannot. Refuse the step before it applies unaveraged gradients."""
+        ddp = self.wrapped
+        if (ddp is self.module or self.sharded or getattr(ddp, "find_unused_parameters", True)
+                or not ddp.require_backward_grad_sync):
+            return
+        unused = [self.param_names.get(p, "?") for p in self._trainable if p.grad is None]
+        if unused:
+            more = f" (+{len(unused) - 5} more)" if len(unused) > 5 else ""
+            raise RuntimeError(
+                f"engine.step: {len(unused)} trainable parameter(s) got no gradient in this step: "
+                f"{', '.join(unused[:5])}{more}. At ZeRO stage {self.stage} DistributedDataParallel averages "
+                "gradients only when every trainable parameter takes part in the loss; freeze the unused "
+                "ones (requires_grad_(False)) before initialize, or use stage 2/3")
 
     def _write_monitor_events(self) -> None:
         """DeepSpeed's names at global_samples: the mean loss of this step's micro-batches (on
