@@ -197,3 +197,13 @@ def test_train_bad_numbers_exit_2_before_anything(tmp_path, capsys, flag, value)
     assert flag in err and "\n" not in err, err
     assert not (tmp_path / "out").exists()
     assert torch.get_num_threads() == threads
+
+
+def test_train_text_and_label_column_must_differ(tmp_path, capsys):
+    """--label-column text (with --text-column text): the label was read as the text."""
+    assert cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", str(tmp_path),
+                     "--data", str(tmp_path), "--task", "text-classification", "--out", str(tmp_path / "out"),
+                     "--label-column", "text"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--text-column and --label-column" in err and "'text'" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()

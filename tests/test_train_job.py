@@ -700,3 +700,13 @@ def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
     said = [n for n in rep["notes"] if "resumed with 2 process(es)" in n]
     assert len(said) == 1 and "had 1" in said[0], rep["notes"]
     assert proc.stdout.count("warning: resumed with 2") == 1
+
+
+def test_eval_data_that_is_the_training_data_is_said(folders, tmp_path, capsys):
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    same = os.path.join(os.path.dirname(data), ".", os.path.basename(data))    # another spelling
+    assert train([W8A8, "--model", folders["bert"], "--data", data, "--eval-data", same, "--task",
+                  "text-classification", "--out", out, "--max-steps", "1", *FAST]) == 0
+    assert "warning: --eval-data is --data" in capsys.readouterr().out
+    assert any("training data" in n for n in json.load(open(os.path.join(out, "report.json")))["notes"])

@@ -76,6 +76,9 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
         raise ValueError(f"--lr must be a finite number >= 0, got {ns.lr}")
     if not (math.isfinite(ns.epochs) and ns.epochs > 0):
         raise ValueError(f"--epochs must be a finite number > 0, got {ns.epochs}")
+    if ns.task == "text-classification" and ns.text_column == ns.label_column:
+        # the label would be read as the text: a classifier of its own answer
+        raise ValueError(f"--text-column and --label-column name the same column {ns.text_column!r}")
     if ns.threads is not None and ns.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {ns.threads}")
     for name in ("max_length", "batch_size", "eval_batch_size"):

@@ -360,6 +360,11 @@ class Job:
         except DataError as err:
             raise JobError(str(err)) from None
         self.say(f"data: {data.summary}")
+        if o.eval_data is not None and os.path.realpath(o.eval_data) == os.path.realpath(o.data):
+            msg = (f"--eval-data is --data ({o.data}): every stage is measured on the training data, "
+                   "so the metrics say nothing about unseen text")
+            self.say(f"warning: {msg}")
+            o.notes.append(msg)
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
         model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id)
