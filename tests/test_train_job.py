@@ -710,3 +710,33 @@ def test_eval_data_that_is_the_training_data_is_said(folders, tmp_path, capsys):
                   "text-classification", "--out", out, "--max-steps", "1", *FAST]) == 0
     assert "warning: --eval-data is --data" in capsys.readouterr().out
     assert any("training data" in n for n in json.load(open(os.path.join(out, "report.json")))["notes"])
+
+
+def test_teacher_folder_checked_up_front_and_a_headless_one_said(folders, tmp_path, capsys):
+    """A distillation teacher folder that does not exist stopped the job with a FileNotFoundError
+    traceback after the FP32 stages; a teacher whose checkpoint has no head for the labels (a plain
+    BertModel) distilled from a random head, silently."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "1", *FAST]
+    kd = tmp_path / "kd.yaml"
+    kd.write_text(f"compression_training:\n  distillation: {{enabled: true, teacher: {tmp_path / 'nowhere'}}}\n")
+    out = str(tmp_path / "o1")
+    assert train([W8A8, str(kd), *common, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "distillation.teacher" in err and "kd.yaml" in err and "nowhere" in err and "\n" not in err, err
+    assert not os.path.exists(out)
+    kd.write_text(f"compression_training:\n  distillation: {{enabled: true, teacher: {folders['bert']}}}\n")
+    out = str(tmp_path / "o2")
+    assert train([W8A8, str(kd), *common, "--out", out]) == 0
+    assert "no classification head for these 3 labels" in capsys.readouterr().out
+    assert any("logits are noise" in n for n in json.load(open(os.path.join(out, "report.json")))["notes"])
+    # a teacher fine-tuned for these labels: no such note
+    clf = hf.tiny_bert_folder(str(tmp_path / "clf"), num_labels=3)
+    cfg = json.load(open(os.path.join(clf, "config.json")))
+    names = sorted({y for _, y in folders["rows"]})
+    cfg["id2label"], cfg["label2id"] = {str(i): n for i, n in enumerate(names)}, {n: i for i, n in enumerate(names)}
+    json.dump(cfg, open(os.path.join(clf, "config.json"), "w"))
+    kd.write_text(f"compression_training:\n  distillation: {{enabled: true, teacher: {clf}}}\n")
+    out = str(tmp_path / "o3")
+    assert train([W8A8, str(kd), *common, "--out", out]) == 0
+    assert not json.load(open(os.path.join(out, "report.json")))["notes"]

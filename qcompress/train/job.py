@@ -351,6 +351,12 @@ class Job:
                            "of this run: add --baseline (or --baseline-from RUN)")
         from .models import check_model_folder
         check_model_folder(o.model)
+        if kd.enabled and kd.teacher not in ("self", "baseline"):
+            # a teacher folder is loaded only for the compressed run, after the FP32 stages: check it now
+            folder = os.path.expanduser(kd.teacher)
+            if not (os.path.isdir(folder) and os.path.isfile(os.path.join(folder, "config.json"))):
+                raise JobError(f"compression_training.distillation.teacher in {' + '.join(o.configs)}: "
+                               f"{kd.teacher!r} is not 'self', 'baseline' or a model folder with a config.json")
         tok = load_tokenizer(o.model)
         try:
             data = prepare_data(o.task, o.data, tok, eval_data=o.eval_data, eval_fraction=o.eval_fraction,
@@ -550,8 +556,17 @@ class Job:
                    "`teacher: baseline` with --baseline, or a fine-tuned model folder")
             self.say(f"warning: {msg}")
             o.notes.append(msg)
-        return load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed,
-                                                                       self.tok.pad_token_id))
+        teacher = load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed,
+                                                                          self.tok.pad_token_id))
+        if spec != "self" and getattr(teacher, "qc_fresh_head", False):
+            head = (f"classification head for these {len(self.data.labels)} labels" if self.data.labels
+                    else "language-model head")
+            msg = (f"compression_training.distillation.teacher {spec!r} has no {head}, so it got a fresh one "
+                   "and its logits are noise; use a model fine-tuned for this task, or `teacher: baseline` "
+                   "with --baseline")
+            self.say(f"warning: {msg}")
+            o.notes.append(msg)
+        return teacher
 
     def compressed_run(self, model, doc):
         import qcompress
