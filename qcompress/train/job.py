@@ -228,7 +228,10 @@ def lock_out(out: str):
     fh = open(os.path.join(out, LOCK_NAME), "a+", encoding="utf-8")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as err:
+        if not isinstance(err, BlockingIOError):   # a file system without flock: no guard, not "in use"
+            fh.close()
+            return None
         fh.seek(0)
         holder = fh.read().strip()
         fh.close()
