@@ -740,3 +740,17 @@ def test_teacher_folder_checked_up_front_and_a_headless_one_said(folders, tmp_pa
     out = str(tmp_path / "o3")
     assert train([W8A8, str(kd), *common, "--out", out]) == 0
     assert not json.load(open(os.path.join(out, "report.json")))["notes"]
+
+
+def test_out_on_a_file_system_without_flock_still_runs(folders, tmp_path, monkeypatch):
+    """flock failing with ENOLCK (some network / FUSE file systems) is no lock, not a live run."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+                  "--out", str(tmp_path / "out"), "--max-steps", "1", *FAST]) == 0
+    assert os.path.isfile(tmp_path / "out" / "report.json")
