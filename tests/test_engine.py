@@ -740,3 +740,16 @@ def test_ddp_stages_refuse_a_step_with_unused_parameters():
     for stage in (0, 1):
         a, b = res[0][f"frozen{stage}"], res[1][f"frozen{stage}"]
         assert torch.equal(a, b) and not torch.equal(a, W.WithUnused().body.weight.detach())
+
+
+def test_channel_pruning_config_trains_at_stage3_like_stage0():
+    """The BatchNorm hook of channel pruning reads its conv's scores outside the conv's forward;
+    stage 3 failed there ('index_put_ ... placement (Shard(dim=0),)') until the two share one
+    FSDP2 unit."""
+    path = next(p for p in SHARED_CONFIGS if p.endswith("ds_config_channel_prune.json"))
+    res = run_ranks(W.run_channel_prune, 2, path, timeout=300)
+    for rank in range(2):
+        s0, s3 = res[rank][0], res[rank][3]
+        assert s3["applied"] == s0["applied"] >= 1
+        assert _close(s3["final"], s0["final"], tol=1e-6)
+    assert _close(res[0][3]["final"], res[1][3]["final"], tol=0)

@@ -526,3 +526,26 @@ def run_unused(rank, world):
             engine.step()
         out[f"frozen{stage}"] = full_params(engine)["body.weight"]
     return out
+
+
+def run_channel_prune(rank, world, path):
+    """DeepSpeed's CIFAR channel-pruning config at stages 0 and 3: the BatchNorm after each pruned
+    conv masks its output from the conv's topk scores, which stage 3 had resharded by then."""
+    import json
+    from tiny_models import TinyResNet
+    out = {}
+    for stage in (0, 3):
+        raw = json.load(open(path))
+        raw.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, zero_optimization={"stage": stage})
+        raw.pop("gradient_accumulation_steps", None)
+        cfg = qc.load_config(raw)
+        torch.manual_seed(0)
+        model = qc.init_compression(TinyResNet().train(), cfg)
+        engine = initialize(model, cfg)
+        for step in range(4):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(2, 3, 8, 8, generator=g), torch.tensor([1, 7])
+            engine.backward(F.cross_entropy(engine(x), y))
+            engine.step()
+        out[stage] = {"final": full_params(engine), "applied": engine.global_steps - engine.skipped_steps}
+    return out

@@ -165,8 +165,20 @@ def _owns_params(module: nn.Module) -> bool:
 def shard_units(model: nn.Module):
     """What wrap_fsdp passes to fully_shard, children before parents: each non-root module that owns
     parameters, except that modules sharing a Parameter (tied weights: GPT-2's lm_head and wte) form
-    one list, as FSDP2 requires (one FSDP group per parameter)."""
-    owners = [m for name, m in model.named_modules() if name and _owns_params(m)]
+    one list, as FSDP2 requires (one FSDP group per parameter), and so does a module with the
+    modules its hooks read (a channel-pruned conv's BatchNorm)."""
+    named = [m for name, m in model.named_modules() if name]
+    owners = [m for m in named if _owns_params(m)]
+    # A hook object holding another module (channel pruning's BatchNorm hook holds its conv and
+    # reads the conv's scores) needs that module's parameters whole while the host runs: one unit.
+    reads = {}
+    for m in named:
+        for hook in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values()):
+            for v in getattr(hook, "__dict__", {}).values():
+                if isinstance(v, nn.Module) and v is not m and _owns_params(v):
+                    reads.setdefault(id(m), []).append(v)
+    owners += [m for m in named if id(m) in reads and not _owns_params(m)]
+    index = {id(m): i for i, m in enumerate(owners)}
     root = list(range(len(owners)))
 
     def find(i):
@@ -179,11 +191,17 @@ def shard_units(model: nn.Module):
         for p in m.parameters(recurse=False):
             j = find(first_owner.setdefault(id(p), i))
             root[find(i)] = j
+        for other in reads.get(id(m), ()):
+            if id(other) in index:
+                root[find(i)] = find(index[id(other)])
     units = {}
     for i in range(len(owners)):
         units.setdefault(find(i), []).append(i)
     # A unit goes after every module below any of its members: order by its first pre-order index.
-    ordered = sorted(units.values(), key=lambda idx: idx[0], reverse=True)
+    order = {id(m): k for k, m in enumerate(named)}
+    for idx in units.values():
+        idx.sort(key=lambda i: order[id(owners[i])])
+    ordered = sorted(units.values(), key=lambda idx: order[id(owners[idx[0]])], reverse=True)
     return [owners[idx[0]] if len(idx) == 1 else [owners[i] for i in idx] for idx in ordered]
 
 
