@@ -754,3 +754,22 @@ def test_out_on_a_file_system_without_flock_still_runs(folders, tmp_path, monkey
     assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
                   "--out", str(tmp_path / "out"), "--max-steps", "1", *FAST]) == 0
     assert os.path.isfile(tmp_path / "out" / "report.json")
+
+
+def test_divergence_stops_with_one_line(folders, tmp_path, capsys):
+    """--lr 1e6 blows the weights up: the FP32 baseline went on with NaN losses to NaN metrics and a
+    NaN export, and the compressed run died in a quantizer with a NonFiniteError traceback. Both
+    now stop at the first non-finite step with one line naming the phase and the step."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "6",
+              "--lr", "1e6", *FAST]
+    for extra, phase, csv_name in ((["--baseline"], "fp32_finetuned", "metrics_fp32.csv"), ([], "qat", "metrics.csv")):
+        out = tmp_path / phase
+        code = train([W8A8, *common, "--out", str(out), *extra])
+        err = capsys.readouterr().err.strip()
+        assert code == 1 and f"[{phase}] training diverged at step" in err and "\n" not in err, err
+        step = int(err.split("at step ")[1].split(":")[0])
+        rows = list(csv.DictReader(open(out / csv_name)))
+        assert 1 < step <= 6 and len(rows) in (step - 1, step)
+        assert all(math.isfinite(float(r["loss"])) for r in rows[:step - 1])
+        assert not (out / "report.json").exists()

@@ -2,6 +2,7 @@
 micro-batches, optional distillation, per-step metrics, checkpoints that resume exactly."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import NonFiniteError
 from .batches import micro_batches
+from .errors import JobError
 from .report import METRIC_COLUMNS, MetricsLog
 
 _TAG = re.compile(r"^step(\d+)$")
@@ -169,9 +172,12 @@ def run(phase: Phase, start_step: int = 0) -> None:
                                        train_batch_size=eng.train_batch_size,
                                        micro=eng.train_micro_batch_size_per_gpu, accumulation=acc,
                                        rank=eng.rank, world=eng.world_size, pad_id=phase.pad_id):
-                total, task, kd = _forward_loss(phase, batch)
-                eng.backward(total)
-                eng.step()
+                try:
+                    total, task, kd = _forward_loss(phase, batch)
+                    eng.backward(total)
+                    eng.step()
+                except NonFiniteError as err:     # a quantizer met NaN / Inf: the run has diverged
+                    raise _diverged(phase, step, str(err)) from None
                 sums[0] += float(total.detach()) / acc
                 sums[1] += float(task.detach()) / acc
                 if kd is not None:
@@ -189,6 +195,10 @@ def run(phase: Phase, start_step: int = 0) -> None:
                 if monitor is not None and monitor.enabled:
                     monitor.write_events([(f"Train/Steps/{k}", float(v), step + 1) for k, v in row.items()
                                           if k != "step" and v is not None])
+            # fp16 skips overflowing steps by design; elsewhere a non-finite loss means every later
+            # step, evaluation and the export would be NaN: stop here, after its metrics row
+            if not math.isfinite(loss) and eng.precision != "fp16":
+                raise _diverged(phase, step, f"the loss is {loss}")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{eng.train_batch_size / elapsed:.1f}")
@@ -203,6 +213,11 @@ def run(phase: Phase, start_step: int = 0) -> None:
         monitor = getattr(eng, "monitor", None)
         if monitor is not None:
             monitor.close()
+
+
+def _diverged(phase: Phase, step: int, what: str) -> JobError:
+    return JobError(f"[{phase.name}] training diverged at step {step + 1}: {what}; lower the learning rate "
+                    f"(--lr, or the config's optimizer lr) and start again with --overwrite", code=1)
 
 
 def metric_columns(model: nn.Module):
