@@ -395,3 +395,39 @@ def test_full_disk_keeps_the_old_export(tmp_path):
     assert str(out) in run.stdout
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
     load_quantized(out, make_net())
+
+
+def test_two_writers_committing_at_once_leave_the_last_export(tmp_path, monkeypatch):
+    # two exports into one folder (every rank exporting, say): the first writer's roll-forward
+    # ran after the second had committed, leaving its files under the second's config.json, a
+    # folder that loaded as neither. Commits now take turns; the last one is the export.
+    import threading
+    out = tmp_path / "out"
+    ref = tmp_path / "ref"
+    export_quantized(compressed(2), ref)
+    want = state_of(ref)
+    first_rolls = threading.Event()
+    real = atomic.fs_replace
+
+    def slow_first(src, dst):
+        if threading.current_thread().name == "first" and not dst.endswith(sio.CONFIG):
+            first_rolls.set()          # the first writer has renamed its config.json in
+            time.sleep(1.0)            # ... and is slow to rename its files
+        real(src, dst)
+    monkeypatch.setattr(atomic, "fs_replace", slow_first)
+    errors = []
+
+    def run(seed):
+        try:
+            export_quantized(compressed(seed), out, force=True)
+        except Exception as e:        # pragma: no cover - reported below
+            errors.append(e)
+    os.makedirs(out)
+    first = threading.Thread(target=run, args=(1,), name="first")
+    first.start()
+    assert first_rolls.wait(30)
+    run(2)                             # the second writer commits while the first rolls forward
+    first.join(60)
+    assert not errors and not first.is_alive()
+    assert same(state_of(out), want)
+    assert hidden(out) == []

@@ -17,11 +17,17 @@ temporaries of dead writers (those whose lock it can take), never a live writer'
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 from typing import Dict, Optional
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: commits are not serialized
+    fcntl = None
 
 from .. import atomic
 from . import safetensors_io as sio
@@ -31,6 +37,26 @@ _TEMP_RE = re.compile(r"^" + re.escape(sio.TEMP_PREFIX) + r"([0-9a-f]{16})\.(.+)
 
 def _lock_name(gen: str) -> str:
     return f"{sio.TEMP_PREFIX}{gen}.lock"
+
+
+@contextlib.contextmanager
+def commit_lock(folder: str):
+    """Writers into one folder commit (and recover) one at a time: two interleaved commits (every
+    rank exporting, say) could leave one writer's config.json over the other's files, a folder
+    that loads as neither. An flock on the folder itself (no file to leave behind); blocking,
+    as a commit is a few renames."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:         # a file system without locks: commit unserialized, as before
+            pass
+        yield
+    finally:
+        os.close(fd)            # releases the lock
 
 
 class ExportWriter:
@@ -86,6 +112,11 @@ class ExportWriter:
         cfg_tmp = self._temp(sio.CONFIG)
         atomic.write_text_new(cfg_tmp, config_text)
         atomic.fsync_dir(folder)                   # the staged files exist before config.json
+        with commit_lock(folder):
+            self._commit(cfg_tmp)
+
+    def _commit(self, cfg_tmp: str) -> None:
+        folder = self.folder
         atomic.fs_replace(cfg_tmp, os.path.join(folder, sio.CONFIG))
         self.committed = True
         del self._staged[sio.CONFIG]
@@ -124,6 +155,11 @@ def recover(folder: str, own: str) -> None:
             gens.setdefault(m.group(1), []).append(name)
     if not gens:
         return
+    with commit_lock(folder):              # not while a live writer commits
+        _recover(folder, gens)
+
+
+def _recover(folder: str, gens: Dict[str, list]) -> None:
     current = _committed(folder)
     for gen in sorted(gens):
         lock = atomic.OwnerLock.claim(os.path.join(folder, _lock_name(gen)))
