@@ -753,3 +753,15 @@ def test_channel_pruning_config_trains_at_stage3_like_stage0():
         assert s3["applied"] == s0["applied"] >= 1
         assert _close(s3["final"], s0["final"], tol=1e-6)
     assert _close(res[0][3]["final"], res[1][3]["final"], tol=0)
+
+
+def test_compression_parameters_unused_before_their_offset_train_under_ddp():
+    """topk pruning scores and learned activation ranges join the graph at their schedule_offset
+    (pruning's default is 1000); DDP was built expecting every parameter each step, so stage 0
+    failed at the second step. Oracle: stage 3 (FSDP2 needs no such promise)."""
+    res = run_ranks(W.run_scheduled_params, 2, timeout=200)
+    for rank in range(2):
+        s0, s3 = res[rank][0], res[rank][3]
+        assert any(k.endswith("row_pruning_scores") for k in s0) and any(k.endswith("input_scale") for k in s0)
+        assert _close(s0, s3, tol=1e-6)
+    assert _close(res[0][0], res[1][0], tol=0)

@@ -549,3 +549,27 @@ def run_channel_prune(rank, world, path):
             engine.step()
         out[stage] = {"final": full_params(engine), "applied": engine.global_steps - engine.skipped_steps}
     return out
+
+
+SCHEDULED = {   # Parameters that join the graph at step 2: topk row scores, learned input ranges
+    "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 2, "method": "topk"},
+                    "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"]}}},
+    "activation_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 2, "range_calibration": "static",
+                              "range_learning": True},
+        "different_groups": {"aq": {"params": {"bits": 8}}}},
+}
+
+
+def run_scheduled_params(rank, world):
+    """Stage 0 (DDP) and stage 3 on a model whose compression Parameters are unused before step 2."""
+    out = {}
+    for stage in (0, 3):
+        cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "compression_training": SCHEDULED}
+        model = plain_model()
+        qc.init_compression(model, qc.load_config(cfg))
+        engine = initialize(model, cfg)
+        train_steps(engine, 0, 4, world, 4, 1, rank)
+        out[stage] = full_params(engine)
+    return out

@@ -86,6 +86,18 @@ def _check_client_optimizer(optimizer, cfg) -> None:
 
 
 
+def _has_scheduled_parameters(model) -> bool:
+    """Compression Parameters that join the graph only once their technique starts (topk pruning
+    scores, learned activation / weight ranges): before that DDP must expect unused parameters."""
+    from ..nn.ranges import range_parameter_names
+    for m in model.modules():
+        if any(getattr(st, "scores_name", None) for st in getattr(m, "qc_pruning", {}).values()):
+            return True
+        if range_parameter_names(m):
+            return True
+    return False
+
+
 RANKS_DIFFER = "_qc_ranks_differ"   # set on the model while ranks hold different weights
 
 
@@ -170,7 +182,8 @@ class Engine:
             self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
                                                 zero.reduce_bucket_size, cfg.communication_data_type,
                                                 self.wall_clock_breakdown,
-                                                find_unused_parameters=self.pld is not None,
+                                                find_unused_parameters=(self.pld is not None or
+                                                                        _has_scheduled_parameters(model)),
                                                 traffic=self.traffic)
         else:
             self.wrapped = model
