@@ -91,10 +91,13 @@ class CompressMixin:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         wq = self.__dict__.get("qc_wq")
-        if wq is not None and prefix + "weight" in state_dict and len(error_msgs) == n_errors:
+        loaded = wq is not None and prefix + "weight" in state_dict and len(error_msgs) == n_errors
+        if loaded:
             wq.store.reset()
         if wq is not None and wq.range_learning and prefix + "weight_scale" in state_dict:
             wq.ranges_loaded = True     # trained scales: the next range initialisation keeps them
+        elif loaded:
+            ranges.reinit_after_load(self)   # no scales with them: observe the new weights
 
     def __reduce_ex__(self, protocol):
         """Pickle by (base class, kind): the compress-aware class is made at run time, so pickle

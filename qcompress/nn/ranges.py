@@ -48,8 +48,12 @@ def register_weight_ranges(mod, path: str) -> None:
     wq = mod.qc_wq
     view = _weight_view(mod)
     spec = wq.spec() if wq.bits else _spec_at(wq, wq.start_bits)
-    s, z = observers.weight_params(view, spec, "minmax")    # placeholders: set when quantization starts
     shape = scale_shape(view, spec)
+    if view.is_meta:     # a model built on the meta device: values come with its weights (reinit_after_load)
+        s = torch.empty(shape, dtype=torch.float32, device="meta")
+        z = s if spec.kind == "int" and not spec.symmetric else None
+    else:
+        s, z = observers.weight_params(view, spec, "minmax")    # placeholders: set when quantization starts
     _claim(mod, "weight_scale", path)
     mod.register_parameter("weight_scale", nn.Parameter(s.reshape(shape).to(view.device)))
     if z is not None:
@@ -84,6 +88,8 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     wq = mod.qc_wq
     spec = wq.spec()
     view = _weight_view(mod, source)
+    if view.is_meta:
+        return           # no values to observe yet: reinit_after_load runs when weights arrive
     if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
         wq.shrink = observers.mse_shrink(view, spec)
     else:
@@ -98,6 +104,18 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     zp = mod._parameters.get("weight_zero_point")
     if zp is not None:
         zp.copy_(z.reshape(zp.shape) if z is not None else torch.zeros_like(zp))
+
+
+def reinit_after_load(mod) -> None:
+    """Weights loaded without their learned scales (a plain checkpoint loaded into a compressed
+    model, or weights arriving after a meta-device init): choose the ranges again for them, as at
+    the first quantization, instead of keeping those observed on the weights they replaced."""
+    wq = mod.qc_wq
+    if wq.baked or not wq.active or (wq.range_observer == "minmax" and not wq.range_learning):
+        return           # minmax ranges follow the weight anyway; inactive: set when it turns on
+    # optimizer-step mode too: the loaded weight is the next step's master (the store was reset),
+    # and a CompressionScheduler.load_state_dict after this puts a resumed run's own ranges back
+    init_weight_ranges(mod)
 
 
 def weight_params(mod, view: torch.Tensor, spec):
