@@ -182,11 +182,21 @@ def _damage(kind, ck):
     if kind == "tensor file missing":
         os.remove(os.path.join(ck, distcp))
         return ck
+    if kind == "tensor bytes flipped":      # same size, still unpickles: loaded garbage silently
+        path = os.path.join(ck, distcp)
+        data = bytearray(open(path, "rb").read())
+        for frac in (0.5, 0.6, 0.7, 0.8):
+            for j in range(int(len(data) * frac), int(len(data) * frac) + 8):
+                data[j] ^= 0x55
+        with open(path, "wb") as fh:
+            fh.write(bytes(data))
+        return path
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind", ["engine.json truncated", "engine.json not an object", "rank file missing",
-                                  ".metadata truncated", "tensor file truncated", "tensor file missing"])
+                                  ".metadata truncated", "tensor file truncated", "tensor file missing",
+                                  "tensor bytes flipped"])
 def test_damaged_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path, kind):
     # Damage used to surface as a bare JSONDecodeError / AttributeError / UnpicklingError, or as
     # DCP's CheckpointException, a BaseException that `except Exception` does not catch.

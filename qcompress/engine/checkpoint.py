@@ -27,6 +27,7 @@ import json
 import os
 import random
 import warnings
+import zlib
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -200,6 +201,44 @@ def _alloc_from_metadata(md, key: str) -> torch.Tensor:
     return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
 
+# --- file checksums --------------------------------------------------------------------------
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _file_sums(folder: str) -> Dict[str, list]:
+    """{relative path: [size, crc32]} of every file but engine.json (which holds this table).
+    DCP's files carry no checksum: a damaged tensor byte would otherwise load silently."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, folder)
+            if rel != "engine.json":
+                out[rel] = [os.path.getsize(full), _crc32(full)]
+    return out
+
+
+def _verify_files(path: str, sums: Optional[Dict[str, list]]) -> None:
+    """Every file the save recorded, with its size and crc32 (read once more before loading)."""
+    if not sums:
+        return
+    for rel, (size, crc) in sorted(sums.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{full}: missing; the checkpoint is incomplete, load another tag")
+        got = os.path.getsize(full)
+        if got != size:
+            raise CheckpointError(f"{full}: {got} bytes, {size} when saved; the file is damaged, load another tag")
+        if _crc32(full) != crc:
+            raise CheckpointError(f"{full}: contents differ from the save (crc32 mismatch); the file is damaged, "
+                                  "load another tag")
+
+
 # --- save ------------------------------------------------------------------------------------
 def _parked(save_dir: str, tag: str) -> str:
     """Where a re-save parks the tag's previous checkpoint while the new one is moved in."""
@@ -319,10 +358,10 @@ def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
     with _quiet_single_process():
         dcp.save(tensors, checkpoint_id=tmp, process_group=group, no_dist=not _dist_on())
     _write_json(os.path.join(tmp, "ranks", f"rank{rank}.json"), flatten(rank_extra, "", {}, inline=True))
-    if rank == 0:
-        _write_json(os.path.join(tmp, "engine.json"), meta)
     _barrier(group)
     if rank == 0:
+        meta["files"] = _file_sums(tmp)       # every rank's files are in place now
+        _write_json(os.path.join(tmp, "engine.json"), meta)
         _commit(tmp, final, _parked(save_dir, tag))
         tmp_latest = _latest_temp(save_dir, tag)
         atomic.remove_quietly(tmp_latest)
@@ -355,6 +394,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True) -> Tuple[str, dict]:
     path = resolve(load_dir, tag)
     meta = _read_meta(path)
+    _verify_files(path, meta.get("files"))      # absent in checkpoints written before it existed
     md = _read_metadata(path)
     rank = engine.rank
     rank_file = os.path.join(path, "ranks", f"rank{rank}.json")
