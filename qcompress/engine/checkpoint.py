@@ -3,8 +3,9 @@
 Layout of <dir>/<tag>/: DCP files (model.*, optim.*, compression.*, lr.*), engine.json (rank 0:
 counters, loss scaler, LR and compression schedulers, optimizer hyper-parameters, client state)
 and ranks/rank<r>.json (RNG states and other per-rank values); engine.json also holds the size and
-crc32 of every other file, checked before a load reads anything else (CheckpointError names the file). Everything is first written into
-<dir>/.<tag>.tmp and renamed into place by rank 0 once every rank has finished, then <dir>/latest
+crc32 of every other file, checked before a load reads anything else (CheckpointError names the
+file). Everything is first written into <dir>/.<tag>.tmp and renamed into place by rank 0 once
+every rank has finished, then <dir>/latest
 is replaced atomically, so a crash mid-save leaves the previous checkpoint and `latest` intact.
 Re-saving an existing tag parks the old <tag> at <dir>/.<tag>.old until the new one is in place;
 loading falls back to the parked copy when <tag> is missing, so a crash at any point of the
