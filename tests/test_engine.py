@@ -765,3 +765,34 @@ def test_compression_parameters_unused_before_their_offset_train_under_ddp():
         assert any(k.endswith("row_pruning_scores") for k in s0) and any(k.endswith("input_scale") for k in s0)
         assert _close(s0, s3, tol=1e-6)
     assert _close(res[0][0], res[1][0], tol=0)
+
+
+def test_csv_monitor_after_resume_holds_each_step_once(tmp_path):
+    """A run resumed from an earlier checkpoint appended its steps after the interrupted run's
+    rows for the same steps (DeepSpeed does too): every step past the checkpoint appeared twice.
+    Oracle: the uninterrupted run's rows (resume is bit-exact)."""
+    import csv
+
+    def rows(folder):
+        with open(os.path.join(folder, "job", "Train_Samples_train_loss.csv"), newline="") as fh:
+            return list(csv.reader(fh))
+
+    def engine_in(folder):
+        cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1,
+                         csv_monitor={"enabled": True, "output_path": str(folder), "job_name": "job"})
+        return initialize(W.make_model(cfg), cfg)
+    straight = engine_in(tmp_path / "straight")
+    W.train_steps(straight, 0, 5, 1, 4, 1, 0)
+    straight.monitor.close()
+    run = engine_in(tmp_path / "run")
+    W.train_steps(run, 0, 2, 1, 4, 1, 0)
+    run.save_checkpoint(str(tmp_path / "ck"))
+    W.train_steps(run, 2, 4, 1, 4, 1, 0)            # interrupted after step 4, resumed from step 2
+    run.monitor.close()
+    resumed = engine_in(tmp_path / "run")
+    resumed.load_checkpoint(str(tmp_path / "ck"))
+    W.train_steps(resumed, 2, 5, 1, 4, 1, 0)
+    resumed.monitor.close()
+    got, want = rows(tmp_path / "run"), rows(tmp_path / "straight")
+    assert [r[0] for r in got] == ["step", "4", "8", "12", "16", "20"]
+    assert got == want

@@ -450,6 +450,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
         engine.with_full_weights(engine.compression_scheduler.load_state_dict,
                                  unflatten(meta["compression"], target))
     engine.set_counters(meta["counters"])
+    monitor = getattr(engine, "monitor", None)
+    if monitor is not None and monitor.enabled:
+        monitor.resume_at(engine.global_samples)
     if same_rank:
         set_rng_state(rank_extra["rng"])
     return path, unflatten(meta["client_state"], target)

@@ -8,6 +8,7 @@ little, and CSV files are appended to, so a resumed run continues them.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import warnings
 from typing import Dict, Iterable, Optional, Tuple
@@ -51,6 +52,27 @@ class CSVLog:
         for f, _ in self._files.values():
             f.close()
         self._files.clear()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past `step` from every CSV here: a run resumed from an earlier checkpoint
+        writes those steps again (each file is rewritten beside and renamed into place)."""
+        from .. import atomic
+        self.close()
+        for name in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, name)
+            if not name.endswith(".csv") or not os.path.isfile(path):
+                continue
+            with open(path, newline="") as fh:
+                rows = list(csv.reader(fh))
+            keep = rows[:1] + [r for r in rows[1:] if not (r and r[0].lstrip("-").isdigit() and int(r[0]) > step)]
+            if len(keep) == len(rows):
+                continue
+            out = io.StringIO()
+            csv.writer(out).writerows(keep)
+            tmp = f"{path}.tmp{os.getpid()}"
+            atomic.remove_quietly(tmp)
+            atomic.write_text_new(tmp, out.getvalue())
+            atomic.fs_replace(tmp, path)
 
 
 def _summary_writer(directory: str):
@@ -107,6 +129,17 @@ class Monitor:
             for name, value, step in clean:
                 self._tb.add_scalar(name, value, step)
             self._tb.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Called when a checkpoint at `step` (global samples) is loaded: CSV rows past it are
+        dropped and TensorBoard purges its events past it at the next write, so the resumed run's
+        logs replace what the interrupted run wrote after the checkpoint."""
+        if self._csv is not None:
+            self._csv.truncate_after(step)
+        if self._tb is not None:
+            self._tb.close()
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=self.tensorboard_dir, purge_step=step + 1)
 
     def close(self) -> None:
         if self._csv is not None:
