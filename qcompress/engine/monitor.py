@@ -3,7 +3,8 @@
 Both write under output_path/job_name on rank 0 only: TensorBoard event files through
 torch.utils.tensorboard, and one CSV file per metric (`Train/Samples/lr` -> Train_Samples_lr.csv,
 header `step,lr`, then `step,value` rows). Every write_events call is flushed, so a crash loses
-little, and CSV files are appended to, so a resumed run continues them.
+little, and CSV files are appended to, so a resumed run continues them (loading a checkpoint
+first drops the rows, and TensorBoard's events, past its step: see Monitor.resume_at).
 """
 from __future__ import annotations
 
