@@ -10,7 +10,7 @@
 """
 from . import quant
 from .config import Config, load_config
-from .errors import ConfigError, NonFiniteError
+from .errors import CheckpointError, ConfigError, NonFiniteError
 from .quant import kernels_available
 from .rewrite import init_compression, redundancy_clean, summary
 from .schedule import CompressionScheduler
@@ -32,7 +32,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'qcompress' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "NonFiniteError", "Config", "load_config", "init_compression",
+__all__ = ["CheckpointError", "ConfigError", "NonFiniteError", "Config", "load_config", "init_compression",
            "redundancy_clean", "summary", "CompressionScheduler", "initialize", "estimate_memory",
            "export_quantized", "load_quantized", "kernels_available", "quant", "comm", "optim",
            "__version__"]

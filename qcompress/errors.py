@@ -6,7 +6,18 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, message: str):
         self.path = path
+        self.message = message
         super().__init__(f"{path}: {message}" if path else message)
+
+    def __reduce__(self):
+        # rebuilt from its two arguments, so it crosses process boundaries (spawned ranks) intact
+        return type(self), (self.path, self.message)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk (an export folder or an engine checkpoint) is truncated, corrupted,
+    incomplete, or does not fit the model / engine it is loaded into. The message names the file
+    and, where one is at fault, the tensor."""
 
 
 class NonFiniteError(FloatingPointError):

@@ -41,16 +41,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from .. import atomic
+from ..errors import CheckpointError
 from .serialize import flatten, tensor_keys, unflatten
 
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint on disk is damaged, incomplete or does not fit this engine; the message names
-    the file or folder. Everything but the tensor data (JSON files, the .metadata index, weight
-    names and shapes, the optimizer's class and layout) is checked before any tensor is read into
-    the engine; a tensor file that fails while being read may leave the weights partly loaded."""
 
 
 def _dist_on() -> bool:
