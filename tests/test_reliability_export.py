@@ -295,16 +295,16 @@ _STALL = textwrap.dedent("""
     import sys, time, torch, torch.nn as nn
     sys.path.insert(0, {root!r})
     import qcompress
-    from qcompress import atomic
     from qcompress.export import export_quantized
     torch.manual_seed(1)
     net = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
     cfg = qcompress.load_config({cfg!r})
     m = qcompress.init_compression(net, cfg).eval()
+    from qcompress.export import commit
     def stall(*a):
         print("staged", flush=True)
         time.sleep(600)
-    atomic.fs_replace = stall         # every file staged; stop before the commit
+    commit.commit_lock = stall        # every file staged; stop before the commit (and its folder lock)
     export_quantized(m, {out!r}, cfg, max_shard_size="2KB", force=True)
 """)
 
