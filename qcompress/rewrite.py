@@ -14,6 +14,7 @@ from .config import as_config
 from .config.loader import source_of
 from .config.compression import CompressionConfig, Group, group_setting
 from .errors import ConfigError
+from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
                         unsupported_reason)
 from .nn import ranges
@@ -33,29 +34,17 @@ SUPPORTS = {
 }
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a wrapper (DistributedDataParallel, DataParallel, an engine) that holds
-    nothing but it as `module`. A model that merely has a child named `module` beside others (a
-    backbone and a head) is the model itself: unwrapping it left everything else uncompressed."""
-    inner = getattr(model, "module", None)
-    if not isinstance(inner, nn.Module):
-        return model
-    if isinstance(model, nn.Module) and any(c is not inner for _, c in model.named_children()):
-        return model
-    return inner
-
-
 def attention_internals(model: nn.Module) -> List[str]:
     """Names of Linear children of nn.MultiheadAttention: MHA reads their weight directly
     (F.multi_head_attention_forward) and never calls their forward, so they cannot be compressed."""
-    return [f"{n}.{c}" if n else c for n, m in _unwrap(model).named_modules()
+    return [f"{n}.{c}" if n else c for n, m in unwrap(model).named_modules()
             if isinstance(m, nn.MultiheadAttention)
             for c, child in m.named_children() if kind_of(child) is not None]
 
 
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     skip = set(attention_internals(model))
-    return [(n, m) for n, m in _unwrap(model).named_modules()
+    return [(n, m) for n, m in unwrap(model).named_modules()
             if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
 
 
@@ -63,7 +52,7 @@ def unsupported_modules(model: nn.Module) -> List[Tuple[str, str, str]]:
     """(name, kind it would have, reason) of weight layers that cannot be compressed (transposed
     convolutions, parametrized or computed weights)."""
     out = []
-    for n, m in _unwrap(model).named_modules():
+    for n, m in unwrap(model).named_modules():
         reason = unsupported_reason(m) if n else None
         if reason:
             out.append((n, kind_of(m) or "conv", f"{type(m).__name__}: {reason}"))
@@ -157,7 +146,7 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     names = [(n, kind_of(m)) for n, m in compressible_modules(model)]
     internals = attention_internals(model)
     unsupported = unsupported_modules(model)
-    all_modules = dict(_unwrap(model).named_modules())
+    all_modules = dict(unwrap(model).named_modules())
     result = {}
     for tech, technique in cc.techniques():
         if not technique.enabled:
@@ -295,7 +284,7 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
 
 def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module]) -> nn.Module:
     cc = cfg.compression
-    done = [n for n, _ in compress_modules(_unwrap(model))]
+    done = [n for n, _ in compress_modules(unwrap(model))]
     if done:
         # A second rewrite would keep the first config's settings on modules the second does not
         # claim, and in optimizer-step mode take the already quantized weights as new masters.
@@ -312,7 +301,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
     if cc.layer_reduction.enabled:
         from .pruning.layer_reduction import student_initialization
         student_initialization(model, teacher_model, cc.layer_reduction)
-    root = _unwrap(model)
+    root = unwrap(model)
     modules = dict(root.named_modules())
     # what each module holds now, so a config error found while rewriting leaves the model as it was
     before = {id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))
@@ -471,7 +460,7 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
     pruning masks are applied (and pruned structures sliced when the pruning support provides
     it). Activation quantization stays: it is part of the compressed model's numerics.
     """
-    root = _unwrap(model)
+    root = unwrap(model)
     baked = set()      # tied weights: bake the shared Parameter once (re-quantizing may move it)
     for name, mod in compress_modules(root):
         wq = mod.qc_wq
@@ -496,7 +485,7 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
 def summary(model: nn.Module) -> str:
     """A table of compress-aware modules: techniques, bits in force, granularity."""
     rows = [("module", "type", "weights", "activations", "pruning")]
-    for name, mod in compress_modules(_unwrap(model)):
+    for name, mod in compress_modules(unwrap(model)):
         wq, aq = mod.qc_wq, mod.qc_aq
         if wq is None:
             w = "-"

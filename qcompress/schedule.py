@@ -18,6 +18,7 @@ from .config import as_config
 from .nn import ranges
 from .nn.layers import CompressMixin
 from .quant.api import dequantize, quantize_spec
+from .unwrap import unwrap
 
 REWRITTEN = "_qc_rewritten"   # set on the root module by init_compression
 CONFIG = "_qc_config"         # the config document init_compression applied (export metadata default)
@@ -82,7 +83,7 @@ def _check_rewritten(model: nn.Module, cfg, modules) -> None:
     """A config that compresses something needs a model rewritten by init_compression (DeepSpeed
     silently did nothing here)."""
     on = [name for name, tech in cfg.compression.techniques() if tech.enabled]
-    root = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    root = unwrap(model)
     if on and not modules and not getattr(root, REWRITTEN, False):
         raise ValueError(f"the config enables {', '.join(on)}, but the model has no compress-aware "
                          "modules: call qcompress.init_compression(model, cfg) before building the "

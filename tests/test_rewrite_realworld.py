@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import qcompress as qc
+from safetensors import safe_open
 from qcompress import ConfigError, NonFiniteError, init_compression
 from qcompress.nn import fused
 
@@ -554,3 +555,25 @@ def test_meta_device_init_then_weights():
         ids = torch.randint(0, 128, (1, 6))
         with torch.no_grad():
             assert torch.equal(model(ids).logits, direct(ids).logits)
+
+
+def test_a_child_named_module_is_exported_and_loaded_whole(tmp_path):
+    """export_quantized / load_quantized / the scheduler used to look through any `model.module`:
+    the export held the backbone only, without its prefix, and the reloaded model's head was its
+    fresh random one. The oracle is the trained model itself."""
+    model = _BackboneAndHead()
+    cfg = wa_cfg(4)
+    init_compression(model, cfg)
+    qc.CompressionScheduler(model, cfg)          # accepts the model as rewritten
+    model.eval()
+    qc.export_quantized(model, tmp_path / "out", cfg)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert any(n.startswith("module.0.") for n in names) and any(n.startswith("head.") for n in names)
+    fresh = _BackboneAndHead()
+    with torch.no_grad():
+        fresh.head.weight.add_(1.0)                  # not the trained head: loading must replace it
+    loaded = qc.load_quantized(tmp_path / "out", fresh)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)

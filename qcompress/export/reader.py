@@ -24,6 +24,7 @@ from . import layout
 from . import safetensors_io as sio
 from .codes import dequantize_2d, static_act_fake_quant
 from .errors import CheckpointError
+from ..unwrap import unwrap
 
 
 
@@ -425,7 +426,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     check_tensors(tensors, where, modules, cfg_path)
     if unbound:
         raise CheckpointError(unbound[0])
-    root = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    root = unwrap(model)
     named = dict(root.named_modules())
     for name, rec in modules.items():
         if name not in named:

@@ -14,10 +14,7 @@ from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
 from .errors import ExportError
-
-
-def _unwrap(model):
-    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+from ..unwrap import unwrap
 
 
 def _version():
@@ -28,7 +25,7 @@ def _version():
 def _raw_config(cfg, model) -> dict:
     if cfg is None:  # the config document init_compression applied, when there was one
         from ..schedule import CONFIG
-        return dict(_unwrap(model).__dict__.get(CONFIG) or {})
+        return dict(unwrap(model).__dict__.get(CONFIG) or {})
     from ..config import as_config
     raw = getattr(as_config(cfg), "raw", None)
     return raw if isinstance(raw, dict) else {}
@@ -38,7 +35,7 @@ def collect(model: nn.Module):
     """(tensors to write, manifest modules, names of plain nn.Linear modules)."""
     from ..nn.layers import CompressMixin
     from ..nn.ranges import range_parameter_names
-    root = _unwrap(model)
+    root = unwrap(model)
     sd = root.state_dict()
     tensors: Dict[str, torch.Tensor] = {}
     modules: Dict[str, dict] = {}
@@ -91,7 +88,7 @@ def collect(model: nn.Module):
 
 
 def build_config(model, modules, plain_linears) -> dict:
-    root = _unwrap(model)
+    root = unwrap(model)
     base = {}
     hf_cfg = getattr(root, "config", None)
     if hf_cfg is not None and hasattr(hf_cfg, "to_dict"):
@@ -130,7 +127,7 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
                               "(CLI: --force) to overwrite")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if _unwrap(model).__dict__.get("_qc_ranks_differ"):
+    if unwrap(model).__dict__.get("_qc_ranks_differ"):
         raise ExportError("the ranks hold different weights (0/1 Adam's local steps since its last "
                           "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
                           "and engine.save_checkpoint() do) before exporting")

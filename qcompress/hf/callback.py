@@ -34,6 +34,7 @@ from ..export.safetensors_io import existing_outputs
 from ..rewrite import init_compression
 from ..nn.pld import pld_schedule
 from ..schedule import REWRITTEN, CompressionScheduler
+from ..unwrap import unwrap
 
 log = logging.getLogger("qcompress.hf")
 
@@ -44,7 +45,7 @@ CHECKPOINT_PREFIX = "checkpoint"                         # transformers' PREFIX_
 
 
 def _root(model):
-    return model.module if hasattr(model, "module") and hasattr(model.module, "named_modules") else model
+    return unwrap(model)
 
 
 def _write_atomic(folder: str, name: str, write) -> None:

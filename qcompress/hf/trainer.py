@@ -18,11 +18,12 @@ from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..config import as_config
+from ..unwrap import unwrap
 from ..train.distill import IGNORE_INDEX, KEY, Distiller, causal_lm_mask, load_teacher
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
-    root = getattr(model, "module", model)
+    root = unwrap(model)
     return type(root).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 

@@ -13,12 +13,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..unwrap import unwrap
 
 PATH = "compression_training.layer_reduction"
-
-
-def _unwrap(model):
-    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
 def _get(model, name, path, which):
@@ -47,7 +44,7 @@ def _plan_copy(dst: nn.Module, src: nn.Module, dst_name: str, src_name: str, pat
 @torch.no_grad()
 def student_initialization(student: nn.Module, teacher: nn.Module, cfg) -> List[Tuple[str, str]]:
     """Copy the mapped teacher tensors into the student in place; returns [(student, teacher)] names."""
-    student, teacher = _unwrap(student), _unwrap(teacher)
+    student, teacher = unwrap(student), unwrap(teacher)
     prefix = cfg.module_name_prefix
     if not prefix or not cfg.teacher_layer:
         raise ConfigError(PATH, "module_name_prefix and teacher_layer are required")
