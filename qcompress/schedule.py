@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from .config import as_config
 from .nn import ranges
-from .nn.layers import CompressMixin
+from .errors import NonFiniteError
+from .nn.layers import CompressMixin, located
 from .quant.api import dequantize, quantize_spec
 from .unwrap import unwrap
 
@@ -196,10 +197,13 @@ class CompressionScheduler:
             wq.master = w.detach().to(torch.float32).clone()
         else:
             wq.master += w.detach().to(torch.float32) - wq.applied.to(torch.float32)
-        if wq.pending_ranges:
-            wq.pending_ranges = False
-            ranges.init_weight_ranges(mod, source=wq.master)
-        (q, s, z), spec = _master_codes(mod)
+        try:
+            if wq.pending_ranges:
+                wq.pending_ranges = False
+                ranges.init_weight_ranges(mod, source=wq.master)
+            (q, s, z), spec = _master_codes(mod)
+        except NonFiniteError as err:           # a diverged update reached the master: say where
+            raise located(mod, "weight's full-precision master", err) from None
         deq = mod._from_matrix_view(dequantize(
             q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
             num_groups=spec.num_groups))

@@ -577,3 +577,17 @@ def test_a_child_named_module_is_exported_and_loaded_whole(tmp_path):
     x = torch.randn(5, 8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_nonfinite_master_in_optimizer_step_mode_names_the_module():
+    """Optimizer-step mode requantizes each weight from its master in the scheduler's step: a
+    diverged update (NaN) used to surface as a NonFiniteError naming no module."""
+    model = gpt2()
+    cfg = _moq()
+    init_compression(model, cfg)
+    sched = qc.CompressionScheduler(model, cfg)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_proj.weight[0, 0] = float("nan")    # what a bad step writes
+    with pytest.raises(NonFiniteError, match=r"module 'transformer\.h\.0\.mlp\.c_proj' \(Conv1D\), its weight's "
+                                             r"full-precision master: .*NaN"):
+        sched.step()
