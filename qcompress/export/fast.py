@@ -138,7 +138,7 @@ def planes_dequantize(rec: dict, buf) -> torch.Tensor:
     # integers are exact in fp32, so u - (off + z) equals the exact path's q - z; then one rounding
     view.sub_(off if z is None else z + off).mul_(s)
     out = out.to(getattr(torch, rec["dtype"])).reshape(shape)
-    return out.t() if rec.get("transposed") else out
+    return out.t().contiguous() if rec.get("transposed") else out    # as dequantize_record
 
 
 # --- plan selection ------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def _lowbit_weight(mod: nn.Module) -> torch.Tensor:
     rec = mod.qx_rec
     q, s, z = _lowbit_codes(mod)
     w = dequantize_2d(q, s, z, mod.qx_lowbit[2], getattr(torch, rec["dtype"])).reshape(rec["weight_shape"])
-    w = w.t() if rec.get("transposed") else w
+    w = w.t().contiguous() if rec.get("transposed") else w            # as dequantize_record
     return w.to(mod._buffers["lowbit_scales"].device)
 
 

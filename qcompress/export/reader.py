@@ -122,7 +122,8 @@ def dequantize_record(rec: dict, buf) -> torch.Tensor:
     gs = w["group_size"] if w["strategy"] == "group" else None
     out = dequantize_2d(q, buf["weight_scale"], zp, gs, getattr(torch, rec["dtype"]))
     out = out.reshape(shape)
-    return out.t() if rec.get("transposed") else out
+    # transformers' Conv1D layout, contiguous as training and baking leave it (bf16 GEMMs differ by layout)
+    return out.t().contiguous() if rec.get("transposed") else out
 
 
 class _QLinear(QuantizedMixin):

@@ -114,7 +114,9 @@ class CompressMixin:
         return w.t() if self.qc_kind == "hf_conv1d" else w
 
     def _from_matrix_view(self, w: torch.Tensor) -> torch.Tensor:
-        return w.t() if self.qc_kind == "hf_conv1d" else w
+        # contiguous [in, out], the layout transformers' Conv1D stores: a transposed view runs
+        # another GEMM kernel, whose bf16 results differ from the baked / reloaded weight's
+        return w.t().contiguous() if self.qc_kind == "hf_conv1d" else w
 
     def quantized_weight(self, weight: Optional[torch.Tensor] = None):
         """(q, scale, zero_point, spec) of the weight forward uses now, in [out, ...] orientation.
