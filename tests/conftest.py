@@ -8,3 +8,16 @@ if ROOT not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 warnings.filterwarnings("ignore", message="qcompress kernels are not built")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A single-process engine at ZeRO stage 2/3 creates a private 1-rank process group that lives
+    on in the pytest process; later tests would then see rank 0 of it whatever RANK says, and tests
+    that need no group would skip. Each test ends without one."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
