@@ -773,3 +773,39 @@ def test_divergence_stops_with_one_line(folders, tmp_path, capsys):
         assert 1 < step <= 6 and len(rows) in (step - 1, step)
         assert all(math.isfinite(float(r["loss"])) for r in rows[:step - 1])
         assert not (out / "report.json").exists()
+
+
+def test_transformers_stage_after_a_resume_still_compares_with_the_export(folders, tmp_path, monkeypatch):
+    """A run interrupted after its 'exported' stage and resumed had no load_quantized model to
+    compare transformers' load with: the transformers row lost max_logit_diff_vs_exported. The
+    resumed run reloads the export for it; the oracle is the uninterrupted run's row."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    recipe = tmp_path / "w8_encoder.json"          # Linears only: an export transformers loads
+    recipe.write_text(json.dumps({"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                                    "modules": ["encoder"]}}}}}))
+    args = [str(recipe), "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--max-steps", "2", *FAST]
+    whole = str(tmp_path / "whole")
+    assert train([*args, "--out", whole]) == 0
+    want = json.load(open(os.path.join(whole, "report.json")))["stages"]["transformers"]
+    assert want.get("max_logit_diff_vs_exported") is not None
+
+    from qcompress.train import job
+
+    class Interrupted(Exception):
+        pass
+
+    def dies(*a, **k):
+        raise Interrupted()
+    cut = str(tmp_path / "cut")
+    real = job.transformers_attempts
+    monkeypatch.setattr(job, "transformers_attempts", dies)
+    with pytest.raises(Interrupted):
+        train([*args, "--out", cut])
+    monkeypatch.setattr(job, "transformers_attempts", real)
+    assert train([*args, "--out", cut, "--resume"]) == 0
+    got = json.load(open(os.path.join(cut, "report.json")))["stages"]["transformers"]
+    assert got["max_logit_diff_vs_exported"] == want["max_logit_diff_vs_exported"]
+    assert got["max_weight_diff_vs_exported"] == want["max_weight_diff_vs_exported"]

@@ -313,7 +313,7 @@ class Job:
             return {}
         export_dir = os.path.join(o.out, "export")
         stages["exported"], export_bytes = self.exported(trained, export_dir)
-        stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(export_dir))
+        stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(trained, export_dir))
         report = dict(
             task=o.task, model=os.path.abspath(o.model), model_class=cls_name, parameters=n_params,
             configs=list(o.configs), config=doc, metric=self.metric,
@@ -530,13 +530,7 @@ class Job:
 
         def export_and_reload():
             nbytes = export_model(model, self.doc, self.tok, export_dir)
-            fresh = fresh_model(model, o.task)
-            import qcompress
-            # a model trained with int8_forward computed what the fast kernels compute: compare
-            # against that reload (the exact one differs by the float GEMM's rounding)
-            mode = "fast" if any(getattr(getattr(m, "qc_aq", None), "int8_forward", False)
-                                 for m in model.modules()) else "exact"
-            qcompress.load_quantized(export_dir, fresh, mode=mode)
+            fresh, mode = self.reload(model, export_dir)
             result = self.evaluator()(fresh)
             result["reload_mode"] = mode
             result["max_logit_diff_vs_qat"] = max_logit_difference(model, fresh, self.data.eval,
@@ -547,9 +541,20 @@ class Job:
         result = self.stage("exported", export_and_reload)
         return result, result["export_bytes"]
 
-    def transformers_stage(self, export_dir):
+    def reload(self, model, export_dir):
+        """(the export loaded by load_quantized into a fresh model, the mode used). A model trained
+        with int8_forward computed what the fast kernels compute: it is compared with that reload
+        (the exact one differs by the float GEMM's rounding)."""
+        import qcompress
+        mode = "fast" if any(getattr(getattr(m, "qc_aq", None), "int8_forward", False)
+                             for m in model.modules()) else "exact"
+        return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode), mode
+
+    def transformers_stage(self, model, export_dir):
         o = self.opts
         reference = getattr(self, "_exported_model", None)
+        if reference is None:       # 'exported' finished in an earlier run (--resume): reload it here
+            reference = self.reload(model, export_dir)[0]
 
         def run(model):
             result = self.evaluator()(model)
