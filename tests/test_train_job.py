@@ -67,6 +67,27 @@ def write_data(folder, fmt, rows):
     raise ValueError(fmt)
 
 
+class Interrupted(Exception):
+    """Stands for a kill: raised inside the job, it leaves everything as a crash would."""
+
+
+def train_until_qat_checkpoint(args, step, monkeypatch):
+    """Run the job and interrupt it right after the compressed run saves its checkpoint at `step`."""
+    from qcompress.train import loop
+    real_save = loop.save
+
+    def save_then_die(phase, at):
+        real_save(phase, at)
+        if phase.name == "qat" and at == step:
+            raise Interrupted()
+    monkeypatch.setattr(loop, "save", save_then_die)
+    try:
+        with pytest.raises(Interrupted):
+            train(args)
+    finally:
+        monkeypatch.setattr(loop, "save", real_save)
+
+
 def train(args, capsys=None):
     code = cli_main(["train", *args])
     return code
@@ -181,22 +202,9 @@ def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monk
     whole = str(tmp_path / "whole")
     assert train([*args, "--out", whole]) == 0
 
-    from qcompress.train import loop
-    real_save = loop.save
-
-    class Interrupted(Exception):
-        pass
-
-    def save_then_die(phase, step):
-        real_save(phase, step)
-        if phase.name == "qat" and step == 4:
-            raise Interrupted()
-    monkeypatch.setattr(loop, "save", save_then_die)
     cut = str(tmp_path / "cut")
-    with pytest.raises(Interrupted):
-        train([*args, "--out", cut])
+    train_until_qat_checkpoint([*args, "--out", cut], 4, monkeypatch)
     assert not os.path.exists(os.path.join(cut, "report.json"))   # nothing presented as done
-    monkeypatch.setattr(loop, "save", real_save)
     assert train([*args, "--out", cut]) == 2                       # the folder holds a run
     assert train([*args, "--out", cut, "--resume"]) == 0
     a, b = _export_tensors(whole), _export_tensors(cut)
@@ -675,20 +683,7 @@ def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
     out = str(tmp_path / "cut")
     args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
             "--max-steps", "4", "--save-steps", "2", *FAST, "--out", out]
-    from qcompress.train import loop
-    real_save = loop.save
-
-    class Interrupted(Exception):
-        pass
-
-    def save_then_die(phase, step):
-        real_save(phase, step)
-        if phase.name == "qat" and step == 2:
-            raise Interrupted()
-    monkeypatch.setattr(loop, "save", save_then_die)
-    with pytest.raises(Interrupted):
-        train(args)
-    monkeypatch.setattr(loop, "save", real_save)
+    train_until_qat_checkpoint(args, 2, monkeypatch)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     from dist_utils import free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -793,9 +788,6 @@ def test_transformers_stage_after_a_resume_still_compares_with_the_export(folder
     assert want.get("max_logit_diff_vs_exported") is not None
 
     from qcompress.train import job
-
-    class Interrupted(Exception):
-        pass
 
     def dies(*a, **k):
         raise Interrupted()
