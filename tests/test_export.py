@@ -269,7 +269,10 @@ def test_tied_gpt2_exports_after_redundancy_clean(tmp_path):
         warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
         export_quantized(model, tmp_path / "out", cfg)
     sd = load_file(tmp_path / "out" / "model.safetensors")
-    assert torch.equal(sd["lm_head.weight_packed"], sd["transformer.wte.weight_packed"])
+    # the tied codes and scales are stored once, under the Linear's name; wte points to them
+    assert "lm_head.weight_packed" in sd and not any(k.startswith("transformer.wte.") for k in sd)
+    manifest = json.load(open(tmp_path / "out" / "config.json"))["qcompress"]["modules"]
+    assert manifest["transformer.wte"]["tied_to"] == "lm_head" and "tied_to" not in manifest["lm_head"]
     loaded = load_quantized(tmp_path / "out", build())
     # oracle: the reference quantizer on the starting embedding, 4-bit per row
     want = R.fake_quantize_with_mask(wte, R.make_spec(4, granularity="channel"))[0]
@@ -368,3 +371,96 @@ def test_bf16_gpt2_trained_baked_and_reloaded_agree_bit_for_bit(tmp_path):
         torch.set_num_threads(threads)
     assert torch.equal(reloaded, trained)
     assert torch.equal(baked, trained)
+
+
+def _tied_gpt2_export(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)).eval()
+
+    cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "schedules", "w4_group32.yaml"))
+    model = qcompress.init_compression(build(), cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
+        export_quantized(model, tmp_path / "out", cfg)
+    return model, build
+
+
+def test_tied_weights_are_stored_once_and_load_into_both_modules(tmp_path):
+    """GPT-2's wte / lm_head quantize one Parameter to one set of codes: the export held them twice
+    (a quarter of this model's file). The oracle for the reload is the trained model itself, and for
+    the size the same export with the tie removed from the manifest and the copy written back."""
+    model, build = _tied_gpt2_export(tmp_path)
+    out = tmp_path / "out"
+    sd = load_file(out / "model.safetensors")
+    assert not any(k.startswith("transformer.wte.") for k in sd)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for mode in ("exact", "fast"):
+            loaded = load_quantized(out, build(), mode=mode)
+            assert torch.equal(loaded.transformer.wte.weight, loaded.lm_head.weight)
+            got = loaded(input_ids=ids).logits
+            if mode == "exact":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    stored = sum(v.numel() * v.element_size() for v in sd.values())
+    tied = sum(v.numel() * v.element_size() for k, v in sd.items() if k.startswith("lm_head.weight"))
+    assert tied > 0.2 * stored          # what storing it twice would have added
+
+
+def _edit_manifest(out, fn):
+    path = out / "config.json"
+    cfg = json.load(open(path))
+    fn(cfg["qcompress"]["modules"])
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing target", r"tied_to='nowhere' does not name another module"),
+    ("itself", r"tied_to='transformer.wte' does not name another module"),
+    ("chain", r"tied_to='transformer.wte' does not name another module"),
+    ("records differ", r"tied_to='lm_head', but the two modules' weight records differ"),
+])
+def test_bad_tie_records_are_checkpoint_errors(tmp_path, case, match):
+    _, build = _tied_gpt2_export(tmp_path)
+    out = tmp_path / "out"
+
+    def edit(mods):
+        if case == "missing target":
+            mods["transformer.wte"]["tied_to"] = "nowhere"
+        elif case == "itself":
+            mods["transformer.wte"]["tied_to"] = "transformer.wte"
+        elif case == "chain":
+            mods["lm_head"]["tied_to"] = "transformer.wte"
+            mods["transformer.h.0.attn.c_attn"]["tied_to"] = "lm_head"
+        else:
+            mods["transformer.wte"]["weights"]["group_size"] = 16
+    _edit_manifest(out, edit)
+    from qcompress.export.errors import CheckpointError
+    with pytest.raises(CheckpointError, match=match):
+        load_quantized(out, build())
+
+
+def test_a_tied_module_whose_tensors_are_stored_anyway_is_refused(tmp_path):
+    """resolve_ties (the loader's step after reading the files, before the tensor checks) refuses a
+    weight tensor stored under a name the manifest says is tied, rather than pick one."""
+    from qcompress.export import safetensors_io as sio
+    from qcompress.export.errors import CheckpointError
+    from qcompress.export.reader import read_config, resolve_ties
+    _tied_gpt2_export(tmp_path)
+    out = tmp_path / "out"
+    _, _, _, modules = read_config(str(out))
+    tensors, where, _ = sio.read_checkpoint(str(out))
+    resolve_ties(dict(tensors), dict(where), modules)           # as exported: fine
+    tensors["transformer.wte.weight_scale"] = tensors["lm_head.weight_scale"].clone()
+    where["transformer.wte.weight_scale"] = where["lm_head.weight_scale"]
+    with pytest.raises(CheckpointError, match=r"'transformer.wte.weight_scale' is stored although config.json "
+                                              r"says 'transformer.wte' is tied_to 'lm_head'"):
+        resolve_ties(tensors, where, modules)

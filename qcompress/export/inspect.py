@@ -58,5 +58,7 @@ def inspect_checkpoint(folder) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"total {_fmt_bytes(total)} vs fp32 {_fmt_bytes(total_fp32)}: ratio "
                  f"{total / max(total_fp32, 1):.3f}; quantization_config format "
-                 f"{qc.get('format')!r}, {len(modules)} quantized modules")
+                 f"{qc.get('format')!r}, {len(modules)} quantized modules"
+                 + (f" ({tied} tied to another's stored weight)" if (tied := sum("tied_to" in r for r in modules.values()))
+                    else ""))
     return "\n".join(lines)

@@ -267,9 +267,39 @@ def check_manifest(modules, cfg_path: str):
     if not isinstance(modules, dict):
         raise CheckpointError(f"{cfg_path}: qcompress.modules is {type(modules).__name__}, not an object")
     for name, rec in modules.items():
-        problem = _record_problem(rec)
+        problem = _record_problem(rec) or _tie_problem(name, rec, modules)
         if problem:
             raise CheckpointError(f"{cfg_path}: qcompress manifest entry of module {name!r}: {problem}")
+
+
+def _tie_problem(name, rec, modules) -> str:
+    """A `tied_to` record (tied weights stored once) must name another stored module whose weight
+    record is the same."""
+    to = rec.get("tied_to")
+    if to is None:
+        return ""
+    src = modules.get(to) if isinstance(to, str) and to != name else None
+    if not isinstance(src, dict) or src.get("tied_to") is not None or rec["weights"] is None:
+        return f"tied_to={to!r} does not name another module of this export that stores its weight"
+    if (rec["format"], rec["weights"], rec.get("weight_shape")) != (src.get("format"), src.get("weights"),
+                                                                     src.get("weight_shape")):
+        return f"tied_to={to!r}, but the two modules' weight records differ"
+    return ""
+
+
+def resolve_ties(tensors, where, modules) -> None:
+    """Modules stored `tied_to` another read its weight tensors (the same codes and scales)."""
+    for name, rec in modules.items():
+        to = rec.get("tied_to")
+        if to is None:
+            continue
+        for suffix in layout.expected_tensors({**rec, "input_activations": None}):
+            key, src = f"{name}.{suffix}", f"{to}.{suffix}"
+            if key in tensors:
+                raise CheckpointError(f"{where[key]}: tensor {key!r} is stored although config.json says "
+                                      f"{name!r} is tied_to {to!r}")
+            if src in tensors:
+                tensors[key], where[key] = tensors[src], where[src]
 
 
 def _targeted(patterns, name: str, cfg_path: str) -> bool:
@@ -424,6 +454,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     _check_against_quant_config(qc, modules, cfg_path)
     unbound = []                  # files config.json does not bind: reported after content checks
     tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
+    resolve_ties(tensors, where, modules)
     check_tensors(tensors, where, modules, cfg_path)
     if unbound:
         raise CheckpointError(unbound[0])

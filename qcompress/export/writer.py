@@ -41,6 +41,8 @@ def collect(model: nn.Module):
     modules: Dict[str, dict] = {}
     plain_linears: List[str] = []
     replaced = {}
+    users: Dict[int, List[str]] = {}     # id(weight Parameter) -> quantized modules that use it
+    entries = {}
     for name, mod in root.named_modules():
         if not name:
             continue
@@ -66,8 +68,11 @@ def collect(model: nn.Module):
         if entry is not None:
             local.update(entry.tensors)
             replaced[f"{name}.weight"] = True
+            users.setdefault(id(mod.weight), []).append(name)
+            entries[name] = entry
         for k, v in local.items():
             replaced[f"{name}.{k}"] = v
+    _store_tied_once(users, entries, modules, replaced)
     for k, v in sd.items():
         if k not in replaced:
             tensors[k] = v.detach().cpu().contiguous()
@@ -85,6 +90,31 @@ def collect(model: nn.Module):
             ptr = v.untyped_storage().data_ptr()
         seen.add(ptr)
     return tensors, modules, plain_linears
+
+
+def _store_tied_once(users, entries, modules, replaced) -> None:
+    """Tied weights (GPT-2's wte / lm_head) quantize one Parameter to one set of codes: write them
+    once, under a Linear's name where there is one (the name compressed-tensors describes), and
+    mark the other modules `tied_to` it; load_quantized reads them from there."""
+    for names in users.values():
+        if len(names) < 2:
+            continue
+        keep = next((n for n in names if modules[n]["kind"] == "linear"), names[0])
+        kept = entries[keep].tensors
+        for n in names:
+            own = entries[n].tensors
+            same = (n != keep and modules[n]["weights"] == modules[keep]["weights"]
+                    and modules[n]["format"] == modules[keep]["format"]
+                    and list(modules[n]["weight_shape"]) == list(modules[keep]["weight_shape"])
+                    and own.keys() == kept.keys() and all(torch.equal(own[k], kept[k]) for k in own))
+            if not same:              # never expected (tied modules share one quantizer): keep both
+                continue
+            modules[n]["tied_to"] = keep
+            for k in own:
+                if k == "weight":
+                    replaced[f"{n}.weight"] = True     # the float weight stays out too
+                else:
+                    del replaced[f"{n}.{k}"]
 
 
 def build_config(model, modules, plain_linears) -> dict:
