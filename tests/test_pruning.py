@@ -328,3 +328,33 @@ def test_row_clean_hf_conv1d():
     qc.redundancy_clean(m, cfg)
     assert m[0].weight.shape == (6, 6) and m[0].nf == 6 and m[2].weight.shape == (6, 3)
     torch.testing.assert_close(m(x), y)
+
+
+def test_head_clean_gpt2_fused_c_attn():
+    """GPT-2's c_attn is Q, K and V side by side: each kept head keeps its block in all three
+    sections, and the attention's split_size follows (it used to slice h blocks of 3d rows and
+    the cleaned model failed to unpack Q, K, V)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    conf = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    model = transformers.GPT2LMHeadModel(conf).eval()
+    cfg = {"compression_training": {"head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attn.c_proj"],
+                                    "related_modules": [["attn.c_attn"]]}}}}}
+    qc.init_compression(model, cfg)
+    attn = model.transformer.h[0].attn
+    kept = attn.c_proj.qc_pruning["head_pruning"].final_mask(attn.c_proj).flatten().nonzero().flatten()
+    w0, b0 = attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone()   # [32, 96]
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    qc.redundancy_clean(model, cfg)
+    # oracle: the kept heads' 8 columns of each of the Q, K, V sections, in order
+    cols = [s * 32 + h * 8 + i for s in range(3) for h in kept.tolist() for i in range(8)]
+    assert attn.c_attn.weight.shape == (32, 48) and attn.c_proj.weight.shape == (16, 32)
+    torch.testing.assert_close(attn.c_attn.weight, w0[:, cols], rtol=0, atol=0)
+    torch.testing.assert_close(attn.c_attn.bias, b0[cols], rtol=0, atol=0)
+    assert (attn.num_heads, attn.split_size, attn.head_dim) == (2, 16, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)

@@ -206,8 +206,15 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
     for rp, names in rels:
         r = modules[names[0]]
         out = _matrix(r).shape[0]
-        _check(out % h == 0, tech, group, f"{names[0]!r} has {out} outputs, not divisible by {h} heads")
-        rows = (keep.reshape(-1, 1) * (out // h) + torch.arange(out // h, device=keep.device)).flatten()
+        # A fused projection (GPT-2's c_attn: [Q; K; V], each as wide as the O-projection's
+        # input) holds one head block per section; slicing it as h blocks of out/h rows would
+        # keep the wrong rows and break the parent's split into Q, K, V.
+        sections = out // inp if out > inp and out % inp == 0 else 1
+        width = out // sections
+        _check(width % h == 0, tech, group, f"{names[0]!r} has {out} outputs, not divisible by {h} heads")
+        d = width // h
+        rows = (keep.reshape(-1, 1) * d + torch.arange(d, device=keep.device)).flatten()
+        rows = torch.cat([rows + k * width for k in range(sections)])
         _drop_outputs(r, rows)
         parent_name = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
         if parent_name not in parents_done:
@@ -225,6 +232,9 @@ def _update_heads(parent, kept: int) -> None:
             parent.all_head_size = kept * parent.attention_head_size
     elif isinstance(getattr(parent, "num_heads", None), int):
         parent.num_heads = kept
+        # GPT-2 splits c_attn's output into Q, K, V with split_size (= heads * head_dim)
+        if isinstance(getattr(parent, "split_size", None), int) and isinstance(getattr(parent, "head_dim", None), int):
+            parent.split_size = kept * parent.head_dim
 
 
 @torch.no_grad()
