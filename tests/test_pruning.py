@@ -358,3 +358,50 @@ def test_head_clean_gpt2_fused_c_attn():
     assert (attn.num_heads, attn.split_size, attn.head_dim) == (2, 16, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+
+
+def _llama(kv_heads):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    conf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=kv_heads,
+                                    max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(conf).eval()
+
+
+LLAMA_HEADS = {"compression_training": {"head_pruning": {
+    "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+    "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["o_proj"],
+                                "related_modules": [["q_proj", "k_proj", "v_proj"]]}}}}}
+
+
+def test_head_clean_llama_matches_masked_model():
+    model = _llama(kv_heads=4)
+    qc.init_compression(model, LLAMA_HEADS)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    qc.redundancy_clean(model, LLAMA_HEADS)
+    att = model.model.layers[0].self_attn
+    assert att.k_proj.weight.shape == (16, 32) and att.o_proj.weight.shape == (32, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+
+
+def test_head_pruning_grouped_query_kv_is_refused_at_init():
+    """2 K/V heads serve 4 query heads: slicing k_proj per query head changed the logits (0.14)."""
+    model = _llama(kv_heads=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"head_pruning\.different_groups\.hp\.related_modules: "
+                                          r"'model\.layers\.0\.self_attn\.k_proj' has 16 outputs.*grouped-query"):
+        qc.init_compression(model, LLAMA_HEADS)
+    assert set(model.state_dict()) == set(before)          # the failed rewrite left the model as it was
+    ok = copy.deepcopy(LLAMA_HEADS)
+    del ok["compression_training"]["head_pruning"]["different_groups"]["hp"]["related_modules"]
+    qc.init_compression(model, ok)                        # without slicing: masked, then zeroed
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    qc.redundancy_clean(model, ok)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)

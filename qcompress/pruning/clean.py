@@ -206,12 +206,9 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
     for rp, names in rels:
         r = modules[names[0]]
         out = _matrix(r).shape[0]
-        # A fused projection (GPT-2's c_attn: [Q; K; V], each as wide as the O-projection's
-        # input) holds one head block per section; slicing it as h blocks of out/h rows would
-        # keep the wrong rows and break the parent's split into Q, K, V.
-        sections = out // inp if out > inp and out % inp == 0 else 1
+        sections, msg = head_sections(names[0], out, name, inp)
+        _check(msg is None, tech, group, msg)
         width = out // sections
-        _check(width % h == 0, tech, group, f"{names[0]!r} has {out} outputs, not divisible by {h} heads")
         d = width // h
         rows = (keep.reshape(-1, 1) * d + torch.arange(d, device=keep.device)).flatten()
         rows = torch.cat([rows + k * width for k in range(sections)])
@@ -220,6 +217,24 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
         if parent_name not in parents_done:
             parents_done.add(parent_name)
             _update_heads(modules.get(parent_name), len(keep))
+
+
+def head_sections(rname: str, out: int, oname: str, inp: int):
+    """(number of [Q; K; V] sections in related module `rname`, None) or (0, why it cannot
+    follow the O-projection `oname`'s heads).
+
+    Each section must be exactly as wide as the O-projection's input: a fused projection (GPT-2's
+    c_attn) holds one block per head in each of its sections. A narrower one is grouped-query
+    K / V (a key/value head serves several query heads, so removing one query head's block
+    of rows would remove a head other query heads still read); slicing it silently changed
+    the model's outputs.
+    """
+    if out >= inp and out % inp == 0:
+        return out // inp, None
+    return 0, (f"{rname!r} has {out} outputs, not a multiple of the {inp} head inputs of {oname!r}: "
+               "its heads are not the O-projection's (grouped-query K/V share a head among several "
+               "query heads and cannot follow a per-query-head mask); leave related_modules out to "
+               "zero the pruned heads without slicing")
 
 
 def _update_heads(parent, kept: int) -> None:

@@ -120,7 +120,13 @@ def related_of(technique, group, name, modules):
 def _check_related(module, technique, group, name, modules):
     """Validate the pairing at init (not only at clean); hook related BatchNorms for channels."""
     from ..nn.layers import kind_of
+    from .clean import _matrix, head_sections
     for rname in related_of(technique, group, name, modules):
         related = modules[rname]
+        if technique == "head_pruning" and kind_of(related) in ("linear", "hf_conv1d"):
+            _, msg = head_sections(rname, _matrix(related).shape[0], name, _matrix(module).shape[1])
+            if msg is not None:   # found at init, not after training at redundancy_clean
+                raise ConfigError(f"compression_training.head_pruning.different_groups.{group.name}"
+                                  ".related_modules", msg)
         if technique == "channel_pruning" and kind_of(related) == "batchnorm":
             related.register_forward_hook(_ChannelMaskHook(module))
