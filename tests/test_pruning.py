@@ -405,3 +405,57 @@ def test_head_pruning_grouped_query_kv_is_refused_at_init():
     qc.redundancy_clean(model, ok)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+
+
+def _sparse_l1_cfg(ratio, end=None):
+    sp = {"enabled": True, "schedule_offset": 0, "method": "l1"}
+    if end is not None:
+        sp["schedule_offset_end"] = end
+    return {"compression_training": {"sparse_pruning": {"shared_parameters": sp, "different_groups": {
+        "g": {"params": {"dense_ratio": ratio}, "modules": ["^0$"]}}}}}
+
+
+def _saved_sparse_run(cfg, steps=2):
+    m = mlp(seed=0, d_in=8, hidden=8)
+    w0 = m[0].weight.detach().clone()
+    qc.init_compression(m, cfg)
+    sched = qc.CompressionScheduler(m)
+    for _ in range(steps):
+        sched.step()
+    return w0, copy.deepcopy(m.state_dict()), sched.state_dict()
+
+
+def _resumed(cfg, model_sd, sched_sd):
+    m = mlp(seed=1, d_in=8, hidden=8)          # other weights: only the checkpoint may decide
+    qc.init_compression(m, cfg)
+    sched = qc.CompressionScheduler(m)
+    m.load_state_dict(model_sd)
+    sched.load_state_dict(sched_sd)
+    return m
+
+
+def test_resume_with_another_dense_ratio_or_ramp_is_refused_naming_the_key():
+    """A checkpoint holding only the final l1 mask kept its own ratio silently (0.5 where the
+    config said 0.25), and a ramp resumed from it ramped over the fresh model's weights."""
+    _, msd, ssd = _saved_sparse_run(_sparse_l1_cfg(0.5))
+    with pytest.raises(ConfigError, match=r"sparse_pruning\.different_groups\.g\.params\.dense_ratio: "
+                                          r"0\.25 keeps 16 of 64, but the checkpoint's l1 mask keeps 32"):
+        _resumed(_sparse_l1_cfg(0.25), msd, ssd)
+    with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.schedule_offset_end: "):
+        _resumed(_sparse_l1_cfg(0.5, end=4), msd, ssd)
+    with pytest.raises(ConfigError, match="keeps 29 of 64"):    # ceil(0.45 * 64) = 29
+        _resumed(_sparse_l1_cfg(0.45), msd, ssd)
+    m = _resumed(_sparse_l1_cfg(0.49), msd, ssd)                  # ceil(0.49 * 64) = 32: that mask
+    assert int(m[0].qc_pruning["sparse_pruning"].final_mask(m[0]).sum()) == 32
+
+
+def test_resume_from_ramped_l1_scores_uses_the_saved_importance():
+    """Ramped checkpoints hold the init-time scores; a config without the ramp (or another ratio)
+    builds its mask from them, not from the weights of the model it was resumed into."""
+    w0, msd, ssd = _saved_sparse_run(_sparse_l1_cfg(0.5, end=4))
+    m = _resumed(_sparse_l1_cfg(0.25), msd, ssd)
+    st = m[0].qc_pruning["sparse_pruning"]
+    want = torch.zeros(64)
+    want[w0.abs().flatten().topk(16).indices] = 1              # oracle: the original |W|
+    torch.testing.assert_close(st.mask(m[0]).flatten(), want, rtol=0, atol=0)
+    assert st.ratio == 0.25 and int(st.final_mask(m[0]).sum()) == 16

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .masks import topk_binarize, topk_mask
+from .masks import keep_count, topk_binarize, topk_mask
 
 
 @dataclass
@@ -86,18 +86,45 @@ class PruningState:
             sd["scores"] = self.l1_scores.detach().cpu().clone()
         return sd
 
+    def _path(self, key: str) -> str:
+        if key in ("method", "schedule_offset_end"):
+            return f"compression_training.{self.technique}.shared_parameters.{key}"
+        return f"compression_training.{self.technique}.different_groups.{self.group}.params.{key}"
+
     def load_state_dict(self, sd: dict) -> None:
+        from ..errors import ConfigError
         if sd.get("method", self.method) != self.method:
-            raise ValueError(f"{self.technique}: checkpoint was saved with method {sd['method']!r}, "
-                             f"the config now says {self.method!r}")
-        for key, attr in (("mask", "l1_mask"), ("scores", "l1_scores")):
-            if key in sd:
-                cur = getattr(self, attr)
-                if cur is not None and tuple(cur.shape) != tuple(sd[key].shape):
-                    raise ValueError(f"{self.technique}: saved {key} has shape {tuple(sd[key].shape)}, "
-                                     f"this module needs {tuple(cur.shape)}")
-                dev = cur.device if cur is not None else None
-                setattr(self, attr, sd[key].to(dev) if dev is not None else sd[key].clone())
+            raise ConfigError(self._path("method"),
+                              f"the checkpoint was saved with method {sd['method']!r}, the config "
+                              f"now says {self.method!r}")
+        cur = self.l1_mask if self.l1_mask is not None else self.l1_scores   # masks are shaped like scores
+        for key in ("mask", "scores"):
+            if key in sd and cur is not None and tuple(cur.shape) != tuple(sd[key].shape):
+                raise ValueError(f"{self.technique}: saved {key} has shape {tuple(sd[key].shape)}, "
+                                 f"this module needs {tuple(cur.shape)}")
+        ramped = self.l1_scores is not None and self.l1_mask is None
+        dev = cur.device if cur is not None else None
+        if "scores" in sd:
+            # the init-time importance: any kept ratio (the config's now) follows from it
+            scores = sd["scores"].to(dev) if dev is not None else sd["scores"].clone()
+            self.l1_scores = scores
+            if not ramped:
+                self.l1_mask = topk_mask(scores, self.dense_ratio)
+        elif "mask" in sd:
+            # only the final mask was saved: it can neither ramp nor keep another count
+            mask = sd["mask"]
+            if ramped:
+                raise ConfigError(self._path("schedule_offset_end"),
+                                  "the checkpoint was saved without a ramp and holds only the final "
+                                  "l1 mask, so the kept ratio cannot ramp; resume with the config it "
+                                  "was saved with")
+            kept, want = int((mask > 0.5).sum()), keep_count(self.dense_ratio, mask.numel())
+            if kept != want:
+                raise ConfigError(self._path("dense_ratio"),
+                                  f"{self.dense_ratio} keeps {want} of {mask.numel()}, but the "
+                                  f"checkpoint's l1 mask keeps {kept} (saved with another dense_ratio); "
+                                  "resume with the config it was saved with")
+            self.l1_mask = mask.to(dev) if dev is not None else mask.clone()
 
     def describe(self) -> str:
         short = self.technique.replace("_pruning", "")
