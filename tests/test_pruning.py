@@ -326,7 +326,7 @@ def test_row_clean_hf_conv1d():
     x = torch.randn(2, 4, 6)
     y = m(x).detach()
     qc.redundancy_clean(m, cfg)
-    assert m[0].weight.shape == (6, 6) and m[0].nf == 6 and m[2].weight.shape == (6, 3)
+    assert m[0].weight.shape == (6, 6) and m[0].nf == 6 and m[2].weight.shape == (6, 3) and m[2].nx == 6
     torch.testing.assert_close(m(x), y)
 
 
@@ -356,6 +356,7 @@ def test_head_clean_gpt2_fused_c_attn():
     torch.testing.assert_close(attn.c_attn.weight, w0[:, cols], rtol=0, atol=0)
     torch.testing.assert_close(attn.c_attn.bias, b0[cols], rtol=0, atol=0)
     assert (attn.num_heads, attn.split_size, attn.head_dim) == (2, 16, 8)
+    assert (attn.c_attn.nf, attn.c_attn.nx, attn.c_proj.nf, attn.c_proj.nx) == (48, 32, 32, 16)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
 

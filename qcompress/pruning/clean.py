@@ -94,6 +94,8 @@ def _drop_inputs(mod, keep: torch.Tensor) -> None:
     kind = kind_of(mod)
     if kind == "linear":
         mod.in_features = len(keep)
+    elif kind == "hf_conv1d" and isinstance(getattr(mod, "nx", None), int):
+        mod.nx = len(keep)          # only repr() reads it, but it should not show the old width
     elif kind == "conv":
         mod.in_channels = len(keep)
 
