@@ -460,3 +460,38 @@ def test_resume_from_ramped_l1_scores_uses_the_saved_importance():
     want[w0.abs().flatten().topk(16).indices] = 1              # oracle: the original |W|
     torch.testing.assert_close(st.mask(m[0]).flatten(), want, rtol=0, atol=0)
     assert st.ratio == 0.25 and int(st.final_mask(m[0]).sum()) == 16
+
+
+def test_head_clean_keeps_group_codes_that_align_with_heads(tmp_path):
+    """Heads 8 inputs wide, scales every 4 inputs: the kept heads' groups keep their scales, so the
+    codes still dequantize to the cleaned weight and an asymmetric export succeeds (the codes were
+    dropped, and re-quantizing the baked weight missed 49 of 512 elements)."""
+    model = _bert(2)
+    cfg = {"compression_training": {
+        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
+                                               "num_heads": 4},
+                         "different_groups": {"hp": {"params": {"dense_ratio": 0.5},
+                                                     "modules": ["attention.output.dense"],
+                                                     "related_modules": [["self.query", "self.key", "self.value"]]}}},
+        "weight_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0,
+                                                      "quantize_weight_in_forward": True,
+                                                      "quantization_type": "asymmetric"},
+                                "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4,
+                                                                       "granularity": "group", "group_size": 4},
+                                                            "modules": ["attention"]}}}}}
+    qc.init_compression(model, cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # no "integer codes dropped"
+        qc.redundancy_clean(model, cfg)
+    o = model.bert.encoder.layer[0].attention.output.dense
+    q, s, z = o.qc_wq.codes
+    assert q.shape == (32, 16) and s.shape == (32, 4)
+    g = s.repeat_interleave(4, dim=1), z.repeat_interleave(4, dim=1)   # oracle: per-element scales
+    torch.testing.assert_close((q.float() - g[1].float()) * g[0], o.weight.detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+    qc.export_quantized(model, tmp_path / "out")

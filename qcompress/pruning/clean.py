@@ -60,12 +60,29 @@ def _slice_codes(mod, dim: int, keep: torch.Tensor) -> None:
             out.append(t)
         elif t.shape[dim] == n:
             out.append(t.index_select(dim, keep))
+        elif _whole_groups(wq, dim, n, t.shape[dim], keep) is not None:
+            # group_size-wide scales along the inputs and the kept columns are whole groups
+            # (heads a multiple of group_size wide): keep those groups' scales. Dropping the
+            # codes made an asymmetric export fail (re-quantizing the baked weight is not exact)
+            out.append(t.index_select(dim, _whole_groups(wq, dim, n, t.shape[dim], keep)))
         else:   # grouped scales along the sliced dim: no exact slice
             warnings.warn(f"{getattr(mod, 'qc_name', '?')}: integer codes dropped after slicing "
                           "(group scales do not align with the pruned structure)")
             wq.codes, wq.codes_spec = None, None
             return
     wq.codes = tuple(out)
+
+
+def _whole_groups(wq, dim: int, n: int, groups: int, keep: torch.Tensor):
+    """Indices of the input groups `keep` consists of, or None when it splits a group."""
+    g = getattr(wq.codes_spec, "group_size", None)
+    if dim != 1 or not g or groups * g != n or len(keep) % g:
+        return None
+    blocks = keep.reshape(-1, g)
+    first = blocks[:, :1]
+    if bool((first % g != 0).any()) or not torch.equal(blocks, first + torch.arange(g, device=keep.device)):
+        return None
+    return first.flatten() // g
 
 
 def _drop_outputs(mod, keep: torch.Tensor) -> None:
