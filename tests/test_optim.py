@@ -1141,3 +1141,144 @@ def test_errors_resume_only_under_the_same_scale_per_tensor():
         assert all(torch.equal(a[k], b[k]) for a, b in zip(kept, r["saved"]) for k in a) and not r[True]["log"]
         assert r[False]["errors"] is None
         assert any("bucket layout changed" in m for m in r[False]["log"])
+
+
+# ---------------------------------------------------------------------------------------------- frozen parameters, NaN
+# A parameter the user freezes (requires_grad=False, gradient None) must stay where it is, as torch's
+# optimizers leave it; in the compression stages it kept moving on its decaying momentum and shrank under
+# weight decay. A NaN gradient on one rank must leave every rank's optimizer state as it was (the caller
+# skips the step): the momentum was already updated in place on every rank, so every later step raised too.
+_FROZEN_RUNS = {
+    "OneBitAdam": lambda ps: OneBitAdam(ps, lr=1e-2, weight_decay=0.1, freeze_step=2),
+    "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=0.1, var_freeze_step=4, var_update_scaler=1,
+                                          local_step_scaler=1, local_step_clipper=2),
+    "OneBitLamb": lambda ps: OneBitLamb(ps, lr=1e-2, weight_decay=0.1, freeze_step=2),
+}
+
+
+def _frozen_run(name, rank, with_frozen, steps=9, freeze_at=1):
+    """Two trained tensors and (with_frozen) a third one frozen (requires_grad=False) after freeze_at steps."""
+    ps = _params4()  # (7, 5), (13,)
+    ps = [p.clone().requires_grad_() for p in ps]
+    frozen = torch.linspace(-1, 1, 6).requires_grad_()
+    opt = _FROZEN_RUNS[name](ps + [frozen] if with_frozen else ps)
+    held = None
+    for t in range(1, steps + 1):
+        for p, g in zip(ps, _grads4(t, rank)):
+            p.grad = g
+        if with_frozen and t <= freeze_at:
+            frozen.grad = torch.full((6,), 0.1 * (rank + 1))
+        elif with_frozen and frozen.requires_grad:
+            frozen.grad = None
+            frozen.requires_grad_(False)
+            held = frozen.detach().clone()
+        opt.sync_gradients()
+        opt.step()
+    stage = opt.stage
+    if isinstance(opt, ZeroOneAdam):
+        opt.synchronize()  # ends the local steps: one model on every rank
+    return [p.detach().clone() for p in ps], frozen.detach().clone(), held, stage
+
+
+@pytest.mark.parametrize("name", list(_FROZEN_RUNS))
+def test_frozen_parameter_stays_put_in_every_stage_one_rank(name):
+    ps, frozen, held, stage = _frozen_run(name, 0, True)
+    assert stage in ("compression", "local_steps")
+    assert torch.equal(frozen, held), f"{name} moved a frozen parameter by {(frozen - held).abs().max()}"
+    # the other tensors train exactly as without the frozen one (one rank: nothing is compressed)
+    ref, _, _, _ = _frozen_run(name, 0, False)
+    for a, b in zip(ps, ref):
+        assert torch.equal(a, b), f"{name}: the frozen parameter changed the others' updates"
+
+
+def _rank_frozen_and_nan(rank, world):
+    from qcompress import NonFiniteError
+    out = {}
+    for name in _FROZEN_RUNS:
+        out[name, "frozen"] = _frozen_run(name, rank, True)
+        out[name, "plain"] = _frozen_run(name, rank, False)
+    # a NaN in rank 1's gradient at step 5 (compression stage / 0/1 Adam's compressed-gradient step);
+    # the caller skips that step on every rank; the reference run never saw that step
+    for name in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+        for skip_run in (False, True):
+            ps = [p.clone().requires_grad_() for p in _params4()]
+            make = _FROZEN_RUNS[name]
+            opt = make(ps) if name != "ZeroOneAdam" else ZeroOneAdam(ps, lr=1e-2, var_freeze_step=8,
+                                                                     var_update_scaler=2)
+            errors = []
+            for t in range(1, 9):
+                if skip_run and t == 5:
+                    continue
+                for p, g in zip(ps, _grads4(t, rank)):
+                    p.grad = g
+                if t == 5 and rank == 1:
+                    ps[1].grad[4] = float("inf") if name == "OneBitLamb" else float("nan")
+                opt.sync_gradients()
+                try:
+                    opt.step()
+                except NonFiniteError as e:
+                    errors.append((t, str(e)))
+            out[name, "nan", skip_run] = ([p.detach().clone() for p in ps], errors, opt.counters["step"])
+    # 0/1 Adam's local steps apply a NaN at once; the sync's error must not promise a harmless skip
+    ps = [p.clone().requires_grad_() for p in _params4()]
+    opt = ZeroOneAdam(ps, lr=1e-2, var_freeze_step=2, local_step_scaler=100)
+    for t in range(1, 5):
+        for p, g in zip(ps, _grads4(t, rank)):
+            p.grad = g
+        if t == 4 and rank == 0:
+            ps[0].grad[1, 2] = float("nan")
+        opt.sync_gradients()
+        try:
+            opt.step()
+        except NonFiniteError as e:
+            out["ZeroOneAdam", "local"] = (t, str(e))
+    return out
+
+
+_FROZEN2: list = []
+
+
+def _frozen2():
+    if not _FROZEN2:
+        _FROZEN2.extend(run_ranks(_rank_frozen_and_nan, 2, timeout=2 * TIMEOUT))
+    return _FROZEN2
+
+
+@pytest.mark.parametrize("name", list(_FROZEN_RUNS))
+def test_frozen_parameter_stays_put_in_every_stage_two_ranks(name):
+    res = _frozen2()
+    for r in range(2):
+        ps, frozen, held, stage = res[r][name, "frozen"]
+        assert stage in ("compression", "local_steps")
+        assert torch.equal(frozen, held), f"{name} rank {r} moved a frozen parameter"
+        assert all(torch.equal(a, b) for a, b in zip(ps, res[0][name, "frozen"][0])), "ranks differ"
+    if name != "OneBitLamb":  # per-tensor scales: a frozen tensor's zeros leave the others' compression alone
+        for a, b in zip(res[0][name, "frozen"][0], res[0][name, "plain"][0]):
+            assert torch.equal(a, b), f"{name}: the frozen parameter changed the others' updates"
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])
+def test_nonfinite_gradient_on_one_rank_names_it_and_leaves_every_state(name):
+    res = _frozen2()
+    for r in range(2):
+        ps, errors, steps = res[r][name, "nan", False]
+        assert [t for t, _ in errors] == [5], f"{name} rank {r}: errors at steps {[t for t, _ in errors]}"
+        msg = errors[0][1]
+        assert name in msg and "can be skipped" in msg
+        if r == 1:
+            assert "param_groups[0].params[1] (shape (13,))" in msg, msg
+        else:
+            assert "another rank" in msg, msg
+        # skipping the failed step equals never having seen it (and the ranks agree)
+        ref, ref_errors, ref_steps = res[r][name, "nan", True]
+        assert ref_errors == [] and steps == ref_steps == 7
+        for a, b in zip(ps, ref):
+            assert torch.equal(a, b), f"{name} rank {r}: the failed step left traces in the optimizer"
+        assert all(torch.equal(a, b) for a, b in zip(ps, res[0][name, "nan", False][0]))
+
+
+def test_nonfinite_in_zero_one_adam_local_steps_says_the_skip_cannot_recover():
+    for r in range(2):
+        t, msg = _frozen2()[r]["ZeroOneAdam", "local"]
+        assert t == 4 and "resume from the last checkpoint" in msg and "can be skipped" not in msg, msg
+        assert ("param_groups[0].params[0] (shape (7, 5))" if r == 0 else "another rank") in msg, msg

@@ -31,6 +31,21 @@ log = logging.getLogger("qcompress")
 UNKNOWN_NODES = "unknown"  # errors from a checkpoint that does not record its node layout
 
 
+def is_frozen(p: torch.Tensor) -> bool:
+    """A parameter the user froze (requires_grad=False): like torch's optimizers (which see its
+    gradient None), the compressed stages leave it and its state alone (no momentum decay, no
+    weight decay); it sends zeros to keep the layout. requires_grad is the test, not a missing
+    gradient: it is the same on every rank, while a gradient can be missing on one rank only (a
+    branch unused there), which must still join the average."""
+    return not p.requires_grad
+
+
+def param_names(groups) -> List[str]:
+    """'param_groups[i].params[j] (shape ...)' for each parameter, in layout order (error messages)."""
+    return [f"param_groups[{i}].params[{j}] (shape {tuple(p.shape)})"
+            for i, g in groups for j, p in enumerate(g["params"])]
+
+
 class Buckets:
     def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
                  compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False):
@@ -53,6 +68,7 @@ class Buckets:
         self.device = params[0].device if params else torch.device("cpu")
         self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
         self._flat = None   # persistent float32 staging buffer: no 4N-byte allocation per step
+        self._views = None  # per-parameter views of _flat
         self.owner = owner  # names the optimizer in warnings
         self.nodes = None   # node layout the errors belong to: None = flat, else lists of ranks
         self._resolved = False
@@ -64,38 +80,75 @@ class Buckets:
 
     def allreduce_(self, tensors: List[torch.Tensor]) -> None:
         """Replace each float32 tensor by its compressed average over the group (in place)."""
-        if _dist.world_size(self.group) == 1 or not tensors:
+        views = self.staging()
+        if views is None or not tensors:
             return  # the mean over one rank is the tensor itself: nothing to send or compress
+        for v, t in zip(views, tensors):
+            v.copy_(t.reshape(-1))
+        self.allreduce_staged_(tensors)
+
+    def staging(self) -> Optional[List[torch.Tensor]]:
+        """Flat float32 views, one per parameter in layout order, of the persistent staging buffer
+        that allreduce_staged_() averages; None at world size 1 (nothing is sent: compute in place).
+        Filling them instead of the optimizer state keeps that state untouched until the
+        collective has succeeded on every rank."""
+        if _dist.world_size(self.group) == 1 or not self.numels:
+            return None
+        if self._flat is None:
+            self._flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
+            self._views = list(torch.split(self._flat, self.numels))
+        return self._views
+
+    def allreduce_staged_(self, targets: List[Optional[torch.Tensor]], names=None) -> None:
+        """Compressed mean of the staging buffer (filled through staging()); then view i is copied
+        into targets[i] (None: dropped). When any rank's data holds NaN / Inf, every rank raises
+        NonFiniteError before writing any target, naming this rank's first non-finite tensor
+        (names[i], else its index), and the error-feedback state is left unchanged."""
         from ..comm import compressed_allreduce
+        from ..errors import NonFiniteError
         hier = self._resolve()
         if self.states is None:
             self.states = self._new_states()
-        if self._flat is None:
-            self._flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
         flat = self._flat
-        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        pieces = [flat[s:e] for s, e in self.ranges]
         if self.per_tensor and hier is None:
             # many small buffers: their rows share the two collectives of one call (latency)
             from ..comm.allreduce import flat_compressed_allreduce_many
             from ..comm.compressors import get_compressor
-            from ..errors import NonFiniteError
-            pieces = [flat[s:e] for s, e in self.ranges]
             outs, finite = flat_compressed_allreduce_many(pieces, self.states, self.group,
                                                           get_compressor(self.compressor))
-            if not finite:
-                raise NonFiniteError(f"{self.owner}: the compressed quantity holds NaN or Inf on at least one "
-                                     "rank (every rank raises this; the error-feedback state was left unchanged)")
-            for piece, out in zip(pieces, outs):
-                piece.copy_(out)
         else:
-            for (start, end), state in zip(self.ranges, self.states):
-                piece = flat[start:end]
-                piece.copy_(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
-                                                 hierarchy="flat" if hier is None else hier))
-        offset = 0
-        for t, n in zip(tensors, self.numels):
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
+            # a later bucket failing must not leave earlier buckets' errors advanced (errors are
+            # replaced, not written into, by each call: keeping the references is the snapshot)
+            saved = [(st.worker_error, st.server_error, st.compressor_name) for st in self.states]
+            outs, finite = [], True
+            for piece, state in zip(pieces, self.states):
+                try:
+                    outs.append(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
+                                                     hierarchy="flat" if hier is None else hier))
+                except NonFiniteError:  # raised on every rank alike: all leave the loop here
+                    finite = False
+                    for st, (we, se, name) in zip(self.states, saved):
+                        st.worker_error, st.server_error, st.compressor_name = we, se, name
+                    break
+        if not finite:
+            raise NonFiniteError(self._nonfinite_message(names))
+        for piece, out in zip(pieces, outs):
+            piece.copy_(out)
+        for v, t in zip(self._views, targets):
+            if t is not None:
+                t.copy_(v.view_as(t))
+
+    def _nonfinite_message(self, names) -> str:
+        where = "this rank's values are finite (another rank's are not)"
+        for i, v in enumerate(self._views):
+            if not bool(torch.isfinite(v).all()):
+                name = names[i] if names is not None else f"parameter {i} of the compressed layout"
+                where = f"on this rank it is {name}"
+                break
+        return (f"{self.owner}: the compressed quantity holds NaN or Inf on at least one rank; {where}. Every "
+                "rank raises this before changing the optimizer state or the error feedback, so the step can "
+                "be skipped")
 
     def _resolve(self):
         """The Hierarchy this run uses (None: flat); collective the first time (hostnames). Drops

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _dist
+from ._buckets import is_frozen, param_names
 from ._shard import Shards
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int
 
@@ -72,9 +73,9 @@ class OneBitAdam(CompressedOptimizer):
         t = c["step"] + 1
         frozen = c["frozen"]
         compressed = []
-        for g in self.param_groups:
+        for gi, g in enumerate(self.param_groups):
             if frozen and not g["non_freeze"]:
-                compressed.append(g)
+                compressed.append((gi, g))
                 continue
             if frozen:  # non_freeze group in the compression stage: gradients are local, average them here
                 self._average_group_grads(g)
@@ -115,24 +116,39 @@ class OneBitAdam(CompressedOptimizer):
             self._write_back(p, p32)
 
     def _compressed_step(self, groups, t, var_steps):
-        momenta = []
-        for g in groups:
+        buckets = self._get_buckets()
+        stage = buckets.staging()  # None at one rank: the mean is exact, compute in place
+        targets, k = [], 0
+        for _, g in groups:
             b1 = g["betas"][0]
             for p in g["params"]:
                 st = self._state(p)
+                m = st["exp_avg"]
+                out = m if stage is None else stage[k].view_as(m)
+                k += 1
+                if is_frozen(p):  # zeros keep every rank's layout; the state stays as it was
+                    if out is not m:
+                        out.zero_()
+                    targets.append(None)
+                    continue
+                if out is not m:  # new momentum in the staging buffer: the state changes only on success
+                    out.copy_(m)
                 grad = self._grad32(p)
                 if grad is None:
-                    st["exp_avg"].mul_(b1)  # every rank must send the same layout: a missing grad counts as 0
+                    out.mul_(b1)  # every rank must send the same layout: a missing grad counts as 0
                 else:
-                    st["exp_avg"].lerp_(grad, 1 - b1)
-                momenta.append(st["exp_avg"])
-        self._get_buckets().allreduce_(momenta)
+                    out.lerp_(grad, 1 - b1)
+                targets.append(m)
+        if stage is not None:
+            buckets.allreduce_staged_(targets, param_names(groups))
         sh = self._get_shards()
         if sh is not None:
             self._gather_dead(sh)
-        for g in groups:
+        for _, g in groups:
             bc1, bc2_sqrt = self.bias_corrections(g, t, var_steps)
             for p in g["params"]:
+                if is_frozen(p):
+                    continue
                 st = self.state[p]
                 mask = self._mask(p)
                 if mask is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ._buckets import is_frozen, param_names
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int, rms
 from .lamb import apply_update_, bias_corrections, lamb_direction, lamb_step_
 
@@ -119,22 +120,36 @@ class OneBitLamb(CompressedOptimizer):
             for p, r in zip(params, rmss):
                 self.state[p]["scaling_coeff"] = mean / r if r > 0 else 1.0
             c["scaled"] = True
-        prev, momenta = [], []
+        buckets = self._get_buckets()
+        stage = buckets.staging()  # None at one rank: the mean is exact, compute in place
+        prev, targets, k = [], [], 0
         for g in groups:
             b1 = g["betas"][0]
             for p in g["params"]:
                 st = self.state[p]
                 m = st["exp_avg"]
+                out = m if stage is None else stage[k].view_as(m)
+                k += 1
+                if is_frozen(p):  # zeros keep every rank's layout; the state stays as it was
+                    if out is not m:
+                        out.zero_()
+                    prev.append(None)
+                    targets.append(None)
+                    continue
                 prev.append(m.clone())
+                if out is not m:  # new momentum in the staging buffer: the state changes only on success
+                    out.copy_(m)
                 grad = self._grad32(p)
                 if grad is None:
-                    m.mul_(b1)
+                    out.mul_(b1)
                 else:
-                    m.lerp_(grad, 1 - b1)
+                    out.lerp_(grad, 1 - b1)
                 if scale:
-                    m.mul_(st["scaling_coeff"])
-                momenta.append(m)
-        self._get_buckets().allreduce_(momenta)
+                    out.mul_(st["scaling_coeff"])
+                targets.append(m)
+        if stage is not None:
+            buckets.allreduce_staged_(targets, param_names(
+                [(i, g) for i, g in enumerate(self.param_groups) if any(g is x for x in groups)]))
         it = iter(prev)
         for g in groups:
             b1, b2 = g["betas"]
@@ -142,9 +157,11 @@ class OneBitLamb(CompressedOptimizer):
             bc1, bc2_frozen = bias_corrections(g, t, c["var_steps"])
             _, bc2_fresh = bias_corrections(g, t, t)
             for p in g["params"]:
+                m_prev = next(it)
+                if is_frozen(p):
+                    continue
                 st = self.state[p]
                 m = st["exp_avg"]
-                m_prev = next(it)
                 if scale:
                     m.div_(st["scaling_coeff"])
                 mask = self._mask(p)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import NonFiniteError
+from ._buckets import is_frozen, param_names
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int
 
 
@@ -136,21 +138,24 @@ class ZeroOneAdam(CompressedOptimizer):
             for p in g["params"]:
                 grad = self._grad32(p)
                 # every rank must send the same layout: a missing gradient counts as zero
-                grads.append(torch.zeros(p.shape, dtype=torch.float32, device=p.device) if grad is None
-                             else grad.clone())
+                grads.append(torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                             if grad is None or is_frozen(p) else grad.clone())
         return grads
 
     def _compressed_gradient_step(self, t):
         c = self.counters
         comp = [g for g in self.param_groups if not g["non_freeze"]]
         grads = self._local_grads(comp)
-        self._get_buckets().allreduce_(grads)
+        named = [(i, g) for i, g in enumerate(self.param_groups) if not g["non_freeze"]]
+        self._allreduce(grads, named)
         it = iter(grads)
         for g in comp:
             b1 = g["betas"][0]
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 grad = next(it)
+                if is_frozen(p):
+                    continue
                 mask = self._mask(p)
                 if mask is not None:
                     grad.mul_(mask)
@@ -165,6 +170,25 @@ class ZeroOneAdam(CompressedOptimizer):
             if g["non_freeze"]:  # keeps full Adam; its gradients are local on this step
                 self._average_group_grads(g)
                 self._adam_group(g, t, t, update_v=True)
+
+    def _allreduce(self, tensors, comp, local_steps=False):
+        """Compressed mean in place, naming this rank's non-finite tensor when there is one."""
+        buckets = self._get_buckets()
+        stage = buckets.staging()
+        if stage is None:
+            return
+        for v, x in zip(stage, tensors):
+            v.copy_(x.reshape(-1))
+        try:
+            buckets.allreduce_staged_(tensors, param_names(comp))
+        except NonFiniteError as e:
+            if not local_steps:
+                raise
+            # the accumulated updates are already in the weights of the rank that made them: the
+            # "skip the step" of stage 1 would not undo anything here
+            raise NonFiniteError(f"{str(e).split('. Every rank')[0]}. 0/1 Adam's local steps (stage 2) "
+                                 "already applied it to that rank's weights and momentum, so skipping this "
+                                 "step cannot recover; resume from the last checkpoint") from None
 
     def _enter_stage2(self):
         c = self.counters
@@ -196,6 +220,8 @@ class ZeroOneAdam(CompressedOptimizer):
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 st = self._state(p)
+                if is_frozen(p):
+                    continue
                 grad = self._grad32(p)
                 if grad is None:
                     st["exp_avg"].mul_(b1)
@@ -215,14 +241,18 @@ class ZeroOneAdam(CompressedOptimizer):
     def _sync(self, t, comp):
         """Average the accumulated updates (1-bit) and apply them from the last sync point."""
         c = self.counters
-        accs = [self.state[p]["update_acc"] for _, g in comp for p in g["params"]]
-        self._get_buckets().allreduce_(accs)
+        accs = [self.state[p]["update_acc"] for _, g in comp for p in g["params"]]  # a frozen one stays 0
+        self._allreduce(accs, comp, local_steps=True)
         for gi, g in comp:
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             lrs, decay = c["lrs"][gi], c["decay"][gi]
             for p in g["params"]:
                 st = self.state[p]
                 acc = st["update_acc"]
+                if is_frozen(p):  # left alone; unfrozen later, its local steps start from here
+                    acc.zero_()
+                    st["sync_param"].copy_(self._param32(p))
+                    continue
                 mask = self._mask(p)
                 if mask is not None:
                     acc.mul_(mask)
