@@ -495,3 +495,26 @@ def test_head_clean_keeps_group_codes_that_align_with_heads(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
     qc.export_quantized(model, tmp_path / "out")
+
+
+def test_row_clean_of_a_group_quantized_related_module_warns_that_export_will_refuse_it(tmp_path):
+    """Kept rows split the related module's input groups: the codes cannot follow; the warning
+    names the key to change, and the export indeed refuses (per-channel scales export)."""
+    for gran, exports in (({"granularity": "group", "group_size": 4}, False), ({"granularity": "channel"}, True)):
+        m = mlp(hidden=12)
+        cfg = prune_cfg("row_pruning", ratio=0.5, related=[["^2$"]])
+        cfg["compression_training"]["weight_quantization"] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
+            "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, **gran}, "modules": ["^2$"]}}}
+        qc.init_compression(m, cfg)
+        w = m[0].weight.detach().abs().sum(1)
+        if exports:
+            qc.redundancy_clean(m, cfg)
+            qc.export_quantized(m, tmp_path / "channel")
+            continue
+        with pytest.warns(UserWarning, match=r"'2': integer codes dropped.*weight_quantization\.different_groups"
+                                             r"\.wq\.params\.granularity"):
+            qc.redundancy_clean(m, cfg)
+        assert sorted(w.topk(6).indices.tolist()) != [0, 1, 2, 3, 4, 5]   # the kept rows split groups
+        with pytest.raises(Exception, match="'2'"):
+            qc.export_quantized(m, tmp_path / "group")

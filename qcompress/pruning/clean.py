@@ -66,8 +66,12 @@ def _slice_codes(mod, dim: int, keep: torch.Tensor) -> None:
             # codes made an asymmetric export fail (re-quantizing the baked weight is not exact)
             out.append(t.index_select(dim, _whole_groups(wq, dim, n, t.shape[dim], keep)))
         else:   # grouped scales along the sliced dim: no exact slice
-            warnings.warn(f"{getattr(mod, 'qc_name', '?')}: integer codes dropped after slicing "
-                          "(group scales do not align with the pruned structure)")
+            # say what follows: the export re-quantizes and refuses the inexact result
+            warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after slicing "
+                          "(its scales cover groups of inputs that the pruned structure splits), so "
+                          "export_quantized will refuse this module; set compression_training."
+                          f"weight_quantization.different_groups.{wq.group}.params.granularity to "
+                          "'channel' (or, for head pruning, a group_size dividing the head width)")
             wq.codes, wq.codes_spec = None, None
             return
     wq.codes = tuple(out)
@@ -197,7 +201,7 @@ def _zero_codes(mod, tech, state, mask) -> None:
     try:
         wq.codes = (torch.where(keep.expand_as(q), q, zero), s, z)
     except RuntimeError:   # zero points laid out per group: no cheap broadcast
-        warnings.warn(f"{getattr(mod, 'qc_name', '?')}: integer codes dropped after pruning clean")
+        warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after pruning clean")
         wq.codes, wq.codes_spec = None, None
 
 
