@@ -594,6 +594,32 @@ def test_bf16_input_keeps_dtype_and_fp32_errors():
     assert st.worker_error.dtype == torch.float32
 
 
+def test_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
+    """Finite fp16 inputs near 65504 can average (with error feedback) past fp16's range: the cast
+    back returned inf silently and advanced the errors. Oracle: OneBitSim in float32."""
+    from qcompress import NonFiniteError
+    g = torch.Generator().manual_seed(0)
+    st, sim = qcomm.OneBitState(), OneBitSim(1, 64)
+    raised = returned = 0
+    for k in range(30):
+        x = (torch.randn(64, generator=g) * 3e4).clamp(-65504, 65504).to(torch.float16)
+        x[:4] = 65504
+        before = st.state_dict()
+        ew, es = list(sim.ew), list(sim.es)
+        want = sim.step([x.float()])
+        if torch.isinf(want.to(torch.float16)).any():
+            with pytest.raises(NonFiniteError, match="overflows torch.float16"):
+                qcomm.compressed_allreduce(x, st)
+            after = st.state_dict()
+            assert all(torch.equal(before[key], after[key]) for key in before), "errors advanced"
+            sim.ew, sim.es = ew, es  # the caller skips the call: the simulation forgets it too
+            raised += 1
+        else:
+            assert torch.equal(qcomm.compressed_allreduce(x, st), want.to(torch.float16))
+            returned += 1
+    assert raised and returned, (raised, returned)
+
+
 def test_state_dict_roundtrip_and_mismatch():
     st = qcomm.OneBitState()
     assert st.state_dict() == {}

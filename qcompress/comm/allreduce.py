@@ -259,11 +259,24 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *
     from .hierarchy import resolve_hierarchy  # local import: hierarchy builds on this module
 
     hier = resolve_hierarchy(hierarchy, group, flat.device)
+    # calls replace the error tensors (never write into them): these references are a snapshot
+    before = (state.worker_error, state.server_error, state.compressor_name)
     if hier is None:
         out, finite = flat_compressed_allreduce(flat, state, group, comp)
     else:
         out, finite = hier.allreduce(flat, state, comp)
     if not finite:
-        raise NonFiniteError("compressed_allreduce: the input holds NaN or Inf on at least one rank (every rank "
-                             "raises this; the error-feedback state was left unchanged)")
-    return out.reshape(tensor.shape).to(tensor.dtype)
+        here = ("" if bool(torch.isfinite(flat).all()) else " (this rank's does)")
+        raise NonFiniteError(f"compressed_allreduce: the input holds NaN or Inf on at least one rank{here}, or "
+                             "its values plus the error feedback overflow float32 (every rank raises this; the "
+                             "error-feedback state was left unchanged)")
+    result = out.reshape(tensor.shape).to(tensor.dtype)
+    if tensor.dtype != torch.float32 and not bool(torch.isfinite(result).all()):
+        # The result is the same on every rank, so every rank raises here alike. Casting it back
+        # to float16 overflowed: an inf would have been returned silently from finite inputs.
+        state.worker_error, state.server_error, state.compressor_name = before
+        raise NonFiniteError(f"compressed_allreduce: the average of this {tensor.dtype} tensor overflows "
+                             f"{tensor.dtype} (largest value {float(out.abs().max()):.6g}); pass it in float32 "
+                             "or scale it down (every rank raises this; the error-feedback state was left "
+                             "unchanged)")
+    return result
