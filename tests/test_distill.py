@@ -307,3 +307,17 @@ def test_load_teacher_folder(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         load_teacher(missing, nn.Linear(2, 2), load)
     assert missing in str(err.value) and "compression_training.distillation.teacher" in str(err.value)
+
+
+def test_load_teacher_baseline_outside_qcompress_train_says_what_it_is(tmp_path, monkeypatch):
+    """`teacher: baseline` (schedules/qad_range_learning.yaml) names qcompress train's FP32
+    fine-tune; in another loop it was reported as a missing folder called 'baseline'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        load_teacher("baseline", nn.Linear(2, 2), lambda p: pytest.fail("nothing to load"))
+    assert not isinstance(err.value, FileNotFoundError)
+    assert "qcompress train" in str(err.value) and "--baseline" in str(err.value)
+    assert "compression_training.distillation.teacher" in str(err.value)
+    (tmp_path / "baseline").mkdir()             # a model folder really named so is still read
+    teacher = load_teacher("baseline", nn.Linear(2, 2), lambda p: nn.Linear(2, 3))
+    assert teacher.out_features == 3

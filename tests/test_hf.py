@@ -307,3 +307,203 @@ def test_qcompress_does_not_import_transformers_and_hf_says_what_to_install():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and "pip install qcompress[hf]" in res.stdout
+
+
+# --- accumulation, folder teachers, the best checkpoint, config vs TrainingArguments ------------
+
+def _lm_data(tok, n, length=10, seed=0):
+    """n causal-LM samples of `length` tokens each (equal lengths: no padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(5, len(tok), (n, length), generator=g).tolist()]
+
+
+def _lm_args(out, **kw):
+    return transformers.TrainingArguments(out, use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2, learning_rate=1e-2,
+                                          save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, **kw)
+
+
+def _dropout_free_gpt2(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                             attn_pdrop=0.0)
+
+
+def test_distillation_trainer_without_distillation_trains_like_the_trainer_under_accumulation(tmp_path):
+    """Oracle: transformers.Trainer itself. A causal LM's loss comes normalised over the whole
+    accumulated batch (num_items_in_batch); the DistillationTrainer divided it by the accumulation
+    steps once more, so losses, gradients and the plain run's clipping were 2x smaller."""
+    folder = tiny_gpt2_folder(str(tmp_path / "gpt2"))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    data = _lm_data(tok, 8)
+    runs = []
+    for cls, kw in ((transformers.Trainer, {}), (DistillationTrainer, {"compression_config": {}})):
+        model = _dropout_free_gpt2(folder)
+        trainer = cls(model, _lm_args(str(tmp_path / cls.__name__), max_steps=2), train_dataset=data, **kw)
+        trainer.train()
+        runs.append(([(r["loss"], r["grad_norm"]) for r in trainer.state.log_history if "loss" in r], model))
+    (logs_hf, model_hf), (logs_kd, model_kd) = runs
+    assert len(logs_hf) == 2 and logs_kd == logs_hf
+    for (name, a), b in zip(model_hf.state_dict().items(), model_kd.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_distillation_gradient_under_accumulation_is_the_mean_over_micro_batches(tmp_path):
+    """Oracle: the loss written out by hand over all four samples at once (equal lengths, so the
+    mean of the two micro-batch means is the mean over the whole batch), one backward."""
+    folder = tiny_gpt2_folder(str(tmp_path / "gpt2"))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    data = _lm_data(tok, 4, seed=1)
+    teacher = _dropout_free_gpt2(folder)
+    with torch.no_grad():
+        torch.nn.init.normal_(teacher.lm_head.weight)                 # a teacher that disagrees
+    model = _dropout_free_gpt2(folder)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {"compression_training": {"distillation": KD}}
+    grads = {}
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer = DistillationTrainer(model, _lm_args(str(tmp_path / "out"), max_steps=1, max_grad_norm=0.0),
+                                  compression_config=cfg, teacher=teacher, train_dataset=data,
+                                  callbacks=[Grab()])
+    trainer.train()
+
+    ref = _dropout_free_gpt2(folder)
+    ref.load_state_dict(start)
+    ids = torch.tensor([d["input_ids"] for d in data])
+    s_out = ref(input_ids=ids, output_hidden_states=True)
+    with torch.no_grad():
+        t_out = trainer.distiller.teacher(input_ids=ids, output_hidden_states=True)
+    task = F.cross_entropy(s_out.logits[:, :-1].reshape(-1, s_out.logits.shape[-1]), ids[:, 1:].reshape(-1))
+    T, a, w = KD["temperature"], KD["alpha"], KD["hidden_mse"]
+    pt = F.softmax(t_out.logits[:, :-1] / T, -1)
+    kl = (pt * (pt.log() - F.log_softmax(s_out.logits[:, :-1] / T, -1))).sum(-1).mean()
+    mse = sum(((s - t) ** 2).mean() for s, t in zip(s_out.hidden_states, t_out.hidden_states))
+    ((1 - a) * task + a * (T * T * kl + w * mse)).backward()
+    checked = 0
+    for name, p in ref.named_parameters():
+        if p.grad is not None and name in grads:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            checked += 1
+    assert checked >= 10
+
+
+def test_folder_teacher_that_does_not_fit_the_student_is_refused(tmp_path):
+    """from_pretrained fills what a folder lacks with random weights: an encoder checkpoint
+    without the task's head (noise logits, silently) or another architecture (an IndexError at
+    the first step). Both are refused up front, naming the folder; fitting folders load."""
+    student_folder = tiny_bert_folder(str(tmp_path / "student"), num_labels=3)
+    student = transformers.AutoModelForSequenceClassification.from_pretrained(student_folder)
+    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                                          disable_tqdm=True)
+
+    def build(folder, model=student):
+        cfg = {"compression_training": {"distillation": {"enabled": True, "teacher": folder}}}
+        return DistillationTrainer(model, args, compression_config=cfg)
+
+    headless = tiny_bert_folder(str(tmp_path / "encoder"))             # a BertModel checkpoint
+    with pytest.raises(ValueError, match=r"encoder has no weights for 2 tensors of "
+                                         r"BertForSequenceClassification \(classifier.bias, classifier.weight\)"):
+        build(headless)
+    gpt2 = tiny_gpt2_folder(str(tmp_path / "gpt2"))
+    with pytest.raises(ValueError, match="holds a 'gpt2' model, the student is 'bert'"):
+        build(gpt2)
+    with pytest.raises(ValueError, match="not a transformers model folder"):
+        build(str(tmp_path))
+    teacher = build(tiny_bert_folder(str(tmp_path / "fine-tuned"), num_labels=3, seed=1)).distiller.teacher
+    want = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "fine-tuned"))
+    for (name, a), b in zip(want.state_dict().items(), teacher.state_dict().values()):
+        assert torch.equal(a, b), name
+    lm = build(gpt2, model=transformers.AutoModelForCausalLM.from_pretrained(gpt2)).distiller.teacher
+    assert lm.lm_head.weight is lm.transformer.wte.weight                # tied head: not "missing"
+
+
+@pytest.mark.parametrize("in_forward", [False, True])
+def test_load_best_model_at_end_keeps_the_best_checkpoints_compression(base, tmp_path, in_forward):
+    """load_best_model_at_end: the Trainer reloads the best checkpoint's weights at the end. The
+    compression state has to come with them: the model left (and exported) must be the one the
+    best evaluation saw. Before, optimizer-step mode failed to export ('integers do not
+    reproduce') and forward mode exported the best weights at the last step's bits."""
+    folder, tok, data = base
+    cfg = json.loads(json.dumps(CFG))
+    cfg["compression_training"]["weight_quantization"]["shared_parameters"]["quantize_weight_in_forward"] = in_forward
+    probe = transformers.DataCollatorWithPadding(tok)(data[:6])
+    probe = {k: v for k, v in probe.items() if k != "labels"}
+    seen, evals = {}, []
+
+    class Snapshot(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, model=None, **kw):
+            model.eval()
+            with torch.no_grad():
+                seen[state.global_step] = model(**probe).logits
+
+    def first_is_best(_):
+        evals.append(len(evals))
+        return {"rank": -len(evals)}        # the first evaluation (step 2) scores best
+
+    export = str(tmp_path / "export")
+    cb = CompressionCallback(cfg, export_dir=export)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-2, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="rank", greater_is_better=True,
+        disable_tqdm=True, seed=0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    trainer = transformers.Trainer(model, args, train_dataset=data, eval_dataset=data[:6], processing_class=tok,
+                                   callbacks=[cb, Snapshot()], compute_metrics=first_is_best)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2") and sorted(seen) == [2, 4, 6]
+    assert cb.scheduler.training_steps == 2 and cb.scheduler.current_bits()[QUERY] == EXPECTED_BITS[2]
+    assert not torch.equal(seen[2], seen[6])                       # the last step's model differs
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**probe).logits, seen[2])
+    fresh = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    qc.load_quantized(export, fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(**probe).logits, seen[2])
+
+
+def test_config_that_disagrees_with_the_training_arguments_is_refused(base, tmp_path):
+    """The Trainer trains by its TrainingArguments; a ds_config's batch, accumulation, precision
+    or clipping values that differ were ignored silently. Refused when the Trainer is built,
+    every mismatch named (as transformers' own DeepSpeed integration does); agreeing values and
+    unset keys pass; sections the Trainer does not read are a warning."""
+    wq = CFG["compression_training"]
+    args = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0)
+
+    def build(doc, **kw):
+        targs = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                                               save_strategy="no", disable_tqdm=True, **{**args, **kw})
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(base[0])
+        return transformers.Trainer(model, targs, train_dataset=base[2],
+                                    callbacks=[CompressionCallback({**doc, "compression_training": wq})])
+
+    with pytest.raises(qc.ConfigError) as err:
+        build({"train_batch_size": 16, "gradient_accumulation_steps": 4, "fp16": {"enabled": True},
+               "gradient_clipping": 0.5})
+    msg = str(err.value)
+    assert err.value.path == "fp16.enabled"
+    for part in ("fp16.enabled is True but TrainingArguments.fp16 is False",
+                 "gradient_accumulation_steps is 4 but TrainingArguments.gradient_accumulation_steps is 2",
+                 "train_batch_size is 16 but per_device_train_batch_size x gradient_accumulation_steps "
+                 "x world size (4 x 2 x 1) is 8",
+                 "gradient_clipping is 0.5 but TrainingArguments.max_grad_norm is 1.0"):
+        assert part in msg, (part, msg)
+    with pytest.raises(qc.ConfigError, match="train_micro_batch_size_per_gpu is 2 but "
+                                            "TrainingArguments.per_device_train_batch_size is 4"):
+        build({"train_micro_batch_size_per_gpu": 2})
+    with pytest.raises(qc.ConfigError, match="bf16.enabled is True but TrainingArguments.bf16 is False"):
+        build({"bf16": {"enabled": True}})
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                         "fp16": {"enabled": False}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+                        bf16=True)
+    assert dict(trainer.model.named_modules())[QUERY].qc_wq is not None
+    assert any("optimizer section(s) are not used" in str(w.message) for w in caught)

@@ -12,7 +12,9 @@ What it does at each Trainer event:
                  or from the folder given to resume_from()
   on_step_end    one scheduler step per optimizer step (gradient accumulation counts once)
   on_save        writes the scheduler state into the checkpoint folder the Trainer just wrote
-  on_train_end   export_quantized(model, export_dir) plus the tokenizer files
+  on_train_end   with load_best_model_at_end: the best checkpoint's compression state, to go with
+                 the weights the Trainer has just loaded from it; then export_quantized(model,
+                 export_dir) plus the tokenizer files
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import os
 import tempfile
 import uuid
+import warnings
 from typing import Optional
 
 from safetensors import safe_open
@@ -28,6 +31,7 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from ..config import as_config
+from ..errors import ConfigError
 from ..engine.serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
 from ..export.safetensors_io import existing_outputs
@@ -111,6 +115,44 @@ def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None
     scheduler.load_state_dict(unflatten(skeleton, tensors))
 
 
+def check_training_args(cfg, args) -> None:
+    """Refuse a config whose training keys disagree with the TrainingArguments: the Trainer trains
+    by its arguments and would ignore the config's values silently (as transformers' DeepSpeed
+    integration, which refuses such mismatches too). Keys the config leaves unset are not compared."""
+    world = max(int(getattr(args, "world_size", 1) or 1), 1)
+    ga, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    raw = cfg.raw if isinstance(cfg.raw, dict) else {}
+    wrong = []
+    for key, ours, theirs, name in (
+            ("fp16.enabled", cfg.fp16.enabled, bool(args.fp16), "fp16"),
+            ("bf16.enabled", cfg.bf16.enabled, bool(args.bf16), "bf16")):
+        if ours and not theirs:   # the config asks for a precision the Trainer will not use
+            wrong.append((key, ours, f"TrainingArguments.{name}", theirs))
+    for key, theirs, name in (
+            ("gradient_accumulation_steps", ga, "TrainingArguments.gradient_accumulation_steps"),
+            ("train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size"),
+            ("train_batch_size", micro * ga * world, "per_device_train_batch_size x gradient_accumulation_"
+             f"steps x world size ({micro} x {ga} x {world})")):
+        ours = getattr(cfg, key)
+        if ours is not None and ours != theirs:
+            wrong.append((key, ours, name, theirs))
+    if "gradient_clipping" in raw and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0):
+        wrong.append(("gradient_clipping", cfg.gradient_clipping, "TrainingArguments.max_grad_norm",
+                      args.max_grad_norm))
+    if wrong:
+        lines = "; ".join(f"{key} is {ours!r} but {name} is {theirs!r}" for key, ours, name, theirs in wrong)
+        raise ConfigError(wrong[0][0], f"the config disagrees with the Trainer's arguments, which decide "
+                          f"how it trains: {lines}; make them agree (or drop the keys from the config)")
+    if getattr(args, "deepspeed", None) is None:
+        unused = [key for key in ("optimizer", "scheduler") if getattr(cfg, key) is not None]
+        if cfg.zero_optimization.stage > 0:
+            unused.append("zero_optimization")
+        if unused:
+            warnings.warn(f"CompressionCallback: the config's {', '.join(unused)} section(s) are not used: "
+                          "the Trainer builds its optimizer and schedule from its TrainingArguments "
+                          "(learning_rate, lr_scheduler_type, ...)", stacklevel=3)
+
+
 class CompressionCallback(TrainerCallback):
     """Applies a qcompress config to the Trainer's model and drives its compression schedule;
     see the module docstring. `force` lets the final export overwrite `export_dir`."""
@@ -136,6 +178,7 @@ class CompressionCallback(TrainerCallback):
         self.scheduler = CompressionScheduler(model, self.cfg)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        check_training_args(self.cfg, args)
         self._setup(model)
         if self.export_dir and not self.force and args.should_save:
             old = existing_outputs(self.export_dir)
@@ -196,6 +239,13 @@ class CompressionCallback(TrainerCallback):
         save_compression_state(self.scheduler, folder)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            # The Trainer has just loaded the best checkpoint's weights, which drops the master
+            # copies; without its compression state the model would be those weights at the last
+            # step's bits (never evaluated), and baking would fail in optimizer-step mode
+            load_compression_state(self.scheduler, state.best_model_checkpoint)
+            log.info("qcompress: compression state of the best checkpoint %s (step %d) restored",
+                     state.best_model_checkpoint, self.scheduler.training_steps)
         if not self.export_dir or not args.should_save:
             return
         export_quantized(self.model, self.export_dir, self.cfg, force=self.force)

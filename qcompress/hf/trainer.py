@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import transformers
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -41,6 +42,31 @@ def distill_mask(logits: torch.Tensor, labels: Optional[torch.Tensor], causal: b
     return None
 
 
+def _load_folder_teacher(student: nn.Module, path: str) -> nn.Module:
+    """`type(student).from_pretrained(path)`, refused when the folder lacks weights the class
+    needs (another architecture, or a checkpoint without the task's head): from_pretrained would
+    start them random, so the teacher's logits would be noise, or it would fail at the first step."""
+    student_type = getattr(getattr(unwrap(student), "config", None), "model_type", None)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{KEY}.teacher: {path} is not a transformers model folder "
+                         f"({str(err).splitlines()[0]})") from None
+    if student_type is not None and getattr(config, "model_type", None) != student_type:
+        raise ValueError(f"{KEY}.teacher: {path} holds a {config.model_type!r} model, the student is "
+                         f"{student_type!r}; pass teacher= to distil from another architecture")
+    cls = type(unwrap(student))
+    teacher, info = cls.from_pretrained(path, output_loading_info=True)
+    fresh = sorted(set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
+                                                          for k in info.get("mismatched_keys") or ()})
+    if fresh:
+        raise ValueError(f"{KEY}.teacher: {path} has no weights for {len(fresh)} tensors of "
+                         f"{cls.__name__} ({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}): "
+                         "they would start random and the teacher's logits would be noise; use a model "
+                         "fine-tuned for this task, or pass teacher=")
+    return teacher
+
+
 class DistillationTrainer(Trainer):
     """Trainer with loss (1 - alpha) * task + alpha * (T^2 KL + hidden_mse * hidden MSE).
 
@@ -49,8 +75,6 @@ class DistillationTrainer(Trainer):
     section's `teacher`. With distillation disabled it trains like a plain Trainer.
     Both losses are per-batch means, so the Trainer divides them by the accumulation steps.
     """
-
-    loss_is_scaled_for_ga = False
 
     def __init__(self, model=None, args=None, *trainer_args, compression_config=None,
                  teacher: Optional[nn.Module] = None, **trainer_kwargs):
@@ -65,12 +89,20 @@ class DistillationTrainer(Trainer):
                 if model is None:
                     raise ValueError("DistillationTrainer: model_init is not supported with distillation; "
                                      "pass the model")
-                teacher = load_teacher(kd.teacher, model, lambda path: type(model).from_pretrained(path))
+                teacher = load_teacher(kd.teacher, model, lambda path: _load_folder_teacher(model, path))
             self.distiller = Distiller.from_config(cfg, teacher)
         elif teacher is not None:
             raise ValueError(f"DistillationTrainer got teacher= but {KEY}.enabled is false")
         self._reset_kd_logs()
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.distiller is not None:
+            # our losses are per-batch means: the Trainer must divide them by the accumulation
+            # steps. Without distillation the Trainer's own rule stands (a causal LM's loss is
+            # already normalised over the accumulated batch by num_items_in_batch; dividing it
+            # again shrank loss and gradients by gradient_accumulation_steps). Older
+            # transformers read only model_accepts_loss_kwargs for that decision.
+            self.loss_is_scaled_for_ga = False
+            self.model_accepts_loss_kwargs = False
 
     def _reset_kd_logs(self):
         self._kd_sums = {"task_loss": 0.0, "distill_loss": 0.0}
