@@ -611,13 +611,38 @@ def test_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
             with pytest.raises(NonFiniteError, match="overflows torch.float16"):
                 qcomm.compressed_allreduce(x, st)
             after = st.state_dict()
-            assert all(torch.equal(before[key], after[key]) for key in before), "errors advanced"
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), "errors advanced"
             sim.ew, sim.es = ew, es  # the caller skips the call: the simulation forgets it too
             raised += 1
         else:
             assert torch.equal(qcomm.compressed_allreduce(x, st), want.to(torch.float16))
             returned += 1
     assert raised and returned, (raised, returned)
+
+
+def test_bucketed_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
+    from qcompress import NonFiniteError
+    g = torch.Generator().manual_seed(0)
+    bc, sim = qcomm.BucketedCompressor(bucket_size=1000), OneBitSim(1, 64 + 8)
+    raised = 0
+    for k in range(30):
+        small = torch.randn(8, generator=g)  # float32 beside the fp16 tensor, in the same bucket
+        x = (torch.randn(64, generator=g) * 3e4).clamp(-65504, 65504).to(torch.float16)
+        x[:4] = 65504
+        before = bc.state_dict()
+        ew, es = list(sim.ew), list(sim.es)
+        want = sim.step([torch.cat([small, x.float()])])
+        if torch.isinf(want[8:].to(torch.float16)).any():
+            with pytest.raises(NonFiniteError, match=r"tensor 1 \(torch.float16, shape \(64,\)\) overflows"):
+                bc.allreduce([small, x])
+            after = bc.state_dict()
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), "errors advanced"
+            sim.ew, sim.es = ew, es
+            raised += 1
+        else:
+            a, b = bc.allreduce([small, x])
+            assert torch.equal(a, want[:8]) and torch.equal(b, want[8:].to(torch.float16))
+    assert raised
 
 
 def test_state_dict_roundtrip_and_mismatch():

@@ -79,8 +79,17 @@ class BucketedCompressor:
             raise failure
         out_flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         outs, offset = [], 0
-        for t in tensors:
-            outs.append(out_flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+        for i, t in enumerate(tensors):
+            out = out_flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype)
+            if t.dtype != torch.float32 and not bool(torch.isfinite(out).all()):
+                # finite float32 averages that overflow the tensor's dtype (fp16 near 65504); the
+                # results are the same on every rank, so all raise alike
+                for st, (we, se, name) in zip(self.states, before):
+                    st.worker_error, st.server_error, st.compressor_name = we, se, name
+                raise NonFiniteError(f"BucketedCompressor: the average of tensor {i} ({t.dtype}, shape "
+                                     f"{tuple(t.shape)}) overflows {t.dtype}; pass it in float32 or scale it "
+                                     "down (every rank raises this; the error-feedback state was left unchanged)")
+            outs.append(out)
             offset += t.numel()
         return outs
 
