@@ -9,7 +9,7 @@ topk: the scores are an nn.Parameter registered on the module as `<technique>_sc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -34,6 +34,9 @@ class PruningState:
     active: bool = False
     ratio: float = 1.0
     step: int = 0
+    # l1 with a ramp: (ratio, mask) of the last ratio asked for. A top-k over every weight at
+    # each forward cost 1.3 s for a 4096x4096 layer on CPU, and the ratio changes rarely.
+    _ramp_mask: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     # --- schedule ---------------------------------------------------------------------------
     def ratio_at(self, t: int) -> float:
@@ -64,7 +67,10 @@ class PruningState:
             return self.l1_mask
         if self.l1_scores.device != dev:
             self.l1_scores = self.l1_scores.to(dev)
-        return topk_mask(self.l1_scores, r)
+            self._ramp_mask = None
+        if self._ramp_mask is None or self._ramp_mask[0] != r:
+            self._ramp_mask = (r, topk_mask(self.l1_scores, r))
+        return self._ramp_mask[1]
 
     def final_mask(self, module) -> torch.Tensor:
         """Boolean mask at the configured dense_ratio (what redundancy_clean makes permanent)."""
@@ -107,7 +113,7 @@ class PruningState:
         if "scores" in sd:
             # the init-time importance: any kept ratio (the config's now) follows from it
             scores = sd["scores"].to(dev) if dev is not None else sd["scores"].clone()
-            self.l1_scores = scores
+            self.l1_scores, self._ramp_mask = scores, None
             if not ramped:
                 self.l1_mask = topk_mask(scores, self.dense_ratio)
         elif "mask" in sd:
