@@ -550,3 +550,29 @@ def test_ramped_l1_mask_is_computed_once_per_ratio(monkeypatch):
         sched.step()
     assert sorted(set(ratios)) == [0.25, 0.625, 1.0] and sorted(set(calls)) == [0.25, 0.625, 1.0]
     assert len(calls) == 3                   # one top-k per ratio, not one per forward
+
+
+def test_head_clean_gpt_neox_fused_head_major_query_key_value():
+    """GPT-NeoX's fused query_key_value (an nn.Linear) is laid out [heads, 3, d], unlike GPT-2's
+    section-major Conv1D c_attn: each kept head keeps its 3d consecutive rows."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    conf = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=40, max_position_embeddings=32)
+    model = transformers.GPTNeoXForCausalLM(conf).eval()
+    cfg = {"compression_training": {"head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.dense"],
+                                    "related_modules": [["query_key_value"]]}}}}}
+    qc.init_compression(model, cfg)
+    att = model.gpt_neox.layers[0].attention
+    kept = att.dense.qc_pruning["head_pruning"].final_mask(att.dense).flatten().nonzero().flatten()
+    w0 = att.query_key_value.weight.detach().clone()                 # [96, 32]
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        y = model(input_ids=ids).logits
+    qc.redundancy_clean(model, cfg)
+    rows = [h * 24 + i for h in kept.tolist() for i in range(24)]    # oracle: head h's [q; k; v] rows
+    torch.testing.assert_close(att.query_key_value.weight, w0[rows], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)

@@ -231,6 +231,10 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
         out = _matrix(r).shape[0]
         sections, msg = head_sections(names[0], out, name, inp)
         _check(msg is None, tech, group, msg)
+        if kind_of(r) != "hf_conv1d":
+            # A fused nn.Linear (Bloom's, GPT-NeoX's query_key_value) is laid out head-major,
+            # [h, 3, d]: head blocks of out/h rows. GPT-2's Conv1D c_attn is section-major.
+            sections = 1
         width = out // sections
         d = width // h
         rows = (keep.reshape(-1, 1) * d + torch.arange(d, device=keep.device)).flatten()
@@ -246,8 +250,9 @@ def head_sections(rname: str, out: int, oname: str, inp: int):
     """(number of [Q; K; V] sections in related module `rname`, None) or (0, why it cannot
     follow the O-projection `oname`'s heads).
 
-    Each section must be exactly as wide as the O-projection's input: a fused projection (GPT-2's
-    c_attn) holds one block per head in each of its sections. A narrower one is grouped-query
+    Each section must be exactly as wide as the O-projection's input: a fused projection holds
+    one block per head in each of its sections (GPT-2's c_attn: Q, K, V one after the other;
+    Bloom / GPT-NeoX: interleaved per head, which _slice handles). A narrower one is grouped-query
     K / V (a key/value head serves several query heads, so removing one query head's block
     of rows would remove a head other query heads still read); slicing it silently changed
     the model's outputs.
