@@ -507,3 +507,37 @@ def test_config_that_disagrees_with_the_training_arguments_is_refused(base, tmp_
                         bf16=True)
     assert dict(trainer.model.named_modules())[QUERY].qc_wq is not None
     assert any("optimizer section(s) are not used" in str(w.message) for w in caught)
+
+
+def test_distillation_task_loss_is_the_trainers_own_label_smoothing_included(base, tmp_path):
+    """Oracle: transformers.Trainer with label_smoothing_factor. The distillation path took the
+    model's plain cross-entropy, so label smoothing (and a compute_loss_func) was ignored there."""
+    folder, tok, data = base
+
+    def run(cls, **kw):
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        args = transformers.TrainingArguments(str(tmp_path / cls.__name__), use_cpu=True, report_to=[], max_steps=2,
+                                              per_device_train_batch_size=4, label_smoothing_factor=0.3,
+                                              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+        trainer = cls(model, args, train_dataset=data, processing_class=tok, **kw)
+        trainer.train()
+        return [r for r in trainer.state.log_history if "loss" in r], model
+
+    plain_logs, plain = run(transformers.Trainer)
+    cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.0}}}   # task loss only
+    kd_logs, kd = run(DistillationTrainer, compression_config=cfg)
+    assert len(plain_logs) == 2
+    for want, got in zip(plain_logs, kd_logs):
+        assert got["loss"] == got["task_loss"] == pytest.approx(want["loss"], rel=1e-6)
+    for (name, a), b in zip(plain.state_dict().items(), kd.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(labels.shape)
+        return F.cross_entropy(outputs.logits, labels) * 0 + 7.0 + outputs.logits.sum() * 0
+    cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.5}}}
+    logs, _ = run(DistillationTrainer, compression_config=cfg, compute_loss_func=loss_func)
+    assert seen and all(r["task_loss"] == pytest.approx(7.0) for r in logs)

@@ -120,10 +120,12 @@ class DistillationTrainer(Trainer):
         student_in = dict(inputs)
         if kd.needs_hidden_states:
             student_in["output_hidden_states"] = True
-        outputs = model(**student_in)     # per-batch mean task loss (no num_items_in_batch)
-        task = getattr(outputs, "loss", None) if labels is not None else None
-        if labels is not None and task is None:
-            raise ValueError("the batch has labels but the model returned no loss")
+        if labels is not None:
+            # the Trainer's own task loss (label_smoothing_factor, compute_loss_func), a per-batch
+            # mean: model_accepts_loss_kwargs is off while distilling, so no num_items_in_batch
+            task, outputs = super().compute_loss(model, student_in, return_outputs=True)
+        else:
+            outputs, task = model(**student_in), None
         teacher_out = kd.teacher_outputs(inputs)
         logits = outputs.logits
         mask = distill_mask(logits, labels, _is_causal_lm(model), inputs.get("attention_mask"))
