@@ -5,8 +5,10 @@ configured dense_ratio, whatever step the schedule reached. Without related_modu
 head / channel pruning only zero the pruned weights (and biases). With them:
   row      primary drops output rows (+bias); related Linear drop those input columns
   head     primary (O-projection) drops pruned heads' input columns; related Q/K/V drop the
-           heads' blocks of output rows (+bias); a parent with num_attention_heads /
-           all_head_size (HF attention) or num_heads gets them updated
+           heads' blocks of output rows (+bias; a fused Q/K/V: GPT-2's Conv1D c_attn per
+           section, an nn.Linear head-major; grouped-query K/V are a ConfigError); a parent with
+           num_attention_heads / all_head_size (HF attention) or num_heads (+ GPT-2's
+           split_size) gets them updated
   channel  primary conv drops output channels (+bias); related conv drop input channels;
            related BatchNorm2d drop weight, bias, running stats and update num_features
 Related modules pair by position: within group G, for the i-th `modules` regex and each regex
