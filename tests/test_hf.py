@@ -541,3 +541,23 @@ def test_distillation_task_loss_is_the_trainers_own_label_smoothing_included(bas
     cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.5}}}
     logs, _ = run(DistillationTrainer, compression_config=cfg, compute_loss_func=loss_func)
     assert seen and all(r["task_loss"] == pytest.approx(7.0) for r in logs)
+
+
+def test_resuming_from_another_runs_checkpoint_is_refused(base, tmp_path):
+    """train(resume_from_checkpoint=A) with output_dir holding another run's checkpoint of the
+    same step read that run's compression state (masters, bits) next to A's weights, silently;
+    resume_from(B) with train(resume_from_checkpoint=A) too. Both are refused now."""
+    folder = base[0]
+    out_a, out_b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(base, out_a, stop_at=SAVE_AT)
+    other = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        other.classifier.weight.mul_(3.0)                        # another run, same step numbers
+    run(base, out_b, stop_at=SAVE_AT, model=other)
+    ckpt_a, ckpt_b = (os.path.join(o, f"checkpoint-{SAVE_AT}") for o in (out_a, out_b))
+    with pytest.raises(ValueError, match=r"checkpoint-3 is not the checkpoint the Trainer resumed from"):
+        run(base, out_b, resume=ckpt_a)
+    with pytest.raises(ValueError, match="resume_from"):
+        run(base, str(tmp_path / "c"), resume=ckpt_a, load_from=ckpt_b)
+    model, cb, _ = run(base, out_b, resume=ckpt_a, load_from=ckpt_a)      # the right pairing works
+    assert cb.scheduler.training_steps == STEPS

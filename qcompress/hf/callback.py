@@ -115,6 +115,24 @@ def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None
     scheduler.load_state_dict(unflatten(skeleton, tensors))
 
 
+def _check_same_checkpoint(folder: str, state) -> None:
+    """Refuse `folder` when its trainer_state.json is not the one the Trainer resumed from: a
+    checkpoint of another run under output_dir with the same step number (train() given a folder
+    elsewhere without resume_from), or resume_from() given another folder than train(). The two
+    records are equal when they come from one file (JSON floats round-trip exactly)."""
+    path = os.path.join(folder, "trainer_state.json")
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return                      # not a Trainer checkpoint folder: nothing to compare
+    ours = {"global_step": state.global_step, "total_flos": state.total_flos, "log_history": state.log_history}
+    if any(saved.get(key) != value for key, value in ours.items()):
+        raise ValueError(f"{folder} is not the checkpoint the Trainer resumed from (its trainer_state.json "
+                         "differs from the one loaded): for train(resume_from_checkpoint=PATH) call "
+                         "callback.resume_from(PATH) with the same folder first")
+
+
 def check_training_args(cfg, args) -> None:
     """Refuse a config whose training keys disagree with the TrainingArguments: the Trainer trains
     by its arguments and would ignore the config's values silently (as transformers' DeepSpeed
@@ -203,6 +221,7 @@ class CompressionCallback(TrainerCallback):
                     "callback.resume_from(checkpoint_folder) before trainer.train() for a checkpoint "
                     "kept elsewhere")
         if folder is not None:
+            _check_same_checkpoint(folder, state)
             load_compression_state(sched, folder)
             if sched.training_steps != state.global_step:
                 raise ValueError(f"{folder}: compression state of step {sched.training_steps}, but the "
