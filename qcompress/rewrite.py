@@ -298,10 +298,24 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
                           "layer reduction initialises the student from a teacher: pass "
                           "init_compression(model, cfg, teacher_model=...)")
     assignments = plan(model, cfg)     # checks the claims before anything is written
-    if cc.layer_reduction.enabled:
-        from .pruning.layer_reduction import student_initialization
-        student_initialization(model, teacher_model, cc.layer_reduction)
     root = unwrap(model)
+    # the student's tensors before layer reduction overwrites some with the teacher's (a later
+    # error puts them back)
+    students = ([(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
+                if cc.layer_reduction.enabled else [])
+    try:
+        if cc.layer_reduction.enabled:
+            from .pruning.layer_reduction import student_initialization
+            student_initialization(model, teacher_model, cc.layer_reduction)
+        return _rewrite_all(model, root, cfg, assignments)
+    except BaseException:
+        with torch.no_grad():
+            for t, saved in students:
+                t.copy_(saved)
+        raise
+
+
+def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Module:
     modules = dict(root.named_modules())
     # what each module holds now, so a config error found while rewriting leaves the model as it was
     before = {id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))

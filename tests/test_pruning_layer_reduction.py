@@ -84,3 +84,19 @@ def test_distill_losses_against_closed_forms():
     torch.testing.assert_close(distill.attention_mse([torch.zeros(1, 2)] * 2, ta, [1, 3]), torch.tensor(10.0))
     with pytest.raises(ValueError, match="hidden states"):
         distill.hidden_state_mse(sh[:2], th, [1, 3])
+
+
+def test_failed_init_with_layer_reduction_puts_the_students_tensors_back():
+    """Layer reduction copies the teacher's layers into the student before the rewrite; an error
+    found later (here head pruning's num_heads not dividing the O-projection) left 17 student
+    tensors overwritten, although a failed init_compression leaves the model as it was."""
+    teacher, student = bert(4, 0), bert(2, 1)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    cfg = {"compression_training": {"layer_reduction": LR, "head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 5},
+        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.output.dense"]}}}}}
+    with pytest.raises(ConfigError, match="num_heads"):
+        qc.init_compression(student, cfg, teacher_model=teacher)
+    after = student.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
