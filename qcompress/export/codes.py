@@ -140,8 +140,9 @@ def weight_entry(mod) -> WeightEntry:
         bad = int((deq != ref2).sum())
         if bad:
             raise ExportError(f"module {name!r}: the exported integers do not reproduce "
-                              f"effective_weight() ({bad} of {ref2.numel()} elements differ); was the "
-                              "weight changed after redundancy_clean?")
+                              f"effective_weight() ({bad} of {ref2.numel()} elements differ): redundancy_clean "
+                              "dropped its integer codes because pruning split its groups of inputs (it "
+                              "warned; quantize it per channel), or the weight changed after redundancy_clean")
     fmt = fmt_for(bits)
     entry = WeightEntry(bits=bits, qtype=kind, symmetric=spec.symmetric, strategy=strategy,
                         group_size=gsize, fmt=fmt, shape=list(ref.shape),
