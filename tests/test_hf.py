@@ -160,8 +160,9 @@ def test_resume_from_checkpoint_continues_exactly(base, full, tmp_path):
 
     # the same checkpoint without its compression state: resuming would restart the schedule
     os.remove(os.path.join(ckpt, STATE_JSON))
-    with pytest.raises(FileNotFoundError, match=STATE_JSON):
+    with pytest.raises(FileNotFoundError, match=STATE_JSON) as err:
         run(base, out, resume=ckpt)
+    assert "resume from the checkpoint before" in str(err.value)    # what a killed save leaves
 
 
 def test_export_loads_and_gives_the_trained_logits(base, full):

@@ -91,7 +91,9 @@ def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None
     for path in (jpath, tpath):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no qcompress compression state here (was the checkpoint "
-                                    "written by a Trainer with a CompressionCallback?)")
+                                    "written by a Trainer with a CompressionCallback? A run killed while "
+                                    "saving leaves the Trainer's files without it: resume from the "
+                                    "checkpoint before)")
     try:
         with open(jpath, "r", encoding="utf-8") as fh:
             doc = json.load(fh)
