@@ -576,3 +576,28 @@ def test_head_clean_gpt_neox_fused_head_major_query_key_value():
     torch.testing.assert_close(att.query_key_value.weight, w0[rows], rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
+
+
+def test_head_slicing_of_alibi_attention_is_refused_at_init():
+    """Bloom builds its ALiBi slopes for the config's head count in every layer: a head-cleaned
+    Bloom failed in its first forward after training. Slicing is refused at init, naming
+    related_modules; zeroing the heads (no related_modules) still works."""
+    transformers = pytest.importorskip("transformers")
+
+    def bloom():
+        torch.manual_seed(0)
+        return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=64,
+                                                                      n_layer=2, n_head=4)).eval()
+
+    group = {"params": {"dense_ratio": 0.5}, "modules": [r"self_attention\.dense"]}
+    cfg = {"compression_training": {"head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+        "different_groups": {"hp": {**group, "related_modules": [[r"self_attention\.query_key_value"]]}}}}}
+    with pytest.raises(ConfigError, match=r"head_pruning\.different_groups\.hp\.related_modules: .*BloomAttention"
+                                          r".*ALiBi"):
+        qc.init_compression(bloom(), cfg)
+    cfg["compression_training"]["head_pruning"]["different_groups"]["hp"] = group
+    model = qc.init_compression(bloom(), cfg)
+    ids = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        assert torch.isfinite(qc.redundancy_clean(model, cfg)(ids).logits).all()

@@ -117,6 +117,10 @@ def related_of(technique, group, name, modules):
     return []
 
 
+# attention classes whose model-level ALiBi bias assumes every layer keeps the config's heads
+_ALIBI_ATTENTION = {"BloomAttention", "MptAttention"}
+
+
 def _check_related(module, technique, group, name, modules):
     """Validate the pairing at init (not only at clean); hook related BatchNorms for channels."""
     from ..nn.layers import kind_of
@@ -125,6 +129,11 @@ def _check_related(module, technique, group, name, modules):
         related = modules[rname]
         if technique == "head_pruning" and kind_of(related) in ("linear", "hf_conv1d"):
             _, msg = head_sections(rname, _matrix(related).shape[0], name, _matrix(module).shape[1])
+            owner = modules.get(name.rpartition(".")[0])
+            if msg is None and type(owner).__name__ in _ALIBI_ATTENTION:
+                msg = (f"the heads of {name.rpartition('.')[0]!r} ({type(owner).__name__}) cannot be sliced "
+                       "away: the model builds its ALiBi slopes for the config's head count in every "
+                       "layer; leave related_modules out to zero the pruned heads without slicing")
             if msg is not None:   # found at init, not after training at redundancy_clean
                 raise ConfigError(f"compression_training.head_pruning.different_groups.{group.name}"
                                   ".related_modules", msg)
