@@ -464,3 +464,36 @@ def test_a_tied_module_whose_tensors_are_stored_anyway_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"'transformer.wte.weight_scale' is stored although config.json "
                                               r"says 'transformer.wte' is tied_to 'lm_head'"):
         resolve_ties(tensors, where, modules)
+
+
+def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp_path):
+    """With range learning the tied modules also share a learned weight_scale Parameter, which the
+    export wrote under the Embedding's name too: the reload refused the export. The oracle is the
+    trained model's own logits."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32))
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4_group32.yaml"), {"compression_training": {
+        "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}}})
+    model = qcompress.init_compression(build(), cfg)
+    sched = qcompress.CompressionScheduler(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()          # the learned scales move
+    opt.step()
+    sched.step()
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_quantized(model, tmp_path / "out", cfg)
+    sd = load_file(tmp_path / "out" / "model.safetensors")
+    assert not any(k.startswith("transformer.wte.") for k in sd)
+    loaded = load_quantized(tmp_path / "out", build())
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -110,11 +110,8 @@ def _store_tied_once(users, entries, modules, replaced) -> None:
             if not same:              # never expected (tied modules share one quantizer): keep both
                 continue
             modules[n]["tied_to"] = keep
-            for k in own:
-                if k == "weight":
-                    replaced[f"{n}.weight"] = True     # the float weight stays out too
-                else:
-                    del replaced[f"{n}.{k}"]
+            for k in own:       # written under `keep` only; the module's own state_dict entries
+                replaced[f"{n}.{k}"] = True      # (float weight, learned scales) stay out too
 
 
 def build_config(model, modules, plain_linears) -> dict:
