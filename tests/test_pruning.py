@@ -601,3 +601,25 @@ def test_head_slicing_of_alibi_attention_is_refused_at_init():
     ids = torch.randint(0, 128, (1, 8))
     with torch.no_grad():
         assert torch.isfinite(qc.redundancy_clean(model, cfg)(ids).logits).all()
+
+
+def test_density_column_is_what_the_masks_keep():
+    """metrics.csv's density.<group> reported the scheduled ratio: 4 of 12 heads kept at
+    dense_ratio 0.3 showed 0.3. The oracle is the mask itself (its share of ones)."""
+    from qcompress.train.loop import group_columns
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 10))
+    cfg = {"compression_training": {
+        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
+                                               "num_heads": 12},
+                         "different_groups": {"hp": {"params": {"dense_ratio": 0.3}, "modules": ["^0$"]}}},
+        "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+                        "different_groups": {"rp": {"params": {"dense_ratio": 0.25}, "modules": ["^2$"]}}}}}
+    qc.init_compression(model, cfg)
+    cols = group_columns(model)
+    for mod, key in ((model[0], "density.hp"), (model[2], "density.rp")):
+        st = next(iter(mod.qc_pruning.values()))
+        with torch.no_grad():
+            share = float(st.mask(mod).double().mean())
+        assert cols[key] == pytest.approx(share, abs=1e-9)
+    assert cols["density.hp"] == pytest.approx(4 / 12)        # ceil(0.3 * 12) heads

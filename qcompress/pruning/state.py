@@ -72,6 +72,16 @@ class PruningState:
             self._ramp_mask = (r, topk_mask(self.l1_scores, r))
         return self._ramp_mask[1]
 
+    def kept_fraction(self, module) -> float:
+        """The share of scored units (weights, rows, heads, channels) the mask keeps now: the ratio
+        rounded to whole units, ceil(ratio * n) / n (4 of 12 heads at 0.3 is 0.333)."""
+        if not self.active:
+            return 1.0
+        ref = (getattr(module, self.scores_name) if self.method == "topk"
+               else self.l1_mask if self.l1_mask is not None else self.l1_scores)
+        n = ref.numel()
+        return keep_count(self.ratio, n) / n
+
     def final_mask(self, module) -> torch.Tensor:
         """Boolean mask at the configured dense_ratio (what redundancy_clean makes permanent)."""
         with torch.no_grad():

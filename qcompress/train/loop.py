@@ -8,7 +8,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ def group_columns(model: nn.Module) -> Dict[str, float]:
     """Bits of every weight / activation group, kept density of every pruning group and the
     share of blocks progressive layer drop ran, as now."""
     out: Dict[str, float] = {}
+    kept: Dict[str, List[float]] = {}
     for _, m in model.named_modules():
         wq, aq = getattr(m, "qc_wq", None), getattr(m, "qc_aq", None)
         if wq is not None:
@@ -33,7 +34,9 @@ def group_columns(model: nn.Module) -> Dict[str, float]:
         if aq is not None:
             out[f"act_bits.{aq.group}"] = aq.bits if aq.active else 32
         for st in (getattr(m, "qc_pruning", None) or {}).values():
-            out[f"density.{st.group}"] = st.ratio if st.active else 1.0
+            kept.setdefault(f"density.{st.group}", []).append(st.kept_fraction(m))
+    for key, shares in kept.items():     # what the masks keep (whole units), not the scheduled ratio
+        out[key] = sum(shares) / len(shares)
     from ..nn.pld import pld_schedule
     pld = pld_schedule(model)
     if pld is not None:              # progressive layer drop: share of block calls run in the last step
