@@ -392,3 +392,29 @@ def test_estimate_memory_knows_the_nvme_placement():
     assert estimate_memory(P, W, 2, True) == {**cpu3, "parameters": 4 * P, "total": 4 * P}
     with pytest.raises(qc.ConfigError, match="stage 1, 2 or 3"):
         estimate_memory(P, W, 0, "nvme")
+
+
+def test_a_cleaner_running_while_the_swap_folder_is_set_up_leaves_it(tmp_path, monkeypatch):
+    """Ranks on one host share nvme_path, and each one's set-up removes the swap folders of dead
+    runs (those whose lock it can take; a missing lock file counts as dead). Another rank's cleaner
+    running between the folder's mkdir and its lock file deleted a live rank's folder: 'not
+    writable: No such file or directory' (once in a full CI run, at 2 ranks). Here the cleaner runs at
+    exactly that moment."""
+    from qcompress import atomic
+    from qcompress.engine import nvme
+    real = atomic.OwnerLock.create
+
+    def create_after_a_cleaner(cls, path):
+        nvme.remove_stale_folders(str(tmp_path))
+        return real(path)
+    monkeypatch.setattr(atomic.OwnerLock, "create", classmethod(create_after_a_cleaner))
+    folder, lock = nvme.make_swap_folder(str(tmp_path), 1)
+    monkeypatch.undo()
+    try:
+        assert os.path.isdir(folder) and os.path.basename(folder).startswith(nvme._PREFIX)
+        assert os.path.isfile(lock.path) and os.path.dirname(lock.path) == folder
+        assert nvme.remove_stale_folders(str(tmp_path)) == []      # its lock is held: kept
+        assert os.listdir(tmp_path) == [os.path.basename(folder)]  # no set-up folder left behind
+    finally:
+        lock.release(unlink=False)
+    assert nvme.remove_stale_folders(str(tmp_path)) == [folder]    # once released, it is stale

@@ -90,11 +90,16 @@ def make_swap_folder(nvme_path: str, need_bytes: int) -> Tuple[str, atomic.Owner
     if not os.path.isdir(nvme_path):
         raise ConfigError(KEY, f"{nvme_path!r} is not a folder")
     remove_stale_folders(nvme_path)
-    folder = os.path.join(nvme_path, f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-{next(_counter)}")
+    name = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-{next(_counter)}"
+    folder = os.path.join(nvme_path, name)
+    # Set up under a hidden name and renamed once its lock is held: another rank's cleaner
+    # (remove_stale_folders) takes a _PREFIX folder without a held lock for a dead run's, and
+    # deleted a folder made an instant before its lock file.
+    setup = os.path.join(nvme_path, f".setup-{name}")
     try:
-        os.mkdir(folder)
-        lock = atomic.OwnerLock.create(os.path.join(folder, "owner.lock"))
-        probe = os.path.join(folder, "probe")
+        os.mkdir(setup)
+        lock = atomic.OwnerLock.create(os.path.join(setup, "owner.lock"))
+        probe = os.path.join(setup, "probe")
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"\0" * 4096)
@@ -102,8 +107,10 @@ def make_swap_folder(nvme_path: str, need_bytes: int) -> Tuple[str, atomic.Owner
         finally:
             os.close(fd)
         os.remove(probe)
+        os.rename(setup, folder)
+        lock.path = os.path.join(folder, "owner.lock")   # the flock is on the file, held through the rename
     except OSError as err:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(setup, ignore_errors=True)
         raise ConfigError(KEY, f"{nvme_path!r} is not writable: {err.strerror or err}") from None
     free = shutil.disk_usage(folder).free
     if free < need_bytes:
