@@ -99,6 +99,21 @@ class Buckets:
             self._views = list(torch.split(self._flat, self.numels))
         return self._views
 
+    @staticmethod
+    def momentum_slot(stage: Optional[List[torch.Tensor]], k: int, m: torch.Tensor,
+                      frozen: bool) -> Optional[torch.Tensor]:
+        """Where parameter k's new momentum is built: its staging view holding a copy of m (the
+        state changes only once the collective succeeds), or m itself at one rank (stage None).
+        A frozen parameter's view is zeroed and None returned: every rank keeps the same layout."""
+        out = m if stage is None else stage[k].view_as(m)
+        if frozen:
+            if out is not m:
+                out.zero_()
+            return None
+        if out is not m:
+            out.copy_(m)
+        return out
+
     def allreduce_staged_(self, targets: List[Optional[torch.Tensor]], names=None) -> None:
         """Compressed mean of the staging buffer (filled through staging()); then view i is copied
         into targets[i] (None: dropped). When any rank's data holds NaN / Inf, every rank raises

@@ -124,15 +124,11 @@ class OneBitAdam(CompressedOptimizer):
             for p in g["params"]:
                 st = self._state(p)
                 m = st["exp_avg"]
-                out = m if stage is None else stage[k].view_as(m)
+                out = buckets.momentum_slot(stage, k, m, is_frozen(p))
                 k += 1
-                if is_frozen(p):  # zeros keep every rank's layout; the state stays as it was
-                    if out is not m:
-                        out.zero_()
+                if out is None:   # frozen: the state stays as it was
                     targets.append(None)
                     continue
-                if out is not m:  # new momentum in the staging buffer: the state changes only on success
-                    out.copy_(m)
                 grad = self._grad32(p)
                 if grad is None:
                     out.mul_(b1)  # every rank must send the same layout: a missing grad counts as 0
