@@ -373,3 +373,38 @@ def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext)
         # a wrong group, scale or zero point gives O(1) differences after LayerNorm
         assert err <= 2.0 ** -3 * e.abs().max().item(), err
         assert (f - e).abs().mean().item() <= 2.0 ** -6 * e.abs().mean().item()
+
+
+@pytest.mark.skipif(not lowbit.available(), reason="needs the compiled lowbit kernels")
+@pytest.mark.parametrize("act,direct", [
+    (None, True),                      # lowbit: weight-only float input
+    (("dynamic", False), True),        # lowbit_a8, dynamic per-token codes in one call
+    (("dynamic", True), True),
+    (("static", True), False),         # static range: codes made in Python first (general path)
+])
+def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
+    # the per-call shortcut (_direct) runs the same op on the same tensors as the general path, so
+    # outputs are equal bit for bit; under autograd the general path runs
+    g = torch.Generator().manual_seed(5)
+    calib = (torch.randn(6, 256, generator=g),)
+    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act), calib)
+    mods = [m for m in fast if hasattr(m, "qx_plan")]
+    assert all((m.qx_direct is not None) == direct for m in mods)
+    calls = []
+    real = fastmod._direct
+    monkeypatch.setattr(fastmod, "_direct", lambda m, x: calls.append(real(m, x) is not None) or real(m, x))
+    for x in (torch.randn(1, 256, generator=g), torch.randn(3, 33, 256, generator=g)):
+        with torch.no_grad():
+            y_direct = fast(x)
+            saved = [m.qx_direct for m in mods]
+            for m in mods:
+                m.qx_direct = None
+            y_general = fast(x)
+            for m, d in zip(mods, saved):
+                m.qx_direct = d
+        assert torch.equal(y_direct, y_general)     # (fast against exact: the tests above)
+    assert any(calls) == direct
+    calls.clear()
+    x = torch.randn(2, 256, generator=g, requires_grad=True)
+    fast(x).sum().backward()             # autograd: the general path (a float weight), with gradients
+    assert x.grad is not None and not any(calls)

@@ -243,6 +243,9 @@ class FastConv1DMixin(FastMixin):
     """transformers' Conv1D (GPT-2): y = x @ W + b with W [in, out], i.e. a Linear on W^T."""
 
     def forward(self, x):
+        y = _direct(self, x)
+        if y is not None:
+            return y
         if (self.qx_plan in _LOWBIT_PLANS and not (torch.is_grad_enabled() and x.requires_grad)
                 and x.is_floating_point() and _lowbit_here(self, x)):
             if self.qx_plan == "lowbit_a8":
@@ -253,6 +256,9 @@ class FastConv1DMixin(FastMixin):
 
 class FastLinearMixin(FastMixin):
     def forward(self, x):
+        y = _direct(self, x)
+        if y is not None:
+            return y
         plan = self.qx_plan
         if torch.is_grad_enabled() and x.requires_grad:     # the integer kernels have no backward
             return F.linear(self._qx_input(x), self.weight, self.bias)
@@ -366,6 +372,41 @@ def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
 
 def _lowbit_here(mod: nn.Module, x: torch.Tensor) -> bool:
     return x.device == mod._buffers["lowbit_packed"].device and lowbit.runs_on(x.device)
+
+
+def _set_direct(mod: nn.Module, rec: dict):
+    """What _direct calls for this module (None: the general path only), fixed at load."""
+    n, _, group, cbits = mod.qx_lowbit
+    act = rec.get("input_activations")
+    mod.qx_direct = None
+    if not _kernels.available() or "bias" not in mod._parameters:     # a bias kept as a buffer: general path
+        return
+    if mod.qx_plan == "lowbit" and act is None:
+        mod.qx_direct = (torch.ops.qcompress.lowbit_linear.default, (n, group, cbits), False)
+    elif mod.qx_plan == "lowbit_a8" and _token_spec(mod) is not None:
+        spec = _token_spec(mod)
+        mod.qx_direct = (torch.ops.qcompress.lowbit_linear_dyn_a8.default,
+                         (n, group, cbits, spec.bits, spec.symmetric, spec.seed), True)
+
+
+def _direct(mod: nn.Module, x: torch.Tensor):
+    """The lowbit plans' kernel on a CPU tensor with nothing in between, or None where the call needs
+    the general path (autograd, another device, a float64 input, an input fake-quantized first).
+    Same op and arguments as _forward_lowbit / _forward_lowbit_a8: at one token the Python around
+    the kernel (plan checks, tuple and Packed building, wrappers) cost as much as the kernel."""
+    d = mod.__dict__.get("qx_direct")
+    if d is None or not x.is_cpu or not x.is_floating_point() or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    b = mod._buffers
+    packed = b["lowbit_packed"]
+    if not packed.is_cpu:
+        return None
+    op, args, a8 = d
+    if not a8:
+        return op(x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args)
+    if x.dtype == torch.float64:
+        return None
+    return _kernels._call(op, x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args)
 
 
 def _forward_lowbit(self, x: torch.Tensor) -> torch.Tensor:
@@ -561,6 +602,7 @@ def _swap_fast(mod: nn.Module, plan: str):
         _CACHE[base] = type("Fast" + base.__name__, (mixin, base), {"__module__": __name__})
     mod.__class__ = _CACHE[base]
     mod.qx_plan = plan
+    mod.qx_direct = None
 
 
 def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
@@ -579,6 +621,8 @@ def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, s
         elif plan == "dequant" and planes_ok(rec):
             _to_planes(mod, rec)
         _swap_fast(mod, plan)
+        if plan in _LOWBIT_PLANS:
+            _set_direct(mod, rec)
         plans[name] = (plan, why)
     fallbacks = {n: why for n, (p, why) in plans.items() if p == "dequant"}
     counts = {}
