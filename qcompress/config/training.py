@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ConfigError
 from .compression import CompressionConfig
@@ -23,6 +23,45 @@ IGNORED_DEEPSPEED_KEYS = (
     "eigenvalue", "quantize_training", "sparse_attention", "pipeline", "compile", "nebula",
     "hybrid_engine", "data_types", "timers", "dataloader_drop_last",
 )
+
+
+# Keys that transformers' DeepSpeed integration lets a config leave as "auto" (it fills them from
+# the TrainingArguments), besides every optimizer.params / scheduler.params value. parse_config
+# takes them out of the document (the field keeps its default) and lists them in Config.auto_keys:
+# the Trainer callback then compares nothing for them, `qcompress train` fills them from its
+# options, and the engine refuses them except the ZeRO sizes, which keep their defaults (bucket
+# sizes FSDP2 / DDP treat as hints; transformers derives them from the hidden size).
+AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "gradient_clipping", "fp16.enabled", "bf16.enabled")
+AUTO_ZERO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                  "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                  "stage3_max_reuse_distance", "sub_group_size")
+AUTO = "auto"
+
+
+def take_auto(doc: dict):
+    """(a copy of doc without its "auto" values where they are allowed, their dotted paths)."""
+    out, found = dict(doc), []
+
+    def drop(section: dict, keys, prefix: str) -> dict:
+        section = dict(section)
+        for key in list(section):
+            if (keys is None or key in keys) and section[key] == AUTO:
+                del section[key]
+                found.append(prefix + key)
+        return section
+
+    out = drop(out, AUTO_KEYS[:4], "")
+    for name in ("fp16", "bf16"):
+        if isinstance(out.get(name), dict):
+            out[name] = drop(out[name], ("enabled",), name + ".")
+    if isinstance(out.get("zero_optimization"), dict):
+        out["zero_optimization"] = drop(out["zero_optimization"], AUTO_ZERO_KEYS, "zero_optimization.")
+    for name in ("optimizer", "scheduler"):
+        sec = out.get(name)
+        if isinstance(sec, dict) and isinstance(sec.get("params"), dict):
+            out[name] = dict(sec, params=drop(sec["params"], None, name + ".params."))
+    return out, tuple(found)
 
 
 @dataclass(frozen=True)
@@ -157,10 +196,20 @@ class Config:
     csv_monitor: MonitorOutput = field(MonitorOutput())
     compression_training: CompressionConfig = field(CompressionConfig())
     raw: Dict[str, Any] = field({}, internal=True, doc="the merged input document, for export metadata")
+    auto_keys: Tuple[str, ...] = field((), internal=True, doc='keys given as "auto" (see AUTO_KEYS)')
 
     def _validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(join(path, "bf16.enabled"), "fp16 and bf16 cannot both be enabled")
+
+    def refuse_auto(self, who: str = "qcompress.initialize") -> None:
+        """ConfigError naming the "auto" values `who` cannot fill in (all but the ZeRO sizes)."""
+        keys = [key for key in self.auto_keys if not key.startswith("zero_optimization.")]
+        if keys:
+            also = f" (also {', '.join(keys[1:])})" if len(keys) > 1 else ""
+            raise ConfigError(keys[0], f"is \"auto\"{also}, a value transformers' Trainer fills in from its "
+                              f"TrainingArguments (qcompress.hf.CompressionCallback does the same); {who} "
+                              "needs numbers here")
 
     @property
     def compression(self) -> CompressionConfig:
@@ -185,6 +234,8 @@ def parse_config(doc: dict, source: str = "") -> Config:
         if key == "bfloat16":  # DeepSpeed's older alias
             key = "bf16"
         kept[key] = value
+    kept, auto = take_auto(kept)
     cfg = parse(Config, kept, "")
     object.__setattr__(cfg, "raw", doc)
+    object.__setattr__(cfg, "auto_keys", auto)
     return cfg

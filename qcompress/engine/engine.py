@@ -112,6 +112,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, cfg, model_parameters=None, optimizer=None):
         cfg = as_config(cfg)
+        cfg.refuse_auto()
         self.config = cfg
         _check_client_optimizer(optimizer, cfg)
         zero = cfg.zero_optimization

@@ -148,7 +148,8 @@ def _load_engine_checkpoint(model, cfg, directory, tag):
     master copies, schedule position), which a plain state_dict lacks. Returns its scheduler."""
     import torch
     import qcompress
-    raw = dict(cfg.raw)
+    from ..config.training import take_auto
+    raw = take_auto(cfg.raw)[0]      # "auto" training values: nothing here trains
     zero = dict(raw.get("zero_optimization") or {})
     zero.update(stage=0, offload_optimizer={"device": "none"}, offload_param={"device": "none"})
     # one process, no optimizer state: the batch split and the optimizer only have to be valid

@@ -156,7 +156,8 @@ def check_training_args(cfg, args) -> None:
         ours = getattr(cfg, key)
         if ours is not None and ours != theirs:
             wrong.append((key, ours, name, theirs))
-    if "gradient_clipping" in raw and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0):
+    if ("gradient_clipping" in raw and "gradient_clipping" not in cfg.auto_keys
+            and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0)):
         wrong.append(("gradient_clipping", cfg.gradient_clipping, "TrainingArguments.max_grad_norm",
                       args.max_grad_norm))
     if wrong:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -31,6 +32,8 @@ from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (
 from .models import check_max_length, describe, fp32_bytes, fresh_model, load_model, load_tokenizer
 from .report import MetricsLog, plot_bits, plot_loss, read_metrics, stage_table, write_report
 from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
+
+log = logging.getLogger("qcompress.train")
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -114,9 +117,42 @@ def _digest(obj) -> str:
 
 # --- set-up ------------------------------------------------------------------------------------
 
+# scheduler values "auto" the job fills: rates from --lr, no warmup (the Trainer's default warmup_steps
+# 0); the total step count it refuses, as it is not known before the data loads
+_AUTO_SCHEDULER = {"warmup_max_lr": "lr", "cycle_max_lr": "lr", "warmup_min_lr": 0.0, "cycle_min_lr": 0.0,
+                   "warmup_num_steps": 0}
+
+
+def fill_auto(doc: dict, auto_keys, opts: JobOptions) -> dict:
+    """The document with its "auto" values (transformers' DeepSpeed integration) filled as the Trainer
+    fills them from its arguments, here from the job's: batch keys by --batch-size (as if absent),
+    optimizer / scheduler learning rates by --lr, warmup steps 0; everything else "auto" takes
+    qcompress's default (no clipping, fp32, the optimizer's own defaults, the ZeRO sizes)."""
+    from ..config.training import take_auto
+    doc = take_auto(doc)[0]
+    for key in auto_keys:
+        if key == "optimizer.params.lr":
+            doc["optimizer"]["params"]["lr"] = opts.lr
+        elif key.startswith("scheduler.params."):
+            name = key.rsplit(".", 1)[1]
+            if name not in _AUTO_SCHEDULER:
+                raise JobError(f"config key {key} is \"auto\": qcompress train fills in batch sizes, "
+                               "learning rates and warmup steps; give it a number (the run's step count follows from "
+                               "--max-steps or --epochs)")
+            value = _AUTO_SCHEDULER[name]
+            doc["scheduler"]["params"][name] = opts.lr if value == "lr" else value
+    if auto_keys:
+        log.info("qcompress train: \"auto\" config values filled from the job's options: %s",
+                 ", ".join(auto_keys))
+    return doc
+
+
 def job_config(opts: JobOptions) -> dict:
     """The merged config document, with the job's defaults where the configs say nothing."""
-    doc = copy.deepcopy(load_config(*opts.configs).raw) if opts.configs else {}
+    cfg = load_config(*opts.configs) if opts.configs else None
+    doc = copy.deepcopy(cfg.raw) if cfg is not None else {}
+    if cfg is not None and cfg.auto_keys:
+        doc = fill_auto(doc, cfg.auto_keys, opts)
     if not any(k in doc for k in BATCH_KEYS):
         doc["train_batch_size"] = opts.batch_size
     cc = doc.get("compression_training") or {}
