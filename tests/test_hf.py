@@ -562,3 +562,47 @@ def test_resuming_from_another_runs_checkpoint_is_refused(base, tmp_path):
         run(base, str(tmp_path / "c"), resume=ckpt_a, load_from=ckpt_b)
     model, cb, _ = run(base, out_b, resume=ckpt_a, load_from=ckpt_a)      # the right pairing works
     assert cb.scheduler.training_steps == STEPS
+
+
+RL_CFG = {"compression_training": {"weight_quantization": {
+    "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "quantize_weight_in_forward": True},
+    "different_groups": {"wq1": {"params": {"start_bits": 4, "target_bits": 4, "range_learning": True,
+                                            "granularity": "channel"},
+                                 "modules": ["attention.self.query", "attention.self.key"]}}}}}
+
+
+def test_compression_trainer_puts_learned_ranges_in_their_own_groups(base, tmp_path):
+    # qcompress train's default (RANGE_LR_FACTOR x lr, no weight decay) for Trainer users: the
+    # scales leave the weights' groups, and their lr follows the schedule at the factor
+    from qcompress.hf import CompressionTrainer
+    from qcompress.nn.range_groups import RANGE_LR_FACTOR, range_parameter_ids
+    folder, tok, data = base
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=4,
+                                          per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.1,
+                                          save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0)
+    trainer = CompressionTrainer(model, args, train_dataset=data, processing_class=tok,
+                                 callbacks=[CompressionCallback(RL_CFG)])
+    trainer.train()
+    ranges = range_parameter_ids(model)
+    assert len(ranges) == 4                                   # weight_scale of 2 layers x 2 blocks
+    groups = trainer.optimizer.param_groups
+    with_ranges = [g for g in groups if any(id(p) in ranges for p in g["params"])]
+    assert with_ranges and all(all(id(p) in ranges for p in g["params"]) for g in with_ranges)
+    weights = [g for g in groups if g not in with_ranges]
+    assert all(g["weight_decay"] == 0.0 for g in with_ranges)
+    assert any(g["weight_decay"] == 0.1 for g in weights)
+    for g in with_ranges:
+        assert g["initial_lr"] == pytest.approx(1e-3 * RANGE_LR_FACTOR)
+        assert g["lr"] == pytest.approx(weights[0]["lr"] * RANGE_LR_FACTOR)    # the schedule applies
+    # a plain Trainer keeps them in the weights' group (the documented difference)
+    plain = _trainer(base, str(tmp_path / "plain"), [CompressionCallback(RL_CFG)])
+    plain.create_optimizer()
+    assert len(plain.optimizer.param_groups) == 2
+    # resuming rebuilds the same groups, so the saved optimizer state loads
+    model2 = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    again = CompressionTrainer(model2, args, train_dataset=data, processing_class=tok,
+                               callbacks=[CompressionCallback(RL_CFG)])
+    again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    for a, b in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

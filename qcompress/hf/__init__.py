@@ -1,5 +1,6 @@
 """transformers integration: CompressionCallback (compression inside a Trainer, checkpoints,
-export) and DistillationTrainer (quantization-aware distillation). Needs transformers."""
+export), CompressionTrainer (learned ranges in their own optimizer groups) and DistillationTrainer
+(quantization-aware distillation). Needs transformers."""
 try:  # checked here so the error says what to install
     import transformers  # noqa: F401
     import accelerate  # noqa: F401  (the Trainer requires it)
@@ -8,7 +9,7 @@ except ImportError as err:
                       "pip install qcompress[hf]") from err
 
 from .callback import CompressionCallback, load_compression_state, save_compression_state
-from .trainer import DistillationTrainer, distill_mask
+from .trainer import CompressionTrainer, DistillationTrainer, distill_mask
 
-__all__ = ["CompressionCallback", "DistillationTrainer", "save_compression_state",
+__all__ = ["CompressionCallback", "CompressionTrainer", "DistillationTrainer", "save_compression_state",
            "load_compression_state", "distill_mask"]

@@ -1,5 +1,6 @@
-"""DistillationTrainer: a transformers Trainer whose training loss adds knowledge distillation
-from a frozen teacher (`compression_training.distillation`), for quantization-aware distillation.
+"""CompressionTrainer: a transformers Trainer whose default optimizer keeps learned ranges in their
+own groups; DistillationTrainer: the same, whose training loss adds knowledge distillation from a
+frozen teacher (`compression_training.distillation`), for quantization-aware distillation.
 
     trainer = DistillationTrainer(model, args, compression_config=cfg, train_dataset=...,
                                   callbacks=[CompressionCallback(cfg)])
@@ -10,6 +11,7 @@ teacher is loaded with the student's own class (`type(model).from_pretrained`). 
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -19,8 +21,11 @@ from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..config import as_config
+from ..nn.range_groups import RANGE_LR_FACTOR, range_parameter_ids, split_range_groups_
 from ..unwrap import unwrap
 from ..train.distill import IGNORE_INDEX, KEY, Distiller, causal_lm_mask, load_teacher
+
+log = logging.getLogger("qcompress.hf")
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -67,7 +72,25 @@ def _load_folder_teacher(student: nn.Module, path: str) -> nn.Module:
     return teacher
 
 
-class DistillationTrainer(Trainer):
+class CompressionTrainer(Trainer):
+    """A Trainer whose default optimizer gives learned ranges (`range_learning`: the scales and
+    zero points) groups of their own, at RANGE_LR_FACTOR x the learning rate without weight decay,
+    as `qcompress train` does (in the weights' group they random-walk: see
+    qcompress/nn/range_groups.py). Use it with CompressionCallback like a plain Trainer; an
+    optimizer given in `optimizers=` is used as given."""
+
+    def create_optimizer(self, model=None):
+        built_here = self.optimizer is None
+        optimizer = super().create_optimizer() if model is None else super().create_optimizer(model)
+        if built_here:
+            moved = split_range_groups_(optimizer, range_parameter_ids(self.model if model is None else model))
+            if moved:
+                log.info("qcompress: %d learned-range parameters in their own optimizer groups (lr x %g, "
+                         "no weight decay)", moved, RANGE_LR_FACTOR)
+        return optimizer
+
+
+class DistillationTrainer(CompressionTrainer):
     """Trainer with loss (1 - alpha) * task + alpha * (T^2 KL + hidden_mse * hidden MSE).
 
     `compression_config`: the qcompress config (Config, dict or path) whose

@@ -31,6 +31,7 @@ from .evaluate import evaluate, max_logit_difference, max_weight_difference, met
 from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (LOCK_NAME: tests import it here)
 from .models import check_max_length, describe, fp32_bytes, fresh_model, load_model, load_tokenizer
 from .report import MetricsLog, plot_bits, plot_loss, read_metrics, stage_table, write_report
+from ..nn.range_groups import RANGE_LR_FACTOR, range_parameter_ids, split_range_groups  # noqa: F401
 from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
 
 log = logging.getLogger("qcompress.train")
@@ -180,45 +181,20 @@ def with_tensorboard(doc: dict, out: str, name: str) -> dict:
                                   "job_name": name})
 
 
-RANGE_LR_FACTOR = 0.1   # learned ranges' lr relative to the weights' (measured: benchmarks/RESULTS.md)
-
-
 def client_optimizer(doc: dict, lr: float, model: Optional[torch.nn.Module] = None):
-    """A default AdamW when the config has no optimizer section (initialize takes a factory).
-
-    Learned ranges (range_learning's weight_scale / input_scale / zero points) get their own group:
-    no weight decay (decay would pull every scale towards 0) and RANGE_LR_FACTOR x lr. AdamW moves
-    each parameter by about lr per step whatever its gradient, which at the weights' lr is 1-2.5 % of
-    a 4-bit scale per step: the scales random-walked (0.71-1.13x their start after 100 steps) and
-    W4 g32 QAD recovered 61 % of the PTQ gap instead of 85 % (issue 15)."""
+    """A default AdamW when the config has no optimizer section (initialize takes a factory), with
+    learned ranges in groups of their own (qcompress/nn/range_groups.py: RANGE_LR_FACTOR x lr, no
+    weight decay)."""
     if doc.get("optimizer"):
         return None
 
     def make(params):
-        names = ranges_ids(model)
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        out = []
-        for g in groups:
-            ps = list(g["params"])
-            rest = [p for p in ps if id(p) not in names]
-            rng = [p for p in ps if id(p) in names]
-            out += [dict(g, params=rest)] if rest else []
-            out += [dict(g, params=rng, lr=lr * RANGE_LR_FACTOR, weight_decay=0.0)] if rng else []
-        return torch.optim.AdamW(out, lr=lr, weight_decay=0.01)
+        return torch.optim.AdamW(split_range_groups(groups, range_parameter_ids(model), lr),
+                                 lr=lr, weight_decay=0.01)
     return make
-
-
-def ranges_ids(model: Optional[torch.nn.Module]) -> set:
-    """ids of the model's learned-range Parameters, read when the optimizer is built (after any
-    FSDP2 wrapping replaced the Parameters)."""
-    if model is None:
-        return set()
-    from ..nn.layers import CompressMixin
-    from ..nn.ranges import range_parameter_names
-    return {id(m._parameters[n]) for m in model.modules() if isinstance(m, CompressMixin)
-            for n in range_parameter_names(m)}
 
 
 def _rank() -> int:
