@@ -1156,8 +1156,10 @@ _FROZEN_RUNS = {
 }
 
 
-def _frozen_run(name, rank, with_frozen, steps=9, freeze_at=1):
-    """Two trained tensors and (with_frozen) a third one frozen (requires_grad=False) after freeze_at steps."""
+def _frozen_run(name, rank, with_frozen, steps=9, freeze_at=1, sent=None):
+    """Two trained tensors and (with_frozen) a third one frozen (requires_grad=False) after freeze_at
+    steps; `sent`: a list that gets each step's bytes sent (qcompress.comm.stats)."""
+    from qcompress import comm
     ps = _params4()  # (7, 5), (13,)
     ps = [p.clone().requires_grad_() for p in ps]
     frozen = torch.linspace(-1, 1, 6).requires_grad_()
@@ -1172,8 +1174,11 @@ def _frozen_run(name, rank, with_frozen, steps=9, freeze_at=1):
             frozen.grad = None
             frozen.requires_grad_(False)
             held = frozen.detach().clone()
+        comm.reset_stats()
         opt.sync_gradients()
         opt.step()
+        if sent is not None:
+            sent.append(comm.stats()["bytes_sent"])
     stage = opt.stage
     if isinstance(opt, ZeroOneAdam):
         opt.synchronize()  # ends the local steps: one model on every rank
@@ -1192,11 +1197,27 @@ def test_frozen_parameter_stays_put_in_every_stage_one_rank(name):
 
 
 def _rank_frozen_and_nan(rank, world):
-    from qcompress import NonFiniteError
+    from qcompress import NonFiniteError, comm
     out = {}
     for name in _FROZEN_RUNS:
-        out[name, "frozen"] = _frozen_run(name, rank, True)
-        out[name, "plain"] = _frozen_run(name, rank, False)
+        out[name, "frozen", "sent"], out[name, "plain", "sent"] = [], []
+        out[name, "frozen"] = _frozen_run(name, rank, True, sent=out[name, "frozen", "sent"])
+        out[name, "plain"] = _frozen_run(name, rank, False, sent=out[name, "plain", "sent"])
+        # frozen from the start and unfrozen at step 6: the layout grows back and it trains again
+        ps = [p.clone().requires_grad_() for p in _params4()]
+        late = torch.linspace(-1, 1, 6).requires_grad_(False)
+        opt = _FROZEN_RUNS[name](ps + [late])
+        for t in range(1, 10):
+            for p, g in zip(ps, _grads4(t, rank)):
+                p.grad = g
+            if t == 6:
+                late.requires_grad_(True)
+            late.grad = torch.full((6,), 0.1 * (rank + 1)) if late.requires_grad else None
+            opt.sync_gradients()
+            opt.step()
+        if isinstance(opt, ZeroOneAdam):
+            opt.synchronize()
+        out[name, "unfrozen"] = late.detach().clone()
     # a NaN in rank 1's gradient at step 5 (compression stage / 0/1 Adam's compressed-gradient step);
     # the caller skips that step on every rank; the reference run never saw that step
     for name in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
@@ -1255,6 +1276,23 @@ def test_frozen_parameter_stays_put_in_every_stage_two_ranks(name):
     if name != "OneBitLamb":  # per-tensor scales: a frozen tensor's zeros leave the others' compression alone
         for a, b in zip(res[0][name, "frozen"][0], res[0][name, "plain"][0]):
             assert torch.equal(a, b), f"{name}: the frozen parameter changed the others' updates"
+
+
+@pytest.mark.parametrize("name", list(_FROZEN_RUNS))
+def test_frozen_parameter_sends_nothing_and_trains_again_when_unfrozen(name):
+    # the compressed layout covers the parameters that require grad: once the compression stage
+    # runs, a tensor frozen before it adds no byte to any step (it used to send its zeros, 1 bit
+    # each plus its scale); unfrozen later, it joins the layout again and trains
+    res = _frozen2()
+    for r in range(2):
+        frozen, plain = res[r][name, "frozen", "sent"], res[r][name, "plain", "sent"]
+        assert frozen[0] > plain[0]                      # step 1: it was trained and all-reduced
+        assert frozen[-5:] == plain[-5:], f"{name} rank {r}: bytes per step {frozen} vs {plain} without it"
+        late = res[r][name, "unfrozen"]
+        assert torch.equal(late, res[0][name, "unfrozen"]), "ranks differ"
+        if name != "OneBitLamb":   # 1-bit LAMB scales each update by the trust ratio frozen at the end
+            # of its warmup, which is 0 for a tensor that was frozen all through it (as in DeepSpeed)
+            assert not torch.equal(late, torch.linspace(-1, 1, 6)), f"{name}: the unfrozen tensor did not train"
 
 
 @pytest.mark.parametrize("name", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])

@@ -47,15 +47,37 @@ def param_names(groups) -> List[str]:
 
 
 class Buckets:
+    """skip_frozen: the layout covers only the parameters that require grad (a frozen one sends
+    nothing), and is rebuilt, errors reset, when that set changes; every rank sees the same
+    requires_grad flags, so every rank rebuilds alike. Off (ZeRO-1 sharding, whose owned slices
+    follow the layout), frozen parameters keep their place and send zeros."""
+
     def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
-                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False):
-        self.numels = [p.numel() for p in params]
-        self.total = sum(self.numels)
+                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False,
+                 skip_frozen: bool = False):
+        self.params = list(params)
+        self.skip_frozen = bool(skip_frozen)
         self.bucket_size = int(bucket_size)
         self.group = group
         self.compressor = compressor
         self.hierarchy = "auto" if comm_hierarchy is None else comm_hierarchy
         self.per_tensor = bool(per_tensor)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
+        self.owner = owner  # names the optimizer in warnings
+        self.nodes = None   # node layout the errors belong to: None = flat, else lists of ranks
+        self._resolved = False
+        self._hier = None
+        self._build(self._active_now())
+
+    def _active_now(self) -> tuple:
+        return tuple(not (self.skip_frozen and is_frozen(p)) for p in self.params)
+
+    def _build(self, active: tuple) -> None:
+        """The bucket layout over the parameters marked active."""
+        self.active = active
+        self.numels = [p.numel() for p, a in zip(self.params, active) if a]
+        self.total = sum(self.numels)
         if self.per_tensor:
             # one bucket per parameter (split at bucket_size): every tensor gets its own 1-bit scales
             self.ranges, start = [], 0
@@ -65,38 +87,47 @@ class Buckets:
                 start += n
         else:
             self.ranges = [(s, min(s + self.bucket_size, self.total)) for s in range(0, self.total, self.bucket_size)]
-        self.device = params[0].device if params else torch.device("cpu")
-        self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
         self._flat = None   # persistent float32 staging buffer: no 4N-byte allocation per step
-        self._views = None  # per-parameter views of _flat
-        self.owner = owner  # names the optimizer in warnings
-        self.nodes = None   # node layout the errors belong to: None = flat, else lists of ranks
-        self._resolved = False
-        self._hier = None
+        self._views = None  # one view of _flat per parameter in self.params, None where not active
+
+    def _follow_freezing(self) -> None:
+        active = self._active_now()
+        if active == self.active:
+            return
+        if self.states is not None:
+            log.warning("%s: the set of parameters that require grad changed; the compressed layout now "
+                        "covers %d of %d parameters and the compression errors restart from zero",
+                        self.owner, sum(active), len(active))
+        self.states = None
+        self._build(active)
 
     def _new_states(self):
         from ..comm import OneBitState
         return [OneBitState() for _ in self.ranges]
 
     def allreduce_(self, tensors: List[torch.Tensor]) -> None:
-        """Replace each float32 tensor by its compressed average over the group (in place)."""
+        """Replace each float32 tensor by its compressed average over the group (in place); the
+        tensors of parameters outside the layout (frozen, skip_frozen) are left as they are."""
         views = self.staging()
         if views is None or not tensors:
             return  # the mean over one rank is the tensor itself: nothing to send or compress
         for v, t in zip(views, tensors):
-            v.copy_(t.reshape(-1))
+            if v is not None:
+                v.copy_(t.reshape(-1))
         self.allreduce_staged_(tensors)
 
-    def staging(self) -> Optional[List[torch.Tensor]]:
-        """Flat float32 views, one per parameter in layout order, of the persistent staging buffer
-        that allreduce_staged_() averages; None at world size 1 (nothing is sent: compute in place).
-        Filling them instead of the optimizer state keeps that state untouched until the
-        collective has succeeded on every rank."""
-        if _dist.world_size(self.group) == 1 or not self.numels:
+    def staging(self) -> Optional[List[Optional[torch.Tensor]]]:
+        """Flat float32 views, one per parameter (None for one outside the layout: frozen under
+        skip_frozen), of the persistent staging buffer that allreduce_staged_() averages; None at
+        world size 1 (nothing is sent: compute in place). Filling them instead of the optimizer
+        state keeps that state untouched until the collective has succeeded on every rank."""
+        if _dist.world_size(self.group) == 1 or not self.params:
             return None
+        self._follow_freezing()
         if self._flat is None:
             self._flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
-            self._views = list(torch.split(self._flat, self.numels))
+            it = iter(torch.split(self._flat, self.numels))
+            self._views = [next(it) if a else None for a in self.active]
         return self._views
 
     @staticmethod
@@ -105,11 +136,12 @@ class Buckets:
         """Where parameter k's new momentum is built: its staging view holding a copy of m (the
         state changes only once the collective succeeds), or m itself at one rank (stage None).
         A frozen parameter's view is zeroed and None returned: every rank keeps the same layout."""
-        out = m if stage is None else stage[k].view_as(m)
+        view = None if stage is None else stage[k]
         if frozen:
-            if out is not m:
-                out.zero_()
+            if view is not None:   # in the layout (skip_frozen off, or frozen since it was built)
+                view.zero_()
             return None
+        out = m if stage is None else view.view_as(m)
         if out is not m:
             out.copy_(m)
         return out
@@ -124,6 +156,8 @@ class Buckets:
         hier = self._resolve()
         if self.states is None:
             self.states = self._new_states()
+        if not self.ranges:
+            return          # every parameter is frozen: nothing to send
         flat = self._flat
         pieces = [flat[s:e] for s, e in self.ranges]
         if self.per_tensor and hier is None:
@@ -151,13 +185,13 @@ class Buckets:
         for piece, out in zip(pieces, outs):
             piece.copy_(out)
         for v, t in zip(self._views, targets):
-            if t is not None:
+            if t is not None and v is not None:
                 t.copy_(v.view_as(t))
 
     def _nonfinite_message(self, names) -> str:
         where = "this rank's values are finite (another rank's are not)"
         for i, v in enumerate(self._views):
-            if not bool(torch.isfinite(v).all()):
+            if v is not None and not bool(torch.isfinite(v).all()):
                 name = names[i] if names is not None else f"parameter {i} of the compressed layout"
                 where = f"on this rank it is {name}"
                 break
@@ -191,6 +225,8 @@ class Buckets:
                "compressor": name(self.compressor), "hierarchy": name(self.hierarchy)}
         if self.per_tensor:
             out["per_tensor"] = True
+        if not all(self.active):
+            out["skipped"] = [i for i, a in enumerate(self.active) if not a]
         return out
 
     def errors_state_dict(self) -> Optional[list]:

@@ -160,7 +160,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._buckets is None:
             self._buckets = Buckets(self._compressed_params(), self.bucket_size, self.comm_group,
                                     self.compressor, self.comm_hierarchy, owner=type(self).__name__,
-                                    per_tensor=self.scale_per_tensor)
+                                    per_tensor=self.scale_per_tensor,
+                                    skip_frozen=not getattr(self, "shard_state", False))
         return self._buckets
 
     def _mask(self, p) -> Optional[torch.Tensor]:

@@ -178,7 +178,8 @@ class ZeroOneAdam(CompressedOptimizer):
         if stage is None:
             return
         for v, x in zip(stage, tensors):
-            v.copy_(x.reshape(-1))
+            if v is not None:       # None: a frozen parameter outside the layout
+                v.copy_(x.reshape(-1))
         try:
             buckets.allreduce_staged_(tensors, param_names(comp))
         except NonFiniteError as e:
