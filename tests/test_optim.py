@@ -1207,6 +1207,8 @@ def _rank_frozen_and_nan(rank, world):
         ps = [p.clone().requires_grad_() for p in _params4()]
         late = torch.linspace(-1, 1, 6).requires_grad_(False)
         opt = _FROZEN_RUNS[name](ps + [late])
+        seen = _LogRecords()
+        logging.getLogger("qcompress").addHandler(seen)
         for t in range(1, 10):
             for p, g in zip(ps, _grads4(t, rank)):
                 p.grad = g
@@ -1217,7 +1219,9 @@ def _rank_frozen_and_nan(rank, world):
             opt.step()
         if isinstance(opt, ZeroOneAdam):
             opt.synchronize()
+        logging.getLogger("qcompress").removeHandler(seen)
         out[name, "unfrozen"] = late.detach().clone()
+        out[name, "unfrozen", "log"] = seen.messages
     # a NaN in rank 1's gradient at step 5 (compression stage / 0/1 Adam's compressed-gradient step);
     # the caller skips that step on every rank; the reference run never saw that step
     for name in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
@@ -1256,6 +1260,15 @@ def _rank_frozen_and_nan(rank, world):
     return out
 
 
+class _LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 _FROZEN2: list = []
 
 
@@ -1290,9 +1303,14 @@ def test_frozen_parameter_sends_nothing_and_trains_again_when_unfrozen(name):
         assert frozen[-5:] == plain[-5:], f"{name} rank {r}: bytes per step {frozen} vs {plain} without it"
         late = res[r][name, "unfrozen"]
         assert torch.equal(late, res[0][name, "unfrozen"]), "ranks differ"
+        log = res[r][name, "unfrozen", "log"]
+        assert any("layout now covers 3 of 3" in m for m in log), log
         if name != "OneBitLamb":   # 1-bit LAMB scales each update by the trust ratio frozen at the end
-            # of its warmup, which is 0 for a tensor that was frozen all through it (as in DeepSpeed)
+            # of its warmup, which is 0 for a tensor that was frozen all through it (as in DeepSpeed): said
             assert not torch.equal(late, torch.linspace(-1, 1, 6)), f"{name}: the unfrozen tensor did not train"
+        else:
+            assert torch.equal(late, torch.linspace(-1, 1, 6))
+            assert sum("trust ratio is 0" in m for m in log) == 1, log
 
 
 @pytest.mark.parametrize("name", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])

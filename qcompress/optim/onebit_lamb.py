@@ -16,11 +16,15 @@ tensor's momentum (as it was at the freeze) to one RMS before the one-scale comp
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ._buckets import is_frozen, param_names
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_positive_int, rms
 from .lamb import apply_update_, bias_corrections, lamb_direction, lamb_step_
+
+log = logging.getLogger("qcompress")
 
 
 class OneBitLamb(CompressedOptimizer):
@@ -53,6 +57,7 @@ class OneBitLamb(CompressedOptimizer):
         super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
                          comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state)
         self.freeze_step = freeze_step
+        self._warned_no_coeff = set()   # ids of tensors warned about a zero frozen trust ratio
         self._coeffs = []
 
     @property
@@ -181,6 +186,12 @@ class OneBitLamb(CompressedOptimizer):
                 factor = min(max(factor, last * (1 - thr)), last * (1 + thr))
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
+                if st["lamb_coeff_freeze"] == 0.0 and id(p) not in self._warned_no_coeff:
+                    self._warned_no_coeff.add(id(p))    # DeepSpeed's algorithm: said once per tensor
+                    log.warning("OneBitLamb: a parameter of shape %s trains in the compression stage but had no "
+                                "update during the warmup (frozen, or no gradient, until freeze_step %d), so "
+                                "its frozen trust ratio is 0 and it does not move; unfreeze it before "
+                                "freeze_step", tuple(p.shape), self.freeze_step)
                 apply_update_(p32, update, lr, coeff)
                 self._write_back(p, p32)
                 self._coeffs.append(coeff)
