@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -76,9 +77,12 @@ def train_until_qat_checkpoint(args, step, monkeypatch):
     from qcompress.train import loop
     real_save = loop.save
 
-    def save_then_die(phase, at):
-        real_save(phase, at)
+    saved = []
+
+    def save_then_die(phase, at, *rest):
+        real_save(phase, at, *rest)
         if phase.name == "qat" and at == step:
+            saved.extend(rest)
             raise Interrupted()
     monkeypatch.setattr(loop, "save", save_then_die)
     try:
@@ -86,6 +90,7 @@ def train_until_qat_checkpoint(args, step, monkeypatch):
             train(args)
     finally:
         monkeypatch.setattr(loop, "save", real_save)
+    return saved[0] if saved else None       # the QAT training seconds its checkpoint recorded
 
 
 def train(args, capsys=None):
@@ -203,10 +208,20 @@ def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monk
     assert train([*args, "--out", whole]) == 0
 
     cut = str(tmp_path / "cut")
-    train_until_qat_checkpoint([*args, "--out", cut], 4, monkeypatch)
+    t0 = time.perf_counter()
+    first = train_until_qat_checkpoint([*args, "--out", cut], 4, monkeypatch)
+    first_attempt = time.perf_counter() - t0
     assert not os.path.exists(os.path.join(cut, "report.json"))   # nothing presented as done
     assert train([*args, "--out", cut]) == 2                       # the folder holds a run
+    t0 = time.perf_counter()
     assert train([*args, "--out", cut, "--resume"]) == 0
+    second_attempt = time.perf_counter() - t0
+    # the report's times add the attempts up: QAT training includes the 4 steps trained before the
+    # interruption (the seconds its checkpoint recorded), the total both attempts' stages
+    times = json.load(open(os.path.join(cut, "report.json")))["wall_time_s"]
+    assert first is not None and 0 < first < times["qat_train"]
+    stages = sum(v for k, v in times.items() if k != "total")
+    assert stages <= times["total"] <= first_attempt + second_attempt, times
     a, b = _export_tensors(whole), _export_tensors(cut)
     assert a.keys() == b.keys()
     for k in a:

@@ -228,8 +228,9 @@ class Job:
             self.say(f"[{name}] done in an earlier run: {self.progress.data['stages'][name]}")
             return self.progress.data["stages"][name]
         t0 = time.perf_counter()
+        self.prior_seconds = 0.0        # set by train_phase when fn resumes a training phase
         result = fn()
-        self.progress.record(name, result, time.perf_counter() - t0)
+        self.progress.record(name, result, time.perf_counter() - t0 + self.prior_seconds)
         if isinstance(result, dict) and result.get(self.metric) is not None:
             self.say(f"[{name}] {self.metric} {result[self.metric]:.4f}")
         elif isinstance(result, dict) and result.get("reason"):
@@ -293,6 +294,7 @@ class Job:
         if o.baseline_from:
             baseline_source(o, plain_config(doc), self.data_digest)
         self.progress = Progress(o.out, o.fingerprint(self.data_digest), o.resume, self.rank, _world())
+        self.earlier_seconds = sum(self.progress.data["wall_time_s"].values())
         if self.progress.world_note:
             self.say(f"warning: {self.progress.world_note}")
         o.notes.extend(self.progress.data.get("notes", []))
@@ -337,7 +339,8 @@ class Job:
                        compression_ratio=(size_fp32 / export_bytes) if export_bytes else None),
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
             notes=list(o.notes))
-        report["wall_time_s"]["total"] = round(time.perf_counter() - t_start, 3)
+        # this attempt, plus the stages and the partial training earlier attempts recorded
+        report["wall_time_s"]["total"] = round(time.perf_counter() - t_start + self.earlier_seconds, 3)
         self.finish(report)
         return report
 
@@ -394,6 +397,8 @@ class Job:
         if start:
             self.say(f"[{phase.name}] resuming at step {start} of {phase.steps}")
         loop.run(phase, start)
+        self.prior_seconds = phase.prior_seconds     # its earlier attempts' training time
+        self.earlier_seconds += phase.prior_seconds
 
     def baseline(self, model, doc):
         """FP32 fine-tune of a copy with the same budget; its weights stay in checkpoints/ for PTQ."""
@@ -502,7 +507,7 @@ class Job:
             loop.resume(phase)            # the trained weights and compression state
         else:
             self.train_phase(phase)
-            self.progress.record("qat_train", {"steps": phase.steps}, time.perf_counter() - t0)
+            self.progress.record("qat_train", {"steps": phase.steps}, time.perf_counter() - t0 + phase.prior_seconds)
         info = dict(steps=phase.steps, train_batch_size=engine.train_batch_size,
                     micro_batch_size=engine.train_micro_batch_size_per_gpu,
                     gradient_accumulation_steps=engine.gradient_accumulation_steps,

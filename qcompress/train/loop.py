@@ -92,6 +92,7 @@ class Phase:
     metrics: Optional[MetricsLog]   # rank 0 only
     distiller: object = None
     progress: bool = True
+    prior_seconds: float = 0.0      # training time of earlier attempts (from the resumed checkpoint)
 
     @property
     def rank(self) -> int:
@@ -114,10 +115,11 @@ def _prune_old_tags(ckpt_dir: str, keep: str) -> None:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
-def save(phase: Phase, step: int) -> None:
-    """Collective: every rank saves its part; rank 0 then drops the older tags."""
+def save(phase: Phase, step: int, seconds: float = 0.0) -> None:
+    """Collective: every rank saves its part; rank 0 then drops the older tags. `seconds`: the
+    phase's training time so far, all attempts (a resumed run's report adds it up)."""
     tag = f"step{step}"
-    phase.engine.save_checkpoint(phase.ckpt_dir, tag=tag, client_state={"step": step})
+    phase.engine.save_checkpoint(phase.ckpt_dir, tag=tag, client_state={"step": step, "seconds": round(seconds, 3)})
     if phase.rank == 0:
         _prune_old_tags(phase.ckpt_dir, tag)
 
@@ -127,6 +129,7 @@ def resume(phase: Phase) -> int:
     if latest_step(phase.ckpt_dir) is None:
         return 0
     _, client = phase.engine.load_checkpoint(phase.ckpt_dir)
+    phase.prior_seconds = float(client.get("seconds", 0.0))
     return int(client["step"])
 
 
@@ -165,6 +168,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
         from tqdm.auto import tqdm
         bar = tqdm(total=phase.steps, initial=start_step, desc=phase.name, unit="step", dynamic_ncols=True)
     acc = eng.gradient_accumulation_steps
+    t_run = time.perf_counter()
     try:
         for step in range(start_step, phase.steps):
             t0 = time.perf_counter()
@@ -207,7 +211,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{eng.train_batch_size / elapsed:.1f}")
             done = step + 1
             if done == phase.steps or (phase.save_steps > 0 and done % phase.save_steps == 0):
-                save(phase, done)
+                save(phase, done, phase.prior_seconds + time.perf_counter() - t_run)
     finally:
         if bar is not None:
             bar.close()
