@@ -408,3 +408,29 @@ def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
     x = torch.randn(2, 256, generator=g, requires_grad=True)
     fast(x).sum().backward()             # autograd: the general path (a float weight), with gradients
     assert x.grad is not None and not any(calls)
+
+
+@pytest.mark.parametrize("act", [None, ("dynamic", False), ("static", True)])
+def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
+    # the loaded-module classes are made at load time; torch.save(model) (pickle) names the model's
+    # own classes and the mixins instead, and the unpickled model runs the same plan with the same
+    # outputs (loading a pickle is the user's explicit choice: weights_only=False)
+    import copy
+    import io
+    g = torch.Generator().manual_seed(9)
+    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act),
+                                     (torch.randn(6, 256, generator=g),))
+    x = torch.randn(3, 256, generator=g)
+    for model in (exact, fast):
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=False)
+        for other in (back, copy.deepcopy(model)):
+            assert [type(m).__name__ for m in other] == [type(m).__name__ for m in model]
+            assert plans_of(other) == plans_of(model)
+            with torch.no_grad():
+                assert torch.equal(other(x), model(x))
+            if lowbit.available() and model is fast:
+                assert all((m.qx_direct is None) == (n.qx_direct is None)
+                           for m, n in zip(other, model) if hasattr(m, "qx_plan"))

@@ -202,6 +202,11 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
 class FastMixin:
     """Loaded quantized module running its plan; `weight` still returns the float weight."""
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "lowbit_packed" in self._buffers:      # unpickled: the direct call is not pickled
+            _set_direct(self, self.qx_rec)
+
     @property
     def weight(self):
         rec = self.qx_rec
@@ -594,13 +599,18 @@ def _unpack_rows_dim0(zp: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
 _CACHE: Dict[type, type] = {}
 
 
+def fast_class(base: type, mixin: type) -> type:
+    """The fast class over a loaded-module class (one per class)."""
+    if base not in _CACHE:
+        _CACHE[base] = type("Fast" + base.__name__, (mixin, base), {"__module__": __name__})
+    return _CACHE[base]
+
+
 def _swap_fast(mod: nn.Module, plan: str):
     base = type(mod)
-    if base not in _CACHE:
-        mixin = (FastLinearMixin if issubclass(base, _QLinear) else
-                 FastConv1DMixin if issubclass(base, _QHFConv1D) else FastMixin)
-        _CACHE[base] = type("Fast" + base.__name__, (mixin, base), {"__module__": __name__})
-    mod.__class__ = _CACHE[base]
+    mixin = (FastLinearMixin if issubclass(base, _QLinear) else
+             FastConv1DMixin if issubclass(base, _QHFConv1D) else FastMixin)
+    mod.__class__ = fast_class(base, mixin)
     mod.qx_plan = plan
     mod.qx_direct = None
 

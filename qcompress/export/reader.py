@@ -50,6 +50,13 @@ class QuantizedMixin:
         for suffix, (dt, shape) in layout.expected_tensors(rec).items():
             self.register_buffer(_local(suffix), torch.zeros(shape, dtype=getattr(torch, dt)))
 
+    def __reduce_ex__(self, protocol):
+        # the class was made at load time (mixins over the model's own class), so pickle cannot
+        # name it: it names the model's class and the mixins instead (torch.save(model), spawn)
+        state = dict(self.__getstate__())
+        state.pop("qx_direct", None)          # an operator handle: fast.FastMixin.__setstate__ remakes it
+        return _rebuild, class_parts(type(self)), state
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if prefix + "qweight" in destination:     # back to the file's name
@@ -169,14 +176,36 @@ _FORWARDS = {"linear": _QLinear, "conv": _QConv, "embedding": _QEmbedding, "hf_c
 _CACHE: Dict[type, type] = {}
 
 
-def _swap(module: nn.Module, kind: str, name: str, rec: dict):
-    cls = type(module)
+def quantized_class(cls: type, mixin: type) -> type:
+    """The loaded-module class of `cls` with its forward `mixin` (one per model class)."""
     if cls not in _CACHE:
-        from ..nn.layers import own_forward
-        mixin = _FORWARDS[kind] if own_forward(cls) is None else _QComposed
         _CACHE[cls] = type(f"Quantized{cls.__name__}", (mixin, cls), {"__module__": __name__})
-    module.__class__ = _CACHE[cls]
+    return _CACHE[cls]
+
+
+def _swap(module: nn.Module, kind: str, name: str, rec: dict):
+    from ..nn.layers import own_forward
+    cls = type(module)
+    mixin = _FORWARDS[kind] if own_forward(cls) is None else _QComposed
+    module.__class__ = quantized_class(cls, mixin)
     module._qx_setup(name, rec)
+
+
+def class_parts(cls: type) -> tuple:
+    """(the model's own class, the mixins over it, innermost first) of a loaded-module class."""
+    mixins = []
+    while cls.__module__ in (__name__, __name__.rsplit(".", 1)[0] + ".fast") and len(cls.__bases__) == 2:
+        mixin, cls = cls.__bases__
+        mixins.append(mixin)
+    return cls, tuple(reversed(mixins))
+
+
+def _rebuild(cls: type, mixins: tuple):
+    """An empty instance of the class class_parts described (pickle then sets its state)."""
+    from . import fast
+    for mixin in mixins:
+        cls = fast.fast_class(cls, mixin) if mixin.__module__ == fast.__name__ else quantized_class(cls, mixin)
+    return cls.__new__(cls)
 
 
 def _check_kind(module, kind, name, cfg_path):
