@@ -64,11 +64,23 @@ def summary_table(rows) -> str:
         def acc(stage):
             v = (st.get(stage) or {}).get("accuracy")
             return "—" if v is None else f"{v:.4f}"
-        t_qat, t_fp = rep["wall_time_s"].get("qat_train"), rep["wall_time_s"].get("fp32_finetuned")
+        def secs(stage):
+            v = rep["wall_time_s"].get(stage)
+            return "—" if v is None else f"{v:.0f} s"
         lines.append(f"| {name} | {acc('fp32_finetuned')} | {acc('ptq')} | {acc('qat')} | {acc('exported')} | "
                      f"{acc('transformers')} | {sz['export_bytes'] / 2**20:.1f} MiB | "
-                     f"{sz['compression_ratio']:.2f}x smaller | {t_qat:.0f} s (FP32: {t_fp:.0f} s) |")
+                     f"{sz['compression_ratio']:.2f}x smaller | {secs('qat_train')} (FP32: {secs('fp32_finetuned')}) |")
     return "\n".join(lines)
+
+
+def table_notes(rows) -> list:
+    """Why a cell of the summary table is '—': the stage's reason from its report."""
+    out = []
+    for name, rep in rows:
+        for stage, res in rep["stages"].items():
+            if isinstance(res, dict) and res.get("accuracy") is None and res.get("reason"):
+                out.append(f"— {name}, {stage}: {res['reason']}")
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -105,6 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"=== demo summary (accuracy on {a.eval_samples} held-out BBC articles; "
           f"{time.perf_counter() - t0:.0f} s in all)\n")
     print(summary_table(reports))
+    notes = table_notes(reports)
+    if notes:
+        print("\n" + "\n".join(notes))
     print()
     for name, rep in reports:
         out = os.path.join(a.out, os.path.splitext(os.path.basename(dict(RUNS)[name]))[0])

@@ -816,3 +816,18 @@ def test_transformers_stage_after_a_resume_still_compares_with_the_export(folder
     got = json.load(open(os.path.join(cut, "report.json")))["stages"]["transformers"]
     assert got["max_logit_diff_vs_exported"] == want["max_logit_diff_vs_exported"]
     assert got["max_weight_diff_vs_exported"] == want["max_weight_diff_vs_exported"]
+
+
+def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
+    # make demo's table prints "—" for a stage without a metric; the line under it gives the
+    # stage's reason from report.json (here: transformers cannot load quantized embeddings)
+    sys.path.insert(0, ROOT)
+    from model_zoo.demo_bbc import summary_table, table_notes
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    out = str(tmp_path / "out")
+    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+                  "--max-steps", "1", "--out", out, *FAST]) == 0
+    rep = json.load(open(os.path.join(out, "report.json")))
+    reason = rep["stages"]["transformers"]["reason"]
+    assert "—" in summary_table([("W8A8", rep)])
+    assert table_notes([("W8A8", rep)]) == [f"— W8A8, transformers: {reason}"]

@@ -172,6 +172,10 @@ def test_weights_transformers_cannot_describe_are_refused(tmp_path, case):
     else:
         make, cls, mods = bert, transformers.BertForSequenceClassification, ["word_embeddings", "encoder"]
     folder, ours = export(tmp_path, config({"w": group(4, "group", 32, modules=mods)}), make)
+    # the refusal names each module with what keeps it from transformers
+    groups = json.loads((folder / "config.json").read_text())["quantization_config"]["config_groups"]
+    why = groups["qcompress_only_export"]["transformers_cannot_load_these_weights_use_qcompress_load_quantized"]
+    assert ("(transformers Conv1D)" if case.startswith("gpt2") else "word_embeddings (embedding)") in why, why
     for kwargs in ({}, {"quantization_config": dequantize_config()}):
         with pytest.raises(Exception, match="transformers_cannot_load_these_weights_use_qcompress_load_quantized"):
             cls.from_pretrained(folder, **kwargs)

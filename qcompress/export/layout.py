@@ -88,7 +88,7 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
         config_groups[GUARD_GROUP] = guard_scheme(weight_schemes[0])
     unloadable = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
     if unloadable:
-        config_groups[REFUSAL_GROUP] = refusal_scheme(unloadable)
+        config_groups[REFUSAL_GROUP] = refusal_scheme(unloadable, [unportable_reason(modules[n]) for n in unloadable])
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision" if mixed else (formats[0] if formats else "dense"),
@@ -111,12 +111,26 @@ REFUSAL_GROUP = "qcompress_only_export"
 REFUSAL_KEY = "transformers_cannot_load_these_weights_use_qcompress_load_quantized"
 
 
-def refusal_scheme(names: List[str]) -> dict:
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+def unportable_reason(m: dict) -> str:
+    """Why portable(m) is False, in a few words."""
+    kind = {"hf_conv1d": "transformers Conv1D", "conv": "convolution", "embedding": "embedding"}.get(m["kind"])
+    if kind:
+        return kind
+    w = m["weights"]
+    if w is not None and w["strategy"] == "group" and m["weight_shape"][1] % w["group_size"]:
+        return f"in_features {m['weight_shape'][1]} not a multiple of group_size {w['group_size']}"
+    return f"input activations per {(m['input_activations'] or {}).get('strategy')}"
+
+
+def refusal_scheme(names: List[str], reasons: Optional[List[str]] = None) -> dict:
+    reasons = reasons or [""] * len(names)
+    shown = ", ".join(f"{n} ({r})" if r else n for n, r in zip(names[:3], reasons)) + (
+        f" and {len(names) - 3} more" if len(names) > 3 else "")
     return {"targets": [], "weights": None, "input_activations": None, "output_activations": None,
             REFUSAL_KEY: (f"{len(names)} quantized modules ({shown}) are not nn.Linear layers with whole "
-                          "groups (e.g. GPT-2's Conv1D, stored as [out, in] integer codes): transformers "
-                          "would load them with random weights; use qcompress.load_quantized(folder, model)")}
+                          "groups, which is all compressed-tensors' transformers loader quantizes: "
+                          "transformers would load them with random weights; use "
+                          "qcompress.load_quantized(folder, model)")}
 
 
 # With several weight schemes, transformers' dequantize=True path (it decompresses every Linear
