@@ -130,7 +130,8 @@ def refusal_scheme(names: List[str], reasons: Optional[List[str]] = None) -> dic
             REFUSAL_KEY: (f"{len(names)} quantized modules ({shown}) are not nn.Linear layers with whole "
                           "groups, which is all compressed-tensors' transformers loader quantizes: "
                           "transformers would load them with random weights; use "
-                          "qcompress.load_quantized(folder, model)")}
+                          "qcompress.load_quantized(folder, model), or leave them out of the weight "
+                          "groups' modules for an export transformers loads")}
 
 
 # With several weight schemes, transformers' dequantize=True path (it decompresses every Linear
