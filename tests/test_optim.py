@@ -1338,3 +1338,28 @@ def test_nonfinite_in_zero_one_adam_local_steps_says_the_skip_cannot_recover():
         t, msg = _frozen2()[r]["ZeroOneAdam", "local"]
         assert t == 4 and "resume from the last checkpoint" in msg and "can be skipped" not in msg, msg
         assert ("param_groups[0].params[0] (shape (7, 5))" if r == 0 else "another rank") in msg, msg
+
+
+def test_zero_one_adam_decays_a_tensor_unfrozen_mid_interval_only_for_its_steps():
+    # 0/1 Adam's sync rebuilds each tensor from its sync point with the interval's weight decay; a
+    # tensor unfrozen inside an interval trained only its last steps. With zero gradients its only
+    # motion is AdamW's decay, so after steps 6..9 (local steps) it must be p0 (1 - lr wd)^4 exactly
+    # as the closed form, whatever the sync points (it used to take the whole interval's decay)
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    late = torch.linspace(-1, 1, 8).requires_grad_(False)
+    lr, wd = 1e-2, 0.1
+    opt = ZeroOneAdam([w, late], lr=lr, weight_decay=wd, var_freeze_step=2, local_step_scaler=1,
+                      local_step_clipper=8)
+    expected = late.detach().clone()
+    for t in range(1, 10):
+        w.grad = torch.randn(5, 3)
+        if t == 6:
+            late.requires_grad_(True)
+        late.grad = torch.zeros(8) if late.requires_grad else None
+        opt.step()
+        if late.requires_grad:
+            expected.mul_(1 - lr * wd)
+    assert opt.stage == "local_steps"
+    opt.synchronize()
+    torch.testing.assert_close(late.detach(), expected, rtol=1e-6, atol=0)

@@ -233,6 +233,10 @@ class ZeroOneAdam(CompressedOptimizer):
                 self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], lr, wd, g["eps"], bc1, bc2_sqrt, denom)
                 st["update_acc"].add_(st["exp_avg"], alpha=lr / bc1)
                 self._write_back(p, p32)
+                # this tensor's own lr sum and decay since the sync point: the group's would count
+                # steps it sat out frozen (same values as the group's for a tensor never frozen)
+                st["interval_lr"] = st.get("interval_lr", 0.0) + lr
+                st["interval_decay"] = st.get("interval_decay", 1.0) * (1 - lr * wd)
             c["lrs"][gi] += lr
             c["decay"][gi] *= 1 - lr * wd
         if t % c["local_step_interval"] != 0 or not comp:
@@ -246,10 +250,10 @@ class ZeroOneAdam(CompressedOptimizer):
         self._allreduce(accs, comp, local_steps=True)
         for gi, g in comp:
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
-            lrs, decay = c["lrs"][gi], c["decay"][gi]
             for p in g["params"]:
                 st = self.state[p]
                 acc = st["update_acc"]
+                lrs, decay = st.pop("interval_lr", 0.0), st.pop("interval_decay", 1.0)
                 if is_frozen(p):  # left alone; unfrozen later, its local steps start from here
                     acc.zero_()
                     st["sync_param"].copy_(self._param32(p))
@@ -271,6 +275,18 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._write_back(p, p32)
             c["lrs"][gi] = 0.0
             c["decay"][gi] = 1.0
+
+    def _after_load(self):
+        # a checkpoint written before the per-tensor interval sums: the group's, as it applied then
+        c = self.counters
+        if not c.get("frozen"):
+            return
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                st = self.state.get(p)
+                if not g["non_freeze"] and st and "update_acc" in st and "interval_lr" not in st \
+                        and not is_frozen(p) and c["lrs"][gi] > 0:
+                    st["interval_lr"], st["interval_decay"] = c["lrs"][gi], c["decay"][gi]
 
     def _state(self, p):
         st = self.state[p]
