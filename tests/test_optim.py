@@ -1222,6 +1222,21 @@ def _rank_frozen_and_nan(rank, world):
         logging.getLogger("qcompress").removeHandler(seen)
         out[name, "unfrozen"] = late.detach().clone()
         out[name, "unfrozen", "log"] = seen.messages
+    # 0/1 Adam: a tensor frozen in the middle of a local-step interval, after local steps of its own
+    ps = [p.clone().requires_grad_() for p in _params4()]
+    mid = torch.linspace(-1, 1, 6).requires_grad_()
+    opt = ZeroOneAdam(ps + [mid], lr=1e-2, weight_decay=0.1, var_freeze_step=2, local_step_scaler=1,
+                      local_step_clipper=8)
+    for t in range(1, 12):
+        for p, g in zip(ps, _grads4(t, rank)):
+            p.grad = g
+        if t == 7:
+            mid.requires_grad_(False)
+        mid.grad = torch.full((6,), 0.1 * (rank + 1)) + 0.05 * t if mid.requires_grad else None
+        opt.sync_gradients()
+        opt.step()
+    opt.synchronize()
+    out["ZeroOneAdam", "frozen mid-interval"] = (mid.detach().clone(), [p.detach().clone() for p in ps])
     # a NaN in rank 1's gradient at step 5 (compression stage / 0/1 Adam's compressed-gradient step);
     # the caller skips that step on every rank; the reference run never saw that step
     for name in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
@@ -1338,6 +1353,17 @@ def test_nonfinite_in_zero_one_adam_local_steps_says_the_skip_cannot_recover():
         t, msg = _frozen2()[r]["ZeroOneAdam", "local"]
         assert t == 4 and "resume from the last checkpoint" in msg and "can be skipped" not in msg, msg
         assert ("param_groups[0].params[0] (shape (7, 5))" if r == 0 else "another rank") in msg, msg
+
+
+def test_zero_one_adam_tensor_frozen_mid_interval_is_the_same_on_every_rank():
+    # its local steps before the freeze differ per rank (rank-dependent gradients): the sync must
+    # still average and apply them, or each rank keeps its own tensor after synchronize()
+    res = _frozen2()
+    mid0, ps0 = res[0]["ZeroOneAdam", "frozen mid-interval"]
+    mid1, ps1 = res[1]["ZeroOneAdam", "frozen mid-interval"]
+    assert torch.equal(mid0, mid1), f"ranks differ by {(mid0 - mid1).abs().max()}"
+    assert all(torch.equal(a, b) for a, b in zip(ps0, ps1))
+    assert not torch.equal(mid0, torch.linspace(-1, 1, 6))
 
 
 def test_zero_one_adam_decays_a_tensor_unfrozen_mid_interval_only_for_its_steps():

@@ -54,9 +54,10 @@ class Buckets:
 
     def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
                  compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False,
-                 skip_frozen: bool = False):
+                 skip_frozen: bool = False, pending=None):
         self.params = list(params)
         self.skip_frozen = bool(skip_frozen)
+        self.pending = pending   # p -> bool: a frozen tensor that still has an update to average
         self.bucket_size = int(bucket_size)
         self.group = group
         self.compressor = compressor
@@ -71,7 +72,8 @@ class Buckets:
         self._build(self._active_now())
 
     def _active_now(self) -> tuple:
-        return tuple(not (self.skip_frozen and is_frozen(p)) for p in self.params)
+        return tuple(not (self.skip_frozen and is_frozen(p) and not (self.pending and self.pending(p)))
+                     for p in self.params)
 
     def _build(self, active: tuple) -> None:
         """The bucket layout over the parameters marked active."""
@@ -95,8 +97,9 @@ class Buckets:
         if active == self.active:
             return
         if self.states is not None:
-            log.warning("%s: the set of parameters that require grad changed; the compressed layout now "
-                        "covers %d of %d parameters and the compression errors restart from zero",
+            log.warning("%s: the set of parameters that require grad (or still have an update to average) "
+                        "changed; the compressed layout now covers %d of %d parameters and the compression "
+                        "errors restart from zero",
                         self.owner, sum(active), len(active))
         self.states = None
         self._build(active)

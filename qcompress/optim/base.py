@@ -161,8 +161,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._buckets = Buckets(self._compressed_params(), self.bucket_size, self.comm_group,
                                     self.compressor, self.comm_hierarchy, owner=type(self).__name__,
                                     per_tensor=self.scale_per_tensor,
-                                    skip_frozen=not getattr(self, "shard_state", False))
+                                    skip_frozen=not getattr(self, "shard_state", False),
+                                    pending=self._pending_update)
         return self._buckets
+
+    def _pending_update(self, p) -> bool:
+        """Whether frozen `p` still has a local update the next all-reduce must average (0/1 Adam)."""
+        return False
 
     def _mask(self, p) -> Optional[torch.Tensor]:
         """This parameter's slice of its group's exp_avg_mask (float32, parameter shape), or None."""

@@ -246,15 +246,16 @@ class ZeroOneAdam(CompressedOptimizer):
     def _sync(self, t, comp):
         """Average the accumulated updates (1-bit) and apply them from the last sync point."""
         c = self.counters
-        accs = [self.state[p]["update_acc"] for _, g in comp for p in g["params"]]  # a frozen one stays 0
+        accs = [self.state[p]["update_acc"] for _, g in comp for p in g["params"]]  # 0 if frozen all interval
         self._allreduce(accs, comp, local_steps=True)
         for gi, g in comp:
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 st = self.state[p]
                 acc = st["update_acc"]
+                pending = "interval_lr" in st      # local steps since the sync point (frozen since: still due)
                 lrs, decay = st.pop("interval_lr", 0.0), st.pop("interval_decay", 1.0)
-                if is_frozen(p):  # left alone; unfrozen later, its local steps start from here
+                if is_frozen(p) and not pending:  # left alone; unfrozen later, its local steps start from here
                     acc.zero_()
                     st["sync_param"].copy_(self._param32(p))
                     continue
@@ -275,6 +276,11 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._write_back(p, p32)
             c["lrs"][gi] = 0.0
             c["decay"][gi] = 1.0
+
+    def _pending_update(self, p) -> bool:
+        # frozen after local steps since the sync point: its accumulated update is still averaged and
+        # applied at the sync, or each rank would keep its own
+        return "interval_lr" in self.state.get(p, {})
 
     def _after_load(self):
         # a checkpoint written before the per-tensor interval sums: the group's, as it applied then
