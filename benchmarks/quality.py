@@ -434,7 +434,7 @@ def main(argv=None) -> int:
                 row.setdefault("ptq_pretrained", {})[str(w["blocks"])] = w
                 summary = update_summary(summary_path, metric, key=key, row=row)
     import torch
-    from qcompress.train.job import RANGE_LR_FACTOR
+    from qcompress.nn.range_groups import RANGE_LR_FACTOR
     if a.task == "classifier":
         title = "all-MiniLM-L6-v2 on BBC News (accuracy)"
         setup = (f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "

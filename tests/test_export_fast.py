@@ -414,9 +414,11 @@ def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
 def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
     # the loaded-module classes are made at load time; torch.save(model) (pickle) names the model's
     # own classes and the mixins instead, and the unpickled model runs the same plan with the same
-    # outputs (loading a pickle is the user's explicit choice: weights_only=False)
+    # outputs; it loads with weights_only=True given qcompress.export.pickle_globals() and the
+    # model's own classes
     import copy
     import io
+    from qcompress.export import pickle_globals
     g = torch.Generator().manual_seed(9)
     _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act),
                                      (torch.randn(6, 256, generator=g),))
@@ -425,7 +427,8 @@ def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
         buf = io.BytesIO()
         torch.save(model, buf)
         buf.seek(0)
-        back = torch.load(buf, weights_only=False)
+        with torch.serialization.safe_globals(pickle_globals() + [nn.Sequential, nn.Linear, nn.GELU]):
+            back = torch.load(buf, weights_only=True)
         for other in (back, copy.deepcopy(model)):
             assert [type(m).__name__ for m in other] == [type(m).__name__ for m in model]
             assert plans_of(other) == plans_of(model)

@@ -330,6 +330,16 @@ def test_row_clean_hf_conv1d():
     torch.testing.assert_close(m(x), y)
 
 
+def head_pruning_cfg(output: str, related=None) -> dict:
+    """topk head pruning of 4 heads to half on the `output` projection(s), with `related` modules."""
+    group = {"params": {"dense_ratio": 0.5}, "modules": [output]}
+    if related is not None:
+        group["related_modules"] = [list(related)]
+    return {"compression_training": {"head_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+        "different_groups": {"hp": group}}}}
+
+
 def test_head_clean_gpt2_fused_c_attn():
     """GPT-2's c_attn is Q, K and V side by side: each kept head keeps its block in all three
     sections, and the attention's split_size follows (it used to slice h blocks of 3d rows and
@@ -338,10 +348,7 @@ def test_head_clean_gpt2_fused_c_attn():
     torch.manual_seed(0)
     conf = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
     model = transformers.GPT2LMHeadModel(conf).eval()
-    cfg = {"compression_training": {"head_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
-        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attn.c_proj"],
-                                    "related_modules": [["attn.c_attn"]]}}}}}
+    cfg = head_pruning_cfg("attn.c_proj", ["attn.c_attn"])
     qc.init_compression(model, cfg)
     attn = model.transformer.h[0].attn
     kept = attn.c_proj.qc_pruning["head_pruning"].final_mask(attn.c_proj).flatten().nonzero().flatten()
@@ -370,10 +377,7 @@ def _llama(kv_heads):
     return transformers.LlamaForCausalLM(conf).eval()
 
 
-LLAMA_HEADS = {"compression_training": {"head_pruning": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
-    "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["o_proj"],
-                                "related_modules": [["q_proj", "k_proj", "v_proj"]]}}}}}
+LLAMA_HEADS = head_pruning_cfg("o_proj", ["q_proj", "k_proj", "v_proj"])
 
 
 def test_head_clean_llama_matches_masked_model():
@@ -560,10 +564,7 @@ def test_head_clean_gpt_neox_fused_head_major_query_key_value():
     conf = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       intermediate_size=40, max_position_embeddings=32)
     model = transformers.GPTNeoXForCausalLM(conf).eval()
-    cfg = {"compression_training": {"head_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
-        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.dense"],
-                                    "related_modules": [["query_key_value"]]}}}}}
+    cfg = head_pruning_cfg("attention.dense", ["query_key_value"])
     qc.init_compression(model, cfg)
     att = model.gpt_neox.layers[0].attention
     kept = att.dense.qc_pruning["head_pruning"].final_mask(att.dense).flatten().nonzero().flatten()
@@ -589,14 +590,11 @@ def test_head_slicing_of_alibi_attention_is_refused_at_init():
         return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=64,
                                                                       n_layer=2, n_head=4)).eval()
 
-    group = {"params": {"dense_ratio": 0.5}, "modules": [r"self_attention\.dense"]}
-    cfg = {"compression_training": {"head_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
-        "different_groups": {"hp": {**group, "related_modules": [[r"self_attention\.query_key_value"]]}}}}}
+    cfg = head_pruning_cfg(r"self_attention\.dense", [r"self_attention\.query_key_value"])
     with pytest.raises(ConfigError, match=r"head_pruning\.different_groups\.hp\.related_modules: .*BloomAttention"
                                           r".*ALiBi"):
         qc.init_compression(bloom(), cfg)
-    cfg["compression_training"]["head_pruning"]["different_groups"]["hp"] = group
+    cfg = head_pruning_cfg(r"self_attention\.dense")
     model = qc.init_compression(bloom(), cfg)
     ids = torch.randint(0, 128, (1, 8))
     with torch.no_grad():

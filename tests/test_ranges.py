@@ -586,7 +586,8 @@ def test_learned_ternary_scale_gradient_and_export(tmp_path, backend):
 def test_job_optimizer_gives_learned_ranges_their_own_group_without_decay():
     """qcompress train's default AdamW: learned ranges at RANGE_LR_FACTOR x lr, weight decay 0;
     every other parameter exactly once at the job's lr with decay 0.01."""
-    from qcompress.train.job import RANGE_LR_FACTOR, client_optimizer
+    from qcompress.nn.range_groups import RANGE_LR_FACTOR
+    from qcompress.train.job import client_optimizer
     m = mlp()
     cfg = wq_cfg(bits=4, rl=True, act="symmetric")
     qc.init_compression(m, cfg)

@@ -55,7 +55,9 @@ class QuantizedMixin:
         # name it: it names the model's class and the mixins instead (torch.save(model), spawn)
         state = dict(self.__getstate__())
         state.pop("qx_direct", None)          # an operator handle: fast.FastMixin.__setstate__ remakes it
-        return _rebuild, class_parts(type(self)), state
+        # the state goes to _rebuild, not to pickle's BUILD: torch.load(weights_only=True) then needs
+        # only _rebuild and the named classes allowlisted, not the load-time class itself
+        return _rebuild, (*class_parts(type(self)), state)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -200,12 +202,23 @@ def class_parts(cls: type) -> tuple:
     return cls, tuple(reversed(mixins))
 
 
-def _rebuild(cls: type, mixins: tuple):
-    """An empty instance of the class class_parts described (pickle then sets its state)."""
+def pickle_globals() -> list:
+    """What a pickled load_quantized model names from qcompress, for torch.load(weights_only=True):
+    `with torch.serialization.safe_globals(pickle_globals() + [the model's own classes]): ...`."""
+    from . import fast
+    from ..quant.reference import Spec
+    return [_rebuild, _QComposed, *_FORWARDS.values(), fast.FastMixin, fast.FastLinearMixin,
+            fast.FastConv1DMixin, Spec]
+
+
+def _rebuild(cls: type, mixins: tuple, state: dict):
+    """The instance of the class class_parts described, with `state`."""
     from . import fast
     for mixin in mixins:
         cls = fast.fast_class(cls, mixin) if mixin.__module__ == fast.__name__ else quantized_class(cls, mixin)
-    return cls.__new__(cls)
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
 
 
 def _check_kind(module, kind, name, cfg_path):

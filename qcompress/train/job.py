@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import as_config, load_config
+from ..config.training import take_auto
 from . import loop
 from .data import DataError, prepare_data
 from .errors import JobError
@@ -31,7 +32,7 @@ from .evaluate import evaluate, max_logit_difference, max_weight_difference, met
 from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (LOCK_NAME: tests import it here)
 from .models import check_max_length, describe, fp32_bytes, fresh_model, load_model, load_tokenizer
 from .report import MetricsLog, plot_bits, plot_loss, read_metrics, stage_table, write_report
-from ..nn.range_groups import RANGE_LR_FACTOR, range_parameter_ids, split_range_groups  # noqa: F401
+from ..nn.range_groups import range_parameter_ids, split_range_groups
 from .stages import calibrate_static_ranges, export_model, quantize_without_training, transformers_attempts
 
 log = logging.getLogger("qcompress.train")
@@ -129,7 +130,6 @@ def fill_auto(doc: dict, auto_keys, opts: JobOptions) -> dict:
     fills them from its arguments, here from the job's: batch keys by --batch-size (as if absent),
     optimizer / scheduler learning rates by --lr, warmup steps 0; everything else "auto" takes
     qcompress's default (no clipping, fp32, the optimizer's own defaults, the ZeRO sizes)."""
-    from ..config.training import take_auto
     doc = take_auto(doc)[0]
     for key in auto_keys:
         if key == "optimizer.params.lr":
