@@ -139,29 +139,42 @@ void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const
 
 // ---- W-A8 ------------------------------------------------------------------------------------
 
-// B tiles (one per 64 columns) of group gi of block bb; usum: sum of the codes per row (only
-// wanted when the activations have zero points).
-template <int CB>
+// B tiles (one per 64 columns) of group gi of block bb. SYM (symmetric weights, o = 2^(c-1)):
+// the signed integers u - o, which TDPBSSD multiplies as they are, so no o * xsum correction is
+// left for the epilogue; else the unsigned codes u (TDPBSUD). usum: the sum of the tiles' values
+// per row (sum u, or sum (u - o) when SYM), only wanted when the activations have zero points.
+template <int CB, bool SYM>
 const uint8_t* a8_btiles(const WView& w, int64_t bb, int64_t gi, uint8_t* buf, __m512i* usum) {
   const Geometry& g = w.g;
   const int64_t chunks = g.gp / (32 / CB);
   const uint8_t* src = w.packed + bb * g.block_bytes() + gi * chunks * kChunkBytes;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i us = _mm512_setzero_si512();
-  if constexpr (CB == 8) {
+  if constexpr (CB == 8 && !SYM) {
     if (usum)
       for (int64_t c = 0; c < chunks; ++c) us = _mm512_dpbusd_epi32(us, _mm512_loadu_si512(src + c * kChunkBytes), ones);
     if (usum) *usum = us;
     return src;
+  } else if constexpr (CB == 8) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));   // u - 128 in two's complement
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(src + c * kChunkBytes), flip);
+      _mm512_storeu_si512(buf + c * kChunkBytes, v);
+      if (usum) us = _mm512_dpbusd_epi32(us, ones, v);
+    }
+    if (usum) *usum = us;
+    return buf;
   } else {
     const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i bias = _mm512_set1_epi8(SYM ? 8 : 0);
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512i raw = _mm512_loadu_si512(src + c * kChunkBytes);
-      const __m512i lo = _mm512_and_si512(raw, nib);                         // columns 0..3
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);   // columns 4..7
+      const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(raw, nib), bias);                         // columns 0..3
+      const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), nib), bias);   // columns 4..7
       _mm512_storeu_si512(buf + (2 * c) * kChunkBytes, lo);
       _mm512_storeu_si512(buf + (2 * c + 1) * kChunkBytes, hi);
-      if (usum) us = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(us, lo, ones), hi, ones);
+      if (usum && SYM) us = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(us, ones, lo), ones, hi);   // signed values
+      else if (usum) us = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(us, lo, ones), hi, ones);   // unsigned codes
     }
     if (usum) *usum = us;
     return buf;
@@ -169,7 +182,7 @@ const uint8_t* a8_btiles(const WView& w, int64_t bb, int64_t gi, uint8_t* buf, _
 }
 
 // C tiles of 16 (TWO_M: 32) tokens x 16 (TWO_N: 32) rows over `steps` k steps, stored to cbuf[mi][j].
-template <bool TWO_M, bool TWO_N>
+template <bool SYM, bool TWO_M, bool TWO_N>
 void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t steps, int32_t (*cbuf)[2][256]) {
   barrier();
   _tile_zero(0);
@@ -181,10 +194,17 @@ void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t ste
     if constexpr (TWO_M) _tile_loadd(5, xa + 16 * ldx + s * 64, ldx);
     _tile_loadd(6, bt[0] + s * kStepBytes, 64);
     if constexpr (TWO_N) _tile_loadd(7, bt[1] + s * kStepBytes, 64);
-    _tile_dpbsud(0, 4, 6);
-    if constexpr (TWO_N) _tile_dpbsud(1, 4, 7);
-    if constexpr (TWO_M) _tile_dpbsud(2, 5, 6);
-    if constexpr (TWO_M && TWO_N) _tile_dpbsud(3, 5, 7);
+    if constexpr (SYM) {
+      _tile_dpbssd(0, 4, 6);
+      if constexpr (TWO_N) _tile_dpbssd(1, 4, 7);
+      if constexpr (TWO_M) _tile_dpbssd(2, 5, 6);
+      if constexpr (TWO_M && TWO_N) _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbsud(0, 4, 6);
+      if constexpr (TWO_N) _tile_dpbsud(1, 4, 7);
+      if constexpr (TWO_M) _tile_dpbsud(2, 5, 6);
+      if constexpr (TWO_M && TWO_N) _tile_dpbsud(3, 5, 7);
+    }
   }
   _tile_stored(0, cbuf[0][0], 64);
   if constexpr (TWO_N) _tile_stored(1, cbuf[0][1], 64);
@@ -194,78 +214,98 @@ void a8_dot(const int8_t* xa, int64_t ldx, const uint8_t* const* bt, int64_t ste
 }
 
 // tot[token] += s * (256 * A0 + A1) for the 16 tokens from mt, A_d = C_d - o * xsum_d (lowbit.h
-// a8_group without activation zero points) of digit d. 256 * float(A0) is exact; the sum rounds once.
+// a8_group without activation zero points) of digit d; SYM: the tiles already hold A_d = C_d.
+// 256 * float(A0) is exact; the sum rounds once.
+template <bool SYM>
 inline void digit_epilogue(const int32_t (*cbuf)[2][256], const A8View& a, int64_t ng, int64_t gi, int64_t mt,
                            int64_t mc, int nb2, const __m512i* ov, const __m512* sv, float* tot) {
   const __m512 radix = _mm512_set1_ps(256.0f);
+  const auto acc = [&](const float* t) { return gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(t); };
   for (int r = 0; r < 16; ++r) {
     const int64_t row = mt + r;
     if (row >= a.m) break;
+    float* t = tot + (row - mc) * 2 * kRows;
+    if constexpr (SYM) {
+      for (int j = 0; j < nb2; ++j) {
+        const __m512i d0 = _mm512_load_si512(cbuf[0][j] + r * 16), d1 = _mm512_load_si512(cbuf[1][j] + r * 16);
+        const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), radix, _mm512_cvtepi32_ps(d1));
+        _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(both, sv[j], acc(t + j * 16)));
+      }
+      continue;
+    }
     const int64_t v0 = 2 * mt + r;   // code rows of the token's two digits: v0, v0 + 16
     const __m512i xs0 = _mm512_set1_epi32(a.xsum[v0 * ng + gi]), xs1 = _mm512_set1_epi32(a.xsum[(v0 + 16) * ng + gi]);
-    float* t = tot + (row - mc) * 2 * kRows;
     for (int j = 0; j < nb2; ++j) {
       const __m512i d0 = _mm512_sub_epi32(_mm512_load_si512(cbuf[0][j] + r * 16), _mm512_mullo_epi32(ov[j], xs0));
       const __m512i d1 = _mm512_sub_epi32(_mm512_load_si512(cbuf[1][j] + r * 16), _mm512_mullo_epi32(ov[j], xs1));
       const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), radix, _mm512_cvtepi32_ps(d1));
-      _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(both, sv[j], _mm512_loadu_ps(t + j * 16)));
+      _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(both, sv[j], acc(t + j * 16)));
     }
   }
 }
 
 // DIG 1: a.xq holds one code row per token. DIG 2: two digit rows per token (digits() below), 16
 // tokens' first digits then their second digits per 32 code rows, so the two A tiles of a pass are
-// one token tile's two digits and their int32 sums combine as 256 * A0 + A1.
-template <int CB, int DIG>
+// one token tile's two digits and their int32 sums combine as 256 * A0 + A1. SYM: symmetric weights
+// (w.offs null), multiplied as signed u - o (a8_btiles).
+template <int CB, int DIG, bool SYM>
 void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 64;
-  std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
+  std::vector<uint8_t> bbuf(CB == 4 || SYM ? 2 * steps * kStepBytes : 0);
   const int64_t mchunk = chunk_rows(g.kp * DIG);
   std::vector<float> tot(std::min(mchunk, t1 - t0) * 2 * kRows);
-  alignas(64) int32_t cbuf[2][2][256];
+  // two C buffers, alternated: a pass's epilogue reads one while the next pass's tiles store to the other
+  alignas(64) int32_t cbufs[2][2][2][256];
+  int cur = 0;
   TileScope tiles;
   for (int64_t mc = t0; mc < t1; mc += mchunk) {
     const int64_t mrows = std::min(mchunk, t1 - mc);
     for (int64_t b = b0; b < b1; b += 2) {
       const int nb2 = b + 2 <= b1 ? 2 : 1;
-      std::fill(tot.begin(), tot.begin() + mrows * 2 * kRows, 0.0f);
+      // tot: group 0's epilogue starts it from zero (no fill)
       for (int64_t gi = 0; gi < g.ng; ++gi) {
         const uint8_t* bt[2] = {nullptr, nullptr};
         __m512 sv[2];
         __m512i ov[2], ws[2];
         for (int j = 0; j < nb2; ++j) {
           __m512i us;
-          bt[j] = a8_btiles<CB>(w, b + j, gi, bbuf.data() + (CB == 4 ? j * steps * kStepBytes : 0), a.zx ? &us : nullptr);
+          bt[j] = a8_btiles<CB, SYM>(w, b + j, gi, bbuf.data() + (CB == 4 || SYM ? j * steps * kStepBytes : 0),
+                                     a.zx ? &us : nullptr);
           const int64_t idx = ((b + j) * g.ng + gi) * kRows;
           sv[j] = _mm512_loadu_ps(w.scales + idx);
           ov[j] = offsets_of(w, idx, CB);
-          // wsum = sum (u - o) = sum u - o * gp (padding holds u = o)
-          ws[j] = a.zx ? _mm512_sub_epi32(us, _mm512_mullo_epi32(ov[j], _mm512_set1_epi32(static_cast<int32_t>(g.gp))))
-                       : _mm512_setzero_si512();
+          // wsum = sum (u - o) = sum u - o * gp (padding holds u = o); SYM: the tiles' own sum
+          if (!a.zx) ws[j] = _mm512_setzero_si512();
+          else if constexpr (SYM) ws[j] = us;
+          else ws[j] = _mm512_sub_epi32(us, _mm512_mullo_epi32(ov[j], _mm512_set1_epi32(static_cast<int32_t>(g.gp))));
         }
         for (int64_t mt = mc; mt < mc + mrows; mt += 32 / DIG) {
           const bool two = DIG == 2 || mt + 16 < mc + mrows;
           const int8_t* xa = a.xq + mt * DIG * a.ldx + gi * g.gp;
-          if (two && nb2 == 2) a8_dot<true, true>(xa, a.ldx, bt, steps, cbuf);
-          else if (two) a8_dot<true, false>(xa, a.ldx, bt, steps, cbuf);
-          else if (nb2 == 2) a8_dot<false, true>(xa, a.ldx, bt, steps, cbuf);
-          else a8_dot<false, false>(xa, a.ldx, bt, steps, cbuf);
+          int32_t(*cbuf)[2][256] = cbufs[cur];
+          cur ^= 1;
+          if (two && nb2 == 2) a8_dot<SYM, true, true>(xa, a.ldx, bt, steps, cbuf);
+          else if (two) a8_dot<SYM, true, false>(xa, a.ldx, bt, steps, cbuf);
+          else if (nb2 == 2) a8_dot<SYM, false, true>(xa, a.ldx, bt, steps, cbuf);
+          else a8_dot<SYM, false, false>(xa, a.ldx, bt, steps, cbuf);
           if constexpr (DIG == 2) {
-            digit_epilogue(cbuf, a, g.ng, gi, mt, mc, nb2, ov, sv, tot.data());
+            digit_epilogue<SYM>(cbuf, a, g.ng, gi, mt, mc, nb2, ov, sv, tot.data());
             continue;
           }
           for (int mi = 0; mi < (two ? 2 : 1); ++mi) {
             for (int r = 0; r < 16; ++r) {
               const int64_t row = mt + mi * 16 + r;
               if (row >= a.m) break;
-              const __m512i xs = _mm512_set1_epi32(a.xsum[row * g.ng + gi]);
+              const __m512i xs = SYM ? _mm512_setzero_si512() : _mm512_set1_epi32(a.xsum[row * g.ng + gi]);
               float* t = tot.data() + (row - mc) * 2 * kRows;
               for (int j = 0; j < nb2; ++j) {
                 // lowbit.h a8_group, lane by lane, as the vector kernels compute it
-                __m512i v = _mm512_sub_epi32(_mm512_load_si512(cbuf[mi][j] + r * 16), _mm512_mullo_epi32(ov[j], xs));
+                __m512i v = _mm512_load_si512(cbuf[mi][j] + r * 16);
+                if constexpr (!SYM) v = _mm512_sub_epi32(v, _mm512_mullo_epi32(ov[j], xs));
                 if (a.zx) v = _mm512_sub_epi32(v, _mm512_mullo_epi32(_mm512_set1_epi32(a.zx[row]), ws[j]));
-                _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv[j], _mm512_loadu_ps(t + j * 16)));
+                const __m512 prev = gi == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(t + j * 16);
+                _mm512_storeu_ps(t + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv[j], prev));
               }
             }
           }
@@ -385,14 +425,12 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
 }  // namespace
 
 void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1, int digits) {
-  if (digits == 2) {
-    if (w.g.cbits == 4) a8_run<4, 2>(w, a, b0, b1, t0, t1);
-    else a8_run<8, 2>(w, a, b0, b1, t0, t1);
-  } else if (w.g.cbits == 4) {
-    a8_run<4, 1>(w, a, b0, b1, t0, t1);
-  } else {
-    a8_run<8, 1>(w, a, b0, b1, t0, t1);
-  }
+  const bool sym = w.offs == nullptr;
+  const bool four = w.g.cbits == 4;
+  if (digits == 2 && sym) four ? a8_run<4, 2, true>(w, a, b0, b1, t0, t1) : a8_run<8, 2, true>(w, a, b0, b1, t0, t1);
+  else if (digits == 2) four ? a8_run<4, 2, false>(w, a, b0, b1, t0, t1) : a8_run<8, 2, false>(w, a, b0, b1, t0, t1);
+  else if (sym) four ? a8_run<4, 1, true>(w, a, b0, b1, t0, t1) : a8_run<8, 1, true>(w, a, b0, b1, t0, t1);
+  else four ? a8_run<4, 1, false>(w, a, b0, b1, t0, t1) : a8_run<8, 1, false>(w, a, b0, b1, t0, t1);
 }
 
 bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx, bool tiles) {

@@ -595,7 +595,8 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
       ok.store(false);
       return false;
     }
-    sum_groups(codes, g.gp, 2 * r0 * g.ng, 2 * r1 * g.ng, xsum.data());
+    // symmetric weights: the tiles multiply u - o, no o * xsum term (amx::a8)
+    if (w.offs) sum_groups(codes, g.gp, 2 * r0 * g.ng, 2 * r1 * g.ng, xsum.data());
     return true;
   };
   if (split_by_tokens(g, m16)) {
