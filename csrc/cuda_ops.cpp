@@ -287,8 +287,9 @@ at::Tensor lowbit_bias(const std::optional<at::Tensor>& bias, int64_t n, const a
 
 at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
-                              int64_t n, int64_t group, int64_t cbits) {
+                              int64_t n, int64_t group, int64_t cbits, c10::string_view act_name) {
   c10::cuda::CUDAGuard guard(x_.device());
+  const int act = lowbit_act_code(act_name);
   TORCH_CHECK(x_.dim() >= 1 && x_.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
   const int64_t k = x_.size(-1);
   lowbit_check_weight(packed, scales, offsets, n, k, group, cbits);
@@ -306,6 +307,8 @@ at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, co
                                      bias.defined() ? bias.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), m, n,
                                      k, group, static_cast<int>(cbits), stream()),
                "lowbit_linear");
+  check_launch(qc_cuda_lowbit_act(y.mutable_data_ptr(), float_code(y.scalar_type()), y.numel(), act, stream()),
+               "lowbit_linear (act)");
   return dbl ? y.to(at::kDouble) : y;
 }
 

@@ -642,3 +642,69 @@ def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
     with pytest.raises(RuntimeError, match="activation bits must be 2..8"):
         lowbit.linear_dyn_a8(torch.zeros(2, 8), lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8),
                              torch.ones(4, 1), None, 8, 4), None, 4, 8, 4, 9, True, 0)
+
+
+# --- the activation epilogue (lowbit_linear's `act`, fused by load_quantized; export/fuse.py) ----
+# The kernel's GELU is lowbit.h gelu_erf (Abramowitz & Stegun 7.1.28 for erf): within 2e-6 |y| +
+# 1e-6 |gelu(y)| of torch's (the formula's 3e-7 and float rounding of p^16: see lowbit.h); ReLU is
+# exact. Oracle: torch's F.gelu / F.relu of the same call without `act`, which every path computes
+# identically (the activation is applied to the finished output, in the tile / GEMV store or after).
+
+def _gelu_bound(y):
+    y = y.double()
+    return 2e-6 * y.abs() + 1e-6 * torch.nn.functional.gelu(y).abs() + 1e-30
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_activation_epilogue_on_every_path(monkeypatch, sym):
+    g = torch.Generator().manual_seed(21)
+    F = torch.nn.functional
+    for isa in cpu_isas():
+        for cbits, n, k, group in ((4, 37, 200, 64), (8, 50, 128, 128), (4, 33, 384, 128)):
+            p, _, bias = _layer(g, cbits, n, k, group, sym)
+            for m in (1, 5, 33):
+                for dt in (torch.float32, torch.bfloat16):
+                    for pieces in ((False, True) if dt == torch.float32 else (False,)):
+                        if pieces:
+                            monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")
+                        lowbit.isa(isa)
+                        x = (torch.randn(m, k, generator=g) * 3).to(dt)
+                        base = lowbit.linear(x, p, bias, n, group, cbits)
+                        gelu = lowbit.linear(x, p, bias, n, group, cbits, act="gelu")
+                        relu = lowbit.linear(x, p, bias, n, group, cbits, act="relu")
+                        monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32", raising=False)
+                        where = f"{isa} {cbits}-bit {n}x{k} g{group} {m} tokens {dt} {'pieces' if pieces else ''}"
+                        assert gelu.dtype == relu.dtype == dt and gelu.shape == base.shape, where
+                        assert torch.equal(relu, F.relu(base)), where
+                        if dt == torch.float32:
+                            diff = (gelu.double() - F.gelu(base.double())).abs()
+                            assert bool((diff <= _gelu_bound(base)).all()), where
+                        else:           # the float result of the epilogue, rounded once to bf16
+                            want = F.gelu(base.float())
+                            diff = (gelu.float() - want).abs()
+                            assert bool((diff <= 2.0 ** -8 * want.abs() + _gelu_bound(base.float())).all()), where
+
+
+def test_gelu_epilogue_special_values():
+    # one token per value, x = (v, 0, ..., 0), identity weights (8-bit codes 1 on the diagonal,
+    # scale 1) on the scalar kernel: output column 0 is v exactly, so the epilogue sees v as it is
+    vals = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.5, -0.5, 1.0, -1.0, 3.0, -3.0, 5.5, -5.5,
+                         10.0, -10.0, 30.0, -30.0, 1e4, -1e4, float("nan"), float("inf")])
+    k = 16
+    x = torch.zeros(vals.numel(), k)
+    x[:, 0] = vals
+    p = lowbit.prepack(torch.eye(k, dtype=torch.int8), torch.ones(k, 1), None, k, 8)
+    lowbit.isa("scalar")
+    assert torch.equal(lowbit.linear(x, p, None, k, k, 8)[:-2, 0], vals[:-2])
+    got = lowbit.linear(x, p, None, k, k, 8, act="gelu")[:, 0]
+    want = torch.nn.functional.gelu(vals.double())
+    finite = torch.isfinite(vals)
+    assert bool(((got.double() - want).abs()[finite] <= _gelu_bound(vals)[finite]).all())
+    assert got[-2].isnan() and got[-1] == float("inf")
+    assert bool((got[vals < -9] <= 0).all()) and bool((got[vals < -9] > -1e-15).all())   # the tail, no cancellation
+
+
+def test_activation_argument_is_checked():
+    p, _, _ = _layer(torch.Generator().manual_seed(2), 4, 16, 32, 32, True)
+    with pytest.raises(RuntimeError, match="act must be 'none', 'gelu' or 'relu', got 'tanh'"):
+        lowbit.linear(torch.randn(2, 32), p, None, 16, 32, 4, act="tanh")

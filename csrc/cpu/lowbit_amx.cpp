@@ -118,10 +118,31 @@ inline __m256i to_half_bits(__m512 v, int dt) {
   return _mm512_cvtepi32_epi16(h);
 }
 
-// y[row][n] = tot * sx[row] (W-A8; sx null: weight-only) + bias[n] for rows [r0, r1) and the
+// lowbit.h apply_act on 16 lanes: the same IEEE steps lane by lane, so the same bits.
+inline __m512 act16(__m512 v, int act) {
+  if (act == kActRelu) return _mm512_max_ps(_mm512_setzero_ps(), v);   // NaN lanes pass (second operand)
+  if (act != kActGelu) return v;
+  const __m512 u = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(0.70710678118654752f));
+  __m512 p = _mm512_fmadd_ps(u, _mm512_set1_ps(4.30638e-5f), _mm512_set1_ps(2.765672e-4f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(1.520143e-4f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(9.2705272e-3f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(4.22820123e-2f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(7.05230784e-2f));
+  p = _mm512_fmadd_ps(p, u, _mm512_set1_ps(1.0f));
+  p = _mm512_mul_ps(p, p);
+  p = _mm512_mul_ps(p, p);
+  p = _mm512_mul_ps(p, p);
+  p = _mm512_mul_ps(p, p);
+  const __m512 tail = _mm512_div_ps(_mm512_set1_ps(1.0f), p);
+  const __m512 f = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.0f), tail),
+                                      _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), tail);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), f);
+}
+
+// y[row][n] = act(tot * sx[row] (W-A8; sx null: weight-only) + bias[n]) for rows [r0, r1) and the
 // real rows of blocks b, b + nb2 - 1, y in ydt; tot rows start at r0 (the pass's first row).
 void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const float* bias, void* y, int ydt,
-                int64_t n, int64_t b, int nb2) {
+                int64_t n, int64_t b, int nb2, int act = kActNone) {
   for (int j = 0; j < nb2; ++j) {
     const int64_t n0 = (b + j) * kRows;
     if (n0 >= n) break;
@@ -131,6 +152,7 @@ void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const
       __m512 v = _mm512_loadu_ps(tot + (row - r0) * 2 * kRows + j * kRows);
       if (sx) v = _mm512_mul_ps(v, _mm512_set1_ps(sx[row]));
       if (bias) v = _mm512_add_ps(v, bv);
+      if (act != kActNone) v = act16(v, act);
       if (ydt == kF32) _mm512_mask_storeu_ps(static_cast<float*>(y) + row * n + n0, lanes, v);
       else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + row * n + n0, lanes, to_half_bits(v, ydt));
     }
@@ -311,7 +333,7 @@ void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0,
           }
         }
       }
-      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, kF32, g.n, b, nb2);
+      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, kF32, g.n, b, nb2, a.act);
     }
   }
 }

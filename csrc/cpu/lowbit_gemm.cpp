@@ -555,12 +555,14 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 // though their compute was 1.2-1.5x faster. Larger inputs are allocated per call.
 static constexpr int64_t kScratchCap = int64_t{64} << 20;
 
+// At least `elems` bf16 elements (the thread's reused buffer, or a new one past kScratchCap);
+// callers that need exactly `elems` narrow it (a narrow costs a few microseconds per call).
 static at::Tensor split_scratch(int64_t elems) {
   const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCPU);
   if (elems * 2 > kScratchCap) return at::empty({elems}, opts);
   thread_local at::Tensor buf;
   if (!buf.defined() || buf.numel() < elems) buf = at::empty({elems}, opts);
-  return buf.narrow(0, 0, elems);
+  return buf;
 }
 
 // QCOMPRESS_LOWBIT_FP32=pieces: float32 weight-only inputs keep the earlier float paths (bf16 pieces
@@ -577,7 +579,8 @@ static bool fp32_digits_off() {
 // stored instead of decoded to bf16 in every task. Undefined when it does not apply (padded
 // groups, groups not a whole number of 64-column steps, inf / nan or a tiny token: the caller
 // takes the bf16 pieces) or turned off (fp32_digits_off).
-static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m) {
+static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
+                            int act) {
   if (fp32_digits_off() || g.kp != g.k || !amx::fits(g, true)) return {};
   const at::Tensor xc = x2.contiguous();
   const float* xp = xc.const_data_ptr<float>();
@@ -588,7 +591,7 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
   std::vector<float> sx(static_cast<size_t>(m16));
   std::vector<int32_t> xsum(static_cast<size_t>(2 * m16 * g.ng));
   at::Tensor y = at::empty({m, g.n}, xc.options());
-  const A8View a{codes, g.kp, m, xsum.data(), sx.data(), nullptr, bias, y.mutable_data_ptr<float>()};
+  const A8View a{codes, g.kp, m, xsum.data(), sx.data(), nullptr, bias, y.mutable_data_ptr<float>(), act};
   std::atomic<bool> ok{true};
   auto prepare = [&](int64_t r0, int64_t r1) {   // token rows [r0, r1): digits and their group sums
     if (!amx::digits(xp, g.k, m, r0, r1, codes, sx.data())) {
@@ -622,7 +625,7 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
 // Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
 // apply (inf / nan or a tiny token: the caller takes the float kernel) or turned off (fp32_digits_off).
 static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
-                              int isa) {
+                              int isa, int act) {
   if (fp32_digits_off() || isa < kAvx512Vnni || m == 0) return {};
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
   std::vector<int8_t> codes(static_cast<size_t>(2 * m * g.kp));
@@ -639,14 +642,47 @@ static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geomet
   for (int64_t t = 0; t < m; ++t) {
     const float* hi = y2.data() + 2 * t * g.n;
     const float* lo = hi + g.n;
-    for (int64_t j = 0; j < g.n; ++j) yp[t * g.n + j] = hi[j] + lo[j] + (bias ? bias[j] : 0.0f);
+    for (int64_t j = 0; j < g.n; ++j) yp[t * g.n + j] = apply_act(hi[j] + lo[j] + (bias ? bias[j] : 0.0f), act);
   }
   return y;
 }
 
+int lowbit_act_code(c10::string_view name) {
+  if (name == "none") return kActNone;
+  if (name == "gelu") return kActGelu;
+  if (name == "relu") return kActRelu;
+  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu' or 'relu', got '", std::string(name), "'");
+  return kActNone;
+}
+
+// apply_act on every element of y in place (the paths whose kernels store without it).
+static void act_in_place(at::Tensor& y, int act) {
+  at::Tensor yf = y.scalar_type() == at::kFloat && y.is_contiguous() ? y : y.to(at::kFloat).contiguous();
+  float* p = yf.mutable_data_ptr<float>();
+  at::parallel_for(0, yf.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) p[i] = apply_act(p[i], act);
+  });
+  if (!yf.is_same(y)) y.copy_(yf);
+}
+
+static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                               int64_t n, int64_t group, int64_t cbits, int act, bool& fused);
+
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                             const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
-                             int64_t n, int64_t group, int64_t cbits) {
+                             const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
+                             int64_t n, int64_t group, int64_t cbits, c10::string_view act_name) {
+  const int act = lowbit_act_code(act_name);
+  bool fused = false;
+  at::Tensor y = linear_paths(x, packed, scales, offsets, bias, n, group, cbits, act, fused);
+  if (act != kActNone && !fused) act_in_place(y, act);
+  return y;
+}
+
+// lowbit_linear on the path this call takes; fused: the path applied act in its own store.
+static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                               int64_t n, int64_t group, int64_t cbits, int act, bool& fused) {
   TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
   check_cpu(x, "x");
   const Geometry g = checked_geometry(n, x.size(-1), group, cbits);
@@ -663,7 +699,10 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   shape.back() = n;
   const int isa = active_isa().load();
   if (x.scalar_type() == at::kFloat && m >= amx::kTileRows && isa >= kAmx) {
-    if (at::Tensor y = wo_digits(x2, w, g, bp, m); y.defined()) return y.reshape(shape);
+    if (at::Tensor y = wo_digits(x2, w, g, bp, m, act); y.defined()) {
+      fused = true;
+      return y.reshape(shape);
+    }
   }
   if (m >= amx::kTileRows && isa >= kAmx && amx::fits(g, false)) {
     // bf16 pieces of x: bfloat16 1 and float16 2 (their sum is x exactly); float32 2, the high
@@ -678,7 +717,7 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
     const at::Tensor xin = direct ? x2.contiguous() : pad_groups(x2, g, at::kFloat);
     const int xcode = direct ? code : amx::kF32;
     const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
-    at::Tensor xs = split_scratch(pieces * m16 * g.kp).view({pieces, m16, g.kp});
+    at::Tensor xs = split_scratch(pieces * m16 * g.kp).narrow(0, 0, pieces * m16 * g.kp).view({pieces, m16, g.kp});
     uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.mutable_data_ptr());
     const void* xip = xin.const_data_ptr();
     at::Tensor y = at::empty({m, n}, x.options().dtype(code >= 0 ? dt : at::kFloat));
@@ -716,7 +755,10 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
     }
   }
   if (x.scalar_type() == at::kFloat && m < amx::kTileRows) {
-    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa); y.defined()) return y.reshape(shape);
+    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, act); y.defined()) {
+      fused = true;
+      return y.reshape(shape);
+    }
   }
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));

@@ -21,10 +21,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_prepack_cpu(
 // The signed codes [n, k] (int8) back from the blocked layout.
 at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, int64_t cbits);
 
-// y = x @ w^T (+ bias) for float activations x [..., K] (float32 / bfloat16 / float16); y in x's dtype.
+// lowbit.h Act of lowbit_linear's `act` argument (an error names any other value).
+int lowbit_act_code(c10::string_view name);
+
+// y = act(x @ w^T (+ bias)) for float activations x [..., K] (float32 / bfloat16 / float16); y in x's
+// dtype; act "none", "gelu" or "relu" (lowbit.h apply_act).
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
-                             int64_t n, int64_t group, int64_t cbits);
+                             int64_t n, int64_t group, int64_t cbits, c10::string_view act);
 
 // y = x_scale * sum_g scale_g * (integer group sums) (+ bias) from int8 activation codes xq [..., K]
 // (x_scale float32 and x_zero_point per token, or one value for all tokens); y in out_dtype.

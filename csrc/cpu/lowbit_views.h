@@ -24,6 +24,7 @@ struct A8View {  // activation codes of one call, padded to Kp columns
   const int32_t* zx;     // [m] or null
   const float* bias;     // [n] or null
   float* y;              // [m][n]
+  int act = kActNone;    // lowbit.h Act, applied to y (the tile kernels' store; others leave it to the caller)
 };
 
 }  // namespace lowbit

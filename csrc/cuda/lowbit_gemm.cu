@@ -93,6 +93,14 @@ __global__ void lowbit_linear_a8_kernel(const int8_t* __restrict__ xq, const flo
 
 unsigned int grid_for(int64_t outputs) { return blocks_for(outputs, kWarps, 65535u * 8u); }
 
+// lowbit_linear's `act` after the matmul kernel, in place (lowbit.h apply_act).
+template <typename T>
+__global__ void act_kernel(T* __restrict__ y, int64_t count, int act) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
+    y[i] = from_f<T>(lowbit::apply_act(to_f<T>(y[i]), act));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace qc
@@ -143,6 +151,25 @@ extern "C" int qc_cuda_lowbit_linear_a8(const int8_t* xq, const float* x_scale, 
     default:
       lowbit_linear_a8_kernel<__half><<<grid, kThreads, 0, st>>>(xq, x_scale, x_zp, packed, scales, offsets, bias,
                                                                  static_cast<__half*>(y), m, g);
+      break;
+  }
+  return status();
+}
+
+extern "C" int qc_cuda_lowbit_act(void* y, int y_dtype, int64_t count, int act, void* stream) {
+  using namespace qc::cuda;
+  if (count == 0 || act == qc::lowbit::kActNone) return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const unsigned int grid = blocks_for(count, kThreads);
+  switch (y_dtype) {
+    case 0:
+      act_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<float*>(y), count, act);
+      break;
+    case 1:
+      act_kernel<__nv_bfloat16><<<grid, kThreads, 0, st>>>(static_cast<__nv_bfloat16*>(y), count, act);
+      break;
+    default:
+      act_kernel<__half><<<grid, kThreads, 0, st>>>(static_cast<__half*>(y), count, act);
       break;
   }
   return status();

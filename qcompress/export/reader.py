@@ -196,7 +196,8 @@ def _swap(module: nn.Module, kind: str, name: str, rec: dict):
 def class_parts(cls: type) -> tuple:
     """(the model's own class, the mixins over it, innermost first) of a loaded-module class."""
     mixins = []
-    while cls.__module__ in (__name__, __name__.rsplit(".", 1)[0] + ".fast") and len(cls.__bases__) == 2:
+    here = __name__.rsplit(".", 1)[0]
+    while cls.__module__ in (__name__, here + ".fast", here + ".fuse") and len(cls.__bases__) == 2:
         mixin, cls = cls.__bases__
         mixins.append(mixin)
     return cls, tuple(reversed(mixins))
@@ -205,17 +206,22 @@ def class_parts(cls: type) -> tuple:
 def pickle_globals() -> list:
     """What a pickled load_quantized model names from qcompress, for torch.load(weights_only=True):
     `with torch.serialization.safe_globals(pickle_globals() + [the model's own classes]): ...`."""
-    from . import fast
+    from . import fast, fuse
     from ..quant.reference import Spec
     return [_rebuild, _QComposed, *_FORWARDS.values(), fast.FastMixin, fast.FastLinearMixin,
-            fast.FastConv1DMixin, Spec]
+            fast.FastConv1DMixin, fuse.FusedActMixin, fuse.FusedSequentialMixin, Spec]
 
 
 def _rebuild(cls: type, mixins: tuple, state: dict):
     """The instance of the class class_parts described, with `state`."""
-    from . import fast
+    from . import fast, fuse
     for mixin in mixins:
-        cls = fast.fast_class(cls, mixin) if mixin.__module__ == fast.__name__ else quantized_class(cls, mixin)
+        if mixin.__module__ == fast.__name__:
+            cls = fast.fast_class(cls, mixin)
+        elif mixin.__module__ == fuse.__name__:
+            cls = fuse.fused_class(cls, mixin)
+        else:
+            cls = quantized_class(cls, mixin)
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
@@ -478,12 +484,15 @@ def _check_unlisted(unexpected, modules, cfg_path):
                                   f"whose quantized tensor {key!r} the checkpoint holds")
 
 
-def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Module:
+def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activations: bool = True) -> nn.Module:
     """Load an export into `model` (a fresh, uncompressed instance of the architecture), in place.
 
     mode="exact" dequantizes each weight in every forward (bit-exact outputs); mode="fast" runs
     integer-weight kernels where torch has them and a fused dequantization elsewhere (see
-    qcompress/export/fast.py; outputs equal "exact" up to float summation order).
+    qcompress/export/fast.py; outputs equal "exact" up to float summation order). With
+    fuse_activations (mode="fast" only), a GELU / ReLU that only follows a weight-only low-bit layer
+    (BERT's feed-forward, nn.Sequential neighbours) runs in that layer's kernel
+    (qcompress/export/fuse.py); the layer's own output then includes it.
     Returns `model` in eval mode (dropout off), as transformers' from_pretrained does; call
     `.train()` to fine-tune it further.
     Raises CheckpointError (naming file and tensor) for truncated, corrupted or inconsistent
@@ -548,5 +557,8 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact") -> nn.Modul
     if mode == "fast":
         from .fast import convert
         convert(root, modules)
+        if fuse_activations:
+            from .fuse import fuse_activations as fuse
+            fuse(root)
     model.eval()      # an inference checkpoint, as transformers' from_pretrained returns it
     return model

@@ -105,8 +105,14 @@ def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
     return q, rows(p.scales), zp
 
 
-def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int):
-    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits)
+ACTS = ("none", "gelu", "relu")    # lowbit_linear's `act` (csrc/include/qcompress/lowbit.h apply_act)
+
+
+def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
+           act: str = "none"):
+    """act(x @ W^T + bias); act "gelu" (erf GELU within 2e-6 |x| of torch's) or "relu" is applied
+    to each output before it is stored."""
+    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act)
 
 
 def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[torch.Tensor], p: Packed,
@@ -146,7 +152,7 @@ if available():
         return packed.new_empty((n, k), dtype=torch.int8)
 
     @torch.library.register_fake("qcompress::lowbit_linear")
-    def _fake_linear(x, packed, scales, offsets, bias, n, group, cbits):
+    def _fake_linear(x, packed, scales, offsets, bias, n, group, cbits, act="none"):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("qcompress::lowbit_linear_a8")

@@ -19,6 +19,7 @@
 // Rows past N (last block) are zero weights with scale 0.
 #pragma once
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -115,6 +116,39 @@ QC_HD int32_t a8_group(int32_t dot, int o, int32_t xsum, int zx, int32_t wsum) {
 // product of the codes with ones); padding holds u = o.
 QC_HD int32_t group_wsum(int32_t usum, int o, int64_t gp) { return usum - o * static_cast<int32_t>(gp); }
 
+// ---- activation epilogue (lowbit_linear's `act`: the activation that follows the layer, applied
+// to each output before it is stored; load_quantized(mode="fast") fuses BERT's GELU this way) ----
+
+enum Act : int { kActNone = 0, kActGelu = 1, kActRelu = 2 };
+
+// GELU, x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)), with erf from Abramowitz & Stegun 7.1.28:
+// 1 - erf(u) = p(u)^-16 for u >= 0, p = 1 + a1 u + ... + a6 u^6 (|error| <= 3e-7); p rounds once per
+// Horner step, which its 16th power amplifies, so with float rounding the result is within about
+// 1e-6 |x| of torch's GELU (tests/test_lowbit_kernels.py asserts 2e-6 |x| + 1e-6 |gelu|). For x < 0
+// the tail x / 2 * p^-16 has no cancellation. Every step is one IEEE operation (explicit fma), so
+// the AVX-512 epilogue, which computes these steps lane by lane, gives the same bits.
+QC_HD float gelu_erf(float x) {
+  const float u = (x < 0.0f ? -x : x) * 0.70710678118654752f;
+  float p = fmaf(u, 4.30638e-5f, 2.765672e-4f);
+  p = fmaf(p, u, 1.520143e-4f);
+  p = fmaf(p, u, 9.2705272e-3f);
+  p = fmaf(p, u, 4.22820123e-2f);
+  p = fmaf(p, u, 7.05230784e-2f);
+  p = fmaf(p, u, 1.0f);
+  p = p * p;
+  p = p * p;
+  p = p * p;
+  p = p * p;
+  const float tail = 1.0f / p;   // 1 - erf(u)
+  return 0.5f * x * (x < 0.0f ? tail : 2.0f - tail);
+}
+
+QC_HD float apply_act(float v, int act) {
+  if (act == kActGelu) return gelu_erf(v);
+  if (act == kActRelu) return v > 0.0f || v != v ? v : 0.0f;   // NaN passes, as torch.relu
+  return v;
+}
+
 }  // namespace lowbit
 }  // namespace qc
 
@@ -128,6 +162,9 @@ extern "C" {
 int qc_cuda_lowbit_linear(const void* x, int x_dtype, const uint8_t* packed, const float* scales,
                           const uint8_t* offsets, const float* bias, void* y, int64_t m, int64_t n,
                           int64_t k, int64_t group, int cbits, void* stream);
+
+// y[i] = apply_act(y[i], act) in place for count elements of dtype y_dtype (0 float32, 1 bf16, 2 fp16).
+int qc_cuda_lowbit_act(void* y, int y_dtype, int64_t count, int act, void* stream);
 
 // y[m, n] = x_scale[m] * sum_g scale[n, g] * a8_group(...) (+ bias[n]); xq int8 codes [m, k],
 // x_zp int32 [m] or NULL (symmetric).

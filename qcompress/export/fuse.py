@@ -1,0 +1,177 @@
+"""Activations fused into the fast low-bit layer before them (load_quantized(mode="fast")).
+
+BERT's feed-forward is dense -> GELU. As two ops the GELU is a second pass over the [tokens, 1536]
+output, and at batch 1 x 64 tokens on a 2-core CPU it cost all-MiniLM-L6-v2's W4 forward about
+15 % (benchmarks/RESULTS.md). Fused, the kernel applies it to each output before the store
+(lowbit_linear's `act`).
+
+Only the parent's forward changes: its class gets FusedActMixin (or FusedSequentialMixin), whose
+forward makes the one fused call and then does what the original forward did after the activation.
+The layer and the activation module stay as they are, so calling either directly, or hooking it,
+behaves as before: a hook on either (or a global module hook) at call time turns the fused call
+back into the two modules' own calls. A pair is fused only where the layer's output provably goes
+to the activation and nowhere else: the parent's forward is, byte code for byte code, one of the
+known forwards below (a subclass that changes it is left alone), or the parent is a plain
+nn.Sequential and the two are neighbours. The layer must be on the weight-only `lowbit` plan, the
+activation exactly torch's erf GELU or ReLU (transformers' GELUActivation included).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Callable, Dict, Optional, Tuple
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+from .fast import FastMixin, _direct
+
+log = logging.getLogger("qcompress.export.fuse")
+
+
+def _same(self, h):
+    return h
+
+
+def _gpt2_mlp_tail(self, h):
+    return self.dropout(self.c_proj(h))
+
+
+# what a known forward does after the activation
+_TAILS: Dict[str, Callable] = {"none": _same, "gpt2_mlp": _gpt2_mlp_tail}
+
+# (module, class, layer attribute, activation attribute, _TAILS key)
+_KNOWN: Tuple[Tuple[str, str, str, str, str], ...] = (
+    ("transformers.models.bert.modeling_bert", "BertIntermediate", "dense", "intermediate_act_fn", "none"),
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2MLP", "c_fc", "act", "gpt2_mlp"),
+)
+
+
+def act_kind(mod: nn.Module) -> Optional[str]:
+    """"gelu" / "relu" for exactly torch's erf GELU / ReLU modules, else None."""
+    if type(mod) is nn.GELU and mod.approximate == "none":
+        return "gelu"
+    if type(mod) is nn.ReLU:
+        return "relu"
+    if (type(mod).__name__ == "GELUActivation" and type(mod).__module__ == "transformers.activations"
+            and getattr(mod, "act", None) is F.gelu):
+        return "gelu"
+    return None
+
+
+def _hook_free(mod: nn.Module) -> bool:
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or mod._backward_pre_hooks)
+
+
+def _no_global_hooks() -> bool:
+    return not any(getattr(_module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+
+
+def fused_call(layer: nn.Module, act: nn.Module, x):
+    """act(layer(x)) as one kernel call where it can run, else the two modules' own calls. Checked
+    at every call, so a module swapped or hooked after loading is run as it is."""
+    kind = _fusable(layer, act)
+    if kind and _hook_free(layer) and _hook_free(act) and _no_global_hooks():
+        y = _direct(layer, x, kind)
+        if y is not None:
+            return y
+    return act(layer(x))
+
+
+class FusedActMixin:
+    """A known parent (_KNOWN) whose layer -> activation runs as one call (qx_fuse: layer and
+    activation attributes, the _TAILS key of the rest of its forward)."""
+
+    def forward(self, x):
+        layer, act, tail = self.qx_fuse
+        return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], x))
+
+    def extra_repr(self):
+        layer, act, _ = self.qx_fuse
+        return f"fused: {layer} + {act} ({_fusable(self._modules[layer], self._modules[act])})"
+
+
+class FusedSequentialMixin:
+    """nn.Sequential whose (low-bit layer, activation) neighbours each run as one call; the pairs are
+    found at every call, so edits to the container after loading stay safe."""
+
+    def forward(self, x):
+        mods = list(self._modules.values())
+        i = 0
+        while i < len(mods):
+            if i + 1 < len(mods) and _fusable(mods[i], mods[i + 1]):
+                x = fused_call(mods[i], mods[i + 1], x)
+                i += 2
+            else:
+                x = mods[i](x)
+                i += 1
+        return x
+
+
+_CACHE: Dict[Tuple[type, type], type] = {}
+
+
+def fused_class(cls: type, mixin: type) -> type:
+    """The fused class over a parent class (one per class); pickles through reader._rebuild."""
+    if (cls, mixin) not in _CACHE:
+        from .reader import QuantizedMixin
+        _CACHE[cls, mixin] = type("Fused" + cls.__name__, (mixin, cls),
+                                  {"__module__": __name__, "__reduce_ex__": QuantizedMixin.__reduce_ex__})
+    return _CACHE[cls, mixin]
+
+
+def _code_key(fn) -> tuple:
+    c = fn.__code__
+    return c.co_code, c.co_names, c.co_consts
+
+
+def _known_forwards() -> Dict[tuple, Tuple[str, str, str]]:
+    out = {}
+    for module, cls, layer, act, tail in _KNOWN:
+        try:
+            ref = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        out[_code_key(ref.forward)] = (layer, act, tail)
+    return out
+
+
+def _fusable(layer: nn.Module, act: nn.Module) -> Optional[str]:
+    if isinstance(layer, FastMixin) and layer.qx_plan == "lowbit" and layer.__dict__.get("qx_direct"):
+        return act_kind(act)
+    return None
+
+
+def fuse_activations(root: nn.Module) -> Dict[str, str]:
+    """Fuse every eligible (layer, activation) pair of a fast-loaded model in place; returns the
+    fused layers' names -> activation kind."""
+    known = _known_forwards()
+    fused = {}
+    for pname, parent in list(root.named_modules()):
+        prefix = pname + "." if pname else ""
+        if type(parent) is nn.Sequential:
+            names = list(parent._modules)
+            pairs = {prefix + a: _fusable(parent._modules[a], parent._modules[b]) for a, b in zip(names, names[1:])}
+            pairs = {name: kind for name, kind in pairs.items() if kind}
+            if pairs:
+                parent.__class__ = fused_class(nn.Sequential, FusedSequentialMixin)
+                fused.update(pairs)
+            continue
+        fwd = getattr(type(parent), "forward", None)
+        attrs = known.get(_code_key(fwd)) if hasattr(fwd, "__code__") else None
+        if attrs is None:
+            continue
+        layer, act = (parent._modules.get(a) for a in attrs[:2])
+        kind = _fusable(layer, act) if layer is not None and act is not None else None
+        if kind:
+            parent.__class__ = fused_class(type(parent), FusedActMixin)
+            parent.qx_fuse = attrs
+            fused[prefix + attrs[0]] = kind
+    if fused:
+        log.info("load_quantized(mode='fast'): %d activations fused into the layer before them (%s)",
+                 len(fused), ", ".join(sorted(set(fused.values()))))
+    return fused
