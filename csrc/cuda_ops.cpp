@@ -287,7 +287,8 @@ at::Tensor lowbit_bias(const std::optional<at::Tensor>& bias, int64_t n, const a
 
 at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
-                              int64_t n, int64_t group, int64_t cbits, c10::string_view act_name) {
+                              int64_t n, int64_t group, int64_t cbits, c10::string_view act_name,
+                              const std::optional<at::Tensor>& residual) {
   c10::cuda::CUDAGuard guard(x_.device());
   const int act = lowbit_act_code(act_name);
   TORCH_CHECK(x_.dim() >= 1 && x_.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
@@ -309,6 +310,11 @@ at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, co
                "lowbit_linear");
   check_launch(qc_cuda_lowbit_act(y.mutable_data_ptr(), float_code(y.scalar_type()), y.numel(), act, stream()),
                "lowbit_linear (act)");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == y.sizes(), "qcompress.lowbit_linear: residual has shape ", residual->sizes(),
+                ", the output ", y.sizes());
+    y.add_(*residual);
+  }
   return dbl ? y.to(at::kDouble) : y;
 }
 

@@ -34,9 +34,10 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("lowbit_prepack(Tensor q, Tensor scale, Tensor? zero_point, int group, int cbits) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("lowbit_unpack(Tensor packed, int n, int k, int group, int cbits) -> Tensor");
-  // act: the activation after the layer, applied before the store ("none", "gelu", "relu")
+  // act: the activation after the layer, applied before the store ("none", "gelu", "relu");
+  // residual: a tensor of the output's shape added after it (a transformer block's skip connection)
   m.def("lowbit_linear(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int group, "
-        "int cbits, str act=\"none\") -> Tensor");
+        "int cbits, str act=\"none\", Tensor? residual=None) -> Tensor");
   m.def("lowbit_linear_a8(Tensor xq, Tensor x_scale, Tensor? x_zero_point, Tensor packed, Tensor scales, "
         "Tensor? offsets, Tensor? bias, int n, int group, int cbits, ScalarType out_dtype) -> Tensor");
   // dynamic per-token activation codes (the quantize op's) and lowbit_linear_a8 in one call

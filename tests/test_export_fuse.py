@@ -45,16 +45,18 @@ def tiny_bert(act="gelu"):
     return BertModel(conf).eval()
 
 
-def mixins(model):
+def mixins(model, only=None):
     return {name: type(m).__mro__[1].__name__ for name, m in model.named_modules()
-            if type(m).__module__ == fuse.__name__}
+            if type(m).__module__ == fuse.__name__ and (only is None or type(m).__mro__[1].__name__ == only)}
 
 
 def test_bert_feed_forward_gelu_is_fused(tmp_path):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 99, (2, 33), generator=torch.Generator().manual_seed(1))
     fused, plain = export_both(tmp_path, tiny_bert, w4(["encoder"]), (ids,))
-    assert mixins(fused) == {f"encoder.layer.{i}.intermediate": "FusedActMixin" for i in range(2)}
+    assert mixins(fused) == {**{f"encoder.layer.{i}.intermediate": "FusedActMixin" for i in range(2)},
+                             **{f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)},
+                             **{f"encoder.layer.{i}.output": "FusedResidualMixin" for i in range(2)}}
     assert mixins(plain) == {}
     inter = fused.encoder.layer[0].intermediate
     assert "fused: dense + intermediate_act_fn (gelu)" in repr(inter)
@@ -95,11 +97,11 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
 
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
     fused, _ = export_both(tmp_path / "a", make_doubled, w4(["encoder"]), (ids,))
-    assert mixins(fused) == {"encoder.layer.1.intermediate": "FusedActMixin"}
+    assert mixins(fused, "FusedActMixin") == {"encoder.layer.1.intermediate": "FusedActMixin"}
     fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("gelu_new"), w4(["encoder"]), (ids,))
-    assert mixins(fused) == {}                # tanh GELU: no kernel epilogue for it
+    assert mixins(fused, "FusedActMixin") == {}      # tanh GELU: no kernel epilogue for it
     fused, _ = export_both(tmp_path / "c", tiny_bert, w4(["attention"]), (ids,))
-    assert mixins(fused) == {}                # the feed-forward layer is not quantized
+    assert mixins(fused) == {f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)}
     assert transformers
 
 
@@ -155,3 +157,27 @@ def test_gpt2_mlp_with_erf_gelu_is_fused(tmp_path):
     with torch.no_grad():
         a, b = fused(ids).logits, plain(ids).logits
     assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+
+def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path):
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
+    fused, plain = export_both(tmp_path, tiny_bert, w4(["encoder"]), (ids,))
+    out, want_mod = fused.encoder.layer[1].output, plain.encoder.layer[1].output
+    assert "fused: dense + the skip connection" in repr(out)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for tokens in (1, 5, 33):
+            h, r = torch.randn(2, tokens, 160, generator=g), torch.randn(2, tokens, 64, generator=g)
+            assert torch.equal(out(h, r), want_mod(h, r))
+            # not fused where the add would differ: dropout active, another residual dtype or shape
+            out.train()
+            torch.manual_seed(0)
+            a = out(h, r)
+            torch.manual_seed(0)
+            want_mod.train()
+            assert torch.equal(a, want_mod(h, r))
+            out.eval(), want_mod.eval()
+            rb = r.bfloat16()                  # h + rb promotes to float32; in place it would not
+            assert torch.equal(out(h, rb), want_mod(h, rb))
+            assert torch.equal(out(h, r[:, :1]), want_mod(h, r[:, :1]))      # broadcast residual

@@ -708,3 +708,23 @@ def test_activation_argument_is_checked():
     p, _, _ = _layer(torch.Generator().manual_seed(2), 4, 16, 32, 32, True)
     with pytest.raises(RuntimeError, match="act must be 'none', 'gelu' or 'relu', got 'tanh'"):
         lowbit.linear(torch.randn(2, 32), p, None, 16, 32, 4, act="tanh")
+
+
+def test_residual_epilogue_is_the_same_add_on_every_path(monkeypatch):
+    # residual: added after act in the kernels' store (float32) or after the call (other dtypes);
+    # either way the same single add as torch's y + r, so equal bit for bit
+    g = torch.Generator().manual_seed(23)
+    for isa in cpu_isas():
+        for cbits, n, k, group in ((4, 37, 200, 64), (4, 48, 384, 128)):
+            p, _, bias = _layer(g, cbits, n, k, group, True)
+            for m in (1, 5, 33):
+                for dt in (torch.float32, torch.bfloat16):
+                    lowbit.isa(isa)
+                    x = torch.randn(2, m, k, generator=g).to(dt)
+                    r = torch.randn(2, m, n, generator=g).to(dt)
+                    for act in ("none", "gelu"):
+                        base = lowbit.linear(x, p, bias, n, group, cbits, act=act)
+                        got = lowbit.linear(x, p, bias, n, group, cbits, act=act, residual=r)
+                        assert torch.equal(got, base + r), f"{isa} {n}x{k} {m} tokens {dt} {act}"
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        lowbit.linear(x, p, bias, n, group, cbits, residual=r[..., :-1])

@@ -139,10 +139,11 @@ inline __m512 act16(__m512 v, int act) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), f);
 }
 
-// y[row][n] = act(tot * sx[row] (W-A8; sx null: weight-only) + bias[n]) for rows [r0, r1) and the
-// real rows of blocks b, b + nb2 - 1, y in ydt; tot rows start at r0 (the pass's first row).
+// y[row][n] = act(tot * sx[row] (W-A8; sx null: weight-only) + bias[n]) (+ res[row][n], float32 y
+// only) for rows [r0, r1) and the real rows of blocks b, b + nb2 - 1, y in ydt; tot rows start at
+// r0 (the pass's first row).
 void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const float* bias, void* y, int ydt,
-                int64_t n, int64_t b, int nb2, int act = kActNone) {
+                int64_t n, int64_t b, int nb2, int act = kActNone, const float* res = nullptr) {
   for (int j = 0; j < nb2; ++j) {
     const int64_t n0 = (b + j) * kRows;
     if (n0 >= n) break;
@@ -153,6 +154,7 @@ void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const
       if (sx) v = _mm512_mul_ps(v, _mm512_set1_ps(sx[row]));
       if (bias) v = _mm512_add_ps(v, bv);
       if (act != kActNone) v = act16(v, act);
+      if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, res + row * n + n0));
       if (ydt == kF32) _mm512_mask_storeu_ps(static_cast<float*>(y) + row * n + n0, lanes, v);
       else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + row * n + n0, lanes, to_half_bits(v, ydt));
     }
@@ -333,7 +335,7 @@ void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0,
           }
         }
       }
-      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, kF32, g.n, b, nb2, a.act);
+      store_rows(tot.data(), mc, std::min(mc + mrows, a.m), a.sx, a.bias, a.y, kF32, g.n, b, nb2, a.act, a.res);
     }
   }
 }

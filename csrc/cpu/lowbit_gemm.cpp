@@ -580,7 +580,7 @@ static bool fp32_digits_off() {
 // groups, groups not a whole number of 64-column steps, inf / nan or a tiny token: the caller
 // takes the bf16 pieces) or turned off (fp32_digits_off).
 static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
-                            int act) {
+                            int act, const float* res) {
   if (fp32_digits_off() || g.kp != g.k || !amx::fits(g, true)) return {};
   const at::Tensor xc = x2.contiguous();
   const float* xp = xc.const_data_ptr<float>();
@@ -591,7 +591,7 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
   std::vector<float> sx(static_cast<size_t>(m16));
   std::vector<int32_t> xsum(static_cast<size_t>(2 * m16 * g.ng));
   at::Tensor y = at::empty({m, g.n}, xc.options());
-  const A8View a{codes, g.kp, m, xsum.data(), sx.data(), nullptr, bias, y.mutable_data_ptr<float>(), act};
+  const A8View a{codes, g.kp, m, xsum.data(), sx.data(), nullptr, bias, y.mutable_data_ptr<float>(), act, res};
   std::atomic<bool> ok{true};
   auto prepare = [&](int64_t r0, int64_t r1) {   // token rows [r0, r1): digits and their group sums
     if (!amx::digits(xp, g.k, m, r0, r1, codes, sx.data())) {
@@ -625,7 +625,7 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
 // Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
 // apply (inf / nan or a tiny token: the caller takes the float kernel) or turned off (fp32_digits_off).
 static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
-                              int isa, int act) {
+                              int isa, int act, const float* res) {
   if (fp32_digits_off() || isa < kAvx512Vnni || m == 0) return {};
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
   std::vector<int8_t> codes(static_cast<size_t>(2 * m * g.kp));
@@ -642,7 +642,10 @@ static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geomet
   for (int64_t t = 0; t < m; ++t) {
     const float* hi = y2.data() + 2 * t * g.n;
     const float* lo = hi + g.n;
-    for (int64_t j = 0; j < g.n; ++j) yp[t * g.n + j] = apply_act(hi[j] + lo[j] + (bias ? bias[j] : 0.0f), act);
+    for (int64_t j = 0; j < g.n; ++j) {
+      const float v = apply_act(hi[j] + lo[j] + (bias ? bias[j] : 0.0f), act);
+      yp[t * g.n + j] = res ? v + res[t * g.n + j] : v;
+    }
   }
   return y;
 }
@@ -667,22 +670,39 @@ static void act_in_place(at::Tensor& y, int act) {
 
 static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
-                               int64_t n, int64_t group, int64_t cbits, int act, bool& fused);
+                               int64_t n, int64_t group, int64_t cbits, int act, const float* res, bool& fused);
+
+// The residual as float32 rows of y's shape when the kernels can add it in their store (float32 x),
+// else undefined (added after, in y's dtype, as torch would).
+static at::Tensor residual_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual, int64_t n) {
+  if (!residual.has_value()) return {};
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  TORCH_CHECK(residual->sizes().vec() == shape, "qcompress.lowbit_linear: residual has shape ", residual->sizes(),
+              ", the output ", c10::IntArrayRef(shape));
+  check_cpu(*residual, "residual");
+  if (x.scalar_type() != at::kFloat || residual->scalar_type() != at::kFloat) return {};
+  return residual->contiguous();
+}
 
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
-                             int64_t n, int64_t group, int64_t cbits, c10::string_view act_name) {
+                             int64_t n, int64_t group, int64_t cbits, c10::string_view act_name,
+                             const std::optional<at::Tensor>& residual) {
   const int act = lowbit_act_code(act_name);
+  const at::Tensor res = residual_rows(x, residual, n);
   bool fused = false;
-  at::Tensor y = linear_paths(x, packed, scales, offsets, bias, n, group, cbits, act, fused);
+  at::Tensor y = linear_paths(x, packed, scales, offsets, bias, n, group, cbits, act,
+                              res.defined() ? res.const_data_ptr<float>() : nullptr, fused);
   if (act != kActNone && !fused) act_in_place(y, act);
+  if (residual.has_value() && !(fused && res.defined())) y.add_(*residual);
   return y;
 }
 
-// lowbit_linear on the path this call takes; fused: the path applied act in its own store.
+// lowbit_linear on the path this call takes; fused: the path applied act (and added res) in its store.
 static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
-                               int64_t n, int64_t group, int64_t cbits, int act, bool& fused) {
+                               int64_t n, int64_t group, int64_t cbits, int act, const float* res, bool& fused) {
   TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
   check_cpu(x, "x");
   const Geometry g = checked_geometry(n, x.size(-1), group, cbits);
@@ -699,7 +719,7 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
   shape.back() = n;
   const int isa = active_isa().load();
   if (x.scalar_type() == at::kFloat && m >= amx::kTileRows && isa >= kAmx) {
-    if (at::Tensor y = wo_digits(x2, w, g, bp, m, act); y.defined()) {
+    if (at::Tensor y = wo_digits(x2, w, g, bp, m, act, res); y.defined()) {
       fused = true;
       return y.reshape(shape);
     }
@@ -755,7 +775,7 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
     }
   }
   if (x.scalar_type() == at::kFloat && m < amx::kTileRows) {
-    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, act); y.defined()) {
+    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, act, res); y.defined()) {
       fused = true;
       return y.reshape(shape);
     }

@@ -24,11 +24,12 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 // lowbit.h Act of lowbit_linear's `act` argument (an error names any other value).
 int lowbit_act_code(c10::string_view name);
 
-// y = act(x @ w^T (+ bias)) for float activations x [..., K] (float32 / bfloat16 / float16); y in x's
-// dtype; act "none", "gelu" or "relu" (lowbit.h apply_act).
+// y = act(x @ w^T (+ bias)) (+ residual) for float activations x [..., K] (float32 / bfloat16 /
+// float16); y in x's dtype; act "none", "gelu" or "relu" (lowbit.h apply_act); residual: y's shape.
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
-                             int64_t n, int64_t group, int64_t cbits, c10::string_view act);
+                             int64_t n, int64_t group, int64_t cbits, c10::string_view act,
+                             const std::optional<at::Tensor>& residual);
 
 // y = x_scale * sum_g scale_g * (integer group sums) (+ bias) from int8 activation codes xq [..., K]
 // (x_scale float32 and x_zero_point per token, or one value for all tokens); y in out_dtype.

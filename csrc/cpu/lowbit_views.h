@@ -25,6 +25,7 @@ struct A8View {  // activation codes of one call, padded to Kp columns
   const float* bias;     // [n] or null
   float* y;              // [m][n]
   int act = kActNone;    // lowbit.h Act, applied to y (the tile kernels' store; others leave it to the caller)
+  const float* res = nullptr;   // [m][n] added after act (same)
 };
 
 }  // namespace lowbit

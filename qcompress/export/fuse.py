@@ -1,9 +1,12 @@
-"""Activations fused into the fast low-bit layer before them (load_quantized(mode="fast")).
+"""Activations and skip connections fused into the fast low-bit layer before them
+(load_quantized(mode="fast")).
 
 BERT's feed-forward is dense -> GELU. As two ops the GELU is a second pass over the [tokens, 1536]
 output, and at batch 1 x 64 tokens on a 2-core CPU it cost all-MiniLM-L6-v2's W4 forward about
 15 % (benchmarks/RESULTS.md). Fused, the kernel applies it to each output before the store
-(lowbit_linear's `act`).
+(lowbit_linear's `act`). Likewise the block outputs' `dense(h) + input` (BertSelfOutput,
+BertOutput): the kernel adds the skip connection in its store (lowbit_linear's `residual`), the
+same float add, so those outputs do not change at all.
 
 Only the parent's forward changes: its class gets FusedActMixin (or FusedSequentialMixin), whose
 forward makes the one fused call and then does what the original forward did after the activation.
@@ -95,6 +98,39 @@ class FusedActMixin:
         return f"fused: {layer} + {act} ({_fusable(self._modules[layer], self._modules[act])})"
 
 
+# (module, class, layer, dropout and norm attributes): forwards that are
+# norm(dropout(layer(hidden_states)) + input_tensor), a transformer block's output and skip connection
+_KNOWN_RESIDUAL: Tuple[Tuple[str, str, str, str, str], ...] = (
+    ("transformers.models.bert.modeling_bert", "BertSelfOutput", "dense", "dropout", "LayerNorm"),
+    ("transformers.models.bert.modeling_bert", "BertOutput", "dense", "dropout", "LayerNorm"),
+)
+
+
+def _residual_ok(layer: nn.Module, dropout: nn.Module, x, res) -> bool:
+    return (type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
+            and _lowbit_layer(layer) and _hook_free(layer) and _hook_free(dropout)
+            and _no_global_hooks() and res.dtype == x.dtype
+            and res.shape == (*x.shape[:-1], layer.qx_lowbit[0]))
+
+
+class FusedResidualMixin:
+    """A known parent (_KNOWN_RESIDUAL) whose layer adds the skip connection in its kernel's store
+    (qx_fuse: layer, dropout and norm attributes); the sum is the same float add as before, so
+    outputs are unchanged bit for bit."""
+
+    def forward(self, hidden_states, input_tensor):
+        layer, drop, norm = self.qx_fuse
+        dense = self._modules[layer]
+        if _residual_ok(dense, self._modules[drop], hidden_states, input_tensor):
+            y = _direct(dense, hidden_states, "none", input_tensor)
+            if y is not None:
+                return self._modules[norm](y)
+        return super().forward(hidden_states, input_tensor)
+
+    def extra_repr(self):
+        return f"fused: {self.qx_fuse[0]} + the skip connection"
+
+
 class FusedSequentialMixin:
     """nn.Sequential whose (low-bit layer, activation) neighbours each run as one call; the pairs are
     found at every call, so edits to the container after loading stay safe."""
@@ -129,27 +165,31 @@ def _code_key(fn) -> tuple:
     return c.co_code, c.co_names, c.co_consts
 
 
-def _known_forwards() -> Dict[tuple, Tuple[str, str, str]]:
+def _known_forwards(known) -> Dict[tuple, tuple]:
+    """code key of each importable known forward -> its attribute names (and tail)."""
     out = {}
-    for module, cls, layer, act, tail in _KNOWN:
+    for module, cls, *attrs in known:
         try:
             ref = getattr(importlib.import_module(module), cls)
         except (ImportError, AttributeError):
             continue
-        out[_code_key(ref.forward)] = (layer, act, tail)
+        out[_code_key(ref.forward)] = tuple(attrs)
     return out
 
 
-def _fusable(layer: nn.Module, act: nn.Module) -> Optional[str]:
-    if isinstance(layer, FastMixin) and layer.qx_plan == "lowbit" and layer.__dict__.get("qx_direct"):
-        return act_kind(act)
-    return None
+def _lowbit_layer(layer: Optional[nn.Module]) -> bool:
+    """A fast layer on the weight-only `lowbit` plan whose kernel call takes act / residual."""
+    return isinstance(layer, FastMixin) and layer.qx_plan == "lowbit" and bool(layer.__dict__.get("qx_direct"))
+
+
+def _fusable(layer: Optional[nn.Module], act: nn.Module) -> Optional[str]:
+    return act_kind(act) if _lowbit_layer(layer) else None
 
 
 def fuse_activations(root: nn.Module) -> Dict[str, str]:
     """Fuse every eligible (layer, activation) pair of a fast-loaded model in place; returns the
     fused layers' names -> activation kind."""
-    known = _known_forwards()
+    known, known_res = _known_forwards(_KNOWN), _known_forwards(_KNOWN_RESIDUAL)
     fused = {}
     for pname, parent in list(root.named_modules()):
         prefix = pname + "." if pname else ""
@@ -162,7 +202,14 @@ def fuse_activations(root: nn.Module) -> Dict[str, str]:
                 fused.update(pairs)
             continue
         fwd = getattr(type(parent), "forward", None)
-        attrs = known.get(_code_key(fwd)) if hasattr(fwd, "__code__") else None
+        key = _code_key(fwd) if hasattr(fwd, "__code__") else None
+        res = known_res.get(key)
+        if res is not None and _lowbit_layer(parent._modules.get(res[0])):
+            parent.__class__ = fused_class(type(parent), FusedResidualMixin)
+            parent.qx_fuse = res
+            fused[prefix + res[0]] = "residual"
+            continue
+        attrs = known.get(key)
         if attrs is None:
             continue
         layer, act = (parent._modules.get(a) for a in attrs[:2])

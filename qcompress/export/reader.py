@@ -209,7 +209,7 @@ def pickle_globals() -> list:
     from . import fast, fuse
     from ..quant.reference import Spec
     return [_rebuild, _QComposed, *_FORWARDS.values(), fast.FastMixin, fast.FastLinearMixin,
-            fast.FastConv1DMixin, fuse.FusedActMixin, fuse.FusedSequentialMixin, Spec]
+            fast.FastConv1DMixin, fuse.FusedActMixin, fuse.FusedResidualMixin, fuse.FusedSequentialMixin, Spec]
 
 
 def _rebuild(cls: type, mixins: tuple, state: dict):

@@ -109,10 +109,12 @@ ACTS = ("none", "gelu", "relu")    # lowbit_linear's `act` (csrc/include/qcompre
 
 
 def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
-           act: str = "none"):
-    """act(x @ W^T + bias); act "gelu" (erf GELU within 2e-6 |x| of torch's) or "relu" is applied
-    to each output before it is stored."""
-    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act)
+           act: str = "none", residual: Optional[torch.Tensor] = None):
+    """act(x @ W^T + bias) + residual; act "gelu" (erf GELU within 2e-6 |x| of torch's) or "relu" is
+    applied to each output before it is stored, and so is the residual (a tensor of the output's shape)
+    added, for float32 inputs, in the kernels' store."""
+    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act,
+                                             residual)
 
 
 def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[torch.Tensor], p: Packed,
@@ -152,7 +154,7 @@ if available():
         return packed.new_empty((n, k), dtype=torch.int8)
 
     @torch.library.register_fake("qcompress::lowbit_linear")
-    def _fake_linear(x, packed, scales, offsets, bias, n, group, cbits, act="none"):
+    def _fake_linear(x, packed, scales, offsets, bias, n, group, cbits, act="none", residual=None):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("qcompress::lowbit_linear_a8")
