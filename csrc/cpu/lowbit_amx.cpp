@@ -163,10 +163,11 @@ void store_rows(const float* tot, int64_t r0, int64_t r1, const float* sx, const
 
 // ---- W-A8 ------------------------------------------------------------------------------------
 
-// B tiles (one per 64 columns) of group gi of block bb. SYM (symmetric weights, o = 2^(c-1)):
-// the signed integers u - o, which TDPBSSD multiplies as they are, so no o * xsum correction is
-// left for the epilogue; else the unsigned codes u (TDPBSUD). usum: the sum of the tiles' values
-// per row (sum u, or sum (u - o) when SYM), only wanted when the activations have zero points.
+// B tiles (one per 64 columns) of group gi of block bb. SYM (symmetric 4-bit weights, o = 8): the
+// signed integers u - o, which TDPBSSD multiplies as they are, so no o * xsum correction is left for
+// the epilogue (the nibbles are decoded to bytes anyway); else the unsigned codes u (TDPBSUD), 8-bit
+// ones read in place (a signed copy of those cost more than the correction). usum: the sum of the
+// tiles' values per row (sum u, or sum (u - o) when SYM), only wanted with activation zero points.
 template <int CB, bool SYM>
 const uint8_t* a8_btiles(const WView& w, int64_t bb, int64_t gi, uint8_t* buf, __m512i* usum) {
   const Geometry& g = w.g;
@@ -174,20 +175,12 @@ const uint8_t* a8_btiles(const WView& w, int64_t bb, int64_t gi, uint8_t* buf, _
   const uint8_t* src = w.packed + bb * g.block_bytes() + gi * chunks * kChunkBytes;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i us = _mm512_setzero_si512();
-  if constexpr (CB == 8 && !SYM) {
+  static_assert(CB == 4 || !SYM, "8-bit codes are read in place (signed_tiles)");
+  if constexpr (CB == 8) {
     if (usum)
       for (int64_t c = 0; c < chunks; ++c) us = _mm512_dpbusd_epi32(us, _mm512_loadu_si512(src + c * kChunkBytes), ones);
     if (usum) *usum = us;
     return src;
-  } else if constexpr (CB == 8) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));   // u - 128 in two's complement
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(src + c * kChunkBytes), flip);
-      _mm512_storeu_si512(buf + c * kChunkBytes, v);
-      if (usum) us = _mm512_dpbusd_epi32(us, ones, v);
-    }
-    if (usum) *usum = us;
-    return buf;
   } else {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i bias = _mm512_set1_epi8(SYM ? 8 : 0);
@@ -276,7 +269,7 @@ template <int CB, int DIG, bool SYM>
 void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1) {
   const Geometry& g = w.g;
   const int64_t steps = g.gp / 64;
-  std::vector<uint8_t> bbuf(CB == 4 || SYM ? 2 * steps * kStepBytes : 0);
+  std::vector<uint8_t> bbuf(CB == 4 ? 2 * steps * kStepBytes : 0);
   const int64_t mchunk = chunk_rows(g.kp * DIG);
   std::vector<float> tot(std::min(mchunk, t1 - t0) * 2 * kRows);
   // two C buffers, alternated: a pass's epilogue reads one while the next pass's tiles store to the other
@@ -294,7 +287,7 @@ void a8_run(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0,
         __m512i ov[2], ws[2];
         for (int j = 0; j < nb2; ++j) {
           __m512i us;
-          bt[j] = a8_btiles<CB, SYM>(w, b + j, gi, bbuf.data() + (CB == 4 || SYM ? j * steps * kStepBytes : 0),
+          bt[j] = a8_btiles<CB, SYM>(w, b + j, gi, bbuf.data() + (CB == 4 ? j * steps * kStepBytes : 0),
                                      a.zx ? &us : nullptr);
           const int64_t idx = ((b + j) * g.ng + gi) * kRows;
           sv[j] = _mm512_loadu_ps(w.scales + idx);
@@ -448,12 +441,14 @@ void wo_run(const WView& w, const uint16_t* xp, int pieces, int64_t ldx, int64_t
 
 }  // namespace
 
+bool signed_tiles(const WView& w) { return w.offs == nullptr && w.g.cbits == 4; }
+
 void a8(const WView& w, const A8View& a, int64_t b0, int64_t b1, int64_t t0, int64_t t1, int digits) {
-  const bool sym = w.offs == nullptr;
+  const bool sym = signed_tiles(w);
   const bool four = w.g.cbits == 4;
-  if (digits == 2 && sym) four ? a8_run<4, 2, true>(w, a, b0, b1, t0, t1) : a8_run<8, 2, true>(w, a, b0, b1, t0, t1);
+  if (digits == 2 && sym) a8_run<4, 2, true>(w, a, b0, b1, t0, t1);
   else if (digits == 2) four ? a8_run<4, 2, false>(w, a, b0, b1, t0, t1) : a8_run<8, 2, false>(w, a, b0, b1, t0, t1);
-  else if (sym) four ? a8_run<4, 1, true>(w, a, b0, b1, t0, t1) : a8_run<8, 1, true>(w, a, b0, b1, t0, t1);
+  else if (sym) a8_run<4, 1, true>(w, a, b0, b1, t0, t1);
   else four ? a8_run<4, 1, false>(w, a, b0, b1, t0, t1) : a8_run<8, 1, false>(w, a, b0, b1, t0, t1);
 }
 
@@ -546,6 +541,7 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
 #else  // no AMX build
 
 bool available() { return false; }
+bool signed_tiles(const WView&) { return false; }
 void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t, int) {}
 bool digits(const float*, int64_t, int64_t, int64_t, int64_t, int8_t*, float*, bool) { return false; }
 void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,

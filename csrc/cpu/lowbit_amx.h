@@ -21,8 +21,10 @@ bool available();
 // steps (W-A8: 64 columns, weight-only: 32).
 bool fits(const Geometry& g, bool a8);
 
-// W-A8 on tiles: same int32 group sums and float epilogue as the vector kernels (symmetric
-// weights are multiplied as signed u - o, so a.xsum is not read for them). a.xq has m16
+// Whether a8() multiplies this weight as signed u - o (symmetric 4-bit): it then reads no a.xsum.
+bool signed_tiles(const WView& w);
+
+// W-A8 on tiles: same int32 group sums and float epilogue as the vector kernels. a.xq has m16
 // rows (a multiple of 16, padding rows zero); a.m real rows are written. Row blocks [b0, b1), token
 // rows [t0, t1) (multiples of 16).
 // digits 2: a.xq, a.xsum and a.sx come from digits() (two code rows per token); weight-only

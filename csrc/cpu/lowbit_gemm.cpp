@@ -598,8 +598,7 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
       ok.store(false);
       return false;
     }
-    // symmetric weights: the tiles multiply u - o, no o * xsum term (amx::a8)
-    if (w.offs) sum_groups(codes, g.gp, 2 * r0 * g.ng, 2 * r1 * g.ng, xsum.data());
+    if (!amx::signed_tiles(w)) sum_groups(codes, g.gp, 2 * r0 * g.ng, 2 * r1 * g.ng, xsum.data());
     return true;
   };
   if (split_by_tokens(g, m16)) {
@@ -658,12 +657,17 @@ int lowbit_act_code(c10::string_view name) {
   return kActNone;
 }
 
-// apply_act on every element of y in place (the paths whose kernels store without it).
+// apply_act on every element of y in place (the paths whose kernels store without it): ReLU is
+// torch's (the same max), GELU lowbit.h's in a loop the compiler vectorizes.
 static void act_in_place(at::Tensor& y, int act) {
+  if (act == kActRelu) {
+    y.relu_();
+    return;
+  }
   at::Tensor yf = y.scalar_type() == at::kFloat && y.is_contiguous() ? y : y.to(at::kFloat).contiguous();
   float* p = yf.mutable_data_ptr<float>();
   at::parallel_for(0, yf.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) p[i] = apply_act(p[i], act);
+    for (int64_t i = i0; i < i1; ++i) p[i] = gelu_erf(p[i]);
   });
   if (!yf.is_same(y)) y.copy_(yf);
 }
