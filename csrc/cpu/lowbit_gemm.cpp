@@ -641,10 +641,15 @@ static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geomet
   for (int64_t t = 0; t < m; ++t) {
     const float* hi = y2.data() + 2 * t * g.n;
     const float* lo = hi + g.n;
-    for (int64_t j = 0; j < g.n; ++j) {
-      const float v = apply_act(hi[j] + lo[j] + (bias ? bias[j] : 0.0f), act);
-      yp[t * g.n + j] = res ? v + res[t * g.n + j] : v;
-    }
+    float* yt = yp + t * g.n;
+    for (int64_t j = 0; j < g.n; ++j) yt[j] = hi[j] + lo[j] + (bias ? bias[j] : 0.0f);
+    // one loop per activation, so each vectorizes
+    if (act == kActRelu)
+      for (int64_t j = 0; j < g.n; ++j) yt[j] = apply_act(yt[j], kActRelu);
+    else if (act == kActGelu)
+      for (int64_t j = 0; j < g.n; ++j) yt[j] = gelu_erf(yt[j]);
+    if (res)
+      for (int64_t j = 0; j < g.n; ++j) yt[j] += res[t * g.n + j];
   }
   return y;
 }
