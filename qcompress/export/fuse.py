@@ -8,8 +8,9 @@ output, and at batch 1 x 64 tokens on a 2-core CPU it cost all-MiniLM-L6-v2's W4
 BertOutput): the kernel adds the skip connection in its store (lowbit_linear's `residual`), the
 same float add, so those outputs do not change at all.
 
-Only the parent's forward changes: its class gets FusedActMixin (or FusedSequentialMixin), whose
-forward makes the one fused call and then does what the original forward did after the activation.
+Only the parent's forward changes: its class gets FusedActMixin, FusedResidualMixin or
+FusedSequentialMixin, whose forward makes the one fused call and then does what the original
+forward did after it.
 The layer and the activation module stay as they are, so calling either directly, or hooking it,
 behaves as before: a hook on either (or a global module hook) at call time turns the fused call
 back into the two modules' own calls. A pair is fused only where the layer's output provably goes
@@ -89,9 +90,9 @@ class FusedActMixin:
     """A known parent (_KNOWN) whose layer -> activation runs as one call (qx_fuse: layer and
     activation attributes, the _TAILS key of the rest of its forward)."""
 
-    def forward(self, x):
+    def forward(self, hidden_states):      # the known forwards' own argument name
         layer, act, tail = self.qx_fuse
-        return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], x))
+        return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], hidden_states))
 
     def extra_repr(self):
         layer, act, _ = self.qx_fuse
@@ -187,8 +188,8 @@ def _fusable(layer: Optional[nn.Module], act: nn.Module) -> Optional[str]:
 
 
 def fuse_activations(root: nn.Module) -> Dict[str, str]:
-    """Fuse every eligible (layer, activation) pair of a fast-loaded model in place; returns the
-    fused layers' names -> activation kind."""
+    """Fuse every eligible pair of a fast-loaded model in place; returns the fused layers' names ->
+    what they fused ("gelu", "relu", "residual")."""
     known, known_res = _known_forwards(_KNOWN), _known_forwards(_KNOWN_RESIDUAL)
     fused = {}
     for pname, parent in list(root.named_modules()):
@@ -219,6 +220,6 @@ def fuse_activations(root: nn.Module) -> Dict[str, str]:
             parent.qx_fuse = attrs
             fused[prefix + attrs[0]] = kind
     if fused:
-        log.info("load_quantized(mode='fast'): %d activations fused into the layer before them (%s)",
+        log.info("load_quantized(mode='fast'): %d layers run what follows them in their kernel (%s)",
                  len(fused), ", ".join(sorted(set(fused.values()))))
     return fused
