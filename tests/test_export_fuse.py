@@ -98,8 +98,8 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
     fused, _ = export_both(tmp_path / "a", make_doubled, w4(["encoder"]), (ids,))
     assert mixins(fused, "FusedActMixin") == {"encoder.layer.1.intermediate": "FusedActMixin"}
-    fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("gelu_new"), w4(["encoder"]), (ids,))
-    assert mixins(fused, "FusedActMixin") == {}      # tanh GELU: no kernel epilogue for it
+    fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("silu"), w4(["encoder"]), (ids,))
+    assert mixins(fused, "FusedActMixin") == {}      # SiLU: no kernel epilogue for it
     fused, _ = export_both(tmp_path / "c", tiny_bert, w4(["attention"]), (ids,))
     assert mixins(fused) == {f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)}
     assert transformers
@@ -109,12 +109,12 @@ def test_sequential_neighbours_and_pickle(tmp_path):
     def make():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 96), nn.GELU(approximate="tanh"),
-                             nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+                             nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 8), nn.SiLU()).eval()
 
     x = torch.randn(3, 20, 64, generator=torch.Generator().manual_seed(3))
     fused, plain = export_both(tmp_path, make, w4(["."]), (x,))
     assert mixins(fused) == {"": "FusedSequentialMixin"}
-    assert {name: kind for name, kind in fuse.fuse_activations(plain).items()} == {"0": "relu", "4": "gelu"}
+    assert fuse.fuse_activations(plain) == {"0": "relu", "2": "gelu_tanh", "4": "gelu"}
     plain = load_quantized(tmp_path / "ck", make(), mode="fast", fuse_activations=False)
     with torch.no_grad():
         h = fused[1](fused[0](x))
@@ -126,14 +126,14 @@ def test_sequential_neighbours_and_pickle(tmp_path):
         buf = io.BytesIO()
         torch.save(fused, buf)
         buf.seek(0)
-        with torch.serialization.safe_globals(pickle_globals() + [nn.Sequential, nn.Linear, nn.ReLU, nn.GELU]):
+        with torch.serialization.safe_globals(pickle_globals() + [nn.Sequential, nn.Linear, nn.ReLU, nn.GELU, nn.SiLU]):
             back = torch.load(buf, weights_only=True)
         for other in (back, copy.deepcopy(fused)):
             assert mixins(other) == mixins(fused)
             assert torch.equal(other(x), y)
         # an edited container keeps working (deleting renumbers the rest: "1" is now a Linear)
         del fused[1]
-        want = plain[6](plain[5](plain[4](plain[3](plain[2](plain[0](x))))))
+        want = plain[7](plain[6](plain[5](plain[4](plain[3](plain[2](plain[0](x)))))))
         assert (fused(x) - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     # autograd: the kernels have no backward, the two modules run with gradients
     xg = x.clone().requires_grad_()
@@ -141,20 +141,28 @@ def test_sequential_neighbours_and_pickle(tmp_path):
     assert xg.grad is not None and torch.isfinite(xg.grad).all()
 
 
-def test_gpt2_mlp_with_erf_gelu_is_fused(tmp_path):
+@pytest.mark.parametrize("act,kind", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh")])
+def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     def make():
         torch.manual_seed(0)
-        conf = GPT2Config(vocab_size=50, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-                          activation_function="gelu")
+        conf = GPT2Config(vocab_size=50, n_positions=32, n_embd=64, n_layer=2, n_head=2, activation_function=act)
         return GPT2LMHeadModel(conf).eval()
 
     ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     fused, plain = export_both(tmp_path, make, w4(["transformer.h"]), (ids,))
     assert mixins(fused) == {f"transformer.h.{i}.mlp": "FusedActMixin" for i in range(2)}
+    assert fuse.act_kind(fused.transformer.h[0].mlp.act) == kind
+    assert f"({kind})" in repr(fused.transformer.h[0].mlp)
     with torch.no_grad():
+        for tokens in (1, 20):           # decode steps and the prompt
+            x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
+            mlp, want_mlp = fused.transformer.h[0].mlp, plain.transformer.h[0].mlp
+            h = want_mlp.c_fc(x)
+            got, want = mlp.c_proj(fuse.fused_call(mlp.c_fc, mlp.act, x)), want_mlp.c_proj(want_mlp.act(h))
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), tokens
         a, b = fused(ids).logits, plain(ids).logits
     assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
 

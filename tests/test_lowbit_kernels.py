@@ -671,18 +671,21 @@ def test_activation_epilogue_on_every_path(monkeypatch, sym):
                         x = (torch.randn(m, k, generator=g) * 3).to(dt)
                         base = lowbit.linear(x, p, bias, n, group, cbits)
                         gelu = lowbit.linear(x, p, bias, n, group, cbits, act="gelu")
+                        tanh = lowbit.linear(x, p, bias, n, group, cbits, act="gelu_tanh")
                         relu = lowbit.linear(x, p, bias, n, group, cbits, act="relu")
                         monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32", raising=False)
                         where = f"{isa} {cbits}-bit {n}x{k} g{group} {m} tokens {dt} {'pieces' if pieces else ''}"
                         assert gelu.dtype == relu.dtype == dt and gelu.shape == base.shape, where
                         assert torch.equal(relu, F.relu(base)), where
-                        if dt == torch.float32:
-                            diff = (gelu.double() - F.gelu(base.double())).abs()
-                            assert bool((diff <= _gelu_bound(base)).all()), where
-                        else:           # the float result of the epilogue, rounded once to bf16
-                            want = F.gelu(base.float())
-                            diff = (gelu.float() - want).abs()
-                            assert bool((diff <= 2.0 ** -8 * want.abs() + _gelu_bound(base.float())).all()), where
+                        for got, approx in ((gelu, "none"), (tanh, "tanh")):
+                            if dt == torch.float32:
+                                diff = (got.double() - F.gelu(base.double(), approximate=approx)).abs()
+                                assert bool((diff <= _gelu_bound(base)).all()), where + approx
+                            else:       # the float result of the epilogue, rounded once to bf16
+                                want = F.gelu(base.float(), approximate=approx)
+                                diff = (got.float() - want).abs()
+                                assert bool((diff <= 2.0 ** -8 * want.abs() + _gelu_bound(base.float())).all()), \
+                                    where + approx
 
 
 def test_gelu_epilogue_special_values():
@@ -696,17 +699,18 @@ def test_gelu_epilogue_special_values():
     p = lowbit.prepack(torch.eye(k, dtype=torch.int8), torch.ones(k, 1), None, k, 8)
     lowbit.isa("scalar")
     assert torch.equal(lowbit.linear(x, p, None, k, k, 8)[:-2, 0], vals[:-2])
-    got = lowbit.linear(x, p, None, k, k, 8, act="gelu")[:, 0]
-    want = torch.nn.functional.gelu(vals.double())
-    finite = torch.isfinite(vals)
-    assert bool(((got.double() - want).abs()[finite] <= _gelu_bound(vals)[finite]).all())
-    assert got[-2].isnan() and got[-1] == float("inf")
-    assert bool((got[vals < -9] <= 0).all()) and bool((got[vals < -9] > -1e-15).all())   # the tail, no cancellation
+    for act, approx in (("gelu", "none"), ("gelu_tanh", "tanh")):
+        got = lowbit.linear(x, p, None, k, k, 8, act=act)[:, 0]
+        want = torch.nn.functional.gelu(vals.double(), approximate=approx)
+        finite = torch.isfinite(vals)
+        assert bool(((got.double() - want).abs()[finite] <= _gelu_bound(vals)[finite]).all()), act
+        assert got[-2].isnan() and got[-1] == float("inf"), act
+        assert bool((got[vals < -9] <= 0).all()) and bool((got[vals < -9] > -1e-15).all()), act   # no cancellation
 
 
 def test_activation_argument_is_checked():
     p, _, _ = _layer(torch.Generator().manual_seed(2), 4, 16, 32, 32, True)
-    with pytest.raises(RuntimeError, match="act must be 'none', 'gelu' or 'relu', got 'tanh'"):
+    with pytest.raises(RuntimeError, match="act must be 'none', 'gelu', 'gelu_tanh' or 'relu', got 'tanh'"):
         lowbit.linear(torch.randn(2, 32), p, None, 16, 32, 4, act="tanh")
 
 

@@ -118,9 +118,31 @@ inline __m256i to_half_bits(__m512 v, int dt) {
   return _mm512_cvtepi32_epi16(h);
 }
 
+// lowbit.h exp_bounded on 16 lanes (max/min_ps return their second operand for a NaN lane, as the
+// scalar comparisons pass NaN; scalef scales by 2^n exactly, as ldexp).
+inline __m512 exp16(__m512 t) {
+  t = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), t));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), t);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 720.0f), _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // lowbit.h apply_act on 16 lanes: the same IEEE steps lane by lane, so the same bits.
 inline __m512 act16(__m512 v, int act) {
   if (act == kActRelu) return _mm512_max_ps(_mm512_setzero_ps(), v);   // NaN lanes pass (second operand)
+  if (act == kActGeluTanh) {
+    const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(v, v), v), v);
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f), inner));
+    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  }
   if (act != kActGelu) return v;
   const __m512 u = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(0.70710678118654752f));
   __m512 p = _mm512_fmadd_ps(u, _mm512_set1_ps(4.30638e-5f), _mm512_set1_ps(2.765672e-4f));

@@ -648,6 +648,8 @@ static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geomet
       for (int64_t j = 0; j < g.n; ++j) yt[j] = apply_act(yt[j], kActRelu);
     else if (act == kActGelu)
       for (int64_t j = 0; j < g.n; ++j) yt[j] = gelu_erf(yt[j]);
+    else if (act == kActGeluTanh)
+      for (int64_t j = 0; j < g.n; ++j) yt[j] = gelu_tanh(yt[j]);
     if (res)
       for (int64_t j = 0; j < g.n; ++j) yt[j] += res[t * g.n + j];
   }
@@ -658,12 +660,14 @@ int lowbit_act_code(c10::string_view name) {
   if (name == "none") return kActNone;
   if (name == "gelu") return kActGelu;
   if (name == "relu") return kActRelu;
-  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu' or 'relu', got '", std::string(name), "'");
+  if (name == "gelu_tanh") return kActGeluTanh;
+  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu', 'gelu_tanh' or 'relu', got '",
+              std::string(name), "'");
   return kActNone;
 }
 
 // apply_act on every element of y in place (the paths whose kernels store without it): ReLU is
-// torch's (the same max), GELU lowbit.h's in a loop the compiler vectorizes.
+// torch's (the same max), the GELUs lowbit.h's in loops the compiler vectorizes.
 static void act_in_place(at::Tensor& y, int act) {
   if (act == kActRelu) {
     y.relu_();
@@ -672,7 +676,10 @@ static void act_in_place(at::Tensor& y, int act) {
   at::Tensor yf = y.scalar_type() == at::kFloat && y.is_contiguous() ? y : y.to(at::kFloat).contiguous();
   float* p = yf.mutable_data_ptr<float>();
   at::parallel_for(0, yf.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) p[i] = gelu_erf(p[i]);
+    if (act == kActGelu)
+      for (int64_t i = i0; i < i1; ++i) p[i] = gelu_erf(p[i]);
+    else
+      for (int64_t i = i0; i < i1; ++i) p[i] = gelu_tanh(p[i]);
   });
   if (!yf.is_same(y)) y.copy_(yf);
 }

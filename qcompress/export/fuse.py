@@ -17,10 +17,12 @@ back into the two modules' own calls. A pair is fused only where the layer's out
 to the activation and nowhere else: the parent's forward is, byte code for byte code, one of the
 known forwards below (a subclass that changes it is left alone), or the parent is a plain
 nn.Sequential and the two are neighbours. The layer must be on the weight-only `lowbit` plan, the
-activation exactly torch's erf GELU or ReLU (transformers' GELUActivation included).
+activation exactly torch's GELU (erf or tanh form) or ReLU (transformers' GELUActivation,
+NewGELUActivation and GELUTanh included).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import Callable, Dict, Optional, Tuple
@@ -53,14 +55,22 @@ _KNOWN: Tuple[Tuple[str, str, str, str, str], ...] = (
 
 
 def act_kind(mod: nn.Module) -> Optional[str]:
-    """"gelu" / "relu" for exactly torch's erf GELU / ReLU modules, else None."""
-    if type(mod) is nn.GELU and mod.approximate == "none":
-        return "gelu"
+    """"gelu" / "gelu_tanh" / "relu" for exactly torch's GELU (erf or tanh form) and ReLU modules and
+    transformers' GELUActivation, NewGELUActivation (gelu_new) and GELUTanh, else None."""
+    if type(mod) is nn.GELU:
+        return "gelu" if mod.approximate == "none" else "gelu_tanh"
     if type(mod) is nn.ReLU:
         return "relu"
-    if (type(mod).__name__ == "GELUActivation" and type(mod).__module__ == "transformers.activations"
-            and getattr(mod, "act", None) is F.gelu):
+    if type(mod).__module__ != "transformers.activations":
+        return None
+    name, fn = type(mod).__name__, getattr(mod, "act", None)
+    if name == "GELUActivation" and fn is F.gelu:
         return "gelu"
+    if name == "NewGELUActivation":
+        return "gelu_tanh"
+    if (name == "GELUTanh" and isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
+            and fn.keywords == {"approximate": "tanh"}):
+        return "gelu_tanh"
     return None
 
 

@@ -105,13 +105,10 @@ def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
     return q, rows(p.scales), zp
 
 
-ACTS = ("none", "gelu", "relu")    # lowbit_linear's `act` (csrc/include/qcompress/lowbit.h apply_act)
-
-
 def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
            act: str = "none", residual: Optional[torch.Tensor] = None):
-    """act(x @ W^T + bias) + residual; act "gelu" (erf GELU within 2e-6 |x| of torch's) or "relu" is
-    applied to each output before it is stored, and so is the residual (a tensor of the output's shape)
+    """act(x @ W^T + bias) + residual; act "gelu" (erf), "gelu_tanh" (both within 2e-6 |x| of
+    torch's) or "relu" is applied to each output before it is stored, and so is the residual (a tensor of the output's shape)
     added, for float32 inputs, in the kernels' store."""
     return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act,
                                              residual)

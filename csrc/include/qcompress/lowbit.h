@@ -119,7 +119,7 @@ QC_HD int32_t group_wsum(int32_t usum, int o, int64_t gp) { return usum - o * st
 // ---- activation epilogue (lowbit_linear's `act`: the activation that follows the layer, applied
 // to each output before it is stored; load_quantized(mode="fast") fuses BERT's GELU this way) ----
 
-enum Act : int { kActNone = 0, kActGelu = 1, kActRelu = 2 };
+enum Act : int { kActNone = 0, kActGelu = 1, kActRelu = 2, kActGeluTanh = 3 };
 
 // GELU, x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)), with erf from Abramowitz & Stegun 7.1.28:
 // 1 - erf(u) = p(u)^-16 for u >= 0, p = 1 + a1 u + ... + a6 u^6 (|error| <= 3e-7); p rounds once per
@@ -143,8 +143,36 @@ QC_HD float gelu_erf(float x) {
   return 0.5f * x * (x < 0.0f ? tail : 2.0f - tail);
 }
 
+// e^t for the tanh GELU: t clamped to [-87.3, 88.7] (NaN passes), t = n ln2 + r with n = rint(t / ln2)
+// and ln2 in two parts, e^r by its degree-6 Taylor polynomial on |r| <= ln2 / 2 (within 2e-7
+// relative), then 2^n exactly (ldexp; the AVX-512 twin uses scalef, the same scaling).
+QC_HD float exp_bounded(float t) {
+  t = t < -87.3f ? -87.3f : t;
+  t = t > 88.7f ? 88.7f : t;
+  const float n = rintf(t * 1.44269504088896341f);
+  float r = fmaf(n, -0.693145751953125f, t);
+  r = fmaf(n, -1.428606765330187e-06f, r);
+  float p = fmaf(r, 1.0f / 720.0f, 1.0f / 120.0f);
+  p = fmaf(p, r, 1.0f / 24.0f);
+  p = fmaf(p, r, 1.0f / 6.0f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  return n == n ? ldexpf(p, static_cast<int>(n)) : p;
+}
+
+// GELU's tanh form (GPT-2's gelu_new, nn.GELU(approximate="tanh")), x / 2 (1 + tanh(u)) with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + e^(-2u)) (the same function, no
+// cancellation for x < 0); within 2e-6 |x| of torch's (tests/test_lowbit_kernels.py).
+QC_HD float gelu_tanh(float x) {
+  const float inner = fmaf(0.044715f, x * x * x, x);
+  const float e = exp_bounded(-1.5957691216057308f * inner);   // -2 sqrt(2 / pi) inner
+  return x / (1.0f + e);
+}
+
 QC_HD float apply_act(float v, int act) {
   if (act == kActGelu) return gelu_erf(v);
+  if (act == kActGeluTanh) return gelu_tanh(v);
   if (act == kActRelu) return v > 0.0f || v != v ? v : 0.0f;   // NaN passes, as torch.relu
   return v;
 }
