@@ -152,8 +152,19 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
         return GPT2LMHeadModel(conf).eval()
 
     ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
-    fused, plain = export_both(tmp_path, make, w4(["transformer.h"]), (ids,))
+    cfg = w4(["transformer.h"])
+    if act == "gelu_new":      # W8A8 with dynamic per-token codes: the lowbit_a8 plan fuses too
+        cfg = qcompress.load_config({"compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                                           "modules": ["transformer.h"]}}},
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["transformer.h"]}}}}})
+    fused, plain = export_both(tmp_path, make, cfg, (ids,))
     assert mixins(fused) == {f"transformer.h.{i}.mlp": "FusedActMixin" for i in range(2)}
+    assert fused.transformer.h[0].mlp.c_fc.qx_plan == ("lowbit_a8" if act == "gelu_new" else "lowbit")
     assert fuse.act_kind(fused.transformer.h[0].mlp.act) == kind
     assert f"({kind})" in repr(fused.transformer.h[0].mlp)
     with torch.no_grad():

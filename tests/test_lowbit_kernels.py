@@ -732,3 +732,20 @@ def test_residual_epilogue_is_the_same_add_on_every_path(monkeypatch):
                         assert torch.equal(got, base + r), f"{isa} {n}x{k} {m} tokens {dt} {act}"
     with pytest.raises(RuntimeError, match="residual has shape"):
         lowbit.linear(x, p, bias, n, group, cbits, residual=r[..., :-1])
+
+
+def test_dynamic_a8_activation_is_applied_to_the_output():
+    # lowbit_linear_dyn_a8's act: applied in place to the finished output (lowbit.h apply_act)
+    g = torch.Generator().manual_seed(25)
+    F = torch.nn.functional
+    for isa in cpu_isas():
+        p, _, bias = _layer(g, 8, 48, 128, 128, True)
+        for m in (1, 5, 40):
+            lowbit.isa(isa)
+            x = torch.randn(m, 128, generator=g) * 2
+            base = lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0)
+            assert torch.equal(lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, act="relu"), F.relu(base))
+            for act, approx in (("gelu", "none"), ("gelu_tanh", "tanh")):
+                got = lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, act=act)
+                diff = (got.double() - F.gelu(base.double(), approximate=approx)).abs()
+                assert bool((diff <= _gelu_bound(base)).all()), f"{isa} {m} {act}"

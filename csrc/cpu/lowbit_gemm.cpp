@@ -916,19 +916,21 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
-                                    int64_t seed) {
+                                    int64_t seed, c10::string_view act_name) {
   TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear_dyn_a8: x must be a float tensor");
   TORCH_CHECK(abits >= 2 && abits <= 8, "qcompress.lowbit_linear_dyn_a8: activation bits must be 2..8, got ", abits);
+  const int act = lowbit_act_code(act_name);
   const int64_t k = x.size(-1);
   const int64_t m = k ? x.numel() / k : 0;
-  if (at::Tensor y = dyn_a8_token_tasks(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k);
-      y.defined()) {
-    return y;
+  at::Tensor y = dyn_a8_token_tasks(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k);
+  if (!y.defined()) {
+    // kind 0 (integer), rounding 0 (nearest), numerics default: the token Spec's arguments
+    auto [q, s, zp] = quantize_cpu(x, std::nullopt, m, k, k, abits, 0, symmetric, false, 0, seed);
+    const std::optional<at::Tensor> z = symmetric ? std::nullopt : std::optional<at::Tensor>(zp);
+    y = lowbit_linear_a8_cpu(q, s, z, packed, scales, offsets, bias, n, group, cbits, x.scalar_type());
   }
-  // kind 0 (integer), rounding 0 (nearest), numerics default: the token Spec's arguments
-  auto [q, s, zp] = quantize_cpu(x, std::nullopt, m, k, k, abits, 0, symmetric, false, 0, seed);
-  const std::optional<at::Tensor> z = symmetric ? std::nullopt : std::optional<at::Tensor>(zp);
-  return lowbit_linear_a8_cpu(q, s, z, packed, scales, offsets, bias, n, group, cbits, x.scalar_type());
+  if (act != kActNone) act_in_place(y, act);   // in place on the finished output, before Python sees it
+  return y;
 }
 
 }  // namespace qc
