@@ -561,11 +561,13 @@ class Job:
     def reload(self, model, export_dir):
         """(the export loaded by load_quantized into a fresh model, the mode used). A model trained
         with int8_forward computed what the fast kernels compute: it is compared with that reload
-        (the exact one differs by the float GEMM's rounding)."""
+        (the exact one differs by the float GEMM's rounding), without fused epilogues (their GELU is
+        the kernels', not the one training ran)."""
         import qcompress
         mode = "fast" if any(getattr(getattr(m, "qc_aq", None), "int8_forward", False)
                              for m in model.modules()) else "exact"
-        return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode), mode
+        return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
+                                        fuse_activations=False), mode
 
     def transformers_stage(self, model, export_dir):
         o = self.opts
