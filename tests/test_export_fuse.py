@@ -15,15 +15,13 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, fuse, load_quantized, pickle_globals
 from qcompress.quant import lowbit
+from test_export_fast import cfg_for
 
 pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
 
 
 def w4(modules):
-    return qcompress.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                              "group_size": 32}, "modules": list(modules)}}}}})
+    return cfg_for(4, True, "group", 32, modules=modules)
 
 
 def export_both(tmp_path, make, cfg, calib):
@@ -154,14 +152,7 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
     ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     cfg = w4(["transformer.h"])
     if act == "gelu_new":      # W8A8 with dynamic per-token codes: the lowbit_a8 plan fuses too
-        cfg = qcompress.load_config({"compression_training": {
-            "weight_quantization": {
-                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                                           "modules": ["transformer.h"]}}},
-            "activation_quantization": {
-                "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["transformer.h"]}}}}})
+        cfg = cfg_for(8, True, "channel", act=("dynamic", False), modules=["transformer.h"])
     fused, plain = export_both(tmp_path, make, cfg, (ids,))
     assert mixins(fused) == {f"transformer.h.{i}.mlp": "FusedActMixin" for i in range(2)}
     assert fused.transformer.h[0].mlp.c_fc.qx_plan == ("lowbit_a8" if act == "gelu_new" else "lowbit")

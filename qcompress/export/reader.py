@@ -490,9 +490,10 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     mode="exact" dequantizes each weight in every forward (bit-exact outputs); mode="fast" runs
     integer-weight kernels where torch has them and a fused dequantization elsewhere (see
     qcompress/export/fast.py; outputs equal "exact" up to float summation order). With
-    fuse_activations (mode="fast" only), a GELU / ReLU that only follows a weight-only low-bit layer
-    (BERT's feed-forward, nn.Sequential neighbours) runs in that layer's kernel
-    (qcompress/export/fuse.py); the layer's own output then includes it.
+    fuse_activations (mode="fast" only), a GELU / ReLU or a skip-connection add that provably only
+    follows a low-bit layer (BERT's feed-forward and block outputs, GPT-2's MLP, nn.Sequential
+    neighbours) runs in that layer's kernel call; only the parent module's forward changes
+    (qcompress/export/fuse.py).
     Returns `model` in eval mode (dropout off), as transformers' from_pretrained does; call
     `.train()` to fine-tune it further.
     Raises CheckpointError (naming file and tensor) for truncated, corrupted or inconsistent
