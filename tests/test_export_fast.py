@@ -29,6 +29,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
+from qcompress.export import reader
 from qcompress.quant import lowbit
 from qcompress.export.errors import CheckpointError
 from qcompress.export.fast import plans_of, tensor_bytes
@@ -439,3 +440,35 @@ def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
             if lowbit.available() and model is fast:
                 assert all((m.qx_direct is None) == (n.qx_direct is None)
                            for m, n in zip(other, model) if hasattr(m, "qx_plan"))
+
+
+@pytest.mark.parametrize("bits,sym,gran,gs,plan", [
+    (4, True, "group", 16, "gather"),        # pack-quantized, per-row groups
+    (2, True, "channel", None, "gather"),
+    (8, False, "channel", None, "gather"),   # int-quantized: zero points per row, gathered with it
+    (8, True, "tensor", None, "gather"),     # one scale for the table
+    (4, False, "group", 16, "dequant"),      # packed zero points run across rows: whole table
+])
+def test_embedding_gathers_only_the_looked_up_rows(tmp_path, monkeypatch, bits, sym, gran, gs, plan):
+    # oracle: F.embedding on the whole dequantized table (the `weight` property, checked against the
+    # trained model in test_export.py); gathering the rows' codes must give the same bits
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 8)).eval()
+
+    ids = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(2))
+    cfg = cfg_for(bits, sym, gran, gs, modules=["0"])
+    _, exact, fast = export_and_load(tmp_path, make, cfg, (ids,))
+    assert plans_of(fast)["0"] == plan
+    for model in (exact, fast):
+        emb = model[0]
+        want = torch.nn.functional.embedding(ids, emb.weight)
+        calls = []
+        real = reader.gather_rows
+        monkeypatch.setattr(reader, "gather_rows", lambda *a: calls.append(1) or real(*a))
+        assert torch.equal(emb(ids), want)
+        assert bool(calls) == (plan == "gather")
+        monkeypatch.setattr(reader, "gather_rows", real)
+        emb.max_norm = 1.0                   # renormalizing rows: the whole table, as F.embedding does
+        assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, emb.weight, max_norm=1.0))
+        emb.max_norm = None

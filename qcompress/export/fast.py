@@ -57,7 +57,8 @@ from ..quant.reference import make_spec
 from ..quant import lowbit
 from .codes import dequantize_2d
 from .errors import CheckpointError
-from .reader import _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record
+from .reader import (_QEmbedding, _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record,
+                     gather_refusal)
 
 log = logging.getLogger("qcompress.export.fast")
 
@@ -158,6 +159,8 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
         return "dense", "not quantized"
     if rec["kind"] in ("linear", "hf_conv1d") and not isinstance(mod, (_QLinear, _QHFConv1D)):
         return "dequant", f"{type(mod).__name__} has its own forward (run on the dequantized weight)"
+    if rec["kind"] == "embedding" and isinstance(mod, _QEmbedding):
+        return _embedding_plan(rec)
     bits, strat, dtype = w["num_bits"], w["strategy"], rec["dtype"]
     if rec["kind"] == "hf_conv1d" and lowbit.available():   # x @ W^T too, W stored [in, out]
         rec = dict(rec, kind="linear")
@@ -195,6 +198,13 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
             return "dequant", "this torch has no _weight_int4pack_mm_for_cpu"
         return "int4pack", ""
     return "dequant", f"{bits}-bit {strat} weights (no integer kernel)"
+
+
+def _embedding_plan(rec: dict) -> Tuple[str, str]:
+    """gather: the embedding dequantizes only the rows its ids look up (reader.gather_rows, in
+    either mode), else the whole table per call."""
+    why = gather_refusal(rec)
+    return ("dequant", why) if why else ("gather", "")
 
 
 # --- the fast module -----------------------------------------------------------------------------

@@ -145,8 +145,42 @@ class _QConv(QuantizedMixin):
         return self._conv_forward(self._qx_input(x), self.weight, self.bias)
 
 
+def gather_refusal(rec: dict) -> str:
+    """Why gather_rows cannot serve this embedding ("" when it can)."""
+    w = rec["weights"]
+    if rec.get("transposed") or len(rec["weight_shape"]) != 2:
+        return "embedding stored transposed or not 2-D"
+    if rec["format"] == "pack-quantized" and w["strategy"] != "tensor" and not w["symmetric"]:
+        return "asymmetric packed zero points (packed across rows: no per-row gather)"
+    return ""
+
+
+def gather_rows(rec: dict, buf, ids: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, dequantize_record(rec, buf)) from the looked-up rows' codes only: the same
+    ops per row, so the same values bit for bit. Dequantizing the whole table per call cost
+    all-MiniLM-L6-v2's W4 word embedding (30522 x 384) 17.7 ms per forward (benchmarks/RESULTS.md)."""
+    w = rec["weights"]
+    k = rec["weight_shape"][1]
+    idx = ids.reshape(-1)
+    if rec["format"] == "pack-quantized":
+        q = _unpack_rows(buf["weight_packed"].index_select(0, idx), w["num_bits"], k)
+    else:
+        q = buf["qweight"].reshape(-1, k).index_select(0, idx)
+    scale, zp = buf["weight_scale"], buf.get("weight_zero_point")
+    if w["strategy"] != "tensor":
+        scale = scale.index_select(0, idx)
+        zp = None if zp is None else zp.index_select(0, idx)
+    gs = w["group_size"] if w["strategy"] == "group" else None
+    return dequantize_2d(q, scale, zp, gs, getattr(torch, rec["dtype"])).reshape(*ids.shape, k)
+
+
 class _QEmbedding(QuantizedMixin):
     def forward(self, x):
+        rec = self.qx_rec
+        if (rec.get("weights") is not None and self.max_norm is None and not x.is_floating_point()
+                and not gather_refusal(rec)):
+            return gather_rows(rec, self._buffers, x)
+        # max_norm renormalizes looked-up rows of the table in place: the whole table then
         return F.embedding(x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 
