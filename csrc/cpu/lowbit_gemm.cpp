@@ -618,6 +618,18 @@ static at::Tensor wo_digits(const at::Tensor& x2, const WView& w, const Geometry
   return y;
 }
 
+// y[0, count) = act(y) (+ res): the GEMV paths' store, one loop per activation so each vectorizes.
+static void act_rows(float* y, int64_t count, int act, const float* res) {
+  if (act == kActRelu)
+    for (int64_t j = 0; j < count; ++j) y[j] = apply_act(y[j], kActRelu);
+  else if (act == kActGelu)
+    for (int64_t j = 0; j < count; ++j) y[j] = gelu_erf(y[j]);
+  else if (act == kActGeluTanh)
+    for (int64_t j = 0; j < count; ++j) y[j] = gelu_tanh(y[j]);
+  if (res)
+    for (int64_t j = 0; j < count; ++j) y[j] += res[j];
+}
+
 // Weight-only float32 below 16 tokens (the GEMV) on a CPU with AVX-512 VNNI: each token's two int8
 // digits (amx::digits, row layout) as two tokens of the vector W-A8 kernel, whose integer dot products
 // take a quarter of the float kernel's instructions per weight, then y = row 2t + row 2t + 1 + bias.
@@ -643,15 +655,7 @@ static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geomet
     const float* lo = hi + g.n;
     float* yt = yp + t * g.n;
     for (int64_t j = 0; j < g.n; ++j) yt[j] = hi[j] + lo[j] + (bias ? bias[j] : 0.0f);
-    // one loop per activation, so each vectorizes
-    if (act == kActRelu)
-      for (int64_t j = 0; j < g.n; ++j) yt[j] = apply_act(yt[j], kActRelu);
-    else if (act == kActGelu)
-      for (int64_t j = 0; j < g.n; ++j) yt[j] = gelu_erf(yt[j]);
-    else if (act == kActGeluTanh)
-      for (int64_t j = 0; j < g.n; ++j) yt[j] = gelu_tanh(yt[j]);
-    if (res)
-      for (int64_t j = 0; j < g.n; ++j) yt[j] += res[t * g.n + j];
+    act_rows(yt, g.n, act, res ? res + t * g.n : nullptr);
   }
   return y;
 }
@@ -913,6 +917,45 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
   return y.to(dt).reshape(shape);
 }
 
+// The GEMV case of lowbit_linear_dyn_a8 (float32, fewer tokens than a tile, groups unpadded): the
+// general path's quantize and lowbit_linear_a8 ops cost a dozen small ATen calls (allocations,
+// dtype and layout checks) per call, as much as a decode step's 384 x 384 layer itself. Here the
+// codes, sums and scales live in std::vectors, the vector kernel writes y and act is applied in
+// one loop (act_rows): the values are the general path's bit for bit (the same quantize rows,
+// group sums, kernel and activation functions). Undefined when the case does not apply.
+static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
+                              int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric, int64_t m,
+                              int64_t k, int act) {
+  if (x.scalar_type() != at::kFloat || m == 0 || m >= amx::kTileRows || k == 0) return {};
+  const Geometry g = checked_geometry(n, k, group, cbits);
+  if (g.kp != g.k) return {};
+  const WView w = weight_view(g, packed, scales, offsets);
+  at::Tensor bias;
+  if (bias_.has_value()) {
+    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear_dyn_a8: bias has ", bias_->numel(), " elements, expected ", n);
+    bias = bias_->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.reshape({m, k}).contiguous();
+  std::vector<int8_t> codes(static_cast<size_t>(m * k));
+  std::vector<float> sx(static_cast<size_t>(m)), zf(static_cast<size_t>(m));
+  std::vector<int32_t> zx(symmetric ? 0 : static_cast<size_t>(m)), xsum(static_cast<size_t>(m * g.ng));
+  const int64_t bad = quantize_token_rows(xc, 0, m, static_cast<int>(abits), symmetric, codes.data(), sx.data(), zf.data());
+  if (bad) raise_nonfinite(bad, m);
+  sum_groups(codes.data(), g.gp, 0, m * g.ng, xsum.data());
+  for (size_t r = 0; r < zx.size(); ++r) zx[r] = static_cast<int32_t>(zf[r]);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  float* yp = y.mutable_data_ptr<float>();
+  const A8View a{codes.data(), g.kp, m, xsum.data(), sx.data(), symmetric ? nullptr : zx.data(),
+                 bias.defined() ? bias.const_data_ptr<float>() : nullptr, yp};
+  const A8Fn fn = a8_kernel(active_isa().load());
+  over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
+  act_rows(yp, m * n, act, nullptr);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.reshape(shape);
+}
+
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
@@ -923,13 +966,18 @@ at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packe
   const int64_t k = x.size(-1);
   const int64_t m = k ? x.numel() / k : 0;
   at::Tensor y = dyn_a8_token_tasks(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k);
+  bool act_done = false;
+  if (!y.defined()) {
+    y = dyn_a8_gemv(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act);
+    act_done = y.defined();
+  }
   if (!y.defined()) {
     // kind 0 (integer), rounding 0 (nearest), numerics default: the token Spec's arguments
     auto [q, s, zp] = quantize_cpu(x, std::nullopt, m, k, k, abits, 0, symmetric, false, 0, seed);
     const std::optional<at::Tensor> z = symmetric ? std::nullopt : std::optional<at::Tensor>(zp);
     y = lowbit_linear_a8_cpu(q, s, z, packed, scales, offsets, bias, n, group, cbits, x.scalar_type());
   }
-  if (act != kActNone) act_in_place(y, act);   // in place on the finished output, before Python sees it
+  if (act != kActNone && !act_done) act_in_place(y, act);   // in place on the finished output, before Python sees it
   return y;
 }
 
