@@ -115,8 +115,8 @@ def torch_weight_only(exact: nn.Module, dtype) -> nn.Module:
     model = copy.deepcopy(exact)
     for name, mod in list(model.named_modules()):
         rec = getattr(mod, "qx_rec", None)
-        if rec is None or rec.get("weights") is None or rec["kind"] != "linear":
-            continue
+        if rec is None or rec.get("weights") is None or rec["kind"] not in ("linear", "hf_conv1d"):
+            continue               # (Conv1D codes are exported in the Linear layout, [out, in])
         q, s, _ = fastmod._exported_codes(mod, rec)
         w = rec["weights"]
         bias = None if mod.bias is None else mod.bias.detach()
@@ -338,15 +338,15 @@ def run_gpt2(args, rows, folder):
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     text = open(os.path.join(folder, "heldout.txt"), encoding="utf-8").read()[:400]
     prompt = torch.tensor([tok(text)["input_ids"][:16]])
-    for name, doc, _ in SCHEMES:
+    for name, doc, torch_kind in SCHEMES:
         d = copy.deepcopy(doc)
         for tech in d["compression_training"].values():
             for grp in tech["different_groups"].values():
                 grp["modules"] = [r"h\.\d+\.(attn|mlp)", "lm_head"]
         with tempfile.TemporaryDirectory() as tmp:
-            v = load_variants(make, d, torch.float32, None, tmp, lambda m: m(prompt))
-        fns = {"fp32": lambda: decode(base, prompt, args.tokens), "ours": lambda: decode(v["ours"], prompt, args.tokens),
-               "free": lambda: decode(free, prompt, args.tokens)}
+            v = load_variants(make, d, torch.float32, torch_kind, tmp, lambda m: m(prompt))
+        fns = {"fp32": lambda: decode(base, prompt, args.tokens), "free": lambda: decode(free, prompt, args.tokens)}
+        fns.update({k: (lambda m: lambda: decode(m, prompt, args.tokens))(m) for k, m in v.items()})
         t = interleaved(fns, args.rounds)
         t = {k: (a / args.tokens, b / args.tokens) for k, (a, b) in t.items()}     # seconds per token
         rows.append((f"gpt2:{folder}", name, 1, t, {k: quantized_weight_bytes(m) for k, m in
