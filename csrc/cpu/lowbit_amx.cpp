@@ -558,6 +558,17 @@ bool split(const void* x, int xdt, int64_t ldx, int64_t m, int64_t r0, int64_t r
   return bad == 0;
 }
 
+bool act_rows(float* y, int64_t count, int act, const float* res) {
+  if (act == kActNone && res == nullptr) return true;
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1);
+    __m512 v = act16(_mm512_maskz_loadu_ps(lanes, y + i), act);
+    if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, res + i));
+    _mm512_mask_storeu_ps(y + i, lanes, v);
+  }
+  return true;
+}
+
 #pragma GCC pop_options
 
 #else  // no AMX build
@@ -566,6 +577,7 @@ bool available() { return false; }
 bool signed_tiles(const WView&) { return false; }
 void a8(const WView&, const A8View&, int64_t, int64_t, int64_t, int64_t, int) {}
 bool digits(const float*, int64_t, int64_t, int64_t, int64_t, int8_t*, float*, bool) { return false; }
+bool act_rows(float*, int64_t, int, const float*) { return false; }
 void wo(const WView&, const uint16_t*, int, int64_t, int64_t, int64_t, const float*, void*, int, int64_t, int64_t, int64_t,
         int64_t) {}
 bool split(const void*, int, int64_t, int64_t, int64_t, int64_t, int, int64_t, uint16_t*) { return false; }

@@ -47,6 +47,11 @@ constexpr float kDigitTiny = 1e-30f;
 bool digits(const float* x, int64_t ldx, int64_t m, int64_t r0, int64_t r1, int8_t* codes, float* sx,
             bool tiles = true);
 
+// y[0, count) = lowbit.h apply_act(y, act) (+ res[0, count)) on 16 lanes at a time: the AVX-512
+// epilogue of the tile kernels' store, the same IEEE steps as the scalar functions, so the same bits.
+// Plain AVX-512 (F / BW / VL / DQ), no tile instructions. False where this build has no AVX-512 code.
+bool act_rows(float* y, int64_t count, int act, const float* res);
+
 // rows [r0, r1) of m16 from a [m, ldx] matrix x of dtype xdt (rows past m: zeros) -> `pieces`
 // bfloat16 matrices (bits) [pieces][m16][ldx] whose sum is x exactly (1: x is bf16-valued,
 // 2: float16-valued, 3: any float32). False when an entry is not finite (the caller takes
