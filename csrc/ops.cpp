@@ -42,7 +42,7 @@ TORCH_LIBRARY(qcompress, m) {
         "Tensor? offsets, Tensor? bias, int n, int group, int cbits, ScalarType out_dtype) -> Tensor");
   // dynamic per-token activation codes (the quantize op's) and lowbit_linear_a8 in one call
   m.def("lowbit_linear_dyn_a8(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, "
-        "int group, int cbits, int abits, bool symmetric, int seed, str act=\"none\") -> Tensor");
+        "int group, int cbits, int abits, bool symmetric, int seed, str act=\"none\", Tensor? residual=None) -> Tensor");
   m.def("lowbit_isa(str request) -> str", &qc::lowbit_isa);
 }
 

@@ -169,11 +169,14 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
     assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
 
 
-def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path):
+@pytest.mark.parametrize("scheme", ["w4", "w8a8"])
+def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path, scheme):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
-    fused, plain = export_both(tmp_path, tiny_bert, w4(["encoder"]), (ids,))
+    cfg = w4(["encoder"]) if scheme == "w4" else cfg_for(8, True, "channel", act=("dynamic", False), modules=["encoder"])
+    fused, plain = export_both(tmp_path, tiny_bert, cfg, (ids,))
     out, want_mod = fused.encoder.layer[1].output, plain.encoder.layer[1].output
+    assert out.dense.qx_plan == ("lowbit" if scheme == "w4" else "lowbit_a8")
     assert "fused: dense + the skip connection" in repr(out)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

@@ -765,3 +765,12 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
                 got = lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, act=act)
                 diff = (got.double() - F.gelu(base.double(), approximate=approx)).abs()
                 assert bool((diff <= _gelu_bound(base)).all()), f"{isa} {m} {act}"
+                # the residual: added after act, the same float add wherever it happens (the tile or
+                # GEMV store for float32, after the call otherwise)
+                for dt in (torch.float32, torch.bfloat16):
+                    xd, r = x.to(dt), torch.randn(m, 48, generator=g).to(dt)
+                    want = lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act) + r
+                    assert torch.equal(lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act, residual=r),
+                                       want), f"{isa} {m} {act} {dt}"
+            with pytest.raises(RuntimeError, match="lowbit_linear_dyn_a8: residual has shape"):
+                lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, residual=torch.zeros(m, 47))

@@ -692,11 +692,12 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
 
 // The residual as float32 rows of y's shape when the kernels can add it in their store (float32 x),
 // else undefined (added after, in y's dtype, as torch would).
-static at::Tensor residual_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual, int64_t n) {
+static at::Tensor residual_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual, int64_t n,
+                                const char* op) {
   if (!residual.has_value()) return {};
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  TORCH_CHECK(residual->sizes().vec() == shape, "qcompress.lowbit_linear: residual has shape ", residual->sizes(),
+  TORCH_CHECK(residual->sizes().vec() == shape, op, ": residual has shape ", residual->sizes(),
               ", the output ", c10::IntArrayRef(shape));
   check_cpu(*residual, "residual");
   if (x.scalar_type() != at::kFloat || residual->scalar_type() != at::kFloat) return {};
@@ -708,7 +709,7 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
                              int64_t n, int64_t group, int64_t cbits, c10::string_view act_name,
                              const std::optional<at::Tensor>& residual) {
   const int act = lowbit_act_code(act_name);
-  const at::Tensor res = residual_rows(x, residual, n);
+  const at::Tensor res = residual_rows(x, residual, n, "qcompress.lowbit_linear");
   bool fused = false;
   at::Tensor y = linear_paths(x, packed, scales, offsets, bias, n, group, cbits, act,
                               res.defined() ? res.const_data_ptr<float>() : nullptr, fused);
@@ -868,7 +869,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
 static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                               int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric, int64_t m,
-                              int64_t k, int act, bool& act_done) {
+                              int64_t k, int act, const float* res, bool& act_done) {
   const at::ScalarType dt = x.scalar_type();
   if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) return {};
   if (active_isa().load() < kAmx || m < amx::kTileRows || k == 0) return {};
@@ -891,9 +892,13 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   A8View a{q, g.kp, m, xsum.data(), sx.data(), symmetric ? nullptr : zx.data(),
            bias.defined() ? bias.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>()};
-  // float32 output: act in the tile store (a bf16 / fp16 one gets it after rounding, as elsewhere)
+  // float32 output: act and the residual in the tile store (a bf16 / fp16 one gets them after
+  // rounding, as elsewhere)
   act_done = dt == at::kFloat;
-  if (act_done) a.act = act;
+  if (act_done) {
+    a.act = act;
+    a.res = res;
+  }
   std::atomic<int64_t> bad{0};
   over_tokens(m16, [&](int64_t r0, int64_t r1) {
     const int64_t real = std::min(r1, m);
@@ -922,12 +927,12 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
 // general path's quantize and lowbit_linear_a8 ops cost a dozen small ATen calls (allocations,
 // dtype and layout checks) per call, as much as a decode step's 384 x 384 layer itself. Here the
 // codes, sums and scales live in std::vectors, the vector kernel writes y and act is applied in
-// one loop (act_rows): the values are the general path's bit for bit (the same quantize rows,
-// group sums, kernel and activation functions). Undefined when the case does not apply.
+// one loop with the residual (act_rows): the values are the general path's bit for bit (the same
+// quantize rows, group sums, kernel, activation functions and add). Undefined when the case does not apply.
 static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                               int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric, int64_t m,
-                              int64_t k, int act) {
+                              int64_t k, int act, const float* res) {
   if (x.scalar_type() != at::kFloat || m == 0 || m >= amx::kTileRows || k == 0) return {};
   const Geometry g = checked_geometry(n, k, group, cbits);
   if (g.kp != g.k) return {};
@@ -951,7 +956,7 @@ static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, con
                  bias.defined() ? bias.const_data_ptr<float>() : nullptr, yp};
   const A8Fn fn = a8_kernel(active_isa().load());
   over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
-  act_rows(yp, m * n, act, nullptr);
+  act_rows(yp, m * n, act, res);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return y.reshape(shape);
@@ -960,17 +965,20 @@ static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
-                                    int64_t seed, c10::string_view act_name) {
+                                    int64_t seed, c10::string_view act_name,
+                                    const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear_dyn_a8: x must be a float tensor");
   TORCH_CHECK(abits >= 2 && abits <= 8, "qcompress.lowbit_linear_dyn_a8: activation bits must be 2..8, got ", abits);
   const int act = lowbit_act_code(act_name);
   const int64_t k = x.size(-1);
   const int64_t m = k ? x.numel() / k : 0;
-  bool act_done = false;
+  const at::Tensor res = residual_rows(x, residual, n, "qcompress.lowbit_linear_dyn_a8");   // float32: the stores add it
+  const float* rp = res.defined() ? res.const_data_ptr<float>() : nullptr;
+  bool act_done = false;   // act (and rp) applied in the store
   at::Tensor y = dyn_a8_token_tasks(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act,
-                                    act_done);
+                                    rp, act_done);
   if (!y.defined()) {
-    y = dyn_a8_gemv(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act);
+    y = dyn_a8_gemv(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act, rp);
     act_done = y.defined();
   }
   if (!y.defined()) {
@@ -980,6 +988,7 @@ at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packe
     y = lowbit_linear_a8_cpu(q, s, z, packed, scales, offsets, bias, n, group, cbits, x.scalar_type());
   }
   if (act != kActNone && !act_done) act_in_place(y, act);   // in place on the finished output, before Python sees it
+  if (residual.has_value() && !(act_done && rp)) y.add_(*residual);
   return y;
 }
 

@@ -40,11 +40,12 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
                                 at::ScalarType out_dtype);
 
 // y of lowbit_linear_a8 on the codes that quantize(x, per token, abits bits, nearest) makes: both
-// ops' CPU implementations called in turn, without the Python between them; then act (lowbit_linear's).
+// ops' CPU implementations called in turn, without the Python between them; then act and residual
+// (lowbit_linear's).
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                     const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
-                                    int64_t seed, c10::string_view act);
+                                    int64_t seed, c10::string_view act, const std::optional<at::Tensor>& residual);
 
 // Shape / dtype checks of a blocked weight for an n x k matmul (any device; used by the CUDA glue).
 void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,

@@ -409,8 +409,7 @@ def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
     the general path (autograd, another device, a float64 input, an input fake-quantized first).
     Same op and arguments as _forward_lowbit / _forward_lowbit_a8: at one token the Python around
     the kernel (plan checks, tuple and Packed building, wrappers) cost as much as the kernel.
-    act, residual: an activation the kernel applies and a tensor it adds before its store (fuse.py;
-    the residual on the weight-only lowbit plan only)."""
+    act, residual: an activation the kernel applies and a tensor it adds before its store (fuse.py)."""
     d = mod.__dict__.get("qx_direct")
     if d is None or not x.is_cpu or not x.is_floating_point() or (x.requires_grad and torch.is_grad_enabled()):
         return None
@@ -421,9 +420,10 @@ def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
     op, args, a8 = d
     if not a8:
         return op(x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act, residual)
-    if x.dtype == torch.float64 or residual is not None:
+    if x.dtype == torch.float64:
         return None
-    return _kernels._call(op, x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act)
+    return _kernels._call(op, x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act,
+                          residual)
 
 
 def _forward_lowbit(self, x: torch.Tensor) -> torch.Tensor:

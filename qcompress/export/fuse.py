@@ -17,9 +17,8 @@ back into the two modules' own calls. A pair is fused only where the layer's out
 to the activation and nowhere else: the parent's forward is, byte code for byte code, one of the
 known forwards below (a subclass that changes it is left alone), or the parent is a plain
 nn.Sequential and the two are neighbours. The layer must be on a plan whose kernel is called in one
-go (`lowbit`; `lowbit_a8` with dynamic per-token codes, activations only: applied in place to its
-finished output), the activation exactly torch's GELU (erf or tanh form) or ReLU (transformers' GELUActivation,
-NewGELUActivation and GELUTanh included).
+go (`lowbit`; `lowbit_a8` with dynamic per-token codes), the activation exactly torch's GELU (erf or
+tanh form) or ReLU (transformers' GELUActivation, NewGELUActivation and GELUTanh included).
 """
 from __future__ import annotations
 
@@ -189,14 +188,14 @@ def _known_forwards(known) -> Dict[tuple, tuple]:
     return out
 
 
-def _lowbit_layer(layer: Optional[nn.Module], plans=("lowbit",)) -> bool:
-    """A fast layer on one of `plans` whose one-call kernel takes act (lowbit, lowbit_a8) and residual
-    (lowbit)."""
-    return isinstance(layer, FastMixin) and layer.qx_plan in plans and bool(layer.__dict__.get("qx_direct"))
+def _lowbit_layer(layer: Optional[nn.Module]) -> bool:
+    """A fast layer whose one-call kernel (lowbit, lowbit_a8) takes act and residual."""
+    return (isinstance(layer, FastMixin) and layer.qx_plan in ("lowbit", "lowbit_a8")
+            and bool(layer.__dict__.get("qx_direct")))
 
 
 def _fusable(layer: Optional[nn.Module], act: nn.Module) -> Optional[str]:
-    return act_kind(act) if _lowbit_layer(layer, ("lowbit", "lowbit_a8")) else None
+    return act_kind(act) if _lowbit_layer(layer) else None
 
 
 def fuse_activations(root: nn.Module) -> Dict[str, str]:

@@ -121,11 +121,12 @@ def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[to
 
 
 def linear_dyn_a8(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
-                  abits: int, symmetric: bool, seed: int, act: str = "none"):
+                  abits: int, symmetric: bool, seed: int, act: str = "none",
+                  residual: Optional[torch.Tensor] = None):
     """linear_a8 on x's dynamic per-token codes (the quantize op's, nearest rounding), one C++ call;
-    act as linear's, applied in place to the finished output."""
+    act and residual as linear's (act, then + residual)."""
     return torch.ops.qcompress.lowbit_linear_dyn_a8(x, p.packed, p.scales, p.offsets, bias, n, group, cbits,
-                                                    abits, symmetric, seed, act)
+                                                    abits, symmetric, seed, act, residual)
 
 
 # --- fake (meta) kernels: the operators are opaque to torch.compile ------------------------------
@@ -161,5 +162,6 @@ if available():
         return xq.new_empty((*xq.shape[:-1], n), dtype=out_dtype)
 
     @torch.library.register_fake("qcompress::lowbit_linear_dyn_a8")
-    def _fake_linear_dyn_a8(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, seed, act="none"):
+    def _fake_linear_dyn_a8(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, seed, act="none",
+                            residual=None):
         return x.new_empty((*x.shape[:-1], n))
