@@ -548,6 +548,13 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 }
 
 
+// The bias as float32 [n] for the kernels' epilogues (undefined without one).
+static at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected ", n);
+  return bias->to(at::kFloat).contiguous();
+}
+
 // The bf16 pieces of a float input (float32: 2 x 2 bytes per element) live in a grow-only buffer
 // kept per calling thread, up to kScratchCap bytes. A fresh buffer per call was a fresh mmap for
 // MiniLM-sized inputs (4.7-19 MB at 2048 tokens): the kernel then zero-filled its pages on first
@@ -728,11 +735,7 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
   const WView w = weight_view(g, packed, scales, offsets);
   const int64_t m = g.k ? x.numel() / g.k : 0;
   const at::Tensor x2 = x.reshape({m, g.k});
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear: bias has ", bias_->numel(), " elements, expected ", n);
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias = float_bias(bias_, n, "qcompress.lowbit_linear");
   const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -831,11 +834,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
   };
   const at::Tensor sx = per_token(x_scale, at::kFloat, "x_scale");
   const at::Tensor zx = asym ? per_token(*x_zp, at::kInt, "x_zero_point") : at::Tensor();
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear_a8: bias has ", bias_->numel(), " elements, expected ", n);
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias = float_bias(bias_, n, "qcompress.lowbit_linear_a8");
   at::Tensor y = at::empty({m, n}, xq.options().dtype(at::kFloat));
   const int isa = active_isa().load();
   if (m && isa >= kAmx && m >= amx::kTileRows && amx::fits(g, true)) {
@@ -877,11 +876,7 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
   const int64_t m16 = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
   if (g.kp != g.k || !amx::fits(g, true) || !split_by_tokens(g, m16)) return {};
   const WView w = weight_view(g, packed, scales, offsets);
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear_dyn_a8: bias has ", bias_->numel(), " elements, expected ", n);
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias = float_bias(bias_, n, "qcompress.lowbit_linear_dyn_a8");
   const at::Tensor xc = x.reshape({m, k}).contiguous();
   // uninitialised (each task writes its rows): zero-filling 2048 x 1536 codes on this thread cost more
   // than the region saved
@@ -937,11 +932,7 @@ static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, con
   const Geometry g = checked_geometry(n, k, group, cbits);
   if (g.kp != g.k) return {};
   const WView w = weight_view(g, packed, scales, offsets);
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    TORCH_CHECK(bias_->numel() == n, "qcompress.lowbit_linear_dyn_a8: bias has ", bias_->numel(), " elements, expected ", n);
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias = float_bias(bias_, n, "qcompress.lowbit_linear_dyn_a8");
   const at::Tensor xc = x.reshape({m, k}).contiguous();
   std::vector<int8_t> codes(static_cast<size_t>(m * k));
   std::vector<float> sx(static_cast<size_t>(m)), zf(static_cast<size_t>(m));
