@@ -451,7 +451,9 @@ def main():
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             d = json.load(f)
-        text = fmt_section(args, d["bw"], d["bw_end"], [tuple(r) for r in d["rows"]])
+        gpt2 = "gpt2:" + args.gpt2.split(",")[0]      # files from before several GPT-2s: kind "gpt2"
+        rows = [tuple([gpt2 if r[0] == "gpt2" else r[0], *r[1:]]) for r in d["rows"]]
+        text = fmt_section(args, d["bw"], d["bw_end"], rows)
         print(text)
         if not args.no_write:
             write_section(text)
