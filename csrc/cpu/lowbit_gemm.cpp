@@ -796,10 +796,14 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
       return y.to(dt).reshape(shape);
     }
   }
-  if (x.scalar_type() == at::kFloat && m < amx::kTileRows) {
-    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, act, res); y.defined()) {
-      fused = true;
-      return y.reshape(shape);
+  if (m < amx::kTileRows) {
+    // bfloat16 / float16 too: their digits' error (amax / 64000) is far below their own rounding, and
+    // the float kernel costs them twice the time at one token; act and the residual then come after
+    // the rounding to x's dtype, as on their other paths
+    const bool f32 = x.scalar_type() == at::kFloat;
+    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, f32 ? act : kActNone, f32 ? res : nullptr); y.defined()) {
+      fused = f32;
+      return y.to(x.scalar_type()).reshape(shape);
     }
   }
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
