@@ -640,9 +640,10 @@ static void act_rows(float* y, int64_t count, int act, const float* res) {
     for (int64_t j = 0; j < count; ++j) y[j] += res[j];
 }
 
-// Weight-only float32 below 16 tokens (the GEMV) on a CPU with AVX-512 VNNI: each token's two int8
-// digits (amx::digits, row layout) as two tokens of the vector W-A8 kernel, whose integer dot products
-// take a quarter of the float kernel's instructions per weight, then y = row 2t + row 2t + 1 + bias.
+// Weight-only below 16 tokens (the GEMV; bfloat16 / float16 x converted to float32 first) on a CPU
+// with AVX-512 VNNI: each token's two int8 digits (amx::digits, row layout) as two tokens of the
+// vector W-A8 kernel, whose integer dot products take a quarter of the float kernel's instructions
+// per weight, then y = row 2t + row 2t + 1 + bias (float32).
 // Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
 // apply (inf / nan or a tiny token: the caller takes the float kernel) or turned off (fp32_digits_off).
 static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
