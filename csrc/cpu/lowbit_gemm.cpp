@@ -923,7 +923,7 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
   return y.to(dt).reshape(shape);
 }
 
-// The GEMV case of lowbit_linear_dyn_a8 (float32, fewer tokens than a tile, groups unpadded): the
+// The GEMV case of lowbit_linear_dyn_a8 (fewer tokens than a tile, groups unpadded): the
 // general path's quantize and lowbit_linear_a8 ops cost a dozen small ATen calls (allocations,
 // dtype and layout checks) per call, as much as a decode step's 384 x 384 layer itself. Here the
 // codes, sums and scales live in std::vectors, the vector kernel writes y and act is applied in
@@ -932,8 +932,10 @@ static at::Tensor dyn_a8_token_tasks(const at::Tensor& x, const at::Tensor& pack
 static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                               const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                               int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric, int64_t m,
-                              int64_t k, int act, const float* res) {
-  if (x.scalar_type() != at::kFloat || m == 0 || m >= amx::kTileRows || k == 0) return {};
+                              int64_t k, int act, const float* res, bool& act_done) {
+  const at::ScalarType dt = x.scalar_type();
+  if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) return {};
+  if (m == 0 || m >= amx::kTileRows || k == 0) return {};
   const Geometry g = checked_geometry(n, k, group, cbits);
   if (g.kp != g.k) return {};
   const WView w = weight_view(g, packed, scales, offsets);
@@ -946,16 +948,18 @@ static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, con
   if (bad) raise_nonfinite(bad, m);
   sum_groups(codes.data(), g.gp, 0, m * g.ng, xsum.data());
   for (size_t r = 0; r < zx.size(); ++r) zx[r] = static_cast<int32_t>(zf[r]);
-  at::Tensor y = at::empty({m, n}, xc.options());
+  at::Tensor y = at::empty({m, n}, xc.options().dtype(at::kFloat));
   float* yp = y.mutable_data_ptr<float>();
   const A8View a{codes.data(), g.kp, m, xsum.data(), sx.data(), symmetric ? nullptr : zx.data(),
                  bias.defined() ? bias.const_data_ptr<float>() : nullptr, yp};
   const A8Fn fn = a8_kernel(active_isa().load());
   over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
-  act_rows(yp, m * n, act, res);
+  // float32: act and the residual in this store; bfloat16 / float16 get them after the rounding
+  act_done = dt == at::kFloat;
+  if (act_done) act_rows(yp, m * n, act, res);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  return y.reshape(shape);
+  return y.to(dt).reshape(shape);
 }
 
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -974,8 +978,7 @@ at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packe
   at::Tensor y = dyn_a8_token_tasks(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act,
                                     rp, act_done);
   if (!y.defined()) {
-    y = dyn_a8_gemv(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act, rp);
-    act_done = y.defined();
+    y = dyn_a8_gemv(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, m, k, act, rp, act_done);
   }
   if (!y.defined()) {
     // kind 0 (integer), rounding 0 (nearest), numerics default: the token Spec's arguments
