@@ -194,3 +194,10 @@ def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path, scheme):
             rb = r.bfloat16()                  # h + rb promotes to float32; in place it would not
             assert torch.equal(out(h, rb), want_mod(h, rb))
             assert torch.equal(out(h, r[:, :1]), want_mod(h, r[:, :1]))      # broadcast residual
+    # a residual that needs a gradient: the kernel has no backward, so the add stays torch's
+    r = torch.randn(2, 5, 64, generator=g, requires_grad=True)
+    h = torch.randn(2, 5, 160, generator=g)
+    out(h, r).square().sum().backward()
+    got, r.grad = r.grad, None
+    want_mod(h, r).square().sum().backward()
+    assert got is not None and torch.equal(got, r.grad)
