@@ -261,7 +261,7 @@ class FastConv1DMixin(FastMixin):
         y = _direct(self, x)
         if y is not None:
             return y
-        if (self.qx_plan in _LOWBIT_PLANS and not (torch.is_grad_enabled() and x.requires_grad)
+        if (self.qx_plan in _LOWBIT_PLANS and not _needs_grad(self, x)
                 and x.is_floating_point() and _lowbit_here(self, x)):
             if self.qx_plan == "lowbit_a8":
                 return _forward_lowbit_a8(self, x)
@@ -275,7 +275,7 @@ class FastLinearMixin(FastMixin):
         if y is not None:
             return y
         plan = self.qx_plan
-        if torch.is_grad_enabled() and x.requires_grad:     # the integer kernels have no backward
+        if _needs_grad(self, x):     # the integer kernels have no backward
             return F.linear(self._qx_input(x), self.weight, self.bias)
         if plan in _LOWBIT_PLANS and x.is_floating_point() and _lowbit_here(self, x):
             if plan == "lowbit_a8":
@@ -404,6 +404,16 @@ def _set_direct(mod: nn.Module, rec: dict):
                          (n, group, cbits, spec.bits, spec.symmetric, spec.seed), True)
 
 
+def _needs_grad(mod: nn.Module, x: torch.Tensor, residual=None) -> bool:
+    """Whether autograd records this call: then the kernels, which have no backward, must not run (a
+    bias or residual that needs a gradient counts as much as the input)."""
+    if not torch.is_grad_enabled():
+        return False
+    bias = mod._parameters.get("bias")
+    return (x.requires_grad or (bias is not None and bias.requires_grad)
+            or (residual is not None and residual.requires_grad))
+
+
 def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
     """The lowbit plans' kernel on a CPU tensor with nothing in between, or None where the call needs
     the general path (autograd, another device, a float64 input, an input fake-quantized first).
@@ -411,7 +421,7 @@ def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
     the kernel (plan checks, tuple and Packed building, wrappers) cost as much as the kernel.
     act, residual: an activation the kernel applies and a tensor it adds before its store (fuse.py)."""
     d = mod.__dict__.get("qx_direct")
-    if d is None or not x.is_cpu or not x.is_floating_point() or (x.requires_grad and torch.is_grad_enabled()):
+    if d is None or not x.is_cpu or not x.is_floating_point() or _needs_grad(mod, x, residual):
         return None
     b = mod._buffers
     packed = b["lowbit_packed"]

@@ -27,7 +27,6 @@ import importlib
 import logging
 from typing import Callable, Dict, Optional, Tuple
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
@@ -119,9 +118,7 @@ _KNOWN_RESIDUAL: Tuple[Tuple[str, str, str, str, str], ...] = (
 
 
 def _residual_ok(layer: nn.Module, dropout: nn.Module, x, res) -> bool:
-    # the kernels have no backward: a residual that needs a gradient takes the unfused add
-    return (not (res.requires_grad and torch.is_grad_enabled())
-            and type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
+    return (type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
             and _lowbit_layer(layer) and _hook_free(layer) and _hook_free(dropout)
             and _no_global_hooks() and res.dtype == x.dtype
             and res.shape == (*x.shape[:-1], layer.qx_lowbit[0]))
