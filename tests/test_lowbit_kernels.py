@@ -774,3 +774,21 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
                                        want), f"{isa} {m} {act} {dt}"
             with pytest.raises(RuntimeError, match="lowbit_linear_dyn_a8: residual has shape"):
                 lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, residual=torch.zeros(m, 47))
+
+
+@pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
+def test_fast_layers_keep_the_gradients_of_their_bias(tmp_path):
+    # The kernels have no backward: with grad enabled, a bias that needs a gradient keeps the call on
+    # the exact path (before, the kernel ran and the bias gradient came out wrong, with only a
+    # torch warning), so the fast model's bias gradients are the exact model's.
+    g = torch.Generator().manual_seed(8)
+    _, exact, fast = export_pair(tmp_path, lambda: odd_model(torch.float32), cfg_for(4, "group", 32, True, None),
+                                 torch.randn(6, 100, generator=g))
+    x = torch.randn(3, 100, generator=g)            # an input that needs no gradient
+    for model in (exact, fast):
+        model(x).square().sum().backward()
+    for e, f in zip(exact, fast):
+        if isinstance(e, nn.Linear) and e.bias is not None:
+            assert f.bias.grad is not None and torch.equal(f.bias.grad, e.bias.grad)
+    with torch.no_grad():                           # inference: the kernels run
+        assert torch.allclose(fast(x), exact(x), rtol=1e-4, atol=1e-5)
