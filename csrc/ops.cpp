@@ -34,7 +34,7 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("lowbit_prepack(Tensor q, Tensor scale, Tensor? zero_point, int group, int cbits) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("lowbit_unpack(Tensor packed, int n, int k, int group, int cbits) -> Tensor");
-  // act: the activation after the layer, applied before the store ("none", "gelu", "relu");
+  // act: the activation after the layer, applied before the store ("none", "gelu", "gelu_tanh", "relu", "silu");
   // residual: a tensor of the output's shape added after it (a transformer block's skip connection)
   m.def("lowbit_linear(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int group, "
         "int cbits, str act=\"none\", Tensor? residual=None) -> Tensor");

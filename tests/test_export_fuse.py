@@ -96,8 +96,8 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
     fused, _ = export_both(tmp_path / "a", make_doubled, w4(["encoder"]), (ids,))
     assert mixins(fused, "FusedActMixin") == {"encoder.layer.1.intermediate": "FusedActMixin"}
-    fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("silu"), w4(["encoder"]), (ids,))
-    assert mixins(fused, "FusedActMixin") == {}      # SiLU: no kernel epilogue for it
+    fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("quick_gelu"), w4(["encoder"]), (ids,))
+    assert mixins(fused, "FusedActMixin") == {}      # x * sigmoid(1.702 x): no kernel epilogue for it
     fused, _ = export_both(tmp_path / "c", tiny_bert, w4(["attention"]), (ids,))
     assert mixins(fused) == {f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)}
     assert transformers
@@ -112,7 +112,7 @@ def test_sequential_neighbours_and_pickle(tmp_path):
     x = torch.randn(3, 20, 64, generator=torch.Generator().manual_seed(3))
     fused, plain = export_both(tmp_path, make, w4(["."]), (x,))
     assert mixins(fused) == {"": "FusedSequentialMixin"}
-    assert fuse.fuse_activations(plain) == {"0": "relu", "2": "gelu_tanh", "4": "gelu"}
+    assert fuse.fuse_activations(plain) == {"0": "relu", "2": "gelu_tanh", "4": "gelu", "6": "silu"}
     plain = load_quantized(tmp_path / "ck", make(), mode="fast", fuse_activations=False)
     with torch.no_grad():
         h = fused[1](fused[0](x))
@@ -201,3 +201,30 @@ def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path, scheme):
     got, r.grad = r.grad, None
     want_mod(h, r).square().sum().backward()
     assert got is not None and torch.equal(got, r.grad)
+
+
+@pytest.mark.parametrize("scheme", ["w4", "w8a8"])
+def test_llama_gated_mlp_runs_its_gate_and_silu_as_one_call(tmp_path, scheme):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make():
+        torch.manual_seed(0)
+        conf = LlamaConfig(vocab_size=60, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        return LlamaForCausalLM(conf).eval()
+
+    ids = torch.randint(0, 60, (2, 20), generator=torch.Generator().manual_seed(1))
+    cfg = (w4(["model.layers"]) if scheme == "w4"
+           else cfg_for(8, True, "channel", act=("dynamic", False), modules=["model.layers"]))
+    fused, plain = export_both(tmp_path, make, cfg, (ids,))
+    assert mixins(fused) == {f"model.layers.{i}.mlp": "FusedActMixin" for i in range(2)}
+    mlp, want_mlp = fused.model.layers[0].mlp, plain.model.layers[0].mlp
+    assert "fused: gate_proj + act_fn (silu)" in repr(mlp)
+    with torch.no_grad():
+        for tokens in (1, 20):           # decode steps and the prompt
+            x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
+            got, want = mlp(x), want_mlp(x)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), tokens
+        a, b = fused(ids).logits, plain(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()

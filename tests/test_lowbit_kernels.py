@@ -38,6 +38,7 @@ float16 also has subnormals below 2^-14: a rounded weight or input entry can be 
 absolutely, which adds 2^-25 (sum |x^| + sum |W| + 1) per output (the weights here never get that
 small, the term is there for soundness).
 """
+import functools
 import math
 import os
 import subprocess
@@ -688,16 +689,18 @@ def test_activation_epilogue_on_every_path(monkeypatch, sym):
                         gelu = lowbit.linear(x, p, bias, n, group, cbits, act="gelu")
                         tanh = lowbit.linear(x, p, bias, n, group, cbits, act="gelu_tanh")
                         relu = lowbit.linear(x, p, bias, n, group, cbits, act="relu")
+                        silu = lowbit.linear(x, p, bias, n, group, cbits, act="silu")
                         monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32", raising=False)
                         where = f"{isa} {cbits}-bit {n}x{k} g{group} {m} tokens {dt} {'pieces' if pieces else ''}"
                         assert gelu.dtype == relu.dtype == dt and gelu.shape == base.shape, where
                         assert torch.equal(relu, F.relu(base)), where
-                        for got, approx in ((gelu, "none"), (tanh, "tanh")):
+                        for got, approx in ((gelu, "none"), (tanh, "tanh"), (silu, "silu")):
+                            fn = F.silu if approx == "silu" else functools.partial(F.gelu, approximate=approx)
                             if dt == torch.float32:
-                                diff = (got.double() - F.gelu(base.double(), approximate=approx)).abs()
+                                diff = (got.double() - fn(base.double())).abs()
                                 assert bool((diff <= _gelu_bound(base)).all()), where + approx
                             else:       # the float result of the epilogue, rounded once to bf16
-                                want = F.gelu(base.float(), approximate=approx)
+                                want = fn(base.float())
                                 diff = (got.float() - want).abs()
                                 assert bool((diff <= 2.0 ** -8 * want.abs() + _gelu_bound(base.float())).all()), \
                                     where + approx
@@ -725,7 +728,7 @@ def test_gelu_epilogue_special_values():
 
 def test_activation_argument_is_checked():
     p, _, _ = _layer(torch.Generator().manual_seed(2), 4, 16, 32, 32, True)
-    with pytest.raises(RuntimeError, match="act must be 'none', 'gelu', 'gelu_tanh' or 'relu', got 'tanh'"):
+    with pytest.raises(RuntimeError, match="act must be 'none', 'gelu', 'gelu_tanh', 'relu' or 'silu', got 'tanh'"):
         lowbit.linear(torch.randn(2, 32), p, None, 16, 32, 4, act="tanh")
 
 
@@ -761,9 +764,10 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
             x = torch.randn(m, 128, generator=g) * 2
             base = lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0)
             assert torch.equal(lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, act="relu"), F.relu(base))
-            for act, approx in (("gelu", "none"), ("gelu_tanh", "tanh")):
+            for act, approx in (("gelu", "none"), ("gelu_tanh", "tanh"), ("silu", "silu")):
                 got = lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, act=act)
-                diff = (got.double() - F.gelu(base.double(), approximate=approx)).abs()
+                want = F.silu(base.double()) if act == "silu" else F.gelu(base.double(), approximate=approx)
+                diff = (got.double() - want).abs()
                 assert bool((diff <= _gelu_bound(base)).all()), f"{isa} {m} {act}"
                 # the residual: added after act, the same float add wherever it happens (the tile or
                 # GEMV store for float32, after the call otherwise)

@@ -138,6 +138,8 @@ inline __m512 exp16(__m512 t) {
 // lowbit.h apply_act on 16 lanes: the same IEEE steps lane by lane, so the same bits.
 inline __m512 act16(__m512 v, int act) {
   if (act == kActRelu) return _mm512_max_ps(_mm512_setzero_ps(), v);   // NaN lanes pass (second operand)
+  if (act == kActSilu)   // -x as a sign flip, as the scalar negation
+    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_xor_ps(v, _mm512_set1_ps(-0.0f)))));
   if (act == kActGeluTanh) {
     const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(v, v), v), v);
     const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f), inner));

@@ -636,6 +636,8 @@ static void act_rows(float* y, int64_t count, int act, const float* res) {
     for (int64_t j = 0; j < count; ++j) y[j] = gelu_erf(y[j]);
   else if (act == kActGeluTanh)
     for (int64_t j = 0; j < count; ++j) y[j] = gelu_tanh(y[j]);
+  else if (act == kActSilu)
+    for (int64_t j = 0; j < count; ++j) y[j] = silu(y[j]);
   if (res)
     for (int64_t j = 0; j < count; ++j) y[j] += res[j];
 }
@@ -676,7 +678,8 @@ int lowbit_act_code(c10::string_view name) {
   if (name == "gelu") return kActGelu;
   if (name == "relu") return kActRelu;
   if (name == "gelu_tanh") return kActGeluTanh;
-  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu', 'gelu_tanh' or 'relu', got '",
+  if (name == "silu") return kActSilu;
+  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu', 'gelu_tanh', 'relu' or 'silu', got '",
               std::string(name), "'");
   return kActNone;
 }

@@ -18,7 +18,9 @@ to the activation and nowhere else: the parent's forward is, byte code for byte 
 known forwards below (a subclass that changes it is left alone), or the parent is a plain
 nn.Sequential and the two are neighbours. The layer must be on a plan whose kernel is called in one
 go (`lowbit`; `lowbit_a8` with dynamic per-token codes), the activation exactly torch's GELU (erf or
-tanh form) or ReLU (transformers' GELUActivation, NewGELUActivation and GELUTanh included).
+tanh form), ReLU or SiLU (transformers' GELUActivation, NewGELUActivation, GELUTanh and SiLUActivation
+included). Llama-style gated MLPs (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`) run the gate
+projection and its SiLU as one call.
 """
 from __future__ import annotations
 
@@ -36,34 +38,45 @@ from .fast import FastMixin, _direct
 log = logging.getLogger("qcompress.export.fuse")
 
 
-def _same(self, h):
+def _same(self, h, x):
     return h
 
 
-def _gpt2_mlp_tail(self, h):
+def _gpt2_mlp_tail(self, h, x):
     return self.dropout(self.c_proj(h))
 
 
-# what a known forward does after the activation
-_TAILS: Dict[str, Callable] = {"none": _same, "gpt2_mlp": _gpt2_mlp_tail}
+def _gated_mlp_tail(self, h, x):
+    return self.down_proj(h * self.up_proj(x))
 
-# (module, class, layer attribute, activation attribute, _TAILS key)
+
+# what a known forward does after the activation (h: the activation's output, x: the forward's input)
+_TAILS: Dict[str, Callable] = {"none": _same, "gpt2_mlp": _gpt2_mlp_tail, "gated_mlp": _gated_mlp_tail}
+
+# (module, class, layer attribute, activation attribute, _TAILS key); forwards with the same byte
+# code match too (Mistral's and Qwen2's MLPs are Llama's)
 _KNOWN: Tuple[Tuple[str, str, str, str, str], ...] = (
     ("transformers.models.bert.modeling_bert", "BertIntermediate", "dense", "intermediate_act_fn", "none"),
     ("transformers.models.gpt2.modeling_gpt2", "GPT2MLP", "c_fc", "act", "gpt2_mlp"),
+    ("transformers.models.llama.modeling_llama", "LlamaMLP", "gate_proj", "act_fn", "gated_mlp"),
 )
 
 
 def act_kind(mod: nn.Module) -> Optional[str]:
-    """"gelu" / "gelu_tanh" / "relu" for exactly torch's GELU (erf or tanh form) and ReLU modules and
-    transformers' GELUActivation, NewGELUActivation (gelu_new) and GELUTanh, else None."""
+    """"gelu" / "gelu_tanh" / "relu" / "silu" for exactly torch's GELU (erf or tanh form), ReLU and SiLU
+    modules and transformers' GELUActivation, NewGELUActivation (gelu_new), GELUTanh and
+    SiLUActivation, else None."""
     if type(mod) is nn.GELU:
         return "gelu" if mod.approximate == "none" else "gelu_tanh"
     if type(mod) is nn.ReLU:
         return "relu"
+    if type(mod) is nn.SiLU:
+        return "silu"
     if type(mod).__module__ != "transformers.activations":
         return None
     name, fn = type(mod).__name__, getattr(mod, "act", None)
+    if name == "SiLUActivation":
+        return "silu"
     if name == "GELUActivation" and fn is F.gelu:
         return "gelu"
     if name == "NewGELUActivation":
@@ -100,9 +113,9 @@ class FusedActMixin:
     """A known parent (_KNOWN) whose layer -> activation runs as one call (qx_fuse: layer and
     activation attributes, the _TAILS key of the rest of its forward)."""
 
-    def forward(self, hidden_states):      # the known forwards' own argument name
+    def forward(self, hidden_states):      # BERT's and GPT-2's argument name (LlamaMLP's is x)
         layer, act, tail = self.qx_fuse
-        return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], hidden_states))
+        return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], hidden_states), hidden_states)
 
     def extra_repr(self):
         layer, act, _ = self.qx_fuse

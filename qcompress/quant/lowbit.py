@@ -107,7 +107,7 @@ def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
 
 def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
            act: str = "none", residual: Optional[torch.Tensor] = None):
-    """act(x @ W^T + bias) + residual; act "gelu" (erf), "gelu_tanh" (both within 2e-6 |x| of
+    """act(x @ W^T + bias) + residual; act "gelu" (erf), "gelu_tanh", "silu" (within 2e-6 |x| of
     torch's) or "relu" is applied to each output before it is stored, and so is the residual (a tensor of the output's shape)
     added, for float32 inputs, in the kernels' store."""
     return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act,

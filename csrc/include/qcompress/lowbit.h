@@ -119,7 +119,7 @@ QC_HD int32_t group_wsum(int32_t usum, int o, int64_t gp) { return usum - o * st
 // ---- activation epilogue (lowbit_linear's `act`: the activation that follows the layer, applied
 // to each output before it is stored; load_quantized(mode="fast") fuses BERT's GELU this way) ----
 
-enum Act : int { kActNone = 0, kActGelu = 1, kActRelu = 2, kActGeluTanh = 3 };
+enum Act : int { kActNone = 0, kActGelu = 1, kActRelu = 2, kActGeluTanh = 3, kActSilu = 4 };
 
 // GELU, x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)), with erf from Abramowitz & Stegun 7.1.28:
 // 1 - erf(u) = p(u)^-16 for u >= 0, p = 1 + a1 u + ... + a6 u^6 (|error| <= 3e-7); p rounds once per
@@ -170,9 +170,14 @@ QC_HD float gelu_tanh(float x) {
   return x / (1.0f + e);
 }
 
+// SiLU (Llama's gate activation), x * sigmoid(x) = x / (1 + e^-x); within 1e-6 |x| of torch's
+// (tests/test_lowbit_kernels.py).
+QC_HD float silu(float x) { return x / (1.0f + exp_bounded(-x)); }
+
 QC_HD float apply_act(float v, int act) {
   if (act == kActGelu) return gelu_erf(v);
   if (act == kActGeluTanh) return gelu_tanh(v);
+  if (act == kActSilu) return silu(v);
   if (act == kActRelu) return v > 0.0f || v != v ? v : 0.0f;   // NaN passes, as torch.relu
   return v;
 }
