@@ -25,7 +25,8 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 int lowbit_act_code(c10::string_view name);
 
 // y = act(x @ w^T (+ bias)) (+ residual) for float activations x [..., K] (float32 / bfloat16 /
-// float16); y in x's dtype; act "none", "gelu" or "relu" (lowbit.h apply_act); residual: y's shape.
+// float16); y in x's dtype; act "none", "gelu", "gelu_tanh", "relu" or "silu" (lowbit.h apply_act);
+// residual: y's shape.
 at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
                              int64_t n, int64_t group, int64_t cbits, c10::string_view act,

@@ -213,7 +213,7 @@ def _fusable(layer: Optional[nn.Module], act: nn.Module) -> Optional[str]:
 
 def fuse_activations(root: nn.Module) -> Dict[str, str]:
     """Fuse every eligible pair of a fast-loaded model in place; returns the fused layers' names ->
-    what they fused ("gelu", "relu", "residual")."""
+    what they fused ("gelu", "gelu_tanh", "relu", "silu", "residual")."""
     known, known_res = _known_forwards(_KNOWN), _known_forwards(_KNOWN_RESIDUAL)
     fused = {}
     for pname, parent in list(root.named_modules()):
