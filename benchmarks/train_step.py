@@ -9,8 +9,10 @@ MiniLM-size BERT and a Llama-style decoder of similar size (random init, built f
 One step = forward + backward + AdamW step (+ the framework's scheduler step), batch 16 x 128
 tokens. Every variant quantizes the same modules, every nn.Linear (heads included; embeddings
 left alone, as torchao's Linear-only QAT does):
-  qc_*   qcompress recipes schedules/{w8a8,w4a8_g128,w4_group128}.yaml, `modules` set to the Linears
-  qc_*_i8  the same with `int8_forward: true` (the forward multiplies the integer codes)
+  qc_*   qcompress recipes schedules/{w8a8,w4a8_g128,w4_group128}.yaml, `modules` set to the Linears;
+         W8A8 / W4A8 carry `int8_forward: auto` (integer forward where the CPU has VNNI / AMX; the
+         header says what this CPU ran)
+  qc_*_float  the same with `int8_forward: false` (the bit-exact float forward everywhere)
   ds_*   DeepSpeed: symmetric weights quantized in forward, dynamic symmetric per-token 8-bit inputs;
          DeepSpeed has one `quantize_groups` for all modules, so each layer's group count is set
          after init_compression: out_features (= per channel) or numel / 128 (= groups of 128)
@@ -49,13 +51,13 @@ BATCH, SEQ = 16, 128
 VARIANTS = {  # name: (framework, recipe)
     "fp32": ("fp32", None),
     "qc_w8a8": ("qcompress", "w8a8"), "qc_w4a8": ("qcompress", "w4a8"), "qc_w4": ("qcompress", "w4"),
-    "qc_w8a8_i8": ("qcompress", "w8a8+int8"), "qc_w4a8_i8": ("qcompress", "w4a8+int8"),
+    "qc_w8a8_float": ("qcompress", "w8a8+float"), "qc_w4a8_float": ("qcompress", "w4a8+float"),
     "ds_w8a8": ("deepspeed", "w8a8"), "ds_w4a8": ("deepspeed", "w4a8"),
     "ao_w8a8": ("torchao", "w8a8"), "ao_w4a8": ("torchao", "w4a8"),
 }
 LABELS = {"fp32": "FP32", "qc_w8a8": "qcompress W8A8", "qc_w4a8": "qcompress W4A8 g128",
-          "qc_w4": "qcompress W4 g128 (weight-only)", "qc_w8a8_i8": "qcompress W8A8, int8_forward",
-          "qc_w4a8_i8": "qcompress W4A8 g128, int8_forward", "ds_w8a8": "DeepSpeed W8A8",
+          "qc_w4": "qcompress W4 g128 (weight-only)", "qc_w8a8_float": "qcompress W8A8, float forward",
+          "qc_w4a8_float": "qcompress W4A8 g128, float forward", "ds_w8a8": "DeepSpeed W8A8",
           "ds_w4a8": "DeepSpeed W4A8 g128", "ao_w8a8": "torchao W8A8 (asym act)",
           "ao_w4a8": "torchao W4A8 g128 (asym act)"}
 TITLES = {"bert": "BERT 6 x 384, 12 heads, MLP 1536 (all-MiniLM-L6-v2's shape), sequence classification",
@@ -97,8 +99,8 @@ def apply_qcompress(model, recipe):
     recipe, _, option = recipe.partition("+")
     with open(os.path.join(ROOT, "schedules", SCHEDULES[recipe]), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
-    if option == "int8":     # the opt-in integer forward (qcompress.nn.int8_forward)
-        cfg["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = True
+    if option:               # "float": the recipes' int8_forward: auto switched off; "int8": forced on
+        cfg["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = option == "int8"
     for tech in cfg["compression_training"].values():
         for group in tech["different_groups"].values():
             group["modules"] = [linear_pattern(model)]
@@ -294,12 +296,12 @@ def targets(model_name, times, mem):
         return out
     f_min, f_med = min(times["fp32"]), statistics.median(times["fp32"])
     f_rss = mem["fp32"]["peak_rss_mb"]
-    for v in ("qc_w8a8", "qc_w4a8", "qc_w8a8_i8", "qc_w4a8_i8"):
+    for v in ("qc_w8a8", "qc_w4a8", "qc_w8a8_float", "qc_w4a8_float"):
         if v not in times or "peak_rss_mb" not in mem.get(v, {}):
             continue
         r_min, r_med = min(times[v]) / f_min, statistics.median(times[v]) / f_med
         d = mem[v]["peak_rss_mb"] - f_rss
-        base = v.replace("_i8", "")
+        base = v.replace("_float", "")
         peers = [p for p in (base.replace("qc_", "ds_"), base.replace("qc_", "ao_")) if p in times]
         ahead_t = all(statistics.median(times[p]) > statistics.median(times[v]) for p in peers)
         ahead_m = all(mem.get(p, {}).get("peak_rss_mb", 0) > mem[v]["peak_rss_mb"] for p in peers)
@@ -308,6 +310,15 @@ def targets(model_name, times, mem):
                    f"ahead of {', '.join(LABELS[p] for p in peers) or 'no peer'} in time "
                    f"{'yes' if ahead_t and peers else 'no'}, in peak RSS {'yes' if ahead_m and peers else 'no'}")
     return out
+
+
+def int8_note():
+    """What the recipes' `int8_forward: auto` resolves to on this CPU."""
+    from qcompress.quant import lowbit
+    if not lowbit.available():
+        return "extension not built: int8_forward auto runs the float forward"
+    on = "the integer forward" if lowbit.int8_dot() else "the float forward"
+    return f"low-bit kernels' ISA {lowbit.isa()}, so the recipes' int8_forward auto runs {on}"
 
 
 def write_results(text):
@@ -393,7 +404,7 @@ def main(argv=None):
             f"`nice -n 10 .venv/bin/python benchmarks/train_step.py {' '.join(argv or sys.argv[1:])}`"
             f"{' (' + a.label + ')' if a.label else ''}: {platform.machine()} CPU, {os.cpu_count()} cores shared with "
             f"other jobs, torch {torch.__version__} with {a.threads} threads, DeepSpeed {version('deepspeed')}, "
-            f"torchao {version('torchao')}; load average {load0[0]:.1f} at the start, "
+            f"torchao {version('torchao')}; {int8_note()}; load average {load0[0]:.1f} at the start, "
             f"{os.getloadavg()[0]:.1f} at the end; {time.time() - t0:.0f} s in all. Step time: {a.rounds} rounds x "
             f"{a.steps} steps per variant, interleaved in one process (min and median). Memory: fresh process per "
             f"variant, peak RSS after {a.mem_steps} steps; saved for backward = bytes autograd keeps for the "

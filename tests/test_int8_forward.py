@@ -127,6 +127,45 @@ def test_where_it_does_not_apply_the_float_forward_runs():
     assert not fused.plan(mod[0], inputs(), "linear").int8
 
 
+def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
+    """`int8_forward: auto` (the W8A8 / W4A8 recipes'): the integer kernel where the low-bit
+    kernels use VNNI or AMX, the float forward (bit for bit int8_forward: false) below them."""
+    raw = make_cfg()
+    raw["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = "AUTO"
+    assert load_config(raw).compression.activation_quantization.shared.int8_forward == "auto"
+    auto, off = layer("linear", raw, int8="auto"), layer("linear", raw, int8=False)
+    x = inputs()
+    best = lowbit.isa()
+    try:
+        for isa in ("scalar", "avx2", "avx512", "avx512_vnni", "amx"):
+            try:
+                lowbit.isa(isa)
+            except RuntimeError:
+                print(f"this CPU has no {isa}: not checked")
+                continue
+            dot = isa in ("avx512_vnni", "amx")
+            assert lowbit.int8_dot() is dot
+            assert int8_forward.enabled(auto[0].qc_aq) is dot
+            assert fused.plan(auto[0], x, "linear").int8 is dot
+            assert int8_forward.reload_mode(auto) == ("fast" if dot else "exact")
+            assert int8_forward.reload_mode(off) == "exact"
+            y, y_off = auto(x), off(x)
+            if dot:    # the kernel's exact integer sums, not the float GEMM's
+                assert not torch.equal(y, y_off)
+            else:
+                assert torch.equal(y, y_off)
+    finally:
+        lowbit.isa(best)
+
+
+@pytest.mark.parametrize("value", ["on", 1])
+def test_a_wrong_int8_forward_value_names_the_key(value):
+    raw = make_cfg()
+    raw["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = value
+    with pytest.raises(Exception, match=r"activation_quantization\.shared_parameters\.int8_forward"):
+        load_config(raw)
+
+
 def test_training_follows_the_float_path():
     """Five SGD steps of a two-layer MLP: the losses track the float forward's (they differ only
     by the float GEMM's rounding, which can move a code by one step)."""

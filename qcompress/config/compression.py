@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from .schema import field, join, parse
@@ -139,9 +139,12 @@ class ActQuantShared:
                                  "instead of a float copy (qcompress.nn.fused); false: the unfused path")
     share_input: bool = field(True, doc="ext: modules fed one tensor with the same dynamic settings "
                               "(Q/K/V, gate/up) quantize it once")
-    int8_forward: bool = field(False, doc="ext: fused Linear/Conv1D forwards multiply the integer codes "
-                               "(int8 kernel, exact sums; what the fast export computes) instead of "
-                               "the dequantized float copies; CPU; needs fused_backward")
+    int8_forward: Union[bool, str] = field(
+        False, choices=(False, True, "auto"), lower=True,
+        doc="ext: fused Linear/Conv1D forwards multiply the integer codes (int8 kernel, exact sums; "
+            "what the fast export computes) instead of the dequantized float copies; CPU; needs "
+            "fused_backward. 'auto': only where the CPU has int8 dot products (VNNI / AMX), "
+            "below which the fp32 GEMM is faster")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ stays bit for bit the unfused one.
 Applies on CPU (the CUDA kernel of that op is a correctness kernel, slower than cuBLAS) to Linear
 and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest rounding) per
 tensor, channel or row group; elsewhere the float forward runs (`reason()` says why).
+`int8_forward: auto` (the W8A8 / W4A8 recipes') asks for it only where the kernels have int8 dot
+products (AVX-512 VNNI or AMX): with AVX2 or plain AVX-512 the int8 kernel is slower than the fp32
+GEMM at training batch sizes (a BERT step 1.28x / 1.12x FP32 against the float path's 1.05x;
+benchmarks/RESULTS.md, issue 13), so there the float forward runs.
 """
 from __future__ import annotations
 
@@ -27,6 +31,20 @@ from typing import Optional
 import torch
 
 from ..quant import lowbit
+
+
+def enabled(aq) -> bool:
+    """Whether an activation quantizer's setting asks for the integer forward on this machine:
+    `true`, or `auto` where the CPU kernels have int8 dot products."""
+    setting = getattr(aq, "int8_forward", False)
+    return setting is True or (setting == "auto" and lowbit.int8_dot())
+
+
+def reload_mode(model) -> str:
+    """The `load_quantized` mode whose kernels compute what this model's forward computes: "fast"
+    when any of its modules runs the integer forward (the exact reload differs from it by the
+    float GEMM's rounding), else "exact"."""
+    return "fast" if any(enabled(getattr(m, "qc_aq", None)) for m in model.modules()) else "exact"
 
 
 def reason(mod, op: str, weight_mode: str, weight_spec, act_spec) -> Optional[str]:

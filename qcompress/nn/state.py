@@ -146,7 +146,7 @@ class ActQuant:
     learned_ready: bool = False    # the learned range was initialised from the observer
     fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)
     share_input: bool = True       # siblings fed the same tensor quantize it once (dynamic ranges)
-    int8_forward: bool = False     # forward multiplies the integer codes (qcompress.nn.int8_forward)
+    int8_forward: object = False   # True | False | "auto": forward multiplies the integer codes (nn.int8_forward)
 
     def describe(self) -> str:
         out = f"A{self.bits} {'static' if self.calibration == 'static' else 'per ' + self.per}"

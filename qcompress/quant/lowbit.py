@@ -53,10 +53,26 @@ def _runs_on(kind: str) -> bool:
     return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA")
 
 
+_ISA = []   # the active instruction set's name, asked once (isa(request) refreshes it)
+
+
 def isa(request: str = "") -> str:
     """The CPU instruction set the kernels use; `request` switches ("scalar", "avx2", "avx512",
     "avx512_vnni", "amx", or "auto" for the best this CPU has). Also QCOMPRESS_LOWBIT_ISA at start."""
-    return torch.ops.qcompress.lowbit_isa(request)
+    name = torch.ops.qcompress.lowbit_isa(request)
+    _ISA[:] = [name]
+    return name
+
+
+def int8_dot() -> bool:
+    """Whether the CPU kernels multiply int8 with dot-product instructions (AVX-512 VNNI or AMX).
+    Below them the int8 kernels are slower than an fp32 GEMM at training batch sizes
+    (benchmarks/RESULTS.md, issue 13), which is what `int8_forward: auto` asks."""
+    if not available():
+        return False
+    if not _ISA:
+        isa()
+    return _ISA[0] in ("avx512_vnni", "amx")
 
 
 def container_bits(bits: int) -> int:

@@ -564,8 +564,8 @@ class Job:
         (the exact one differs by the float GEMM's rounding), without fused epilogues (their GELU is
         the kernels', not the one training ran)."""
         import qcompress
-        mode = "fast" if any(getattr(getattr(m, "qc_aq", None), "int8_forward", False)
-                             for m in model.modules()) else "exact"
+        from ..nn import int8_forward
+        mode = int8_forward.reload_mode(model)
         return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
                                         fuse_activations=False), mode
 
