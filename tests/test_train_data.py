@@ -144,6 +144,21 @@ def test_integer_labels_become_strings_and_sort_numerically(tmp_path):
     assert label_names(["-1", "0", "1"]) == ["-1", "0", "1"]
 
 
+def test_a_key_given_twice_is_refused(tmp_path):
+    """json.loads keeps the last copy of a repeated key; a row whose label depends on that is
+    refused with the file and line (JSON lines) or the file (one JSON list)."""
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": "x", "label": "y"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: the key 'label' is given twice"):
+        read_examples(str(p), "text-classification")
+    q = tmp_path / "l.json"
+    q.write_text('[{"text": "a", "label": "x"}, {"text": "b", "text": "c", "label": "y"}]')
+    with pytest.raises(DataError, match=r"l.json: an object has the key 'text' twice"):
+        read_examples(str(q), "text-classification")
+    q.write_text('[{"text": "a", "label": "x"}, {"text": "b", "label": "y"}]')      # the same rows, once each
+    assert read_examples(str(q), "text-classification").labels == ["x", "y"]
+
+
 # --- split and subset ------------------------------------------------------------------------------
 
 def synthetic(n, labels=True):
