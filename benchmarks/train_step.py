@@ -402,8 +402,8 @@ def main(argv=None):
         print("\n".join(parts[-len(variants) - 5:]), flush=True)
     head = [SECTION, "",
             f"`nice -n 10 .venv/bin/python benchmarks/train_step.py {' '.join(argv or sys.argv[1:])}`"
-            f"{' (' + a.label + ')' if a.label else ''}: {platform.machine()} CPU, {os.cpu_count()} cores shared with "
-            f"other jobs, torch {torch.__version__} with {a.threads} threads, DeepSpeed {version('deepspeed')}, "
+            f"{' (' + a.label + ')' if a.label else ''}: {platform.machine()} CPU, {os.cpu_count()} cores (other jobs: see the "
+            f"load average), torch {torch.__version__} with {a.threads} threads, DeepSpeed {version('deepspeed')}, "
             f"torchao {version('torchao')}; {int8_note()}; load average {load0[0]:.1f} at the start, "
             f"{os.getloadavg()[0]:.1f} at the end; {time.time() - t0:.0f} s in all. Step time: {a.rounds} rounds x "
             f"{a.steps} steps per variant, interleaved in one process (min and median). Memory: fresh process per "

@@ -149,6 +149,10 @@ def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
             assert fused.plan(auto[0], x, "linear").int8 is dot
             assert int8_forward.reload_mode(auto) == ("fast" if dot else "exact")
             assert int8_forward.reload_mode(off) == "exact"
+            said = int8_forward.describe(auto)
+            assert said.startswith("int8_forward auto: ") and isa in said
+            assert ("multiply the integer codes" in said) is dot and ("float forward runs" in said) is not dot
+            assert int8_forward.describe(off) is None
             y, y_off = auto(x), off(x)
             if dot:    # the kernel's exact integer sums, not the float GEMM's
                 assert not torch.equal(y, y_off)

@@ -44,7 +44,32 @@ def reload_mode(model) -> str:
     """The `load_quantized` mode whose kernels compute what this model's forward computes: "fast"
     when any of its modules runs the integer forward (the exact reload differs from it by the
     float GEMM's rounding), else "exact"."""
+    if _device(model) != "cpu":
+        return "exact"        # the integer forward runs on CPU only
     return "fast" if any(enabled(getattr(m, "qc_aq", None)) for m in model.modules()) else "exact"
+
+
+def _device(model) -> str:
+    p = next(model.parameters(), None)
+    return "cpu" if p is None else p.device.type
+
+
+def describe(model) -> Optional[str]:
+    """One line on which forward this model's int8_forward setting gives on this machine (None
+    when no module asks for the integer forward)."""
+    settings = {getattr(m.qc_aq, "int8_forward", False) for m in model.modules()
+                if getattr(m, "qc_aq", None) is not None}
+    settings.discard(False)
+    if not settings:
+        return None
+    said = "/".join(sorted(str(v).lower() for v in settings))
+    isa = lowbit.isa() if lowbit.available() else "none (extension not built)"
+    if reload_mode(model) == "fast":
+        return (f"int8_forward {said}: CPU Linear / Conv1D forwards multiply the integer codes "
+                f"(low-bit kernels: {isa})")
+    if _device(model) != "cpu":
+        return f"int8_forward {said}: the float forward runs (the model is on {_device(model)})"
+    return f"int8_forward {said}: the float forward runs (low-bit kernels: {isa}, no int8 dot products)"
 
 
 def reason(mod, op: str, weight_mode: str, weight_spec, act_spec) -> Optional[str]:

@@ -498,6 +498,10 @@ class Job:
         self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
+        from ..nn import int8_forward
+        forward_note = int8_forward.describe(model)
+        if forward_note:
+            self.say(f"[qat] {forward_note}")
         engine = qcompress.initialize(model, with_tensorboard(doc, o.out, "qat"),
                                       optimizer=client_optimizer(doc, o.lr, model))
         distiller = Distiller.from_config(self.cfg, teacher) if teacher is not None else None
