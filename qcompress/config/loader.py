@@ -50,11 +50,18 @@ def _construct_mapping(loader, node, deep=False):
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _no_duplicates(pairs):
+class DuplicateKeyError(ValueError):
+    def __init__(self, key):
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def unique_pairs(pairs):
+    """json object_pairs_hook refusing a key given twice (json keeps the last copy silently)."""
     out = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise DuplicateKeyError(key)
         out[key] = value
     return out
 
@@ -135,7 +142,7 @@ def parse_document(text: str, name: str) -> dict:
     kind = "JSON" if path.endswith(".json") else "YAML"
     try:
         if kind == "JSON":
-            doc = json.loads(text, object_pairs_hook=_no_duplicates)
+            doc = json.loads(text, object_pairs_hook=unique_pairs)
         else:
             doc = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: SafeConstructor only
     except (ValueError, yaml.YAMLError) as err:

@@ -20,6 +20,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..config.loader import DuplicateKeyError, unique_pairs
+
 TASKS = ("text-classification", "causal-lm")
 
 # Tokenizer calls take this many texts at a time: fast tokenizers encode a batch in parallel, and
@@ -169,21 +171,6 @@ def _read_delimited(path: str, delimiter: str, task: str, text_column: str, labe
     return _rows_to_examples(path, rows, header, task, text_column, label_column)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _unique_pairs(pairs):
-    """json object_pairs_hook: a key given twice is refused (json keeps the last one silently,
-    so a row's text or label would depend on which copy came last)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def _read_json(path: str, task: str, text_column: str, label_column: str, allow_list: bool) -> Examples:
     try:
         with open(path, encoding="utf-8-sig") as f:
@@ -197,11 +184,11 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
     if allow_list and content.lstrip().startswith("["):
         # A .json file may hold one list of objects instead of one object per line.
         try:
-            whole = json.loads(content, object_pairs_hook=_unique_pairs)
+            whole = json.loads(content, object_pairs_hook=unique_pairs)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        except _DuplicateKey as e:
-            raise DataError(f"{path}: an object has the key {e.args[0]!r} twice") from None
+        except DuplicateKeyError as e:    # json keeps the last copy: the row would be ambiguous
+            raise DataError(f"{path}: an object has the key {e.key!r} twice") from None
         for i, obj in enumerate(whole, 1):
             if not isinstance(obj, dict):
                 raise DataError(f"{path}, item {i}: expected a JSON object, got {type(obj).__name__}")
@@ -211,11 +198,11 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line, object_pairs_hook=_unique_pairs)
+                obj = json.loads(line, object_pairs_hook=unique_pairs)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-            except _DuplicateKey as e:
-                raise DataError(f"{path}, line {n}: the key {e.args[0]!r} is given twice") from None
+            except DuplicateKeyError as e:
+                raise DataError(f"{path}, line {n}: the key {e.key!r} is given twice") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}, line {n}: expected a JSON object, got {type(obj).__name__}")
             rows.append((f"{path}, line {n}", obj))
