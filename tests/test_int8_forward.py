@@ -166,8 +166,10 @@ def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
 def test_a_wrong_int8_forward_value_names_the_key(value):
     raw = make_cfg()
     raw["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = value
-    with pytest.raises(Exception, match=r"activation_quantization\.shared_parameters\.int8_forward"):
+    with pytest.raises(Exception, match=r"activation_quantization\.shared_parameters\.int8_forward") as err:
         load_config(raw)
+    if value == "on":        # choices as the document writes them
+        assert "choose one of [false, true, 'auto']" in str(err.value)
 
 
 def test_training_follows_the_float_path():

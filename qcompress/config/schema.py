@@ -115,7 +115,8 @@ def _check_meta(value, meta, path):
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         hint = did_you_mean(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
-        raise ConfigError(path, f"{value!r} is not allowed; choose one of {list(choices)}{hint}")
+        shown = ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices)
+        raise ConfigError(path, f"{value!r} is not allowed; choose one of [{shown}]{hint}")
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("le", lambda v, b: v <= b, "<="),
                           ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
         bound = meta.get(key)
