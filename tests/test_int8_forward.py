@@ -128,8 +128,9 @@ def test_where_it_does_not_apply_the_float_forward_runs():
 
 
 def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
-    """`int8_forward: auto` (the W8A8 / W4A8 recipes'): the integer kernel where the low-bit
-    kernels use VNNI or AMX, the float forward (bit for bit int8_forward: false) below them."""
+    """`int8_forward: auto` (the W8A8 / W4A8 recipes'): the integer kernel in training mode where
+    the low-bit kernels use VNNI or AMX, the float forward (bit for bit int8_forward: false) below
+    them and in eval mode, so the trained model in eval mode equals its exact reload."""
     raw = make_cfg()
     raw["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = "AUTO"
     assert load_config(raw).compression.activation_quantization.shared.int8_forward == "auto"
@@ -146,20 +147,27 @@ def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
             dot = isa in ("avx512_vnni", "amx")
             assert lowbit.int8_dot() is dot
             assert int8_forward.enabled(auto[0].qc_aq) is dot
-            assert fused.plan(auto[0], x, "linear").int8 is dot
-            assert int8_forward.reload_mode(auto) == ("fast" if dot else "exact")
-            assert int8_forward.reload_mode(off) == "exact"
+            assert int8_forward.enabled(auto[0].qc_aq, training=False) is False
+            assert int8_forward.reload_mode(auto) == int8_forward.reload_mode(off) == "exact"
             said = int8_forward.describe(auto)
             assert said.startswith("int8_forward auto: ") and isa in said
-            assert ("multiply the integer codes" in said) is dot and ("float forward runs" in said) is not dot
+            assert ("training forwards multiply the integer codes" in said) is dot
+            assert ("float forward runs" in said) is not dot
             assert int8_forward.describe(off) is None
-            y, y_off = auto(x), off(x)
-            if dot:    # the kernel's exact integer sums, not the float GEMM's
-                assert not torch.equal(y, y_off)
-            else:
-                assert torch.equal(y, y_off)
+            for mode in ("train", "eval"):
+                auto.train(mode == "train"), off.train(mode == "train")
+                ran = dot and mode == "train"
+                assert fused.plan(auto[0], x, "linear").int8 is ran
+                y, y_off = auto(x), off(x)
+                if ran:    # the kernel's exact integer sums, not the float GEMM's
+                    assert not torch.equal(y, y_off)
+                else:
+                    assert torch.equal(y, y_off)
     finally:
         lowbit.isa(best)
+    on = layer("linear", raw, int8=True).eval()      # true: the integer forward in eval mode too
+    assert int8_forward.reload_mode(on) == "fast" and fused.plan(on[0], x, "linear").int8
+    assert "CPU Linear / Conv1D forwards multiply the integer codes" in int8_forward.describe(on)
 
 
 @pytest.mark.parametrize("value", ["on", 1])

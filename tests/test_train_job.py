@@ -497,8 +497,9 @@ def test_export_clears_what_a_killed_export_left(folders, tmp_path):
     assert sorted(os.listdir(out)) == ["export", "export.keep"]
     assert nbytes == os.path.getsize(out / "export" / "model.safetensors") > 0
     fresh = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
-    # the recipe's int8_forward: auto ran the integer forward where the CPU has VNNI / AMX
-    qc.load_quantized(str(out / "export"), fresh, mode=int8_forward.reload_mode(model), fuse_activations=False)
+    # the recipe's int8_forward: auto evaluates with the float forward: the exact reload
+    assert int8_forward.reload_mode(model) == "exact"
+    qc.load_quantized(str(out / "export"), fresh)
     batch = tok(["the market and the bank"], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(fresh.eval()(**batch).logits, model(**batch).logits)

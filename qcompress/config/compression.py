@@ -143,8 +143,8 @@ class ActQuantShared:
         False, choices=(False, True, "auto"), lower=True,
         doc="ext: fused Linear/Conv1D forwards multiply the integer codes (int8 kernel, exact sums; "
             "what the fast export computes) instead of the dequantized float copies; CPU; needs "
-            "fused_backward. 'auto': only where the CPU has int8 dot products (VNNI / AMX), "
-            "below which the fp32 GEMM is faster")
+            "fused_backward. 'auto': training-mode forwards only, where the CPU has int8 dot "
+            "products (VNNI / AMX), below which the fp32 GEMM is faster")
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,8 @@ def plan(mod, x, op: str) -> Optional[Plan]:
     if not act and mode != "fake_quant":
         return None      # nothing quantized in forward: the composed path is FP32's
     spec = mod.input_spec() if act else None
-    int8 = act and int8_forward.enabled(aq) and int8_forward.reason(mod, op, mode, weight_spec, spec) is None
+    int8 = (act and int8_forward.enabled(aq, mod.training)
+            and int8_forward.reason(mod, op, mode, weight_spec, spec) is None)
     return Plan(mod, op, spec, mode, weight_spec, shrink, int8)
 
 

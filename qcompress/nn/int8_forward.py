@@ -19,10 +19,13 @@ stays bit for bit the unfused one.
 Applies on CPU (the CUDA kernel of that op is a correctness kernel, slower than cuBLAS) to Linear
 and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest rounding) per
 tensor, channel or row group; elsewhere the float forward runs (`reason()` says why).
-`int8_forward: auto` (the W8A8 / W4A8 recipes') asks for it only where the kernels have int8 dot
-products (AVX-512 VNNI or AMX): with AVX2 or plain AVX-512 the int8 kernel is slower than the fp32
-GEMM at training batch sizes (a BERT step 1.28x / 1.12x FP32 against the float path's 1.05x;
-benchmarks/RESULTS.md, issue 13), so there the float forward runs.
+`int8_forward: auto` (the W8A8 / W4A8 recipes') asks for it in training mode only, and only where
+the kernels have int8 dot products (AVX-512 VNNI or AMX): with AVX2 or plain AVX-512 the int8 kernel
+is slower than the fp32 GEMM at training batch sizes (a BERT step 1.28x / 1.12x FP32 against the
+float path's 1.05x; benchmarks/RESULTS.md, issue 13), so there the float forward runs. Eval-mode
+forwards keep the float path, so the trained model in eval mode equals the exact reload of its
+export bit for bit, as with `false`; `true` runs the integer forward in both modes (and the model
+then equals the fast reload).
 """
 from __future__ import annotations
 
@@ -33,20 +36,22 @@ import torch
 from ..quant import lowbit
 
 
-def enabled(aq) -> bool:
-    """Whether an activation quantizer's setting asks for the integer forward on this machine:
-    `true`, or `auto` where the CPU kernels have int8 dot products."""
+def enabled(aq, training: bool = True) -> bool:
+    """Whether an activation quantizer's setting asks for the integer forward on this machine, for
+    a module in training (`training`) or eval mode: `true` always; `auto` in training mode where
+    the CPU kernels have int8 dot products (eval-mode forwards keep the float path, which the
+    exact reload of the export reproduces bit for bit)."""
     setting = getattr(aq, "int8_forward", False)
-    return setting is True or (setting == "auto" and lowbit.int8_dot())
+    return setting is True or (setting == "auto" and training and lowbit.int8_dot())
 
 
 def reload_mode(model) -> str:
-    """The `load_quantized` mode whose kernels compute what this model's forward computes: "fast"
-    when any of its modules runs the integer forward (the exact reload differs from it by the
-    float GEMM's rounding), else "exact"."""
+    """The `load_quantized` mode whose kernels compute what this model's eval-mode forward
+    computes: "fast" when a module runs the integer forward in eval mode (`int8_forward: true`;
+    the exact reload differs from it by the float GEMM's rounding), else "exact"."""
     if _device(model) != "cpu":
         return "exact"        # the integer forward runs on CPU only
-    return "fast" if any(enabled(getattr(m, "qc_aq", None)) for m in model.modules()) else "exact"
+    return "fast" if any(enabled(getattr(m, "qc_aq", None), training=False) for m in model.modules()) else "exact"
 
 
 def _device(model) -> str:
@@ -64,11 +69,14 @@ def describe(model) -> Optional[str]:
         return None
     said = "/".join(sorted(str(v).lower() for v in settings))
     isa = lowbit.isa() if lowbit.available() else "none (extension not built)"
+    if _device(model) != "cpu":
+        return f"int8_forward {said}: the float forward runs (the model is on {_device(model)})"
     if reload_mode(model) == "fast":
         return (f"int8_forward {said}: CPU Linear / Conv1D forwards multiply the integer codes "
                 f"(low-bit kernels: {isa})")
-    if _device(model) != "cpu":
-        return f"int8_forward {said}: the float forward runs (the model is on {_device(model)})"
+    if any(enabled(getattr(m, "qc_aq", None)) for m in model.modules()):
+        return (f"int8_forward {said}: training forwards multiply the integer codes (low-bit kernels: "
+                f"{isa}); eval-mode forwards run the float path, as the exact reload of the export does")
     return f"int8_forward {said}: the float forward runs (low-bit kernels: {isa}, no int8 dot products)"
 
 

@@ -563,10 +563,11 @@ class Job:
         return result, result["export_bytes"]
 
     def reload(self, model, export_dir):
-        """(the export loaded by load_quantized into a fresh model, the mode used). A model trained
-        with int8_forward computed what the fast kernels compute: it is compared with that reload
-        (the exact one differs by the float GEMM's rounding), without fused epilogues (their GELU is
-        the kernels', not the one training ran)."""
+        """(the export loaded by load_quantized into a fresh model, the mode used). A model whose
+        eval-mode forward runs the integer kernel (`int8_forward: true`) computes what the fast
+        kernels compute: it is compared with that reload (the exact one differs by the float GEMM's
+        rounding), without fused epilogues (their GELU is the kernels', not the one training ran).
+        `auto` evaluates with the float forward: the exact reload."""
         import qcompress
         from ..nn import int8_forward
         mode = int8_forward.reload_mode(model)
