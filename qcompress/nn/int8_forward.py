@@ -1,4 +1,4 @@
-"""Integer forward of the fused compress-aware Linear / Conv1D (opt-in: `int8_forward: true`).
+"""Integer forward of the fused compress-aware Linear / Conv1D (`int8_forward: true` or `auto`).
 
 With quantized activations the forward's product x^ @ w^.T is a product of integer codes:
 x^ = (qx - zx) * sx per token (or per tensor) and w^ = (qw - zw) * sw per row and group. The
@@ -13,8 +13,8 @@ VNNI / AMX it is 5-8x cheaper than the fp32 GEMM at training batch sizes
 The values differ from the float path's only by that path's own rounding (the integer sums are
 exact); backward is unchanged (it dequantizes the same codes and recomputes w^), so each layer's
 gradients given its output gradient are the float path's bit for bit, and the network's differ
-by what the forward's rounding changed. Off by default for that reason: the default fused path
-stays bit for bit the unfused one.
+by what the forward's rounding changed. Off in a config that does not ask for it, for that
+reason: that fused path stays bit for bit the unfused one.
 
 Applies on CPU (the CUDA kernel of that op is a correctness kernel, slower than cuBLAS) to Linear
 and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest rounding) per
