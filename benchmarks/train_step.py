@@ -317,7 +317,7 @@ def int8_note():
     from qcompress.quant import lowbit
     if not lowbit.available():
         return "extension not built: int8_forward auto runs the float forward"
-    on = "the integer forward" if lowbit.int8_dot() else "the float forward"
+    on = "the integer forward in training steps" if lowbit.int8_dot() else "the float forward"
     return f"low-bit kernels' ISA {lowbit.isa()}, so the recipes' int8_forward auto runs {on}"
 
 
