@@ -21,8 +21,9 @@ and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest 
 tensor, channel or row group; elsewhere the float forward runs (`reason()` says why).
 `int8_forward: auto` (the W8A8 / W4A8 recipes') asks for it in training mode only, and only where
 the kernels have int8 dot products (AVX-512 VNNI or AMX): with AVX2 or plain AVX-512 the int8 kernel
-is slower than the fp32 GEMM at training batch sizes (a BERT step 1.28x / 1.12x FP32 against the
-float path's 1.05x; benchmarks/RESULTS.md, issue 13), so there the float forward runs. Eval-mode
+is slower than the fp32 GEMM at training batch sizes (a BERT W8A8 step 1.26-1.29x / 1.08x FP32
+against the float path's 1.06x; benchmarks/RESULTS.md, issue 13, "int8_forward by instruction
+set"), so there the float forward runs. Eval-mode
 forwards keep the float path, so the trained model in eval mode equals the exact reload of its
 export bit for bit, as with `false`; `true` runs the integer forward in both modes (and the model
 then equals the fast reload).

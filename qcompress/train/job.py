@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..config import as_config, load_config
 from ..config.training import take_auto
+from ..nn import int8_forward
 from . import loop
 from .data import DataError, prepare_data
 from .errors import JobError
@@ -498,7 +499,6 @@ class Job:
         self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
-        from ..nn import int8_forward
         forward_note = int8_forward.describe(model)
         if forward_note:
             self.say(f"[qat] {forward_note}")
@@ -569,7 +569,6 @@ class Job:
         rounding), without fused epilogues (their GELU is the kernels', not the one training ran).
         `auto` evaluates with the float forward: the exact reload."""
         import qcompress
-        from ..nn import int8_forward
         mode = int8_forward.reload_mode(model)
         return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
                                         fuse_activations=False), mode
