@@ -21,3 +21,19 @@ def _no_leftover_process_group():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
         dist.destroy_process_group()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on the GPU (the rest of the suite sees none)")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request, monkeypatch):
+    """The suite is written for the CPU, and the engine and `qcompress train` take a GPU when torch
+    sees one (as DeepSpeed does): on a GPU machine, tests not marked `cuda` see none, nor do the
+    ranks they spawn. The `cuda` tests run there on the GPU."""
+    import torch
+    if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield

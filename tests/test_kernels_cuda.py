@@ -19,6 +19,7 @@ if not torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA"
                 allow_module_level=True)
 
 DEV = torch.device("cuda")
+pytestmark = pytest.mark.cuda
 
 
 def same(a, b, what):
@@ -106,3 +107,31 @@ def test_cuda_opcheck():
     x = torch.randn(6, 10, device=DEV)
     torch.library.opcheck(torch.ops.qcompress.fake_quant, (x, None, 6, 10, 4, 4, 0, False, False, 1, 7, True))
     torch.library.opcheck(torch.ops.qcompress.quantize, (x, None, 6, 10, 4, 4, 0, True, False, 0, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("sym", [True, False])
+def test_cuda_given_parameter_and_lsq_kernels_match_cpu_reference(dtype, rounding, sym):
+    """Range learning's kernels (fake_quant_params, lsq_backward) on the GPU against the CPU
+    reference: values and input gradients bit for bit; the scale / zero-point gradients are sums
+    over each group, in another order on the GPU."""
+    from qcompress.quant import observers
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 45, generator=g) / torch.rand(7, 45, generator=g).clamp(min=0.05).sqrt() + 0.3).to(dtype)
+    for spec in (R.make_spec(5, symmetric=sym, granularity="group", group_size=16, rounding=rounding, seed=99),
+                 R.make_spec(4, symmetric=sym, granularity="channel", rounding=rounding, seed=7)):
+        s, z = observers.weight_params(x.float(), spec, "minmax")
+        s = s * 0.8                                   # some values clip: both gradient regimes
+        y_ref, m_ref = R.fake_quantize_with_mask(x, spec, params=(s, z))
+        y, m = K.fake_quantize_with_mask(x.to(DEV), spec, params=(s.to(DEV), None if z is None else z.to(DEV)))
+        same(y, y_ref, f"y {spec}")
+        same(m, m_ref, f"mask {spec}")
+        grad = torch.randn(x.shape, generator=g).to(dtype)
+        want = R.lsq_backward(grad, x, spec, s, z)
+        got = K.lsq_backward(grad.to(DEV), x.to(DEV), spec, s.to(DEV), None if z is None else z.to(DEV))
+        same(got[0], want[0], f"grad x {spec}")
+        torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-6)
+        if not sym:
+            torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
+        assert (m_ref == 0).any() and m_ref.any()

@@ -294,6 +294,7 @@ def test_optimizer_step_state_follows_a_dtype_change(dtype):
     assert torch.equal(model.fc1.weight.detach(), fake_quantize(master, 8).to(dtype))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_optimizer_step_state_follows_the_module_to_cuda():
     cfg = wq_cfg(8, 4, 2, in_forward=False)

@@ -834,3 +834,21 @@ def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
     reason = rep["stages"]["transformers"]["reason"]
     assert "—" in summary_table([("W8A8", rep)])
     assert table_notes([("W8A8", rep)]) == [f"— W8A8, transformers: {reason}"]
+
+
+def test_device_option_is_checked_up_front(folders, tmp_path, capsys):
+    """--device names where the job runs; one torch cannot use is refused before --out is touched
+    (this suite sees no GPU: conftest hides it from tests not marked cuda)."""
+    data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
+    base = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+            "--max-steps", "1", *FAST]
+    for dev, said in (("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"), ("tpu", "'cpu', 'cuda' or 'cuda:N'"),
+                      ("gpu0", "'cpu', 'cuda' or 'cuda:N'")):
+        out = tmp_path / f"o_{dev.replace(':', '_')}"
+        assert train([*base, "--out", str(out), "--device", dev]) == 2
+        err = capsys.readouterr().err
+        assert "--device" in err and repr(dev) in err and said in err, err
+        assert not out.exists()
+    out = str(tmp_path / "cpu")
+    assert train([*base, "--out", out, "--device", "cpu"]) == 0
+    assert "training on the CPU" in capsys.readouterr().out

@@ -34,28 +34,58 @@ from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full
 log = logging.getLogger("qcompress.engine")
 
 
-def _setup_distributed(stage: int, cfg=None):
+def _setup_distributed(stage: int, cfg=None, cuda: Optional[bool] = None):
     """(rank, world_size, backend): reuse a process group, else torchrun's env, else one process.
+    A group created here uses nccl when the engine trains on CUDA (`cuda`; None: when a GPU is
+    there), else gloo.
 
     FSDP2 needs a process group even alone, so stages 2/3 get a private 1-rank gloo group.
     Groups created here wait at most comm_timeout_s for a collective (comm_timeout.py)."""
     if dist.is_available() and dist.is_initialized():
         apply_to_existing_group(cfg)
         return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, timeout=timeout_of(cfg))   # env:// from torchrun
         return dist.get_rank(), world, backend
     if stage >= 2:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout_of(cfg))
         return 0, 1, backend
     return 0, 1, None
 
 
-def _pick_device(backend: Optional[str]) -> torch.device:
+def resolve_device(device) -> Optional[torch.device]:
+    """initialize(device=...): None (automatic), "cpu", "cuda" (cuda:LOCAL_RANK) or "cuda:N"."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: qcompress trains on 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda or 'none'})")
+        if dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _pick_device(backend: Optional[str], asked: Optional[torch.device] = None) -> torch.device:
+    """The asked device, else cuda:LOCAL_RANK when a GPU is there and the group allows it, else cpu."""
+    if asked is not None:
+        if asked.type == "cuda":
+            torch.cuda.set_device(asked)
+        return asked
     if torch.cuda.is_available() and backend in (None, "nccl"):
         idx = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(idx)
@@ -110,7 +140,8 @@ def _refuse_unsynced_eval(module, args):
 class Engine:
     """Returned by `qcompress.initialize`; see the module docstring for the call rhythm."""
 
-    def __init__(self, model: nn.Module, cfg, model_parameters=None, optimizer=None):
+    def __init__(self, model: nn.Module, cfg, model_parameters=None, optimizer=None, device=None):
+        asked = resolve_device(device)
         cfg = as_config(cfg)
         cfg.refuse_auto()
         self.config = cfg
@@ -136,10 +167,11 @@ class Engine:
                               f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
                               f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
                               "Use stage 0 or 1")
-        self.rank, self.world_size, backend = _setup_distributed(self.stage, cfg)
+        self.rank, self.world_size, backend = _setup_distributed(
+            self.stage, cfg, None if asked is None else asked.type == "cuda")
         self.traffic = Traffic(self.world_size)             # comm_bytes(): every byte this engine moves
         self.group = None                                   # the default (world) group
-        self.device = _pick_device(backend)
+        self.device = _pick_device(backend, asked)
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
             resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                           cfg.gradient_accumulation_steps, self.world_size)

@@ -83,6 +83,8 @@ def describe(model) -> Optional[str]:
 
 def reason(mod, op: str, weight_mode: str, weight_spec, act_spec) -> Optional[str]:
     """Why the integer forward cannot run for this module's settings (None: it can)."""
+    if mod.weight.device.type != "cpu":
+        return "the integer forward runs on the CPU (the CUDA kernel of that op is slower than cuBLAS)"
     if op not in ("linear", "hf_conv1d"):
         return "convolutions keep the float forward"
     if act_spec is None:

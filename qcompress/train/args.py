@@ -63,6 +63,9 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     t.add_argument("--save-steps", type=int, default=50,
                    help="checkpoint every N optimizer steps for --resume (0: only at the end; default 50)")
     t.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--device", default="auto", metavar="DEV",
+                   help="where training and evaluation run: auto (a CUDA GPU when torch sees one, else the "
+                        "CPU), cpu, cuda or cuda:N (default auto)")
     r = p.add_argument_group("run")
     r.add_argument("--resume", action="store_true", help="continue the interrupted run in --out exactly")
     r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
@@ -97,5 +100,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       overwrite=ns.overwrite, lr=ns.lr, batch_size=ns.batch_size,
                       eval_batch_size=ns.eval_batch_size, max_train_samples=ns.max_train_samples,
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
-                      baseline_from=ns.baseline_from,
+                      baseline_from=ns.baseline_from, device=ns.device,
                       progress=not ns.no_progress)

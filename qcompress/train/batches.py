@@ -43,3 +43,14 @@ def micro_batches(dataset, step: int, *, seed: int, train_batch_size: int, micro
 def eval_batches(dataset, batch_size: int, pad_id: int) -> Iterator[Dict[str, torch.Tensor]]:
     for start in range(0, len(dataset), batch_size):
         yield collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The batch's tensors on `device` (collate builds them on the CPU)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def device_of(model) -> torch.device:
+    """Where the model's parameters live (the CPU for a model without any)."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")

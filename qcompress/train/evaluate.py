@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .batches import eval_batches
+from .batches import device_of, eval_batches, to_device
 
 
 def _logits(out) -> torch.Tensor:
@@ -22,8 +22,10 @@ def evaluate(model: nn.Module, dataset, task: str, batch_size: int, pad_id: int,
     `forward(batch)` overrides model(**batch) (e.g. an engine's autocast)."""
     model.eval()
     run = forward or (lambda b: model(**b))
+    dev = device_of(model)
     loss_sum, count, correct = 0.0, 0, 0
     for batch in eval_batches(dataset, batch_size, pad_id):
+        batch = to_device(batch, dev)
         labels = batch.pop("labels")
         logits = _logits(run(batch)).float()
         if task == "text-classification":
@@ -50,14 +52,17 @@ def metric_name(task: str) -> str:
 @torch.no_grad()
 def max_logit_difference(a: nn.Module, b: nn.Module, dataset, batch_size: int, pad_id: int,
                          batches: int = 2) -> float:
-    """Largest |logit_a - logit_b| over the first batches of the dataset (both in eval mode)."""
+    """Largest |logit_a - logit_b| over the first batches of the dataset (both in eval mode; each
+    runs where its parameters are, the logits are compared on the CPU)."""
     a.eval(), b.eval()
     worst = 0.0
     for i, batch in enumerate(eval_batches(dataset, batch_size, pad_id)):
         if i >= batches:
             break
         batch.pop("labels")
-        worst = max(worst, (_logits(a(**batch)).float() - _logits(b(**batch)).float()).abs().max().item())
+        la = _logits(a(**to_device(batch, device_of(a)))).float().cpu()
+        lb = _logits(b(**to_device(batch, device_of(b)))).float().cpu()
+        worst = max(worst, (la - lb).abs().max().item())
     return worst
 
 
@@ -72,5 +77,5 @@ def max_weight_difference(a: nn.Module, b: nn.Module) -> float:
         if not (isinstance(w, torch.Tensor) and isinstance(other, torch.Tensor)):
             continue
         if w.shape == other.shape and w.is_floating_point() and other.is_floating_point():
-            worst = max(worst, (w.detach().float() - other.detach().float()).abs().max().item())
+            worst = max(worst, (w.detach().float().cpu() - other.detach().float().cpu()).abs().max().item())
     return worst

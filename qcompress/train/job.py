@@ -66,6 +66,7 @@ class JobOptions:
     max_eval_samples: Optional[int] = None
     save_steps: int = 50
     baseline_from: Optional[str] = None
+    device: str = "auto"            # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
     progress: bool = True
     notes: List[str] = field(default_factory=list)
 
@@ -75,7 +76,7 @@ class JobOptions:
         the data by what was read from it (an edited data file is other data)."""
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
-                             "configs")}
+                             "configs", "device")}
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
@@ -198,6 +199,17 @@ def client_optimizer(doc: dict, lr: float, model: Optional[torch.nn.Module] = No
     return make
 
 
+def job_device(name: str) -> torch.device:
+    """--device: auto is the GPU of this rank (cuda:LOCAL_RANK) when torch sees one, else the CPU."""
+    from ..engine.engine import resolve_device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return resolve_device(name)
+    except ValueError as err:
+        raise JobError(f"--{err}") from None
+
+
 def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -258,6 +270,7 @@ class Job:
             raise JobError(f"--epochs must be > 0, got {o.epochs}")
         if self.rank == 0:
             check_out(o)        # cheap: before the model loads (prepare_out checks again)
+        self.device = job_device(o.device)
         doc = job_config(o)
         cfg = as_config(doc)
         kd = cfg.compression.distillation
@@ -305,7 +318,9 @@ class Job:
         self.tok, self.data, self.doc, self.cfg = tok, data, doc, cfg
         cls_name, n_params = describe(model)
         size_fp32 = fp32_bytes(model)
-        self.say(f"model: {cls_name}, {n_params:,} parameters, {size_fp32 / 2**20:.1f} MiB in FP32")
+        self.say(f"model: {cls_name}, {n_params:,} parameters, {size_fp32 / 2**20:.1f} MiB in FP32; "
+                 f"training on {_device_name(self.device)}")
+        model.to(self.device)
 
         stages: Dict[str, Optional[dict]] = {}
         ev = self.evaluator()
@@ -423,7 +438,7 @@ class Job:
         def train_and_eval():
             plain = plain_config(doc)
             engine = qcompress.initialize(copy_, with_tensorboard(plain, o.out, "fp32_finetuned"),
-                                          optimizer=client_optimizer(plain, o.lr))
+                                          optimizer=client_optimizer(plain, o.lr), device=self.device)
             self.train_phase(self.make_phase("fp32_finetuned", engine, "fp32", "metrics_fp32.csv"))
             result = self.evaluator()(engine.module)
             sd = _full_state_dict(engine.module)     # collective under ZeRO 2/3: every rank calls it
@@ -432,7 +447,7 @@ class Job:
                 # on every rank, so they get a whole, unsharded model (deepcopy of FSDP raised)
                 whole = fresh_model(copy_, o.task)
                 whole.load_state_dict(sd, strict=False)
-                trained["model"] = whole.eval()
+                trained["model"] = whole.to(self.device).eval()
             if self.rank == 0:
                 _drop_shared(sd)
                 tmp = weights + ".tmp"
@@ -503,7 +518,7 @@ class Job:
         if forward_note:
             self.say(f"[qat] {forward_note}")
         engine = qcompress.initialize(model, with_tensorboard(doc, o.out, "qat"),
-                                      optimizer=client_optimizer(doc, o.lr, model))
+                                      optimizer=client_optimizer(doc, o.lr, model), device=self.device)
         distiller = Distiller.from_config(self.cfg, teacher) if teacher is not None else None
         phase = self.make_phase("qat", engine, "qat", "metrics.csv", distiller)
         t0 = time.perf_counter()
@@ -543,7 +558,7 @@ class Job:
         finally:
             if saved is not None:
                 os.environ["WORLD_SIZE"] = saved
-        return model.eval()
+        return model.to(self.device).eval()
 
     def exported(self, model, export_dir):
         """Export (atomically: a complete folder replaces the old one) and reload with load_quantized."""
@@ -567,11 +582,14 @@ class Job:
         eval-mode forward runs the integer kernel (`int8_forward: true`) computes what the fast
         kernels compute: it is compared with that reload (the exact one differs by the float GEMM's
         rounding), without fused epilogues (their GELU is the kernels', not the one training ran).
-        `auto` evaluates with the float forward: the exact reload."""
+        `auto` evaluates with the float forward: the exact reload. The reload runs where the
+        trained model runs (the same kernels: equal logits)."""
         import qcompress
+        from .batches import device_of
         mode = int8_forward.reload_mode(model)
-        return qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
-                                        fuse_activations=False), mode
+        fresh = qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
+                                         fuse_activations=False)
+        return fresh.to(device_of(model)), mode
 
     def transformers_stage(self, model, export_dir):
         o = self.opts
@@ -621,6 +639,12 @@ class Job:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
             self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return f"the CPU ({torch.get_num_threads()} threads)"
 
 
 def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], steps: int) -> None:

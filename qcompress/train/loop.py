@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import NonFiniteError
-from .batches import micro_batches
+from .batches import micro_batches, to_device
 from .errors import JobError
 from .report import METRIC_COLUMNS, MetricsLog
 
@@ -145,6 +145,7 @@ def _forward_loss(phase: Phase, batch: dict):
     """(total loss, task loss, distillation loss or None) of one micro-batch."""
     from .distill import causal_lm_mask
     eng, distiller = phase.engine, phase.distiller
+    batch = to_device(batch, eng.device)
     kwargs = dict(batch)
     teacher_out = None
     if distiller is not None:

@@ -9,6 +9,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from .batches import device_of, to_device
+
 
 def has_static_ranges(model: nn.Module) -> bool:
     return any(getattr(getattr(m, "qc_aq", None), "calibration", None) == "static" for m in model.modules())
@@ -24,8 +26,9 @@ def calibrate_static_ranges(model: nn.Module, batches: Iterable[dict]) -> None:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.eval()
+    dev = device_of(model)
     for b in batches:
-        model(**b)
+        model(**to_device(b, dev))
     model.eval()
 
 
