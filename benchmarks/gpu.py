@@ -1,6 +1,7 @@
 """qcompress on a CUDA GPU, side by side in one process: the QAT training step against FP32, the
-fake-quantization kernels against a device copy and torch's own fake-quant op, and the fast
-reload's low-bit kernels against the exact reload's dense matmul.
+fake-quantization kernels against a device copy and torch's own fake-quant op, and the exported
+model's reloads (exact; fast, which on a GPU decodes the weight once for cuBLAS; fast with the
+CUDA low-bit kernels) against the dense layer.
 
     python benchmarks/gpu.py [--steps 20] [--batch 64] [--json OUT.json]
 
@@ -125,7 +126,7 @@ def reload_table(tmp):
     import torch.nn as nn
 
     import qcompress
-    from qcompress.export import export_quantized, load_quantized
+    from qcompress.export import export_quantized, fast as fastmod, load_quantized
     recipes = {
         "W4 g128 weight-only": {"weight_quantization": {
             "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
@@ -155,9 +156,13 @@ def reload_table(tmp):
                     t_d = cuda_time(lambda: d(x))
                     t_e = cuda_time(lambda: e(x))
                     t_f = cuda_time(lambda: f(x))
+                    fastmod.CUDA_LOWBIT_KERNELS = True
+                    t_k = cuda_time(lambda: f(x))
+                    fastmod.CUDA_LOWBIT_KERNELS = False
                 out.append({"recipe": name, "tokens": tokens, "dtype": str(dtype)[6:], "dense_ms": round(t_d, 4),
-                            "exact_ms": round(t_e, 4), "fast_ms": round(t_f, 4),
-                            "fast_over_dense": round(t_f / t_d, 2)})
+                            "exact_ms": round(t_e, 4), "fast_ms": round(t_f, 4), "cuda_kernels_ms": round(t_k, 4),
+                            "exact_over_dense": round(t_e / t_d, 2), "fast_over_dense": round(t_f / t_d, 2),
+                            "cuda_kernels_over_dense": round(t_k / t_d, 2)})
     return out
 
 

@@ -87,11 +87,15 @@ def test_fused_layers_on_the_gpu_equal_the_unfused_path(kind, granularity, calib
 
 @pytest.mark.skipif(not lowbit.runs_on(DEV), reason="the low-bit operators have no CUDA kernel in this build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_reload_on_the_gpu_within_the_summation_bound(tmp_path, dtype):
-    """The CUDA low-bit kernels against the exact reload on the GPU, with test_lowbit_kernels'
-    bound (the kernels multiply by the exact path's weight bit for bit; only sums differ)."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["cublas", "cuda_kernels"])
+def test_fast_reload_on_the_gpu(tmp_path, monkeypatch, dtype, kernels):
+    """On a GPU the fast reload multiplies by the exact path's weight, decoded once: the exact
+    reload's outputs bit for bit. With CUDA_LOWBIT_KERNELS, the CUDA low-bit kernels against the
+    exact reload with test_lowbit_kernels' bound (the same weight bit for bit; only sums differ)."""
     from test_lowbit_kernels import WEIGHTS, cfg_for, check, exact_and_bound, export_pair, odd_model
+    from qcompress.export import fast as fastmod
     from qcompress.export.fast import plans_of
+    monkeypatch.setattr(fastmod, "CUDA_LOWBIT_KERNELS", kernels)
     for (bits, gran, gs), act in itertools.product(WEIGHTS, (None, ("dynamic", True))):
         g = torch.Generator().manual_seed(bits)
         folder = tmp_path / f"w{bits}{gran}{act is not None}"
@@ -110,8 +114,16 @@ def test_fast_reload_on_the_gpu_within_the_summation_bound(tmp_path, dtype):
                     want, bound = exact_and_bound(e, h, dtype)
                     got = f(h)
                     assert got.is_cuda
-                    check(got, want, bound, f"w{bits} {gran} act={act} layer {i} {tuple(h.shape)}")
+                    if kernels:
+                        check(got, want, bound, f"w{bits} {gran} act={act} layer {i} {tuple(h.shape)}")
+                    else:
+                        assert torch.equal(got, want), f"w{bits} {gran} act={act} layer {i}"
                     h = want
+        if not kernels:              # decoded once, and again after a move
+            first = fast[0]
+            assert first.__dict__["qx_dense"][1].is_cuda
+            fast.cpu()
+            assert "qx_dense" not in first.__dict__
 
 
 # --- qcompress train --device cuda ----------------------------------------------------------------

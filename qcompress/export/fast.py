@@ -16,6 +16,10 @@ dtype, strategy, symmetry or shape:
              dot products of activation and weight codes, exact int32 sums per group, scales
              applied once per group and token. W8A8, W4A8.
 
+On a GPU the lowbit plans decode each weight once to the exact path's float values and multiply
+with cuBLAS (CUDA_LOWBIT_KERNELS below says why): the outputs are the exact reload's bit for bit,
+at the dense model's speed and GPU memory.
+
 Without the extension (pure-torch install), torch's own kernels are used where they fit:
 
   int_mm    8-bit channel/tensor weights whose input is int8-quantized (dynamic per-token or
@@ -225,10 +229,14 @@ class FastMixin:
         if self.qx_plan == "int4pack":
             return _int4pack_weight(self)
         if "lowbit_packed" in self._buffers:
-            return _lowbit_weight(self)
+            return _lowbit_weight(self) if self._buffers["lowbit_packed"].is_cpu else _dense_on_gpu(self)
         if "fast_planes" in self._buffers:
             return planes_dequantize(rec, self._buffers)
         return dequantize_record(rec, self._buffers)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("qx_dense", None)     # a GPU copy of the weight is not moved: decoded again
+        return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.qx_plan == "int4pack":
@@ -385,8 +393,28 @@ def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in out.items()}
 
 
+# On a GPU the lowbit plans multiply by a float weight decoded once (_dense_on_gpu) with cuBLAS:
+# the CUDA low-bit kernels (csrc/cuda/lowbit_gemm.cu) are correctness kernels, 1.3-350x slower
+# than cuBLAS on an H100 from 1 to 256 tokens (benchmarks/RESULTS.md, "On a GPU"). True runs them.
+CUDA_LOWBIT_KERNELS = False
+
+
 def _lowbit_here(mod: nn.Module, x: torch.Tensor) -> bool:
+    if x.device.type == "cuda" and not CUDA_LOWBIT_KERNELS:
+        return False
     return x.device == mod._buffers["lowbit_packed"].device and lowbit.runs_on(x.device)
+
+
+def _dense_on_gpu(mod: nn.Module) -> torch.Tensor:
+    """The exact path's float weight of a module whose codes are on a GPU, decoded at the first call
+    and kept until the module moves (the export stays small on disk; GPU memory holds the float
+    weight, as after mode="exact")."""
+    b = mod._buffers
+    key = (b["lowbit_packed"], b["lowbit_scales"])
+    cached = mod.__dict__.get("qx_dense")
+    if cached is None or cached[0][0] is not key[0] or cached[0][1] is not key[1]:
+        cached = mod.__dict__["qx_dense"] = (key, _lowbit_weight(mod))
+    return cached[1]
 
 
 def _set_direct(mod: nn.Module, rec: dict):
