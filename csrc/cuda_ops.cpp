@@ -4,6 +4,8 @@
 #ifdef QC_WITH_CUDA
 
 #include <ATen/ATen.h>
+
+#include "qcompress/check.h"
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -20,14 +22,14 @@ namespace {
 void* stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()); }
 
 void check_launch(int rc, const char* what) {
-  TORCH_CHECK(rc == 0, "qcompress: CUDA launch of ", what, " failed with cudaError ", rc);
+  QC_CHECK(rc == 0, "qcompress: CUDA launch of ", what, " failed with cudaError ", rc);
 }
 
 int float_code(at::ScalarType t) {
   if (t == at::kFloat) return 0;
   if (t == at::kBFloat16) return 1;
   if (t == at::kHalf) return 2;
-  TORCH_CHECK(false, "qcompress: CUDA kernels take float32, bfloat16 or float16, got ", t);
+  QC_CHECK(false, "qcompress: CUDA kernels take float32, bfloat16 or float16, got ", t);
 }
 
 qc_cuda_quant_args cuda_args(const QuantConfig& c, const std::optional<at::Tensor>& range, at::Tensor& range_dev) {
@@ -69,7 +71,7 @@ void run(const at::Tensor& x, const QuantConfig& c, const std::optional<at::Tens
                              z.mutable_data_ptr<float>(), ws.mutable_data_ptr(), bad.mutable_data_ptr<int>(), stream()),
                "quantize");
   const int nbad = bad.item<int>();
-  TORCH_CHECK(nbad == 0, kNonFiniteTag, nbad, " of ", groups,
+  QC_CHECK(nbad == 0, kNonFiniteTag, nbad, " of ", groups,
               " quantization groups contain NaN or Inf values; fix the input before quantizing");
 }
 
@@ -125,7 +127,7 @@ at::Tensor dequantize_cuda(const at::Tensor& q_, const at::Tensor& scale_, const
 
 at::Tensor ste_backward_cuda(const at::Tensor& grad_, const at::Tensor& mask_) {
   c10::cuda::CUDAGuard guard(grad_.device());
-  TORCH_CHECK(mask_.scalar_type() == at::kBool && grad_.sizes() == mask_.sizes(),
+  QC_CHECK(mask_.scalar_type() == at::kBool && grad_.sizes() == mask_.sizes(),
               "qcompress.ste_backward: mask must be bool and shaped like grad");
   if (grad_.scalar_type() == at::kDouble) return grad_ * mask_.to(at::kDouble);
   at::Tensor grad = grad_.contiguous(), mask = mask_.contiguous();
@@ -139,10 +141,10 @@ at::Tensor ste_backward_cuda(const at::Tensor& grad_, const at::Tensor& mask_) {
 void check_params_cuda(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                        const QuantConfig& c, const char* op) {
   const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
+  QC_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
               op, ": expected ", G, " float32 scales on ", x.device());
   if (zp.has_value()) {
-    TORCH_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
+    QC_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
                 op, ": expected ", G, " float32 zero points on ", x.device());
   }
 }
@@ -179,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cuda(const at::Tenso
   const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
                                     rounding, seed);
   check_params_cuda(x_, scale_, zp_, c, "qcompress::lsq_backward");
-  TORCH_CHECK(grad_.sizes() == x_.sizes() && grad_.device() == x_.device(),
+  QC_CHECK(grad_.sizes() == x_.sizes() && grad_.device() == x_.device(),
               "qcompress::lsq_backward: grad must be shaped like x, on its device");
   at::Tensor x = x_.contiguous(), grad = grad_.contiguous(), scale = scale_.contiguous();
   at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
@@ -202,8 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cuda(const at::Tenso
 
 at::Tensor pack_int32_cuda(const at::Tensor& q_, int64_t bits) {
   c10::cuda::CUDAGuard guard(q_.device());
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8");
-  TORCH_CHECK(q_.dim() >= 1 && !q_.is_floating_point(), "qcompress.pack_int32: expected integer codes");
+  QC_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8");
+  QC_CHECK(q_.dim() >= 1 && !q_.is_floating_point(), "qcompress.pack_int32: expected integer codes");
   // int8 keeps the low 8 bits, all that the b <= 8 bit fields depend on
   at::Tensor q = q_.to(at::kChar).contiguous();
   const int64_t per = 32 / bits, k = q.size(-1), rows = k ? q.numel() / k : 0;
@@ -218,11 +220,11 @@ at::Tensor pack_int32_cuda(const at::Tensor& q_, int64_t bits) {
 
 at::Tensor unpack_int32_cuda(const at::Tensor& p_, int64_t bits, int64_t length) {
   c10::cuda::CUDAGuard guard(p_.device());
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.unpack_int32: bits must be 1, 2, 4 or 8");
-  TORCH_CHECK(p_.scalar_type() == at::kInt && p_.dim() >= 1, "qcompress.unpack_int32: expected int32 words");
+  QC_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.unpack_int32: bits must be 1, 2, 4 or 8");
+  QC_CHECK(p_.scalar_type() == at::kInt && p_.dim() >= 1, "qcompress.unpack_int32: expected int32 words");
   at::Tensor p = p_.contiguous();
   const int64_t words = p.size(-1), rows = words ? p.numel() / words : 0;
-  TORCH_CHECK(length >= 0 && length <= words * (32 / bits), "qcompress.unpack_int32: length too large");
+  QC_CHECK(length >= 0 && length <= words * (32 / bits), "qcompress.unpack_int32: length too large");
   std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
   shape.back() = length;
   at::Tensor out = at::empty(shape, p.options().dtype(at::kChar));
@@ -234,7 +236,7 @@ at::Tensor unpack_int32_cuda(const at::Tensor& p_, int64_t bits, int64_t length)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cuda(const at::Tensor& x_, const at::Tensor& e_) {
   c10::cuda::CUDAGuard guard(x_.device());
-  TORCH_CHECK(x_.numel() == e_.numel() && x_.numel() % 8 == 0 && e_.scalar_type() == at::kFloat,
+  QC_CHECK(x_.numel() == e_.numel() && x_.numel() % 8 == 0 && e_.scalar_type() == at::kFloat,
               "qcompress.onebit_compress: x and float32 error must have the same multiple-of-8 size");
   at::Tensor x = x_.contiguous().reshape(-1), err = e_.contiguous().reshape(-1);
   const int64_t n = x.numel();
@@ -251,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cuda(const at::Te
 
 at::Tensor onebit_decode_average_cuda(const at::Tensor& p_, const at::Tensor& s_) {
   c10::cuda::CUDAGuard guard(p_.device());
-  TORCH_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
+  QC_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
                   s_.numel() == p_.size(0),
               "qcompress.onebit_decode_average: expected uint8 [P, m] and float32 [P]");
   at::Tensor p = p_.contiguous(), s = s_.contiguous();
@@ -264,7 +266,7 @@ at::Tensor onebit_decode_average_cuda(const at::Tensor& p_, const at::Tensor& s_
 
 at::Tensor onebit_decode_cuda(const at::Tensor& p_, const at::Tensor& s_) {
   c10::cuda::CUDAGuard guard(p_.device());
-  TORCH_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
+  QC_CHECK(p_.scalar_type() == at::kByte && p_.dim() == 2 && s_.scalar_type() == at::kFloat &&
                   s_.numel() == p_.size(0),
               "qcompress.onebit_decode: expected uint8 [P, m] and float32 [P]");
   // rows may be strided (payload rows without their scale bytes); bytes within a row must not be
@@ -281,7 +283,7 @@ at::Tensor onebit_decode_cuda(const at::Tensor& p_, const at::Tensor& s_) {
 // Low-bit matmuls (csrc/cuda/lowbit_gemm.cu) on the blocked layout the CPU prepack wrote.
 at::Tensor lowbit_bias(const std::optional<at::Tensor>& bias, int64_t n, const at::Tensor& like) {
   if (!bias.has_value()) return at::Tensor();
-  TORCH_CHECK(bias->numel() == n, "qcompress.lowbit: bias has ", bias->numel(), " elements, expected ", n);
+  QC_CHECK(bias->numel() == n, "qcompress.lowbit: bias has ", bias->numel(), " elements, expected ", n);
   return bias->to(like.device(), at::kFloat).contiguous();
 }
 
@@ -291,7 +293,7 @@ at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, co
                               const std::optional<at::Tensor>& residual) {
   c10::cuda::CUDAGuard guard(x_.device());
   const int act = lowbit_act_code(act_name);
-  TORCH_CHECK(x_.dim() >= 1 && x_.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
+  QC_CHECK(x_.dim() >= 1 && x_.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
   const int64_t k = x_.size(-1);
   lowbit_check_weight(packed, scales, offsets, n, k, group, cbits);
   const bool dbl = x_.scalar_type() == at::kDouble;
@@ -311,7 +313,7 @@ at::Tensor lowbit_linear_cuda(const at::Tensor& x_, const at::Tensor& packed, co
   check_launch(qc_cuda_lowbit_act(y.mutable_data_ptr(), float_code(y.scalar_type()), y.numel(), act, stream()),
                "lowbit_linear (act)");
   if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == y.sizes(), "qcompress.lowbit_linear: residual has shape ", residual->sizes(),
+    QC_CHECK(residual->sizes() == y.sizes(), "qcompress.lowbit_linear: residual has shape ", residual->sizes(),
                 ", the output ", y.sizes());
     y.add_(*residual);
   }
@@ -323,13 +325,13 @@ at::Tensor lowbit_linear_a8_cuda(const at::Tensor& xq_, const at::Tensor& x_scal
                                  const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                                  int64_t n, int64_t group, int64_t cbits, at::ScalarType out_dtype) {
   c10::cuda::CUDAGuard guard(xq_.device());
-  TORCH_CHECK(xq_.dim() >= 1 && xq_.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8");
+  QC_CHECK(xq_.dim() >= 1 && xq_.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8");
   const int64_t k = xq_.size(-1);
   lowbit_check_weight(packed, scales, offsets, n, k, group, cbits);
   at::Tensor xq = xq_.contiguous();
   const int64_t m = k ? xq.numel() / k : 0;
   auto per_token = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
-    TORCH_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
+    QC_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
                 " elements, expected one per token (", m, ") or one");
     return t.reshape({-1}).to(xq.device(), dt).expand({m}).contiguous();
   };

@@ -16,6 +16,8 @@
 // Threads: row blocks split with at::parallel_for.
 #include "lowbit_gemm.h"
 
+#include "qcompress/check.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -297,7 +299,7 @@ int initial_isa() {
   const char* env = std::getenv("QCOMPRESS_LOWBIT_ISA");
   if (env == nullptr || *env == '\0' || std::string(env) == "auto") return best;
   const int want = isa_from_name(env);
-  TORCH_CHECK(want >= 0, "QCOMPRESS_LOWBIT_ISA=", env, ": expected auto, scalar, avx2, avx512, avx512_vnni or amx");
+  QC_CHECK(want >= 0, "QCOMPRESS_LOWBIT_ISA=", env, ": expected auto, scalar, avx2, avx512, avx512_vnni or amx");
   return std::min(want, best);
 }
 
@@ -331,9 +333,9 @@ A8Fn a8_kernel(int isa) {
 // ---- argument checks and the torch glue -----------------------------------------------------------
 
 Geometry checked_geometry(int64_t n, int64_t k, int64_t group, int64_t cbits) {
-  TORCH_CHECK(cbits == 2 || cbits == 4 || cbits == 8, "qcompress.lowbit: container bits must be 2, 4 or 8, got ", cbits);
-  TORCH_CHECK(n >= 1 && k >= 1, "qcompress.lowbit: empty weight (", n, " x ", k, ")");
-  TORCH_CHECK(group >= 1 && group <= kMaxGroup, "qcompress.lowbit: group length ", group,
+  QC_CHECK(cbits == 2 || cbits == 4 || cbits == 8, "qcompress.lowbit: container bits must be 2, 4 or 8, got ", cbits);
+  QC_CHECK(n >= 1 && k >= 1, "qcompress.lowbit: empty weight (", n, " x ", k, ")");
+  QC_CHECK(group >= 1 && group <= kMaxGroup, "qcompress.lowbit: group length ", group,
               " outside [1, ", kMaxGroup, "] (int32 sums of longer groups could overflow)");
   return make_geometry(n, k, group, static_cast<int>(cbits));
 }
@@ -341,16 +343,16 @@ Geometry checked_geometry(int64_t n, int64_t k, int64_t group, int64_t cbits) {
 WView weight_view(const Geometry& g, const at::Tensor& packed, const at::Tensor& scales,
                   const std::optional<at::Tensor>& offsets) {
   const int64_t params = g.nb * g.ng * kRows;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
+  QC_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
               "qcompress.lowbit: packed weight must be contiguous uint8 of ", g.nb * g.block_bytes(),
               " bytes for a ", g.n, " x ", g.k, " weight (", g.cbits, "-bit, group ", g.group, "), got ",
               packed.scalar_type(), " with ", packed.numel(), " elements");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == params,
+  QC_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == params,
               "qcompress.lowbit: scales must be contiguous float32 with ", params, " elements, got ",
               scales.scalar_type(), " with ", scales.numel());
   WView w{packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), nullptr, g};
   if (offsets.has_value() && offsets->numel()) {
-    TORCH_CHECK(offsets->scalar_type() == at::kByte && offsets->is_contiguous() && offsets->numel() == params,
+    QC_CHECK(offsets->scalar_type() == at::kByte && offsets->is_contiguous() && offsets->numel() == params,
                 "qcompress.lowbit: offsets must be contiguous uint8 with ", params, " elements");
     w.offs = offsets->const_data_ptr<uint8_t>();
   }
@@ -358,7 +360,7 @@ WView weight_view(const Geometry& g, const at::Tensor& packed, const at::Tensor&
 }
 
 void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), "qcompress.lowbit: ", what, " is on ", t.device(), ", expected the CPU");
+  QC_CHECK(t.device().is_cpu(), "qcompress.lowbit: ", what, " is on ", t.device(), ", expected the CPU");
 }
 
 // x [M, K] -> [M, Kp] with every group padded to gp columns (zeros), in `dtype`.
@@ -439,9 +441,9 @@ std::string lowbit_isa(c10::string_view request) {
   if (!request.empty()) {
     const int best = detect_isa();
     const int want = request == "auto" ? best : isa_from_name(request);
-    TORCH_CHECK(want >= 0, "qcompress.lowbit_isa: unknown instruction set '", std::string(request),
+    QC_CHECK(want >= 0, "qcompress.lowbit_isa: unknown instruction set '", std::string(request),
                 "' (expected auto, scalar, avx2, avx512, avx512_vnni or amx)");
-    TORCH_CHECK(want <= best, "qcompress.lowbit_isa: this CPU does not have ", std::string(request),
+    QC_CHECK(want <= best, "qcompress.lowbit_isa: this CPU does not have ", std::string(request),
                 " (best: ", kIsaNames[best], ")");
     active_isa().store(want);
   }
@@ -481,25 +483,25 @@ void pack_group_lanes(uint8_t* pk, const Geometry& g, int64_t n, int64_t gi, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_prepack_cpu(
     const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_, int64_t group,
     int64_t cbits) {
-  TORCH_CHECK(q_.dim() == 2 && q_.scalar_type() == at::kChar, "qcompress.lowbit_prepack: codes must be int8 [N, K], got ",
+  QC_CHECK(q_.dim() == 2 && q_.scalar_type() == at::kChar, "qcompress.lowbit_prepack: codes must be int8 [N, K], got ",
               q_.scalar_type(), " ", q_.sizes());
   check_cpu(q_, "the weight codes");
   const Geometry g = checked_geometry(q_.size(0), q_.size(1), group, cbits);
-  TORCH_CHECK(scale_.dim() == 2 && scale_.size(0) == g.n && scale_.size(1) == g.ng,
+  QC_CHECK(scale_.dim() == 2 && scale_.size(0) == g.n && scale_.size(1) == g.ng,
               "qcompress.lowbit_prepack: scale must be [", g.n, ", ", g.ng, "], got ", scale_.sizes());
   const int lo = -code_bias(g.cbits), hi = code_bias(g.cbits) - 1;
   const at::Tensor q = q_.contiguous();
   const at::Tensor scale = scale_.to(at::kFloat).contiguous();
   at::Tensor zp;
   if (zp_.has_value()) {
-    TORCH_CHECK(zp_->sizes() == scale_.sizes() && !zp_->is_floating_point(),
+    QC_CHECK(zp_->sizes() == scale_.sizes() && !zp_->is_floating_point(),
                 "qcompress.lowbit_prepack: zero point must be integer and shaped like scale ", scale_.sizes(),
                 ", got ", zp_->scalar_type(), " ", zp_->sizes());
     zp = zp_->to(at::kInt).contiguous();
-    TORCH_CHECK(zp.numel() == 0 || (zp.min().item<int>() >= lo && zp.max().item<int>() <= hi),
+    QC_CHECK(zp.numel() == 0 || (zp.min().item<int>() >= lo && zp.max().item<int>() <= hi),
                 "qcompress.lowbit_prepack: zero points outside the signed ", g.cbits, "-bit range");
   }
-  TORCH_CHECK(q.min().item<int>() >= lo && q.max().item<int>() <= hi, "qcompress.lowbit_prepack: codes outside the signed ",
+  QC_CHECK(q.min().item<int>() >= lo && q.max().item<int>() <= hi, "qcompress.lowbit_prepack: codes outside the signed ",
               g.cbits, "-bit range [", lo, ", ", hi, "]");
   const int64_t params = g.nb * g.ng * kRows;
   at::Tensor packed = at::zeros({g.nb * g.block_bytes()}, q.options().dtype(at::kByte));
@@ -534,7 +536,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_prepack_cpu(
 at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, int64_t cbits) {
   const Geometry g = checked_geometry(n, k, group, cbits);
   check_cpu(packed, "the packed weight");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
+  QC_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.nb * g.block_bytes(),
               "qcompress.lowbit_unpack: packed weight must be contiguous uint8 of ", g.nb * g.block_bytes(), " bytes");
   at::Tensor q = at::empty({n, k}, packed.options().dtype(at::kChar));
   const uint8_t* pk = packed.const_data_ptr<uint8_t>();
@@ -551,7 +553,7 @@ at::Tensor lowbit_unpack_cpu(const at::Tensor& packed, int64_t n, int64_t k, int
 // The bias as float32 [n] for the kernels' epilogues (undefined without one).
 static at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
   if (!bias.has_value()) return {};
-  TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected ", n);
+  QC_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected ", n);
   return bias->to(at::kFloat).contiguous();
 }
 
@@ -679,7 +681,7 @@ int lowbit_act_code(c10::string_view name) {
   if (name == "relu") return kActRelu;
   if (name == "gelu_tanh") return kActGeluTanh;
   if (name == "silu") return kActSilu;
-  TORCH_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu', 'gelu_tanh', 'relu' or 'silu', got '",
+  QC_CHECK(false, "qcompress.lowbit_linear: act must be 'none', 'gelu', 'gelu_tanh', 'relu' or 'silu', got '",
               std::string(name), "'");
   return kActNone;
 }
@@ -708,7 +710,7 @@ static at::Tensor residual_rows(const at::Tensor& x, const std::optional<at::Ten
   if (!residual.has_value()) return {};
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  TORCH_CHECK(residual->sizes().vec() == shape, op, ": residual has shape ", residual->sizes(),
+  QC_CHECK(residual->sizes().vec() == shape, op, ": residual has shape ", residual->sizes(),
               ", the output ", c10::IntArrayRef(shape));
   check_cpu(*residual, "residual");
   if (x.scalar_type() != at::kFloat || residual->scalar_type() != at::kFloat) return {};
@@ -733,7 +735,7 @@ at::Tensor lowbit_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
 static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias_,
                                int64_t n, int64_t group, int64_t cbits, int act, const float* res, bool& fused) {
-  TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
+  QC_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear: x must be a float tensor");
   check_cpu(x, "x");
   const Geometry g = checked_geometry(n, x.size(-1), group, cbits);
   const WView w = weight_view(g, packed, scales, offsets);
@@ -826,7 +828,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                                 const std::optional<at::Tensor>& bias_, int64_t n, int64_t group, int64_t cbits,
                                 at::ScalarType out_dtype) {
-  TORCH_CHECK(xq.dim() >= 1 && xq.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8, got ",
+  QC_CHECK(xq.dim() >= 1 && xq.scalar_type() == at::kChar, "qcompress.lowbit_linear_a8: activation codes must be int8, got ",
               xq.scalar_type());
   check_cpu(xq, "the activation codes");
   const Geometry g = checked_geometry(n, xq.size(-1), group, cbits);
@@ -836,7 +838,7 @@ at::Tensor lowbit_linear_a8_cpu(const at::Tensor& xq, const at::Tensor& x_scale,
   const at::Tensor xp = pad_groups(xq.reshape({m, g.k}), g, at::kChar);
   const at::Tensor xsum = group_sums(xp, m, g);
   auto per_token = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
-    TORCH_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
+    QC_CHECK(t.numel() == m || t.numel() == 1, "qcompress.lowbit_linear_a8: ", what, " has ", t.numel(),
                 " elements, expected one per token (", m, ") or one");
     return t.reshape({-1}).to(dt).expand({m}).contiguous();
   };
@@ -970,8 +972,8 @@ at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packe
                                     int64_t n, int64_t group, int64_t cbits, int64_t abits, bool symmetric,
                                     int64_t seed, c10::string_view act_name,
                                     const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear_dyn_a8: x must be a float tensor");
-  TORCH_CHECK(abits >= 2 && abits <= 8, "qcompress.lowbit_linear_dyn_a8: activation bits must be 2..8, got ", abits);
+  QC_CHECK(x.dim() >= 1 && x.is_floating_point(), "qcompress.lowbit_linear_dyn_a8: x must be a float tensor");
+  QC_CHECK(abits >= 2 && abits <= 8, "qcompress.lowbit_linear_dyn_a8: activation bits must be 2..8, got ", abits);
   const int act = lowbit_act_code(act_name);
   const int64_t k = x.size(-1);
   const int64_t m = k ? x.numel() / k : 0;

@@ -1,6 +1,8 @@
 // CPU dequantize, straight-through backward, int32 packing and the 1-bit compressor; plus the
 // argument checks shared with the CUDA glue.
 #include <ATen/ATen.h>
+
+#include "qcompress/check.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,15 +17,15 @@ namespace qc {
 QuantConfig make_config(const at::Tensor& x, const std::optional<at::Tensor>& range, int64_t rows,
                         int64_t cols, int64_t group, int64_t bits, int64_t kind, bool symmetric,
                         bool deepspeed, int64_t rounding, int64_t seed) {
-  TORCH_CHECK(rows >= 0 && cols >= 0 && rows * cols == x.numel(), "qcompress: layout rows=", rows,
+  QC_CHECK(rows >= 0 && cols >= 0 && rows * cols == x.numel(), "qcompress: layout rows=", rows,
               " x cols=", cols, " does not match the tensor's ", x.numel(), " elements");
-  TORCH_CHECK(group >= 0, "qcompress: group must be >= 0, got ", group);
-  TORCH_CHECK(group > 0 || x.numel() == 0, "qcompress: group 0 (zero-width view) needs an empty tensor");
-  TORCH_CHECK(bits >= 1 && bits <= 16, "qcompress: bits must be in 1..16, got ", bits);
-  TORCH_CHECK(kind >= kInt && kind <= kTernary, "qcompress: kind must be 0 (int), 1 (binary) or 2 (ternary), got ", kind);
-  TORCH_CHECK(kind == kInt || symmetric, "qcompress: binary/ternary quantization is symmetric only");
-  TORCH_CHECK(rounding == kNearest || rounding == kStochastic, "qcompress: rounding must be 0 or 1, got ", rounding);
-  TORCH_CHECK(x.is_floating_point(), "qcompress: expected a floating point tensor, got ", x.scalar_type());
+  QC_CHECK(group >= 0, "qcompress: group must be >= 0, got ", group);
+  QC_CHECK(group > 0 || x.numel() == 0, "qcompress: group 0 (zero-width view) needs an empty tensor");
+  QC_CHECK(bits >= 1 && bits <= 16, "qcompress: bits must be in 1..16, got ", bits);
+  QC_CHECK(kind >= kInt && kind <= kTernary, "qcompress: kind must be 0 (int), 1 (binary) or 2 (ternary), got ", kind);
+  QC_CHECK(kind == kInt || symmetric, "qcompress: binary/ternary quantization is symmetric only");
+  QC_CHECK(rounding == kNearest || rounding == kStochastic, "qcompress: rounding must be 0 or 1, got ", rounding);
+  QC_CHECK(x.is_floating_point(), "qcompress: expected a floating point tensor, got ", x.scalar_type());
   QuantConfig c;
   c.rows = rows;
   c.cols = cols;
@@ -43,7 +45,7 @@ QuantConfig make_config(const at::Tensor& x, const std::optional<at::Tensor>& ra
   }
   if (range.has_value()) {
     const at::Tensor& r = *range;
-    TORCH_CHECK(r.scalar_type() == at::kFloat && r.numel() == 2,
+    QC_CHECK(r.scalar_type() == at::kFloat && r.numel() == 2,
                 "qcompress: range must be a float32 tensor [min, max]");
     c.has_range = true;
     if (r.device().is_cpu()) {
@@ -57,17 +59,17 @@ QuantConfig make_config(const at::Tensor& x, const std::optional<at::Tensor>& ra
 
 void check_dequant_args(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                         int64_t rows, int64_t cols, int64_t group) {
-  TORCH_CHECK(rows >= 0 && cols >= 0 && rows * cols == q.numel(), "qcompress.dequantize: layout rows=", rows,
+  QC_CHECK(rows >= 0 && cols >= 0 && rows * cols == q.numel(), "qcompress.dequantize: layout rows=", rows,
               " x cols=", cols, " does not match the ", q.numel(), " codes");
-  TORCH_CHECK(group > 0 || q.numel() == 0, "qcompress.dequantize: group must be >= 1");
-  TORCH_CHECK(!q.is_floating_point() && !q.is_complex() && q.scalar_type() != at::kBool,
+  QC_CHECK(group > 0 || q.numel() == 0, "qcompress.dequantize: group must be >= 1");
+  QC_CHECK(!q.is_floating_point() && !q.is_complex() && q.scalar_type() != at::kBool,
               "qcompress.dequantize: codes must be an integer tensor, got ", q.scalar_type());
   const int64_t ngr = group > 0 ? std::max<int64_t>(1, (cols + group - 1) / group) : 1;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == rows * ngr,
+  QC_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == rows * ngr,
               "qcompress.dequantize: expected ", rows * ngr, " float32 scales, got ", scale.numel(), " ",
               scale.scalar_type());
   if (zp.has_value()) {
-    TORCH_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == rows * ngr,
+    QC_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == rows * ngr,
                 "qcompress.dequantize: expected ", rows * ngr, " float32 zero points, got ", zp->numel());
   }
 }
@@ -108,7 +110,7 @@ inline void store_out(O* p, V v, int n) {
 at::Tensor dequantize_cpu(const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_,
                           int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype) {
   check_dequant_args(q_, scale_, zp_, rows, cols, group);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+  QC_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
               "qcompress.dequantize: output dtype must be a float type, got ", dtype);
   at::Tensor q = q_.contiguous(), scale = scale_.contiguous();
   at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
@@ -144,8 +146,8 @@ at::Tensor dequantize_cpu(const at::Tensor& q_, const at::Tensor& scale_, const 
 }
 
 at::Tensor ste_backward_cpu(const at::Tensor& grad_, const at::Tensor& mask_) {
-  TORCH_CHECK(mask_.scalar_type() == at::kBool, "qcompress.ste_backward: mask must be bool");
-  TORCH_CHECK(grad_.sizes() == mask_.sizes(), "qcompress.ste_backward: grad ", grad_.sizes(),
+  QC_CHECK(mask_.scalar_type() == at::kBool, "qcompress.ste_backward: mask must be bool");
+  QC_CHECK(grad_.sizes() == mask_.sizes(), "qcompress.ste_backward: grad ", grad_.sizes(),
               " and mask ", mask_.sizes(), " differ in shape");
   at::Tensor grad = grad_.contiguous(), mask = mask_.contiguous();
   at::Tensor out = empty_reused(grad.sizes(), grad.options());
@@ -171,9 +173,9 @@ at::Tensor ste_backward_cpu(const at::Tensor& grad_, const at::Tensor& mask_) {
 }
 
 at::Tensor pack_int32_cpu(const at::Tensor& q_, int64_t bits) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8, got ", bits);
-  TORCH_CHECK(q_.dim() >= 1, "qcompress.pack_int32: needs at least one dimension");
-  TORCH_CHECK(!q_.is_floating_point() && q_.scalar_type() != at::kBool, "qcompress.pack_int32: codes must be integers");
+  QC_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.pack_int32: bits must be 1, 2, 4 or 8, got ", bits);
+  QC_CHECK(q_.dim() >= 1, "qcompress.pack_int32: needs at least one dimension");
+  QC_CHECK(!q_.is_floating_point() && q_.scalar_type() != at::kBool, "qcompress.pack_int32: codes must be integers");
   at::Tensor q = q_.contiguous();
   const int64_t per = 32 / bits, k = q.size(-1);
   const int64_t rows = k ? q.numel() / k : 0;
@@ -204,11 +206,11 @@ at::Tensor pack_int32_cpu(const at::Tensor& q_, int64_t bits) {
 }
 
 at::Tensor unpack_int32_cpu(const at::Tensor& packed_, int64_t bits, int64_t length) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.unpack_int32: bits must be 1, 2, 4 or 8, got ", bits);
-  TORCH_CHECK(packed_.scalar_type() == at::kInt && packed_.dim() >= 1, "qcompress.unpack_int32: expected int32 words");
+  QC_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "qcompress.unpack_int32: bits must be 1, 2, 4 or 8, got ", bits);
+  QC_CHECK(packed_.scalar_type() == at::kInt && packed_.dim() >= 1, "qcompress.unpack_int32: expected int32 words");
   at::Tensor p = packed_.contiguous();
   const int64_t per = 32 / bits, words = p.size(-1);
-  TORCH_CHECK(length >= 0 && length <= words * per, "qcompress.unpack_int32: length ", length,
+  QC_CHECK(length >= 0 && length <= words * per, "qcompress.unpack_int32: length ", length,
               " does not fit in ", words, " words of ", per, " values");
   const int64_t rows = words ? p.numel() / words : 0;
   std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
@@ -319,10 +321,10 @@ double signs_sumsq_chunk(const T* xp, const float* e, uint8_t* pk, int64_t b, in
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& x_, const at::Tensor& err_) {
-  TORCH_CHECK(x_.numel() == err_.numel(), "qcompress.onebit_compress: x has ", x_.numel(),
+  QC_CHECK(x_.numel() == err_.numel(), "qcompress.onebit_compress: x has ", x_.numel(),
               " elements but error has ", err_.numel());
-  TORCH_CHECK(x_.numel() % 8 == 0, "qcompress.onebit_compress: needs a multiple of 8 elements, got ", x_.numel());
-  TORCH_CHECK(err_.scalar_type() == at::kFloat, "qcompress.onebit_compress: error must be float32");
+  QC_CHECK(x_.numel() % 8 == 0, "qcompress.onebit_compress: needs a multiple of 8 elements, got ", x_.numel());
+  QC_CHECK(err_.scalar_type() == at::kFloat, "qcompress.onebit_compress: error must be float32");
   at::Tensor x = x_.contiguous().reshape(-1), err = err_.contiguous().reshape(-1);
   const int64_t n = x.numel();
   at::Tensor packed = at::empty({n / 8}, x.options().dtype(at::kByte));
@@ -331,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> onebit_compress_cpu(const at::Ten
   const float* e = err.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_onebit_compress", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "qcompress.onebit_compress: float64 input is converted by the Python wrapper");
+      QC_CHECK(false, "qcompress.onebit_compress: float64 input is converted by the Python wrapper");
     } else {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       uint8_t* pk = packed.data_ptr<uint8_t>();
@@ -442,8 +444,8 @@ void onebit_decode_range(const uint8_t* pk, int64_t pstride, const float* w, int
 // packed: uint8 [P, >= m] rows with unit inner stride (a view of payload rows is fine: no copy).
 at::Tensor onebit_decode_impl(const at::Tensor& packed_, const at::Tensor& scales_, int64_t m, bool average,
                               const char* name) {
-  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.dim() == 2, name, ": packed must be uint8 [P, m]");
-  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == packed_.size(0), name, ": expected ",
+  QC_CHECK(packed_.scalar_type() == at::kByte && packed_.dim() == 2, name, ": packed must be uint8 [P, m]");
+  QC_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == packed_.size(0), name, ": expected ",
               packed_.size(0), " float32 scales");
   at::Tensor packed = packed_.stride(1) == 1 || packed_.size(1) <= 1 ? packed_ : packed_.contiguous();
   at::Tensor scales = scales_.contiguous();

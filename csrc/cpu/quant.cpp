@@ -3,6 +3,8 @@
 // between its two passes. Few large groups (per tensor): a chunked parallel reduction, then a
 // parallel elementwise pass.
 #include <ATen/ATen.h>
+
+#include "qcompress/check.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -365,7 +367,7 @@ template <typename T>
 T* mdata_of(const at::Tensor& t) { return reinterpret_cast<T*>(t.mutable_data_ptr()); }
 
 void raise_bad(int64_t bad, int64_t groups) {
-  TORCH_CHECK(bad == 0, kNonFiniteTag, bad, " of ", groups,
+  QC_CHECK(bad == 0, kNonFiniteTag, bad, " of ", groups,
               " quantization groups contain NaN or Inf values; fix the input before quantizing");
 }
 
@@ -384,11 +386,11 @@ void empty_groups(const QuantConfig& c, float* scale, float* zp) {
 void check_group_params(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                         const QuantConfig& c, const char* op) {
   const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
+  QC_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == G && scale.device() == x.device(),
               op, ": expected ", G, " float32 scales on ", x.device(), ", got ", scale.numel(), " ",
               scale.scalar_type(), " on ", scale.device());
   if (zp.has_value()) {
-    TORCH_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
+    QC_CHECK(zp->scalar_type() == at::kFloat && zp->numel() == G && zp->device() == x.device(),
                 op, ": expected ", G, " float32 zero points on ", x.device(), ", got ", zp->numel(), " ",
                 zp->scalar_type());
   }
@@ -513,12 +515,12 @@ at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const
                           int64_t rows, int64_t cols, int64_t group, int64_t bits) {
   const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zps_.has_value(), false, 0, 0);
   const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
-  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.dim() == 2 && scales_.size(1) == G &&
+  QC_CHECK(scales_.scalar_type() == at::kFloat && scales_.dim() == 2 && scales_.size(1) == G &&
                   scales_.device() == x_.device(),
               "qcompress::mse_errors: expected float32 scales [candidates, ", G, "]");
   const int64_t K = scales_.size(0);
   if (zps_.has_value()) {
-    TORCH_CHECK(zps_->scalar_type() == at::kFloat && zps_->sizes() == scales_.sizes(),
+    QC_CHECK(zps_->scalar_type() == at::kFloat && zps_->sizes() == scales_.sizes(),
                 "qcompress::mse_errors: zero points must be float32 shaped like the scales");
   }
   at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
@@ -532,7 +534,7 @@ at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_mse_errors", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "qcompress::mse_errors: float64 input is converted by the Python wrapper");
+      QC_CHECK(false, "qcompress::mse_errors: float64 input is converted by the Python wrapper");
     } else {
       const scalar_t* xd = data_of<scalar_t>(x);
       at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
@@ -564,7 +566,7 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x_, c
   const float* z = zp.defined() ? zp.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_fake_quant_params", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "qcompress::fake_quant_params: float64 input is converted by the Python wrapper");
+      QC_CHECK(false, "qcompress::fake_quant_params: float64 input is converted by the Python wrapper");
     } else {
       Outputs<scalar_t, int8_t> o;
       o.y = mdata_of<scalar_t>(y);
@@ -589,7 +591,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cpu(const at::Tensor
   const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zp_.has_value(), false,
                                     rounding, seed);
   check_group_params(x_, scale_, zp_, c, "qcompress::lsq_backward");
-  TORCH_CHECK(grad_.sizes() == x_.sizes() && grad_.is_floating_point() && grad_.device() == x_.device(),
+  QC_CHECK(grad_.sizes() == x_.sizes() && grad_.is_floating_point() && grad_.device() == x_.device(),
               "qcompress::lsq_backward: grad must be a floating tensor shaped like x");
   at::Tensor x = x_.contiguous(), grad = grad_.contiguous(), scale = scale_.contiguous();
   at::Tensor zp = zp_.has_value() ? zp_->contiguous() : at::Tensor();
@@ -635,7 +637,7 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_cpu(const at::Tensor& x_, const st
     o.y = mdata_of<scalar_t>(y);
     o.mask = with_mask ? mask.mutable_data_ptr<bool>() : nullptr;
     if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "qcompress::fake_quant: float64 input is converted by the Python wrapper");
+      QC_CHECK(false, "qcompress::fake_quant: float64 input is converted by the Python wrapper");
     } else {
       raise_bad(dispatch_mode<scalar_t, int8_t>(data_of<scalar_t>(x), c, o), c.rows * c.groups_per_row());
     }
@@ -661,7 +663,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
   if (G == 0) return {q, scale, zp.to(at::kInt)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_quantize", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "qcompress::quantize: float64 input is converted by the Python wrapper");
+      QC_CHECK(false, "qcompress::quantize: float64 input is converted by the Python wrapper");
     } else {
       int64_t bad;
       if (small) {
