@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import train_step  # noqa: E402  (model builders and the qcompress recipes of issue 13)
 
-STEP_VARIANTS = ("fp32", "qc_w8a8", "qc_w4a8", "qc_w4")
+STEP_VARIANTS = ("fp32", "qc_w8a8", "qc_w4a8", "qc_w4", "qc_w8a8+sync")   # +sync: a NaN/Inf check per call
 
 
 def cuda_time(fn, reps=20, warm=3):
@@ -50,15 +50,18 @@ def cuda_time(fn, reps=20, warm=3):
 def step_table(model_name, batch, steps, autocast):
     train_step.BATCH = batch
     runs = {}
+    from qcompress.quant import kernels as K
     for v in STEP_VARIANTS:
         model, data = train_step.build(model_name)
-        framework, recipe = train_step.VARIANTS[v]
+        framework, recipe = train_step.VARIANTS[v.partition("+")[0]]
         after = train_step.apply_qcompress(model, recipe) if framework == "qcompress" else None
+        sync = v.endswith("+sync")
         model.cuda()
         data = {k: t.cuda() for k, t in data.items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-        def one(model=model, data=data, opt=opt, after=after):
+        def one(model=model, data=data, opt=opt, after=after, sync=sync):
+            old = K.cuda_sync_checks(sync)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(**data).loss
             loss.backward()
@@ -66,6 +69,7 @@ def step_table(model_name, batch, steps, autocast):
             opt.zero_grad(set_to_none=True)
             if after is not None:
                 after()
+            K.cuda_sync_checks(old)
         for _ in range(3):
             one()
         torch.cuda.synchronize()
@@ -95,6 +99,30 @@ def step_table(model_name, batch, steps, autocast):
         r.clear()
     torch.cuda.empty_cache()
     return out
+
+
+def profile(model_name, batch):
+    """torch.profiler's top ops of one qcompress W8A8 step (what the QAT step spends beyond FP32)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    train_step.BATCH = batch
+    model, data = train_step.build(model_name)
+    after = train_step.apply_qcompress(model, "w8a8")
+    model.cuda()
+    data = {k: t.cuda() for k, t in data.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def one():
+        model(**data).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after()
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        one()
+        torch.cuda.synchronize()
+    return p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
 
 
 def kernel_table(n):
@@ -179,7 +207,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--elements", type=int, default=1 << 26)
     p.add_argument("--json", metavar="OUT.json")
-    p.add_argument("--parts", default="kernels,steps,reload")
+    p.add_argument("--parts", default="kernels,steps,reload", help="also: profile")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA device")
@@ -198,6 +226,9 @@ def main(argv=None):
                 rows = step_table(model_name, a.batch, a.steps, autocast)
                 result["steps"] += rows
                 print(markdown(rows), "\n", flush=True)
+    if "profile" in parts:
+        result["profile"] = profile("bert", a.batch)
+        print(result["profile"], flush=True)
     if "reload" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             result["reload"] = reload_table(tmp)

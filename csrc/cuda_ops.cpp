@@ -5,6 +5,11 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <string>
+
 #include "qcompress/check.h"
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -53,7 +58,45 @@ qc_cuda_quant_args cuda_args(const QuantConfig& c, const std::optional<at::Tenso
   return a;
 }
 
-// Runs the quantizer; any of y/mask/q may be undefined. Raises on NaN/Inf groups (one sync).
+// NaN/Inf report. Reading the kernel's count back is a device sync, and one per quantizer call
+// stalled the GPU: a QAT step took 2.0-2.6x FP32's on an H100 (benchmarks/RESULTS.md, "On a
+// GPU"). So by default the kernels add their count to a per-device counter that
+// `cuda_nonfinite_take` reads (qcompress.quant.kernels.check_nonfinite: once per
+// CompressionScheduler.step, at export); `cuda_sync_checks(true)` restores the check per call.
+std::atomic<bool> g_sync_checks{false};
+std::mutex g_pending_mutex;
+std::array<at::Tensor, 64> g_pending;
+
+int* pending_counter(const at::Tensor& x) {
+  const int dev = x.get_device();
+  QC_CHECK(dev >= 0 && dev < 64, "qcompress: CUDA device index ", dev, " out of range");
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  if (!g_pending[dev].defined()) g_pending[dev] = at::zeros({1}, x.options().dtype(at::kInt));
+  return g_pending[dev].mutable_data_ptr<int>();
+}
+
+void raise_nonfinite_groups(int64_t nbad, const std::string& of) {
+  QC_CHECK(nbad == 0, kNonFiniteTag, nbad, of,
+           " quantization groups contain NaN or Inf values; fix the input before quantizing");
+}
+
+bool cuda_sync_checks(bool on) { return g_sync_checks.exchange(on); }
+
+int64_t cuda_nonfinite_take(int64_t device) {
+  at::Tensor t;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    if (device < 0 || device >= 64 || !g_pending[device].defined()) return 0;
+    t = g_pending[device];
+  }
+  c10::cuda::CUDAGuard guard(t.device());
+  const int64_t n = t.item<int>();     // the one sync
+  if (n) t.zero_();
+  return n;
+}
+
+// Runs the quantizer; any of y/mask/q may be undefined. NaN/Inf groups: raised here (one sync)
+// in sync mode, else counted for cuda_nonfinite_take.
 void run(const at::Tensor& x, const QuantConfig& c, const std::optional<at::Tensor>& range, at::Tensor* y,
          at::Tensor* mask, at::Tensor* q, at::Tensor* scale, at::Tensor* zp) {
   at::Tensor range_dev;
@@ -62,17 +105,17 @@ void run(const at::Tensor& x, const QuantConfig& c, const std::optional<at::Tens
   at::Tensor sc = scale ? *scale : at::empty({groups}, x.options().dtype(at::kFloat));
   at::Tensor z = zp ? *zp : at::empty({groups}, x.options().dtype(at::kFloat));
   at::Tensor ws = at::empty({static_cast<int64_t>(qc_cuda_quant_workspace(&a))}, x.options().dtype(at::kByte));
-  at::Tensor bad = at::zeros({1}, x.options().dtype(at::kInt));
+  const bool sync = g_sync_checks.load();
+  at::Tensor bad = sync ? at::zeros({1}, x.options().dtype(at::kInt)) : at::Tensor();
   const int qcode = (q && q->scalar_type() == at::kInt) ? 1 : 0;
   check_launch(qc_cuda_quant(&a, x.const_data_ptr(), float_code(x.scalar_type()),
                              (y && y->defined()) ? y->mutable_data_ptr() : nullptr,
                              (mask && mask->defined() && mask->numel()) ? mask->mutable_data_ptr<bool>() : nullptr,
                              q ? q->mutable_data_ptr() : nullptr, qcode, sc.mutable_data_ptr<float>(),
-                             z.mutable_data_ptr<float>(), ws.mutable_data_ptr(), bad.mutable_data_ptr<int>(), stream()),
+                             z.mutable_data_ptr<float>(), ws.mutable_data_ptr(),
+                             sync ? bad.mutable_data_ptr<int>() : pending_counter(x), stream()),
                "quantize");
-  const int nbad = bad.item<int>();
-  QC_CHECK(nbad == 0, kNonFiniteTag, nbad, " of ", groups,
-              " quantization groups contain NaN or Inf values; fix the input before quantizing");
+  if (sync) raise_nonfinite_groups(bad.item<int>(), " of " + std::to_string(groups));
 }
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_cuda(const at::Tensor& x_, const std::optional<at::Tensor>& range,
@@ -355,6 +398,11 @@ at::Tensor lowbit_linear_a8_cuda(const at::Tensor& xq_, const at::Tensor& x_scal
 
 }  // namespace
 }  // namespace qc
+
+TORCH_LIBRARY_FRAGMENT(qcompress, m) {
+  m.def("cuda_sync_checks(bool on) -> bool", &qc::cuda_sync_checks);
+  m.def("cuda_nonfinite_take(int device) -> int", &qc::cuda_nonfinite_take);
+}
 
 TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
   m.impl("fake_quant", &qc::fake_quant_cuda);

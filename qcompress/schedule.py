@@ -18,6 +18,7 @@ from .config import as_config
 from .nn import ranges
 from .errors import NonFiniteError
 from .nn.layers import CompressMixin, located
+from .quant import kernels
 from .quant.api import dequantize, quantize_spec
 from .unwrap import unwrap
 
@@ -110,6 +111,7 @@ class CompressionScheduler:
 
     # --- the schedule ---------------------------------------------------------------------------
     def step(self) -> None:
+        kernels.check_nonfinite()   # the CUDA quantizers' NaN/Inf count of the step just taken
         self.training_steps += 1
         self._apply()
 

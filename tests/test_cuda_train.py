@@ -173,3 +173,22 @@ def test_device_cpu_on_a_gpu_machine_trains_on_the_cpu(folders, tmp_path, capsys
                      "--max-length", "16", "--batch-size", "8", "--no-progress", "--device", "cpu"]) == 0
     assert "training on the CPU" in capsys.readouterr().out
     assert json.load(open(os.path.join(out, "report.json")))["stages"]["exported"]["max_logit_diff_vs_qat"] == 0.0
+
+
+def test_a_nan_in_gpu_qat_is_raised_at_the_scheduler_step():
+    """The CUDA quantizers count NaN/Inf instead of syncing per call; the step reports them."""
+    import qcompress as qc
+    from qcompress.errors import NonFiniteError
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    cfg = qat_cfg("channel", "dynamic", False)
+    init_compression(model, cfg)
+    model.to(DEV)
+    sched = qc.CompressionScheduler(model, cfg)
+    x = torch.randn(8, 16, device=DEV)
+    model(x).sum().backward()
+    sched.step()                                   # clean step: nothing to report
+    x[3, 5] = float("nan")
+    model(x).sum().backward()
+    with pytest.raises(NonFiniteError, match="cuda:0 contained NaN or Inf"):
+        sched.step()

@@ -72,13 +72,28 @@ def test_cuda_matches_cpu_reference(gran, extra, shape):
 
 
 def test_cuda_static_range_and_nonfinite():
+    """NaN/Inf: counted without a sync and raised by check_nonfinite (once, with the count), or
+    raised at the call itself in sync mode."""
     x = torch.randn(4, 33)
     spec = R.make_spec(8, symmetric=False)
     same(K.fake_quantize_with_mask(x.to(DEV), spec, -1.0, 2.0)[0],
          R.fake_quantize_with_mask(x, spec, -1.0, 2.0)[0], "static range")
     x[1, 2] = float("nan")
-    with pytest.raises(NonFiniteError):
-        K.fake_quantize_with_mask(x.to(DEV), R.make_spec(4, granularity="group", group_size=8))
+    x[3, 30] = float("inf")
+    gspec = R.make_spec(4, granularity="group", group_size=8)     # 5 groups per row: 2 are hit
+    K.check_nonfinite()
+    K.fake_quantize_with_mask(x.to(DEV), gspec)
+    K.quantize(x.to(DEV), gspec)
+    with pytest.raises(NonFiniteError, match="^4 quantization groups on cuda:0"):
+        K.check_nonfinite()
+    K.check_nonfinite()                          # reset: nothing new since
+    old = K.cuda_sync_checks(True)
+    try:
+        with pytest.raises(NonFiniteError, match="2 of 20 quantization groups"):
+            K.fake_quantize_with_mask(x.to(DEV), gspec)
+    finally:
+        K.cuda_sync_checks(old)
+    assert old is False
 
 
 def test_cuda_packing_onebit_and_backward():

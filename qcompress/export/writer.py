@@ -14,6 +14,7 @@ from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
 from .errors import ExportError
+from ..quant import kernels as _kernels
 from ..unwrap import unwrap
 
 
@@ -148,6 +149,7 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     """
     out_dir = os.fspath(out_dir)
     limit = sio.parse_size(max_shard_size)
+    _kernels.check_nonfinite()      # a NaN a CUDA quantizer counted is not exported silently
     old = sio.existing_outputs(out_dir)
     if old and not force:
         raise FileExistsError(f"{os.path.join(out_dir, old[0])} already exists; pass force=True "

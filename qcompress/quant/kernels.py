@@ -29,6 +29,9 @@ try:
 except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
     _error = f"{type(exc).__name__}: {exc}"
 
+if _has_cuda and os.environ.get("QCOMPRESS_CUDA_SYNC_CHECKS", "") == "1":
+    torch.ops.qcompress.cuda_sync_checks(True)
+
 _cache_mb = os.environ.get("QCOMPRESS_CPU_CACHE_MB", "").strip()
 if _cache_mb and not _cache_mb.lstrip("-").isdigit():
     warnings.warn(f"QCOMPRESS_CPU_CACHE_MB={_cache_mb!r} is not a whole number of MB; the kernels keep "
@@ -58,6 +61,28 @@ def _ops():
 def on_kernel_device(*tensors) -> bool:
     """True when every tensor lives where a built kernel runs (CPU, or CUDA in a CUDA build)."""
     return all(t.device.type == "cpu" or (t.device.type == "cuda" and _has_cuda) for t in tensors)
+
+
+def cuda_sync_checks(on: bool) -> bool:
+    """Whether each CUDA quantizer call checks for NaN/Inf itself (one device sync per call, the
+    error raised at the call that met them) instead of counting them for check_nonfinite();
+    returns the previous setting. Off by default; QCOMPRESS_CUDA_SYNC_CHECKS=1 turns it on."""
+    return bool(torch.ops.qcompress.cuda_sync_checks(bool(on))) if _has_cuda else False
+
+
+def check_nonfinite() -> None:
+    """Raise NonFiniteError when a CUDA quantizer met NaN/Inf since the last check (the count is
+    then reset). The CPU kernels and the reference raise at the call itself; the CUDA kernels
+    count instead, because reading the count back syncs the GPU (benchmarks/RESULTS.md, "On a
+    GPU"). CompressionScheduler.step and export_quantized call this."""
+    if not _has_cuda or not torch.cuda.is_initialized():
+        return
+    for dev in range(torch.cuda.device_count()):
+        n = int(torch.ops.qcompress.cuda_nonfinite_take(dev))
+        if n:
+            raise NonFiniteError(f"{n} quantization groups on cuda:{dev} contained NaN or Inf values since the "
+                                 "last check (the last optimizer step); the run has diverged or its input holds "
+                                 "NaN/Inf: fix it, or set QCOMPRESS_CUDA_SYNC_CHECKS=1 to stop at the call")
 
 
 def _call(op, *args):
