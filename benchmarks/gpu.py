@@ -47,12 +47,27 @@ def cuda_time(fn, reps=20, warm=3):
     return statistics.median(times)
 
 
-def step_table(model_name, batch, steps, autocast):
+def build(model_name):
+    """train_step's models, or "bertW": a BERT of 6 layers W wide (W/64 heads, MLP 4W): the same
+    number of quantized layers, W^2 more GPU work per layer."""
+    if not model_name.startswith("bert") or model_name == "bert":
+        return train_step.build(model_name)
+    import transformers
+    w = int(model_name[4:])
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=w, num_hidden_layers=6, num_attention_heads=w // 64,
+                                  intermediate_size=4 * w, num_labels=5)
+    ids = torch.randint(0, cfg.vocab_size, (train_step.BATCH, train_step.SEQ))
+    return transformers.BertForSequenceClassification(cfg).train(), {
+        "input_ids": ids, "labels": torch.randint(0, 5, (train_step.BATCH,))}
+
+
+def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
     train_step.BATCH = batch
     runs = {}
     from qcompress.quant import kernels as K
-    for v in STEP_VARIANTS:
-        model, data = train_step.build(model_name)
+    for v in variants:
+        model, data = build(model_name)
         framework, recipe = train_step.VARIANTS[v.partition("+")[0]]
         after = train_step.apply_qcompress(model, recipe) if framework == "qcompress" else None
         sync = v.endswith("+sync")
@@ -207,6 +222,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--elements", type=int, default=1 << 26)
     p.add_argument("--json", metavar="OUT.json")
+    p.add_argument("--models", default="bert,llama", help="also bertW: BERT 6 x W (e.g. bert1024)")
     p.add_argument("--parts", default="kernels,steps,reload", help="also: profile")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -221,9 +237,10 @@ def main(argv=None):
         print(markdown(result["kernels"]), "\n", flush=True)
     if "steps" in parts:
         result["steps"] = []
-        for model_name in ("bert", "llama"):
+        for model_name in a.models.split(","):
             for autocast in (False, True):
-                rows = step_table(model_name, a.batch, a.steps, autocast)
+                rows = step_table(model_name, a.batch, a.steps, autocast,
+                                  STEP_VARIANTS if model_name in ("bert", "llama") else STEP_VARIANTS[:4])
                 result["steps"] += rows
                 print(markdown(rows), "\n", flush=True)
     if "profile" in parts:
