@@ -394,7 +394,7 @@ def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 # On a GPU the lowbit plans multiply by a float weight decoded once (_dense_on_gpu) with cuBLAS:
-# the CUDA low-bit kernels (csrc/cuda/lowbit_gemm.cu) are correctness kernels, 1.3-350x slower
+# the CUDA low-bit kernels (csrc/cuda/lowbit_gemm.cu) are correctness kernels, 1.5-340x slower
 # than cuBLAS on an H100 from 1 to 256 tokens (benchmarks/RESULTS.md, "On a GPU"). True runs them.
 CUDA_LOWBIT_KERNELS = False
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..config import as_config, load_config
 from ..config.training import take_auto
+from ..engine.engine import resolve_device
 from ..nn import int8_forward
 from . import loop
 from .data import DataError, prepare_data
@@ -201,7 +202,6 @@ def client_optimizer(doc: dict, lr: float, model: Optional[torch.nn.Module] = No
 
 def job_device(name: str) -> torch.device:
     """--device: auto is the GPU of this rank (cuda:LOCAL_RANK) when torch sees one, else the CPU."""
-    from ..engine.engine import resolve_device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
