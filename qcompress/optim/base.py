@@ -4,6 +4,13 @@ Holds what OneBitAdam, ZeroOneAdam and OneBitLamb have in common: argument check
 process group, the flat compression buckets, fp32 master copies for low-precision parameters,
 the `allreduce_gradients` contract with the engine / DDP hook, and checkpointing of the stage,
 the schedule counters and this rank's compression errors.
+
+A tensor without a gradient this step (p.grad is None: a block progressive layer drop skipped,
+a branch the forward did not take) is left as it is in every stage, the parameter and its
+state, as torch's AdamW leaves it. The compressed stages still fill its slot of the fixed layout
+(zeros) and drop what comes back. Like the warmup's gradient averaging, they take it that every
+rank agrees on which tensors have a gradient (progressive layer drop decides alike on every
+rank).
 """
 from __future__ import annotations
 

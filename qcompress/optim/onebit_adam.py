@@ -124,16 +124,13 @@ class OneBitAdam(CompressedOptimizer):
             for p in g["params"]:
                 st = self._state(p)
                 m = st["exp_avg"]
-                out = buckets.momentum_slot(stage, k, m, is_frozen(p))
+                grad = self._grad32(p)
+                out = buckets.momentum_slot(stage, k, m, is_frozen(p) or grad is None)
                 k += 1
-                if out is None:   # frozen: the state stays as it was
+                if out is None:   # frozen, or no gradient (base.py): the state stays as it was
                     targets.append(None)
                     continue
-                grad = self._grad32(p)
-                if grad is None:
-                    out.mul_(b1)  # every rank must send the same layout: a missing grad counts as 0
-                else:
-                    out.lerp_(grad, 1 - b1)
+                out.lerp_(grad, 1 - b1)
                 targets.append(m)
         if stage is not None:
             buckets.allreduce_staged_(targets, param_names(groups))
@@ -143,7 +140,7 @@ class OneBitAdam(CompressedOptimizer):
         for _, g in groups:
             bc1, bc2_sqrt = self.bias_corrections(g, t, var_steps)
             for p in g["params"]:
-                if is_frozen(p):
+                if is_frozen(p) or p.grad is None:
                     continue
                 st = self.state[p]
                 mask = self._mask(p)

@@ -133,17 +133,15 @@ class OneBitLamb(CompressedOptimizer):
             for p in g["params"]:
                 st = self.state[p]
                 m = st["exp_avg"]
-                prev.append(None if is_frozen(p) else m.clone())
-                out = buckets.momentum_slot(stage, k, m, is_frozen(p))
+                grad = self._grad32(p)
+                skip = is_frozen(p) or grad is None     # frozen, or no gradient (base.py)
+                prev.append(None if skip else m.clone())
+                out = buckets.momentum_slot(stage, k, m, skip)
                 k += 1
-                if out is None:   # frozen: the state stays as it was
+                if out is None:   # the state stays as it was
                     targets.append(None)
                     continue
-                grad = self._grad32(p)
-                if grad is None:
-                    out.mul_(b1)
-                else:
-                    out.lerp_(grad, 1 - b1)
+                out.lerp_(grad, 1 - b1)
                 if scale:
                     out.mul_(st["scaling_coeff"])
                 targets.append(m)
@@ -158,7 +156,7 @@ class OneBitLamb(CompressedOptimizer):
             _, bc2_fresh = bias_corrections(g, t, t)
             for p in g["params"]:
                 m_prev = next(it)
-                if is_frozen(p):
+                if m_prev is None:      # frozen or no gradient
                     continue
                 st = self.state[p]
                 m = st["exp_avg"]

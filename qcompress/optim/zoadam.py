@@ -154,7 +154,7 @@ class ZeroOneAdam(CompressedOptimizer):
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 grad = next(it)
-                if is_frozen(p):
+                if is_frozen(p) or p.grad is None:   # no gradient (base.py): it sent zeros
                     continue
                 mask = self._mask(p)
                 if mask is not None:
@@ -221,13 +221,10 @@ class ZeroOneAdam(CompressedOptimizer):
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 st = self._state(p)
-                if is_frozen(p):
-                    continue
                 grad = self._grad32(p)
-                if grad is None:
-                    st["exp_avg"].mul_(b1)
-                else:
-                    st["exp_avg"].lerp_(grad, 1 - b1)
+                if is_frozen(p) or grad is None:     # no gradient: left alone (base.py)
+                    continue
+                st["exp_avg"].lerp_(grad, 1 - b1)
                 p32 = self._param32(p)
                 denom = self.frozen_denom(p, st["exp_avg_sq"], bc2_sqrt, g["eps"])
                 self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], lr, wd, g["eps"], bc1, bc2_sqrt, denom)
