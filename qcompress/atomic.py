@@ -95,6 +95,24 @@ def fsync_dir(path: str) -> None:
 
 # --- owner locks -------------------------------------------------------------------------------
 
+def _unlink_private(path: str) -> None:
+    """Remove a lock file's private name (not a commit step: plain unlink, no crash injection)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _lock_new(fd: int) -> None:
+    """flock a file this process just created; a file system without locks goes on unlocked
+    (cleaners there cannot take any lock either, so they never delete our temporaries)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+
+
 class OwnerLock:
     """An exclusive flock on `path`, held by the writer that owns some temporaries."""
 
@@ -104,17 +122,33 @@ class OwnerLock:
 
     @classmethod
     def create(cls, path: str) -> "OwnerLock":
-        """Create the new lock file `path` and lock it (the name must be unique to this writer)."""
-        fd = create_exclusive(path)
-        if fcntl is not None:
+        """Create the new lock file `path` and lock it (the name must be unique to this writer;
+        FileExistsError when it is there). The file is locked under a private name first and then
+        hard-linked to `path`, so no cleaner can find it unlocked and take it as a dead owner's;
+        where hard links are refused, it is created at `path` and locked right after."""
+        if fcntl is None:
+            return cls(path, create_exclusive(path))
+        tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.new"
+        fd = create_exclusive(tmp)
+        try:
+            _lock_new(fd)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                # a file system without locks: go on unlocked; cleaners there cannot take
-                # any lock either, so they never delete our temporaries
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
+                os.link(tmp, path)          # FileExistsError as create_exclusive(path) raises it
+            except FileExistsError:
+                raise
+            except OSError:                 # no hard links here: the short unlocked window is back
+                os.close(fd)
+                fd = None
+                _unlink_private(tmp)
+                fd = create_exclusive(path)
+                _lock_new(fd)
+                return cls(path, fd)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            _unlink_private(tmp)
+            raise
+        _unlink_private(tmp)
         return cls(path, fd)
 
     @classmethod

@@ -237,3 +237,35 @@ def test_checkpoint_of_another_model_or_optimizer_is_refused(tmp_path):
     assert "betas" not in sgd.optimizer.param_groups[0]
     sgd.load_checkpoint(d, tag="t", load_optimizer_states=False)    # the weights alone
     assert _same(W.full_params(sgd), W.full_params(engine))
+
+
+def test_an_owner_lock_is_held_from_the_moment_its_name_appears(tmp_path, monkeypatch):
+    """OwnerLock.create locks the file under a private name and hard-links it into place, so a
+    cleaner looking at that instant finds a live owner (before, a window between the exclusive
+    create and the flock let a cleaner take the lock of a live writer)."""
+    from qcompress import atomic
+    if not atomic.claims_supported():
+        pytest.skip("no flock here: owner locks are not used")
+    path = str(tmp_path / "x.lock")
+    real_link, seen = os.link, []
+
+    def link(src, dst):
+        real_link(src, dst)
+        seen.append(atomic.OwnerLock.claim(dst))      # a cleaner, right as the name appears
+    monkeypatch.setattr(os, "link", link)
+    lock = atomic.OwnerLock.create(path)
+    assert seen == [None]
+    assert os.listdir(tmp_path) == ["x.lock"]         # the private name is gone
+    with pytest.raises(FileExistsError):
+        atomic.OwnerLock.create(path)
+    assert os.listdir(tmp_path) == ["x.lock"]
+    lock.release()
+    assert atomic.OwnerLock.claim(path) is not None   # released: a dead owner's (missing file)
+
+    def no_links(src, dst):
+        raise PermissionError(1, "hard links are not supported here")
+    monkeypatch.setattr(os, "link", no_links)          # the fallback: created in place, then locked
+    lock = atomic.OwnerLock.create(path)
+    assert atomic.OwnerLock.claim(path) is None
+    assert os.listdir(tmp_path) == ["x.lock"]
+    lock.release()
