@@ -62,6 +62,7 @@ RECIPES = {   # key: (label, schedule file, progressive)
     "w8to4": ("progressive W8→4 A8", "schedules/w4a8_progressive.yaml", True),
 }
 VARIANTS = ("qat", "qat_rl", "qad_rl")
+OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm)
 
 
 def fragment(variant: str, task: str = "lm") -> dict:
@@ -69,6 +70,8 @@ def fragment(variant: str, task: str = "lm") -> dict:
     as llm-compressor / ModelOpt distil from the original model; the FP32 fine-tune (`baseline`) for
     the classifier, whose pretrained checkpoint has a random head."""
     wq = {"observer": "minmax" if variant == "qat" else "mse", "range_learning": variant != "qat"}
+    if variant != "qat" and OBSERVER_KWARGS:
+        wq["observer_kwargs"] = dict(OBSERVER_KWARGS)
     doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
                                     "distillation": {"enabled": variant == "qad_rl"}}}
     if variant == "qad_rl":
@@ -376,10 +379,14 @@ def main(argv=None) -> int:
     p.add_argument("--ptq-pretrained", action="store_true",
                    help="causal LM: also PTQ the pretrained checkpoint (--lm, no fine-tune) with each recipe's "
                         "minmax and mse configs, on the first --eval-samples blocks and on all of them")
+    p.add_argument("--observer-kwargs", default=None, metavar="JSON",
+                   help='the mse variants\' search, e.g. \'{"maxshrink": 0.2, "norm": 2.4}\' (default: qcompress\'s)')
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
     a = p.parse_args(argv)
+    if a.observer_kwargs:
+        OBSERVER_KWARGS.update(json.loads(a.observer_kwargs))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base_args, metric, _, steps = task_args(a)
     if a.task == "classifier":

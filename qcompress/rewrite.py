@@ -1,6 +1,7 @@
 """The module-rewriting pass: init_compression, redundancy_clean, summary."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import warnings
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
+from .quant.observers import Search
 from .config.loader import source_of
 from .config.compression import CompressionConfig, Group, group_setting
 from .errors import ConfigError
@@ -245,7 +247,14 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
         change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio,
         seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0,
         range_observer=group_setting(cfg.compression.weight_quantization, group, "observer")[0],
+        range_search=_search(cfg.compression.weight_quantization, group),
         range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]))
+
+
+def _search(technique, group):
+    """The group's mse search (observer_kwargs): observers.Search's fields as a tuple."""
+    kw = group_setting(technique, group, "observer_kwargs")[0]
+    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm))
 
 
 def _act_quant(cfg, group: Group, module) -> ActQuant:
@@ -255,6 +264,7 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
                   calibration=shared.range_calibration, offset=shared.schedule_offset,
                   per="sample" if module.qc_kind == "conv" else "token",
                   range_observer=group_setting(cfg.compression.activation_quantization, group, "observer")[0],
+                  range_search=_search(cfg.compression.activation_quantization, group),
                   range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
                                                     "range_learning")[0]),
                   fused=shared.fused_backward, share_input=shared.share_input,

@@ -606,3 +606,80 @@ def test_job_optimizer_gives_learned_ranges_their_own_group_without_decay():
         else:
             assert g["weight_decay"] == 0.01 and g["lr"] == 1e-3
     assert client_optimizer({"optimizer": {"type": "Adam"}}, 1e-3, m) is None   # the config's own optimizer
+
+
+# --- observer_kwargs: the mse search's grid, shrink limit and error norm ----------------------------
+
+def norm_err(y, x, norm):
+    return float(((y - x).double().abs() ** norm).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("grid,maxshrink,norm", [(50, 0.3, 2.4), (20, 1.0, 3.0), (40, 0.5, 2.0)])
+def test_mse_search_settings_equal_brute_force(backend, sym, grid, maxshrink, norm):
+    """observer_kwargs (compressed-tensors' names): candidates p = 1 - k / grid, k < maxshrink x grid,
+    error sum |x^ - x|^norm; least squares refines norm 2 only. Oracle written here per group."""
+    bits = 3
+    x = heavy_tailed((5, 40), seed=3)
+    spec = make_spec(bits, symmetric=sym, granularity="group", group_size=16)
+    search = observers.Search(grid=grid, maxshrink=maxshrink, norm=norm)
+    chosen = observers.mse_shrink(x, spec, backend=None if backend == "kernel" else "reference", search=search)
+    cands = [1 - k / grid for k in range(int(round(maxshrink * grid)))]
+    for g, xs in enumerate(groups_of(x, "group", 16)):
+        lo, hi = xs.min(), xs.max()
+        errs = [norm_err(fq(xs, *grid_params(lo, hi, p, bits, sym), bits), xs, norm) for p in cands]
+        best = min(range(len(cands)), key=lambda k: (errs[k], k))
+        want = torch.tensor(cands[best], dtype=torch.float32)
+        if sym and norm == 2.0:
+            want, _ = least_squares_refined(xs, lo, hi, want, errs[best], bits)
+        assert chosen[g] == want, (g, cands[best], float(want), float(chosen[g]))
+        assert float(chosen[g]) >= 1 - maxshrink - 1e-6 or (sym and norm == 2.0)
+
+
+def test_observer_kwargs_reach_the_modules_and_the_export(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "observer": "mse",
+                              "observer_kwargs": {"maxshrink": 0.2, "norm": 2.4}},
+        "different_groups": {
+            "a": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}, "modules": ["^0$"]},
+            "b": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel",
+                             "observer_kwargs": {"grid": 20}}, "modules": ["^2$"]}}}}}
+    m = mlp()
+    w0, w2 = m[0].weight.detach().clone(), m[2].weight.detach().clone()
+    qc.init_compression(m, doc)
+    spec = m[0].qc_wq.spec()
+    # a: the shared search; b: its own, whole (its unset keys take the defaults, not the shared ones)
+    assert torch.equal(m[0].qc_wq.shrink, observers.mse_shrink(w0, spec, search=observers.Search(100, 0.2, 2.4)))
+    assert torch.equal(m[2].qc_wq.shrink, observers.mse_shrink(w2, spec, search=observers.Search(20, 0.8, 2.0)))
+    assert float(m[0].qc_wq.shrink.min()) >= 0.8 - 1e-6
+    qc.export_quantized(m, tmp_path / "e", doc)
+    conf = json.loads((tmp_path / "e" / "config.json").read_text())
+    got = {json.dumps(g["weights"]["observer_kwargs"], sort_keys=True)
+           for g in conf["quantization_config"]["config_groups"].values()}
+    assert got == {json.dumps({"grid": 100, "maxshrink": 0.2, "norm": 2.4}, sort_keys=True),
+                   json.dumps({"grid": 20, "maxshrink": 0.8, "norm": 2.0}, sort_keys=True)}
+    for g in conf["quantization_config"]["config_groups"].values():
+        QuantizationArgs.model_validate(g["weights"])     # compressed-tensors reads them
+    fresh = qc.load_quantized(tmp_path / "e", mlp(seed=5))
+    assert torch.equal(fresh[0].weight, m[0].effective_weight().detach())
+
+
+@pytest.mark.parametrize("where,kwargs,observer,said", [
+    ("group", {"norm": 2.4}, "minmax", "different_groups.w.params.observer_kwargs: sets the mse observer's search"),
+    ("shared", {"norm": 2.4}, "minmax", "shared_parameters.observer_kwargs: sets the mse observer's search"),
+    ("shared", {"maxshrink": 0.004}, "mse", "observer_kwargs.maxshrink: 0.004 x grid 100 leaves no shrink"),
+    ("shared", {"patience": 5}, "mse", "observer_kwargs.patience: unknown key"),
+    ("shared", {"norm": 0}, "mse", "observer_kwargs.norm: 0.0 is out of range"),
+])
+def test_observer_kwargs_errors_name_the_key(where, kwargs, observer, said):
+    shared = {"enabled": True, "observer": observer}
+    params = {"start_bits": 4, "target_bits": 4}
+    (shared if where == "shared" else params)["observer_kwargs"] = kwargs
+    doc = {"compression_training": {"weight_quantization": {"shared_parameters": shared,
+                                                            "different_groups": {"w": {"params": params}}}}}
+    with pytest.raises(qc.ConfigError) as err:
+        qc.load_config(doc)
+    assert said in str(err.value), str(err.value)

@@ -61,6 +61,23 @@ def _parse_related(value, path):
     return tuple(out)
 
 
+# --- range observers -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ObserverKwargs:
+    """ext (compressed-tensors' `observer_kwargs`): the mse observer's search. Shrink factors
+    p = 1 - k / grid for k below maxshrink * grid, the error sum |x^ - x|^norm (2: refined by
+    least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4."""
+    maxshrink: float = field(0.8, gt=0.0, le=1.0, doc="ext: how far the range may shrink (0.8: down to p = 0.21)")
+    grid: int = field(100, ge=1, le=100000, doc="ext: candidate steps of 1 / grid")
+    norm: float = field(2.0, gt=0.0, le=16.0, doc="ext: exponent of the reconstruction error")
+
+    def _validate(self, path):
+        if int(round(self.maxshrink * self.grid)) < 1:
+            raise ConfigError(join(path, "maxshrink"), f"{self.maxshrink} x grid {self.grid} leaves no shrink "
+                              "factor to try; raise maxshrink or grid")
+
+
 # --- weight quantization ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -86,6 +103,7 @@ class WeightQuantShared:
     seed: int = field(0, ge=0, doc="ext: stochastic-rounding seed")
     observer: str = field("minmax", choices=OBSERVERS, lower=True,
                           doc="ext: default range observer of the groups (see WeightQuantParams)")
+    observer_kwargs: ObserverKwargs = field(ObserverKwargs(), doc="ext: default of the groups' mse search")
     range_learning: bool = field(False, doc="ext: default of the groups' range_learning")
 
 
@@ -104,6 +122,8 @@ class WeightQuantParams:
     observer: Optional[str] = field(None, choices=OBSERVERS, lower=True,
                                     doc="ext: 'minmax' or 'mse' (searched shrink of the range); "
                                         "default: shared_parameters.observer")
+    observer_kwargs: Optional[ObserverKwargs] = field(None, doc="ext: the mse search (maxshrink, grid, norm); "
+                                                      "replaces shared_parameters.observer_kwargs whole")
     range_learning: Optional[bool] = field(None, doc="ext: scales (and zero points) trained by LSQ; "
                                                      "default: shared_parameters.range_learning")
 
@@ -134,6 +154,7 @@ class ActQuantShared:
     schedule_offset: int = field(1000, ge=0)
     momentum: float = field(0.95, ge=0.0, lt=1.0, doc="ext: EMA momentum of static ranges")
     observer: str = field("minmax", choices=OBSERVERS, lower=True, doc="ext: default of the groups")
+    observer_kwargs: ObserverKwargs = field(ObserverKwargs(), doc="ext: default of the groups' mse search")
     range_learning: bool = field(False, doc="ext: default of the groups")
     fused_backward: bool = field(True, doc="ext: Linear/Conv keep the input's int8 codes for backward "
                                  "instead of a float copy (qcompress.nn.fused); false: the unfused path")
@@ -153,17 +174,37 @@ class ActQuantParams:
     observer: Optional[str] = field(None, choices=OBSERVERS, lower=True,
                                     doc="ext: static ranges only: 'mse' searches a shrink of each "
                                         "batch's range; default: shared_parameters.observer")
+    observer_kwargs: Optional[ObserverKwargs] = field(None, doc="ext: the mse search (maxshrink, grid, norm); "
+                                                      "replaces shared_parameters.observer_kwargs whole")
     range_learning: Optional[bool] = field(None, doc="ext: the static range's scale (and zero point) "
                                                      "trained by LSQ; default: shared_parameters")
 
 
 def group_setting(technique, group, key):
-    """A group's `observer` / `range_learning`: its own params', else shared_parameters'.
+    """A group's `observer` / `observer_kwargs` / `range_learning`: its own params', else
+    shared_parameters'.
     Returns (value, key path where it was set)."""
     own = getattr(group.params, key)
     if own is not None:
         return own, f"different_groups.{group.name}.params.{key}"
     return getattr(technique.shared, key), f"shared_parameters.{key}"
+
+
+def _check_kwargs(technique, where):
+    """observer_kwargs set the mse search: refused on a group that uses minmax, and in
+    shared_parameters when no group uses mse (a setting that would change nothing)."""
+    groups = technique.groups if technique.enabled else ()
+    uses_mse = False
+    for group in groups:
+        observer = group_setting(technique, group, "observer")[0]
+        uses_mse = uses_mse or observer == "mse"
+        if observer == "minmax" and group.params.observer_kwargs is not None:
+            raise ConfigError(join(where, f"different_groups.{group.name}.params.observer_kwargs"),
+                              f"sets the mse observer's search, but group {group.name!r} uses observer "
+                              "'minmax'; set observer: mse, or drop observer_kwargs")
+    if groups and not uses_mse and technique.shared.observer_kwargs != ObserverKwargs():
+        raise ConfigError(join(where, "shared_parameters.observer_kwargs"),
+                          "sets the mse observer's search, but no group uses observer 'mse'")
 
 
 # --- pruning ---------------------------------------------------------------------------------
@@ -404,7 +445,9 @@ class CompressionConfig:
                 raise ConfigError(join(where, rl_at if rl else obs_at),
                                   f"{'range learning' if rl else 'the mse observer'} works on the default "
                                   "numerics (what export writes); shared_parameters.numerics is 'deepspeed'")
+        _check_kwargs(wq, join(path, "weight_quantization"))
         aq = self.activation_quantization
+        _check_kwargs(aq, join(path, "activation_quantization"))
         for group in aq.groups if aq.enabled else ():
             where = join(path, "activation_quantization")
             for key in ("range_learning", "observer"):

@@ -37,6 +37,15 @@ class WeightEntry:
     target_bits: int
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     observer: str = "minmax"  # how the range was chosen (compressed-tensors' observer name)
+    observer_kwargs: Dict[str, object] = field(default_factory=dict)   # the mse search's settings
+
+
+def observer_kwargs(q) -> Dict[str, object]:
+    """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search."""
+    if q.range_observer != "mse":
+        return {}
+    grid, maxshrink, norm = q.range_search
+    return {"maxshrink": maxshrink, "grid": grid, "norm": norm}
 
 
 def fmt_for(bits: int) -> str:
@@ -148,7 +157,7 @@ def weight_entry(mod) -> WeightEntry:
                         group_size=gsize, fmt=fmt, shape=list(ref.shape),
                         dtype=str(ref.dtype).replace("torch.", ""),
                         transposed=mod.qc_kind == "hf_conv1d", target_bits=wq.target_bits,
-                        observer=wq.range_observer)
+                        observer=wq.range_observer, observer_kwargs=observer_kwargs(wq))
     t = entry.tensors
     if fmt == "pack-quantized":
         t["weight_packed"] = pack_int32(q2, bits, dim=1).contiguous()
@@ -197,7 +206,8 @@ def act_entry(mod):
         tensors = {"input_scale": s.detach().cpu().reshape(1).to(torch.float32)}
         if zp is not None:
             tensors["input_zero_point"] = zp.detach().cpu().reshape(1).to(torch.int8)
-        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer)
+        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer,
+                    observer_kwargs=observer_kwargs(aq))
         return args, tensors
     if aq.calibration == "static":
         if not aq.observer.initialized:
@@ -210,7 +220,8 @@ def act_entry(mod):
         tensors = {"input_scale": s.reshape(1).to(torch.float32)}
         if zp is not None:
             tensors["input_zero_point"] = zp.reshape(1).to(torch.int8)
-        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer)
+        args.update(strategy="tensor", dynamic=False, observer=aq.range_observer,
+                    observer_kwargs=observer_kwargs(aq))
         return args, tensors
     strategy = "token" if aq.per == "token" else "sample"   # "sample": qcompress-only (Conv)
     args.update(strategy=strategy, dynamic=True, observer=None)

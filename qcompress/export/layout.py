@@ -18,7 +18,7 @@ PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token")
 def weight_args(e) -> dict:
     return {"num_bits": e.bits, "type": "int", "symmetric": e.symmetric, "strategy": e.strategy,
             "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": e.observer,
-            "observer_kwargs": {}, "block_structure": None}
+            "observer_kwargs": dict(e.observer_kwargs), "block_structure": None}
 
 
 def input_args(a: Optional[dict]) -> Optional[dict]:
@@ -26,7 +26,7 @@ def input_args(a: Optional[dict]) -> Optional[dict]:
         return None
     return {"num_bits": a["num_bits"], "type": "int", "symmetric": a["symmetric"],
             "strategy": a["strategy"], "group_size": None, "dynamic": a["dynamic"],
-            "actorder": None, "observer": a["observer"], "observer_kwargs": {},
+            "actorder": None, "observer": a["observer"], "observer_kwargs": dict(a.get("observer_kwargs") or {}),
             "block_structure": None}
 
 

@@ -202,8 +202,8 @@ class CompressMixin:
         if self.training:
             if aq.range_observer == "minmax":
                 return aq.observer.observe(x)
-            from ..quant.observers import activation_range
-            return aq.observer.update(*activation_range(x, spec, aq.range_observer))
+            from ..quant.observers import Search, activation_range
+            return aq.observer.update(*activation_range(x, spec, aq.range_observer, Search(*aq.range_search)))
         if aq.observer.initialized:
             return aq.observer.min, aq.observer.max
         _warn_uncalibrated(self.qc_name)

@@ -91,7 +91,7 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     if view.is_meta:
         return           # no values to observe yet: reinit_after_load runs when weights arrive
     if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
-        wq.shrink = observers.mse_shrink(view, spec)
+        wq.shrink = observers.mse_shrink(view, spec, search=observers.Search(*wq.range_search))
     else:
         wq.shrink = None
     if not wq.range_learning:
@@ -99,7 +99,7 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     if wq.ranges_loaded:
         wq.ranges_loaded = False
         return
-    s, z = observers.weight_params(view, spec, wq.range_observer)
+    s, z = observers.weight_params(view, spec, wq.range_observer, search=observers.Search(*wq.range_search))
     mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
     zp = mod._parameters.get("weight_zero_point")
     if zp is not None:

@@ -53,7 +53,8 @@ class MasterState:
 
 _WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
                     "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
-                    "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_learning")
+                    "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_search",
+                    "range_learning")
 
 
 def _delegate(attr):
@@ -83,6 +84,8 @@ class WeightQuant:
     change_ratio: float
     seed: int
     range_observer: str = "minmax"  # minmax | mse (qcompress.quant.observers)
+    range_search: tuple = (100, 0.8, 2.0)  # mse: observers.Search(grid, maxshrink, norm) as a plain
+    #                                        tuple (a pickled model loads with weights_only)
     range_learning: bool = False   # scales (zero points) are the module's weight_scale (_zero_point) Parameters
     # live state
     active: bool = False
@@ -142,6 +145,7 @@ class ActQuant:
     active: bool = False
     observer: StaticRange = field(default_factory=StaticRange)
     range_observer: str = "minmax"  # static ranges: minmax | mse (each batch's range shrunk)
+    range_search: tuple = (100, 0.8, 2.0)  # mse: observers.Search(grid, maxshrink, norm)
     range_learning: bool = False   # static range learned: the module's input_scale (_zero_point)
     learned_ready: bool = False    # the learned range was initialised from the observer
     fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)

@@ -16,6 +16,12 @@ mse     the group's [min, max] shrunk by the factor p that minimises the reconst
         the grid's choice (one factor shrinks both ends; a separate low/high search would need two
         factors per group).
 
+The search is set per group with compressed-tensors' `observer_kwargs` (Search below):
+`grid` (steps of 1 / grid), `maxshrink` (factors down to 1 - maxshrink, exclusive: the
+defaults 100 and 0.8 give the grid above; llm-compressor's are 100 and 0.2) and `norm` (the error
+is sum |x^(p) - x|^norm; llm-compressor uses 2.4). The least-squares refinement belongs to norm 2
+only, and the fused kernel computes squared errors: another norm searches in torch, unrefined.
+
 Binary and ternary kinds have no range (scale = mean |x| of the values or of the kept values):
 both observers give their own scale there (shrink 1).
 
@@ -33,6 +39,7 @@ but the PTQ perplexity hardly moves: the weights' error is not the loss's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -47,11 +54,25 @@ REFINE_ITERS = 4     # least-squares refinements of a symmetric grid's choice (e
 ACT_SAMPLE = 16384   # activations: the error is measured on at most this many strided elements
 
 
-def shrink_grid(device=None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Search:
+    """The mse observer's search (config: observer_kwargs): candidates p = 1 - k / grid for
+    k = 0 .. round(maxshrink * grid) - 1, error sum |x^(p) - x|^norm."""
+    grid: int = GRID_STEPS
+    maxshrink: float = MAX_SHRINK
+    norm: float = 2.0
+
+    def candidates(self) -> int:
+        return int(round(self.maxshrink * self.grid))
+
+
+DEFAULT_SEARCH = Search()
+
+
+def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
     """The candidate shrink factors, largest first, float32."""
-    n = int(round(MAX_SHRINK * GRID_STEPS))
-    return torch.tensor([(GRID_STEPS - k) / GRID_STEPS for k in range(n)], dtype=torch.float32,
-                        device=device)
+    g = search.grid
+    return torch.tensor([(g - k) / g for k in range(search.candidates())], dtype=torch.float32, device=device)
 
 
 def _nearest(spec: Spec) -> Spec:
@@ -62,13 +83,14 @@ def _nearest(spec: Spec) -> Spec:
                                numerics=spec.numerics, ternary=spec.ternary)
 
 
-def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec) -> Optional[torch.Tensor]:
+def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
+                   search: Search = DEFAULT_SEARCH) -> Optional[torch.Tensor]:
     """The same search with the fused CPU kernel: every candidate's parameters at once, then one
-    pass over the tensor per candidate computing only the errors."""
+    pass over the tensor per candidate computing only the (squared) errors."""
     from . import kernels
-    if not kernels.available():
+    if not kernels.available() or search.norm != 2.0:
         return None
-    grid = shrink_grid(lo.device)[:, None]
+    grid = shrink_grid(lo.device, search)[:, None]
     s, zp = int_params(lo[None, :] * grid, hi[None, :] * grid, _nearest(spec))
     err = kernels.mse_errors(x, spec, s, zp)
     if err is None:
@@ -77,14 +99,14 @@ def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Sp
 
 
 def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-            spec: Spec) -> torch.Tensor:
-    """Per-group argmin over the grid of the squared error of X quantized with [p lo, p hi]
-    (the reference: one vectorized pass per grid point)."""
+            spec: Spec, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
+    """Per-group argmin over the grid of the error of X quantized with [p lo, p hi] (the
+    reference: one vectorized pass per grid point)."""
     spec = _nearest(spec)
     best = torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     best_err = torch.full((X.shape[0],), float("inf"), dtype=torch.float64, device=X.device)
-    for p in shrink_grid(X.device):
-        err = _errors(X, counts, lo, hi, p, spec)[0]
+    for p in shrink_grid(X.device, search):
+        err = _errors(X, counts, lo, hi, p, spec, search.norm)[0]
         better = err < best_err          # strict: on a tie the larger shrink factor stays
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, p, best)
@@ -92,11 +114,13 @@ def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
 
 
 def _errors(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
-            spec: Spec):
-    """Per-group squared error (float64) of X quantized with [p lo, p hi], its codes and scales."""
+            spec: Spec, norm: float = 2.0):
+    """Per-group error sum |x^ - x|^norm (float64) of X quantized with [p lo, p hi], its codes
+    and scales."""
     s, zp = int_params(lo * p, hi * p, spec)
     q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
-    return (dequantize_view(q, s, zp, spec) - X).double().square().sum(dim=1), q, s
+    d = (dequantize_view(q, s, zp, spec) - X).double()
+    return (d.square() if norm == 2.0 else d.abs().pow(norm)).sum(dim=1), q, s
 
 
 def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
@@ -126,25 +150,26 @@ def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     return p
 
 
-def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None) -> torch.Tensor:
+def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
+               search: Search = DEFAULT_SEARCH) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
     ternary kinds, which have no range): the grid's choice, refined by least squares on symmetric
-    grids. backend of the grid search: None (the CPU kernel when built) or "reference"; the
-    refinement is the same torch code after either."""
+    grids (norm 2). backend of the grid search: None (the CPU kernel when built) or "reference";
+    the refinement is the same torch code after either."""
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if spec.kind != "int" or X.shape[1] == 0:
         return torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     lo, hi = group_minmax(X, counts)
     reference._check_finite(torch.stack([lo, hi]), "min/max")
-    p = _search_kernel(xf, lo, hi, spec) if backend != "reference" else None
+    p = _search_kernel(xf, lo, hi, spec, search) if backend != "reference" else None
     if p is None:
-        p = _search(X, counts, lo, hi, spec)
-    return refine(X, counts, lo, hi, p, spec)
+        p = _search(X, counts, lo, hi, spec, search)
+    return refine(X, counts, lo, hi, p, spec) if search.norm == 2.0 else p
 
 
-def weight_params(x: torch.Tensor, spec: Spec, observer: str,
-                  shrink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
+                  search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, zero point or None) of each group of x, float32 [groups] (the zero point holds an
     integer), as the observer chooses them; `shrink` reuses factors chosen earlier."""
     if observer not in OBSERVERS:
@@ -152,12 +177,13 @@ def weight_params(x: torch.Tensor, spec: Spec, observer: str,
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if observer == "mse" and shrink is None:
-        shrink = mse_shrink(xf, spec)
+        shrink = mse_shrink(xf, spec, search=search)
     s, zp, _ = reference.qparams(X, counts, spec, shrink=shrink if spec.kind == "int" else None)
     return s, zp
 
 
-def activation_range(x: torch.Tensor, spec: Spec, observer: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def activation_range(x: torch.Tensor, spec: Spec, observer: str,
+                     search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, torch.Tensor]:
     """(min, max) float32 scalars of a whole activation tensor as the observer chooses them: its own
     range, or (mse) that range shrunk by the factor whose error is least on at most ACT_SAMPLE
     evenly strided elements of x."""
@@ -168,5 +194,5 @@ def activation_range(x: torch.Tensor, spec: Spec, observer: str) -> Tuple[torch.
     stride = max(1, -(-flat.numel() // ACT_SAMPLE))
     sample = flat[::stride].reshape(1, -1)
     counts = torch.full((1,), sample.shape[1], dtype=torch.int64, device=sample.device)
-    p = _search(sample, counts, lo.reshape(1), hi.reshape(1), spec)[0]
+    p = _search(sample, counts, lo.reshape(1), hi.reshape(1), spec, search)[0]
     return lo * p, hi * p
