@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..quant import kernels
 from .batches import device_of, eval_batches, to_device
 
 
@@ -37,6 +38,7 @@ def evaluate(model: nn.Module, dataset, task: str, batch_size: int, pad_id: int,
             loss_sum += F.cross_entropy(shift.reshape(-1, shift.shape[-1]), target.reshape(-1),
                                         ignore_index=-100, reduction="sum").item()
             count += int((target != -100).sum())
+    kernels.check_nonfinite()     # a NaN the CUDA quantizers counted: raised here, as on the CPU
     if count == 0:
         raise ValueError("the evaluation set is empty")
     loss = loss_sum / count
