@@ -62,7 +62,8 @@ qc_cuda_quant_args cuda_args(const QuantConfig& c, const std::optional<at::Tenso
 // stalled the GPU: a QAT step took 2.0-2.6x FP32's on an H100 (benchmarks/RESULTS.md, "On a
 // GPU"). So by default the kernels add their count to a per-device counter that
 // `cuda_nonfinite_take` reads (qcompress.quant.kernels.check_nonfinite: once per
-// CompressionScheduler.step, at export); `cuda_sync_checks(true)` restores the check per call.
+// CompressionScheduler.step, at export, after an evaluation); `cuda_sync_checks(true)` restores
+// the check per call.
 std::atomic<bool> g_sync_checks{false};
 std::mutex g_pending_mutex;
 std::array<at::Tensor, 64> g_pending;
@@ -73,11 +74,6 @@ int* pending_counter(const at::Tensor& x) {
   std::lock_guard<std::mutex> lock(g_pending_mutex);
   if (!g_pending[dev].defined()) g_pending[dev] = at::zeros({1}, x.options().dtype(at::kInt));
   return g_pending[dev].mutable_data_ptr<int>();
-}
-
-void raise_nonfinite_groups(int64_t nbad, const std::string& of) {
-  QC_CHECK(nbad == 0, kNonFiniteTag, nbad, of,
-           " quantization groups contain NaN or Inf values; fix the input before quantizing");
 }
 
 bool cuda_sync_checks(bool on) { return g_sync_checks.exchange(on); }
@@ -115,7 +111,10 @@ void run(const at::Tensor& x, const QuantConfig& c, const std::optional<at::Tens
                              z.mutable_data_ptr<float>(), ws.mutable_data_ptr(),
                              sync ? bad.mutable_data_ptr<int>() : pending_counter(x), stream()),
                "quantize");
-  if (sync) raise_nonfinite_groups(bad.item<int>(), " of " + std::to_string(groups));
+  if (!sync) return;
+  const int nbad = bad.item<int>();
+  QC_CHECK(nbad == 0, kNonFiniteTag, nbad, " of ", groups,
+           " quantization groups contain NaN or Inf values; fix the input before quantizing");
 }
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_cuda(const at::Tensor& x_, const std::optional<at::Tensor>& range,

@@ -7,6 +7,7 @@ the export stops with an error naming the module.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -14,6 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from ..quant import reference
+from ..quant.observers import Search
 from ..quant.packing import pack_int32
 from ..quant.reference import make_spec
 from .errors import ExportError
@@ -44,8 +46,7 @@ def observer_kwargs(q) -> Dict[str, object]:
     """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search."""
     if q.range_observer != "mse":
         return {}
-    grid, maxshrink, norm = q.range_search
-    return {"maxshrink": maxshrink, "grid": grid, "norm": norm}
+    return dataclasses.asdict(Search(*q.range_search))
 
 
 def fmt_for(bits: int) -> str:

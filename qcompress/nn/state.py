@@ -14,6 +14,7 @@ import torch
 
 from ..calibration import StaticRange
 from ..quant import rng
+from ..quant.observers import DEFAULT_SEARCH_FIELDS
 from ..quant.reference import Spec, make_spec
 
 
@@ -84,8 +85,8 @@ class WeightQuant:
     change_ratio: float
     seed: int
     range_observer: str = "minmax"  # minmax | mse (qcompress.quant.observers)
-    range_search: tuple = (100, 0.8, 2.0)  # mse: observers.Search(grid, maxshrink, norm) as a plain
-    #                                        tuple (a pickled model loads with weights_only)
+    range_search: tuple = DEFAULT_SEARCH_FIELDS  # mse: observers.Search's fields, a plain tuple
+    #                                              (a pickled model loads with weights_only)
     range_learning: bool = False   # scales (zero points) are the module's weight_scale (_zero_point) Parameters
     # live state
     active: bool = False
@@ -145,7 +146,7 @@ class ActQuant:
     active: bool = False
     observer: StaticRange = field(default_factory=StaticRange)
     range_observer: str = "minmax"  # static ranges: minmax | mse (each batch's range shrunk)
-    range_search: tuple = (100, 0.8, 2.0)  # mse: observers.Search(grid, maxshrink, norm)
+    range_search: tuple = DEFAULT_SEARCH_FIELDS  # mse: observers.Search's fields
     range_learning: bool = False   # static range learned: the module's input_scale (_zero_point)
     learned_ready: bool = False    # the learned range was initialised from the observer
     fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)

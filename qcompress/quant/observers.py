@@ -67,6 +67,7 @@ class Search:
 
 
 DEFAULT_SEARCH = Search()
+DEFAULT_SEARCH_FIELDS = (DEFAULT_SEARCH.grid, DEFAULT_SEARCH.maxshrink, DEFAULT_SEARCH.norm)   # Search(*fields)
 
 
 def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
