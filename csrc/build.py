@@ -57,7 +57,7 @@ def extensions():
     if arch == "avx2":
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     include = [os.path.join(ROOT, "include"), ROOT]
-    sources = _sources("ops.cpp") + _sources("cpu/*.cpp")
+    sources = _sources("ops.cpp") + _sources("autograd.cpp") + _sources("cpu/*.cpp")
     if _want_cuda():
         nvcc = ["-O3", "--fmad=false"]
         return [CUDAExtension("qcompress._C", sources + _sources("cuda_ops.cpp") + _sources("cuda/*.cu"),

@@ -1,6 +1,6 @@
 // Operator schemas (declared once) and their CPU kernels. The CUDA kernels are registered in
-// csrc/cuda_ops.cpp when the extension is built with CUDA; fake (meta) kernels and autograd are
-// registered from Python in qcompress/quant/kernels.py.
+// csrc/cuda_ops.cpp when the extension is built with CUDA, autograd in csrc/autograd.cpp; fake
+// (meta) kernels are registered from Python in qcompress/quant/kernels.py.
 #include <torch/library.h>
 
 #include "cpu/kernels.h"

@@ -370,6 +370,20 @@ def test_opcheck_every_op():
     torch.library.opcheck(ops.onebit_decode, (torch.randint(0, 256, (3, 8), dtype=torch.uint8), torch.rand(3)))
 
 
+def test_raw_fake_quant_op_passes_the_gradient_straight_through():
+    # the op's own autograd (csrc/autograd.cpp): d x^ / d x taken as the identity, the mask none
+    x = _inputs((6, 10)).requires_grad_(True)
+    y, mask = torch.ops.qcompress.fake_quant(x, None, 6, 10, 4, 4, 0, True, False, 0, 0, True)
+    same(y, K.fake_quantize_with_mask(x.detach(), R.make_spec(4, granularity="group", group_size=4))[0],
+         "raw op value")
+    assert y.requires_grad and not mask.requires_grad
+    g = torch.randn(6, 10)
+    (y * g).sum().backward()
+    same(x.grad, g, "straight-through gradient")
+    with torch.no_grad():
+        assert not torch.ops.qcompress.fake_quant(x, None, 6, 10, 4, 4, 0, True, False, 0, 0, False)[0].requires_grad
+
+
 class _QLinear(torch.nn.Module):
     def __init__(self, clip):
         super().__init__()

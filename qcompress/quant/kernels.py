@@ -341,7 +341,7 @@ def onebit_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _ops().onebit_decode(packed, scales.to(torch.float32))
 
 
-# --- fake (meta) kernels and autograd: opaque custom ops under torch.compile -------------------
+# --- fake (meta) kernels: opaque custom ops under torch.compile (autograd: csrc/autograd.cpp) ---
 
 if _error is None:
     @torch.library.register_fake("qcompress::onebit_decode")
@@ -403,13 +403,3 @@ if _error is None:
     @torch.library.register_fake("qcompress::onebit_decode_average")
     def _fake_decode_average(packed, scales):
         return packed.new_empty((8 * packed.shape[1],), dtype=torch.float32)
-
-    # Straight-through estimator for direct users of the op (api.fake_quantize has its own
-    # autograd.Function): the gradient passes through; the clip mask is not differentiable.
-    def _fq_setup(ctx, inputs, output):
-        pass
-
-    def _fq_backward(ctx, grad_y, grad_mask):
-        return (grad_y,) + (None,) * 11
-
-    torch.library.register_autograd("qcompress::fake_quant", _fq_backward, setup_context=_fq_setup)
