@@ -32,7 +32,7 @@ import torch.nn as nn  # noqa: E402
 
 import train_step  # noqa: E402  (the recipes and the peers' set-up)
 
-DEFAULT = "fp32,qc_w8a8_float,qc_w4a8_float,qc_w4,qc_w8a8,ao_w8a8,ao_w4a8,ds_w8a8"
+DEFAULT = "fp32,qc_w8a8_float,qc_w4a8_float,qc_w4,qc_w8a8,ds_w8a8,ao_w8a8"
 
 
 def setup(variant, layers, width, tokens):
@@ -52,7 +52,7 @@ def setup(variant, layers, width, tokens):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=20, help="steps per round")

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import NonFiniteError
+from ..quant import kernels
 from ..quant.api import dequantize, quantize_spec
 from . import int8_forward
 from ..quant.reference import saturate
@@ -96,23 +97,32 @@ def _dequantize(q, s, z, dtype, spec, cast=None):
     largest finite value; the check on the scales is cheap and almost never true). With `cast`
     (autocast's dtype) x^ as autocast would cast it, written directly: the float32 value rounded
     once to nearest even either way."""
-    lim = torch.finfo(dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).max
-    if s.device.type != "cpu" or float(s.amax()) * float(spec.qmax - spec.qmin + 1) >= lim:
+    lim = _FINITE_MAX[dtype]
+    if not s.is_cpu or float(s.amax()) * float(spec.qmax - spec.qmin + 1) >= lim:
         return _cast(saturate(dequantize(q, s, z, dtype=dtype), dtype), cast)
     out = dtype if cast is None or dtype == torch.float64 else cast
-    return dequantize(q, s, z, dtype=out)
+    y = kernels.dequantize_codes(q, s, z, spec, out)
+    return dequantize(q, s, z, dtype=out) if y is None else y
+
+
+_FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16)}
+_FINITE_MAX.update({dt: torch.finfo(torch.float32).max for dt in (torch.float32, torch.float64)})
 
 
 # --- when the fused path applies -----------------------------------------------------------------
 
 class Plan:
     """What one fused forward does: the op, the activation Spec, how the weight is made."""
-    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8")
+    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8", "weight_args")
 
     def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink, int8=False):
         self.mod, self.op, self.spec = mod, op, spec
         self.weight_mode, self.weight_spec, self.shrink = weight_mode, weight_spec, shrink
         self.int8 = int8    # forward multiplies the codes (int8_forward), backward as always
+        # the weight's own (minmax) ranges: its quantizer op's arguments, made once for both calls
+        self.weight_args = None
+        if weight_mode == "fake_quant" and shrink is None and not mod.qc_wq.range_learning:
+            self.weight_args = kernels.prepared_args(mod.weight_matrix_view(mod.weight), weight_spec)
 
     def weight(self, w, scale=None, zero_point=None):
         """The weight the op uses: the Parameter itself, or its fake-quantized copy."""
@@ -122,6 +132,13 @@ class Plan:
         if wq.shrink is not self.shrink:
             raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
                                "backward (a scheduler step in between?); run backward first")
+        if self.weight_args is not None and not torch.is_grad_enabled():   # no graph: the op itself
+            try:
+                wh = kernels.fake_quantize_prepared(mod.weight_matrix_view(w), self.weight_args)
+            except NonFiniteError as err:
+                from .layers import located      # layers imports this module
+                raise located(mod, "weight", err) from None
+            return mod._from_matrix_view(wh)
         learned = (scale, zero_point) if wq.range_learning else None
         return mod._from_matrix_view(mod._fake_quantize_weight(w, wq, spec=self.weight_spec, learned=learned))
 

@@ -10,33 +10,33 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import kernels as _kernels, reference
 from .reference import Spec, make_spec
 
 _warned = False
 
 
 def kernels_available() -> bool:
-    from . import kernels
-    return kernels.available()
+    return _kernels.available()
 
 
 def _backend(backend: Optional[str]):
     global _warned
+    if backend is None and _kernels.available():     # the common call: no checks beyond this one
+        return _kernels
     if backend not in (None, "kernel", "reference"):
         raise ValueError(f"backend must be None, 'kernel' or 'reference', got {backend!r}")
     if backend == "reference":
         return reference
-    from . import kernels
-    if kernels.available():
-        return kernels
+    if _kernels.available():
+        return _kernels
     if backend == "kernel":
         raise RuntimeError(f"backend='kernel' asked for, but the qcompress C++ extension is not "
-                           f"loaded: {kernels.load_error()}")
+                           f"loaded: {_kernels.load_error()}")
     if not _warned:
         _warned = True
         warnings.warn("qcompress kernels are not built; using the pure-torch reference quantizer "
-                      f"(slower). Reason: {kernels.load_error()}", stacklevel=3)
+                      f"(slower). Reason: {_kernels.load_error()}", stacklevel=3)
     return reference
 
 

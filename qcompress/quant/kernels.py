@@ -60,7 +60,10 @@ def _ops():
 
 def on_kernel_device(*tensors) -> bool:
     """True when every tensor lives where a built kernel runs (CPU, or CUDA in a CUDA build)."""
-    return all(t.device.type == "cpu" or (t.device.type == "cuda" and _has_cuda) for t in tensors)
+    for t in tensors:       # a loop, not all(genexpr): this runs several times per layer call
+        if not (t.is_cpu or (_has_cuda and t.is_cuda)):
+            return False
+    return True
 
 
 def cuda_sync_checks(on: bool) -> bool:
@@ -177,18 +180,26 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
         y, mask = _ops().fake_quant_params(xk, s, z, rows, cols, group, spec.bits,
                                            1 if spec.rounding == "stochastic" else 0,
                                            spec.seed & 0xFFFFFFFF, with_mask)
-        y = y.reshape(x.shape)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y, (mask.reshape(x.shape) if with_mask else mask)
+        return (y if y.dtype == x.dtype else y.to(x.dtype)), mask   # the ops' outputs have x's shape
     if not on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
     y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
-    y = y.reshape(x.shape)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    return y, (mask.reshape(x.shape) if with_mask else mask)
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), mask
+
+
+def prepared_args(x: torch.Tensor, spec: Spec):
+    """The fake_quant op's arguments for tensors of x's shape, dtype and device quantized with spec
+    and their own ranges, or None where fake_quantize would not call that op (see fake_quantize_prepared)."""
+    if _error is not None or x.dtype not in _FLOATS or x.numel() == 0 or not on_kernel_device(x):
+        return None
+    return _args(x, spec, None, None)
+
+
+def fake_quantize_prepared(x: torch.Tensor, args) -> torch.Tensor:
+    """fake_quantize(x, spec) with args = prepared_args(x, spec) made earlier: the fused layers call
+    this twice per step for each weight (forward and backward), whose layout does not change."""
+    return _call(_ops().fake_quant, x.detach(), *args, False)[0]
 
 
 def fake_quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None) -> torch.Tensor:
@@ -234,7 +245,7 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=Non
     q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))
     shape = reference.scale_shape(x, spec)
     zp = zp.reshape(shape) if (spec.kind == "int" and not spec.symmetric) else None
-    return q.reshape(x.shape), s.reshape(shape), zp
+    return q, s.reshape(shape), zp       # q has x's shape
 
 
 def _broadcast_layout(q: torch.Tensor, scale: torch.Tensor, zero_point):
@@ -280,6 +291,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
     s = scale.to(torch.float32).reshape(-1)
     z = None if zero_point is None else zero_point.to(torch.float32).reshape(-1)
     return _ops().dequantize(q, s, z, *lay, dtype)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero_point, spec: Spec, dtype) -> Optional[torch.Tensor]:
+    """x^ of codes `quantize(x, spec)` returned (scale and zero point as it shaped them), in one kernel
+    call with the layout taken from spec: the fused layers' hot path, which skips dequantize's layout
+    inference. None where the kernel does not take it (the caller then runs dequantize)."""
+    if (_error is not None or dtype not in _FLOATS or not on_kernel_device(q) or scale.device != q.device
+            or q.numel() == 0 or scale.dtype != torch.float32):
+        return None
+    z = None if zero_point is None else zero_point.reshape(-1).to(torch.float32)
+    return _ops().dequantize(q, scale.reshape(-1), z, *layout(q, spec), dtype)
 
 
 def ste_backward(grad: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
