@@ -148,6 +148,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
   return {q, scale, zp.to(at::kInt)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_values_cuda(
+    const at::Tensor& x_, const std::optional<at::Tensor>& range, int64_t rows, int64_t cols, int64_t group,
+    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
+  at::Tensor x = x_.contiguous();
+  const int64_t groups = c.rows * c.groups_per_row();
+  const bool small = c.qmin >= -128.0f && c.qmax <= 127.0f;
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(small ? at::kChar : at::kInt));
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor scale = at::full({groups}, kEps, x.options().dtype(at::kFloat));
+  at::Tensor zp = at::zeros({groups}, x.options().dtype(at::kFloat));
+  if (c.group == 0 || groups == 0) return {q, scale, zp.to(at::kInt), y};
+  run(x, c, range, &y, nullptr, &q, &scale, &zp);
+  return {q, scale, zp.to(at::kInt), y};
+}
+
 at::Tensor dequantize_cuda(const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_,
                            int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype) {
   c10::cuda::CUDAGuard guard(q_.device());
@@ -406,6 +423,7 @@ TORCH_LIBRARY_FRAGMENT(qcompress, m) {
 TORCH_LIBRARY_IMPL(qcompress, CUDA, m) {
   m.impl("fake_quant", &qc::fake_quant_cuda);
   m.impl("quantize", &qc::quantize_cuda);
+  m.impl("quantize_values", &qc::quantize_values_cuda);
   m.impl("dequantize", &qc::dequantize_cuda);
   m.impl("ste_backward", &qc::ste_backward_cuda);
   m.impl("fake_quant_params", &qc::fake_quant_params_cuda);

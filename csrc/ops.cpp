@@ -13,6 +13,9 @@ TORCH_LIBRARY(qcompress, m) {
         "bool symmetric, bool deepspeed, int rounding, int seed, bool with_mask) -> (Tensor, Tensor)");
   m.def("quantize(Tensor x, Tensor? range, int rows, int cols, int group, int bits, int kind, "
         "bool symmetric, bool deepspeed, int rounding, int seed) -> (Tensor, Tensor, Tensor)");
+  // quantize's codes, scales and zero points and fake_quant's values (x's dtype) from one pass over x
+  m.def("quantize_values(Tensor x, Tensor? range, int rows, int cols, int group, int bits, int kind, "
+        "bool symmetric, bool deepspeed, int rounding, int seed) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dequantize(Tensor q, Tensor scale, Tensor? zero_point, int rows, int cols, int group, "
         "ScalarType dtype) -> Tensor");
   m.def("ste_backward(Tensor grad, Tensor mask) -> Tensor");
@@ -49,6 +52,7 @@ TORCH_LIBRARY(qcompress, m) {
 TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("fake_quant", &qc::fake_quant_cpu);
   m.impl("quantize", &qc::quantize_cpu);
+  m.impl("quantize_values", &qc::quantize_values_cpu);
   m.impl("dequantize", &qc::dequantize_cpu);
   m.impl("ste_backward", &qc::ste_backward_cpu);
   m.impl("fake_quant_params", &qc::fake_quant_params_cpu);

@@ -291,15 +291,16 @@ def make_attention(share=True, calibration="dynamic"):
 
 
 def count_quantize(monkeypatch):
+    """Every pass of an activation quantizer over an input (codes, and values with them or not)."""
     calls = []
-    real = fused.quantize_spec
+    real = fused._quantize
 
-    def counting(x, spec, **kw):
-        out = real(x, spec, **kw)
+    def counting(x, spec, lo, hi, values):
+        out = real(x, spec, lo, hi, values)
         calls.append((x, out))
         return out
 
-    monkeypatch.setattr(fused, "quantize_spec", counting)
+    monkeypatch.setattr(fused, "_quantize", counting)
     return calls
 
 
@@ -309,9 +310,9 @@ def test_qkv_quantize_their_shared_input_once(backend, monkeypatch):
     seen = {}
     real_codes = fused._input_codes
 
-    def spy(mod, t, spec):
-        out = real_codes(mod, t, spec)
-        seen[mod.qc_name] = (t, out)
+    def spy(mod, t, spec, values=False):
+        out = real_codes(mod, t, spec, values)
+        seen[mod.qc_name] = (t, out[:3])
         return out
 
     monkeypatch.setattr(fused, "_input_codes", spy)
@@ -321,7 +322,7 @@ def test_qkv_quantize_their_shared_input_once(backend, monkeypatch):
     assert len(calls) == 4
     for block in ("0", "1"):
         hq, codes = seen[f"{block}.q"]
-        assert seen[f"{block}.k"][1] is codes and seen[f"{block}.v"][1] is codes
+        assert all(a is b for m in "kv" for a, b in zip(seen[f"{block}.{m}"][1], codes))
         want = reference.quantize(hq, fused.plan(make_attention()[0].q, hq, "linear").spec)
         assert torch.equal(codes[0], want[0]) and torch.equal(codes[1], want[1])
     calls.clear()

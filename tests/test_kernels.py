@@ -85,6 +85,17 @@ def check_spec(x, spec, min_val=None, max_val=None):
             for dtype in (torch.float32, torch.bfloat16):
                 same(K.dequantize(*ker, dtype=dtype, **kw), R.dequantize(*ref, dtype=dtype, **kw),
                      f"dequantize {spec}")
+    # codes and values from one pass: quantize's and the fake quantizer's, bit for bit
+    both = run_both(lambda: (R.quantize(x, spec, min_val, max_val),
+                             R.fake_quantize_with_mask(x, spec, min_val, max_val)[0]),
+                    lambda: K.quantize_values(x, spec, min_val, max_val))
+    if both[0] is not None and both[1] is not None:
+        (codes, y), ker = both
+        for name, a, b in zip(("q", "scale", "zero_point", "values"), ker, (*codes, y)):
+            same(a, b, f"quantize_values {name} {spec}")
+    elif both[0] is not None:
+        assert x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x.numel(), \
+            f"quantize_values declined a {x.dtype} tensor of shape {tuple(x.shape)}"
 
 
 SHAPES = [(7, 13), (3, 5, 9), (33,), (1,), (5, 1), (2, 1, 6)]
@@ -357,6 +368,7 @@ def test_opcheck_every_op():
                  (x.bfloat16(), None, 6, 10, 10, 2, 2, True, False, 0, 0, False)]:
         torch.library.opcheck(ops.fake_quant, args)
         torch.library.opcheck(ops.quantize, args[:-1])
+        torch.library.opcheck(ops.quantize_values, args[:-1])
     xg = x.clone().requires_grad_(True)
     torch.library.opcheck(ops.fake_quant, (xg, None, 6, 10, 4, 4, 0, True, False, 0, 0, True))
     q, s, z = ops.quantize(x, None, 6, 10, 4, 4, 0, False, False, 0, 0)

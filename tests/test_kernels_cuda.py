@@ -69,6 +69,12 @@ def test_cuda_matches_cpu_reference(gran, extra, shape):
             if spec.num_groups:
                 kw = {"num_groups": spec.num_groups}
             same(K.dequantize(*ker, **kw), R.dequantize(*ref, **kw), f"dequantize {spec}")
+            both = K.quantize_values(xc.to(DEV), spec)       # codes and values from one pass
+            for name, a, b in zip(("q", "scale", "zp", "values"), both, (*ref, y_ref)):
+                if b is None:
+                    assert a is None, f"quantize_values {name} {spec}"
+                else:
+                    same(a, b, f"quantize_values {name} {spec} {dtype}")
 
 
 def test_cuda_static_range_and_nonfinite():
@@ -122,6 +128,7 @@ def test_cuda_opcheck():
     x = torch.randn(6, 10, device=DEV)
     torch.library.opcheck(torch.ops.qcompress.fake_quant, (x, None, 6, 10, 4, 4, 0, False, False, 1, 7, True))
     torch.library.opcheck(torch.ops.qcompress.quantize, (x, None, 6, 10, 4, 4, 0, True, False, 0, 0))
+    torch.library.opcheck(torch.ops.qcompress.quantize_values, (x, None, 6, 10, 4, 4, 0, False, False, 1, 7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

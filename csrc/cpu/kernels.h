@@ -55,6 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
                                                             int64_t rows, int64_t cols, int64_t group, int64_t bits,
                                                             int64_t kind, bool symmetric, bool deepspeed,
                                                             int64_t rounding, int64_t seed);
+// quantize_cpu's (q, scale, zp) and fake_quant_cpu's values, one pass over x
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_values_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& range, int64_t rows, int64_t cols, int64_t group,
+    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed);
 at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zp,
                           int64_t rows, int64_t cols, int64_t group, at::ScalarType dtype);
 // Rows [r0, r1) of quantize_cpu with one group per row (per token), nearest rounding, default

@@ -645,10 +645,13 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_cpu(const at::Tensor& x_, const st
   return {y, mask};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_, const std::optional<at::Tensor>& range,
-                                                            int64_t rows, int64_t cols, int64_t group, int64_t bits,
-                                                            int64_t kind, bool symmetric, bool deepspeed,
-                                                            int64_t rounding, int64_t seed) {
+namespace {
+
+// quantize_cpu with the values too when `y` is given (defined, x's shape and dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_into(const at::Tensor& x_, const std::optional<at::Tensor>& range,
+                                                             int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                             int64_t kind, bool symmetric, bool deepspeed,
+                                                             int64_t rounding, int64_t seed, at::Tensor* y) {
   const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
   at::Tensor x = x_.contiguous();
   const int64_t G = c.rows * c.groups_per_row();
@@ -666,14 +669,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
       QC_CHECK(false, "qcompress::quantize: float64 input is converted by the Python wrapper");
     } else {
       int64_t bad;
+      scalar_t* yv = y ? mdata_of<scalar_t>(*y) : nullptr;
       if (small) {
         Outputs<scalar_t, int8_t> o;
+        o.y = yv;
         o.q = q.data_ptr<int8_t>();
         o.scale = scale.data_ptr<float>();
         o.zp = zp.data_ptr<float>();
         bad = dispatch_mode<scalar_t, int8_t>(data_of<scalar_t>(x), c, o);
       } else {
         Outputs<scalar_t, int32_t> o;
+        o.y = yv;
         o.q = q.data_ptr<int32_t>();
         o.scale = scale.data_ptr<float>();
         o.zp = zp.data_ptr<float>();
@@ -683,6 +689,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
     }
   });
   return {q, scale, zp.to(at::kInt)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& range,
+                                                            int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                            int64_t kind, bool symmetric, bool deepspeed,
+                                                            int64_t rounding, int64_t seed) {
+  return quantize_into(x, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_values_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& range, int64_t rows, int64_t cols, int64_t group,
+    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed) {
+  // fake_quant's output buffer (same shape, dtype, contiguity); groups with no elements write none
+  at::Tensor y = empty_reused(x.sizes(), x.options());
+  auto [q, scale, zp] = quantize_into(x, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed, &y);
+  return {q, scale, zp, y};
 }
 
 int64_t quantize_token_rows(const at::Tensor& x, int64_t r0, int64_t r1, int bits, bool symmetric, int8_t* q,

@@ -74,22 +74,32 @@ def clear_shared() -> None:
     _last.entry = None
 
 
-def _input_codes(mod, x, spec):
-    """(q, scale, zero point) of x under the module's activation quantizer, shared with the
-    previous module when that one quantized this very tensor (same version) the same way."""
+def _input_codes(mod, x, spec, values=False):
+    """(q, scale, zero point, x^ or None) of x under the module's activation quantizer, the codes
+    shared with the previous module when that one quantized this very tensor (same version) the
+    same way. With `values`, x^ comes from the same kernel pass where one quantizes x anew (None
+    otherwise: the caller dequantizes); only the codes are kept for a sibling, a float x^ is not."""
     aq = mod.qc_aq
     if aq.calibration == "static":
         lo, hi = mod.static_input_range(x, spec)   # this module's observer sees x, as unfused
-        return quantize_spec(x, spec, min_val=lo, max_val=hi)
+        return _quantize(x, spec, lo, hi, values)
     share = aq.share_input and not x.is_inference()   # inference tensors keep no version counter
     if share:
         e = _last.entry
         if e is not None and e[0]() is x and e[1] == x._version and e[2] == spec:
-            return e[3]
-    codes = quantize_spec(x, spec)
+            return (*e[3], None)
+    out = _quantize(x, spec, None, None, values)
     if share:
-        _last.entry = (weakref.ref(x), x._version, spec, codes)
-    return codes
+        _last.entry = (weakref.ref(x), x._version, spec, out[:3])
+    return out
+
+
+def _quantize(x, spec, lo, hi, values):
+    if values:
+        out = kernels.quantize_values(x, spec, lo, hi)
+        if out is not None:
+            return out
+    return (*quantize_spec(x, spec, min_val=lo, max_val=hi), None)
 
 
 def _dequantize(q, s, z, dtype, spec, cast=None):
@@ -195,7 +205,8 @@ def plan(mod, x, op: str) -> Optional[Plan]:
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     mod = p.mod
     try:
-        q, s, z = (None, None, None) if p.spec is None else _input_codes(mod, x, p.spec)   # weight-only: forward keeps x
+        # weight-only: forward keeps x; the float forward takes x^ from the quantizer's own pass
+        q, s, z, xh = (None,) * 4 if p.spec is None else _input_codes(mod, x, p.spec, values=not p.int8)
     except NonFiniteError as err:
         from .layers import located      # layers imports this module
         raise located(mod, "input", err) from None
@@ -203,7 +214,7 @@ def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale
         w_zp = mod._parameters.get("weight_zero_point") if p.weight_spec.kind == "int" else None
-    return _FusedCompressed.apply(x, mod.weight, mod.bias, w_scale, w_zp, q, s, z, p)
+    return _FusedCompressed.apply(x, mod.weight, mod.bias, w_scale, w_zp, q, s, z, xh, p)
 
 
 # --- the autograd Function -----------------------------------------------------------------------
@@ -267,17 +278,23 @@ def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, nee
 
 
 class _FusedCompressed(torch.autograd.Function):
-    """op(dequantize(q, s, z), w^, b); saves the codes, the scales and the Parameters only."""
+    """op(x^, w^, b), x^ = dequantize(q, s, z) (given as xh when the quantizer wrote it in the same
+    pass); saves the codes, the scales and the Parameters only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, p):
+    def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, xh, p):
         ctx.cast = _autocast_dtype(x.device.type)
         if p.spec is None:          # weight-only: keep the input as autocast would cast it for the op
             xq = q = _cast(x, ctx.cast)
             out = None
         else:
             out = int8_forward.run(p.mod, x, weight, bias, q, s, z, ctx.cast or x.dtype) if p.int8 else None
-            xq = None if out is not None else _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)
+            if out is not None:
+                xq = None
+            elif xh is not None:     # x^ from the quantizer's pass: autocast casts it for the op
+                xq = _cast(xh, ctx.cast)
+            else:
+                xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)
         if out is None:
             out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
         ctx.p = p
@@ -324,4 +341,4 @@ class _FusedCompressed(torch.autograd.Function):
                 g_z = next(got) if need_z else None
             else:
                 g_w = gw
-        return gx, g_w, gb, g_s, g_z, None, None, None, None
+        return gx, g_w, gb, g_s, g_z, None, None, None, None, None

@@ -248,6 +248,19 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=Non
     return q, s.reshape(shape), zp       # q has x's shape
 
 
+def quantize_values(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
+    """(q, scale, zero_point, x^): quantize's codes and parameters and fake_quantize's values, from
+    one pass over x; None where the kernel does not take x (the caller then quantizes and
+    dequantizes). The fused layers' forward: the op multiplies x^, backward keeps the codes."""
+    if _error is not None or x.dtype not in _FLOATS or x.numel() == 0 or not on_kernel_device(x):
+        return None
+    xk = x.detach()
+    q, s, zp, y = _call(_ops().quantize_values, xk, *_args(xk, spec, min_val, max_val))
+    shape = reference.scale_shape(x, spec)
+    zp = zp.reshape(shape) if (spec.kind == "int" and not spec.symmetric) else None
+    return q, s.reshape(shape), zp, y       # q and y have x's shape
+
+
 def _broadcast_layout(q: torch.Tensor, scale: torch.Tensor, zero_point):
     """(rows, cols) when scale (and zero point) broadcast as one value per leading index block."""
     if scale.dim() > q.dim():
@@ -382,6 +395,11 @@ if _error is None:
         small = (bits <= 8) and not (deepspeed and not symmetric and bits == 8)
         q = x.new_empty(x.shape, dtype=torch.int8 if small else torch.int32)
         return q, x.new_empty((rows * ngr,), dtype=torch.float32), x.new_empty((rows * ngr,), dtype=torch.int32)
+
+    @torch.library.register_fake("qcompress::quantize_values")
+    def _fake_quantize_values(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed):
+        q, s, z = _fake_quantize(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed)
+        return q, s, z, torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("qcompress::dequantize")
     def _fake_dequantize(q, scale, zero_point, rows, cols, group, dtype):
