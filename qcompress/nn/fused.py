@@ -20,6 +20,11 @@ Weight-only modules (no activation quantization, or not active yet) with w^ made
 the same Function with the input itself as the saved "codes": autograd then keeps x, as FP32
 training does, and no float copy of the weight.
 
+Host cost (what bounds a step on a GPU or with small layers; benchmarks/host_overhead.py): the float
+forward takes x^ from the quantizer's own pass (`quantize_values`: codes and values at once) rather
+than dequantizing the codes it just made, and each weight's quantizer arguments are made once per
+forward for both weight passes.
+
 `plan(mod, x, op)` returns None where the fused path does not apply; the module then runs the
 composed autograd path as before (reasons at each `return None`).
 """
