@@ -332,6 +332,28 @@ def test_qkv_quantize_their_shared_input_once(backend, monkeypatch):
     assert_same(shared, step(make_attention(True), x, False))
 
 
+@pytest.mark.parametrize("calibration", ["dynamic", "static"])
+def test_float_forward_takes_the_values_from_the_quantizer_pass(monkeypatch, calibration):
+    """The float forward multiplies the x^ the quantizer wrote with the codes (quantize_values): it
+    dequantizes only for siblings that reuse shared codes; backward dequantizes once per module."""
+    if not kernels.available():
+        pytest.skip(f"the C++ kernels are not built: {kernels.load_error()}")
+    deq = []
+    real = fused._dequantize
+    monkeypatch.setattr(fused, "_dequantize", lambda *a, **k: deq.append(1) or real(*a, **k))
+    calls = count_quantize(monkeypatch)
+    model = make_attention(True, calibration)
+    x = make_input("linear")[..., :32].detach().requires_grad_(True)
+    out = model(x)
+    shared = calibration == "dynamic"       # Q/K/V share one quantization of their input
+    assert len(calls) == (4 if shared else 8) and all(o[3] is not None for _, o in calls)
+    assert len(deq) == (4 if shared else 0)        # K and V of each block: the codes only
+    deq.clear()
+    out.sum().backward()
+    assert len(deq) == 8                           # every module's weight gradient needs x^
+    assert_same(step(make_attention(True, calibration), x, True), step(make_attention(True, calibration), x, False))
+
+
 def test_static_ranges_are_not_shared(monkeypatch):
     calls = count_quantize(monkeypatch)
     x = make_input("linear")[..., :32].detach().requires_grad_(True)

@@ -155,12 +155,18 @@ def _count_weight_fake_quant(model, monkeypatch):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real(x, *a, **k)
     monkeypatch.setattr(layers, "fake_quantize_spec", spy)
-    real_codes = fused.quantize_spec     # the fused path quantizes activations to int8 codes
+    real_prepared = fused.kernels.fake_quantize_prepared    # the fused path's weight quantizer call
+
+    def spy_prepared(x, *a, **k):
+        calls["weight" if x.data_ptr() in ptrs else "other"] += 1
+        return real_prepared(x, *a, **k)
+    monkeypatch.setattr(fused.kernels, "fake_quantize_prepared", spy_prepared)
+    real_codes = fused._quantize     # the fused path quantizes activations to int8 codes
 
     def spy_codes(x, *a, **k):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real_codes(x, *a, **k)
-    monkeypatch.setattr(fused, "quantize_spec", spy_codes)
+    monkeypatch.setattr(fused, "_quantize", spy_codes)
     return calls
 
 

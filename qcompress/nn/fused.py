@@ -112,12 +112,13 @@ def _dequantize(q, s, z, dtype, spec, cast=None):
     largest finite value; the check on the scales is cheap and almost never true). With `cast`
     (autocast's dtype) x^ as autocast would cast it, written directly: the float32 value rounded
     once to nearest even either way."""
-    lim = _FINITE_MAX[dtype]
-    if not s.is_cpu or float(s.amax()) * float(spec.qmax - spec.qmin + 1) >= lim:
-        return _cast(saturate(dequantize(q, s, z, dtype=dtype), dtype), cast)
-    out = dtype if cast is None or dtype == torch.float64 else cast
+    # (on a GPU reading the scales back would sync the device: saturate there without looking)
+    direct = s.is_cpu and float(s.amax()) * float(spec.qmax - spec.qmin + 1) < _FINITE_MAX[dtype]
+    out = dtype if not direct or cast is None or dtype == torch.float64 else cast
     y = kernels.dequantize_codes(q, s, z, spec, out)
-    return dequantize(q, s, z, dtype=out) if y is None else y
+    if y is None:
+        y = dequantize(q, s, z, dtype=out)
+    return y if direct else _cast(saturate(y, dtype), cast)
 
 
 _FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16)}
