@@ -64,7 +64,7 @@ demo-cnn: $(BUILD_STAMP) fashion-mnist
 test: $(BUILD_STAMP) $(WORKLOADS_STAMP) fashion-mnist cuda-check
 	$(VPY) -m pytest -q -rs --timeout=900 tests
 
-# Compile every .cu for sm_80 and sm_90; any error or warning fails.
+# Compile every .cu for sm_80 and sm_90; any error or warning fails. Then check csrc/cuda_ops.cpp.
 cuda-check:
 	@if ls csrc/cuda/*.cu >/dev/null 2>&1; then \
 	  if command -v $(NVCC) >/dev/null 2>&1; then \
@@ -75,6 +75,15 @@ cuda-check:
 	      done; echo "nvcc ok: $$f"; \
 	    done; \
 	  else echo "cuda-check: nvcc not found, CUDA sources not compiled"; fi; \
+	fi
+	@# csrc/cuda_ops.cpp (the CUDA ops' host side) against torch's headers; a CPU torch lacks one
+	@# generated CUDA header, stood in for by an empty one (syntax and types only, nothing linked)
+	@if [ -x $(VPY) ] && command -v $(NVCC) >/dev/null 2>&1; then \
+	  cudainc=$$($(NVCC) -dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^" ]*\)".*/\1/p' | head -1); \
+	  stub=$$(mktemp -d); mkdir -p $$stub/c10/cuda/impl; : > $$stub/c10/cuda/impl/cuda_cmake_macros.h; \
+	  inc=$$($(VPY) -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))"); \
+	  $${CXX:-g++} -std=c++20 -fsyntax-only -DQC_WITH_CUDA=1 $$inc -I$$stub -I$$cudainc -Icsrc/include -Icsrc \
+	    csrc/cuda_ops.cpp || { rm -rf $$stub; exit 1; }; rm -rf $$stub; echo "host syntax ok: csrc/cuda_ops.cpp"; \
 	fi
 
 # Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/RESULTS.md.
