@@ -131,38 +131,38 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_cuda(const at::Tensor& x_, const s
   return {y, mask};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_, const std::optional<at::Tensor>& range,
-                                                             int64_t rows, int64_t cols, int64_t group, int64_t bits,
-                                                             int64_t kind, bool symmetric, bool deepspeed,
-                                                             int64_t rounding, int64_t seed) {
-  c10::cuda::CUDAGuard guard(x_.device());
-  const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
-  at::Tensor x = x_.contiguous();
-  const int64_t groups = c.rows * c.groups_per_row();
-  const bool small = c.qmin >= -128.0f && c.qmax <= 127.0f;
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(small ? at::kChar : at::kInt));
-  at::Tensor scale = at::full({groups}, kEps, x.options().dtype(at::kFloat));
-  at::Tensor zp = at::zeros({groups}, x.options().dtype(at::kFloat));
-  if (c.group == 0 || groups == 0) return {q, scale, zp.to(at::kInt)};
-  run(x, c, range, nullptr, nullptr, &q, &scale, &zp);
-  return {q, scale, zp.to(at::kInt)};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_values_cuda(
+// quantize's codes, scales and zero points, and with `values` fake_quant's values from the same pass
+// (else an undefined tensor in their place).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_maybe_values(
     const at::Tensor& x_, const std::optional<at::Tensor>& range, int64_t rows, int64_t cols, int64_t group,
-    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed) {
+    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed, bool values) {
   c10::cuda::CUDAGuard guard(x_.device());
   const QuantConfig c = make_config(x_, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed);
   at::Tensor x = x_.contiguous();
   const int64_t groups = c.rows * c.groups_per_row();
   const bool small = c.qmin >= -128.0f && c.qmax <= 127.0f;
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(small ? at::kChar : at::kInt));
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor y = values ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
   at::Tensor scale = at::full({groups}, kEps, x.options().dtype(at::kFloat));
   at::Tensor zp = at::zeros({groups}, x.options().dtype(at::kFloat));
   if (c.group == 0 || groups == 0) return {q, scale, zp.to(at::kInt), y};
-  run(x, c, range, &y, nullptr, &q, &scale, &zp);
+  run(x, c, range, values ? &y : nullptr, nullptr, &q, &scale, &zp);
   return {q, scale, zp.to(at::kInt), y};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& range,
+                                                             int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                                                             int64_t kind, bool symmetric, bool deepspeed,
+                                                             int64_t rounding, int64_t seed) {
+  auto [q, scale, zp, y] =
+      quantize_maybe_values(x, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed, false);
+  return {q, scale, zp};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_values_cuda(
+    const at::Tensor& x, const std::optional<at::Tensor>& range, int64_t rows, int64_t cols, int64_t group,
+    int64_t bits, int64_t kind, bool symmetric, bool deepspeed, int64_t rounding, int64_t seed) {
+  return quantize_maybe_values(x, range, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed, true);
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& q_, const at::Tensor& scale_, const std::optional<at::Tensor>& zp_,
