@@ -181,6 +181,8 @@ def test_nan_and_inf_raise_like_the_reference():
                 K.fake_quantize_with_mask(x, spec)
             with pytest.raises(NonFiniteError):
                 K.quantize(x, spec)
+            with pytest.raises(NonFiniteError):
+                K.quantize_values(x, spec)
 
 
 def test_static_range():
