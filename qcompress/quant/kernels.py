@@ -188,10 +188,16 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
     return (y if y.dtype == x.dtype else y.to(x.dtype)), mask
 
 
+def _takes(x: torch.Tensor) -> bool:
+    """Whether the quantizer ops run on x as it is: kernels built, a non-empty float tensor on a
+    kernel device (the fused layers' direct calls; the general wrappers convert or fall back)."""
+    return _error is None and x.dtype in _FLOATS and x.numel() > 0 and on_kernel_device(x)
+
+
 def prepared_args(x: torch.Tensor, spec: Spec):
     """The fake_quant op's arguments for tensors of x's shape, dtype and device quantized with spec
     and their own ranges, or None where fake_quantize would not call that op (see fake_quantize_prepared)."""
-    if _error is not None or x.dtype not in _FLOATS or x.numel() == 0 or not on_kernel_device(x):
+    if not _takes(x):
         return None
     return _args(x, spec, None, None)
 
@@ -252,7 +258,7 @@ def quantize_values(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     """(q, scale, zero_point, x^): quantize's codes and parameters and fake_quantize's values, from
     one pass over x; None where the kernel does not take x (the caller then quantizes and
     dequantizes). The fused layers' forward: the op multiplies x^, backward keeps the codes."""
-    if _error is not None or x.dtype not in _FLOATS or x.numel() == 0 or not on_kernel_device(x):
+    if not _takes(x):
         return None
     xk = x.detach()
     q, s, zp, y = _call(_ops().quantize_values, xk, *_args(xk, spec, min_val, max_val))

@@ -28,6 +28,7 @@ from ..config.training import take_auto
 from ..engine.engine import resolve_device
 from ..nn import int8_forward
 from . import loop
+from .batches import device_of
 from .data import DataError, prepare_data
 from .errors import JobError
 from .evaluate import evaluate, max_logit_difference, max_weight_difference, metric_name
@@ -585,7 +586,6 @@ class Job:
         `auto` evaluates with the float forward: the exact reload. The reload runs where the
         trained model runs (the same kernels: equal logits)."""
         import qcompress
-        from .batches import device_of
         mode = int8_forward.reload_mode(model)
         fresh = qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
                                          fuse_activations=False)
