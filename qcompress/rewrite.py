@@ -232,6 +232,13 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
                           f"{ngroups} does not divide the {module.weight.numel()} weights of module "
                           f"{name!r} (shape {tuple(module.weight.shape)}); pick a divisor or set "
                           f"{path}.params.granularity")
+    search = _search(cfg.compression.weight_quantization, group)
+    observer = group_setting(cfg.compression.weight_quantization, group, "observer")[0]
+    if gran == "groups" and observer == "mse" and Search(*search).weight_by == "inputs":
+        raise ConfigError(f"{path}.params.observer_kwargs.weight_by",
+                          f"'inputs' weighs each group's error by the inputs of its columns, but module "
+                          f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
+                          "(quantize_groups); set granularity (tensor, channel or group) for this group")
     bits = (p.start_bits, p.target_bits)
     if min(bits) <= 2 and shared.quantization_type == "asymmetric" and (min(bits) == 1 or p.ternary):
         raise ConfigError(f"{path}.params.target_bits",
@@ -246,15 +253,15 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
         mix_enabled=shared.fp16_mixed_quantize.enabled,
         change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio,
         seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0,
-        range_observer=group_setting(cfg.compression.weight_quantization, group, "observer")[0],
-        range_search=_search(cfg.compression.weight_quantization, group),
+        range_observer=observer,
+        range_search=search,
         range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]))
 
 
 def _search(technique, group):
     """The group's mse search (observer_kwargs): observers.Search's fields as a tuple."""
     kw = group_setting(technique, group, "observer_kwargs")[0]
-    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm))
+    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by))
 
 
 def _act_quant(cfg, group: Group, module) -> ActQuant:

@@ -9,6 +9,7 @@ mode (fake quantization in forward, or once per optimizer step).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Iterator, List, Tuple
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn as nn
 from .config import as_config
 from .nn import ranges
 from .errors import NonFiniteError
+from .input_moments import missing_moments, weighted_modules
 from .nn.layers import CompressMixin, located
 from .quant import kernels
 from .quant.api import dequantize, quantize_spec
@@ -107,6 +109,8 @@ class CompressionScheduler:
         if cfg is not None:
             _check_rewritten(model, as_config(cfg), self._modules)
         self._last_bits: Dict[str, int] = {}
+        # observer_kwargs.weight_by: inputs without calibrate_weight_ranges: said once, at a step
+        self._unweighted_pending = weighted_modules(model)
         self._apply(first=True)
 
     # --- the schedule ---------------------------------------------------------------------------
@@ -114,6 +118,20 @@ class CompressionScheduler:
         kernels.check_nonfinite()   # the CUDA quantizers' NaN/Inf count of the step just taken
         self.training_steps += 1
         self._apply()
+        if self._unweighted_pending:
+            self._warn_unweighted()
+
+    def _warn_unweighted(self) -> None:
+        names = missing_moments(self._unweighted_pending)
+        if not names:
+            return
+        self._unweighted_pending = []
+        group = self._modules[names[0]].qc_wq.group
+        warnings.warn(f"compression_training.weight_quantization.different_groups.{group}: observer_kwargs."
+                      f"weight_by is 'inputs', but no input statistics were recorded for {len(names)} "
+                      f"module(s) ({names[0]!r} ...): their ranges come from the unweighted mse search. Call "
+                      "qcompress.calibrate_weight_ranges(model, batches) after init_compression "
+                      "(qcompress train does)", stacklevel=3)
 
     def finish(self) -> None:
         """Jump past the end of every schedule: every technique on, weights at target_bits with no
@@ -223,6 +241,8 @@ class CompressionScheduler:
         wq.baked = bool(entry.get("baked", False))
         wq.ranges_loaded = False          # the schedule's own state: bits and ranges are known
         wq.shrink = entry["shrink"].to(mod.weight.device) if "shrink" in entry else None
+        if "input_moments" in entry:
+            wq.store.input_moments = entry["input_moments"].to("cpu", torch.float64)
         if "master_of" in entry:
             return                  # tied weight: restored with the module that saved it
         dev = mod.weight.device
@@ -258,6 +278,8 @@ class CompressionScheduler:
                     entry["wq"]["applied"] = wq.applied.detach().cpu().clone()
                 if wq.shrink is not None:
                     entry["wq"]["shrink"] = wq.shrink.detach().cpu().clone()
+                if wq.store.input_moments is not None:       # weight_by inputs: later bit drops use them
+                    entry["wq"]["input_moments"] = wq.store.input_moments.clone()
             if mod.qc_aq is not None:
                 entry["aq"] = mod.qc_aq.observer.state_dict()
                 if mod.qc_aq.range_learning:

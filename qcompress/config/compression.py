@@ -67,15 +67,23 @@ def _parse_related(value, path):
 class ObserverKwargs:
     """ext (compressed-tensors' `observer_kwargs`): the mse observer's search. Shrink factors
     p = 1 - k / grid for k below maxshrink * grid, the error sum |x^ - x|^norm (2: refined by
-    least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4."""
+    least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4. `weight_by: inputs`
+    (weights only) weights each input column's error by the mean square of the module's input there,
+    recorded on calibration batches (qcompress.calibrate_weight_ranges)."""
     maxshrink: float = field(0.8, gt=0.0, le=1.0, doc="ext: how far the range may shrink (0.8: down to p = 0.21)")
     grid: int = field(100, ge=1, le=100000, doc="ext: candidate steps of 1 / grid")
     norm: float = field(2.0, gt=0.0, le=16.0, doc="ext: exponent of the reconstruction error")
+    weight_by: str = field("none", choices=("none", "inputs"), lower=True,
+                           doc="ext, weights only: 'inputs' weights column j's error by E[x_j^2] of the "
+                               "module's input on calibration batches (the output error's diagonal)")
 
     def _validate(self, path):
         if int(round(self.maxshrink * self.grid)) < 1:
             raise ConfigError(join(path, "maxshrink"), f"{self.maxshrink} x grid {self.grid} leaves no shrink "
                               "factor to try; raise maxshrink or grid")
+        if self.weight_by == "inputs" and self.norm != 2.0:
+            raise ConfigError(join(path, "weight_by"), f"'inputs' weighs the output's squared error, "
+                              f"but norm is {self.norm}; drop norm (2) or weight_by")
 
 
 # --- weight quantization ---------------------------------------------------------------------
@@ -448,6 +456,13 @@ class CompressionConfig:
         _check_kwargs(wq, join(path, "weight_quantization"))
         aq = self.activation_quantization
         _check_kwargs(aq, join(path, "activation_quantization"))
+        for kw, at in [(aq.shared.observer_kwargs, "shared_parameters.observer_kwargs")] + [
+                (g.params.observer_kwargs, f"different_groups.{g.name}.params.observer_kwargs")
+                for g in (aq.groups if aq.enabled else ()) if g.params.observer_kwargs is not None]:
+            if kw.weight_by != "none":
+                raise ConfigError(join(join(join(path, "activation_quantization"), at), "weight_by"),
+                                  f"{kw.weight_by!r} weights a weight's error by the inputs it multiplies; "
+                                  "an activation range has no such weights: drop weight_by here")
         for group in aq.groups if aq.enabled else ():
             where = join(path, "activation_quantization")
             for key in ("range_learning", "observer"):

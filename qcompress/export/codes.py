@@ -43,10 +43,13 @@ class WeightEntry:
 
 
 def observer_kwargs(q) -> Dict[str, object]:
-    """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search."""
+    """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search
+    (without weight_by, qcompress's own: other tools hand these to their observers)."""
     if q.range_observer != "mse":
         return {}
-    return dataclasses.asdict(Search(*q.range_search))
+    out = dataclasses.asdict(Search(*q.range_search))
+    out.pop("weight_by")
+    return out
 
 
 def fmt_for(bits: int) -> str:

@@ -3,6 +3,9 @@
 - `observer: mse` without range learning: each group's shrink factor is searched at the first
   quantization and at every bit drop (`init_weight_ranges`) and kept in `WeightQuant.shrink`;
   every forward then quantizes with the factor times the group's current [min, max].
+- `observer_kwargs: {weight_by: inputs}`: the mse search weights each input column's error by
+  E[x_j^2] of the module's input (`MasterState.input_moments`, recorded by
+  qcompress.calibrate_weight_ranges); until that ran, the plain search.
 - `range_learning: true`: the scales (and asymmetric zero points) are Parameters of the module,
   named as compressed-tensors names the tensors export writes: `weight_scale`,
   `weight_zero_point`, `input_scale`, `input_zero_point` (float32, one value per group). The
@@ -81,6 +84,20 @@ def register_input_ranges(mod, path: str) -> None:
         mod.register_parameter("input_zero_point", nn.Parameter(torch.zeros(1, dtype=torch.float32, device=dev)))
 
 
+def weighs_by_inputs(wq) -> bool:
+    """The group's mse search weights the error by the module's inputs (observer_kwargs.weight_by)."""
+    return wq.range_observer == "mse" and observers.Search(*wq.range_search).weight_by == "inputs"
+
+
+def input_moments(mod) -> Optional[torch.Tensor]:
+    """The mse search's input moments (observers.input_weighting), or None (plain search): weight_by
+    inputs and moments recorded (an Embedding has them only through a tied Linear)."""
+    wq = mod.qc_wq
+    if not weighs_by_inputs(wq):
+        return None
+    return wq.store.input_moments
+
+
 @torch.no_grad()
 def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     """The observer's ranges at the bits now in force (first quantization, bit drops): the mse
@@ -90,8 +107,9 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     view = _weight_view(mod, source)
     if view.is_meta:
         return           # no values to observe yet: reinit_after_load runs when weights arrive
+    search, moments = observers.Search(*wq.range_search), input_moments(mod)
     if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
-        wq.shrink = observers.mse_shrink(view, spec, search=observers.Search(*wq.range_search))
+        wq.shrink = observers.mse_shrink(view, spec, search=search, moments=moments)
     else:
         wq.shrink = None
     if not wq.range_learning:
@@ -99,7 +117,7 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     if wq.ranges_loaded:
         wq.ranges_loaded = False
         return
-    s, z = observers.weight_params(view, spec, wq.range_observer, search=observers.Search(*wq.range_search))
+    s, z = observers.weight_params(view, spec, wq.range_observer, search=search, moments=moments)
     mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
     zp = mod._parameters.get("weight_zero_point")
     if zp is not None:

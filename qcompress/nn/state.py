@@ -28,6 +28,11 @@ class MasterState:
         self.applied: Optional[torch.Tensor] = None   # weight's dtype and device
         self.codes: Optional[tuple] = None            # (q, scale, zero_point) behind `applied`
         self.codes_spec: Optional[Spec] = None
+        # observer_kwargs.weight_by: inputs: the diagonal blocks of E[x x^T] of the input the weight
+        # multiplies (float64 [blocks, b, b], CPU; observers.input_weighting), recorded by
+        # calibrate_weight_ranges; kept across reset() (it describes the data, not the weight) and
+        # shared by tied modules, so they choose one shrink for one tensor
+        self.input_moments: Optional[torch.Tensor] = None
 
     def reset(self) -> None:
         """Forget everything: the next scheduler step takes the weight as it is as the master."""

@@ -40,7 +40,7 @@ but the PTQ perplexity hardly moves: the weights' error is not the loss's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -52,6 +52,7 @@ GRID_STEPS = 100
 MAX_SHRINK = 0.80
 REFINE_ITERS = 4     # least-squares refinements of a symmetric grid's choice (each kept only if better)
 ACT_SAMPLE = 16384   # activations: the error is measured on at most this many strided elements
+Inner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # per-group weighted inner product
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,15 @@ class Search:
     grid: int = GRID_STEPS
     maxshrink: float = MAX_SHRINK
     norm: float = 2.0
+    weight_by: str = "none"     # "inputs": the caller passes column weights (column_weights)
 
     def candidates(self) -> int:
         return int(round(self.maxshrink * self.grid))
 
 
 DEFAULT_SEARCH = Search()
-DEFAULT_SEARCH_FIELDS = (DEFAULT_SEARCH.grid, DEFAULT_SEARCH.maxshrink, DEFAULT_SEARCH.norm)   # Search(*fields)
+DEFAULT_SEARCH_FIELDS = (DEFAULT_SEARCH.grid, DEFAULT_SEARCH.maxshrink, DEFAULT_SEARCH.norm,
+                         DEFAULT_SEARCH.weight_by)   # Search(*fields)
 
 
 def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
@@ -100,14 +103,14 @@ def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Sp
 
 
 def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-            spec: Spec, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
+            spec: Spec, search: Search = DEFAULT_SEARCH, W: Optional[Inner] = None) -> torch.Tensor:
     """Per-group argmin over the grid of the error of X quantized with [p lo, p hi] (the
-    reference: one vectorized pass per grid point)."""
+    reference: one vectorized pass per grid point); W: the weighted error (input_weighting)."""
     spec = _nearest(spec)
     best = torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     best_err = torch.full((X.shape[0],), float("inf"), dtype=torch.float64, device=X.device)
     for p in shrink_grid(X.device, search):
-        err = _errors(X, counts, lo, hi, p, spec, search.norm)[0]
+        err = _errors(X, counts, lo, hi, p, spec, search.norm, W)[0]
         better = err < best_err          # strict: on a tie the larger shrink factor stays
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, p, best)
@@ -115,32 +118,36 @@ def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
 
 
 def _errors(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
-            spec: Spec, norm: float = 2.0):
-    """Per-group error sum |x^ - x|^norm (float64) of X quantized with [p lo, p hi], its codes
-    and scales."""
+            spec: Spec, norm: float = 2.0, W: Optional[Inner] = None):
+    """Per-group error (float64) of X quantized with [p lo, p hi]: sum |x^ - x|^norm, or with W
+    the input-weighted d^T M d; its codes and scales."""
     s, zp = int_params(lo * p, hi * p, spec)
     q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
     d = (dequantize_view(q, s, zp, spec) - X).double()
+    if W is not None:
+        return W(d, d), q, s
     return (d.square() if norm == 2.0 else d.abs().pow(norm)).sum(dim=1), q, s
 
 
 def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
-           spec: Spec) -> torch.Tensor:
+           spec: Spec, W: Optional[Inner] = None) -> torch.Tensor:
     """Least-squares refinement of symmetric shrink factors p (float32 [groups]): see the module
-    docstring. Asymmetric specs: p unchanged."""
+    docstring; with the input weighting W the weighted least squares s' = q^T M x / q^T M q.
+    Asymmetric specs: p unchanged."""
     spec = _nearest(spec)
     if spec.kind != "int" or not spec.symmetric or X.shape[1] == 0:
         return p
-    err, q, s = _errors(X, counts, lo, hi, p, spec)
+    err, q, s = _errors(X, counts, lo, hi, p, spec, W=W)
     Xd = X.double()
+    inner = W if W is not None else (lambda a, b: (a * b).sum(dim=1))
     for _ in range(REFINE_ITERS):
         qd = q.double()
-        num, den = (Xd * qd).sum(dim=1), qd.square().sum(dim=1)
+        num, den = inner(qd, Xd), inner(qd, qd)
         ok = (den > 0) & (num > 0)
-        p_new = (p.double() * num / (s.double() * den.clamp(min=1.0))).to(torch.float32)
+        p_new = (p.double() * num / (s.double() * torch.where(ok, den, 1.0))).to(torch.float32)
         ok &= torch.isfinite(p_new) & (p_new > 0)
         p_new = torch.where(ok, p_new, p)
-        e_new, q_new, s_new = _errors(X, counts, lo, hi, p_new, spec)
+        e_new, q_new, s_new = _errors(X, counts, lo, hi, p_new, spec, W=W)
         better = ok & (e_new < err)
         if not bool(better.any()):
             break
@@ -151,34 +158,69 @@ def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     return p
 
 
+def moment_block(spec: Spec) -> int:
+    """Columns per block of the input moments the weighted search uses with this spec: a group's
+    own columns (granularity group), else 1 (the diagonal: a group spans whole rows)."""
+    return spec.group_size if spec.granularity == "group" else 1
+
+
+def input_weighting(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> Inner:
+    """The weighted inner product of the search: (a, b) in group_view(x)'s layout -> per group
+    sum a_g^T M_g b_g (float64), M_g the block of E[u u^T] (u the module's input) over group g's
+    columns. x: the [rows, cols] weight matrix; moments: [ceil(cols / b), b, b] with
+    b = moment_block(spec) (b = 1: the diagonal E[u_j^2])."""
+    b = moment_block(spec)
+    if x.dim() != 2 or spec.granularity == "groups" or moments.dim() != 3 \
+            or tuple(moments.shape) != (-(-x.shape[1] // b), b, b):
+        raise ValueError(f"input moments of shape {tuple(moments.shape)} do not fit a weight matrix of shape "
+                         f"{tuple(x.shape)} quantized per {spec.granularity}"
+                         f"{f' of {spec.group_size}' if spec.granularity == 'group' else ''}")
+    M = moments.to(device=x.device, dtype=torch.float64)
+    rows = x.shape[0]
+    if b == 1:
+        w = group_view(M[:, 0, 0].expand(rows, -1).contiguous(), spec)[0]
+        return lambda a, c: (w * a * c).sum(dim=1)
+    nb = M.shape[0]
+
+    def inner(a, c):               # rows of X are (weight row, group) pairs, group fastest
+        a3 = a.reshape(rows, nb, b).transpose(0, 1)
+        c3 = c.reshape(rows, nb, b).transpose(0, 1)
+        return (torch.bmm(a3, M) * c3).sum(dim=2).transpose(0, 1).reshape(-1)
+    return inner
+
+
 def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
-               search: Search = DEFAULT_SEARCH) -> torch.Tensor:
+               search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
     ternary kinds, which have no range): the grid's choice, refined by least squares on symmetric
     grids (norm 2). backend of the grid search: None (the CPU kernel when built) or "reference";
-    the refinement is the same torch code after either."""
+    the refinement is the same torch code after either. moments (observer_kwargs.weight_by: inputs,
+    a 2-D x): the error is the input-weighted one (input_weighting; searched in torch)."""
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if spec.kind != "int" or X.shape[1] == 0:
         return torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     lo, hi = group_minmax(X, counts)
     reference._check_finite(torch.stack([lo, hi]), "min/max")
-    p = _search_kernel(xf, lo, hi, spec, search) if backend != "reference" else None
+    W = None if moments is None else input_weighting(xf, spec, moments)
+    p = _search_kernel(xf, lo, hi, spec, search) if backend != "reference" and W is None else None
     if p is None:
-        p = _search(X, counts, lo, hi, spec, search)
-    return refine(X, counts, lo, hi, p, spec) if search.norm == 2.0 else p
+        p = _search(X, counts, lo, hi, spec, search, W)
+    return refine(X, counts, lo, hi, p, spec, W) if search.norm == 2.0 else p
 
 
 def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
-                  search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  search: Search = DEFAULT_SEARCH,
+                  moments: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, zero point or None) of each group of x, float32 [groups] (the zero point holds an
-    integer), as the observer chooses them; `shrink` reuses factors chosen earlier."""
+    integer), as the observer chooses them; `shrink` reuses factors chosen earlier; moments: the
+    mse search's input weighting (mse_shrink)."""
     if observer not in OBSERVERS:
         raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if observer == "mse" and shrink is None:
-        shrink = mse_shrink(xf, spec, search=search)
+        shrink = mse_shrink(xf, spec, search=search, moments=moments)
     s, zp, _ = reference.qparams(X, counts, spec, shrink=shrink if spec.kind == "int" else None)
     return s, zp
 

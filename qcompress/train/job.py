@@ -28,7 +28,7 @@ from ..config.training import take_auto
 from ..engine.engine import resolve_device
 from ..nn import int8_forward
 from . import loop
-from .batches import device_of
+from .batches import device_of, to_device
 from .data import DataError, prepare_data
 from .errors import JobError
 from .evaluate import evaluate, max_logit_difference, max_weight_difference, metric_name
@@ -331,7 +331,7 @@ class Job:
             self.finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
         stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
             model if self.finetuned is None else self.finetuned, cfg,
-            lambda m: calibrate_static_ranges(m, self.calibration_batches()))))
+            self.calibrate)))
 
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
@@ -370,14 +370,22 @@ class Job:
                             forward=forward)
         return ev
 
-    def calibration_batches(self, n: int = 8):
-        """A few training batches for static activation ranges (PTQ has no training to set them)."""
+    def calibration_batches(self, device=None, n: int = 8):
+        """A few training batches for static activation ranges (PTQ has no training to set them)
+        and input-weighted weight ranges (observer_kwargs.weight_by: inputs)."""
         from .batches import eval_batches
         for i, b in enumerate(eval_batches(self.data.train, self.opts.eval_batch_size, self.tok.pad_token_id)):
             if i >= n:
                 break
             b.pop("labels")
-            yield b
+            yield b if device is None else to_device(b, device)
+
+    def calibrate(self, model) -> None:
+        """PTQ's calibration: static activation ranges (training mode), then the input moments of
+        input-weighted weight ranges (eval mode, static ranges set)."""
+        import qcompress
+        calibrate_static_ranges(model, self.calibration_batches())
+        qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model)))
 
     def planned_steps(self, cfg, n_train: int) -> int:
         """The optimizer steps each phase will take, from the configs before any engine exists (a
@@ -515,6 +523,10 @@ class Job:
         self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
+        weighted = qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model)))
+        if weighted:
+            self.say(f"[qat] weight ranges of {weighted} module(s) weighted by their inputs on "
+                     "8 calibration batches (observer_kwargs.weight_by)")
         forward_note = int8_forward.describe(model)
         if forward_note:
             self.say(f"[qat] {forward_note}")
