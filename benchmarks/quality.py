@@ -62,7 +62,7 @@ RECIPES = {   # key: (label, schedule file, progressive)
     "w8to4": ("progressive W8→4 A8", "schedules/w4a8_progressive.yaml", True),
 }
 VARIANTS = ("qat", "qat_rl", "qad_rl")
-OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm)
+OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
 
 
 def fragment(variant: str, task: str = "lm") -> dict:
@@ -161,6 +161,7 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     from qcompress.train.data import prepare_data
     from qcompress.train.evaluate import evaluate
     from qcompress.train.models import load_model, load_tokenizer
+    from qcompress import calibrate_weight_ranges
     from qcompress.train.stages import calibrate_static_ranges, quantize_without_training
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -183,6 +184,7 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
                 b.pop("labels")
                 yield b
         calibrate_static_ranges(m, batches())
+        calibrate_weight_ranges(m, batches())     # observer_kwargs.weight_by: inputs (else nothing runs)
 
     fp32 = ev(model)
     out = {}

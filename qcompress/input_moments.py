@@ -146,3 +146,8 @@ def missing_moments(modules) -> List[str]:
     """Names of active input-weighted modules that take moments but have none recorded."""
     return [n for n, m in modules if m.qc_wq.active and not m.qc_wq.baked and m.qc_kind in INPUT_KINDS
             and m.qc_wq.store.input_moments is None]
+
+
+def needs_calibration(model: nn.Module) -> bool:
+    """Some module weighs its ranges by inputs it has no moments of yet (active or not)."""
+    return any(m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model))

@@ -606,3 +606,33 @@ def test_compression_trainer_puts_learned_ranges_in_their_own_groups(base, tmp_p
     again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     for a, b in zip(model.parameters(), model2.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_input_weighted_ranges_are_calibrated_on_training_batches_before_the_first_step(base, tmp_path):
+    """observer_kwargs.weight_by: inputs through the Trainer: the callback records the moments on the
+    first training batches (no 'no input statistics' warning at the steps), and the ranges are the
+    observer's with them (oracle: mse_shrink with those moments on the weight as it was then)."""
+    import copy
+    import warnings
+    from qcompress.quant import observers
+    folder, tok, data = base
+    cfg = copy.deepcopy(CFG)
+    shared = cfg["compression_training"]["weight_quantization"]["shared_parameters"]
+    shared.update(observer="mse", observer_kwargs={"weight_by": "inputs"}, quantize_weight_in_forward=True)
+    cfg["compression_training"]["weight_quantization"]["different_groups"]["wq"]["params"].update(
+        start_bits=4, target_bits=4, group_size=16)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    query = dict(model.named_modules())[QUERY]
+    w0 = query.weight.detach().clone()
+    cb = CompressionCallback(cfg)
+    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
+                                          per_device_train_batch_size=4, learning_rate=0.0, save_strategy="no",
+                                          disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model, args, train_dataset=data, processing_class=tok, callbacks=[cb])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no input statistics.*")
+        trainer.train()
+    query = dict(model.named_modules())[QUERY]
+    moments = query.qc_wq.store.input_moments
+    assert moments is not None and moments.shape == (query.in_features // 16, 16, 16)
+    assert torch.equal(query.qc_wq.shrink, observers.mse_shrink(w0, query.qc_wq.spec(), moments=moments))

@@ -18,6 +18,7 @@ What it does at each Trainer event:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import uuid
 import warnings
 from typing import Optional
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import TrainerCallback
@@ -34,6 +36,7 @@ from ..config import as_config
 from ..errors import ConfigError
 from ..engine.serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
+from ..input_moments import calibrate_weight_ranges, needs_calibration
 from ..export.safetensors_io import existing_outputs
 from ..rewrite import init_compression
 from ..nn.pld import pld_schedule
@@ -41,6 +44,7 @@ from ..schedule import REWRITTEN, CompressionScheduler
 from ..unwrap import unwrap
 
 log = logging.getLogger("qcompress.hf")
+CALIBRATION_BATCHES = 8       # observer_kwargs.weight_by: inputs (as qcompress train)
 
 STATE_JSON = "qcompress_compression.json"                # skeleton + step; written last
 STATE_TENSORS = "qcompress_compression.safetensors"      # masters, observer ranges, masks
@@ -233,9 +237,25 @@ class CompressionCallback(TrainerCallback):
         elif state.global_step == 0 and sched.training_steps > 0:
             log.warning("qcompress: a new training run starts while the compression schedule is at "
                         "step %d; it continues from there", sched.training_steps)
+        elif state.global_step == 0:
+            self._calibrate(model, kwargs.get("train_dataloader"))
         pld = pld_schedule(_root(model))
         if pld is not None:            # progressive layer drop follows the step count alone
             pld.start_step(state.global_step, resumed=True)
+
+    def _calibrate(self, model, loader) -> None:
+        """observer_kwargs.weight_by: inputs: the input moments from the first CALIBRATION_BATCHES
+        batches of the training dataloader, before the first step (a resumed run has them in its
+        compression state)."""
+        if loader is None or not needs_calibration(_root(model)):
+            return
+        dev = next(model.parameters()).device
+
+        def forward(m, batch):
+            return m(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()})
+        n = calibrate_weight_ranges(_root(model), itertools.islice(loader, CALIBRATION_BATCHES), forward)
+        log.info("qcompress: weight ranges of %d module(s) weighted by their inputs on %d training batches",
+                 n, CALIBRATION_BATCHES)
 
     def resume_from(self, folder: str) -> None:
         """Restore the compression state from `folder` (a checkpoint written by on_save) when

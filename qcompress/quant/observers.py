@@ -22,6 +22,13 @@ defaults 100 and 0.8 give the grid above; llm-compressor's are 100 and 0.2) and 
 is sum |x^(p) - x|^norm; llm-compressor uses 2.4). The least-squares refinement belongs to norm 2
 only, and the fused kernel computes squared errors: another norm searches in torch, unrefined.
 
+`weight_by: inputs` (weights only; qcompress.calibrate_weight_ranges records what it needs)
+replaces the weights' own error by the error of the layer's output each group causes:
+d^T M d, d = x^(p) - x over the group and M the block of E[u u^T] of the module's input u over the
+group's columns (per-group granularity; the diagonal E[u_j^2] where a group spans whole rows).
+The refinement becomes the weighted least squares s' = q^T M x / q^T M q, the same rule otherwise
+(kept only where the weighted error drops). Searched in torch (input_weighting), norm 2 only.
+
 Binary and ternary kinds have no range (scale = mean |x| of the values or of the kept values):
 both observers give their own scale there (shrink 1).
 
