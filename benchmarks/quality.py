@@ -63,6 +63,7 @@ RECIPES = {   # key: (label, schedule file, progressive)
 }
 VARIANTS = ("qat", "qat_rl", "qad_rl")
 OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
+DEFAULT_OBSERVER_KWARGS = '{"weight_by": "inputs"}'   # the mse variants: the input-weighted search
 
 
 def fragment(variant: str, task: str = "lm") -> dict:
@@ -381,8 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--ptq-pretrained", action="store_true",
                    help="causal LM: also PTQ the pretrained checkpoint (--lm, no fine-tune) with each recipe's "
                         "minmax and mse configs, on the first --eval-samples blocks and on all of them")
-    p.add_argument("--observer-kwargs", default=None, metavar="JSON",
-                   help='the mse variants\' search, e.g. \'{"maxshrink": 0.2, "norm": 2.4}\' (default: qcompress\'s)')
+    p.add_argument("--observer-kwargs", default=DEFAULT_OBSERVER_KWARGS, metavar="JSON",
+                   help="the mse variants' observer_kwargs, e.g. '{\"maxshrink\": 0.2, \"norm\": 2.4}' (default: "
+                        f"{DEFAULT_OBSERVER_KWARGS}, the input-weighted search; '{{}}': the plain mse)")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
@@ -456,7 +458,9 @@ def main(argv=None) -> int:
         setup = (f"Steps of batch × tokens on its train.txt per recipe in its row, AdamW {a.lr} (weight decay "
                  f"0.01; learned ranges {RANGE_LR_FACTOR * a.lr:g}, no decay), constant lr; perplexity on heldout.txt"
                  f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
-                 f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU.")
+                 f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU. "
+                 f"The mse columns (PTQ mse, QAT + RL, QAD + RL) use observer_kwargs "
+                 f"{json.dumps(OBSERVER_KWARGS) if OBSERVER_KWARGS else '{} (the plain search)'}.")
     summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
     print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
     if a.write_results:

@@ -3,9 +3,9 @@
 - `observer: mse` without range learning: each group's shrink factor is searched at the first
   quantization and at every bit drop (`init_weight_ranges`) and kept in `WeightQuant.shrink`;
   every forward then quantizes with the factor times the group's current [min, max].
-- `observer_kwargs: {weight_by: inputs}`: the mse search weights each input column's error by
-  E[x_j^2] of the module's input (`MasterState.input_moments`, recorded by
-  qcompress.calibrate_weight_ranges); until that ran, the plain search.
+- `observer_kwargs: {weight_by: inputs}`: the mse search weighs each group's error by the
+  module's input moments (`MasterState.input_moments`, recorded by
+  qcompress.calibrate_weight_ranges; observers.input_weighting); until that ran, the plain search.
 - `range_learning: true`: the scales (and asymmetric zero points) are Parameters of the module,
   named as compressed-tensors names the tensors export writes: `weight_scale`,
   `weight_zero_point`, `input_scale`, `input_zero_point` (float32, one value per group). The
