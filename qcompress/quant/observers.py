@@ -69,7 +69,7 @@ class Search:
     grid: int = GRID_STEPS
     maxshrink: float = MAX_SHRINK
     norm: float = 2.0
-    weight_by: str = "none"     # "inputs": the caller passes column weights (column_weights)
+    weight_by: str = "none"     # "inputs": the caller passes the input moments (mse_shrink)
 
     def candidates(self) -> int:
         return int(round(self.maxshrink * self.grid))
