@@ -216,7 +216,7 @@ def whole_set_line(summary: dict) -> str:
     if not parts:
         return ""
     return (f"Outside the table, PTQ of the same FP32 fine-tune on all {blocks} held-out blocks "
-            f"(`--ptq-whole-set`, the mse observer with its least-squares refinement; the table's measure is the "
+            f"(`--ptq-whole-set`, the mse columns' observer; the table's measure is the "
             f"runs' `ptq` stage on the first blocks above): FP32 {fp32:.3f}; " + "; ".join(parts) + ".")
 
 
