@@ -139,7 +139,7 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
         else:                        # optimizer-step mode: the next scheduler step re-searches on the master
             wq.shrink = None
             wq.pending_ranges = True
-    return len(takers) - len(unseen)
+    return sum(stores[id(m.qc_wq.store)][2] not in unseen for _, m in takers)
 
 
 def missing_moments(modules) -> List[str]:
