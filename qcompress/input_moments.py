@@ -83,24 +83,24 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     takers = [(n, m) for n, m in mods if m.qc_kind in INPUT_KINDS]
     if not takers:
         return 0
-    stores = {}                      # id(MasterState) -> (store, float64 sums [blocks, b, b], index)
+    stores = {}                      # id(MasterState) -> (store, float64 sums [blocks, b, b], index, cols)
     for _, m in takers:
         cols = m.weight_matrix_view(m.weight).shape[1]
         b = block_size(m.qc_wq)
         acc = torch.zeros(-(-cols // b), b, b, dtype=torch.float64)
-        stores.setdefault(id(m.qc_wq.store), (m.qc_wq.store, acc, len(stores)))
+        stores.setdefault(id(m.qc_wq.store), (m.qc_wq.store, acc, len(stores), cols))
     counts = torch.zeros(len(stores), dtype=torch.int64)
 
     def hook(mod, args):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return
-        store, acc, i = stores[id(mod.qc_wq.store)]
-        nb, b, _ = acc.shape
-        x2 = x.detach().reshape(-1, x.shape[-1]).float()
-        if x2.shape[1] > nb * b or x2.shape[1] <= (nb - 1) * b:
+        _, acc, i, cols = stores[id(mod.qc_wq.store)]
+        if x.shape[-1] != cols:
             return                   # a shape this module's weight does not multiply column-wise
-        x3 = torch.nn.functional.pad(x2, (0, nb * b - x2.shape[1])).reshape(-1, nb, b).transpose(0, 1)
+        nb, b, _ = acc.shape
+        x2 = x.detach().reshape(-1, cols).float()
+        x3 = torch.nn.functional.pad(x2, (0, nb * b - cols)).reshape(-1, nb, b).transpose(0, 1)
         acc += torch.bmm(x3.transpose(1, 2), x3).double().cpu()      # per block: sum_t u u^T
         counts[i] += x2.shape[0]
 
@@ -114,7 +114,7 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
         for h in handles:
             h.remove()
         model.train(was_training)
-    entries = sorted(stores.values(), key=lambda e: e[2])
+    entries = [e[:3] for e in sorted(stores.values(), key=lambda e: e[2])]
     param = next(model.parameters(), None)
     device = param.device if (param is not None and dist.is_available() and dist.is_initialized()
                               and dist.get_backend() == "nccl") else torch.device("cpu")

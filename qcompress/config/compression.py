@@ -68,14 +68,14 @@ class ObserverKwargs:
     """ext (compressed-tensors' `observer_kwargs`): the mse observer's search. Shrink factors
     p = 1 - k / grid for k below maxshrink * grid, the error sum |x^ - x|^norm (2: refined by
     least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4. `weight_by: inputs`
-    (weights only) weights each input column's error by the mean square of the module's input there,
-    recorded on calibration batches (qcompress.calibrate_weight_ranges)."""
+    (weights only) weighs each group's error by the second moments of the module's input over the
+    group's columns, recorded on calibration batches (qcompress.calibrate_weight_ranges)."""
     maxshrink: float = field(0.8, gt=0.0, le=1.0, doc="ext: how far the range may shrink (0.8: down to p = 0.21)")
     grid: int = field(100, ge=1, le=100000, doc="ext: candidate steps of 1 / grid")
     norm: float = field(2.0, gt=0.0, le=16.0, doc="ext: exponent of the reconstruction error")
     weight_by: str = field("none", choices=("none", "inputs"), lower=True,
-                           doc="ext, weights only: 'inputs' weights column j's error by E[x_j^2] of the "
-                               "module's input on calibration batches (the output error's diagonal)")
+                           doc="ext, weights only: 'inputs' weighs each group's error by E[x x^T] of the module's "
+                               "input over the group's columns (its diagonal where a group spans whole rows)")
 
     def _validate(self, path):
         if int(round(self.maxshrink * self.grid)) < 1:
