@@ -36,8 +36,10 @@ the job's own steps (quantize_without_training, the job's calibration batches, e
 a separate line under the table, which keeps the runs' `ptq` stage (the table's measure).
 --ptq-pretrained (causal LM): the same PTQ of the pretrained checkpoint --lm itself (no fine-tune),
 on the first --eval-samples blocks and on all of them; another line under the table.
---write-results replaces the "## Compression quality" section of benchmarks/RESULTS.md with the
-tables of every task measured so far (kept in <out>/<task>/summary.json).
+--write-results rewrites the "## Compression quality" section of benchmarks/RESULTS.md: each task
+with a <out>/<task>/summary.json gets its table and generated lines rewritten, its hand-written
+notes taken from the summary (--note) or else kept from the section as it was, repeats dropped; a
+task without a summary keeps its subsection as it is.
 """
 from __future__ import annotations
 
@@ -327,32 +329,86 @@ def targets(summary: dict) -> list:
     return out
 
 
-def section(summaries: dict) -> str:
-    parts = ["## Compression quality (issue 15: observers, range learning, QAD)\n\n"
-             "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
-             "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
-             "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
-             "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
-             "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
-             "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay (qcompress train's "
-             "default since the causal LM's range-learning probe below). "
-             "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
-             "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
-             "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n"]
+INTRO = ("## Compression quality (issue 15: observers, range learning, QAD)\n\n"
+         "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
+         "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
+         "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
+         "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
+         "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
+         "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay (qcompress train's "
+         "default since the causal LM's range-learning probe below). "
+         "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
+         "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
+         "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n")
+
+
+def subsections(section_text: str) -> dict:
+    """The '### title' subsections of a written section, title -> text (heading included)."""
+    parts = re.split(r"^(?=### )", section_text, flags=re.M)
+    return {p.splitlines()[0][4:].strip(): p for p in parts if p.startswith("### ")}
+
+
+def bullets(subsection_text: str) -> list:
+    """The top-level '- ' items after a subsection's table, each with its indented / blank-separated
+    continuation (nested tables), trailing blank lines dropped."""
+    items, cur = [], None
+    for line in subsection_text.splitlines():
+        if line.startswith("- "):
+            cur = [line[2:]]
+            items.append(cur)
+        elif cur is not None and (not line.strip() or line.startswith(" ")):
+            cur.append(line)
+        elif line.strip():
+            cur = None
+    return ["\n".join(c).rstrip() for c in items]
+
+
+def hand_notes(notes, generated) -> list:
+    """Notes without the generated lines (targets, whole-set / pretrained PTQ lines) and without
+    repeats, first occurrence kept: re-writing a section never grows it."""
+    gen = set(generated)
+    out = []
+    for n in notes:
+        if n in gen or n.startswith("Target: ") or n in out:
+            continue
+        out.append(n)
+    return out
+
+
+def section(summaries: dict, old_section: str = "") -> str:
+    """The whole section: a task with a summary gets its table rewritten (its hand-written notes from
+    the summary, or else kept from the old text); a task without one keeps its old subsection."""
+    old = subsections(old_section)
+    written = {}
     for task, s in summaries.items():
-        parts.append(f"\n### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n")
         lines = [whole_set_line(s), pretrained_line(s)] if s.get("metric") == "perplexity" else []
-        notes = targets(s) + [x for x in lines if x] + list(s.get("notes") or [])
+        generated = targets(s) + [x for x in lines if x]
+        kept = s.get("notes") or bullets(old.get(s["title"], ""))
+        notes = generated + hand_notes(kept, generated)
+        text = f"### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n"
         if notes:
-            parts.append("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-    return "".join(parts)
+            text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+        written[s["title"]] = text
+    order = list(old) + [t for t in written if t not in old]
+    body = [written.get(t) or old[t].rstrip("\n") + "\n" for t in order]
+    return INTRO + "".join("\n" + b for b in body)
+
+
+SECTION_RE = re.compile(r"^## Compression quality.*?(?=^## |\Z)", re.S | re.M)
+
+
+def current_section() -> str:
+    path = os.path.join(HERE, "RESULTS.md")
+    if not os.path.exists(path):
+        return ""
+    m = SECTION_RE.search(open(path, encoding="utf-8").read())
+    return m.group(0) if m else ""
 
 
 def write_results(text: str) -> None:
     path = os.path.join(HERE, "RESULTS.md")
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    pattern = re.compile(r"^## Compression quality.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
+    new = SECTION_RE.sub(lambda _: text.rstrip("\n") + "\n\n", old) if SECTION_RE.search(old) else old.rstrip() + "\n\n" + text
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(new)
@@ -472,7 +528,7 @@ def main(argv=None) -> int:
                     s = json.load(fh)
                 if "title" in s:
                     summaries[task] = s
-        write_results(section(summaries))
+        write_results(section(summaries, current_section()))
         print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
     return 0
 
