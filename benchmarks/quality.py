@@ -152,6 +152,27 @@ def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
         return json.load(fh)
 
 
+def job_calibration(train, pad_id):
+    """calibrate(model) as `qcompress train`'s PTQ stage runs it on its calibration batches (the
+    first 8 training batches of 64): static activation ranges, then the input-weighted weight
+    ranges (observer_kwargs.weight_by: inputs; else nothing runs)."""
+    from qcompress import calibrate_weight_ranges
+    from qcompress.train.batches import eval_batches
+    from qcompress.train.stages import calibrate_static_ranges
+
+    def batches():
+        for i, b in enumerate(eval_batches(train, 64, pad_id)):
+            if i >= 8:
+                break
+            b.pop("labels")
+            yield b
+
+    def calibrate(model):
+        calibrate_static_ranges(model, batches())
+        calibrate_weight_ranges(model, batches())
+    return calibrate
+
+
 def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     """{recipe key: {"blocks", "fp32", "minmax", "mse"}}: the FP32 fine-tune of baseline_run (None:
     the pretrained checkpoint --lm itself) and its PTQ with each recipe's qat (minmax) and qat_rl
@@ -160,12 +181,10 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     import torch
     from safetensors.torch import load_file
     from qcompress.config import load_config
-    from qcompress.train.batches import eval_batches
     from qcompress.train.data import prepare_data
     from qcompress.train.evaluate import evaluate
     from qcompress.train.models import load_model, load_tokenizer
-    from qcompress import calibrate_weight_ranges
-    from qcompress.train.stages import calibrate_static_ranges, quantize_without_training
+    from qcompress.train.stages import quantize_without_training
     if a.threads:
         torch.set_num_threads(a.threads)
     tok = load_tokenizer(a.lm)
@@ -179,16 +198,7 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     def ev(m):
         return evaluate(m, data.eval, "causal-lm", 64, tok.pad_token_id)["perplexity"]
 
-    def calibration(m):                       # the job's calibration_batches: 8 training batches
-        def batches():
-            for i, b in enumerate(eval_batches(data.train, 64, tok.pad_token_id)):
-                if i >= 8:
-                    break
-                b.pop("labels")
-                yield b
-        calibrate_static_ranges(m, batches())
-        calibrate_weight_ranges(m, batches())     # observer_kwargs.weight_by: inputs (else nothing runs)
-
+    calibration = job_calibration(data.train, tok.pad_token_id)
     fp32 = ev(model)
     out = {}
     for key in recipes:

@@ -56,13 +56,11 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
 
     import quality
-    from qcompress import calibrate_weight_ranges
     from qcompress.config import load_config
-    from qcompress.train.batches import eval_batches
     from qcompress.train.data import prepare_data
     from qcompress.train.evaluate import evaluate
     from qcompress.train.models import load_model, load_tokenizer
-    from qcompress.train.stages import calibrate_static_ranges, quantize_without_training
+    from qcompress.train.stages import quantize_without_training
 
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(a.lm)
@@ -79,15 +77,7 @@ def main(argv=None) -> int:
     def ev(m):
         return [evaluate(m, ds, "causal-lm", 64, tok.pad_token_id)["perplexity"] for ds in (first, data.eval)]
 
-    def calibration(m):                       # the job's calibration_batches: 8 training batches
-        def batches():
-            for i, b in enumerate(eval_batches(data.train, 64, tok.pad_token_id)):
-                if i >= 8:
-                    break
-                b.pop("labels")
-                yield b
-        calibrate_static_ranges(m, batches())
-        calibrate_weight_ranges(m, batches())
+    calibration = quality.job_calibration(data.train, tok.pad_token_id)
 
     def quantized(key, wq):
         _, recipe, _ = quality.RECIPES[key]
