@@ -13,7 +13,8 @@ first --eval-samples held-out blocks and on all of them, and the share of the mi
   minmax            the group's own range (the recipes' default)
   mse               the plain mse search (the weights' own squared error)
   mse weight_by     observer_kwargs {weight_by: inputs} (calibrate_weight_ranges, 8 batches of 64)
-  learned ranges    the scales trained on the loss, weights frozen (evaluated every --every steps)
+  learned ranges    the scales trained on the loss, weights frozen (evaluated every --every steps):
+                    qcompress.learn_ranges' step (one AdamW, no decay), in one run
 
 The model is the pretrained --lm, or its FP32 fine-tune (--finetuned: a safetensors state dict,
 e.g. quality.py's FP32 baseline run), quantized as `qcompress train`'s PTQ stage does

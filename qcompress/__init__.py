@@ -14,6 +14,7 @@ from .errors import CheckpointError, ConfigError, NonFiniteError
 from .quant import kernels_available
 from .rewrite import init_compression, redundancy_clean, summary
 from .input_moments import calibrate_weight_ranges
+from .learn_ranges import learn_ranges
 from .schedule import CompressionScheduler
 
 __version__ = "0.1.0"
@@ -34,6 +35,6 @@ def __getattr__(name):
 
 
 __all__ = ["CheckpointError", "ConfigError", "NonFiniteError", "Config", "load_config", "init_compression",
-           "redundancy_clean", "summary", "CompressionScheduler", "calibrate_weight_ranges", "initialize", "estimate_memory",
+           "redundancy_clean", "summary", "CompressionScheduler", "calibrate_weight_ranges", "learn_ranges", "initialize", "estimate_memory",
            "export_quantized", "load_quantized", "kernels_available", "quant", "comm", "optim",
            "__version__"]

@@ -1,0 +1,123 @@
+"""qcompress.learn_ranges: post-training range learning on sklearn's digits (real data). Oracles:
+the FP32 model's and the minmax PTQ model's losses on the same batches, the weights before."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qcompress as qc
+from qcompress.learn_ranges import learn_ranges, range_parameters
+
+pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
+from test_qat_train import digits_split, make_mlp, one_thread, train  # noqa: E402,F401  (fixture too)
+
+
+def w3(range_learning=True):
+    return {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0,
+                              "range_learning": range_learning},
+        "different_groups": {"w3": {"params": {"start_bits": 3, "target_bits": 3, "quantization_period": 0,
+                                               "granularity": "group", "group_size": 16}}}}}}
+
+
+def ce(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+@torch.no_grad()
+def mean_loss(model, batches):
+    model.eval()
+    return sum(float(ce(model, b)) for b in batches) / len(batches)
+
+
+def test_ranges_learn_the_loss_and_weights_stay(one_thread):
+    xtr, ytr, xte, yte = digits_split()
+    fp32 = train(make_mlp(), xtr, ytr, epochs=15)
+    g = torch.Generator().manual_seed(2)
+    batches = [(xtr[i], ytr[i]) for i in torch.randperm(len(ytr), generator=g).split(64)]
+    held_out = [(xte, yte)]
+    fp32_loss = mean_loss(fp32, held_out)
+    import copy
+    model = copy.deepcopy(fp32)
+    qc.init_compression(model, w3())
+    qc.CompressionScheduler(model, w3()).finish()
+    ptq_loss = mean_loss(model, held_out)
+    assert ptq_loss > fp32_loss * 1.05, "W3 PTQ should cost something for the test to mean anything"
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if not n.endswith("_scale")}
+    scales = [p.detach().clone() for p in range_parameters(model)]
+    assert len(scales) == 3
+    model.train()
+    out = learn_ranges(model, batches * 3, loss=ce, lr=1e-3)
+    assert out["steps"] == 3 * len(batches)
+    assert model.training                          # the caller's mode is back
+    learned_loss = mean_loss(model, held_out)
+    # held-out: at least half of the PTQ excess over FP32 removed (it removes far more)
+    assert learned_loss < ptq_loss - 0.5 * (ptq_loss - fp32_loss), (fp32_loss, ptq_loss, learned_loss)
+    for n, p in model.named_parameters():          # weights bit-identical, every flag restored
+        assert p.requires_grad
+        if n in weights:
+            assert torch.equal(p.detach(), weights[n]), n
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(scales, range_parameters(model)))
+
+
+def test_refuses_a_model_without_learned_ranges():
+    model = make_mlp()
+    qc.init_compression(model, w3(range_learning=False))
+    with pytest.raises(ValueError, match="range_learning: true"):
+        learn_ranges(model, [(torch.zeros(2, 64), torch.zeros(2, dtype=torch.int64))], loss=ce)
+
+
+def test_needs_a_loss_when_the_output_has_none():
+    model = make_mlp()
+    qc.init_compression(model, w3())
+    frozen = model[0].bias
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="loss=lambda"):
+        learn_ranges(model, [torch.zeros(2, 64)])
+    assert not frozen.requires_grad and model[2].weight.requires_grad    # flags put back as they were
+
+
+def test_hugging_face_output_loss_and_tied_scales_once():
+    pytest.importorskip("transformers", reason="GPT-2 from transformers")
+    from tiny_models import make_gpt2
+    m = make_gpt2()
+    cfg = w3()
+    qc.init_compression(m, cfg)
+    qc.CompressionScheduler(m, cfg).finish()
+    # wte and lm_head share one tensor and one learned scale: trained once, not twice per step
+    assert m.transformer.wte.weight_scale is m.lm_head.weight_scale
+    assert sum(p is m.lm_head.weight_scale for p in range_parameters(m)) == 1
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    before = m.lm_head.weight_scale.detach().clone()
+    out = learn_ranges(m, [{"input_ids": ids, "labels": ids}] * 20, lr=1e-3)   # the output's own loss
+    assert out["steps"] == 20 and out["last_loss"] < out["first_loss"]
+    assert not torch.equal(before, m.lm_head.weight_scale.detach())
+
+
+def _ranks(rank, world, _):
+    import torch
+    from qcompress.learn_ranges import learn_ranges, range_parameters
+    model = make_mlp()
+    qc.init_compression(model, w3())
+    qc.CompressionScheduler(model, w3()).finish()
+    g = torch.Generator().manual_seed(20 + rank)               # each rank its own batches
+    batches = [(torch.rand(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(3)]
+    start = [p.detach().clone() for p in range_parameters(model)]
+    learn_ranges(model, batches, loss=ce, lr=1e-3)
+    return {"start": start, "end": [p.detach().clone() for p in range_parameters(model)], "batches": batches}
+
+
+def test_ranks_average_their_gradients_and_keep_equal_ranges(tmp_path):
+    from dist_utils import run_ranks
+    res = run_ranks(_ranks, 2, str(tmp_path), timeout=120)
+    for a, b in zip(res[0]["end"], res[1]["end"]):
+        assert torch.equal(a, b)
+    # oracle: one process stepping on the mean of the two ranks' losses gives the same ranges
+    model = make_mlp()
+    qc.init_compression(model, w3())
+    qc.CompressionScheduler(model, w3()).finish()
+    pairs = list(zip(res[0]["batches"], res[1]["batches"]))
+    learn_ranges(model, pairs, loss=lambda m, pr: (ce(m, pr[0]) + ce(m, pr[1])) / 2, lr=1e-3)
+    for want, got in zip(range_parameters(model), res[0]["end"]):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(a, b) for a, b in zip(res[0]["start"], res[0]["end"]))
