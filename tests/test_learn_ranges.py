@@ -2,7 +2,6 @@
 the FP32 model's and the minmax PTQ model's losses on the same batches, the weights before."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import qcompress as qc
