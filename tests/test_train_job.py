@@ -852,3 +852,31 @@ def test_device_option_is_checked_up_front(folders, tmp_path, capsys):
     out = str(tmp_path / "cpu")
     assert train([*base, "--out", out, "--device", "cpu"]) == 0
     assert "training on the CPU" in capsys.readouterr().out
+
+
+def test_ptq_range_steps_adds_a_stage_and_changes_nothing_else(folders, tmp_path, capsys):
+    """--ptq-range-steps N: a ptq_learned stage (the PTQ model's learned ranges trained on the loss,
+    qcompress.learn_ranges) beside ptq; the FP32, PTQ and QAT stages are those of the same run
+    without it. Without learned ranges in the configs it is refused before anything runs."""
+    data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 2)
+    rl = tmp_path / "rl.yaml"
+    rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
+    w4 = os.path.join(ROOT, "schedules", "w4_group32.yaml")
+    base = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
+            "--lr", "0.1", *FAST]
+    assert train([*base, "--out", str(tmp_path / "plain")]) == 0
+    assert train([*base, "--out", str(tmp_path / "learned"), "--ptq-range-steps", "3"]) == 0
+    plain = json.load(open(tmp_path / "plain" / "report.json"))["stages"]
+    learned = json.load(open(tmp_path / "learned" / "report.json"))["stages"]
+    assert "ptq_learned" not in plain
+    for stage in ("fp32", "ptq", "qat", "exported"):
+        assert learned[stage]["perplexity"] == plain[stage]["perplexity"], stage
+    assert math.isfinite(learned["ptq_learned"]["perplexity"])
+    assert learned["ptq_learned"]["perplexity"] != learned["ptq"]["perplexity"]     # the ranges moved
+    assert "| ptq_learned |" in open(tmp_path / "learned" / "report.md").read()
+    capsys.readouterr()
+    code = train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "1",
+                  "--out", str(tmp_path / "refused"), "--ptq-range-steps", "2", *FAST])
+    err = capsys.readouterr().err
+    assert code == 2 and "--ptq-range-steps" in err and "range_learning: true" in err
+    assert not os.path.exists(tmp_path / "refused" / "report.json")

@@ -60,6 +60,10 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     t.add_argument("--batch-size", type=int, default=32,
                    help="train_batch_size when the config sets no batch size (default 32)")
     t.add_argument("--eval-batch-size", type=int, default=64)
+    t.add_argument("--ptq-range-steps", type=int, default=0, metavar="N",
+                   help="after the ptq stage, train the PTQ model's learned ranges on the loss for N batches of "
+                        "--batch-size, weights frozen (qcompress.learn_ranges; needs range_learning: true): "
+                        "the ptq_learned stage (default 0: none)")
     t.add_argument("--save-steps", type=int, default=50,
                    help="checkpoint every N optimizer steps for --resume (0: only at the end; default 50)")
     t.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
@@ -87,6 +91,8 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
     for name in ("max_length", "batch_size", "eval_batch_size"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.ptq_range_steps < 0:
+        raise ValueError(f"--ptq-range-steps must be >= 0, got {ns.ptq_range_steps}")
     if ns.save_steps < 0:
         raise ValueError(f"--save-steps must be >= 0, got {ns.save_steps}")
     for name in ("max_train_samples", "max_eval_samples"):
@@ -100,5 +106,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       overwrite=ns.overwrite, lr=ns.lr, batch_size=ns.batch_size,
                       eval_batch_size=ns.eval_batch_size, max_train_samples=ns.max_train_samples,
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
-                      baseline_from=ns.baseline_from, device=ns.device,
+                      baseline_from=ns.baseline_from, device=ns.device, ptq_range_steps=ns.ptq_range_steps,
                       progress=not ns.no_progress)

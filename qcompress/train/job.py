@@ -69,6 +69,7 @@ class JobOptions:
     save_steps: int = 50
     baseline_from: Optional[str] = None
     device: str = "auto"            # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
+    ptq_range_steps: int = 0        # the ptq_learned stage (qcompress.learn_ranges); 0: none
     progress: bool = True
     notes: List[str] = field(default_factory=list)
 
@@ -79,6 +80,8 @@ class JobOptions:
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
                              "configs", "device")}
+        if not self.ptq_range_steps:
+            keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
@@ -304,7 +307,7 @@ class Job:
         # --overwrite deletes the previous run, which a bad input must not cost.
         model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id)
         check_max_length(model, o.model, o.max_length)     # else an IndexError in the first forward
-        check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)))
+        check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)), o.ptq_range_steps)
         self.data_digest = data_digest(data)
         if o.baseline_from:
             baseline_source(o, plain_config(doc), self.data_digest)
@@ -329,9 +332,17 @@ class Job:
         self.finetuned = None          # the FP32 fine-tune: PTQ source and `teacher: baseline`
         if o.baseline or o.baseline_from:
             self.finetuned, stages["fp32_finetuned"] = self.baseline(model, doc)
-        stages["ptq"] = self.stage("ptq", lambda: ev(quantize_without_training(
-            model if self.finetuned is None else self.finetuned, cfg,
-            self.calibrate)))
+        ptq_models = []
+
+        def ptq_model():
+            if not ptq_models:
+                ptq_models.append(quantize_without_training(
+                    model if self.finetuned is None else self.finetuned, cfg, self.calibrate))
+            return ptq_models[0]
+        stages["ptq"] = self.stage("ptq", lambda: ev(ptq_model()))
+        if o.ptq_range_steps:
+            stages["ptq_learned"] = self.stage("ptq_learned", lambda: ev(self.learned_ranges(ptq_model())))
+        ptq_models.clear()
 
         engine, train_info = self.compressed_run(model, doc)
         stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
@@ -386,6 +397,25 @@ class Job:
         import qcompress
         calibrate_static_ranges(model, self.calibration_batches())
         qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model)))
+
+    def learned_ranges(self, model):
+        """The ptq_learned stage: the PTQ model's learned ranges trained on the loss for
+        --ptq-range-steps batches of --batch-size in the job's data order, every weight frozen
+        (qcompress.learn_ranges, lr = --lr x RANGE_LR_FACTOR, as training gives learned ranges)."""
+        import qcompress
+        from ..nn.range_groups import RANGE_LR_FACTOR
+        from .batches import eval_batches, step_indices
+        o, data = self.opts, self.data.train
+        device = device_of(model)
+
+        def batches():
+            for step in range(o.ptq_range_steps):
+                rows = [data[i] for i in step_indices(len(data), o.batch_size, o.seed, step)]
+                yield to_device(next(eval_batches(rows, len(rows), self.tok.pad_token_id)), device)
+        out = qcompress.learn_ranges(model, batches(), lr=o.lr * RANGE_LR_FACTOR)
+        self.say(f"[ptq_learned] {out['steps']} steps on the learned ranges, loss {out['first_loss']:.4f} -> "
+                 f"{out['last_loss']:.4f}")
+        return model
 
     def planned_steps(self, cfg, n_train: int) -> int:
         """The optimizer steps each phase will take, from the configs before any engine exists (a
@@ -659,7 +689,8 @@ def _device_name(dev: torch.device) -> str:
     return f"the CPU ({torch.get_num_threads()} threads)"
 
 
-def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], steps: int) -> None:
+def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], steps: int,
+                      ptq_range_steps: int = 0) -> None:
     """Apply the configs to a throwaway copy of the model, so the mistakes only the model reveals (a
     module claimed by two groups, tied weights quantized unalike, a regex selecting only attention
     internals) stop the job before anything is written or trained, not after the FP32 stages; so
@@ -684,7 +715,13 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
         logger.setLevel(level)
     offsets = [q.offset for m in probe.modules() for q in (getattr(m, "qc_wq", None), getattr(m, "qc_aq", None))
                if q is not None]
+    from ..learn_ranges import range_parameters
+    learned = bool(range_parameters(probe))
     del probe, teacher
+    if ptq_range_steps and not learned:
+        raise JobError(f"--ptq-range-steps {ptq_range_steps} trains learned ranges, but no group of "
+                       f"{' + '.join(configs)} has them: set range_learning: true in the weight (or static "
+                       "activation) quantization groups, or leave --ptq-range-steps out")
     if not offsets:
         raise JobError(f"the configs {' + '.join(configs)} quantize no module of this model (no weight_quantization "
                        "or activation_quantization group matches one): qcompress train exports a quantized "

@@ -70,11 +70,12 @@ def read_metrics(path: str) -> List[Dict[str, str]]:
 
 # --- report.json / report.md -------------------------------------------------------------------
 
-STAGE_ORDER = ("fp32", "fp32_finetuned", "ptq", "qat", "exported", "transformers")
+STAGE_ORDER = ("fp32", "fp32_finetuned", "ptq", "ptq_learned", "qat", "exported", "transformers")
 STAGE_TEXT = {
     "fp32": "starting model, FP32",
     "fp32_finetuned": "FP32 fine-tuned, same budget (--baseline)",
     "ptq": "post-training quantization, no training",
+    "ptq_learned": "the PTQ model's ranges trained on the loss, weights frozen (--ptq-range-steps)",
     "qat": "compressed model after training (eval mode)",
     "exported": "export reloaded by qcompress.load_quantized",
     "transformers": "export loaded by transformers from_pretrained",
