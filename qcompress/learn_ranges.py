@@ -16,24 +16,15 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from .nn import ranges
-from .nn.layers import CompressMixin
+from .nn.range_groups import range_parameter_ids
 
 
 def range_parameters(model: nn.Module) -> list:
     """The learned-range Parameters of the model's compress-aware modules (tied modules' once)."""
-    out, seen = [], set()
-    for m in model.modules():
-        if isinstance(m, CompressMixin):
-            for n in ranges.range_parameter_names(m):
-                p = m._parameters[n]
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
+    ids = range_parameter_ids(model)
+    return [p for p in model.parameters() if id(p) in ids]
 
 
 def _loss(model: nn.Module, batch, loss: Optional[Callable]) -> torch.Tensor:
@@ -51,16 +42,13 @@ def _loss(model: nn.Module, batch, loss: Optional[Callable]) -> torch.Tensor:
 def _average_over_ranks(params: list) -> None:
     """Replicated models on several ranks (each its own batches): one mean gradient, so every rank
     takes the same step and keeps the same ranges."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    from .optim._dist import average_, world_size      # optim loads on first use (see __init__)
+    if world_size() == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    at = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[at:at + g.numel()].view_as(p).clone()
-        at += g.numel()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    average_([p.grad for p in params])
 
 
 def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] = None, lr: float = 1e-5) -> dict:

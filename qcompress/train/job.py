@@ -404,14 +404,15 @@ class Job:
         (qcompress.learn_ranges, lr = --lr x RANGE_LR_FACTOR, as training gives learned ranges)."""
         import qcompress
         from ..nn.range_groups import RANGE_LR_FACTOR
-        from .batches import eval_batches, step_indices
+        from .batches import step_indices
+        from .data import collate
         o, data = self.opts, self.data.train
         device = device_of(model)
 
         def batches():
             for step in range(o.ptq_range_steps):
                 rows = [data[i] for i in step_indices(len(data), o.batch_size, o.seed, step)]
-                yield to_device(next(eval_batches(rows, len(rows), self.tok.pad_token_id)), device)
+                yield to_device(collate(rows, self.tok.pad_token_id), device)
         out = qcompress.learn_ranges(model, batches(), lr=o.lr * RANGE_LR_FACTOR)
         self.say(f"[ptq_learned] {out['steps']} steps on the learned ranges, loss {out['first_loss']:.4f} -> "
                  f"{out['last_loss']:.4f}")
