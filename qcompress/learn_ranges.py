@@ -19,10 +19,12 @@ import torch
 import torch.nn as nn
 
 from .nn.range_groups import range_parameter_ids
+from .unwrap import unwrap
 
 
 def range_parameters(model: nn.Module) -> list:
     """The learned-range Parameters of the model's compress-aware modules (tied modules' once)."""
+    model = unwrap(model)
     ids = range_parameter_ids(model)
     return [p for p in model.parameters() if id(p) in ids]
 
@@ -41,9 +43,11 @@ def _loss(model: nn.Module, batch, loss: Optional[Callable]) -> torch.Tensor:
 
 def _average_over_ranks(params: list) -> None:
     """Replicated models on several ranks (each its own batches): one mean gradient, so every rank
-    takes the same step and keeps the same ranges."""
+    takes the same step and keeps the same ranges. Parameters sharded by FSDP2 (DTensors, ZeRO
+    stages 2-3) are left out: FSDP2's backward has already reduce-scattered their mean gradient."""
     from .optim._dist import average_, world_size      # optim loads on first use (see __init__)
-    if world_size() == 1:
+    params = [p for p in params if not hasattr(p, "full_tensor")]
+    if world_size() == 1 or not params:
         return
     for p in params:
         if p.grad is None:
@@ -54,13 +58,14 @@ def _average_over_ranks(params: list) -> None:
 def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] = None, lr: float = 1e-5) -> dict:
     """One AdamW step (lr, no weight decay) on the learned ranges per batch, in eval mode (no
     dropout, no activation-range updates), every other parameter frozen for the while and
-    unfrozen after. On several ranks (torch.distributed initialised, the model replicated) the
-    gradients are averaged, so the ranks keep equal ranges; every rank must run the same number of
-    batches. batches: dicts (model(**b)), tuples or tensors; the loss is the output's `loss`
+    unfrozen after. On several ranks (torch.distributed initialised) the gradients are averaged,
+    so the ranks keep equal ranges, whether the model is replicated or sharded (an engine at any
+    ZeRO stage, or its `module`); every rank must run the same number of batches. batches: dicts (model(**b)), tuples or tensors; the loss is the output's `loss`
     (Hugging Face models given labels) unless loss(model, batch) returns it. Call it after
     init_compression with `range_learning: true` and after the ranges were initialised (the
     observer's, calibrate_weight_ranges, the schedule at its target bits). Returns {"steps",
     "first_loss", "last_loss"}."""
+    model = unwrap(model)       # an engine or DDP: their own forward would all-reduce the gradients again
     params = range_parameters(model)
     if not params:
         raise ValueError("learn_ranges: no module of this model has learned ranges; set `range_learning: true` "
@@ -78,6 +83,10 @@ def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] =
         for p in params:
             p.requires_grad_(True)
         model.eval()
+        if hasattr(model, "set_requires_gradient_sync"):
+            # FSDP2 root: an engine stopped between accumulation micro-steps (or driving a 1-bit
+            # optimizer) leaves gradient sync off, and each rank would step on its own gradient
+            model.set_requires_gradient_sync(True)
         for batch in batches:
             value = _loss(model, batch, loss)
             if not torch.isfinite(value):

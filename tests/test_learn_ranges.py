@@ -120,3 +120,54 @@ def test_ranks_average_their_gradients_and_keep_equal_ranges(tmp_path):
     for want, got in zip(range_parameters(model), res[0]["end"]):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-7)
     assert any(not torch.equal(a, b) for a, b in zip(res[0]["start"], res[0]["end"]))
+
+
+def _engine_cfg(stage):
+    cfg = w3()
+    cfg.update({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}})
+    return cfg
+
+
+def _full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
+def _engine_ranks(rank, world, _):
+    import torch
+    from qcompress.learn_ranges import learn_ranges
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = make_mlp()
+        qc.init_compression(model, w3())
+        qc.CompressionScheduler(model, w3()).finish()
+        engine = qc.initialize(model, _engine_cfg(stage))
+        if stage == 3:      # as an engine stopped between accumulation micro-steps leaves it
+            engine.module.set_requires_gradient_sync(False)
+        g = torch.Generator().manual_seed(20 + rank)
+        batches = [(torch.rand(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(3)]
+        learn_ranges(engine, batches, loss=ce, lr=1e-3)          # the engine itself: unwrapped
+        out[stage] = {n: _full(p) for n, p in engine.module.named_parameters()}
+        out["batches"] = batches
+    return out
+
+
+def test_every_zero_stage_steps_on_the_mean_gradient(tmp_path):
+    """Stages 2-3 shard the ranges (DTensors): FSDP2 reduces their gradients, our all-reduce must
+    leave them alone (it cannot even run on them) and gradient sync must be on."""
+    from dist_utils import run_ranks
+    res = run_ranks(_engine_ranks, 2, str(tmp_path), timeout=240)
+    model = make_mlp()
+    qc.init_compression(model, w3())
+    qc.CompressionScheduler(model, w3()).finish()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pairs = list(zip(res[0]["batches"], res[1]["batches"]))
+    learn_ranges(model, pairs, loss=lambda m, pr: (ce(m, pr[0]) + ce(m, pr[1])) / 2, lr=1e-3)
+    for stage in (0, 1, 2, 3):
+        for n, want in model.named_parameters():
+            assert torch.equal(res[0][stage][n], res[1][stage][n]), (stage, n)
+            torch.testing.assert_close(res[0][stage][n], want.detach(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"stage {stage}, {n}: {m}")
+            if not n.endswith("_scale"):
+                assert torch.equal(res[0][stage][n], start[n]), (stage, n)    # weights untouched
+    assert any(not torch.equal(start[n], res[0][3][n]) for n in start if n.endswith("_scale"))
