@@ -880,3 +880,27 @@ def test_ptq_range_steps_adds_a_stage_and_changes_nothing_else(folders, tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "--ptq-range-steps" in err and "range_learning: true" in err
     assert not os.path.exists(tmp_path / "refused" / "report.json")
+
+
+def test_ptq_range_steps_under_torchrun_equals_one_process(folders, tmp_path):
+    """Under torchrun every rank trains the same ranges on the same batches (learn_ranges averages
+    the ranks' gradients): ptq_learned is the one-process figure, and the job ends cleanly."""
+    data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 2)
+    rl = tmp_path / "rl.yaml"
+    rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
+    w4 = os.path.join(ROOT, "schedules", "w4_group32.yaml")
+    args = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
+            "--lr", "0.1", "--ptq-range-steps", "3", *FAST]
+    assert train([*args, "--out", str(tmp_path / "one")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from dist_utils import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = json.load(open(tmp_path / "one" / "report.json"))["stages"]
+    two = json.load(open(tmp_path / "two" / "report.json"))["stages"]
+    assert json.load(open(tmp_path / "two" / "report.json"))["training"]["world_size"] == 2
+    for stage in ("ptq", "ptq_learned"):
+        assert two[stage]["perplexity"] == pytest.approx(one[stage]["perplexity"], rel=1e-6), stage
+    assert two["ptq_learned"]["perplexity"] != two["ptq"]["perplexity"]
