@@ -25,9 +25,13 @@ TORCH_LIBRARY(qcompress, m) {
         "int bits, int rounding, int seed, bool with_mask) -> (Tensor, Tensor)");
   m.def("lsq_backward(Tensor grad, Tensor x, Tensor scale, Tensor? zero_point, int rows, int cols, "
         "int group, int bits, int rounding, int seed) -> (Tensor, Tensor, Tensor)");
-  // The mse observer's search (CPU): float64 [K, groups] squared errors of K candidate grids.
+  // The mse observer's search (CPU): float64 [K, groups] squared errors of K candidate grids, or
+  // with float64 moments the input-weighted errors d^T M d (observer_kwargs.weight_by: inputs).
   m.def("mse_errors(Tensor x, Tensor scales, Tensor? zero_points, int rows, int cols, int group, "
-        "int bits) -> Tensor");
+        "int bits, Tensor? moments=None) -> Tensor");
+  // Its least-squares refinement of symmetric scales: (<q, x>, <q, q>, <d, d>) per group, float64.
+  m.def("mse_refine_terms(Tensor x, Tensor scales, int rows, int cols, int group, int bits, "
+        "Tensor? moments=None) -> (Tensor, Tensor, Tensor)");
   m.def("pack_int32(Tensor q, int bits) -> Tensor");
   m.def("unpack_int32(Tensor packed, int bits, int length) -> Tensor");
   m.def("onebit_compress(Tensor x, Tensor error) -> (Tensor, Tensor, Tensor)");
@@ -58,6 +62,7 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("fake_quant_params", &qc::fake_quant_params_cpu);
   m.impl("lsq_backward", &qc::lsq_backward_cpu);
   m.impl("mse_errors", &qc::mse_errors_cpu);
+  m.impl("mse_refine_terms", &qc::mse_refine_terms_cpu);
   m.impl("pack_int32", &qc::pack_int32_cpu);
   m.impl("unpack_int32", &qc::unpack_int32_cpu);
   m.impl("onebit_compress", &qc::onebit_compress_cpu);

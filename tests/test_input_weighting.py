@@ -74,9 +74,19 @@ def heavy(shape, seed=0):
 
 # --- 1. the weighted search -------------------------------------------------------------------------
 
+def kernel_backend(backend):
+    """None: the fused CPU kernel's search (skipped, with the reason, where it is not built)."""
+    from qcompress.quant import kernels
+    if backend is None and not kernels.available():
+        pytest.skip("the C++ extension is not built here: only the reference search runs")
+    return backend
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
 @pytest.mark.parametrize("gran,gs", [("group", 16), ("channel", None)])
 @pytest.mark.parametrize("bits", [3, 4])
-def test_weighted_choice_equals_brute_force_and_never_loses_on_its_error(gran, gs, bits):
+def test_weighted_choice_equals_brute_force_and_never_loses_on_its_error(gran, gs, bits, backend):
+    backend = kernel_backend(backend)
     x = heavy((6, 40), seed=bits)                  # 40 = 2 x 16 + 8: a ragged last group
     u = correlated_inputs(500, 40)
     U = u.double().T @ u.double() / 500            # E[u u^T]
@@ -92,7 +102,7 @@ def test_weighted_choice_equals_brute_force_and_never_loses_on_its_error(gran, g
         groups = [(r, 0) for r in range(6)]
         block = lambda j: torch.diag(torch.diagonal(U))
         cols = lambda j: slice(0, 40)
-    chosen = observers.mse_shrink(x, spec, moments=moments)
+    chosen = observers.mse_shrink(x, spec, backend=backend, moments=moments)
     assert chosen.shape == (len(groups),)
     plain = observers.mse_shrink(x, spec)
     for g, (r, j) in enumerate(groups):
@@ -109,6 +119,38 @@ def test_weighted_search_with_uniform_moments_is_the_plain_search():
     spec = make_spec(4, symmetric=True, granularity="group", group_size=16)
     eye = torch.eye(16, dtype=torch.float64).expand(3, 16, 16).clone()
     assert torch.equal(observers.mse_shrink(x, spec, moments=eye), observers.mse_shrink(x, spec, backend="reference"))
+
+
+@pytest.mark.parametrize("gran,gs,cols", [("group", 32, 96), ("group", 32, 80), ("group", 128, 256),
+                                          ("channel", None, 72), ("tensor", None, 40)])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_weighted_errors_equal_the_reference(gran, gs, cols, sym, dtype):
+    """The fused kernel's d^T M d of every candidate against the torch reference's (both float64;
+    the sums are ordered differently, so to 1e-12), and the same factors chosen."""
+    from qcompress.quant import kernels
+    kernel_backend(None)
+    x = heavy((24, cols), seed=cols).to(dtype)
+    u = correlated_inputs(400, cols, seed=1)
+    U = u.double().T @ u.double() / 400
+    spec = make_spec(4, symmetric=sym, granularity=gran, group_size=gs)
+    b = observers.moment_block(spec)
+    if b == 1:
+        moments = torch.diagonal(U).reshape(-1, 1, 1).clone()
+    else:
+        up = torch.nn.functional.pad(U, (0, -cols % b, 0, -cols % b))
+        moments = torch.stack([up[j:j + b, j:j + b] for j in range(0, up.shape[0], b)])
+    xf = x.float()
+    X, counts = observers.group_view(xf, spec)
+    lo, hi = observers.group_minmax(X, counts)
+    W = observers.input_weighting(xf, spec, moments)
+    grid = observers.shrink_grid(X.device, observers.DEFAULT_SEARCH)
+    s, zp = observers.int_params(lo[None, :] * grid[:, None], hi[None, :] * grid[:, None], spec)
+    got = kernels.mse_errors(x, spec, s, zp, moments)
+    want = torch.stack([observers._errors(X, counts, lo, hi, p, spec, W=W)[0] for p in grid])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert torch.equal(observers.mse_shrink(x, spec, moments=moments),
+                       observers.mse_shrink(x, spec, backend="reference", moments=moments))
 
 
 def test_moments_that_do_not_fit_the_weight_are_refused():

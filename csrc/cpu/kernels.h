@@ -75,7 +75,12 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x, co
                                                          int64_t cols, int64_t group, int64_t bits, int64_t rounding,
                                                          int64_t seed, bool with_mask);
 at::Tensor mse_errors_cpu(const at::Tensor& x, const at::Tensor& scales, const std::optional<at::Tensor>& zps,
-                          int64_t rows, int64_t cols, int64_t group, int64_t bits);
+                          int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                          const std::optional<at::Tensor>& moments);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_refine_terms_cpu(const at::Tensor& x, const at::Tensor& scales,
+                                                                    int64_t rows, int64_t cols, int64_t group,
+                                                                    int64_t bits,
+                                                                    const std::optional<at::Tensor>& moments);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lsq_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
                                                                 const at::Tensor& scale,
                                                                 const std::optional<at::Tensor>& zp, int64_t rows,

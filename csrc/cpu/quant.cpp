@@ -474,45 +474,98 @@ void run_lsq(const T* x, const G* grad, G* grad_x, const float* scale, const flo
 
 // ---- the mse observer's search: squared errors of every candidate grid ------------------------------
 
-// err[k] = sum over the group of ((clamp(round(x / s_k) + z_k) - z_k) s_k - x)^2, each difference
-// squared in double (exact: a float32 squared fits a double) and summed in double.
+// d[i] = (clamp(round(x_i / s) + z) - z) s - x_i in float32, the reference's dequantize_view(q) - x.
+template <typename T, bool ADD_ZP>
+void group_diffs(const T* x, int64_t len, float sk, float zk, float qmin, float qmax, float* d) {
+  const V vqmin(qmin), vqmax(qmax), vs(sk), vz(zk);
+  int64_t i = 0;
+  for (; i + kW <= len; i += kW) {
+    const V xv = load_f(x + i, kW);
+    V r = (xv / vs).round();
+    if (ADD_ZP) r = r + vz;
+    const V q = clamp_code(r, vqmin, vqmax);
+    const V y = ADD_ZP ? (q - vz) * vs : q * vs;
+    (y - xv).store(d + i);
+  }
+  for (; i < len; ++i) {
+    const float xv = static_cast<float>(x[i]);
+    float r = rint_(xv / sk);
+    if (ADD_ZP) r = r + zk;
+    const float q = clamp_code(r, qmin, qmax);
+    d[i] = (ADD_ZP ? (q - zk) * sk : q * sk) - xv;
+  }
+}
+
+// sum d_i^2, each square in double (exact: a float32 squared fits a double), lane-wise then the tail.
+double squared_sum(const float* d, int64_t len) {
+  double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kW <= len; i += kW)
+    for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(d[i + j]) * static_cast<double>(d[i + j]);
+  double total = 0.0;
+  for (int j = 0; j < kW; ++j) total += acc[j];
+  for (; i < len; ++i) total += static_cast<double>(d[i]) * static_cast<double>(d[i]);
+  return total;
+}
+
+// The input-weighted error d^T M d (double) of one group: M its len x len block of E[u u^T] (row
+// stride ld), or with diag the diagonal weights w[(col0 + i) % ncols] of a group spanning rows.
+struct Weighting {
+  const double* block = nullptr;  // [len, ld] block of this group's columns, or null
+  int64_t ld = 0;
+  const double* diag = nullptr;   // per weight column, or null
+  int64_t col0 = 0, ncols = 0;
+};
+
+double weighted_sum(const float* d, int64_t len, const Weighting& w, double* dd, double* y) {
+  for (int64_t i = 0; i < len; ++i) dd[i] = static_cast<double>(d[i]);
+  double total = 0.0;
+  if (w.diag) {
+    int64_t col = w.col0 % w.ncols;
+    for (int64_t i = 0; i < len; ++i) {
+      total += w.diag[col] * dd[i] * dd[i];
+      if (++col == w.ncols) col = 0;
+    }
+    return total;
+  }
+  // y = M d, 16 columns at a time (their sums stay in registers) by rows of the symmetric M, with
+  // fused multiply-adds: this sum has no bit-exact reference (torch's bmm orders it its own way)
+  constexpr int64_t kC = 16;
+  int64_t j0 = 0;
+  for (; j0 + kC <= len; j0 += kC) {
+    double acc[kC] = {};
+    for (int64_t i = 0; i < len; ++i) {
+      const double c = dd[i];
+      const double* row = w.block + i * w.ld + j0;
+      for (int64_t t = 0; t < kC; ++t) acc[t] = std::fma(c, row[t], acc[t]);
+    }
+    for (int64_t t = 0; t < kC; ++t) y[j0 + t] = acc[t];
+  }
+  for (int64_t j = j0; j < len; ++j) y[j] = 0.0;
+  for (int64_t i = 0; i < len && j0 < len; ++i) {
+    const double c = dd[i];
+    const double* row = w.block + i * w.ld;
+    for (int64_t j = j0; j < len; ++j) y[j] = std::fma(c, row[j], y[j]);
+  }
+  for (int64_t j = 0; j < len; ++j) total += y[j] * dd[j];
+  return total;
+}
+
+// err[k * stride] = the group's error under candidate k: sum of squares, or d^T M d with a weighting.
 template <typename T, bool ADD_ZP>
 void mse_group(const T* x, int64_t len, const float* s, const float* z, int64_t K, int64_t stride,
-               float qmin, float qmax, double* err) {
-  const V vqmin(qmin), vqmax(qmax);
+               float qmin, float qmax, const Weighting* w, float* d, double* dd, double* y, double* err) {
   for (int64_t k = 0; k < K; ++k) {
-    const float sk = s[k * stride], zk = ADD_ZP ? z[k * stride] : 0.0f;
-    const V vs(sk), vz(zk);
-    double acc[kW] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + kW <= len; i += kW) {
-      const V xv = load_f(x + i, kW);
-      V r = (xv / vs).round();
-      if (ADD_ZP) r = r + vz;
-      const V q = clamp_code(r, vqmin, vqmax);
-      const V y = ADD_ZP ? (q - vz) * vs : q * vs;
-      float d[kW];
-      (y - xv).store(d);
-      for (int j = 0; j < kW; ++j) acc[j] += static_cast<double>(d[j]) * static_cast<double>(d[j]);
-    }
-    double total = 0.0;
-    for (int j = 0; j < kW; ++j) total += acc[j];
-    for (; i < len; ++i) {
-      const float xv = static_cast<float>(x[i]);
-      float r = rint_(xv / sk);
-      if (ADD_ZP) r = r + zk;
-      const float q = clamp_code(r, qmin, qmax);
-      const float d = (ADD_ZP ? (q - zk) * sk : q * sk) - xv;
-      total += static_cast<double>(d) * static_cast<double>(d);
-    }
-    err[k * stride] = total;
+    group_diffs<T, ADD_ZP>(x, len, s[k * stride], ADD_ZP ? z[k * stride] : 0.0f, qmin, qmax, d);
+    err[k * stride] = w ? weighted_sum(d, len, *w, dd, y) : squared_sum(d, len);
   }
 }
 
 }  // namespace
 
 at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const std::optional<at::Tensor>& zps_,
-                          int64_t rows, int64_t cols, int64_t group, int64_t bits) {
+                          int64_t rows, int64_t cols, int64_t group, int64_t bits,
+                          const std::optional<at::Tensor>& moments_) {
   const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, !zps_.has_value(), false, 0, 0);
   const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
   QC_CHECK(scales_.scalar_type() == at::kFloat && scales_.dim() == 2 && scales_.size(1) == G &&
@@ -523,31 +576,160 @@ at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const
     QC_CHECK(zps_->scalar_type() == at::kFloat && zps_->sizes() == scales_.sizes(),
                 "qcompress::mse_errors: zero points must be float32 shaped like the scales");
   }
+  const int64_t ngr = c.groups_per_row();
+  // moments: [groups per row, group, group] blocks (granularity group), or [weight columns, 1, 1]
+  // diagonal weights for groups that span whole rows (channel / tensor granularity)
+  at::Tensor moments;
+  bool diagonal = false;
+  if (moments_.has_value()) {
+    moments = moments_->contiguous();
+    QC_CHECK(moments.scalar_type() == at::kDouble && moments.dim() == 3 && moments.device() == x_.device() &&
+                 moments.size(1) == moments.size(2),
+             "qcompress::mse_errors: moments must be float64 [blocks, b, b] on the input's device");
+    diagonal = moments.size(1) == 1 && c.group >= c.cols;
+    QC_CHECK(diagonal ? moments.size(0) > 0 && c.cols % moments.size(0) == 0
+                      : moments.size(0) == ngr && moments.size(1) == c.group,
+             "qcompress::mse_errors: moments of shape [", moments.size(0), ", ", moments.size(1), ", ",
+             moments.size(2), "] fit neither ", ngr, " blocks of ", c.group, " columns nor a diagonal");
+  }
   at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
   at::Tensor zps = zps_.has_value() ? zps_->contiguous() : at::Tensor();
   at::Tensor err = at::zeros({K, G}, x.options().dtype(at::kDouble));
   if (G == 0 || K == 0 || x.numel() == 0) return err;
-  const int64_t ngr = c.groups_per_row();
   const float* s = scales.data_ptr<float>();
   const float* z = zps.defined() ? zps.data_ptr<float>() : nullptr;
+  const double* mp = moments.defined() ? moments.data_ptr<double>() : nullptr;
   double* e = err.data_ptr<double>();
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
+  const int64_t width = std::min<int64_t>(c.group, c.cols);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_mse_errors", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       QC_CHECK(false, "qcompress::mse_errors: float64 input is converted by the Python wrapper");
     } else {
       const scalar_t* xd = data_of<scalar_t>(x);
       at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+        std::vector<float> d(width);
+        std::vector<double> dd(mp ? width : 0), y(mp && !diagonal ? width : 0);
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
           const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
-          if (z) mse_group<scalar_t, true>(xd + st0, cnt, s + g, z + g, K, G, c.qmin, c.qmax, e + g);
-          else mse_group<scalar_t, false>(xd + st0, cnt, s + g, nullptr, K, G, c.qmin, c.qmax, e + g);
+          Weighting w;
+          if (mp && diagonal) {
+            w.diag = mp;
+            w.col0 = st0;
+            w.ncols = moments.size(0);
+          } else if (mp) {
+            w.block = mp + (g % ngr) * c.group * c.group;
+            w.ld = c.group;
+          }
+          const Weighting* wp = mp ? &w : nullptr;
+          if (z) mse_group<scalar_t, true>(xd + st0, cnt, s + g, z + g, K, G, c.qmin, c.qmax, wp, d.data(), dd.data(),
+                                           y.data(), e + g);
+          else mse_group<scalar_t, false>(xd + st0, cnt, s + g, nullptr, K, G, c.qmin, c.qmax, wp, d.data(),
+                                          dd.data(), y.data(), e + g);
         }
       });
     }
   });
   return err;
+}
+
+// The least-squares refinement's terms for symmetric scales s (one per group): with the codes
+// q = clamp(round(x / s)) and d = q s - x (float32, as the reference's dequantize_view(q) - x),
+// num = <q, x>, den = <q, q> and err = <d, d>, each in the weighted inner product <a, b> = a^T M b
+// (M the group's block, or diagonal weights) or the plain one. All float64 [groups].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_refine_terms_cpu(const at::Tensor& x_, const at::Tensor& scales_,
+                                                                    int64_t rows, int64_t cols, int64_t group,
+                                                                    int64_t bits,
+                                                                    const std::optional<at::Tensor>& moments_) {
+  const QuantConfig c = make_config(x_, std::nullopt, rows, cols, group, bits, kInt, true, false, 0, 0);
+  const int64_t G = c.group > 0 ? c.rows * c.groups_per_row() : 0;
+  QC_CHECK(scales_.scalar_type() == at::kFloat && scales_.dim() == 1 && scales_.size(0) == G &&
+               scales_.device() == x_.device(),
+           "qcompress::mse_refine_terms: expected float32 scales [", G, "]");
+  const int64_t ngr = c.groups_per_row();
+  at::Tensor moments;
+  bool diagonal = false;
+  if (moments_.has_value()) {
+    moments = moments_->contiguous();
+    QC_CHECK(moments.scalar_type() == at::kDouble && moments.dim() == 3 && moments.device() == x_.device() &&
+                 moments.size(1) == moments.size(2),
+             "qcompress::mse_refine_terms: moments must be float64 [blocks, b, b] on the input's device");
+    diagonal = moments.size(1) == 1 && c.group >= c.cols;
+    QC_CHECK(diagonal ? moments.size(0) > 0 && c.cols % moments.size(0) == 0
+                      : moments.size(0) == ngr && moments.size(1) == c.group,
+             "qcompress::mse_refine_terms: moments fit neither ", ngr, " blocks of ", c.group,
+             " columns nor a diagonal");
+  }
+  at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
+  const auto opts = x.options().dtype(at::kDouble);
+  at::Tensor num = at::zeros({G}, opts), den = at::zeros({G}, opts), err = at::zeros({G}, opts);
+  if (G == 0 || x.numel() == 0) return {num, den, err};
+  const float* s = scales.data_ptr<float>();
+  const double* mp = moments.defined() ? moments.data_ptr<double>() : nullptr;
+  double *pn = num.data_ptr<double>(), *pd = den.data_ptr<double>(), *pe = err.data_ptr<double>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
+  const int64_t width = std::min<int64_t>(c.group, c.cols);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qcompress_mse_refine_terms", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      QC_CHECK(false, "qcompress::mse_refine_terms: float64 input is converted by the Python wrapper");
+    } else {
+      const scalar_t* xd = data_of<scalar_t>(x);
+      at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+        std::vector<float> d(width), q(width), xf(width);
+        std::vector<double> dd(width), y(width);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
+          const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
+          const float sk = s[g];
+          for (int64_t i = 0; i < cnt; ++i) {
+            xf[i] = static_cast<float>(xd[st0 + i]);
+            q[i] = clamp_code(rint_(xf[i] / sk), c.qmin, c.qmax);
+          }
+          group_diffs<scalar_t, false>(xd + st0, cnt, sk, 0.0f, c.qmin, c.qmax, d.data());
+          Weighting w;
+          if (mp && diagonal) {
+            w.diag = mp;
+            w.col0 = st0;
+            w.ncols = moments.size(0);
+          } else if (mp) {
+            w.block = mp + (g % ngr) * c.group * c.group;
+            w.ld = c.group;
+          }
+          if (mp) {
+            pe[g] = weighted_sum(d.data(), cnt, w, dd.data(), y.data());
+            double a = 0.0, b = 0.0;
+            if (!diagonal) weighted_sum(q.data(), cnt, w, dd.data(), y.data());   // leaves y = M q
+            if (diagonal) {
+              int64_t col = w.col0 % w.ncols;
+              for (int64_t i = 0; i < cnt; ++i) {
+                a += w.diag[col] * double(q[i]) * double(xf[i]);
+                b += w.diag[col] * double(q[i]) * double(q[i]);
+                if (++col == w.ncols) col = 0;
+              }
+            } else {
+              for (int64_t i = 0; i < cnt; ++i) {
+                a += y[i] * double(xf[i]);
+                b += y[i] * double(q[i]);
+              }
+            }
+            pn[g] = a;
+            pd[g] = b;
+          } else {
+            pe[g] = squared_sum(d.data(), cnt);
+            double a = 0.0, b = 0.0;
+            for (int64_t i = 0; i < cnt; ++i) {
+              a += double(q[i]) * double(xf[i]);
+              b += double(q[i]) * double(q[i]);
+            }
+            pn[g] = a;
+            pd[g] = b;
+          }
+        }
+      });
+    }
+  });
+  return {num, den, err};
 }
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_params_cpu(const at::Tensor& x_, const at::Tensor& scale_,

@@ -229,17 +229,35 @@ def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.T
     return gx, gs, (gz if z is not None else None)
 
 
-def mse_errors(x: torch.Tensor, spec: Spec, scales: torch.Tensor, zero_points=None):
+def mse_errors(x: torch.Tensor, spec: Spec, scales: torch.Tensor, zero_points=None, moments=None):
     """float64 [K, groups]: squared reconstruction error of x's groups under each of K candidate
-    (scale, zero point) rows (the mse observer's search in one fused pass per candidate); None
-    when no kernel runs here (CUDA tensors: the reference's vectorized search is fast there)."""
+    (scale, zero point) rows (the mse observer's search in one fused pass per candidate), or with
+    `moments` (float64 [blocks, b, b], observers.input_weighting's layout) the input-weighted
+    error d^T M d; None when no kernel runs here (CUDA tensors: the reference's vectorized search
+    is fast there)."""
     if _error is not None or x.device.type != "cpu" or spec.kind != "int" or x.numel() == 0:
         return None
     xk = _prep(x)
     rows, cols, group = layout(xk, spec)
+    if moments is not None:
+        moments = moments.to(device=xk.device, dtype=torch.float64).contiguous()
     return _ops().mse_errors(xk, scales.to(torch.float32).contiguous(),
                              None if zero_points is None else zero_points.to(torch.float32).contiguous(),
-                             rows, cols, group, spec.bits)
+                             rows, cols, group, spec.bits, moments)
+
+
+def mse_refine_terms(x: torch.Tensor, spec: Spec, scales: torch.Tensor, moments=None):
+    """(<q, x>, <q, q>, <d, d>) per group, float64, for symmetric scales (float32 [groups]): the
+    codes q = clamp(round(x / s)), d = q s - x, in the input-weighted inner product of `moments`
+    (as mse_errors) or the plain one: the mse observer's least-squares refinement in one pass. None
+    when no kernel runs here."""
+    if _error is not None or x.device.type != "cpu" or spec.kind != "int" or not spec.symmetric or x.numel() == 0:
+        return None
+    xk = _prep(x)
+    rows, cols, group = layout(xk, spec)
+    if moments is not None:
+        moments = moments.to(device=xk.device, dtype=torch.float64).contiguous()
+    return _ops().mse_refine_terms(xk, scales.to(torch.float32).contiguous(), rows, cols, group, spec.bits, moments)
 
 
 def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=None):
@@ -424,8 +442,12 @@ if _error is None:
                 x.new_empty((groups if zero_point is not None else 0,), dtype=torch.float32))
 
     @torch.library.register_fake("qcompress::mse_errors")
-    def _fake_mse_errors(x, scales, zero_points, rows, cols, group, bits):
+    def _fake_mse_errors(x, scales, zero_points, rows, cols, group, bits, moments=None):
         return scales.new_empty(scales.shape, dtype=torch.float64)
+
+    @torch.library.register_fake("qcompress::mse_refine_terms")
+    def _fake_mse_refine_terms(x, scales, rows, cols, group, bits, moments=None):
+        return tuple(scales.new_empty(scales.shape, dtype=torch.float64) for _ in range(3))
 
     @torch.library.register_fake("qcompress::ste_backward")
     def _fake_ste_backward(grad, mask):

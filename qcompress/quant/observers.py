@@ -95,15 +95,16 @@ def _nearest(spec: Spec) -> Spec:
 
 
 def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
-                   search: Search = DEFAULT_SEARCH) -> Optional[torch.Tensor]:
+                   search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The same search with the fused CPU kernel: every candidate's parameters at once, then one
-    pass over the tensor per candidate computing only the (squared) errors."""
+    pass over the tensor per candidate computing only the (squared, or with the input moments the
+    weighted) errors."""
     from . import kernels
-    if not kernels.available() or search.norm != 2.0:
+    if not kernels.available() or (search.norm != 2.0 and moments is None):
         return None
     grid = shrink_grid(lo.device, search)[:, None]
     s, zp = int_params(lo[None, :] * grid, hi[None, :] * grid, _nearest(spec))
-    err = kernels.mse_errors(x, spec, s, zp)
+    err = kernels.mse_errors(x, spec, s, zp, moments)
     if err is None:
         return None
     return grid[:, 0][torch.argmin(err, dim=0)]      # argmin: the first (largest p) of equal errors
@@ -165,6 +166,34 @@ def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     return p
 
 
+def _refine_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor, spec: Spec,
+                   moments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """refine() with the fused CPU kernel: each step's codes, inner products and errors in one pass
+    (kernels.mse_refine_terms); the same steps and the same rule. None where no kernel runs."""
+    from . import kernels
+    spec = _nearest(spec)
+    if not kernels.available() or spec.kind != "int" or not spec.symmetric:
+        return None
+    s = int_params(lo * p, hi * p, spec)[0]
+    terms = kernels.mse_refine_terms(x, spec, s, moments)
+    if terms is None:
+        return None
+    num, den, err = terms
+    for _ in range(REFINE_ITERS):
+        ok = (den > 0) & (num > 0)
+        p_new = (p.double() * num / (s.double() * torch.where(ok, den, 1.0))).to(torch.float32)
+        ok &= torch.isfinite(p_new) & (p_new > 0)
+        p_new = torch.where(ok, p_new, p)
+        s_new = int_params(lo * p_new, hi * p_new, spec)[0]
+        num_new, den_new, e_new = kernels.mse_refine_terms(x, spec, s_new, moments)
+        better = ok & (e_new < err)
+        if not bool(better.any()):
+            break
+        p, s = torch.where(better, p_new, p), torch.where(better, s_new, s)
+        err, num, den = (torch.where(better, a, b) for a, b in ((e_new, err), (num_new, num), (den_new, den)))
+    return p
+
+
 def moment_block(spec: Spec) -> int:
     """Columns per block of the input moments the weighted search uses with this spec: a group's
     own columns (granularity group), else 1 (the diagonal: a group spans whole rows)."""
@@ -200,9 +229,10 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
                search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
     ternary kinds, which have no range): the grid's choice, refined by least squares on symmetric
-    grids (norm 2). backend of the grid search: None (the CPU kernel when built) or "reference";
-    the refinement is the same torch code after either. moments (observer_kwargs.weight_by: inputs,
-    a 2-D x): the error is the input-weighted one (input_weighting; searched in torch)."""
+    grids (norm 2). backend: None (the CPU kernels when built: mse_errors for the grid,
+    mse_refine_terms for the refinement) or "reference" (torch); the same choices. moments
+    (observer_kwargs.weight_by: inputs, a 2-D x): the error is the input-weighted one
+    (input_weighting), in both backends."""
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if spec.kind != "int" or X.shape[1] == 0:
@@ -210,10 +240,13 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
     lo, hi = group_minmax(X, counts)
     reference._check_finite(torch.stack([lo, hi]), "min/max")
     W = None if moments is None else input_weighting(xf, spec, moments)
-    p = _search_kernel(xf, lo, hi, spec, search) if backend != "reference" and W is None else None
+    p = _search_kernel(xf, lo, hi, spec, search, moments) if backend != "reference" else None
     if p is None:
         p = _search(X, counts, lo, hi, spec, search, W)
-    return refine(X, counts, lo, hi, p, spec, W) if search.norm == 2.0 else p
+    if search.norm != 2.0:
+        return p
+    fused = _refine_kernel(xf, lo, hi, p, spec, moments) if backend != "reference" else None
+    return fused if fused is not None else refine(X, counts, lo, hi, p, spec, W)
 
 
 def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
