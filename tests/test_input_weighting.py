@@ -151,6 +151,27 @@ def test_kernel_weighted_errors_equal_the_reference(gran, gs, cols, sym, dtype):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert torch.equal(observers.mse_shrink(x, spec, moments=moments),
                        observers.mse_shrink(x, spec, backend="reference", moments=moments))
+    if sym:     # the refinement's terms <q, x>, <q, q>, <d, d>, weighted and plain, against torch's
+        p = grid[30]
+        _, q, s1 = observers._errors(X, counts, lo, hi, p, spec)
+        plain = lambda a, c: (a * c).sum(dim=1)          # noqa: E731
+        for mom, inner, weighting in ((moments, W, W), (None, plain, None)):
+            num, den, err = kernels.mse_refine_terms(x, spec, s1, mom)
+            torch.testing.assert_close(num, inner(q.double(), X.double()), rtol=1e-12, atol=0)
+            torch.testing.assert_close(den, inner(q.double(), q.double()), rtol=1e-12, atol=0)
+            want_err = observers._errors(X, counts, lo, hi, p, spec, W=weighting)[0]
+            torch.testing.assert_close(err, want_err, rtol=1e-12, atol=0)
+
+
+def test_kernels_refuse_moments_that_do_not_fit():
+    from qcompress.quant import kernels
+    kernel_backend(None)
+    spec = make_spec(4, symmetric=True, granularity="group", group_size=16)
+    x, s = heavy((4, 48)), torch.full((1, 12), 0.1)
+    with pytest.raises(RuntimeError, match=r"moments of shape \[3, 8, 8\] fit neither 3 blocks of 16 columns"):
+        kernels.mse_errors(x, spec, s, None, torch.ones(3, 8, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"moments must be float64 \[blocks, b, b\]"):
+        kernels.mse_refine_terms(x, spec, s[0], torch.ones(3, 16, 8, dtype=torch.float64))
 
 
 def test_moments_that_do_not_fit_the_weight_are_refused():

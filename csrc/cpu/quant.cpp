@@ -517,6 +517,45 @@ struct Weighting {
   int64_t col0 = 0, ncols = 0;
 };
 
+// The search's moments, checked against the layout: [groups per row, group, group] blocks
+// (granularity group), or [weight columns, 1, 1] diagonal weights for groups that span whole rows
+// (channel / tensor granularity). Absent: the plain error.
+struct Moments {
+  at::Tensor t;
+  bool diagonal = false;
+  const double* data() const { return t.defined() ? t.data_ptr<double>() : nullptr; }
+  // group g (starting at flat offset st0) of a layout with ngr groups per row
+  Weighting of(int64_t g, int64_t st0, int64_t ngr, int64_t group) const {
+    Weighting w;
+    if (!t.defined()) return w;
+    if (diagonal) {
+      w.diag = data();
+      w.col0 = st0;
+      w.ncols = t.size(0);
+    } else {
+      w.block = data() + (g % ngr) * group * group;
+      w.ld = group;
+    }
+    return w;
+  }
+};
+
+Moments check_moments(const std::optional<at::Tensor>& m, const at::Tensor& x, const QuantConfig& c,
+                      const char* op) {
+  Moments out;
+  if (!m.has_value()) return out;
+  out.t = m->contiguous();
+  const at::Tensor& t = out.t;
+  QC_CHECK(t.scalar_type() == at::kDouble && t.dim() == 3 && t.device() == x.device() && t.size(1) == t.size(2),
+           op, ": moments must be float64 [blocks, b, b] on the input's device");
+  out.diagonal = t.size(1) == 1 && c.group >= c.cols;
+  const int64_t ngr = c.groups_per_row();
+  QC_CHECK(out.diagonal ? t.size(0) > 0 && c.cols % t.size(0) == 0 : t.size(0) == ngr && t.size(1) == c.group,
+           op, ": moments of shape [", t.size(0), ", ", t.size(1), ", ", t.size(2), "] fit neither ", ngr,
+           " blocks of ", c.group, " columns nor a diagonal");
+  return out;
+}
+
 double weighted_sum(const float* d, int64_t len, const Weighting& w, double* dd, double* y) {
   for (int64_t i = 0; i < len; ++i) dd[i] = static_cast<double>(d[i]);
   double total = 0.0;
@@ -577,28 +616,14 @@ at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const
                 "qcompress::mse_errors: zero points must be float32 shaped like the scales");
   }
   const int64_t ngr = c.groups_per_row();
-  // moments: [groups per row, group, group] blocks (granularity group), or [weight columns, 1, 1]
-  // diagonal weights for groups that span whole rows (channel / tensor granularity)
-  at::Tensor moments;
-  bool diagonal = false;
-  if (moments_.has_value()) {
-    moments = moments_->contiguous();
-    QC_CHECK(moments.scalar_type() == at::kDouble && moments.dim() == 3 && moments.device() == x_.device() &&
-                 moments.size(1) == moments.size(2),
-             "qcompress::mse_errors: moments must be float64 [blocks, b, b] on the input's device");
-    diagonal = moments.size(1) == 1 && c.group >= c.cols;
-    QC_CHECK(diagonal ? moments.size(0) > 0 && c.cols % moments.size(0) == 0
-                      : moments.size(0) == ngr && moments.size(1) == c.group,
-             "qcompress::mse_errors: moments of shape [", moments.size(0), ", ", moments.size(1), ", ",
-             moments.size(2), "] fit neither ", ngr, " blocks of ", c.group, " columns nor a diagonal");
-  }
+  const Moments moments = check_moments(moments_, x_, c, "qcompress::mse_errors");
   at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
   at::Tensor zps = zps_.has_value() ? zps_->contiguous() : at::Tensor();
   at::Tensor err = at::zeros({K, G}, x.options().dtype(at::kDouble));
   if (G == 0 || K == 0 || x.numel() == 0) return err;
   const float* s = scales.data_ptr<float>();
   const float* z = zps.defined() ? zps.data_ptr<float>() : nullptr;
-  const double* mp = moments.defined() ? moments.data_ptr<double>() : nullptr;
+  const bool mp = moments.data() != nullptr;
   double* e = err.data_ptr<double>();
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
   const int64_t width = std::min<int64_t>(c.group, c.cols);
@@ -609,19 +634,11 @@ at::Tensor mse_errors_cpu(const at::Tensor& x_, const at::Tensor& scales_, const
       const scalar_t* xd = data_of<scalar_t>(x);
       at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
         std::vector<float> d(width);
-        std::vector<double> dd(mp ? width : 0), y(mp && !diagonal ? width : 0);
+        std::vector<double> dd(mp ? width : 0), y(mp && !moments.diagonal ? width : 0);
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
           const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
-          Weighting w;
-          if (mp && diagonal) {
-            w.diag = mp;
-            w.col0 = st0;
-            w.ncols = moments.size(0);
-          } else if (mp) {
-            w.block = mp + (g % ngr) * c.group * c.group;
-            w.ld = c.group;
-          }
+          const Weighting w = moments.of(g, st0, ngr, c.group);
           const Weighting* wp = mp ? &w : nullptr;
           if (z) mse_group<scalar_t, true>(xd + st0, cnt, s + g, z + g, K, G, c.qmin, c.qmax, wp, d.data(), dd.data(),
                                            y.data(), e + g);
@@ -648,25 +665,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_refine_terms_cpu(const at::Te
                scales_.device() == x_.device(),
            "qcompress::mse_refine_terms: expected float32 scales [", G, "]");
   const int64_t ngr = c.groups_per_row();
-  at::Tensor moments;
-  bool diagonal = false;
-  if (moments_.has_value()) {
-    moments = moments_->contiguous();
-    QC_CHECK(moments.scalar_type() == at::kDouble && moments.dim() == 3 && moments.device() == x_.device() &&
-                 moments.size(1) == moments.size(2),
-             "qcompress::mse_refine_terms: moments must be float64 [blocks, b, b] on the input's device");
-    diagonal = moments.size(1) == 1 && c.group >= c.cols;
-    QC_CHECK(diagonal ? moments.size(0) > 0 && c.cols % moments.size(0) == 0
-                      : moments.size(0) == ngr && moments.size(1) == c.group,
-             "qcompress::mse_refine_terms: moments fit neither ", ngr, " blocks of ", c.group,
-             " columns nor a diagonal");
-  }
+  const Moments moments = check_moments(moments_, x_, c, "qcompress::mse_refine_terms");
+  const bool diagonal = moments.diagonal;
   at::Tensor x = x_.contiguous(), scales = scales_.contiguous();
   const auto opts = x.options().dtype(at::kDouble);
   at::Tensor num = at::zeros({G}, opts), den = at::zeros({G}, opts), err = at::zeros({G}, opts);
   if (G == 0 || x.numel() == 0) return {num, den, err};
   const float* s = scales.data_ptr<float>();
-  const double* mp = moments.defined() ? moments.data_ptr<double>() : nullptr;
+  const bool mp = moments.data() != nullptr;
   double *pn = num.data_ptr<double>(), *pd = den.data_ptr<double>(), *pe = err.data_ptr<double>();
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, c.group));
   const int64_t width = std::min<int64_t>(c.group, c.cols);
@@ -687,15 +693,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_refine_terms_cpu(const at::Te
             q[i] = clamp_code(rint_(xf[i] / sk), c.qmin, c.qmax);
           }
           group_diffs<scalar_t, false>(xd + st0, cnt, sk, 0.0f, c.qmin, c.qmax, d.data());
-          Weighting w;
-          if (mp && diagonal) {
-            w.diag = mp;
-            w.col0 = st0;
-            w.ncols = moments.size(0);
-          } else if (mp) {
-            w.block = mp + (g % ngr) * c.group * c.group;
-            w.ld = c.group;
-          }
+          const Weighting w = moments.of(g, st0, ngr, c.group);
           if (mp) {
             pe[g] = weighted_sum(d.data(), cnt, w, dd.data(), y.data());
             double a = 0.0, b = 0.0;
