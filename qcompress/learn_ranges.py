@@ -60,8 +60,9 @@ def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] =
     dropout, no activation-range updates), every other parameter frozen for the while and
     unfrozen after. On several ranks (torch.distributed initialised) the gradients are averaged,
     so the ranks keep equal ranges, whether the model is replicated or sharded (an engine at any
-    ZeRO stage, or its `module`); every rank must run the same number of batches. batches: dicts (model(**b)), tuples or tensors; the loss is the output's `loss`
-    (Hugging Face models given labels) unless loss(model, batch) returns it. Call it after
+    ZeRO stage, or its `module`); every rank must run the same number of batches. batches: dicts
+    (model(**b)), tuples or tensors; the loss is the output's `loss` (Hugging Face models given
+    labels) unless loss(model, batch) returns it. Call it after
     init_compression with `range_learning: true` and after the ranges were initialised (the
     observer's, calibrate_weight_ranges, the schedule at its target bits). Returns {"steps",
     "first_loss", "last_loss"}."""
