@@ -27,18 +27,19 @@ replaces the weights' own error by the error of the layer's output each group ca
 d^T M d, d = x^(p) - x over the group and M the block of E[u u^T] of the module's input u over the
 group's columns (per-group granularity; the diagonal E[u_j^2] where a group spans whole rows).
 The refinement becomes the weighted least squares s' = q^T M x / q^T M q, the same rule otherwise
-(kept only where the weighted error drops). Searched in torch (input_weighting), norm 2 only.
+(kept only where the weighted error drops). Norm 2 only; the same backends as the plain search.
 
 Binary and ternary kinds have no range (scale = mean |x| of the values or of the kept values):
 both observers give their own scale there (shrink 1).
 
 The search runs once per range update (the first quantization and each bit drop): on CPU in
 the fused `mse_errors` kernel (every candidate's scales computed at once, then one pass over the
-tensor per candidate that only accumulates errors), elsewhere vectorized in torch (one pass per
-grid point, every group at once); never a Python loop over elements or groups. The refinement
-runs after either backend's grid choice, in torch (every group at once, at most REFINE_ITERS
-passes), so both backends give the same factors. Activation ranges (`activation_range`) use the
-grid only.
+tensor per candidate that only accumulates the plain or the weighted errors) and the refinement
+in `mse_refine_terms` (one pass per step for each group's <q, x>, <q, q> and error), elsewhere
+vectorized in torch (`backend="reference"`, and CUDA tensors: one pass per grid point, every
+group at once); never a Python loop over elements or groups. Both backends give the same factors
+(their float64 sums are ordered differently, so only an exact tie could part them).
+Activation ranges (`activation_range`) use the grid only.
 
 What it buys (benchmarks/RESULTS.md, Compression quality): on the 10.3M GPT-2 the W4 g32 weights'
 summed squared error drops 22 % from minmax with the grid and a further 0.25 % with the refinement,
