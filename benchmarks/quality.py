@@ -214,10 +214,16 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     return out
 
 
+def ordered(summary: dict) -> list:
+    """(key, row) of the summary's recipes in RECIPES' order, whichever run finished first."""
+    keys = list(RECIPES)
+    return sorted(summary["recipes"].items(), key=lambda kv: keys.index(kv[0]) if kv[0] in keys else len(keys))
+
+
 def whole_set_line(summary: dict) -> str:
     """The --ptq-whole-set figures as one labelled sentence (empty when none were measured)."""
     parts = []
-    for key, row in summary["recipes"].items():
+    for key, row in ordered(summary):
         w = row.get("ptq_whole_set")
         if not w:
             continue
@@ -235,7 +241,7 @@ def whole_set_line(summary: dict) -> str:
 def pretrained_line(summary: dict) -> str:
     """The --ptq-pretrained figures as one labelled sentence (empty when none were measured)."""
     parts, sizes = [], None
-    for key, row in summary["recipes"].items():
+    for key, row in ordered(summary):
         ws = row.get("ptq_pretrained")
         if not ws:
             continue
@@ -289,7 +295,7 @@ def table(summary: dict) -> str:
     head = ("| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD + RL | recovered: QAT / QAT+RL / "
             "QAD+RL | mse cuts PTQ excess by |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
-    for key, row in summary["recipes"].items():
+    for key, row in ordered(summary):
         fp, pm, ps = row["fp32"], row.get("ptq_minmax"), row.get("ptq_mse")
         vals = [row.get(v) for v in VARIANTS]
         if pm is None or small_ptq_loss(pm, fp, acc):
