@@ -13,6 +13,7 @@ the minmax PTQ perplexity excess where the input-weighted mse observer removed 0
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -41,6 +42,28 @@ def _loss(model: nn.Module, batch, loss: Optional[Callable]) -> torch.Tensor:
     return value
 
 
+def _start_input_ranges(model: nn.Module) -> None:
+    """Static activation ranges with range learning take their learned range from the observer at
+    a scheduler step; a PTQ model (finish(), then calibration batches) has had none, so its learned
+    input ranges would stay unused and untrained. Initialise them here from the calibrated observer;
+    warn about those whose observer has seen no batch."""
+    from .nn.ranges import init_input_ranges
+    unseen = []
+    for name, mod in model.named_modules():
+        aq = getattr(mod, "qc_aq", None)
+        if aq is None or not aq.range_learning or aq.calibration != "static" or not aq.active or aq.learned_ready:
+            continue
+        if hasattr(mod.input_scale, "full_tensor"):
+            continue       # FSDP2-sharded (an engine): its scheduler initialises them at its first step
+        if not init_input_ranges(mod):
+            unseen.append(name)
+    if unseen:
+        warnings.warn(f"learn_ranges: the static activation ranges of {len(unseen)} module(s) "
+                      f"({', '.join(unseen[:3])}{' ...' if len(unseen) > 3 else ''}) have seen no batch, so their "
+                      "learned ranges stay untrained: run a few calibration batches in training mode first",
+                      stacklevel=3)
+
+
 def _average_over_ranks(params: list) -> None:
     """Replicated models on several ranks (each its own batches): one mean gradient, so every rank
     takes the same step and keeps the same ranges. Parameters sharded by FSDP2 (DTensors, ZeRO
@@ -62,11 +85,13 @@ def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] =
     so the ranks keep equal ranges, whether the model is replicated or sharded (an engine at any
     ZeRO stage, or its `module`); every rank must run the same number of batches. batches: dicts
     (model(**b)), tuples or tensors; the loss is the output's `loss` (Hugging Face models given
-    labels) unless loss(model, batch) returns it. Call it after
-    init_compression with `range_learning: true` and after the ranges were initialised (the
-    observer's, calibrate_weight_ranges, the schedule at its target bits). Returns {"steps",
+    labels) unless loss(model, batch) returns it. Call it after init_compression with
+    `range_learning: true` and after the ranges were initialised (the observer's,
+    calibrate_weight_ranges, the schedule at its target bits, static activation ranges calibrated
+    by a few training-mode batches: their learned ranges start from that calibration here). Returns {"steps",
     "first_loss", "last_loss"}."""
     model = unwrap(model)       # an engine or DDP: their own forward would all-reduce the gradients again
+    _start_input_ranges(model)
     params = range_parameters(model)
     if not params:
         raise ValueError("learn_ranges: no module of this model has learned ranges; set `range_learning: true` "

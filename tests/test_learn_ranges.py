@@ -171,3 +171,53 @@ def test_every_zero_stage_steps_on_the_mean_gradient(tmp_path):
             if not n.endswith("_scale"):
                 assert torch.equal(res[0][stage][n], start[n]), (stage, n)    # weights untouched
     assert any(not torch.equal(start[n], res[0][3][n]) for n in start if n.endswith("_scale"))
+
+
+def w3_a4_static():
+    cfg = w3()
+    cfg["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static",
+                              "quantization_type": "asymmetric", "range_learning": True},
+        "different_groups": {"a4": {"params": {"bits": 4}}}}
+    return cfg
+
+
+def test_static_activation_ranges_of_a_ptq_model_learn_too(one_thread):
+    """PTQ: finish(), then calibration batches in training mode (the observer's EMA). No scheduler
+    step initialised the learned input ranges from it, so learn_ranges does, and trains them."""
+    xtr, ytr, xte, yte = digits_split()
+    fp32 = train(make_mlp(), xtr, ytr, epochs=15)
+    import copy
+    model = copy.deepcopy(fp32)
+    qc.init_compression(model, w3_a4_static())
+    qc.CompressionScheduler(model, w3_a4_static()).finish()
+    model.train()
+    with torch.no_grad():
+        for xb in xtr[:512].split(64):                  # calibration: the static ranges' EMA
+            model(xb)
+    layers = [m for m in model if hasattr(m, "qc_aq") and m.qc_aq is not None]
+    assert layers and not any(m.qc_aq.learned_ready for m in layers)
+    ptq_loss = mean_loss(model, [(xte, yte)])
+    observed = [(m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone()) for m in layers]
+    g = torch.Generator().manual_seed(2)
+    batches = [(xtr[i], ytr[i]) for i in torch.randperm(len(ytr), generator=g).split(64)]
+    learn_ranges(model, batches[:1], loss=ce, lr=0.0)   # lr 0: only the start from the observer
+    from qcompress.nn.ranges import input_spec
+    from qcompress.quant.reference import int_params
+    for m, (lo, hi) in zip(layers, observed):
+        assert m.qc_aq.learned_ready
+        s, z = int_params(lo.reshape(1).float(), hi.reshape(1).float(), input_spec(m.qc_aq))
+        assert torch.equal(m.input_scale.detach().reshape(1), s) and torch.equal(m.input_zero_point.detach().reshape(1), z)
+    start = [m.input_scale.detach().clone() for m in layers]
+    assert mean_loss(model, [(xte, yte)]) == pytest.approx(ptq_loss, rel=1e-3)   # the same ranges, now learned
+    learn_ranges(model, batches * 3, loss=ce, lr=1e-3)
+    assert all(not torch.equal(a, m.input_scale.detach()) for a, m in zip(start, layers))
+    assert mean_loss(model, [(xte, yte)]) < ptq_loss
+
+
+def test_uncalibrated_static_ranges_are_named_in_a_warning():
+    model = make_mlp()
+    qc.init_compression(model, w3_a4_static())
+    qc.CompressionScheduler(model, w3_a4_static()).finish()
+    with pytest.warns(UserWarning, match=r"static activation ranges of 3 module\(s\) \(0, 2, 4\) have seen no batch"):
+        learn_ranges(model, [(torch.rand(4, 64), torch.zeros(4, dtype=torch.int64))], loss=ce)
