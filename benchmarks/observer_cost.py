@@ -25,13 +25,14 @@ from qcompress.quant.reference import make_spec         # noqa: E402
 SPEC = make_spec(4, symmetric=True, granularity="group", group_size=32)
 
 
-def best_of(fn, repeat: int) -> float:
+def best_of(fn, repeat: int):
+    """(least time of `repeat` calls, the last call's result)."""
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        fn()
+        out = fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return min(times), out
 
 
 def moments_of(u: torch.Tensor, b: int) -> torch.Tensor:
@@ -46,22 +47,22 @@ def rows_for(label: str, weights, repeat: int) -> list:
     numel = sum(w.numel() for w, _ in weights)
     cases = [("minmax", None, False), ("mse", None, False), ("mse", "reference", False),
              ("mse weight_by inputs", None, True), ("mse weight_by inputs", "reference", True)]
-    out, base, kernel_time = [], None, {}
+    out, base, kernel_time, kernel_choice = [], None, {}, {}
     for name, backend, weighted in cases:
         if name == "minmax":
             fn = lambda: [observers.weight_params(w, SPEC, "minmax") for w, _ in weights]   # noqa: E731
         else:
             fn = lambda: [observers.mse_shrink(w, SPEC, backend=backend,                 # noqa: E731
                                                moments=m if weighted else None) for w, m in weights]
-        t = best_of(fn, repeat if backend is None else 1)
+        t, chosen = best_of(fn, repeat if backend is None else 1)
         base = t if base is None else base
         if backend is None:
-            kernel_time[name] = t
+            kernel_time[name], kernel_choice[name] = t, chosen
         vs_kernel, same = "", ""
         if backend is not None:
             vs_kernel = f"{t / kernel_time[name]:.1f}x"
-            got = [observers.mse_shrink(w, SPEC, moments=m if weighted else None) for w, m in weights]
-            differ = sum(int((a != b).sum()) for a, b in zip(got, fn()))
+            got = kernel_choice[name]
+            differ = sum(int((a != b).sum()) for a, b in zip(got, chosen))
             groups = sum(a.numel() for a in got)
             same = "all equal" if differ == 0 else f"{differ} of {groups} differ"
         out.append(f"| {label} | {name} | {backend or ('kernel' if name != 'minmax' else '-')} | {t * 1e3:.0f} | "

@@ -51,7 +51,7 @@ def _start_input_ranges(model: nn.Module) -> None:
     unseen = []
     for name, mod in model.named_modules():
         aq = getattr(mod, "qc_aq", None)
-        if aq is None or not aq.range_learning or aq.calibration != "static" or not aq.active or aq.learned_ready:
+        if aq is None or not aq.range_learning or not aq.active or aq.learned_ready:   # (learned: static)
             continue
         if hasattr(mod.input_scale, "full_tensor"):
             continue       # FSDP2-sharded (an engine): its scheduler initialises them at its first step
@@ -88,8 +88,8 @@ def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] =
     labels) unless loss(model, batch) returns it. Call it after init_compression with
     `range_learning: true` and after the ranges were initialised (the observer's,
     calibrate_weight_ranges, the schedule at its target bits, static activation ranges calibrated
-    by a few training-mode batches: their learned ranges start from that calibration here). Returns {"steps",
-    "first_loss", "last_loss"}."""
+    by a few training-mode batches: their learned ranges start from that calibration here).
+    Returns {"steps", "first_loss", "last_loss"}."""
     model = unwrap(model)       # an engine or DDP: their own forward would all-reduce the gradients again
     _start_input_ranges(model)
     params = range_parameters(model)

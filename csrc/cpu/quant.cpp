@@ -688,41 +688,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_refine_terms_cpu(const at::Te
           const int64_t st0 = (g / ngr) * c.cols + (g % ngr) * c.group;
           const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(c.group, c.cols - (g % ngr) * c.group));
           const float sk = s[g];
-          for (int64_t i = 0; i < cnt; ++i) {
+          for (int64_t i = 0; i < cnt; ++i) {   // as group_diffs' scalar tail, keeping the codes
             xf[i] = static_cast<float>(xd[st0 + i]);
             q[i] = clamp_code(rint_(xf[i] / sk), c.qmin, c.qmax);
+            d[i] = q[i] * sk - xf[i];
           }
-          group_diffs<scalar_t, false>(xd + st0, cnt, sk, 0.0f, c.qmin, c.qmax, d.data());
           const Weighting w = moments.of(g, st0, ngr, c.group);
-          if (mp) {
-            pe[g] = weighted_sum(d.data(), cnt, w, dd.data(), y.data());
-            double a = 0.0, b = 0.0;
-            if (!diagonal) weighted_sum(q.data(), cnt, w, dd.data(), y.data());   // leaves y = M q
-            if (diagonal) {
-              int64_t col = w.col0 % w.ncols;
-              for (int64_t i = 0; i < cnt; ++i) {
-                a += w.diag[col] * double(q[i]) * double(xf[i]);
-                b += w.diag[col] * double(q[i]) * double(q[i]);
-                if (++col == w.ncols) col = 0;
-              }
-            } else {
-              for (int64_t i = 0; i < cnt; ++i) {
-                a += y[i] * double(xf[i]);
-                b += y[i] * double(q[i]);
-              }
-            }
-            pn[g] = a;
-            pd[g] = b;
-          } else {
-            pe[g] = squared_sum(d.data(), cnt);
-            double a = 0.0, b = 0.0;
+          pe[g] = mp ? weighted_sum(d.data(), cnt, w, dd.data(), y.data()) : squared_sum(d.data(), cnt);
+          double a = 0.0, b = 0.0;
+          if (mp && !diagonal) {
+            weighted_sum(q.data(), cnt, w, dd.data(), y.data());   // leaves y = M q
             for (int64_t i = 0; i < cnt; ++i) {
-              a += double(q[i]) * double(xf[i]);
-              b += double(q[i]) * double(q[i]);
+              a += y[i] * double(xf[i]);
+              b += y[i] * double(q[i]);
             }
-            pn[g] = a;
-            pd[g] = b;
+          } else {                                                  // diagonal weights, or none
+            int64_t col = diagonal ? w.col0 % w.ncols : 0;
+            for (int64_t i = 0; i < cnt; ++i) {
+              const double wi = diagonal ? w.diag[col] : 1.0;
+              a += wi * double(q[i]) * double(xf[i]);
+              b += wi * double(q[i]) * double(q[i]);
+              if (diagonal && ++col == w.ncols) col = 0;
+            }
           }
+          pn[g] = a;
+          pd[g] = b;
         }
       });
     }

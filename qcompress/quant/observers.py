@@ -95,13 +95,19 @@ def _nearest(spec: Spec) -> Spec:
                                numerics=spec.numerics, ternary=spec.ternary)
 
 
+def _kernels_run(x: torch.Tensor) -> bool:
+    """The fused search kernels (mse_errors, mse_refine_terms) run on CPU tensors when built."""
+    from . import kernels
+    return kernels.available() and x.device.type == "cpu"
+
+
 def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
                    search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The same search with the fused CPU kernel: every candidate's parameters at once, then one
     pass over the tensor per candidate computing only the (squared, or with the input moments the
     weighted) errors."""
     from . import kernels
-    if not kernels.available() or (search.norm != 2.0 and moments is None):
+    if search.norm != 2.0 and moments is None:
         return None
     grid = shrink_grid(lo.device, search)[:, None]
     s, zp = int_params(lo[None, :] * grid, hi[None, :] * grid, _nearest(spec))
@@ -138,55 +144,21 @@ def _errors(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
     return (d.square() if norm == 2.0 else d.abs().pow(norm)).sum(dim=1), q, s
 
 
-def refine(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
-           spec: Spec, W: Optional[Inner] = None) -> torch.Tensor:
+Terms = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+# ^ p -> (scale, <q, x>, <q, q>, error) per group, q the codes of the scale int_params gives p
+
+
+def refine(p: torch.Tensor, terms: Terms) -> torch.Tensor:
     """Least-squares refinement of symmetric shrink factors p (float32 [groups]): see the module
-    docstring; with the input weighting W the weighted least squares s' = q^T M x / q^T M q.
-    Asymmetric specs: p unchanged."""
-    spec = _nearest(spec)
-    if spec.kind != "int" or not spec.symmetric or X.shape[1] == 0:
-        return p
-    err, q, s = _errors(X, counts, lo, hi, p, spec, W=W)
-    Xd = X.double()
-    inner = W if W is not None else (lambda a, b: (a * b).sum(dim=1))
-    for _ in range(REFINE_ITERS):
-        qd = q.double()
-        num, den = inner(qd, Xd), inner(qd, qd)
-        ok = (den > 0) & (num > 0)
-        p_new = (p.double() * num / (s.double() * torch.where(ok, den, 1.0))).to(torch.float32)
-        ok &= torch.isfinite(p_new) & (p_new > 0)
-        p_new = torch.where(ok, p_new, p)
-        e_new, q_new, s_new = _errors(X, counts, lo, hi, p_new, spec, W=W)
-        better = ok & (e_new < err)
-        if not bool(better.any()):
-            break
-        p = torch.where(better, p_new, p)
-        err = torch.where(better, e_new, err)
-        q = torch.where(better[:, None], q_new, q)
-        s = torch.where(better, s_new, s)
-    return p
-
-
-def _refine_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor, spec: Spec,
-                   moments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """refine() with the fused CPU kernel: each step's codes, inner products and errors in one pass
-    (kernels.mse_refine_terms); the same steps and the same rule. None where no kernel runs."""
-    from . import kernels
-    spec = _nearest(spec)
-    if not kernels.available() or spec.kind != "int" or not spec.symmetric:
-        return None
-    s = int_params(lo * p, hi * p, spec)[0]
-    terms = kernels.mse_refine_terms(x, spec, s, moments)
-    if terms is None:
-        return None
-    num, den, err = terms
+    docstring; with the input weighting the weighted least squares s' = q^T M x / q^T M q. The
+    terms come from torch (reference_terms) or the fused kernel (kernels.mse_refine_terms)."""
+    s, num, den, err = terms(p)
     for _ in range(REFINE_ITERS):
         ok = (den > 0) & (num > 0)
         p_new = (p.double() * num / (s.double() * torch.where(ok, den, 1.0))).to(torch.float32)
         ok &= torch.isfinite(p_new) & (p_new > 0)
         p_new = torch.where(ok, p_new, p)
-        s_new = int_params(lo * p_new, hi * p_new, spec)[0]
-        num_new, den_new, e_new = kernels.mse_refine_terms(x, spec, s_new, moments)
+        s_new, num_new, den_new, e_new = terms(p_new)
         better = ok & (e_new < err)
         if not bool(better.any()):
             break
@@ -195,10 +167,45 @@ def _refine_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch
     return p
 
 
+def reference_terms(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
+                    W: Optional[Inner] = None) -> Terms:
+    """refine()'s terms in torch, on the group view X (W: the input weighting, else plain)."""
+    Xd = X.double()
+    inner = W if W is not None else (lambda a, b: (a * b).sum(dim=1))
+
+    def terms(p):
+        err, q, s = _errors(X, counts, lo, hi, p, spec, W=W)
+        qd = q.double()
+        return s, inner(qd, Xd), inner(qd, qd), err
+    return terms
+
+
+def kernel_terms(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
+                 moments: Optional[torch.Tensor] = None) -> Terms:
+    """refine()'s terms from the fused CPU kernel (_kernels_run(x)), one pass per step."""
+    from . import kernels
+
+    def terms(p):
+        s = int_params(lo * p, hi * p, spec)[0]
+        return (s, *kernels.mse_refine_terms(x, spec, s, moments))
+    return terms
+
+
 def moment_block(spec: Spec) -> int:
     """Columns per block of the input moments the weighted search uses with this spec: a group's
     own columns (granularity group), else 1 (the diagonal: a group spans whole rows)."""
     return spec.group_size if spec.granularity == "group" else 1
+
+
+def check_moments(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> int:
+    """ValueError unless the moments fit the weight matrix x as quantized by spec; their block b."""
+    b = moment_block(spec)
+    if x.dim() != 2 or spec.granularity == "groups" or moments.dim() != 3 \
+            or tuple(moments.shape) != (-(-x.shape[1] // b), b, b):
+        raise ValueError(f"input moments of shape {tuple(moments.shape)} do not fit a weight matrix of shape "
+                         f"{tuple(x.shape)} quantized per {spec.granularity}"
+                         f"{f' of {spec.group_size}' if spec.granularity == 'group' else ''}")
+    return b
 
 
 def input_weighting(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> Inner:
@@ -206,12 +213,7 @@ def input_weighting(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> Inner
     sum a_g^T M_g b_g (float64), M_g the block of E[u u^T] (u the module's input) over group g's
     columns. x: the [rows, cols] weight matrix; moments: [ceil(cols / b), b, b] with
     b = moment_block(spec) (b = 1: the diagonal E[u_j^2])."""
-    b = moment_block(spec)
-    if x.dim() != 2 or spec.granularity == "groups" or moments.dim() != 3 \
-            or tuple(moments.shape) != (-(-x.shape[1] // b), b, b):
-        raise ValueError(f"input moments of shape {tuple(moments.shape)} do not fit a weight matrix of shape "
-                         f"{tuple(x.shape)} quantized per {spec.granularity}"
-                         f"{f' of {spec.group_size}' if spec.granularity == 'group' else ''}")
+    b = check_moments(x, spec, moments)
     M = moments.to(device=x.device, dtype=torch.float64)
     rows = x.shape[0]
     if b == 1:
@@ -240,14 +242,20 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
         return torch.ones(X.shape[0], dtype=torch.float32, device=X.device)
     lo, hi = group_minmax(X, counts)
     reference._check_finite(torch.stack([lo, hi]), "min/max")
-    W = None if moments is None else input_weighting(xf, spec, moments)
-    p = _search_kernel(xf, lo, hi, spec, search, moments) if backend != "reference" else None
+    fused = backend != "reference" and _kernels_run(xf)
+    W = None
+    if moments is not None:
+        check_moments(xf, spec, moments)
+        if not fused:               # the torch weighting, only where torch searches
+            W = input_weighting(xf, spec, moments)
+    p = _search_kernel(xf, lo, hi, spec, search, moments) if fused else None
     if p is None:
         p = _search(X, counts, lo, hi, spec, search, W)
-    if search.norm != 2.0:
-        return p
-    fused = _refine_kernel(xf, lo, hi, p, spec, moments) if backend != "reference" else None
-    return fused if fused is not None else refine(X, counts, lo, hi, p, spec, W)
+    nearest = _nearest(spec)
+    if search.norm != 2.0 or not nearest.symmetric:
+        return p                    # the refinement is norm 2's, on symmetric grids
+    terms = kernel_terms(xf, lo, hi, nearest, moments) if fused else reference_terms(X, counts, lo, hi, nearest, W)
+    return refine(p, terms)
 
 
 def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
