@@ -12,7 +12,11 @@ first --eval-samples held-out blocks and on all of them, and the share of the mi
 
   minmax            the group's own range (the recipes' default)
   mse               the plain mse search (the weights' own squared error)
-  mse weight_by     observer_kwargs {weight_by: inputs} (calibrate_weight_ranges, 8 batches of 64)
+  mse weight_by, groups alone
+                    observer_kwargs {weight_by: inputs, cross_groups: false}: each group against its
+                    own block of E[u u^T] (calibrate_weight_ranges, 8 batches of 64)
+  mse weight_by     observer_kwargs {weight_by: inputs}: a row's groups chosen together against the
+                    whole E[u u^T] (cross_groups, the default)
   learned ranges    the scales trained on the loss, weights frozen (evaluated every --every steps):
                     qcompress.learn_ranges' step (one AdamW, no decay), in one run
 
@@ -95,9 +99,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows["minmax"] = ev(quantized(key, {"observer": "minmax"}))
         rows["mse"] = ev(quantized(key, {"observer": "mse"}))
+        rows["mse weight_by, groups alone"] = ev(quantized(key, {"observer": "mse", "observer_kwargs": {
+            "weight_by": "inputs", "cross_groups": False}}))
         q = quantized(key, {"observer": "mse", "observer_kwargs": {"weight_by": "inputs"}, "range_learning": True})
         rows["mse weight_by"] = ev(q)
-        for label in ("minmax", "mse", "mse weight_by"):
+        for label in ("minmax", "mse", "mse weight_by, groups alone", "mse weight_by"):
             r = rows[label]
             print(f"{key} {label}: {r[0]:.4f} / {r[1]:.4f}, cut {cut(r[0], rows['minmax'][0], fp32[0]):.1f} / "
                   f"{cut(r[1], rows['minmax'][1], fp32[1]):.1f} %", flush=True)

@@ -15,6 +15,11 @@ input dim). An Embedding's input is token ids: it keeps the plain search, unless
 Linear (GPT-2's wte / lm_head), whose moments it shares (one tensor, one shrink). Convolutions keep
 the plain search (their columns mix channels and kernel positions).
 
+With `cross_groups` (the default, granularity group) the whole E[u u^T] is recorded instead
+(cols x cols per module, float32 once averaged; its diagonal blocks serve the per-group search), and
+the groups of each row are then chosen together against it: the output error's cross terms between
+groups are as large as its blocks on real layers (quant/cross_groups.py).
+
 On several ranks the sums are all-reduced, so every rank chooses the same ranges.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .nn import ranges
+from .quant import observers
 from .nn.layers import CompressMixin
 
 INPUT_KINDS = ("linear", "hf_conv1d")
@@ -35,6 +41,20 @@ INPUT_KINDS = ("linear", "hf_conv1d")
 def block_size(wq) -> int:
     """Columns per block of the moments a module's weighted search takes (observers.moment_block)."""
     return wq.group_size if wq.granularity == "group" else 1
+
+
+def whole(mod) -> bool:
+    """The module's search takes the whole E[u u^T] (cross_groups, granularity group): ranges.input_cross."""
+    wq = mod.qc_wq
+    return wq.granularity == "group" and observers.Search(*wq.range_search).cross_groups
+
+
+def diagonal_blocks(M: torch.Tensor, b: int) -> torch.Tensor:
+    """[ceil(cols / b), b, b] diagonal blocks of M [cols, cols] (a ragged last block zero-padded)."""
+    cols = M.shape[0]
+    nb = -(-cols // b)
+    P = torch.nn.functional.pad(M, (0, nb * b - cols, 0, nb * b - cols))
+    return torch.stack([P[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
 
 
 def weighted_modules(model: nn.Module) -> List[Tuple[str, CompressMixin]]:
@@ -70,7 +90,7 @@ def _all_reduce(sums: list, counts: torch.Tensor, device: torch.device) -> None:
 def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Optional[Callable] = None) -> int:
     """Record the input moments of each weighted module over `batches` (model in eval mode, no
     gradients): the blocks of E[u u^T] (u the module's input) over each weight group's columns, or
-    E[u_j^2] where a group spans whole rows. Then choose the weight ranges of the quantized modules
+    E[u_j^2] where a group spans whole rows, and the whole E[u u^T] where cross_groups applies. Then choose the weight ranges of the quantized modules
     again with them.
 
     batches: dicts (model(**b)), tuples (model(*b)) or tensors (model(b)); or pass
@@ -83,12 +103,11 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     takers = [(n, m) for n, m in mods if m.qc_kind in INPUT_KINDS]
     if not takers:
         return 0
-    stores = {}                      # id(MasterState) -> (store, float64 sums [blocks, b, b], index, cols)
+    stores = {}     # id(MasterState) -> (store, float64 sums: [blocks, b, b] or whole [cols, cols], index, cols)
     for _, m in takers:
         cols = m.weight_matrix_view(m.weight).shape[1]
-        b = block_size(m.qc_wq)
-        acc = torch.zeros(-(-cols // b), b, b, dtype=torch.float64)
-        stores.setdefault(id(m.qc_wq.store), (m.qc_wq.store, acc, len(stores), cols))
+        shape = (cols, cols) if whole(m) else (-(-cols // block_size(m.qc_wq)), block_size(m.qc_wq), block_size(m.qc_wq))
+        stores.setdefault(id(m.qc_wq.store), (m.qc_wq.store, torch.zeros(shape, dtype=torch.float64), len(stores), cols))
     counts = torch.zeros(len(stores), dtype=torch.int64)
 
     def hook(mod, args):
@@ -98,10 +117,13 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
         _, acc, i, cols = stores[id(mod.qc_wq.store)]
         if x.shape[-1] != cols:
             return                   # a shape this module's weight does not multiply column-wise
-        nb, b, _ = acc.shape
         x2 = x.detach().reshape(-1, cols).float()
-        x3 = torch.nn.functional.pad(x2, (0, nb * b - cols)).reshape(-1, nb, b).transpose(0, 1)
-        acc += torch.bmm(x3.transpose(1, 2), x3).double().cpu()      # per block: sum_t u u^T
+        if acc.dim() == 2:
+            acc += (x2.T @ x2).double().cpu()                           # sum_t u u^T
+        else:
+            nb, b, _ = acc.shape
+            x3 = torch.nn.functional.pad(x2, (0, nb * b - cols)).reshape(-1, nb, b).transpose(0, 1)
+            acc += torch.bmm(x3.transpose(1, 2), x3).double().cpu()      # per block: sum_t u u^T
         counts[i] += x2.shape[0]
 
     handles = [m.register_forward_pre_hook(hook) for _, m in takers]
@@ -124,7 +146,11 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
         if counts[i] == 0:
             unseen.append(i)
             continue
-        store.input_moments = acc / float(counts[i])
+        mean = acc / float(counts[i])
+        if mean.dim() == 2:          # whole E[u u^T]: its diagonal blocks for the per-group search
+            store.input_cross = mean.to(torch.float32)
+            mean = diagonal_blocks(mean, next(m.qc_wq.group_size for _, m in takers if m.qc_wq.store is store))
+        store.input_moments = mean
     if unseen:
         names = [n for n, m in takers if stores[id(m.qc_wq.store)][2] in unseen]
         warnings.warn(f"calibrate_weight_ranges: the batches never reached module(s) {names[:4]}"

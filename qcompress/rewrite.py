@@ -261,7 +261,8 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
 def _search(technique, group):
     """The group's mse search (observer_kwargs): observers.Search's fields as a tuple."""
     kw = group_setting(technique, group, "observer_kwargs")[0]
-    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by))
+    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by,
+                                      cross_groups=kw.cross_groups))
 
 
 def _act_quant(cfg, group: Group, module) -> ActQuant:

@@ -243,6 +243,8 @@ class CompressionScheduler:
         wq.shrink = entry["shrink"].to(mod.weight.device) if "shrink" in entry else None
         if "input_moments" in entry:
             wq.store.input_moments = entry["input_moments"].to("cpu", torch.float64)
+        if "input_cross" in entry:
+            wq.store.input_cross = entry["input_cross"].to("cpu", torch.float32)
         if "master_of" in entry:
             return                  # tied weight: restored with the module that saved it
         dev = mod.weight.device
@@ -265,6 +267,7 @@ class CompressionScheduler:
     def state_dict(self) -> dict:
         mods = {}
         saved: Dict[int, str] = {}    # id(MasterState) -> module that saved it (tied weights)
+        crossed = set()               # id(MasterState) whose whole input moments are saved
         for name, mod in self._modules.items():
             entry = {}
             if mod.qc_wq is not None:
@@ -280,6 +283,9 @@ class CompressionScheduler:
                     entry["wq"]["shrink"] = wq.shrink.detach().cpu().clone()
                 if wq.store.input_moments is not None:       # weight_by inputs: later bit drops use them
                     entry["wq"]["input_moments"] = wq.store.input_moments.clone()
+                if wq.store.input_cross is not None and id(wq.store) not in crossed:   # once per tensor
+                    crossed.add(id(wq.store))
+                    entry["wq"]["input_cross"] = wq.store.input_cross.clone()
             if mod.qc_aq is not None:
                 entry["aq"] = mod.qc_aq.observer.state_dict()
                 if mod.qc_aq.range_learning:

@@ -635,4 +635,6 @@ def test_input_weighted_ranges_are_calibrated_on_training_batches_before_the_fir
     query = dict(model.named_modules())[QUERY]
     moments = query.qc_wq.store.input_moments
     assert moments is not None and moments.shape == (query.in_features // 16, 16, 16)
-    assert torch.equal(query.qc_wq.shrink, observers.mse_shrink(w0, query.qc_wq.spec(), moments=moments))
+    cross = query.qc_wq.store.input_cross        # cross_groups (the default): the whole E[u u^T]
+    assert cross is not None and cross.shape == (query.in_features, query.in_features)
+    assert torch.equal(query.qc_wq.shrink, observers.mse_shrink(w0, query.qc_wq.spec(), moments=moments, cross=cross))

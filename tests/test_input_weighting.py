@@ -232,8 +232,11 @@ def test_calibration_records_the_input_moments_and_rechooses_the_ranges():
         got = mod.qc_wq.store.input_moments
         assert got.dtype == torch.float64
         assert_moments_close(got, blocks_of(u.T @ u / u.shape[0], 16))
+        cross = mod.qc_wq.store.input_cross       # cross_groups (the default): the whole E[u u^T] too
+        assert cross.dtype == torch.float32
+        assert_moments_close(cross.double(), u.T @ u / u.shape[0])
         w = mod.weight.detach()
-        assert torch.equal(mod.qc_wq.shrink, observers.mse_shrink(w, mod.qc_wq.spec(), moments=got))
+        assert torch.equal(mod.qc_wq.shrink, observers.mse_shrink(w, mod.qc_wq.spec(), moments=got, cross=cross))
     assert not torch.equal(m[0].qc_wq.shrink, before)
     assert m.training                             # mode restored
     # the weighted ranges cut the layer's output error on the calibration inputs, vs the plain mse
@@ -300,12 +303,13 @@ def test_bit_drops_and_resume_reuse_the_moments():
         sa.step()
     saved_model, saved_sched = copy.deepcopy(a.state_dict()), sa.state_dict()
     assert "input_moments" in saved_sched["modules"]["0"]["wq"]
+    assert "input_cross" in saved_sched["modules"]["0"]["wq"]
     for _ in range(7):
         sa.step()
     assert a[0].qc_wq.bits == 4
-    moments = a[0].qc_wq.store.input_moments
+    moments, cross = a[0].qc_wq.store.input_moments, a[0].qc_wq.store.input_cross
     assert torch.equal(a[0].qc_wq.shrink, observers.mse_shrink(a[0].weight.detach(), a[0].qc_wq.spec(),
-                                                               moments=moments))
+                                                               moments=moments, cross=cross))
     b = mlp(seed=7)                               # other weights, no calibration: all from the checkpoint
     qc.init_compression(b, cfg)
     b.load_state_dict(saved_model)
@@ -314,6 +318,7 @@ def test_bit_drops_and_resume_reuse_the_moments():
     for _ in range(7):
         sb.step()
     assert torch.equal(b[0].qc_wq.store.input_moments, moments)
+    assert torch.equal(b[0].qc_wq.store.input_cross, cross)
     assert torch.equal(b[0].qc_wq.shrink, a[0].qc_wq.shrink)
     assert torch.equal(b[0].effective_weight(), a[0].effective_weight())
 
@@ -326,7 +331,8 @@ def test_optimizer_step_mode_requantizes_with_the_weights_at_the_next_step():
     sched = qc.CompressionScheduler(m, cfg)
     qc.calibrate_weight_ranges(m, batches())
     sched.step()                                  # no optimizer step between: the master is w
-    want = observers.mse_shrink(w, m[0].qc_wq.spec(), moments=m[0].qc_wq.store.input_moments)
+    want = observers.mse_shrink(w, m[0].qc_wq.spec(), moments=m[0].qc_wq.store.input_moments,
+                                cross=m[0].qc_wq.store.input_cross)
     assert torch.equal(m[0].qc_wq.shrink, want)
     s, z = observers.weight_params(w, m[0].qc_wq.spec(), "mse", shrink=want)
     y = qc.quant.api.fake_quantize_spec(w, m[0].qc_wq.spec(), scale=s, zero_point=z)

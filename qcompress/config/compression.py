@@ -69,13 +69,18 @@ class ObserverKwargs:
     p = 1 - k / grid for k below maxshrink * grid, the error sum |x^ - x|^norm (2: refined by
     least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4. `weight_by: inputs`
     (weights only) weighs each group's error by the second moments of the module's input over the
-    group's columns, recorded on calibration batches (qcompress.calibrate_weight_ranges)."""
+    group's columns, recorded on calibration batches (qcompress.calibrate_weight_ranges); with
+    `cross_groups` (the default) the groups of a row are then chosen together against the whole
+    E[x x^T], so their errors may cancel in the output (quant/cross_groups.py)."""
     maxshrink: float = field(0.8, gt=0.0, le=1.0, doc="ext: how far the range may shrink (0.8: down to p = 0.21)")
     grid: int = field(100, ge=1, le=100000, doc="ext: candidate steps of 1 / grid")
     norm: float = field(2.0, gt=0.0, le=16.0, doc="ext: exponent of the reconstruction error")
     weight_by: str = field("none", choices=("none", "inputs"), lower=True,
                            doc="ext, weights only: 'inputs' weighs each group's error by E[x x^T] of the module's "
                                "input over the group's columns (its diagonal where a group spans whole rows)")
+    cross_groups: bool = field(True, doc="ext, weight_by inputs at granularity group: choose the groups of each row "
+                                         "together against the whole E[x x^T] (the output error's cross terms); "
+                                         "false: each group alone against its own block (no cols x cols moments kept)")
 
     def _validate(self, path):
         if int(round(self.maxshrink * self.grid)) < 1:

@@ -44,11 +44,12 @@ class WeightEntry:
 
 def observer_kwargs(q) -> Dict[str, object]:
     """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search
-    (without weight_by, qcompress's own: other tools hand these to their observers)."""
+    (without weight_by and cross_groups, qcompress's own: other tools hand these to their observers)."""
     if q.range_observer != "mse":
         return {}
     out = dataclasses.asdict(Search(*q.range_search))
     out.pop("weight_by")
+    out.pop("cross_groups")
     return out
 
 

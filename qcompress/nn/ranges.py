@@ -5,7 +5,9 @@
   every forward then quantizes with the factor times the group's current [min, max].
 - `observer_kwargs: {weight_by: inputs}`: the mse search weighs each group's error by the
   module's input moments (`MasterState.input_moments`, recorded by
-  qcompress.calibrate_weight_ranges; observers.input_weighting); until that ran, the plain search.
+  qcompress.calibrate_weight_ranges; observers.input_weighting), and with `cross_groups` (at
+  granularity group) the row's groups are chosen together against the whole E[u u^T]
+  (`MasterState.input_cross`, quant/cross_groups.py); until calibration ran, the plain search.
 - `range_learning: true`: the scales (and asymmetric zero points) are Parameters of the module,
   named as compressed-tensors names the tensors export writes: `weight_scale`,
   `weight_zero_point`, `input_scale`, `input_zero_point` (float32, one value per group). The
@@ -98,6 +100,16 @@ def input_moments(mod) -> Optional[torch.Tensor]:
     return wq.store.input_moments
 
 
+def input_cross(mod) -> Optional[torch.Tensor]:
+    """The whole E[u u^T] the search chooses a row's groups together against (observers.mse_shrink's
+    cross), or None: weight_by inputs with cross_groups, granularity group, moments recorded."""
+    wq = mod.qc_wq
+    if not weighs_by_inputs(wq) or not observers.Search(*wq.range_search).cross_groups \
+            or wq.granularity != "group":
+        return None
+    return wq.store.input_cross
+
+
 @torch.no_grad()
 def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     """The observer's ranges at the bits now in force (first quantization, bit drops): the mse
@@ -107,9 +119,9 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     view = _weight_view(mod, source)
     if view.is_meta:
         return           # no values to observe yet: reinit_after_load runs when weights arrive
-    search, moments = observers.Search(*wq.range_search), input_moments(mod)
+    search, moments, cross = observers.Search(*wq.range_search), input_moments(mod), input_cross(mod)
     if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
-        wq.shrink = observers.mse_shrink(view, spec, search=search, moments=moments)
+        wq.shrink = observers.mse_shrink(view, spec, search=search, moments=moments, cross=cross)
     else:
         wq.shrink = None
     if not wq.range_learning:
@@ -117,7 +129,7 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     if wq.ranges_loaded:
         wq.ranges_loaded = False
         return
-    s, z = observers.weight_params(view, spec, wq.range_observer, search=search, moments=moments)
+    s, z = observers.weight_params(view, spec, wq.range_observer, search=search, moments=moments, cross=cross)
     mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
     zp = mod._parameters.get("weight_zero_point")
     if zp is not None:

@@ -33,6 +33,9 @@ class MasterState:
         # calibrate_weight_ranges; kept across reset() (it describes the data, not the weight) and
         # shared by tied modules, so they choose one shrink for one tensor
         self.input_moments: Optional[torch.Tensor] = None
+        # with observer_kwargs.cross_groups at granularity group: the whole E[x x^T] (float32
+        # [cols, cols], CPU; quant/cross_groups.py), the same way recorded, kept and shared
+        self.input_cross: Optional[torch.Tensor] = None
 
     def reset(self) -> None:
         """Forget everything: the next scheduler step takes the weight as it is as the master."""

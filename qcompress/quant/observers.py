@@ -53,6 +53,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import reference
+from .cross_groups import descend
 from .reference import Spec, dequantize_view, group_minmax, group_view, int_params, quantize_view
 
 OBSERVERS = ("minmax", "mse")
@@ -71,6 +72,7 @@ class Search:
     maxshrink: float = MAX_SHRINK
     norm: float = 2.0
     weight_by: str = "none"     # "inputs": the caller passes the input moments (mse_shrink)
+    cross_groups: bool = True   # weight_by inputs, per group: the row's groups chosen together (cross_groups.py)
 
     def candidates(self) -> int:
         return int(round(self.maxshrink * self.grid))
@@ -78,7 +80,7 @@ class Search:
 
 DEFAULT_SEARCH = Search()
 DEFAULT_SEARCH_FIELDS = (DEFAULT_SEARCH.grid, DEFAULT_SEARCH.maxshrink, DEFAULT_SEARCH.norm,
-                         DEFAULT_SEARCH.weight_by)   # Search(*fields)
+                         DEFAULT_SEARCH.weight_by, DEFAULT_SEARCH.cross_groups)   # Search(*fields)
 
 
 def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
@@ -229,13 +231,16 @@ def input_weighting(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> Inner
 
 
 def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
-               search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> torch.Tensor:
+               search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None,
+               cross: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
     ternary kinds, which have no range): the grid's choice, refined by least squares on symmetric
     grids (norm 2). backend: None (the CPU kernels when built: mse_errors for the grid,
     mse_refine_terms for the refinement) or "reference" (torch); the same choices. moments
     (observer_kwargs.weight_by: inputs, a 2-D x): the error is the input-weighted one
-    (input_weighting), in both backends."""
+    (input_weighting), in both backends. cross (the whole [cols, cols] E[u u^T], per-group
+    granularity): then the groups of each row are chosen together against it (cross_groups.descend),
+    starting from the per-group choice."""
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if spec.kind != "int" or X.shape[1] == 0:
@@ -252,24 +257,26 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
     if p is None:
         p = _search(X, counts, lo, hi, spec, search, W)
     nearest = _nearest(spec)
-    if search.norm != 2.0 or not nearest.symmetric:
-        return p                    # the refinement is norm 2's, on symmetric grids
-    terms = kernel_terms(xf, lo, hi, nearest, moments) if fused else reference_terms(X, counts, lo, hi, nearest, W)
-    return refine(p, terms)
+    if search.norm == 2.0 and nearest.symmetric:      # the refinement is norm 2's, on symmetric grids
+        terms = kernel_terms(xf, lo, hi, nearest, moments) if fused else reference_terms(X, counts, lo, hi, nearest, W)
+        p = refine(p, terms)
+    if cross is not None:
+        p = descend(xf, nearest, p, cross, shrink_grid(xf.device, search))
+    return p
 
 
 def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
-                  search: Search = DEFAULT_SEARCH,
-                  moments: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None,
+                  cross: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, zero point or None) of each group of x, float32 [groups] (the zero point holds an
-    integer), as the observer chooses them; `shrink` reuses factors chosen earlier; moments: the
-    mse search's input weighting (mse_shrink)."""
+    integer), as the observer chooses them; `shrink` reuses factors chosen earlier; moments,
+    cross: the mse search's input weighting (mse_shrink)."""
     if observer not in OBSERVERS:
         raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
     xf = x.detach().to(torch.float32)
     X, counts = group_view(xf, spec)
     if observer == "mse" and shrink is None:
-        shrink = mse_shrink(xf, spec, search=search, moments=moments)
+        shrink = mse_shrink(xf, spec, search=search, moments=moments, cross=cross)
     s, zp, _ = reference.qparams(X, counts, spec, shrink=shrink if spec.kind == "int" else None)
     return s, zp
 
