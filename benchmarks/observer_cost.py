@@ -1,7 +1,9 @@
 """What choosing weight ranges costs (issue 15's observers), side by side in one run: minmax, the
 mse grid search and the input-weighted search (observer_kwargs.weight_by: inputs), each through
-the fused CPU kernel and through the torch reference (`backend="reference"`), on square weights
-and, with --lm, on a pretrained causal LM's own weights and input moments.
+the fused CPU kernel and through the torch reference (`backend="reference"`), and the weighted
+search with cross_groups (each row's groups chosen together against the whole E[u u^T]: the
+per-group kernel search, then quant/cross_groups.py's descent, torch only), on square weights and,
+with --lm, on a pretrained causal LM's own weights and input moments.
 
     python benchmarks/observer_cost.py [--sizes 1024,4096] [--lm runs/gpt2-austen] [--threads 2]
 
@@ -35,28 +37,33 @@ def best_of(fn, repeat: int):
     return min(times), out
 
 
-def moments_of(u: torch.Tensor, b: int) -> torch.Tensor:
-    """[cols / b, b, b] blocks of E[u u^T] over each group's columns, float64."""
+def moments_of(u: torch.Tensor, b: int):
+    """([cols / b, b, b] blocks of E[u u^T] over each group's columns, float64; the whole E[u u^T],
+    float32, as calibrate_weight_ranges keeps it)."""
     n, cols = u.shape
     v = u.double().reshape(n, cols // b, b)
-    return torch.einsum("ngi,ngj->gij", v, v) / n
+    full = u.double().T @ u.double() / n
+    return torch.einsum("ngi,ngj->gij", v, v) / n, full.to(torch.float32)
 
 
 def rows_for(label: str, weights, repeat: int) -> list:
-    """weights: [(w, moments)]; one row per (observer, backend)."""
+    """weights: [(w, (block moments, whole moments))]; one row per (observer, backend)."""
     numel = sum(w.numel() for w, _ in weights)
     cases = [("minmax", None, False), ("mse", None, False), ("mse", "reference", False),
-             ("mse weight_by inputs", None, True), ("mse weight_by inputs", "reference", True)]
+             ("mse weight_by inputs, groups alone", None, True),
+             ("mse weight_by inputs, groups alone", "reference", True),
+             ("mse weight_by inputs, cross_groups", None, "cross")]
     out, base, kernel_time, kernel_choice = [], None, {}, {}
     for name, backend, weighted in cases:
         if name == "minmax":
             fn = lambda: [observers.weight_params(w, SPEC, "minmax") for w, _ in weights]   # noqa: E731
         else:
             fn = lambda: [observers.mse_shrink(w, SPEC, backend=backend,                 # noqa: E731
-                                               moments=m if weighted else None) for w, m in weights]
-        t, chosen = best_of(fn, repeat if backend is None else 1)
+                                               moments=m[0] if weighted else None,
+                                               cross=m[1] if weighted == "cross" else None) for w, m in weights]
+        t, chosen = best_of(fn, repeat if backend is None and weighted != "cross" else 1)
         base = t if base is None else base
-        if backend is None:
+        if backend is None and weighted != "cross":
             kernel_time[name], kernel_choice[name] = t, chosen
         vs_kernel, same = "", ""
         if backend is not None:
@@ -65,7 +72,8 @@ def rows_for(label: str, weights, repeat: int) -> list:
             differ = sum(int((a != b).sum()) for a, b in zip(got, chosen))
             groups = sum(a.numel() for a in got)
             same = "all equal" if differ == 0 else f"{differ} of {groups} differ"
-        out.append(f"| {label} | {name} | {backend or ('kernel' if name != 'minmax' else '-')} | {t * 1e3:.0f} | "
+        search = backend or ("-" if name == "minmax" else "kernel + descent" if weighted == "cross" else "kernel")
+        out.append(f"| {label} | {name} | {search} | {t * 1e3:.0f} | "
                    f"{t / numel * 1e6:.3f} | {t / base:.0f}x | {vs_kernel} | {same} |")
     return out
 

@@ -16,7 +16,7 @@ one} + the search grid that minimises
 (the row's error as a function of that group's factor, the others fixed). A group keeps its factor
 unless another is strictly better, so the row's error never rises: the result is never worse than
 the per-group choice, nor than minmax, on the output error. Sweeps over the groups repeat until
-none changes or MAX_SWEEPS ran. float64 throughout; rows are independent, so they are processed
+none changes or MAX_SWEEPS ran. float64 throughout (M d is updated row by row as groups move); rows are independent, so they are processed
 in chunks whose candidate errors fit CHUNK_BYTES.
 
 Measured on the 10.3M GPT-2 (benchmarks/RESULTS.md, Compression quality): at W4 g32 the per-layer
@@ -77,8 +77,9 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
     grid = grid.to(device=x.device, dtype=torch.float32)
     K = grid.numel()
     out = p.to(device=x.device, dtype=torch.float32).clone().reshape(rows, G)
-    chunk = max(1, CHUNK_BYTES // (8 * (K + 3) * width))
+    chunk = max(1, CHUNK_BYTES // (8 * (2 * K + 3) * width))   # cand and bmm's product
     slices = [slice(j * g, (j + 1) * g) for j in range(G)]
+    blocks = torch.stack([Mp[sl, sl] for sl in slices])          # [G, g, g]
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         sel = slice(r0 * G, r1 * G)
@@ -86,30 +87,33 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
         R = r1 - r0
         idx = torch.arange(R, device=x.device)
         D = _deviations(Xc, cc, loc, hic, out[r0:r1].reshape(-1), spec).reshape(R, width)
-        cand = torch.stack([_deviations(Xc, cc, loc, hic, c, spec).reshape(R, width) for c in grid])
+        # every candidate's deviations, group-major so each group's slice is contiguous: [G, K, R, g]
+        cand = torch.empty(G, K, R, g, dtype=torch.float64, device=x.device)
+        for k, c in enumerate(grid):
+            cand[:, k] = _deviations(Xc, cc, loc, hic, c, spec).reshape(R, G, g).transpose(0, 1)
         # each candidate's own block term d^T M_gg d: fixed while the other groups move
-        own = torch.stack([((cand[:, :, sl] @ Mp[sl, sl]) * cand[:, :, sl]).sum(-1) for sl in slices], -1)
+        own = (torch.bmm(cand.reshape(G, K * R, g), blocks) * cand.reshape(G, K * R, g)).sum(-1).reshape(G, K, R)
         pc = out[r0:r1]
+        MD = D @ Mp                                       # kept current by each move below
         for _ in range(sweeps):
-            MD = D @ Mp                                   # recomputed each sweep: no drift
             changed = False
             for j, sl in enumerate(slices):
-                Mgg = Mp[sl, sl]
+                Mgg = blocks[j]
                 cur = D[:, sl]
                 cur_M = cur @ Mgg
                 cross = MD[:, sl] - cur_M                 # sum over h != g of M_gh d_h
-                opts = cand[:, :, sl]
+                opts = cand[j]
                 err = torch.cat([((cur_M + 2.0 * cross) * cur).sum(-1)[None],
-                                 own[:, :, j] + 2.0 * (opts * cross[None]).sum(-1)])
+                                 own[j] + 2.0 * torch.einsum("krg,rg->kr", opts, cross)])
                 best = torch.argmin(err, dim=0)           # index 0 (the current factor) wins ties
                 new = torch.where((best > 0)[:, None], opts[(best - 1).clamp(min=0), idx], cur)
-                moved = (new != cur).any(dim=1)
-                if not bool(moved.any()):
+                moved = torch.nonzero((new != cur).any(dim=1)).flatten()
+                if moved.numel() == 0:
                     continue
                 changed = True
                 pc[moved, j] = grid[best[moved] - 1]
-                MD += (new - cur) @ Mp[sl, :]
-                D[:, sl] = new
+                MD[moved] += (new[moved] - cur[moved]) @ Mp[sl, :]     # only the rows that moved
+                D[moved, sl] = new[moved]
             if not changed:
                 break
     return out.reshape(-1)

@@ -28,6 +28,10 @@ d^T M d, d = x^(p) - x over the group and M the block of E[u u^T] of the module'
 group's columns (per-group granularity; the diagonal E[u_j^2] where a group spans whole rows).
 The refinement becomes the weighted least squares s' = q^T M x / q^T M q, the same rule otherwise
 (kept only where the weighted error drops). Norm 2 only; the same backends as the plain search.
+With `cross_groups` (the default) and per-group granularity, the groups of each row are then
+chosen together against the whole E[u u^T] (cross_groups.descend: coordinate descent from the
+per-group choice over the grid, torch only, on the weight's device): the output error's cross terms
+between groups are as large as the blocks on real layers.
 
 Binary and ternary kinds have no range (scale = mean |x| of the values or of the kept values):
 both observers give their own scale there (shrink 1).
@@ -43,7 +47,8 @@ Activation ranges (`activation_range`) use the grid only.
 
 What it buys (benchmarks/RESULTS.md, Compression quality): on the 10.3M GPT-2 the W4 g32 weights'
 summed squared error drops 22 % from minmax with the grid and a further 0.25 % with the refinement,
-but the PTQ perplexity hardly moves: the weights' error is not the loss's.
+but the PTQ perplexity hardly moves: the weights' error is not the loss's. Weighted by the inputs
+with cross_groups the PTQ perplexity excess falls by 40-57 % at W4 and W3 g32 on the GPT-2s measured.
 """
 from __future__ import annotations
 
