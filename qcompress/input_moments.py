@@ -24,6 +24,7 @@ On several ranks the sums are all-reduced, so every rank chooses the same ranges
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Callable, Iterable, List, Optional, Tuple
 
@@ -47,6 +48,26 @@ def whole(mod) -> bool:
     """The module's search takes the whole E[u u^T] (cross_groups, granularity group): ranges.input_cross."""
     wq = mod.qc_wq
     return wq.granularity == "group" and observers.Search(*wq.range_search).cross_groups
+
+
+def free_memory() -> Optional[int]:
+    """Bytes of physical memory free now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(whole_shapes: List[Tuple[int, int]]) -> None:
+    """MemoryError, before any batch runs, when the whole moments (float64 sums, then float32
+    kept) would take more than half the free memory: a 7B model's would take tens of GiB."""
+    need = sum(12 * a * b for a, b in whole_shapes)
+    free = free_memory()
+    if free is not None and need > free // 2:
+        raise MemoryError(f"observer_kwargs.cross_groups: the whole input moments of {len(whole_shapes)} "
+                          f"module(s) (cols x cols each) need {need / 2 ** 30:.1f} GiB, more than half of the "
+                          f"{free / 2 ** 30:.1f} GiB free; set observer_kwargs.cross_groups: false (each group "
+                          "against its own block of the moments) or calibrate on a machine with more memory")
 
 
 def diagonal_blocks(M: torch.Tensor, b: int) -> torch.Tensor:
@@ -90,8 +111,9 @@ def _all_reduce(sums: list, counts: torch.Tensor, device: torch.device) -> None:
 def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Optional[Callable] = None) -> int:
     """Record the input moments of each weighted module over `batches` (model in eval mode, no
     gradients): the blocks of E[u u^T] (u the module's input) over each weight group's columns, or
-    E[u_j^2] where a group spans whole rows, and the whole E[u u^T] where cross_groups applies. Then choose the weight ranges of the quantized modules
-    again with them.
+    E[u_j^2] where a group spans whole rows, and the whole E[u u^T] where cross_groups applies
+    (MemoryError up front if those would take more than half the free memory). Then choose the
+    weight ranges of the quantized modules again with them.
 
     batches: dicts (model(**b)), tuples (model(*b)) or tensors (model(b)); or pass
     forward(model, batch). Call it after init_compression and before training (or before export
@@ -104,10 +126,17 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     if not takers:
         return 0
     stores = {}     # id(MasterState) -> (store, float64 sums: [blocks, b, b] or whole [cols, cols], index, cols)
+    shapes = {}
     for _, m in takers:
         cols = m.weight_matrix_view(m.weight).shape[1]
-        shape = (cols, cols) if whole(m) else (-(-cols // block_size(m.qc_wq)), block_size(m.qc_wq), block_size(m.qc_wq))
-        stores.setdefault(id(m.qc_wq.store), (m.qc_wq.store, torch.zeros(shape, dtype=torch.float64), len(stores), cols))
+        b = block_size(m.qc_wq)
+        shapes.setdefault(id(m.qc_wq.store), (cols, cols) if whole(m) else (-(-cols // b), b, b))
+    check_memory([s for s in shapes.values() if len(s) == 2])
+    for _, m in takers:
+        key = id(m.qc_wq.store)
+        if key not in stores:
+            stores[key] = (m.qc_wq.store, torch.zeros(shapes[key], dtype=torch.float64), len(stores),
+                           m.weight_matrix_view(m.weight).shape[1])
     counts = torch.zeros(len(stores), dtype=torch.int64)
 
     def hook(mod, args):

@@ -147,3 +147,25 @@ def test_scheduler_state_carries_the_whole_moments_once_for_tied_weights():
     sd = qc.CompressionScheduler(m, cfg).state_dict()["modules"]
     tied = [n for n in ("transformer.wte", "lm_head") if "input_cross" in sd[n]["wq"]]
     assert len(tied) == 1
+
+
+def test_whole_moments_that_would_not_fit_in_memory_are_refused_up_front(monkeypatch):
+    """40 x 40 float64 sums + the float32 copy kept: 19,200 bytes; with 30,000 free (half: 15,000)
+    calibration refuses before any batch runs, naming the key that avoids it; cross_groups: false
+    (no whole moments) runs."""
+    from qcompress import input_moments
+    monkeypatch.setattr(input_moments, "free_memory", lambda: 30_000)
+    drawn = []
+
+    def bs():
+        for b in correlated(64, 40).split(32):
+            drawn.append(1)
+            yield b
+    m = layer()
+    qc.init_compression(m, doc())
+    with pytest.raises(MemoryError, match=r"cross_groups: the whole input moments of 1 module.*cross_groups: false"):
+        qc.calibrate_weight_ranges(m, bs())
+    assert not drawn
+    m = layer()
+    qc.init_compression(m, doc(cross_groups=False))
+    assert qc.calibrate_weight_ranges(m, bs()) == 1
