@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .nn import ranges
-from .quant import observers
 from .nn.layers import CompressMixin
+from .quant import observers
 
 INPUT_KINDS = ("linear", "hf_conv1d")
 
