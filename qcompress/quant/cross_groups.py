@@ -15,9 +15,11 @@ one} + the search grid that minimises
 
 (the row's error as a function of that group's factor, the others fixed). A group keeps its factor
 unless another is strictly better, so the row's error never rises: the result is never worse than
-the per-group choice, nor than minmax, on the output error. Sweeps over the groups repeat until
-none changes or MAX_SWEEPS ran. float64 throughout (M d is updated row by row as groups move); rows are independent, so they are processed
-in chunks whose candidate errors fit CHUNK_BYTES.
+the per-group choice on the output error. (That choice is never worse than minmax on each group's
+own block; on the whole row, cross terms included, neither is bound to beat minmax in every row.)
+Sweeps over the groups repeat until none changes or MAX_SWEEPS ran. float64 throughout (M d is
+updated row by row as groups move); rows are independent, so they are processed in chunks whose
+candidate errors fit CHUNK_BYTES.
 
 Measured on the 10.3M GPT-2 (benchmarks/RESULTS.md, Compression quality): at W4 g32 the per-layer
 output error on the calibration inputs falls to 35-65 % of the per-group choice's, and the PTQ
@@ -39,15 +41,6 @@ def _deviations(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: tor
     s, zp = int_params(lo * p, hi * p, spec)
     q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
     return (dequantize_view(q, s, zp, spec) - X).double()
-
-
-def row_errors(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """Each row's output error d^T M d (float64 [rows]) of x quantized with shrink factors p."""
-    X, counts = group_view(x, spec)
-    lo, hi = group_minmax(X, counts)
-    D = _deviations(X, counts, lo, hi, p.to(torch.float32), spec).reshape(x.shape[0], -1)
-    Mp = padded(M, D.shape[1], x.device)
-    return ((D @ Mp) * D).sum(dim=1)
 
 
 def padded(M: torch.Tensor, width: int, device) -> torch.Tensor:
