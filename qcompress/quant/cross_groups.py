@@ -22,7 +22,7 @@ updated row by row as groups move); rows are independent, so they are processed 
 candidate errors fit CHUNK_BYTES.
 
 Measured on the 10.3M GPT-2 (benchmarks/RESULTS.md, Compression quality): at W4 g32 the per-layer
-output error on the calibration inputs falls to 35-65 % of the per-group choice's, and the PTQ
+output error on the calibration inputs falls to 26-71 % of the per-group choice's, and the PTQ
 perplexity excess falls by 40-57 % at W4 and W3 g32 (the per-group search: -0.5 to 37 %).
 """
 from __future__ import annotations
