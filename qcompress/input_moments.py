@@ -34,7 +34,6 @@ import torch.nn as nn
 
 from .nn import ranges
 from .nn.layers import CompressMixin
-from .quant import observers
 
 INPUT_KINDS = ("linear", "hf_conv1d")
 
@@ -42,12 +41,6 @@ INPUT_KINDS = ("linear", "hf_conv1d")
 def block_size(wq) -> int:
     """Columns per block of the moments a module's weighted search takes (observers.moment_block)."""
     return wq.group_size if wq.granularity == "group" else 1
-
-
-def whole(mod) -> bool:
-    """The module's search takes the whole E[u u^T] (cross_groups, granularity group): ranges.input_cross."""
-    wq = mod.qc_wq
-    return wq.granularity == "group" and observers.Search(*wq.range_search).cross_groups
 
 
 def free_memory() -> Optional[int]:
@@ -125,25 +118,22 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     takers = [(n, m) for n, m in mods if m.qc_kind in INPUT_KINDS]
     if not takers:
         return 0
-    stores = {}     # id(MasterState) -> (store, float64 sums: [blocks, b, b] or whole [cols, cols], index, cols)
-    shapes = {}
+    plan = {}       # id(MasterState) -> (store, shape of the sums: [blocks, b, b] or whole [cols, cols], b, cols)
     for _, m in takers:
-        cols = m.weight_matrix_view(m.weight).shape[1]
-        b = block_size(m.qc_wq)
-        shapes.setdefault(id(m.qc_wq.store), (cols, cols) if whole(m) else (-(-cols // b), b, b))
-    check_memory([s for s in shapes.values() if len(s) == 2])
-    for _, m in takers:
-        key = id(m.qc_wq.store)
-        if key not in stores:
-            stores[key] = (m.qc_wq.store, torch.zeros(shapes[key], dtype=torch.float64), len(stores),
-                           m.weight_matrix_view(m.weight).shape[1])
+        if id(m.qc_wq.store) not in plan:
+            cols, b = m.weight_matrix_view(m.weight).shape[1], block_size(m.qc_wq)
+            shape = (cols, cols) if ranges.takes_cross(m.qc_wq) else (-(-cols // b), b, b)
+            plan[id(m.qc_wq.store)] = (m.qc_wq.store, shape, b, cols)
+    check_memory([shape for _, shape, _, _ in plan.values() if len(shape) == 2])
+    stores = {key: (store, torch.zeros(shape, dtype=torch.float64), i, cols, b)     # float64 sums
+              for i, (key, (store, shape, b, cols)) in enumerate(plan.items())}
     counts = torch.zeros(len(stores), dtype=torch.int64)
 
     def hook(mod, args):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             return
-        _, acc, i, cols = stores[id(mod.qc_wq.store)]
+        _, acc, i, cols, _ = stores[id(mod.qc_wq.store)]
         if x.shape[-1] != cols:
             return                   # a shape this module's weight does not multiply column-wise
         x2 = x.detach().reshape(-1, cols).float()
@@ -165,20 +155,20 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
         for h in handles:
             h.remove()
         model.train(was_training)
-    entries = [e[:3] for e in sorted(stores.values(), key=lambda e: e[2])]
+    entries = sorted(stores.values(), key=lambda e: e[2])
     param = next(model.parameters(), None)
     device = param.device if (param is not None and dist.is_available() and dist.is_initialized()
                               and dist.get_backend() == "nccl") else torch.device("cpu")
-    _all_reduce([acc for _, acc, _ in entries], counts, device)
+    _all_reduce([acc for _, acc, _, _, _ in entries], counts, device)
     unseen = []
-    for store, acc, i in entries:
+    for store, acc, i, _, b in entries:
         if counts[i] == 0:
             unseen.append(i)
             continue
         mean = acc / float(counts[i])
         if mean.dim() == 2:          # whole E[u u^T]: its diagonal blocks for the per-group search
             store.input_cross = mean.to(torch.float32)
-            mean = diagonal_blocks(mean, next(m.qc_wq.group_size for _, m in takers if m.qc_wq.store is store))
+            mean = diagonal_blocks(mean, b)
         store.input_moments = mean
     if unseen:
         names = [n for n, m in takers if stores[id(m.qc_wq.store)][2] in unseen]

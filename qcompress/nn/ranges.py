@@ -100,14 +100,15 @@ def input_moments(mod) -> Optional[torch.Tensor]:
     return wq.store.input_moments
 
 
+def takes_cross(wq) -> bool:
+    """The search chooses a row's groups together against the whole E[u u^T] (weight_by inputs with
+    cross_groups, granularity group)."""
+    return weighs_by_inputs(wq) and wq.granularity == "group" and observers.Search(*wq.range_search).cross_groups
+
+
 def input_cross(mod) -> Optional[torch.Tensor]:
-    """The whole E[u u^T] the search chooses a row's groups together against (observers.mse_shrink's
-    cross), or None: weight_by inputs with cross_groups, granularity group, moments recorded."""
-    wq = mod.qc_wq
-    if not weighs_by_inputs(wq) or not observers.Search(*wq.range_search).cross_groups \
-            or wq.granularity != "group":
-        return None
-    return wq.store.input_cross
+    """The whole E[u u^T] for observers.mse_shrink's cross, or None: takes_cross and recorded."""
+    return mod.qc_wq.store.input_cross if takes_cross(mod.qc_wq) else None
 
 
 @torch.no_grad()

@@ -29,18 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from .reference import Spec, dequantize_view, group_minmax, group_view, int_params, quantize_view
+from .reference import Spec, group_minmax, group_view, shrunk_deviation
 
 MAX_SWEEPS = 4                 # passes over a row's groups (each rarely changes much after the third)
 CHUNK_BYTES = 256 * 2 ** 20    # float64 candidate errors held at once: [candidates, rows, cols]
-
-
-def _deviations(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                p: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """x^ - x (float64, the group view's layout) with each group's range [p lo, p hi]."""
-    s, zp = int_params(lo * p, hi * p, spec)
-    q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
-    return (dequantize_view(q, s, zp, spec) - X).double()
 
 
 def padded(M: torch.Tensor, width: int, device) -> torch.Tensor:
@@ -79,11 +71,11 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
         Xc, cc, loc, hic = X[sel], counts[sel], lo[sel], hi[sel]
         R = r1 - r0
         idx = torch.arange(R, device=x.device)
-        D = _deviations(Xc, cc, loc, hic, out[r0:r1].reshape(-1), spec).reshape(R, width)
+        D = shrunk_deviation(Xc, cc, loc, hic, out[r0:r1].reshape(-1), spec)[0].reshape(R, width)
         # every candidate's deviations, group-major so each group's slice is contiguous: [G, K, R, g]
         cand = torch.empty(G, K, R, g, dtype=torch.float64, device=x.device)
         for k, c in enumerate(grid):
-            cand[:, k] = _deviations(Xc, cc, loc, hic, c, spec).reshape(R, G, g).transpose(0, 1)
+            cand[:, k] = shrunk_deviation(Xc, cc, loc, hic, c, spec)[0].reshape(R, G, g).transpose(0, 1)
         # each candidate's own block term d^T M_gg d: fixed while the other groups move
         own = (torch.bmm(cand.reshape(G, K * R, g), blocks) * cand.reshape(G, K * R, g)).sum(-1).reshape(G, K, R)
         pc = out[r0:r1]

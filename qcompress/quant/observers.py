@@ -59,7 +59,7 @@ import torch
 
 from . import reference
 from .cross_groups import descend
-from .reference import Spec, dequantize_view, group_minmax, group_view, int_params, quantize_view
+from .reference import Spec, group_minmax, group_view, int_params, shrunk_deviation
 
 OBSERVERS = ("minmax", "mse")
 GRID_STEPS = 100
@@ -143,9 +143,7 @@ def _errors(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
             spec: Spec, norm: float = 2.0, W: Optional[Inner] = None):
     """Per-group error (float64) of X quantized with [p lo, p hi]: sum |x^ - x|^norm, or with W
     the input-weighted d^T M d; its codes and scales."""
-    s, zp = int_params(lo * p, hi * p, spec)
-    q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
-    d = (dequantize_view(q, s, zp, spec) - X).double()
+    d, q, s = shrunk_deviation(X, counts, lo, hi, p, spec)
     if W is not None:
         return W(d, d), q, s
     return (d.square() if norm == 2.0 else d.abs().pow(norm)).sum(dim=1), q, s

@@ -337,6 +337,14 @@ def dequantize_view(q, s, zp, spec: Spec):
     return q * s[:, None]
 
 
+def shrunk_deviation(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p, spec: Spec):
+    """(x^ - x float64, codes, scales) of group view X quantized with each group's range [p lo, p hi]
+    (p: a factor or one per group): what the mse observer's searches compare."""
+    s, zp = int_params(lo * p, hi * p, spec)
+    q, _, _, _ = quantize_view(X, counts, spec, params=(s, zp))
+    return (dequantize_view(q, s, zp, spec) - X).double(), q, s
+
+
 def _int_dtype(spec: Spec):
     # deepspeed-asym codes are unsigned ([0, 2^b - 1]): 8 of them do not fit int8
     return torch.int8 if spec.qmin >= -128 and spec.qmax <= 127 else torch.int32
