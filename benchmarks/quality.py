@@ -58,8 +58,8 @@ sys.path.insert(0, ROOT)
 RECIPES = {   # key: (label, schedule file, progressive)
     "w8a8": ("W8A8", "schedules/w8a8.yaml", False),
     "w4a8_g128": ("W4A8 g128", "schedules/w4a8_g128.yaml", False),
-    "w4_g32": ("W4 g32 (weight-only)", "schedules/w4_group32.yaml", False),
-    "w3_g32": ("W3 g32 (weight-only)", "schedules/w3_group32.yaml", False),
+    "w4_g32": ("W4 g32 (weight-only)", "schedules/w4a16_g32.yaml", False),
+    "w3_g32": ("W3 g32 (weight-only)", "schedules/w3a16_g32.yaml", False),
     "w2a8_kd": ("ternary W2A8 (+ distillation)", "schedules/w2a8_kd.yaml", False),
     "w8to4": ("progressive W8→4 A8", "schedules/w4a8_progressive.yaml", True),
 }

@@ -4,7 +4,7 @@ their own AdamW group (weight decay 0), everything else as the job's default Ada
 weight decay 0.01). The job's default factor is qcompress.train.job.RANGE_LR_FACTOR (0.1, chosen
 with this probe); FACTOR overrides it for one run:
 
-    python benchmarks/range_lr_probe.py 0.1 -- schedules/w4_group32.yaml schedules/qad_range_learning.yaml \
+    python benchmarks/range_lr_probe.py 0.1 -- schedules/w4a16_g32.yaml schedules/with_qad_range_learning.yaml \
         --model runs/gpt2-austen ... (the usual qcompress train arguments)
 """
 import os

@@ -9,7 +9,7 @@ MiniLM-size BERT and a Llama-style decoder of similar size (random init, built f
 One step = forward + backward + AdamW step (+ the framework's scheduler step), batch 16 x 128
 tokens. Every variant quantizes the same modules, every nn.Linear (heads included; embeddings
 left alone, as torchao's Linear-only QAT does):
-  qc_*   qcompress recipes schedules/{w8a8,w4a8_g128,w4_group128}.yaml, `modules` set to the Linears;
+  qc_*   qcompress recipes schedules/{w8a8,w4a8_g128,w4a16_g128}.yaml, `modules` set to the Linears;
          W8A8 / W4A8 carry `int8_forward: auto` (integer forward where the CPU has VNNI / AMX; the
          header says what this CPU ran)
   qc_*_float  the same with `int8_forward: false` (the bit-exact float forward everywhere)
@@ -62,7 +62,7 @@ LABELS = {"fp32": "FP32", "qc_w8a8": "qcompress W8A8", "qc_w4a8": "qcompress W4A
           "ao_w4a8": "torchao W4A8 g128 (asym act)"}
 TITLES = {"bert": "BERT 6 x 384, 12 heads, MLP 1536 (all-MiniLM-L6-v2's shape), sequence classification",
           "llama": "Llama-style decoder 6 x 384, 6 heads, gate/up/down MLP 1024, vocab 8192, causal LM"}
-SCHEDULES = {"w8a8": "w8a8.yaml", "w4a8": "w4a8_g128.yaml", "w4": "w4_group128.yaml"}
+SCHEDULES = {"w8a8": "w8a8.yaml", "w4a8": "w4a8_g128.yaml", "w4": "w4a16_g128.yaml"}
 
 
 def build(model_name):

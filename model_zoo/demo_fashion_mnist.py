@@ -2,8 +2,8 @@
 Fashion-MNIST, driven by YAML schedule files.
 
     python -m model_zoo.demo_fashion_mnist                      # W8A8 and W8->4 progressive
-    python -m model_zoo.demo_fashion_mnist --schedule schedules/w4_group128.yaml
-    python -m model_zoo.demo_fashion_mnist --schedule schedules/w8a8.yaml+schedules/onebit_adam.yaml
+    python -m model_zoo.demo_fashion_mnist --schedule schedules/w4a16_g128.yaml
+    python -m model_zoo.demo_fashion_mnist --schedule schedules/w8a8.yaml+schedules/with_onebit_adam.yaml
 
 Each --schedule is one QAT run; `a.yaml+b.yaml` merges several files into one run. Every run's
 config is load_config(base, *files) with the base at model_zoo/configs/fashion_mnist.yaml.

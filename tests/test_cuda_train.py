@@ -143,7 +143,7 @@ def write_jsonl(path, rows):
 
 
 @pytest.mark.parametrize("task,recipe", [("text-classification", "w8a8.yaml"), ("causal-lm", "w4a8_g128.yaml"),
-                                         ("causal-lm", "w4_group32.yaml")])
+                                         ("causal-lm", "w4a16_g32.yaml")])
 def test_train_on_the_gpu_exports_the_trained_model(folders, tmp_path, capsys, task, recipe):
     model = folders["bert"] if task == "text-classification" else folders["gpt2"]
     data = write_jsonl(tmp_path / "d.jsonl", folders["rows"] * (1 if task == "text-classification" else 2))

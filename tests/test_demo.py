@@ -126,8 +126,8 @@ def test_model_size_closed_form():
 
 def test_every_schedule_file_loads_and_applies_to_the_demo_model():
     names = {os.path.basename(p) for p in SCHEDULES}
-    assert {"w8a8.yaml", "w4a8_progressive.yaml", "w4_group128.yaml", "xtc_binary.yaml",
-            "w8a8_static.yaml", "onebit_adam.yaml"} <= names
+    assert {"w8a8.yaml", "w4a8_progressive.yaml", "w4a16_g128.yaml", "w1a8_xtc.yaml",
+            "w8a8_static.yaml", "with_onebit_adam.yaml"} <= names
     for path in SCHEDULES:
         with open(path) as fh:
             assert fh.readline().startswith("# "), f"{path} must start with a comment saying what it does"
@@ -152,6 +152,6 @@ def test_every_schedule_file_loads_and_applies_to_the_demo_model():
 
 def test_onebit_adam_file_builds_the_optimizer():
     from qcompress.optim.build import build_optimizer
-    cfg = qc.load_config(os.path.join(ROOT, "schedules", "onebit_adam.yaml"))
+    cfg = qc.load_config(os.path.join(ROOT, "schedules", "with_onebit_adam.yaml"))
     opt = build_optimizer(SmallCNN().parameters(), cfg.optimizer)
     assert type(opt).__name__ == "OneBitAdam" and opt.freeze_step == 100

@@ -310,7 +310,7 @@ def test_load_teacher_folder(tmp_path):
 
 
 def test_load_teacher_baseline_outside_qcompress_train_says_what_it_is(tmp_path, monkeypatch):
-    """`teacher: baseline` (schedules/qad_range_learning.yaml) names qcompress train's FP32
+    """`teacher: baseline` (schedules/with_qad_range_learning.yaml) names qcompress train's FP32
     fine-tune; in another loop it was reported as a missing folder called 'baseline'."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as err:

@@ -234,7 +234,7 @@ def test_metadata_and_inspect(tmp_path):
     assert "ratio" in text.splitlines()[-1]
 
 
-def test_w4_group128_size_ratio(tmp_path):
+def test_w4a16_g128_size_ratio(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
     from safetensors.torch import save_file
@@ -383,7 +383,7 @@ def _tied_gpt2_export(tmp_path):
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)).eval()
 
     cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                             "schedules", "w4_group32.yaml"))
+                                             "schedules", "w4a16_g32.yaml"))
     model = qcompress.init_compression(build(), cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
@@ -479,7 +479,7 @@ def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32))
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4_group32.yaml"), {"compression_training": {
+    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g32.yaml"), {"compression_training": {
         "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}}})
     model = qcompress.init_compression(build(), cfg)
     sched = qcompress.CompressionScheduler(model, cfg)

@@ -861,7 +861,7 @@ def test_ptq_range_steps_adds_a_stage_and_changes_nothing_else(folders, tmp_path
     data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 2)
     rl = tmp_path / "rl.yaml"
     rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
-    w4 = os.path.join(ROOT, "schedules", "w4_group32.yaml")
+    w4 = os.path.join(ROOT, "schedules", "w4a16_g32.yaml")
     base = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
             "--lr", "0.1", *FAST]
     assert train([*base, "--out", str(tmp_path / "plain")]) == 0
@@ -888,7 +888,7 @@ def test_ptq_range_steps_under_torchrun_equals_one_process(folders, tmp_path):
     data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 2)
     rl = tmp_path / "rl.yaml"
     rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
-    w4 = os.path.join(ROOT, "schedules", "w4_group32.yaml")
+    w4 = os.path.join(ROOT, "schedules", "w4a16_g32.yaml")
     args = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
             "--lr", "0.1", "--ptq-range-steps", "3", *FAST]
     assert train([*args, "--out", str(tmp_path / "one")]) == 0

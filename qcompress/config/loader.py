@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Any, Mapping
 
 import yaml
@@ -122,9 +123,35 @@ def check_document(doc: Any, source: str = "") -> None:
                 stack.append((sub, (link, i), depth + 1, inner))
 
 
+# Recipe files renamed to one scheme (w<bits>a<bits>[_g<group>][_variant], fragments with_*): the
+# old names still load for one release, with a warning naming the new file.
+RENAMED_RECIPES = {
+    "w4_group128.yaml": "w4a16_g128.yaml",
+    "w4_group32.yaml": "w4a16_g32.yaml",
+    "w3_group32.yaml": "w3a16_g32.yaml",
+    "xtc_binary.yaml": "w1a8_xtc.yaml",
+    "mse_observer.yaml": "with_mse_observer.yaml",
+    "range_learning.yaml": "with_range_learning.yaml",
+    "qad_range_learning.yaml": "with_qad_range_learning.yaml",
+    "onebit_adam.yaml": "with_onebit_adam.yaml",
+}
+
+
+def _renamed_recipe(path: str) -> str:
+    """The new path of a renamed recipe that no longer exists under its old name (with a
+    DeprecationWarning), else `path` unchanged."""
+    folder, name = os.path.split(path)
+    new = RENAMED_RECIPES.get(name)
+    if new is None or os.path.exists(path) or not os.path.exists(os.path.join(folder, new)):
+        return path
+    warnings.warn(f"recipe {path} was renamed to {new}; the old name stops working in the next "
+                  "release", DeprecationWarning, stacklevel=4)
+    return os.path.join(folder, new)
+
+
 def read_document(path: str | os.PathLike) -> dict:
     """Read one JSON or YAML file into a dict; errors name the file."""
-    path = os.fspath(path)
+    path = _renamed_recipe(os.fspath(path))
     try:
         with open(path, "r", encoding="utf-8") as fh:
             text = fh.read()

@@ -11,7 +11,7 @@ EPILOG = """\
 examples:
   qcompress train schedules/w8a8.yaml --model ./all-MiniLM-L6-v2 --data bbc/ \\
       --task text-classification --out runs/w8a8 --baseline
-  qcompress train ds_config.json schedules/w4_group32.yaml --model ./gpt2-austen \\
+  qcompress train ds_config.json schedules/w4a16_g32.yaml --model ./gpt2-austen \\
       --data austen.txt --task causal-lm --out runs/w4 --max-steps 200
   torchrun --nproc_per_node=2 -m qcompress train ... (rank 0 writes the outputs)
 

@@ -109,7 +109,7 @@ def load_teacher(spec: str, start_model: nn.Module, load_folder: Callable[[str],
         return _freeze(copy.deepcopy(root))
     path = os.path.expanduser(spec)
     if spec == "baseline" and not os.path.isdir(path):
-        # schedules/qad_range_learning.yaml says `baseline`: only `qcompress train` makes one
+        # schedules/with_qad_range_learning.yaml says `baseline`: only `qcompress train` makes one
         raise ValueError(f"{KEY}.teacher: 'baseline' is the FP32 fine-tune that `qcompress train "
                          "--baseline` trains first; here there is none: set teacher to the folder of a "
                          "model fine-tuned for this task (or pass that model as the teacher)")
