@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
                         unsupported_reason)
-from .nn import ranges
+from .nn import experts, ranges
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 
@@ -27,7 +27,7 @@ log = logging.getLogger("qcompress")
 
 # Which module kinds each technique applies to.
 SUPPORTS = {
-    "weight_quantization": ("linear", "conv", "embedding", "hf_conv1d"),
+    "weight_quantization": ("linear", "conv", "embedding", "hf_conv1d", "experts"),
     "activation_quantization": ("linear", "conv", "hf_conv1d"),
     "sparse_pruning": ("linear", "conv", "hf_conv1d"),
     "row_pruning": ("linear", "hf_conv1d"),
@@ -46,8 +46,9 @@ def attention_internals(model: nn.Module) -> List[str]:
 
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     skip = set(attention_internals(model))
-    return [(n, m) for n, m in unwrap(model).named_modules()
-            if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
+    found = [(n, m) for n, m in unwrap(model).named_modules()
+             if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
+    return found + experts.pending_parts(unwrap(model))   # fused expert matrices (nn/experts.py)
 
 
 def unsupported_modules(model: nn.Module) -> List[Tuple[str, str, str]]:
@@ -100,10 +101,12 @@ def _check_grouped_channel_slicing(group: Group, matched: List[str], modules, pa
 def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> List[str]:
     """Names (of modules this technique supports) that any of the group's regexes re.search."""
     kinds = SUPPORTS[technique]
-    pool = [n for n, k in names if k in kinds]
+    pool = [(n, k) for n, k in names if k in kinds]
     if group.modules is None:
-        return pool
-    return [n for n in pool if any(re.search(p, n) for p in group.modules)]
+        return [n for n, _ in pool]
+    # an expert matrix is selected by its own name or by its experts module's
+    return [n for n, k in pool if any(re.search(p, n) or (k == "experts" and re.search(p, experts.owner_name(n)))
+                                      for p in group.modules)]
 
 
 _KIND_NAMES = {"linear": "Linear", "conv": "Conv", "embedding": "Embedding", "hf_conv1d": "transformers Conv1D"}
@@ -145,7 +148,8 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
     """{technique: {group: [module names]}} for every enabled technique; checks the claims."""
     cfg = as_config(cfg)
     cc: CompressionConfig = cfg.compression
-    names = [(n, kind_of(m)) for n, m in compressible_modules(model)]
+    compressible = compressible_modules(model)
+    names = [(n, kind_of(m)) for n, m in compressible]
     internals = attention_internals(model)
     unsupported = unsupported_modules(model)
     all_modules = dict(unwrap(model).named_modules())
@@ -180,16 +184,16 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
             result[tech][group.name] = matched
     wq = cc.weight_quantization
     if wq.enabled and any(g.modules is None for g in wq.groups):
-        _report_uncompressible(all_modules, names, cfg)
+        _report_uncompressible(all_modules, compressible, cfg)
     return result
 
 
-def _report_uncompressible(modules: Dict[str, nn.Module], names: List[Tuple[str, str]], cfg) -> None:
+def _report_uncompressible(modules: Dict[str, nn.Module], compressible: List[Tuple[str, nn.Module]], cfg) -> None:
     """'Every compressible module' can leave much of a model in full precision without a word:
     weights that are Parameters of other modules (3-D expert tensors of mixture-of-experts blocks,
     routers, nn.MultiheadAttention's in_proj_weight). Report them when they hold a noticeable share
     (5 %) of the model's matrix parameters, largest first."""
-    covered = {id(modules[n].weight) for n, _ in names}
+    covered = {id(m.weight) for _, m in compressible}
     seen, others, total = set(), [], 0
     for name, mod in modules.items():
         for pname, p in mod.named_parameters(recurse=False):
@@ -335,6 +339,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
 
 def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Module:
     modules = dict(root.named_modules())
+    modules.update(experts.pending_parts(root))      # attached to their experts modules by _rewrite
     # what each module holds now, so a config error found while rewriting leaves the model as it was
     before = {id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))
               for m in modules.values()}
@@ -367,6 +372,8 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                 gpath = f"compression_training.{tech}.different_groups.{group.name}.params.range_learning"
                 if tech == "weight_quantization":
                     mod.qc_wq = _weight_quant(cfg, group, mod, name, vocab_tables)
+                    if mod.qc_kind == "experts":
+                        experts.check_weight(mod, gpath.rsplit(".", 2)[0])
                     if mod.qc_wq.range_learning and id(mod.weight) not in learned:
                         learned.add(id(mod.weight))      # tied weights share the first one's scales
                         ranges.register_weight_ranges(mod, gpath)
@@ -377,6 +384,7 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                 else:
                     from .pruning.setup import enable_pruning
                     enable_pruning(mod, tech, technique.shared, group, name, modules)
+    experts.attach(m for m in modules.values() if isinstance(m, experts.ExpertMatrix))
     _share_tied_weights(root)
     _warn_tied_unselected(root)
     _keep_python_forward(root)
@@ -386,6 +394,7 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
 def _undo_rewrite(modules: Dict[str, nn.Module], before) -> None:
     """Put back what a failed init_compression changed: full-precision weights written over by
     the optimizer-step mode, registered scale / score Parameters, the modules' classes."""
+    experts.detach(modules.values())
     for mod in modules.values():
         params, buffers, hooks, pre_hooks = before[id(mod)]
         # hooks the rewrite added, here or on related modules (a channel-pruned conv's BatchNorm)

@@ -1,0 +1,302 @@
+"""Compress-aware mixture-of-experts modules.
+
+transformers 5 keeps a MoE block's experts in one module whose fused Parameters have a leading
+expert dimension (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]; gpt-oss transposed,
+[E, in, out], with biases). Each such Parameter gets an `ExpertMatrix`: a compress-aware module
+(CompressMixin, like a Linear) whose `weight` is the owner's 3-D Parameter and whose matrix view
+stacks the experts' [out, in] matrices into [E * out, in] rows. Channel and group granularity
+then act along each expert's input dimension, per expert, with the quantizers, observers, range
+learning and schedules a Linear uses; per-tensor granularity becomes one scale per expert
+(view [E, out * in], per row).
+
+The ExpertMatrix is registered in the owner's `_modules` under the Parameter's own name, so its
+module name is the Parameter's dotted name (`...mlp.experts.gate_up_proj`) and the owner's
+state_dict keys do not change (nn.Module resolves `owner.gate_up_proj` to the Parameter first).
+The owner's forward is the model's own, run with the effective (fake-quantized) 3-D weights in
+`_parameters` for the call (as torch.func.functional_call does), so every family's routing code
+and every experts implementation (eager loop, batched_mm, grouped_mm) is reused.
+
+Detection is by structure and forward: floating Parameters of 3 dimensions sharing their leading
+(expert) dimension; which axis is each matrix's input is read from a one-token probe forward
+(F.linear(x, W[e]) is [out, in]; x @ W[e] is [in, out]), or from transformers' `is_transposed`
+flag when the probe cannot run (meta tensors, another signature).
+"""
+from __future__ import annotations
+
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .layers import CompressMixin, _rebind_saved_forward
+
+OUT_IN, IN_OUT = "out_in", "in_out"     # each expert's matrix as nn.Linear stores it, or transposed
+_LAYOUT = "_qc_expert_layout"           # owner.__dict__: {param name: layout}, or {} when not experts
+_PARTS = "_qc_expert_parts"             # owner.__dict__: {param name: ExpertMatrix} before attaching
+
+
+class ExpertMatrix(CompressMixin, nn.Module):
+    """One fused expert Parameter of an experts module, seen as E stacked 2-D weights."""
+
+    qc_kind = "experts"
+
+    def __init__(self, owner: nn.Module, pname: str, layout: str, name: str):
+        nn.Module.__init__(self)
+        self.__dict__["_qc_owner"] = owner     # not a child module: the owner holds this one
+        self.qc_param = pname
+        self.qc_layout = layout
+        self.qc_per_expert_tensor = False      # granularity tensor: one scale per expert
+        self._qc_setup(name)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.__dict__["_qc_owner"]._parameters[self.qc_param]
+
+    @property
+    def owner(self) -> nn.Module:
+        return self.__dict__["_qc_owner"]
+
+    def matrix_shape(self) -> Tuple[int, int, int]:
+        """(experts, out, in) of the stacked matrices."""
+        e, a, b = self.weight.shape
+        return (e, a, b) if self.qc_layout == OUT_IN else (e, b, a)
+
+    def weight_matrix_view(self, w: torch.Tensor) -> torch.Tensor:
+        m = w if self.qc_layout == OUT_IN else w.transpose(-1, -2)
+        return m.reshape(m.shape[0], -1) if self.qc_per_expert_tensor else m.reshape(-1, m.shape[-1])
+
+    def _from_matrix_view(self, v: torch.Tensor) -> torch.Tensor:
+        e, out, inp = self.matrix_shape()
+        m = v.reshape(e, out, inp)
+        # contiguous in the stored layout, so in-forward and baked weights run the same kernels
+        return m if self.qc_layout == OUT_IN else m.transpose(-1, -2).contiguous()
+
+    def expert_matrix(self, w: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's [out, in] matrix of a tensor in the stored 3-D layout."""
+        return w[e] if self.qc_layout == OUT_IN else w[e].t()
+
+    def _apply(self, fn, recurse=True):
+        return nn.Module._apply(self, fn, recurse)   # the owner moves the weight, then the state
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        return nn.Module._load_from_state_dict(self, *args, **kwargs)   # the owner resets the state
+
+    def __reduce_ex__(self, protocol):
+        return nn.Module.__reduce_ex__(self, protocol)
+
+    def extra_repr(self) -> str:
+        e, out, inp = self.matrix_shape()
+        return f"{e} experts x [{out}, {inp}] ({self.qc_param}, {self.qc_layout})" + CompressMixin.extra_repr(self)
+
+
+class ExpertsForward:
+    """Mixed in before an experts class: its own forward with the effective weights in place."""
+
+    def expert_parts(self) -> List[ExpertMatrix]:
+        return [m for m in self._modules.values() if isinstance(m, ExpertMatrix)]
+
+    def forward(self, *args, **kwargs):
+        params = self._parameters
+        effective = {}
+        for part in self.expert_parts():
+            eff = part.effective_weight()
+            if eff is not params[part.qc_param]:
+                effective[part.qc_param] = eff
+        saved = {n: params[n] for n in effective}
+        params.update(effective)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            params.update(saved)
+
+    def __setattr__(self, name, value):
+        # an assigned Parameter (load_state_dict(assign=True), FSDP) replaces the tensor only: the
+        # ExpertMatrix registered under the same name stays
+        part = self.__dict__.get("_modules", {}).get(name)
+        if isinstance(part, ExpertMatrix) and isinstance(value, torch.Tensor):
+            self._parameters[name] = value
+            return
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for part in self.expert_parts():
+            wq = part.qc_wq
+            if wq is not None:
+                wq.store.follow(part.weight)
+                if wq.shrink is not None and not part.weight.is_meta:
+                    wq.shrink = wq.shrink.to(part.weight.device)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        n_errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        from . import ranges
+        for part in self.expert_parts():
+            wq = part.qc_wq
+            if wq is None or prefix + part.qc_param not in state_dict or len(error_msgs) != n_errors:
+                continue
+            wq.store.reset()     # a loaded weight is a new starting point (as CompressMixin's)
+            if wq.range_learning and f"{prefix}{part.qc_param}.weight_scale" in state_dict:
+                wq.ranges_loaded = True
+            else:
+                ranges.reinit_after_load(part)
+
+
+# --- detection ---------------------------------------------------------------------------------
+def _fused_params(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """Floating 3-D Parameters sharing one leading (expert) dimension, or [] if not an experts module."""
+    params = [(n, p) for n, p in module._parameters.items()
+              if p is not None and p.is_floating_point() and p.dim() >= 3]
+    if not params or any(p.dim() != 3 for _, p in params):
+        return []
+    if len({p.shape[0] for _, p in params}) != 1:
+        return []
+    return params
+
+
+class _Watch(TorchFunctionMode):
+    """Records how a forward multiplies slices of the watched Parameters."""
+
+    _DERIVE = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
+               torch.Tensor.contiguous, torch.Tensor.to}
+    _MATMUL = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
+
+    def __init__(self, params):
+        super().__init__()
+        self.src = {id(p): n for n, p in params}
+        self.keep = []          # derived tensors stay alive so their ids are not reused
+        self.layout: Dict[str, str] = {}
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ids = [id(a) for a in args[:2]]
+        if func in self._DERIVE and ids and ids[0] in self.src and isinstance(out, torch.Tensor):
+            self.src[id(out)] = self.src[ids[0]]
+            self.keep.append(out)
+        elif func is F.linear and len(ids) > 1 and ids[1] in self.src:
+            self.layout.setdefault(self.src[ids[1]], OUT_IN)
+        elif func in self._MATMUL and len(ids) > 1:
+            if ids[1] in self.src:
+                self.layout.setdefault(self.src[ids[1]], IN_OUT)
+            elif ids[0] in self.src:
+                self.layout.setdefault(self.src[ids[0]], OUT_IN)
+        return out
+
+
+def _probe(module: nn.Module, params) -> Dict[str, str]:
+    """Run the forward on one token routed to expert 0 and watch which axis each matrix contracts."""
+    p0 = params[0][1]
+    if p0.is_meta or type(p0) is not nn.Parameter and not isinstance(p0, nn.Parameter):
+        return {}
+    for hidden in dict.fromkeys((p0.shape[2], p0.shape[1])):
+        x = torch.zeros(1, hidden, dtype=p0.dtype, device=p0.device)
+        idx = torch.zeros(1, 1, dtype=torch.long, device=p0.device)
+        w = torch.ones(1, 1, dtype=p0.dtype, device=p0.device)
+        watch = _Watch(params)
+        try:
+            with torch.no_grad(), watch:
+                module(x, idx, w)
+        except Exception:       # another signature or this hidden size is wrong: try the next
+            continue
+        if all(n in watch.layout for n, _ in params):
+            return watch.layout
+    return {}
+
+
+def expert_layout(module: nn.Module) -> Dict[str, str]:
+    """{Parameter name: OUT_IN | IN_OUT} of an experts module's fused matrices; {} for other modules."""
+    d = module.__dict__
+    if _LAYOUT not in d:
+        params = _fused_params(module) if not isinstance(module, (CompressMixin, ExpertsForward)) else []
+        layout = _probe(module, params) if params else {}
+        if params and not layout and isinstance(getattr(module, "is_transposed", None), bool):
+            flag = IN_OUT if module.is_transposed else OUT_IN        # transformers' declared layout
+            layout = {n: flag for n, _ in params}
+        d[_LAYOUT] = layout
+    return d[_LAYOUT]
+
+
+def pending_parts(root: nn.Module) -> List[Tuple[str, ExpertMatrix]]:
+    """(module name, ExpertMatrix) for each fused matrix of experts modules not yet rewritten; made
+    once per module and kept unattached until `attach`, so planning does not change the model."""
+    out = []
+    for name, mod in root.named_modules():
+        if not name or isinstance(mod, (ExpertsForward, CompressMixin)):
+            continue
+        layout = expert_layout(mod)
+        if not layout:
+            continue
+        parts = mod.__dict__.setdefault(_PARTS, {})
+        for pname, lay in layout.items():
+            if pname not in parts:
+                parts[pname] = ExpertMatrix(mod, pname, lay, f"{name}.{pname}")
+            out.append((f"{name}.{pname}", parts[pname]))
+    return out
+
+
+def owner_name(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+_CLASS_CACHE: Dict[type, type] = {}
+
+
+def experts_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (ExpertsForward, cls), {"__module__": __name__})
+    return _CLASS_CACHE[cls]
+
+
+def attach(parts) -> None:
+    """Register the configured ExpertMatrix modules in their owners; swap the owners' classes."""
+    for part in parts:
+        if part.qc_wq is None and part.qc_aq is None:
+            continue
+        owner = part.owner
+        if not isinstance(owner, ExpertsForward):
+            base = type(owner)
+            owner.__class__ = experts_class(base)
+            _rebind_saved_forward(owner, base, type(owner), part.qc_name)
+        owner._modules[part.qc_param] = part
+        owner.__dict__.pop(_PARTS, None)
+
+
+def detach(modules) -> None:
+    """Undo `attach` (a failed init_compression)."""
+    for mod in list(modules):
+        if isinstance(mod, ExpertsForward):
+            for part in mod.expert_parts():
+                del mod._modules[part.qc_param]
+            cls = type(mod)
+            mod.__class__ = [c for c in cls.__mro__[1:] if not issubclass(c, ExpertsForward)][0]
+            _rebind_saved_forward(mod, cls, type(mod), None)
+        mod.__dict__.pop(_PARTS, None)
+
+
+def check_weight(part: ExpertMatrix, path: str) -> None:
+    """Refuse, before training, what cannot be quantized per expert or exported; per-tensor
+    granularity becomes one scale per expert (a channel of the [E, out * in] view)."""
+    from ..errors import ConfigError
+    wq = part.qc_wq
+    e, out, inp = part.matrix_shape()
+    where = (f"module {part.qc_name!r} ({type(part.owner).__name__}.{part.qc_param}, Parameter of shape "
+             f"{list(part.weight.shape)}: {e} experts of [out {out}, in {inp}])")
+    if wq.granularity == "groups":
+        raise ConfigError(f"{path}.params.granularity",
+                          f"quantize_groups cuts the flattened tensor into chunks across experts' "
+                          f"matrices, which export cannot write per expert: {where}; set granularity "
+                          "(tensor, channel or group) for this group")
+    if wq.granularity == "group" and inp % wq.group_size:
+        raise ConfigError(f"{path}.params.group_size",
+                          f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
+                          f"matrix in {where}; pick a divisor of {inp}")
+    if wq.granularity == "tensor":
+        wq.granularity = "channel"
+        part.qc_per_expert_tensor = True
