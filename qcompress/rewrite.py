@@ -12,9 +12,11 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
+from .quant import floats
 from .quant.observers import Search
 from .config.loader import source_of
 from .config.compression import CompressionConfig, Group, group_setting
+from .config.formats import check_weight_group, format_at
 from .errors import ConfigError
 from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
@@ -243,6 +245,9 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
                           f"'inputs' weighs each group's error by the inputs of its columns, but module "
                           f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
                           "(quantize_groups); set granularity (tensor, channel or group) for this group")
+    fmt, fmt_at = group_setting(cfg.compression.weight_quantization, group, "format")
+    if format_at(fmt, p.target_bits) != "int" or format_at(fmt, p.start_bits) != "int":
+        gran, gsize = _float_weight(fmt, p, shared, module, name, path)
     bits = (p.start_bits, p.target_bits)
     if min(bits) <= 2 and shared.quantization_type == "asymmetric" and (min(bits) == 1 or p.ternary):
         raise ConfigError(f"{path}.params.target_bits",
@@ -259,7 +264,25 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
         seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0,
         range_observer=observer,
         range_search=search,
-        range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]))
+        range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]),
+        format=fmt)
+
+
+def _float_weight(fmt, params, shared, module, name, path):
+    """(granularity, group size) of a float-format group on this module, or a ConfigError naming
+    the module where its kind or shape cannot take the format."""
+    gran, gsize = check_weight_group(fmt, params, shared, path, f"{path}.params.format")
+    if module.qc_kind not in ("linear", "hf_conv1d", "embedding"):
+        raise ConfigError(f"{path}.modules", f"module {name!r} is a {module.qc_kind}; float formats "
+                          "quantize matrices (Linear, transformers' Conv1D, Embedding): leave it out")
+    shape = tuple(module.weight_matrix_view(module.weight).shape)
+    for bits in range(params.target_bits, params.start_bits + 1):
+        f = format_at(fmt, bits)
+        reason = f != "int" and floats.check_shape(shape, floats.float_spec(f, gran, gsize))
+        if reason:
+            raise ConfigError(f"{path}.params.format", f"module {name!r} cannot take {f}: {reason}; "
+                              "leave it out of the group's modules")
+    return gran, gsize
 
 
 def _search(technique, group):
@@ -280,7 +303,13 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
                   range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
                                                     "range_learning")[0]),
                   fused=shared.fused_backward, share_input=shared.share_input,
-                  int8_forward=shared.int8_forward)
+                  int8_forward=shared.int8_forward,
+                  format=group_setting(cfg.compression.activation_quantization, group, "format")[0],
+                  group_size=group.params.group_size)
+    if aq.format != "int" and module.qc_kind == "conv":
+        raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
+                          f"module {module.qc_name!r} is a convolution; float-format activations are "
+                          "per token or group of a Linear's input: leave it out")
     aq.observer.momentum = shared.momentum
     return aq
 

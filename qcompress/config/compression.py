@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 from ..errors import ConfigError
+from .formats import check_act_group, check_weight_group, parse_format
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
@@ -118,6 +119,8 @@ class WeightQuantShared:
                           doc="ext: default range observer of the groups (see WeightQuantParams)")
     observer_kwargs: ObserverKwargs = field(ObserverKwargs(), doc="ext: default of the groups' mse search")
     range_learning: bool = field(False, doc="ext: default of the groups' range_learning")
+    format: Any = field("int", parse=parse_format, doc="ext: default number format of the groups "
+                        "(int, fp8_e4m3, nvfp4, mxfp4, mxfp8, or {bits: format}; docs/formats.md)")
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,9 @@ class WeightQuantParams:
     quantization_period: int = field(1, ge=0)
     period_growth: str = field("exponential", choices=("exponential", "linear"), lower=True,
                                doc="ext: 'linear' spaces the bit drops evenly")
-    granularity: Optional[str] = field(None, choices=("tensor", "channel", "group"), lower=True,
-                                       doc="ext; default: quantize_groups chunks (tensor if 1)")
+    granularity: Optional[str] = field(None, choices=("tensor", "channel", "group", "block"), lower=True,
+                                       doc="ext; default: quantize_groups chunks (tensor if 1); "
+                                           "block: 128 x 128 tiles (fp8_e4m3 only)")
     group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim; "
                                       "alone it means granularity 'group'")
     ternary: bool = field(True, doc="ext: 2 bits means ternary (DeepSpeed); false: 4-level grid")
@@ -139,6 +143,8 @@ class WeightQuantParams:
                                                       "replaces shared_parameters.observer_kwargs whole")
     range_learning: Optional[bool] = field(None, doc="ext: scales (and zero points) trained by LSQ; "
                                                      "default: shared_parameters.range_learning")
+    format: Any = field(None, parse=parse_format, doc="ext: number format, one name or {bits: name} "
+                        "(a schedule steps between formats); default: shared_parameters.format")
 
     def _validate(self, path):
         if self.target_bits > self.start_bits:
@@ -179,6 +185,7 @@ class ActQuantShared:
             "what the fast export computes) instead of the dequantized float copies; CPU; needs "
             "fused_backward. 'auto': training-mode forwards only, where the CPU has int8 dot "
             "products (VNNI / AMX), below which the fp32 GEMM is faster")
+    format: str = field("int", parse=parse_format, doc="ext: default number format of the groups")
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,10 @@ class ActQuantParams:
                                                       "replaces shared_parameters.observer_kwargs whole")
     range_learning: Optional[bool] = field(None, doc="ext: the static range's scale (and zero point) "
                                                      "trained by LSQ; default: shared_parameters")
+    format: Optional[str] = field(None, parse=parse_format, doc="ext: int, fp8_e4m3, nvfp4, mxfp4 or "
+                                  "mxfp8 (bits must match); default: shared_parameters.format")
+    group_size: Optional[int] = field(None, ge=1, doc="ext, float formats, dynamic ranges: one scale "
+                                      "per group_size inputs along the last dim (fp8_e4m3: e.g. 128)")
 
 
 def group_setting(technique, group, key):
@@ -433,6 +444,7 @@ class CompressionConfig:
 
     def _validate(self, path):
         self._validate_ranges(path)
+        self._validate_formats(path)
         kd, lr = self.distillation, self.layer_reduction
         if kd.teacher_layer is not None and lr.enabled and len(kd.teacher_layer) != len(lr.teacher_layer):
             raise ConfigError(join(path, "distillation.teacher_layer"),
@@ -477,11 +489,40 @@ class CompressionConfig:
                                       "shared_parameters.range_calibration is 'dynamic' (recomputed on "
                                       "every call); set range_calibration: static")
 
+    def _validate_formats(self, path):
+        """Float formats: widths, granularities and settings they define (config/formats.py)."""
+        for tech, check in (("weight_quantization", _check_weight_formats),
+                            ("activation_quantization", _check_act_formats)):
+            technique = getattr(self, tech)
+            for group in technique.groups if technique.enabled else ():
+                check(technique, group, join(path, f"{tech}.different_groups.{group.name}"),
+                      join(path, tech))
+
     def techniques(self):
         """(name, Technique) for the six group-based techniques, in DeepSpeed's clean order."""
         names = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning",
                  "channel_pruning", "activation_quantization")
         return [(n, getattr(self, n)) for n in names]
+
+
+def _check_weight_formats(technique, group, where, tech_path):
+    fmt, at = group_setting(technique, group, "format")
+    check_weight_group(fmt, group.params, technique.shared, where, join(tech_path, at))
+    floats = sorted({f for _, f in fmt} - {"int"}) if isinstance(fmt, tuple) else \
+        ([fmt] if fmt not in (None, "int") else [])
+    for key in ("observer", "range_learning") if floats else ():
+        value, key_at = group_setting(technique, group, key)
+        if value not in (False, "minmax"):
+            raise ConfigError(join(tech_path, key_at), f"{value!r} is not available for {floats} "
+                              "(float formats take compressed-tensors' minmax scales)")
+
+
+def _check_act_formats(technique, group, where, tech_path):
+    fmt = group_setting(technique, group, "format")[0]
+    if not isinstance(fmt, str):
+        raise ConfigError(join(tech_path, group_setting(technique, group, "format")[1]),
+                          "activations have one width: give one format name, not a mapping")
+    check_act_group(fmt, group.params, technique.shared, where)
 
 
 def replace(obj, **changes):

@@ -203,6 +203,8 @@ def plan(mod, x, op: str) -> Optional[Plan]:
     if not act and mode != "fake_quant":
         return None      # nothing quantized in forward: the composed path is FP32's
     spec = mod.input_spec() if act else None
+    if getattr(weight_spec, "kind", None) == "float" or getattr(spec, "kind", None) == "float":
+        return None      # float formats (quant/floats.py) run composed
     int8 = (act and int8_forward.enabled(aq, mod.training)
             and int8_forward.reason(mod, op, mode, weight_spec, spec) is None)
     return Plan(mod, op, spec, mode, weight_spec, shrink, int8)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
+from ..quant import floats
 from ..errors import NonFiniteError
 from ..quant.reference import make_spec
 from . import fused, ranges
@@ -133,6 +134,9 @@ class CompressMixin:
         w = self.weight if weight is None else weight
         spec = wq.spec()
         view = self.weight_matrix_view(w.detach())
+        if floats.is_float(spec):    # (codes, scale, global scale or None, spec): export/floats.py
+            s, g = floats.qparams(view, spec)
+            return floats.quantize_codes(view, spec, s, g), s, g, spec
         params = ranges.weight_params(self, view, spec)
         if params is not None:
             q, s, z = quantize_spec(view, spec, scale=params[0], zero_point=params[1])
@@ -166,6 +170,8 @@ class CompressMixin:
     def _fake_quantize_weight_of(self, w, wq, spec, learned):
         view = self.weight_matrix_view(w)
         spec = wq.spec() if spec is None else spec
+        if floats.is_float(spec):
+            return floats.fake_quantize_float(view, spec, clip_grad=wq.clip_grad)
         if wq.range_learning:
             scale, zp = learned if learned is not None else (self.weight_scale,
                                                              self._parameters.get("weight_zero_point"))
@@ -188,6 +194,10 @@ class CompressMixin:
     def input_spec(self):
         """The activation quantizer's Spec: per tensor (static), per sample (convs) or per token."""
         aq = self.qc_aq
+        if aq.format != "int":       # quant/floats.py
+            gran = "group" if aq.group_size or aq.format != "fp8_e4m3" else \
+                ("tensor" if aq.calibration == "static" else "token")
+            return floats.float_spec(aq.format, gran, aq.group_size)
         if aq.calibration == "static":
             return make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
         return make_spec(aq.bits, symmetric=aq.symmetric, granularity="channel" if aq.per == "sample" else "token")
@@ -221,6 +231,9 @@ class CompressMixin:
     def _quantize_input_of(self, x: torch.Tensor) -> torch.Tensor:
         aq = self.qc_aq
         spec = self.input_spec()
+        if floats.is_float(spec):    # static: the range sets FP8's scale, NVFP4's global scale
+            rng = self.static_input_range(x, spec) if aq.calibration == "static" else None
+            return floats.fake_quantize_float(x, spec, static_range=rng)
         if aq.calibration == "static":
             if aq.range_learning and aq.learned_ready:
                 per_sample = x.numel() // max(1, x.shape[0]) if x.dim() > 1 else x.numel()

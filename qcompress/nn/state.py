@@ -13,8 +13,10 @@ from typing import Dict, Optional
 import torch
 
 from ..calibration import StaticRange
+from ..config.formats import format_at
 from ..quant import rng
 from ..quant.observers import DEFAULT_SEARCH_FIELDS
+from ..quant.floats import float_spec
 from ..quant.reference import Spec, make_spec
 
 
@@ -63,7 +65,7 @@ class MasterState:
 _WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
                     "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
                     "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_search",
-                    "range_learning")
+                    "range_learning", "format")
 
 
 def _delegate(attr):
@@ -96,6 +98,7 @@ class WeightQuant:
     range_search: tuple = DEFAULT_SEARCH_FIELDS  # mse: observers.Search's fields, a plain tuple
     #                                              (a pickled model loads with weights_only)
     range_learning: bool = False   # scales (zero points) are the module's weight_scale (_zero_point) Parameters
+    format: object = "int"         # a format name or ((bits, name), ...): config/formats.py
     # live state
     active: bool = False
     bits: int = 0
@@ -122,6 +125,9 @@ class WeightQuant:
         return {k: getattr(self, k) for k in _WEIGHT_SETTINGS}
 
     def spec(self) -> Spec:
+        fmt = format_at(self.format, self.bits)
+        if fmt != "int":       # a float format (quant/floats.py) at the bits in force
+            return float_spec(fmt, self.granularity, self.group_size)
         seed = rng.mix_seed(self.seed, self.step) if self.rounding == "stochastic" else 0
         return make_spec(self.bits, symmetric=self.symmetric,
                          granularity="tensor" if self.granularity == "groups" else self.granularity,
@@ -139,6 +145,9 @@ class WeightQuant:
             out = self.granularity
         if self.range_observer != "minmax":
             out += f" {self.range_observer}"
+        if self.format != "int":
+            fmt = self.format if isinstance(self.format, str) else "→".join(f for _, f in self.format)
+            out = f"{fmt} {out}"
         return out + (" learned" if self.range_learning else "")
 
 
@@ -160,9 +169,13 @@ class ActQuant:
     fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)
     share_input: bool = True       # siblings fed the same tensor quantize it once (dynamic ranges)
     int8_forward: object = False   # True | False | "auto": forward multiplies the integer codes (nn.int8_forward)
+    format: str = "int"            # int | fp8_e4m3 | nvfp4 | mxfp4 | mxfp8 (quant/floats.py)
+    group_size: Optional[int] = None  # float formats, dynamic: one scale per group_size inputs
 
     def describe(self) -> str:
         out = f"A{self.bits} {'static' if self.calibration == 'static' else 'per ' + self.per}"
+        if self.format != "int":
+            out = f"A{self.bits} {self.format} {self.calibration}"
         if self.range_observer != "minmax":
             out += f" {self.range_observer}"
         return out + (" learned" if self.range_learning else "")

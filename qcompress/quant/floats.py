@@ -22,16 +22,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config.formats import FORMATS, GRANULARITIES, GROUP_SIZE, WIDTH  # noqa: F401 (re-exported)
 from ..errors import NonFiniteError
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-FORMATS = ("int", "fp8_e4m3", "nvfp4", "mxfp4", "mxfp8")
-WIDTH = {"fp8_e4m3": 8, "nvfp4": 4, "mxfp4": 4, "mxfp8": 8}
-# granularities each format defines, and the group size it fixes (None: any)
-GRANULARITIES = {"fp8_e4m3": ("tensor", "channel", "token", "group", "block"),
-                 "nvfp4": ("group",), "mxfp4": ("group",), "mxfp8": ("group",)}
-GROUP_SIZE = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}
 BLOCK = (128, 128)       # FP8_BLOCK's weight blocks (rows, columns)
 _MX_OFFSET = {4: 2, 8: 8}  # floor(log2(qmax)) of E2M1 and e4m3
 
