@@ -7,7 +7,7 @@ One process, ZeRO stage 0, fp32 AdamW after one step (weights 403 MB + state 806
 saves a fresh checkpoint, loads it back, then times qcompress.engine.checkpoint._file_sums (the
 table alone) on the saved files; min / median over rounds. The files were just written, so they are
 read from the page cache: on a cold disk the table costs a disk read of the checkpoint instead.
-Prints one line; results go into RESULTS.md by hand.
+Prints one paragraph; --write-results replaces its section of benchmarks/results/engine.md.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(ROOT, "runs"), help="where the checkpoints go (a disk, not tmpfs)")
+    ap.add_argument("--write-results", action="store_true", help="replace its section of benchmarks/results/engine.md")
     a = ap.parse_args(argv)
     import torch
     import torch.nn as nn
@@ -62,10 +63,17 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mn, md = min, statistics.median
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, checkpoint {size / 1e6:.0f} MB, "
-          f"{a.rounds} rounds, {a.threads} threads: save {mn(saves):.2f} / {md(saves):.2f} s, load {mn(loads):.2f} / "
-          f"{md(loads):.2f} s, crc32 table alone {mn(sums):.2f} / {md(sums):.2f} s ({size / 1e9 / mn(sums):.2f} GB/s): "
-          f"{mn(sums) / mn(saves):.0%} of a save, {mn(sums) / mn(loads):.0%} of a load (min / median)")
+    text = (f"## Engine checkpoints: what the crc32 table costs\n\n"
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, checkpoint {size / 1e6:.0f} MB, "
+            f"{a.rounds} rounds, {a.threads} threads (min / median): save {mn(saves):.2f} / {md(saves):.2f} s, "
+            f"load {mn(loads):.2f} / {md(loads):.2f} s, crc32 table alone {mn(sums):.2f} / {md(sums):.2f} s "
+            f"({size / 1e9 / mn(sums):.2f} GB/s): {mn(sums) / mn(saves):.0%} of a save, "
+            f"{mn(sums) / mn(loads):.0%} of a load.\n")
+    print(text)
+    if a.write_results:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import common
+        common.write_section("engine", "checkpoint", text, title="Engine costs")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Compressed all-reduce benchmark (issue 4, part a): our 1-bit all-reduce vs dist.all_reduce.
+"""Compressed all-reduce benchmark: our 1-bit all-reduce vs dist.all_reduce.
 
     .venv/bin/python benchmarks/comm.py            # 2 and 4 ranks, 1M / 4M / 16M elements (~2-3 min)
     .venv/bin/python benchmarks/comm.py --full     # adds 64M elements
@@ -13,16 +13,13 @@ Per world size and element count, in one spawned gloo job (side by side, same pr
 Time: median over --reps calls after one warm-up call, the max over ranks of each call (the step
 waits for the slowest rank). Bytes per rank: measured by qcompress.comm.stats() for onebit; for
 all_reduce the ring volume 2 (P-1)/P * N * bytes_per_element (the counting rule of
-qcompress.comm.stats). Results replace the '## Compressed all-reduce' section of
-benchmarks/RESULTS.md (other sections kept).
+qcompress.comm.stats). Results replace the all-reduce section of benchmarks/results/comm.md.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -32,11 +29,13 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
 
-from dist_utils import run_ranks  # noqa: E402  (the tests' generic gloo spawn helper)
+from ranks import run_ranks  # noqa: E402
+import common  # noqa: E402
 
 SECTION = "## Compressed all-reduce"
 
@@ -132,44 +131,21 @@ def table(results):
     return lines
 
 
-def render(tables, reps, cmdline, notes):
+def render(tables, reps, notes):
     from qcompress.quant import kernels
 
     ops = "fused csrc kernels" if kernels.available() and hasattr(kernels, "onebit_compress") else \
         "the pure-torch reference"
     lines = [SECTION, "",
-             f"`{cmdline}` on {platform.machine()} / {os.cpu_count()} CPUs, torch {torch.__version__}, gloo over "
-             f"127.0.0.1, 1-bit ops from {ops}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
-             f"Median of {reps} calls, max over ranks per call. Bytes are per rank per call (sent; received is "
+             f"gloo over 127.0.0.1, 1-bit ops from {ops}. Median of {reps} calls, max over ranks per call. Bytes are per rank per call (sent; received is "
              f"equal): measured by `qcompress.comm.stats()` for 1-bit, ring volume 2(P-1)/P·N·bytes for "
-             f"all_reduce. Bound = 1.05·(P-1)/P·N/4 (issue 4 target). 'math' = the 1-bit compression math "
-             f"alone (world-size-1 formula on a one-rank group, no communication), measured in the same job. "
-             f"1-min load average at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: compare "
-             f"columns within a row).", ""]
+             f"all_reduce. Bound = 1.05·(P-1)/P·N/4, the 1-bit payload plus 5 % for scales. 'math' = the "
+             f"1-bit compression math alone (world-size-1 formula on a one-rank group, no communication), "
+             f"measured in the same job. Other jobs share the CPU: compare columns within a row.", ""]
     for label, results in tables:
         lines += [f"{label}:", ""] + table(results) + [""]
     lines += notes + [""]
     return "\n".join(lines)
-
-
-def write_section(path, text):
-    """Replace (or append) the section in RESULTS.md atomically, keeping every other section."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    lines = old.splitlines()
-    out, skipping = [], False
-    for line in lines:
-        if line.strip() == SECTION:
-            skipping = True
-            continue
-        if skipping and line.startswith("## "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    body = "\n".join(out).rstrip() + "\n\n" + text.rstrip() + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
 
 
 def run_all(worlds, sizes, reps):
@@ -222,8 +198,7 @@ def main(argv=None):
                          "namespace (root, ip and tc needed; skipped with a note otherwise)")
     ap.add_argument("--shaped-sizes", nargs="+", default=["1M", "4M"], help="element counts for --shaped")
     ap.add_argument("--tbf-latency", default="50ms", help="tbf queue limit as latency (packets beyond it drop)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/comm.md alone")
     ap.add_argument("--inner-json", help=argparse.SUPPRESS)  # used by --shaped inside the namespace
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes if s != "0"] if args.sizes else \
@@ -257,12 +232,11 @@ def main(argv=None):
             tables.append((f"Loopback shaped to {args.shaped} (tbf, private network namespace; both "
                            f"directions share the one queue)", run_shaped(args.shaped, args.worlds, shaped_sizes,
                                                                          reps, args.tbf_latency)))
-    cmd = "python benchmarks/comm.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(tables, reps, cmd.strip(), notes)
+    text = render(tables, reps, notes)
     print(text)
     if not args.no_write:
-        write_section(args.results, text)
-        print(f"wrote the '{SECTION}' section of {args.results}", file=sys.stderr)
+        path = common.write_section("comm", "allreduce", text, title="Communication")
+        print(f"wrote the all-reduce section of {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Each optimizer's warmup and compression stage are timed separately (the first st
 is excluded: DDP bucket rebuild, buffer allocation). Bytes per rank per step come from
 qcompress.comm.stats() for the 1-bit runs (the DDP hook counts the warmup all-reduce) and from the
 ring formula 2(P-1)/P * 4N for plain DDP. Writes the '## 1-bit optimizers: training throughput'
-section of benchmarks/RESULTS.md (other sections are kept).
+section of benchmarks/results/comm.md (other sections are kept).
 
     python benchmarks/comm_train.py                # shaped 1 Gbit/s when possible, ~3-5 minutes
     python benchmarks/comm_train.py --no-shape     # plain loopback
@@ -28,10 +28,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
 
 SECTION = "## 1-bit optimizers: training throughput"
 WIDTH, LAYERS, BATCH = 4096, 3, 4
@@ -115,7 +116,7 @@ def _rank(rank, world, args):
 
 def run_ranks_here(args):
     """{world size: results} for every --worlds entry."""
-    from dist_utils import run_ranks
+    from ranks import run_ranks
     return {str(w): run_ranks(_rank, w, args, timeout=args.timeout, threads=1)[0] for w in args.worlds}
 
 
@@ -208,25 +209,6 @@ def render_world(res, world, link, args, cmd):
     return "\n".join(lines) + "\n"
 
 
-def write_section(path, text):
-    """Replace (or append) our section of RESULTS.md atomically, keeping every other section."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    out, skipping = [], False
-    for line in old.splitlines():
-        if line.strip() == SECTION:
-            skipping = True
-            continue
-        if skipping and line.startswith("## "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    body = "\n".join(out).rstrip() + "\n\n" + text.rstrip() + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -237,8 +219,7 @@ def main(argv=None):
     ap.add_argument("--local-steps", type=int, default=4, help="0/1 Adam local-step interval H")
     ap.add_argument("--worlds", nargs="+", type=int, default=[2], help="rank counts to run (e.g. 2 4)")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds before the ranks are killed")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/comm.md alone")
     ap.add_argument("--inner-json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.warmup_steps < 2 or args.compression_steps < 2:
@@ -264,8 +245,9 @@ def main(argv=None):
     print(text)
     print(f"total {time.time() - t0:.0f} s", file=sys.stderr)
     if not args.no_write:
-        write_section(args.results, text)
-        print(f"wrote the '{SECTION}' section of {args.results}", file=sys.stderr)
+        import common
+        path = common.write_section("comm", "train", text, title="Communication")
+        print(f"wrote the training section of {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

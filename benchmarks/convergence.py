@@ -38,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE, os.path.join(ROOT, "tests")):
+for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -151,7 +151,7 @@ def _rank(rank, world, a):
 
 
 def run_here(a):
-    from dist_utils import run_ranks
+    from ranks import run_ranks
     d = {"runs": a.runs.split(","), "steps": a.steps, "eval_every": a.eval_every}
     return {str(w): run_ranks(_rank, w, d, timeout=a.timeout, threads=1) for w in a.worlds}
 

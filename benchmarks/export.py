@@ -3,7 +3,7 @@ save/load of the same model, plus file sizes and the forward cost of dequantizin
 
     .venv/bin/python benchmarks/export.py [--layers 8] [--width 1024] [--repeats 3]
 
-Writes (replaces) the '## Export' section of benchmarks/RESULTS.md, keeping other sections.
+Writes (replaces) its section of benchmarks/results/inference.md, keeping the others.
 """
 from __future__ import annotations
 
@@ -115,27 +115,20 @@ def table(rows, args):
     return "\n".join(lines)
 
 
-def write_section(text, path):
-    body = f"## Export\n\n{text}\n"
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmark results\n"
-    pattern = re.compile(r"^## Export\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: body + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + body
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new.rstrip("\n") + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     text = table(run(args), args)
     print(text)
-    write_section(text, args.results)
+    if not args.no_write:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import common
+        common.write_section("inference", "export-sizes", "## Export: size, save and load time\n\n" + text,
+                             title="Inference and export")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ for W8A8 (the fast plans of a build without the extension); "-" where torch has 
 Every round times every variant once (interleaved), so a busy machine slows them alike; tables
 give min and median. The memory-bandwidth limit of a forward is the bytes of its weights divided by
 the measured copy bandwidth ((read + write bytes) / time of a 256 MB copy, same run).
-Writes (replaces) the '## Inference of exported checkpoints' section of benchmarks/RESULTS.md.
+Writes (replaces) its section of benchmarks/results/inference.md.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ from qcompress.export import export_quantized, load_quantized  # noqa: E402
 from qcompress.export import fast as fastmod      # noqa: E402
 from qcompress.quant import lowbit               # noqa: E402
 from qcompress.export.fast import plans_of, tensor_bytes  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common                                     # noqa: E402
 
 SECTION = "## Inference of exported checkpoints"
 
@@ -159,17 +161,9 @@ def load_variants(make, doc, dtype, torch_kind, tmp, calib):
 
 def interleaved(fns, rounds, per_round=1):
     """{name: (min, median)} seconds per call; every round times every variant once."""
-    times = {n: [] for n in fns}
     with torch.no_grad():
-        for f in fns.values():
-            f()                                    # warm-up
-        for _ in range(rounds):
-            for n, f in fns.items():
-                t = time.perf_counter()
-                for _ in range(per_round):
-                    f()
-                times[n].append((time.perf_counter() - t) / per_round)
-    return {n: (min(v), statistics.median(v)) for n, v in times.items()}
+        t = common.interleaved(fns, repeats=rounds, per_repeat=per_round)
+    return {n: (v.lo, v.median) for n, v in t.items()}
 
 
 def copy_bandwidth(rounds):
@@ -362,12 +356,11 @@ def fmt_section(args, bw, bw_end, rows):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     bw_lo = min(bw[0], bw_end[0])
     out = [SECTION, "",
-           f"`nice -n 10 python benchmarks/inference.py` (torch {torch.__version__}, {platform.machine()}, "
-           f"{args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "
+           f"({args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "
            f"min / median; batch 1: {args.per_round} calls per round). Copy bandwidth "
            f"{bw[0] / 1e9:.1f} GB/s at the start, {bw_end[0] / 1e9:.1f} GB/s at the end (min-time; median "
-           f"{bw[1] / 1e9:.1f} / {bw_end[1] / 1e9:.1f}); 1-min load average at the end {load:.1f}: other jobs "
-           "share the 2 CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
+           f"{bw[1] / 1e9:.1f} / {bw_end[1] / 1e9:.1f}). Other jobs "
+           "share the CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
            "torch's fp32 weight-only kernels: 3 rounds, each forward takes tens of seconds). speedup = fp32 min / "
            "variant min. limit = weight bytes / copy bandwidth (the lower of the two measurements), the "
            "memory-bound time of a forward; % of limit = limit / ours (above 100%: the weights came from "
@@ -420,18 +413,6 @@ def gpt2_shape(folder):
     return f"{n} x {d}, about {params / 1e6:.0f}M parameters"
 
 
-def write_section(text):
-    """Replace only our section of RESULTS.md (other helpers write other sections)."""
-    path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmark results\n"
-    pat = re.compile(r"^" + re.escape(SECTION) + r"\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pat.sub(lambda _: text, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + text
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new)
-    os.replace(tmp, path)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -444,7 +425,7 @@ def main():
     ap.add_argument("--per-round", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="stack,minilm,gpt2")
-    ap.add_argument("--no-write", action="store_true", help="print only, leave RESULTS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only, leave benchmarks/results/inference.md alone")
     ap.add_argument("--save", default=os.path.join(tempfile.gettempdir(), "qcompress_inference_rows.json"))
     ap.add_argument("--from-json", help="only render the tables of an earlier run's --save file")
     args = ap.parse_args()
@@ -456,7 +437,7 @@ def main():
         text = fmt_section(args, d["bw"], d["bw_end"], rows)
         print(text)
         if not args.no_write:
-            write_section(text)
+            common.write_section("inference", "fast-mode", text, title="Inference and export")
         return
     if not lowbit.available():
         sys.exit("the qcompress extension with the lowbit kernels is not built (make build)")
@@ -477,7 +458,7 @@ def main():
     text = fmt_section(args, bw, bw_end, rows)
     print(text)
     if not args.no_write:
-        write_section(text)
+        common.write_section("inference", "fast-mode", text, title="Inference and export")
 
 
 if __name__ == "__main__":

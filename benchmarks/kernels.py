@@ -3,7 +3,7 @@ a plain copy (the bandwidth limit), side by side in one run.
 
     python benchmarks/kernels.py                   # default sweep (~3 minutes on 2 cores), printed
     python benchmarks/kernels.py --full            # 1M..64M elements, every mode
-    python benchmarks/kernels.py --write-results   # also record it in benchmarks/RESULTS.md
+    python benchmarks/kernels.py --write-results   # also record it in benchmarks/results/kernels.md
 
 Each configuration is timed in two processes: with the kernels' reused output blocks (the default,
 see csrc/cpu/block_cache.h) and with QCOMPRESS_CPU_CACHE_MB=0 (fresh output pages faulted in and
@@ -11,8 +11,9 @@ zeroed by the OS on every call, as for any op returning a new tensor from torch'
 `--allocators thp` adds a run with torch's THP_MEM_ALLOC_ENABLE=1.
 Ratios are "copy time / op time" (higher is better; 1.0 = copy speed). Forward+backward uses the
 clip-aware straight-through gradient and is compared with the time of two copies.
-Prints the tables; only --write-results replaces the '## Kernels' section of benchmarks/RESULTS.md
-(a run on a busy machine should not overwrite the recorded figures by accident).
+Times are medians of --reps interleaved repeats (benchmarks/common.py). Prints the tables; only
+--write-results replaces the quantizer section of benchmarks/results/kernels.md (a run on a busy
+machine should not overwrite the recorded figures by accident).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SECTION = "## Kernels"
+sys.path.insert(0, HERE)
+import common  # noqa: E402
 
 
 def _timeit(fn, reps):
@@ -40,16 +42,9 @@ def _timeit(fn, reps):
 
 
 def _paired(fns, reps):
-    """Best-of-reps times of several functions, interleaved so that load changes hit all alike."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+    """Median times of several functions, interleaved so that load changes hit all alike."""
+    t = common.interleaved({str(i): f for i, f in enumerate(fns)}, repeats=reps)
+    return [t[str(i)].median for i in range(len(fns))]
 
 
 def _configs(full):
@@ -165,21 +160,6 @@ def _targets(rows):
             f"(median 2 copies/ours {fb[len(fb) // 2]:.2f}).")
 
 
-def _write_results(text):
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    fd, tmp = tempfile.mkstemp(dir=HERE, suffix=".md")
-    with os.fdopen(fd, "w") as f:
-        f.write(new if new.endswith("\n") else new + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the whole sweep (1M..64M, every mode)")
@@ -187,7 +167,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--allocators", default="default,nocache", help="comma list of default,nocache,thp")
     p.add_argument("--write-results", action="store_true",
-                   help="replace the '## Kernels' section of benchmarks/RESULTS.md with this run")
+                   help="replace the quantizer section of benchmarks/results/kernels.md with this run")
     p.add_argument("--no-write", action="store_true",
                    help="accepted for old scripts; printing only is the default now")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -218,18 +198,16 @@ def main(argv=None):
         os.unlink(out)
         tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows) + _targets(rows))
     if args.write_results:
-        import torch
-        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        text = (f"{SECTION}\n\n`python benchmarks/kernels.py{' --full' if args.full else ''} --write-results` "
-                f"(torch {torch.__version__}, {os.cpu_count()} CPUs, load average after the run {load}: "
-                "other jobs on a shared machine make single numbers noisy). Ratios: copy time / op time "
-                "(forward), 2 x copy time / op time (forward + clip-aware backward); clone = copy into a "
-                "freshly allocated tensor (torch's allocator: fresh pages at 64 MB).\n\n"
+        text = ("## Fake quantization vs copy bandwidth\n\n"
+                f"Times: median of {args.reps} interleaved repeats. Ratios: copy time / op time "
+                "(forward), 2 x copy time / op time (forward + clip-aware backward), higher is better; "
+                "clone = copy into a freshly allocated tensor; torch op = "
+                "torch.fake_quantize_per_channel_affine; reference = qcompress's pure-torch path.\n\n"
                 + "\n\n".join(tables) + "\n")
-        _write_results(text)
-        print(f"\nrecorded in {os.path.join(HERE, 'RESULTS.md')}")
+        path = common.write_section("kernels", "quantizers", text, title="Kernels")
+        print(f"\nrecorded in {path}")
     else:
-        print("\nbenchmarks/RESULTS.md left as it was (--write-results records this run there)")
+        print("\nbenchmarks/results/kernels.md left as it was (--write-results records this run there)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Times are medians over --steps steps after one warm-up step: "step" = forward + 
 step, "optimizer" = the engine's step phase; the configurations run in turn, --rounds times, and
 each keeps its fastest round (the one the shared machine disturbed least). NVMe runs stream the state in sub_group_size chunks
 through buffer_count buffers; "read wait" is the time the update waited for reads per step (what
-the overlap did not hide). Prints markdown; --write-results replaces the section in RESULTS.md.
+the overlap did not hide). Prints markdown; --write-results replaces its section of benchmarks/results/engine.md.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTION = "## NVMe offload of optimizer state (issue 14)"
+SECTION = "## NVMe offload of optimizer state"
 
 CONFIGS = {
     "none": ("stage 0, state in memory", {"stage": 0}),
@@ -127,7 +127,9 @@ def main():
     text = report(rows, a)
     print(text)
     if a.write_results:
-        write_section(os.path.join(ROOT, "benchmarks", "RESULTS.md"), text)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import common
+        common.write_section("engine", "nvme", text, title="Engine costs")
 
 
 def report(rows, a):
@@ -171,25 +173,6 @@ def report(rows, a):
                      "and writes per step bound the optimizer phase.")
     lines += ["", " ".join(notes), ""]
     return "\n".join(lines)
-
-
-def write_section(path, text):
-    """Replace (or append) our section of RESULTS.md atomically, keeping every other section."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    out, skipping = [], False
-    for line in old.splitlines():
-        if line.strip() == SECTION:
-            skipping = True
-            continue
-        if skipping and line.startswith("## "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    body = "\n".join(out).rstrip() + "\n\n" + text.rstrip() + "\n"
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

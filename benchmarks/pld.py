@@ -14,7 +14,7 @@ timed alone and evaluation time is left out. The baseline runs --steps steps; it
 the end is the target. The PLD run (`progressive_layer_drop: {enabled, theta, gamma}`) goes on until
 its held-out loss (evaluated every --eval-every steps) reaches the target, or 2 x --steps.
 Reported: training seconds and samples to the target, samples per second, the share of block
-calls PLD ran. Prints markdown; --write-results replaces the section in benchmarks/RESULTS.md.
+calls PLD ran. Prints markdown; --write-results replaces its section of benchmarks/results/engine.md.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SECTION = "## Progressive layer drop: time to the baseline's loss (issue 14)"
+SECTION = "## Progressive layer drop: time to the baseline's loss"
 CONTEXT, BATCH = 64, 16
 
 
@@ -168,7 +168,9 @@ def main():
     text = report(a, base, pld, target, vocab, time.time() - t_start)
     print(text)
     if a.write_results:
-        write_section(os.path.join(ROOT, "benchmarks", "RESULTS.md"), text)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import common
+        common.write_section("engine", "pld", text, title="Engine costs")
 
 
 def report(a, base, pld, target, vocab, wall):
@@ -215,25 +217,6 @@ def report(a, base, pld, target, vocab, wall):
               f"{a.eval_every} steps): FP32 " + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in base.curve[1::4])
               + "; PLD " + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in pld.curve[1::4]) + ".", ""]
     return "\n".join(lines)
-
-
-def write_section(path, text):
-    """Replace (or append) our section of RESULTS.md atomically, keeping every other section."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    out, skipping = [], False
-    for line in old.splitlines():
-        if line.strip() == SECTION:
-            skipping = True
-            continue
-        if skipping and line.startswith("## "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    body = "\n".join(out).rstrip() + "\n\n" + text.rstrip() + "\n"
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Pretrain a small GPT-2 from scratch on a public-domain corpus and save it as a Hugging Face folder.
 
-    python benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen --minutes 15
+    python benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen --steps 400
 
 No language model can be downloaded here, so the causal-LM measurements of `qcompress train` need one
 made here. Steps:
@@ -12,11 +12,9 @@ made here. Steps:
 3. a GPT-2 (default 4 layers x 384, 6 heads, context 128, no dropout: 10.3M parameters with the
    8,192-token vocabulary, tied input/output embedding) is trained from random weights with AdamW
    (betas 0.9/0.95, weight decay 0.1 on matrices only, grad clip 1.0) on random 128-token windows of
-   the train token stream, for --minutes of this process's CPU time (`--clock cpu`, the default: a
-   busy shared machine then stretches the wall time instead of shortening the training; `--clock
-   wall` counts wall time) or --max-steps. The learning rate warms up linearly, then follows a
-   cosine to 10% of its peak over the budget: the cosine runs on the budget's clock, so the schedule
-   ends when the budget does however fast the machine is;
+   the train token stream, for --steps optimizer steps: the same steps, schedule and data order on
+   any machine (a time budget would make the checkpoint depend on the machine's speed and load). The
+   learning rate warms up linearly, then follows a cosine to 10% of its peak over the steps;
 4. the held-out text is tokenized as `qcompress train --task causal-lm` does (the whole file, eos at
    its end, full blocks of --context tokens) and its perplexity (exp of the mean next-token loss) is
    computed in FP32: the number `qcompress train ... --eval-data heldout.txt` reports as fp32;
@@ -151,11 +149,12 @@ def random_windows(stream: torch.Tensor, batch: int, context: int, gen: torch.Ge
 def pretrain(train_text: str, heldout_text: str, *, vocab_size: int = 8192, layers: int = 4,
              d_model: int = 384, heads: int = 6, context: int = 128, batch_size: int = 16,
              lr: float = 2e-3, warmup_steps: int = 30, weight_decay: float = 0.1,
-             minutes: Optional[float] = 15.0, max_steps: Optional[int] = None, bf16: bool = False,
+             minutes: Optional[float] = None, max_steps: Optional[int] = None, bf16: bool = False,
              clock: str = "cpu", seed: int = 0, log_every_s: float = 30.0, eval_blocks_during: int = 64, log=print):
     """Tokenizer + GPT-2 trained from scratch; returns (model, tokenizer, report). Stops at the first
-    of `minutes` (of the training loop, on `clock`: "cpu" = process CPU time, "wall") and `max_steps`;
-    at least one must be given."""
+    of `max_steps` and `minutes` (of the training loop, on `clock`: "cpu" = process CPU time, "wall");
+    at least one must be given. The command line pins the steps only, so a checkpoint does not depend
+    on the machine's speed."""
     if minutes is None and max_steps is None:
         raise ValueError("give minutes, max_steps or both")
     if clock not in ("cpu", "wall"):
@@ -319,10 +318,8 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", choices=lm_corpus.CORPORA, default="austen")
     p.add_argument("--out", required=True, help="Hugging Face folder to write")
     p.add_argument("--cache", default=os.path.join(ROOT, ".cache"), help="corpus download cache")
-    p.add_argument("--minutes", type=float, default=15.0, help="time budget of the training loop")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="what --minutes counts: this process's CPU time or wall time")
-    p.add_argument("--max-steps", type=int, default=None, help="also stop after this many steps")
+    p.add_argument("--steps", type=int, default=400,
+                   help="optimizer steps (the schedule's length: the checkpoint is the same on any machine)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=384)
@@ -339,8 +336,8 @@ def main(argv=None) -> int:
                    help="bf16 autocast for training (auto: when the CPU has AVX512-BF16); eval is FP32")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = p.parse_args(argv)
-    if a.minutes is not None and a.minutes <= 0:
-        p.error("--minutes must be > 0")
+    if a.steps <= 0:
+        p.error("--steps must be > 0")
     if os.path.exists(a.out) and not a.overwrite:
         p.error(f"{a.out} exists; pass --overwrite to replace it")
     torch.set_num_threads(a.threads)
@@ -356,7 +353,7 @@ def main(argv=None) -> int:
     model, tokenizer, report = pretrain(
         train_text, heldout_text, vocab_size=a.vocab_size, layers=a.layers, d_model=a.d_model, heads=a.heads,
         context=a.context, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup_steps,
-        weight_decay=a.weight_decay, minutes=a.minutes, max_steps=a.max_steps, bf16=bf16, clock=a.clock,
+        weight_decay=a.weight_decay, minutes=None, max_steps=a.steps, bf16=bf16,
         seed=a.seed,
         log=lambda s: print(s, flush=True))
     report["corpus"] = a.corpus

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_BUILD_OPS", "0")
 warnings.filterwarnings("ignore")
 
-SECTION = "## QAT training step: time and memory (issue 13)"
+SECTION = "## QAT training step: time and memory"
 BATCH, SEQ = 16, 128
 VARIANTS = {  # name: (framework, recipe)
     "fp32": ("fp32", None),
@@ -321,12 +320,6 @@ def int8_note():
     return f"low-bit kernels' ISA {lowbit.isa()}, so the recipes' int8_forward auto runs {on}"
 
 
-def write_results(text):
-    import pld   # its write_section replaces the section named by pld.SECTION, keeping the rest
-    pld.SECTION = SECTION
-    pld.write_section(os.path.join(HERE, "RESULTS.md"), text)
-
-
 def profile(model_name, variants, a):
     """Where a step's time goes: torch.profiler over 3 steps per variant (after 2 warm-up steps),
     the ops with the most self CPU time in ms per step, and the minor page faults and system time of
@@ -401,9 +394,7 @@ def main(argv=None):
         goals += targets(model_name, times, mem)
         print("\n".join(parts[-len(variants) - 5:]), flush=True)
     head = [SECTION, "",
-            f"`nice -n 10 .venv/bin/python benchmarks/train_step.py {' '.join(argv or sys.argv[1:])}`"
-            f"{' (' + a.label + ')' if a.label else ''}: {platform.machine()} CPU, {os.cpu_count()} cores (other jobs: see the "
-            f"load average), torch {torch.__version__} with {a.threads} threads, DeepSpeed {version('deepspeed')}, "
+            f"{a.label + ': ' if a.label else ''}torch with {a.threads} threads, DeepSpeed {version('deepspeed')}, "
             f"torchao {version('torchao')}; {int8_note()}; load average {load0[0]:.1f} at the start, "
             f"{os.getloadavg()[0]:.1f} at the end; {time.time() - t0:.0f} s in all. Step time: {a.rounds} rounds x "
             f"{a.steps} steps per variant, interleaved in one process (min and median). Memory: fresh process per "
@@ -412,11 +403,14 @@ def main(argv=None):
     if a.save:
         with open(a.save, "w", encoding="utf-8") as fh:
             json.dump(saved, fh, indent=1)
-    text = "\n".join(head + parts + ["Targets (issue 13):", ""] + goals) + "\n"
+    text = "\n".join(head + parts + ["Targets:", ""] + goals) + "\n"
     print("\n" + text)
     if a.write_results:
-        write_results(text)
-        print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
+        import common
+        isa = os.environ.get("ATEN_CPU_CAPABILITY")    # a run held to an ISA gets its own section
+        path = common.write_section("train_step", f"step-{isa}" if isa else "step", text,
+                                    title="QAT training step vs FP32")
+        print(f"written to {path}")
     return 0
 
 

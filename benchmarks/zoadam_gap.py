@@ -42,7 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
 
 import torch                                   # noqa: E402
 import torch.nn as nn                          # noqa: E402
@@ -471,7 +471,7 @@ def main(argv=None):
         if name == "adam":
             results[name] = run_adam(make_model(vocab), data, val, a, [])
         elif name in ("ours", "ours_flat"):
-            from dist_utils import run_ranks
+            from ranks import run_ranks
             d = {k: v for k, v in vars(a).items()}
             d["scale_per_tensor"] = name == "ours"
             results[name] = run_ranks(ours_rank, a.workers, d, timeout=7200)[0]
