@@ -29,7 +29,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
-from qcompress.export import reader
+from qcompress.export import quantized
 from qcompress.quant import lowbit
 from qcompress.export.errors import CheckpointError
 from qcompress.export.fast import plans_of, tensor_bytes
@@ -464,11 +464,11 @@ def test_embedding_gathers_only_the_looked_up_rows(tmp_path, monkeypatch, bits, 
         emb = model[0]
         want = torch.nn.functional.embedding(ids, emb.weight)
         calls = []
-        real = reader.gather_rows
-        monkeypatch.setattr(reader, "gather_rows", lambda *a: calls.append(1) or real(*a))
+        real = quantized.gather_rows
+        monkeypatch.setattr(quantized, "gather_rows", lambda *a: calls.append(1) or real(*a))
         assert torch.equal(emb(ids), want)
         assert bool(calls) == (plan == "gather")
-        monkeypatch.setattr(reader, "gather_rows", real)
+        monkeypatch.setattr(quantized, "gather_rows", real)
         emb.max_norm = 1.0                   # renormalizing rows: the whole table, as F.embedding does
         assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, emb.weight, max_norm=1.0))
         emb.max_norm = None

@@ -61,8 +61,9 @@ from ..quant.reference import make_spec
 from ..quant import lowbit
 from .codes import dequantize_2d
 from .errors import CheckpointError
-from .reader import (_QEmbedding, _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record,
-                     gather_refusal)
+from . import quantized
+from .quantized import (_QEmbedding, _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record,
+                        gather_refusal)
 
 log = logging.getLogger("qcompress.export.fast")
 
@@ -113,7 +114,7 @@ def planes_codes(rec: dict, planes: torch.Tensor) -> torch.Tensor:
 
 
 def planes_dequantize(rec: dict, buf) -> torch.Tensor:
-    """Same values as reader.dequantize_record, bit for bit: (u - 2^(b-1) - zp) * s in fp32."""
+    """Same values as quantized.dequantize_record, bit for bit: (u - 2^(b-1) - zp) * s in fp32."""
     w = rec["weights"]
     bits, strat = w["num_bits"], w["strategy"]
     shape = rec["weight_shape"]
@@ -205,7 +206,7 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
 
 
 def _embedding_plan(rec: dict) -> Tuple[str, str]:
-    """gather: the embedding dequantizes only the rows its ids look up (reader.gather_rows, in
+    """gather: the embedding dequantizes only the rows its ids look up (quantized.gather_rows, in
     either mode), else the whole table per call."""
     why = gather_refusal(rec)
     return ("dequant", why) if why else ("gather", "")
@@ -710,3 +711,7 @@ def tensor_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+quantized.register_family(__name__, fast_class, (FastMixin, FastLinearMixin, FastConv1DMixin))
+quantized.register_load_step("fast", lambda root, modules, options: convert(root, modules))

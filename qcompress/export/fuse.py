@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from . import quantized
 from .fast import FastMixin, _direct
 
 log = logging.getLogger("qcompress.export.fuse")
@@ -176,11 +177,10 @@ _CACHE: Dict[Tuple[type, type], type] = {}
 
 
 def fused_class(cls: type, mixin: type) -> type:
-    """The fused class over a parent class (one per class); pickles through reader._rebuild."""
+    """The fused class over a parent class (one per class); pickles through quantized._rebuild."""
     if (cls, mixin) not in _CACHE:
-        from .reader import QuantizedMixin
         _CACHE[cls, mixin] = type("Fused" + cls.__name__, (mixin, cls),
-                                  {"__module__": __name__, "__reduce_ex__": QuantizedMixin.__reduce_ex__})
+                                  {"__module__": __name__, "__reduce_ex__": quantized.QuantizedMixin.__reduce_ex__})
     return _CACHE[cls, mixin]
 
 
@@ -247,3 +247,12 @@ def fuse_activations(root: nn.Module) -> Dict[str, str]:
         log.info("load_quantized(mode='fast'): %d layers run what follows them in their kernel (%s)",
                  len(fused), ", ".join(sorted(set(fused.values()))))
     return fused
+
+
+def _fuse_step(root: nn.Module, modules, options) -> None:
+    if options.get("fuse_activations", True):
+        fuse_activations(root)
+
+
+quantized.register_family(__name__, fused_class, (FusedActMixin, FusedResidualMixin, FusedSequentialMixin))
+quantized.register_load_step("fast", _fuse_step)     # after fast.py's convert: fuse imports fast

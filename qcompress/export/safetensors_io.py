@@ -262,7 +262,7 @@ def _read_weight_map(path: str, shown: str) -> dict:
 def read_manifest(folder: str) -> Optional[dict]:
     """{"generation": str, "files": {name: digest}} from config.json, or None for an export
     written before files were bound to their config.json (or when config.json is unreadable:
-    reader.read_config reports that)."""
+    manifest.read_config reports that)."""
     cfg_path = os.path.join(folder, CONFIG)
     try:
         with open(cfg_path, encoding="utf-8") as f:
