@@ -1,0 +1,211 @@
+"""Export and reload of mixture-of-experts weights (qcompress.nn.experts.ExpertMatrix).
+
+Names: each fused expert Parameter is written under the tensor names the model's own
+`save_pretrained` writes. Where transformers converts the fused tensor back to per-expert
+tensors on save (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE: `experts.{e}.gate_proj.weight`;
+Mixtral: `block_sparse_moe.experts.{e}.w1.weight`), the mapping is read off transformers'
+`revert_weight_conversion` applied to an index tensor (each element holding its own flat
+position), so every family's converters are followed as written, not re-implemented here. Each
+per-expert matrix is then a compressed-tensors Linear entry (`.weight_packed`, `.weight_scale`,
+`.weight_zero_point`, `.weight_shape`, or int8 `.weight`). Where the fused name stays (gpt-oss),
+the per-expert entries are stacked along a leading expert dimension under the Parameter's name
+in place of `weight` (`experts.gate_up_proj_packed`, `..._scale`, ...; int8 codes under
+`experts.gate_up_proj`): slice [e] of each is expert e's compressed-tensors entry, in [out, in]
+orientation whatever the stored layout.
+
+config.json lists them in the `qcompress` manifest under `experts`; load_quantized reassembles
+each fused Parameter from them (`load_experts`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .codes import dequantize_2d, weight_entry
+from .errors import CheckpointError, ExportError
+
+Piece = Tuple[str, int, int, int]      # (saved tensor name, expert, first out row, rows)
+SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight")
+
+
+# --- names as save_pretrained writes them ------------------------------------------------------
+def _revert(root: nn.Module, name: str, index: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """transformers' save-time conversion of one fused tensor; {name: index} where there is none."""
+    if getattr(root, "config", None) is None or not hasattr(root.config, "model_type"):
+        return {name: index}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {name: index}
+    return dict(revert_weight_conversion(root, {name: index}))
+
+
+def saved_pieces(root: nn.Module, part) -> Tuple[Optional[str], List[Piece]]:
+    """(fused name, []) when the fused tensor is saved as it is, else (None, per-expert pieces)."""
+    name = part.qc_name
+    shape = tuple(part.weight.shape)
+    index = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    out = _revert(root, name, index)
+    if len(out) == 1 and torch.equal(next(iter(out.values())), index):
+        return next(iter(out)), []
+    e_n, o_n, i_n = part.matrix_shape()
+    pieces = []
+    for saved, t in out.items():
+        e, a, b = (torch.as_tensor(v) for v in torch.unravel_index(t, shape)) if t.dim() else (None,) * 3
+        o, i = (a, b) if part.qc_layout == "out_in" else (b, a)
+        ok = (t.dim() == 2 and t.shape[1] == i_n and bool((e == e[0, 0]).all())
+              and bool((i == torch.arange(i_n)).all())
+              and bool((o == o[0, 0] + torch.arange(t.shape[0]).unsqueeze(1)).all()))
+        if not ok:
+            raise ExportError(f"module {name!r}: save_pretrained writes {saved!r} (shape {list(t.shape)}) "
+                              "from it in a way that is not whole rows of one expert's [out, in] matrix; "
+                              "its quantized codes cannot be written under that name")
+        pieces.append((saved, int(e[0, 0]), int(o[0, 0]), int(t.shape[0])))
+    return None, sorted(pieces, key=lambda p: (p[1], p[2]))
+
+
+def tensor_name(saved: str, suffix: str) -> str:
+    """compressed-tensors' name for `suffix` (weight_packed, weight_scale, ...) of a saved tensor:
+    `x.weight` -> `x.weight_packed`; a fused `x.gate_up_proj` -> `x.gate_up_proj_packed`."""
+    if saved.endswith(".weight"):
+        return saved[: -len("weight")] + suffix
+    return saved + suffix[len("weight"):]
+
+
+# --- one expert's rows as a Linear-like weight for codes.weight_entry ---------------------------
+class _Rows:
+    """Rows [o0, o0 + r) of expert e's [out, in] matrix, seen as a compress-aware Linear."""
+
+    qc_kind = "linear"
+
+    def __init__(self, part, codes, eff, e: int, o0: int, r: int, saved: str):
+        self.qc_wq, self.qc_name = part.qc_wq, saved
+        q, s, z, spec = codes
+        e_n, out, inp = part.matrix_shape()
+        if part.qc_per_expert_tensor:         # [E, out * in] view: one scale per expert
+            from dataclasses import replace
+            self._codes = (q[e].reshape(out, inp)[o0:o0 + r], s.reshape(e_n)[e].reshape(1),
+                           None if z is None else z.reshape(e_n)[e].reshape(1), replace(spec, granularity="tensor"))
+        else:
+            rows = slice(e * out + o0, e * out + o0 + r)
+            s2 = s.reshape(e_n * out, -1)
+            self._codes = (q[rows], s2[rows], None if z is None else z.reshape(e_n * out, -1)[rows], spec)
+        self.weight = part.expert_matrix(eff, e)[o0:o0 + r]
+
+    def quantized_weight(self):
+        return self._codes
+
+    def effective_weight(self):
+        return self.weight
+
+    def weight_matrix_view(self, w):
+        return w
+
+
+def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """(tensors to write, manifest record) of one ExpertMatrix; every expert checked bit for bit."""
+    codes = part.quantized_weight()
+    if codes is None:
+        raise ExportError(f"module {part.qc_name!r}: weight quantization has no codes")
+    wq = part.qc_wq
+    eff = (part.weight if wq.baked else part.effective_weight()).detach()
+    fused, pieces = saved_pieces(root, part)
+    e_n, out, inp = part.matrix_shape()
+    tensors: Dict[str, torch.Tensor] = {}
+    if fused is not None:
+        entries = [weight_entry(_Rows(part, codes, eff, e, 0, out, f"{fused}[{e}]")) for e in range(e_n)]
+        for key in entries[0].tensors:
+            tensors[tensor_name(fused, key)] = torch.stack([x.tensors[key] for x in entries]).contiguous()
+        first = entries[0]
+    else:
+        first = None
+        for saved, e, o0, r in pieces:
+            entry = weight_entry(_Rows(part, codes, eff, e, o0, r, saved))
+            first = first or entry
+            for key, t in entry.tensors.items():
+                tensors[tensor_name(saved, key)] = t
+    from .layout import weight_args
+    record = {"kind": "experts", "group": wq.group, "format": first.fmt, "weights": weight_args(first),
+              "qtype": first.qtype, "dtype": first.dtype, "target_bits": wq.target_bits,
+              "layout": part.qc_layout, "shape": list(part.weight.shape), "fused": fused,
+              "pieces": [list(p) for p in pieces]}
+    return tensors, record
+
+
+def collect_experts(root: nn.Module):
+    """({tensor name: tensor}, {Parameter name: manifest record}, [state_dict keys replaced])."""
+    from ..nn.experts import ExpertMatrix
+    tensors, records, replaced = {}, {}, []
+    for name, mod in root.named_modules():
+        if not isinstance(mod, ExpertMatrix) or mod.qc_wq is None or not mod.qc_wq.active:
+            continue
+        t, rec = part_entries(root, mod)
+        tensors.update(t)
+        records[name] = rec
+        replaced.append(name)
+        replaced.extend(f"{name}.{k}" for k in mod._parameters)    # learned ranges: in the codes
+    return tensors, records, replaced
+
+
+# --- reload ------------------------------------------------------------------------------------
+def _piece_codes(tensors, saved: str, rec: dict, rows: int, inp: int, where: str, e=None):
+    """(q [rows, in] int8, scale, zero point, group size) of one stored entry."""
+    w = rec["weights"]
+    bits, gsize = w["num_bits"], w["group_size"] if w["strategy"] == "group" else None
+
+    def take(suffix, required=True):
+        key = tensor_name(saved, suffix)
+        if key not in tensors:
+            if required:
+                raise CheckpointError(f"{where}: tensor {key!r} is missing")
+            return None
+        t = tensors.pop(key) if e is None else tensors[key]
+        return t if e is None else t[e]
+
+    from ..quant.packing import unpack_int32
+    if rec["format"] == "pack-quantized":
+        q = unpack_int32(take("weight_packed"), bits, inp, dim=1)
+        take("weight_shape")
+    else:
+        q = take("weight")
+    s = take("weight_scale")
+    z = take("weight_zero_point", required=not w["symmetric"])
+    if z is not None and rec["format"] == "pack-quantized" and w["strategy"] in ("channel", "group"):
+        z = unpack_int32(z, bits, rows, dim=0)
+    if w["strategy"] == "tensor":
+        s = s.reshape(1, 1)
+        z = None if z is None else z.reshape(1, 1)
+    if tuple(q.shape) != (rows, inp):
+        raise CheckpointError(f"{where}: codes of {saved!r} are {list(q.shape)}, expected {[rows, inp]}")
+    return q, s, z, gsize
+
+
+def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, torch.Tensor], cfg_path: str):
+    """Put each exported fused expert Parameter, dequantized (the trained effective weight bit for
+    bit), into `tensors` under its state_dict name, taking its stored entries out."""
+    params = dict(root.named_parameters())
+    for name, rec in experts.items():
+        where = f"{cfg_path}: experts {name!r}"
+        if name not in params:
+            raise CheckpointError(f"{where}: no such Parameter in the given model")
+        have = list(params[name].shape)
+        if have != rec["shape"]:
+            raise CheckpointError(f"{where}: shape {rec['shape']} in the checkpoint but {have} in the given model")
+        e_n, a, b = rec["shape"]
+        out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
+        dtype = getattr(torch, rec["dtype"])
+        full = torch.empty(e_n, out, inp, dtype=dtype)
+        if rec["fused"] is not None:
+            todo = [(rec["fused"], e, 0, out) for e in range(e_n)]
+        else:
+            todo = [tuple(p) for p in rec["pieces"]]
+        for saved, e, o0, r in todo:
+            q, s, z, g = _piece_codes(tensors, saved, rec, r, inp, where, e if rec["fused"] is not None else None)
+            full[e, o0:o0 + r] = dequantize_2d(q, s, z, g, dtype)
+        if rec["fused"] is not None:
+            for suffix in SUFFIXES:
+                tensors.pop(tensor_name(rec["fused"], suffix), None)
+        tensors[name] = full if rec["layout"] == "out_in" else full.transpose(-1, -2).contiguous()
