@@ -204,7 +204,8 @@ def main(argv=None):
                 "clone = copy into a freshly allocated tensor; torch op = "
                 "torch.fake_quantize_per_channel_affine; reference = qcompress's pure-torch path.\n\n"
                 + "\n\n".join(tables) + "\n")
-        path = common.write_section("kernels", "quantizers", text, title="Kernels")
+        cmd = common.command([os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None else argv))
+        path = common.write_section("kernels", "quantizers", text, title="Kernels", cmd=cmd)
         print(f"\nrecorded in {path}")
     else:
         print("\nbenchmarks/results/kernels.md left as it was (--write-results records this run there)")

@@ -148,28 +148,32 @@ def _kernels_module(tmp_path, monkeypatch):
     rows = [dict(c, copy=1e-3, clone=2e-3, torch_op=None, ours=1e-3, ours_fb=2e-3, ref=None, ref_fb=None)
             for c in mod._configs(False)]
 
-    def fake_child(cmd, env, check):
+    real_run = subprocess.run
+
+    def fake_child(cmd, **kw):
+        if "--out" not in cmd:                   # the machine header's git calls run for real
+            return real_run(cmd, **kw)
         with open(cmd[cmd.index("--out") + 1], "w") as f:
             json.dump(rows, f)
     monkeypatch.setattr(mod.subprocess, "run", fake_child)
-    monkeypatch.setattr(mod, "HERE", str(tmp_path))
+    monkeypatch.setattr(mod.common, "RESULTS_DIR", str(tmp_path))
     return mod
 
 
 def test_bench_prints_only_unless_asked_to_write_results(tmp_path, monkeypatch, capsys):
     mod = _kernels_module(tmp_path, monkeypatch)
-    results = tmp_path / "RESULTS.md"
+    results = tmp_path / "kernels.md"
     mod.main([])
     assert not results.exists()
     out = capsys.readouterr().out
     assert mod.HEADER in out and "left as it was" in out     # the rows come from the child's stdout
     mod.main(["--no-write"])                  # the old flag: accepted, same behaviour
     assert not results.exists()
-    results.write_text("# Benchmark results\n\n## Kernels\n\nold\n\n## Comm\n\nkept\n")
+    results.write_text("# Kernels\n\n<!-- generated: quantizers -->\nold\n<!-- /generated: quantizers -->\n\nkept\n")
     mod.main(["--write-results"])
     text = results.read_text()
-    assert "old" not in text and "## Comm\n\nkept" in text and "| 16M | float32 | int8 |" in text
-    assert "--write-results" in text
+    assert "old" not in text and text.endswith("\n\nkept\n") and "| 16M | float32 | int8 |" in text
+    assert "benchmarks/kernels.py --write-results`" in text      # the machine header names the command
     with pytest.raises(SystemExit):
         mod.main(["--write-results", "--no-write"])
     assert "contradict" in capsys.readouterr().err
