@@ -209,3 +209,33 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
             for suffix in SUFFIXES:
                 tensors.pop(tensor_name(rec["fused"], suffix), None)
         tensors[name] = full if rec["layout"] == "out_in" else full.transpose(-1, -2).contiguous()
+
+
+# --- hooks of export_quantized / load_quantized -------------------------------------------------
+def add_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[str, dict]:
+    """Replace the fused float expert Parameters in `tensors` by their quantized entries; returns
+    the manifest records ({} when the model has no quantized experts)."""
+    from ..unwrap import unwrap
+    new, records, replaced = collect_experts(unwrap(model))
+    for k in replaced:
+        tensors.pop(k, None)
+    tensors.update({k: v.detach().cpu().clone() for k, v in new.items()})   # own storage each (safetensors)
+    return records
+
+
+def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dict]) -> None:
+    """List the experts in the manifest; make transformers refuse the export with a message
+    naming qcompress.load_quantized (it cannot rebuild fused experts from these entries)."""
+    if not records:
+        return
+    from . import layout
+    config["qcompress"]["experts"] = records
+    others = sorted(n for n, m in modules.items() if m["weights"] is not None and not layout.portable(m))
+    names = others + sorted(records)
+    reasons = [layout.unportable_reason(modules[n]) for n in others] + ["fused experts"] * len(records)
+    config["quantization_config"]["config_groups"][layout.REFUSAL_GROUP] = layout.refusal_scheme(names, reasons)
+    import warnings
+    warnings.warn(f"{len(records)} fused expert Parameters ({', '.join(sorted(records)[:2])}"
+                  f"{', ...' if len(records) > 2 else ''}) are written per expert under save_pretrained's "
+                  "names; transformers cannot rebuild its fused experts from quantized entries and refuses "
+                  "the export: use qcompress.load_quantized (see docs/moe.md)", stacklevel=3)

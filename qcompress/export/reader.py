@@ -56,6 +56,9 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     if unbound:
         raise CheckpointError(unbound[0])
     root = unwrap(model)
+    if config["qcompress"].get("experts"):      # fused expert Parameters, dequantized (export/experts.py)
+        from .experts import load_experts
+        load_experts(root, config["qcompress"]["experts"], tensors, cfg_path)
     named = dict(root.named_modules())
     for name, rec in modules.items():
         if name not in named:
@@ -84,7 +87,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
                                       f"checkpoint but {have} in the given model")
         swap(mod, rec["kind"], name, rec)
     for name, rec in modules.items():
-        if rec["format"] == "int-quantized":
+        if rec["format"] in ("int-quantized", "float-quantized", "mxfp8-quantized"):
             tensors[f"{name}.qweight"] = tensors.pop(f"{name}.weight")
     missing, unexpected = [], []
     try:

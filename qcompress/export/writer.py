@@ -9,7 +9,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from . import layout
+from . import experts, layout
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
@@ -51,6 +51,8 @@ def collect(model: nn.Module):
             if isinstance(mod, nn.Linear):
                 plain_linears.append(name)
             continue
+        if mod.qc_kind == "experts":
+            continue            # fused expert matrices: written by experts.add_experts
         for k in range_parameter_names(mod):   # learned ranges: written as the codes' scales, if at all
             replaced[f"{name}.{k}"] = True
         wq = mod.qc_wq
@@ -161,10 +163,12 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
                           "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
                           "and engine.save_checkpoint() do) before exporting")
     tensors, modules, plain_linears = collect(model)
-    if not modules:
+    expert_records = experts.add_experts(model, tensors)
+    if not modules and not expert_records:
         raise ExportError("nothing to export: no module has active weight or activation "
                           "quantization (call init_compression and train/schedule first)")
     config = build_config(model, modules, plain_linears)
+    experts.add_to_config(config, expert_records, modules)
     local_only = [n for n, r in modules.items() if not layout.portable(r)]
     if local_only:
         warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"

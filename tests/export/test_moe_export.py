@@ -1,0 +1,96 @@
+"""Export of mixture-of-experts models: tensor names as save_pretrained writes them, compressed-
+tensors decoding each expert to the compressed model's effective weight, exact reload, and
+transformers refusing with a message that names qcompress.load_quantized."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import qcompress
+from moe_fixtures import FAMILIES, make_moe, tokens
+
+ct_quant = pytest.importorskip("compressed_tensors.quantization")
+ct_comp = pytest.importorskip("compressed_tensors.compressors")
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def cfg_w(bits=4, sym=True, gran="group", group_size=16, modules=(r"mlp\.experts",)):
+    params = {"start_bits": bits, "target_bits": bits, "granularity": gran}
+    if gran == "group":
+        params["group_size"] = group_size
+    return {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantization_type": "symmetric" if sym else "asymmetric"},
+        "different_groups": {"wq": {"params": params, "modules": list(modules)}}}}}
+
+
+def _tensors(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _saved_expert_names(folder):
+    """The expert matrices' tensor names save_pretrained writes (per expert, or fused for gpt-oss)."""
+    return sorted(k[: -len(".weight")] if k.endswith(".weight") else k for k in _tensors(folder)
+                  if ".experts." in k and not k.endswith("_bias") and "shared_experts" not in k)
+
+
+def _parts(model):
+    return {n: m for n, m in model.named_modules() if type(m).__name__ == "ExpertMatrix"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_names_equal_save_pretrained_and_compressed_tensors_decodes(tmp_path, family):
+    model = make_moe(family)
+    model.save_pretrained(tmp_path / "fp")
+    want = _saved_expert_names(tmp_path / "fp")
+    qcompress.init_compression(model, cfg_w(4, sym=False))
+    qcompress.export_quantized(model, tmp_path / "q")
+    sd = _tensors(tmp_path / "q")
+    fused = family == "gpt_oss"
+    mark = "_packed" if fused else ".weight_packed"
+    assert sorted(k[: -len(mark)] for k in sd if ".experts." in k and k.endswith(mark)) == want
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in sd)   # no float copies left
+    # compressed-tensors' own decompressor gives each expert's [out, in] rows of the effective weight
+    args = ct_quant.QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    scheme = ct_quant.QuantizationScheme(targets=["Linear"], weights=args)
+    comp = ct_comp.BaseCompressor.get_value_from_registry("pack-quantized")
+    records = json.loads((tmp_path / "q" / "config.json").read_text())["qcompress"]["experts"]
+    assert set(records) == set(_parts(model))
+    decoded = 0
+    for pname, part in _parts(model).items():
+        eff = part.effective_weight().detach()
+        rec = records[pname]
+        e_n, out, _ = part.matrix_shape()
+        pieces = [(rec["fused"], e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
+        assert sum(r for *_, r in pieces) == e_n * out            # every row of every expert, once
+        for saved, e, o0, r in pieces:
+            if fused:
+                local = {s: sd[saved + s[len("weight"):]][e] for s in SUFFIXES}
+                ref = eff[e].t()[o0:o0 + r]
+            else:
+                local = {s: sd[saved[: -len("weight")] + s] for s in SUFFIXES}
+                ref = eff[e][o0:o0 + r]
+            assert torch.equal(comp.decompress(local, scheme)["weight"], ref), (saved, e)
+            decoded += 1
+    assert decoded >= 2 * len(records)
+
+
+@pytest.mark.parametrize("family,bits,sym,gran", [("qwen3_moe", 4, True, "group"), ("mixtral", 8, False, "channel"),
+                                                  ("gpt_oss", 4, False, "group"), ("deepseek_v3", 8, True, "tensor"),
+                                                  ("gpt_oss", 8, True, "tensor")])
+def test_reload_exact_and_transformers_refuses(tmp_path, family, bits, sym, gran):
+    model = make_moe(family)
+    qcompress.init_compression(model, cfg_w(bits, sym=sym, gran=gran, modules=(r"mlp\.experts", "self_attn")))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    with pytest.warns(UserWarning, match="load_quantized"):
+        qcompress.export_quantized(model, tmp_path / "q")
+    fresh = make_moe(family, seed=5)
+    qcompress.load_quantized(tmp_path / "q", fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, want)
+    with pytest.raises(Exception, match="qcompress.load_quantized"):
+        from transformers import AutoModelForCausalLM
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
