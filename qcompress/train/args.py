@@ -5,7 +5,7 @@ import argparse
 import math
 from typing import Optional
 
-from .job import JobOptions
+from .options import JobOptions
 
 EPILOG = """\
 examples:

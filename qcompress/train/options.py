@@ -1,0 +1,90 @@
+"""The options of `qcompress train` and the fingerprints that decide what a resumed run, or a
+borrowed baseline, must share with the run that made it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class JobOptions:
+    configs: List[str]
+    model: str
+    data: str
+    task: str
+    out: str
+    eval_data: Optional[str] = None
+    eval_fraction: float = 0.2
+    text_column: str = "text"
+    label_column: str = "label"
+    max_length: int = 128
+    epochs: float = 1.0
+    max_steps: Optional[int] = None
+    seed: int = 0
+    baseline: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    lr: float = 1e-4
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    save_steps: int = 50
+    baseline_from: Optional[str] = None
+    device: str = "auto"            # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
+    ptq_range_steps: int = 0        # the ptq_learned stage (qcompress.learn_ranges); 0: none
+    progress: bool = True
+    notes: List[str] = field(default_factory=list)
+
+    def fingerprint(self, data_digest: Optional[str] = None) -> str:
+        """What a resumed run must share with the interrupted one (not out/resume/progress): files by
+        absolute path and configs by content (`./a.yaml` from another folder is the same run), and
+        the data by what was read from it (an edited data file is other data)."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
+                             "configs", "device")}
+        if not self.ptq_range_steps:
+            keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
+        keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
+        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
+        keep["config_text"] = [_file_hex(c) for c in self.configs]
+        keep["data_digest"] = data_digest
+        return _digest(keep)
+
+    def baseline_fingerprint(self, plain_doc: dict, data_digest: Optional[str] = None) -> str:
+        """What decides the FP32 fine-tune: an earlier run with the same one can lend its baseline."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
+                         "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
+                         "max_train_samples", "max_eval_samples")}
+        keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
+        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
+        keep["plain_config"] = plain_doc
+        keep["data_digest"] = data_digest
+        return _digest(keep)
+
+
+def _file_hex(path: str) -> str:
+    if not os.path.isfile(path):
+        return path
+    with open(path, "rb") as fh:
+        return fh.read().hex()
+
+
+def data_digest(data) -> str:
+    """A digest of the tokenized train and eval sets and the label names: the data a run saw."""
+    h = hashlib.sha256(json.dumps(data.labels).encode())
+    for part in (data.train, data.eval):
+        h.update(b"|%d|" % len(part))
+        for item in part.items:
+            for key in sorted(item):
+                h.update(key.encode())
+                h.update(item[key].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
