@@ -127,6 +127,9 @@ def weight_entry(mod) -> WeightEntry:
         raise ExportError(f"module {name!r}: weight quantization has no codes "
                           "(baked during an fp16_mixed_quantize blend)")
     q, s, zp, spec = got
+    if spec.kind == "float":         # FP8 / NVFP4 / MX layouts (export/floats.py)
+        from .floats import weight_entry as float_entry
+        return float_entry(mod, q, s, zp, spec)
     kind = spec.kind
     bits = 2 if kind in ("binary", "ternary") else spec.bits
     if bits > 8:
@@ -203,6 +206,9 @@ def act_entry(mod):
     aq = mod.qc_aq
     if aq is None or not aq.active:
         return None
+    if aq.format != "int":
+        from .floats import act_entry as float_act_entry
+        return float_act_entry(mod)
     args = {"num_bits": aq.bits, "type": "int", "symmetric": aq.symmetric}
     if aq.calibration == "static" and aq.range_learning and aq.learned_ready:
         from ..quant.api import learned_params

@@ -162,6 +162,8 @@ def choose_plan(mod: nn.Module, rec: dict) -> Tuple[str, str]:
     w = rec.get("weights")
     if w is None:
         return "dense", "not quantized"
+    if rec.get("qtype") == "float":
+        return "dequant", f"{rec['format']} (dequantized per call)"
     if rec["kind"] in ("linear", "hf_conv1d") and not isinstance(mod, (_QLinear, _QHFConv1D)):
         return "dequant", f"{type(mod).__name__} has its own forward (run on the dequantized weight)"
     if rec["kind"] == "embedding" and isinstance(mod, _QEmbedding):

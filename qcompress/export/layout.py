@@ -12,10 +12,12 @@ import re
 from typing import Dict, List, Optional
 
 MANIFEST_VERSION = 1
-PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token")
+PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token", "tensor_group")
 
 
 def weight_args(e) -> dict:
+    if getattr(e, "args", None) is not None:     # float formats: export/floats.py
+        return dict(e.args)
     return {"num_bits": e.bits, "type": "int", "symmetric": e.symmetric, "strategy": e.strategy,
             "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": e.observer,
             "observer_kwargs": dict(e.observer_kwargs), "block_structure": None}
@@ -24,6 +26,8 @@ def weight_args(e) -> dict:
 def input_args(a: Optional[dict]) -> Optional[dict]:
     if a is None:
         return None
+    if a.get("type") == "float":
+        return dict(a)
     return {"num_bits": a["num_bits"], "type": "int", "symmetric": a["symmetric"],
             "strategy": a["strategy"], "group_size": None, "dynamic": a["dynamic"],
             "actorder": None, "observer": a["observer"], "observer_kwargs": dict(a.get("observer_kwargs") or {}),
@@ -182,6 +186,9 @@ def module_record(kind: str, group: Optional[str], entry, act: Optional[dict]) -
 def expected_tensors(rec: dict) -> Dict[str, tuple]:
     """suffix -> (dtype name, shape) that a manifest record promises, for load-time checks."""
     import math
+    from .floats import expected_tensors as float_tensors, is_float_record
+    if is_float_record(rec):
+        return float_tensors(rec)
     out = {}
     act = rec.get("input_activations")
     if act and not act["dynamic"]:

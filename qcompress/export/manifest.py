@@ -82,6 +82,9 @@ def _record_problem(rec) -> str:
             return f"no {key!r} key"
     if rec["kind"] not in FORWARDS:
         return f"kind={rec['kind']!r} (expected one of {sorted(FORWARDS)})"
+    from .floats import is_float_record, record_problem as float_problem
+    if is_float_record(rec):
+        return float_problem(rec)
     if rec["format"] not in _FORMATS:
         return f"format={rec['format']!r} (expected one of {list(_FORMATS)})"
     if (rec["weights"] is None) != (rec["format"] == "dense"):
@@ -204,7 +207,7 @@ def check_quant_config(qc: dict, modules: dict, cfg_path: str):
                     ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic"),
                     "weights", gname, name, cfg_path)
         act = rec["input_activations"]
-        _check_args(scheme.get("input_activations"), act and dict(act, type="int"),
+        _check_args(scheme.get("input_activations"), act and dict(act, type=act.get("type", "int")),
                     ("num_bits", "type", "symmetric", "strategy", "dynamic"),
                     "input_activations", gname, name, cfg_path)
 

@@ -24,6 +24,7 @@ from ..quant.packing import unpack_int32
 from ..quant.reference import Spec, make_spec
 from . import layout
 from .codes import dequantize_2d, static_act_fake_quant
+from .floats import FLOAT_FORMATS, dequantize as dequantize_floats, fake_quantize_input as fake_quantize_floats
 
 
 def _local(suffix: str) -> str:
@@ -90,6 +91,8 @@ class QuantizedMixin:
         act = self.qx_rec.get("input_activations")
         if act is None or not torch.is_floating_point(x):
             return x
+        if act.get("type") == "float":
+            return fake_quantize_floats(self, x, act)
         if not act["dynamic"]:
             return static_act_fake_quant(x, act["num_bits"], self.input_scale,
                                          getattr(self, "input_zero_point", None))
@@ -114,6 +117,9 @@ def _unpack_rows(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 def dequantize_record(rec: dict, buf) -> torch.Tensor:
     """The float weight (state_dict orientation and dtype) of one exported module."""
+    if rec["format"] in FLOAT_FORMATS:
+        out = dequantize_floats(rec, buf, getattr(torch, rec["dtype"]))
+        return out.t().contiguous() if rec.get("transposed") else out
     w = rec["weights"]
     shape = rec["weight_shape"]
     rows = shape[0]
