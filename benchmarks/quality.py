@@ -24,7 +24,7 @@ weight decay).
 The share of the PTQ degradation recovered is (PTQ - method) / (PTQ - FP32) on the metric, with
 PTQ the minmax PTQ (the causal LM's target lines also give it against the pretrained checkpoint's
 perplexity, the `self` teacher's); it is left out where minmax PTQ is within 0.5 points
-(classifier) or 0.2 % (perplexity) worse than FP32, or better. Issue 15's targets are checked
+(classifier) or 0.2 % (perplexity) worse than FP32, or better. The quality targets are checked
 from the rows and listed under each table. Progressive recipes get their drops spread over the run
 (linear growth, last drop at 4/5 of the steps). Each finished run is reused unless --rerun (its
 report.json; --rerun reruns every run named by --recipes x --variants, and --baseline-from /
@@ -36,10 +36,8 @@ the job's own steps (quantize_without_training, the job's calibration batches, e
 a separate line under the table, which keeps the runs' `ptq` stage (the table's measure).
 --ptq-pretrained (causal LM): the same PTQ of the pretrained checkpoint --lm itself (no fine-tune),
 on the first --eval-samples blocks and on all of them; another line under the table.
---write-results rewrites the "## Compression quality" section of benchmarks/RESULTS.md: each task
-with a <out>/<task>/summary.json gets its table and generated lines rewritten, its hand-written
-notes taken from the summary (--note) or else kept from the section as it was, repeats dropped; a
-task without a summary keeps its subsection as it is.
+--write-results replaces this task's section of benchmarks/results/quality.md (its table, the
+target lines computed from it, and the --note sentences); text outside the generated sections stays.
 """
 from __future__ import annotations
 
@@ -47,13 +45,14 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
 
 RECIPES = {   # key: (label, schedule file, progressive)
     "w8a8": ("W8A8", "schedules/w8a8.yaml", False),
@@ -312,7 +311,7 @@ def table(summary: dict) -> str:
 
 
 def targets(summary: dict) -> list:
-    """Issue 15's targets, met or missed, from the measured rows (a target whose rows are missing is left out)."""
+    """The quality targets, met or missed, from the measured rows (a target whose rows are missing is left out)."""
     r, out = summary["recipes"], []
 
     def verdict(ok):
@@ -345,90 +344,39 @@ def targets(summary: dict) -> list:
     return out
 
 
-INTRO = ("## Compression quality (issue 15: observers, range learning, QAD)\n\n"
-         "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
-         "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
-         "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
-         "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
-         "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
-         "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay (qcompress train's "
-         "default since the causal LM's range-learning probe below). "
-         "PTQ rows are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
-         "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
-         "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning.\n")
+METHOD = ("## Method\n\n"
+          "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
+          "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
+          "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
+          "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
+          "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
+          "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay. "
+          "PTQ columns are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
+          "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
+          "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning. One seed per run: "
+          "on a small held-out set one example moves accuracy by 1 / (held-out size).\n")
 
 
-def subsections(section_text: str) -> dict:
-    """The '### title' subsections of a written section, title -> text (heading included)."""
-    parts = re.split(r"^(?=### )", section_text, flags=re.M)
-    return {p.splitlines()[0][4:].strip(): p for p in parts if p.startswith("### ")}
+def measured_at(summary: dict) -> str:
+    """The commits the table's runs were measured at (a reused run keeps the commit it ran at)."""
+    commits = sorted({v for row in summary["recipes"].values() for k, v in row.items() if k.endswith("_commit")})
+    return f" Runs measured at commit {', '.join(commits)}." if commits else ""
 
 
-def bullets(subsection_text: str) -> list:
-    """The top-level '- ' items after a subsection's table, each with its indented / blank-separated
-    continuation (nested tables), trailing blank lines dropped."""
-    items, cur = [], None
-    for line in subsection_text.splitlines():
-        if line.startswith("- "):
-            cur = [line[2:]]
-            items.append(cur)
-        elif cur is not None and (not line.strip() or line.startswith(" ")):
-            cur.append(line)
-        elif line.strip():
-            cur = None
-    return ["\n".join(c).rstrip() for c in items]
+def task_text(summary: dict) -> str:
+    """One task's part of the page: title, setup, table, then the generated target lines and notes."""
+    lines = [whole_set_line(summary), pretrained_line(summary)] if summary.get("metric") == "perplexity" else []
+    notes = targets(summary) + [x for x in lines if x] + list(dict.fromkeys(summary.get("notes") or []))
+    text = f"## {summary['title']}\n\n{summary['setup']}{measured_at(summary)}\n\n{table(summary)}\n"
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return text
 
 
-def hand_notes(notes, generated) -> list:
-    """Notes without the generated lines (targets, whole-set / pretrained PTQ lines) and without
-    repeats, first occurrence kept: re-writing a section never grows it."""
-    gen = set(generated)
-    out = []
-    for n in notes:
-        if n in gen or n.startswith("Target: ") or n in out:
-            continue
-        out.append(n)
-    return out
-
-
-def section(summaries: dict, old_section: str = "") -> str:
-    """The whole section: a task with a summary gets its table rewritten (its hand-written notes from
-    the summary, or else kept from the old text); a task without one keeps its old subsection."""
-    old = subsections(old_section)
-    written = {}
-    for task, s in summaries.items():
-        lines = [whole_set_line(s), pretrained_line(s)] if s.get("metric") == "perplexity" else []
-        generated = targets(s) + [x for x in lines if x]
-        kept = s.get("notes") or bullets(old.get(s["title"], ""))
-        notes = generated + hand_notes(kept, generated)
-        text = f"### {s['title']}\n\n{s['setup']}\n\n{table(s)}\n"
-        if notes:
-            text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-        written[s["title"]] = text
-    order = list(old) + [t for t in written if t not in old]
-    body = [written.get(t) or old[t].rstrip("\n") + "\n" for t in order]
-    return INTRO + "".join("\n" + b for b in body)
-
-
-SECTION_RE = re.compile(r"^## Compression quality.*?(?=^## |\Z)", re.S | re.M)
-
-
-def current_section() -> str:
-    path = os.path.join(HERE, "RESULTS.md")
-    if not os.path.exists(path):
-        return ""
-    m = SECTION_RE.search(open(path, encoding="utf-8").read())
-    return m.group(0) if m else ""
-
-
-def write_results(text: str) -> None:
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    new = SECTION_RE.sub(lambda _: text.rstrip("\n") + "\n\n", old) if SECTION_RE.search(old) else old.rstrip() + "\n\n" + text
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(new)
-    os.replace(tmp, path)
+def write_results(task: str, summary: dict, cmd=None) -> str:
+    """Replace this task's section of benchmarks/results/quality.md (and the method note above it)."""
+    common.write_section("quality", "method", METHOD, title="Compression quality", header=False)
+    return common.write_section("quality", task, task_text(summary), title="Compression quality", cmd=cmd)
 
 
 def main(argv=None) -> int:
@@ -487,7 +435,10 @@ def main(argv=None) -> int:
             if progressive:
                 frags.append(write_yaml(os.path.join(out_task, key, "spread_drops.yaml"),
                                         progressive_fix(recipe, steps)))
+            fresh = a.rerun or not os.path.isfile(os.path.join(out, "report.json"))
             rep = run_one(out, [os.path.join(ROOT, recipe), *frags], base_args, baseline, a)
+            if fresh or f"{variant}_commit" not in row:
+                row[f"{variant}_commit"] = common.commit()
             baseline = baseline or out
             st = rep["stages"]
             row["fp32"] = st["fp32_finetuned"][metric]
@@ -536,16 +487,8 @@ def main(argv=None) -> int:
     summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
     print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
     if a.write_results:
-        summaries = {}
-        for task in ("classifier", "lm"):
-            f = os.path.join(a.out, task, "summary.json")
-            if os.path.isfile(f):
-                with open(f, encoding="utf-8") as fh:
-                    s = json.load(fh)
-                if "title" in s:
-                    summaries[task] = s
-        write_results(section(summaries, current_section()))
-        print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
+        cmd = common.command([os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None else argv))
+        print(f"written to {write_results(a.task, summary, cmd)}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/quality.py --write-results: rewriting the RESULTS section keeps what it does not
-measure. Oracle: the section text written by hand in the test."""
+"""benchmarks/quality.py's results page: the table's derived columns and target lines are computed
+from the measured rows (oracle: the closed-form shares worked out by hand below), and
+--write-results replaces only its task's generated section of benchmarks/results/quality.md."""
 import importlib.util
 import os
 
@@ -8,48 +9,50 @@ spec = importlib.util.spec_from_file_location("qc_quality", os.path.join(ROOT, "
 quality = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(quality)
 
-OLD = (quality.INTRO
-       + "\n### Classifier (accuracy)\n\nold setup\n\n| old table |\n\n- Target: old target line.\n"
-         "- A hand note.\n- A second note\n  with a continuation\n\n  | nested | table |\n- A hand note.\n"
-       + "\n### LM (perplexity)\n\nlm setup\n\n| lm table |\n\n- An LM note.\n")
+
+def summary(**rows):
+    return {"metric": "accuracy", "title": "Classifier (accuracy)", "setup": "new setup", "recipes": rows}
 
 
-def summary(notes=None):
-    s = {"metric": "accuracy", "title": "Classifier (accuracy)", "setup": "new setup",
-         "recipes": {"w8a8": {"label": "W8A8", "fp32": 0.9, "ptq_minmax": 0.8, "ptq_mse": 0.85,
-                              "qat": 0.88, "qat_rl": 0.89, "qad_rl": 0.9}}}
-    if notes:
-        s["notes"] = notes
-    return s
+def test_recovered_share_and_mse_cut_are_computed_from_the_rows():
+    # FP32 0.90, PTQ minmax 0.80, PTQ mse 0.85: mse cuts the excess 0.10 -> 0.05, by 50 %;
+    # QAT 0.88 recovers (0.80 - 0.88) / (0.80 - 0.90) = 80 %, QAT + RL 0.89: 90 %, QAD + RL 0.90: 100 %
+    s = summary(w8a8={"label": "W8A8", "fp32": 0.9, "ptq_minmax": 0.8, "ptq_mse": 0.85,
+                      "qat": 0.88, "qat_rl": 0.89, "qad_rl": 0.9})
+    row = quality.table(s).splitlines()[-1]
+    assert row == "| W8A8 | 0.9000 | 0.8000 | 0.8500 | 0.8800 | 0.8900 | 0.9000 | 80 % / 90 % / 100 % | 50 % |"
 
 
-def test_bullets_keep_continuations():
-    sub = quality.subsections(OLD)["Classifier (accuracy)"]
-    assert quality.bullets(sub) == ["Target: old target line.", "A hand note.",
-                                    "A second note\n  with a continuation\n\n  | nested | table |", "A hand note."]
+def test_no_share_where_ptq_is_as_good_as_fp32():
+    s = summary(w8a8={"label": "W8A8", "fp32": 0.9, "ptq_minmax": 0.9, "ptq_mse": 0.9,
+                      "qat": 0.91, "qat_rl": 0.9, "qad_rl": 0.9})
+    assert "| n/a (PTQ ≈ or > FP32) | n/a |" in quality.table(s)
 
 
-def test_rewrite_keeps_other_task_and_inherits_notes_once():
-    new = quality.section({"classifier": summary()}, OLD)
-    assert new.startswith(quality.INTRO)
-    assert "### LM (perplexity)\n\nlm setup\n\n| lm table |\n\n- An LM note.\n" in new   # untouched
-    cls = quality.subsections(new)["Classifier (accuracy)"]
-    assert "new setup" in cls and "old setup" not in cls and "| W8A8 |" in cls
-    assert quality.bullets(cls) == ["A hand note.", "A second note\n  with a continuation\n\n  | nested | table |"]
-    # idempotent: writing the written section again changes nothing
-    assert quality.section({"classifier": summary()}, new) == new
+def test_ternary_target_line_follows_the_numbers():
+    met = summary(w2a8_kd={"label": "ternary", "fp32": 0.95, "ptq_minmax": 0.5, "qad_rl": 0.93})
+    missed = summary(w2a8_kd={"label": "ternary", "fp32": 0.95, "ptq_minmax": 0.5, "qad_rl": 0.90})
+    assert quality.targets(met) == ["Target: ternary W2 with distillation within 3 accuracy points of FP32: "
+                                    "**met** (QAD + RL 0.9300 vs FP32 0.9500: -2.00 points)."]
+    assert "**missed**" in quality.targets(missed)[0] and "-5.00 points" in quality.targets(missed)[0]
 
 
-def test_notes_from_summary_replace_old_ones():
-    new = quality.section({"classifier": summary(["Fresh note.", "Fresh note."])}, OLD)
-    assert quality.bullets(quality.subsections(new)["Classifier (accuracy)"]) == ["Fresh note."]
-
-
-def test_write_results_replaces_only_the_section(tmp_path, monkeypatch):
-    monkeypatch.setattr(quality, "HERE", str(tmp_path))
-    (tmp_path / "RESULTS.md").write_text("# Results\n\n## Before\n\nx\n\n" + OLD + "\n## After\n\ny\n")
-    quality.write_results(quality.section({"classifier": summary()}, quality.current_section()))
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert text.startswith("# Results\n\n## Before\n\nx\n\n## Compression quality")
-    assert text.endswith("## After\n\ny\n") and "- An LM note." in text and "new setup" in text
-    assert not os.path.exists(tmp_path / "RESULTS.md.tmp")
+def test_write_results_replaces_only_its_task_section(tmp_path, monkeypatch):
+    monkeypatch.setattr(quality.common, "RESULTS_DIR", str(tmp_path))
+    page = tmp_path / "quality.md"
+    page.write_text("# Compression quality\n\nA hand-written note.\n\n<!-- generated: lm -->\nlm table\n"
+                    "<!-- /generated: lm -->\n\n<!-- generated: classifier -->\nold table\n"
+                    "<!-- /generated: classifier -->\n")
+    s = summary(w8a8={"label": "W8A8", "fp32": 0.9, "ptq_minmax": 0.8, "qat": 0.88, "qat_commit": "abc123"})
+    quality.write_results("classifier", s, cmd="python benchmarks/quality.py --task classifier --write-results")
+    text = page.read_text()
+    assert text.startswith("# Compression quality\n\nA hand-written note.\n")
+    assert "<!-- generated: lm -->\nlm table\n<!-- /generated: lm -->" in text      # the other task untouched
+    assert "old table" not in text and "| W8A8 | 0.9000 | 0.8000 |" in text
+    assert "`python benchmarks/quality.py --task classifier --write-results` at commit" in text
+    assert "Runs measured at commit abc123." in text and "## Method" in text
+    before = text
+    quality.write_results("classifier", s, cmd="python benchmarks/quality.py --task classifier --write-results")
+    strip = lambda t: [ln for ln in t.splitlines() if not ln.startswith("> ")]   # header: date, load
+    assert strip(page.read_text()) == strip(before)                                   # idempotent
+    assert sorted(os.listdir(tmp_path)) == ["quality.md"]                            # no temporary left
