@@ -5,7 +5,7 @@
     qcompress.comm.stats()  -> {"bytes_sent": ..., "bytes_received": ...}; reset_stats()
     bc = qcompress.comm.BucketedCompressor(bucket_size=2**24); outs = bc.allreduce(list_of_tensors)
 
-Algorithm: see qcompress.comm.allreduce (two collectives per call: one all_to_all_single, one
+Algorithm: see qcompress.comm.flat (two collectives per call: one all_to_all_single, one
 all_gather_into_tensor; scales ride inside the payload bytes; padding to a multiple of 8 * P).
 Hierarchical mode (reduce in the node, compress across nodes, broadcast back): qcompress.comm.hierarchy.
 Byte counting rule: qcompress.comm.stats. DDP: qcompress.comm.ddp_hook.

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import stats as _stats
-from .allreduce import _all_gather_flat, flat_compressed_allreduce
+from .flat import _all_gather_flat, flat_compressed_allreduce
 
 
 class Hierarchy:

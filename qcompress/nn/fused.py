@@ -152,8 +152,7 @@ class Plan:
             try:
                 wh = kernels.fake_quantize_prepared(mod.weight_matrix_view(w), self.weight_args)
             except NonFiniteError as err:
-                from .layers import located      # layers imports this module
-                raise located(mod, "weight", err) from None
+                raise mod.qc_located("weight", err) from None
             return mod._from_matrix_view(wh)
         learned = (scale, zero_point) if wq.range_learning else None
         return mod._from_matrix_view(mod._fake_quantize_weight(w, wq, spec=self.weight_spec, learned=learned))
@@ -216,8 +215,7 @@ def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
         # weight-only: forward keeps x; the float forward takes x^ from the quantizer's own pass
         q, s, z, xh = (None,) * 4 if p.spec is None else _input_codes(mod, x, p.spec, values=not p.int8)
     except NonFiniteError as err:
-        from .layers import located      # layers imports this module
-        raise located(mod, "input", err) from None
+        raise mod.qc_located("input", err) from None
     w_scale = w_zp = None
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale

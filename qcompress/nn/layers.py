@@ -73,6 +73,11 @@ class CompressMixin:
         self.qc_aq: Optional[ActQuant] = None
         self.qc_pruning = {}          # technique -> pruning state (qcompress.pruning)
 
+    def qc_located(self, what: str, err: NonFiniteError) -> NonFiniteError:
+        """`err` naming this module and its tensor `what` (a method, so that nn/fused.py, which
+        this module imports, can name them without importing it)."""
+        return NonFiniteError(f"module {self.qc_name!r} ({base_class(type(self)).__name__}), its {what}: {err}")
+
     # --- module plumbing ----------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """.to() / .cuda() / .half() ...: the master copy and codes follow the weight."""
@@ -258,8 +263,7 @@ class CompressMixin:
 def located(mod, what: str, err: NonFiniteError) -> NonFiniteError:
     """The quantizer's NonFiniteError naming the module and tensor it came from (a diverged
     training run says where the NaN or Inf first reached a quantizer)."""
-    cls = base_class(type(mod)).__name__
-    return NonFiniteError(f"module {mod.qc_name!r} ({cls}), its {what}: {err}")
+    return mod.qc_located(what, err)
 
 
 def _recomputing() -> bool:

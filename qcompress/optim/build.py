@@ -22,13 +22,8 @@ from .zoadam import ZeroOneAdam
 _PATH = "optimizer.params"
 _ONEBIT = {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb}
 _NAMES = "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb"
-# Why stage 1 (shard_state) is not offered; the optimizers' constructors raise the same reasons.
-_NO_SHARD = {
-    "zerooneadam": "its local steps move every rank's parameters by that rank's own momentum between "
-                   "synchronisations, so parameters differ across ranks and cannot be rebuilt from owned slices",
-    "onebitlamb": "its per-parameter trust ratio needs norms of whole parameters and updates; summing them "
-                  "from slices changes the summation order, so it would not match stage 0",
-}
+# Why stage 1 (shard_state) is not offered; each optimizer's constructor raises the same reason.
+_NO_SHARD = {"zerooneadam": ZeroOneAdam.NO_SHARD, "onebitlamb": OneBitLamb.NO_SHARD}
 # Keys DeepSpeed accepts for Adam that steer its own kernel choice; nothing to do for us.
 _ADAM_IGNORED = ("torch_adam", "fused")
 

@@ -28,6 +28,9 @@ log = logging.getLogger("qcompress")
 
 
 class OneBitLamb(CompressedOptimizer):
+    # why shard_state (ZeRO stage 1) is refused; build_optimizer gives the same reason
+    NO_SHARD = ("its per-parameter trust ratio needs norms of whole parameters and updates; summing them "
+                "from slices changes the summation order, so it would not match stage 0")
     _COUNTERS = {"step": 0, "frozen": False, "var_steps": 0, "scaled": False}
 
     def __init__(self, params, deepspeed=None, lr=1e-3, freeze_step=100000, bias_correction=True,
@@ -37,9 +40,7 @@ class OneBitLamb(CompressedOptimizer):
                  compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
                  ddp_hook_state=None, shard_state=False):
         if shard_state:
-            from .build import _NO_SHARD
-            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by OneBitLamb: "
-                             f"{_NO_SHARD['onebitlamb']}")
+            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by OneBitLamb: {self.NO_SHARD}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
         check_positive_int("freeze_step", freeze_step)
         if not 0.0 <= min_coeff <= max_coeff:

@@ -32,6 +32,9 @@ from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_
 
 
 class ZeroOneAdam(CompressedOptimizer):
+    # why shard_state (ZeRO stage 1) is refused; build_optimizer gives the same reason
+    NO_SHARD = ("its local steps move every rank's parameters by that rank's own momentum between "
+                "synchronisations, so parameters differ across ranks and cannot be rebuilt from owned slices")
     _COUNTERS = {"step": 0, "frozen": False, "var_steps": 0, "var_interval": 1, "var_counter": 0,
                  "local_step_interval": 1, "local_step_counter": 0, "lrs": [], "decay": []}
 
@@ -42,9 +45,7 @@ class ZeroOneAdam(CompressedOptimizer):
                  bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None, ddp_hook_state=None,
                  shard_state=False, scale_per_tensor=True):
         if shard_state:
-            from .build import _NO_SHARD
-            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by ZeroOneAdam: "
-                             f"{_NO_SHARD['zerooneadam']}")
+            raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by ZeroOneAdam: {self.NO_SHARD}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
         check_positive_int("var_freeze_step", var_freeze_step)
         check_positive_int("var_update_scaler", var_update_scaler)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -26,17 +26,10 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..nn.layers import CompressMixin, kind_of
 from .masks import ORDER
-
-RELATED_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
-                 "channel_pruning": ("conv", "batchnorm")}
+from .related import ChannelMaskHook, head_sections, pairs, weight_matrix
 
 
 # --- tensor surgery ----------------------------------------------------------------------------
-
-def _matrix(mod) -> torch.Tensor:
-    w = mod.weight.data
-    return w.t() if kind_of(mod) == "hf_conv1d" else w
-
 
 def _set_weight(mod, view: torch.Tensor) -> None:
     w = view.t() if kind_of(mod) == "hf_conv1d" else view
@@ -93,7 +86,7 @@ def _whole_groups(wq, dim: int, n: int, groups: int, keep: torch.Tensor):
 
 def _drop_outputs(mod, keep: torch.Tensor) -> None:
     """Keep output rows/channels `keep` (index tensor) of a Linear / HF Conv1D / Conv."""
-    _set_weight(mod, _matrix(mod).index_select(0, keep))
+    _set_weight(mod, weight_matrix(mod).index_select(0, keep))
     if getattr(mod, "bias", None) is not None:
         _set_bias(mod, mod.bias.data.index_select(0, keep))
     _slice_codes(mod, 0, keep)
@@ -112,7 +105,7 @@ def _drop_inputs(mod, keep: torch.Tensor) -> None:
     if kind_of(mod) == "conv" and mod.groups != 1:
         raise ConfigError("", f"{getattr(mod, 'qc_name', type(mod).__name__)}: cannot drop input "
                               f"channels of a grouped convolution (groups={mod.groups})")
-    _set_weight(mod, _matrix(mod).index_select(1, keep))
+    _set_weight(mod, weight_matrix(mod).index_select(1, keep))
     _slice_codes(mod, 1, keep)
     kind = kind_of(mod)
     if kind == "linear":
@@ -134,37 +127,6 @@ def _drop_bn(mod, keep: torch.Tensor) -> None:
     mod.num_features = len(keep)
 
 
-# --- pairing -----------------------------------------------------------------------------------
-
-def _pairs(tech: str, group, primaries: List[str], modules: Dict[str, nn.Module]):
-    """[(primary names, [(related regex, related names)])], one entry per `modules` regex."""
-    path = f"compression_training.{tech}.different_groups.{group.name}.related_modules"
-    patterns = group.modules if group.modules is not None else (None,)
-    related = group.related_modules
-    if len(related) != len(patterns):
-        raise ConfigError(path, f"has {len(related)} entries but the group has {len(patterns)} "
-                                "module patterns; they pair by position")
-    kinds = RELATED_KINDS[tech]
-    taken = set()
-    out = []
-    for pat, rel_patterns in zip(patterns, related):
-        prim = [n for n in primaries if n not in taken and (pat is None or re.search(pat, n))]
-        taken.update(prim)
-        rels = []
-        for rp in rel_patterns:
-            names = [n for n, m in modules.items() if n and kind_of(m) in kinds and re.search(rp, n)]
-            if len(names) != len(prim):
-                raise ConfigError(path, f"related regex {rp!r} matches {len(names)} module(s) "
-                                        f"{names[:6]}{'...' if len(names) > 6 else ''} but modules "
-                                        f"regex {pat!r} matched {len(prim)} pruned module(s) "
-                                        f"{prim[:6]}{'...' if len(prim) > 6 else ''}; the j-th related "
-                                        "module takes the j-th primary's mask, so the counts must "
-                                        "be equal (tighten the regex)")
-            rels.append((rp, names))
-        out.append((prim, rels))
-    return out
-
-
 def _check(cond, tech, group, msg):
     if not cond:
         raise ConfigError(f"compression_training.{tech}.different_groups.{group.name}.related_modules", msg)
@@ -175,7 +137,7 @@ def _check(cond, tech, group, msg):
 def _zero(mod, tech, state, mask: torch.Tensor) -> None:
     """Multiply the mask in permanently (no shape change)."""
     m = mask.to(mod.weight.dtype)
-    view = _matrix(mod)
+    view = weight_matrix(mod)
     if tech == "head_pruning":
         out, inp = view.shape
         view = (view.t().reshape(state.num_heads, -1) * m.reshape(-1, 1)).reshape(inp, out).t()
@@ -210,7 +172,7 @@ def _zero_codes(mod, tech, state, mask) -> None:
 def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
     keep = mask.reshape(-1).nonzero().flatten()
     if tech in ("row_pruning", "channel_pruning"):
-        n_out = _matrix(mod).shape[0]
+        n_out = weight_matrix(mod).shape[0]
         _drop_outputs(mod, keep)
         for rp, names in rels:
             r = modules[names[0]]
@@ -219,18 +181,19 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
                        f"{names[0]!r} has {r.num_features} features but {name!r} has {n_out} channels")
                 _drop_bn(r, keep)
             else:
-                _check(_matrix(r).shape[1] == n_out, tech, group,
-                       f"{names[0]!r} takes {_matrix(r).shape[1]} inputs but {name!r} has {n_out} outputs")
+                _check(weight_matrix(r).shape[1] == n_out, tech, group,
+                       f"{names[0]!r} takes {weight_matrix(r).shape[1]} inputs but {name!r} has "
+                       f"{n_out} outputs")
                 _drop_inputs(r, keep)
         return
     # head pruning: primary is the O-projection
     h = state.num_heads
-    inp = _matrix(mod).shape[1]
+    inp = weight_matrix(mod).shape[1]
     cols = (keep.reshape(-1, 1) * (inp // h) + torch.arange(inp // h, device=keep.device)).flatten()
     _drop_inputs(mod, cols)
     for rp, names in rels:
         r = modules[names[0]]
-        out = _matrix(r).shape[0]
+        out = weight_matrix(r).shape[0]
         sections, msg = head_sections(names[0], out, name, inp)
         _check(msg is None, tech, group, msg)
         if kind_of(r) != "hf_conv1d":
@@ -246,25 +209,6 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
         if parent_name not in parents_done:
             parents_done.add(parent_name)
             _update_heads(modules.get(parent_name), len(keep))
-
-
-def head_sections(rname: str, out: int, oname: str, inp: int):
-    """(number of [Q; K; V] sections in related module `rname`, None) or (0, why it cannot
-    follow the O-projection `oname`'s heads).
-
-    Each section must be exactly as wide as the O-projection's input: a fused projection holds
-    one block per head in each of its sections (GPT-2's c_attn: Q, K, V one after the other;
-    Bloom / GPT-NeoX: interleaved per head, which _slice handles). A narrower one is grouped-query
-    K / V (a key/value head serves several query heads, so removing one query head's block
-    of rows would remove a head other query heads still read); slicing it silently changed
-    the model's outputs.
-    """
-    if out >= inp and out % inp == 0:
-        return out // inp, None
-    return 0, (f"{rname!r} has {out} outputs, not a multiple of the {inp} head inputs of {oname!r}: "
-               "its heads are not the O-projection's (grouped-query K/V share a head among several "
-               "query heads and cannot follow a per-query-head mask); leave related_modules out to "
-               "zero the pruned heads without slicing")
 
 
 def _update_heads(parent, kept: int) -> None:
@@ -294,7 +238,7 @@ def clean_pruning(root: nn.Module, cfg) -> nn.Module:
             masks = {n: modules[n].qc_pruning[tech].final_mask(modules[n]) for n in primaries}
             if tech != "sparse_pruning" and group.related_modules:
                 parents_done = set()
-                for prim, rels in _pairs(tech, group, primaries, modules):
+                for prim, rels in pairs(tech, group, primaries, modules):
                     for j, n in enumerate(prim):
                         mod = modules[n]
                         _slice(tech, group, n, mod, mod.qc_pruning[tech], masks[n],
@@ -310,8 +254,7 @@ def clean_pruning(root: nn.Module, cfg) -> nn.Module:
 
 def _drop_stale_hooks(root: nn.Module) -> None:
     """Remove BatchNorm channel-mask hooks whose conv no longer carries channel pruning."""
-    from .setup import _ChannelMaskHook
     for mod in root.modules():
         for key, hook in list(mod._forward_hooks.items()):
-            if isinstance(hook, _ChannelMaskHook) and "channel_pruning" not in getattr(hook.conv, "qc_pruning", {}):
+            if isinstance(hook, ChannelMaskHook) and "channel_pruning" not in getattr(hook.conv, "qc_pruning", {}):
                 del mod._forward_hooks[key]

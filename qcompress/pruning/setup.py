@@ -8,7 +8,11 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..nn.layers import kind_of
 from .masks import l1_scores, topk_mask
+# PRIMARY_KINDS, related_of and the hook's old name stay importable from here
+from .related import PRIMARY_KINDS, ChannelMaskHook, head_sections, related_of, weight_matrix
+from .related import ChannelMaskHook as _ChannelMaskHook  # noqa: F401  (pickles name it here)
 from .state import PruningState
 
 TECHNIQUES = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
@@ -81,54 +85,17 @@ def drop_excluded(technique, names):
     return [n for n in names if not any(re.search(p, n) for p in excluded)]
 
 
-class _ChannelMaskHook:
-    """Forward hook on a BatchNorm2d that follows a channel-pruned conv: zero the pruned channels.
-
-    Without it, BN turns the conv's zeroed channels into a constant beta - gamma*mean/std that the
-    next layer consumes, so the masked model would differ from the sliced one redundancy_clean
-    makes. It holds the conv itself (not a closure) so deepcopy keeps the pairing.
-    """
-
-    def __init__(self, conv):
-        self.conv = conv
-
-    def __call__(self, bn, inputs, output):
-        state = self.conv.qc_pruning.get("channel_pruning")
-        if state is None or not state.active:
-            return output
-        m = state.mask(self.conv).reshape(1, -1, *([1] * (output.dim() - 2)))
-        return output * m.to(output.dtype)
-
-
-PRIMARY_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
-                 "channel_pruning": ("conv",)}
-
-
-def related_of(technique, group, name, modules):
-    """Names of the related modules paired with primary `name` (ConfigError if counts differ)."""
-    from ..nn.layers import kind_of
-    from .clean import _pairs
-    kinds = PRIMARY_KINDS[technique]
-    primaries = [n for n, m in modules.items() if n and kind_of(m) in kinds
-                 and (group.modules is None or any(re.search(p, n) for p in group.modules))]
-    for prim, rels in _pairs(technique, group, primaries, modules):
-        if name in prim:
-            return [names[prim.index(name)] for _, names in rels]
-    return []
-
-
 # attention classes whose model-level ALiBi bias assumes every layer keeps the config's heads
 _ALIBI_ATTENTION = {"BloomAttention", "MptAttention"}
 
 
 def _check_related(module, technique, group, name, modules):
     """Validate the pairing at init (not only at clean); hook related BatchNorms for channels."""
-    from ..nn.layers import kind_of
-    from .clean import _matrix, head_sections
     for rname in related_of(technique, group, name, modules):
         related = modules[rname]
         if technique == "head_pruning" and kind_of(related) in ("linear", "hf_conv1d"):
-            _, msg = head_sections(rname, _matrix(related).shape[0], name, _matrix(module).shape[1])
+            out, inp = weight_matrix(related).shape[0], weight_matrix(module).shape[1]
+            _, msg = head_sections(rname, out, name, inp)
             owner = modules.get(name.rpartition(".")[0])
             if msg is None and type(owner).__name__ in _ALIBI_ATTENTION:
                 msg = (f"the heads of {name.rpartition('.')[0]!r} ({type(owner).__name__}) cannot be sliced "
@@ -138,4 +105,4 @@ def _check_related(module, technique, group, name, modules):
                 raise ConfigError(f"compression_training.head_pruning.different_groups.{group.name}"
                                   ".related_modules", msg)
         if technique == "channel_pruning" and kind_of(related) == "batchnorm":
-            related.register_forward_hook(_ChannelMaskHook(module))
+            related.register_forward_hook(ChannelMaskHook(module))
