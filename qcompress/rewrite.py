@@ -169,6 +169,7 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
             path = f"compression_training.{tech}.different_groups.{group.name}.modules"
             _check_attention_patterns(group, matched, internals, path)
             _check_unsupported(tech, group, unsupported, path)
+            experts.refuse_unsupported(tech, group.modules, names, SUPPORTS[tech], path)
             if tech == "channel_pruning":
                 _check_grouped_channel_slicing(group, matched, all_modules, path)
             for n in matched:
@@ -310,6 +311,12 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
         raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
                           f"module {module.qc_name!r} is a convolution; float-format activations are "
                           "per token or group of a Linear's input: leave it out")
+    width = module.weight_matrix_view(module.weight).shape[-1] if module.qc_kind != "embedding" else None
+    gsize = aq.group_size or floats.GROUP_SIZE.get(aq.format)
+    if aq.format != "int" and gsize and width and width % gsize:
+        raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
+                          f"module {module.qc_name!r} takes {width} inputs, not a multiple of the "
+                          f"{aq.format} activation groups of {gsize}; leave it out of the group's modules")
     aq.observer.momentum = shared.momentum
     return aq
 

@@ -300,3 +300,18 @@ def check_weight(part: ExpertMatrix, path: str) -> None:
     if wq.granularity == "tensor":
         wq.granularity = "channel"
         part.qc_per_expert_tensor = True
+
+
+def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> None:
+    """A regex of a technique that does not act on fused experts (pruning) selecting an experts
+    module or matrix is a ConfigError naming it; without `modules` the experts are left out."""
+    if patterns is None or "experts" in kinds:
+        return
+    from ..errors import ConfigError
+    import re
+    for i, p in enumerate(patterns):
+        for n, k in names:
+            if k == "experts" and (re.search(p, n) or re.search(p, owner_name(n))):
+                raise ConfigError(f"{path}[{i}]", f"{p!r} selects {n!r}, a fused mixture-of-experts "
+                                  f"Parameter, which {technique} does not act on (it is defined for Linear "
+                                  "and Conv weights); narrow the regex (e.g. exclude 'experts')")

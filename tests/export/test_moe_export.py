@@ -20,7 +20,8 @@ def cfg_w(bits=4, sym=True, gran="group", group_size=16, modules=(r"mlp\.experts
     if gran == "group":
         params["group_size"] = group_size
     return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "symmetric" if sym else "asymmetric"},
+        "shared_parameters": {"enabled": True, "quantization_type": "symmetric" if sym else "asymmetric",
+                              "quantize_weight_in_forward": True},
         "different_groups": {"wq": {"params": params, "modules": list(modules)}}}}}
 
 
