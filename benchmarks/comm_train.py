@@ -185,7 +185,7 @@ def render_world(res, world, link, args, cmd):
         ratio = f"{s / base:.2f}x" if base else "n/a"
         src = " (ring formula)" if name.startswith("Adam") else ""
         lines.append(f"| {name} | {phase} | {k} | {t:.3f} | {s:.2f} | {ratio} | {sent / 1e6:.2f} MB{src} |")
-    lines += ["", f"Targets (issue 4), P = {world}, N = {n}:", ""]
+    lines += ["", f"Targets, P = {world}, N = {n}:", ""]
     for name in ("1-bit Adam", "0/1 Adam"):
         rec = res.get(name, {}).get("phases", {}).get("compression")
         if rec:

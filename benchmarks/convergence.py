@@ -23,7 +23,7 @@ after engine.eval() (which synchronizes 0/1 Adam's ranks). Whole-run bytes: Engi
 (DDP's gradient all-reduce, broadcasts and the compressed path), max over ranks. Whole-run time:
 the training steps only (evaluation excluded), max over ranks, on the loopback shaped to --rate
 with tbf in a private network namespace (root, `ip` and `tc` needed; otherwise said so).
---write-results replaces the "## Compressed optimizers: convergence" section of benchmarks/RESULTS.md.
+--write-results replaces its section of benchmarks/results/comm.md.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def run_shaped(a, argv):
 
 # ------------------------------------------------------------------------------------------- report
 def render(res, a, link, cmd):
-    lines = [SECTION + " (issue 15)", "",
+    lines = [SECTION, "",
              f"`{cmd}`: a character-level GPT (4 x 128, {next(iter(next(iter(res.values()))[0].values()))['params']:,} "
              f"parameters) on Jane Austen's novels (5 % of the sections held out), trained through "
              f"qcompress.initialize (ZeRO stage 0 = DDP, fp32) on P gloo ranks (1 thread each), {link}. "
@@ -203,17 +203,6 @@ def render(res, a, link, cmd):
             lines.append(f"| {t} | " + " | ".join(f"{r0[n]['curve'][i][1]:.4f}" for n in r0) + " |")
         lines.append("")
     return "\n".join(lines)
-
-
-def write_section(text):
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    pattern = re.compile(r"^" + re.escape(SECTION) + r".*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text.rstrip() + "\n\n", old) if pattern.search(old) \
-        else old.rstrip() + "\n\n" + text.rstrip() + "\n"
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(new)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
@@ -258,7 +247,8 @@ def main(argv=None):
     text = render(res, a, link, cmd.strip())
     print(text)
     if a.write_results:
-        write_section(text)
+        import common
+        common.write_section("comm", "convergence", text, title="Communication")
     return 0
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import train_step  # noqa: E402  (model builders and the qcompress recipes of issue 13)
+import train_step  # noqa: E402  (model builders and the qcompress recipes)
 
 STEP_VARIANTS = ("fp32", "qc_w8a8", "qc_w4a8", "qc_w4", "qc_w8a8+sync")   # +sync: a NaN/Inf check per call
 

@@ -141,7 +141,7 @@ HEADER = ("| n | dtype | bits | range | granularity | rounding | copy ms | ours 
 
 
 def _targets(rows):
-    """Issue 3's targets on the 16M fp32 rows: forward >= 0.8x copy and >= 10x torch's op,
+    """The kernels' targets on the 16M fp32 rows: forward >= 0.8x copy and >= 10x torch's op,
     forward+backward <= 1.25x two copies."""
     big = [r for r in rows if r["n"] == 1 << 24 and r["dtype"] == "float32"]
     if not big:

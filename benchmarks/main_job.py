@@ -5,8 +5,8 @@ fine-tune of the same budget (the first run's --baseline; the others reuse it wi
     python benchmarks/main_job.py [--out runs/main_job] [--write-results]
 
 Prints the quality table (accuracy after training, PTQ, the reloaded export, transformers' load,
-size vs FP32, training time vs FP32); --write-results replaces the "## Main job" section of
-benchmarks/RESULTS.md. Needs the packaged workloads (`make workloads`).
+size vs FP32, training time vs FP32); --write-results replaces its section of
+benchmarks/results/quality.md. Needs the packaged workloads (`make workloads`).
 """
 from __future__ import annotations
 
@@ -116,17 +116,6 @@ def table(results, times=None) -> str:
     return "\n".join(lines)
 
 
-def write_results(section: str) -> None:
-    path = os.path.join(HERE, "RESULTS.md")
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    pattern = re.compile(r"^## Main job.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "main_job"))
@@ -135,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reuse-runs", action="store_true",
                    help="read the reports of an earlier run in --out; only measure the step times")
-    p.add_argument("--write-results", action="store_true", help="replace the Main job section of RESULTS.md")
+    p.add_argument("--write-results", action="store_true", help="replace its section of benchmarks/results/quality.md")
     a = p.parse_args(argv)
     model, data = workloads()
     results, first = [], None
@@ -162,8 +151,9 @@ def main(argv=None) -> int:
                + table(results, times) + "\n")
     print("\n" + section)
     if a.write_results:
-        write_results(section)
-        print(f"written to {os.path.join(HERE, 'RESULTS.md')}")
+        sys.path.insert(0, HERE)
+        import common
+        print(f"written to {common.write_section('quality', 'main-job', section, title='Compression quality')}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""QAT training step side by side (issue 13): step time and memory of FP32, qcompress (W8A8,
+"""QAT training step side by side: step time and memory of FP32, qcompress (W8A8,
 W4A8 g128, W4 weight-only g128), DeepSpeed 0.19.6 `init_compression` and torchao 0.18 QAT, on a
 MiniLM-size BERT and a Llama-style decoder of similar size (random init, built from a config).
 
@@ -289,7 +289,7 @@ def table(model_name, variants, times, errors, mem):
 
 
 def targets(model_name, times, mem):
-    """Met / missed lines for issue 13's targets."""
+    """Met / missed lines for the QAT step targets (memory, step time, peers)."""
     out = []
     if "fp32" not in times or "peak_rss_mb" not in mem.get("fp32", {}):
         return out

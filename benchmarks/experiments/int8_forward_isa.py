@@ -1,8 +1,8 @@
-"""Where `int8_forward: auto` pays (issue 13): one QAT step of the W8A8 / W4A8 g128 recipes with
+"""Where `int8_forward: auto` pays: one QAT step of the W8A8 / W4A8 g128 recipes with
 the integer forward at each instruction set the low-bit kernels can be held to, against FP32 and
 the float forward, interleaved in one process (min and median of --rounds steps after 2 warm-ups).
 
-    nice -n 10 .venv/bin/python benchmarks/int8_forward_isa.py [--models bert,llama] [--rounds 5]
+    nice -n 10 .venv/bin/python benchmarks/experiments/int8_forward_isa.py [--models bert,llama] [--rounds 5]
 
 The models and steps are benchmarks/train_step.py's; the integer rows force `int8_forward: true`.
 `auto` turns it on at avx512_vnni and amx only, where it is not slower than the float forward.
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
 import train_step  # noqa: E402  (sets the paths and offline flags)

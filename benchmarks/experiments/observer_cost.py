@@ -1,11 +1,11 @@
-"""What choosing weight ranges costs (issue 15's observers), side by side in one run: minmax, the
+"""What choosing weight ranges costs (the range observers), side by side in one run: minmax, the
 mse grid search and the input-weighted search (observer_kwargs.weight_by: inputs), each through
 the fused CPU kernel and through the torch reference (`backend="reference"`), and the weighted
 search with cross_groups (each row's groups chosen together against the whole E[u u^T]: the
 per-group kernel search, then quant/cross_groups.py's descent, torch only), on square weights and,
 with --lm, on a pretrained causal LM's own weights and input moments.
 
-    python benchmarks/observer_cost.py [--sizes 1024,4096] [--lm runs/gpt2-austen] [--threads 2]
+    python benchmarks/experiments/observer_cost.py [--sizes 1024,4096] [--lm runs/gpt2-austen] [--threads 2]
 
 Prints a markdown table: ms per weight matrix, seconds per million weights, and each search's
 time over minmax's and over the kernel's, and whether the two backends chose the same factors
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from qcompress.quant import kernels, observers          # noqa: E402
 from qcompress.quant.reference import make_spec         # noqa: E402
 

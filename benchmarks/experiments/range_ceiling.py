@@ -1,9 +1,9 @@
 """How much of a causal LM's PTQ perplexity excess any choice of weight ranges can remove.
 
-    python benchmarks/range_ceiling.py --lm runs/gpt2-austen [--finetuned RUN/checkpoints/fp32_finetuned.safetensors]
+    python benchmarks/experiments/range_ceiling.py --lm runs/gpt2-austen [--finetuned RUN/checkpoints/fp32_finetuned.safetensors]
         [--recipes w4_g32,w3_g32] [--steps 200] [--lr 1e-5] [--threads 1] [--out runs/range_ceiling/NAME.json]
 
-Issue 15 asks the mse observer alone to remove a third of the W4 g32 PTQ excess. The observers
+The quality target asks the mse observer alone to remove a third of the W4 g32 PTQ excess. The observers
 choose each group's range without the loss; this benchmark puts beside them what the loss itself
 can buy from the ranges: the same quantized model with every weight frozen and only its per-group
 scales trained (range learning's LSQ gradient, AdamW's default betas, no decay) on training
@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)

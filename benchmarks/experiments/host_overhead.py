@@ -1,10 +1,9 @@
 """Host (Python + dispatch) cost of a compress-aware layer: forward + backward of a stack of small
 Linears whose arithmetic is negligible, so the time is what each framework spends per layer call
-outside the math. On a GPU this cost is what kept the 384-wide QAT step CPU-bound (RESULTS.md,
-"On a GPU": about 0.4 ms per quantized layer against 22.8 ms of GPU work per step); here it is
-measured on the CPU, where it is the same Python and dispatch.
+outside the math. On a GPU this cost is what can keep a small QAT step CPU-bound (benchmarks/results/gpu.md);
+here it is measured on the CPU, where it is the same Python and dispatch.
 
-    nice -n 10 .venv/bin/python benchmarks/host_overhead.py [--layers 32] [--width 128] [--tokens 8]
+    nice -n 10 .venv/bin/python benchmarks/experiments/host_overhead.py [--layers 32] [--width 128] [--tokens 8]
         [--rounds 15] [--reps 20] [--variants ...] [--threads 1]
 
 Model: --layers x nn.Linear(width, width), input [2, tokens / 2, width]; one step = forward +
@@ -22,7 +21,7 @@ import sys
 import time
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 warnings.filterwarnings("ignore")

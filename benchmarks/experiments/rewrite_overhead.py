@@ -3,14 +3,14 @@ forward, dynamic 8-bit inputs) on a small CNN and a small transformer, each buil
 layers (fast path) and from subclasses with their own forward (composed path: TF-"same" padding
 convs, weight-standardized conv, scaled / LoRA / fused-QKV Linears).
 
-    .venv/bin/python benchmarks/rewrite_overhead.py [--threads 1] [--rounds 7] [--steps 5] [--label after]
+    .venv/bin/python benchmarks/experiments/rewrite_overhead.py [--threads 1] [--rounds 7] [--steps 5] [--label after]
 
 One step = forward + backward + SGD step (+ CompressionScheduler.step when compressed). FP32 and
 compressed copies alternate round by round, so machine load hits both alike; the table gives the
 best round's ms per step (the least disturbed by other jobs) and the ratio. A second table times
 one layer whose class only defers to nn.Linear / nn.Conv2d's forward: compressed on the fast path
 (inherited forward) and on the composed path (own forward), the same math, so the difference is
-what the composed mechanism costs per call. Prints markdown (paste into benchmarks/RESULTS.md).
+what the composed mechanism costs per call. Prints markdown.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
@@ -252,7 +252,7 @@ def main():
                 print(f"| {kind} | {layers} | - | - | - | fails: {err} |")
             else:
                 print(f"| {kind} | {layers} | {f:.2f} | {c:.2f} | {c / f:.2f} | |")
-    if hasattr(qc.nn.layers, "own_forward"):      # the composed path exists (issue 16 onwards)
+    if hasattr(qc.nn.layers, "own_forward"):      # the composed path exists in this version
         print()
         print("| one layer, fwd+bwd | input | FP32 us | W8A8 fast path us | W8A8 composed path us | composed - fast us |")
         print("|---|---|---:|---:|---:|---:|")

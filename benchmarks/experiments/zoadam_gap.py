@@ -2,7 +2,7 @@
 algorithm written here from the paper (Lu et al., "Maximizing communication efficiency for
 large-scale training via 0/1 Adam", ICLR 2023, Algorithm 1) and from DeepSpeed's variant.
 
-    python benchmarks/zoadam_gap.py [--steps 550] [--workers 2] [--write-results]
+    python benchmarks/experiments/zoadam_gap.py [--steps 550] [--workers 2]
 
 A character-level GPT (4 layers x 128, ~0.8M parameters) on BBC News text; P simulated workers
 each draw their own batch every step (seeded); lr 2e-3 with 5 % linear warmup and a cosine to 10 %;
@@ -27,19 +27,18 @@ local_step_clipper 16). Runs (weight decay 0, bias correction on everywhere):
 The 1-bit compressed all-reduce of the simulations is written here from its definition (worker
 error feedback, one scale per worker buffer, server averaging with server error, recompression).
 Validation loss every --eval-every steps (the workers' weights synchronized first) and the final
-one relative to Adam's are printed; --write-results replaces the "## 0/1 Adam: where the gap comes
-from" section of benchmarks/RESULTS.md.
+one relative to Adam's are printed, with the first step's per-tensor gradient RMS ratios that explain
+the gap (a probe: it prints, benchmarks/experiments/README.md keeps its question and answer).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import re
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
@@ -413,40 +412,46 @@ def section(results, a, seconds) -> str:
         notes.append(f"- local steps and the frozen variance alone (`paper_exact`, exact averaging): "
                      f"{final['paper_exact'] / adam:.3f}x Adam.")
     finding = ("\n\nFinding (numbers from the table):\n\n" + "\n".join(notes)) if notes else ""
-    return ("## 0/1 Adam: where the gap comes from (issue 15)\n\n"
-            f"`python benchmarks/zoadam_gap.py --steps {a.steps} --workers {a.workers}`: a character-level GPT "
+    return ("## 0/1 Adam: where the gap comes from\n\n"
+            f"`python benchmarks/experiments/zoadam_gap.py --steps {a.steps} --workers {a.workers}`: a character-level GPT "
             f"(4 x 128, {a.n_params:,} parameters) on BBC News text, {a.workers} workers x batch {a.batch} x "
             f"{a.ctx} characters, lr {a.lr} (5 % warmup, cosine to 10 %), no weight decay; 0/1 Adam "
             f"var_freeze_step {sch['var_freeze_step']}, var_update_scaler 16, local_step_scaler "
             f"{sch['local_step_scaler']}, local_step_clipper 16. Validation loss on held-out articles (the "
             f"workers' weights synchronized before each evaluation). {seconds:.0f} s on a shared 2-core CPU.\n\n"
-            + "\n".join(rows) + finding + EXPLAIN + "\n\nValidation loss by step:\n\n" + "\n".join(curve) + "\n")
+            + "\n".join(rows) + finding + explain(a.spread) + "\n\nValidation loss by step:\n\n" + "\n".join(curve) + "\n")
 
 
-EXPLAIN = """
+def grad_rms_spread(model, data, a) -> dict:
+    """Per-tensor RMS of the first step's averaged gradient over the whole model's RMS: what one
+    1-bit scale for the whole model does to each tensor (sent at the model's RMS, not its own)."""
+    vec = nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    g = torch.stack([grad_of(model, vec, *batch(data, 1, w, a.batch, a.ctx))[0] for w in range(a.workers)]).mean(0)
+    whole = float(g.square().mean().sqrt())
+    out, at = {}, 0
+    for name, p in model.named_parameters():
+        piece = g[at:at + p.numel()]
+        at += p.numel()
+        out[name] = float(piece.square().mean().sqrt()) / whole
+    return out
+
+
+def explain(spread: dict) -> str:
+    """Why one scale hurts, with this run's first-step gradient RMS ratios."""
+    lo = sorted(spread.items(), key=lambda kv: kv[1])
+    low = ", ".join(f"{v:.2f}x ({k})" for k, v in lo[:2])
+    high = ", ".join(f"{v:.1f}x ({k})" for k, v in lo[-3:][::-1])
+    return f"""
 
 Why one scale hurts: the 1-bit compressor sends sign(x) times one scale, the RMS of the whole
-compressed buffer. In this model the per-tensor gradient RMS at the first step spans 0.15x (position
-embeddings) and 0.24x (token embeddings) to 6-17x (the biases of proj, fc2, the final LayerNorm and
-the head) of the whole model's RMS. With one buffer for the model, every coordinate of the
-embeddings is sent at 4-7x its tensor's own magnitude and the biases at a fraction of theirs; error
-feedback repays the difference over later steps, but Adam divides each coordinate by its own frozen
-sqrt(v), so the embeddings take steps several times larger than Adam's and the biases lag. 0/1
-Adam compresses the *gradient* on most stage-1 steps, so this error enters every momentum update;
-the convergence section measures 1-bit Adam's compressed momentum both ways too. With one scale
-per tensor each tensor is sent at its own magnitude (DeepSpeed's fp32 path, by our reading of its
-code, does the same with one compressed all-reduce per parameter). qcompress's ZeroOneAdam therefore defaults to
-scale_per_tensor=True."""
-
-
-def write_results(text):
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    pattern = re.compile(r"^## 0/1 Adam: where the gap comes from.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text, old) if pattern.search(old) else old.rstrip() + "\n\n" + text
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(new)
-    os.replace(path + ".tmp", path)
+compressed buffer. In this model the per-tensor RMS of the first step's gradient, over the whole
+model's RMS, is lowest at {low} and highest at {high}. With one buffer for the model, every
+coordinate of the low tensors is sent at several times its tensor's own magnitude and the high ones
+at a fraction of theirs; error feedback repays the difference over later steps, but Adam divides
+each coordinate by its own frozen sqrt(v), so the low tensors take steps larger than Adam's and the
+high ones lag. 0/1 Adam compresses the *gradient* on most stage-1 steps, so this error enters every
+momentum update. With one scale per tensor each tensor is sent at its own magnitude, which is why
+qcompress's ZeroOneAdam defaults to scale_per_tensor=True."""
 
 
 def main(argv=None):
@@ -458,12 +463,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--runs", default="adam,ours,ds_pt,ours_flat,ds,paper,paper_pt,paper_exact")
-    p.add_argument("--write-results", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     data, val, vocab = corpus()
     model = make_model(vocab)
     a.n_params = sum(q.numel() for q in model.parameters())
+    a.spread = grad_rms_spread(model, data, a)
     t0 = time.perf_counter()
     results = {}
     for name in a.runs.split(","):
@@ -485,8 +490,6 @@ def main(argv=None):
               f"curve {[round(x, 3) for _, x in results[name]]}", flush=True)
     text = section(results, a, time.perf_counter() - t0)
     print(text)
-    if a.write_results:
-        write_results(text)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Weight-only float32 layers: int8 digits against the earlier float paths, side by side.
 
-    python benchmarks/lowbit_fp32.py [--threads 2] [--tokens 1 32 64 2048]
+    python benchmarks/experiments/lowbit_fp32.py [--threads 2] [--tokens 1 32 64 2048]
 
 For MiniLM's and GPT-2's layer shapes (384 -> 384, 384 -> 1536, 1536 -> 384) and the 2048-wide
 stack's, W4 group 128 and W8 per channel, symmetric: microseconds per `lowbit.linear` call (min over
@@ -10,7 +10,7 @@ QCOMPRESS_LOWBIT_FP32=pieces (the bf16 pieces on the bf16 tiles from 16 tokens, 
 below), the two timed back to back per shape. Needs AVX-512 VNNI, and AMX for 16 tokens or more;
 elsewhere both rows time the same kernel.
 
-    python benchmarks/lowbit_fp32.py --accuracy
+    python benchmarks/experiments/lowbit_fp32.py --accuracy
 
 instead prints how far each path's output is from the exact plan's end to end: all-MiniLM-L6-v2
 (`make workloads`) exported W4 g128 / W8 per channel, 4 x 64 tokens (tiles) and 1 x 8 (GEMV), the
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from qcompress.quant import lowbit  # noqa: E402
 
 SHAPES = ((384, 384), (1536, 384), (384, 1536), (2048, 2048))   # (out, in)
@@ -48,7 +48,7 @@ def accuracy():
     import transformers
     import qcompress
     from qcompress.export import export_quantized
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import inference                                   # its MiniLM folder and recipes
     transformers.logging.set_verbosity_error()
     folder = inference.minilm_folder()
