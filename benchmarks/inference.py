@@ -437,7 +437,7 @@ def main():
         text = fmt_section(args, d["bw"], d["bw_end"], rows)
         print(text)
         if not args.no_write:
-            common.write_section("inference", "fast-mode", text, title="Inference and export")
+            common.write_section("inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export")
         return
     if not lowbit.available():
         sys.exit("the qcompress extension with the lowbit kernels is not built (make build)")
@@ -458,7 +458,7 @@ def main():
     text = fmt_section(args, bw, bw_end, rows)
     print(text)
     if not args.no_write:
-        common.write_section("inference", "fast-mode", text, title="Inference and export")
+        common.write_section("inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export")
 
 
 if __name__ == "__main__":

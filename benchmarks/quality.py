@@ -373,9 +373,25 @@ def task_text(summary: dict) -> str:
     return text
 
 
+def headline(summary: dict) -> str:
+    """The index's short table: FP32, minmax PTQ, plain QAT and the best trained variant per recipe."""
+    metric = summary["metric"]
+    lines = [f"**{summary['title']}** ([details](results/quality.md))", "",
+             "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD + RL |", "|---|---:|---:|---:|---:|"]
+    for _, row in ordered(summary):
+        done = [row[v] for v in VARIANTS if row.get(v) is not None]
+        best = (max if metric == "accuracy" else min)(done) if done else None
+        lines.append(f"| {row['label']} | {fmt_metric(row.get('fp32'), metric)} | "
+                     f"{fmt_metric(row.get('ptq_minmax'), metric)} | {fmt_metric(row.get('qat'), metric)} | "
+                     f"{fmt_metric(best, metric)} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(task: str, summary: dict, cmd=None) -> str:
-    """Replace this task's section of benchmarks/results/quality.md (and the method note above it)."""
+    """Replace this task's section of benchmarks/results/quality.md (and the method note above it),
+    and its headline in benchmarks/RESULTS.md."""
     common.write_section("quality", "method", METHOD, title="Compression quality", header=False)
+    common.write_section(os.path.join(HERE, "RESULTS.md"), f"headline-{task}", headline(summary), cmd=cmd)
     return common.write_section("quality", task, task_text(summary), title="Compression quality", cmd=cmd)
 
 

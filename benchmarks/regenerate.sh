@@ -9,16 +9,16 @@ PY=.venv/bin/python
 what="${1:-all}"
 
 micro() {
-  $PY benchmarks/export.py --repeats 3
-  $PY benchmarks/checkpoint_cost.py --rounds 3 --write-results
-  $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
-  $PY benchmarks/comm_train.py --worlds 2
   $PY benchmarks/kernels.py --reps 5 --allocators default --write-results
   # the QAT step on this CPU's best ISA, then held to AVX2 (torch's kernels and the extension's)
-  $PY benchmarks/train_step.py --models bert --variants fp32,qc_w8a8,qc_w4a8,qc_w4,qc_w8a8_float,qc_w4a8_float \
-      --rounds 3 --mem-jobs 1 --write-results
+  $PY benchmarks/train_step.py --models bert --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
   ATEN_CPU_CAPABILITY=avx2 QCOMPRESS_LOWBIT_ISA=avx2 $PY benchmarks/train_step.py --models bert \
-      --variants fp32,qc_w8a8,qc_w4a8,qc_w4,qc_w8a8_float,qc_w4a8_float --rounds 3 --mem-jobs 1 --write-results
+      --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
+  $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 5
+  $PY benchmarks/export.py --repeats 3
+  $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
+  $PY benchmarks/comm_train.py --worlds 2
+  $PY benchmarks/checkpoint_cost.py --rounds 3 --write-results
   $PY benchmarks/nvme_offload.py --steps 4 --rounds 1 --write-results
   $PY benchmarks/pld.py --steps 150 --eval-every 25 --write-results
 }
@@ -26,10 +26,11 @@ micro() {
 quality() {
   # the causal LM is made here, pinned to a step count (the same checkpoint on any machine)
   [ -f runs/gpt2-austen/config.json ] || $PY benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen --steps 150
-  $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128 --train-samples 320 --eval-samples 150 --threads 1
+  $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128 --train-samples 320 --eval-samples 150 \
+      --threads 1 --write-results
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32 --max-steps 20 --batch-size 8 \
       --eval-samples 32 --threads 1 --write-results
-  $PY benchmarks/inference.py --only stack,gpt2 --gpt2 runs/gpt2-austen --rounds 5
+  $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
 }
 
 case "$what" in

@@ -320,6 +320,21 @@ def int8_note():
     return f"low-bit kernels' ISA {lowbit.isa()}, so the recipes' int8_forward auto runs {on}"
 
 
+def headline(saved, isa):
+    """The index's line: each variant's step over FP32's, median [range] of the per-round ratios."""
+    out = []
+    for model_name, r in saved.items():
+        base = r["times"].get("fp32")
+        cells = []
+        for v, t in r["times"].items():
+            if v != "fp32" and base and len(t) == len(base):
+                q = sorted(x / y for x, y in zip(t, base))
+                cells.append(f"{LABELS[v]} {statistics.median(q):.2f}x [{q[0]:.2f}-{q[-1]:.2f}]")
+        out.append(f"- QAT step / FP32 step, {TITLES[model_name]}, {isa}: " + "; ".join(cells)
+                   + " ([details](results/train_step.md))")
+    return "\n".join(out) + "\n"
+
+
 def profile(model_name, variants, a):
     """Where a step's time goes: torch.profiler over 3 steps per variant (after 2 warm-up steps),
     the ops with the most self CPU time in ms per step, and the minor page faults and system time of
@@ -410,6 +425,8 @@ def main(argv=None):
         isa = os.environ.get("ATEN_CPU_CAPABILITY")    # a run held to an ISA gets its own section
         path = common.write_section("train_step", f"step-{isa}" if isa else "step", text,
                                     title="QAT training step vs FP32")
+        common.write_section(os.path.join(HERE, "RESULTS.md"), f"headline-step-{isa}" if isa else "headline-step",
+                             headline(saved, isa or "this CPU's best ISA"))
         print(f"written to {path}")
     return 0
 

@@ -39,6 +39,7 @@ def test_ternary_target_line_follows_the_numbers():
 
 def test_write_results_replaces_only_its_task_section(tmp_path, monkeypatch):
     monkeypatch.setattr(quality.common, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(quality, "HERE", str(tmp_path))                  # the index: tmp_path/RESULTS.md
     page = tmp_path / "quality.md"
     page.write_text("# Compression quality\n\nA hand-written note.\n\n<!-- generated: lm -->\nlm table\n"
                     "<!-- /generated: lm -->\n\n<!-- generated: classifier -->\nold table\n"
@@ -55,4 +56,6 @@ def test_write_results_replaces_only_its_task_section(tmp_path, monkeypatch):
     quality.write_results("classifier", s, cmd="python benchmarks/quality.py --task classifier --write-results")
     strip = lambda t: [ln for ln in t.splitlines() if not ln.startswith("> ")]   # header: date, load
     assert strip(page.read_text()) == strip(before)                                   # idempotent
-    assert sorted(os.listdir(tmp_path)) == ["quality.md"]                            # no temporary left
+    assert sorted(os.listdir(tmp_path)) == ["RESULTS.md", "quality.md"]              # no temporary left
+    index = (tmp_path / "RESULTS.md").read_text()
+    assert "<!-- generated: headline-classifier -->" in index and "| W8A8 | 0.9000 | 0.8000 | 0.8800 | 0.8800 |" in index
