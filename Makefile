@@ -9,7 +9,17 @@ BENCH_ARGS ?=
 
 DEPS_STAMP := $(VENV)/.deps-stamp
 WORKLOADS_STAMP := $(VENV)/.workloads-stamp
+# PURE_PYTHON=1: a pure-Python install, asked for by name; setup.py then skips the C++ extension
+# and the library and tests run the reference paths. Otherwise an extension that did not build or
+# load fails `make test` (tests/quant/test_extension_loaded.py). Each mode has its own build stamp,
+# so switching reinstalls.
+PURE_PYTHON ?=
+ifeq ($(PURE_PYTHON),1)
+export QCOMPRESS_PURE_PYTHON := 1
+BUILD_STAMP := $(VENV)/.build-stamp-pure
+else
 BUILD_STAMP := $(VENV)/.build-stamp
+endif
 # every source the editable install compiles (not the byte code or objects a build leaves there)
 CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.o' ! -name '*.so' 2>/dev/null)
 
@@ -42,6 +52,7 @@ workloads: $(WORKLOADS_STAMP)
 # Editable install; builds the csrc/ CPU extension in place when a compiler is present. Only
 # setup.py and csrc/ sources trigger a rebuild (after a torch change: make clean build).
 $(BUILD_STAMP): setup.py $(CSRC) | $(DEPS_STAMP)
+	rm -f $(VENV)/.build-stamp $(VENV)/.build-stamp-pure
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -97,4 +108,4 @@ bench-peers: $(DEPS_STAMP)
 	DS_BUILD_OPS=0 $(PIP) install -q deepspeed==0.19.6 "torchao==0.18.*"
 
 clean:
-	rm -rf build *.egg-info qcompress/*.so $(BUILD_STAMP)
+	rm -rf build *.egg-info qcompress/*.so $(VENV)/.build-stamp $(VENV)/.build-stamp-pure

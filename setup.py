@@ -1,7 +1,8 @@
 """Build qcompress and, when a C++ compiler is present, its csrc/ extension.
 
 QCOMPRESS_CUDA=0/1 forces the CUDA extension off/on (default: on when torch has CUDA and nvcc
-exists). QCOMPRESS_NO_EXT=1 skips the C++ extension (pure-torch reference only).
+exists). QCOMPRESS_PURE_PYTHON=1 (or its older name QCOMPRESS_NO_EXT=1) skips the C++ extension:
+a pure-Python install on the pure-torch reference, asked for by name (`make test PURE_PYTHON=1`).
 """
 import os
 
@@ -18,7 +19,7 @@ EXTRAS = {
 
 def extensions():
     """Build descriptions of the C++/CUDA extension (see csrc/build.py), or [] when not buildable."""
-    if os.environ.get("QCOMPRESS_NO_EXT") == "1":
+    if "1" in (os.environ.get("QCOMPRESS_PURE_PYTHON"), os.environ.get("QCOMPRESS_NO_EXT")):
         return [], {}
     try:
         import csrc_build  # noqa: F401  (csrc/build.py is exposed under this name below)

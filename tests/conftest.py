@@ -27,6 +27,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on the GPU (the rest of the suite sees none)")
 
 
+def pytest_report_header(config):
+    """Whether the kernel tests can run: they skip without the extension, and
+    tests/quant/test_extension_loaded.py fails then unless QCOMPRESS_PURE_PYTHON=1 asked for it."""
+    from qcompress.quant import kernels
+    if kernels.available():
+        return "qcompress C++ extension: loaded"
+    return f"qcompress C++ extension: NOT loaded ({kernels.load_error()}); the kernel tests skip"
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_marked_cuda(request, monkeypatch):
     """The suite is written for the CPU, and the engine and `qcompress train` take a GPU when torch

@@ -24,6 +24,8 @@ from .reference import Spec
 _error: Optional[str] = None
 _has_cuda = False
 try:
+    if os.environ.get("QCOMPRESS_PURE_PYTHON") == "1":   # asked for by name: even a built extension stays unused
+        raise ImportError("QCOMPRESS_PURE_PYTHON=1 asks for the pure-torch reference paths")
     from .. import _C  # noqa: F401  (registers torch.ops.qcompress.*)
     _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")
 except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
