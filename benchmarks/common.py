@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 RESULTS_DIR = os.path.join(HERE, "results")
 # the tracked folders whose local changes would change a figure (the header names them)
 _CODE_DIRS = ("qcompress/", "csrc/", "benchmarks/", "model_zoo/", "schedules/", "setup.py")
@@ -140,14 +142,10 @@ def ratio_value(times: Dict[str, Timing], num: str, den: str) -> float:
 # --- results pages --------------------------------------------------------------------------------
 
 def atomic_write(path: str, text: str) -> None:
-    """Write through a temporary file in the same folder and one rename."""
+    """Write through a temporary file in the same folder and one rename (qcompress's own writer)."""
+    from qcompress.train.report import atomic_write as write
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write(path, text)
 
 
 def page_path(page: str) -> str:

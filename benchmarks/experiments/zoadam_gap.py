@@ -47,6 +47,8 @@ import torch                                   # noqa: E402
 import torch.nn as nn                          # noqa: E402
 import torch.nn.functional as F                # noqa: E402
 
+from convergence import lr_at                  # noqa: E402  (5 % warmup, cosine to 10 %: the same schedule)
+
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
@@ -117,15 +119,6 @@ def batch(data, step, worker, bsz, ctx):
     x = torch.stack([data[s:s + ctx] for s in starts.tolist()])
     y = torch.stack([data[s + 1:s + ctx + 1] for s in starts.tolist()])
     return x, y
-
-
-def lr_at(step, steps, peak):
-    """lr of 1-based step `step`: 5 % linear warmup, cosine to 10 % of the peak."""
-    warm = max(1, steps // 20)
-    if step <= warm:
-        return peak * step / warm
-    frac = (step - warm) / max(1, steps - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 @torch.no_grad()
