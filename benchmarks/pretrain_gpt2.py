@@ -22,9 +22,9 @@ made here. Steps:
    pretrain_report.json; the folder is built beside --out and renamed into place, then read back
    with AutoTokenizer / AutoModelForCausalLM and checked to give the same ids and logits.
 
-Speed: bf16 autocast (`--bf16 auto`: when the CPU has AVX512-BF16) is about 3x faster than FP32 on a
-2-core EPYC; the weights and the optimizer stay FP32. One torch thread is the default: on a busy
-shared 2-core machine a second thread mostly waits (measured 3x slower per step with 2).
+Speed: bf16 autocast (`--bf16 auto`: when the CPU has AVX512-BF16) trains faster than FP32; the
+weights and the optimizer stay FP32. One torch thread is the default: on a busy shared machine a
+second thread mostly waits.
 """
 from __future__ import annotations
 
