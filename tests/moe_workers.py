@@ -1,0 +1,76 @@
+"""Rank-side code for tests/engine/test_moe_engine.py (spawned by tests/dist_utils.run_ranks): a
+tiny Qwen3-MoE causal LM with W4 g16 experts trained through the engine at a ZeRO stage, saved
+mid-way and resumed into a fresh engine. Returns plain data; the assertions live in the test."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import qcompress as qc
+from qcompress.engine import initialize
+from moe_fixtures import make_moe
+
+STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
+
+
+def make_cfg(stage, world, optimizer="AdamW"):
+    return {
+        "train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": optimizer, "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": stage},
+        "compression_training": {"weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 4, "quantization_period": 1,
+                                                   "granularity": "group", "group_size": 16},
+                                        "modules": [r"mlp\.experts"]}}}},
+    }
+
+
+def make_engine(cfg, seed=0):
+    model = make_moe("qwen3_moe", seed=seed).train()
+    return initialize(qc.init_compression(model, qc.load_config(cfg)), cfg)
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 96, (MICRO * world, SEQ), generator=g)
+    return x[rank * MICRO:(rank + 1) * MICRO]
+
+
+def train(engine, first, last, rank, world):
+    losses = []
+    for step in range(first, last):
+        x = batch(step, rank, world)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().double().item())
+    return losses
+
+
+def full(engine):
+    out = {}
+    for name, p in engine.module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone().cpu()
+    return out
+
+
+def run(rank, world, ckdir, stage, optimizer="AdamW"):
+    cfg = make_cfg(stage, world, optimizer)
+    engine = make_engine(cfg)
+    losses = train(engine, 0, SAVE_AT, rank, world)
+    engine.save_checkpoint(ckdir)
+    saved = full(engine)
+    tail = train(engine, SAVE_AT, STEPS, rank, world)
+    final = full(engine)
+    bits = engine.compression_scheduler.current_bits()
+    del engine
+    again = make_engine(cfg, seed=7)
+    again.load_checkpoint(ckdir)
+    loaded = full(again)
+    resumed = train(again, SAVE_AT, STEPS, rank, world)
+    return {"losses": losses + tail, "tail": tail, "saved": saved, "final": final, "loaded": loaded,
+            "resumed": resumed, "resumed_final": full(again), "bits": bits}
