@@ -25,7 +25,8 @@ micro() {
 
 quality() {
   # the causal LM is made here, pinned to a step count (the same checkpoint on any machine)
-  [ -f runs/gpt2-austen/config.json ] || $PY benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen --steps 150
+  [ -f runs/gpt2-austen/config.json ] || $PY benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen \
+      --steps 200 --layers 2 --d-model 256 --heads 4
   $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128 --train-samples 320 --eval-samples 150 \
       --threads 1 --write-results
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32 --max-steps 20 --batch-size 8 \
