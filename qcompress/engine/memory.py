@@ -88,17 +88,20 @@ def _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optim
     return out
 
 
-def _optimizer_state_bytes(optimizer) -> int:
+def _optimizer_state_bytes(optimizer, only=None) -> int:
+    """Bytes of the state tensors (of the parameters whose ids are in `only`, when given)."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
     total = 0
-    for state in local.state.values():
+    for p, state in local.state.items():
+        if only is not None and id(p) not in only:
+            continue
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 total += _local_bytes(value)
     return total
 
 
-def memory_report(module, optimizer, stage: int, offload: bool, nvme=None) -> Dict[str, int]:
+def memory_report(module, optimizer, stage: int, offload: bool, nvme=None, offloaded_ids=None) -> Dict[str, int]:
     """Measured bytes on this rank, in estimate_memory's categories.
 
     Parameters and optimizer state are measured from the live tensors (the local shard of a
@@ -116,7 +119,18 @@ def memory_report(module, optimizer, stage: int, offload: bool, nvme=None) -> Di
     offloaded = 0
     if nvme is not None:                 # the state in memory: scalars and the host buffers
         o_bytes += nvme.resident_bytes()
-    if offload:
+    if offloaded_ids and not (offload and all(id(p) in offloaded_ids for p in params)):
+        moved = [p for p in params if id(p) in offloaded_ids]
+        state = _optimizer_state_bytes(optimizer, offloaded_ids)
+        offloaded = state
+        o_bytes -= state
+        if offload:       # stages 2/3: those units' parameter shards and gradients live there too
+            p_local = sum(_local_bytes(p) for p in moved)
+            g_local = sum(_local_bytes(p) for p in moved if p.requires_grad)
+            offloaded += p_local + g_local
+            p_bytes -= p_local if stage == 3 else 0
+            g_bytes -= g_local
+    elif offload:
         offloaded = local + trainable_local + o_bytes
         p_bytes = full if stage == 2 else 0
         g_bytes = o_bytes = 0

@@ -206,20 +206,41 @@ def shard_units(model: nn.Module):
 
 
 def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload: bool,
-              dtype_name: Optional[str]):
+              dtype_name: Optional[str], pin_memory: bool = False, offload_ratio: float = 1.0):
     """fully_shard every module that owns parameters (tied ones together), then the root (FSDP2's
-    usual recipe)."""
+    usual recipe). offload: CPUOffloadPolicy (pinned host memory with pin_memory, on CUDA); with
+    offload_ratio < 1, only for the first units in module order holding at most that share of the
+    parameter bytes (engine/offload.py). Returns the parameters whose units were offloaded."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    from .offload import choose_share
+
     mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
-    kwargs = dict(mesh=mesh, reshard_after_forward=(stage == 3),
-                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy(),
-                  mp_policy=MixedPrecisionPolicy(reduce_dtype=comm_dtype(dtype_name)))
-    for unit in shard_units(model):
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    units = shard_units(model)
+    own = [[p for m in (u if isinstance(u, list) else [u]) for p in m.parameters(recurse=False)] for u in units]
+    order = {id(m): k for k, m in enumerate(model.modules())}
+    by_order = sorted(range(len(units)), key=lambda i: order[id(units[i][0] if isinstance(units[i], list)
+                                                              else units[i])])
+    moved = set()
+    if offload:
+        chosen = choose_share(by_order, offload_ratio, size=lambda i: sum(p.numel() * p.element_size()
+                                                                           for p in own[i]))
+        moved = set(chosen) if offload_ratio < 1.0 else set(range(len(units)))
+    cpu = CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda")
+    mp = MixedPrecisionPolicy(reduce_dtype=comm_dtype(dtype_name))
+    offloaded = []
+    for i, unit in enumerate(units):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp,
+                    offload_policy=cpu if i in moved else OffloadPolicy())
+        if i in moved:          # after fully_shard: its sharded Parameters replaced the originals
+            offloaded += [p for m in (unit if isinstance(unit, list) else [unit]) for p in m.parameters(recurse=False)]
+    whole = offload and offload_ratio >= 1.0
+    fully_shard(model, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp,
+                offload_policy=cpu if whole else OffloadPolicy())
+    if whole:
+        offloaded += list(model.parameters(recurse=False))
+    return model, offloaded
 
 
 def build_zero1(params, factory, group):

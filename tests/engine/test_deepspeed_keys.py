@@ -1,0 +1,156 @@
+"""DeepSpeed keys the engine acts on: seed, offload_optimizer (stage 1, ratio, pin_memory) and the
+consolidated 16-bit save. Oracles: Python / NumPy / torch seeded directly, parameter sizes counted
+here, a run without offload, the model's own state_dict cast."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+import qcompress
+from dist_utils import run_ranks
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _cfg(**extra):
+    doc = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    doc.update(extra)
+    return doc
+
+
+def _train(engine, steps=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def _draws():
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def _seeded_rank(rank, world):
+    random.seed(99)              # every rank disturbed differently before initialize
+    torch.manual_seed(1000 + rank)
+    engine = qcompress.initialize(_mlp(), _cfg(seed=7))
+    draws = _draws()
+    late = nn.Linear(4, 4)       # initialised after initialize: the seeded generator
+    order = torch.randperm(10)   # a shuffle's first batch
+    return draws, late.weight.detach().clone(), order, engine.world_size
+
+
+def test_seed_gives_every_rank_the_same_draws_and_init():
+    out = run_ranks(_seeded_rank, 2)
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    late, order = nn.Linear(4, 4).weight.detach(), torch.randperm(10)
+    for draws, weight, perm, world in out:
+        assert world == 2
+        assert draws[0] == expected[0] and draws[1] == expected[1] and torch.equal(draws[2], expected[2])
+        assert torch.equal(weight, late) and torch.equal(perm, order)
+
+
+def _offload_zero(ratio):
+    return {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": ratio}}
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.7, 1.0])
+def test_stage1_cpu_offload_ratio_counts_that_share_and_trains_alike(ratio):
+    plain = qcompress.initialize(_mlp(), _cfg())
+    _train(plain)
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=_offload_zero(ratio)))
+    _train(engine)
+    for a, b in zip(plain.module.parameters(), engine.module.parameters()):
+        assert torch.equal(a, b)         # the update is the optimizer's own arithmetic
+    # oracle: the leading parameters, in module order, within ratio of the bytes; AdamW's
+    # per-parameter state is two moments shaped like the parameter plus a scalar step
+    params = list(engine.module.parameters())
+    total = sum(p.numel() * 4 for p in params)
+    chosen, taken = [], 0
+    for p in params:
+        if taken + p.numel() * 4 > ratio * total:
+            break
+        chosen.append(p)
+        taken += p.numel() * 4
+    step_bytes = engine.optimizer.state[params[0]]["step"].numel() * 4
+    want = sum(2 * p.numel() * 4 + step_bytes for p in chosen)
+    report = engine.memory_report()
+    assert report["offloaded"] == want
+    all_state = sum(2 * p.numel() * 4 + step_bytes for p in params)
+    assert report["optimizer_state"] == all_state - want
+    assert 0 < want <= ratio * all_state + len(chosen) * step_bytes
+
+
+def test_stage0_cpu_offload_is_still_refused_by_name():
+    with pytest.raises(qcompress.ConfigError, match="zero_optimization.stage"):
+        qcompress.initialize(_mlp(), _cfg(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}))
+
+
+def test_pin_memory_on_cpu_training_warns_and_stays_pageable(caplog):
+    zero = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    with caplog.at_level("WARNING", logger="qcompress.engine"):
+        engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero))
+    assert "pin_memory" in caplog.text
+    assert engine.optimizer_offload.pin is False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a CUDA device")
+@pytest.mark.parametrize("pin", [True, False])
+def test_pin_memory_on_cuda_pins_the_offloaded_state(pin):
+    zero = {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": pin, "ratio": 0.5}}
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero), device="cuda")
+    _train(engine, steps=2, seed=3)
+    off = engine.optimizer_offload
+    assert off.pin is pin and off.params
+    for p in engine.module.parameters():
+        moments = [v for k, v in engine.optimizer.state[p].items() if k != "step"]
+        where = {v.device.type for v in moments}
+        if id(p) in off.ids:
+            assert where == {"cpu"} and p.device.type == "cuda"
+        else:
+            assert where == {"cuda"}
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_save_16bit_model_is_the_state_dict_cast(tmp_path, precision, dtype):
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    engine = qcompress.initialize(_mlp(), _cfg(**extra))
+    _train(engine, steps=1)
+    assert engine.save_16bit_model(str(tmp_path), "m.safetensors")
+    saved = load_file(str(tmp_path / "m.safetensors"))
+    want = engine.module.state_dict()
+    assert saved.keys() == want.keys()
+    for k, v in want.items():
+        assert saved[k].dtype == dtype and torch.equal(saved[k], v.to(dtype))
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]    # no temporary left
+
+
+def _stage3_save(rank, world, folder, gather):
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": gather}
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero))
+    _train(engine, steps=2)
+    ok = engine.save_16bit_model(folder)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in engine.module.state_dict().items()}
+    return ok, full
+
+
+def test_stage3_16bit_save_gathers_the_shards_only_when_asked(tmp_path):
+    out = run_ranks(_stage3_save, 2, str(tmp_path / "on"), True, timeout=240)
+    assert all(ok for ok, _ in out)
+    saved = load_file(str(tmp_path / "on" / "model.safetensors"))
+    for k, v in out[0][1].items():
+        assert torch.equal(saved[k], v)
+    out = run_ranks(_stage3_save, 2, str(tmp_path / "off"), False, timeout=240)
+    assert not any(ok for ok, _ in out) and not (tmp_path / "off").exists()
