@@ -1,29 +1,21 @@
 """Typed schema of the top-level training keys of a DeepSpeed-style config."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ConfigError
 from .compile import Compile
 from .compression import CompressionConfig
+from .deepspeed_keys import TOP_LEVEL, warn_unused
 from .pld import ProgressiveLayerDrop
 from .schema import field, join, parse
 
 OPTIMIZER_TYPES = ("adam", "adamw", "lamb", "sgd", "onebitadam", "zerooneadam", "onebitlamb")
 SCHEDULER_TYPES = ("warmuplr", "warmupdecaylr", "warmupcosinelr", "onecycle")
 
-# DeepSpeed keys we accept so existing ds_config.json files load, but do not act on.
-IGNORED_DEEPSPEED_KEYS = (
-    "steps_per_print", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-    "zero_allow_untested_optimizer", "wandb", "comet",
-    "flops_profiler", "activation_checkpointing", "comms_logger", "dump_state", "elasticity",
-    "aio", "checkpoint", "data_efficiency", "curriculum_learning", "amp", "autotuning",
-    "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer", "seed",
-    "eigenvalue", "quantize_training", "sparse_attention", "pipeline", "nebula",
-    "hybrid_engine", "data_types", "timers", "dataloader_drop_last",
-)
+# DeepSpeed sections and keys with no use here: accepted, warned about once (deepspeed_keys.py)
+IGNORED_DEEPSPEED_KEYS = tuple(TOP_LEVEL)
 
 
 # Keys that transformers' DeepSpeed integration lets a config leave as "auto" (it fills them from
@@ -126,7 +118,8 @@ class Offload:
     pipeline_read: bool = field(True, doc="nvme: read the next chunks during an update (DeepSpeed: false)")
     pipeline_write: bool = field(True, doc="nvme: write a chunk during the next updates (DeepSpeed: false)")
     fast_init: bool = field(False)
-    ratio: float = field(1.0, gt=0.0, le=1.0)
+    ratio: float = field(1.0, gt=0.0, le=1.0, doc="offload_optimizer: the share of the optimizer state "
+                         "offloaded (by parameter size, in module order); the rest stays on the training device")
     buffer_size: int = field(100_000_000, ge=1, doc="offload_param only (DeepSpeed's key; unused)")
     max_in_cpu: int = field(1_000_000_000, ge=0, doc="offload_param only (DeepSpeed's key; unused)")
 
@@ -147,7 +140,8 @@ class ZeroOptimization:
     stage3_param_persistence_threshold: int = field(100_000, ge=0)
     stage3_max_live_parameters: int = field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = field(1_000_000_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: bool = field(False)
+    stage3_gather_16bit_weights_on_model_save: bool = field(False, doc="stage 3: engine.save_16bit_model "
+                                                            "gathers the shards and writes the whole model")
     sub_group_size: int = field(1_000_000_000, ge=1)
 
     def _validate(self, path):
@@ -156,8 +150,14 @@ class ZeroOptimization:
                               "'nvme' (ZeRO-Infinity parameter offload) is not supported yet; use "
                               "offload_param.device: cpu (FSDP2 CPUOffloadPolicy, stages 2/3), or "
                               "offload_optimizer.device: nvme to keep the optimizer state on NVMe")
-        if self.stage == 0 and (self.offload_param.device == "cpu" or self.offload_optimizer.device == "cpu"):
-            raise ConfigError(join(path, "stage"), "offload needs ZeRO stage 2 or 3 (FSDP2); stage is 0")
+        if self.stage == 0 and self.offload_optimizer.device == "cpu":
+            raise ConfigError(join(path, "stage"), "offload_optimizer needs ZeRO stage 1, 2 or 3; stage is 0")
+        if self.stage < 2 and self.offload_param.device == "cpu":
+            raise ConfigError(join(path, "offload_param.device"), "'cpu' parameter offload needs ZeRO stage 3 "
+                              f"(or 2: FSDP2 CPUOffloadPolicy); stage is {self.stage}")
+        if self.offload_param.device != "none" and self.offload_param.ratio != 1.0:
+            raise ConfigError(join(path, "offload_param.ratio"), "applies to offload_optimizer only (DeepSpeed's "
+                              "partial offload); parameters are offloaded whole")
         nvme = self.offload_optimizer
         if nvme.device == "nvme":
             if self.stage == 0:
@@ -166,6 +166,20 @@ class ZeroOptimization:
             if not nvme.nvme_path:
                 raise ConfigError(join(path, "offload_optimizer.nvme_path"),
                                   "is required with offload_optimizer.device: nvme (a folder on a fast disk)")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointing:
+    """DeepSpeed's `activation_checkpointing` section: present, it makes the engine recompute the
+    model's transformer blocks in the backward (engine/checkpointing.py)."""
+    enabled: bool = field(True, doc="ext: false keeps the section without checkpointing")
+    number_checkpoints: Optional[int] = field(None, ge=0, doc="how many blocks are checkpointed (the first "
+                                              "ones); default all")
+    cpu_checkpointing: bool = field(False, doc="saved block inputs go to CPU memory until the backward")
+    partition_activations: bool = field(False)
+    contiguous_memory_optimization: bool = field(False)
+    synchronize_checkpoint_boundary: bool = field(False)
+    profile: bool = field(False)
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,11 @@ class Config:
     zero_optimization: ZeroOptimization = field(ZeroOptimization())
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
+    seed: Optional[int] = field(None, ge=0, doc="seeds Python, NumPy and torch on every rank in initialize; "
+                                "`qcompress train`'s data order unless --seed is given")
+    steps_per_print: int = field(10, ge=1, doc="the engine logs the step and learning rate every this many "
+                                 "steps; `qcompress train` writes a progress line as often when not on a terminal")
+    activation_checkpointing: Optional[ActivationCheckpointing] = field(None)
     comm_timeout_s: Optional[float] = field(None, gt=0.0, doc="ext: seconds a collective may wait for "
                                             "every rank (default 1800; engine/comm_timeout.py)")
     progressive_layer_drop: ProgressiveLayerDrop = field(ProgressiveLayerDrop())
@@ -226,12 +245,11 @@ def parse_config(doc: dict, source: str = "") -> Config:
     """Parse a merged document; DeepSpeed keys we do not implement are dropped with a warning."""
     if not isinstance(doc, dict):
         raise ConfigError(source, f"a config must be a mapping at the top level, got {type(doc).__name__}")
+    warn_unused(doc)
+    fields = set(Config.__dataclass_fields__)
     kept = {}
     for key, value in doc.items():
-        if key in IGNORED_DEEPSPEED_KEYS:
-            if key not in ("steps_per_print", "prescale_gradients", "seed"):
-                warnings.warn(f"config key {key!r} is a DeepSpeed setting qcompress does not implement; ignored",
-                              stacklevel=3)
+        if key in IGNORED_DEEPSPEED_KEYS and key not in fields:
             continue
         if key == "bfloat16":  # DeepSpeed's older alias
             key = "bf16"

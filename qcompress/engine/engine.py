@@ -27,7 +27,10 @@ from .lr_schedules import build_lr_scheduler
 from .memory import memory_report
 from .monitor import Monitor
 from .optimizers import build_optimizer, is_onebit
+from .offload import OptimizerOffload
 from .precision import LossScaler, autocast_dtype
+from .save16 import save_16bit_model
+from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
                    wrap_ddp, wrap_fsdp)
@@ -150,19 +153,19 @@ class Engine:
         zero = cfg.zero_optimization
         self.stage = zero.stage
         self.nvme_offload = zero.offload_optimizer.device == "nvme"
-        # CPUOffloadPolicy: parameters, gradients and the update on the CPU (with NVMe, the
-        # optimizer state streams from disk into that CPU update)
-        self.offload = (zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu"
-                        or (self.nvme_offload and zero.stage >= 2))
+        # CPUOffloadPolicy (stages 2/3): parameters, gradients and the update on the CPU (with NVMe,
+        # the optimizer state streams from disk into that CPU update); stage 1: engine/offload.py
+        self.offload = zero.stage >= 2 and (zero.offload_optimizer.device == "cpu" or zero.offload_param.device
+                                            == "cpu" or self.nvme_offload)
         self.onebit = is_onebit(cfg.optimizer)
         if self.onebit and self.nvme_offload:
             raise ConfigError("zero_optimization.offload_optimizer.device",
                               f"{cfg.optimizer.type} keeps compression errors beside its moments and steps them "
                               "all at once; 'nvme' offload streams plain optimizers (Adam, AdamW, Lamb, SGD) only")
-        if self.offload and self.stage < 2:
-            raise ConfigError("zero_optimization.stage",
-                              f"offload (CPUOffloadPolicy) needs FSDP2, i.e. stage 2 or 3; stage {self.stage} "
-                              "keeps parameters and optimizer state where the model is")
+        if self.onebit and zero.offload_optimizer.device == "cpu":
+            raise ConfigError("zero_optimization.offload_optimizer.device",
+                              f"{cfg.optimizer.type} runs its compressed all-reduce inside its step, on the "
+                              "training device; 'cpu' offload steps plain optimizers (Adam, AdamW, Lamb, SGD) only")
         if self.onebit and self.stage >= 2:
             raise ConfigError("zero_optimization.stage",
                               f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
@@ -200,12 +203,16 @@ class Engine:
                 broadcast_module_state(model, traffic=self.traffic)
             self._broadcast_compression_state()
         names_before = {id(p): n for n, p in model.named_parameters()}
+        offloaded = []
 
         self._hook = None
         self.sharded = self.stage >= 2
         if self.sharded:
-            self.wrapped = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
-                                     cfg.communication_data_type)
+            partial = (zero.offload_optimizer.ratio if zero.offload_param.device == "none"
+                       and zero.offload_optimizer.device == "cpu" else 1.0)
+            self.wrapped, offloaded = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
+                                                cfg.communication_data_type, pin_memory=self._pin(zero),
+                                                offload_ratio=partial)
             timer = TimedReduceScatter() if self.wall_clock_breakdown else None
             self._fsdp_counted = count_fsdp(model, self.traffic, timer)
             if self._fsdp_counted:
@@ -227,6 +234,12 @@ class Engine:
         params = self._resolve_params(model, model_parameters, names_before)
         self.optimizer = self._make_optimizer(params, cfg, optimizer, model)
         self.nvme = self._attach_nvme(zero) if self.nvme_offload else None
+        self.optimizer_offload = None     # stage 1 (and 0's DDP-less single process): engine/offload.py
+        if zero.offload_optimizer.device == "cpu" and not self.sharded:
+            self.optimizer_offload = OptimizerOffload(self._local_optimizer(), zero.offload_optimizer.ratio,
+                                                      self._pin(zero))
+        self._offloaded_ids = ({id(p) for p in offloaded} if self.sharded and self.offload else
+                               self.optimizer_offload.ids if self.optimizer_offload is not None else set())
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.scheduler)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._observers = self._static_observers(model)
@@ -244,6 +257,8 @@ class Engine:
         self.monitor = Monitor.from_config(cfg, self.rank)
         self._step_losses = []       # detached losses given to backward since the last boundary
         self._eval_guard = None      # forward pre-hook refusing eval on ranks with their own weights
+        if cfg.seed is not None:     # last: what the caller draws next is the seed's stream, on every rank
+            seed_everything(cfg.seed)
 
     # --- construction helpers ----------------------------------------------------------------
     @staticmethod
@@ -257,6 +272,14 @@ class Engine:
         if sched is not None:
             sched.start_step(0, resumed=True)
         return sched
+
+    def _pin(self, zero) -> bool:
+        """offload_*.pin_memory: page-locked host memory for the copies to and from a GPU."""
+        pin = zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory
+        if pin and self.device.type != "cuda" and self.rank == 0:
+            log.warning("zero_optimization.offload_*.pin_memory: training on %s, so nothing is copied to or "
+                        "from a GPU; host memory stays pageable", self.device)
+        return pin and self.device.type == "cuda"
 
     @staticmethod
     def _make_compression_scheduler(model, cfg):
@@ -447,6 +470,8 @@ class Engine:
         if self.pld is not None:
             self.pld.start_step(self.global_steps)   # theta for the next step, as DeepSpeed's update_state
         self._timers["step"] += self._elapsed(t0)
+        if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+            log.info("step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
         self._report_timers()
         if self.monitor.enabled:
             self._write_monitor_events()
@@ -669,7 +694,13 @@ class Engine:
 
     def memory_report(self) -> Dict[str, int]:
         """Bytes on this rank: parameters, gradients, optimizer state (see engine.memory)."""
-        return memory_report(self.module, self.optimizer, self.stage, self.offload, nvme=self.nvme)
+        return memory_report(self.module, self.optimizer, self.stage, self.offload, nvme=self.nvme,
+                             offloaded_ids=self._offloaded_ids)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's consolidated save (engine/save16.py). Collective: every rank calls it."""
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def counters(self) -> Dict[str, int]:
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
