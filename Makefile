@@ -97,7 +97,7 @@ cuda-check:
 	    csrc/cuda_ops.cpp || { rm -rf $$stub; exit 1; }; rm -rf $$stub; echo "host syntax ok: csrc/cuda_ops.cpp"; \
 	fi
 
-# Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/RESULTS.md.
+# Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/results/kernels.md.
 bench: $(BUILD_STAMP)
 	$(VPY) benchmarks/kernels.py $(BENCH_ARGS)
 
