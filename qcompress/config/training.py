@@ -8,6 +8,7 @@ from ..errors import ConfigError
 from .compile import Compile
 from .compression import CompressionConfig
 from .deepspeed_keys import TOP_LEVEL, warn_unused
+from .parallel import Pipeline, TensorParallel, warn_pipeline_keys
 from .pld import ProgressiveLayerDrop
 from .schema import field, join, parse
 
@@ -214,6 +215,8 @@ class Config:
     progressive_layer_drop: ProgressiveLayerDrop = field(ProgressiveLayerDrop())
     tensorboard: MonitorOutput = field(MonitorOutput())
     compile: Compile = field(Compile(), doc="torch.compile of the model by the engine (config/compile.py)")
+    tensor_parallel: TensorParallel = field(TensorParallel(), doc="DeepSpeed AutoTP (config/parallel.py)")
+    pipeline: Pipeline = field(Pipeline(), doc="pipeline parallelism (config/parallel.py)")
     csv_monitor: MonitorOutput = field(MonitorOutput())
     compression_training: CompressionConfig = field(CompressionConfig())
     raw: Dict[str, Any] = field({}, internal=True, doc="the merged input document, for export metadata")
@@ -246,6 +249,7 @@ def parse_config(doc: dict, source: str = "") -> Config:
     if not isinstance(doc, dict):
         raise ConfigError(source, f"a config must be a mapping at the top level, got {type(doc).__name__}")
     warn_unused(doc)
+    warn_pipeline_keys(doc)
     fields = set(Config.__dataclass_fields__)
     kept = {}
     for key, value in doc.items():
