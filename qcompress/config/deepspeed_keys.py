@@ -39,7 +39,6 @@ TOP_LEVEL: Dict[str, str] = {
     "data_types": "gradients accumulate in the parameters' dtype",
     "timers": "wall_clock_breakdown times forward, backward, the all-reduce and the step",
     "dataloader_drop_last": "the engine builds no data loader; the training loop decides",
-    "compile": "the model runs eagerly; wrap it in torch.compile yourself",
 }
 
 # zero_optimization keys
