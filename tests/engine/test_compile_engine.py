@@ -112,3 +112,17 @@ def test_bad_compile_keys_are_config_errors(section, path):
 def test_compile_off_by_default():
     assert qcompress.load_config(_doc()).compile.enabled is False
     assert qcompress.load_config(_doc({})).compile.backend == "inductor"
+
+
+def test_train_compile_option_switches_the_section_on(tmp_path):
+    from qcompress.train.args import build_parser, options_from
+    from qcompress.train.jobconfig import job_config
+    import yaml
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**_doc(), "compile": {"backend": "aot_eager", "kwargs": {"fullgraph": True}}}))
+    base = [str(cfg), "--model", "m", "--data", "d", "--task", "causal-lm", "--out", str(tmp_path / "o")]
+    off = job_config(options_from(build_parser().parse_args(base)))
+    on = job_config(options_from(build_parser().parse_args(base + ["--compile"])))
+    assert qcompress.load_config(off).compile.enabled is False
+    section = qcompress.load_config(on).compile
+    assert section.enabled and section.backend == "aot_eager" and section.kwargs == {"fullgraph": True}
