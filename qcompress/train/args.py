@@ -49,7 +49,14 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     length = t.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float, default=1.0, help="passes over the training data (default 1)")
     length.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps (overrides --epochs)")
-    t.add_argument("--seed", type=int, default=0, help="seed of the split, the head, the data order (default 0)")
+    t.add_argument("--seed", type=int, default=None,
+                   help="seed of the split, the head, the data order (default: the config's seed, else 0)")
+    t.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute the transformer blocks in the backward: less memory, more time (as the "
+                        "config's activation_checkpointing section)")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training (as the config's compile section with enabled: "
+                        "true; its backend and kwargs, default inductor)")
     t.add_argument("--baseline", action="store_true",
                    help="also fine-tune an FP32 copy with the same budget (fp32_finetuned) and take PTQ of it")
     t.add_argument("--baseline-from", metavar="RUN",
@@ -107,4 +114,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       eval_batch_size=ns.eval_batch_size, max_train_samples=ns.max_train_samples,
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
                       baseline_from=ns.baseline_from, device=ns.device, ptq_range_steps=ns.ptq_range_steps,
-                      progress=not ns.no_progress)
+                      progress=not ns.no_progress, gradient_checkpointing=ns.gradient_checkpointing,
+                      compile=ns.compile)

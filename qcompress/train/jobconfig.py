@@ -57,6 +57,14 @@ def job_config(opts: JobOptions) -> dict:
         doc = fill_auto(doc, cfg.auto_keys, opts)
     if not any(k in doc for k in BATCH_KEYS):
         doc["train_batch_size"] = opts.batch_size
+    if opts.seed is None:           # no --seed: the config's (DeepSpeed's `seed`) orders the data too
+        seed = doc.get("seed", 0)
+        opts.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+    if opts.gradient_checkpointing and doc.get("activation_checkpointing") is None:
+        doc["activation_checkpointing"] = {}
+    if opts.compile:                # --compile: the config's compile section, switched on
+        section = doc.get("compile")
+        doc["compile"] = dict(section if isinstance(section, dict) else {}, enabled=True)
     cc = doc.get("compression_training") or {}
     if not isinstance(cc, dict) or not cc:
         raise JobError(f"the configs {opts.configs} have no compression_training section: nothing to "

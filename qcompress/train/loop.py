@@ -166,8 +166,9 @@ def run(phase: Phase, start_step: int = 0) -> None:
     eng.train()
     bar = None
     if phase.progress and phase.rank == 0:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=phase.steps, initial=start_step, desc=phase.name, unit="step", dynamic_ncols=True)
+        from .progress import StepProgress
+        every = getattr(getattr(eng, "config", None), "steps_per_print", 10)
+        bar = StepProgress(phase.name, phase.steps, start_step, every)
     acc = eng.gradient_accumulation_steps
     t_run = time.perf_counter()
     try:
@@ -208,8 +209,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
             if not math.isfinite(loss) and eng.precision != "fp16":
                 raise _diverged(phase, step, f"the loss is {loss}")
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{eng.train_batch_size / elapsed:.1f}")
+                bar.update(loss, eng.train_batch_size / elapsed)
             done = step + 1
             if done == phase.steps or (phase.save_steps > 0 and done % phase.save_steps == 0):
                 save(phase, done, phase.prior_seconds + time.perf_counter() - t_run)

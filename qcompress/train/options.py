@@ -23,7 +23,7 @@ class JobOptions:
     max_length: int = 128
     epochs: float = 1.0
     max_steps: Optional[int] = None
-    seed: int = 0
+    seed: Optional[int] = 0         # None (no --seed): the config's seed, else 0 (job_config sets it)
     baseline: bool = False
     resume: bool = False
     overwrite: bool = False
@@ -37,6 +37,8 @@ class JobOptions:
     device: str = "auto"            # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
     ptq_range_steps: int = 0        # the ptq_learned stage (qcompress.learn_ranges); 0: none
     progress: bool = True
+    gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
+    compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -45,7 +47,7 @@ class JobOptions:
         the data by what was read from it (an edited data file is other data)."""
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
-                             "configs", "device")}
+                             "configs", "device", "gradient_checkpointing", "compile")}
         if not self.ptq_range_steps:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
