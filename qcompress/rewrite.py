@@ -30,7 +30,7 @@ log = logging.getLogger("qcompress")
 # Which module kinds each technique applies to.
 SUPPORTS = {
     "weight_quantization": ("linear", "conv", "embedding", "hf_conv1d", "experts"),
-    "activation_quantization": ("linear", "conv", "hf_conv1d"),
+    "activation_quantization": ("linear", "conv", "hf_conv1d", "experts"),
     "sparse_pruning": ("linear", "conv", "hf_conv1d"),
     "row_pruning": ("linear", "hf_conv1d"),
     "head_pruning": ("linear", "hf_conv1d"),
@@ -415,6 +415,8 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                         ranges.register_weight_ranges(mod, gpath)
                 elif tech == "activation_quantization":
                     mod.qc_aq = _act_quant(cfg, group, mod)
+                    if mod.qc_kind == "experts":
+                        experts.check_act(mod, gpath.rsplit(".", 2)[0])
                     if mod.qc_aq.range_learning:
                         ranges.register_input_ranges(mod, gpath)
                 else:

@@ -49,6 +49,7 @@ class ExpertMatrix(CompressMixin, nn.Module):
         self.qc_param = pname
         self.qc_layout = layout
         self.qc_per_expert_tensor = False      # granularity tensor: one scale per expert
+        self.qc_fast = None                    # load_quantized(mode="fast"): per-expert low-bit kernels
         self._qc_setup(name)
 
     @property
@@ -78,6 +79,15 @@ class ExpertMatrix(CompressMixin, nn.Module):
         """Expert e's [out, in] matrix of a tensor in the stored 3-D layout."""
         return w[e] if self.qc_layout == OUT_IN else w[e].t()
 
+    def expert_linear(self, x, w, e: Optional[int], bias, transposed: bool = False):
+        """x times expert e's matrix w (w: [out, in], or [in, out] when transposed), the input
+        quantized per token; on the low-bit kernel when loaded in fast mode."""
+        x = self.quantize_input(x)
+        if self.qc_fast is not None and e is not None:
+            y = self.qc_fast(x, e)
+            return y if bias is None else y + bias
+        return x @ w if transposed else F.linear(x, w, bias)
+
     def _apply(self, fn, recurse=True):
         return nn.Module._apply(self, fn, recurse)   # the owner moves the weight, then the state
 
@@ -100,15 +110,24 @@ class ExpertsForward:
 
     def forward(self, *args, **kwargs):
         params = self._parameters
+        parts = self.expert_parts()
         effective = {}
-        for part in self.expert_parts():
+        for part in parts:
             eff = part.effective_weight()
             if eff is not params[part.qc_param]:
                 effective[part.qc_param] = eff
         saved = {n: params[n] for n in effective}
         params.update(effective)
         try:
-            return super().forward(*args, **kwargs)
+            calls = [p for p in parts if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None]
+            if not calls:
+                return super().forward(*args, **kwargs)
+            with _ExpertCalls({id(params[p.qc_param]): p for p in calls}) as watch:
+                # the eager loop (transformers' experts implementations wrap it): each expert's
+                # product is a call the mode sees, on that expert's routed tokens only
+                out = eager_forward(experts_base(type(self)))(self, *args, **kwargs)
+            watch.check_seen(calls)
+            return out
         finally:
             params.update(saved)
 
@@ -190,6 +209,80 @@ class _Watch(TorchFunctionMode):
         return out
 
 
+def _expert_index(idx) -> Optional[int]:
+    if isinstance(idx, int):
+        return idx
+    if isinstance(idx, torch.Tensor) and idx.dim() == 0 and not idx.is_floating_point():
+        return int(idx)
+    return None
+
+
+class _ExpertCalls(TorchFunctionMode):
+    """Inside an experts forward: each product of a token batch with an expert matrix (F.linear(x,
+    W[e]), x @ W[e], and the batched implementation's bmm over W[expert_ids]) gets its input
+    quantized per token, and in fast mode runs on that expert's low-bit kernel. The model's own
+    routing code runs unchanged: each expert sees only its routed tokens."""
+
+    _MATMUL = (torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul)
+    _BMM = (torch.bmm, torch.Tensor.bmm)
+
+    def __init__(self, parts: Dict[int, "ExpertMatrix"]):
+        super().__init__()
+        self.src = {i: (p, None) for i, p in parts.items()}
+        self.keep = []           # derived tensors stay alive so their ids are not reused
+        self.seen = set()
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        # the mode is off while this runs: the quantizers' own ops are not watched
+        return self._call(func, args, kwargs or {})
+
+    def _call(self, func, args, kwargs):
+        if func is torch.Tensor.__getitem__ and id(args[0]) in self.src:
+            out = func(*args, **kwargs)
+            part, _ = self.src[id(args[0])]
+            self.src[id(out)] = (part, _expert_index(args[1]))
+            self.keep.append(out)
+            return out
+        if func is F.linear and len(args) > 1 and id(args[1]) in self.src:
+            part, e = self.src[id(args[1])]
+            self.seen.add(id(part))
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return part.expert_linear(args[0], args[1], e, bias)
+        if func in self._MATMUL and len(args) > 1 and id(args[1]) in self.src:
+            part, e = self.src[id(args[1])]          # x @ W[e], W[e] stored [in, out]
+            self.seen.add(id(part))
+            return part.expert_linear(args[0], args[1], e, None, transposed=True)
+        if func in self._BMM and len(args) > 1 and (id(args[0]) in self.src or id(args[1]) in self.src):
+            if id(args[1]) in self.src:                # x [S, 1, in] @ W [S, in, out]
+                part = self.src[id(args[1])][0]
+                self.seen.add(id(part))
+                return func(part.quantize_input(args[0]), args[1])
+            part = self.src[id(args[0])][0]            # W [S, out, in] @ x [S, in, 1]: tokens in columns
+            self.seen.add(id(part))
+            return func(args[0], part.quantize_input(args[1].transpose(-1, -2)).transpose(-1, -2))
+        return func(*args, **kwargs)
+
+    def check_seen(self, parts) -> None:
+        for part in parts:
+            if id(part) not in self.seen:
+                raise RuntimeError(f"{part.qc_name}: the experts forward multiplied no token batch by this "
+                                   "matrix through F.linear, matmul or bmm (another experts implementation, "
+                                   "e.g. grouped_mm?), so its input quantization / low-bit kernels cannot act; "
+                                   "set the model's experts_implementation to 'eager' or 'batched_mm'")
+
+
+def experts_base(cls: type) -> type:
+    """The model's experts class under the compress-aware (and FSDP) subclasses."""
+    return [c for c in cls.__mro__ if not issubclass(c, ExpertsForward)][0]
+
+
+def eager_forward(cls: type):
+    """The class's forward before transformers' experts-implementation dispatch (functools.wraps
+    keeps it as __wrapped__): the per-expert loop."""
+    fwd = cls.forward
+    return getattr(fwd, "__wrapped__", fwd)
+
+
 def _probe(module: nn.Module, params) -> Dict[str, str]:
     """Run the forward on one token routed to expert 0 and watch which axis each matrix contracts."""
     p0 = params[0][1]
@@ -202,7 +295,7 @@ def _probe(module: nn.Module, params) -> Dict[str, str]:
         watch = _Watch(params)
         try:
             with torch.no_grad(), watch:
-                module(x, idx, w)
+                eager_forward(type(module))(module, x, idx, w)
         except Exception:       # another signature or this hidden size is wrong: try the next
             continue
         if all(n in watch.layout for n, _ in params):
@@ -275,7 +368,7 @@ def detach(modules) -> None:
             for part in mod.expert_parts():
                 del mod._modules[part.qc_param]
             cls = type(mod)
-            mod.__class__ = [c for c in cls.__mro__[1:] if not issubclass(c, ExpertsForward)][0]
+            mod.__class__ = experts_base(cls)
             _rebind_saved_forward(mod, cls, type(mod), None)
         mod.__dict__.pop(_PARTS, None)
 
@@ -315,3 +408,16 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
                 raise ConfigError(f"{path}[{i}]", f"{p!r} selects {n!r}, a fused mixture-of-experts "
                                   f"Parameter, which {technique} does not act on (it is defined for Linear "
                                   "and Conv weights); narrow the regex (e.g. exclude 'experts')")
+
+
+def check_act(part: ExpertMatrix, path: str) -> None:
+    """Expert inputs are quantized per token (the tokens routed to each expert); a static range,
+    learned or not, would need one observer per expert, which is not implemented: refused by name."""
+    from ..errors import ConfigError
+    aq = part.qc_aq
+    if aq.calibration == "static":
+        raise ConfigError("compression_training.activation_quantization.shared_parameters.range_calibration",
+                          f"'static' asks for one input range for module {part.qc_name!r} (fused experts, "
+                          f"{part.matrix_shape()[0]} experts); expert inputs are quantized per token "
+                          "(dynamic) only: set range_calibration: dynamic, or leave the experts out of "
+                          f"{path}.modules")

@@ -193,3 +193,71 @@ def test_mse_observer_and_learned_ranges_are_per_expert():
     learned(x, labels=x).loss.backward()
     assert part.weight_scale.grad is not None and part.weight_scale.grad.abs().sum() > 0
     assert "model.layers.0.mlp.experts.down_proj.weight_scale" in learned.state_dict()
+
+
+def _act_cfg(wbits=8, abits=8, calibration="dynamic"):
+    cfg = cfg_w(wbits, True, "channel")
+    cfg["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "range_calibration": calibration, "schedule_offset": 0},
+        "different_groups": {"aq": {"params": {"bits": abits}, "modules": [EXPERTS]}}}
+    return cfg
+
+
+def _oracle_experts_forward(mod, abits):
+    """A reference experts forward: each expert on its routed tokens, both matrix inputs fake-
+    quantized per token, written from the routing rule (not the model's loop)."""
+    gu, dn = mod._parameters["gate_up_proj"], mod._parameters["down_proj"]
+    transposed = type(mod).__name__ == "GptOssExperts"
+
+    def lin(x, w, b):
+        x = fake_quantize(x, abits, granularity="token")
+        y = x @ w if transposed else x @ w.t()
+        return y if b is None else y + b
+
+    def forward(x, idx, weights):
+        out = torch.zeros_like(x)
+        for e in range(gu.shape[0]):
+            tok, pos = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            h = mod._apply_gate(lin(x[tok], gu[e], getattr(mod, "gate_up_proj_bias", None)[e]
+                                    if transposed else None))
+            o = lin(h, dn[e], mod.down_proj_bias[e] if transposed else None)
+            out.index_add_(0, tok, o * weights[tok, pos, None])
+        return out
+    return forward
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_inputs_quantized_per_token_match_a_reference_forward(family):
+    model = make_moe(family)
+    fp = copy.deepcopy(model)
+    qcompress.init_compression(model, _act_cfg())
+    ref = oracle_copy(fp, lambda m: fake_quantize(m, 8, granularity="channel"))
+    for name, mod in ref.named_modules():
+        if type(mod).__name__.endswith("Experts"):
+            mod.forward = _oracle_experts_forward(mod, 8)
+    x = tokens(model)
+    with torch.no_grad():
+        got, want = model(x).logits, ref(x).logits
+        weights_only = oracle_copy(fp, lambda m: fake_quantize(m, 8, granularity="channel"))(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, weights_only)          # the inputs were quantized
+
+
+def test_batched_experts_implementation_quantizes_inputs_too():
+    model = make_moe("qwen3_moe")
+    qcompress.init_compression(model, _act_cfg())
+    x = tokens(model)
+    with torch.no_grad():
+        eager = model(x).logits
+        model.config._experts_implementation = "batched_mm"
+        batched = model(x).logits
+    torch.testing.assert_close(batched, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_static_expert_input_ranges_are_refused_by_name():
+    model = make_moe("mixtral")
+    with pytest.raises(ConfigError, match=r"range_calibration.*model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        qcompress.init_compression(model, _act_cfg(calibration="static"))
+    assert not any(type(m).__name__ == "ExpertMatrix" for m in model.modules())
