@@ -94,7 +94,8 @@ cuda-check:
 	  stub=$$(mktemp -d); mkdir -p $$stub/c10/cuda/impl; : > $$stub/c10/cuda/impl/cuda_cmake_macros.h; \
 	  inc=$$($(VPY) -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))"); \
 	  $${CXX:-g++} -std=c++20 -fsyntax-only -DQC_WITH_CUDA=1 $$inc -I$$stub -I$$cudainc -Icsrc/include -Icsrc \
-	    csrc/cuda_ops.cpp || { rm -rf $$stub; exit 1; }; rm -rf $$stub; echo "host syntax ok: csrc/cuda_ops.cpp"; \
+	    csrc/cuda_ops.cpp csrc/cuda_floats.cpp || { rm -rf $$stub; exit 1; }; rm -rf $$stub; \
+	  echo "host syntax ok: csrc/cuda_ops.cpp csrc/cuda_floats.cpp"; \
 	fi
 
 # Prints the kernel tables; `make bench BENCH_ARGS=--write-results` records them in benchmarks/results/kernels.md.

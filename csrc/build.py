@@ -60,7 +60,7 @@ def extensions():
     sources = _sources("ops.cpp") + _sources("autograd.cpp") + _sources("cpu/*.cpp")
     if _want_cuda():
         nvcc = ["-O3", "--fmad=false"]
-        return [CUDAExtension("qcompress._C", sources + _sources("cuda_ops.cpp") + _sources("cuda/*.cu"),
+        return [CUDAExtension("qcompress._C", sources + _sources("cuda_ops.cpp") + _sources("cuda_floats.cpp") + _sources("cuda/*.cu"),
                               include_dirs=include, define_macros=[("QC_WITH_CUDA", "1")],
                               extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)]
     return [CppExtension("qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}, extra_link_args=link)]

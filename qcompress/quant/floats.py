@@ -286,7 +286,42 @@ def dequantize_codes(q: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
     return _untile(t.to(s.dtype) * s, q, spec).to(dtype)
 
 
-def _fake(x, spec, scale, gscale, want_mask):
+def _kernel_layout(x, spec):
+    """(x as [rows, cols], rows per scale, cols per scale) for the kernel: one scale per block."""
+    g = spec.granularity
+    if g == "block":
+        return x, BLOCK[0], BLOCK[1]
+    if g in ("tensor", "channel"):
+        x2 = x.reshape(x.shape[0], -1) if x.dim() else x.reshape(1, 1)
+        return x2, (x2.shape[0] if g == "tensor" else 1), max(1, x2.shape[1])
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, 1, (spec.group_size if g == "group" else max(1, x2.shape[1]))
+
+
+def _use_kernel(x, backend) -> bool:
+    if backend == "reference":
+        return False
+    from . import kernels
+    ok = kernels.available() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
+        torch.ops.qcompress.float_fake_quant.default.has_kernel_for_dispatch_key(
+            "CUDA" if x.is_cuda else "CPU") if kernels.available() else False
+    if backend == "kernel" and not ok:
+        raise RuntimeError(f"backend='kernel': no float_fake_quant kernel for {x.dtype} on {x.device}")
+    return ok
+
+
+def _fake_kernel(x, spec, scale, gscale):
+    """The csrc kernel (csrc/cpu/floats.cpp, csrc/cuda/floats.cu): same bits as _fake."""
+    s = scale.reshape(-1)
+    if gscale is not None and spec.scale_kind == "e4m3":
+        s = s / gscale
+    x2, br, bc = _kernel_layout(x, spec)
+    return torch.ops.qcompress.float_fake_quant(x2, s, br, bc, spec.bits).reshape(x.shape)
+
+
+def _fake(x, spec, scale, gscale, want_mask, backend=None):
+    if not want_mask and _use_kernel(x, backend):
+        return _fake_kernel(x, spec, scale, gscale), None
     t, s, scaled = _scaled(x, spec, scale, gscale)
     y = _codes(scaled, spec).to(scaled.dtype).to(s.dtype)
     y = y - torch.zeros((), dtype=s.dtype, device=s.device)
@@ -301,8 +336,8 @@ class _FloatSTE(torch.autograd.Function):
     """Straight-through: x^'s gradient passes to x (zeroed where clipped with clip_grad)."""
 
     @staticmethod
-    def forward(ctx, x, spec, scale, gscale, clip_grad):
-        y, mask = _fake(x.detach(), spec, scale, gscale, clip_grad)
+    def forward(ctx, x, spec, scale, gscale, clip_grad, backend):
+        y, mask = _fake(x.detach(), spec, scale, gscale, clip_grad, backend)
         ctx.clip = clip_grad
         if clip_grad:
             ctx.save_for_backward(mask)
@@ -313,13 +348,14 @@ class _FloatSTE(torch.autograd.Function):
         if ctx.clip:
             (mask,) = ctx.saved_tensors
             grad = grad * mask.to(grad.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def fake_quantize_float(x: torch.Tensor, spec: FloatSpec, *, scale=None, gscale=None,
-                        static_range=None, clip_grad=False) -> torch.Tensor:
+                        static_range=None, clip_grad=False, backend=None) -> torch.Tensor:
     """x quantized to spec's format and back (x's shape and dtype), straight-through gradient.
-    Scales come from x itself (weights, dynamic activations), from `static_range` or are given."""
+    Scales come from x itself (weights, dynamic activations), from `static_range` or are given.
+    backend: None (the kernel when built, else torch), "kernel" or "reference" (plain torch)."""
     if x.numel() == 0:
         return x
     if not torch.is_floating_point(x) or x.dtype == torch.float64:
@@ -327,9 +363,9 @@ def fake_quantize_float(x: torch.Tensor, spec: FloatSpec, *, scale=None, gscale=
     if scale is None:
         scale, gscale = qparams(x, spec, gscale, static_range)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FloatSTE.apply(x, spec, scale, gscale, bool(clip_grad))
+        return _FloatSTE.apply(x, spec, scale, gscale, bool(clip_grad), backend)
     with torch.no_grad():
-        return _fake(x, spec, scale, gscale, False)[0]
+        return _fake(x, spec, scale, gscale, False, backend)[0]
 
 
 def scale_grid_shape(shape, spec: FloatSpec) -> Tuple[int, ...]:

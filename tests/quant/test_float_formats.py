@@ -323,3 +323,60 @@ def test_schedule_steps_from_fp8_to_nvfp4_and_resumes_exactly():
     train(resumed, sched2, opt2, 8)
     for a, b in zip(end, (resumed[0].effective_weight().detach(), resumed[2].effective_weight().detach())):
         assert_bits_equal(b, a)
+
+
+# --- the csrc kernels against the reference ---------------------------------------------------
+
+KERNEL_CASES = [("fp8_e4m3", "tensor", None), ("fp8_e4m3", "channel", None), ("fp8_e4m3", "block", None),
+                ("fp8_e4m3", "token", None), ("fp8_e4m3", "group", 128), ("nvfp4", "group", 16),
+                ("mxfp4", "group", 32), ("mxfp8", "group", 32)]
+
+
+def _kernel_available():
+    from qcompress.quant import kernels
+    return kernels.available() and hasattr(torch.ops.qcompress, "float_fake_quant")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("fmt,gran,gs", KERNEL_CASES)
+def test_cpu_kernel_matches_reference(fmt, gran, gs, dtype):
+    if not _kernel_available():
+        pytest.skip("the csrc extension is not built (make build): no float_fake_quant kernel")
+    spec = floats.float_spec(fmt, gran, gs)
+    for shape in [(130, 256), (3, 7, 512)] if gran != "block" else [(130, 256), (200, 300)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+        x = x * torch.logspace(-6, 1 if dtype == torch.float16 else 3, x.shape[0]).reshape(-1, *([1] * (x.dim() - 1)))
+        rows = x.view(-1, x.shape[-1])
+        rows[1] = 0
+        rows[2, :20] = -0.0                   # signed zeros: +0 after the zero point, as there
+        rows[3, :4] = torch.tensor([1e-7, -1e-7, 3.0e-5, -2.5e-5])   # subnormal in fp16 / e4m3
+        x = x.to(dtype)
+        ref = floats.fake_quantize_float(x, spec, backend="reference")
+        got = floats.fake_quantize_float(x, spec, backend="kernel")
+        as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+        diff = got.view(as_int) != ref.view(as_int)
+        assert not diff.any(), f"{int(diff.sum())} differ: {got[diff][:4]} vs {ref[diff][:4]}"
+
+
+def test_kernel_gradient_is_straight_through():
+    if not _kernel_available():
+        pytest.skip("the csrc extension is not built (make build): no float_fake_quant kernel")
+    x = torch.randn(8, 64, requires_grad=True)
+    y = floats.fake_quantize_float(x, floats.float_spec("mxfp4", "group"), backend="kernel")
+    y.backward(torch.full_like(y, 3.0))
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_cuda_kernel_matches_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA kernel is only compiled here (make cuda-check)")
+    if not (_kernel_available() and torch.ops.qcompress.float_fake_quant.default.has_kernel_for_dispatch_key("CUDA")):
+        pytest.skip("the extension was built without CUDA (QCOMPRESS_CUDA=1 make build on a GPU machine)")
+    for fmt, gran, gs in KERNEL_CASES:
+        spec = floats.float_spec(fmt, gran, gs)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(130, 256) * 5).to(dtype)
+            ref = floats.fake_quantize_float(x, spec, backend="reference")
+            got = floats.fake_quantize_float(x.cuda(), spec, backend="kernel").cpu()
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (fmt, gran, dtype)
