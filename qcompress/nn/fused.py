@@ -185,6 +185,8 @@ def plan(mod, x, op: str) -> Optional[Plan]:
         return None     # masks multiply the weight and bias inside autograd: kept composed
     if torch.compiler.is_compiling():
         return None     # the shared-codes cache (weak references) is not traceable
+    if type(x).__name__ == "DTensor" or type(mod.weight).__name__ == "DTensor":
+        return None     # tensor parallel: the composed path reduces ranges over the group (nn/sharded.py)
     if op == "conv" and (mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
         return None     # F.pad or padding='same' run before the convolution: another graph
     wq = mod.qc_wq

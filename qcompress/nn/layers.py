@@ -31,7 +31,7 @@ from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scal
 from ..quant import floats
 from ..errors import NonFiniteError
 from ..quant.reference import make_spec
-from . import fused, ranges
+from . import fused, ranges, sharded
 from .state import ActQuant, WeightQuant
 
 _CLASS_CACHE: Dict[type, type] = {}
@@ -173,8 +173,10 @@ class CompressMixin:
             raise located(self, "weight", err) from None
 
     def _fake_quantize_weight_of(self, w, wq, spec, learned):
-        view = self.weight_matrix_view(w)
         spec = wq.spec() if spec is None else spec
+        if sharded.is_dtensor(w):    # tensor parallel: the shard, with the whole weight's scales
+            return sharded.fake_quantize_weight(self, self.weight_matrix_view(w), spec, wq.clip_grad)
+        view = self.weight_matrix_view(w)
         if floats.is_float(spec):
             return floats.fake_quantize_float(view, spec, clip_grad=wq.clip_grad)
         if wq.range_learning:
@@ -236,6 +238,8 @@ class CompressMixin:
     def _quantize_input_of(self, x: torch.Tensor) -> torch.Tensor:
         aq = self.qc_aq
         spec = self.input_spec()
+        if sharded.is_dtensor(x):    # tensor parallel: ranges of the whole input
+            return sharded.quantize_input(self, x, spec, aq, self.training, _recomputing())
         if floats.is_float(spec):    # static: the range sets FP8's scale, NVFP4's global scale
             rng = self.static_input_range(x, spec) if aq.calibration == "static" else None
             return floats.fake_quantize_float(x, spec, static_range=rng)
