@@ -139,14 +139,23 @@ def collect_experts(root: nn.Module):
     """({tensor name: tensor}, {Parameter name: manifest record}, [state_dict keys replaced])."""
     from ..nn.experts import ExpertMatrix
     tensors, records, replaced = {}, {}, []
+    from .codes import act_entry
     for name, mod in root.named_modules():
-        if not isinstance(mod, ExpertMatrix) or mod.qc_wq is None or not mod.qc_wq.active:
+        if not isinstance(mod, ExpertMatrix):
             continue
-        t, rec = part_entries(root, mod)
-        tensors.update(t)
+        act = act_entry(mod)             # per token, dynamic: arguments only, no tensors
+        if mod.qc_wq is not None and mod.qc_wq.active:
+            t, rec = part_entries(root, mod)
+            tensors.update(t)
+            replaced.append(name)
+            replaced.extend(f"{name}.{k}" for k in mod._parameters)    # learned ranges: in the codes
+        elif act is not None:
+            rec = {"kind": "experts", "group": mod.qc_aq.group, "format": "dense", "weights": None,
+                   "layout": mod.qc_layout, "shape": list(mod.weight.shape), "fused": None, "pieces": []}
+        else:
+            continue
+        rec["input_activations"] = None if act is None else act[0]
         records[name] = rec
-        replaced.append(name)
-        replaced.extend(f"{name}.{k}" for k in mod._parameters)    # learned ranges: in the codes
     return tensors, records, replaced
 
 
@@ -187,6 +196,7 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
     """Put each exported fused expert Parameter, dequantized (the trained effective weight bit for
     bit), into `tensors` under its state_dict name, taking its stored entries out."""
     params = dict(root.named_parameters())
+    modules = dict(root.named_modules())
     for name, rec in experts.items():
         where = f"{cfg_path}: experts {name!r}"
         if name not in params:
@@ -194,9 +204,13 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         have = list(params[name].shape)
         if have != rec["shape"]:
             raise CheckpointError(f"{where}: shape {rec['shape']} in the checkpoint but {have} in the given model")
+        part = _loaded_part(modules, name, rec)
+        if rec["weights"] is None:
+            continue
         e_n, a, b = rec["shape"]
         out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
         dtype = getattr(torch, rec["dtype"])
+        codes = _Codes(e_n, out, inp, rec)
         full = torch.empty(e_n, out, inp, dtype=dtype)
         if rec["fused"] is not None:
             todo = [(rec["fused"], e, 0, out) for e in range(e_n)]
@@ -205,6 +219,8 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         for saved, e, o0, r in todo:
             q, s, z, g = _piece_codes(tensors, saved, rec, r, inp, where, e if rec["fused"] is not None else None)
             full[e, o0:o0 + r] = dequantize_2d(q, s, z, g, dtype)
+            codes.put(e, o0, q, s, z)
+        part.__dict__["_qc_loaded_codes"] = codes        # for load_quantized(mode="fast")
         if rec["fused"] is not None:
             for suffix in SUFFIXES:
                 tensors.pop(tensor_name(rec["fused"], suffix), None)
@@ -239,3 +255,83 @@ def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dic
                   f"{', ...' if len(records) > 2 else ''}) are written under save_pretrained's tensor names "
                   "names; transformers cannot rebuild its fused experts from quantized entries and refuses "
                   "the export: use qcompress.load_quantized (see docs/moe.md)", stacklevel=3)
+
+
+def _loaded_part(modules, name: str, rec: dict):
+    """The ExpertMatrix of a loaded fused Parameter: quantizes its inputs as the export did and, in
+    fast mode, runs each expert on the low-bit kernels."""
+    from ..nn.experts import ExpertMatrix, attach
+    from ..nn.state import ActQuant
+    owner_name, pname = name.rsplit(".", 1)
+    part = ExpertMatrix(modules[owner_name], pname, rec["layout"], name)
+    act = rec.get("input_activations")
+    if act is not None:
+        part.qc_aq = ActQuant(group=rec["group"], bits=act["num_bits"], symmetric=act["symmetric"],
+                              calibration="dynamic", offset=0, per="token", active=True)
+    attach([part], always=True)
+    return part
+
+
+class _Codes:
+    """Each expert's integer codes, scales and zero points as loaded, [out, in] orientation."""
+
+    def __init__(self, e_n: int, out: int, inp: int, rec: dict):
+        w = rec["weights"]
+        self.rec, self.out, self.inp = rec, out, inp
+        self.q = torch.empty(e_n, out, inp, dtype=torch.int8)
+        ng = 1 if w["strategy"] != "group" else -(-inp // w["group_size"])
+        self.s = torch.empty(e_n, out, ng, dtype=torch.float32)
+        self.z = None if w["symmetric"] else torch.empty(e_n, out, ng, dtype=torch.int32)
+
+    def put(self, e, o0, q, s, z):
+        r = q.shape[0]
+        self.q[e, o0:o0 + r] = q
+        self.s[e, o0:o0 + r] = s.to(torch.float32).expand(r, -1)
+        if self.z is not None:
+            self.z[e, o0:o0 + r] = z.to(torch.int32).expand(r, -1)
+
+
+class _FastExperts:
+    """Expert e's product on the low-bit kernel (csrc/cpu/lowbit_gemm.cpp), weights prepacked once."""
+
+    def __init__(self, codes: _Codes):
+        from ..quant import lowbit
+        w = codes.rec["weights"]
+        self.lowbit, self.n, self.k = lowbit, codes.out, codes.inp
+        self.group = lowbit.kernel_group(w["strategy"], w["group_size"], codes.inp)
+        self.cbits = lowbit.container_bits(w["num_bits"])
+        self.packed = [lowbit.prepack_rows(codes.q[e], codes.s[e], None if codes.z is None else codes.z[e],
+                                           self.group, self.cbits) for e in range(codes.q.shape[0])]
+
+    def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        y = self.lowbit.linear(x.reshape(-1, self.k).contiguous(), self.packed[e], None, self.n, self.group,
+                               self.cbits)
+        return y.reshape(*x.shape[:-1], self.n)
+
+
+def fast_experts(root: nn.Module, modules, options) -> None:
+    """load_quantized(mode="fast"): each loaded expert runs on its routed tokens through the low-bit
+    kernels (where the extension is built and the group fits them)."""
+    from ..nn.experts import ExpertMatrix
+    from ..quant import lowbit
+    for mod in root.modules():
+        codes = mod.__dict__.pop("_qc_loaded_codes", None) if isinstance(mod, ExpertMatrix) else None
+        if codes is None or not lowbit.available():
+            continue
+        w = codes.rec["weights"]
+        if lowbit.kernel_group(w["strategy"], w["group_size"], codes.inp) is not None:
+            mod.qc_fast = _FastExperts(codes)
+
+
+def _drop_codes(root: nn.Module, modules, options) -> None:
+    for mod in root.modules():
+        mod.__dict__.pop("_qc_loaded_codes", None)     # exact mode: the dequantized weights suffice
+
+
+def _register_fast() -> None:
+    from .quantized import register_load_step
+    register_load_step("fast", fast_experts)
+    register_load_step("exact", _drop_codes)
+
+
+_register_fast()

@@ -347,10 +347,11 @@ def experts_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
-def attach(parts) -> None:
-    """Register the configured ExpertMatrix modules in their owners; swap the owners' classes."""
+def attach(parts, always: bool = False) -> None:
+    """Register the configured ExpertMatrix modules (every one with `always`: a loaded export's
+    low-bit kernels) in their owners; swap the owners' classes."""
     for part in parts:
-        if part.qc_wq is None and part.qc_aq is None:
+        if part.qc_wq is None and part.qc_aq is None and not always:
             continue
         owner = part.owner
         if not isinstance(owner, ExpertsForward):

@@ -95,3 +95,35 @@ def test_reload_exact_and_transformers_refuses(tmp_path, family, bits, sym, gran
     with pytest.raises(Exception, match="qcompress.load_quantized"):
         from transformers import AutoModelForCausalLM
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+@pytest.mark.parametrize("family,bits,gran", [("qwen3_moe", 4, "group"), ("gpt_oss", 4, "group"),
+                                              ("mixtral", 8, "channel")])
+def test_fast_mode_runs_experts_on_low_bit_kernels_and_matches_exact(tmp_path, family, bits, gran):
+    from qcompress.quant import lowbit
+    if not lowbit.available():
+        pytest.skip("the low-bit kernels are not built (make build)")
+    model = make_moe(family)
+    cfg = cfg_w(bits, sym=False, gran=gran)
+    cfg["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.experts"]}}}
+    qcompress.init_compression(model, cfg)
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    with pytest.warns(UserWarning, match="load_quantized"):
+        qcompress.export_quantized(model, tmp_path / "q")
+    exact = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=3))
+    fast = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=4), mode="fast")
+    parts = [m for m in fast.modules() if type(m).__name__ == "ExpertMatrix"]
+    assert parts and all(p.qc_fast is not None for p in parts)
+    calls = []
+    for p in parts:                       # each expert is called on its routed tokens only
+        orig = p.qc_fast
+        p.qc_fast = (lambda f: lambda xx, e: (calls.append((e, xx.shape[0])), f(xx, e))[1])(orig)
+    with torch.no_grad():
+        got_exact, got_fast = exact(x).logits, fast(x).logits
+    assert torch.equal(got_exact, want)                 # inputs quantized per token after reload too
+    torch.testing.assert_close(got_fast, want, rtol=1e-4, atol=1e-4)   # summation order only
+    assert calls and max(n for _, n in calls) < x.numel()   # top-2 of 4 experts: never all tokens twice
