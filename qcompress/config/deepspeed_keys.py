@@ -62,6 +62,12 @@ OFFLOAD: Dict[str, str] = {
     "fast_init": "the optimizer state is created at the first step",
 }
 
+# fp16 keys
+FP16: Dict[str, str] = {
+    "auto_cast": "the forward runs under torch.autocast, which casts each operation's inputs; the batch "
+                 "itself is not cast",
+}
+
 # activation_checkpointing keys
 ACTIVATION_CHECKPOINTING: Dict[str, str] = {
     "partition_activations": "every rank keeps its own checkpointed block inputs whole",
@@ -86,7 +92,7 @@ def given_unused(doc: dict) -> Iterable[Tuple[str, str]]:
             yield key, TOP_LEVEL[key]
     tables = ((("zero_optimization",), ZERO), (("zero_optimization", "offload_optimizer"), OFFLOAD),
               (("zero_optimization", "offload_param"), OFFLOAD),
-              (("activation_checkpointing",), ACTIVATION_CHECKPOINTING))
+              (("activation_checkpointing",), ACTIVATION_CHECKPOINTING), (("fp16",), FP16))
     for path, table in tables:
         section = _present(doc, path)
         if isinstance(section, dict):

@@ -81,3 +81,23 @@ def test_bad_values_name_the_key():
         load_config({"seed": -1})
     with pytest.raises(ConfigError, match="activation_checkpointing.number_checkpoints"):
         load_config({"activation_checkpointing": {"number_checkpoints": -2}})
+
+
+def test_the_keys_page_lists_every_key_and_warning():
+    """docs/deepspeed-keys.md names every top-level key the schema reads and every warned key, with
+    the warning's own text."""
+    import dataclasses
+    import os
+
+    from qcompress.config.deepspeed_keys import FP16
+    from qcompress.config.training import Config
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deepspeed-keys.md"),
+                encoding="utf-8").read()
+    for f in dataclasses.fields(Config):
+        if not f.metadata.get("internal"):
+            assert f"`{f.name}" in page, f.name
+    tables = [(TOP_LEVEL, ""), (ZERO, "zero_optimization."), (OFFLOAD, "zero_optimization.offload_optimizer."),
+              (ACTIVATION_CHECKPOINTING, "activation_checkpointing."), (FP16, "fp16.")]
+    for table, prefix in tables:
+        for key, instead in table.items():
+            assert f"| `{prefix}{key}`" in page and instead in page, prefix + key
