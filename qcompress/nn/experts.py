@@ -422,3 +422,17 @@ def check_act(part: ExpertMatrix, path: str) -> None:
                           f"{part.matrix_shape()[0]} experts); expert inputs are quantized per token "
                           "(dynamic) only: set range_calibration: dynamic, or leave the experts out of "
                           f"{path}.modules")
+
+
+def router_aux_kwargs(model: nn.Module) -> Dict[str, bool]:
+    """{"output_router_logits": True} for a transformers MoE model with a router auxiliary
+    (load-balancing) loss, so its `loss` includes it in training; {} for other models."""
+    import inspect
+    from ..unwrap import unwrap
+    root = unwrap(model)
+    coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", 0) or 0
+    try:
+        takes = "output_router_logits" in inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"output_router_logits": True} if coef > 0 and takes else {}

@@ -147,6 +147,9 @@ def _forward_loss(phase: Phase, batch: dict):
     eng, distiller = phase.engine, phase.distiller
     batch = to_device(batch, eng.device)
     kwargs = dict(batch)
+    if phase.task == "causal-lm":          # a MoE model's loss includes its router's load-balancing loss
+        from ..nn.experts import router_aux_kwargs
+        kwargs.update(router_aux_kwargs(eng.module))
     teacher_out = None
     if distiller is not None:
         teacher_out = distiller.teacher_outputs({k: v for k, v in batch.items() if k != "labels"})
