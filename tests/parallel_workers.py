@@ -116,7 +116,7 @@ def codes_match(rank, world, cases):
         ref.train(), tp.train()
         for _ in range(2):       # twice: static ranges fold a second batch into their EMA
             y_ref, y_tp = ref(x), tp(x)
-        results[name] = (ok_codes, ok_w, float((y_ref - y_tp).abs().max()))
+        results[name] = (ok_codes, ok_w, float((y_ref - y_tp).detach().abs().max()))
     return results
 
 
@@ -149,23 +149,27 @@ def llama_step(rank, world, comp):
     loss.backward()
     g_ref, g_tp = _grads(ref), _grads(tp)
     worst = max(float((g_tp[n] - g_ref[n]).norm() / g_ref[n].norm().clamp(min=1e-30)) for n in g_ref)
-    return float(loss), float(loss_ref), worst, sorted(g_ref) == sorted(g_tp)
+    return float(loss.detach()), float(loss_ref.detach()), worst, sorted(g_ref) == sorted(g_tp)
 
 
-def engine_train_batch(rank, world, tp_size, steps=3):
+def engine_train_batch(rank, world, tp_size, gas, steps=3):
     """qcompress.initialize on all ranks with tensor_parallel.autotp_size = tp_size; `steps`
     train_batch calls on a tiny Llama. Each data-parallel replica reads its own share of one global
-    batch stream. Returns (losses, data_parallel_rank, data_parallel_world_size, full weights)."""
+    micro-batch stream (micro-batch i to replica i % replicas), so runs whose replicas x gas agree
+    take the same samples in every step. Returns (losses, data_parallel_rank,
+    data_parallel_world_size, full weights)."""
     comp = compression(bits=8, granularity="channel", act="dynamic")
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
            "tensor_parallel": {"autotp_size": tp_size}, "compression_training": comp}
     model = qc.init_compression(tiny_llama(), qc.load_config(doc))
     engine = qc.initialize(model, doc)
     dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
     micro = engine.train_micro_batch_size_per_gpu
+    # DeepSpeed's meaning: micro-batch x accumulation x data-parallel replicas (not x world)
+    assert engine.train_batch_size == micro * gas * dp_world, engine.train_batch_size
     g = torch.Generator().manual_seed(7)
-    data = torch.randint(0, 64, (steps * 2 * micro * dp_world, 12), generator=g)
+    data = torch.randint(0, 64, (steps * gas * micro * dp_world, 12), generator=g)
 
     def batches():
         # micro-batch i of the global stream goes to replica i % dp_world

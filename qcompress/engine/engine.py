@@ -33,6 +33,8 @@ from .precision import LossScaler, autocast_dtype
 from .save16 import save_16bit_model
 from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
+from ..parallel import apply_tensor_parallel, build_mesh
+from ..parallel.train_batch import train_batch
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
                    wrap_ddp, wrap_fsdp)
 
@@ -177,9 +179,11 @@ class Engine:
         self.traffic = Traffic(self.world_size)             # comm_bytes(): every byte this engine moves
         self.group = None                                   # the default (world) group
         self.device = _pick_device(backend, asked)
+        # DeepSpeed's 3D sizes: the (pp, dp, tp) mesh; batches and gradients count dp replicas
+        self.parallel = build_mesh(cfg, self.world_size, model, self.device.type)
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
             resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                          cfg.gradient_accumulation_steps, self.world_size)
+                          cfg.gradient_accumulation_steps, self.data_parallel_world_size)
         self.precision = cfg.precision
         self._autocast = autocast_dtype(self.precision)
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if self.precision == "fp16" else None
@@ -205,6 +209,10 @@ class Engine:
             with collective("initialize: the broadcast of rank 0's model", cfg.comm_timeout_s, self.world_size):
                 broadcast_module_state(model, traffic=self.traffic)
             self._broadcast_compression_state()
+        self.tp_plan = None
+        if self.parallel.mesh is not None:   # split after the broadcast: every shard is rank 0's
+            self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
+            self.group = self.parallel.dp_group
         names_before = {id(p): n for n, p in model.named_parameters()}
         offloaded = []
 
@@ -222,7 +230,7 @@ class Engine:
                 self._hook = timer
             elif self.wall_clock_breakdown:
                 self._hook = time_reduce_scatter(model)
-        elif self.world_size > 1:
+        elif self.data_parallel_world_size > 1:
             self.wrapped, self._hook = wrap_ddp(model, self.device, self.group, self.world_size,
                                                 zero.reduce_bucket_size, cfg.communication_data_type,
                                                 self.wall_clock_breakdown,
@@ -604,7 +612,7 @@ class Engine:
     def _sync_state(self) -> None:
         """Ranks see different data, so buffers and static activation ranges drift apart. Like DDP's
         broadcast_buffers, rank 0's buffers win; static ranges are averaged. Once per optimizer step."""
-        if self.world_size == 1:
+        if self.data_parallel_world_size == 1:
             return
         if self._has_buffers:
             bufs = list(self.module.buffers())
@@ -650,6 +658,21 @@ class Engine:
                      ms(t["forward"]), ms(t["backward"]), inside, comm, ms(t["allreduce"]), ms(t["step"]), pld)
 
     # --- modes and accessors -----------------------------------------------------------------
+    @property
+    def data_parallel_world_size(self) -> int:
+        """Replicas reading their own data: world / (tensor x pipeline parallel sizes)."""
+        return self.parallel.shape.dp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica this rank belongs to (the ranks of one replica feed the same data)."""
+        return self.parallel.dp_rank
+
+    def train_batch(self, data_iter):
+        """DeepSpeed's pipeline-engine call: one optimizer step over gradient_accumulation_steps
+        micro-batches from data_iter; the mean loss, the same on every rank (parallel/train_batch.py)."""
+        return train_batch(self, data_iter)
+
     def train(self, mode: bool = True):
         if not mode:
             self.synchronize_ranks()

@@ -55,6 +55,7 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
                           "use stages: 1 (tensor_parallel and data parallelism work)")
     if tp == 1:
         return ParallelMesh(shape)
+    _refuse_with_tp(cfg, tp)
     if shape.dp > 1:
         raise ConfigError("tensor_parallel.autotp_size", f"{tp} on {world} ranks leaves {shape.dp} data-parallel "
                           "replicas; tensor parallelism composed with data parallelism is not implemented "
@@ -62,3 +63,20 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelMesh(shape, mesh)
+
+
+def _refuse_with_tp(cfg, tp: int) -> None:
+    """Settings the tensor-parallel engine does not run yet, refused by key before anything starts."""
+    if cfg.zero_optimization.stage:
+        raise ConfigError("zero_optimization.stage", f"{cfg.zero_optimization.stage} with tensor_parallel."
+                          f"autotp_size {tp}: ZeRO composed with tensor parallelism is not implemented yet; use 0")
+    if cfg.gradient_clipping:
+        raise ConfigError("gradient_clipping", f"with tensor_parallel.autotp_size {tp}: the norm of sharded "
+                          "gradients is not implemented yet; use 0")
+    if cfg.fp16.enabled:
+        raise ConfigError("fp16.enabled", f"with tensor_parallel.autotp_size {tp}: fp16 loss scaling of sharded "
+                          "gradients is not implemented yet; use bf16 or fp32")
+    opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
+    if opt in ("onebitadam", "zerooneadam", "onebitlamb"):
+        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with tensor_parallel.autotp_size {tp}: "
+                          "compressed all-reduce of sharded gradients is not implemented yet")

@@ -1,0 +1,63 @@
+"""Tensor parallelism with compression on 2 gloo ranks against the unsplit model (the oracle).
+
+Codes of a column- and a row-parallel quantized Linear gathered from the shards equal the
+unsplit module's exactly; a tiny Llama split by its own base_model_tp_plan gives the same loss
+and gradients; engine.train_batch at TP2 and at DP2 follows the single process.
+"""
+import pytest
+import torch
+
+import parallel_workers as pw
+from dist_utils import run_ranks
+
+CASES = [
+    ("channel sym, no activations", dict(bits=8)),
+    ("channel asym, static activations", dict(bits=4, symmetric=False, act="static")),
+    ("group 32 asym, dynamic activations", dict(bits=4, granularity="group", group_size=32, symmetric=False,
+                                                act="dynamic")),
+    ("group 16 sym, static activations", dict(bits=8, granularity="group", group_size=16, act="static")),
+    ("tensor sym, dynamic activations", dict(bits=8, granularity="tensor", act="dynamic")),
+    ("tensor asym, static activations", dict(bits=6, granularity="tensor", symmetric=False, act="static")),
+]
+
+
+def test_codes_equal_unsplit_column_and_row_parallel():
+    results = run_ranks(pw.codes_match, 2, CASES, timeout=300)
+    for rank_result in results:
+        for name, _ in CASES:
+            codes, weights, out_diff = rank_result[name]
+            assert codes, f"{name}: codes gathered from the shards differ from the unsplit module's"
+            assert weights, f"{name}: fake-quantized weights differ"
+            # only the row-parallel all-reduce's summation order differs
+            assert out_diff < 1e-5, f"{name}: outputs differ by {out_diff}"
+
+
+def test_llama_step_loss_and_grads_equal_single_process():
+    comp = pw.compression(bits=4, granularity="group", group_size=16, symmetric=False, act="dynamic")
+    for loss, loss_ref, worst, same_names in run_ranks(pw.llama_step, 2, comp, timeout=300):
+        assert same_names
+        assert loss == pytest.approx(loss_ref, rel=1e-5)
+        assert worst < 1e-5, f"gradient relative error {worst}"
+
+
+def _close_weights(a, b, rel=1e-3):
+    # after 3 AdamW steps: Adam divides reduction-order noise by tiny second moments, so the
+    # weights agree less tightly than one step's loss and gradients (1e-5 above)
+    for name in b:
+        err = float((a[name] - b[name]).norm() / b[name].norm())
+        assert err < rel, f"{name}: relative difference {err}"
+
+
+def test_train_batch_tp2_and_dp2_follow_single_process():
+    single = pw.engine_train_batch(0, 1, 1, 4)
+    assert single[1:3] == (0, 1)
+    tp = run_ranks(pw.engine_train_batch, 2, 2, 4, timeout=300)
+    for losses, dp_rank, dp_world, weights in tp:
+        assert (dp_rank, dp_world) == (0, 1)       # both ranks are one replica
+        assert losses == pytest.approx(single[0], rel=1e-5)
+        _close_weights(weights, single[3])
+    dp = run_ranks(pw.engine_train_batch, 2, 1, 2, timeout=300)
+    assert [r[1:3] for r in dp] == [(0, 2), (1, 2)]
+    assert dp[0][0] == dp[1][0]                    # the mean loss is the same on every rank
+    assert dp[0][0] == pytest.approx(single[0], rel=1e-5)
+    _close_weights(dp[0][3], single[3])
