@@ -335,3 +335,24 @@ def _register_fast() -> None:
 
 
 _register_fast()
+
+
+def inspect_owners(experts: Dict[str, dict]) -> Dict[str, Tuple[str, dict]]:
+    """{stored tensor name: (fused Parameter, a record with that tensor's weight_shape)} for
+    `qcompress export inspect`: each expert entry is listed with its format, bits and fp32 size."""
+    out = {}
+    for name, rec in experts.items():
+        if rec["weights"] is None:
+            continue
+        e_n, a, b = rec["shape"]
+        inp = b if rec["layout"] == "out_in" else a
+        if rec["fused"] is not None:
+            entries = [(rec["fused"], [e_n, a * b // inp, inp])]
+        else:
+            entries = [(saved, [r, inp]) for saved, _, _, r in rec["pieces"]]
+        codes = "weight_packed" if rec["format"] == "pack-quantized" else "weight"
+        for saved, shape in entries:
+            entry = {**rec, "weight_shape": shape, "codes_key": tensor_name(saved, codes)}
+            for suffix in SUFFIXES:
+                out[tensor_name(saved, suffix)] = (f"{name} (experts)", entry)
+    return out

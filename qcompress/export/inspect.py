@@ -18,7 +18,7 @@ def _fmt_bytes(n: int) -> str:
 def inspect_checkpoint(folder) -> str:
     """Rows per stored tensor; quantized modules' fp32 size is their weight's numel * 4."""
     folder = os.fspath(folder)
-    _, _, qc, modules = read_config(folder)
+    _, config, qc, modules = read_config(folder)
     headers = {}
     for path in sio.checkpoint_files(folder):
         entries, _, _ = sio.read_header(path)
@@ -29,6 +29,9 @@ def inspect_checkpoint(folder) -> str:
         for suffix in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
                        "weight_shape", "input_scale", "input_zero_point"):
             owner[f"{name}.{suffix}"] = (name, rec)
+    from .experts import inspect_owners        # fused mixture-of-experts Parameters, per expert
+    experts = config["qcompress"].get("experts") or {}
+    owner.update(inspect_owners(experts))
     rows = [("tensor", "format", "bits", "dtype", "shape", "bytes", "fp32 bytes", "ratio")]
     total = total_fp32 = 0
     for k in sorted(headers):
@@ -42,7 +45,7 @@ def inspect_checkpoint(folder) -> str:
             fmt = rec["format"]
             if w is not None:
                 bits = str(w["num_bits"]) + ("" if rec["qtype"] == "int" else f" ({rec['qtype']})")
-            if k.endswith((".weight", ".weight_packed")) and w is not None:
+            if w is not None and (k.endswith((".weight", ".weight_packed")) or rec.get("codes_key") == k):
                 fp32 = math.prod(rec["weight_shape"]) * 4
             elif k.endswith(".weight") and w is None:
                 fp32 = numel * 4
@@ -59,6 +62,7 @@ def inspect_checkpoint(folder) -> str:
     lines.append(f"total {_fmt_bytes(total)} vs fp32 {_fmt_bytes(total_fp32)}: ratio "
                  f"{total / max(total_fp32, 1):.3f}; quantization_config format "
                  f"{qc.get('format')!r}, {len(modules)} quantized modules"
+                 + (f", {len(experts)} fused expert Parameters" if experts else "")
                  + (f" ({tied} tied to another's stored weight)" if (tied := sum("tied_to" in r for r in modules.values()))
                     else ""))
     return "\n".join(lines)

@@ -127,3 +127,20 @@ def test_fast_mode_runs_experts_on_low_bit_kernels_and_matches_exact(tmp_path, f
     assert torch.equal(got_exact, want)                 # inputs quantized per token after reload too
     torch.testing.assert_close(got_fast, want, rtol=1e-4, atol=1e-4)   # summation order only
     assert calls and max(n for _, n in calls) < x.numel()   # top-2 of 4 experts: never all tokens twice
+
+
+def test_export_inspect_lists_each_expert(tmp_path):
+    from qcompress.export.inspect import inspect_checkpoint
+    model = make_moe("mixtral")
+    qcompress.init_compression(model, cfg_w(4))
+    with pytest.warns(UserWarning, match="load_quantized"):
+        qcompress.export_quantized(model, tmp_path / "q")
+    table = inspect_checkpoint(tmp_path / "q").splitlines()
+    rows = {line.split()[0]: line.split() for line in table[2:-1]}
+    # every expert's codes, with format, bits and the size of its fp32 matrix
+    for layer in range(2):
+        for e in range(4):
+            for w, shape in (("w1", (48, 32)), ("w2", (32, 48)), ("w3", (48, 32))):
+                row = rows[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight_packed"]
+                assert row[1:3] == ["pack-quantized", "4"] and int(row[6]) == shape[0] * shape[1] * 4
+    assert table[-1].endswith("4 fused expert Parameters")
