@@ -4,6 +4,7 @@ model's reloads (exact; fast, which on a GPU decodes the weight once for cuBLAS;
 CUDA low-bit kernels) against the dense layer.
 
     python benchmarks/gpu.py [--steps 20] [--batch 64] [--json OUT.json]
+    python benchmarks/gpu.py --quick [--build] [--json OUT.json]   # the prepared device check (gpu_quick.py)
 
 Step: forward + backward + AdamW step of train_step.py's BERT 6 x 384 and Llama-style 6 x 384
 models (random init), batch x 128 tokens, FP32 weights with fp32 math or bf16 autocast; the
@@ -216,6 +217,20 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def run_quick(a):
+    import common
+    import gpu_quick
+    result = gpu_quick.quick(a)
+    if a.json:
+        common.atomic_write(a.json, json.dumps(result, indent=1, default=str) + "\n")
+    page = a.page or ("gpu" if torch.cuda.is_available() else None)
+    if page:
+        path = common.write_section(page, "quick-check", "## The quick device check\n\n" + gpu_quick.page(result),
+                                    title="On a GPU", header=False)
+        print(f"written to {path}")
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
@@ -224,7 +239,19 @@ def main(argv=None):
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--models", default="bert,llama", help="also bertW: BERT 6 x W (e.g. bert1024)")
     p.add_argument("--parts", default="kernels,steps,reload", help="also: profile")
+    q = p.add_argument_group("--quick: the prepared device check (benchmarks/gpu_quick.py); CPU fallback without CUDA")
+    q.add_argument("--quick", action="store_true")
+    q.add_argument("--build", action="store_true", help="first pip install -e . with QCOMPRESS_CUDA=1")
+    q.add_argument("--budget-s", type=float, default=450.0, help="parts not started by then are skipped")
+    q.add_argument("--pytest-paths", default="tests", help="comma-separated paths for pytest -m cuda")
+    q.add_argument("--widths", help="model widths of the step part (default 1024,384 on a GPU, 64 on the CPU)")
+    q.add_argument("--backend", default="inductor", help="torch.compile backend of the step part (the CI "
+                   "test's CPU run: aot_eager, the same graphs without inductor's compile time)")
+    q.add_argument("--page", help="results page to write the quick-check section to (default: results/gpu.md "
+                   "on a GPU, none on the CPU)")
     a = p.parse_args(argv)
+    if a.quick:
+        return run_quick(a)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA device")
     import tempfile
