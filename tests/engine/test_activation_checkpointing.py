@@ -53,12 +53,12 @@ def w8a8_static():
         "different_groups": {"a8": {"params": {"bits": 8}}}}}
 
 
-def w4_g32():
+def w4_g32(group=32):
     return {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
                               "quantize_weight_in_forward": True},
         "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4, "quantization_period": 0,
-                                                "granularity": "group", "group_size": 32}}}}}
+                                                "granularity": "group", "group_size": group}}}}}
 
 
 def pld():
@@ -202,3 +202,58 @@ def test_hf_gpt2_uses_its_own_switch_and_keeps_gradients(section):
     plain, ckpt = _compare(w8a8_static(), section, make=make, batches=_gpt2_batches(), loss_fn=_lm_loss)
     flags = [layer.gradient_checkpointing for layer in ckpt.module.transformer.h]
     assert flags == ([True, True] if not section else [True, False])
+
+
+def test_tiny_moe_keeps_gradients_and_router_loss():
+    """Qwen3-MoE with quantized experts (W4 g16 on every expert matrix: 48 inputs), its router's auxiliary
+    loss in the training loss: checkpointed gradients equal plain ones."""
+    from moe_fixtures import make_moe
+
+    def make():
+        model = make_moe("qwen3_moe").train()
+        model.config.output_router_logits = True
+        return model
+
+    def loss_fn(engine, ids):
+        out = engine(input_ids=ids, labels=ids, output_router_logits=True)
+        assert out.aux_loss is not None and out.aux_loss > 0
+        return out.loss
+
+    _compare(w4_g32(16), {}, make=make, batches=_gpt2_batches(2), loss_fn=loss_fn)
+
+
+def test_zero3_fsdp2_trains_to_the_same_weights():
+    """FSDP2 (ZeRO-3, one process): the blocks' recompute gathers their shards again; the weights
+    after two steps equal those of the run without checkpointing."""
+    runs = []
+    for section in (None, {}):
+        torch.manual_seed(0)
+        model = Stack()
+        doc = _doc(w8a8_static(), section, {"zero_optimization": {"stage": 3}})
+        engine = _engine(model, doc)
+        for batch in _stack_batches(2):
+            torch.manual_seed(11)
+            engine.backward(_ce(engine, batch))
+            engine.step()
+        runs.append({n: p.full_tensor().clone() for n, p in engine.module.named_parameters()})
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    assert runs[0].keys() == runs[1].keys()
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def test_distillation_student_checkpointed_teacher_not():
+    """A distillation step (the teacher runs under no_grad, outside any checkpoint) gives the
+    student the gradients it gets without checkpointing."""
+    from qcompress.train.distill import logit_kl
+    torch.manual_seed(0)
+    teacher = Stack().eval()
+
+    def loss_fn(engine, batch):
+        x, y = batch
+        with torch.no_grad():
+            t = teacher(x)
+        s = engine(x)
+        return F.cross_entropy(s.reshape(-1, 4), y.reshape(-1)) + logit_kl(s.reshape(-1, 4), t.reshape(-1, 4), 2.0)
+    _compare(w8a8_static(), {}, loss_fn=loss_fn)
