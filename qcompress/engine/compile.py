@@ -12,6 +12,7 @@ word, so the limit is raised to RECOMPILE_LIMIT while compiling.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -39,6 +40,18 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
     cfg.accumulated_recompile_limit = max(int(cfg.accumulated_recompile_limit), 4 * limit)
 
 
+def per_step_graphs(module: nn.Module) -> list:
+    """Names of the modules whose quantizer changes a Python constant every step, so that each step
+    compiles a new graph: stochastic rounding (the step is folded into the seed, an int argument of
+    the quantizer op) and an fp16_mixed_quantize blend in progress (its ratio, a float)."""
+    out = []
+    for name, mod in module.named_modules():
+        wq = mod.__dict__.get("qc_wq")
+        if wq is not None and (wq.rounding == "stochastic" or wq.mix_enabled):
+            out.append(name)
+    return out
+
+
 def compile_model(module: nn.Module, section) -> bool:
     """Compile `module` in place when section.enabled (config/compile.py's Compile); returns
     whether it did."""
@@ -46,6 +59,12 @@ def compile_model(module: nn.Module, section) -> bool:
         return False
     check_backend(section.backend)
     raise_recompile_limit()
+    moving = per_step_graphs(module)
+    if moving:
+        warnings.warn(f"compile: {len(moving)} modules ({', '.join(moving[:3])}{', ...' if len(moving) > 3 else ''}) "
+                      "use stochastic rounding or fp16_mixed_quantize, whose seed / blend ratio changes every step: "
+                      f"each step compiles a new graph, and after {RECOMPILE_LIMIT} the model runs eagerly. Use "
+                      "rounding: nearest and no fp16_mixed_quantize with compile", stacklevel=3)
     module.compile(backend=section.backend, **dict(section.kwargs))
     log.info("compile: %s compiled in place with backend=%s %s", type(module).__name__, section.backend,
              dict(section.kwargs))

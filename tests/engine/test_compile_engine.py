@@ -126,3 +126,12 @@ def test_train_compile_option_switches_the_section_on(tmp_path):
     assert qcompress.load_config(off).compile.enabled is False
     section = qcompress.load_config(on).compile
     assert section.enabled and section.backend == "aot_eager" and section.kwargs == {"fullgraph": True}
+
+
+def test_stochastic_rounding_warns_that_each_step_compiles_anew():
+    doc = _doc({"enabled": True, "backend": "aot_eager"})
+    doc["compression_training"]["weight_quantization"]["shared_parameters"]["rounding"] = "stochastic"
+    model = _mlp()
+    qcompress.init_compression(model, doc)
+    with pytest.warns(UserWarning, match=r"3 modules \(layers\.0, layers\.1, layers\.2\) use stochastic rounding"):
+        qcompress.initialize(model, doc)
