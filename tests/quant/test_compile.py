@@ -189,3 +189,24 @@ def test_nan_input_still_raises_under_compile():
     step = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
     with pytest.raises((NonFiniteError, RuntimeError), match="NaN"):
         step(model, ids())
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"the C++ kernels are not built: {kernels.load_error()}")
+@pytest.mark.parametrize("rows,cols,group", [(6, 64, 32), (5, 40, 16), (3, 7, 7)])
+def test_group_layout_ops_pass_opcheck(rows, cols, group):
+    # schema, fake kernel (the shapes fake-tensor propagation sees) and dispatch of the ops the
+    # group-granularity paths call, with a last group shorter than the others where cols % group != 0
+    ops = torch.ops.qcompress
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g)
+    groups = rows * -(-cols // group)
+    scale = torch.rand(groups, generator=g) * 0.1 + 0.01
+    zp = torch.randint(-3, 3, (groups,), generator=g).float()
+    for z in (None, zp):
+        torch.library.opcheck(ops.fake_quant_params, (x, scale, z, rows, cols, group, 4, 0, 0, True))
+        torch.library.opcheck(ops.lsq_backward, (torch.randn(rows, cols, generator=g), x, scale, z, rows, cols,
+                                                 group, 4, 0, 0))
+    torch.library.opcheck(ops.quantize, (x, None, rows, cols, group, 4, 0, True, False, 0, 0))
+    torch.library.opcheck(ops.quantize_values, (x.bfloat16(), None, rows, cols, group, 4, 0, False, False, 0, 0))
+    torch.library.opcheck(ops.mse_errors, (x, scale.repeat(3, 1), None, rows, cols, group, 4))
+    torch.library.opcheck(ops.mse_refine_terms, (x, scale, rows, cols, group, 4))
