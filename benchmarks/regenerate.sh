@@ -2,7 +2,7 @@
 # Regenerate every results page in benchmarks/results/ with the settings its figures were measured
 # at. Each step replaces only its own generated section; a step that fails stops the script.
 #   benchmarks/regenerate.sh [quality|micro|all]   (default: all; `micro` skips the training runs)
-# The sizes fit a shared 2-core CPU in about an hour; larger runs: see each script's --help.
+# The sizes are small enough for a shared 2-core CPU; larger runs: see each script's --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
