@@ -15,10 +15,13 @@ STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
 
 
 def make_cfg(stage, world, optimizer="AdamW"):
+    params = {"lr": 0.01}
+    if optimizer in ("OneBitAdam", "OneBitLamb"):
+        params["freeze_step"] = 1          # the compressed (1-bit) phase from the second step on
     return {
         "train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": optimizer, "params": {"lr": 0.01}},
+        "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": optimizer, "params": params},
         "zero_optimization": {"stage": stage},
         "compression_training": {"weight_quantization": {
             "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},

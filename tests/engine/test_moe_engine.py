@@ -1,5 +1,6 @@
 """Mixture-of-experts training through the engine: FSDP2 (ZeRO-3) at 2 gloo ranks trains the 3-D
-expert Parameters as DDP (stage 0) does, and --resume continues exactly (same losses, same weights)."""
+expert Parameters as DDP (stage 0) does, the 1-bit optimizers train them, and --resume continues
+exactly (same losses, same weights)."""
 import pytest
 import torch
 
@@ -33,3 +34,14 @@ def test_resume_is_exact(runs, stage):
         assert all(torch.equal(r["saved"][k], r["loaded"][k]) for k in r["saved"])
         assert r["resumed"] == r["tail"]
         assert all(torch.equal(r["final"][k], r["resumed_final"][k]) for k in r["final"])
+
+
+@pytest.mark.parametrize("optimizer", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+def test_onebit_optimizers_train_the_experts_and_resume_exactly(tmp_path, optimizer):
+    ranks = run_ranks(W.run, 2, str(tmp_path / "ck"), 0, optimizer, timeout=400)
+    for r in ranks:
+        assert all(torch.equal(r["saved"][k], r["loaded"][k]) for k in r["saved"])
+        assert r["resumed"] == r["tail"]
+        assert all(torch.equal(r["final"][k], r["resumed_final"][k]) for k in r["final"])
+        moved = [k for k in r["final"] if "experts" in k and not torch.equal(r["final"][k], r["saved"][k])]
+        assert len(moved) == 4                  # the compressed phase updated every fused expert tensor
