@@ -10,6 +10,7 @@ import torch
 import qcompress as qc
 from qcompress.engine import initialize
 from moe_fixtures import make_moe
+from test_engine_workers import full_params as full
 
 STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
 
@@ -51,14 +52,6 @@ def train(engine, first, last, rank, world):
         engine.step()
         losses.append(loss.detach().double().item())
     return losses
-
-
-def full(engine):
-    out = {}
-    for name, p in engine.module.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().clone().cpu()
-    return out
 
 
 def run(rank, world, ckdir, stage, optimizer="AdamW"):
