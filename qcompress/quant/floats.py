@@ -152,9 +152,9 @@ def global_scale(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_global_scale(x: torch.Tensor) -> torch.Tensor:
-    lo, hi = torch.aminmax(x.detach())
-    _check_finite(lo, hi, "global range")
-    return global_scale(lo, hi)
+    a = torch.amax(torch.abs(x.detach()))
+    _check_finite(a, a, "global range")
+    return global_scale(-a, a)
 
 
 def _pow2_round(a: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,10 @@ def scales_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: FloatSpec,
                       gscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each group's scale (as compressed-tensors' calculate_qparams returns it: a float tensor,
     already rounded to e4m3 / a power of two where the format says so)."""
-    a = absmax(lo, hi)
+    return scales_from_absmax(absmax(lo, hi), spec, gscale)
+
+
+def scales_from_absmax(a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if spec.scale_kind == "e8m0":
         e = 127 + torch.floor(torch.log2(_pow2_round(a))) - _MX_OFFSET[spec.bits]
         e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8).to(e.dtype)
@@ -237,10 +240,10 @@ def qparams(x: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = N
         if spec.format == "fp8_e4m3":
             return scales_from_range(lo, hi, spec, gscale), gscale
     t = _tiles(x, spec)
-    dims = _reduce_dims(t, spec)
-    lo, hi = torch.amin(t, dim=dims), torch.amax(t, dim=dims)
-    _check_finite(lo, hi, f"{spec.format} {spec.granularity}")
-    s = scales_from_range(lo, hi, spec, gscale)
+    # max |x| of each group: the same value as max(|min(lo, 0)|, |max(hi, 0)|), one reduction
+    a = torch.amax(torch.abs(t), dim=_reduce_dims(t, spec))
+    _check_finite(a, a, f"{spec.format} {spec.granularity}")
+    s = scales_from_absmax(a, spec, gscale)
     if spec.granularity in ("channel", "token"):
         s = s.reshape(-1, 1)
     elif spec.granularity == "tensor":

@@ -83,7 +83,7 @@ QC_FM_HD float e2m1(float v) {
 QC_FM_HD float fake_quant(float x, float s, int bits, int q_dtype, int s_dtype, int x_dtype) {
   const float qmax = bits == 8 ? 448.0f : 6.0f;
   float v = round_to(x / s, q_dtype) + 0.0f;  // the zero point's add: -0 becomes +0
-  v = fminf(fmaxf(v, -qmax), qmax);
+  v = v < -qmax ? -qmax : (v > qmax ? qmax : v);  // no NaN reaches here: plain compares inline
   const float c = bits == 8 ? e4m3(v) : e2m1(v);
   return round_to(round_to(c * s, s_dtype), x_dtype);
 }
