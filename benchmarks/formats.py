@@ -31,22 +31,19 @@ FORMATS = [("fp8_e4m3 channel", "fp8_e4m3", "channel", None, "FP8_DYNAMIC"),
            ("mxfp8", "mxfp8", "group", None, "MXFP8A16")]
 
 
-def _ct_fake(w, preset):
+def _ct_fake(w, spec, preset):
+    """compressed-tensors' calculate_qparams + fake_quantize over the groups' min/max (grouped as
+    quant/floats.py groups them, which the tests prove equal to compressed-tensors' grouping)."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+    from qcompress.quant import floats
     args = PRESET_SCHEMES[preset]["weights"]
-    strategy = str(getattr(args.strategy, "value", args.strategy))
-    if strategy == "channel":
-        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    elif strategy == "block":
-        b = w.reshape(w.shape[0] // 128, 128, w.shape[1] // 128, 128).transpose(1, 2)
-        lo, hi = b.amin((2, 3)), b.amax((2, 3))
-    else:
-        u = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
-        lo, hi = u.amin(-1), u.amax(-1)
-    g = generate_gparam(w.amin(), w.amax()) if strategy == "tensor_group" else None
-    s, z = calculate_qparams(lo, hi, args, global_scale=g)
+    t = floats._tiles(w, spec)
+    dims = floats._reduce_dims(t, spec)
+    g = generate_gparam(w.amin(), w.amax()) if spec.format == "nvfp4" else None
+    shape = floats.scale_grid_shape(w.shape, spec)
+    s, z = calculate_qparams(t.amin(dims).reshape(shape), t.amax(dims).reshape(shape), args, global_scale=g)
     return fake_quantize(w, s, z, args, global_scale=g)
 
 
@@ -68,7 +65,7 @@ def fake_quant_table(rows, cols, dtype, reps):
                "kernel": lambda: floats.fake_quantize_float(w, spec, backend="kernel"),
                "reference": lambda: floats.fake_quantize_float(w, spec, backend="reference")}
         if have_ct:
-            fns["ct"] = lambda: _ct_fake(w, preset)
+            fns["ct"] = lambda: _ct_fake(w, spec, preset)
         t = common.interleaved(fns, repeats=reps)
         ct = f"{t['ct'].ms()} | {common.ratio(t, 'copy', 'ct')}" if have_ct else "- | -"
         lines.append(f"| {label} | {t['copy'].ms()} | {t['kernel'].ms()} | {common.ratio(t, 'copy', 'kernel')} | "
