@@ -246,7 +246,7 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
                           f"'inputs' weighs each group's error by the inputs of its columns, but module "
                           f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
                           "(quantize_groups); set granularity (tensor, channel or group) for this group")
-    fmt, fmt_at = group_setting(cfg.compression.weight_quantization, group, "format")
+    fmt = group_setting(cfg.compression.weight_quantization, group, "format")[0]
     if format_at(fmt, p.target_bits) != "int" or format_at(fmt, p.start_bits) != "int":
         gran, gsize = _float_weight(fmt, p, shared, module, name, path)
     bits = (p.start_bits, p.target_bits)
@@ -576,7 +576,8 @@ def summary(model: nn.Module) -> str:
         a = "-" if aq is None else (aq.describe() + ("" if aq.active else " (off)"))
         p = ", ".join(f"{t}:{s.describe()}" for t, s in mod.qc_pruning.items()) or "-"
         base = base_class(type(mod))
-        rows.append((name, base.__name__, w, a, p))
+        cls = base.__name__ if mod.qc_kind != "experts" else experts.describe(mod)
+        rows.append((name, cls, w, a, p))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

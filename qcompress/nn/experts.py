@@ -392,7 +392,7 @@ def check_weight(part: ExpertMatrix, path: str) -> None:
                           f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
                           f"matrix in {where}; pick a divisor of {inp}")
     if wq.granularity == "tensor":
-        wq.granularity = "channel"
+        wq.granularity, wq.per_expert = "channel", True
         part.qc_per_expert_tensor = True
 
 
@@ -436,3 +436,8 @@ def router_aux_kwargs(model: nn.Module) -> Dict[str, bool]:
     except (TypeError, ValueError):
         takes = False
     return {"output_router_logits": True} if coef > 0 and takes else {}
+
+
+def describe(part: ExpertMatrix) -> str:
+    """The summary's type column: `Qwen3MoeExperts[8]` (the experts class and how many)."""
+    return f"{experts_base(type(part.owner)).__name__}[{part.matrix_shape()[0]}]"

@@ -111,6 +111,7 @@ class WeightQuant:
     ranges_loaded: bool = False    # learned scales came with a loaded state_dict: the next range
     #                                (re)initialisation keeps them (a model rebuilt from trained weights)
     pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
+    per_expert: bool = False       # fused experts at granularity tensor: a channel of [E, out * in] each
     store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
 
     # optimizer-step mode: full-precision weights, what was last written, its codes (shared
@@ -141,6 +142,8 @@ class WeightQuant:
             out = f"group{self.group_size}"
         elif self.granularity == "groups":
             out = f"{self.num_groups} chunks"
+        elif self.per_expert:
+            out = "tensor per expert"
         else:
             out = self.granularity
         if self.range_observer != "minmax":

@@ -144,3 +144,20 @@ def test_export_inspect_lists_each_expert(tmp_path):
                 row = rows[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight_packed"]
                 assert row[1:3] == ["pack-quantized", "4"] and int(row[6]) == shape[0] * shape[1] * 4
     assert table[-1].endswith("4 fused expert Parameters")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_redundancy_clean_bakes_the_experts_and_the_export_reloads_exactly(tmp_path, family):
+    model = make_moe(family)
+    qcompress.init_compression(model, cfg_w(4, sym=False))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    qcompress.redundancy_clean(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want)
+    with pytest.warns(UserWarning, match="load_quantized"):
+        qcompress.export_quantized(model, tmp_path / "q")
+    fresh = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=2))
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, want)
