@@ -14,7 +14,7 @@ micro() {
   $PY benchmarks/train_step.py --models bert --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
   ATEN_CPU_CAPABILITY=avx2 QCOMPRESS_LOWBIT_ISA=avx2 $PY benchmarks/train_step.py --models bert \
       --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
-  $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 5
+  $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 3
   $PY benchmarks/export.py --repeats 3
   $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
   $PY benchmarks/comm_train.py --worlds 2
