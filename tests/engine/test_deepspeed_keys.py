@@ -154,3 +154,61 @@ def test_stage3_16bit_save_gathers_the_shards_only_when_asked(tmp_path):
         assert torch.equal(saved[k], v)
     out = run_ranks(_stage3_save, 2, str(tmp_path / "off"), False, timeout=240)
     assert not any(ok for ok, _ in out) and not (tmp_path / "off").exists()
+
+
+def _train_full_weights(doc_zero, steps=3):
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=doc_zero))
+    _train(engine, steps)
+    weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for p in engine.module.parameters()]
+    return engine, weights
+
+
+def test_stage3_ratio_offloads_the_leading_modules_and_trains_alike():
+    import torch.distributed as dist
+    _, plain = _train_full_weights({"stage": 3})
+    dist.destroy_process_group()
+    engine, part = _train_full_weights({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    for a, b in zip(plain, part):
+        assert torch.equal(a, b)
+    # oracle: modules in order (Linear 8x32+32, 32x16+16, 16x4+4), the leading ones within half the bytes
+    sizes = [8 * 32 + 32, 32 * 16 + 16, 16 * 4 + 4]
+    chosen, taken = [], 0
+    for i, s in enumerate(sizes):
+        if taken + s > 0.5 * sum(sizes):
+            break
+        chosen.append(i)
+        taken += s
+    assert chosen == [0]
+    linears = [m for m in engine.module if isinstance(m, nn.Linear)]
+    want_ids = {id(p) for i in chosen for p in linears[i].parameters()}
+    assert engine._offloaded_ids == want_ids
+    report = engine.memory_report()
+    state = {id(p): sum(v.numel() * v.element_size() for v in
+                        ((t.to_local() if hasattr(t, "to_local") else t) for t in engine.optimizer.state[p].values()))
+             for p in engine.module.parameters()}
+    moved_params = sum(p.to_local().numel() * 4 for p in engine.module.parameters() if id(p) in want_ids)
+    assert report["offloaded"] == sum(state[i] for i in want_ids) + 2 * moved_params
+
+
+def _zero1_offload(rank, world, ratio):
+    zero = {"stage": 1, **({"offload_optimizer": {"device": "cpu", "ratio": ratio}} if ratio else {})}
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero))
+    _train(engine, steps=3, seed=1 + rank)
+    offloaded = engine.optimizer_offload.state_bytes() if engine.optimizer_offload else 0
+    local = engine.optimizer.optim           # this rank's partition (ZeroRedundancyOptimizer)
+    total = sum(v.numel() * v.element_size() for s in local.state.values() for k, v in s.items() if k != "step")
+    return [p.detach().clone() for p in engine.module.parameters()], (offloaded, total, len(local.state))
+
+
+def test_zero1_on_two_ranks_with_cpu_offload_equals_without():
+    plain = run_ranks(_zero1_offload, 2, None, timeout=240)
+    offl = run_ranks(_zero1_offload, 2, 0.9, timeout=240)
+    for (wa, _), (wb, _) in zip(plain, offl):
+        assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+    # each rank offloads at most the ratio of its own partition's state (moments; plus a 4-byte step
+    # per parameter), and the ranks together offload something
+    for _, (off, total, n) in offl:
+        assert off <= 0.9 * total + 4 * n
+    assert sum(off for _, (off, _, _) in offl) > 0
+    assert all(torch.equal(a, b) for a, b in zip(offl[0][0], offl[1][0]))    # ranks agree
