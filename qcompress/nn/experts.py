@@ -23,7 +23,8 @@ flag when the probe cannot run (meta tensors, another signature).
 """
 from __future__ import annotations
 
-import types
+import inspect
+import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -31,6 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..errors import ConfigError
+from ..unwrap import unwrap
+from . import ranges
 from .layers import CompressMixin, _rebind_saved_forward
 
 OUT_IN, IN_OUT = "out_in", "in_out"     # each expert's matrix as nn.Linear stores it, or transposed
@@ -155,7 +159,6 @@ class ExpertsForward:
         n_errors = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        from . import ranges
         for part in self.expert_parts():
             wq = part.qc_wq
             if wq is None or prefix + part.qc_param not in state_dict or len(error_msgs) != n_errors:
@@ -286,8 +289,8 @@ def eager_forward(cls: type):
 def _probe(module: nn.Module, params) -> Dict[str, str]:
     """Run the forward on one token routed to expert 0 and watch which axis each matrix contracts."""
     p0 = params[0][1]
-    if p0.is_meta or type(p0) is not nn.Parameter and not isinstance(p0, nn.Parameter):
-        return {}
+    if p0.is_meta:
+        return {}            # no values to run on: transformers' is_transposed flag decides
     for hidden in dict.fromkeys((p0.shape[2], p0.shape[1])):
         x = torch.zeros(1, hidden, dtype=p0.dtype, device=p0.device)
         idx = torch.zeros(1, 1, dtype=torch.long, device=p0.device)
@@ -377,7 +380,6 @@ def detach(modules) -> None:
 def check_weight(part: ExpertMatrix, path: str) -> None:
     """Refuse, before training, what cannot be quantized per expert or exported; per-tensor
     granularity becomes one scale per expert (a channel of the [E, out * in] view)."""
-    from ..errors import ConfigError
     wq = part.qc_wq
     e, out, inp = part.matrix_shape()
     where = (f"module {part.qc_name!r} ({type(part.owner).__name__}.{part.qc_param}, Parameter of shape "
@@ -401,8 +403,6 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
     module or matrix is a ConfigError naming it; without `modules` the experts are left out."""
     if patterns is None or "experts" in kinds:
         return
-    from ..errors import ConfigError
-    import re
     for i, p in enumerate(patterns):
         for n, k in names:
             if k == "experts" and (re.search(p, n) or re.search(p, owner_name(n))):
@@ -414,7 +414,6 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
 def check_act(part: ExpertMatrix, path: str) -> None:
     """Expert inputs are quantized per token (the tokens routed to each expert); a static range,
     learned or not, would need one observer per expert, which is not implemented: refused by name."""
-    from ..errors import ConfigError
     aq = part.qc_aq
     if aq.calibration == "static":
         raise ConfigError("compression_training.activation_quantization.shared_parameters.range_calibration",
@@ -427,8 +426,6 @@ def check_act(part: ExpertMatrix, path: str) -> None:
 def router_aux_kwargs(model: nn.Module) -> Dict[str, bool]:
     """{"output_router_logits": True} for a transformers MoE model with a router auxiliary
     (load-balancing) loss, so its `loss` includes it in training; {} for other models."""
-    import inspect
-    from ..unwrap import unwrap
     root = unwrap(model)
     coef = getattr(getattr(root, "config", None), "router_aux_loss_coef", 0) or 0
     try:
