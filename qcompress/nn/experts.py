@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -421,6 +422,10 @@ def check_act(part: ExpertMatrix, path: str) -> None:
                           f"{part.matrix_shape()[0]} experts); expert inputs are quantized per token "
                           "(dynamic) only: set range_calibration: dynamic, or leave the experts out of "
                           f"{path}.modules")
+    if aq.int8_forward is True:
+        warnings.warn(f"compression_training.activation_quantization.shared_parameters.int8_forward: module "
+                      f"{part.qc_name!r} (fused experts) runs its fake-quantized forward; int8_forward acts on "
+                      "Linear layers only", stacklevel=4)
 
 
 def router_aux_kwargs(model: nn.Module) -> Dict[str, bool]:

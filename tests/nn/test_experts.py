@@ -261,3 +261,17 @@ def test_static_expert_input_ranges_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"range_calibration.*model\.layers\.0\.mlp\.experts\.gate_up_proj"):
         qcompress.init_compression(model, _act_cfg(calibration="static"))
     assert not any(type(m).__name__ == "ExpertMatrix" for m in model.modules())
+
+
+def test_int8_forward_on_experts_is_ignored_by_name():
+    model = make_moe("qwen3_moe")
+    fp = copy.deepcopy(model)
+    cfg = _act_cfg()
+    cfg["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = True
+    with pytest.warns(UserWarning, match=r"int8_forward.*model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        qcompress.init_compression(model, cfg)
+    plain = copy.deepcopy(fp)
+    qcompress.init_compression(plain, _act_cfg())
+    x = tokens(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, plain(x).logits)
