@@ -160,6 +160,8 @@ def check_training_args(cfg, args) -> None:
         ours = getattr(cfg, key)
         if ours is not None and ours != theirs:
             wrong.append((key, ours, name, theirs))
+    if cfg.seed is not None and getattr(args, "seed", None) is not None and cfg.seed != args.seed:
+        wrong.append(("seed", cfg.seed, "TrainingArguments.seed", args.seed))
     if ("gradient_clipping" in raw and "gradient_clipping" not in cfg.auto_keys
             and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0)):
         wrong.append(("gradient_clipping", cfg.gradient_clipping, "TrainingArguments.max_grad_norm",
@@ -199,6 +201,10 @@ class CompressionCallback(TrainerCallback):
             return
         if not getattr(_root(model), REWRITTEN, False):
             init_compression(model, self.cfg)
+            # the config's activation_checkpointing section, as qcompress.initialize applies it
+            # (the Trainer's own gradient_checkpointing argument works too)
+            from ..engine.checkpointing import from_config
+            from_config(_root(model), self.cfg)
         self.model = model
         self.scheduler = CompressionScheduler(model, self.cfg)
 
