@@ -6,7 +6,8 @@ Model (ZeRO paper, fp32 weights as this engine keeps them; P = number of paramet
   stage 2: params 4P, grads 4P/W, optimizer kP/W      (FSDP2 keeps the full weights from forward
                                                        through backward: reshard_after_forward=False)
   stage 3: params 4P/W, grads 4P/W, optimizer kP/W
-  offload (stage 2/3): the sharded params, grads and optimizer state live in CPU memory.
+  offload (stage 2/3): the sharded params, grads and optimizer state live in CPU memory;
+      (stage 1): the optimizer state (kP/W) lives in CPU memory.
   nvme (offload_optimizer.device: nvme, stages 1-3): the optimizer state lives in files ("nvme");
       memory holds buffer_count host buffers of at most sub_group_size elements' state each, in
       CPU memory ("offloaded"), beside what the stage keeps (stages 2/3 offload like "cpu").
@@ -51,14 +52,17 @@ def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offloa
         return _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes,
                               sub_group_size, buffer_count)
     offload = placement == "cpu"
-    if offload and stage < 2:
-        raise ConfigError("zero_optimization.offload_optimizer.device", "offload needs stage 2 or 3")
+    if offload and stage < 1:
+        raise ConfigError("zero_optimization.offload_optimizer.device", "offload needs stage 1, 2 or 3")
     shard = math.ceil(num_params / world_size)
     params = (shard if stage == 3 else num_params) * param_bytes
     grads = (shard if stage >= 2 else num_params) * grad_bytes
     optim = (shard if stage >= 1 else num_params) * optimizer_bytes
     offloaded = 0
-    if offload:
+    if offload and stage == 1:
+        # engine/offload.py: the optimizer state (this rank's partition) and its update on the CPU
+        offloaded, optim = optim, 0
+    elif offload:
         # The CPU holds the parameter shard, its gradient and the optimizer state; the device only
         # holds the unsharded working copy (all of it through backward in stage 2).
         offloaded = shard * param_bytes + shard * grad_bytes + optim

@@ -212,3 +212,18 @@ def test_zero1_on_two_ranks_with_cpu_offload_equals_without():
         assert off <= 0.9 * total + 4 * n
     assert sum(off for _, (off, _, _) in offl) > 0
     assert all(torch.equal(a, b) for a, b in zip(offl[0][0], offl[1][0]))    # ranks agree
+
+
+def test_stage1_offload_estimate_matches_the_measured_report():
+    """estimate_memory's stage-1 CPU offload (closed form: the optimizer state kP/W moves to CPU
+    memory) equals what the engine measures on one process (W = 1, whole offload)."""
+    from qcompress.engine import estimate_memory
+    engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=_offload_zero(1.0)))
+    _train(engine, steps=1)
+    n = sum(p.numel() for p in engine.module.parameters())
+    est = estimate_memory(n, 1, 1, offload="cpu")
+    got = engine.memory_report()
+    steps = 4 * len(list(engine.module.parameters()))      # AdamW's scalar step per parameter
+    assert est["optimizer_state"] == got["optimizer_state"] == 0
+    assert est["offloaded"] == 8 * n == got["offloaded"] - steps
+    assert est["parameters"] == got["parameters"] and est["gradients"] == got["gradients"]
