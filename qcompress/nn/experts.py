@@ -145,6 +145,15 @@ class ExpertsForward:
             return
         super().__setattr__(name, value)
 
+    def __reduce_ex__(self, protocol):
+        """Pickle by the model's experts class: the compress-aware class is made at run time, so
+        pickle cannot find it by name (torch.save(model) of a whole model)."""
+        rv = super().__reduce_ex__(protocol)
+        base = experts_base(type(self))
+        if not isinstance(rv, tuple) or _CLASS_CACHE.get(base) is not type(self):
+            return rv       # a further subclass (e.g. FSDP's): leave it to its own rules
+        return (_new_experts, (base,)) + tuple(rv[2:])
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         for part in self.expert_parts():
@@ -349,6 +358,12 @@ def experts_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (ExpertsForward, cls), {"__module__": __name__})
     return _CLASS_CACHE[cls]
+
+
+def _new_experts(base: type):
+    """Unpickling: an empty instance of the compress-aware subclass of `base`."""
+    cls = experts_class(base)
+    return cls.__new__(cls)
 
 
 def attach(parts, always: bool = False) -> None:

@@ -275,3 +275,18 @@ def test_int8_forward_on_experts_is_ignored_by_name():
     x = tokens(model)
     with torch.no_grad():
         assert torch.equal(model(x).logits, plain(x).logits)
+
+
+def test_a_whole_compressed_moe_model_pickles():
+    import io
+    model = make_moe("gpt_oss")
+    qcompress.init_compression(model, cfg_w(4, True, "group"))
+    x = tokens(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    experts = again.model.layers[0].mlp.experts
+    assert experts._modules["gate_up_proj"].owner is experts      # the part follows its own owner
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, model(x).logits)
