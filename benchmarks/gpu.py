@@ -171,17 +171,9 @@ def reload_table(tmp):
 
     import qcompress
     from qcompress.export import export_quantized, fast as fastmod, load_quantized
-    recipes = {
-        "W4 g128 weight-only": {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}}}},
-        "W8 channel + A8 dynamic": {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}},
-            "activation_quantization": {"shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
-                                        "different_groups": {"a": {"params": {"bits": 8}}}}}}
+    from gpu_quick import PACKED_RECIPES
     out = []
-    for name, cc in recipes.items():
+    for name, cc in PACKED_RECIPES.items():
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(4096, 4096))
         model = copy.deepcopy(base)

@@ -39,6 +39,16 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 
 RECIPES = {"w8a8": "w8a8.yaml", "w4a8_g128": "w4a8_g128.yaml", "w4_g128": "w4a16_g128.yaml"}
+# the exported layer's recipes (compression_training sections), also gpu.py's reload table
+PACKED_RECIPES = {
+    "W4 g128 weight-only": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}}}},
+    "W8 channel + A8 dynamic": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}},
+        "activation_quantization": {"shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
+                                    "different_groups": {"a": {"params": {"bits": 8}}}}}}
 
 
 class Check:
@@ -143,16 +153,8 @@ def packed(device, width):
     import qcompress
     from qcompress.export import export_quantized, load_quantized
     time_it = timer(device)
-    recipes = {"W4 g128": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}}}},
-        "W8 + A8": {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}},
-            "activation_quantization": {"shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
-                                        "different_groups": {"a": {"params": {"bits": 8}}}}}}
     rows = []
-    for name, cc in recipes.items():
+    for name, cc in PACKED_RECIPES.items():
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(width, width))
         model = copy.deepcopy(base)

@@ -90,6 +90,17 @@ def train_step(model, x, fn=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def eager_and_compiled(kind, name, backend):
+    """(loss, grads) of one eager training step and of the same step compiled, on twin models."""
+    model, _ = compressed(kind, **RECIPES[name])
+    model.train()
+    twin = copy.deepcopy(model)
+    x = ids()
+    eager = train_step(model, x)
+    torch._dynamo.reset()
+    return eager, train_step(twin, x, torch.compile(loss_of, backend=backend, fullgraph=True))
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_training_and_eval_forwards_have_no_graph_break(kind):
     model, _ = compressed(kind, **RECIPES["w4a8_g32"])
@@ -110,13 +121,7 @@ def test_training_and_eval_forwards_have_no_graph_break(kind):
 def test_compiled_training_step_equals_eager_bit_for_bit(kind, name):
     # aot_eager runs the graph AOTAutograd traced (the composed quantizer path, the same kernels):
     # every value and gradient has the eager fused path's bits
-    model, _ = compressed(kind, **RECIPES[name])
-    model.train()
-    twin = copy.deepcopy(model)
-    x = ids()
-    loss_e, grads_e = train_step(model, x)
-    torch._dynamo.reset()
-    loss_c, grads_c = train_step(twin, x, torch.compile(loss_of, backend="aot_eager", fullgraph=True))
+    (loss_e, grads_e), (loss_c, grads_c) = eager_and_compiled(kind, name, "aot_eager")
     assert torch.equal(loss_c, loss_e)
     assert grads_c.keys() == grads_e.keys() and len(grads_e) > 5
     for n in grads_e:
@@ -137,13 +142,7 @@ def test_compiled_eval_forward_equals_eager():
 def test_inductor_step_matches_eager_within_float_tolerance():
     # inductor fuses the float ops around the quantizer ops (other summation orders); the quantizer
     # ops themselves stay the same opaque kernels
-    model, _ = compressed("llama", **RECIPES["w4a8_g32"])
-    model.train()
-    twin = copy.deepcopy(model)
-    x = ids()
-    loss_e, grads_e = train_step(model, x)
-    torch._dynamo.reset()
-    loss_c, grads_c = train_step(twin, x, torch.compile(loss_of, backend="inductor", fullgraph=True))
+    (loss_e, grads_e), (loss_c, grads_c) = eager_and_compiled("llama", "w4a8_g32", "inductor")
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for n in grads_e:
         scale = grads_e[n].abs().max().clamp(min=1e-12)
