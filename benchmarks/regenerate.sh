@@ -13,7 +13,7 @@ micro() {
   # the QAT step on this CPU's best ISA, then held to AVX2 (torch's kernels and the extension's)
   $PY benchmarks/train_step.py --models bert --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
   ATEN_CPU_CAPABILITY=avx2 QCOMPRESS_LOWBIT_ISA=avx2 $PY benchmarks/train_step.py --models bert \
-      --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
+      --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 2 --mem-jobs 2 --write-results
   $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 3
   $PY benchmarks/export.py --repeats 3
   $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
