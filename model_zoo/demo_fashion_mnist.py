@@ -1,4 +1,4 @@
-"""The first real run (`make demo`): FP32 vs quantization-aware training of a small CNN on
+"""The CNN demo (`make demo-cnn`): FP32 vs quantization-aware training of a small CNN on
 Fashion-MNIST, driven by YAML schedule files.
 
     python -m model_zoo.demo_fashion_mnist                      # W8A8 and W8->4 progressive
@@ -8,14 +8,14 @@ Fashion-MNIST, driven by YAML schedule files.
 Each --schedule is one QAT run; `a.yaml+b.yaml` merges several files into one run. Every run's
 config is load_config(base, *files) with the base at model_zoo/configs/fashion_mnist.yaml.
 
-Defaults (about 50 s of CPU time, one torch thread; 2 min wall on a shared, busy 2-core machine):
-a fixed random 20,000-image subset of the 60,000 training images; FP32 baseline 2 epochs from
-scratch; each QAT run fine-tunes a copy of the FP32 model for 2 more epochs (314 steps at batch
-128) while the CompressionScheduler walks the bit schedule, and is compared with a copy fine-tuned
-for the same 2 epochs in FP32 (same budget, same data order); the full 10,000-image test set.
-Each QAT model is then exported as a quantized checkpoint (runs/demo/<schedule>/) and loaded back
-into a fresh model with load_quantized, whose test accuracy is printed next to the file size. The QAT model is evaluated as trained (fake
-quantization), then baked with redundancy_clean and evaluated again.
+Defaults (about a minute of CPU time on one torch thread): a fixed random 20,000-image subset
+of the 60,000 training images; FP32 baseline 2 epochs from scratch; each QAT run fine-tunes a
+copy of the FP32 model for 2 more epochs (314 steps at batch 128) while the CompressionScheduler
+walks the bit schedule, and is compared with a copy fine-tuned for the same 2 epochs in FP32
+(same budget, same data order); the full 10,000-image test set. Each QAT model is evaluated as
+trained (fake quantization), then baked with redundancy_clean and evaluated again, exported as a
+quantized checkpoint (runs/demo/<schedule>/) and loaded back into a fresh model with
+load_quantized, whose test accuracy is printed next to the file size.
 
 One plain loop (forward, loss, backward, clip, optimizer step, scheduler step), no engine.
 """

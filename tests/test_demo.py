@@ -21,33 +21,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = sorted(glob.glob(os.path.join(ROOT, "schedules", "*.yaml")))
 
 
-def test_quick_demo_runs_end_to_end_and_prints_both_accuracies(tmp_path):
+# What the demo reaches in the configuration below (--quick with 10,000 training and 2,000 test
+# images: one epoch of 79 steps per phase), measured with seed 0 on an AVX-512 CPU; the full demo
+# (`make demo-cnn`) ends a few points higher. Other CPUs sum in another order, which moves a few
+# of the 2,000 predictions: each accuracy must lie within MARGIN of its value here.
+REACHED = {"fp32": 0.8490, "same_budget": 0.8725, "w8a8.yaml": 0.8720, "w4a8_progressive.yaml": 0.8710}
+MARGIN = 0.02
+
+
+def test_demo_runs_end_to_end_and_reaches_its_accuracies(tmp_path):
     if not zdata.fashion_mnist_available():
         pytest.skip(f"Fashion-MNIST is not installed in {zdata.fashion_mnist_dir()} "
                     "(apt-get install dataset-fashion-mnist)")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "model_zoo.demo_fashion_mnist", "--quick", "--no-progress",
-                           "--export-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                           "--train-limit", "10000", "--test-limit", "2000", "--export-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": ROOT})
     elapsed = time.perf_counter() - t0
-    print(f"quick demo: {elapsed:.1f} s wall")
+    print(f"demo: {elapsed:.1f} s wall")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     fp32 = float(re.search(r"FP32 test accuracy: ([0-9.]+)", out).group(1))
     runs = re.findall(r"\[(\S+)\] compressed test accuracy: ([0-9.]+) \(baked by redundancy_clean: ([0-9.]+)", out)
     assert [r[0] for r in runs] == ["w8a8.yaml", "w4a8_progressive.yaml"]
-    # 10 balanced classes: chance is 0.10; even a few hundred images must beat it clearly
-    assert 0.3 < fp32 <= 1.0
     same_budget = float(re.search(r"FP32 fine-tuned for 1 more epoch\(s\), the budget of each QAT run: ([0-9.]+)",
                                   out).group(1))
-    assert 0.3 < same_budget <= 1.0
+    got = {"fp32": fp32, "same_budget": same_budget, **{name: float(acc) for name, acc, _ in runs}}
+    print("accuracies:", got)
+    for key, want in REACHED.items():
+        assert abs(got[key] - want) <= MARGIN, f"{key}: test accuracy {got[key]:.4f}, the demo reaches {want:.4f}"
     assert f"FP32 with the same budget {same_budget:.4f}" in out
     for name, acc, baked in runs:
-        assert 0.3 < float(acc) <= 1.0
+        # 8 bits, and 8 down to 6 within these 79 steps, cost the CNN at most MARGIN
+        assert float(acc) >= same_budget - MARGIN, name
         # redundancy_clean bakes the same weights forward used, so eval predictions do not change
         assert acc == baked, name
     assert "bits in force" in out and "W8 →8 sym channel" in out and "A8 per sample" in out
+    assert "W6 →4 sym channel" in out     # the progressive schedule dropped a bit at steps 30 and 60
     assert "model size at target bits" in out
     # each QAT model was exported and reloaded: the reloaded model predicts exactly as the baked one
     reloads = re.findall(r"\[(\S+)\] exported to .*?: model.safetensors ([0-9.]+) KiB on disk \(FP32 safetensors "
@@ -55,7 +66,7 @@ def test_quick_demo_runs_end_to_end_and_prints_both_accuracies(tmp_path):
     assert [r[0] for r in reloads] == ["w8a8.yaml", "w4a8_progressive.yaml"]
     for (name, acc, baked), (_, disk, fp32_disk, reloaded) in zip(runs, reloads):
         assert reloaded == baked, name
-        assert float(disk) < float(fp32_disk) / 3, name  # 8 and 4-bit weights + scales
+        assert float(disk) < float(fp32_disk) / 3, name  # 8-bit codes (the 6-bit ones in int8) + scales
     assert (tmp_path / "w4a8_progressive" / "model.safetensors").is_file()
 
 
