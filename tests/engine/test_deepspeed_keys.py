@@ -227,3 +227,12 @@ def test_stage1_offload_estimate_matches_the_measured_report():
     assert est["optimizer_state"] == got["optimizer_state"] == 0
     assert est["offloaded"] == 8 * n == got["offloaded"] - steps
     assert est["parameters"] == got["parameters"] and est["gradients"] == got["gradients"]
+
+
+def test_steps_per_print_logs_every_n_steps(caplog):
+    engine = qcompress.initialize(_mlp(), _cfg(steps_per_print=2))
+    with caplog.at_level("INFO", logger="qcompress.engine"):
+        _train(engine, steps=5)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step=")]
+    assert [line.split(",")[0] for line in lines] == ["step=2", "step=4"]
+    assert "lr=[0.01]" in lines[0]
