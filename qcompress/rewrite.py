@@ -111,7 +111,8 @@ def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> L
                                       for p in group.modules)]
 
 
-_KIND_NAMES = {"linear": "Linear", "conv": "Conv", "embedding": "Embedding", "hf_conv1d": "transformers Conv1D"}
+_KIND_NAMES = {"linear": "Linear", "conv": "Conv", "embedding": "Embedding", "hf_conv1d": "transformers Conv1D",
+               "experts": "fused experts"}
 
 
 def _other_kinds(names: List[Tuple[str, str]], group: Group, technique: str) -> str:
@@ -415,8 +416,9 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                         ranges.register_weight_ranges(mod, gpath)
                 elif tech == "activation_quantization":
                     mod.qc_aq = _act_quant(cfg, group, mod)
-                    if mod.qc_kind == "experts":
-                        experts.check_act(mod, gpath.rsplit(".", 2)[0])
+                    if mod.qc_kind == "experts" and not experts.check_act(mod, gpath.rsplit(".", 2)[0],
+                                                                           group.modules is not None):
+                        mod.qc_aq = None
                     if mod.qc_aq.range_learning:
                         ranges.register_input_ranges(mod, gpath)
                 else:

@@ -427,10 +427,16 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
                                   "and Conv weights); narrow the regex (e.g. exclude 'experts')")
 
 
-def check_act(part: ExpertMatrix, path: str) -> None:
-    """Expert inputs are quantized per token (the tokens routed to each expert); a static range,
-    learned or not, would need one observer per expert, which is not implemented: refused by name."""
+def check_act(part: ExpertMatrix, path: str, named: bool) -> bool:
+    """Whether the expert inputs take the group's activation quantization. They are quantized per
+    token (the tokens routed to each expert); a static range, learned or not, would need one
+    observer per expert, which is not implemented: refused by name when the group's regex names
+    the experts, left out with a warning when the group takes every module."""
     aq = part.qc_aq
+    if aq.calibration == "static" and not named:
+        warnings.warn(f"{path}: module {part.qc_name!r} (fused experts) is left out: expert inputs are "
+                      "quantized per token (range_calibration: dynamic) only", stacklevel=4)
+        return False
     if aq.calibration == "static":
         raise ConfigError("compression_training.activation_quantization.shared_parameters.range_calibration",
                           f"'static' asks for one input range for module {part.qc_name!r} (fused experts, "
@@ -441,6 +447,7 @@ def check_act(part: ExpertMatrix, path: str) -> None:
         warnings.warn(f"compression_training.activation_quantization.shared_parameters.int8_forward: module "
                       f"{part.qc_name!r} (fused experts) runs its fake-quantized forward; int8_forward acts on "
                       "Linear layers only", stacklevel=4)
+    return True
 
 
 def router_aux_kwargs(model: nn.Module) -> Dict[str, bool]:

@@ -290,3 +290,14 @@ def test_a_whole_compressed_moe_model_pickles():
     assert experts._modules["gate_up_proj"].owner is experts      # the part follows its own owner
     with torch.no_grad():
         assert torch.equal(again(x).logits, model(x).logits)
+
+
+def test_static_ranges_of_the_default_group_leave_the_experts_out_with_a_warning():
+    model = make_moe("qwen3_moe")
+    cfg = _act_cfg(calibration="static")
+    del cfg["compression_training"]["activation_quantization"]["different_groups"]["aq"]["modules"]
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*left out"):
+        qcompress.init_compression(model, cfg)
+    part = model.model.layers[0].mlp.experts._modules["gate_up_proj"]
+    assert part.qc_aq is None and part.qc_wq is not None
+    assert model.model.layers[0].self_attn.q_proj.qc_aq.calibration == "static"
