@@ -419,7 +419,7 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                     if mod.qc_kind == "experts" and not experts.check_act(mod, gpath.rsplit(".", 2)[0],
                                                                            group.modules is not None):
                         mod.qc_aq = None
-                    if mod.qc_aq.range_learning:
+                    if mod.qc_aq is not None and mod.qc_aq.range_learning:
                         ranges.register_input_ranges(mod, gpath)
                 else:
                     from .pruning.setup import enable_pruning
