@@ -17,7 +17,7 @@ micro() {
   $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 3
   $PY benchmarks/export.py --repeats 3
   $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
-  $PY benchmarks/comm_train.py --worlds 2
+  $PY benchmarks/comm_train.py --worlds 2 --compression-steps 4 --timeout 1500
   $PY benchmarks/checkpoint_cost.py --rounds 3 --write-results
   $PY benchmarks/nvme_offload.py --steps 4 --rounds 1 --write-results
   $PY benchmarks/pld.py --steps 150 --eval-every 25 --write-results
