@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
@@ -18,28 +17,11 @@ from ..quant import reference
 from ..quant.observers import Search
 from ..quant.packing import pack_int32
 from ..quant.reference import make_spec
+from .entry import WeightEntry   # apart from this module: floats.py builds them too
 from .errors import ExportError
 
 WQ_KEY = "compression_training.weight_quantization"
 PACKED_BITS = (2, 4)   # written as weight_packed int32; 8 and odd widths as int8 `weight`
-
-
-@dataclass
-class WeightEntry:
-    """What one quantized weight becomes on disk (orientation [out, ...])."""
-    bits: int                 # bits stored (binary/ternary: 2)
-    qtype: str                # int | binary | ternary
-    symmetric: bool
-    strategy: str             # tensor | channel | group
-    group_size: Optional[int]
-    fmt: str                  # pack-quantized | int-quantized
-    shape: list               # weight shape, [out, ...] orientation
-    dtype: str                # torch dtype name of the float weight
-    transposed: bool          # HF Conv1D: the state_dict weight is the transpose
-    target_bits: int
-    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
-    observer: str = "minmax"  # how the range was chosen (compressed-tensors' observer name)
-    observer_kwargs: Dict[str, object] = field(default_factory=dict)   # the mse search's settings
 
 
 def observer_kwargs(q) -> Dict[str, object]:

@@ -19,6 +19,7 @@ from typing import Dict
 import torch
 
 from ..quant import floats
+from .entry import WeightEntry
 from .errors import ExportError
 
 FORMAT_OF = {"fp8_e4m3": "float-quantized", "nvfp4": "nvfp4-pack-quantized",
@@ -82,7 +83,6 @@ def weight_args(spec) -> dict:
 
 def weight_entry(mod, q, s, g, spec):
     """codes.WeightEntry of a float-format weight (tensors in compressed-tensors' layout)."""
-    from .codes import WeightEntry
     wq, name = mod.qc_wq, mod.qc_name
     ref = mod.weight.detach() if wq.baked else mod.effective_weight().detach()
     ref = mod.weight_matrix_view(ref)
