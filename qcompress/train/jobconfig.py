@@ -144,6 +144,8 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
                if q is not None]
     from ..learn_ranges import range_parameters
     learned = bool(range_parameters(probe))
+    from ..export import reach
+    unread = reach.unreadable(probe)
     del probe, teacher
     if ptq_range_steps and not learned:
         raise JobError(f"--ptq-range-steps {ptq_range_steps} trains learned ranges, but no group of "
@@ -157,3 +159,4 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
         raise JobError(f"quantization starts at step {min(offsets)} (schedule_offset in {' + '.join(configs)}) but "
                        f"the run ends at step {steps}: nothing would be quantized to export; lower schedule_offset "
                        "or train longer (--max-steps / --epochs)")
+    reach.warn(unread, f"the weight groups of {' + '.join(configs)}")   # before training, not after export
