@@ -303,6 +303,10 @@ class _FastExperts:
         self.packed = [lowbit.prepack_rows(codes.q[e], codes.s[e], None if codes.z is None else codes.z[e],
                                            self.group, self.cbits) for e in range(codes.q.shape[0])]
 
+    def runs_on(self, x: torch.Tensor) -> bool:
+        """The weights were prepacked on the CPU; elsewhere the dequantized weight multiplies."""
+        return x.device == self.packed[0].packed.device and self.lowbit.runs_on(x.device)
+
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
         y = self.lowbit.linear(x.reshape(-1, self.k).contiguous(), self.packed[e], None, self.n, self.group,
                                self.cbits)

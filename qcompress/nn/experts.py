@@ -88,7 +88,7 @@ class ExpertMatrix(CompressMixin, nn.Module):
         """x times expert e's matrix w (w: [out, in], or [in, out] when transposed), the input
         quantized per token; on the low-bit kernel when loaded in fast mode."""
         x = self.quantize_input(x)
-        if self.qc_fast is not None and e is not None:
+        if self.qc_fast is not None and e is not None and self.qc_fast.runs_on(x):
             y = self.qc_fast(x, e)
             return y if bias is None else y + bias
         return x @ w if transposed else F.linear(x, w, bias)
