@@ -823,12 +823,14 @@ def test_transformers_stage_after_a_resume_still_compares_with_the_export(folder
 
 def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
     # make demo's table prints "—" for a stage without a metric; the line under it gives the
-    # stage's reason from report.json (here: transformers cannot load quantized embeddings)
+    # stage's reason from report.json (here: transformers cannot load quantized embeddings, which
+    # schedules/with_embeddings.yaml opts in)
     sys.path.insert(0, ROOT)
     from model_zoo.demo_bbc import summary_table, table_notes
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
-    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
+    embeddings = os.path.join(ROOT, "schedules", "with_embeddings.yaml")
+    assert train([W8A8, embeddings, "--model", folders["bert"], "--data", data, "--task", "text-classification",
                   "--max-steps", "1", "--out", out, *FAST]) == 0
     rep = json.load(open(os.path.join(out, "report.json")))
     reason = rep["stages"]["transformers"]["reason"]
