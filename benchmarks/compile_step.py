@@ -7,7 +7,7 @@
 One step = forward + cross-entropy loss + backward (the compiled part: torch.compile(fullgraph=True)
 of the loss function) + AdamW step (eager, as the engine runs it). Models: a BERT (masked LM head)
 and a Llama-style decoder built from transformers configs with random weights. Variants: FP32 and
-the recipes schedules/w8a8.yaml, w4a8_g128.yaml and w4a16_g128.yaml (every compressible module, as
+the recipes schedules/w8a8.yaml, w4a8_g128.yaml and w4a16_g128.yaml (the modules they select, as
 users run them), each eager and compiled. All steps of one model take turns round by round
 (benchmarks/common.py interleaved), after one compiling warm-up step each; the table gives the
 median and range of the per-round step times and the ratios to the FP32 step of the same mode.
