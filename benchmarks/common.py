@@ -53,6 +53,15 @@ def commit() -> str:
     return f"{head} (dirty: {', '.join(dirty)})" if dirty else head
 
 
+_START = []   # the commit when this process imported common: the code a long run measured
+
+
+def started_at() -> str:
+    """commit() as it was when the run started; `(HEAD ... when written)` added if it moved since."""
+    now = commit()
+    return now if _START[0] == now else f"{_START[0]} (HEAD {now} when written)"
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -89,7 +98,7 @@ def machine_header(cmd: Optional[str] = None) -> str:
     import torch
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"> `{cmd or command()}` at commit {commit()}, {now}.\n"
+    return (f"> `{cmd or command()}` at commit {started_at()}, {now}.\n"
             f"> {cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; {isa()}; "
             f"1-min load average {load:.1f} at the end.\n")
 
@@ -188,3 +197,6 @@ def write_section(page: str, key: str, text: str, title: Optional[str] = None,
     body = (machine_header(cmd) + "\n" if header else "") + text
     atomic_write(path, replace_section(old, key, body))
     return path
+
+
+_START.append(commit())
