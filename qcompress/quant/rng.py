@@ -33,9 +33,14 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 
 def mix_seed(seed: int, step: int) -> int:
     """Fold a training step into a seed so each step draws fresh, reproducible noise."""
-    s = torch.tensor([(seed & _M32) ^ _mul32(torch.tensor([step & _M32]), 0x9E3779B1).item()],
-                     dtype=torch.int64)
-    return int(hash32(s).item())
+    return int(mix_seed_tensor(seed, torch.tensor(step, dtype=torch.int64)).item())
+
+
+def mix_seed_tensor(seed: int, step: torch.Tensor) -> torch.Tensor:
+    """mix_seed with the step as an int64 tensor (0-d or any shape), on its device, with no host
+    read-back: a compiled graph takes the step as an input instead of a constant that changes
+    every step (which would compile one graph per step)."""
+    return hash32((seed & _M32) ^ _mul32(step.to(torch.int64) & _M32, 0x9E3779B1))
 
 
 def uniform(seed: int, numel: int, device=None) -> torch.Tensor:
