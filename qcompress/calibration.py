@@ -40,6 +40,15 @@ class StaticRange:
                 self.max = m * self.max.to(cur_max.device) + (1.0 - m) * cur_max
         return self.min, self.max
 
+    def sync_tensor(self) -> torch.Tensor:
+        """(min, max), for the engine's all-reduce across data-parallel ranks."""
+        return torch.stack([self.min.float().reshape(()), self.max.float().reshape(())])
+
+    def sync_from(self, summed: torch.Tensor, world: int) -> None:
+        """The range averaged over the ranks (summed: the all-reduced sync_tensor)."""
+        summed = summed / world
+        self.min, self.max = summed[0].clone(), summed[1].clone()
+
     def state_dict(self) -> dict:
         if self.min is None:
             return {}

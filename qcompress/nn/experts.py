@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ConfigError
 from ..unwrap import unwrap
 from . import ranges
+from .expert_ranges import ExpertRanges
 from .layers import CompressMixin, _rebind_saved_forward
 
 OUT_IN, IN_OUT = "out_in", "in_out"     # each expert's matrix as nn.Linear stores it, or transposed
@@ -55,6 +56,7 @@ class ExpertMatrix(CompressMixin, nn.Module):
         self.qc_layout = layout
         self.qc_per_expert_tensor = False      # granularity tensor: one scale per expert
         self.qc_fast = None                    # load_quantized(mode="fast"): per-expert low-bit kernels
+        self.qc_expert = None                  # the expert whose routed tokens are being multiplied
         self._qc_setup(name)
 
     @property
@@ -87,11 +89,26 @@ class ExpertMatrix(CompressMixin, nn.Module):
     def expert_linear(self, x, w, e: Optional[int], bias, transposed: bool = False):
         """x times expert e's matrix w (w: [out, in], or [in, out] when transposed), the input
         quantized per token; on the low-bit kernel when loaded in fast mode."""
-        x = self.quantize_input(x)
+        self.qc_expert = e
+        try:
+            x = self.quantize_input(x)
+        finally:
+            self.qc_expert = None
         if self.qc_fast is not None and e is not None and self.qc_fast.runs_on(x):
             y = self.qc_fast(x, e)
             return y if bias is None else y + bias
         return x @ w if transposed else F.linear(x, w, bias)
+
+    def input_observer(self):
+        """Static ranges: the StaticRange of the expert whose routed tokens x are."""
+        obs = self.qc_aq.observer
+        if not isinstance(obs, ExpertRanges):
+            return obs
+        if self.qc_expert is None:
+            raise RuntimeError(f"{self.qc_name}: a static input range is kept per expert, and this product of "
+                               "tokens with the fused matrix does not say which expert it is (a batched "
+                               "experts implementation?); set the model's experts_implementation to 'eager'")
+        return obs[self.qc_expert]
 
     def _apply(self, fn, recurse=True):
         return nn.Module._apply(self, fn, recurse)   # the owner moves the weight, then the state
@@ -428,21 +445,26 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
 
 
 def check_act(part: ExpertMatrix, path: str, named: bool) -> bool:
-    """Whether the expert inputs take the group's activation quantization. They are quantized per
-    token (the tokens routed to each expert); a static range, learned or not, would need one
-    observer per expert, which is not implemented: refused by name when the group's regex names
-    the experts, left out with a warning when the group takes every module."""
+    """Whether the expert inputs take the group's activation quantization: per token (dynamic), or
+    with one static EMA range per expert over the tokens routed to it (ExpertRanges). Learned
+    static ranges and float-format static inputs of experts are not implemented: refused by name
+    when the group's regex names the experts, left out with a warning when it takes every module."""
     aq = part.qc_aq
-    if aq.calibration == "static" and not named:
-        warnings.warn(f"{path}: module {part.qc_name!r} (fused experts) is left out: expert inputs are "
-                      "quantized per token (range_calibration: dynamic) only", stacklevel=4)
+    why = None
+    if aq.calibration == "static" and aq.range_learning:
+        why = "range_learning (a learned static input range per expert)"
+    elif aq.calibration == "static" and aq.format != "int":
+        why = f"static {aq.format} inputs (a float-format static range per expert)"
+    if why is not None and not named:
+        warnings.warn(f"{path}: module {part.qc_name!r} (fused experts) is left out: {why} is not "
+                      "implemented for experts", stacklevel=4)
         return False
+    if why is not None:
+        raise ConfigError(f"{path}.modules", f"module {part.qc_name!r} (fused experts, {part.matrix_shape()[0]} "
+                          f"experts): {why} is not implemented for experts; use an integer static range "
+                          "without range_learning, range_calibration: dynamic, or leave the experts out")
     if aq.calibration == "static":
-        raise ConfigError("compression_training.activation_quantization.shared_parameters.range_calibration",
-                          f"'static' asks for one input range for module {part.qc_name!r} (fused experts, "
-                          f"{part.matrix_shape()[0]} experts); expert inputs are quantized per token "
-                          "(dynamic) only: set range_calibration: dynamic, or leave the experts out of "
-                          f"{path}.modules")
+        aq.observer = ExpertRanges(part.matrix_shape()[0], aq.observer.momentum)
     if aq.int8_forward is True:
         warnings.warn(f"compression_training.activation_quantization.shared_parameters.int8_forward: module "
                       f"{part.qc_name!r} (fused experts) runs its fake-quantized forward; int8_forward acts on "

@@ -209,20 +209,25 @@ class CompressMixin:
             return make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
         return make_spec(aq.bits, symmetric=aq.symmetric, granularity="channel" if aq.per == "sample" else "token")
 
+    def input_observer(self):
+        """The StaticRange x's static range lives in (fused experts: the routed expert's)."""
+        return self.qc_aq.observer
+
     def static_input_range(self, x: torch.Tensor, spec):
         """(lo, hi) a static activation range quantizes x with now; training updates the observer."""
         aq = self.qc_aq
-        if self.training and aq.observer.initialized and _recomputing():
+        obs = self.input_observer()
+        if self.training and obs.initialized and _recomputing():
             # activation checkpointing re-runs forward inside backward: quantize with the range
             # the original forward used, and fold the batch into the EMA only once
-            return aq.observer.min, aq.observer.max
+            return obs.min, obs.max
         if self.training:
             if aq.range_observer == "minmax":
-                return aq.observer.observe(x)
+                return obs.observe(x)
             from ..quant.observers import Search, activation_range
-            return aq.observer.update(*activation_range(x, spec, aq.range_observer, Search(*aq.range_search)))
-        if aq.observer.initialized:
-            return aq.observer.min, aq.observer.max
+            return obs.update(*activation_range(x, spec, aq.range_observer, Search(*aq.range_search)))
+        if obs.initialized:
+            return obs.min, obs.max
         _warn_uncalibrated(self.qc_name)
         return x.detach().amin().float(), x.detach().amax().float()
 

@@ -256,13 +256,6 @@ def test_batched_experts_implementation_quantizes_inputs_too():
     torch.testing.assert_close(batched, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_static_expert_input_ranges_are_refused_by_name():
-    model = make_moe("mixtral")
-    with pytest.raises(ConfigError, match=r"range_calibration.*model\.layers\.0\.mlp\.experts\.gate_up_proj"):
-        qcompress.init_compression(model, _act_cfg(calibration="static"))
-    assert not any(type(m).__name__ == "ExpertMatrix" for m in model.modules())
-
-
 def test_int8_forward_on_experts_is_ignored_by_name():
     model = make_moe("qwen3_moe")
     fp = copy.deepcopy(model)
@@ -292,10 +285,12 @@ def test_a_whole_compressed_moe_model_pickles():
         assert torch.equal(again(x).logits, model(x).logits)
 
 
-def test_static_ranges_of_the_default_group_leave_the_experts_out_with_a_warning():
+def test_learned_static_ranges_of_the_default_group_leave_the_experts_out_with_a_warning():
     model = make_moe("qwen3_moe")
     cfg = _act_cfg(calibration="static")
-    del cfg["compression_training"]["activation_quantization"]["different_groups"]["aq"]["modules"]
+    group = cfg["compression_training"]["activation_quantization"]["different_groups"]["aq"]
+    del group["modules"]
+    group["params"]["range_learning"] = True
     with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*left out"):
         qcompress.init_compression(model, cfg)
     part = model.model.layers[0].mlp.experts._modules["gate_up_proj"]
