@@ -625,12 +625,13 @@ class Engine:
                                             zip(torch.split(flat, [b.numel() for b in same]), same)])
         live = [o for o in self._observers if o.initialized]
         if live:
-            flat = torch.stack([t.to(self.device, torch.float32) for o in live for t in (o.min, o.max)])
+            # (min, max) per Linear; (min, max, seen) per expert of fused experts (nn/expert_ranges.py)
+            parts = [o.sync_tensor().to(self.device, torch.float32).reshape(-1) for o in live]
+            flat = torch.cat(parts)
             dist.all_reduce(flat, group=self.group)
             self.traffic.all_reduce("engine", flat.numel() * flat.element_size())
-            flat /= self.world_size
-            for i, o in enumerate(live):
-                o.min, o.max = flat[2 * i].clone(), flat[2 * i + 1].clone()
+            for o, t in zip(live, torch.split(flat, [p.numel() for p in parts])):
+                o.sync_from(t, self.world_size)
 
     # --- timing ------------------------------------------------------------------------------
     def _elapsed(self, t0: float) -> float:
