@@ -160,3 +160,18 @@ def test_train_warns_before_training_when_groups_quantize_unreadable_modules(tmp
                     "bert.embeddings.token_type_embeddings"):
             assert f"{emb} (embedding)" in msg
         assert "with_embeddings.yaml" in msg and "qcompress.load_quantized still reads" in msg
+
+
+def test_integer_recipes_take_the_moe_experts_too():
+    conf = transformers.MixtralConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    plain = transformers.MixtralForCausalLM(conf)
+    # oracle: the fused experts' 3-D Parameters and the attention Linears (the router stays float)
+    experts = {f"{n}.{p}" for n, m in plain.named_modules() if n.endswith("mlp.experts")
+               for p, w in m.named_parameters(recurse=False) if w.dim() == 3}
+    attention = {n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear) and ".self_attn." in n}
+    model = compressed(plain, recipe("w4a16_g128"))
+    assert experts and with_state(model, "qc_wq") == experts | attention
+    assert reach.unreadable(model) == []
