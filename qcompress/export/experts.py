@@ -67,6 +67,12 @@ def saved_pieces(root: nn.Module, part) -> Tuple[Optional[str], List[Piece]]:
     return None, sorted(pieces, key=lambda p: (p[1], p[2]))
 
 
+def input_name(saved: str, suffix: str) -> str:
+    """Name of an expert's static `input_scale` / `input_zero_point`: `x.weight` -> `x.input_scale`;
+    a fused `x.gate_up_proj` -> `x.gate_up_proj_input_scale` (stacked over experts)."""
+    return saved[: -len("weight")] + suffix if saved.endswith(".weight") else f"{saved}_{suffix}"
+
+
 def tensor_name(saved: str, suffix: str) -> str:
     """compressed-tensors' name for `suffix` (weight_packed, weight_scale, ...) of a saved tensor:
     `x.weight` -> `x.weight_packed`; a fused `x.gate_up_proj` -> `x.gate_up_proj_packed`."""
@@ -143,20 +149,86 @@ def collect_experts(root: nn.Module):
     for name, mod in root.named_modules():
         if not isinstance(mod, ExpertMatrix):
             continue
-        act = act_entry(mod)             # per token, dynamic: arguments only, no tensors
+        static = mod.qc_aq is not None and mod.qc_aq.active and mod.qc_aq.calibration == "static"
+        act = _static_args(mod) if static else act_entry(mod)   # per token: arguments only, no tensors
         if mod.qc_wq is not None and mod.qc_wq.active:
             t, rec = part_entries(root, mod)
             tensors.update(t)
             replaced.append(name)
             replaced.extend(f"{name}.{k}" for k in mod._parameters)    # learned ranges: in the codes
         elif act is not None:
+            fused, pieces = saved_pieces(root, mod)
             rec = {"kind": "experts", "group": mod.qc_aq.group, "format": "dense", "weights": None,
-                   "layout": mod.qc_layout, "shape": list(mod.weight.shape), "fused": None, "pieces": []}
+                   "layout": mod.qc_layout, "shape": list(mod.weight.shape), "fused": fused,
+                   "pieces": [list(p) for p in pieces]}
         else:
             continue
         rec["input_activations"] = None if act is None else act[0]
+        if static:
+            tensors.update(_static_inputs(mod, rec))
         records[name] = rec
     return tensors, records, replaced
+
+
+def _static_args(part):
+    from .codes import observer_kwargs
+    aq = part.qc_aq
+    return ({"num_bits": aq.bits, "type": "int", "symmetric": aq.symmetric, "strategy": "tensor",
+             "dynamic": False, "observer": aq.range_observer, "observer_kwargs": observer_kwargs(aq)}, {})
+
+
+def _static_inputs(part, rec: dict) -> Dict[str, torch.Tensor]:
+    """Each expert's static input range as compressed-tensors writes a Linear's (`input_scale`
+    float32 [1], `input_zero_point` int8 [1]) under that expert's names; stacked [E] under a fused name."""
+    from ..quant import reference
+    aq = part.qc_aq
+    spec = reference.make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
+    scales, zps = [], []
+    for e, r in enumerate(aq.observer.experts):
+        if not r.initialized:
+            raise ExportError(f"module {part.qc_name!r}: expert {e} was routed no token while its static input "
+                              "range was calibrated, so it has no input_scale; run more (or more varied) "
+                              "training or calibration batches before exporting")
+        s, zp, _ = reference.qparams(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec,
+                                     min_val=r.min.cpu(), max_val=r.max.cpu())
+        scales.append(s.reshape(1).to(torch.float32))
+        zps.append(None if zp is None else zp.reshape(1).to(torch.int8))
+    out = {}
+    if rec["fused"] is not None:
+        out[input_name(rec["fused"], "input_scale")] = torch.cat(scales)
+        if zps[0] is not None:
+            out[input_name(rec["fused"], "input_zero_point")] = torch.cat(zps)
+        return out
+    for saved, e, _, _ in rec["pieces"]:
+        out[input_name(saved, "input_scale")] = scales[e].clone()
+        if zps[e] is not None:
+            out[input_name(saved, "input_zero_point")] = zps[e].clone()
+    return out
+
+
+def _load_static_inputs(part, rec: dict, tensors, where: str) -> None:
+    """The per-expert input scales (and zero points) the export wrote, taken out of `tensors`."""
+    e_n = rec["shape"][0]
+    sym = rec["input_activations"]["symmetric"]
+    s = torch.empty(e_n, dtype=torch.float32)
+    z = None if sym else torch.empty(e_n, dtype=torch.float32)
+
+    def take(saved, suffix):
+        key = input_name(saved, suffix)
+        if key not in tensors:
+            raise CheckpointError(f"{where}: tensor {key!r} (a static input range) is missing")
+        return tensors.pop(key).to(torch.float32).reshape(-1)
+
+    if rec["fused"] is not None:
+        s.copy_(take(rec["fused"], "input_scale"))
+        if z is not None:
+            z.copy_(take(rec["fused"], "input_zero_point"))
+    else:
+        for saved, e, _, _ in rec["pieces"]:
+            s[e] = take(saved, "input_scale")[0]
+            if z is not None:
+                z[e] = take(saved, "input_zero_point")[0]
+    part.qc_static_inputs = (s, z)
 
 
 # --- reload ------------------------------------------------------------------------------------
@@ -205,6 +277,9 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         if have != rec["shape"]:
             raise CheckpointError(f"{where}: shape {rec['shape']} in the checkpoint but {have} in the given model")
         part = _loaded_part(modules, name, rec)
+        act = rec.get("input_activations")
+        if act is not None and not act.get("dynamic", True):
+            _load_static_inputs(part, rec, tensors, where)
         if rec["weights"] is None:
             continue
         e_n, a, b = rec["shape"]
@@ -266,8 +341,12 @@ def _loaded_part(modules, name: str, rec: dict):
     part = ExpertMatrix(modules[owner_name], pname, rec["layout"], name)
     act = rec.get("input_activations")
     if act is not None:
+        static = not act.get("dynamic", True)
         part.qc_aq = ActQuant(group=rec["group"], bits=act["num_bits"], symmetric=act["symmetric"],
-                              calibration="dynamic", offset=0, per="token", active=True)
+                              calibration="static" if static else "dynamic", offset=0, per="token", active=True)
+        if static:       # per-expert ranges: a product that names no expert is refused (input_observer)
+            from ..nn.expert_ranges import ExpertRanges
+            part.qc_aq.observer = ExpertRanges(rec["shape"][0])
     attach([part], always=True)
     return part
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError
+from ..quant.api import fake_quantize_spec
 from ..unwrap import unwrap
 from . import ranges
 from .expert_ranges import ExpertRanges
@@ -57,6 +58,7 @@ class ExpertMatrix(CompressMixin, nn.Module):
         self.qc_per_expert_tensor = False      # granularity tensor: one scale per expert
         self.qc_fast = None                    # load_quantized(mode="fast"): per-expert low-bit kernels
         self.qc_expert = None                  # the expert whose routed tokens are being multiplied
+        self.qc_static_inputs = None           # a loaded export's per-expert (input_scale, zero point)
         self._qc_setup(name)
 
     @property
@@ -89,11 +91,16 @@ class ExpertMatrix(CompressMixin, nn.Module):
     def expert_linear(self, x, w, e: Optional[int], bias, transposed: bool = False):
         """x times expert e's matrix w (w: [out, in], or [in, out] when transposed), the input
         quantized per token; on the low-bit kernel when loaded in fast mode."""
-        self.qc_expert = e
-        try:
-            x = self.quantize_input(x)
-        finally:
-            self.qc_expert = None
+        if self.qc_static_inputs is not None and e is not None:
+            s, z = self.qc_static_inputs
+            x = fake_quantize_spec(x, self.input_spec(), scale=s[e].reshape(1),
+                                   zero_point=None if z is None else z[e].reshape(1))
+        else:
+            self.qc_expert = e
+            try:
+                x = self.quantize_input(x)
+            finally:
+                self.qc_expert = None
         if self.qc_fast is not None and e is not None and self.qc_fast.runs_on(x):
             y = self.qc_fast(x, e)
             return y if bias is None else y + bias
