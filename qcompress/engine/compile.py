@@ -42,12 +42,13 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
 
 def per_step_graphs(module: nn.Module) -> list:
     """Names of the modules whose quantizer changes a Python constant every step, so that each step
-    compiles a new graph: stochastic rounding (the step is folded into the seed, an int argument of
-    the quantizer op) and an fp16_mixed_quantize blend in progress (its ratio, a float)."""
+    compiles a new graph: stochastic rounding with learned or observer-chosen ranges (there the step
+    is folded into the seed, an int argument of the quantizer op; with min/max ranges it is a tensor
+    input, quant/stepped.py) and an fp16_mixed_quantize blend in progress (its ratio, a float)."""
     out = []
     for name, mod in module.named_modules():
         wq = mod.__dict__.get("qc_wq")
-        if wq is not None and (wq.rounding == "stochastic" or wq.mix_enabled):
+        if wq is not None and ((wq.rounding == "stochastic" and not wq.step_as_input()) or wq.mix_enabled):
             out.append(name)
     return out
 
@@ -62,9 +63,10 @@ def compile_model(module: nn.Module, section) -> bool:
     moving = per_step_graphs(module)
     if moving:
         warnings.warn(f"compile: {len(moving)} modules ({', '.join(moving[:3])}{', ...' if len(moving) > 3 else ''}) "
-                      "use stochastic rounding or fp16_mixed_quantize, whose seed / blend ratio changes every step: "
+                      "use stochastic rounding with learned or mse ranges, or fp16_mixed_quantize, whose seed / blend "
+                      "ratio changes every step: "
                       f"each step compiles a new graph, and after {RECOMPILE_LIMIT} the model runs eagerly. Use "
-                      "rounding: nearest and no fp16_mixed_quantize with compile", stacklevel=3)
+                      "rounding: nearest (or min/max ranges) and no fp16_mixed_quantize with compile", stacklevel=3)
     module.compile(backend=section.backend, **dict(section.kwargs))
     log.info("compile: %s compiled in place with backend=%s %s", type(module).__name__, section.backend,
              dict(section.kwargs))

@@ -113,6 +113,18 @@ class WeightQuant:
     pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
     per_expert: bool = False       # fused experts at granularity tensor: a channel of [E, out * in] each
     store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
+    # `step` as a 0-d int64 CPU tensor, filled in place whenever step is set: compiled graphs take
+    # it as an input (stochastic rounding), so a new step does not compile a new graph
+    step_tensor: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
+                                      repr=False, compare=False)
+
+    def __post_init__(self):
+        self.step_tensor.fill_(self.step)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "step" and "step_tensor" in self.__dict__:
+            self.step_tensor.fill_(value)
 
     # optimizer-step mode: full-precision weights, what was last written, its codes (shared
     # between modules tied to one Parameter, see MasterState)
@@ -125,17 +137,29 @@ class WeightQuant:
         """The settings that decide the quantized weight at every step (not group, seed, state)."""
         return {k: getattr(self, k) for k in _WEIGHT_SETTINGS}
 
+    def step_as_input(self) -> bool:
+        """Whether a compiled graph takes the stochastic-rounding step as a tensor input (the
+        fake_quant op, min/max ranges); learned or observer-chosen ranges reach ops whose seed is
+        an int constant, so there each step compiles a graph."""
+        return self.rounding == "stochastic" and not self.range_learning and self.range_observer == "minmax"
+
     def spec(self) -> Spec:
         fmt = format_at(self.format, self.bits)
         if fmt != "int":       # a float format (quant/floats.py) at the bits in force
             return float_spec(fmt, self.granularity, self.group_size)
-        seed = rng.mix_seed(self.seed, self.step) if self.rounding == "stochastic" else 0
+        step = None
+        if self.rounding != "stochastic":
+            seed = 0
+        elif torch.compiler.is_compiling() and self.step_as_input():
+            seed, step = self.seed, self.step_tensor   # mixed inside the op: one graph for all steps
+        else:
+            seed = rng.mix_seed(self.seed, self.step)
         return make_spec(self.bits, symmetric=self.symmetric,
                          granularity="tensor" if self.granularity == "groups" else self.granularity,
                          group_size=self.group_size,
                          num_groups=self.num_groups if self.granularity == "groups" else None,
                          rounding=self.rounding, seed=seed, numerics=self.numerics,
-                         ternary=self.ternary)
+                         ternary=self.ternary, step=step)
 
     def describe(self) -> str:
         if self.granularity == "group":

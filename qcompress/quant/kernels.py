@@ -133,7 +133,7 @@ def layout(x: torch.Tensor, spec: Spec) -> Tuple[int, int, int]:
     return rows, cols, spec.group_size
 
 
-def _args(x: torch.Tensor, spec: Spec, min_val, max_val):
+def _args(x: torch.Tensor, spec: Spec, min_val, max_val, unmixed: bool = False):
     rows, cols, group = layout(x, spec)
     rng = None
     if min_val is not None and spec.kind == "int":
@@ -141,7 +141,15 @@ def _args(x: torch.Tensor, spec: Spec, min_val, max_val):
                            torch.as_tensor(max_val, dtype=torch.float32).reshape(())]).to(x.device)
     return (rng, rows, cols, group, spec.bits, _KIND[spec.kind], spec.symmetric,
             spec.numerics == "deepspeed", 1 if spec.rounding == "stochastic" else 0,
-            spec.seed & 0xFFFFFFFF)
+            spec.seed & 0xFFFFFFFF if unmixed else _int_seed(spec))
+
+
+def _int_seed(spec: Spec) -> int:
+    """The ops' int seed; a step tensor (compiled stochastic rounding) only the fake_quant op takes."""
+    if spec.step is not None:
+        raise ValueError("a stochastic-rounding Spec with a step tensor reaches only the fake_quant op "
+                         "(quant/stepped.py); give this call the mixed int seed (rng.mix_seed)")
+    return spec.seed & 0xFFFFFFFF
 
 
 def _prep(x: torch.Tensor) -> torch.Tensor:
@@ -181,12 +189,18 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
         rows, cols, group = layout(xk, spec)
         y, mask = _ops().fake_quant_params(xk, s, z, rows, cols, group, spec.bits,
                                            1 if spec.rounding == "stochastic" else 0,
-                                           spec.seed & 0xFFFFFFFF, with_mask)
+                                           _int_seed(spec), with_mask)
         return (y if y.dtype == x.dtype else y.to(x.dtype)), mask   # the ops' outputs have x's shape
     if not on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
-    y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
+    if spec.step is not None:    # compiled stochastic rounding: the step is a graph input
+        from . import stepped
+        rng, rows, cols, group, bits, kind, sym, ds, _, seed = _args(xk, spec, min_val, max_val, unmixed=True)
+        y, mask = _call(stepped.fake_quant, xk, rng, spec.step, rows, cols, group, bits, kind, sym, ds, seed,
+                        with_mask)
+    else:
+        y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
     return (y if y.dtype == x.dtype else y.to(x.dtype)), mask
 
 
@@ -224,7 +238,7 @@ def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.T
     s, z = _group_params(xk, spec, (scale, zero_point))
     rows, cols, group = layout(xk, spec)
     gx, gs, gz = _ops().lsq_backward(g.detach(), xk, s, z, rows, cols, group, spec.bits,
-                                     1 if spec.rounding == "stochastic" else 0, spec.seed & 0xFFFFFFFF)
+                                     1 if spec.rounding == "stochastic" else 0, _int_seed(spec))
     gx = gx.reshape(grad.shape)
     if gx.dtype != grad.dtype:
         gx = gx.to(grad.dtype)

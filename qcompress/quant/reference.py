@@ -23,7 +23,7 @@ Sums (mean|x|) accumulate in float64 and round once to float32.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
@@ -47,6 +47,9 @@ class Spec:
     seed: int = 0
     numerics: str = "default"
     ternary: bool = False
+    # compiled stochastic rounding: the training step as a 0-d int64 CPU tensor (a graph input);
+    # the rounding seed is then rng.mix_seed_tensor(seed, step), `seed` holding the unmixed one
+    step: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def kind(self) -> str:
@@ -70,7 +73,7 @@ class Spec:
 
 
 def make_spec(bits, *, symmetric=True, granularity="tensor", group_size=None, num_groups=None,
-              rounding="nearest", seed=0, numerics="default", ternary=False) -> Spec:
+              rounding="nearest", seed=0, numerics="default", ternary=False, step=None) -> Spec:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
         raise ValueError(f"bits must be an integer in 1..16, got {bits!r}")
     if num_groups is not None:
@@ -86,7 +89,7 @@ def make_spec(bits, *, symmetric=True, granularity="tensor", group_size=None, nu
     if numerics not in ("default", "deepspeed"):
         raise ValueError(f"numerics must be 'default' or 'deepspeed', got {numerics!r}")
     spec = Spec(bits, bool(symmetric), granularity, group_size, num_groups, rounding, int(seed),
-                numerics, bool(ternary))
+                numerics, bool(ternary), step)
     if spec.kind != "int" and not spec.symmetric:
         raise ValueError(f"{spec.kind} quantization ({bits} bit) is symmetric only")
     return spec
@@ -288,7 +291,8 @@ def _round(v: torch.Tensor, spec: Spec, u: Optional[torch.Tensor]) -> torch.Tens
 def _noise(x: torch.Tensor, spec: Spec):
     if spec.rounding != "stochastic":
         return None
-    u = rng.uniform(spec.seed, x.numel(), device=x.device).reshape(x.shape)
+    seed = spec.seed if spec.step is None else rng.mix_seed_tensor(spec.seed, spec.step)
+    u = rng.uniform(seed, x.numel(), device=x.device).reshape(x.shape)
     return u
 
 

@@ -2,6 +2,7 @@
 trains to the eager run's weights. Oracle: the same run with compile off (aot_eager keeps every
 bit), torch._dynamo's compiled-frame counter."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -128,9 +129,15 @@ def test_train_compile_option_switches_the_section_on(tmp_path):
     assert section.enabled and section.backend == "aot_eager" and section.kwargs == {"fullgraph": True}
 
 
-def test_stochastic_rounding_warns_that_each_step_compiles_anew():
+def test_stochastic_rounding_with_learned_ranges_warns_that_each_step_compiles_anew():
     doc = _doc({"enabled": True, "backend": "aot_eager"})
     doc["compression_training"]["weight_quantization"]["shared_parameters"]["rounding"] = "stochastic"
+    plain = _mlp()
+    qcompress.init_compression(plain, doc)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*compiles a new graph", category=UserWarning)
+        qcompress.initialize(plain, doc)    # min/max ranges: the step is a graph input, no warning
+    doc["compression_training"]["weight_quantization"]["shared_parameters"]["range_learning"] = True
     model = _mlp()
     qcompress.init_compression(model, doc)
     with pytest.warns(UserWarning, match=r"3 modules \(layers\.0, layers\.1, layers\.2\) use stochastic rounding"):
