@@ -152,16 +152,18 @@ def llama_step(rank, world, comp):
     return float(loss.detach()), float(loss_ref.detach()), worst, sorted(g_ref) == sorted(g_tp)
 
 
-def engine_train_batch(rank, world, tp_size, gas, steps=3):
+def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
     """qcompress.initialize on all ranks with tensor_parallel.autotp_size = tp_size; `steps`
     train_batch calls on a tiny Llama. Each data-parallel replica reads its own share of one global
     micro-batch stream (micro-batch i to replica i % replicas), so runs whose replicas x gas agree
-    take the same samples in every step. Returns (losses, data_parallel_rank,
+    take the same samples in every step. `pp` pipeline stages: each rank returns its stage's
+    weights under the unsplit model's names. Returns (losses, data_parallel_rank,
     data_parallel_world_size, full weights)."""
     comp = compression(bits=8, granularity="channel", act="dynamic")
     doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-           "tensor_parallel": {"autotp_size": tp_size}, "compression_training": comp}
+           "tensor_parallel": {"autotp_size": tp_size}, "pipeline": {"stages": pp},
+           "compression_training": comp}
     model = qc.init_compression(tiny_llama(), qc.load_config(doc))
     engine = qc.initialize(model, doc)
     dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
@@ -178,6 +180,13 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3):
             yield {"input_ids": ids, "labels": ids}
     it = batches()
     losses = [float(engine.train_batch(it)) for _ in range(steps)]
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    first = engine.pipeline.blocks[0] if engine.pipeline is not None else 0
+
+    def unsplit_name(n):      # a stage's block j is the model's block first + j
+        parts = n.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(int(parts[2]) + first)
+        return ".".join(parts)
+    weights = {unsplit_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in engine.module.named_parameters()}
     return losses, dp_rank, dp_world, weights

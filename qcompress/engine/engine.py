@@ -34,6 +34,7 @@ from .save16 import save_16bit_model
 from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
 from ..parallel import apply_tensor_parallel, build_mesh
+from ..parallel.pipeline import build_pipeline
 from ..parallel.train_batch import train_batch
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
                    wrap_ddp, wrap_fsdp)
@@ -209,9 +210,13 @@ class Engine:
             with collective("initialize: the broadcast of rank 0's model", cfg.comm_timeout_s, self.world_size):
                 broadcast_module_state(model, traffic=self.traffic)
             self._broadcast_compression_state()
-        self.tp_plan = None
-        if self.parallel.mesh is not None:   # split after the broadcast: every shard is rank 0's
-            self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
+        self.tp_plan = self.pipeline = None
+        if self.parallel.mesh is not None:   # split after the broadcast: every part is rank 0's
+            if self.parallel.shape.pp > 1:   # this rank keeps its stage's blocks only
+                self.pipeline = build_pipeline(model, self.parallel, cfg.pipeline,
+                                               self.gradient_accumulation_steps, self.device)
+            if self.parallel.shape.tp > 1:
+                self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
             self.group = self.parallel.dp_group
         names_before = {id(p): n for n, p in model.named_parameters()}
         offloaded = []
@@ -239,13 +244,15 @@ class Engine:
                                                 traffic=self.traffic)
         else:
             self.wrapped = model
+        if self.pipeline is not None:
+            self.wrapped = self.pipeline.guard   # the stages run in train_batch only
         # after wrapping, so DDP / FSDP2 run inside the compiled graph (DeepSpeed's engine.compile)
         self.compiled = compile_model(self.wrapped, cfg.compile)
         self.param_names = {p: n for n, p in model.named_parameters()}
         params = self._resolve_params(model, model_parameters, names_before)
         self.optimizer = self._make_optimizer(params, cfg, optimizer, model)
         self.nvme = self._attach_nvme(zero) if self.nvme_offload else None
-        self.optimizer_offload = None     # stage 1 (and 0's DDP-less single process): engine/offload.py
+        self.optimizer_offload = None     # stage 1: engine/offload.py
         if zero.offload_optimizer.device == "cpu" and not self.sharded:
             self.optimizer_offload = OptimizerOffload(self._local_optimizer(), zero.offload_optimizer.ratio,
                                                       self._pin(zero))

@@ -50,33 +50,31 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
     shape = mesh_shape(tp, pp, world)
     heads, kv, hidden = model_sizes(model)
     check_model_sizes(tp, pp, heads, kv, hidden, _blocks(model))
-    if pp > 1:
-        raise ConfigError("pipeline.stages", f"{pp}: pipeline parallelism is not implemented yet; "
-                          "use stages: 1 (tensor_parallel and data parallelism work)")
-    if tp == 1:
+    if tp == 1 and pp == 1:
         return ParallelMesh(shape)
-    _refuse_with_tp(cfg, tp)
+    _refuse_with_split(cfg, tp, pp)
     if shape.dp > 1:
-        raise ConfigError("tensor_parallel.autotp_size", f"{tp} on {world} ranks leaves {shape.dp} data-parallel "
-                          "replicas; tensor parallelism composed with data parallelism is not implemented "
-                          f"yet: run {tp} ranks")
+        raise ConfigError("tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages",
+                          f"tensor x pipeline = {tp * pp} on {world} ranks leaves {shape.dp} data-parallel replicas; "
+                          f"composing them with data parallelism is not implemented yet: run {tp * pp} ranks")
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelMesh(shape, mesh)
 
 
-def _refuse_with_tp(cfg, tp: int) -> None:
-    """Settings the tensor-parallel engine does not run yet, refused by key before anything starts."""
+def _refuse_with_split(cfg, tp: int, pp: int) -> None:
+    """Settings the tensor / pipeline engine does not run yet, refused by key before anything starts."""
+    what = f"tensor_parallel.autotp_size {tp}" if tp > 1 else f"pipeline.stages {pp}"
     if cfg.zero_optimization.stage:
-        raise ConfigError("zero_optimization.stage", f"{cfg.zero_optimization.stage} with tensor_parallel."
-                          f"autotp_size {tp}: ZeRO composed with tensor parallelism is not implemented yet; use 0")
+        raise ConfigError("zero_optimization.stage", f"{cfg.zero_optimization.stage} with {what}: ZeRO composed "
+                          "with tensor or pipeline parallelism is not implemented yet; use 0")
     if cfg.gradient_clipping:
-        raise ConfigError("gradient_clipping", f"with tensor_parallel.autotp_size {tp}: the norm of sharded "
-                          "gradients is not implemented yet; use 0")
+        raise ConfigError("gradient_clipping", f"with {what}: the norm of gradients split over ranks is not "
+                          "implemented yet; use 0")
     if cfg.fp16.enabled:
-        raise ConfigError("fp16.enabled", f"with tensor_parallel.autotp_size {tp}: fp16 loss scaling of sharded "
-                          "gradients is not implemented yet; use bf16 or fp32")
+        raise ConfigError("fp16.enabled", f"with {what}: fp16 loss scaling of gradients split over ranks is not "
+                          "implemented yet; use bf16 or fp32")
     opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
     if opt in ("onebitadam", "zerooneadam", "onebitlamb"):
-        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with tensor_parallel.autotp_size {tp}: "
-                          "compressed all-reduce of sharded gradients is not implemented yet")
+        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with {what}: its compressed all-reduce runs "
+                          "over data-parallel replicas, which need data parallelism composed with the split")

@@ -37,7 +37,32 @@ def train_batch(engine, data_iter) -> torch.Tensor:
         raise RuntimeError(f"train_batch: {engine._accumulated} micro-batches were run with engine.step since "
                            "the last optimizer step; finish that step before calling train_batch")
     steps = engine.gradient_accumulation_steps
-    losses = []
+    batches = [_to(b, engine.device) for b in _draw(data_iter, steps)]
+    if engine.pipeline is not None:
+        from .pipeline import run_pipeline
+        mean = run_pipeline(engine, batches)
+        engine._accumulated = steps - 1       # the micro-batches ran inside the schedule
+        engine.micro_steps += steps - 1
+        engine.step()
+        holders = engine.world_size // engine.pipeline.stages      # the ranks of the last stage
+        mean = torch.zeros((), device=engine.device) if mean is None else mean / holders
+    else:
+        losses = []
+        for batch in batches:
+            loss = model_loss(engine(**batch))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean() / engine.world_size
+    if engine.world_size > 1:
+        # the ranks of one replica (or of the last stage) hold the same loss: the sum over the world
+        # of each rank's share is the replicas' mean
+        dist.all_reduce(mean)
+        engine.traffic.all_reduce("engine", mean.element_size())
+    return mean
+
+
+def _draw(data_iter, steps: int):
     for i in range(steps):
         try:
             batch = next(data_iter)
@@ -47,14 +72,4 @@ def train_batch(engine, data_iter) -> torch.Tensor:
         if not isinstance(batch, Mapping):
             raise TypeError(f"train_batch: micro-batch {i} is a {type(batch).__name__}; each must be a dict "
                             "of the model's keyword inputs (labels included)")
-        loss = model_loss(engine(**_to(batch, engine.device)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
-    mean = torch.stack(losses).mean()
-    if engine.world_size > 1:
-        # the ranks of one replica hold its loss alike, so the world's mean is the replicas' mean
-        dist.all_reduce(mean)
-        mean /= engine.world_size
-        engine.traffic.all_reduce("engine", mean.element_size())
-    return mean
+        yield batch

@@ -1,8 +1,8 @@
-"""Tensor parallelism with compression on 2 gloo ranks against the unsplit model (the oracle).
+"""Tensor and pipeline parallelism with compression on 2 gloo ranks against the unsplit model (the oracle).
 
 Codes of a column- and a row-parallel quantized Linear gathered from the shards equal the
 unsplit module's exactly; a tiny Llama split by its own base_model_tp_plan gives the same loss
-and gradients; engine.train_batch at TP2 and at DP2 follows the single process.
+and gradients; engine.train_batch at TP2, DP2 and PP2 follows the single process.
 """
 import pytest
 import torch
@@ -43,7 +43,8 @@ def test_llama_step_loss_and_grads_equal_single_process():
 def _close_weights(a, b, rel=1e-3):
     # after 3 AdamW steps: Adam divides reduction-order noise by tiny second moments, so the
     # weights agree less tightly than one step's loss and gradients (1e-5 above)
-    for name in b:
+    assert set(a) <= set(b), sorted(set(a) - set(b))
+    for name in a:
         err = float((a[name] - b[name]).norm() / b[name].norm())
         assert err < rel, f"{name}: relative difference {err}"
 
@@ -61,3 +62,22 @@ def test_train_batch_tp2_and_dp2_follow_single_process():
     assert dp[0][0] == dp[1][0]                    # the mean loss is the same on every rank
     assert dp[0][0] == pytest.approx(single[0], rel=1e-5)
     _close_weights(dp[0][3], single[3])
+
+
+def test_train_batch_pipeline_pp2_and_pp2_x_tp2_equal_single_process():
+    single = pw.engine_train_batch(0, 1, 1, 4)
+    stages = run_ranks(pw.engine_train_batch, 2, 1, 4, 3, 2, timeout=300)
+    for losses, dp_rank, dp_world, weights in stages:
+        assert (dp_rank, dp_world) == (0, 1)
+        assert losses == pytest.approx(single[0], rel=1e-5)
+        _close_weights(weights, single[3], 1e-5)
+    # the first stage holds the embeddings and block 0, the last block 1, the norm and lm_head
+    assert "model.embed_tokens.weight" in stages[0][3] and "lm_head.weight" not in stages[0][3]
+    assert "lm_head.weight" in stages[1][3] and not any(".layers.0." in n for n in stages[1][3])
+    # 4 ranks: ranks 0, 1 are stage 0 split over 2 tensor-parallel ranks, ranks 2, 3 stage 1
+    grid = run_ranks(pw.engine_train_batch, 4, 2, 4, 3, 2, timeout=500)
+    for rank, (losses, dp_rank, dp_world, weights) in enumerate(grid):
+        assert (dp_rank, dp_world) == (0, 1)
+        assert losses == pytest.approx(single[0], rel=1e-5)
+        _close_weights(weights, single[3])
+        assert ("lm_head.weight" in weights) == (rank >= 2)
