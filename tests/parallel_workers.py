@@ -190,3 +190,31 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
     weights = {unsplit_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in engine.module.named_parameters()}
     return losses, dp_rank, dp_world, weights
+
+
+def export_matches(rank, world, folder):
+    """Train 2 steps at TP = world, export from every rank (rank 0 writes), then on rank 0 load
+    the gathered trained weights into an unsplit model and export that: {tensor name: equal}."""
+    import os
+    from safetensors.torch import load_file
+    comp = compression(bits=4, granularity="group", group_size=16, symmetric=False, act="dynamic")
+    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+           "tensor_parallel": {"autotp_size": world}, "compression_training": comp}
+    engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    it = iter([{"input_ids": ids, "labels": ids}] * 2)
+    engine.train_batch(it), engine.train_batch(it)
+    whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+             for n, p in engine.module.named_parameters()}
+    split_dir = os.path.join(folder, "split")
+    qc.export_quantized(engine, split_dir)
+    if rank != 0:
+        return None
+    single = qc.init_compression(tiny_llama(seed=1), qc.load_config(doc))
+    single.load_state_dict(whole, strict=False)
+    qc.CompressionScheduler(single, qc.load_config(doc))
+    qc.export_quantized(single, os.path.join(folder, "single"))
+    a = load_file(os.path.join(split_dir, "model.safetensors"))
+    b = load_file(os.path.join(folder, "single", "model.safetensors"))
+    return {k: (k in a and torch.equal(a[k], b[k])) for k in b} | {k: False for k in a if k not in b}

@@ -81,3 +81,9 @@ def test_train_batch_pipeline_pp2_and_pp2_x_tp2_equal_single_process():
         assert losses == pytest.approx(single[0], rel=1e-5)
         _close_weights(weights, single[3])
         assert ("lm_head.weight" in weights) == (rank >= 2)
+
+
+def test_export_from_tp2_equals_single_process_export_of_the_same_weights(tmp_path):
+    equal = run_ranks(pw.export_matches, 2, str(tmp_path), timeout=300)[0]
+    assert any(k.endswith("q_proj.weight_packed") for k in equal), sorted(equal)[:8]
+    assert all(equal.values()), [k for k, ok in equal.items() if not ok]
