@@ -274,9 +274,10 @@ def _float_weight(fmt, params, shared, module, name, path):
     """(granularity, group size) of a float-format group on this module, or a ConfigError naming
     the module where its kind or shape cannot take the format."""
     gran, gsize = check_weight_group(fmt, params, shared, path, f"{path}.params.format")
-    if module.qc_kind not in ("linear", "hf_conv1d", "embedding"):
+    if module.qc_kind not in ("linear", "hf_conv1d", "embedding", "experts"):
         raise ConfigError(f"{path}.modules", f"module {name!r} is a {module.qc_kind}; float formats "
-                          "quantize matrices (Linear, transformers' Conv1D, Embedding): leave it out")
+                          "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts): "
+                          "leave it out")
     shape = tuple(module.weight_matrix_view(module.weight).shape)
     for bits in range(params.target_bits, params.start_bits + 1):
         f = format_at(fmt, bits)

@@ -38,9 +38,12 @@ def moe_config(family: str):
     raise ValueError(family)
 
 
-def make_moe(family: str, seed: int = 0):
+def make_moe(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(moe_config(family))
+    config = moe_config(family)
+    for k, v in overrides.items():      # e.g. expert widths a format's group size divides
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():          # routers start at zero in some families: spread the routing
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight")):

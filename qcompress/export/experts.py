@@ -28,7 +28,7 @@ from .codes import dequantize_2d, weight_entry
 from .errors import CheckpointError, ExportError
 
 Piece = Tuple[str, int, int, int]      # (saved tensor name, expert, first out row, rows)
-SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight")
+SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale", "weight")
 
 
 # --- names as save_pretrained writes them ------------------------------------------------------
@@ -88,10 +88,14 @@ class _Rows:
     qc_kind = "linear"
 
     def __init__(self, part, codes, eff, e: int, o0: int, r: int, saved: str):
-        self.qc_wq, self.qc_name = part.qc_wq, saved
+        self.qc_wq, self.qc_aq, self.qc_name = part.qc_wq, part.qc_aq, saved
         q, s, z, spec = codes
         e_n, out, inp = part.matrix_shape()
-        if part.qc_per_expert_tensor:         # [E, out * in] view: one scale per expert
+        if spec.kind == "float":              # z: each expert's global scale (NVFP4) or None
+            rows = slice(e * out + o0, e * out + o0 + r)
+            self._codes = (q.reshape(e_n * out, -1)[rows], s.reshape(e_n * out, -1)[rows],
+                           None if z is None else z[e], spec)
+        elif part.qc_per_expert_tensor:         # [E, out * in] view: one scale per expert
             from dataclasses import replace
             self._codes = (q[e].reshape(out, inp)[o0:o0 + r], s.reshape(e_n)[e].reshape(1),
                            None if z is None else z.reshape(e_n)[e].reshape(1), replace(spec, granularity="tensor"))
@@ -264,6 +268,26 @@ def _piece_codes(tensors, saved: str, rec: dict, rows: int, inp: int, where: str
     return q, s, z, gsize
 
 
+def _piece_float(tensors, saved: str, rec: dict, rows: int, inp: int, where: str, e, dtype):
+    """One stored float-format entry (FP8, NVFP4, MXFP4 ...) dequantized to [rows, in]."""
+    from . import floats as float_layout
+
+    def take(suffix, key_as):
+        key = tensor_name(saved, suffix)
+        if key not in tensors:
+            raise CheckpointError(f"{where}: tensor {key!r} is missing")
+        t = tensors.pop(key) if e is None else tensors[key]
+        return key_as, (t if e is None else t[e])
+
+    spec = float_layout.weight_spec(rec)
+    names = [("weight", "qweight")] if spec.bits == 8 else [("weight_packed", "weight_packed")]
+    names.append(("weight_scale", "weight_scale"))
+    if spec.scale_kind == "e4m3":
+        names.append(("weight_global_scale", "weight_global_scale"))
+    buf = dict(take(*n) for n in names)
+    return float_layout.dequantize({**rec, "weight_shape": [rows, inp]}, buf, dtype)
+
+
 def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, torch.Tensor], cfg_path: str):
     """Put each exported fused expert Parameter, dequantized (the trained effective weight bit for
     bit), into `tensors` under its state_dict name, taking its stored entries out."""
@@ -285,17 +309,23 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         e_n, a, b = rec["shape"]
         out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
         dtype = getattr(torch, rec["dtype"])
-        codes = _Codes(e_n, out, inp, rec)
+        is_float = rec.get("qtype") == "float"
+        codes = None if is_float else _Codes(e_n, out, inp, rec)   # no low-bit kernels for float formats
         full = torch.empty(e_n, out, inp, dtype=dtype)
         if rec["fused"] is not None:
             todo = [(rec["fused"], e, 0, out) for e in range(e_n)]
         else:
             todo = [tuple(p) for p in rec["pieces"]]
         for saved, e, o0, r in todo:
-            q, s, z, g = _piece_codes(tensors, saved, rec, r, inp, where, e if rec["fused"] is not None else None)
+            stacked = e if rec["fused"] is not None else None
+            if is_float:
+                full[e, o0:o0 + r] = _piece_float(tensors, saved, rec, r, inp, where, stacked, dtype)
+                continue
+            q, s, z, g = _piece_codes(tensors, saved, rec, r, inp, where, stacked)
             full[e, o0:o0 + r] = dequantize_2d(q, s, z, g, dtype)
             codes.put(e, o0, q, s, z)
-        part.__dict__["_qc_loaded_codes"] = codes        # for load_quantized(mode="fast")
+        if codes is not None:
+            part.__dict__["_qc_loaded_codes"] = codes        # for load_quantized(mode="fast")
         if rec["fused"] is not None:
             for suffix in SUFFIXES:
                 tensors.pop(tensor_name(rec["fused"], suffix), None)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError
+from ..quant import floats
 from ..quant.api import fake_quantize_spec
 from ..unwrap import unwrap
 from . import ranges
@@ -105,6 +106,33 @@ class ExpertMatrix(CompressMixin, nn.Module):
             y = self.qc_fast(x, e)
             return y if bias is None else y + bias
         return x @ w if transposed else F.linear(x, w, bias)
+
+    # float formats: each expert's matrix quantized as its own Linear (NVFP4: one global scale per
+    # expert matrix, as compressed-tensors gives each per-expert Linear; channel and group scales
+    # are per row either way)
+    def _fake_quantize_weight_of(self, w, wq, spec, learned):
+        spec = wq.spec() if spec is None else spec
+        if not floats.is_float(spec):
+            return super()._fake_quantize_weight_of(w, wq, spec, learned)
+        view = self.weight_matrix_view(w)
+        return torch.cat([floats.fake_quantize_float(v, spec, clip_grad=wq.clip_grad)
+                          for v in view.chunk(self.matrix_shape()[0])])
+
+    def quantized_weight(self, weight: Optional[torch.Tensor] = None):
+        """As CompressMixin's; float formats give (codes, scales, [E] global scales or None, spec)."""
+        wq = self.qc_wq
+        spec = wq.spec() if wq is not None and wq.active else None
+        if spec is None or not floats.is_float(spec) or (wq.codes is not None and weight is None):
+            return super().quantized_weight(weight)
+        view = self.weight_matrix_view((self.weight if weight is None else weight).detach())
+        qs, ss, gs = [], [], []
+        for v in view.chunk(self.matrix_shape()[0]):
+            s, g = floats.qparams(v, spec)
+            qs.append(floats.quantize_codes(v, spec, s, g))
+            ss.append(s)
+            gs.append(g)
+        g = None if gs[0] is None else torch.stack([t.reshape(()) for t in gs])
+        return torch.cat(qs), torch.cat(ss), g, spec
 
     def input_observer(self):
         """Static ranges: the StaticRange of the expert whose routed tokens x are."""

@@ -1,0 +1,90 @@
+"""Float formats on fused experts (FP8 per channel, NVFP4 group 16 with a global scale per expert
+matrix, MXFP4 group 32): compressed-tensors' own decompressor turns every per-expert entry into
+the compressed model's effective weight bit for bit, NVFP4's global scale is the closed form
+448 * 6 / amax of that expert's matrix, and load_quantized reloads the logits exactly."""
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import qcompress
+from moe_fixtures import make_moe, tokens
+
+ct_quant = pytest.importorskip("compressed_tensors.quantization")
+ct_comp = pytest.importorskip("compressed_tensors.compressors")
+
+PARAMS = {"fp8_e4m3": {"start_bits": 8, "target_bits": 8, "format": "fp8_e4m3", "granularity": "channel"},
+          "nvfp4": {"start_bits": 4, "target_bits": 4, "format": "nvfp4"},
+          "mxfp4": {"start_bits": 4, "target_bits": 4, "format": "mxfp4"}}
+WIDTHS = {"qwen3_moe": {"moe_intermediate_size": 64}, "gpt_oss": {"intermediate_size": 64},
+          "mixtral": {"intermediate_size": 64}}    # MXFP4's groups of 32 divide every expert input
+
+
+def _compressed(family, fmt):
+    model = make_moe(family, **WIDTHS[family])
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq": {"params": PARAMS[fmt], "modules": [r"mlp\.experts"]}}}}}
+    qcompress.init_compression(model, cfg)
+    return model
+
+
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "nvfp4"), ("gpt_oss", "nvfp4"), ("mixtral", "fp8_e4m3"),
+                                        ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4")])
+def test_compressed_tensors_decodes_each_expert_and_reload_is_exact(tmp_path, family, fmt):
+    model = _compressed(family, fmt)
+    raw = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m).__name__ == "ExpertMatrix"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qcompress.export_quantized(model, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    records = config["qcompress"]["experts"]
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    fused = family == "gpt_oss"
+    decoded = 0
+    for pname, rec in records.items():
+        part = dict(model.named_modules())[pname]
+        eff = part.effective_weight().detach()
+        e_n, out, _ = part.matrix_shape()
+        ct_format = rec["format"]
+        args = ct_quant.QuantizationArgs(**{k: v for k, v in rec["weights"].items() if v is not None})
+        scheme = ct_quant.QuantizationScheme(targets=["Linear"], weights=args, format=ct_format)
+        comp = ct_comp.BaseCompressor.get_value_from_registry(ct_format)
+        pieces = [(rec["fused"], e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
+        globals_of = {}
+        for saved, e, o0, r in pieces:
+            names = comp.compression_param_names(scheme)
+            if fused:
+                local = {s: sd[saved + s[len("weight"):]][e] for s in names}
+                ref = eff[e].t()[o0:o0 + r]
+                w_e = raw[pname][e].t()
+            else:
+                local = {s: sd[saved[: -len("weight")] + s] for s in names}
+                ref = eff[e][o0:o0 + r]
+                w_e = raw[pname][e]
+            dense = comp.decompress(local, scheme)["weight"]   # in the decompressor's dtype (bf16 for FP4)
+            assert torch.equal(dense, ref.to(dense.dtype)), (saved, e)
+            decoded += 1
+            if fmt == "nvfp4":       # one global scale per expert matrix (gate and up pieces share it)
+                g = local["weight_global_scale"].reshape(())
+                torch.testing.assert_close(g, (448.0 * 6.0 / w_e.abs().amax()).float(), rtol=1e-6, atol=0)
+                assert globals_of.setdefault(e, g) == g
+        if fmt == "nvfp4":
+            assert len(set(float(g) for g in globals_of.values())) == e_n     # not one for the layer
+    assert decoded >= 2 * len(records)
+    x = tokens(model)
+    back = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=7, **WIDTHS[family]))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)
+
+
+def test_mxfp4_group_that_does_not_divide_an_expert_input_is_refused_by_name():
+    model = make_moe("qwen3_moe")          # expert input 48: not a multiple of 32
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq": {"params": PARAMS["mxfp4"], "modules": [r"mlp\.experts"]}}}}}
+    with pytest.raises(qcompress.ConfigError, match=r"experts\.down_proj.*mxfp4"):
+        qcompress.init_compression(model, cfg)
