@@ -88,3 +88,14 @@ def test_mxfp4_group_that_does_not_divide_an_expert_input_is_refused_by_name():
         "different_groups": {"wq": {"params": PARAMS["mxfp4"], "modules": [r"mlp\.experts"]}}}}}
     with pytest.raises(qcompress.ConfigError, match=r"experts\.down_proj.*mxfp4"):
         qcompress.init_compression(model, cfg)
+
+
+@pytest.mark.parametrize("recipe,fmt", [("nvfp4a16.yaml", "nvfp4"), ("mxfp4a16.yaml", "mxfp4")])
+def test_float_recipes_include_the_experts(recipe, fmt):
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "schedules" / recipe
+    model = make_moe("qwen3_moe", **WIDTHS["qwen3_moe"])
+    qcompress.init_compression(model, qcompress.load_config(str(path)))
+    parts = [m for m in model.modules() if type(m).__name__ == "ExpertMatrix"]
+    assert len(parts) == 4 and all(p.qc_wq.format == fmt for p in parts)
+    assert model.model.layers[0].mlp.gate.__class__.__name__ == "Qwen3MoeTopKRouter"   # router stays FP
