@@ -15,11 +15,11 @@ from test_engine_workers import full_params as full
 STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
 
 
-def make_cfg(stage, world, optimizer="AdamW"):
+def make_cfg(stage, world, optimizer="AdamW", act=None):
     params = {"lr": 0.01}
     if optimizer in ("OneBitAdam", "OneBitLamb"):
         params["freeze_step"] = 1          # the compressed (1-bit) phase from the second step on
-    return {
+    cfg = {
         "train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "optimizer": {"type": optimizer, "params": params},
@@ -30,6 +30,21 @@ def make_cfg(stage, world, optimizer="AdamW"):
                                                    "granularity": "group", "group_size": 16},
                                         "modules": [r"mlp\.experts"]}}}},
     }
+    if act is not None:            # the experts' routed tokens quantized: per token, or a range per expert
+        cfg["compression_training"]["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "range_calibration": act, "schedule_offset": 0},
+            "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.experts"]}}}
+    return cfg
+
+
+def expert_ranges(engine):
+    """{matrix name: [(min, max) or None per expert]} of the static per-expert input ranges."""
+    out = {}
+    for name, mod in engine.module.named_modules():
+        aq = getattr(mod, "qc_aq", None)
+        if type(mod).__name__ == "ExpertMatrix" and aq is not None and aq.calibration == "static":
+            out[name] = [(float(r.min), float(r.max)) if r.initialized else None for r in aq.observer.experts]
+    return out
 
 
 def make_engine(cfg, seed=0):
@@ -54,14 +69,15 @@ def train(engine, first, last, rank, world):
     return losses
 
 
-def run(rank, world, ckdir, stage, optimizer="AdamW"):
-    cfg = make_cfg(stage, world, optimizer)
+def run(rank, world, ckdir, stage, optimizer="AdamW", act=None):
+    cfg = make_cfg(stage, world, optimizer, act)
     engine = make_engine(cfg)
     losses = train(engine, 0, SAVE_AT, rank, world)
     engine.save_checkpoint(ckdir)
     saved = full(engine)
     tail = train(engine, SAVE_AT, STEPS, rank, world)
     final = full(engine)
+    ranges = expert_ranges(engine)
     bits = engine.compression_scheduler.current_bits()
     del engine
     again = make_engine(cfg, seed=7)
@@ -69,4 +85,5 @@ def run(rank, world, ckdir, stage, optimizer="AdamW"):
     loaded = full(again)
     resumed = train(again, SAVE_AT, STEPS, rank, world)
     return {"losses": losses + tail, "tail": tail, "saved": saved, "final": final, "loaded": loaded,
-            "resumed": resumed, "resumed_final": full(again), "bits": bits}
+            "resumed": resumed, "resumed_final": full(again), "bits": bits, "ranges": ranges,
+            "resumed_ranges": expert_ranges(again)}

@@ -45,3 +45,18 @@ def test_onebit_optimizers_train_the_experts_and_resume_exactly(tmp_path, optimi
         assert all(torch.equal(r["final"][k], r["resumed_final"][k]) for k in r["final"])
         moved = [k for k in r["final"] if "experts" in k and not torch.equal(r["final"][k], r["saved"][k])]
         assert len(moved) == 4                  # the compressed phase updated every fused expert tensor
+
+
+@pytest.mark.parametrize("optimizer,act", [("AdamW", "static"), ("OneBitAdam", "static"), ("ZeroOneAdam", "dynamic")])
+def test_activation_quantized_experts_train_sync_and_resume_exactly(tmp_path, optimizer, act):
+    ranks = run_ranks(W.run, 2, str(tmp_path / "ck"), 0, optimizer, act, timeout=400)
+    for r in ranks:
+        assert r["resumed"] == r["tail"]
+        assert all(torch.equal(r["final"][k], r["resumed_final"][k]) for k in r["final"])
+        assert r["resumed_ranges"] == r["ranges"]           # the per-expert ranges resumed too
+    if act == "static":
+        got = ranks[0]["ranges"]
+        assert len(got) == 4 and all(any(v is not None for v in per) for per in got.values())
+        # averaged every optimizer step: both ranks quantize each expert's tokens with one range
+        assert ranks[1]["ranges"] == got
+        assert len({v for per in got.values() for v in per if v is not None}) > 4   # per expert, not per layer
