@@ -4,6 +4,8 @@
 // (min/max, float64 sum |x|), a per-group pass combines the segments in order and computes the
 // scale (so results do not depend on the launch shape). Then one grid-stride elementwise pass.
 // The element math is qcompress/math.h, shared with the CPU kernels.
+#include <cstdlib>
+
 #include "common.cuh"
 #include "qcompress/cuda_launchers.h"
 #include "qcompress/math.h"
@@ -203,10 +205,121 @@ void dispatch_elements(const qc_cuda_quant_args* a, const Geo& geo, const void* 
 #undef QC_LAUNCH
 }
 
+// One pass for integer kinds with the ranges from the data, where a group fits in shared memory:
+// one block per group loads it once, reduces min/max (exact, so the order does not matter),
+// computes the parameters as group_params does and quantizes from the on-chip copy. The element
+// math is quant_elements' (same flat index for the stochastic noise), so the bits are the same.
+constexpr int64_t kOnChipMax = 16384;  // elements (64 KiB of float32 in shared memory)
+
+template <typename T, typename Q, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+__global__ void onepass_int(const T* __restrict__ x, Geo geo, qc_cuda_quant_args a, float* __restrict__ scale,
+                            float* __restrict__ zpv, T* __restrict__ y, bool* __restrict__ mask,
+                            Q* __restrict__ q, int* __restrict__ bad) {
+  extern __shared__ __align__(16) unsigned char onchip_raw[];
+  T* buf = reinterpret_cast<T*>(onchip_raw);
+  __shared__ float red_lo[32], red_hi[32];
+  const int64_t g = blockIdx.x;
+  const int64_t cnt = geo.count(g), base = geo.start(g);
+  float lo = __int_as_float(0x7f800000), hi = -__int_as_float(0x7f800000);
+  for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) {
+    const T v = x[base + i];
+    buf[i] = v;
+    const float f = to_f(v);
+    lo = nan_min(lo, f);
+    hi = nan_max(hi, f);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  lo = warp_min(lo);
+  hi = warp_max(hi);
+  if (lane == 0) {
+    red_lo[warp] = lo;
+    red_hi[warp] = hi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    lo = lane < warps ? red_lo[lane] : __int_as_float(0x7f800000);
+    hi = lane < warps ? red_hi[lane] : -__int_as_float(0x7f800000);
+    lo = warp_min(lo);
+    hi = warp_max(hi);
+    if (lane == 0) {
+      red_lo[0] = lo;
+      red_hi[0] = hi;
+    }
+  }
+  __syncthreads();
+  lo = red_lo[0];
+  hi = red_hi[0];
+  const Params p = int_params(lo, hi, a.bits, a.symmetric != 0, a.deepspeed != 0, a.qmin, a.qmax);
+  if (threadIdx.x == 0) {
+    scale[g] = p.scale;
+    zpv[g] = p.zp;
+    if (!(is_finite(lo) && is_finite(hi))) atomicAdd(bad, 1);
+  }
+  for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) {
+    const int64_t e = base + i;
+    float u = 0.0f;
+    if (STOCH) u = uniform(rng_key(a.seed, static_cast<uint32_t>(e >> 32)), static_cast<uint32_t>(e));
+    const float r = int_code<float, STOCH, DS, ASYM_DS, ADD_ZP>(to_f(buf[i]), p.scale, p.z, p.zp, u);
+    const float qv = clamp_code(r, a.qmin, a.qmax);
+    if (mask) mask[e] = inside_range(r, a.qmin, a.qmax);
+    if (y) y[e] = from_f_sat<T>(dequant_code<float, ASYM_DS, ADD_ZP>(qv, p.scale, p.z, p.zp));
+    if (q) q[e] = static_cast<Q>(static_cast<int>(qv));
+  }
+}
+
+template <typename T, typename Q, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+void launch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
+                    bool* mask, void* q, int* bad, cudaStream_t st) {
+  const int64_t groups = geo.rows * geo.ngr;
+  const size_t bytes = static_cast<size_t>(geo.group) * sizeof(T);
+  auto kernel = onepass_int<T, Q, STOCH, DS, ASYM_DS, ADD_ZP>;
+  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  // a warp per 16 elements up to a full block: small groups take small blocks, many at once
+  int64_t threads = (geo.group + 15) / 16;
+  threads = ((threads + 31) / 32) * 32;
+  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : threads);
+  kernel<<<static_cast<unsigned int>(groups), static_cast<unsigned int>(threads), bytes, st>>>(
+      static_cast<const T*>(x), geo, *a, scale, zp, static_cast<T*>(y), mask, static_cast<Q*>(q), bad);
+}
+
+template <typename T, typename Q>
+void dispatch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
+                      bool* mask, void* q, int* bad, cudaStream_t st) {
+  const bool sto = a->rounding == kStochastic;
+#define QC_ONEPASS(S, D, A, Z) launch_onepass<T, Q, S, D, A, Z>(a, geo, x, scale, zp, y, mask, q, bad, st)
+  if (a->symmetric) {
+    if (a->deepspeed) { if (sto) QC_ONEPASS(true, true, false, false); else QC_ONEPASS(false, true, false, false); }
+    else { if (sto) QC_ONEPASS(true, false, false, false); else QC_ONEPASS(false, false, false, false); }
+  } else if (a->deepspeed) {
+    if (sto) QC_ONEPASS(true, true, true, false); else QC_ONEPASS(false, true, true, false);
+  } else {
+    if (sto) QC_ONEPASS(true, false, false, true); else QC_ONEPASS(false, false, false, true);
+  }
+#undef QC_ONEPASS
+}
+
+// Whether run_quant takes the one-pass kernel: integer codes, ranges from the data, a group that
+// fits on chip, a grid of one block per group. QC_CUDA_TWO_PASS=1 forces the two-pass kernels
+// (for comparing the two on a GPU).
+bool onepass_fits(const qc_cuda_quant_args* a, const Geo& geo) {
+  static const bool forced_two = [] {
+    const char* v = std::getenv("QC_CUDA_TWO_PASS");
+    return v != nullptr && v[0] == '1';
+  }();
+  const int64_t groups = geo.rows * geo.ngr;
+  return !forced_two && a->kind == kInt && a->range == nullptr && geo.group > 0 && geo.group <= kOnChipMax &&
+         groups > 0 && groups <= 0x7fffffff;
+}
+
 template <typename T>
 void run_quant(const qc_cuda_quant_args* a, const void* x, void* y, bool* mask, void* q, int q_dtype,
                float* scale, float* zp, void* ws, int* bad, cudaStream_t st) {
   const Geo geo = make_geo(a);
+  if (onepass_fits(a, geo)) {
+    if (q_dtype == 1) dispatch_onepass<T, int32_t>(a, geo, x, scale, zp, y, mask, q, bad, st);
+    else dispatch_onepass<T, int8_t>(a, geo, x, scale, zp, y, mask, q, bad, st);
+    return;
+  }
   const int64_t groups = geo.rows * geo.ngr;
   const int64_t segments = groups * geo.spg;
   Partial* part = static_cast<Partial*>(ws);
