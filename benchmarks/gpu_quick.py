@@ -143,7 +143,9 @@ def quantizers(device, elements):
             same = bool(torch.equal(K.fake_quantize_with_mask(x[:8], spec, with_mask=False)[0], ref))
             rows.append({"dtype": str(dtype)[6:], "op": name, "elements": x.numel(), "ms": round(s * 1e3, 4),
                          "copy_ms": round(copy_s * 1e3, 4), "copy_over_op": round(copy_s / s, 3),
-                         "equals_reference": same})
+                         "equals_reference": same,
+                         # groups up to 16384 elements take the one-pass kernel (QC_CUDA_TWO_PASS=1: two)
+                         "kernel": "two-pass" if os.environ.get("QC_CUDA_TWO_PASS") == "1" else "one-pass"})
     return rows
 
 
