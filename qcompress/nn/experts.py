@@ -290,6 +290,7 @@ class _ExpertCalls(TorchFunctionMode):
 
     _MATMUL = (torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul)
     _BMM = (torch.bmm, torch.Tensor.bmm)
+    _HOT = frozenset((torch.Tensor.__getitem__, F.linear) + _MATMUL + _BMM)
 
     def __init__(self, parts: Dict[int, "ExpertMatrix"]):
         super().__init__()
@@ -298,7 +299,10 @@ class _ExpertCalls(TorchFunctionMode):
         self.seen = set()
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        # the mode is off while this runs: the quantizers' own ops are not watched
+        # the mode is off while this runs: the quantizers' own ops are not watched; most ops of
+        # the loop (routing, activation, index_add) pass straight through (batch-1 decode cost)
+        if func not in self._HOT:
+            return func(*args, **(kwargs or {}))
         return self._call(func, args, kwargs or {})
 
     def _call(self, func, args, kwargs):
