@@ -78,3 +78,28 @@ def oracle_copy(model_fp, quantize_matrix):
 def tokens(model, batch=2, seq=12, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+
+
+def reference_experts_forward(mod, quantize_input):
+    """A reference experts forward written from the routing rule (not the model's loop): each
+    expert on its routed tokens, each matrix's input passed through quantize_input(matrix, e, x)
+    (matrix "gu" or "dn"), the products as plain matmuls."""
+    gu, dn = mod._parameters["gate_up_proj"], mod._parameters["down_proj"]
+    transposed = type(mod).__name__ == "GptOssExperts"
+
+    def lin(which, e, x, w, b):
+        x = quantize_input(which, e, x)
+        y = x @ w if transposed else x @ w.t()
+        return y if b is None else y + b
+
+    def forward(x, idx, weights):
+        out = torch.zeros_like(x)
+        for e in range(gu.shape[0]):
+            tok, pos = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            h = mod._apply_gate(lin("gu", e, x[tok], gu[e], mod.gate_up_proj_bias[e] if transposed else None))
+            o = lin("dn", e, h, dn[e], mod.down_proj_bias[e] if transposed else None)
+            out.index_add_(0, tok, o * weights[tok, pos, None])
+        return out
+    return forward

@@ -10,7 +10,7 @@ import torch
 import qcompress
 from qcompress import ConfigError
 from qcompress.quant import fake_quantize
-from moe_fixtures import FAMILIES, make_moe, oracle_copy, tokens
+from moe_fixtures import make_moe, oracle_copy, reference_experts_forward, tokens
 
 EXPERTS = r"mlp\.experts"
 MOMENTUM = 0.9
@@ -47,25 +47,7 @@ class _Ema:
 
 
 def _reference_forward(mod, name, ema, sym):
-    gu, dn = mod._parameters["gate_up_proj"], mod._parameters["down_proj"]
-    transposed = type(mod).__name__ == "GptOssExperts"
-
-    def lin(key, x, w, b):
-        x = ema.quantize(key, x, mod.training, sym)
-        y = x @ w if transposed else x @ w.t()
-        return y if b is None else y + b
-
-    def forward(x, idx, weights):
-        out = torch.zeros_like(x)
-        for e in range(gu.shape[0]):
-            tok, pos = torch.where(idx == e)
-            if tok.numel() == 0:
-                continue
-            h = mod._apply_gate(lin((name, "gu", e), x[tok], gu[e], mod.gate_up_proj_bias[e] if transposed else None))
-            o = lin((name, "dn", e), h, dn[e], mod.down_proj_bias[e] if transposed else None)
-            out.index_add_(0, tok, o * weights[tok, pos, None])
-        return out
-    return forward
+    return reference_experts_forward(mod, lambda which, e, x: ema.quantize((name, which, e), x, mod.training, sym))
 
 
 def _pair(family, sym=False):

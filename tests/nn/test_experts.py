@@ -10,7 +10,7 @@ import torch
 import qcompress
 from qcompress import ConfigError
 from qcompress.quant import fake_quantize
-from moe_fixtures import FAMILIES, experts_params, make_moe, oracle_copy, tokens
+from moe_fixtures import FAMILIES, experts_params, make_moe, oracle_copy, reference_experts_forward, tokens
 
 EXPERTS = r"mlp\.experts"
 
@@ -204,28 +204,8 @@ def _act_cfg(wbits=8, abits=8, calibration="dynamic"):
 
 
 def _oracle_experts_forward(mod, abits):
-    """A reference experts forward: each expert on its routed tokens, both matrix inputs fake-
-    quantized per token, written from the routing rule (not the model's loop)."""
-    gu, dn = mod._parameters["gate_up_proj"], mod._parameters["down_proj"]
-    transposed = type(mod).__name__ == "GptOssExperts"
-
-    def lin(x, w, b):
-        x = fake_quantize(x, abits, granularity="token")
-        y = x @ w if transposed else x @ w.t()
-        return y if b is None else y + b
-
-    def forward(x, idx, weights):
-        out = torch.zeros_like(x)
-        for e in range(gu.shape[0]):
-            tok, pos = torch.where(idx == e)
-            if tok.numel() == 0:
-                continue
-            h = mod._apply_gate(lin(x[tok], gu[e], getattr(mod, "gate_up_proj_bias", None)[e]
-                                    if transposed else None))
-            o = lin(h, dn[e], mod.down_proj_bias[e] if transposed else None)
-            out.index_add_(0, tok, o * weights[tok, pos, None])
-        return out
-    return forward
+    """Both matrix inputs fake-quantized per token (moe_fixtures.reference_experts_forward)."""
+    return reference_experts_forward(mod, lambda which, e, x: fake_quantize(x, abits, granularity="token"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
