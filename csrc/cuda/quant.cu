@@ -274,10 +274,11 @@ void launch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, 
   const size_t bytes = static_cast<size_t>(geo.group) * sizeof(T);
   auto kernel = onepass_int<T, Q, STOCH, DS, ASYM_DS, ADD_ZP>;
   if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  // a warp per 16 elements up to a full block: small groups take small blocks, many at once
+  // a thread per 16 elements up to a full block; at least 64 threads, since an SM holds at most
+  // 32 blocks and small groups (128) would otherwise leave half its thread slots empty
   int64_t threads = (geo.group + 15) / 16;
   threads = ((threads + 31) / 32) * 32;
-  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : threads);
+  threads = threads < 64 ? 64 : (threads > 1024 ? 1024 : threads);
   kernel<<<static_cast<unsigned int>(groups), static_cast<unsigned int>(threads), bytes, st>>>(
       static_cast<const T*>(x), geo, *a, scale, zp, static_cast<T*>(y), mask, static_cast<Q*>(q), bad);
 }
