@@ -157,7 +157,7 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
     train_batch calls on a tiny Llama. Each data-parallel replica reads its own share of one global
     micro-batch stream (micro-batch i to replica i % replicas), so runs whose replicas x gas agree
     take the same samples in every step. `pp` pipeline stages: each rank returns its stage's
-    weights under the unsplit model's names. Returns (losses, data_parallel_rank,
+    weights (named as in the unsplit model). Returns (losses, data_parallel_rank,
     data_parallel_world_size, full weights)."""
     comp = compression(bits=8, granularity="channel", act="dynamic")
     doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
@@ -180,14 +180,7 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
             yield {"input_ids": ids, "labels": ids}
     it = batches()
     losses = [float(engine.train_batch(it)) for _ in range(steps)]
-    first = engine.pipeline.blocks[0] if engine.pipeline is not None else 0
-
-    def unsplit_name(n):      # a stage's block j is the model's block first + j
-        parts = n.split(".")
-        if parts[:2] == ["model", "layers"]:
-            parts[2] = str(int(parts[2]) + first)
-        return ".".join(parts)
-    weights = {unsplit_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in engine.module.named_parameters()}
     return losses, dp_rank, dp_world, weights
 
@@ -218,3 +211,23 @@ def export_matches(rank, world, folder):
     a = load_file(os.path.join(split_dir, "model.safetensors"))
     b = load_file(os.path.join(folder, "single", "model.safetensors"))
     return {k: (k in a and torch.equal(a[k], b[k])) for k in b} | {k: False for k in a if k not in b}
+
+
+def resume_matches(rank, world, folder, pp=1):
+    """Train 2 steps at TP (or PP), save a checkpoint, train a third; a fresh engine loads the
+    checkpoint and trains the third step again. Returns (third loss, third loss after resume)."""
+    comp = compression(bits=8, granularity="channel", act="dynamic")
+    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+           "tensor_parallel": {"autotp_size": world // pp}, "pipeline": {"stages": pp},
+           "compression_training": comp}
+    ids = torch.randint(0, 64, (12, 12), generator=torch.Generator().manual_seed(5))
+    batches = [{"input_ids": ids[i:i + 2], "labels": ids[i:i + 2]} for i in range(0, 12, 2)]
+    engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
+    it = iter(batches)
+    engine.train_batch(it), engine.train_batch(it)
+    engine.save_checkpoint(folder)
+    third = float(engine.train_batch(it))
+    again = qc.initialize(qc.init_compression(tiny_llama(seed=2), qc.load_config(doc)), doc)
+    again.load_checkpoint(folder)
+    return third, float(again.train_batch(iter(batches[4:])))

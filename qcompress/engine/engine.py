@@ -217,7 +217,7 @@ class Engine:
                                                self.gradient_accumulation_steps, self.device)
             if self.parallel.shape.tp > 1:
                 self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
-            self.group = self.parallel.dp_group
+            # self.group stays the world: a split runs one replica (mesh.py), and checkpoints span all ranks
         names_before = {id(p): n for n, p in model.named_parameters()}
         offloaded = []
 
@@ -244,8 +244,6 @@ class Engine:
                                                 traffic=self.traffic)
         else:
             self.wrapped = model
-        if self.pipeline is not None:
-            self.wrapped = self.pipeline.guard   # the stages run in train_batch only
         # after wrapping, so DDP / FSDP2 run inside the compiled graph (DeepSpeed's engine.compile)
         self.compiled = compile_model(self.wrapped, cfg.compile)
         self.param_names = {p: n for n, p in model.named_parameters()}

@@ -48,6 +48,17 @@ def _decoder_parts(model: nn.Module):
     return base, layers
 
 
+class _StageBlocks(nn.ModuleList):
+    """A stage's blocks under their indices in the whole model, so checkpoints and exports name
+    them as the unsplit model does (stages' names never collide); iterates the blocks in order."""
+
+    def __init__(self, blocks=None):
+        nn.Module.__init__(self)
+        items = blocks.items() if isinstance(blocks, dict) else enumerate(blocks or ())
+        for i, block in items:
+            self.add_module(str(i), block)
+
+
 class _Stage(nn.Module):
     """The stage's forward: token ids (first stage) or hidden states in; hidden states or logits out."""
 
@@ -63,12 +74,10 @@ class _Stage(nn.Module):
         return self.lm.lm_head(h) if self.last else h
 
 
-class _TrainBatchOnly(nn.Module):
-    """What engine(x) runs with a pipeline: a clear refusal (the stages run in train_batch)."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("with pipeline.stages > 1 the model runs in stages: call engine.train_batch(data_iter) "
-                           "(engine(x) / backward / step run the whole model on one rank)")
+def _refuse_whole_forward(module, args, kwargs):
+    """Forward pre-hook on the split model: the stages call its parts, never its own forward."""
+    raise RuntimeError("with pipeline.stages > 1 the model runs in stages: call engine.train_batch(data_iter) "
+                       "(engine(x) / backward / step run the whole model on one rank)")
 
 
 @dataclass
@@ -79,7 +88,6 @@ class Pipeline:
     stages: int
     blocks: Tuple[int, int]
     group: object
-    guard: nn.Module
     schedules: dict = None
 
     def schedule_for(self, micro: int, seq: int):
@@ -112,7 +120,7 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
     index = pmesh.mesh["pp"].get_local_rank()
     lo, hi = split_blocks(sizes, stages, pipeline_cfg.partition)[index]
     first, last = index == 0, index == stages - 1
-    base.layers = nn.ModuleList(list(layers)[lo:hi])
+    base.layers = _StageBlocks({i: layers[i] for i in range(lo, hi)})
     if not first:
         base.embed_tokens = None
     if not last:
@@ -135,7 +143,8 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
         stage = PipelineStage(module, index, stages, device, input_args=(x,), output_args=(y,), group=group)
         # every stage gets loss_fn: without one a schedule runs forward only (the last calls it)
         return kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
-    return Pipeline(module, make_schedule, index, stages, (lo, hi), group, _TrainBatchOnly())
+    model.register_forward_pre_hook(_refuse_whole_forward, with_kwargs=True)
+    return Pipeline(module, make_schedule, index, stages, (lo, hi), group)
 
 
 def run_pipeline(engine, batches: List[dict]) -> Optional[torch.Tensor]:

@@ -110,3 +110,15 @@ def test_quantizers_a_split_cannot_keep_exact_are_refused_before_training():
     model = qc.init_compression(pw.MLP(), qc.load_config({"compression_training": cfg}))
     with pytest.raises(ConfigError, match=r"stochastic rounding draws its noise by element index"):
         check_split("fc1", model.fc1.qc_wq, None, "colwise", 64, 2, PATH)
+
+
+def test_pipeline_partitions():
+    from qcompress.parallel.pipeline import split_blocks
+    assert split_blocks([1] * 4, 2, "uniform") == [(0, 2), (2, 4)]
+    assert split_blocks([1] * 5, 3, "uniform") == [(0, 2), (2, 3), (3, 5)]
+    # by parameter count: a heavy first block is a stage of its own
+    assert split_blocks([4, 1, 1, 1, 1], 2, "parameters") == [(0, 1), (1, 5)]
+    assert split_blocks([1, 1, 1, 1, 8], 2, "best") == [(0, 4), (4, 5)]
+    assert split_blocks([9, 1, 1], 3, "parameters") == [(0, 1), (1, 2), (2, 3)]   # one block each at least
+    with pytest.raises(ConfigError, match=r"^pipeline\.stages: 3 stages but the model has 2 transformer blocks"):
+        split_blocks([1, 1], 3, "uniform")

@@ -87,3 +87,9 @@ def test_export_from_tp2_equals_single_process_export_of_the_same_weights(tmp_pa
     equal = run_ranks(pw.export_matches, 2, str(tmp_path), timeout=300)[0]
     assert any(k.endswith("q_proj.weight_packed") for k in equal), sorted(equal)[:8]
     assert all(equal.values()), [k for k, ok in equal.items() if not ok]
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2"])
+def test_sharded_checkpoint_resumes_exactly(tmp_path, pp):
+    for third, resumed in run_ranks(pw.resume_matches, 2, str(tmp_path), pp, timeout=300):
+        assert resumed == third       # the same loss, bit for bit, after loading into a fresh engine
