@@ -59,8 +59,7 @@ qc_cuda_quant_args cuda_args(const QuantConfig& c, const std::optional<at::Tenso
 }
 
 // NaN/Inf report. Reading the kernel's count back is a device sync, and one per quantizer call
-// stalled the GPU: a QAT step took 2.0-2.6x FP32's on an H100 (benchmarks/RESULTS.md, "On a
-// GPU"). So by default the kernels add their count to a per-device counter that
+// stalled the GPU: a QAT step took a multiple of FP32's (benchmarks/results/gpu.md). So by default the kernels add their count to a per-device counter that
 // `cuda_nonfinite_take` reads (qcompress.quant.kernels.check_nonfinite: once per
 // CompressionScheduler.step, at export, after an evaluation); `cuda_sync_checks(true)` restores
 // the check per call.

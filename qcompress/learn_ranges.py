@@ -6,10 +6,8 @@ inputs); neither sees the loss. Range learning (`range_learning: true`) makes th
 with an LSQ gradient, and in QAT they train together with the weights. Here they train alone: a
 PTQ refinement for a model that is not to be retrained (OmniQuant's learnable clipping and
 AutoRound's scale tuning do the same). The weights stay bit-identical, so the export is the same
-size and the same integers up to their scales. Measured (benchmarks/range_ceiling.py, RESULTS.md
-"Compression quality"): on a 10M GPT-2 at W4 g32, 200 steps of batch 8 x 128 removed 26-42 % of
-the minmax PTQ perplexity excess where the input-weighted mse observer removed 0-14 %; at W3 g32
-40-45 % against 35-37 %.
+size and the same integers up to their scales. How much of the PTQ perplexity excess this removes,
+against the input-weighted mse observer: benchmarks/experiments/README.md (`range_ceiling.py`).
 """
 from __future__ import annotations
 

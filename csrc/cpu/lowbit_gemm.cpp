@@ -377,9 +377,9 @@ template <typename Fn>
 void over_blocks(const Geometry& g, int64_t m, int64_t step, const Fn& fn) {
   // a task gets at least 64K weight x token products (a few microseconds): even a one-token GEMV
   // of a 384 x 384 layer splits over the threads, as torch's own GEMMs do. (With 4M products per
-  // task it ran on one thread, 1.8x / 1.3x faster than FP32 (W4 / W8) on a 2048-wide stack at
-  // one token instead of 3.5x / 2.4x with both threads; only on an oversubscribed machine, where
-  // a parallel region can wait a scheduler slice for its second thread, did that help.)
+  // task a one-token GEMV ran on one thread and lost most of the second thread's speed-up; only on
+  // an oversubscribed machine, where a parallel region can wait a scheduler slice for its second
+  // thread, did that help.)
   constexpr int64_t kTaskProducts = int64_t{1} << 16;
   const int64_t units = (g.nb + step - 1) / step;
   const int64_t per_unit = step * kRows * g.kp * std::max<int64_t>(m, 1);
@@ -561,7 +561,7 @@ static at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, c
 // kept per calling thread, up to kScratchCap bytes. A fresh buffer per call was a fresh mmap for
 // MiniLM-sized inputs (4.7-19 MB at 2048 tokens): the kernel then zero-filled its pages on first
 // touch, and those page faults (system time) made the weight-only layers slower than fp32 even
-// though their compute was 1.2-1.5x faster. Larger inputs are allocated per call.
+// though their compute was faster. Larger inputs are allocated per call.
 static constexpr int64_t kScratchCap = int64_t{64} << 20;
 
 // At least `elems` bf16 elements (the thread's reused buffer, or a new one past kScratchCap);

@@ -9,9 +9,9 @@ dtype, strategy, symmetry or shape:
              is fake-quantized first, as on the exact path): the codes are decoded in registers
              to the exact path's float weight and multiplied in; no float weight is formed.
              Also at many tokens: decoding the weight per call and running torch's dense
-             F.linear was measured slower on every MiniLM shape (384x384, 1536x384, 384x1536 at
-             256-2048 tokens, one thread: the decode alone costs 1.5-6 ms per layer, the fused
-             AMX call 2.0-9.2 ms at 2048 tokens, 1.4-1.75x faster than MKL's fp32 GEMM).
+             F.linear was measured slower on every MiniLM shape at 256-2048 tokens: the decode
+             alone costs more than the fused call (benchmarks/experiments/README.md,
+             `lowbit_fp32.py`).
   lowbit_a8  input quantized to <= 8-bit codes (dynamic per token or static per tensor): integer
              dot products of activation and weight codes, exact int32 sums per group, scales
              applied once per group and token. W8A8, W4A8.
@@ -41,7 +41,7 @@ Without the extension (pure-torch install), torch's own kernels are used where t
             with the reason.
 
 Why float32 layers do not use int8pack/int4pack: in torch 2.13 on x86 those kernels are
-vectorized only for bfloat16 (float32 runs a scalar loop, 10-25x slower than the fp32 GEMM), and
+vectorized only for bfloat16 (float32 runs a scalar loop, far slower than the fp32 GEMM), and
 int4pack wants a (scale, zero) pair per group in the input dtype, which for float32 is twice the
 bytes of the exported scales. 4-bit float32 layers therefore stay on the dequant plan.
 """

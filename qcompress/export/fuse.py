@@ -2,8 +2,8 @@
 (load_quantized(mode="fast")).
 
 BERT's feed-forward is dense -> GELU. As two ops the GELU is a second pass over the [tokens, 1536]
-output, and at batch 1 x 64 tokens on a 2-core CPU it cost all-MiniLM-L6-v2's W4 forward about
-15 % (benchmarks/RESULTS.md). Fused, the kernel applies it to each output before the store
+output, a sizeable share of a small-batch W4 forward on a CPU (benchmarks/results/inference.md
+measures the fused layers). Fused, the kernel applies it to each output before the store
 (lowbit_linear's `act`). Likewise the block outputs' `dense(h) + input` (BertSelfOutput,
 BertOutput): the kernel adds the skip connection in its store (lowbit_linear's `residual`), the
 same float add, so those outputs do not change at all.

@@ -49,7 +49,7 @@ _enabled = True
 
 def set_enabled(flag: bool) -> bool:
     """Turn the fused path on or off process-wide (off: every module runs the composed autograd
-    path, as before issue 13); returns the previous setting."""
+    path, the reference the fused one must match); returns the previous setting."""
     global _enabled
     old, _enabled = _enabled, bool(flag)
     return old

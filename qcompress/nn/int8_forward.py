@@ -7,8 +7,8 @@ rounding; this path hands the codes to the low-bit kernel of the exported model'
 (`lowbit_linear_a8`: exact int32 sums per group, the scales applied once per group and token)
 and writes the result in the op's dtype. So the training forward computes what
 `load_quantized(..., mode="fast")` will compute on the exported checkpoint, and on CPUs with
-VNNI / AMX it is 5-8x cheaper than the fp32 GEMM at training batch sizes
-(benchmarks/RESULTS.md, issue 13).
+VNNI / AMX it is cheaper than the fp32 GEMM at training batch sizes
+(benchmarks/experiments/README.md, `int8_forward_isa.py`).
 
 The values differ from the float path's only by that path's own rounding (the integer sums are
 exact); backward is unchanged (it dequantizes the same codes and recomputes w^), so each layer's
@@ -21,9 +21,8 @@ and transformers Conv1D with int weights of 2-8 bits (default numerics, nearest 
 tensor, channel or row group; elsewhere the float forward runs (`reason()` says why).
 `int8_forward: auto` (the W8A8 / W4A8 recipes') asks for it in training mode only, and only where
 the kernels have int8 dot products (AVX-512 VNNI or AMX): with AVX2 or plain AVX-512 the int8 kernel
-is slower than the fp32 GEMM at training batch sizes (a BERT W8A8 step 1.26-1.29x / 1.08x FP32
-against the float path's 1.06x; benchmarks/RESULTS.md, issue 13, "int8_forward by instruction
-set"), so there the float forward runs. Eval-mode
+is slower than the fp32 GEMM at training batch sizes (benchmarks/experiments/README.md,
+`int8_forward_isa.py`), so there the float forward runs. Eval-mode
 forwards keep the float path, so the trained model in eval mode equals the exact reload of its
 export bit for bit, as with `false`; `true` runs the integer forward in both modes (and the model
 then equals the fast reload).

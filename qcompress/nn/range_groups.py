@@ -1,9 +1,8 @@
 """Optimizer groups for learned ranges: their own lr and no weight decay.
 
 AdamW moves each parameter by about lr per step whatever its gradient; at the weights' lr that is
-1-2.5 % of a 4-bit scale per step, so learned scales in the weights' group random-walked (0.71-1.13x
-their start after 100 steps) and W4 g32 QAD recovered 61 % of the PTQ gap instead of 85 %
-(benchmarks/RESULTS.md, Compression quality). Weight decay would pull every scale towards 0.
+a sizeable share of a 4-bit scale per step, so learned scales in the weights' group random-walk
+instead of following their gradient, and QAD recovers less of the PTQ gap (benchmarks/results/quality.md). Weight decay would pull every scale towards 0.
 `qcompress train` and qcompress.hf.CompressionTrainer build their default optimizer with these groups.
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ size and rank (ValueError otherwise: the owned slices would not line up).
 
 scale_per_tensor (default True) compresses each parameter tensor with its own 1-bit scales (see
 zoadam.py; DeepSpeed's fp32 path does so too); False keeps DeepSpeed's fp16 layout, one scale per
-flat bucket, which ended 1.020x AdamW's validation loss on a char-level GPT at 2 ranks against
-0.981x per tensor (benchmarks/RESULTS.md, "Compressed optimizers: convergence").
+flat bucket, which converges worse: one scale must fit tensors of very different magnitudes
+(benchmarks/experiments/README.md, `zoadam_gap.py`).
 """
 from __future__ import annotations
 

@@ -21,9 +21,8 @@ Sweeps over the groups repeat until none changes or MAX_SWEEPS ran. float64 thro
 updated row by row as groups move); rows are independent, so they are processed in chunks whose
 candidate errors fit CHUNK_BYTES.
 
-Measured on the 10.3M GPT-2 (benchmarks/RESULTS.md, Compression quality): at W4 g32 the per-layer
-output error on the calibration inputs falls to 26-71 % of the per-group choice's, and the PTQ
-perplexity excess falls by 40-57 % at W4 and W3 g32 (the per-group search: -0.5 to 37 %).
+It lowers the per-layer output error on the calibration inputs below the per-group choice's, and
+with it the PTQ perplexity excess (benchmarks/results/quality.md).
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def isa(request: str = "") -> str:
 def int8_dot() -> bool:
     """Whether the CPU kernels multiply int8 with dot-product instructions (AVX-512 VNNI or AMX).
     Below them the int8 kernels are slower than an fp32 GEMM at training batch sizes
-    (benchmarks/RESULTS.md, issue 13), which is what `int8_forward: auto` asks."""
+    (benchmarks/experiments/README.md, `int8_forward_isa.py`), which is what `int8_forward: auto` asks."""
     if not available():
         return False
     if not _ISA:

@@ -45,10 +45,9 @@ group at once); never a Python loop over elements or groups. Both backends give 
 (their float64 sums are ordered differently, so only an exact tie could part them).
 Activation ranges (`activation_range`) use the grid only.
 
-What it buys (benchmarks/RESULTS.md, Compression quality): on the 10.3M GPT-2 the W4 g32 weights'
-summed squared error drops 22 % from minmax with the grid and a further 0.25 % with the refinement,
-but the PTQ perplexity hardly moves: the weights' error is not the loss's. Weighted by the inputs
-with cross_groups the PTQ perplexity excess falls by 40-57 % at W4 and W3 g32 on the GPT-2s measured.
+What it buys (benchmarks/results/quality.md): the grid lowers the weights' summed squared error
+well below minmax's and the refinement a little further, but the PTQ perplexity hardly moves: the
+weights' error is not the loss's. Weighted by the inputs, with cross_groups, the excess falls.
 """
 from __future__ import annotations
 
