@@ -18,7 +18,7 @@ import torch  # must be imported before the extension (libc10)
 from ..errors import NonFiniteError
 from . import onebit as _onebit
 from . import packing as _packing
-from . import reference
+from . import reference, stepped
 from .reference import Spec
 
 _error: Optional[str] = None
@@ -195,7 +195,6 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
     if spec.step is not None:    # compiled stochastic rounding: the step is a graph input
-        from . import stepped
         rng, rows, cols, group, bits, kind, sym, ds, _, seed = _args(xk, spec, min_val, max_val, unmixed=True)
         y, mask = _call(stepped.fake_quant, xk, rng, spec.step, rows, cols, group, bits, kind, sym, ds, seed,
                         with_mask)
