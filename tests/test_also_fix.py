@@ -1,4 +1,4 @@
-"""Issue 10's "also fix" list: the console script finds a --model factory in the current directory
+"""Small usability fixes: the console script finds a --model factory in the current directory
 and names a wrong one; config.json names the exported class; load_quantized returns an eval-mode
 model; `qcompress bench` writes RESULTS.md only when asked; the Makefile's build step has a stamp."""
 import importlib.util

@@ -1,4 +1,4 @@
-"""Config fuzzing (issue 11): over 10,000 generated documents with fixed seeds, every outcome of
+"""Config fuzzing: over 10,000 generated documents with fixed seeds, every outcome of
 load_config is a Config or a ConfigError: never another exception, never a hang, never a
 mutated input.
 
@@ -394,7 +394,7 @@ def test_fuzz_random_trees():
     assert count.n >= 500
 
 
-# --- the cases issue 11 reported --------------------------------------------------------------------
+# --- inputs that once escaped as other exceptions -------------------------------------------------
 
 @pytest.mark.parametrize("doc,path", [
     ({"compression_training": {"weight_quantization": {1: {}}}}, "compression_training.weight_quantization"),

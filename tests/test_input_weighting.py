@@ -1,4 +1,4 @@
-"""The input-weighted mse observer (observer_kwargs.weight_by: inputs), issue 15.
+"""The input-weighted mse observer (observer_kwargs.weight_by: inputs).
 
 Oracles written here: the moments E[u u^T] of each module's input, computed from the inputs by
 hand (the first Linear's input is the batch, the second's relu(first(batch))); the weighted

@@ -1,4 +1,4 @@
-"""Optimizer state on NVMe (issue 14): `offload_optimizer: {device: nvme, nvme_path, ...}` at ZeRO
+"""Optimizer state on NVMe: `offload_optimizer: {device: nvme, nvme_path, ...}` at ZeRO
 stages 1-3. Oracles: the same training with the state in memory (CPU offload at stages 2/3, none at
 stage 1), bit for bit; the process's resident memory from /proc; an uninterrupted run for resume
 after a kill; the closed-form memory estimate."""

@@ -1,4 +1,4 @@
-"""Progressive layer drop (issue 14): DeepSpeed's `progressive_layer_drop` section, applied by the
+"""Progressive layer drop: DeepSpeed's `progressive_layer_drop` section, applied by the
 rewrite pass to the repeated blocks of Hugging Face models. Oracles: the schedule formula written
 out here, the plain model's blocks run by hand, a binomial bound on drop counts, and the same run
 without interruption / on the other rank / at another ZeRO stage."""

@@ -1,4 +1,4 @@
-"""Range observers (minmax, mse) and range learning (LSQ scales and zero points), issue 15.
+"""Range observers (minmax, mse) and range learning (LSQ scales and zero points).
 
 Oracles: the mse observer's choice against a brute-force search over the same grid written here
 group by group, followed (symmetric grids) by the least-squares refinement of the scale written

@@ -1,4 +1,4 @@
-"""Engine checkpoint reliability (issue 11): a crash at every rename and removal of a save
+"""Engine checkpoint reliability: a crash at every rename and removal of a save
 (as an exception and as a kill) leaves `latest` loading exactly the previous or exactly the new
 checkpoint; temporaries of dead savers are removed by the next save (never a live saver's);
 checkpoint files get the mode of a plain write.

@@ -1,4 +1,4 @@
-"""Config keys that were accepted and silently ignored (issue 11): each is now implemented or a
+"""Config keys that were accepted and silently ignored: each is now implemented or a
 ConfigError; a loss scale that makes every step an overflow is refused or reported loudly."""
 import json
 import logging

@@ -1,4 +1,4 @@
-"""Export reliability (issue 11): a forced overwrite is atomic as a whole (crash injected at every
+"""Export reliability: a forced overwrite is atomic as a whole (crash injected at every
 rename and removal of the commit, as an exception and as a kill), a mixed set of files never
 loads, index entries cannot escape the folder, temporaries of dead writers are cleaned (never a
 live writer's), and files get the mode of a plain write.

@@ -1,4 +1,4 @@
-"""Quantizer edge cases (issue 11): finite inputs give finite outputs at the float32 / bf16 / fp16
+"""Quantizer edge cases: finite inputs give finite outputs at the float32 / bf16 / fp16
 limits, a float64 input beyond float32's range is reported as what it is, and the kernels agree
 with the reference bit for bit on the sign of zero (all-zero groups, deepspeed asymmetric with
 stochastic rounding was where they differed)."""

@@ -1,4 +1,4 @@
-"""A stalled rank ends the job (issue 11): two gloo ranks launched as torchrun would (the engine
+"""A stalled rank ends the job instead of hanging it: two gloo ranks launched as torchrun would (the engine
 creates the process group with comm_timeout_s); rank 1 stops itself with SIGSTOP after a
 step; rank 0 must fail within the timeout with an error naming the collective and the timeout."""
 import os

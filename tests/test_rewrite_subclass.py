@@ -1,4 +1,4 @@
-"""Compression keeps each module's own forward (issue 16): real-world Linear / Conv / Embedding
+"""Compression keeps each module's own forward: real-world Linear / Conv / Embedding
 subclasses, written here, compressed, trained a step, exported and reloaded.
 
 The oracle is the uncompressed model class itself: a fresh instance with the same state_dict, its

@@ -1,4 +1,4 @@
-"""Every export loads right in transformers, or transformers refuses it with an error (issue 12).
+"""Every export loads right in transformers, or transformers refuses it with an error.
 
 Oracle: qcompress.load_quantized of the same export (itself bit-exact with the trained model,
 test_export.py). "Right" means every quantized Linear holds exactly load_quantized's float

@@ -1,5 +1,5 @@
-"""0/1 Adam's local steps leave each rank its own weights between synchronizations (issue 15 item
-5): the engine gives every rank the same weights at every evaluation (engine.eval()) and
+"""0/1 Adam's local steps leave each rank its own weights between synchronizations:
+the engine gives every rank the same weights at every evaluation (engine.eval()) and
 checkpoint, and refuses an eval-mode forward or an export while they differ."""
 from __future__ import annotations
 
