@@ -397,8 +397,8 @@ def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 # On a GPU the lowbit plans multiply by a float weight decoded once (_dense_on_gpu) with cuBLAS:
-# the CUDA low-bit kernels (csrc/cuda/lowbit_gemm.cu) are correctness kernels, 1.5-340x slower
-# than cuBLAS on an H100 from 1 to 256 tokens (benchmarks/RESULTS.md, "On a GPU"). True runs them.
+# the CUDA low-bit kernels (csrc/cuda/lowbit_gemm.cu) are correctness kernels, slower than cuBLAS
+# at every token count measured (benchmarks/results/gpu.md). True runs them.
 CUDA_LOWBIT_KERNELS = False
 
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-RANGE_LR_FACTOR = 0.1   # learned ranges' lr relative to the weights' (benchmarks/range_lr_probe.py)
+RANGE_LR_FACTOR = 0.1   # learned ranges' lr relative to the weights' (see the docstring)
 
 
 def range_parameter_ids(model: Optional[torch.nn.Module]) -> set:

@@ -78,8 +78,7 @@ def cuda_sync_checks(on: bool) -> bool:
 def check_nonfinite() -> None:
     """Raise NonFiniteError when a CUDA quantizer met NaN/Inf since the last check (the count is
     then reset). The CPU kernels and the reference raise at the call itself; the CUDA kernels
-    count instead, because reading the count back syncs the GPU (benchmarks/RESULTS.md, "On a
-    GPU"). CompressionScheduler.step, export_quantized and the train job's evaluate() call this."""
+    count instead, because reading the count back syncs the GPU (benchmarks/results/gpu.md). CompressionScheduler.step, export_quantized and the train job's evaluate() call this."""
     if not _has_cuda or not torch.cuda.is_initialized():
         return
     for dev in range(torch.cuda.device_count()):
