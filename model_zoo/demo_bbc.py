@@ -103,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"Subset for speed: {a.train_samples} of the 1,780 training articles (1 epoch = {steps} steps of "
           f"{a.batch_size}), {a.eval_samples} of the 445 held-out articles, max length {a.max_length}.\n"
           f"The recipes quantize the Linear layers; the word embeddings stay float32 (as in compressed-tensors'\n"
-          f"presets), so transformers loads the exports. Full-size runs are in benchmarks/RESULTS.md.\n")
+          f"presets), so transformers loads the exports. Full-size runs are in benchmarks/results/quality.md.\n")
     t0 = time.perf_counter()
     reports, first_out = [], None
     for name, cfg in RUNS:

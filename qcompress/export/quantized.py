@@ -25,6 +25,7 @@ from ..quant.reference import Spec, make_spec
 from . import layout
 from .codes import dequantize_2d, static_act_fake_quant
 from .floats import FLOAT_FORMATS, dequantize as dequantize_floats, fake_quantize_input as fake_quantize_floats
+from .floats import gather_rows as gather_float_rows
 
 
 def _local(suffix: str) -> str:
@@ -161,8 +162,10 @@ def gather_refusal(rec: dict) -> str:
 
 def gather_rows(rec: dict, buf, ids: torch.Tensor) -> torch.Tensor:
     """F.embedding(ids, dequantize_record(rec, buf)) from the looked-up rows' codes only: the same
-    ops per row, so the same values bit for bit. Dequantizing the whole table per call cost
-    all-MiniLM-L6-v2's W4 word embedding (30522 x 384) 17.7 ms per forward (benchmarks/RESULTS.md)."""
+    ops per row, so the same values bit for bit. Dequantizing the whole table per call costs time
+    in proportion to the vocabulary (30522 x 384 for all-MiniLM-L6-v2) on every forward."""
+    if rec["format"] in FLOAT_FORMATS:     # E2M1 / e4m3 codes under float, e4m3 or E8M0 scales
+        return gather_float_rows(rec, buf, ids, getattr(torch, rec["dtype"]))
     w = rec["weights"]
     k = rec["weight_shape"][1]
     idx = ids.reshape(-1)
