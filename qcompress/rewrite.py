@@ -276,8 +276,9 @@ def _float_weight(fmt, params, shared, module, name, path):
     gran, gsize = check_weight_group(fmt, params, shared, path, f"{path}.params.format")
     if module.qc_kind not in ("linear", "hf_conv1d", "embedding", "experts"):
         raise ConfigError(f"{path}.modules", f"module {name!r} is a {module.qc_kind}; float formats "
-                          "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts): "
-                          "leave it out")
+                          "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts), and "
+                          "compressed-tensors defines no float layout for a conv kernel [out, in, *k] "
+                          "(its groups would run along the kernel's last dim): leave it out")
     shape = tuple(module.weight_matrix_view(module.weight).shape)
     for bits in range(params.target_bits, params.start_bits + 1):
         f = format_at(fmt, bits)

@@ -209,6 +209,35 @@ def dequantize(rec: dict, buf, dtype) -> torch.Tensor:
     return floats.dequantize_codes(q, spec, s, g, dtype=dtype).reshape(shape)
 
 
+def gather_rows(rec: dict, buf, ids: torch.Tensor, dtype) -> torch.Tensor:
+    """Rows `ids` of dequantize(rec, buf, dtype) of a 2-D table, decoded from those rows' codes and
+    scales only: each element takes the same code times the same scale, so the same value bit for bit.
+    A 128 x 128 block's scale serves 128 rows: row r reads scale row r // 128."""
+    spec = weight_spec(rec)
+    k = rec["weight_shape"][1]
+    idx = ids.reshape(-1)
+    if spec.bits == 8:
+        q = buf["qweight"].reshape(-1, k).index_select(0, idx)
+    else:
+        q = unpack_fp4(buf["weight_packed"].index_select(0, idx), k)
+    s, g = buf["weight_scale"], None
+    if spec.granularity in ("channel", "group"):
+        s = s.index_select(0, idx)
+    elif spec.granularity == "block":
+        bw = floats.BLOCK[1]
+        s = s.index_select(0, torch.div(idx, floats.BLOCK[0], rounding_mode="floor"))
+        s = s.repeat_interleave(bw, dim=1)[:, :k]          # one scale per element of the row
+    if spec.scale_kind == "e8m0":
+        s = from_e8m0(s, dtype)
+    elif spec.scale_kind == "e4m3":
+        s, g = s.to(torch.float32), buf["weight_global_scale"]
+    if spec.granularity == "block":
+        out = (q.to(s.dtype) * s).to(dtype)
+    else:
+        out = floats.dequantize_codes(q, spec, s, g, dtype=dtype)
+    return out.reshape(*ids.shape, k)
+
+
 def fake_quantize_input(mod, x: torch.Tensor, act: dict) -> torch.Tensor:
     spec = act_spec(act)
     if act["dynamic"] is True:
