@@ -64,6 +64,7 @@ def _data(steps: int) -> torch.Tensor:
 
 def train(rank: int, world: int, scheme: dict, tp: int, pp: int, steps: int):
     import qcompress as qc
+    torch.set_num_threads(1)        # every rank one thread, the single process too: comparable times
     doc = _doc(scheme, tp, pp)
     engine = qc.initialize(qc.init_compression(_model(), qc.load_config(doc)), doc)
     data = _data(steps)

@@ -139,10 +139,6 @@ def build_config(model, modules, plain_linears) -> dict:
     return base
 
 
-def _split(model) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
 def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB",
                      force: bool = False) -> str:
     """Write `model` (compress-aware, e.g. after redundancy_clean) to `out_dir`; returns out_dir.
@@ -154,8 +150,8 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     or this one, never a mix; temporaries of earlier interrupted writers are removed.
     """
     out_dir = os.fspath(out_dir)
-    if getattr(model, "pipeline", None) is not None or _split(unwrap(model)):   # tensor / pipeline parallel
-        from ..parallel.gather import export_split     # every rank gathers, rank 0 writes
+    from ..parallel.gather import export_split, needs_gather
+    if needs_gather(model):       # tensor / pipeline parallel: every rank gathers, rank 0 writes
         return export_split(export_quantized, unwrap(model), out_dir, engine=model, cfg=cfg,
                             max_shard_size=max_shard_size, force=force)
     limit = sio.parse_size(max_shard_size)

@@ -14,8 +14,14 @@ import torch.nn as nn
 from ..nn.sharded import is_dtensor
 
 
-def is_split(model: nn.Module) -> bool:
-    return any(is_dtensor(p) for p in model.parameters())
+def needs_gather(model) -> bool:
+    """Whether `model` (an engine or a module) is split over ranks: pipeline stages or DTensors."""
+    from ..unwrap import unwrap
+    from .pipeline import Pipeline
+    if isinstance(getattr(model, "pipeline", None), Pipeline):
+        return True
+    inner = unwrap(model)
+    return isinstance(inner, nn.Module) and any(is_dtensor(p) for p in inner.parameters())
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
