@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -61,7 +62,7 @@ from ..quant.reference import make_spec
 from ..quant import lowbit
 from .codes import dequantize_2d
 from .errors import CheckpointError
-from . import quantized
+from . import fast_cuda, quantized
 from .quantized import (_QEmbedding, _QHFConv1D, _QLinear, QuantizedMixin, _unpack_rows, dequantize_record,
                         gather_refusal)
 
@@ -231,6 +232,8 @@ class FastMixin:
             return self._parameters["weight"]
         if self.qx_plan == "int4pack":
             return _int4pack_weight(self)
+        if self.qx_plan in fast_cuda.PLANS:
+            return fast_cuda.weight(self)
         if "lowbit_packed" in self._buffers:
             return _lowbit_weight(self) if self._buffers["lowbit_packed"].is_cpu else _dense_on_gpu(self)
         if "fast_planes" in self._buffers:
@@ -242,6 +245,8 @@ class FastMixin:
         return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.qx_plan in fast_cuda.PLANS:
+            fast_cuda.refuse_state_dict(self)
         if self.qx_plan == "int4pack":
             raise CheckpointError(f"module {self.qx_name!r} was loaded with mode='fast' into torch's "
                                   "int4pack kernel layout, which cannot be saved back; load the "
@@ -288,6 +293,8 @@ class FastLinearMixin(FastMixin):
         plan = self.qx_plan
         if _needs_grad(self, x):     # the integer kernels have no backward
             return F.linear(self._qx_input(x), self.weight, self.bias)
+        if plan in fast_cuda.PLANS:
+            return fast_cuda.forward(self, self._qx_input(x))
         if plan in _LOWBIT_PLANS and x.is_floating_point() and _lowbit_here(self, x):
             if plan == "lowbit_a8":
                 return _forward_lowbit_a8(self, x)
@@ -668,8 +675,11 @@ def _swap_fast(mod: nn.Module, plan: str):
     mod.qx_direct = None
 
 
-def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
-    """Give every loaded quantized module of `root` its fast plan; returns name -> (plan, reason)."""
+def convert(root: nn.Module, modules: Dict[str, dict], cuda_packed: bool = True) -> Dict[str, Tuple[str, str]]:
+    """Give every loaded quantized module of `root` its fast plan; returns name -> (plan, reason).
+    cuda_packed: layers on a CUDA device keep packed codes where torch's kernels take them
+    (fast_cuda.py); False (mode="dense") decodes them to a float weight as before."""
+    unpacked = {}                 # CUDA layers the packed kernels refuse: warned about once
     named = dict(root.named_modules())
     plans: Dict[str, Tuple[str, str]] = {}
     for name, rec in modules.items():
@@ -677,8 +687,18 @@ def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, s
         if not isinstance(mod, QuantizedMixin) or rec.get("weights") is None:
             continue
         plan, why = choose_plan(mod, rec)
+        if cuda_packed and rec["kind"] in ("linear", "hf_conv1d") and mod._buffers["weight_scale"].is_cuda:
+            cap = torch.cuda.get_device_capability(mod._buffers["weight_scale"].device)
+            cplan, cwhy = fast_cuda.choose(rec, isinstance(mod, _QLinear), cap)
+            if cplan:
+                fast_cuda.to_packed(mod, rec, cplan, *_exported_codes(mod, rec))
+                plan, why = cplan, ""
+            else:
+                unpacked[name] = cwhy
         if plan in _LOWBIT_PLANS:
             _to_lowbit(mod, rec)
+        elif plan in fast_cuda.PLANS:
+            pass
         elif plan == "int4pack":
             _to_int4pack(mod, rec)
         elif plan == "dequant" and planes_ok(rec):
@@ -687,6 +707,11 @@ def convert(root: nn.Module, modules: Dict[str, dict]) -> Dict[str, Tuple[str, s
         if plan in _LOWBIT_PLANS:
             _set_direct(mod, rec)
         plans[name] = (plan, why)
+    if unpacked:
+        warnings.warn(f"load_quantized(mode='fast'): {len(unpacked)} CUDA layers keep a dense float weight "
+                      "(torch's packed kernels do not take them): "
+                      + "; ".join(f"{n!r}: {why}" for n, why in list(unpacked.items())[:5])
+                      + (" ..." if len(unpacked) > 5 else ""), stacklevel=3)
     fallbacks = {n: why for n, (p, why) in plans.items() if p == "dequant"}
     counts = {}
     for p, _ in plans.values():
@@ -717,3 +742,5 @@ def tensor_bytes(model: nn.Module) -> int:
 
 quantized.register_family(__name__, fast_class, (FastMixin, FastLinearMixin, FastConv1DMixin))
 quantized.register_load_step("fast", lambda root, modules, options: convert(root, modules))
+# the fast plans with every CUDA weight decoded once to a float weight (cuBLAS), none kept packed
+quantized.register_load_step("dense", lambda root, modules, options: convert(root, modules, cuda_packed=False))
