@@ -175,12 +175,14 @@ def check_split(name: str, wq, aq, style: str, in_features: int, tp: int, path: 
                              group_size=wq.group_size)
             split = 0 if style == "colwise" else 1
             if wq.granularity == "groups":
-                raise ConfigError(path + ".quantize_groups", f"module {name!r} is {style}-parallel: "
+                raise ConfigError("compression_training.weight_quantization.shared_parameters.quantize_groups",
+                                  f"module {name!r} is {style}-parallel: "
                                   "quantize_groups chunks of a sharded weight are not supported")
-            if weight_needs_reduction(spec, split) or split == 1 or wq.rounding != "nearest":
+            if wq.format != "int":     # NVFP4's global scale spans the shards, and so on: not kept
+                raise ConfigError(path, f"module {name!r} is {style}-parallel: float formats under tensor "
+                                  "parallelism are not supported; use format: int")
+            if weight_needs_reduction(spec, split) or wq.rounding != "nearest":
                 why = reducible(spec)
-                if why is None and wq.format != "int":
-                    why = reducible(floats.float_spec("fp8_e4m3", "tensor", None))
                 if why is not None:
                     raise ConfigError(path, f"module {name!r} is {style}-parallel: {why}")
             if style == "rowwise" and wq.granularity == "group" and (in_features // tp) % wq.group_size:

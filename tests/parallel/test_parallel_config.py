@@ -122,3 +122,12 @@ def test_pipeline_partitions():
     assert split_blocks([9, 1, 1], 3, "parameters") == [(0, 1), (1, 2), (2, 3)]   # one block each at least
     with pytest.raises(ConfigError, match=r"^pipeline\.stages: 3 stages but the model has 2 transformer blocks"):
         split_blocks([1, 1], 3, "uniform")
+
+
+def test_float_formats_on_a_split_layer_are_refused():
+    cfg = pw.compression(bits=8)
+    cfg["weight_quantization"]["shared_parameters"]["format"] = "fp8_e4m3"
+    model = qc.init_compression(pw.MLP(), qc.load_config({"compression_training": cfg}))
+    with pytest.raises(ConfigError, match=r"^compression_training\.weight_quantization\.different_groups\.wq\.params: "
+                                          r"module 'fc1' is colwise-parallel: float formats"):
+        check_split("fc1", model.fc1.qc_wq, None, "colwise", 64, 2, PATH)
