@@ -200,13 +200,17 @@ def dequantize(rec: dict, buf, dtype) -> torch.Tensor:
         q = buf["qweight"].reshape(rows, -1)
     else:
         q = unpack_fp4(buf["weight_packed"], math.prod(shape[1:]))
-    s = buf["weight_scale"]
-    g = None
-    if spec.scale_kind == "e8m0":
-        s = from_e8m0(s, dtype)
-    elif spec.scale_kind == "e4m3":
-        s, g = s.to(torch.float32), buf["weight_global_scale"]
+    s, g = _decoded_scales(spec, buf["weight_scale"], buf, dtype)
     return floats.dequantize_codes(q, spec, s, g, dtype=dtype).reshape(shape)
+
+
+def _decoded_scales(spec, s: torch.Tensor, buf, dtype):
+    """(scales as floats, global scale or None) from the stored ones (E8M0 exponents, e4m3)."""
+    if spec.scale_kind == "e8m0":
+        return from_e8m0(s, dtype), None
+    if spec.scale_kind == "e4m3":
+        return s.to(torch.float32), buf["weight_global_scale"]
+    return s, None
 
 
 def gather_rows(rec: dict, buf, ids: torch.Tensor, dtype) -> torch.Tensor:
@@ -220,19 +224,16 @@ def gather_rows(rec: dict, buf, ids: torch.Tensor, dtype) -> torch.Tensor:
         q = buf["qweight"].reshape(-1, k).index_select(0, idx)
     else:
         q = unpack_fp4(buf["weight_packed"].index_select(0, idx), k)
-    s, g = buf["weight_scale"], None
+    s = buf["weight_scale"]
     if spec.granularity in ("channel", "group"):
         s = s.index_select(0, idx)
     elif spec.granularity == "block":
         bw = floats.BLOCK[1]
         s = s.index_select(0, torch.div(idx, floats.BLOCK[0], rounding_mode="floor"))
         s = s.repeat_interleave(bw, dim=1)[:, :k]          # one scale per element of the row
-    if spec.scale_kind == "e8m0":
-        s = from_e8m0(s, dtype)
-    elif spec.scale_kind == "e4m3":
-        s, g = s.to(torch.float32), buf["weight_global_scale"]
+    s, g = _decoded_scales(spec, s, buf, dtype)
     if spec.granularity == "block":
-        out = (q.to(s.dtype) * s).to(dtype)
+        out = (q.to(s.dtype) * s).to(dtype)             # the product dequantize_codes forms per tile
     else:
         out = floats.dequantize_codes(q, spec, s, g, dtype=dtype)
     return out.reshape(*ids.shape, k)
