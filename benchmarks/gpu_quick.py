@@ -9,8 +9,9 @@ expensive step timings last and cut at --budget-s so the JSON always comes back:
   build      pip install -e . with QCOMPRESS_CUDA=1 (--build only)
   pytest     pytest -m cuda (the GPU tests; every other test sees no GPU)
   quantizers W8 per channel, W4 group 128, A8 per token against a device copy (fp32, bf16)
-  packed     an exported 4096-wide Linear (W4 g128, W8 + A8) reloaded exact and fast: time and
-             the device memory each holds against the dense layer
+  packed     an exported 4096-wide bf16 Linear (W4 g128, W8, W8 + A8) loaded into a model already
+             on the device, exact, fast (packed kernels on CUDA) and mode="dense" (decoded once):
+             time at 1 and 256 tokens and the device memory each holds against the dense layer
   onebit     the 1-bit compressed all-reduce in a 1-process group (NCCL; gloo on the CPU)
   zero3      a 1-process ZeRO-3 engine (FSDP2) trains to the stage-0 engine's loss
   torchao    torchao's QAT (int8 dynamic activations + int4 weights) when its wheel is present
@@ -44,6 +45,9 @@ PACKED_RECIPES = {
     "W4 g128 weight-only": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
         "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}}}},
+    "W8 channel weight-only": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}}},
     "W8 channel + A8 dynamic": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
         "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}},
@@ -154,11 +158,12 @@ def packed(device, width):
     import torch.nn as nn
     import qcompress
     from qcompress.export import export_quantized, load_quantized
+    from qcompress.export.fast import plans_of
     time_it = timer(device)
     rows = []
     for name, cc in PACKED_RECIPES.items():
         torch.manual_seed(0)
-        base = nn.Sequential(nn.Linear(width, width))
+        base = nn.Sequential(nn.Linear(width, width)).to(torch.bfloat16)   # the CUDA int4 kernel's dtype
         model = copy.deepcopy(base)
         qcompress.init_compression(model, {"compression_training": cc})
         model.eval()
@@ -166,14 +171,16 @@ def packed(device, width):
             export_quantized(model, folder)
             held = {}
             mods = {}
-            for mode in ("dense", "exact", "fast"):
+            for mode in ("dense", "exact", "fast", "decoded"):
                 before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                m = (copy.deepcopy(base) if mode == "dense" else
-                     load_quantized(folder, copy.deepcopy(base), mode=mode)).to(device)
+                # loaded into a model already on the device: there fast keeps the codes packed
+                m = (copy.deepcopy(base).to(device) if mode == "dense" else
+                     load_quantized(folder, copy.deepcopy(base).to(device),
+                                    mode="dense" if mode == "decoded" else mode))
                 held[mode] = (torch.cuda.memory_allocated() - before) if device.type == "cuda" else None
                 mods[mode] = m
             for tokens in (1, 256):
-                x = torch.randn(tokens, width, device=device)
+                x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
                 with torch.no_grad():
                     t = {mode: time_it(lambda m=m: m(x)) for mode, m in mods.items()}
                     want, got = mods["exact"](x), mods["fast"](x)
@@ -181,7 +188,10 @@ def packed(device, width):
                 rows.append({"recipe": name, "tokens": tokens, "dense_ms": round(t["dense"] * 1e3, 4),
                              "exact_over_dense": round(t["exact"] / t["dense"], 2),
                              "fast_over_dense": round(t["fast"] / t["dense"], 2), "fast_vs_exact_max_rel": diff,
-                             "bytes_dense": held["dense"], "bytes_exact": held["exact"], "bytes_fast": held["fast"]})
+                             "decoded_over_dense": round(t["decoded"] / t["dense"], 2),
+                             "fast_plan": ",".join(sorted(set(plans_of(mods["fast"]).values()))),
+                             "bytes_dense": held["dense"], "bytes_exact": held["exact"], "bytes_fast": held["fast"],
+                             "bytes_decoded": held["decoded"]})
     return rows
 
 
