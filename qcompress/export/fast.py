@@ -687,8 +687,9 @@ def convert(root: nn.Module, modules: Dict[str, dict], cuda_packed: bool = True)
         if not isinstance(mod, QuantizedMixin) or rec.get("weights") is None:
             continue
         plan, why = choose_plan(mod, rec)
-        if cuda_packed and rec["kind"] in ("linear", "hf_conv1d") and mod._buffers["weight_scale"].is_cuda:
-            cap = torch.cuda.get_device_capability(mod._buffers["weight_scale"].device)
+        ws = mod._buffers.get("weight_scale")
+        if cuda_packed and rec["kind"] in ("linear", "hf_conv1d") and ws is not None and ws.is_cuda:
+            cap = torch.cuda.get_device_capability(ws.device)
             cplan, cwhy = fast_cuda.choose(rec, isinstance(mod, _QLinear), cap)
             if cplan:
                 fast_cuda.to_packed(mod, rec, cplan, *_exported_codes(mod, rec))

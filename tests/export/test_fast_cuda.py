@@ -188,3 +188,23 @@ def test_cuda_unsupported_layers_fall_back_with_one_warning(tmp_path):
     exact = load_quantized(folder, _mlp().cuda())
     x = torch.randn(4, 256, device="cuda").to(BF)
     assert torch.allclose(fast(x).float(), exact(x).float(), rtol=EPS, atol=EPS)
+
+
+def test_int8_module_plan_runs_on_torch_cpu_kernel(tmp_path):
+    """The int8pack_cuda module wiring (buffers, forward with bias and leading dims, weight, no
+    state_dict) on the CPU, where _weight_int8pack_mm has the same kernel contract."""
+    folder = _export(tmp_path, 8, True, "channel", None)
+    exact = load_quantized(folder, _mlp())
+    mod = load_quantized(folder, _mlp())[0]
+    fast_cuda.to_packed(mod, mod.qx_rec, "int8pack_cuda", *fastmod._exported_codes(mod, mod.qx_rec))
+    fastmod._swap_fast(mod, "int8pack_cuda")
+    assert set(mod._buffers) == {"cuda_int8", "cuda_scales"}
+    x = torch.randn(2, 3, 256).to(BF)
+    want = exact[0](x).float()
+    got = mod(x)
+    assert got.shape == want.shape and got.dtype == BF
+    bound = EPS * (x.float().abs() @ exact[0].weight.float().abs().t() + exact[0].bias.float().abs()) + EPS * want.abs()
+    assert ((got.float() - want).abs() <= bound).all()
+    assert torch.allclose(mod.weight.float(), exact[0].weight.float(), rtol=EPS, atol=0)
+    with pytest.raises(Exception, match="cannot be saved back"):
+        mod.state_dict()
