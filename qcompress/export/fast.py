@@ -16,9 +16,11 @@ dtype, strategy, symmetry or shape:
              dot products of activation and weight codes, exact int32 sums per group, scales
              applied once per group and token. W8A8, W4A8.
 
-On a GPU the lowbit plans decode each weight once to the exact path's float values and multiply
-with cuBLAS (CUDA_LOWBIT_KERNELS below says why): the outputs are the exact reload's bit for bit,
-at the dense model's speed and GPU memory.
+On a GPU, bfloat16 W4 / W8 Linear layers loaded into a model already there stay packed and run
+torch's weight-only kernels (plans int4pack_cuda / int8pack_cuda, fast_cuda.py). The other lowbit
+layers there, and all of them with mode="dense", decode each weight once to the exact path's float
+values and multiply with cuBLAS (CUDA_LOWBIT_KERNELS below says why): the outputs are the exact
+reload's bit for bit, at the dense model's speed and GPU memory.
 
 Without the extension (pure-torch install), torch's own kernels are used where they fit:
 
