@@ -10,7 +10,7 @@ import torch
 import qcompress as qc
 from qcompress.engine import initialize
 from moe_fixtures import make_moe
-from test_engine_workers import full_params as full
+from engine_workers import full_params as full
 
 STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
 

@@ -9,7 +9,7 @@ with --lm, on a pretrained causal LM's own weights and input moments.
 
 Prints a markdown table: ms per weight matrix, seconds per million weights, and each search's
 time over minmax's and over the kernel's, and whether the two backends chose the same factors
-(the tests hold both to a brute-force oracle: tests/test_input_weighting.py, tests/test_ranges.py).
+(the tests hold both to a brute-force oracle: tests/quant/test_input_weighting.py, tests/nn/test_ranges.py).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def test_quick_check_cpu_fallback_runs_every_part(tmp_path):
     out, page = tmp_path / "quick.json", tmp_path / "gpu.md"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--quick", "--json", str(out), "--page", str(page),
-                          "--pytest-paths", "tests/test_kernels_cuda.py", "--models", "llama", "--widths", "32",
+                          "--pytest-paths", "tests/quant/test_kernels_cuda.py", "--models", "llama", "--widths", "32",
                           "--backend", "aot_eager", "--budget-s", "900"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]

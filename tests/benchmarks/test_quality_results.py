@@ -4,7 +4,7 @@ from the measured rows (oracle: the closed-form shares worked out by hand below)
 import importlib.util
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("qc_quality", os.path.join(ROOT, "benchmarks", "quality.py"))
 quality = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(quality)

@@ -382,7 +382,7 @@ def _tied_gpt2_export(tmp_path):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)).eval()
 
-    cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                              "schedules", "w4a16_g32.yaml"))
     model = qcompress.init_compression(build(), cfg)
     with warnings.catch_warnings():
@@ -478,7 +478,7 @@ def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32))
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g32.yaml"), {"compression_training": {
         "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}}})
     model = qcompress.init_compression(build(), cfg)

@@ -24,7 +24,7 @@ from qcompress import atomic
 from qcompress.export import CheckpointError, export_quantized, load_quantized
 from qcompress.export import safetensors_io as sio
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CFG = {"compression_training": {"weight_quantization": {
     "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},

@@ -25,7 +25,7 @@ from qcompress.engine import nvme as N
 
 from dist_utils import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 IN, HID, OUT = 24, 48, 6
 

@@ -1,7 +1,7 @@
 """qcompress.initialize: ZeRO stages, accumulation, fp16 overflow, clipping, checkpoints, memory.
 
 The distributed checks share two spawned gloo groups (2 ranks, then 1 rank); the rank-side code
-is in test_engine_workers.py. The model is a small MLP rewritten by init_compression with W8A8
+is in engine_workers.py. The model is a small MLP rewritten by init_compression with W8A8
 (weights 10 -> 8 bits written at optimizer-step time, static 8-bit activation ranges).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from qcompress.engine.batch import resolve_batch
 from qcompress.engine.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from qcompress.engine.precision import LossScaler
 
-import test_engine_workers as W
+import engine_workers as W
 from dist_utils import run_ranks
 from shared_paths import DS_COMPRESSION
 from tiny_models import TinyResNet, make_bert, make_gpt2
@@ -554,7 +554,7 @@ def test_train_ddp_example_under_torchrun(tmp_path):
     """model_zoo/train_ddp.py as a user runs it: torchrun, 2 processes, RANK/WORLD_SIZE from the env."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = tmp_path / "cfg.yaml"
     # train_batch_size and accumulation as a ds_config.json gives them: micro batch 16 is derived
     cfg.write_text("zero_optimization: {stage: 2}\nbf16: {enabled: true}\n"

@@ -23,7 +23,7 @@ import pytest
 from model_zoo import lm_corpus
 from model_zoo.lm_corpus import CorpusUnavailable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- a minimal R serializer (XDR, format version 3), written from R's serialize.c layout ---------

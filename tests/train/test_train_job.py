@@ -16,7 +16,7 @@ import torch
 import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 W8A8 = os.path.join(ROOT, "schedules", "w8a8.yaml")
 FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress"]
 

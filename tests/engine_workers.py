@@ -1,4 +1,4 @@
-"""Rank-side code for tests/test_engine.py (spawned by tests/dist_utils.run_ranks).
+"""Rank-side code for tests/engine/test_engine.py (spawned by tests/dist_utils.run_ranks).
 
 Each worker runs many checks inside one process group and returns plain data; the assertions
 live in test_engine.py. No test functions here.

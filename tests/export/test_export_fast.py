@@ -148,7 +148,7 @@ def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gra
             assert got.dtype == want.dtype and got.shape == want.shape
             if plan == "dequant" or not isinstance(e, nn.Linear):
                 assert torch.equal(got, want), f"layer {i}"
-            elif dtype == torch.float32:   # tests/test_lowbit_kernels.py's bound: float32 sums, and
+            elif dtype == torch.float32:   # tests/quant/test_lowbit_kernels.py's bound: float32 sums, and
                 xin = e._qx_input(h).double()  # the int8 digits of the input (amax / 64000 per element)
                 w = e.weight.double().abs()
                 b = 0.0 if e.bias is None else e.bias.double().abs()
@@ -307,7 +307,7 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog, monkeypatch, ext):
         (ye, ce), (yf, cf) = exact(*inputs), fast(*inputs)
     assert torch.equal(ce, cf)
     # float32 weight-only layers take the input as int8 digits (within amax / 64000 of each element;
-    # every layer's bound: tests/test_lowbit_kernels.py), carried through two layers here
+    # every layer's bound: tests/quant/test_lowbit_kernels.py), carried through two layers here
     assert (yf - ye).abs().max().item() <= 1e-4 * ye.abs().max().item()
     assert tensor_bytes(fast) <= tensor_bytes(exact)
 
@@ -386,7 +386,7 @@ def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext)
 def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
     # the per-call shortcut (_direct) runs the same op on the same tensors as the general path, so
     # outputs are equal bit for bit; under autograd the general path runs (activations not fused:
-    # a fused GELU is the kernel's, the general path's torch's; tests/test_export_fuse.py)
+    # a fused GELU is the kernel's, the general path's torch's; tests/export/test_export_fuse.py)
     g = torch.Generator().manual_seed(5)
     calib = (torch.randn(6, 256, generator=g),)
     _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act), calib,

@@ -3,7 +3,7 @@
 Oracle: the same export loaded with fuse_activations=False (the unfused fast model: layer, then
 torch's activation module). The fused call is the same kernel call with the activation applied in
 its store, so per layer the two differ only by the kernel's GELU against torch's (within
-2e-6 |y| + 1e-6 |gelu(y)|, tests/test_lowbit_kernels.py) and ReLU outputs are equal bit for bit.
+2e-6 |y| + 1e-6 |gelu(y)|, tests/quant/test_lowbit_kernels.py) and ReLU outputs are equal bit for bit.
 """
 import copy
 import io

@@ -14,12 +14,12 @@ import textwrap
 import pytest
 import torch
 
-import test_engine_workers as W
+import engine_workers as W
 from qcompress import atomic
 from qcompress.engine import initialize
 from test_reliability_export import Crash, Inject
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _engine():
@@ -108,7 +108,7 @@ def test_leftovers_of_killed_saves_are_removed(tmp_path, monkeypatch):
 _LIVE = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import test_engine_workers as W
+    import engine_workers as W
     from qcompress import atomic
     from qcompress.engine import initialize
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)

@@ -27,7 +27,7 @@ if not (K.available() and torch.ops.qcompress.fake_quant.default.has_kernel_for_
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- fused QAT layers --------------------------------------------------------------------------

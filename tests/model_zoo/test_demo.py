@@ -17,7 +17,7 @@ from model_zoo import data as zdata
 from model_zoo import demo_fashion_mnist as demo
 from model_zoo.models import SmallCNN
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEDULES = sorted(glob.glob(os.path.join(ROOT, "schedules", "*.yaml")))
 
 
@@ -150,7 +150,7 @@ def test_every_schedule_file_loads_and_applies_to_the_demo_model():
                 f"{path} configures neither compression nor an optimizer"
             continue
         if any(g.modules is not None for g in wq.groups):
-            continue   # module regexes of transformer recipes: tests/test_train_job.py applies them
+            continue   # module regexes of transformer recipes: tests/train/test_train_job.py applies them
         model = SmallCNN()
         qc.init_compression(model, cfg)
         start = {g.params.start_bits for g in wq.groups}

@@ -305,7 +305,7 @@ def test_qcompress_does_not_import_transformers_and_hf_says_what_to_install():
             "except ImportError as e:\n"
             "    print('ERR', e)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and "pip install qcompress[hf]" in res.stdout
 

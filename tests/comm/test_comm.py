@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_ranks  # noqa: E402
 
 import qcompress.comm as qcomm  # noqa: E402
