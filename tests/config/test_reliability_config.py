@@ -136,7 +136,7 @@ def test_schedule_offset_stride_steps_the_ramp():
 # --- DeepSpeed keys qcompress does not implement -------------------------------------------------------
 
 @pytest.mark.parametrize("key", ["eigenvalue", "quantize_training", "sparse_attention",
-                                 "compile", "hybrid_engine"])
+                                 "wandb", "hybrid_engine"])
 def test_unimplemented_deepspeed_keys_warn_instead_of_unknown_key(key):
     with pytest.warns(UserWarning, match=rf"config key '{key}' is a DeepSpeed setting with no effect in qcompress: "):
         cfg = load_config({"train_batch_size": 8, key: {"enabled": True}})
