@@ -18,6 +18,10 @@ recipe (written into its run folder):
           ModelOpt distil from the original model); for the classifier from the FP32 fine-tune
           (`teacher: baseline`: its pretrained checkpoint has a random head)
 
+Float recipes (FP8, NVFP4, MXFP4) take compressed-tensors' minmax scales only, so they run qat and
+qad (minmax, no range learning, the same distillation) in place of qat_rl / qad_rl. Each row also
+gives the export's size over the FP32 model's (the run's sizes: export_bytes / fp32_bytes).
+
 The learned ranges train in qcompress train's default AdamW, in their own group (0.1x the lr, no
 weight decay).
 
@@ -61,8 +65,18 @@ RECIPES = {   # key: (label, schedule file, progressive)
     "w3_g32": ("W3 g32 (weight-only)", "schedules/w3a16_g32.yaml", False),
     "w2a8_kd": ("ternary W2A8 (+ distillation)", "schedules/w2a8_kd.yaml", False),
     "w8to4": ("progressive W8→4 A8", "schedules/w4a8_progressive.yaml", True),
+    "fp8_dynamic": ("FP8 dynamic (e4m3, channel / token)", "schedules/fp8_dynamic.yaml", False),
+    "fp8_block": ("FP8 block (e4m3, 128 × 128)", "schedules/fp8_block.yaml", False),
+    "nvfp4": ("NVFP4 W4A4", "schedules/nvfp4.yaml", False),
+    "nvfp4a16": ("NVFP4A16 (weight-only)", "schedules/nvfp4a16.yaml", False),
+    "mxfp4a16": ("MXFP4A16 (weight-only)", "schedules/mxfp4a16.yaml", False),
 }
 VARIANTS = ("qat", "qat_rl", "qad_rl")
+# Float formats take compressed-tensors' minmax scales only (no mse observer, no range learning):
+# their recipes run qat and qad (minmax, distillation) in place of the three variants above.
+FLOAT_RECIPES = ("fp8_dynamic", "fp8_block", "nvfp4", "nvfp4a16", "mxfp4a16")
+FLOAT_VARIANTS = {"qat": "qat", "qat_rl": None, "qad_rl": "qad", "qad": "qad"}
+COLUMNS = ("qat", "qat_rl", "qad", "qad_rl")     # the table's trained columns
 OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
 DEFAULT_OBSERVER_KWARGS = '{"weight_by": "inputs"}'   # the mse variants: the input-weighted search
 
@@ -71,12 +85,13 @@ def fragment(variant: str, task: str = "lm") -> dict:
     """The variant's overrides. QAD's teacher: the pretrained model itself (`self`) for the causal LM,
     as llm-compressor / ModelOpt distil from the original model; the FP32 fine-tune (`baseline`) for
     the classifier, whose pretrained checkpoint has a random head."""
-    wq = {"observer": "minmax" if variant == "qat" else "mse", "range_learning": variant != "qat"}
-    if variant != "qat" and OBSERVER_KWARGS:
+    mse, distil = variant in ("qat_rl", "qad_rl"), variant in ("qad", "qad_rl")
+    wq = {"observer": "mse" if mse else "minmax", "range_learning": mse}
+    if mse and OBSERVER_KWARGS:
         wq["observer_kwargs"] = dict(OBSERVER_KWARGS)
     doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
-                                    "distillation": {"enabled": variant == "qad_rl"}}}
-    if variant == "qad_rl":
+                                    "distillation": {"enabled": distil}}}
+    if distil:
         doc["compression_training"]["distillation"].update(
             teacher="self" if task == "lm" else "baseline", temperature=1.0, alpha=0.9)
     return doc
@@ -95,6 +110,13 @@ def progressive_fix(recipe_file: str, steps: int) -> dict:
         out[name] = {"params": {"quantization_period": max(1, (4 * steps) // (5 * drops)),
                                 "period_growth": "linear"}}
     return {"compression_training": {"weight_quantization": {"different_groups": out}}}
+
+
+def recipe_variants(key: str, variants) -> list:
+    """The variants a recipe runs: float recipes swap qat_rl / qad_rl for their minmax runs."""
+    if key not in FLOAT_RECIPES:
+        return [v for v in variants if v != "qad"]
+    return list(dict.fromkeys(FLOAT_VARIANTS[v] for v in variants if FLOAT_VARIANTS[v]))
 
 
 def write_yaml(path: str, doc: dict) -> str:
@@ -291,12 +313,12 @@ def small_ptq_loss(pm, fp, acc: bool) -> bool:
 def table(summary: dict) -> str:
     metric = summary["metric"]
     acc = metric == "accuracy"
-    head = ("| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD + RL | recovered: QAT / QAT+RL / "
-            "QAD+RL | mse cuts PTQ excess by |\n|---|---|---|---|---|---|---|---|---|")
+    head = ("| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD | QAD + RL | recovered: QAT / QAT+RL / "
+            "QAD / QAD+RL | mse cuts PTQ excess by | export / FP32 bytes |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for key, row in ordered(summary):
         fp, pm, ps = row["fp32"], row.get("ptq_minmax"), row.get("ptq_mse")
-        vals = [row.get(v) for v in VARIANTS]
+        vals = [row.get(v) for v in COLUMNS]
         if pm is None or small_ptq_loss(pm, fp, acc):
             rec = "n/a (PTQ ≈ or > FP32)" if pm is not None else "—"
             cut = "n/a" if pm is not None else "—"
@@ -304,9 +326,10 @@ def table(summary: dict) -> str:
             rec = " / ".join("—" if v is None else f"{100 * share(pm, v, fp):.0f} %" for v in vals)
             cut = "—" if ps is None else f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
         budget = f" ({row['budget']})" if row.get("budget") else ""
+        size = f"{row['export_ratio']:.3f}" if row.get("export_ratio") is not None else "—"
         lines.append(f"| {row['label']}{budget} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
                      f"{fmt_metric(ps, metric)} | " + " | ".join(fmt_metric(v, metric) for v in vals) +
-                     f" | {rec} | {cut} |")
+                     f" | {rec} | {cut} | {size} |")
     return "\n".join(lines)
 
 
@@ -354,7 +377,10 @@ METHOD = ("## Method\n\n"
           "PTQ columns are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
           "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
           "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning. One seed per run: "
-          "on a small held-out set one example moves accuracy by 1 / (held-out size).\n")
+          "on a small held-out set one example moves accuracy by 1 / (held-out size). Float recipes (FP8, NVFP4, "
+          "MXFP4) take compressed-tensors' minmax scales only (no mse observer, no range learning): they run `qat` "
+          "and `qad` (minmax + the same distillation), the QAD column. Export / FP32 bytes: the export folder's "
+          "size over the FP32 model's.\n")
 
 
 def measured_at(summary: dict) -> str:
@@ -379,7 +405,7 @@ def headline(summary: dict) -> str:
     lines = [f"**{summary['title']}** ([details](results/quality.md))", "",
              "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD + RL |", "|---|---:|---:|---:|---:|"]
     for _, row in ordered(summary):
-        done = [row[v] for v in VARIANTS if row.get(v) is not None]
+        done = [row[v] for v in COLUMNS if row.get(v) is not None]
         best = (max if metric == "accuracy" else min)(done) if done else None
         lines.append(f"| {row['label']} | {fmt_metric(row.get('fp32'), metric)} | "
                      f"{fmt_metric(row.get('ptq_minmax'), metric)} | {fmt_metric(row.get('qat'), metric)} | "
@@ -425,6 +451,9 @@ def main(argv=None) -> int:
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
     a = p.parse_args(argv)
+    if (a.ptq_whole_set or a.ptq_pretrained) and set(a.recipes.split(",")) & set(FLOAT_RECIPES):
+        raise SystemExit(f"--ptq-whole-set / --ptq-pretrained compare the minmax and mse observers; float recipes "
+                         f"({', '.join(FLOAT_RECIPES)}) take minmax scales only: leave them out of --recipes")
     if a.observer_kwargs:
         OBSERVER_KWARGS.update(json.loads(a.observer_kwargs))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -445,7 +474,7 @@ def main(argv=None) -> int:
         label, recipe, progressive = RECIPES[key]
         row = summary["recipes"].get(key, {"label": label})
         row["label"] = label
-        for variant in [v for v in a.variants.split(",") if v]:
+        for variant in recipe_variants(key, [v for v in a.variants.split(",") if v]):
             out = os.path.join(out_task, key, variant)
             frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant, a.task))]
             if progressive:
@@ -459,11 +488,12 @@ def main(argv=None) -> int:
             st = rep["stages"]
             row["fp32"] = st["fp32_finetuned"][metric]
             row["fp32_start"] = st["fp32"][metric]
-            row["ptq_minmax" if variant == "qat" else "ptq_mse"] = st["ptq"][metric]
+            row["ptq_minmax" if variant in ("qat", "qad") else "ptq_mse"] = st["ptq"][metric]
             row[variant] = st["qat"][metric]
             row[f"{variant}_exported"] = st["exported"][metric]
             row[f"{variant}_max_logit_diff"] = st["exported"].get("max_logit_diff_vs_qat")
             row[f"{variant}_train_s"] = rep["wall_time_s"].get("qat_train")
+            row["export_ratio"] = rep["sizes"]["export_bytes"] / rep["sizes"]["fp32_bytes"]
             row["steps"] = rep["training"]["steps"]
             row["budget"] = budget
             summary = update_summary(summary_path, metric, key=key, row=row, baseline_run=baseline,

@@ -31,6 +31,9 @@ quality() {
       --threads 1 --write-results
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32 --max-steps 20 --batch-size 8 \
       --eval-samples 32 --threads 1 --write-results
+  # the float formats (minmax scales only: QAT and QAD) on the same GPT-2, steps and held-out blocks
+  $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes fp8_dynamic,nvfp4,mxfp4a16 --variants qat,qad \
+      --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
   $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
   # the MoE model is made by moe.py itself, pinned to --steps (kept in runs/moe-austen)
   $PY benchmarks/moe.py --steps 600 --qat-steps 120 --threads 1
