@@ -20,7 +20,19 @@ def test_recovered_share_and_mse_cut_are_computed_from_the_rows():
     s = summary(w8a8={"label": "W8A8", "fp32": 0.9, "ptq_minmax": 0.8, "ptq_mse": 0.85,
                       "qat": 0.88, "qat_rl": 0.89, "qad_rl": 0.9})
     row = quality.table(s).splitlines()[-1]
-    assert row == "| W8A8 | 0.9000 | 0.8000 | 0.8500 | 0.8800 | 0.8900 | 0.9000 | 80 % / 90 % / 100 % | 50 % |"
+    assert row == ("| W8A8 | 0.9000 | 0.8000 | 0.8500 | 0.8800 | 0.8900 | — | 0.9000 | 80 % / 90 % / — / 100 % | 50 % "
+                   "| — |")
+
+
+def test_float_row_gives_qad_and_export_size():
+    # a float recipe has no mse runs: QAT 0.88 recovers 80 %, QAD (minmax + distillation) 0.89: 90 %;
+    # export 1,000 of 4,000 FP32 bytes
+    s = summary(nvfp4={"label": "NVFP4", "fp32": 0.9, "ptq_minmax": 0.8, "qat": 0.88, "qad": 0.89,
+                       "export_ratio": 1000 / 4000})
+    row = quality.table(s).splitlines()[-1]
+    assert row == "| NVFP4 | 0.9000 | 0.8000 | — | 0.8800 | — | 0.8900 | — | 80 % / — / 90 % / — | — | 0.250 |"
+    assert quality.recipe_variants("nvfp4", ["qat", "qat_rl", "qad_rl"]) == ["qat", "qad"]
+    assert quality.recipe_variants("w4_g32", ["qat", "qat_rl", "qad_rl"]) == ["qat", "qat_rl", "qad_rl"]
 
 
 def test_no_share_where_ptq_is_as_good_as_fp32():
