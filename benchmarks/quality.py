@@ -403,7 +403,7 @@ def headline(summary: dict) -> str:
     """The index's short table: FP32, minmax PTQ, plain QAT and the best trained variant per recipe."""
     metric = summary["metric"]
     lines = [f"**{summary['title']}** ([details](results/quality.md))", "",
-             "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD + RL |", "|---|---:|---:|---:|---:|"]
+             "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD / QAD + RL |", "|---|---:|---:|---:|---:|"]
     for _, row in ordered(summary):
         done = [row[v] for v in COLUMNS if row.get(v) is not None]
         best = (max if metric == "accuracy" else min)(done) if done else None

@@ -29,10 +29,8 @@ quality() {
       --steps 200 --layers 2 --d-model 256 --heads 4
   $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128 --train-samples 320 --eval-samples 150 \
       --threads 1 --write-results
-  $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32 --max-steps 20 --batch-size 8 \
-      --eval-samples 32 --threads 1 --write-results
-  # the float formats (minmax scales only: QAT and QAD) on the same GPT-2, steps and held-out blocks
-  $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes fp8_dynamic,nvfp4,mxfp4a16 --variants qat,qad \
+  # the float recipes take minmax scales only: they run QAT and QAD where the integer ones run all three variants
+  $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32,fp8_dynamic,fp8_block,nvfp4,nvfp4a16,mxfp4a16 \
       --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
   $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
   # the MoE model is made by moe.py itself, pinned to --steps (kept in runs/moe-austen)
