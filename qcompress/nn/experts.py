@@ -176,8 +176,19 @@ class ExpertsForward:
         saved = {n: params[n] for n in effective}
         params.update(effective)
         try:
-            calls = [p for p in parts if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None]
+            calls = self._input_calls()
             if not calls:
+                return super().forward(*args, **kwargs)
+            rowwise = self._rowwise_inputs(calls)
+            if rowwise is not None:
+                # compiled: no per-expert loop (its trip count is data); per-token quantization of
+                # the hidden states commutes with the implementation's row gather, the down input
+                # is quantized in _apply_gate
+                gu = rowwise.get("gate_up_proj")
+                if gu is not None and args:
+                    args = (gu.quantize_input(args[0]),) + tuple(args[1:])
+                elif gu is not None:
+                    kwargs = dict(kwargs, hidden_states=gu.quantize_input(kwargs["hidden_states"]))
                 return super().forward(*args, **kwargs)
             with _ExpertCalls({id(params[p.qc_param]): p for p in calls}) as watch:
                 # the eager loop (transformers' experts implementations wrap it): each expert's
@@ -187,6 +198,38 @@ class ExpertsForward:
             return out
         finally:
             params.update(saved)
+
+    def _input_calls(self) -> List[ExpertMatrix]:
+        """The matrices whose products must be intercepted: quantized inputs or low-bit kernels."""
+        return [p for p in self.expert_parts()
+                if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None]
+
+    def _rowwise_inputs(self, calls) -> Optional[Dict[str, ExpertMatrix]]:
+        """{param name: part} when compiling and every quantized input is dynamic per token (a
+        function of each row alone) under transformers' batched_mm / grouped_mm forward, whose
+        matrices multiply rows of (token, expert) pairs and whose gate is `_apply_gate`; else None
+        (eager mode keeps the per-expert loop, bit for bit; static per-expert ranges and low-bit
+        kernels need to know the expert)."""
+        if not torch.compiler.is_compiling() or not getattr(self, "has_gate", False):
+            return None
+        impl = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        if impl not in ("batched_mm", "grouped_mm"):
+            return None
+        for p in calls:
+            if p.qc_param not in ("gate_up_proj", "down_proj") or p.qc_fast is not None \
+                    or p.qc_static_inputs is not None or p.qc_aq.calibration != "dynamic":
+                return None
+            spec = p.input_spec()
+            if floats.is_float(spec) or spec.granularity != "token":
+                return None
+        return {p.qc_param: p for p in calls}
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        h = super()._apply_gate(gate_up)
+        parts = self._rowwise_inputs(self._input_calls()) if torch.compiler.is_compiling() else None
+        if parts is not None and "down_proj" in parts:
+            return parts["down_proj"].quantize_input(h)
+        return h
 
     def __setattr__(self, name, value):
         # an assigned Parameter (load_state_dict(assign=True), FSDP) replaces the tensor only: the

@@ -214,11 +214,43 @@ def test_group_layout_ops_pass_opcheck(rows, cols, group):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_weight_only_moe_training_forward_has_no_graph_break(family):
     # fused 3-D expert Parameters quantized per expert (qcompress/nn/experts.py) inside the model's
-    # own experts implementation; activation quantization of experts runs transformers' per-expert
-    # eager loop over the routed experts, whose trip count is data (graph breaks there)
+    # own experts implementation
     from moe_fixtures import make_moe
     model = make_moe(family).train()
     qc.init_compression(model, recipe(wbits=4, abits=0, group=16))
     torch._dynamo.reset()
     ex = torch._dynamo.explain(loss_of)(model, ids(seq=12))
     assert ex.graph_break_count == 0 and ex.graph_count == 1, [b.reason for b in ex.break_reasons]
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["w8a8", "w4a8_g16"])
+def test_per_token_input_quantized_moe_compiles_whole_and_equals_the_eager_loop(family, name, impl):
+    # dynamic per-token input quantization of the experts: under compile the hidden states are
+    # quantized once before transformers' own batched / grouped forward and the down input in its
+    # gate, instead of the per-expert eager loop the eager mode runs (the oracle here)
+    from moe_fixtures import make_moe
+    from qcompress.nn.experts import ExpertMatrix
+    kw = dict(RECIPES["w8a8"]) if name == "w8a8" else dict(wbits=4, abits=8, group=16)
+    model = make_moe(family).train()
+    model.config._experts_implementation = impl
+    qc.init_compression(model, recipe(**kw))
+    experts_unquantized = copy.deepcopy(model)      # the same model, its expert inputs left as they are
+    for m in experts_unquantized.modules():
+        if isinstance(m, ExpertMatrix):
+            m.qc_aq = None
+    x = ids(seq=12)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(loss_of)(model, x)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, [b.reason for b in ex.break_reasons]
+    twin = copy.deepcopy(model)
+    (loss, grads), (_, plain) = train_step(model, x), train_step(experts_unquantized, x)
+    torch._dynamo.reset()
+    c_loss, c_grads = train_step(twin, x, torch.compile(loss_of, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(c_loss, loss, rtol=1e-6, atol=1e-6)
+    assert c_grads.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(c_grads[n], grads[n], rtol=1e-4, atol=1e-6, msg=n)
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):   # the compiled graph quantized their inputs
+            assert not torch.allclose(c_grads[n], plain[n], rtol=1e-2, atol=1e-6), n
