@@ -323,7 +323,7 @@ def table(summary: dict) -> str:
             rec = "n/a (PTQ ≈ or > FP32)" if pm is not None else "—"
             cut = "n/a" if pm is not None else "—"
         else:
-            rec = " / ".join("—" if v is None else f"{100 * share(pm, v, fp):.0f} %" for v in vals)
+            rec = " / ".join("—" if v is None else f"{round(100 * share(pm, v, fp))} %" for v in vals)   # no "-0 %"
             cut = "—" if ps is None else f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
         budget = f" ({row['budget']})" if row.get("budget") else ""
         size = f"{row['export_ratio']:.3f}" if row.get("export_ratio") is not None else "—"
