@@ -27,7 +27,7 @@ quality() {
   # the causal LM is made here, pinned to a step count (the same checkpoint on any machine)
   [ -f runs/gpt2-austen/config.json ] || $PY benchmarks/pretrain_gpt2.py --corpus austen --out runs/gpt2-austen \
       --steps 200 --layers 2 --d-model 256 --heads 4
-  $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128 --train-samples 320 --eval-samples 150 \
+  $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128,fp8_dynamic,nvfp4,mxfp4a16 --train-samples 320 --eval-samples 150 \
       --threads 1 --write-results
   # the float recipes take minmax scales only: they run QAT and QAD where the integer ones run all three variants
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32,fp8_dynamic,fp8_block,nvfp4,nvfp4a16,mxfp4a16 \
