@@ -373,6 +373,12 @@ def test_bf16_gpt2_trained_baked_and_reloaded_agree_bit_for_bit(tmp_path):
     assert torch.equal(baked, trained)
 
 
+# The recipe leaves wte / lm_head out (serving loaders do not read them); the tied-weight tests need
+# the one Parameter both modules share quantized, so its group takes every module.
+ALL_MODULES_W4_G32 = {"compression_training": {"weight_quantization": {"different_groups": {
+    "w4_g32": {"modules": ["."]}}}}}
+
+
 def _tied_gpt2_export(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     import warnings
@@ -383,7 +389,7 @@ def _tied_gpt2_export(tmp_path):
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)).eval()
 
     cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                             "schedules", "w4a16_g32.yaml"))
+                                             "schedules", "w4a16_g32.yaml"), ALL_MODULES_W4_G32)
     model = qcompress.init_compression(build(), cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
@@ -479,7 +485,7 @@ def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp
             vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32))
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g32.yaml"), {"compression_training": {
+    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g32.yaml"), ALL_MODULES_W4_G32, {"compression_training": {
         "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}}})
     model = qcompress.init_compression(build(), cfg)
     sched = qcompress.CompressionScheduler(model, cfg)
