@@ -1,5 +1,5 @@
-"""The benchmarks' copy of the tests' spawn helper (benchmarks never import tests/): `run_ranks(fn,
-world_size, *args, timeout=...)`.
+"""Spawn helper for multi-process benchmarks and tests (tests/dist_utils.py re-exports it):
+`run_ranks(fn, world_size, *args, timeout=...)`.
 
 Each rank is a fresh spawned process that joins a process group (gloo by default) on a free
 local port, runs `fn(rank, world_size, *args)` and sends its return value back. The parent
