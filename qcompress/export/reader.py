@@ -52,6 +52,9 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     unbound = []                  # files config.json does not bind: reported after content checks
     tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
     resolve_ties(tensors, where, modules)
+    for later, first in config["qcompress"].get("tied_tensors", {}).items():
+        if later not in tensors and first in tensors:    # a tied full-precision tensor, written once
+            tensors[later] = tensors[first]
     check_tensors(tensors, where, modules, cfg_path)
     if unbound:
         raise CheckpointError(unbound[0])

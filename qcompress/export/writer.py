@@ -84,15 +84,23 @@ def collect(model: nn.Module):
             tensors[k] = v.detach().cpu().contiguous()
     # Tied weights (GPT-2's wte / lm_head) give one tensor under two names, and after
     # redundancy_clean their codes and scales are one tensor too: safetensors refuses shared
-    # storage, so every name after the first gets its own copy.
-    seen = set()
-    for k, v in tensors.items():
-        ptr = v.untyped_storage().data_ptr()
-        if ptr in seen and v.numel():
+    # storage. A full-precision tensor is written once, as save_pretrained does, and the later
+    # names are recorded in `tied` for the reload; quantized ones get their own copy.
+    seen: Dict[tuple, str] = {}
+    tied: Dict[str, str] = {}
+    for k in list(tensors):
+        v = tensors[k]
+        view = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
+        first = seen.get(view)
+        if first is not None and v.numel() and k not in replaced and first not in replaced:
+            del tensors[k]
+            tied[k] = first
+            continue
+        if any(view[0] == other[0] for other in seen) and v.numel():
             tensors[k] = v = v.clone()
-            ptr = v.untyped_storage().data_ptr()
-        seen.add(ptr)
-    return tensors, modules, plain_linears
+            view = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
+        seen[view] = k
+    return tensors, modules, plain_linears, tied
 
 
 def _store_tied_once(users, entries, modules, replaced) -> None:
@@ -166,23 +174,25 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
         raise ExportError("the ranks hold different weights (0/1 Adam's local steps since its last "
                           "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
                           "and engine.save_checkpoint() do) before exporting")
-    tensors, modules, plain_linears = collect(model)
+    tensors, modules, plain_linears, tied = collect(model)
     expert_records = experts.add_experts(model, tensors)
     if not modules and not expert_records:
         raise ExportError("nothing to export: no module has active weight or activation "
                           "quantization (call init_compression and train/schedule first)")
     config = build_config(model, modules, plain_linears)
+    if tied:
+        config["qcompress"]["tied_tensors"] = tied
     experts.add_to_config(config, expert_records, modules)
     local_only = [n for n, r in modules.items() if not layout.portable(r)]
     if local_only:
         warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
                       f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
                       "groups; only qcompress.load_quantized reads them, transformers refuses the export "
-                      "(see README, Export)",
+                      "(see docs/export.md)",
                       stacklevel=2)
     caveat = layout.transformers_caveat(config["quantization_config"])
     if caveat:
-        warnings.warn(f"{caveat}; qcompress.load_quantized reads it exactly (see README, Export)",
+        warnings.warn(f"{caveat}; qcompress.load_quantized reads it exactly (see docs/export.md)",
                       stacklevel=2)
     metadata = {"format": "pt", "qcompress_version": _version(),
                 "qcompress_config": json.dumps(_raw_config(cfg, model), sort_keys=True, default=str)}

@@ -503,3 +503,36 @@ def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp
     loaded = load_quantized(tmp_path / "out", build())
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_tied_full_precision_weights_are_stored_once_and_reload_tied(tmp_path):
+    """A recipe that leaves the embeddings out keeps a tied embedding / lm_head in full precision:
+    the export writes it once, as save_pretrained does, not once per name. Oracles: the compressed
+    model's logits, and transformers' own loader (which ties lm_head back to the embedding)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from safetensors.torch import load_file
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g128.yaml"), {"compression_training": {
+        "weight_quantization": {"different_groups": {"w4_g128": {"params": {"group_size": 64}}}}}})
+    model = qcompress.init_compression(build(), cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_quantized(model, tmp_path / "out", cfg)
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    want = model(ids).logits
+    loaded = load_quantized(tmp_path / "out", build())
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(loaded(ids).logits, want)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(hf.lm_head.weight, loaded.lm_head.weight)
+    torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=1e-5)
