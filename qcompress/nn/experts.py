@@ -254,9 +254,7 @@ class ExpertsForward:
         for part in self.expert_parts():
             wq = part.qc_wq
             if wq is not None:
-                wq.store.follow(part.weight)
-                if wq.shrink is not None and not part.weight.is_meta:
-                    wq.shrink = wq.shrink.to(part.weight.device)
+                wq.follow(part.weight)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

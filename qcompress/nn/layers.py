@@ -84,9 +84,7 @@ class CompressMixin:
         out = super()._apply(fn, recurse)
         wq = self.__dict__.get("qc_wq")
         if wq is not None:
-            wq.store.follow(self.weight)
-            if wq.shrink is not None and not self.weight.is_meta:
-                wq.shrink = wq.shrink.to(self.weight.device)
+            wq.follow(self.weight)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

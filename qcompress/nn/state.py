@@ -137,6 +137,13 @@ class WeightQuant:
         """The settings that decide the quantized weight at every step (not group, seed, state)."""
         return {k: getattr(self, k) for k in _WEIGHT_SETTINGS}
 
+    def follow(self, weight: torch.Tensor) -> None:
+        """After .to() / .cuda() / .half(): the master copy, codes and observer shrink factors
+        follow the module's weight."""
+        self.store.follow(weight)
+        if self.shrink is not None and not weight.is_meta:
+            self.shrink = self.shrink.to(weight.device)
+
     def step_as_input(self) -> bool:
         """Whether a compiled graph takes the stochastic-rounding step as a tensor input (the
         fake_quant op, min/max ranges); learned or observer-chosen ranges reach ops whose seed is
