@@ -257,6 +257,13 @@ class CompressionScheduler:
             # was loaded may have requantized it from a stale master, so put it back
             mod.weight.copy_(wq.applied.to(mod.weight.dtype))
 
+    def keep_modules_of(self, model: nn.Module) -> None:
+        """Schedule only the modules still in `model`: a pipeline stage dropped the others' blocks,
+        whose stale state must neither be stepped nor saved (nor kept alive) by this rank."""
+        here = {id(m) for m in model.modules()}
+        self._modules = {n: m for n, m in self._modules.items() if id(m) in here}
+        self._unweighted_pending = [(n, m) for n, m in self._unweighted_pending if id(m) in here]
+
     # --- introspection --------------------------------------------------------------------------
     def current_bits(self) -> Dict[str, int]:
         """{module name: weight bits in force (0 = not yet quantized)}."""

@@ -35,9 +35,10 @@ from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
 from ..parallel import apply_tensor_parallel, build_mesh
 from ..parallel.pipeline import build_pipeline
+from ..parallel.data_parallel import replicate_over, wrap_root
 from ..parallel.train_batch import train_batch
-from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, full_weights, time_reduce_scatter,
-                   wrap_ddp, wrap_fsdp)
+from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, comm_dtype, full_weights,
+                   time_reduce_scatter, wrap_ddp, wrap_fsdp)
 
 log = logging.getLogger("qcompress.engine")
 
@@ -215,6 +216,8 @@ class Engine:
             if self.parallel.shape.pp > 1:   # this rank keeps its stage's blocks only
                 self.pipeline = build_pipeline(model, self.parallel, cfg.pipeline,
                                                self.gradient_accumulation_steps, self.device)
+                if self.compression_scheduler is not None:   # the other stages' blocks are theirs
+                    self.compression_scheduler.keep_modules_of(model)
             if self.parallel.shape.tp > 1:
                 self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
             # self.group stays the world: a split runs one replica (mesh.py), and checkpoints span all ranks
@@ -223,7 +226,11 @@ class Engine:
 
         self._hook = None
         self.sharded = self.stage >= 2
-        if self.sharded:
+        if self.parallel.mesh is not None and self.data_parallel_world_size > 1 and not self.sharded:
+            # replicas of a split model average gradients over the mesh's dp dimension only
+            self.wrapped = replicate_over(wrap_root(self, model), self.parallel.mesh["dp"],
+                                          comm_dtype(cfg.communication_data_type))
+        elif self.sharded:
             partial = (zero.offload_optimizer.ratio if zero.offload_param.device == "none"
                        and zero.offload_optimizer.device == "cpu" else 1.0)
             self.wrapped, offloaded = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
@@ -402,7 +409,7 @@ class Engine:
         return bool(getattr(self.optimizer, "allreduce_gradients", True))
 
     def _set_grad_sync(self, sync: bool) -> None:
-        if self.sharded:
+        if hasattr(self.wrapped, "set_requires_gradient_sync"):   # FSDP2: fully_shard or replicate
             self.wrapped.set_requires_gradient_sync(sync)
             if self.stage == 2:
                 # ZeRO-2 keeps whole weights: between accumulation micro-steps they stay gathered,
@@ -624,8 +631,9 @@ class Engine:
             for dtype in dict.fromkeys(b.dtype for b in bufs):   # same order on every rank
                 same = [b for b in bufs if b.dtype == dtype]
                 flat = torch.cat([b.reshape(-1) for b in same])
-                dist.broadcast(flat, src=0, group=self.group)
-                self.traffic.broadcast("broadcast", flat.numel() * flat.element_size(), self.rank == 0)
+                # over the replicas of this rank's part of the model (the world when nothing is split)
+                dist.broadcast(flat, src=self.parallel.dp_src, group=self.parallel.dp_group)
+                self.traffic.broadcast("broadcast", flat.numel() * flat.element_size(), self.parallel.dp_rank == 0)
                 torch._foreach_copy_(same, [v.view_as(b) for v, b in
                                             zip(torch.split(flat, [b.numel() for b in same]), same)])
         live = [o for o in self._observers if o.initialized]
@@ -633,10 +641,10 @@ class Engine:
             # (min, max) per Linear; (min, max, seen) per expert of fused experts (nn/expert_ranges.py)
             parts = [o.sync_tensor().to(self.device, torch.float32).reshape(-1) for o in live]
             flat = torch.cat(parts)
-            dist.all_reduce(flat, group=self.group)
+            dist.all_reduce(flat, group=self.parallel.dp_group)
             self.traffic.all_reduce("engine", flat.numel() * flat.element_size())
             for o, t in zip(live, torch.split(flat, [p.numel() for p in parts])):
-                o.sync_from(t, self.world_size)
+                o.sync_from(t, self.data_parallel_world_size)
 
     # --- timing ------------------------------------------------------------------------------
     def _elapsed(self, t0: float) -> float:

@@ -1,4 +1,5 @@
-"""Whole tensors from a tensor-parallel model, for writing one export (every rank calls; rank 0 writes).
+"""Whole tensors from a tensor- or pipeline-parallel model, for writing one export (every rank
+calls; rank 0 writes).
 
 Each DTensor parameter is swapped for its full tensor (a collective) for the duration of the
 write and put back after, so the export reads the same weights the unsplit model would hold and
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..nn.sharded import is_dtensor
+from .stage_export import whole_stages
 
 
 def needs_gather(model) -> bool:
@@ -41,19 +43,18 @@ def whole_parameters(model: nn.Module):
 
 
 def export_split(export, model: nn.Module, out_dir, engine=None, **kwargs) -> str:
-    """`export(model, out_dir, **kwargs)` on rank 0 with whole parameters; every rank returns
-    out_dir once it is written. Pipeline stages (each rank its own blocks) are refused."""
-    if engine is not None and getattr(engine, "pipeline", None) is not None:
-        raise NotImplementedError("export_quantized of a model split into pipeline stages: each rank holds "
-                                  "its own blocks and gathering them is not implemented yet; save a "
-                                  "checkpoint and export it from a single process")
+    """`export(model, out_dir, **kwargs)` on rank 0 with whole parameters (and, for pipeline
+    stages, every stage's parts: parallel/stage_export.py); every rank returns out_dir once it
+    is written."""
+    staged = engine is not None and getattr(engine, "pipeline", None) is not None
     with whole_parameters(model):
         error = None
-        if dist.get_rank() == 0:
-            try:
-                export(model, out_dir, **kwargs)
-            except BaseException as err:      # the other ranks must not wait for a write that failed
-                error = err
+        try:
+            with whole_stages(engine) if staged else contextlib.nullcontext(model) as whole:
+                if dist.get_rank() == 0:
+                    export(whole, out_dir, **kwargs)
+        except BaseException as err:      # the other ranks must not wait for a write that failed
+            error = err
         failed = [error is not None]
         dist.broadcast_object_list(failed, src=0)
     if error is not None:

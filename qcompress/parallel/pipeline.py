@@ -79,6 +79,23 @@ def _refuse_whole_forward(module, args, kwargs):
                        "(engine(x) / backward / step run the whole model on one rank)")
 
 
+def dropped_parts(model: nn.Module, layers, lo: int, hi: int, first: bool, last: bool) -> dict:
+    """The parts this stage drops, moved to the meta device (no memory): their structure and
+    compression settings let an export rebuild the whole model from the stages' tensors
+    (parallel/stage_export.py). A part sharing a Parameter with a kept one stays as it is."""
+    parts = {f"model.layers.{i}": layers[i] for i in range(len(layers)) if not lo <= i < hi}
+    if not first:
+        parts["model.embed_tokens"] = model.model.embed_tokens
+    if not last:
+        parts["model.norm"], parts["lm_head"] = model.model.norm, model.lm_head
+    kept = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+            if not any(n.startswith(k + ".") for k in parts)}
+    for part in parts.values():
+        if not any(id(p) in kept for p in part.parameters()):
+            part.to("meta")
+    return parts
+
+
 @dataclass
 class Pipeline:
     module: nn.Module        # this rank's stage (_Stage)
@@ -88,6 +105,7 @@ class Pipeline:
     blocks: Tuple[int, int]
     group: object
     schedules: dict = None
+    skeleton: dict = None    # the other stages' parts on the meta device: {name in model: module}
 
     def schedule_for(self, micro: int, seq: int):
         """The schedule for micro-batches of this shape (built on first use: stages are told their
@@ -119,6 +137,7 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
     index = pmesh.mesh["pp"].get_local_rank()
     lo, hi = split_blocks(sizes, stages, pipeline_cfg.partition)[index]
     first, last = index == 0, index == stages - 1
+    skeleton = dropped_parts(model, layers, lo, hi, first, last)
     base.layers = _StageBlocks({i: layers[i] for i in range(lo, hi)})
     if not first:
         base.embed_tokens = None
@@ -143,7 +162,7 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
         # every stage gets loss_fn: without one a schedule runs forward only (the last calls it)
         return kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
     model.register_forward_pre_hook(_refuse_whole_forward, with_kwargs=True)
-    return Pipeline(module, make_schedule, index, stages, (lo, hi), group)
+    return Pipeline(module, make_schedule, index, stages, (lo, hi), group, skeleton=skeleton)
 
 
 def run_pipeline(engine, batches: List[dict]) -> Optional[torch.Tensor]:

@@ -1,0 +1,64 @@
+"""Rank functions of the parallel I/O tests (export and checkpoints across meshes): importable by
+spawned ranks. Each trains the tiny Llama of parallel_workers on a mesh and returns what the test
+compares against one process: whole weights, compression state, exported files."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import qcompress as qc
+import parallel_workers as pw
+
+
+def config(tp=1, pp=1, gas=2, act="static"):
+    """W4 group-16 asymmetric weights and 8-bit inputs (static: a range the stages carry)."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+            "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
+            "compression_training": pw.compression(bits=4, granularity="group", group_size=16,
+                                                   symmetric=False, act=act)}
+
+
+def batches(n=8, seed=5):
+    ids = torch.randint(0, 64, (2 * n, 12), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": ids[i:i + 2], "labels": ids[i:i + 2]} for i in range(0, 2 * n, 2)]
+
+
+def engine_for(doc, seed=0):
+    return qc.initialize(qc.init_compression(pw.tiny_llama(seed=seed), qc.load_config(doc)), doc)
+
+
+def whole_weights(engine):
+    """{name in the whole model: full tensor} of this rank's parameters and buffers."""
+    out = {}
+    for n, t in engine.module.state_dict().items():
+        out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    return out
+
+
+def stage_export(rank, world, folder, tp):
+    """Train 2 steps on world / tp pipeline stages of tp ranks each, export from every rank.
+    Returns (this rank's whole weights, its compression scheduler's state)."""
+    doc = config(tp=tp, pp=world // tp)
+    engine = engine_for(doc)
+    it = iter(batches())
+    engine.train_batch(it), engine.train_batch(it)
+    qc.export_quantized(engine, os.path.join(folder, "split"))
+    return whole_weights(engine), engine.compression_scheduler.state_dict()
+
+
+def single_export(results, folder, doc):
+    """The oracle: one unsplit model given the ranks' weights and compression state, exported by
+    one process into folder/single."""
+    weights, modules, steps = {}, {}, 0
+    for w, comp in results:
+        weights.update(w)
+        modules.update(comp["modules"])
+        steps = comp["training_steps"]
+    cfg = qc.load_config(doc)
+    single = qc.init_compression(pw.tiny_llama(seed=1), cfg)
+    single.load_state_dict(weights, strict=True)
+    qc.CompressionScheduler(single, cfg).load_state_dict({"training_steps": steps, "modules": modules})
+    return qc.export_quantized(single, os.path.join(folder, "single"))
