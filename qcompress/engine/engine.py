@@ -220,7 +220,7 @@ class Engine:
                     self.compression_scheduler.keep_modules_of(model)
             if self.parallel.shape.tp > 1:
                 self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], cfg.tensor_parallel)
-            # self.group stays the world: a split runs one replica (mesh.py), and checkpoints span all ranks
+            # self.group stays the world (checkpoints span all ranks); replicas reduce over parallel.dp_group
         names_before = {id(p): n for n, p in model.named_parameters()}
         offloaded = []
 

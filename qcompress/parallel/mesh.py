@@ -31,6 +31,13 @@ class ParallelMesh:
         return self.mesh["dp"].get_local_rank()
 
     @property
+    def dp_src(self) -> int:
+        """The global rank of the first replica in this rank's dp group (a broadcast's source)."""
+        if self.mesh is None:
+            return 0
+        return int(self.mesh["dp"].mesh.reshape(-1)[0])
+
+    @property
     def tp_rank(self) -> int:
         return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
 
@@ -53,10 +60,6 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
     if tp == 1 and pp == 1:
         return ParallelMesh(shape)
     _refuse_with_split(cfg, tp, pp)
-    if shape.dp > 1:
-        raise ConfigError("tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages",
-                          f"tensor x pipeline = {tp * pp} on {world} ranks leaves {shape.dp} data-parallel replicas; "
-                          f"composing them with data parallelism is not implemented yet: run {tp * pp} ranks")
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelMesh(shape, mesh)
