@@ -508,13 +508,26 @@ class CompressionConfig:
 def _check_weight_formats(technique, group, where, tech_path):
     fmt, at = group_setting(technique, group, "format")
     check_weight_group(fmt, group.params, technique.shared, where, join(tech_path, at))
-    floats = sorted({f for _, f in fmt} - {"int"}) if isinstance(fmt, tuple) else \
-        ([fmt] if fmt not in (None, "int") else [])
-    for key in ("observer", "range_learning") if floats else ():
-        value, key_at = group_setting(technique, group, key)
-        if value not in (False, "minmax"):
-            raise ConfigError(join(tech_path, key_at), f"{value!r} is not available for {floats} "
-                              "(float formats take compressed-tensors' minmax scales)")
+    used = {f for _, f in fmt} if isinstance(fmt, tuple) else {fmt or "int"}
+    floats = sorted(used - {"int"})
+    if not floats:
+        return
+    obs, obs_at = group_setting(technique, group, "observer")
+    kw, kw_at = group_setting(technique, group, "observer_kwargs")
+    if obs == "mse" and kw is not None and kw.weight_by != "none":
+        raise ConfigError(join(tech_path, join(kw_at, "weight_by")), f"{kw.weight_by!r} is for integer "
+                          f"formats; the mse search of {floats} weighs the weight's own error: drop weight_by")
+    rl, rl_at = group_setting(technique, group, "range_learning")
+    if not rl:
+        return
+    if len(used) > 1:
+        raise ConfigError(join(tech_path, rl_at), f"range learning keeps one scale tensor, but this group "
+                          f"steps between formats {sorted(used)} whose scales differ in shape and units; "
+                          "learn the ranges of a group with one format")
+    if floats[0] not in ("fp8_e4m3", "nvfp4"):
+        raise ConfigError(join(tech_path, rl_at), f"{floats[0]} scales are E8M0 powers of two: a "
+                          "straight-through step never moves one to the next power; use observer: mse "
+                          "(it chooses between the two nearest exponents) instead of range learning")
 
 
 def _check_act_formats(technique, group, where, tech_path):

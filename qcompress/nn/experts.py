@@ -506,6 +506,11 @@ def check_weight(part: ExpertMatrix, path: str) -> None:
         raise ConfigError(f"{path}.params.group_size",
                           f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
                           f"matrix in {where}; pick a divisor of {inp}")
+    fmts = {wq.format} if isinstance(wq.format, str) else {f for _, f in wq.format}
+    if fmts - {"int"} and (wq.range_learning or wq.range_observer != "minmax"):
+        raise ConfigError(f"{path}.params.{'range_learning' if wq.range_learning else 'observer'}",
+                          f"float formats on fused experts take minmax scales per expert matrix: {where}; "
+                          "drop range_learning / observer: mse here, or leave the experts out")
     if wq.granularity == "tensor":
         wq.granularity, wq.per_expert = "channel", True
         part.qc_per_expert_tensor = True

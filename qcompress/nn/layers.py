@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
-from ..quant import floats
+from ..quant import float_observers, floats
 from ..errors import NonFiniteError
 from ..quant.reference import make_spec
 from . import fused, ranges, sharded
@@ -138,7 +138,7 @@ class CompressMixin:
         spec = wq.spec()
         view = self.weight_matrix_view(w.detach())
         if floats.is_float(spec):    # (codes, scale, global scale or None, spec): export/floats.py
-            s, g = floats.qparams(view, spec)
+            s, g = ranges.float_weight_params(self, view, spec)
             return floats.quantize_codes(view, spec, s, g), s, g, spec
         params = ranges.weight_params(self, view, spec)
         if params is not None:
@@ -176,7 +176,11 @@ class CompressMixin:
             return sharded.fake_quantize_weight(self, self.weight_matrix_view(w), spec, wq.clip_grad)
         view = self.weight_matrix_view(w)
         if floats.is_float(spec):
-            return floats.fake_quantize_float(view, spec, clip_grad=wq.clip_grad)
+            if wq.range_learning:
+                return float_observers.fake_quantize_learned(view, spec, self.weight_scale,
+                                                             self._parameters.get("weight_global_scale"))
+            s, g = ranges.float_weight_params(self, view.detach(), spec)
+            return floats.fake_quantize_float(view, spec, scale=s, gscale=g, clip_grad=wq.clip_grad)
         if wq.range_learning:
             scale, zp = learned if learned is not None else (self.weight_scale,
                                                              self._parameters.get("weight_zero_point"))

@@ -15,6 +15,9 @@
   first scheduler step after the static range saw a batch (activations); LSQ trains them
   (qcompress.quant.api.fake_quantize_learned). Being Parameters, optimizers, ZeRO sharding,
   state_dicts and checkpoints carry them.
+- Float formats (quant/float_observers.py): `mse` keeps each scale's choice in `WeightQuant.shrink`
+  the same way; learned FP8 scales are `weight_scale` in the weight's units, learned NVFP4 scales
+  the per-block effective scales `weight_scale` under a learned global `weight_global_scale`.
 """
 from __future__ import annotations
 
@@ -24,11 +27,11 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..quant import observers
+from ..quant import float_observers, floats, observers
 from ..quant.api import learned_params
 from ..quant.reference import int_params, make_spec, scale_shape
 
-WEIGHT_PARAMS = ("weight_scale", "weight_zero_point")
+WEIGHT_PARAMS = ("weight_scale", "weight_zero_point", "weight_global_scale")
 INPUT_PARAMS = ("input_scale", "input_zero_point")
 
 
@@ -53,6 +56,9 @@ def register_weight_ranges(mod, path: str) -> None:
     wq = mod.qc_wq
     view = _weight_view(mod)
     spec = wq.spec() if wq.bits else _spec_at(wq, wq.start_bits)
+    if floats.is_float(spec):
+        _register_float_weight_ranges(mod, view, spec, path)
+        return
     shape = scale_shape(view, spec)
     if view.is_meta:     # a model built on the meta device: values come with its weights (reinit_after_load)
         s = torch.empty(shape, dtype=torch.float32, device="meta")
@@ -64,6 +70,20 @@ def register_weight_ranges(mod, path: str) -> None:
     if z is not None:
         _claim(mod, "weight_zero_point", path)
         mod.register_parameter("weight_zero_point", nn.Parameter(z.reshape(shape).to(view.device)))
+
+
+def _register_float_weight_ranges(mod, view, spec, path) -> None:
+    shape = floats.scale_grid_shape(view.shape, spec)
+    if view.is_meta:
+        s = torch.empty(shape, dtype=torch.float32, device="meta")
+        g = torch.empty(1, dtype=torch.float32, device="meta")
+    else:       # placeholders: set when quantization starts
+        s, g = float_observers.learned_init(view, spec, *floats.qparams(view, spec))
+    _claim(mod, "weight_scale", path)
+    mod.register_parameter("weight_scale", nn.Parameter(s.reshape(shape).to(view.device)))
+    if spec.scale_kind == "e4m3":
+        _claim(mod, "weight_global_scale", path)
+        mod.register_parameter("weight_global_scale", nn.Parameter(g.reshape(1).to(view.device)))
 
 
 def _spec_at(wq, bits):
@@ -121,6 +141,9 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     if view.is_meta:
         return           # no values to observe yet: reinit_after_load runs when weights arrive
     search, moments, cross = observers.Search(*wq.range_search), input_moments(mod), input_cross(mod)
+    if floats.is_float(spec):
+        _init_float_weight_ranges(mod, view, spec, search)
+        return
     if wq.range_observer == "mse" and spec.kind == "int" and not wq.range_learning:
         wq.shrink = observers.mse_shrink(view, spec, search=search, moments=moments, cross=cross)
     else:
@@ -135,6 +158,23 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     zp = mod._parameters.get("weight_zero_point")
     if zp is not None:
         zp.copy_(z.reshape(zp.shape) if z is not None else torch.zeros_like(zp))
+
+
+def _init_float_weight_ranges(mod, view, spec, search) -> None:
+    wq = mod.qc_wq
+    mse = wq.range_observer == "mse"
+    wq.shrink = float_observers.mse_shrink(view, spec, search) if mse and not wq.range_learning else None
+    if not wq.range_learning:
+        return
+    if wq.ranges_loaded:
+        wq.ranges_loaded = False
+        return
+    chosen = float_observers.scales_with_shrink(view, spec, float_observers.mse_shrink(view, spec, search)) \
+        if mse else floats.qparams(view, spec)
+    s, g = float_observers.learned_init(view, spec, *chosen)
+    mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
+    if g is not None:
+        mod.weight_global_scale.copy_(g.reshape(mod.weight_global_scale.shape))
 
 
 def reinit_after_load(mod) -> None:
@@ -158,6 +198,18 @@ def weight_params(mod, view: torch.Tensor, spec):
     if wq.shrink is not None and spec.kind == "int":
         return observers.weight_params(view, spec, "mse", shrink=wq.shrink)
     return None
+
+
+def float_weight_params(mod, view: torch.Tensor, spec):
+    """(scale, global scale or None) a float-format weight is quantized with now: the learned
+    ones, the mse observer's choice applied to the weight's absmax, or floats.qparams' (minmax)."""
+    wq = mod.qc_wq
+    if wq.range_learning:
+        return float_observers.learned_scales(view, spec, mod.weight_scale,
+                                              mod._parameters.get("weight_global_scale"))
+    if wq.shrink is not None:
+        return float_observers.scales_with_shrink(view, spec, wq.shrink)
+    return floats.qparams(view, spec)
 
 
 def input_spec(aq):

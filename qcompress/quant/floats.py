@@ -179,7 +179,10 @@ def scales_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: FloatSpec,
     return scales_from_absmax(absmax(lo, hi), spec, gscale)
 
 
-def scales_from_absmax(a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def scales_from_absmax(a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None,
+                       zero_floor: bool = True) -> torch.Tensor:
+    """Each group's scale from its absmax; zero_floor=False leaves a scale that rounds to 0 at 0
+    (the mse search's e4m3 steps need to see it) instead of the format's floor."""
     if spec.scale_kind == "e8m0":
         e = 127 + torch.floor(torch.log2(_pow2_round(a))) - _MX_OFFSET[spec.bits]
         e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8).to(e.dtype)
@@ -195,7 +198,8 @@ def scales_from_absmax(a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.
             eps = 0.125
         else:
             eps = torch.finfo(s.dtype).eps
-    s = torch.where(s == 0, torch.tensor(eps, dtype=s.dtype, device=s.device), s)
+    if zero_floor:
+        s = torch.where(s == 0, torch.tensor(eps, dtype=s.dtype, device=s.device), s)
     return s.reshape(1) if s.dim() == 0 else s
 
 
