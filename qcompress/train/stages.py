@@ -93,12 +93,16 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
     cls = auto_class(task)
     errors = []
     attempts = [("from_pretrained", {})]
+    from ..export.errors import ExportError
     try:
-        from ..export.hf_compat import dequantize_config
-        attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(dequantize=True))",
-                         {"quantization_config": dequantize_config()}))
+        from ..export.hf_compat import dequantize_config, transformers_kwargs
+        if transformers_kwargs(export_dir, "float32"):   # {}: float activations, which dequantize=True drops
+            attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(dequantize=True))",
+                             {"quantization_config": dequantize_config()}))
     except ImportError as err:
         errors.append(f"CompressedTensorsConfig unavailable ({err})")
+    except ExportError as err:
+        return {"reason": str(err)}
     for how, kwargs in attempts:
         try:
             model = cls.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32, **kwargs)
