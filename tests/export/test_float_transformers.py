@@ -162,3 +162,18 @@ def test_bfloat16_load_of_a_float32_export_is_allowed(tmp_path):
     with pytest.raises(ExportError, match="float32 model"):
         transformers_kwargs(folder)
     assert transformers_kwargs(folder, dtype=torch.bfloat16) == {}
+
+
+def test_train_stage_runs_float_activations_through_plain_from_pretrained(tmp_path):
+    """`qcompress train`'s transformers stage: the plain call for float activations (no fallback that
+    runs them unquantized), the refusal's message for a float32 NVFP4 export."""
+    from qcompress.train.stages import transformers_attempts
+    _, folder = exported(tmp_path / "fp8", "FP8", torch.float32)
+    with torch.no_grad():
+        want = load_quantized(folder, bert(torch.float32))(IDS).logits
+    got = transformers_attempts(str(folder), "text-classification",
+                                lambda m: {"equal": torch.equal(m(input_ids=IDS).logits, want)})
+    assert got == {"equal": True, "loaded_with": "from_pretrained"}
+    _, folder = exported(tmp_path / "nvfp4", "NVFP4", torch.float32)
+    got = transformers_attempts(str(folder), "text-classification", lambda m: pytest.fail("loaded"))
+    assert set(got) == {"reason"} and "bfloat16 only" in got["reason"]
