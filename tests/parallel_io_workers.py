@@ -62,3 +62,37 @@ def single_export(results, folder, doc):
     single.load_state_dict(weights, strict=True)
     qc.CompressionScheduler(single, cfg).load_state_dict({"training_steps": steps, "modules": modules})
     return qc.export_quantized(single, os.path.join(folder, "single"))
+
+
+def _whole(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(engine):
+    """What a resume must carry, whole tensors keyed by name (this rank's share under pipeline
+    stages): weights, optimizer state, compression state, LR schedule, counters."""
+    opt = getattr(engine.optimizer, "optim", engine.optimizer)
+    optim = {f"{engine.param_names[p]}.{k}": _whole(v) if torch.is_tensor(v) else v
+             for p, st in opt.state.items() for k, v in st.items()}
+    comp = engine.compression_scheduler.state_dict()
+    return {"model": whole_weights(engine), "optim": optim, "compression": comp["modules"],
+            "training_steps": comp["training_steps"], "lr": engine.get_lr(),
+            "lr_scheduler": engine.lr_scheduler.state_dict(), "counters": engine.counters()}
+
+
+def mesh_resume(rank, world, folder, tp, pp, save):
+    """At tp x pp over `world` ranks: `save`: train 2 steps, snapshot, save into folder; else a
+    fresh engine (other initial weights) loads folder and snapshots. Then both train the third
+    step. Returns (snapshot, third step's loss)."""
+    doc = config(tp=tp, pp=pp)
+    data = batches()
+    engine = engine_for(doc, seed=0 if save else 2)
+    if save:
+        it = iter(data)
+        engine.train_batch(it), engine.train_batch(it)
+        state = snapshot(engine)
+        engine.save_checkpoint(folder)
+    else:
+        engine.load_checkpoint(folder)
+        state = snapshot(engine)
+    return state, float(engine.train_batch(iter(data[4:6])))

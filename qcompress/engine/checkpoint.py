@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from .. import atomic
 from ..errors import CheckpointError
+from ..parallel.stage_state import merged_compression, own_compression
 from .serialize import flatten, tensor_keys, unflatten
 
 FORMAT_VERSION = 1
@@ -97,7 +98,22 @@ def _read_metadata(path: str):
                               f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete") from e
 
 
-def _dcp_load(target, path: str, group) -> None:
+def _mesh(engine) -> Dict[str, int]:
+    """The engine's (pp, dp, tp) sizes, recorded with a checkpoint and compared on load."""
+    shape = getattr(getattr(engine, "parallel", None), "shape", None)
+    return shape.as_dict() if shape is not None else {"pp": 1, "dp": engine.world_size, "tp": 1}
+
+
+def _mesh_note(meta, engine) -> str:
+    """Both meshes, for an error loading a checkpoint into another mesh shape ('' on the same)."""
+    saved, now = meta.get("mesh"), _mesh(engine)
+    if saved is None or saved == now:
+        return ""
+    saved, now = (" x ".join(f"{k}{m[k]}" for k in ("pp", "dp", "tp")) for m in (saved, now))
+    return f" (saved on the mesh {saved}, loading into {now})"
+
+
+def _dcp_load(target, path: str, group, note: str = "") -> None:
     """dcp.load, with its CheckpointException (a BaseException holding every failing rank's
     error and traceback) turned into one CheckpointError naming the folder and each rank's error."""
     try:
@@ -106,7 +122,7 @@ def _dcp_load(target, path: str, group) -> None:
     except CheckpointException as e:
         why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}".rstrip(": ")
                         for r, (exc, _) in sorted(e.failures.items()))
-        raise CheckpointError(f"{path}: reading the checkpoint's tensors (*.distcp) failed: {why}. "
+        raise CheckpointError(f"{path}: reading the checkpoint's tensors (*.distcp) failed{note}: {why}. "
                               "The files are damaged or the model differs from the saved one; this "
                               "engine's weights may be partly overwritten, load another checkpoint") from None
 
@@ -347,8 +363,10 @@ def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": (flatten(engine.lr_scheduler.state_dict(), "lr", tensors)
                          if engine.lr_scheduler is not None else None),
-        "compression": (flatten(engine.compression_scheduler.state_dict(), "compression", tensors)
-                        if engine.compression_scheduler is not None else None),
+        # pipeline stages: every stage's modules (parallel/stage_state.py), so any mesh can load it
+        "compression": merged_compression(flatten(engine.compression_scheduler.state_dict(), "compression", tensors)
+                                          if engine.compression_scheduler is not None else None, engine),
+        "mesh": _mesh(engine),
         "client_state": flatten(client_state or {}, "client", tensors),
     }
     with _quiet_single_process():
@@ -406,8 +424,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     if unexpected and getattr(engine, "pipeline", None) is None:   # a stage skips the others' blocks
         # strict, as DeepSpeed's load_module_strict: weights must not be dropped silently
         more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise CheckpointError(f"{path}: the checkpoint holds weights this model does not have: "
-                              f"{', '.join(unexpected[:5])}{more}")
+        raise CheckpointError(f"{path}: the checkpoint holds weights this model does not have"
+                              f"{_mesh_note(meta, engine)}: {', '.join(unexpected[:5])}{more}")
 
     ometa = meta["optimizer"]
     mode = _optim_mode(engine)
@@ -424,6 +442,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
                                   "(and schedules) alone")
         optim_plan = _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path)
 
+    if getattr(engine, "pipeline", None) is not None and meta.get("compression") is not None:
+        from ..schedule import compress_modules      # a stage loads its own modules' entries
+        meta["compression"] = own_compression(meta["compression"], (n for n, _ in compress_modules(engine.module)))
     extra_keys = []
     for name in ("lr_scheduler", "compression", "client_state"):
         if meta.get(name) is not None:
@@ -431,7 +452,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     for key in extra_keys:
         target[key] = _alloc_from_metadata(md, key)
 
-    _dcp_load(target, path, engine.group)
+    _dcp_load(target, path, engine.group, _mesh_note(meta, engine))
 
     set_model_state_dict(engine.wrapped, {k[len("model."):]: v for k, v in target.items()
                                           if k.startswith("model.")})

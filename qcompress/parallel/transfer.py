@@ -51,3 +51,17 @@ def recv_state(src: int, device) -> Tuple[Dict[str, torch.Tensor], Any]:
         dist.recv(buf, src)
         out[name] = buf.view(torch.bool) if dt == torch.bool else buf
     return out, header["doc"]
+
+
+def all_gather_json(doc: Any, device, group=None) -> list:
+    """Collective: every rank's JSON-able `doc`, in rank order, on every rank (bytes, not pickle)."""
+    data = torch.frombuffer(bytearray(json.dumps(doc).encode("utf-8")), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [json.loads(bytes(p[:int(s.item())].cpu().tolist()).decode("utf-8")) for p, s in zip(parts, sizes)]
