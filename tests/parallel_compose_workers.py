@@ -81,3 +81,28 @@ def single(doc, dp: int, steps: int = 1, seed: int = 7):
 def meshes(rank, world, cases, steps=1):
     """train(config(**kw), steps) for each case on these ranks: {name: result}."""
     return {name: train(config(**kw), steps) for name, kw in cases}
+
+
+def _poison_backward(module, args, out):
+    """Forward hook: the gradient flowing back into this module's output becomes inf."""
+    out.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+
+def overflow_agreed(doc):
+    """An fp16 overflow on rank 0 only (its first block's backward turns inf): every rank must
+    skip the step. Returns (skipped_steps, loss scale after, weights unchanged, steps taken)."""
+    engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
+    before = {n: _whole(p) for n, p in engine.module.named_parameters()}
+    if torch.distributed.get_rank() == 0:
+        engine.module.get_submodule("model.layers.0.mlp").register_forward_hook(_poison_backward)
+    dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
+    data = global_stream(1, engine.gradient_accumulation_steps * dp_world)
+    engine.train_batch(replica_batches(data, dp_rank, dp_world))
+    after = {n: _whole(p) for n, p in engine.module.named_parameters()}
+    same = all(torch.equal(before[n], after[n]) for n in before)
+    return engine.skipped_steps, engine.loss_scale, same, engine.global_steps
+
+
+def clip_and_fp16(rank, world, cases, overflow_doc):
+    """meshes(cases) and overflow_agreed(overflow_doc) in one spawn of the ranks."""
+    return meshes(rank, world, cases), overflow_agreed(overflow_doc)

@@ -36,6 +36,7 @@ from .traffic import Traffic, count_fsdp, nbytes_of
 from ..parallel import apply_tensor_parallel, build_mesh
 from ..parallel.pipeline import build_pipeline
 from ..parallel.data_parallel import replicate_over, wrap_root
+from ..parallel.grad_norm import share_of_sumsq
 from ..parallel.train_batch import train_batch
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, comm_dtype, full_weights,
                    time_reduce_scatter, wrap_ddp, wrap_fsdp)
@@ -545,21 +546,25 @@ class Engine:
             return False
         grads = [_local(p.grad) for p in self._trainable if p.grad is not None]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:
+        local_grads = not self.sharded and not self._allreduce_gradients and self.world_size > 1
+        split = self.parallel.mesh is not None
+        if split:   # stages, TP shards and dp copies: each rank's share of the whole (parallel/grad_norm.py)
+            sumsq = share_of_sumsq([p.grad for p in self._trainable if p.grad is not None], self.parallel.shape,
+                                   self.device, replicas_agree=not local_grads)
+        elif grads:
             norms = torch._foreach_norm([g for g in grads if g.numel() > 0]) if grads else []
             if norms:
                 sumsq = torch.stack([n.to(self.device, torch.float64) for n in norms]).square().sum()
-        local_grads = not self.sharded and not self._allreduce_gradients and self.world_size > 1
         flag = torch.zeros((), dtype=torch.float64, device=self.device)
         flag += (~torch.isfinite(sumsq)).to(torch.float64)
-        if self.world_size > 1 and (self.sharded or local_grads or fp16):
+        if self.world_size > 1 and (self.sharded or local_grads or fp16 or split):
             # Shards and local gradients add up their squares; replicated DDP grads already agree.
-            contrib = sumsq if (self.sharded or local_grads) else torch.zeros_like(sumsq)
+            contrib = sumsq if (self.sharded or local_grads or split) else torch.zeros_like(sumsq)
             buf = torch.stack([torch.nan_to_num(contrib, nan=0.0, posinf=0.0), flag])
             dist.all_reduce(buf, group=self.group)
             self.traffic.all_reduce("engine", buf.numel() * buf.element_size())
             flag = buf[1]
-            if self.sharded:
+            if self.sharded or split:
                 sumsq = buf[0]
             elif local_grads:
                 sumsq = buf[0] / self.world_size        # RMS over ranks of the local norms

@@ -71,12 +71,6 @@ def _refuse_with_split(cfg, tp: int, pp: int) -> None:
     if cfg.zero_optimization.stage:
         raise ConfigError("zero_optimization.stage", f"{cfg.zero_optimization.stage} with {what}: ZeRO composed "
                           "with tensor or pipeline parallelism is not implemented yet; use 0")
-    if cfg.gradient_clipping:
-        raise ConfigError("gradient_clipping", f"with {what}: the norm of gradients split over ranks is not "
-                          "implemented yet; use 0")
-    if cfg.fp16.enabled:
-        raise ConfigError("fp16.enabled", f"with {what}: fp16 loss scaling of gradients split over ranks is not "
-                          "implemented yet; use bf16 or fp32")
     opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
     if opt in ("onebitadam", "zerooneadam", "onebitlamb"):
         raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with {what}: its compressed all-reduce runs "

@@ -9,6 +9,7 @@ micro-batch, gradients averaged over the micro-batches (scale_grads), as gradien
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -61,16 +62,17 @@ class _StageBlocks(nn.ModuleList):
 class _Stage(nn.Module):
     """The stage's forward: token ids (first stage) or hidden states in; hidden states or logits out."""
 
-    def __init__(self, model: nn.Module, first: bool, last: bool):
+    def __init__(self, model: nn.Module, first: bool, last: bool, dtype: torch.dtype):
         super().__init__()
         self.lm = model
-        self.first, self.last = first, last
+        self.first, self.last, self.dtype = first, last, dtype
 
     def forward(self, x):
         base = self.lm.model
         h = (base(input_ids=x, use_cache=False) if self.first else
              base(inputs_embeds=x, use_cache=False)).last_hidden_state
-        return self.lm.lm_head(h) if self.last else h
+        # under autocast (bf16 / fp16) too, stages exchange the dtype they were told of
+        return (self.lm.lm_head(h) if self.last else h).to(self.dtype)
 
 
 def _refuse_whole_forward(module, args, kwargs):
@@ -106,6 +108,7 @@ class Pipeline:
     group: object
     schedules: dict = None
     skeleton: dict = None    # the other stages' parts on the meta device: {name in model: module}
+    loss_scale: float = 1.0  # fp16: the loss is multiplied by it before the backward (run_pipeline)
 
     def schedule_for(self, micro: int, seq: int):
         """The schedule for micro-batches of this shape (built on first use: stages are told their
@@ -145,12 +148,12 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
         base.norm = nn.Identity()
         model.lm_head = None
     group = pmesh.mesh["pp"].get_group()
-    module = _Stage(model, first, last)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    module = _Stage(model, first, last, dtype)
 
     def loss_fn(logits, labels):
-        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab) * pipe.loss_scale
     kind = Schedule1F1B if pipeline_cfg.schedule == "1f1b" else ScheduleGPipe
 
     def make_schedule(micro: int, seq: int):
@@ -162,7 +165,8 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
         # every stage gets loss_fn: without one a schedule runs forward only (the last calls it)
         return kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
     model.register_forward_pre_hook(_refuse_whole_forward, with_kwargs=True)
-    return Pipeline(module, make_schedule, index, stages, (lo, hi), group, skeleton=skeleton)
+    pipe = Pipeline(module, make_schedule, index, stages, (lo, hi), group, skeleton=skeleton)
+    return pipe
 
 
 def run_pipeline(engine, batches: List[dict]) -> Optional[torch.Tensor]:
@@ -182,10 +186,15 @@ def run_pipeline(engine, batches: List[dict]) -> Optional[torch.Tensor]:
         raise ValueError(f"train_batch with pipeline stages: the micro-batches' input_ids must share one "
                          f"[batch, sequence] shape, got {sorted(shapes)}")
     schedule = pipe.schedule_for(*next(iter(shapes)))
-    if pipe.is_first:
-        schedule.step(ids, target=labels if pipe.is_last else None, losses=losses)
-    elif pipe.is_last:
-        schedule.step(target=labels, losses=losses)
-    else:
-        schedule.step()
-    return torch.stack([l.detach().float() for l in losses]).mean() if pipe.is_last else None
+    pipe.loss_scale = engine.loss_scale
+    with (torch.autocast(engine.device.type, dtype=engine._autocast) if engine._autocast is not None
+          else contextlib.nullcontext()):     # the precision engine(x) runs under
+        if pipe.is_first:
+            schedule.step(ids, target=labels if pipe.is_last else None, losses=losses)
+        elif pipe.is_last:
+            schedule.step(target=labels, losses=losses)
+        else:
+            schedule.step()
+    if not pipe.is_last:
+        return None
+    return torch.stack([l.detach().float() for l in losses]).mean() / pipe.loss_scale

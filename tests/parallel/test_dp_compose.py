@@ -51,3 +51,35 @@ def test_tp2_x_dp2_and_pp2_x_dp2_step_equals_one_process():
     stage0, stage1 = results[0]["pp2 x dp2"][1], results[2]["pp2 x dp2"][1]
     assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" in stage1
     assert not any(".layers.1." in n for n in stage0) and not any(".layers.0." in n for n in stage1)
+
+
+def _fp16(power=14, **extra):
+    # 2^14: at a small scale fp16 gradients underflow, and a pipeline (scale, then divide by the
+    # micro-batches) and one process (scale / accumulation steps) would lose different bits
+    return {"enabled": True, "initial_scale_power": power, **extra}
+
+
+def test_gradient_clipping_and_fp16_norms_over_stages_shards_and_replicas():
+    cases = [("tp2 x dp2 clip", dict(tp=2, gradient_clipping=0.3)),
+             ("pp2 x dp2 clip", dict(pp=2, gradient_clipping=0.3)),
+             ("pp2 x dp2 fp16", dict(pp=2, fp16=_fp16())),
+             ("tp2 x dp2 fp16", dict(tp=2, fp16=_fp16()))]
+    overflow_doc = cw.config(pp=2, fp16=_fp16(hysteresis=1))
+    results = run_ranks(cw.clip_and_fp16, 4, cases, overflow_doc, timeout=500)
+    for name, kw in cases:
+        oracle = cw.single(cw.config(**kw), dp=2)
+        got = [r[0][name] for r in results]
+        for losses, grads, weights, norms, _ in got:
+            # the global norm: every stage's, every shard's, each replicated piece once
+            assert norms[0] == pytest.approx(oracle[3][0], rel=REL), name
+        if name == "tp2 x dp2 fp16":
+            # a row-parallel layer sums fp16 partial products over the shards: the loss and each
+            # gradient carry fp16 rounding; the norm above agrees still
+            assert got[0][0] == pytest.approx(oracle[0], rel=1e-4)
+            continue
+        _check_against(got, oracle)
+    # rank 0's first block overflowed; the stage-1 ranks' own gradients were finite
+    for rank, (skipped, scale, unchanged, steps) in enumerate(r[1] for r in results):
+        assert (skipped, steps) == (1, 1), f"rank {rank}"
+        assert unchanged, f"rank {rank} stepped its weights after an overflow elsewhere"
+        assert scale == 2.0 ** 13, f"rank {rank}: loss scale {scale}"
