@@ -155,7 +155,7 @@ def _load_engine_checkpoint(model, cfg, directory, tag):
     # one process, no optimizer state: the batch split and the optimizer only have to be valid
     raw.update(zero_optimization=zero, train_batch_size=1, train_micro_batch_size_per_gpu=1,
                gradient_accumulation_steps=1)
-    for key in ("tensorboard", "csv_monitor"):   # loading trains nothing: no training logs
+    for key in ("tensorboard", "csv_monitor", "tensor_parallel", "pipeline"):   # no training logs, no mesh
         raw.pop(key, None)
     client = None if cfg.optimizer is not None else (lambda params: torch.optim.SGD(params, lr=0.0))
     engine = qcompress.initialize(model, raw, optimizer=client)

@@ -151,14 +151,20 @@ class Job(BaselineMixin, PhasesMixin):
         ptq_models.clear()
 
         engine, train_info = self.compressed_run(model, doc)
-        stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
-        report_bits = loop.final_bits(engine.module)
-        for line in loop.schedule_shortfalls(engine.module):
-            self.say(f"warning: {line}")
-            o.notes.append(line)
+        # split over ranks (tensor / pipeline parallel): rank 0 measures the whole model, rebuilt
+        # from the final checkpoint by release_ranks
+        split = engine.parallel.mesh is not None
+        if not split:
+            stages["qat"] = self.stage("qat", lambda: ev(engine.module, forward=None))
         trained = self.release_ranks(engine, own_group)
         if self.rank != 0:
             return {}
+        if split:
+            stages["qat"] = self.stage("qat", lambda: ev(trained))
+        report_bits = loop.final_bits(trained)
+        for line in loop.schedule_shortfalls(trained):
+            self.say(f"warning: {line}")
+            o.notes.append(line)
         export_dir = os.path.join(o.out, "export")
         stages["exported"], export_bytes = self.exported(trained, export_dir)
         stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(trained, export_dir))

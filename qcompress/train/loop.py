@@ -180,10 +180,16 @@ def run(phase: Phase, start_step: int = 0) -> None:
             lr = eng.get_lr()[0]
             sums = [0.0, 0.0, 0.0]
             has_kd = False
-            for batch in micro_batches(phase.dataset, step, seed=phase.seed,
-                                       train_batch_size=eng.train_batch_size,
-                                       micro=eng.train_micro_batch_size_per_gpu, accumulation=acc,
-                                       rank=eng.rank, world=eng.world_size, pad_id=phase.pad_id):
+            # each data-parallel replica its share; the ranks of one replica (TP / PP) the same
+            batches = micro_batches(phase.dataset, step, seed=phase.seed, train_batch_size=eng.train_batch_size,
+                                    micro=eng.train_micro_batch_size_per_gpu, accumulation=acc,
+                                    rank=eng.data_parallel_rank, world=eng.data_parallel_world_size,
+                                    pad_id=phase.pad_id)
+            staged = getattr(eng, "pipeline", None) is not None
+            if staged:                            # the stages run inside train_batch
+                sums = [_pipeline_step(phase, step, batches)] * 2 + [0.0]
+                batches = ()
+            for batch in batches:
                 try:
                     total, task, kd = _forward_loss(phase, batch)
                     eng.backward(total)
@@ -195,7 +201,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
                 if kd is not None:
                     has_kd = True
                     sums[2] += float(kd.detach()) / acc
-            loss, task_loss, kd_loss = _mean_across_ranks(sums, eng)
+            loss, task_loss, kd_loss = sums if staged else _mean_across_ranks(sums, eng)
             elapsed = time.perf_counter() - t0
             if phase.rank == 0 and phase.metrics is not None:
                 row = dict(step=step + 1, loss=loss, task_loss=task_loss,
@@ -224,6 +230,26 @@ def run(phase: Phase, start_step: int = 0) -> None:
         monitor = getattr(eng, "monitor", None)
         if monitor is not None:
             monitor.close()
+
+
+def _pipeline_step(phase: Phase, step: int, batches) -> float:
+    """One optimizer step through engine.train_batch (pipeline stages): the model's own loss, the
+    mean over micro-batches and replicas, the same on every rank."""
+    if phase.distiller is not None:
+        raise JobError("compression_training.distillation with pipeline.stages > 1: the teacher's outputs "
+                       "do not reach the stages' loss; train without distillation or with pipeline.stages 1")
+
+    def plain():
+        for batch in batches:
+            mask = batch.pop("attention_mask", None)
+            if mask is not None and not bool(mask.all()):
+                raise JobError("pipeline.stages > 1 passes token ids and labels only: this data has padded "
+                               "micro-batches (attention_mask with zeros); use --task causal-lm's token blocks")
+            yield batch
+    try:
+        return float(phase.engine.train_batch(plain()))
+    except NonFiniteError as err:
+        raise _diverged(phase, step, str(err)) from None
 
 
 def _diverged(phase: Phase, step: int, what: str) -> JobError:

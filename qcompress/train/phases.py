@@ -136,7 +136,7 @@ class PhasesMixin:
         info = dict(steps=phase.steps, train_batch_size=engine.train_batch_size,
                     micro_batch_size=engine.train_micro_batch_size_per_gpu,
                     gradient_accumulation_steps=engine.gradient_accumulation_steps,
-                    world_size=engine.world_size, precision=engine.precision,
+                    world_size=engine.world_size, mesh=engine.parallel.shape.as_dict(), precision=engine.precision,
                     zero_stage=engine.stage, optimizer=(doc.get("optimizer") or {}).get("type", "AdamW (default)"),
                     distillation=distiller is not None, seed=o.seed, max_length=o.max_length)
         return engine, info
@@ -144,14 +144,15 @@ class PhasesMixin:
     def release_ranks(self, engine, own_group: bool):
         """After training and the qat stage, export and reloading are rank 0's alone: end the process
         group we created (transformers' compressed-tensors loader runs collectives of its own when
-        one exists) and return the trained model unsharded. Sharded (ZeRO 2/3) weights come back
-        whole from the final engine checkpoint through a one-process engine."""
+        one exists) and return the trained model unsharded. Sharded (ZeRO 2/3) and split (tensor /
+        pipeline parallel) weights come back whole from the final engine checkpoint through a
+        one-process engine."""
         if not (dist.is_available() and dist.is_initialized()):
             return engine.module
         barrier()
         if own_group:
             dist.destroy_process_group()
-        if self.rank != 0 or not engine.sharded:
+        if self.rank != 0 or not (engine.sharded or engine.parallel.mesh is not None):
             return engine.module
         from ..export.cli import _load_engine_checkpoint
         model = fresh_model(engine.module, self.opts.task)

@@ -126,6 +126,12 @@ def stage_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _mesh(training: dict) -> str:
+    """' (pipeline 2 x data 1 x tensor 1)': the engine's mesh, when a run recorded one."""
+    m = training.get("mesh")
+    return "" if not m else f" (pipeline {m['pp']} x data {m['dp']} x tensor {m['tp']})"
+
+
 def report_markdown(report: dict) -> str:
     sizes = report["sizes"]
     ratio = sizes.get("compression_ratio")
@@ -134,7 +140,8 @@ def report_markdown(report: dict) -> str:
            f"- data: {report['data']['summary']}",
            f"- configs: {', '.join('`%s`' % c for c in report['configs']) or '(none)'}",
            f"- training: {report['training']['steps']} optimizer steps of {report['training']['train_batch_size']} "
-           f"samples, world size {report['training']['world_size']}, precision {report['training']['precision']}",
+           f"samples, world size {report['training']['world_size']}{_mesh(report['training'])}, "
+           f"precision {report['training']['precision']}",
            "", "## Metrics", "", stage_table(report), "",
            "## Size", "",
            "| weights | bytes | size |", "|---|---|---|",
