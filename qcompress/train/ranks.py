@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 def rank() -> int:
     if dist.is_available() and dist.is_initialized():
-        return dist.getrank()
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
