@@ -239,9 +239,9 @@ class _LearnedFloat(torch.autograd.Function):
         spec = ctx.spec
         s, g = learned_scales(x, spec, scale, gparam)
         t, sb, v = floats._scaled(x.detach(), spec, s, g)
-        v = v.to(torch.float32)
-        inside = v.abs() <= spec.qmax
+        inside = v.abs() <= spec.qmax          # x / s as forward rounded it (bf16 FP8: in bf16)
         q = floats._codes(v, spec).to(torch.float32)
+        v = t.to(torch.float32) / sb.to(torch.float32)      # that rounding passed straight through
         ds = torch.where(inside, q - v, torch.sign(v) * spec.qmax)
         G = floats._tiles(grad.detach().to(torch.float32), spec)
         gx = floats._untile(G * inside, x, spec).to(grad.dtype)
