@@ -536,6 +536,11 @@ def _check_act_formats(technique, group, where, tech_path):
         raise ConfigError(join(tech_path, group_setting(technique, group, "format")[1]),
                           "activations have one width: give one format name, not a mapping")
     check_act_group(fmt, group.params, technique.shared, where)
+    rl, rl_at = group_setting(technique, group, "range_learning")
+    if fmt != "int" and rl:
+        raise ConfigError(join(tech_path, rl_at), f"{fmt} activations are exported with the calibrated "
+                          "range (input_scale / input_global_scale), not a learned one; use observer: mse "
+                          "to shrink that range, or drop range_learning")
 
 
 def replace(obj, **changes):

@@ -147,8 +147,3 @@ def check_act_group(fmt: str, params, shared, where: str) -> None:
     if fmt == "fp8_e4m3" and static and params.group_size is not None:
         raise ConfigError(join(where, "params.group_size"), "a static FP8 range is one per tensor; "
                           "groups need range_calibration: dynamic")
-    for key in ("observer", "range_learning"):
-        value = getattr(params, key)
-        if value not in (None, False, "minmax"):
-            raise ConfigError(join(where, f"params.{key}"), f"{value!r} is not available for {fmt} "
-                              "activations (integer formats only)")

@@ -38,7 +38,7 @@ import torch
 
 from . import floats
 from .floats import FloatSpec
-from .observers import DEFAULT_SEARCH, Search, shrink_grid
+from .observers import ACT_SAMPLE, DEFAULT_SEARCH, Search, shrink_grid
 
 E4M3_MIN = 2.0 ** -9          # the smallest e4m3 subnormal: a learned NVFP4 block scale's floor
 LEARNABLE = ("fp8_e4m3", "nvfp4")
@@ -179,11 +179,15 @@ def mse_shrink(x: torch.Tensor, spec: FloatSpec, search: Search = DEFAULT_SEARCH
 def activation_shrink(x: torch.Tensor, spec: FloatSpec, lo: torch.Tensor, hi: torch.Tensor,
                       search: Search = DEFAULT_SEARCH) -> torch.Tensor:
     """The factor p (float32 scalar) of a static range [lo, hi] whose error on x is least: the
-    range sets FP8's per-tensor scale and NVFP4's global scale (its block scales stay dynamic)."""
+    range sets FP8's per-tensor scale and NVFP4's global scale (its block scales stay dynamic).
+    The error is measured on evenly strided rows of x (whole rows keep NVFP4's groups), at most
+    about ACT_SAMPLE elements, as the integer search samples."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    sample = rows[:: max(1, -(-rows.numel() // ACT_SAMPLE))]
     best, best_err = torch.ones((), dtype=torch.float32), float("inf")
     for p in shrink_grid(None, search):
-        y = floats.fake_quantize_float(x.detach(), spec, static_range=(lo * p, hi * p))
-        d = y.double() - x.detach().double()
+        y = floats.fake_quantize_float(sample, spec, static_range=(lo * p, hi * p))
+        d = y.double() - sample.double()
         err = float((d.square() if search.norm == 2.0 else d.abs().pow(search.norm)).sum())
         if err < best_err:
             best, best_err = p, err

@@ -257,3 +257,61 @@ def test_range_learning_across_formats_is_refused():
         qc.load_config(doc)
     assert err.value.path.endswith("different_groups.w.params.range_learning")
     assert "steps between formats" in str(err.value)
+
+
+# --- static activation ranges ----------------------------------------------------------------
+
+def _act_brute_force(x, preset, lo, hi):
+    """The factor p of the static range [p lo, p hi] with the least error on x, searched with
+    compressed-tensors' own functions (FP8: one scale; NVFP4: the range's global scale over the
+    dynamic per-16 scales)."""
+    args = PRESET_SCHEMES[preset]["input_activations"]
+    best = None
+    for p in GRID:
+        plo, phi = (lo * p).reshape(1), (hi * p).reshape(1)
+        if preset == "NVFP4":
+            g = generate_gparam(plo, phi)
+            u = x.unflatten(-1, (x.shape[-1] // 16, 16))
+            s, z = calculate_qparams(u.amin(-1), u.amax(-1), args, global_scale=g)
+            y = fake_quantize(x, s, z, args, global_scale=g)
+        else:
+            s, z = calculate_qparams(plo.to(x.dtype), phi.to(x.dtype), args)
+            y = fake_quantize(x, s, z, args)
+        e = float((y.double() - x.double()).square().sum())
+        if best is None or e < best[0]:
+            best = (e, p)
+    return best[1]
+
+
+@pytest.mark.parametrize("preset,fmt", [("FP8", "fp8_e4m3"), ("NVFP4", "nvfp4")])
+def test_static_activation_range_mse(tmp_path, preset, fmt):
+    from qcompress.export import export_quantized
+    from safetensors.torch import load_file
+    doc = _doc(fmt)
+    doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["observer"] = "minmax"
+    doc["compression_training"]["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"a": {"params": {"bits": floats.WIDTH[fmt], "format": fmt, "observer": "mse"}}}}
+    model = _mlp(torch.float32)
+    cfg = qc.load_config(doc)
+    qc.init_compression(model, cfg)
+    qc.CompressionScheduler(model, cfg).step()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 64, generator=g) * torch.rand(64, generator=g)    # uneven channels
+    x[7, 3] = 6.0                                                         # one outlier token
+    model.train()
+    model(x)
+    obs = model[0].qc_aq.observer
+    p = _act_brute_force(x, preset, x.amin(), x.amax())
+    print(f"{fmt} static input range: mse chose p = {p}")
+    assert p < 1.0, "on this input a smaller range errs less (else the test would not see the search)"
+    assert torch.equal(obs.max, x.amax() * p) and torch.equal(obs.min, x.amin() * p)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_quantized(model, tmp_path / "out")
+    t = load_file(str(tmp_path / "out" / "model.safetensors"))
+    if fmt == "nvfp4":
+        assert torch.equal(t["0.input_global_scale"], floats.global_scale(obs.min.reshape(1), obs.max.reshape(1)))
+    else:
+        assert torch.equal(t["0.input_scale"], (obs.max / 448).reshape(1))
