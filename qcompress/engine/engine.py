@@ -35,7 +35,7 @@ from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
 from ..parallel import apply_tensor_parallel, build_mesh
 from ..parallel.pipeline import build_pipeline
-from ..parallel.data_parallel import replicate_over, wrap_root
+from ..parallel.data_parallel import dp_whole_weights, replicate_over, wrap_root
 from ..parallel.grad_norm import share_of_sumsq
 from ..parallel.train_batch import train_batch
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, comm_dtype, full_weights,
@@ -226,7 +226,9 @@ class Engine:
         offloaded = []
 
         self._hook = None
-        self.sharded = self.stage >= 2
+        # a split model's ZeRO-1 shards its optimizer state with FSDP2 on the dp sub-mesh, as stage 2:
+        # ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor parameters
+        self.sharded = self.stage >= 2 or (self.stage == 1 and self.parallel.mesh is not None)
         if self.parallel.mesh is not None and self.data_parallel_world_size > 1 and not self.sharded:
             # replicas of a split model average gradients over the mesh's dp dimension only
             self.wrapped = replicate_over(wrap_root(self, model), self.parallel.mesh["dp"],
@@ -234,9 +236,10 @@ class Engine:
         elif self.sharded:
             partial = (zero.offload_optimizer.ratio if zero.offload_param.device == "none"
                        and zero.offload_optimizer.device == "cpu" else 1.0)
-            self.wrapped, offloaded = wrap_fsdp(model, self.device, self.group, self.stage, self.offload,
-                                                cfg.communication_data_type, pin_memory=self._pin(zero),
-                                                offload_ratio=partial)
+            self.wrapped, offloaded = wrap_fsdp(wrap_root(self, model), self.device, self.group, self.stage,
+                                                self.offload, cfg.communication_data_type,
+                                                pin_memory=self._pin(zero), offload_ratio=partial,
+                                                mesh=self.parallel.dp_mesh)
             timer = TimedReduceScatter() if self.wall_clock_breakdown else None
             self._fsdp_counted = count_fsdp(model, self.traffic, timer)
             if self._fsdp_counted:
@@ -355,7 +358,7 @@ class Engine:
         if opt_cfg is None:
             raise ConfigError("optimizer", "initialize() needs an optimizer: an `optimizer` section (type and "
                               "params) in the config, or initialize(..., optimizer=...) as DeepSpeed takes one")
-        if self.stage == 1 and self.world_size > 1:
+        if self.stage == 1 and self.world_size > 1 and not self.sharded:
             if self.onebit:
                 # 1-bit optimizers shard their own state by the compressed all-reduce's chunks.
                 return build_optimizer(params, opt_cfg, group=self.group, shard_state=True)
@@ -379,7 +382,7 @@ class Engine:
                 raise ValueError("initialize(optimizer=...): the optimizer holds tensors that are not parameters "
                                  "of this model (build it after init_compression, on model.parameters())")
             opt = client
-        elif self.stage == 1 and self.world_size > 1:
+        elif self.stage == 1 and self.world_size > 1 and not self.sharded:
             opt = build_zero1(params, client, self.group)
         else:
             opt = client(params)
@@ -620,6 +623,9 @@ class Engine:
     def with_full_weights(self, fn, *args):
         """Run fn (which reads or writes compress-aware modules' weights outside forward, e.g. the
         compression scheduler) with whole weights in place of FSDP2 shards."""
+        if self.parallel.mesh is not None:    # whole over dp; tensor-parallel shards stay DTensors
+            with dp_whole_weights(self.module, self.parallel):
+                return fn(*args)
         if not self.sharded:
             return fn(*args)
         with full_weights(self.module, self.rank, self.world_size, self.device):

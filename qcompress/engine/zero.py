@@ -206,17 +206,19 @@ def shard_units(model: nn.Module):
 
 
 def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload: bool,
-              dtype_name: Optional[str], pin_memory: bool = False, offload_ratio: float = 1.0):
+              dtype_name: Optional[str], pin_memory: bool = False, offload_ratio: float = 1.0, mesh=None):
     """fully_shard every module that owns parameters (tied ones together), then the root (FSDP2's
     usual recipe). offload: CPUOffloadPolicy (pinned host memory with pin_memory, on CUDA); with
     offload_ratio < 1, only for the first units in module order holding at most that share of the
-    parameter bytes (engine/offload.py). Returns the parameters whose units were offloaded."""
+    parameter bytes (engine/offload.py). mesh: the 1-D mesh to shard over (a split model's dp
+    sub-mesh), else `group`'s. Returns the parameters whose units were offloaded."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from .offload import choose_share
 
-    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
     units = shard_units(model)
     own = [[p for m in (u if isinstance(u, list) else [u]) for p in m.parameters(recurse=False)] for u in units]
     order = {id(m): k for k, m in enumerate(model.modules())}

@@ -15,6 +15,12 @@ import torch
 from ..nn.sharded import is_dtensor
 
 
+def _split(placement) -> bool:
+    """Whether each rank holds its own piece: Shard, or the _StridedShard FSDP2 places on the dp
+    dim of a tensor-parallel weight (not a Shard subclass)."""
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
 def holders(grad, shape, replicas_agree: bool = True) -> int:
     """How many ranks hold this rank's piece of `grad`. A plain tensor is whole on every dp and
     tp rank of its stage; a DTensor is replicated over the mesh dims it is placed Replicate on
@@ -30,7 +36,7 @@ def holders(grad, shape, replicas_agree: bool = True) -> int:
             placement = grad.placements[names.index(dim)]
             if placement.is_replicate():
                 n *= size if (dim != "dp" or replicas_agree) else 1
-            elif not placement.is_shard():
+            elif not _split(placement):
                 raise NotImplementedError(f"the norm of a gradient placed {placement} on mesh dim {dim!r}")
         elif dim != "dp" or replicas_agree:
             n *= size

@@ -21,6 +21,11 @@ class ParallelMesh:
         return None if self.mesh is None else self.mesh["tp"].get_group()
 
     @property
+    def dp_mesh(self):
+        """The 1-D sub-mesh of this rank's replicas (data-parallel wrappers shard / reduce over it)."""
+        return None if self.mesh is None else self.mesh["dp"]
+
+    @property
     def dp_group(self):
         return None if self.mesh is None else self.mesh["dp"].get_group()
 
@@ -68,9 +73,6 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
 def _refuse_with_split(cfg, tp: int, pp: int) -> None:
     """Settings the tensor / pipeline engine does not run yet, refused by key before anything starts."""
     what = f"tensor_parallel.autotp_size {tp}" if tp > 1 else f"pipeline.stages {pp}"
-    if cfg.zero_optimization.stage:
-        raise ConfigError("zero_optimization.stage", f"{cfg.zero_optimization.stage} with {what}: ZeRO composed "
-                          "with tensor or pipeline parallelism is not implemented yet; use 0")
     opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
     if opt in ("onebitadam", "zerooneadam", "onebitlamb"):
         raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with {what}: its compressed all-reduce runs "

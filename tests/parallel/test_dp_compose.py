@@ -83,3 +83,18 @@ def test_gradient_clipping_and_fp16_norms_over_stages_shards_and_replicas():
         assert (skipped, steps) == (1, 1), f"rank {rank}"
         assert unchanged, f"rank {rank} stepped its weights after an overflow elsewhere"
         assert scale == 2.0 ** 13, f"rank {rank}: loss scale {scale}"
+
+
+def test_zero_stages_shard_over_the_dp_group_only():
+    # FSDP2 on the dp sub-mesh: a TP weight becomes a 2-D (dp, tp) DTensor, a pipeline stage an
+    # FSDP2 module that torch.distributed.pipelining syncs once per step
+    cases = [("tp2 x dp2 zero-3", dict(tp=2, zero_optimization={"stage": 3})),
+             ("pp2 x dp2 zero-2", dict(pp=2, zero_optimization={"stage": 2})),
+             ("tp2 x dp2 zero-1 clip", dict(tp=2, zero_optimization={"stage": 1}, gradient_clipping=0.3))]
+    results = run_ranks(cw.meshes, 4, cases, timeout=500)
+    for name, kw in cases:
+        oracle = cw.single(cw.config(**kw), dp=2)
+        got = [r[name] for r in results]
+        _check_against(got, oracle)
+        if "clip" in name:
+            assert all(g[3][0] == pytest.approx(oracle[3][0], rel=REL) for g in got)
