@@ -241,7 +241,8 @@ def training_section(args) -> str:
                                  f"{_pct(tail_mean(l0), tail_mean(b))} |")
             cost_rows.append(_cost_row(sname, mesh, out, dp_times.get(len(out)) if tp * pp > 1 else None))
             print(loss_rows[-1], cost_rows[-1], sep="\n", flush=True)
-    return (f"Tiny Llama (4 blocks, hidden 128, 0.4 M parameters), {args.steps} optimizer steps of {GLOBAL} "
+    n = sum(p.numel() for p in _model().parameters())
+    return (f"Tiny Llama (4 blocks, hidden 128, {n / 1e6:.2f} M parameters), {args.steps} optimizer steps of {GLOBAL} "
             f"sequences of {SEQ} tokens (micro-batches of {MICRO}; each data-parallel replica its share), "
             f"AdamW, LR warmed up linearly to {args.lr:g} over {args.warmup} steps then decayed linearly to 0; "
             "gloo on CPU, one thread per rank. Loss = the mean train_batch loss of the step.\n\n"

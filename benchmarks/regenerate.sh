@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every results page in benchmarks/results/ with the settings its figures were measured
 # at. Each step replaces only its own generated section; a step that fails stops the script.
-#   benchmarks/regenerate.sh [quality|micro|all]   (default: all; `micro` skips the training runs)
+#   benchmarks/regenerate.sh [quality|micro|parallel|all]   (default: all; `micro` skips the training runs)
 # The sizes are small enough for a shared 2-core CPU; larger runs: see each script's --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +37,17 @@ quality() {
   $PY benchmarks/moe.py --steps 600 --qat-steps 120 --threads 1
 }
 
+parallel() {
+  # gloo ranks on CPU: one process against itself nudged by 1 ulp, two-half sums and TP2 (constant LR),
+  # then every mesh (DP, TP, PP and their compositions, up to 8 ranks) at one global batch
+  $PY benchmarks/parallel.py --drift --drift-steps 100 --ulp-runs 2
+  $PY benchmarks/parallel.py --steps 200 --ulp-runs 2
+}
+
 case "$what" in
   micro) micro ;;
   quality) quality ;;
-  all) micro; quality ;;
-  *) echo "usage: $0 [quality|micro|all]" >&2; exit 2 ;;
+  parallel) parallel ;;
+  all) micro; quality; parallel ;;
+  *) echo "usage: $0 [quality|micro|parallel|all]" >&2; exit 2 ;;
 esac
