@@ -38,12 +38,14 @@ def whole_weights(engine):
     return out
 
 
-def stage_export(rank, world, folder, tp):
-    """Train 2 steps on world / tp pipeline stages of tp ranks each, export from every rank.
-    Returns (this rank's whole weights, its compression scheduler's state)."""
-    doc = config(tp=tp, pp=world // tp)
+def stage_export(rank, world, folder, tp, pp):
+    """Train 2 steps on pp pipeline stages of tp ranks each (world / (pp x tp) data-parallel
+    replicas, each its own micro-batches), export from every rank. Returns (this rank's whole
+    weights, its compression scheduler's state)."""
+    doc = config(tp=tp, pp=pp)
     engine = engine_for(doc)
-    it = iter(batches())
+    replicas, me = engine.data_parallel_world_size, engine.data_parallel_rank
+    it = iter(batches(4 * replicas)[me::replicas])
     engine.train_batch(it), engine.train_batch(it)
     qc.export_quantized(engine, os.path.join(folder, "split"))
     return whole_weights(engine), engine.compression_scheduler.state_dict()

@@ -98,6 +98,12 @@ def _read_metadata(path: str):
                               f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete") from e
 
 
+def _root(engine):
+    """The module whose names a checkpoint uses: the whole model's (a pipeline's data-parallel
+    wrapper wraps the stage module, whose names would differ from one mesh to another)."""
+    return engine.module if getattr(engine, "pipeline", None) is not None else engine.wrapped
+
+
 def _mesh(engine) -> Dict[str, int]:
     """The engine's (pp, dp, tp) sizes, recorded with a checkpoint and compared on load."""
     shape = getattr(getattr(engine, "parallel", None), "shape", None)
@@ -187,7 +193,7 @@ def _collect_optimizer(engine, tensors, rank_extra) -> Dict[str, Any]:
     mode = _optim_mode(engine)
     meta: Dict[str, Any] = {"mode": mode, "class": _optimizer_class(engine)}
     if mode == "dcp":
-        sd = get_optimizer_state_dict(engine.wrapped, engine.optimizer)
+        sd = get_optimizer_state_dict(_root(engine), engine.optimizer)
         meta["skeleton"] = flatten(sd, "optim", tensors)
     elif mode == "zero1":
         scalars = {}
@@ -353,7 +359,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
 def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
     rank, group = engine.rank, engine.group
     tensors: Dict[str, torch.Tensor] = {}
-    for k, v in get_model_state_dict(engine.wrapped).items():
+    for k, v in get_model_state_dict(_root(engine)).items():
         tensors[f"model.{k}"] = v
     rank_extra: Dict[str, Any] = {"rng": rng_state()}
     meta: Dict[str, Any] = {
@@ -416,7 +422,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     rank_extra = unflatten(_read_json(rank_file if same_rank else os.path.join(path, "ranks", "rank0.json")), {})
 
     target: Dict[str, torch.Tensor] = {}
-    model_sd = get_model_state_dict(engine.wrapped)
+    model_sd = get_model_state_dict(_root(engine))
     for k, v in model_sd.items():
         target[f"model.{k}"] = v
     unexpected = sorted(k[len("model."):] for k in md.state_dict_metadata
@@ -454,7 +460,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
 
     _dcp_load(target, path, engine.group, _mesh_note(meta, engine))
 
-    set_model_state_dict(engine.wrapped, {k[len("model."):]: v for k, v in target.items()
+    set_model_state_dict(_root(engine), {k[len("model."):]: v for k, v in target.items()
                                           if k.startswith("model.")})
     if optim_plan is not None:
         optim_plan(target)
@@ -506,7 +512,7 @@ def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
     saved = _saved_optimizer(ometa)
     hparams = saved.get("param_groups")
     if mode == "dcp":
-        current = get_optimizer_state_dict(engine.wrapped, engine.optimizer)  # allocates state if needed
+        current = get_optimizer_state_dict(_root(engine), engine.optimizer)  # allocates state if needed
         local: Dict[str, torch.Tensor] = {}
         skel = flatten(current, "optim", local)
         for key, t in local.items():
@@ -524,7 +530,7 @@ def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
                         sd["state"][fqn][k] = v
             for g_now, g_saved in zip(sd["param_groups"], hparams or []):
                 g_now.update(g_saved)
-            set_optimizer_state_dict(engine.wrapped, engine.optimizer, sd)
+            set_optimizer_state_dict(_root(engine), engine.optimizer, sd)
         return install
     # zero1: this rank allocates the state of the parameters it owns now.
     owned = list(_zero1_owned(engine))

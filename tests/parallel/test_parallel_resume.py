@@ -45,11 +45,12 @@ def _same(a, b, path=""):
         assert a == b, (path, a, b)
 
 
-MESHES = {"one process": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2)}
+MESHES = {"one process": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2), "pp2 x dp2": (4, 1, 2)}
 
 
 @pytest.mark.parametrize("saved,loaded", [("tp2", "one process"), ("one process", "tp2"),
-                                          ("pp2", "one process"), ("one process", "pp2")])
+                                          ("pp2", "one process"), ("one process", "pp2"),
+                                          ("pp2 x dp2", "one process")])
 def test_resume_into_another_mesh_shape_carries_every_state_exactly(tmp_path, saved, loaded):
     before, third = _at(str(tmp_path), *MESHES[saved], save=True)
     after, resumed = _at(str(tmp_path), *MESHES[loaded], save=False)
