@@ -61,7 +61,7 @@ def _doc(scheme, tp: int, pp: int, dp: int, opts: dict) -> dict:
         "different_groups": {"w": {"params": params, "modules": ["proj"]}}}}
     if scheme["act"]:
         comp["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
+            "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
             "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}}}
     doc["compression_training"] = comp
     return doc
