@@ -98,3 +98,13 @@ def mesh_resume(rank, world, folder, tp, pp, save):
         engine.load_checkpoint(folder)
         state = snapshot(engine)
     return state, float(engine.train_batch(iter(data[4:6])))
+
+
+def onebit_save(rank, world, folder):
+    """Two OneBitAdam steps at PP2, saved into folder (its optimizer state is saved per rank)."""
+    doc = dict(config(pp=2), optimizer={"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 1}})
+    engine = engine_for(doc)
+    it = iter(batches())
+    engine.train_batch(it), engine.train_batch(it)
+    engine.save_checkpoint(folder)
+    return doc

@@ -110,6 +110,11 @@ def _mesh(engine) -> Dict[str, int]:
     return shape.as_dict() if shape is not None else {"pp": 1, "dp": engine.world_size, "tp": 1}
 
 
+def _split(*meshes) -> bool:
+    """Whether any of these meshes splits the model (tensor or pipeline parallel)."""
+    return any(m["tp"] > 1 or m["pp"] > 1 for m in meshes)
+
+
 def _mesh_note(meta, engine) -> str:
     """Both meshes, for an error loading a checkpoint into another mesh shape ('' on the same)."""
     saved, now = meta.get("mesh"), _mesh(engine)
@@ -169,7 +174,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 def _optim_mode(engine) -> str:
     if engine.onebit:
         return "per_rank"
-    return "zero1" if engine.stage == 1 and engine.world_size > 1 else "dcp"
+    # a split's stage 1 shards with FSDP2 over the dp group (engine.sharded): "dcp" then
+    return "zero1" if engine.stage == 1 and engine.world_size > 1 and not engine.sharded else "dcp"
 
 
 def _zero1_owned(engine):
@@ -440,6 +446,12 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
         if ometa["mode"] != mode and not {ometa["mode"], mode} <= {"dcp", "zero1"}:
             raise CheckpointError(f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
                              f"{mode!r} (1-bit optimizer checkpoints load only into 1-bit optimizers)")
+        note = _mesh_note(meta, engine)
+        if ometa["mode"] == "per_rank" and note and _split(meta["mesh"], _mesh(engine)):
+            raise CheckpointError(f"{path}: the 1-bit optimizer state is saved rank by rank{note}; each rank's "
+                                  "moments and compression errors belong to the tensors it held, which another "
+                                  "split does not hold. Load on the saved mesh, or with load_optimizer_states=False "
+                                  "to take the weights and schedules alone")
         saved_cls, now_cls = ometa.get("class"), _optimizer_class(engine)
         if saved_cls is not None and saved_cls != now_cls:
             # torch would copy the other optimizer's hyper-parameters into these param groups

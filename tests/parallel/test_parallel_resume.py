@@ -71,3 +71,15 @@ def test_checkpoint_the_new_mesh_cannot_read_names_folder_and_meshes(tmp_path):
         small.load_checkpoint(str(tmp_path))
     msg = str(err.value)
     assert str(tmp_path) in msg and "pp2 x dp1 x tp1" in msg and "pp1 x dp1 x tp1" in msg, msg
+
+
+def test_per_rank_optimizer_state_is_refused_on_another_split(tmp_path):
+    doc = run_ranks(iow.onebit_save, 2, str(tmp_path), timeout=300)[0]
+    one = iow.engine_for(dict(doc, pipeline={"stages": 1}))
+    with pytest.raises(CheckpointError) as err:
+        one.load_checkpoint(str(tmp_path))
+    msg = str(err.value)
+    assert str(tmp_path) in msg and "pp2 x dp1 x tp1" in msg and "pp1 x dp1 x tp1" in msg, msg
+    # the weights and schedules alone do load
+    one.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    assert one.global_steps == 2
