@@ -315,3 +315,18 @@ def test_static_activation_range_mse(tmp_path, preset, fmt):
         assert torch.equal(t["0.input_global_scale"], floats.global_scale(obs.min.reshape(1), obs.max.reshape(1)))
     else:
         assert torch.equal(t["0.input_scale"], (obs.max / 448).reshape(1))
+
+
+@pytest.mark.parametrize("key,value", [("observer", "mse"), ("range_learning", True)])
+def test_fused_experts_refuse_float_mse_and_learning_by_name(key, value):
+    pytest.importorskip("transformers")
+    from moe_fixtures import make_moe
+    model = make_moe("qwen3_moe", moe_intermediate_size=64)
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", key: value},
+                                    "modules": [r"mlp\.experts"]}}}}}
+    with pytest.raises(qc.ConfigError) as err:
+        qc.init_compression(model, cfg)
+    assert err.value.path == f"compression_training.weight_quantization.different_groups.wq.params.{key}"
+    assert "experts" in str(err.value) and "minmax" in str(err.value)
