@@ -227,7 +227,8 @@ class CompressMixin:
             if aq.range_observer == "minmax":
                 return obs.observe(x)
             from ..quant.observers import Search, activation_range
-            return obs.update(*activation_range(x, spec, aq.range_observer, Search(*aq.range_search)))
+            choose = float_observers.activation_range if floats.is_float(spec) else activation_range
+            return obs.update(*choose(x, spec, aq.range_observer, Search(*aq.range_search)))
         if obs.initialized:
             return obs.min, obs.max
         _warn_uncalibrated(self.qc_name)

@@ -176,6 +176,18 @@ def mse_shrink(x: torch.Tensor, spec: FloatSpec, search: Search = DEFAULT_SEARCH
     return torch.cat([best.reshape(-1)] + tail).to(torch.float32)
 
 
+def activation_range(x: torch.Tensor, spec: FloatSpec, observer: str,
+                     search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) float32 scalars of a whole activation tensor for a static float range: its own
+    range, or (mse) that range times activation_shrink's factor."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    lo, hi = flat.amin(), flat.amax()
+    if observer == "minmax" or flat.numel() == 0:
+        return lo, hi
+    p = activation_shrink(x, spec, lo, hi, search)
+    return lo * p, hi * p
+
+
 def activation_shrink(x: torch.Tensor, spec: FloatSpec, lo: torch.Tensor, hi: torch.Tensor,
                       search: Search = DEFAULT_SEARCH) -> torch.Tensor:
     """The factor p (float32 scalar) of a static range [lo, hi] whose error on x is least: the

@@ -290,12 +290,8 @@ def activation_range(x: torch.Tensor, spec: Spec, observer: str,
     evenly strided elements of x."""
     flat = x.detach().reshape(-1).to(torch.float32)
     lo, hi = flat.amin(), flat.amax()
-    if observer == "minmax" or flat.numel() == 0 or spec.kind not in ("int", "float"):
+    if observer == "minmax" or spec.kind != "int" or flat.numel() == 0:
         return lo, hi
-    if spec.kind == "float":       # the range sets FP8's scale or NVFP4's global scale: x's own grouping
-        from .float_observers import activation_shrink
-        p = activation_shrink(x, spec, lo, hi, search)
-        return lo * p, hi * p
     stride = max(1, -(-flat.numel() // ACT_SAMPLE))
     sample = flat[::stride].reshape(1, -1)
     counts = torch.full((1,), sample.shape[1], dtype=torch.int64, device=sample.device)
