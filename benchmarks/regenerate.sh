@@ -38,9 +38,11 @@ quality() {
 }
 
 parallel() {
-  # gloo ranks on CPU: one process against itself nudged by 1 ulp, two-half sums and TP2 (constant LR),
+  # gloo ranks on CPU: one process against itself nudged by 1 ulp, two-half sums and TP2 (constant LR;
+  # losses, then weight codes and static ranges),
   # then every mesh (DP, TP, PP and their compositions, up to 8 ranks) at one global batch
   $PY benchmarks/parallel.py --drift --drift-steps 100 --ulp-runs 2
+  $PY benchmarks/parallel_flips.py --steps 5
   $PY benchmarks/parallel.py --steps 200 --ulp-runs 2
 }
 

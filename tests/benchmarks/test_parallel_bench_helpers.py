@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -100,3 +101,22 @@ def test_state_bytes_counts_parameters_gradients_and_adamw_state():
     # parameters + one gradient each: 2 x 60 B; AdamW: exp_avg and exp_avg_sq (60 B each) and a
     # float32 step counter per tensor (2 x 4 B)
     assert pb.state_bytes(opt) == 2 * 60 + 2 * 60 + 2 * 4
+
+
+pf = _load("parallel_flips")
+
+
+def test_flip_compare_joins_shards_along_the_split_and_counts_by_hand():
+    # one column-parallel (rows split) and one row-parallel (columns split) layer, 4 x 4 codes each
+    full = {"q_proj": torch.arange(16).reshape(4, 4), "o_proj": torch.arange(16).reshape(4, 4)}
+    base = ({1: {n: (q, -2.0, 4.0) for n, q in full.items()}}, [3.0])
+    ranks = []
+    for r in range(2):
+        q = full["q_proj"][2 * r:2 * r + 2].clone()
+        o = full["o_proj"][:, 2 * r:2 * r + 2].clone()
+        if r == 1:
+            o[0, 0] += 1                                   # one code differs on rank 1's columns
+        ranks.append(({1: {"q_proj": (q, -2.0, 4.0), "o_proj": (o, -2.0, 5.0)}}, [3.5]))
+    differ, total, worst, dloss = pf.compare(base, ranks, 1)
+    assert (differ, total, dloss) == (1, 32, 0.5)
+    assert worst == pytest.approx(0.25)                    # max 5 against 4
