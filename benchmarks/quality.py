@@ -18,9 +18,10 @@ recipe (written into its run folder):
           ModelOpt distil from the original model); for the classifier from the FP32 fine-tune
           (`teacher: baseline`: its pretrained checkpoint has a random head)
 
-Float recipes (FP8, NVFP4, MXFP4) take compressed-tensors' minmax scales only, so they run qat and
-qad (minmax, no range learning, the same distillation) in place of qat_rl / qad_rl. Each row also
-gives the export's size over the FP32 model's (the run's sizes: export_bytes / fp32_bytes).
+Float recipes (FP8, NVFP4, MXFP4) run qat and qad (minmax, no range learning, the same distillation)
+in place of qat_rl / qad_rl; with --float-rl they run the variants as given, the mse ones with the
+plain mse search and range learning for FP8 / NVFP4 scales (MX: mse only). Each row also gives the
+export's size over the FP32 model's (the run's sizes: export_bytes / fp32_bytes).
 
 The learned ranges train in qcompress train's default AdamW, in their own group (0.1x the lr, no
 weight decay).
@@ -72,22 +73,28 @@ RECIPES = {   # key: (label, schedule file, progressive)
     "mxfp4a16": ("MXFP4A16 (weight-only)", "schedules/mxfp4a16.yaml", False),
 }
 VARIANTS = ("qat", "qat_rl", "qad_rl")
-# Float formats take compressed-tensors' minmax scales only (no mse observer, no range learning):
-# their recipes run qat and qad (minmax, distillation) in place of the three variants above.
+# Float recipes run qat and qad (minmax, distillation) in place of the three variants above, unless
+# --float-rl.
 FLOAT_RECIPES = ("fp8_dynamic", "fp8_block", "nvfp4", "nvfp4a16", "mxfp4a16")
 FLOAT_VARIANTS = {"qat": "qat", "qat_rl": None, "qad_rl": "qad", "qad": "qad"}
+# --float-rl: float recipes run the variants as given, with the mse observer's plain search (weight_by
+# is for integer grids) and range learning where the format learns its scales; MX scales are E8M0
+# powers of two, which a straight-through step never moves (the config refuses it): mse only there.
+LEARNED_FLOAT_SCALES = ("fp8_e4m3", "nvfp4")
 COLUMNS = ("qat", "qat_rl", "qad", "qad_rl")     # the table's trained columns
 OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
 DEFAULT_OBSERVER_KWARGS = '{"weight_by": "inputs"}'   # the mse variants: the input-weighted search
 
 
-def fragment(variant: str, task: str = "lm") -> dict:
+def fragment(variant: str, task: str = "lm", formats=("int",)) -> dict:
     """The variant's overrides. QAD's teacher: the pretrained model itself (`self`) for the causal LM,
     as llm-compressor / ModelOpt distil from the original model; the FP32 fine-tune (`baseline`) for
-    the classifier, whose pretrained checkpoint has a random head."""
+    the classifier, whose pretrained checkpoint has a random head. `formats`: the recipe's weight
+    formats (weight_formats); a float recipe's mse variants take the plain search."""
     mse, distil = variant in ("qat_rl", "qad_rl"), variant in ("qad", "qad_rl")
-    wq = {"observer": "mse" if mse else "minmax", "range_learning": mse}
-    if mse and OBSERVER_KWARGS:
+    floats = set(formats) - {"int"}
+    wq = {"observer": "mse" if mse else "minmax", "range_learning": mse and floats <= set(LEARNED_FLOAT_SCALES)}
+    if mse and OBSERVER_KWARGS and not floats:
         wq["observer_kwargs"] = dict(OBSERVER_KWARGS)
     doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
                                     "distillation": {"enabled": distil}}}
@@ -112,10 +119,27 @@ def progressive_fix(recipe_file: str, steps: int) -> dict:
     return {"compression_training": {"weight_quantization": {"different_groups": out}}}
 
 
-def recipe_variants(key: str, variants) -> list:
-    """The variants a recipe runs: float recipes swap qat_rl / qad_rl for their minmax runs."""
+def weight_formats(recipe_file: str) -> set:
+    """The number formats of a recipe's weight groups (`params.format`, else the shared one, else int;
+    a group that steps between formats gives each)."""
+    import yaml
+    with open(os.path.join(ROOT, recipe_file), encoding="utf-8") as fh:
+        wq = yaml.safe_load(fh)["compression_training"]["weight_quantization"]
+    shared = (wq.get("shared_parameters") or {}).get("format", "int")
+    out = set()
+    for g in wq["different_groups"].values():
+        f = (g.get("params") or {}).get("format", shared)
+        out |= set(f.values()) if isinstance(f, dict) else {f}
+    return out
+
+
+def recipe_variants(key: str, variants, float_rl: bool = False) -> list:
+    """The variants a recipe runs: float recipes swap qat_rl / qad_rl for their minmax runs, unless
+    float_rl (--float-rl) runs them as given."""
     if key not in FLOAT_RECIPES:
         return [v for v in variants if v != "qad"]
+    if float_rl:
+        return list(dict.fromkeys(variants))
     return list(dict.fromkeys(FLOAT_VARIANTS[v] for v in variants if FLOAT_VARIANTS[v]))
 
 
@@ -226,7 +250,7 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
         _, recipe, progressive = RECIPES[key]
         row = {"blocks": len(data.eval), "fp32": fp32}
         for variant, col in (("qat", "minmax"), ("qat_rl", "mse")):
-            docs = [os.path.join(ROOT, recipe), fragment(variant, "lm")]
+            docs = [os.path.join(ROOT, recipe), fragment(variant, "lm", weight_formats(recipe))]
             if progressive:
                 docs.append(progressive_fix(recipe, a.max_steps))
             row[col] = ev(quantize_without_training(model, load_config(*docs), calibration))
@@ -378,9 +402,12 @@ METHOD = ("## Method\n\n"
           "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
           "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning. One seed per run: "
           "on a small held-out set one example moves accuracy by 1 / (held-out size). Float recipes (FP8, NVFP4, "
-          "MXFP4) take compressed-tensors' minmax scales only (no mse observer, no range learning): they run `qat` "
-          "and `qad` (minmax + the same distillation), the QAD column. Export / FP32 bytes: the export folder's "
-          "size over the FP32 model's.\n")
+          "MXFP4) run `qat` and `qad` (minmax + the same distillation), the QAD column; where their mse columns "
+          "are filled (`--float-rl`) the mse observer takes its plain search and range learning trains FP8 / NVFP4 "
+          "scales (MX scales are powers of two: mse only). The classifier's QAD student starts from the "
+          "pretrained checkpoint like every variant, and distils a teacher of the same short budget: "
+          "\"The classifier's QAD and its teacher\" below measures what that teacher's confidence does to it. "
+          "Export / FP32 bytes: the export folder's size over the FP32 model's.\n")
 
 
 def measured_at(summary: dict) -> str:
@@ -447,13 +474,13 @@ def main(argv=None) -> int:
     p.add_argument("--observer-kwargs", default=DEFAULT_OBSERVER_KWARGS, metavar="JSON",
                    help="the mse variants' observer_kwargs, e.g. '{\"maxshrink\": 0.2, \"norm\": 2.4}' (default: "
                         f"{DEFAULT_OBSERVER_KWARGS}, the input-weighted search; '{{}}': the plain mse)")
+    p.add_argument("--float-rl", action="store_true",
+                   help="float recipes also run the mse variants (qat_rl, qad_rl: the plain mse search; range "
+                        "learning for FP8 / NVFP4 scales, mse only for MX) and qad when --variants names it")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--note", action="append", default=None,
                    help="a sentence listed under this task's table (repeat; replaces the task's notes)")
     a = p.parse_args(argv)
-    if (a.ptq_whole_set or a.ptq_pretrained) and set(a.recipes.split(",")) & set(FLOAT_RECIPES):
-        raise SystemExit(f"--ptq-whole-set / --ptq-pretrained compare the minmax and mse observers; float recipes "
-                         f"({', '.join(FLOAT_RECIPES)}) take minmax scales only: leave them out of --recipes")
     if a.observer_kwargs:
         OBSERVER_KWARGS.update(json.loads(a.observer_kwargs))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -474,9 +501,10 @@ def main(argv=None) -> int:
         label, recipe, progressive = RECIPES[key]
         row = summary["recipes"].get(key, {"label": label})
         row["label"] = label
-        for variant in recipe_variants(key, [v for v in a.variants.split(",") if v]):
+        for variant in recipe_variants(key, [v for v in a.variants.split(",") if v], a.float_rl):
             out = os.path.join(out_task, key, variant)
-            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant, a.task))]
+            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"),
+                                fragment(variant, a.task, weight_formats(recipe)))]
             if progressive:
                 frags.append(write_yaml(os.path.join(out_task, key, "spread_drops.yaml"),
                                         progressive_fix(recipe, steps)))
@@ -528,8 +556,9 @@ def main(argv=None) -> int:
                  f"0.01; learned ranges {RANGE_LR_FACTOR * a.lr:g}, no decay), constant lr; perplexity on heldout.txt"
                  f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
                  f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU. "
-                 f"The mse columns (PTQ mse, QAT + RL, QAD + RL) use observer_kwargs "
-                 f"{json.dumps(OBSERVER_KWARGS) if OBSERVER_KWARGS else '{} (the plain search)'}.")
+                 f"The integer recipes' mse columns (PTQ mse, QAT + RL, QAD + RL) use observer_kwargs "
+                 f"{json.dumps(OBSERVER_KWARGS) if OBSERVER_KWARGS else '{} (the plain search)'}; the float "
+                 f"ones the plain search.")
     summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
     print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
     if a.write_results:

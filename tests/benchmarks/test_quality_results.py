@@ -71,3 +71,29 @@ def test_write_results_replaces_only_its_task_section(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["RESULTS.md", "quality.md"]              # no temporary left
     index = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- generated: headline-classifier -->" in index and "| W8A8 | 0.9000 | 0.8000 | 0.8800 | 0.8800 |" in index
+
+
+def test_float_rl_fragments_are_configs_the_float_recipes_take(monkeypatch):
+    """--float-rl: every float recipe's variants load with their recipe (oracle: qcompress's config
+    check, which refuses weight_by on float formats and range learning on MX's power-of-two scales),
+    and learn ranges exactly where the format can."""
+    import pytest
+    from qcompress.config import ConfigError, load_config
+    monkeypatch.setitem(quality.OBSERVER_KWARGS, "weight_by", "inputs")     # the integer recipes' default
+    for key in quality.FLOAT_RECIPES:
+        recipe = os.path.join(ROOT, quality.RECIPES[key][1])
+        formats = quality.weight_formats(recipe)
+        variants = quality.recipe_variants(key, ["qat", "qat_rl", "qad", "qad_rl"], float_rl=True)
+        assert variants == ["qat", "qat_rl", "qad", "qad_rl"]
+        for v in variants:
+            wq = load_config(recipe, quality.fragment(v, "lm", formats)).compression.weight_quantization.shared
+            assert wq.observer == ("mse" if v.endswith("_rl") else "minmax")
+            assert wq.range_learning == (v.endswith("_rl") and formats != {"mxfp4"})
+    mx = os.path.join(ROOT, quality.RECIPES["mxfp4a16"][1])
+    with pytest.raises(ConfigError, match="range_learning"):
+        load_config(mx, {"compression_training": {"weight_quantization": {"shared_parameters": {
+            "observer": "mse", "range_learning": True}}}})
+    with pytest.raises(ConfigError, match="weight_by"):
+        load_config(mx, {"compression_training": {"weight_quantization": {"shared_parameters": {
+            "observer": "mse", "observer_kwargs": {"weight_by": "inputs"}}}}})
+    assert quality.weight_formats(os.path.join(ROOT, quality.RECIPES["w4_g32"][1])) == {"int"}
