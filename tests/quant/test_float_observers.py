@@ -1,22 +1,19 @@
 """The mse observer of the float formats (quant/float_observers.py): never worse than minmax,
 equal to a brute-force search written here with compressed-tensors' own calculate_qparams and
 fake_quantize as the oracle, and exported as what forward used."""
-import json
 import os
 import warnings
 from importlib.util import find_spec
 
 import pytest
 import torch
-import torch.nn as nn
 
 import qcompress as qc
 from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
+from float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
-from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import (calculate_qparams, generate_gparam,  # noqa: E402
@@ -161,29 +158,17 @@ def test_real_weights_error_ratios():
 # --- modules: config, forward, export --------------------------------------------------------
 
 def _doc(fmt, gran=None, **extra):
-    params = {"start_bits": floats.WIDTH[fmt], "target_bits": floats.WIDTH[fmt], "format": fmt,
-              "observer": "mse", **extra}
-    if gran:
-        params["granularity"] = gran
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"w": {"params": params}}}}}
+    return float_weight_doc(fmt, gran, **{"observer": "mse", **extra})
 
 
 def _mlp(dtype):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 160), nn.ReLU(), nn.Linear(160, 32)).to(dtype)
-    with torch.no_grad():
-        m[0].weight[3, 5] = 2.0                 # an outlier the search can clip
-    return m
+    return float_mlp(dtype, outlier=2.0)         # an outlier the search can clip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt,gran", [("fp8_e4m3", "channel"), ("fp8_e4m3", "block"), ("nvfp4", None),
                                       ("mxfp4", None), ("mxfp8", None)])
 def test_module_export_decompresses_to_effective_weight(tmp_path, fmt, gran, dtype):
-    from qcompress.export import export_quantized, load_quantized
-    from safetensors.torch import load_file
     model = _mlp(dtype)
     cfg = qc.load_config(_doc(fmt, gran))
     qc.init_compression(model, cfg)
@@ -192,27 +177,7 @@ def test_module_export_decompresses_to_effective_weight(tmp_path, fmt, gran, dty
     v = model[0].weight.detach()
     s, g = fo.scales_with_shrink(v, spec, fo.mse_shrink(v, spec))
     assert torch.equal(model[0].effective_weight(), floats.fake_quantize_float(v, spec, scale=s, gscale=g))
-    x = torch.randn(3, 64).to(dtype)
-    with torch.no_grad():
-        want = model(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export_quantized(model, tmp_path / "out")
-    qconf = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    (group,) = qconf["config_groups"].values()
-    scheme = QuantizationScheme.model_validate(group)
-    comp = BaseCompressor.get_value_from_registry(group["format"])
-    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
-    for i in (0, 2):
-        local = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")}
-        names = set(comp.compression_param_names(scheme))
-        dense = comp.decompress({k: local[k] for k in names}, scheme)["weight"]
-        assert torch.equal(dense, model[i].effective_weight().detach().to(dense.dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        back = load_quantized(tmp_path / "out", _mlp(dtype))
-    with torch.no_grad():
-        assert torch.equal(back(x), want)
+    export_round_trip(model, tmp_path / "out", _mlp(dtype), dtype)
 
 
 def test_mse_choice_follows_the_weight_and_survives_a_checkpoint():

@@ -3,20 +3,16 @@ scales. Their gradients equal autograd's on the reference formula with the round
 straight through, learning lowers the quantization error, and export writes the scales forward
 used (compressed-tensors decompresses effective_weight bit for bit; reloads are exact)."""
 import copy
-import json
-import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 import qcompress as qc
 from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
+from float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
-from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 
 
 def _ste(rounded, u):
@@ -94,18 +90,10 @@ def test_default_gradient_scale_is_lsq():
 # --- modules --------------------------------------------------------------------------------
 
 def _doc(fmt, gran=None, observer="minmax"):
-    params = {"start_bits": floats.WIDTH[fmt], "target_bits": floats.WIDTH[fmt], "format": fmt,
-              "range_learning": True, "observer": observer}
-    if gran:
-        params["granularity"] = gran
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"w": {"params": params}}}}}
+    return float_weight_doc(fmt, gran, range_learning=True, observer=observer)
 
 
-def _mlp(dtype):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 160), nn.ReLU(), nn.Linear(160, 32)).to(dtype)
+_mlp = float_mlp
 
 
 def _compressed(doc, dtype):
@@ -137,8 +125,6 @@ def test_learned_scales_start_at_the_observers(fmt, gran, observer):
 
 @pytest.mark.parametrize("fmt,gran,dtype,lr", CASES, ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}" for c in CASES])
 def test_learning_lowers_the_error_and_exports_what_forward_used(tmp_path, fmt, gran, dtype, lr):
-    from qcompress.export import export_quantized, load_quantized
-    from safetensors.torch import load_file
     model = _compressed(_doc(fmt, gran), dtype)
     teacher = _mlp(dtype)
     gen = torch.Generator().manual_seed(1)
@@ -156,16 +142,7 @@ def test_learning_lowers_the_error_and_exports_what_forward_used(tmp_path, fmt, 
     assert after < 0.97 * before
     assert all(torch.equal(w, m.weight) for w, m in zip(weights, (model[0], model[2])))
 
-    x = torch.randn(3, 64).to(dtype)
-    with torch.no_grad():
-        want = model(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export_quantized(model, tmp_path / "out")
-    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
-    (group,) = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["config_groups"].values()
-    scheme = QuantizationScheme.model_validate(group)
-    comp = BaseCompressor.get_value_from_registry(group["format"])
+    tensors, x, want = export_round_trip(model, tmp_path / "out", _mlp(dtype), dtype)
     for i in (0, 2):
         mod = model[i]
         local = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")}
@@ -175,13 +152,6 @@ def test_learning_lowers_the_error_and_exports_what_forward_used(tmp_path, fmt, 
             assert local["weight_scale"].dtype == torch.float8_e4m3fn
             assert torch.equal(local["weight_global_scale"], g)
         assert not torch.equal(s, floats.qparams(mod.weight.detach(), mod.qc_wq.spec())[0]), "nothing was learned"
-        dense = comp.decompress({k: local[k] for k in comp.compression_param_names(scheme)}, scheme)["weight"]
-        assert torch.equal(dense, mod.effective_weight().detach().to(dense.dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        back = load_quantized(tmp_path / "out", _mlp(dtype))
-    with torch.no_grad():
-        assert torch.equal(back(x), want)
     # a state_dict carries the learned scales into a freshly compressed model
     again = _mlp(dtype)
     cfg = qc.load_config(_doc(fmt, gran))
