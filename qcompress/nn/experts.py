@@ -506,7 +506,7 @@ def check_weight(part: ExpertMatrix, path: str) -> None:
         raise ConfigError(f"{path}.params.group_size",
                           f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
                           f"matrix in {where}; pick a divisor of {inp}")
-    fmts = {wq.format} if isinstance(wq.format, str) else {f for _, f in wq.format}
+    fmts = {f for _, f in wq.format} if isinstance(wq.format, tuple) else {wq.format or "int"}
     if fmts - {"int"} and (wq.range_learning or wq.range_observer != "minmax"):
         raise ConfigError(f"{path}.params.{'range_learning' if wq.range_learning else 'observer'}",
                           f"float formats on fused experts take minmax scales per expert matrix: {where}; "

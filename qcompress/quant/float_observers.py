@@ -22,7 +22,7 @@ Range learning: the scales are Parameters, in the units the integer path learns 
 scale s, and for NVFP4 each block's effective scale sigma together with the global scale g. Forward
 uses what export stores: FP8 s rounded to the weight's dtype; NVFP4 the block scale e4m3(sigma * g)
 (clamped to e4m3's [2^-9, 448]) and g as FP32. Gradients are LSQ's with the roundings passed straight
-through: dx^/ds = cast(x/s) - x/s inside the range, +-qmax where clamped; dx/dx = 1 inside, 0
+through: dx^/ds = cast(x/s) - x/s inside the range, +-qmax where clamped; dx^/dx = 1 inside, 0
 outside. For NVFP4 s = e4m3(sigma g) / g, so d s / d sigma = 1 and d s / d g = sigma / g - s / g (the
 block scale's rounding residual) where sigma g is inside e4m3's range, -s / g where it saturates:
 the global scale learns mainly from the blocks it saturates; where nothing saturates its value only
