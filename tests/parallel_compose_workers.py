@@ -11,6 +11,7 @@ import torch
 
 import qcompress as qc
 from parallel_workers import compression, tiny_llama
+from qcompress.comm import Compressor, register_compressor
 
 MICRO, SEQ = 2, 12
 
@@ -48,15 +49,11 @@ def train(doc, steps: int = 1, seed: int = 7):
     Returns (losses, gradients of the last step, weights after it, grad norms, (dp rank, dp size))."""
     engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
     grads = {}
-    names = {p: n for n, p in engine.module.named_parameters()}
 
     def keep_grads(opt, args, kwargs):
         # the gradient the optimizer steps with: averaged over replicas and micro-batches, clipped
         grads.clear()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    grads[names[p]] = _whole(p.grad)
+        grads.update({n: _whole(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None})
     opt = getattr(engine.optimizer, "optim", engine.optimizer)
     opt.register_step_pre_hook(keep_grads)
     dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
@@ -106,3 +103,26 @@ def overflow_agreed(doc):
 def clip_and_fp16(rank, world, cases, overflow_doc):
     """meshes(cases) and overflow_agreed(overflow_doc) in one spawn of the ranks."""
     return meshes(rank, world, cases), overflow_agreed(overflow_doc)
+
+
+class ElementwiseFp16(Compressor):
+    """A compressor whose result for each element depends on that element alone (fp16 rounding
+    with error feedback): a tensor-parallel shard compressed on its own then gives exactly what
+    the whole tensor does, so a TP run can be compared with an unsplit one. 1-bit scales span a
+    whole tensor (a shard has its own), so the real 1-bit compressor cannot be compared so."""
+    name = "elementwise-fp16"
+
+    def payload_nbytes(self, numel):
+        return 2 * numel
+
+    def compress(self, x, error, chunks):
+        y = x.reshape(-1).to(torch.float32) + error.reshape(-1).to(torch.float32)
+        h = y.to(torch.float16)
+        return h.reshape(chunks, -1).contiguous().view(torch.uint8), y - h.to(torch.float32)
+
+    def decompress(self, payload, numel):
+        return payload[:, :2 * numel].contiguous().view(torch.float16).to(torch.float32)
+
+
+register_compressor(ElementwiseFp16.name, ElementwiseFp16)
+

@@ -35,7 +35,7 @@ from .seeding import seed_everything
 from .traffic import Traffic, count_fsdp, nbytes_of
 from ..parallel import apply_tensor_parallel, build_mesh
 from ..parallel.pipeline import build_pipeline
-from ..parallel.data_parallel import dp_whole_weights, replicate_over, wrap_root
+from ..parallel.data_parallel import LocalShards, dp_whole_weights, replicate_over, wrap_root
 from ..parallel.grad_norm import share_of_sumsq
 from ..parallel.train_batch import train_batch
 from .zero import (TimedReduceScatter, broadcast_module_state, build_zero1, comm_dtype, full_weights,
@@ -228,11 +228,13 @@ class Engine:
         self._hook = None
         # a split model's ZeRO-1 shards its optimizer state with FSDP2 on the dp sub-mesh, as stage 2:
         # ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor parameters
-        self.sharded = self.stage >= 2 or (self.stage == 1 and self.parallel.mesh is not None)
-        if self.parallel.mesh is not None and self.data_parallel_world_size > 1 and not self.sharded:
-            # replicas of a split model average gradients over the mesh's dp dimension only
-            self.wrapped = replicate_over(wrap_root(self, model), self.parallel.mesh["dp"],
-                                          comm_dtype(cfg.communication_data_type))
+        self.sharded = self.stage >= 2 or (self.stage == 1 and self.parallel.mesh is not None and not self.onebit)
+        if self.parallel.mesh is not None and not self.sharded:
+            # replicas of a split model average gradients over the mesh's dp dimension only; the 1-bit
+            # optimizers exchange over it themselves (LocalShards below)
+            self.wrapped = (model if self.onebit or self.data_parallel_world_size == 1 else
+                            replicate_over(wrap_root(self, model), self.parallel.mesh["dp"],
+                                           comm_dtype(cfg.communication_data_type)))
         elif self.sharded:
             partial = (zero.offload_optimizer.ratio if zero.offload_param.device == "none"
                        and zero.offload_optimizer.device == "cpu" else 1.0)
@@ -259,6 +261,10 @@ class Engine:
         self.compiled = compile_model(self.wrapped, cfg.compile)
         self.param_names = {p: n for n, p in model.named_parameters()}
         params = self._resolve_params(model, model_parameters, names_before)
+        self.local_shards = None      # 1-bit optimizers on a split model: each rank's local tensors
+        if self.onebit and self.parallel.mesh is not None:
+            self.local_shards = LocalShards(params)
+            params = self.local_shards.params
         self.optimizer = self._make_optimizer(params, cfg, optimizer, model)
         self.nvme = self._attach_nvme(zero) if self.nvme_offload else None
         self.optimizer_offload = None     # stage 1: engine/offload.py
@@ -361,9 +367,9 @@ class Engine:
         if self.stage == 1 and self.world_size > 1 and not self.sharded:
             if self.onebit:
                 # 1-bit optimizers shard their own state by the compressed all-reduce's chunks.
-                return build_optimizer(params, opt_cfg, group=self.group, shard_state=True)
+                return build_optimizer(params, opt_cfg, group=self.parallel.dp_group, shard_state=True)
             return build_zero1(params, lambda groups: build_optimizer(groups, opt_cfg), self.group)
-        return build_optimizer(params, opt_cfg, group=self.group)
+        return build_optimizer(params, opt_cfg, group=self.parallel.dp_group)   # the world unless split
 
     def _attach_nvme(self, zero):
         """Optimizer state in files under nvme_path (engine/nvme.py); checked before training."""
@@ -467,6 +473,8 @@ class Engine:
         self._accumulated = 0
         t0 = time.perf_counter()
         self._check_ddp_used_every_parameter()
+        if self.local_shards is not None:
+            self.local_shards.bind(self._local_optimizer())
         overflow = self._unscale_and_clip()
         if overflow:
             self.skipped_steps += 1
@@ -492,6 +500,8 @@ class Engine:
             self.loss_scaler.update(overflow)
         self._mark_ranks()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.local_shards is not None:
+            self.local_shards.clear()
         self.global_steps += 1
         self.global_samples += self.train_batch_size
         if self.pld is not None:

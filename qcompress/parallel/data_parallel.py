@@ -78,3 +78,41 @@ def dp_whole_weights(model: nn.Module, pmesh):
                     pieces = torch.chunk(new, pmesh.shape.dp, dim=0)
                     rank = pmesh.dp_rank
                     p.to_local().copy_(pieces[rank] if rank < len(pieces) else new[:0])
+
+
+class LocalShards:
+    """The 1-bit optimizers on a split model: they exchange (compressed) momentum over the dp
+    group themselves, each rank its own local tensors, so each gets this rank's pieces (a TP
+    shard's local tensor, a stage's parameters) as plain tensors sharing the parameters' storage.
+    No data-parallel wrapper runs: at each optimizer boundary `bind` hands the optimizer the local
+    gradients and, while it expects averaged ones (warmup), averages them over the dp group."""
+
+    def __init__(self, params):
+        self.pairs = []          # (model parameter, the plain tensor the optimizer steps)
+        self._views = {}
+
+        def view(p):
+            if id(p) not in self._views:
+                # requires_grad as the parameter's: the 1-bit optimizers skip frozen tensors by it
+                self._views[id(p)] = (p.to_local().detach().requires_grad_(p.requires_grad) if is_dtensor(p)
+                                      else p)
+                self.pairs.append((p, self._views[id(p)]))
+            return self._views[id(p)]
+        items = list(params)
+        if items and isinstance(items[0], dict):
+            self.params = [dict(g, params=[view(p) for p in g["params"]]) for g in items]
+        else:
+            self.params = [view(p) for p in items]
+
+    def bind(self, optimizer) -> None:
+        """Before the gradient norm and the step: local gradients on the optimizer's tensors,
+        averaged over the dp group unless the optimizer is in its compressed stage."""
+        for p, v in self.pairs:
+            if v is not p:
+                v.grad = None if p.grad is None else (p.grad.to_local() if is_dtensor(p.grad) else p.grad)
+        optimizer.sync_gradients()
+
+    def clear(self) -> None:
+        """After the step: the parameters' own gradients go too (zero_grad cleared the views')."""
+        for p, _ in self.pairs:
+            p.grad = None

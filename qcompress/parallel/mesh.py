@@ -72,8 +72,8 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
 
 def _refuse_with_split(cfg, tp: int, pp: int) -> None:
     """Settings the tensor / pipeline engine does not run yet, refused by key before anything starts."""
-    what = f"tensor_parallel.autotp_size {tp}" if tp > 1 else f"pipeline.stages {pp}"
     opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
-    if opt in ("onebitadam", "zerooneadam", "onebitlamb"):
-        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with {what}: its compressed all-reduce runs "
-                          "over data-parallel replicas, which need data parallelism composed with the split")
+    if opt == "onebitlamb" and tp > 1:
+        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with tensor_parallel.autotp_size {tp}: LAMB's "
+                          "trust ratio is the norm of each whole tensor, and a tensor-parallel rank holds a shard "
+                          "of it; use OneBitAdam or ZeroOneAdam, or pipeline stages without tensor parallelism")
