@@ -1,7 +1,7 @@
 """The classifier's QAD against its teacher: what a student distilling the FP32 fine-tune learns in
 the quality page's budget, with no quantization in the way.
 
-    python benchmarks/qad_teacher.py [--steps 10] [--pairs 10:0.5,10:0.9,10:1,30:0.9] [--write-results]
+    python benchmarks/qad_teacher.py [--steps 10] [--pairs 10:0.5,10:0.9,30:0.9] [--write-results]
 
 benchmarks/quality.py's classifier QAD distils (KL at T 1) the FP32 fine-tune of the same budget
 (`teacher: baseline`), starting the student from the pretrained checkpoint like every other
@@ -39,7 +39,7 @@ def parse_pairs(text: str) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="the student's steps (the quality page's budget)")
-    p.add_argument("--pairs", default="10:0.5,10:0.9,10:1,30:0.9", help="TEACHER_STEPS:ALPHA, comma list")
+    p.add_argument("--pairs", default="10:0.5,10:0.9,30:0.9", help="TEACHER_STEPS:ALPHA, comma list")
     p.add_argument("--train-samples", type=int, default=320)
     p.add_argument("--eval-samples", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=32)
