@@ -29,9 +29,14 @@ quality() {
       --steps 200 --layers 2 --d-model 256 --heads 4
   $PY benchmarks/quality.py --task classifier --recipes w8a8,w4a8_g128,fp8_dynamic,nvfp4,mxfp4a16 --train-samples 320 --eval-samples 150 \
       --threads 1 --write-results
-  # the float recipes take minmax scales only: they run QAT and QAD where the integer ones run all three variants
+  # why the classifier's QAD trails its QAT at this budget: the student against its teacher's confidence
+  $PY benchmarks/qad_teacher.py --threads 1 --write-results
+  # the float recipes run QAT and QAD (minmax) where the integer ones run all three variants, then their
+  # mse rows (PTQ mse, QAT + RL) by --float-rl; the second line writes the table of both
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes w4_g32,fp8_dynamic,fp8_block,nvfp4,nvfp4a16,mxfp4a16 \
-      --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
+      --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1
+  $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes fp8_dynamic,nvfp4,mxfp4a16,fp8_block,nvfp4a16 \
+      --float-rl --variants qat_rl --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
   $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
   # the MoE model is made by moe.py itself, pinned to --steps (kept in runs/moe-austen)
   $PY benchmarks/moe.py --steps 600 --qat-steps 120 --threads 1
