@@ -104,22 +104,37 @@ def _onebit(kind):
     # two warmup steps (gradients averaged over dp), then two compressed steps; the elementwise
     # compressor (parallel_compose_workers.ElementwiseFp16) makes a TP shard's exchange equal the
     # whole tensor's, so the split run must equal the unsplit one
-    freeze = {"freeze_step": 2} if kind == "OneBitAdam" else {"var_freeze_step": 2, "local_step_scaler": 2,
+    freeze = {"freeze_step": 2} if kind != "ZeroOneAdam" else {"var_freeze_step": 2, "local_step_scaler": 2,
                                                                "local_step_clipper": 2}
     return {"type": kind, "params": {"lr": 1e-3, "compressor": cw.ElementwiseFp16.name, **freeze}}
 
 
 def test_onebit_optimizers_exchange_over_the_dp_group_with_tp2():
-    kinds = ["OneBitAdam", "ZeroOneAdam"]
-    split = run_ranks(cw.meshes, 4, [(k, dict(tp=2, optimizer=_onebit(k))) for k in kinds], 4, timeout=500)
-    unsplit = run_ranks(cw.meshes, 2, [(k, dict(optimizer=_onebit(k))) for k in kinds], 4, timeout=300)
-    for kind in kinds:
+    cases = {"OneBitAdam tp2": dict(tp=2, optimizer=_onebit("OneBitAdam")),
+             "ZeroOneAdam tp2": dict(tp=2, optimizer=_onebit("ZeroOneAdam")),
+             "OneBitAdam tp2 zero-1": dict(tp=2, optimizer=_onebit("OneBitAdam"), zero_optimization={"stage": 1}),
+             "OneBitLamb pp2": dict(pp=2, optimizer=_onebit("OneBitLamb"))}
+    split = run_ranks(cw.meshes, 4, list(cases.items()), 4, timeout=500)
+    unsplit = run_ranks(cw.meshes, 2, [(name, dict(kw, tp=1, pp=1)) for name, kw in cases.items()], 4,
+                        timeout=300)
+    for name in cases:
         for rank, result in enumerate(split):
-            losses, _, weights, _, (dp_rank, _) = result[kind]
-            want = unsplit[dp_rank][kind]          # the same replica of the unsplit run
-            assert losses == pytest.approx(want[0], rel=REL), f"{kind}, rank {rank}"
-            for name, w in weights.items():
+            losses, _, weights, _, (dp_rank, _) = result[name]
+            want = unsplit[dp_rank][name]          # the same replica of the unsplit run
+            assert losses == pytest.approx(want[0], rel=REL), f"{name}, rank {rank}"
+            for pname, w in weights.items():
                 # Adam divides float summation noise by small second moments: weights agree less
                 # tightly than losses; an exchange over the wrong ranks moves them by 10 % and more
-                err = _rel(w, want[2][name])
-                assert err < 2e-3, f"{kind}, rank {rank}: {name} differs by {err}"
+                err = _rel(w, want[2][pname])
+                assert err < 2e-3, f"{name}, rank {rank}: {pname} differs by {err}"
+
+
+def test_onebit_lamb_with_tensor_parallelism_is_refused_by_key():
+    import qcompress as qc
+    from qcompress.errors import ConfigError
+    from qcompress.parallel import build_mesh
+    from parallel_workers import tiny_llama
+    cfg = qc.load_config(cw.config(tp=2, optimizer=_onebit("OneBitLamb")))
+    with pytest.raises(ConfigError, match="optimizer.type") as err:
+        build_mesh(cfg, 4, tiny_llama(), "cpu")      # refused before any mesh is built
+    assert "trust ratio" in str(err.value)
