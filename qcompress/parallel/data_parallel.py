@@ -7,7 +7,8 @@ DTensor tensor parallelism (the 2-D recipe: a TP DTensor becomes a 2-D (dp, tp) 
 with torch.distributed.pipelining (PipelineStage runs an FSDPModule stage's gradient sync once
 per schedule step): `replicate` at ZeRO stage 0, `fully_shard` (engine/zero.py wrap_fsdp on the
 dp sub-mesh) at stages 1-3. A pipeline's root is its stage module (the one PipelineStage runs),
-else the model.
+else the model. The 1-bit optimizers exchange over the dp group themselves and run without a
+wrapper (LocalShards); dp_whole_weights gives the compression scheduler whole weights over dp.
 """
 from __future__ import annotations
 
