@@ -272,6 +272,30 @@ def drift_section(args) -> str:
             "loss.\n\n" + "\n".join(rows) + "\n")
 
 
+def spread_section(args) -> str:
+    """Single processes whose initial weights differ by one ulp, at the training section's setting:
+    how far apart runs end that differ only by float noise."""
+    opts = dict(lr=args.lr, warmup=args.warmup)
+    rows = ["| scheme | initial weights | final loss | vs unperturbed | mean of the last 20 steps vs unperturbed |",
+            "|---|---|---|---|---|"]
+    for sname in args.schemes:
+        base = run_mesh(sname, "1 process", args.steps, opts)[0]["losses"]
+        finals = [base[-1]]
+        rows.append(f"| {sname} | as initialised | {base[-1]:.4f} | 0 | 0 |")
+        for s in range(1, args.ulp_runs + 1):
+            x = run_mesh(sname, "1 process", args.steps, dict(opts, ulp_seed=s))[0]["losses"]
+            finals.append(x[-1])
+            rows.append(f"| {sname} | +1 ulp (seed {s}) | {x[-1]:.4f} | {_pct(x[-1], base[-1])} | "
+                        f"{_pct(tail_mean(x), tail_mean(base))} |")
+            print(rows[-1], flush=True)
+        mean, sd = statistics.fmean(finals), statistics.stdev(finals)
+        rows.append(f"| {sname} | all {len(finals)} runs | {mean:.4f} +- {sd:.4f} (sd) | "
+                    f"{min(finals):.4f} .. {max(finals):.4f} | range {100 * (max(finals) - min(finals)) / mean:.2f} % of the mean |")
+    return (f"The training section's setting ({args.steps} steps, warmup {args.warmup}, peak LR {args.lr:g}, "
+            "linear decay to 0), one process, a random half of every initial weight moved one ulp up "
+            "(a different half per seed).\n\n" + "\n".join(rows) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -284,8 +308,11 @@ def main():
     ap.add_argument("--drift", action="store_true", help="write the reduction-order section instead")
     ap.add_argument("--drift-steps", type=int, default=100)
     ap.add_argument("--drift-schemes", nargs="+", default=["none", "W8A8"], choices=list(SCHEMES))
+    ap.add_argument("--spread", action="store_true", help="write the 1-ulp spread section instead")
     args = ap.parse_args()
-    if args.drift:
+    if args.spread:
+        common.write_section("parallel", "spread", spread_section(args), title="Tensor and pipeline parallelism")
+    elif args.drift:
         common.write_section("parallel", "drift", drift_section(args), title="Tensor and pipeline parallelism")
     else:
         common.write_section("parallel", "tiny-llama", training_section(args), title="Tensor and pipeline parallelism")
