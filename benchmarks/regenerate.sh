@@ -49,6 +49,7 @@ parallel() {
   $PY benchmarks/parallel.py --drift --drift-steps 100 --ulp-runs 2
   $PY benchmarks/parallel_flips.py --steps 5
   $PY benchmarks/parallel.py --steps 200 --ulp-runs 2
+  $PY benchmarks/parallel.py --spread --steps 200 --ulp-runs 7 --schemes W8A8
 }
 
 case "$what" in
