@@ -108,12 +108,14 @@ def scales_with_shrink(x: torch.Tensor, spec: FloatSpec, shrink: torch.Tensor) -
 # --- the mse search ---------------------------------------------------------------------------
 
 def group_errors(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor],
-                 norm: float = 2.0) -> torch.Tensor:
-    """Per scale: sum over its elements of |x^ - x|^norm (float64, the scale's absmax shape)."""
+                 norm: float = 2.0, x64: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per scale: sum over its elements of |x^ - x|^norm (float64, the scale's absmax shape);
+    x64: x.double(), when the caller computes it once for many candidates."""
     y = floats.fake_quantize_float(x.detach(), spec, scale=scale, gscale=gscale)
-    d = floats._tiles(y.double() - x.detach().double(), spec)      # block padding adds 0
-    e = d.square() if norm == 2.0 else d.abs().pow(norm)
-    return e.sum(dim=floats._reduce_dims(d, spec))
+    x64 = x.detach().double() if x64 is None else x64
+    d = y.double().sub_(x64)
+    e = floats._tiles(d.mul_(d) if norm == 2.0 else d.abs_().pow_(norm), spec)    # block padding adds 0
+    return e.sum(dim=floats._reduce_dims(e, spec))
 
 
 def candidates(spec: FloatSpec, search: Search = DEFAULT_SEARCH, device=None) -> torch.Tensor:
@@ -143,8 +145,9 @@ def _argmin(x, spec, a, grid, g, norm):
         choices = list(grid)
     best = torch.zeros_like(a, dtype=torch.float32) + choices[0]
     best_err = torch.full(a.shape, float("inf"), dtype=torch.float64, device=a.device)
+    x64 = x.double()
     for p in choices:
-        err = group_errors(x, spec, block_scales(a, spec, p, g), g, norm)
+        err = group_errors(x, spec, block_scales(a, spec, p, g), g, norm, x64)
         better = err < best_err          # strict: on a tie the larger scale stays
         if spec.scale_kind == "e4m3":
             better &= p <= steps
@@ -167,9 +170,10 @@ def mse_shrink(x: torch.Tensor, spec: FloatSpec, search: Search = DEFAULT_SEARCH
         zero = torch.zeros_like(a, dtype=torch.float32)
         tot = []
         pgs = grid[grid > 0.5]
+        x64 = x.double()
         for pg in pgs:
             gp = global_at(x, pg)
-            tot.append(group_errors(x, spec, block_scales(a, spec, zero, gp), gp, search.norm).sum())
+            tot.append(group_errors(x, spec, block_scales(a, spec, zero, gp), gp, search.norm, x64).sum())
         pg = pgs[int(torch.argmin(torch.stack(tot)))]      # argmin: the first (largest) of equal errors
         g, tail = global_at(x, pg), [pg.reshape(1)]
     best = _argmin(x, spec, a, grid, g, search.norm)
