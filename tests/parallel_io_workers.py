@@ -108,3 +108,18 @@ def onebit_save(rank, world, folder):
     engine.train_batch(it), engine.train_batch(it)
     engine.save_checkpoint(folder)
     return doc
+
+
+def tied_export(rank, world, folder):
+    """export_quantized at PP2 of a Llama whose lm_head is its embedding: (error type, message)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    doc = config(pp=2)
+    engine = qc.initialize(qc.init_compression(model, qc.load_config(doc)), doc)
+    try:
+        qc.export_quantized(engine, os.path.join(folder, "tied"))
+    except Exception as err:       # noqa: BLE001 - the test reads which error each rank raised
+        return type(err).__name__, str(err)
+    return None

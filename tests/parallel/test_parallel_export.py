@@ -40,3 +40,10 @@ def test_export_from_pipeline_stages_equals_single_process_export(tmp_path, worl
     assert "lm_head.weight" not in results[0][0] and "lm_head.weight" in results[-1][0]
     iow.single_export(results, str(tmp_path), iow.config(tp=tp, pp=2))
     _same_export(str(tmp_path))
+
+
+def test_export_of_stages_sharing_tied_embeddings_is_refused(tmp_path):
+    first, last = run_ranks(iow.tied_export, 2, str(tmp_path), timeout=300)
+    assert first[0] == "NotImplementedError" and "lm_head" in first[1] and "tied" in first[1], first
+    assert last[0] == "RuntimeError" and "rank 0 failed" in last[1], last
+    assert not os.path.exists(os.path.join(str(tmp_path), "tied", "model.safetensors"))
