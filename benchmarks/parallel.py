@@ -236,9 +236,8 @@ def training_section(args) -> str:
             tp, pp, dp = MESHES[mesh]
             if tp == pp == 1:
                 dp_times[dp] = max(o["step_s"] for o in out)
-            else:
-                loss_rows.append(f"| {sname} | {mesh} | {len(out)} | {l0[-1]:.4f} | {_pct(l0[-1], b[-1])} | "
-                                 f"{_pct(tail_mean(l0), tail_mean(b))} |")
+            loss_rows.append(f"| {sname} | {mesh} | {len(out)} | {l0[-1]:.4f} | {_pct(l0[-1], b[-1])} | "
+                             f"{_pct(tail_mean(l0), tail_mean(b))} |")
             cost_rows.append(_cost_row(sname, mesh, out, dp_times.get(len(out)) if tp * pp > 1 else None))
             print(loss_rows[-1], cost_rows[-1], sep="\n", flush=True)
     n = sum(p.numel() for p in _model().parameters())
