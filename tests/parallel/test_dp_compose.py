@@ -150,7 +150,7 @@ def test_onebit_lamb_with_tensor_parallelism_is_refused_by_key():
 EIGHT_RANKS = os.environ.get("QCOMPRESS_TEST_8_RANKS") == "1"
 
 
-@pytest.mark.skipif(not EIGHT_RANKS, reason="8 gloo ranks take about 2 minutes on a 2-core machine: set "
+@pytest.mark.skipif(not EIGHT_RANKS, reason="8 gloo ranks take 2-4 minutes on a 2-core machine: set "
                     "QCOMPRESS_TEST_8_RANKS=1 to run PP2 x TP2 x DP2 (benchmarks/parallel.py trains it too)")
 def test_pp2_x_tp2_x_dp2_step_equals_one_process():
     cases = [("pp2 x tp2 x dp2 clip", dict(tp=2, pp=2, gradient_clipping=0.3)),
