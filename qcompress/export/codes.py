@@ -7,32 +7,19 @@ the export stops with an error naming the module.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Dict, Optional
 
 import torch
 
 from ..quant import reference
-from ..quant.observers import Search
 from ..quant.packing import pack_int32
 from ..quant.reference import make_spec
-from .entry import WeightEntry   # apart from this module: floats.py builds them too
+from .entry import WeightEntry, observer_kwargs   # apart from this module: floats.py builds them too
 from .errors import ExportError
 
 WQ_KEY = "compression_training.weight_quantization"
 PACKED_BITS = (2, 4)   # written as weight_packed int32; 8 and odd widths as int8 `weight`
-
-
-def observer_kwargs(q) -> Dict[str, object]:
-    """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search
-    (without weight_by and cross_groups, qcompress's own: other tools hand these to their observers)."""
-    if q.range_observer != "mse":
-        return {}
-    out = dataclasses.asdict(Search(*q.range_search))
-    out.pop("weight_by")
-    out.pop("cross_groups")
-    return out
 
 
 def fmt_for(bits: int) -> str:

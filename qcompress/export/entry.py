@@ -2,10 +2,13 @@
 (integer formats) and floats.py (float formats) both build entries without importing each other."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
+
+from ..quant.observers import Search
 
 
 @dataclass
@@ -24,3 +27,14 @@ class WeightEntry:
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     observer: str = "minmax"  # how the range was chosen (compressed-tensors' observer name)
     observer_kwargs: Dict[str, object] = field(default_factory=dict)   # the mse search's settings
+
+
+def observer_kwargs(q) -> Dict[str, object]:
+    """compressed-tensors' observer_kwargs of a weight / activation quantizer: the mse search
+    (without weight_by and cross_groups, qcompress's own: other tools hand these to their observers)."""
+    if q.range_observer != "mse":
+        return {}
+    out = dataclasses.asdict(Search(*q.range_search))
+    out.pop("weight_by")
+    out.pop("cross_groups")
+    return out

@@ -19,7 +19,7 @@ from typing import Dict
 import torch
 
 from ..quant import floats
-from .entry import WeightEntry
+from .entry import WeightEntry, observer_kwargs
 from .errors import ExportError
 
 FORMAT_OF = {"fp8_e4m3": "float-quantized", "nvfp4": "nvfp4-pack-quantized",
@@ -102,6 +102,8 @@ def weight_entry(mod, q, s, g, spec):
                         dtype=str(ref.dtype).replace("torch.", ""), transposed=mod.qc_kind == "hf_conv1d",
                         target_bits=wq.target_bits)
     entry.args = weight_args(spec)
+    # the mse observer's choice, recorded as the integer path does (compressed-tensors' names)
+    entry.args.update(observer=wq.range_observer, observer_kwargs=observer_kwargs(wq))
     t = entry.tensors
     rows = ref.shape[0]
     if spec.bits == 8:

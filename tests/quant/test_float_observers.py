@@ -5,6 +5,8 @@ import os
 import warnings
 from importlib.util import find_spec
 
+import json
+
 import pytest
 import torch
 
@@ -178,6 +180,11 @@ def test_module_export_decompresses_to_effective_weight(tmp_path, fmt, gran, dty
     s, g = fo.scales_with_shrink(v, spec, fo.mse_shrink(v, spec))
     assert torch.equal(model[0].effective_weight(), floats.fake_quantize_float(v, spec, scale=s, gscale=g))
     export_round_trip(model, tmp_path / "out", _mlp(dtype), dtype)
+    # the config says how the scales were chosen, as compressed-tensors names it
+    qcfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (group,) = qcfg["config_groups"].values()
+    assert group["weights"]["observer"] == "mse"
+    assert group["weights"]["observer_kwargs"] == {"grid": 100, "maxshrink": 0.8, "norm": 2.0}
 
 
 def test_mse_choice_follows_the_weight_and_survives_a_checkpoint():
