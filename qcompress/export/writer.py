@@ -134,7 +134,10 @@ def build_config(model, modules, plain_linears) -> dict:
         base.pop("quantization_config", None)
         # the class exported, as save_pretrained writes it: a BertForSequenceClassification
         # fine-tuned from a BertModel checkpoint must not reload as BertModel
-        base["architectures"] = [type(root).__name__]
+        # FSDP2's fully_shard / replicate swap a model's class for one they derive from it
+        # (FSDPLlamaForCausalLM): record the model's own
+        own = next(c for c in type(root).__mro__ if not c.__module__.startswith("torch.distributed"))
+        base["architectures"] = [own.__name__]
         # the dtype trained in, as save_pretrained records it: a model cast with .to(bfloat16)
         # keeps "float32" in its config, and transformers' default dtype="auto" reads this key
         dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), None)
