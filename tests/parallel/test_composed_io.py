@@ -131,3 +131,14 @@ def test_train_under_torchrun_at_tp2_x_dp2_follows_one_process(llama, tmp_path):
     st = rep["stages"]
     assert st["exported"]["perplexity"] == st["qat"]["perplexity"]
     assert st["exported"]["max_logit_diff_vs_qat"] == 0.0
+
+
+def test_zero3_tp2_x_dp2_checkpoint_resumes_at_tp2_without_replicas(composed):
+    """Another mesh shape: the ZeRO-3 TP2 x DP2 checkpoint (2-D DTensors) into TP2 on 2 ranks at
+    stage 0; DCP reshards every tensor, and what loads equals what was saved."""
+    folder, results = composed
+    name = "tp2 x dp2 zero-3"
+    loaded = run_ranks(iow.mesh_resume, 2, os.path.join(folder, name), 2, 1, False, timeout=300)
+    saved = _merged(results, name, "saved")
+    for rank, (state, _) in enumerate(loaded):
+        _same(saved, state, f"rank {rank}")
