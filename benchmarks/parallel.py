@@ -10,9 +10,10 @@ time and the bytes sent per step by each process group (benchmarks/collective_by
 
 `--drift` writes the reduction-order section instead: one process against itself with its
 initial weights moved by one ulp, against one process whose row-parallel layers sum two halves
-of their matmul (the order tensor parallelism adds them in), and against TP2.
+of their matmul (the order tensor parallelism adds them in), and against TP2. `--spread` writes
+the final losses of single processes nudged by one ulp at the training setting (section "spread").
 
-    .venv/bin/python benchmarks/parallel.py [--steps 200] [--meshes ...] [--drift]
+    .venv/bin/python benchmarks/parallel.py [--steps 200] [--meshes ...] [--drift | --spread]
 """
 from __future__ import annotations
 
