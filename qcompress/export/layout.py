@@ -89,7 +89,7 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
 
     for name, m in modules.items():
         if portable(m):
-            add(m, [re.escape(name)])
+            add(m, [name])
     local_only = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
     reasons = [unportable_reason(modules[n]) for n in local_only]
     ignore = list(plain_linears) + local_only
@@ -111,7 +111,10 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
         # (W4A8 -> int-quantized, int-quantized 8-bit next to activations -> another layout) and
         # transformers builds modules the tensors do not fit
         scheme = dict(groups[key]["scheme"])
-        scheme["targets"] = ["re:^(?:" + "|".join(members[key]) + ")$"]
+        # Linears by their plain names (vLLM maps those to its own module names, e.g. gpt-oss'
+        # self_attn -> attn; it leaves `re:` targets as they are), experts by one pattern per projection
+        names = [m for m in members[key] if not m.startswith("re:")]
+        scheme["targets"] = names + [m for m in members[key] if m.startswith("re:")]
         config_groups[gname] = scheme
     weight_schemes = [g["weights"] for g in config_groups.values() if g["weights"] is not None]
     if len({json.dumps(w, sort_keys=True) for w in weight_schemes}) > 1:
@@ -140,8 +143,9 @@ def expert_modules(rec: dict) -> List[str]:
 
 
 def expert_targets(rec: dict) -> Optional[List[str]]:
-    """Regex fragments matching exactly the per-expert module names of an experts record, one
-    `\\d+` fragment per projection that every expert has; None for a fused (gpt-oss) record."""
+    """`targets` entries matching exactly the per-expert module names of an experts record: one
+    `re:` pattern per projection that every expert has, plain names otherwise; None for a fused
+    (gpt-oss) record."""
     if rec.get("fused") is not None or not rec.get("pieces"):
         return None
     n_experts = rec["shape"][0]
@@ -150,15 +154,15 @@ def expert_targets(rec: dict) -> Optional[List[str]]:
     for saved, e, _, _ in rec["pieces"]:
         m = _EXPERT_PIECE.match(saved)
         if m is None or int(m.group(2)) != e:
-            loose.append(re.escape(saved[: -len(".weight")] if saved.endswith(".weight") else saved))
+            loose.append(saved[: -len(".weight")] if saved.endswith(".weight") else saved)
             continue
         seen.setdefault((m.group(1), m.group(3)), set()).add(e)
     out = []
     for (prefix, proj), es in sorted(seen.items()):
         if es == set(range(n_experts)):
-            out.append(re.escape(prefix) + r"\.\d+\." + re.escape(proj))
+            out.append("re:^" + re.escape(prefix) + r"\.\d+\." + re.escape(proj) + "$")
         else:
-            out.extend(re.escape(f"{prefix}.{e}.{proj}") for e in sorted(es))
+            out.extend(f"{prefix}.{e}.{proj}" for e in sorted(es))
     return out + loose
 
 

@@ -24,12 +24,22 @@ def verify(folder, *, vllm: bool = False, transformers: bool = False, load: bool
     """The offline checks always; transformers' and vLLM's own loaders when asked (each import
     error is a problem of that consumer: it was asked for and is not there)."""
     import os
+    from .offline import check_load_quantized, greedy, module_rows, probe_ids
     export = read_export(os.fspath(folder))
-    report = verify_offline(export, load=load)
+    report = Report(export.folder)
+    module_rows(export, report)
+    model = check_load_quantized(export, report) if load else None
     if transformers:
         from .hf import check_transformers
-        check_transformers(export, report)
+        check_transformers(export, report, model)
     if vllm:
-        from .vllm import check_vllm
-        check_vllm(export, report, dtype=vllm_dtype)
+        from .vllm import check_vllm, default_dtype
+        dtype = vllm_dtype or default_dtype(export)
+        prompts = probe_ids(export.config, batch=2)
+        reference = None
+        if model is not None and type(model).__name__.endswith("ForCausalLM"):
+            reference = greedy(model, prompts, 6)
+        # bfloat16 serving against a float32 reference: log-probabilities agree to bfloat16's precision
+        check_vllm(export, report, dtype=dtype, prompts=prompts.tolist(), steps=6, reference=reference,
+                   tol=1e-2 if dtype == str(export.config.get("dtype") or "float32") else 0.1)
     return report
