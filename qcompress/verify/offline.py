@@ -184,6 +184,10 @@ def verify_offline(export: Export, load: bool = True) -> Report:
     return report
 
 
-def summary(report: Report) -> List[str]:
-    """Lines for a training report: the problems, or that verify found none."""
-    return [p.line() for p in report.problems] or ["ok"]
+def offline_verify(folder: str) -> dict:
+    """`qcompress verify FOLDER`'s offline part for a training report (the caller has reloaded the
+    export already): {"exit_code", "problems", "notes"}."""
+    from .export import read_export
+    report = verify_offline(read_export(folder), load=False)
+    return {"exit_code": report.exit_code, "problems": [p.line() for p in report.problems],
+            "notes": list(report.notes)}

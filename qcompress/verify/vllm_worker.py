@@ -153,19 +153,25 @@ def load_check(folder: str, dtype: str) -> dict:
 
 
 def generate(folder: str, dtype: str, prompts, steps: int) -> dict:
+    """Greedy generation; `prompts` is a list of token-id lists (one batch) or {"runs": [batch, ...]},
+    each batch one generate call (batch 1 and batch 8 in one process)."""
+    runs = prompts["runs"] if isinstance(prompts, dict) else [prompts]
     from vllm import LLM, SamplingParams
     with open(os.path.join(folder, "config.json")) as fh:
         positions = int(json.load(fh).get("max_position_embeddings") or 128)
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=min(128, positions),
-              max_num_seqs=max(8, len(prompts)), seed=0, kv_cache_memory_bytes=64 << 20)
+              max_num_seqs=max(8, max(len(r) for r in runs)), seed=0, kv_cache_memory_bytes=64 << 20)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=5, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
-    res = []
-    for o in outs:
-        c = o.outputs[0]
-        res.append({"tokens": list(c.token_ids),
-                    "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]})
-    return {"outputs": res}
+    results = []
+    for batch in runs:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in batch], sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            res.append({"tokens": list(c.token_ids),
+                        "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]})
+        results.append(res)
+    return {"outputs": results[0], "runs": results}
 
 
 def main(argv=None) -> int:
