@@ -214,8 +214,7 @@ def transformers_consumer(folder: str) -> dict:
 
 
 def write_page(rows, args, versions) -> str:
-    lines = ["# Where each recipe serves", "",
-             "Written by `benchmarks/serving_check.py` (`make serve-check`): tiny models (2 layers x 128, "
+    lines = ["Written by `benchmarks/serving_check.py` (`make serve-check`): tiny models (2 layers x 128, "
              f"vocab {VOCAB}) pretrained {args.steps} steps on a learnable pattern, each recipe trained "
              f"{args.qat_steps} steps into them and exported, then read by each consumer. "
              f"Versions: {versions}. vLLM runs on this machine's CPU; where its CPU backend has no kernel "
@@ -291,11 +290,10 @@ def main(argv=None) -> int:
                 shutil.rmtree(out, ignore_errors=True)
     page = write_page(rows, a, versions)
     if a.write_results:
-        tmp = RESULTS + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(page)
-        os.replace(tmp, RESULTS)
-        print(f"wrote {RESULTS}")
+        sys.path.insert(0, HERE)
+        import common
+        key = "conformance" if a.recipes is None and list(a.families) == list(FAMILIES) else "conformance-subset"
+        print(f"wrote {common.write_section('serving', key, page, title='Where each recipe serves')}")
     else:
         print(page)
     if a.work is None:
