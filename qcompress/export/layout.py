@@ -62,21 +62,47 @@ def _group_names(groups: Dict[str, dict]) -> Dict[str, str]:
     return {k: f"group_{i:0{width}d}_{groups[k]['base']}" for i, k in enumerate(order)}
 
 
-def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> dict:
-    """The compressed-tensors schema for the portable (nn.Linear) part of the manifest."""
+def _scheme(rec: dict) -> dict:
+    return {"weights": rec["weights"], "input_activations": input_args(rec["input_activations"]),
+            "output_activations": None, "format": rec["format"]}
+
+
+def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
+                        experts: Optional[Dict[str, dict]] = None) -> dict:
+    """The compressed-tensors schema of everything a compressed-tensors reader can load.
+
+    Linear layers are matched by their exact names; MoE experts by the per-expert module names that
+    vLLM asks for (`{experts}.{e}.{gate,up,down}_proj`, Mixtral's `w1/w3/w2`) and that the tensors are
+    written under (`expert_targets`). What only qcompress.load_quantized reads (Conv, Embedding,
+    transformers' Conv1D, partial groups, gpt-oss' fused experts) goes to `ignore` and to the refusal
+    group, so that no loader applies a scheme to it or loads it as float weights."""
     groups: Dict[str, dict] = {}
     members: Dict[str, List[str]] = {}
-    for name, m in modules.items():
-        if not portable(m):
-            continue
-        w = m["weights"]
-        scheme = {"weights": w, "input_activations": input_args(m["input_activations"]),
-                  "output_activations": None, "format": m["format"]}
+
+    def add(rec, fragments):
+        scheme = _scheme(rec)
         key = json.dumps(scheme, sort_keys=True)
         if key not in groups:
-            groups[key] = {"base": m["group"] or "group", "scheme": scheme}
+            groups[key] = {"base": rec["group"] or "group", "scheme": scheme}
             members[key] = []
-        members[key].append(name)
+        members[key].extend(fragments)
+
+    for name, m in modules.items():
+        if portable(m):
+            add(m, [name])
+    local_only = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
+    reasons = [unportable_reason(modules[n]) for n in local_only]
+    ignore = list(plain_linears) + local_only
+    for name, rec in sorted((experts or {}).items()):
+        if rec["weights"] is None:
+            continue            # input-only experts: no weight scheme for a loader to pick
+        fragments = expert_targets(rec)
+        if fragments is None:
+            local_only.append(name)
+            reasons.append("fused experts (gpt-oss layout), which vLLM and transformers do not read quantized")
+            ignore.append(name)
+            continue
+        add(rec, fragments)
     formats = sorted({g["scheme"]["format"] for g in groups.values()})
     mixed = len(formats) > 1
     config_groups = {}
@@ -85,25 +111,59 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str]) -> d
         # (W4A8 -> int-quantized, int-quantized 8-bit next to activations -> another layout) and
         # transformers builds modules the tensors do not fit
         scheme = dict(groups[key]["scheme"])
-        scheme["targets"] = [exact_target(members[key])]
+        # Linears by their plain names (vLLM maps those to its own module names, e.g. gpt-oss'
+        # self_attn -> attn; it leaves `re:` targets as they are), experts by one pattern per projection
+        names = [m for m in members[key] if not m.startswith("re:")]
+        scheme["targets"] = names + [m for m in members[key] if m.startswith("re:")]
         config_groups[gname] = scheme
     weight_schemes = [g["weights"] for g in config_groups.values() if g["weights"] is not None]
     if len({json.dumps(w, sort_keys=True) for w in weight_schemes}) > 1:
         config_groups[GUARD_GROUP] = guard_scheme(weight_schemes[0])
-    unloadable = sorted(n for n, m in modules.items() if m["weights"] is not None and not portable(m))
-    if unloadable:
-        config_groups[REFUSAL_GROUP] = refusal_scheme(unloadable, [unportable_reason(modules[n]) for n in unloadable])
+    if local_only:
+        config_groups[REFUSAL_GROUP] = refusal_scheme(local_only, reasons)
     return {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision" if mixed else (formats[0] if formats else "dense"),
         "quantization_status": "compressed",
         "config_groups": config_groups,
-        "ignore": sorted(plain_linears),
+        "ignore": sorted(ignore),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+_EXPERT_PIECE = re.compile(r"^(.*)\.(\d+)\.([^.]+)\.weight$")
+
+
+def expert_modules(rec: dict) -> List[str]:
+    """The per-expert Linear names an experts record is written under (`...experts.3.gate_proj`)."""
+    return [saved[: -len(".weight")] for saved, *_ in rec.get("pieces") or ()]
+
+
+def expert_targets(rec: dict) -> Optional[List[str]]:
+    """`targets` entries matching exactly the per-expert module names of an experts record: one
+    `re:` pattern per projection that every expert has, plain names otherwise; None for a fused
+    (gpt-oss) record."""
+    if rec.get("fused") is not None or not rec.get("pieces"):
+        return None
+    n_experts = rec["shape"][0]
+    seen: Dict[tuple, set] = {}
+    loose: List[str] = []
+    for saved, e, _, _ in rec["pieces"]:
+        m = _EXPERT_PIECE.match(saved)
+        if m is None or int(m.group(2)) != e:
+            loose.append(saved[: -len(".weight")] if saved.endswith(".weight") else saved)
+            continue
+        seen.setdefault((m.group(1), m.group(3)), set()).add(e)
+    out = []
+    for (prefix, proj), es in sorted(seen.items()):
+        if es == set(range(n_experts)):
+            out.append("re:^" + re.escape(prefix) + r"\.\d+\." + re.escape(proj) + "$")
+        else:
+            out.extend(f"{prefix}.{e}.{proj}" for e in sorted(es))
+    return out + loose
 
 
 # A config group that no compressed-tensors reader accepts (QuantizationScheme forbids unknown

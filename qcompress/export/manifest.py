@@ -212,6 +212,40 @@ def check_quant_config(qc: dict, modules: dict, cfg_path: str):
                     "input_activations", gname, name, cfg_path)
 
 
+def check_expert_groups(qc: dict, experts: dict, cfg_path: str):
+    """Experts that quantization_config declares (under their per-expert module names) must be
+    declared as the tensors hold them; exports that list them nowhere (older ones) pass."""
+    groups = qc.get("config_groups") or {}
+    groups = groups if isinstance(groups, dict) else {}
+    if not isinstance(experts, dict):
+        return              # load_experts reports a malformed experts manifest
+    for pname, rec in experts.items():
+        if not isinstance(rec, dict) or rec.get("weights") is None:
+            continue
+        for name in layout.expert_modules(rec):
+            hits = [g for g, s in groups.items()
+                    if isinstance(s, dict) and _targeted(s.get("targets"), name, cfg_path)]
+            if not hits:
+                continue
+            if len(hits) > 1 or _targeted(qc.get("ignore"), name, cfg_path):
+                raise CheckpointError(f"{cfg_path}: expert {name!r} of {pname!r} is matched by "
+                                      f"{len(hits)} quantization_config.config_groups and ignore "
+                                      f"{'lists' if _targeted(qc.get('ignore'), name, cfg_path) else 'does not list'} it "
+                                      "(expected exactly one group)")
+            scheme = groups[hits[0]]
+            fmt = scheme.get("format") or qc.get("format")
+            if fmt != rec.get("format"):
+                raise CheckpointError(f"{cfg_path}: quantization_config gives expert {name!r} format {fmt!r} "
+                                      f"(config group {hits[0]!r}), but its tensors are {rec.get('format')}")
+            _check_args(scheme.get("weights"), rec["weights"],
+                        ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic"),
+                        "weights", hits[0], name, cfg_path)
+            act = rec.get("input_activations")
+            _check_args(scheme.get("input_activations"), act and dict(act, type=act.get("type", "int")),
+                        ("num_bits", "type", "symmetric", "strategy", "dynamic"),
+                        "input_activations", hits[0], name, cfg_path)
+
+
 def read_config(folder: str):
     if os.path.exists(folder) and not os.path.isdir(folder):   # e.g. the path of model.safetensors
         raise CheckpointError(f"{folder}: not a folder; an export is the folder that holds config.json "

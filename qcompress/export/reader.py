@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from . import safetensors_io as sio
 from .errors import CheckpointError
-from .manifest import check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
+from .manifest import check_expert_groups, check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
 from .quantized import (QuantizedMixin, _rebuild, class_parts, dequantize_record, gather_refusal, gather_rows,
                         load_steps, pickle_globals, quantized_class, swap)
 from ..unwrap import unwrap
@@ -49,6 +49,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     folder = os.fspath(folder)
     cfg_path, config, qc, modules = read_config(folder)
     check_quant_config(qc, modules, cfg_path)
+    check_expert_groups(qc, config["qcompress"].get("experts"), cfg_path)
     unbound = []                  # files config.json does not bind: reported after content checks
     tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
     resolve_ties(tensors, where, modules)

@@ -125,7 +125,7 @@ def _store_tied_once(users, entries, modules, replaced) -> None:
                 replaced[f"{n}.{k}"] = True      # (float weight, learned scales) stay out too
 
 
-def build_config(model, modules, plain_linears) -> dict:
+def build_config(model, modules, plain_linears, expert_records=None) -> dict:
     root = unwrap(model)
     base = {}
     hf_cfg = getattr(root, "config", None)
@@ -144,7 +144,7 @@ def build_config(model, modules, plain_linears) -> dict:
         if dtype is not None:
             base["dtype"] = str(dtype).replace("torch.", "")
             base.pop("torch_dtype", None)
-    base["quantization_config"] = layout.quantization_config(modules, plain_linears)
+    base["quantization_config"] = layout.quantization_config(modules, plain_linears, expert_records)
     base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
                          "modules": modules}
     return base
@@ -182,7 +182,7 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     if not modules and not expert_records:
         raise ExportError("nothing to export: no module has active weight or activation "
                           "quantization (call init_compression and train/schedule first)")
-    config = build_config(model, modules, plain_linears)
+    config = build_config(model, modules, plain_linears, expert_records)
     if tied:
         config["qcompress"]["tied_tensors"] = tied
     experts.add_to_config(config, expert_records, modules)

@@ -34,6 +34,7 @@ from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (
 from .phases import PhasesMixin
 from .ranks import barrier, rank, world
 from .report import plot_bits, plot_loss, read_metrics, stage_table, write_report
+from ..verify.offline import offline_verify
 from .stages import export_model, quantize_without_training, transformers_attempts
 
 log = logging.getLogger("qcompress.train")
@@ -196,6 +197,9 @@ class Job(BaselineMixin, PhasesMixin):
             result["max_logit_diff_vs_qat"] = max_logit_difference(model, fresh, self.data.eval,
                                                                    o.eval_batch_size, self.tok.pad_token_id)
             result["export_bytes"] = nbytes
+            result["verify"] = offline_verify(export_dir)      # qcompress verify's offline part
+            for line in result["verify"]["problems"]:
+                self.say(f"[verify] {line}")
             self._exported_model = fresh
             return result
         result = self.stage("exported", export_and_reload)

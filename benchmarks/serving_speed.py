@@ -1,0 +1,151 @@
+"""Decode speed of load_quantized(mode="fast") against vLLM's CPU backend on the same exports.
+
+    PYTHONPATH=. .venv-serve/bin/python benchmarks/serving_speed.py            # (make serve-check builds the venv)
+    PYTHONPATH=. .venv-serve/bin/python benchmarks/serving_speed.py --tokens 32 --rounds 3 --write-results
+
+A Llama-shaped model of --layers x --hidden (default 12 x 768, 12 heads / 4 KV heads, SwiGLU 2048,
+vocab 32000, untied: 124 M parameters; random weights, which decode at the speed of trained ones)
+is exported as FP32 (save_pretrained), W8A8 (schedules/w8a8.yaml) and W4A16 g128
+(schedules/w4a16_g128.yaml). Each is decoded greedily for --tokens tokens after an 8-token prompt
+at batch 1 and batch 8, by
+- qcompress: transformers' generate (KV cache) on load_quantized(folder, model, mode="fast")
+  (FP32: the plain transformers model), float32;
+- vLLM CPU (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0): LLM.generate with ignore_eos,
+  float32 for FP32, bfloat16 for W8A8 / W4A16 (its CPU kernels take bfloat16 only).
+Rounds alternate between the two (benchmarks/common.py: interleaved), on one machine that other
+jobs may share: the ratios (qcompress tokens/s over vLLM tokens/s, median of the per-round ratios)
+are the result, not the absolute times. --isa avx2 (default on) holds both to AVX2: ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA and qcompress' own QCOMPRESS_LOWBIT_ISA, set before torch is imported.
+Writes section "llama-124m" of benchmarks/results/serving.md with --write-results.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _early_env(argv):
+    """The ISA caps must be set before torch (and oneDNN) load."""
+    if "--isa" in argv and argv[argv.index("--isa") + 1] == "native":
+        return
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    os.environ.setdefault("QCOMPRESS_LOWBIT_ISA", "avx2")
+
+
+_early_env(sys.argv)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common                                                  # noqa: E402
+
+import torch                                                   # noqa: E402
+
+import qcompress                                               # noqa: E402
+
+
+def llama(args):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                   num_key_value_heads=max(1, args.hidden // 64 // 3), head_dim=64,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def make_exports(args, work):
+    import warnings
+    out = {}
+    base = llama(args)
+    fp = os.path.join(work, "fp32")
+    base.save_pretrained(fp)
+    out["FP32"] = fp
+    for name, recipe in (("W8A8", "w8a8"), ("W4A16", "w4a16_g128")):
+        model = llama(args)
+        cfg = qcompress.load_config(os.path.join(common.ROOT, "schedules", recipe + ".yaml"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qcompress.init_compression(model, cfg)
+            qcompress.redundancy_clean(model, cfg)
+            path = os.path.join(work, recipe)
+            qcompress.export_quantized(model, path, cfg, force=True)
+        out[name] = path
+    return out
+
+
+def qcompress_decoder(name, folder, args):
+    import transformers
+    if name == "FP32":
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        model = qcompress.load_quantized(folder, llama(args), mode="fast")
+    prompts = torch.randint(0, 32000, (8, 8), generator=torch.Generator().manual_seed(1))
+
+    def run(batch):
+        with torch.inference_mode():
+            model.generate(prompts[:batch], max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                           do_sample=False, pad_token_id=0)
+    return run
+
+
+def vllm_decoder(name, folder, args):
+    from vllm import LLM, SamplingParams
+    dtype = "float32" if name == "FP32" else "bfloat16"
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=256, max_num_seqs=8,
+              seed=0, kv_cache_memory_bytes=256 << 20, enforce_eager=args.eager)
+    sp = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0,
+                        detokenize=False)
+    prompts = torch.randint(0, 32000, (8, 8), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def run(batch):
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], sp, use_tqdm=False)
+    return run, llm
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=("avx2", "native"), default="avx2")
+    p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
+    p.add_argument("--schemes", nargs="+", default=["W4A16", "W8A8", "FP32"])
+    p.add_argument("--write-results", action="store_true")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    import tempfile
+    lines = [f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
+             f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode float32, "
+             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32. Shared machine: "
+             "ratios are the result.", "",
+             "| export | batch | qcompress tok/s | vLLM CPU tok/s | qcompress / vLLM |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="qc-speed-") as work:
+        exports = make_exports(a, work)
+        for name in a.schemes:
+            q = qcompress_decoder(name, exports[name], a)
+            v, llm = vllm_decoder(name, exports[name], a)
+            for batch in (1, 8):
+                q(batch), v(batch)                            # warm-up (compilation, caches)
+                t = common.interleaved({"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)},
+                                       repeats=a.rounds)
+                qt = batch * a.tokens / t["qcompress"].median
+                vt = batch * a.tokens / t["vllm"].median
+                row = (f"| {name} | {batch} | {qt:.1f} | {vt:.1f} | "
+                       f"{common.ratio(t, 'vllm', 'qcompress')} |")
+                print(row, flush=True)
+                lines.append(row)
+            del llm, v
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.write_results:
+        common.write_section("serving", "llama-124m", text, title="Decode speed: load_quantized fast vs vLLM CPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""`qcompress verify --transformers`: the export through transformers' from_pretrained.
+
+With compressed-tensors decompressing on load (`dequantize=True`), every quantized weight must
+equal load_quantized's bit for bit; plain from_pretrained must generate load_quantized's greedy
+tokens (compressed-tensors quantizes int8 activations with absmax / 127.5 where qcompress and vLLM
+divide by 127, so a near-tie may flip). Experts with quantized inputs run unquantized there
+(compressed-tensors quantizes the inputs of Linear modules only): reported as a silent dequantization.
+"""
+from __future__ import annotations
+
+import warnings
+
+from .export import Export
+from .report import ConsumerResult, Report
+
+
+def check_transformers(export: Export, report: Report, reference=None) -> None:
+    res = report.consumers.setdefault("transformers", ConsumerResult())
+    try:
+        import torch
+        import transformers
+        from ..export.hf_compat import dequantize_config
+    except ImportError as err:
+        res.detail = f"transformers is not importable ({err})"
+        report.problem("transformers", "(export)", f"--transformers asked, but it is not importable ({err})")
+        return
+    arch = (export.config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if cls is None:
+        res.detail = f"no transformers class {arch!r}"
+        report.problem("transformers", "(model)", f"transformers has no class {arch!r}")
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = cls.from_pretrained(export.folder, quantization_config=dequantize_config(),
+                                     dtype=torch.float32, local_files_only=True).eval()
+    except Exception as err:     # noqa: BLE001 -- a refusal is the answer
+        res.loads = False
+        res.detail = f"refuses: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        report.problem("transformers", "(model)", f"from_pretrained refuses the export ({type(err).__name__}: "
+                                                  f"{str(err).splitlines()[0][:200]})")
+        return
+    res.loads = True
+    if reference is not None:
+        _compare_weights(export, report, hf, reference)
+    for label, row in report.rows.items():
+        if row.kind == "experts" and " / A" in row.scheme and "A16" not in row.scheme:
+            row.consumers["transformers"] = "weights decompressed, inputs NOT quantized"
+            report.problem("transformers", label, "quantized inputs of experts run unquantized in transformers "
+                                                  "(compressed-tensors quantizes Linear inputs only)")
+        else:
+            row.consumers.setdefault("transformers", "decompressed to load_quantized's weights")
+    if reference is None or not type(hf).__name__.endswith("ForCausalLM"):
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = cls.from_pretrained(export.folder, dtype=torch.float32, local_files_only=True).eval()
+        from .offline import greedy, probe_ids
+        from .vllm import compare
+        ids = probe_ids(export.config, batch=2)
+        want = greedy(reference, ids, 4)
+        got_tokens, got_lps = greedy(plain, ids, 4)
+        outs = [{"tokens": got_tokens[i].tolist(),
+                 "logprobs": [{str(int(t)): float(got_lps[i, s, t]) for t in got_lps[i, s].topk(5).indices}
+                              for s in range(got_tokens.shape[1])]} for i in range(ids.shape[0])]
+        cmp = compare(want, outs, tol=0.1)
+        res.generates = True
+        res.detail = (f"plain from_pretrained: greedy tokens equal in {cmp['equal_seqs']}/{cmp['seqs']} sequences, "
+                      f"top-5 log-prob max diff {cmp['max_lp_diff']:.2e}")
+        for line in cmp["problems"]:
+            if line.startswith("sequence"):
+                report.problem("transformers", "(generation)", line)
+    except Exception as err:     # noqa: BLE001
+        res.generates = False
+        report.problem("transformers", "(generation)", f"plain from_pretrained fails: {type(err).__name__}: "
+                                                       f"{str(err).splitlines()[0][:200]}")
+
+
+def _compare_weights(export: Export, report: Report, hf, reference) -> None:
+    """Each quantized weight as transformers decompressed it against load_quantized's."""
+    import torch
+    ref_mods = dict(reference.named_modules())
+    hf_mods = dict(hf.named_modules())
+    for name, rec in export.modules.items():
+        if rec.get("weights") is None or name not in ref_mods:
+            continue
+        if name not in hf_mods:
+            report.problem("transformers", name, "no such module in the model transformers builds")
+            continue
+        a = hf_mods[name].weight.detach().float()
+        b = ref_mods[name].weight.detach().float()
+        if a.shape != b.shape or not torch.equal(a, b):
+            report.problem("transformers", name, "decompressed weight differs from load_quantized's")
+    ref_params = dict(reference.named_parameters())
+    hf_params = dict(hf.named_parameters())
+    for pname, rec in export.experts.items():
+        if rec.get("weights") is None or pname not in ref_params:
+            continue
+        a, b = hf_params.get(pname), ref_params[pname]
+        if a is None or a.shape != b.shape or not torch.equal(a.detach().float(), b.detach().float()):
+            report.problem("transformers", pname, "decompressed experts differ from load_quantized's")
