@@ -172,7 +172,7 @@ class ZeroOptimization:
 @dataclass(frozen=True)
 class ActivationCheckpointing:
     """DeepSpeed's `activation_checkpointing` section: present, it makes the engine recompute the
-    model's transformer blocks in the backward (engine/checkpointing.py)."""
+    model's transformer blocks in the backward (engine/activation_checkpointing.py)."""
     enabled: bool = field(True, doc="ext: false keeps the section without checkpointing")
     number_checkpoints: Optional[int] = field(None, ge=0, doc="how many blocks are checkpointed (the first "
                                               "ones); default all")

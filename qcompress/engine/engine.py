@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..config import as_config
 from ..errors import ConfigError
 from . import checkpoint as ckpt
-from . import checkpointing
+from . import activation_checkpointing
 from .comm_timeout import (apply_to_existing_group, backward_collective, collective, forward_collective,
                            guarded, timeout_of)
 from .batch import resolve_batch
@@ -203,7 +203,7 @@ class Engine:
         self.module = model
         self.pld = self._setup_pld(model, cfg)     # before wrapping: it swaps the blocks' classes
         # before wrapping too: FSDP2's hooks then stay outside each block's recompute
-        self.checkpointed_blocks = checkpointing.from_config(model, cfg)
+        self.checkpointed_blocks = activation_checkpointing.from_config(model, cfg)
         # Before wrapping: the scheduler applies step 0 (it may write weights) on whole tensors.
         self.compression_scheduler = self._make_compression_scheduler(model, cfg)
         if self.world_size > 1:
