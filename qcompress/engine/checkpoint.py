@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from .. import atomic
 from ..errors import CheckpointError
 from ..parallel.stage_state import merged_compression, own_compression
-from .serialize import flatten, tensor_keys, unflatten
+from ..serialize import flatten, tensor_keys, unflatten
 
 FORMAT_VERSION = 1
 

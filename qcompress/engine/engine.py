@@ -326,7 +326,7 @@ class Engine:
         sched = self.compression_scheduler
         if sched is None:
             return
-        from .serialize import flatten, unflatten
+        from ..serialize import flatten, unflatten
         tensors: Dict[str, torch.Tensor] = {}
         skel = flatten(sched.state_dict(), "c", tensors)
         synced = {}

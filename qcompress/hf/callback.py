@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 from ..config import as_config
 from ..errors import ConfigError
-from ..engine.serialize import flatten, tensor_keys, unflatten
+from ..serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
 from ..input_moments import calibrate_weight_ranges, needs_calibration
 from ..export.safetensors_io import existing_outputs
