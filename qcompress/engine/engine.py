@@ -164,19 +164,6 @@ class Engine:
         self.offload = zero.stage >= 2 and (zero.offload_optimizer.device == "cpu" or zero.offload_param.device
                                             == "cpu" or self.nvme_offload)
         self.onebit = is_onebit(cfg.optimizer)
-        if self.onebit and self.nvme_offload:
-            raise ConfigError("zero_optimization.offload_optimizer.device",
-                              f"{cfg.optimizer.type} keeps compression errors beside its moments and steps them "
-                              "all at once; 'nvme' offload streams plain optimizers (Adam, AdamW, Lamb, SGD) only")
-        if self.onebit and zero.offload_optimizer.device == "cpu":
-            raise ConfigError("zero_optimization.offload_optimizer.device",
-                              f"{cfg.optimizer.type} runs its compressed all-reduce inside its step, on the "
-                              "training device; 'cpu' offload steps plain optimizers (Adam, AdamW, Lamb, SGD) only")
-        if self.onebit and self.stage >= 2:
-            raise ConfigError("zero_optimization.stage",
-                              f"{cfg.optimizer.type} needs the full local gradient and momentum on every rank "
-                              f"for its compressed all-reduce; stage {self.stage} shards them (FSDP2). "
-                              "Use stage 0 or 1")
         self.rank, self.world_size, backend = _setup_distributed(
             self.stage, cfg, None if asked is None else asked.type == "cuda")
         self.traffic = Traffic(self.world_size)             # comm_bytes(): every byte this engine moves
