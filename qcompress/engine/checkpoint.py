@@ -99,9 +99,8 @@ def _read_metadata(path: str):
 
 
 def _root(engine):
-    """The module whose names a checkpoint uses: the whole model's (a pipeline's data-parallel
-    wrapper wraps the stage module, whose names would differ from one mesh to another)."""
-    return engine.module if getattr(engine, "pipeline", None) is not None else engine.wrapped
+    """The module whose names a checkpoint uses (the placement's: the whole model's)."""
+    return engine.placement.checkpoint_root
 
 
 def _mesh(engine) -> Dict[str, int]:
@@ -172,10 +171,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 # --- optimizer state -------------------------------------------------------------------------
 def _optim_mode(engine) -> str:
-    if engine.onebit:
-        return "per_rank"
-    # a split's stage 1 shards with FSDP2 over the dp group (engine.sharded): "dcp" then
-    return "zero1" if engine.stage == 1 and engine.world_size > 1 and not engine.sharded else "dcp"
+    """"dcp", "zero1" or "per_rank" (see the module docstring): the placement's layout."""
+    return engine.placement.optimizer_layout
 
 
 def _zero1_owned(engine):
