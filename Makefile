@@ -9,6 +9,7 @@ BENCH_ARGS ?=
 
 DEPS_STAMP := $(VENV)/.deps-stamp
 WORKLOADS_STAMP := $(VENV)/.workloads-stamp
+LINT_STAMP := $(VENV)/.lint-stamp
 # PURE_PYTHON=1: a pure-Python install, asked for by name; setup.py then skips the C++ extension
 # and the library and tests run the reference paths. Otherwise an extension that did not build or
 # load fails `make test` (tests/quant/test_extension_loaded.py). Each mode has its own build stamp,
@@ -23,7 +24,7 @@ endif
 # every source the editable install compiles (not the byte code or objects a build leaves there)
 CSRC := $(shell find csrc -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.o' ! -name '*.so' 2>/dev/null)
 
-.PHONY: venv install build workloads fashion-mnist demo demo-cnn test cuda-check bench bench-peers serve-check clean
+.PHONY: venv install build workloads fashion-mnist demo demo-cnn lint test cuda-check bench bench-peers serve-check clean
 
 # setuptools >= 70.1 builds editable wheels itself (the one a 3.11 venv starts with needs `wheel`)
 $(VPY):
@@ -74,8 +75,19 @@ demo: $(BUILD_STAMP) $(WORKLOADS_STAMP)
 demo-cnn: $(BUILD_STAMP) fashion-mnist
 	$(VPY) -m model_zoo.demo_fashion_mnist
 
+# The linters, pinned: ruff (rules in ruff.toml) and mypy (mypy.ini: the config schema, the
+# quantizer math and the public API's names; it reads torch's types from the venv).
+$(LINT_STAMP): $(DEPS_STAMP)
+	$(PIP) install -q ruff==0.16.9 mypy==2.4.0
+	touch $@
+
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# --durations=15: the slowest tests, so a test that grows slow is seen
 test: $(BUILD_STAMP) $(WORKLOADS_STAMP) fashion-mnist cuda-check
-	$(VPY) -m pytest -q -rs --timeout=900 tests
+	$(VPY) -m pytest -q -rs --timeout=900 --durations=15 tests
 
 # Compile every .cu for sm_80 and sm_90; any error or warning fails. Then check csrc/cuda_ops.cpp.
 cuda-check:

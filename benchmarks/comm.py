@@ -101,7 +101,7 @@ def _bench_rank(rank, world, sizes, reps):
         rows.append({"n": n, "onebit_s": t_onebit, "fp32_s": t_fp32, "fp16_s": t_fp16, "math_s": t_math,
                      "onebit_bytes": onebit_bytes, "fp32_bytes": ring * 4, "fp16_bytes": ring * 2,
                      "bound_bytes": 1.05 * (world - 1) / world * qcomm.padded_length(n, world) / 4})
-        del x, buf32, state, local
+        x = buf32 = state = local = None     # freed before the next size
     return rows
 
 

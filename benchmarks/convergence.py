@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 

@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import train_step  # noqa: E402  (model builders and the qcompress recipes)
 

@@ -50,7 +50,7 @@ def render(doc: dict, path: str) -> str:
              "since); rendered by `.venv/bin/python benchmarks/gpu_page.py`.", ""]
     _, steps = latest(runs, "steps", lambda r: r["model"] in ("bert", "llama"))
     if steps:
-        parts += [f"## QAT step vs FP32 (6 x 384 models)", "",
+        parts += ["## QAT step vs FP32 (6 x 384 models)", "",
                   "Forward + backward + AdamW, median of CUDA-event times, variants interleaved step by step; "
                   "step peak = the step's allocation peak beyond the weights and optimizer state.", "",
                   md_table(["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
@@ -58,13 +58,13 @@ def render(doc: dict, path: str) -> str:
                              f"{r['step_peak_mib']:.0f}", f"{r['step_peak_vs_fp32']:.3f}") for r in steps]), ""]
     _, wide = latest(runs, "steps", lambda r: r["model"] not in ("bert", "llama"))
     if wide:
-        parts += [f"## QAT step vs FP32, wider models", "",
+        parts += ["## QAT step vs FP32, wider models", "",
                   md_table(["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
                            [(r["model"], r["autocast"], r["variant"], f"{r['ms']:.2f}", f"{r['vs_fp32']:.3f}",
                              f"{r['step_peak_mib']:.0f}", f"{r['step_peak_vs_fp32']:.3f}") for r in wide]), ""]
     _, kern = latest(runs, "kernels")
     if kern:
-        parts += [f"## Fake quantization vs a device copy", "",
+        parts += ["## Fake quantization vs a device copy", "",
                   md_table(["dtype", "op", "elements", "ms", "copy ms", "copy / op", "torch fake_quantize ms"],
                            [(r["dtype"], r["op"], f"{r['elements'] >> 20}M", f"{r['ms']:.3f}", f"{r['copy_ms']:.3f}",
                              f"{r['copy_time_over_op_time']:.3f}",
@@ -72,7 +72,7 @@ def render(doc: dict, path: str) -> str:
                             for r in kern]), ""]
     _, rel = latest(runs, "reload")
     if rel:
-        parts += [f"## Exported layer reloads vs the dense layer", "",
+        parts += ["## Exported layer reloads vs the dense layer", "",
                   "exact = dequantize in every forward; fast = the weight decoded once for cuBLAS; cuda kernels "
                   "= the CUDA low-bit kernels. Ratios: time over the dense layer's (lower is faster).", "",
                   md_table(["recipe", "tokens", "dtype", "dense ms", "exact / dense", "fast / dense",

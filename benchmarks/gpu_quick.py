@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import os
 import statistics
 import subprocess

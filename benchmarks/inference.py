@@ -25,12 +25,8 @@ import argparse
 import copy
 import json
 import os
-import platform
-import re
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,13 +35,12 @@ warnings.filterwarnings("ignore")
 
 import torch                                      # noqa: E402
 import torch.nn as nn                             # noqa: E402
-import torch.nn.functional as F                   # noqa: E402
 
 import qcompress                                  # noqa: E402
 from qcompress.export import export_quantized, load_quantized  # noqa: E402
 from qcompress.export import fast as fastmod      # noqa: E402
 from qcompress.quant import lowbit               # noqa: E402
-from qcompress.export.fast import plans_of, tensor_bytes  # noqa: E402
+from qcompress.export.fast import plans_of  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common                                     # noqa: E402
 
@@ -353,7 +348,6 @@ def run_gpt2(args, rows, folder):
 # --- report ----------------------------------------------------------------------------------
 
 def fmt_section(args, bw, bw_end, rows):
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     bw_lo = min(bw[0], bw_end[0])
     out = [SECTION, "",
            f"({args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "

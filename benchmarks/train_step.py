@@ -340,7 +340,6 @@ def profile(model_name, variants, a):
     the ops with the most self CPU time in ms per step, and the minor page faults and system time of
     3 more steps (getrusage). For the overhead of a variant over FP32, compare their tables."""
     import resource
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     for v in variants:

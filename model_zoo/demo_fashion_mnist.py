@@ -86,7 +86,7 @@ def train(model, cfg, x, y, *, epochs: int, seed: int, desc: str, scheduler=None
     micro_per_epoch = math.ceil(len(y) / micro)
     total_steps = max(1, (micro_per_epoch * epochs) // accum)
     if cfg.fp16.enabled:
-        warnings.warn("fp16 is for the engine on GPU; the CPU demo trains in fp32")
+        warnings.warn("fp16 is for the engine on GPU; the CPU demo trains in fp32", stacklevel=2)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16.enabled)
     gen = torch.Generator().manual_seed(seed)
     step = 0

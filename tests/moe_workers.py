@@ -3,7 +3,6 @@ tiny Qwen3-MoE causal LM with W4 g16 experts trained through the engine at a ZeR
 mid-way and resumed into a fresh engine. Returns plain data; the assertions live in the test."""
 from __future__ import annotations
 
-import os
 
 import torch
 

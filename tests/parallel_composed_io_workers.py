@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 import qcompress as qc
 import parallel_io_workers as iow

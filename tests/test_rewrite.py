@@ -3,7 +3,6 @@ import copy
 import glob
 import json
 import re
-import warnings
 
 import pytest
 import torch

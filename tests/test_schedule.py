@@ -1,6 +1,5 @@
 """Bit schedules, fp16_mixed_quantize, optimizer-step mode and checkpoint round trips."""
 import copy
-import math
 
 import pytest
 import torch

@@ -31,7 +31,7 @@ def _one(value, path) -> str:
     return value.lower()
 
 
-def parse_format(value, path) -> Format:
+def parse_format(value, path) -> Optional[Format]:
     """A format name, or {bits: name} frozen as ((bits, name), ...) widest first."""
     if value is None:
         return None

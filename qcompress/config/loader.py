@@ -14,7 +14,7 @@ import math
 import os
 import re
 import warnings
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Tuple
 
 import yaml
 
@@ -28,7 +28,7 @@ from .training import Config, parse_config
 _SafeBase = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class _UniqueKeyLoader(_SafeBase):
+class _UniqueKeyLoader(_SafeBase):  # type: ignore[valid-type,misc]  # a base chosen at import
     """Safe YAML loader that refuses duplicate keys (a silent override is a config bug)."""
 
 
@@ -90,7 +90,8 @@ def check_document(doc: Any, source: str = "") -> None:
     """ConfigError naming the key path (and `source`) for what no config may hold; iterative,
     so any depth or size is refused without exhausting the stack or the memory."""
     where = f" (in {source})" if source else ""
-    stack = [(doc, None, 0, ())]   # (value, path link, depth, ids of the containers above)
+    # (value, path link, depth, ids of the containers above)
+    stack: List[Tuple[Any, Any, int, Tuple[int, ...]]] = [(doc, None, 0, ())]
     count = 0
     while stack:
         value, link, depth, above = stack.pop()
@@ -211,6 +212,7 @@ def load_config(*sources: Any) -> Config:
         raise ConfigError("", "load_config needs at least one source (a dict or a file path)")
     merged: dict = {}
     docs = []          # (name, document) in merge order
+    doc: Mapping[str, Any]
     for i, src in enumerate(sources):
         if isinstance(src, Config):
             doc, name = src.raw, f"source {i + 1} (a parsed Config)"

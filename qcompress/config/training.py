@@ -8,6 +8,7 @@ from ..errors import ConfigError
 from .compile import Compile
 from .compression import CompressionConfig
 from .deepspeed_keys import TOP_LEVEL, warn_unused
+from .onebit import refuse_onebit_placements
 from .parallel import Pipeline, TensorParallel, warn_pipeline_keys
 from .pld import ProgressiveLayerDrop
 from .schema import field, join, parse
@@ -172,7 +173,7 @@ class ZeroOptimization:
 @dataclass(frozen=True)
 class ActivationCheckpointing:
     """DeepSpeed's `activation_checkpointing` section: present, it makes the engine recompute the
-    model's transformer blocks in the backward (engine/checkpointing.py)."""
+    model's transformer blocks in the backward (engine/activation_checkpointing.py)."""
     enabled: bool = field(True, doc="ext: false keeps the section without checkpointing")
     number_checkpoints: Optional[int] = field(None, ge=0, doc="how many blocks are checkpointed (the first "
                                               "ones); default all")
@@ -225,6 +226,7 @@ class Config:
     def _validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(join(path, "bf16.enabled"), "fp16 and bf16 cannot both be enabled")
+        refuse_onebit_placements(self)
 
     def refuse_auto(self, who: str = "qcompress.initialize") -> None:
         """ConfigError naming the "auto" values `who` cannot fill in (all but the ZeRO sizes)."""

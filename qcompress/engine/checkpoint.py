@@ -14,13 +14,8 @@ lock (<dir>/.<tag>.lock, qcompress/atomic.py) while it saves; the next save remo
 writers left (their .tmp folders, .latest files, parked copies no longer needed), never what a
 live writer owns. Every rename and removal goes through qcompress.atomic's hooks.
 
-Optimizer state, by how it is distributed:
-- "dcp" (stage 0 and FSDP2 stages 2/3): torch's get/set_optimizer_state_dict, keyed by
-  parameter name; FSDP2's sharded state reshards on load, so another world size works.
-- "zero1" (ZeroRedundancyOptimizer): each rank writes the state of the parameters it owns under
-  the same names; loading allocates from the checkpoint's metadata what the new owner needs.
-- "per_rank" (1-bit optimizers): each rank's full optimizer.state_dict() (their compression
-  errors differ per rank); a rank missing from the checkpoint starts from rank 0's.
+The optimizer state is stored in the layout the engine's placement names ("dcp", "zero1" or
+"per_rank": engine/optimizer_layouts.py), recorded as engine.json's optimizer.mode.
 """
 from __future__ import annotations
 
@@ -37,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from .. import atomic
 from ..errors import CheckpointError
 from ..parallel.stage_state import merged_compression, own_compression
-from .serialize import flatten, tensor_keys, unflatten
+from ..serialize import flatten, tensor_keys, unflatten
+from .optimizer_layouts import LAYOUTS, alloc_from_metadata, read_json
 
 FORMAT_VERSION = 1
 
@@ -64,20 +59,14 @@ def _write_json(path: str, obj: Any) -> None:
     atomic.fs_replace(tmp, path)
 
 
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, "r", encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as e:          # ValueError: bad JSON or bad UTF-8
-        raise CheckpointError(f"{path}: cannot read this checkpoint file ({type(e).__name__}: {e}); "
-                              "the checkpoint is damaged or incomplete, load another tag") from e
+
 
 
 _ENGINE_KEYS = ("format", "world_size", "counters", "optimizer", "client_state")
 
 
 def _read_meta(path: str) -> Dict[str, Any]:
-    meta = _read_json(os.path.join(path, "engine.json"))
+    meta = read_json(os.path.join(path, "engine.json"))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{os.path.join(path, 'engine.json')}: checkpoint format {found!r}, "
@@ -99,9 +88,8 @@ def _read_metadata(path: str):
 
 
 def _root(engine):
-    """The module whose names a checkpoint uses: the whole model's (a pipeline's data-parallel
-    wrapper wraps the stage module, whose names would differ from one mesh to another)."""
-    return engine.module if getattr(engine, "pipeline", None) is not None else engine.wrapped
+    """The module whose names a checkpoint uses (the placement's: the whole model's)."""
+    return engine.placement.checkpoint_root
 
 
 def _mesh(engine) -> Dict[str, int]:
@@ -172,22 +160,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 # --- optimizer state -------------------------------------------------------------------------
 def _optim_mode(engine) -> str:
-    if engine.onebit:
-        return "per_rank"
-    # a split's stage 1 shards with FSDP2 over the dp group (engine.sharded): "dcp" then
-    return "zero1" if engine.stage == 1 and engine.world_size > 1 and not engine.sharded else "dcp"
-
-
-def _zero1_owned(engine):
-    """(fqn, param) for the parameters whose state this rank's ZeroRedundancyOptimizer shard holds."""
-    names = engine.param_names
-    for group in engine.optimizer.optim.param_groups:
-        for p in group["params"]:
-            yield names[p], p
-
-
-def _group_hparams(groups):
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    """"dcp", "zero1" or "per_rank" (see the module docstring): the placement's layout."""
+    return engine.placement.optimizer_layout
 
 
 def _optimizer_class(engine) -> str:
@@ -198,31 +172,8 @@ def _optimizer_class(engine) -> str:
 def _collect_optimizer(engine, tensors, rank_extra) -> Dict[str, Any]:
     mode = _optim_mode(engine)
     meta: Dict[str, Any] = {"mode": mode, "class": _optimizer_class(engine)}
-    if mode == "dcp":
-        sd = get_optimizer_state_dict(_root(engine), engine.optimizer)
-        meta["skeleton"] = flatten(sd, "optim", tensors)
-    elif mode == "zero1":
-        scalars = {}
-        for fqn, p in _zero1_owned(engine):
-            for k, v in engine.optimizer.optim.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"optim.state.{fqn}.{k}"] = v
-                else:
-                    scalars.setdefault(fqn, {})[k] = v
-        rank_extra["optim_scalars"] = scalars
-        meta["param_groups"] = _group_hparams(engine.optimizer.param_groups)
-    else:
-        sd = engine.optimizer.state_dict()
-        rank_extra["optim_skeleton"] = flatten(sd, f"optim.rank{engine.rank}", tensors)
+    LAYOUTS[mode].collect(engine, tensors, rank_extra, meta)
     return meta
-
-
-def _alloc_from_metadata(md, key: str) -> torch.Tensor:
-    entry = md.state_dict_metadata.get(key)
-    if entry is None or not hasattr(entry, "size"):
-        raise CheckpointError(f"tensor {key!r} is named by the checkpoint's JSON files but not in its "
-                              ".metadata index: the checkpoint is damaged or mixes files of two saves")
-    return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
 
 # --- file checksums --------------------------------------------------------------------------
@@ -425,7 +376,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     rank = engine.rank
     rank_file = os.path.join(path, "ranks", f"rank{rank}.json")
     same_rank = os.path.isfile(rank_file) and meta["world_size"] == engine.world_size
-    rank_extra = unflatten(_read_json(rank_file if same_rank else os.path.join(path, "ranks", "rank0.json")), {})
+    rank_extra = unflatten(read_json(rank_file if same_rank else os.path.join(path, "ranks", "rank0.json")), {})
 
     target: Dict[str, torch.Tensor] = {}
     model_sd = get_model_state_dict(_root(engine))
@@ -458,7 +409,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
             raise CheckpointError(f"{path}: optimizer state was saved by {saved_cls}, this engine runs "
                                   f"{now_cls}; load with load_optimizer_states=False to take the weights "
                                   "(and schedules) alone")
-        optim_plan = _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path)
+        optim_plan = LAYOUTS[mode].plan_load(engine, ometa, md, target, rank_extra, path)
 
     if getattr(engine, "pipeline", None) is not None and meta.get("compression") is not None:
         from ..schedule import compress_modules      # a stage loads its own modules' entries
@@ -468,7 +419,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
         if meta.get(name) is not None:
             extra_keys += tensor_keys(meta[name])
     for key in extra_keys:
-        target[key] = _alloc_from_metadata(md, key)
+        target[key] = alloc_from_metadata(md, key)
 
     _dcp_load(target, path, engine.group, _mesh_note(meta, engine))
 
@@ -490,86 +441,3 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     if same_rank:
         set_rng_state(rank_extra["rng"])
     return path, unflatten(meta["client_state"], target)
-
-
-def _saved_optimizer(ometa) -> Dict[str, Any]:
-    """What engine.json holds of the optimizer: {"param_groups": hyper-parameters, "state":
-    {name: {key: non-tensor value}}} (tensor entries are None here), for either save mode."""
-    if ometa.get("skeleton") is not None:                  # "dcp": the whole state-dict skeleton
-        sk = unflatten(ometa["skeleton"], {k: None for k in tensor_keys(ometa["skeleton"])})
-        return {"param_groups": _group_hparams(sk.get("param_groups", [])), "state": sk.get("state", {})}
-    return {"param_groups": ometa.get("param_groups"), "state": {}}
-
-
-def _plan_optimizer_load(engine, mode, ometa, md, target, rank_extra, path):
-    """Add the optimizer's tensors to `target`; return a function that installs them after load."""
-    saved_keys = [k for k in md.state_dict_metadata if k.startswith("optim.state.")]
-    if mode == "per_rank":
-        skel = rank_extra["optim_skeleton"]
-        check = getattr(engine.optimizer, "check_state_dict", None)
-        if check is not None:       # before dcp.load writes the saved weights into the model
-            try:
-                check(unflatten(skel, {k: None for k in tensor_keys(skel)}))
-            except ValueError as e:
-                raise CheckpointError(f"{path}: the optimizer state does not load into this engine: {e} "
-                                      "(load_optimizer_states=False loads the weights alone)") from e
-        for key in tensor_keys(skel):
-            target[key] = _alloc_from_metadata(md, key)
-
-        def install(loaded):
-            engine.optimizer.load_state_dict(unflatten(skel, loaded))
-        return install
-    if not saved_keys:
-        return None                                  # saved before the first step: nothing to restore
-    saved = _saved_optimizer(ometa)
-    hparams = saved.get("param_groups")
-    if mode == "dcp":
-        current = get_optimizer_state_dict(_root(engine), engine.optimizer)  # allocates state if needed
-        local: Dict[str, torch.Tensor] = {}
-        skel = flatten(current, "optim", local)
-        for key, t in local.items():
-            if key not in md.state_dict_metadata:
-                raise CheckpointError(f"{path}: optimizer tensor {key!r} is not in the checkpoint (the model "
-                                      "or optimizer differs from the one saved; load_optimizer_states=False "
-                                      "loads the weights alone)")
-            target[key] = t
-
-        def install(loaded):
-            sd = unflatten(skel, loaded)
-            for fqn, st in saved.get("state", {}).items():      # non-tensor state values
-                for k, v in st.items():
-                    if v is not None and fqn in sd["state"]:
-                        sd["state"][fqn][k] = v
-            for g_now, g_saved in zip(sd["param_groups"], hparams or []):
-                g_now.update(g_saved)
-            set_optimizer_state_dict(_root(engine), engine.optimizer, sd)
-        return install
-    # zero1: this rank allocates the state of the parameters it owns now.
-    owned = list(_zero1_owned(engine))
-    for fqn, _ in owned:
-        prefix = f"optim.state.{fqn}."
-        for key in saved_keys:
-            if key.startswith(prefix) and "." not in key[len(prefix):]:
-                target[key] = _alloc_from_metadata(md, key)
-    scalars = dict(rank_extra.get("optim_scalars", {}))
-    for fname in sorted(os.listdir(os.path.join(path, "ranks"))):  # owners may have changed
-        other = unflatten(_read_json(os.path.join(path, "ranks", fname)), {})
-        for fqn, vals in other.get("optim_scalars", {}).items():
-            scalars.setdefault(fqn, vals)
-
-    def install(loaded):
-        zopt = engine.optimizer
-        if hparams:
-            for g_now, g_saved in zip(zopt.param_groups, hparams):
-                g_now.update(g_saved)
-        for fqn, p in owned:
-            prefix = f"optim.state.{fqn}."
-            st = {}
-            for key, t in loaded.items():
-                if key.startswith(prefix) and "." not in key[len(prefix):]:
-                    name = key[len(prefix):]
-                    st[name] = t if name == "step" else t.to(p.device)
-            st.update(scalars.get(fqn, {}))
-            if st:
-                zopt.optim.state[p] = st
-    return install

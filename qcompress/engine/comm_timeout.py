@@ -85,15 +85,15 @@ def guarded(what):
 
 
 def backward_collective(engine) -> str:
-    if engine.onebit:
+    if engine.placement.onebit:
         return "engine.backward: the gradient all-reduce (1-bit optimizer warm-up) / compressed exchange"
-    if engine.stage >= 2:
+    if engine.placement.stage >= 2:
         return "engine.backward: the FSDP2 gradient reduce-scatter"
     return "engine.backward: the gradient all-reduce (DistributedDataParallel)"
 
 
 def forward_collective(engine) -> str:
-    if engine.stage >= 2:
+    if engine.placement.stage >= 2:
         return "engine.forward: the FSDP2 parameter all-gather"
     return ("engine.forward: DistributedDataParallel's buffer broadcast / bucket-order broadcast "
             "(it follows each rank's previous all-reduce)")

@@ -5,13 +5,8 @@ import inspect
 
 import torch
 
+from ..config.onebit import is_onebit  # noqa: F401 - the engine's placements ask it here
 from ..errors import ConfigError
-
-ONEBIT_TYPES = ("onebitadam", "zerooneadam", "onebitlamb")
-
-
-def is_onebit(opt_cfg) -> bool:
-    return opt_cfg is not None and opt_cfg.type.lower() in ONEBIT_TYPES
 
 
 def _torch_fallback(params, opt_cfg):

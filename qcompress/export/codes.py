@@ -8,7 +8,7 @@ the export stops with an error naming the module.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 

@@ -14,7 +14,7 @@ any of its modules is used.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F

@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 from ..config import as_config
 from ..errors import ConfigError
-from ..engine.serialize import flatten, tensor_keys, unflatten
+from ..serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
 from ..input_moments import calibrate_weight_ranges, needs_calibration
 from ..export.safetensors_io import existing_outputs
@@ -203,7 +203,7 @@ class CompressionCallback(TrainerCallback):
             init_compression(model, self.cfg)
             # the config's activation_checkpointing section, as qcompress.initialize applies it
             # (the Trainer's own gradient_checkpointing argument works too)
-            from ..engine.checkpointing import from_config
+            from ..engine.activation_checkpointing import from_config
             from_config(_root(model), self.cfg)
         self.model = model
         self.scheduler = CompressionScheduler(model, self.cfg)

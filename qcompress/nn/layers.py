@@ -521,7 +521,7 @@ def _rebind_saved_forward(module: nn.Module, old_cls: type, new_cls: type, name:
         return
     saved = d.get("_old_forward")
     if (isinstance(saved, types.MethodType) and saved.__self__ is module
-            and saved.__func__ is getattr(old_cls, "forward")):
+            and saved.__func__ is old_cls.forward):
         d["_old_forward"] = types.MethodType(new_cls.forward, module)
         return
     if name is not None:

@@ -38,7 +38,7 @@ def _own_parts(pipe) -> List[str]:
 
 def _stage_state(engine):
     """(this stage's parts' tensors and compression tensors, compression skeleton or None)."""
-    from ..engine.serialize import flatten
+    from ..serialize import flatten
     own = _own_parts(engine.pipeline)
     tensors = {k: v for k, v in engine.module.state_dict().items() if any(k.startswith(p + ".") for p in own)}
     skel = None
@@ -63,7 +63,7 @@ def _holder(parts: Dict[str, nn.Module]) -> nn.Module:
 
 def _fill(parts: Dict[str, nn.Module], received, device) -> None:
     """Materialize the skeleton parts with the stages' tensors and compression state."""
-    from ..engine.serialize import unflatten
+    from ..serialize import unflatten
     from ..schedule import CompressionScheduler
     state, modules, steps = {}, {}, 0
     for tensors, doc in received:

@@ -1,5 +1,5 @@
 """Compression state of pipeline stages in checkpoints, in the flattened form of
-engine/serialize.py ({"__dict__": [[key, value], ...]}).
+qcompress/serialize.py ({"__dict__": [[key, value], ...]}).
 
 Each stage's CompressionScheduler holds its own modules only. A checkpoint records the union
 (every stage's skeleton gathered into engine.json), so any mesh can load it: a stage takes the

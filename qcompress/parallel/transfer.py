@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def _dtypes() -> Dict[str, torch.dtype]:
-    from ..engine.serialize import _DTYPES      # the dtypes checkpoints name, by the same strings
+    from ..serialize import _DTYPES      # the dtypes checkpoints name, by the same strings
     return _DTYPES
 
 

@@ -16,7 +16,6 @@ in related_modules[i], the j-th matched related module gets the j-th matched pri
 """
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Optional
 
@@ -66,7 +65,7 @@ def _slice_codes(mod, dim: int, keep: torch.Tensor) -> None:
                           "(its scales cover groups of inputs that the pruned structure splits), so "
                           "export_quantized will refuse this module; set compression_training."
                           f"weight_quantization.different_groups.{wq.group}.params.granularity to "
-                          "'channel' (or, for head pruning, a group_size dividing the head width)")
+                          "'channel' (or, for head pruning, a group_size dividing the head width)", stacklevel=2)
             wq.codes, wq.codes_spec = None, None
             return
     wq.codes = tuple(out)
@@ -165,7 +164,7 @@ def _zero_codes(mod, tech, state, mask) -> None:
     try:
         wq.codes = (torch.where(keep.expand_as(q), q, zero), s, z)
     except RuntimeError:   # zero points laid out per group: no cheap broadcast
-        warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after pruning clean")
+        warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after pruning clean", stacklevel=2)
         wq.codes, wq.codes_spec = None, None
 
 

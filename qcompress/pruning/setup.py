@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..nn.layers import kind_of
 from .masks import l1_scores, topk_mask
 # PRIMARY_KINDS, related_of and the hook's old name stay importable from here
-from .related import PRIMARY_KINDS, ChannelMaskHook, head_sections, related_of, weight_matrix
+from .related import PRIMARY_KINDS, ChannelMaskHook, head_sections, related_of, weight_matrix  # noqa: F401
 from .related import ChannelMaskHook as _ChannelMaskHook  # noqa: F401  (pickles name it here)
 from .state import PruningState
 

@@ -53,6 +53,7 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
         raise ValueError(f"cross-group moments of shape {tuple(M.shape)} do not fit a weight matrix of "
                          f"shape {tuple(x.shape)} quantized per {spec.granularity}")
     g = spec.group_size
+    assert g is not None                    # granularity "group", checked above
     X, counts = group_view(x, spec)
     G = X.shape[0] // rows
     width = G * g

@@ -223,6 +223,7 @@ def learned_scales(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
     if spec.format not in LEARNABLE:
         raise ValueError(f"{spec.format} scales are not learned (powers of two)")
     if spec.scale_kind == "e4m3":
+        assert gscale is not None           # e4m3 block scales come with their global scale
         g = _gvalue(gscale)
         u = scale.detach().to(torch.float32) * g
         code = torch.clamp(u, E4M3_MIN, floats.E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
@@ -236,6 +237,7 @@ def learned_init(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
     """The Parameters' values that make learned_scales give (scale, gscale) back (an observer's
     choice): FP8 the scale, NVFP4 sigma = block scale / g (e4m3(sigma * g) is the block scale again)."""
     if spec.scale_kind == "e4m3":
+        assert gscale is not None           # e4m3 block scales come with their global scale
         g = gscale.to(torch.float32).reshape(1)
         return scale.to(torch.float32) / g, g.clone()
     return scale.to(torch.float32), None

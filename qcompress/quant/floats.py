@@ -106,7 +106,9 @@ def _tiles(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
         reason = check_shape(x.shape, spec)
         if reason:
             raise ValueError(reason)
-        return x.reshape(-1, x.shape[-1] // spec.group_size, spec.group_size)
+        gs = spec.group_size
+        assert gs is not None               # check_shape refuses a group spec without one
+        return x.reshape(-1, x.shape[-1] // gs, gs)
     rows, cols = x.shape
     bh, bw = BLOCK
     pr, pc = (-rows) % bh, (-cols) % bw
@@ -311,7 +313,7 @@ def _use_kernel(x, backend) -> bool:
     from . import kernels
     ok = kernels.available() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
         torch.ops.qcompress.float_fake_quant.default.has_kernel_for_dispatch_key(
-            "CUDA" if x.is_cuda else "CPU") if kernels.available() else False
+            "CUDA" if x.is_cuda else "CPU") if kernels.available() else False  # type: ignore[arg-type]  # a key's name
     if backend == "kernel" and not ok:
         raise RuntimeError(f"backend='kernel': no float_fake_quant kernel for {x.dtype} on {x.device}")
     return ok

@@ -27,7 +27,8 @@ try:
     if os.environ.get("QCOMPRESS_PURE_PYTHON") == "1":   # asked for by name: even a built extension stays unused
         raise ImportError("QCOMPRESS_PURE_PYTHON=1 asks for the pure-torch reference paths")
     from .. import _C  # noqa: F401  (registers torch.ops.qcompress.*)
-    _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")
+    # torch's stubs ask for a DispatchKey; the operator takes the key's name as well
+    _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")  # type: ignore[arg-type]
 except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
     _error = f"{type(exc).__name__}: {exc}"
 
@@ -122,13 +123,16 @@ def layout(x: torch.Tensor, spec: Spec) -> Tuple[int, int, int]:
         rows = math.prod(x.shape[:-1]) if x.dim() else 1
         return rows, cols, cols
     if g == "groups":
-        if n % spec.num_groups:
-            raise ValueError(f"num_groups={spec.num_groups} does not divide the tensor's "
+        groups = spec.num_groups
+        assert groups is not None           # make_spec sets it with granularity "groups"
+        if n % groups:
+            raise ValueError(f"num_groups={groups} does not divide the tensor's "
                              f"{n} elements (shape {tuple(x.shape)})")
-        cols = n // spec.num_groups
-        return spec.num_groups, cols, cols
+        cols = n // groups
+        return groups, cols, cols
     rows = _rows(x)
     cols = n // rows if rows else 0
+    assert spec.group_size is not None      # granularity "group"
     return rows, cols, spec.group_size
 
 

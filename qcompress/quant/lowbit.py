@@ -17,7 +17,7 @@ exported compressed-tensors tensors and back for `state_dict()`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ def available() -> bool:
     return _kernels.available() and hasattr(torch.ops.qcompress, "lowbit_linear")
 
 
-_RUNS_ON = {}
+_RUNS_ON: Dict[str, bool] = {}
 
 
 def runs_on(device: torch.device) -> bool:
@@ -50,10 +50,12 @@ def _runs_on(kind: str) -> bool:
         return False
     if kind == "cpu":
         return True
-    return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA")
+    # torch's stubs ask for a DispatchKey; the operator takes the key's name as well
+    return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key(
+        "CUDA")  # type: ignore[arg-type]
 
 
-_ISA = []   # the active instruction set's name, asked once (isa(request) refreshes it)
+_ISA: List[str] = []   # the active instruction set's name, asked once (isa(request) refreshes it)
 
 
 def isa(request: str = "") -> str:
@@ -82,6 +84,7 @@ def container_bits(bits: int) -> int:
 def kernel_group(strategy: str, group_size: Optional[int], k: int) -> Optional[int]:
     """Columns per scale in the kernel layout, or None when the kernels cannot take the group."""
     if strategy == "group":
+        assert group_size is not None       # a "group" strategy names its group size
         return group_size if group_size <= MAX_GROUP else None
     return k if k <= MAX_GROUP else CHUNK
 

@@ -198,7 +198,10 @@ def kernel_terms(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec
 def moment_block(spec: Spec) -> int:
     """Columns per block of the input moments the weighted search uses with this spec: a group's
     own columns (granularity group), else 1 (the diagonal: a group spans whole rows)."""
-    return spec.group_size if spec.granularity == "group" else 1
+    if spec.granularity != "group":
+        return 1
+    assert spec.group_size is not None      # make_spec sets it with granularity "group"
+    return spec.group_size
 
 
 def check_moments(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> int:

@@ -118,14 +118,17 @@ def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]
         last = x.shape[-1] if x.dim() else 1
         view = x.reshape(n // last if last else math.prod(x.shape[:-1]), last)
     elif g == "groups":
-        if n % spec.num_groups:
-            raise ValueError(f"num_groups={spec.num_groups} does not divide the tensor's "
+        groups = spec.num_groups
+        assert groups is not None           # make_spec sets it with granularity "groups"
+        if n % groups:
+            raise ValueError(f"num_groups={groups} does not divide the tensor's "
                              f"{n} elements (shape {tuple(x.shape)})")
-        view = x.reshape(spec.num_groups, n // spec.num_groups)
+        view = x.reshape(groups, n // groups)
     else:  # group: contiguous runs of group_size along the input (last flattened) dim
         rows = _rows(x)
         k = _row_len(x)
         gs = spec.group_size
+        assert gs is not None               # make_spec sets it with granularity "group"
         ng = max(1, math.ceil(k / gs))
         x2 = x.reshape(rows, k)
         if ng * gs != k:
@@ -148,11 +151,12 @@ def scale_shape(x: torch.Tensor, spec: Spec) -> Tuple[int, ...]:
         return (_rows(x),) + (1,) * max(x.dim() - 1, 1)
     if g == "token":
         return tuple(x.shape[:-1]) + (1,) if x.dim() else (1,)
+    groups, gs = spec.num_groups, spec.group_size
     if g == "groups":
-        return (spec.num_groups, 1)
-    rows = _rows(x)
-    k = _row_len(x)
-    return (rows, max(1, math.ceil(k / spec.group_size)))
+        assert groups is not None           # make_spec sets it with granularity "groups"
+        return (groups, 1)
+    assert gs is not None                   # granularity "group"
+    return (_rows(x), max(1, math.ceil(_row_len(x) / gs)))
 
 
 def ungroup(view: torch.Tensor, x: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -283,6 +287,7 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, spec: Spec):
 def _round(v: torch.Tensor, spec: Spec, u: Optional[torch.Tensor]) -> torch.Tensor:
     if spec.rounding == "nearest":
         return torch.round(v)
+    assert u is not None                    # stochastic rounding: _noise drew it
     if spec.numerics == "deepspeed":
         return torch.round(v + (u - 0.5))
     return torch.floor(v + u)

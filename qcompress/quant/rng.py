@@ -7,6 +7,8 @@ written with int64 tensors, splitting products so nothing overflows.
 """
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -43,7 +45,7 @@ def mix_seed_tensor(seed: int, step: torch.Tensor) -> torch.Tensor:
     return hash32((seed & _M32) ^ _mul32(step.to(torch.int64) & _M32, 0x9E3779B1))
 
 
-def uniform(seed: int, numel: int, device=None) -> torch.Tensor:
+def uniform(seed: Union[int, torch.Tensor], numel: int, device=None) -> torch.Tensor:
     """u(seed, i) for i in [0, numel) as float32 in [0, 1)."""
     idx = torch.arange(numel, dtype=torch.int64, device=device)
     inner = hash32((idx >> 32) ^ 0)  # hi word of the index (zero below 2^32 elements)

@@ -93,7 +93,7 @@ class Progress:
                 raise JobError(f"--resume: the run in --out {out} was started with other options, data or "
                                "configs; resume with the same command, or start again with --overwrite")
             before = saved.get("world_size")
-            if before is not None and before != world and not ("qat_train" in saved.get("stages", {})):
+            if before is not None and before != world and "qat_train" not in saved.get("stages", {}):
                 # the same samples per step, but each rank's dropout stream and the gradient sums
                 # change: not the bit-identical continuation --resume otherwise gives
                 self.world_note = (f"resumed with {world} process(es); the interrupted run had {before}: the same "

@@ -7,7 +7,6 @@ plain sign tensors: they never pack bits and never call qcompress code.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -402,7 +401,7 @@ def test_error_feedback_telescopes(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_repeated_average_converges_to_mean(world):
-    iters, n = 800, 1024
+    n = 1024
     res = results(world, "converge")
     true_mean = torch.stack([res[r]["x"] for r in range(world)]).double().mean(0)
     rel = (res[0]["avg"].double() - true_mean).norm() / true_mean.norm()

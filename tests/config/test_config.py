@@ -1,5 +1,6 @@
 """Config loading, merging and validation (qcompress.load_config)."""
 import copy
+import dataclasses
 import glob
 import json
 import os
@@ -89,7 +90,7 @@ def test_yaml_and_json_files_and_deep_merge(tmp_path):
     cfg2 = load_config(cfg, {"gradient_clipping": 1.0})
     assert cfg2.gradient_clipping == 1.0 and cfg2.train_batch_size == 64
     # frozen dataclasses
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train_batch_size = 3
 
 

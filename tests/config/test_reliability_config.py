@@ -1,9 +1,7 @@
 """Config keys that were accepted and silently ignored: each is now implemented or a
 ConfigError; a loss scale that makes every step an overflow is refused or reported loudly."""
-import json
 import logging
 import math
-import warnings
 
 import pytest
 import torch

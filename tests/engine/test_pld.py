@@ -8,7 +8,6 @@ import copy
 import json
 import logging
 import math
-import os
 
 import pytest
 import torch

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import engine_workers as W
-from qcompress import atomic
 from qcompress.engine import initialize
 from test_reliability_export import Crash, Inject
 

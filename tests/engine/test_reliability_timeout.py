@@ -2,7 +2,6 @@
 creates the process group with comm_timeout_s); rank 1 stops itself with SIGSTOP after a
 step; rank 0 must fail within the timeout with an error naming the collective and the timeout."""
 import os
-import signal
 import socket
 import subprocess
 import sys

@@ -75,7 +75,7 @@ def test_compressed_tensors_validates_and_decompresses(tmp_path, bits, sym, gran
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_transformers_bert_reload_identical_logits(tmp_path, symmetric):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import (AutoModelForSequenceClassification, BertConfig,
                               BertForSequenceClassification, CompressedTensorsConfig)
     torch.manual_seed(0)

@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
 
 import qcompress
 from qcompress import atomic

@@ -13,8 +13,6 @@ import os
 import stat
 import struct
 import bz2
-import subprocess
-import sys
 import tarfile
 import zlib
 
@@ -366,7 +364,6 @@ def test_lr_schedule_closed_form(pg):
 
 @pytest.fixture(scope="module")
 def tiny_run(pg):
-    import torch
     train, held = TEXT, TEXT[:1200] + " Mr. Bennet made no answer."
     model, tok, report = pg.pretrain(train, held, vocab_size=300, layers=1, d_model=32, heads=2, context=16,
                                      batch_size=8, lr=3e-3, warmup_steps=5, minutes=None, max_steps=60,

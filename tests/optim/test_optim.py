@@ -1197,7 +1197,7 @@ def test_frozen_parameter_stays_put_in_every_stage_one_rank(name):
 
 
 def _rank_frozen_and_nan(rank, world):
-    from qcompress import NonFiniteError, comm
+    from qcompress import NonFiniteError
     out = {}
     for name in _FROZEN_RUNS:
         out[name, "frozen", "sent"], out[name, "plain", "sent"] = [], []

@@ -5,7 +5,6 @@ unsplit module's exactly; a tiny Llama split by its own base_model_tp_plan gives
 and gradients; engine.train_batch at TP2, DP2 and PP2 follows the single process.
 """
 import pytest
-import torch
 
 import parallel_workers as pw
 from dist_utils import run_ranks

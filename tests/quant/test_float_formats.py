@@ -1,9 +1,7 @@
 """FP8 / NVFP4 / MXFP4 / MXFP8: bit-exact parity with compressed-tensors 0.20's quantizers (the
 oracle: calculate_qparams, generate_gparam, compute_dynamic_scales_and_zp, fake_quantize), the
 format key's validation, modules, straight-through gradients and schedules across formats."""
-import math
 import os
-import warnings
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 import yaml
 
 import hf_fixtures as hf
