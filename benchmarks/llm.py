@@ -193,7 +193,6 @@ def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
 
 
 def run_row(key: str, base, train_blocks, order, held, a) -> dict:
-    import torch
     import qcompress as qc
     from qcompress.train.stages import calibrate_static_ranges
     table, label, weights, acts, observer, rotations, learned, training = ROWS[key]

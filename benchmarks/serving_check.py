@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import glob
-import json
 import os
 import shutil
 import sys

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                        f"{common.ratio(t, 'vllm', 'qcompress')} |")
                 print(row, flush=True)
                 lines.append(row)
-            del llm, v
+            llm = v = None                                    # free vLLM before the next export
     text = "\n".join(lines) + "\n"
     print(text)
     if a.write_results:

@@ -4,7 +4,7 @@ compressed-tensors' loaders read it, and whether load_quantized loads it and gen
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import Optional
 
 from ..export import layout
 from .export import Export, declared, expert_rows
