@@ -42,6 +42,8 @@ setup(
     version="0.1.0",
     description="Quantization-aware compression training for PyTorch",
     packages=find_packages(include=["qcompress", "qcompress.*"]),
+    # DeepSpeed 0.19's config keys, which load_config accepts (qcompress/config/deepspeed_schema.py)
+    package_data={"qcompress.config": ["deepspeed_0_19_keys.json"]},
     python_requires=">=3.10",
     install_requires=REQUIRES,
     extras_require=EXTRAS,
