@@ -149,9 +149,33 @@ def _renamed_recipe(path: str) -> str:
     return os.path.join(folder, new)
 
 
+def _missing_source(path: str) -> str:
+    """The file a source that is not a file stands for: a recipe by name (config/recipes.py), else
+    `path`; a name that is no recipe is a ConfigError listing the recipes."""
+    from . import recipes
+    named = recipes.find(path)
+    if named is not None:
+        return named
+    base = os.path.basename(path)
+    stem = base[:-5] if base.endswith(".yaml") else base
+    names = recipes.recipe_names()
+    if recipes.is_name(path) and not base.endswith(".json") and names:
+        from .schema import did_you_mean
+        raise ConfigError(path, f"no such config file, and no recipe of that name{did_you_mean(stem, names)}; "
+                                f"the recipes that ship with qcompress: {', '.join(names)}")
+    if stem in names and not os.path.exists(path):
+        raise ConfigError(path, f"no such config file; the recipe {stem!r} ships with qcompress: pass its "
+                                f"name, {stem!r}, to load it from any folder")
+    return path
+
+
 def read_document(path: str | os.PathLike) -> dict:
-    """Read one JSON or YAML file into a dict; errors name the file."""
-    path = _renamed_recipe(os.fspath(path))
+    """Read one JSON or YAML file into a dict; errors name the file. A source that is no file but
+    a recipe's name (`w4a8_g128`, `w4a8_g128.yaml`) reads that recipe."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        path = _missing_source(path)
+    path = _renamed_recipe(path)
     try:
         with open(path, "r", encoding="utf-8") as fh:
             text = fh.read()
