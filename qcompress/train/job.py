@@ -261,7 +261,8 @@ class Job(BaselineMixin, PhasesMixin):
         if plots:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
-            self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+            from ..errors import install_hint
+            self.say(f"plots: not drawn (matplotlib is not installed: {install_hint('plot')})")
 
 
 def _device_name(dev: torch.device) -> str:

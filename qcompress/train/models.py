@@ -18,7 +18,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise JobError("qcompress train needs transformers: pip install 'qcompress[hf]'", code=1) from None
+        from ..errors import install_hint
+        raise JobError(f"qcompress train needs transformers: {install_hint('hf')}", code=1) from None
     transformers.logging.set_verbosity_error()           # our report says what matters
     transformers.logging.disable_progress_bar()
     return transformers
