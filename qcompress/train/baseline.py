@@ -93,7 +93,7 @@ class BaselineMixin:
             self.say(f"warning: {msg}")
             o.notes.append(msg)
         teacher = load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed,
-                                                                          self.tok.pad_token_id))
+                                                                          self.tok.pad_token_id, o.dtype))
         if spec != "self" and getattr(teacher, "qc_fresh_head", False):
             head = (f"classification head for these {len(self.data.labels)} labels" if self.data.labels
                     else "language-model head")

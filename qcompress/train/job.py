@@ -111,7 +111,7 @@ class Job(BaselineMixin, PhasesMixin):
             o.notes.append(msg)
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
-        model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id)
+        model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id, o.dtype)
         check_max_length(model, o.model, o.max_length)     # else an IndexError in the first forward
         check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)), o.ptq_range_steps)
         self.data_digest = data_digest(data)
@@ -227,7 +227,7 @@ class Job(BaselineMixin, PhasesMixin):
                     reference, model, self.data.eval, o.eval_batch_size, self.tok.pad_token_id)
                 result["max_weight_diff_vs_exported"] = max_weight_difference(reference, model)
             return result
-        result = transformers_attempts(export_dir, o.task, run)
+        result = transformers_attempts(export_dir, o.task, run, o.dtype)
         result.setdefault(self.metric, None)
         diff, wdiff = result.get("max_logit_diff_vs_exported"), result.get("max_weight_diff_vs_exported")
         if diff is not None and diff > 1e-3:

@@ -39,6 +39,7 @@ class JobOptions:
     progress: bool = True
     gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
     compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
+    dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -50,6 +51,8 @@ class JobOptions:
                              "configs", "device", "gradient_checkpointing", "compile")}
         if not self.ptq_range_steps:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
+        if self.dtype == "float32":
+            keep.pop("dtype")               # as runs made before --dtype existed
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
@@ -62,6 +65,8 @@ class JobOptions:
                 if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
                          "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
                          "max_train_samples", "max_eval_samples")}
+        if self.dtype != "float32":         # float32 runs keep the fingerprint they had before --dtype
+            keep["dtype"] = self.dtype
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
         keep["plain_config"] = plain_doc

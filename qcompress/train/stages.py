@@ -78,7 +78,8 @@ def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int
     return export_bytes(export_dir)
 
 
-def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict]) -> dict:
+def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict],
+                          dtype: str = "float32") -> dict:
     """Load the export with transformers and run `run(model)` on it: plain from_pretrained first,
     then with compressed-tensors decompressing on load. The first that loads and runs wins; the
     result says which call it was, or (metric None) why none worked."""
@@ -96,7 +97,7 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
     from ..export.errors import ExportError
     try:
         from ..export.hf_compat import dequantize_config, transformers_kwargs
-        if transformers_kwargs(export_dir, "float32"):   # {}: float activations, which dequantize=True drops
+        if transformers_kwargs(export_dir, dtype):   # {}: float activations, which dequantize=True drops
             attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(dequantize=True))",
                              {"quantization_config": dequantize_config()}))
     except ImportError as err:
@@ -105,7 +106,7 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
         return {"reason": str(err)}
     for how, kwargs in attempts:
         try:
-            model = cls.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32, **kwargs)
+            model = cls.from_pretrained(export_dir, local_files_only=True, dtype=getattr(torch, dtype), **kwargs)
             result = run(model.eval())
         except Exception as err:   # noqa: BLE001 — any failure is a reason for the report
             errors.append(f"{how}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
