@@ -249,6 +249,7 @@ class Job(BaselineMixin, PhasesMixin):
         if plot_bits(os.path.join(o.out, "plots", "bits.png"), runs["compressed"]):
             plots.append("plots/bits.png")
         write_report(o.out, report)     # last: a folder with report.json holds a finished run
+        kept = settle_checkpoints(o.out, o.keep_checkpoints)
         self.say("")
         self.say(stage_table(report))
         sz = report["sizes"]
@@ -258,11 +259,38 @@ class Job(BaselineMixin, PhasesMixin):
         for note in report.get("notes") or []:
             self.say(f"note: {note}")
         self.say(f"report: {os.path.join(o.out, 'report.md')} (and report.json, metrics.csv)")
+        if o.keep_checkpoints == "none":
+            self.say("checkpoints: removed (--keep-checkpoints none); the run cannot lend its baseline "
+                     "(--baseline-from)")
+        else:
+            self.say(f"checkpoints: {kept / 2**20:.1f} MiB in {os.path.join(o.out, 'checkpoints')} "
+                     f"(--keep-checkpoints {o.keep_checkpoints}; `none` removes them once a run is finished)")
         if plots:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
             from ..errors import install_hint
             self.say(f"plots: not drawn (matplotlib is not installed: {install_hint('plot')})")
+
+
+def settle_checkpoints(out: str, keep: str) -> int:
+    """What a finished run keeps of --out/checkpoints (--keep-checkpoints): `none` removes the engine
+    checkpoints and the baseline's weights (progress.json stays: the stages' results). Returns the
+    bytes left there."""
+    import shutil
+    folder = os.path.join(out, "checkpoints")
+    if keep == "none" and os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name == "progress.json":
+                continue
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+    total = 0
+    for base, _, files in os.walk(folder):
+        total += sum(os.path.getsize(os.path.join(base, f)) for f in files)
+    return total
 
 
 def _device_name(dev: torch.device) -> str:

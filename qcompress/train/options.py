@@ -40,6 +40,7 @@ class JobOptions:
     gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
     compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
     dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
+    keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -48,7 +49,7 @@ class JobOptions:
         the data by what was read from it (an edited data file is other data)."""
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
-                             "configs", "device", "gradient_checkpointing", "compile")}
+                             "configs", "device", "gradient_checkpointing", "compile", "keep_checkpoints")}
         if not self.ptq_range_steps:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
         if self.dtype == "float32":
