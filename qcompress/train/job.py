@@ -34,7 +34,7 @@ from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (
 from .phases import PhasesMixin
 from .ranks import barrier, rank, world
 from .report import plot_bits, plot_loss, read_metrics, stage_table, write_report
-from .stages import export_model, quantize_without_training, transformers_attempts
+from .stages import export_model, float_embeddings, quantize_without_training, transformers_attempts
 
 log = logging.getLogger("qcompress.train")
 
@@ -167,6 +167,10 @@ class Job(BaselineMixin, PhasesMixin):
             o.notes.append(line)
         export_dir = os.path.join(o.out, "export")
         stages["exported"], export_bytes = self.exported(trained, export_dir)
+        float_emb = float_embeddings(trained, export_dir)
+        note = float_embedding_note(float_emb, export_bytes)
+        if note:
+            o.notes.append(note)
         stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(trained, export_dir))
         report = dict(
             task=o.task, model=os.path.abspath(o.model), model_class=cls_name, parameters=n_params,
@@ -176,7 +180,8 @@ class Job(BaselineMixin, PhasesMixin):
                       eval_data=o.eval_data and os.path.abspath(o.eval_data)),
             training=train_info, stages=stages,
             sizes=dict(fp32_bytes=size_fp32, export_bytes=export_bytes,
-                       compression_ratio=(size_fp32 / export_bytes) if export_bytes else None),
+                       compression_ratio=(size_fp32 / export_bytes) if export_bytes else None,
+                       float_embedding_bytes=sum(float_emb.values())),
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
             notes=list(o.notes))
         # this attempt, plus the stages and the partial training earlier attempts recorded
@@ -270,6 +275,19 @@ class Job(BaselineMixin, PhasesMixin):
         else:
             from ..errors import install_hint
             self.say(f"plots: not drawn (matplotlib is not installed: {install_hint('plot')})")
+
+
+def float_embedding_note(found: dict, export_bytes: int, share: float = 0.1) -> str:
+    """The report's note when full-precision embedding tables are at least `share` of the export."""
+    total = sum(found.values())
+    if not export_bytes or total < share * export_bytes:
+        return ""
+    names = ", ".join(sorted(found, key=found.get, reverse=True)[:3]) + (" ..." if len(found) > 3 else "")
+    return (f"{total / 2**20:.1f} MiB of the {export_bytes / 2**20:.1f} MiB export ({100 * total / export_bytes:.0f} %) "
+            f"are embedding tables kept in full precision ({names}): the recipes quantize the Linear layers "
+            "only, the ones compressed-tensors' loaders (transformers, vLLM) read. Adding the with_embeddings "
+            "fragment (qcompress train w8a8 with_embeddings ...) stores them in 8 bits, an export only "
+            "qcompress.load_quantized reads")
 
 
 def settle_checkpoints(out: str, keep: str) -> int:

@@ -49,6 +49,30 @@ def export_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
+def float_embeddings(model: nn.Module, folder: str) -> dict:
+    """{tensor name: bytes} of the embedding tables the export holds in floating point (read from
+    the files' headers): the recipes leave embeddings unquantized, so on a small model they are
+    most of the export."""
+    from safetensors import safe_open
+    wanted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(folder, f), "pt") as fh:
+            for key in fh.keys():
+                if key in wanted:
+                    t = fh.get_slice(key)
+                    dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                                            "F64": "float64"}.get(t.get_dtype(), "int8"))
+                    if dtype.is_floating_point:
+                        n = 1
+                        for d in t.get_shape():
+                            n *= d
+                        out[key] = n * dtype.itemsize
+    return out
+
+
 def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int:
     """Write the export (quantized safetensors + config.json + tokenizer files) into a fresh folder
     beside export_dir, then swap it in, so export_dir is always a whole export. Returns its bytes."""
