@@ -197,7 +197,8 @@ def parse_document(text: str, name: str) -> dict:
         else:
             doc = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: SafeConstructor only
     except (ValueError, yaml.YAMLError) as err:
-        raise ConfigError(path, f"not valid {kind}: {err}") from None
+        # PyYAML marks a string source as "<unicode string>": name the file there too
+        raise ConfigError(path, f"not valid {kind}: {str(err).replace('<unicode string>', path)}") from None
     except (IndexError, TypeError, AttributeError, KeyError, OverflowError) as err:
         # PyYAML's constructors fail this way on explicitly tagged values that do not fit their
         # tag (`x: !!float` with no value raises IndexError)

@@ -357,7 +357,7 @@ def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dic
     config["quantization_config"]["config_groups"][layout.REFUSAL_GROUP] = layout.refusal_scheme(names, reasons)
     import warnings
     warnings.warn(f"{len(records)} fused expert Parameters ({', '.join(sorted(records)[:2])}"
-                  f"{', ...' if len(records) > 2 else ''}) are written under save_pretrained's tensor names "
+                  f"{', ...' if len(records) > 2 else ''}) are written under save_pretrained's tensor "
                   "names; transformers cannot rebuild its fused experts from quantized entries and refuses "
                   "the export: use qcompress.load_quantized (see docs/moe.md)", stacklevel=3)
 

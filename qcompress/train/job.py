@@ -34,7 +34,8 @@ from .outdir import LOCK_NAME, Progress, check_out, prepare_out  # noqa: F401  (
 from .phases import PhasesMixin
 from .ranks import barrier, rank, world
 from .report import plot_bits, plot_loss, read_metrics, stage_table, write_report
-from .stages import export_model, float_embeddings, quantize_without_training, transformers_attempts
+from .stages import (export_model, float_embeddings, quantize_without_training, transformers_attempts,
+                     why_logits_differ)
 
 log = logging.getLogger("qcompress.train")
 
@@ -236,8 +237,8 @@ class Job(BaselineMixin, PhasesMixin):
         result.setdefault(self.metric, None)
         diff, wdiff = result.get("max_logit_diff_vs_exported"), result.get("max_weight_diff_vs_exported")
         if diff is not None and diff > 1e-3:
-            why = ("the same weights (every dequantized weight equal), but its decompressed layers run "
-                   "activations unquantized" if wdiff == 0.0 else f"other weights (max |difference| {wdiff:.3g})")
+            why = (why_logits_differ(export_dir, result["loaded_with"]) if wdiff == 0.0
+                   else f"other weights (max |difference| {wdiff:.3g})")
             self.opts.notes.append(
                 f"transformers' {result['loaded_with']} gives other logits than qcompress.load_quantized "
                 f"(max |difference| {diff:.3g}): {why}; the 'exported' row is the trained model")

@@ -1,6 +1,7 @@
 """The model-building steps between training and the report: PTQ, export, reloading by transformers."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -102,6 +103,51 @@ def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int
     return export_bytes(export_dir)
 
 
+def why_logits_differ(export_dir: str, loaded_with: str) -> str:
+    """Why transformers' logits differ from load_quantized's when every weight is equal: what the
+    load did with the input activations (docs/export.md, docs/formats.md)."""
+    import json
+    with open(os.path.join(export_dir, "config.json"), encoding="utf-8") as fh:
+        groups = (json.load(fh).get("quantization_config") or {}).get("config_groups") or {}
+    kinds = {(g.get("input_activations") or {}).get("type") for g in groups.values() if isinstance(g, dict)}
+    kinds.discard(None)
+    same = "the same weights (every dequantized weight equal), but "
+    if not kinds or "dequantize=True" in loaded_with:
+        return same + "its decompressed layers run the activations unquantized"
+    if kinds == {"int"}:
+        return same + ("compressed-tensors quantizes the activations itself, dividing absmax by 127.5 where "
+                       "qcompress and vLLM divide by 127")
+    if kinds == {"float"}:
+        return same + ("compressed-tensors quantizes the activations itself: FP8 per token takes one scale "
+                       "for a whole 2-D input (a pooler's [batch, hidden]) where qcompress and vLLM take "
+                       "one per row")
+    return same + "compressed-tensors quantizes the activations itself, not bit for bit as qcompress does"
+
+
+@contextlib.contextmanager
+def library_bars_off():
+    """compressed-tensors draws tqdm bars while transformers loads a compressed model (applying the
+    config, compressing, dispatching, decompressing): in a log every frame is another line. They
+    are off while the stage loads (tqdm has no switch once imported; its __init__ is wrapped here
+    for that time only); the stage prints its own result."""
+    try:
+        from tqdm import std
+    except ImportError:
+        yield
+        return
+    saved = std.tqdm.__dict__["__init__"]
+    init = std.tqdm.__init__
+
+    def quiet(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+    std.tqdm.__init__ = quiet
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = saved
+
+
 def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict],
                           dtype: str = "float32") -> dict:
     """Load the export with transformers and run `run(model)` on it: plain from_pretrained first,
@@ -130,7 +176,9 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
         return {"reason": str(err)}
     for how, kwargs in attempts:
         try:
-            model = cls.from_pretrained(export_dir, local_files_only=True, dtype=getattr(torch, dtype), **kwargs)
+            with library_bars_off():
+                model = cls.from_pretrained(export_dir, local_files_only=True, dtype=getattr(torch, dtype),
+                                            **kwargs)
             result = run(model.eval())
         except Exception as err:   # noqa: BLE001 — any failure is a reason for the report
             errors.append(f"{how}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
