@@ -104,3 +104,13 @@ def test_the_fused_experts_warning_says_tensor_names_once(tmp_path):
         qc.export_quantized(model, tmp_path / "q", cfg)
     said = [str(w.message) for w in seen if "fused expert Parameters" in str(w.message)]
     assert len(said) == 1 and "tensor names;" in said[0] and "names names" not in said[0], said
+
+
+def test_setup_times_are_the_measured_ones_not_a_few_minutes():
+    paths = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "model_zoo", "demo_bbc.py")] + \
+        [os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))]
+    for path in paths:
+        text = " ".join(open(path, encoding="utf-8").read().split())
+        assert "a few minutes" not in text and "within minutes" not in text, path
+    dev = open(os.path.join(ROOT, "docs", "development.md"), encoding="utf-8").read()
+    assert "### How long setup takes" in dev and "18 minutes" in dev
