@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import ConfigError
+from . import recipes
+from .recipes import RENAMED_RECIPES
 from .schema import join
 from .training import Config, parse_config
 
@@ -123,18 +125,7 @@ def check_document(doc: Any, source: str = "") -> None:
                 stack.append((sub, (link, i), depth + 1, inner))
 
 
-# Recipe files renamed to one scheme (w<bits>a<bits>[_g<group>][_variant], fragments with_*): the
-# old names still load for one release, with a warning naming the new file.
-RENAMED_RECIPES = {
-    "w4_group128.yaml": "w4a16_g128.yaml",
-    "w4_group32.yaml": "w4a16_g32.yaml",
-    "w3_group32.yaml": "w3a16_g32.yaml",
-    "xtc_binary.yaml": "w1a8_xtc.yaml",
-    "mse_observer.yaml": "with_mse_observer.yaml",
-    "range_learning.yaml": "with_range_learning.yaml",
-    "qad_range_learning.yaml": "with_qad_range_learning.yaml",
-    "onebit_adam.yaml": "with_onebit_adam.yaml",
-}
+# RENAMED_RECIPES (recipes.py): the old names, mapped here with a DeprecationWarning
 
 
 def _renamed_recipe(path: str) -> str:
@@ -152,7 +143,6 @@ def _renamed_recipe(path: str) -> str:
 def _missing_source(path: str) -> str:
     """The file a source that is not a file stands for: a recipe by name (config/recipes.py), else
     `path`; a name that is no recipe is a ConfigError listing the recipes."""
-    from . import recipes
     named = recipes.find(path)
     if named is not None:
         return named

@@ -9,6 +9,19 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+# Recipe files renamed to one scheme (w<bits>a<bits>[_g<group>][_variant], fragments with_*): the
+# old names still load for one release, with a warning naming the new file.
+RENAMED_RECIPES = {
+    "w4_group128.yaml": "w4a16_g128.yaml",
+    "w4_group32.yaml": "w4a16_g32.yaml",
+    "w3_group32.yaml": "w3a16_g32.yaml",
+    "xtc_binary.yaml": "w1a8_xtc.yaml",
+    "mse_observer.yaml": "with_mse_observer.yaml",
+    "range_learning.yaml": "with_range_learning.yaml",
+    "qad_range_learning.yaml": "with_qad_range_learning.yaml",
+    "onebit_adam.yaml": "with_onebit_adam.yaml",
+}
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # .../qcompress
 
 
@@ -33,8 +46,8 @@ def is_name(source: str) -> bool:
 
 
 def find(name: str) -> Optional[str]:
-    """The recipe file a name (`w4a8_g128` or `w4a8_g128.yaml`) stands for, or None. Old names
-    (config/loader.py RENAMED_RECIPES) are left to the loader, which warns and maps them."""
+    """The recipe file a name (`w4a8_g128` or `w4a8_g128.yaml`) stands for, or None. An old name
+    (RENAMED_RECIPES) gives its old path: the loader warns and maps it to the new file."""
     folder = recipes_dir()
     if folder is None or not is_name(name):
         return None
@@ -42,7 +55,6 @@ def find(name: str) -> Optional[str]:
     path = os.path.join(folder, base + ".yaml")
     if os.path.isfile(path):
         return path
-    from .loader import RENAMED_RECIPES
     if base + ".yaml" in RENAMED_RECIPES:
         return path          # the loader maps the old name to the new file, with its warning
     return None
