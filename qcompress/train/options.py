@@ -77,7 +77,11 @@ class JobOptions:
 
 def _file_hex(path: str) -> str:
     if not os.path.isfile(path):
-        return path
+        from ..config import recipes
+        found = recipes.find(path)          # a recipe by name: its file's content, as a path's
+        if found is None or not os.path.isfile(found):
+            return path
+        path = found
     with open(path, "rb") as fh:
         return fh.read().hex()
 
