@@ -56,7 +56,9 @@ workloads: $(WORKLOADS_STAMP)
 # setup.py and csrc/ sources trigger a rebuild (after a torch change: make clean build).
 $(BUILD_STAMP): setup.py $(CSRC) | $(DEPS_STAMP)
 	rm -f $(VENV)/.build-stamp $(VENV)/.build-stamp-pure
+	@if [ "$(PURE_PYTHON)" != "1" ]; then $(VPY) csrc/build.py; fi
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@$(VPY) -c "import qcompress, qcompress.quant.kernels as k; print('qcompress: extension', 'loaded' if k.available() else 'NOT loaded: ' + str(k.load_error()))"
 	touch $@
 
 build: $(BUILD_STAMP)

@@ -41,7 +41,13 @@ setup(
     name="qcompress",
     version="0.1.0",
     description="Quantization-aware compression training for PyTorch",
-    packages=find_packages(include=["qcompress", "qcompress.*"]),
+    # the recipes stay in schedules/ at the top of the checkout (where the docs point) and are
+    # installed inside the package as qcompress/schedules, where load_config finds them by name
+    packages=find_packages(include=["qcompress", "qcompress.*"]) + ["qcompress.schedules"],
+    package_dir={"qcompress.schedules": "schedules"},
+    # DeepSpeed 0.19's config keys, which load_config accepts (qcompress/config/deepspeed_schema.py)
+    package_data={"qcompress.config": ["deepspeed_0_19_keys.json"],
+                  "qcompress.schedules": ["*.yaml", "README.md"]},
     python_requires=">=3.10",
     install_requires=REQUIRES,
     extras_require=EXTRAS,

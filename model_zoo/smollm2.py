@@ -96,3 +96,7 @@ def load_smollm2(dtype=None, cache: Optional[str] = None) -> Tuple["object", "ob
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
     return model.eval(), tok
+
+
+if __name__ == "__main__":      # `python -m model_zoo.smollm2` prints the folder, written on first use
+    print(smollm2_folder())

@@ -17,6 +17,8 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .errors import install_hint
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOT = os.path.dirname(PACKAGE_DIR)   # the repository, for model_zoo/ and benchmarks/
 
@@ -130,7 +132,7 @@ def plot_schedule(cols: List[Column], last_step: int, path: str, title: str) -> 
         from matplotlib.ticker import MaxNLocator
     except ImportError as err:
         raise CLIError("--plot needs matplotlib, which is not installed "
-                       f"({err}); install it with: pip install 'qcompress[plot]'", code=1) from None
+                       f"({err}); install it with: {install_hint('plot')}", code=1) from None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     plotted = 0
     for c in cols:
@@ -196,7 +198,7 @@ def cmd_train(rest: List[str]) -> int:
         from .train.errors import JobError
         from .train.job import run_job
     except ImportError as err:
-        raise CLIError(f"`qcompress train` needs transformers ({err}): pip install 'qcompress[hf]'",
+        raise CLIError(f"`qcompress train` needs transformers ({err}): {install_hint('hf')}",
                        code=1) from None
     p = build_parser(argparse.ArgumentParser(prog="qcompress train"))
     ns = p.parse_args(rest)

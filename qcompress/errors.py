@@ -1,4 +1,10 @@
-"""Exceptions raised by qcompress."""
+"""Exceptions raised by qcompress, and the install advice its messages give."""
+
+
+def install_hint(extra: str) -> str:
+    """How to add an optional part: from the checkout, as no qcompress distribution is published
+    (the PyPI package named qcompress is an unrelated project)."""
+    return f'pip install -e ".[{extra}]" in the qcompress checkout'
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,7 @@ from typing import Optional
 
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 
 WORDS = ("the a of and to in is was for on that with as by at from it this be are were which or an "
          "sport game team win match player goal score season league cup "

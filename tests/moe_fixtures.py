@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 

@@ -209,7 +209,7 @@ void dispatch_elements(const qc_cuda_quant_args* a, const Geo& geo, const void* 
 // one block per group loads it once, reduces min/max (exact, so the order does not matter),
 // computes the parameters as group_params does and quantizes from the on-chip copy. The element
 // math is quant_elements' (same flat index for the stochastic noise), so the bits are the same.
-constexpr int64_t kOnChipMax = 16384;  // elements (64 KiB of float32 in shared memory)
+constexpr int64_t kOnChipMax = 16384;  // elements; whether a group fits the device is asked at launch
 
 template <typename T, typename Q, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
 __global__ void onepass_int(const T* __restrict__ x, Geo geo, qc_cuda_quant_args a, float* __restrict__ scale,
@@ -267,13 +267,50 @@ __global__ void onepass_int(const T* __restrict__ x, Geo geo, qc_cuda_quant_args
   }
 }
 
+// The kernel's static shared memory (its reduction arrays), asked of the runtime once per
+// instantiation; SIZE_MAX when the runtime cannot say (the one-pass path is then not taken).
 template <typename T, typename Q, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
-void launch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
+size_t onepass_static_smem() {
+  static const size_t bytes = [] {
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, onepass_int<T, Q, STOCH, DS, ASYM_DS, ADD_ZP>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<size_t>(-1);
+    }
+    return static_cast<size_t>(fa.sharedSizeBytes);
+  }();
+  return bytes;
+}
+
+// Launches the one-pass kernel when its shared memory (the group on chip plus the kernel's own
+// static arrays) fits this device's per-block limit; beyond the default 48 KiB it opts in with
+// cudaFuncSetAttribute. Returns false, having launched nothing and left no error behind, when the
+// group does not fit, the opt-in is refused or the launch fails: the caller then runs the
+// two-pass kernels.
+template <typename T, typename Q, bool STOCH, bool DS, bool ASYM_DS, bool ADD_ZP>
+bool launch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
                     bool* mask, void* q, int* bad, cudaStream_t st) {
+  // an error pending from an earlier launch is left for status() to report (the checks below
+  // clear the errors they cause): the two-pass kernels run, as without the one-pass path
+  if (cudaPeekAtLastError() != cudaSuccess) return false;
   const int64_t groups = geo.rows * geo.ngr;
   const size_t bytes = static_cast<size_t>(geo.group) * sizeof(T);
+  const size_t fixed = onepass_static_smem<T, Q, STOCH, DS, ASYM_DS, ADD_ZP>();
+  int dev = 0, optin = 0, plain = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&plain, cudaDevAttrMaxSharedMemoryPerBlock, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (fixed == static_cast<size_t>(-1) || fixed + bytes > static_cast<size_t>(optin)) return false;
   auto kernel = onepass_int<T, Q, STOCH, DS, ASYM_DS, ADD_ZP>;
-  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (fixed + bytes > static_cast<size_t>(plain) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
   // a thread per 16 elements up to a full block; at least 64 threads, since an SM holds at most
   // 32 blocks and small groups (128) would otherwise leave half its thread slots empty
   int64_t threads = (geo.group + 15) / 16;
@@ -281,13 +318,18 @@ void launch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, 
   threads = threads < 64 ? 64 : (threads > 1024 ? 1024 : threads);
   kernel<<<static_cast<unsigned int>(groups), static_cast<unsigned int>(threads), bytes, st>>>(
       static_cast<const T*>(x), geo, *a, scale, zp, static_cast<T*>(y), mask, static_cast<Q*>(q), bad);
+  if (cudaPeekAtLastError() != cudaSuccess) {  // a launch refused (resources): nothing ran
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
 }
 
 template <typename T, typename Q>
-void dispatch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
+bool dispatch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x, float* scale, float* zp, void* y,
                       bool* mask, void* q, int* bad, cudaStream_t st) {
   const bool sto = a->rounding == kStochastic;
-#define QC_ONEPASS(S, D, A, Z) launch_onepass<T, Q, S, D, A, Z>(a, geo, x, scale, zp, y, mask, q, bad, st)
+#define QC_ONEPASS(S, D, A, Z) return launch_onepass<T, Q, S, D, A, Z>(a, geo, x, scale, zp, y, mask, q, bad, st)
   if (a->symmetric) {
     if (a->deepspeed) { if (sto) QC_ONEPASS(true, true, false, false); else QC_ONEPASS(false, true, false, false); }
     else { if (sto) QC_ONEPASS(true, false, false, false); else QC_ONEPASS(false, false, false, false); }
@@ -299,16 +341,17 @@ void dispatch_onepass(const qc_cuda_quant_args* a, const Geo& geo, const void* x
 #undef QC_ONEPASS
 }
 
-// Whether run_quant takes the one-pass kernel: integer codes, ranges from the data, a group that
-// fits on chip, a grid of one block per group. QC_CUDA_TWO_PASS=1 forces the two-pass kernels
-// (for comparing the two on a GPU).
+// Whether run_quant tries the one-pass kernel: asked for with QC_CUDA_ONE_PASS=1 (it has not yet
+// passed `pytest -m cuda` on a GPU, so the two-pass kernels stay the default), integer codes,
+// ranges from the data, a group within kOnChipMax, a grid of one block per group. Whether the
+// group fits this device's shared memory is decided at launch (launch_onepass).
 bool onepass_fits(const qc_cuda_quant_args* a, const Geo& geo) {
-  static const bool forced_two = [] {
-    const char* v = std::getenv("QC_CUDA_TWO_PASS");
+  static const bool asked = [] {
+    const char* v = std::getenv("QC_CUDA_ONE_PASS");
     return v != nullptr && v[0] == '1';
   }();
   const int64_t groups = geo.rows * geo.ngr;
-  return !forced_two && a->kind == kInt && a->range == nullptr && geo.group > 0 && geo.group <= kOnChipMax &&
+  return asked && a->kind == kInt && a->range == nullptr && geo.group > 0 && geo.group <= kOnChipMax &&
          groups > 0 && groups <= 0x7fffffff;
 }
 
@@ -317,9 +360,9 @@ void run_quant(const qc_cuda_quant_args* a, const void* x, void* y, bool* mask, 
                float* scale, float* zp, void* ws, int* bad, cudaStream_t st) {
   const Geo geo = make_geo(a);
   if (onepass_fits(a, geo)) {
-    if (q_dtype == 1) dispatch_onepass<T, int32_t>(a, geo, x, scale, zp, y, mask, q, bad, st);
-    else dispatch_onepass<T, int8_t>(a, geo, x, scale, zp, y, mask, q, bad, st);
-    return;
+    const bool ran = q_dtype == 1 ? dispatch_onepass<T, int32_t>(a, geo, x, scale, zp, y, mask, q, bad, st)
+                                  : dispatch_onepass<T, int8_t>(a, geo, x, scale, zp, y, mask, q, bad, st);
+    if (ran) return;  // else: the group does not fit this device's shared memory; two passes
   }
   const int64_t groups = geo.rows * geo.ngr;
   const int64_t segments = groups * geo.spg;

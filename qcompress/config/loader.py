@@ -19,6 +19,8 @@ from typing import Any, List, Mapping, Tuple
 import yaml
 
 from ..errors import ConfigError
+from . import recipes
+from .recipes import RENAMED_RECIPES
 from .schema import join
 from .training import Config, parse_config
 
@@ -124,18 +126,7 @@ def check_document(doc: Any, source: str = "") -> None:
                 stack.append((sub, (link, i), depth + 1, inner))
 
 
-# Recipe files renamed to one scheme (w<bits>a<bits>[_g<group>][_variant], fragments with_*): the
-# old names still load for one release, with a warning naming the new file.
-RENAMED_RECIPES = {
-    "w4_group128.yaml": "w4a16_g128.yaml",
-    "w4_group32.yaml": "w4a16_g32.yaml",
-    "w3_group32.yaml": "w3a16_g32.yaml",
-    "xtc_binary.yaml": "w1a8_xtc.yaml",
-    "mse_observer.yaml": "with_mse_observer.yaml",
-    "range_learning.yaml": "with_range_learning.yaml",
-    "qad_range_learning.yaml": "with_qad_range_learning.yaml",
-    "onebit_adam.yaml": "with_onebit_adam.yaml",
-}
+# RENAMED_RECIPES (recipes.py): the old names, mapped here with a DeprecationWarning
 
 
 def _renamed_recipe(path: str) -> str:
@@ -150,9 +141,32 @@ def _renamed_recipe(path: str) -> str:
     return os.path.join(folder, new)
 
 
+def _missing_source(path: str) -> str:
+    """The file a source that is not a file stands for: a recipe by name (config/recipes.py), else
+    `path`; a name that is no recipe is a ConfigError listing the recipes."""
+    named = recipes.find(path)
+    if named is not None:
+        return named
+    base = os.path.basename(path)
+    stem = base[:-5] if base.endswith(".yaml") else base
+    names = recipes.recipe_names()
+    if recipes.is_name(path) and not base.endswith(".json") and names:
+        from .schema import did_you_mean
+        raise ConfigError(path, f"no such config file, and no recipe of that name{did_you_mean(stem, names)}; "
+                                f"the recipes that ship with qcompress: {', '.join(names)}")
+    if stem in names and not os.path.exists(path):
+        raise ConfigError(path, f"no such config file; the recipe {stem!r} ships with qcompress: pass its "
+                                f"name, {stem!r}, to load it from any folder")
+    return path
+
+
 def read_document(path: str | os.PathLike) -> dict:
-    """Read one JSON or YAML file into a dict; errors name the file."""
-    path = _renamed_recipe(os.fspath(path))
+    """Read one JSON or YAML file into a dict; errors name the file. A source that is no file but
+    a recipe's name (`w4a8_g128`, `w4a8_g128.yaml`) reads that recipe."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        path = _missing_source(path)
+    path = _renamed_recipe(path)
     try:
         with open(path, "r", encoding="utf-8") as fh:
             text = fh.read()
@@ -174,7 +188,8 @@ def parse_document(text: str, name: str) -> dict:
         else:
             doc = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: SafeConstructor only
     except (ValueError, yaml.YAMLError) as err:
-        raise ConfigError(path, f"not valid {kind}: {err}") from None
+        # PyYAML marks a string source as "<unicode string>": name the file there too
+        raise ConfigError(path, f"not valid {kind}: {str(err).replace('<unicode string>', path)}") from None
     except (IndexError, TypeError, AttributeError, KeyError, OverflowError) as err:
         # PyYAML's constructors fail this way on explicitly tagged values that do not fit their
         # tag (`x: !!float` with no value raises IndexError)

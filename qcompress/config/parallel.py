@@ -87,6 +87,30 @@ def warn_pipeline_keys(doc: dict) -> None:
                           f"{instead}", stacklevel=4)
 
 
+ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+def warn_zero1_split(doc: dict) -> None:
+    """ZeRO stage 1 under a tensor or pipeline split runs as stage 2 (FSDP2 on the data-parallel
+    group: ZeroRedundancyOptimizer broadcasts plain tensors, not the split's DTensor parameters);
+    the 1-bit optimizers keep their own shards. Said once, by key."""
+    zero = doc.get("zero_optimization") if isinstance(doc, dict) else None
+    if not isinstance(zero, dict) or zero.get("stage") != 1:
+        return
+    tp = (doc.get("tensor_parallel") or {}).get("autotp_size", 1) if isinstance(doc.get("tensor_parallel"), dict) else 1
+    pp = (doc.get("pipeline") or {}).get("stages", 1) if isinstance(doc.get("pipeline"), dict) else 1
+    split = [f"{k} {v}" for k, v in (("tensor_parallel.autotp_size", tp), ("pipeline.stages", pp))
+             if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+    opt = doc.get("optimizer")
+    name = opt.get("type") if isinstance(opt, dict) else None
+    if not split or (isinstance(name, str) and name.lower() in ONEBIT_OPTIMIZERS):
+        return
+    warnings.warn(f"config key 'zero_optimization.stage' is 1 with {' and '.join(split)}: a split model runs "
+                  "ZeRO stage 2 instead (FSDP2 shards the optimizer state and the gradients over the "
+                  "data-parallel group, since ZeroRedundancyOptimizer cannot broadcast the split's DTensor "
+                  "parameters); the updates are stage 1's, the memory stage 2's", stacklevel=4)
+
+
 @dataclass(frozen=True)
 class MeshShape:
     """(pp, dp, tp) sizes of the engine's DeviceMesh."""

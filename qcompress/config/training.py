@@ -7,9 +7,9 @@ from typing import Any, Dict, Optional, Tuple
 from ..errors import ConfigError
 from .compile import Compile
 from .compression import CompressionConfig
-from .deepspeed_keys import TOP_LEVEL, warn_unused
+from .deepspeed_keys import TOP_LEVEL, drop_unhonoured, warn_dropped, warn_unused
 from .onebit import refuse_onebit_placements
-from .parallel import Pipeline, TensorParallel, warn_pipeline_keys
+from .parallel import Pipeline, TensorParallel, warn_pipeline_keys, warn_zero1_split
 from .pld import ProgressiveLayerDrop
 from .schema import field, join, parse
 
@@ -252,6 +252,7 @@ def parse_config(doc: dict, source: str = "") -> Config:
         raise ConfigError(source, f"a config must be a mapping at the top level, got {type(doc).__name__}")
     warn_unused(doc)
     warn_pipeline_keys(doc)
+    warn_zero1_split(doc)
     fields = set(Config.__dataclass_fields__)
     kept = {}
     for key, value in doc.items():
@@ -260,6 +261,8 @@ def parse_config(doc: dict, source: str = "") -> Config:
         if key == "bfloat16":  # DeepSpeed's older alias
             key = "bf16"
         kept[key] = value
+    kept, dropped = drop_unhonoured(kept, Config)    # the rest of DeepSpeed 0.19's keys
+    warn_dropped(dropped)
     kept, auto = take_auto(kept)
     cfg = parse(Config, kept, "")
     object.__setattr__(cfg, "raw", doc)

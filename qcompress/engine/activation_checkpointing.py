@@ -10,7 +10,8 @@ stay outside the recompute. `number_checkpoints` checkpoints the first N blocks 
 `cpu_checkpointing` keeps the saved block inputs in CPU memory (torch.autograd.graph.save_on_cpu).
 
 What a forward updates must not update twice: static activation ranges fold a batch into their
-EMA only outside a recompute (nn/layers.py), PLD replays its decision, dropout replays its random
+EMA only outside a recompute (nn/layers.py), and the recompute replays the range its forward used
+(nn/recompute_ranges.py, through checkpoint's context_fn), PLD replays its decision, dropout replays its random
 state (checkpoint's preserve_rng_state), so gradients equal those without checkpointing.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
+from ..nn import recompute_ranges
 
 KEY = "activation_checkpointing"
 
@@ -30,6 +32,8 @@ def _checkpoint_fn(cpu: bool):
     """checkpoint(fn, *args, **kwargs), non-reentrant; with `cpu`, its saved inputs in CPU memory."""
     def run(function, *args, **kwargs):
         kwargs.setdefault("use_reentrant", False)
+        # each recompute quantizes with the static ranges its own forward used (nn/recompute_ranges.py)
+        kwargs.setdefault("context_fn", recompute_ranges.context_fn)
         if not cpu:
             return checkpoint(function, *args, **kwargs)
         pin = torch.cuda.is_available()

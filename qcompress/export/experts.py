@@ -368,8 +368,14 @@ def _loaded_part(modules, name: str, rec: dict):
     act = rec.get("input_activations")
     if act is not None:
         static = not act.get("dynamic", True)
+        fmt, group_size = "int", None
+        if act.get("type") == "float":     # FP8 / MX inputs: the format and its groups, not int8 per token
+            from .floats import act_spec
+            spec = act_spec(act)
+            fmt, group_size = spec.format, (spec.group_size if spec.granularity == "group" else None)
         part.qc_aq = ActQuant(group=rec["group"], bits=act["num_bits"], symmetric=act["symmetric"],
-                              calibration="static" if static else "dynamic", offset=0, per="token", active=True)
+                              calibration="static" if static else "dynamic", offset=0, per="token", active=True,
+                              format=fmt, group_size=group_size)
         if static:       # per-expert ranges: a product that names no expert is refused (input_observer)
             from ..nn.expert_ranges import ExpertRanges
             part.qc_aq.observer = ExpertRanges(rec["shape"][0])

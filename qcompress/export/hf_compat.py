@@ -66,5 +66,6 @@ def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
             f"compressed-tensors decompresses these weights to bfloat16 only, so transformers cannot run "
             f"this {dtype} model with its activation quantization (dequantize=True would run the "
             "activations unquantized); use qcompress.load_quantized(folder, model), or train and "
-            "export the model in bfloat16")
+            "export the model in bfloat16 (qcompress train --dtype bfloat16; in Python, load it with "
+            "from_pretrained(..., dtype=torch.bfloat16))")
     return {}

@@ -40,13 +40,31 @@ def unreadable(model: nn.Module) -> List[Tuple[str, str]]:
     return out
 
 
+# what to do, by the reason a module is unreadable (layout.unportable_reason): only embeddings are
+# something the schedules/ recipes leave out; Conv1D and convolutions are the model's own layers
+_ADVICE = {
+    "embedding": "leave embeddings out of the weight groups' `modules` (the schedules/ recipes do; "
+                 "schedules/with_embeddings.yaml opts them in for qcompress.load_quantized)",
+    "transformers Conv1D": "transformers' Conv1D projections (GPT-2 and its family) are quantized by every "
+                           "recipe that takes the transformer blocks, and only qcompress.load_quantized "
+                           "reads them; for an export transformers and vLLM load, train a model whose "
+                           "projections are nn.Linear (Llama, Qwen, Mistral, BERT)",
+    "convolution": "convolutions are read by qcompress.load_quantized only",
+}
+
+
 def message(found: Sequence[Tuple[str, str]], where: str) -> str:
     shown = ", ".join(f"{n} ({why})" for n, why in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    reasons = list(dict.fromkeys(why for _, why in found))
+    advice = [_ADVICE[r] for r in reasons if r in _ADVICE]
+    if any(r.startswith("in_features") for r in reasons):
+        advice.append("choose a group_size that divides every quantized layer's in_features")
+    if any(r.startswith("input activations") for r in reasons):
+        advice.append("quantize inputs per token (dynamic) or with a static range")
     return (f"{where} quantize {len(found)} modules that no serving loader reads: {shown}. "
             "compressed-tensors' loaders (transformers, vLLM) quantize nn.Linear layers with whole "
             "groups only, so transformers will refuse this export; qcompress.load_quantized still "
-            "reads all of it. For an export they load, leave these modules out of the weight groups' "
-            "`modules` (the schedules/ recipes do, with embeddings opt-in by schedules/with_embeddings.yaml)")
+            "reads all of it. " + "; ".join(a[0].upper() + a[1:] for a in advice) + ".")
 
 
 def warn(found: Sequence[Tuple[str, str]], where: str) -> None:

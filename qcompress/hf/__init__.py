@@ -5,8 +5,9 @@ try:  # checked here so the error says what to install
     import transformers  # noqa: F401
     import accelerate  # noqa: F401  (the Trainer requires it)
 except ImportError as err:
+    from ..errors import install_hint
     raise ImportError(f"qcompress.hf needs transformers and accelerate ({err.name or err} is missing): "
-                      "pip install qcompress[hf]") from err
+                      f"{install_hint('hf')}") from err
 
 from .callback import CompressionCallback, load_compression_state, save_compression_state
 from .trainer import CompressionTrainer, DistillationTrainer, distill_mask

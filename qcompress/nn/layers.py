@@ -31,7 +31,7 @@ from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scal
 from ..quant import float_observers, floats
 from ..errors import NonFiniteError
 from ..quant.reference import make_spec
-from . import fused, ranges, sharded
+from . import fused, ranges, recompute_ranges, sharded
 from .state import ActQuant, WeightQuant
 
 _CLASS_CACHE: Dict[type, type] = {}
@@ -221,14 +221,16 @@ class CompressMixin:
         obs = self.input_observer()
         if self.training and obs.initialized and _recomputing():
             # activation checkpointing re-runs forward inside backward: quantize with the range
-            # the original forward used, and fold the batch into the EMA only once
-            return obs.min, obs.max
+            # the original forward used (recorded per checkpointed call: later micro-batches may
+            # have moved the EMA since), and fold the batch into the EMA only once
+            return recompute_ranges.replay(self) or (obs.min, obs.max)
         if self.training:
             if aq.range_observer == "minmax":
-                return obs.observe(x)
+                return recompute_ranges.record(self, obs.observe(x))
             from ..quant.observers import Search, activation_range
             choose = float_observers.activation_range if floats.is_float(spec) else activation_range
-            return obs.update(*choose(x, spec, aq.range_observer, Search(*aq.range_search)))
+            return recompute_ranges.record(self, obs.update(*choose(x, spec, aq.range_observer,
+                                                                     Search(*aq.range_search))))
         if obs.initialized:
             return obs.min, obs.max
         _warn_uncalibrated(self.qc_name)

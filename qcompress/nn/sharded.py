@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..quant import floats
 from ..quant.api import fake_quantize_spec
 from ..quant.reference import group_minmax, group_view, int_params, make_spec
+from . import recompute_ranges
 
 
 def is_dtensor(t) -> bool:
@@ -148,7 +149,9 @@ def _whole(mod, local, spec, aq, training, recomputing, group):
         lo, hi = d.amin().reshape(1), d.amax().reshape(1)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-        lo, hi = aq.observer.update(lo[0], hi[0])
+        lo, hi = recompute_ranges.record(mod, aq.observer.update(lo[0], hi[0]))
+    elif training:          # a recompute (activation checkpointing): the range its own forward used
+        lo, hi = recompute_ranges.replay(mod) or (aq.observer.min, aq.observer.max)
     elif aq.observer.initialized:
         lo, hi = aq.observer.min, aq.observer.max
     else:

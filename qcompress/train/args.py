@@ -73,6 +73,10 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
                         "the ptq_learned stage (default 0: none)")
     t.add_argument("--save-steps", type=int, default=50,
                    help="checkpoint every N optimizer steps for --resume (0: only at the end; default 50)")
+    t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype the model is loaded, trained, exported and reloaded in (default float32; "
+                        "bfloat16 for NVFP4 / MX exports that transformers runs with their activation "
+                        "quantization)")
     t.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     t.add_argument("--device", default="auto", metavar="DEV",
                    help="where training and evaluation run: auto (a CUDA GPU when torch sees one, else the "
@@ -80,6 +84,10 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     r = p.add_argument_group("run")
     r.add_argument("--resume", action="store_true", help="continue the interrupted run in --out exactly")
     r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    r.add_argument("--keep-checkpoints", choices=("all", "last", "none"), default="last",
+                   help="what a finished run keeps in --out/checkpoints: every checkpoint saved (all), the "
+                        "latest of each training phase (last, default), or none once the report is written "
+                        "(an interrupted run keeps the latest either way, for --resume)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -115,4 +123,4 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
                       baseline_from=ns.baseline_from, device=ns.device, ptq_range_steps=ns.ptq_range_steps,
                       progress=not ns.no_progress, gradient_checkpointing=ns.gradient_checkpointing,
-                      compile=ns.compile)
+                      compile=ns.compile, dtype=ns.dtype, keep_checkpoints=ns.keep_checkpoints)

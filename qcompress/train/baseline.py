@@ -93,7 +93,7 @@ class BaselineMixin:
             self.say(f"warning: {msg}")
             o.notes.append(msg)
         teacher = load_teacher(spec, model, lambda p: load_model(p, o.task, self.data.labels, o.seed,
-                                                                          self.tok.pad_token_id))
+                                                                          self.tok.pad_token_id, o.dtype))
         if spec != "self" and getattr(teacher, "qc_fresh_head", False):
             head = (f"classification head for these {len(self.data.labels)} labels" if self.data.labels
                     else "language-model head")
@@ -115,6 +115,10 @@ def baseline_source(opts: JobOptions, plain_doc: dict, digest: Optional[str] = N
     path = os.path.join(src, "checkpoints", "progress.json")
     theirs = os.path.join(src, "checkpoints", "fp32_finetuned.safetensors")
     if not (os.path.isfile(path) and os.path.isfile(theirs)):
+        doc = _read_json(path) if os.path.isfile(path) else None
+        if isinstance(doc, dict) and "fp32_finetuned" in (doc.get("stages") or {}):
+            raise JobError(f"--baseline-from {src}: its FP32 baseline was trained, but its weights were removed "
+                           f"with its checkpoints (--keep-checkpoints none); run --baseline instead")
         raise JobError(f"--baseline-from {src}: no FP32 baseline there (run it with --baseline first)")
     try:
         with open(path, encoding="utf-8") as fh:
@@ -127,3 +131,11 @@ def baseline_source(opts: JobOptions, plain_doc: dict, digest: Optional[str] = N
         raise JobError(f"--baseline-from {src}: its FP32 baseline was trained with another model, data, "
                        "budget or training config; run --baseline instead")
     return saved
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None

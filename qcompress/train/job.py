@@ -35,7 +35,8 @@ from .phases import PhasesMixin
 from .ranks import barrier, rank, world
 from .report import plot_bits, plot_loss, read_metrics, stage_table, write_report
 from ..verify.offline import offline_verify
-from .stages import export_model, quantize_without_training, transformers_attempts
+from .stages import (export_model, float_embeddings, quantize_without_training, transformers_attempts,
+                     why_logits_differ)
 
 log = logging.getLogger("qcompress.train")
 
@@ -112,7 +113,7 @@ class Job(BaselineMixin, PhasesMixin):
             o.notes.append(msg)
         # The model loads and --baseline-from / --resume are checked before --out is touched:
         # --overwrite deletes the previous run, which a bad input must not cost.
-        model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id)
+        model = load_model(o.model, o.task, data.labels, o.seed, tok.pad_token_id, o.dtype)
         check_max_length(model, o.model, o.max_length)     # else an IndexError in the first forward
         check_compression(model, doc, o.configs, self.planned_steps(cfg, len(data.train)), o.ptq_range_steps)
         self.data_digest = data_digest(data)
@@ -168,6 +169,10 @@ class Job(BaselineMixin, PhasesMixin):
             o.notes.append(line)
         export_dir = os.path.join(o.out, "export")
         stages["exported"], export_bytes = self.exported(trained, export_dir)
+        float_emb = float_embeddings(trained, export_dir)
+        note = float_embedding_note(float_emb, export_bytes)
+        if note:
+            o.notes.append(note)
         stages["transformers"] = self.stage("transformers", lambda: self.transformers_stage(trained, export_dir))
         report = dict(
             task=o.task, model=os.path.abspath(o.model), model_class=cls_name, parameters=n_params,
@@ -177,7 +182,8 @@ class Job(BaselineMixin, PhasesMixin):
                       eval_data=o.eval_data and os.path.abspath(o.eval_data)),
             training=train_info, stages=stages,
             sizes=dict(fp32_bytes=size_fp32, export_bytes=export_bytes,
-                       compression_ratio=(size_fp32 / export_bytes) if export_bytes else None),
+                       compression_ratio=(size_fp32 / export_bytes) if export_bytes else None,
+                       float_embedding_bytes=sum(float_emb.values())),
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
             notes=list(o.notes))
         # this attempt, plus the stages and the partial training earlier attempts recorded
@@ -231,12 +237,12 @@ class Job(BaselineMixin, PhasesMixin):
                     reference, model, self.data.eval, o.eval_batch_size, self.tok.pad_token_id)
                 result["max_weight_diff_vs_exported"] = max_weight_difference(reference, model)
             return result
-        result = transformers_attempts(export_dir, o.task, run)
+        result = transformers_attempts(export_dir, o.task, run, o.dtype)
         result.setdefault(self.metric, None)
         diff, wdiff = result.get("max_logit_diff_vs_exported"), result.get("max_weight_diff_vs_exported")
         if diff is not None and diff > 1e-3:
-            why = ("the same weights (every dequantized weight equal), but its decompressed layers run "
-                   "activations unquantized" if wdiff == 0.0 else f"other weights (max |difference| {wdiff:.3g})")
+            why = (why_logits_differ(export_dir, result["loaded_with"]) if wdiff == 0.0
+                   else f"other weights (max |difference| {wdiff:.3g})")
             self.opts.notes.append(
                 f"transformers' {result['loaded_with']} gives other logits than qcompress.load_quantized "
                 f"(max |difference| {diff:.3g}): {why}; the 'exported' row is the trained model")
@@ -253,6 +259,7 @@ class Job(BaselineMixin, PhasesMixin):
         if plot_bits(os.path.join(o.out, "plots", "bits.png"), runs["compressed"]):
             plots.append("plots/bits.png")
         write_report(o.out, report)     # last: a folder with report.json holds a finished run
+        kept = settle_checkpoints(o.out, o.keep_checkpoints)
         self.say("")
         self.say(stage_table(report))
         sz = report["sizes"]
@@ -262,10 +269,51 @@ class Job(BaselineMixin, PhasesMixin):
         for note in report.get("notes") or []:
             self.say(f"note: {note}")
         self.say(f"report: {os.path.join(o.out, 'report.md')} (and report.json, metrics.csv)")
+        if o.keep_checkpoints == "none":
+            self.say("checkpoints: removed (--keep-checkpoints none); the run cannot lend its baseline "
+                     "(--baseline-from)")
+        else:
+            self.say(f"checkpoints: {kept / 2**20:.1f} MiB in {os.path.join(o.out, 'checkpoints')} "
+                     f"(--keep-checkpoints {o.keep_checkpoints}; `none` removes them once a run is finished)")
         if plots:
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
-            self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+            from ..errors import install_hint
+            self.say(f"plots: not drawn (matplotlib is not installed: {install_hint('plot')})")
+
+
+def float_embedding_note(found: dict, export_bytes: int, share: float = 0.1) -> str:
+    """The report's note when full-precision embedding tables are at least `share` of the export."""
+    total = sum(found.values())
+    if not export_bytes or total < share * export_bytes:
+        return ""
+    names = ", ".join(sorted(found, key=found.get, reverse=True)[:3]) + (" ..." if len(found) > 3 else "")
+    return (f"{total / 2**20:.1f} MiB of the {export_bytes / 2**20:.1f} MiB export ({100 * total / export_bytes:.0f} %) "
+            f"are embedding tables kept in full precision ({names}): the recipes quantize the Linear layers "
+            "only, the ones compressed-tensors' loaders (transformers, vLLM) read. Adding the with_embeddings "
+            "fragment (qcompress train w8a8 with_embeddings ...) stores them in 8 bits, an export only "
+            "qcompress.load_quantized reads")
+
+
+def settle_checkpoints(out: str, keep: str) -> int:
+    """What a finished run keeps of --out/checkpoints (--keep-checkpoints): `none` removes the engine
+    checkpoints and the baseline's weights (progress.json stays: the stages' results). Returns the
+    bytes left there."""
+    import shutil
+    folder = os.path.join(out, "checkpoints")
+    if keep == "none" and os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name == "progress.json":
+                continue
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+    total = 0
+    for base, _, files in os.walk(folder):
+        total += sum(os.path.getsize(os.path.join(base, f)) for f in files)
+    return total
 
 
 def _device_name(dev: torch.device) -> str:

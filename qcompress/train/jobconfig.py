@@ -146,6 +146,7 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
     learned = bool(range_parameters(probe))
     from ..export import reach
     unread = reach.unreadable(probe)
+    wide = too_wide_for_export(probe, steps)
     del probe, teacher
     if ptq_range_steps and not learned:
         raise JobError(f"--ptq-range-steps {ptq_range_steps} trains learned ranges, but no group of "
@@ -159,4 +160,28 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
         raise JobError(f"quantization starts at step {min(offsets)} (schedule_offset in {' + '.join(configs)}) but "
                        f"the run ends at step {steps}: nothing would be quantized to export; lower schedule_offset "
                        "or train longer (--max-steps / --epochs)")
+    if wide:
+        (bits, group), names = next(iter(wide.items()))
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise JobError(f"weight group {group!r} of {' + '.join(configs)} would hold {bits}-bit weights at the "
+                       f"run's last step (step {steps}; modules {shown}), and the export stores at most 8-bit "
+                       f"integer codes: set its target_bits <= 8 and train until the schedule reaches 8 bits "
+                       "(--max-steps / --epochs), or quantize these modules in another group")
     reach.warn(unread, f"the weight groups of {' + '.join(configs)}")   # before training, not after export
+
+
+def too_wide_for_export(model: torch.nn.Module, steps: int) -> dict:
+    """{(bits, group): module names} of the integer weight groups that would be above 8 bits at step
+    `steps` (the export's int8 container refuses them: export/codes.py), in module order."""
+    from ..config.formats import format_at
+    from ..schedule import bits_at
+    out: dict = {}
+    for name, m in model.named_modules():
+        wq = getattr(m, "qc_wq", None)
+        if wq is None or steps < wq.offset:
+            continue
+        bits = bits_at(steps, start=wq.start_bits, target=wq.target_bits, period=wq.period,
+                       offset=wq.offset, growth=wq.growth)
+        if bits > 8 and format_at(wq.format, bits) == "int":
+            out.setdefault((bits, wq.group), []).append(name)
+    return out

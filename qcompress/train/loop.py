@@ -93,6 +93,7 @@ class Phase:
     distiller: object = None
     progress: bool = True
     prior_seconds: float = 0.0      # training time of earlier attempts (from the resumed checkpoint)
+    keep_all: bool = False          # --keep-checkpoints all: older tags stay
 
     @property
     def rank(self) -> int:
@@ -120,7 +121,7 @@ def save(phase: Phase, step: int, seconds: float = 0.0) -> None:
     phase's training time so far, all attempts (a resumed run's report adds it up)."""
     tag = f"step{step}"
     phase.engine.save_checkpoint(phase.ckpt_dir, tag=tag, client_state={"step": step, "seconds": round(seconds, 3)})
-    if phase.rank == 0:
+    if phase.rank == 0 and not phase.keep_all:
         _prune_old_tags(phase.ckpt_dir, tag)
 
 

@@ -18,7 +18,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise JobError("qcompress train needs transformers: pip install 'qcompress[hf]'", code=1) from None
+        from ..errors import install_hint
+        raise JobError(f"qcompress train needs transformers: {install_hint('hf')}", code=1) from None
     transformers.logging.set_verbosity_error()           # our report says what matters
     transformers.logging.disable_progress_bar()
     return transformers
@@ -50,7 +51,7 @@ def load_tokenizer(folder: str):
 
 
 def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed: int = 0,
-               pad_token_id: Optional[int] = None) -> nn.Module:
+               pad_token_id: Optional[int] = None, dtype: str = "float32") -> nn.Module:
     """The pretrained model with the task's head; a classification head with one class per label
     (a fresh head, seeded, unless the checkpoint's head already has that many classes).
     `pad_token_id`: the id batches are padded with, recorded in a config that has none."""
@@ -63,7 +64,7 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
         ckpt_labels = _checkpoint_labels(folder)
     torch.manual_seed(seed)
     try:
-        model, info = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+        model, info = cls.from_pretrained(folder, local_files_only=True, dtype=getattr(torch, dtype),
                                           output_loading_info=True, **kwargs)
     except ValueError as err:
         msg = str(err).splitlines()[0]
@@ -112,9 +113,10 @@ def _reorder_head(model: nn.Module, folder: str, order: List[int]) -> None:
 
 
 def fresh_model(model: nn.Module, task: str) -> nn.Module:
-    """An uncompressed instance of the same architecture and config (weights are overwritten later)."""
+    """An uncompressed instance of the same architecture, config and dtype (weights are overwritten later)."""
     torch.manual_seed(0)
-    return auto_class(task).from_config(model.config, dtype=torch.float32)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return auto_class(task).from_config(model.config, dtype=dtype)
 
 
 def position_limit(model: nn.Module) -> Optional[int]:

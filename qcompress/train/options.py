@@ -39,6 +39,8 @@ class JobOptions:
     progress: bool = True
     gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
     compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
+    dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
+    keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -47,9 +49,11 @@ class JobOptions:
         the data by what was read from it (an edited data file is other data)."""
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
-                             "configs", "device", "gradient_checkpointing", "compile")}
+                             "configs", "device", "gradient_checkpointing", "compile", "keep_checkpoints")}
         if not self.ptq_range_steps:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
+        if self.dtype == "float32":
+            keep.pop("dtype")               # as runs made before --dtype existed
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
@@ -62,6 +66,8 @@ class JobOptions:
                 if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
                          "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
                          "max_train_samples", "max_eval_samples")}
+        if self.dtype != "float32":         # float32 runs keep the fingerprint they had before --dtype
+            keep["dtype"] = self.dtype
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
         keep["plain_config"] = plain_doc
@@ -71,7 +77,11 @@ class JobOptions:
 
 def _file_hex(path: str) -> str:
     if not os.path.isfile(path):
-        return path
+        from ..config import recipes
+        found = recipes.find(path)          # a recipe by name: its file's content, as a path's
+        if found is None or not os.path.isfile(found):
+            return path
+        path = found
     with open(path, "rb") as fh:
         return fh.read().hex()
 

@@ -92,7 +92,8 @@ class PhasesMixin:
         return loop.Phase(name=name, engine=engine, dataset=self.data.train, task=o.task,
                           steps=self.steps(engine), seed=o.seed, pad_id=self.tok.pad_token_id,
                           ckpt_dir=os.path.join(o.out, "checkpoints", ckpt), save_steps=o.save_steps,
-                          metrics=metrics, distiller=distiller, progress=o.progress)
+                          metrics=metrics, distiller=distiller, progress=o.progress,
+                          keep_all=o.keep_checkpoints == "all")
 
     def train_phase(self, phase) -> None:
         start = loop.resume(phase) if self.opts.resume else 0

@@ -1,6 +1,7 @@
 """The model-building steps between training and the report: PTQ, export, reloading by transformers."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -49,6 +50,30 @@ def export_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
+def float_embeddings(model: nn.Module, folder: str) -> dict:
+    """{tensor name: bytes} of the embedding tables the export holds in floating point (read from
+    the files' headers): the recipes leave embeddings unquantized, so on a small model they are
+    most of the export."""
+    from safetensors import safe_open
+    wanted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(folder, f), "pt") as fh:
+            for key in fh.keys():
+                if key in wanted:
+                    t = fh.get_slice(key)
+                    dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                                            "F64": "float64"}.get(t.get_dtype(), "int8"))
+                    if dtype.is_floating_point:
+                        n = 1
+                        for d in t.get_shape():
+                            n *= d
+                        out[key] = n * dtype.itemsize
+    return out
+
+
 def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int:
     """Write the export (quantized safetensors + config.json + tokenizer files) into a fresh folder
     beside export_dir, then swap it in, so export_dir is always a whole export. Returns its bytes."""
@@ -78,7 +103,53 @@ def export_model(model: nn.Module, doc: dict, tokenizer, export_dir: str) -> int
     return export_bytes(export_dir)
 
 
-def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict]) -> dict:
+def why_logits_differ(export_dir: str, loaded_with: str) -> str:
+    """Why transformers' logits differ from load_quantized's when every weight is equal: what the
+    load did with the input activations (docs/export.md, docs/formats.md)."""
+    import json
+    with open(os.path.join(export_dir, "config.json"), encoding="utf-8") as fh:
+        groups = (json.load(fh).get("quantization_config") or {}).get("config_groups") or {}
+    kinds = {(g.get("input_activations") or {}).get("type") for g in groups.values() if isinstance(g, dict)}
+    kinds.discard(None)
+    same = "the same weights (every dequantized weight equal), but "
+    if not kinds or "dequantize=True" in loaded_with:
+        return same + "its decompressed layers run the activations unquantized"
+    if kinds == {"int"}:
+        return same + ("compressed-tensors quantizes the activations itself, dividing absmax by 127.5 where "
+                       "qcompress and vLLM divide by 127")
+    if kinds == {"float"}:
+        return same + ("compressed-tensors quantizes the activations itself: FP8 per token takes one scale "
+                       "for a whole 2-D input (a pooler's [batch, hidden]) where qcompress and vLLM take "
+                       "one per row")
+    return same + "compressed-tensors quantizes the activations itself, not bit for bit as qcompress does"
+
+
+@contextlib.contextmanager
+def library_bars_off():
+    """compressed-tensors draws tqdm bars while transformers loads a compressed model (applying the
+    config, compressing, dispatching, decompressing): in a log every frame is another line. They
+    are off while the stage loads (tqdm has no switch once imported; its __init__ is wrapped here
+    for that time only); the stage prints its own result."""
+    try:
+        from tqdm import std
+    except ImportError:
+        yield
+        return
+    saved = std.tqdm.__dict__["__init__"]
+    init = std.tqdm.__init__
+
+    def quiet(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+    std.tqdm.__init__ = quiet
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = saved
+
+
+def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module], dict],
+                          dtype: str = "float32") -> dict:
     """Load the export with transformers and run `run(model)` on it: plain from_pretrained first,
     then with compressed-tensors decompressing on load. The first that loads and runs wins; the
     result says which call it was, or (metric None) why none worked."""
@@ -96,7 +167,7 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
     from ..export.errors import ExportError
     try:
         from ..export.hf_compat import dequantize_config, transformers_kwargs
-        if transformers_kwargs(export_dir, "float32"):   # {}: float activations, which dequantize=True drops
+        if transformers_kwargs(export_dir, dtype):   # {}: float activations, which dequantize=True drops
             attempts.append(("from_pretrained(quantization_config=CompressedTensorsConfig(dequantize=True))",
                              {"quantization_config": dequantize_config()}))
     except ImportError as err:
@@ -105,7 +176,9 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
         return {"reason": str(err)}
     for how, kwargs in attempts:
         try:
-            model = cls.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32, **kwargs)
+            with library_bars_off():
+                model = cls.from_pretrained(export_dir, local_files_only=True, dtype=getattr(torch, dtype),
+                                            **kwargs)
             result = run(model.eval())
         except Exception as err:   # noqa: BLE001 — any failure is a reason for the report
             errors.append(f"{how}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")

@@ -89,7 +89,7 @@ def test_the_keys_page_lists_every_key_and_warning():
     import dataclasses
     import os
 
-    from qcompress.config.deepspeed_keys import FP16
+    from qcompress.config.deepspeed_keys import FP16, NOT_HONOURED
     from qcompress.config.training import Config
     page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deepspeed-keys.md"),
                 encoding="utf-8").read()
@@ -97,7 +97,7 @@ def test_the_keys_page_lists_every_key_and_warning():
         if not f.metadata.get("internal"):
             assert f"`{f.name}" in page, f.name
     tables = [(TOP_LEVEL, ""), (ZERO, "zero_optimization."), (OFFLOAD, "zero_optimization.offload_optimizer."),
-              (ACTIVATION_CHECKPOINTING, "activation_checkpointing."), (FP16, "fp16.")]
+              (ACTIVATION_CHECKPOINTING, "activation_checkpointing."), (FP16, "fp16."), (NOT_HONOURED, "")]
     for table, prefix in tables:
         for key, instead in table.items():
             assert f"| `{prefix}{key}`" in page and instead in page, prefix + key

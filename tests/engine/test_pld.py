@@ -16,7 +16,7 @@ import torch.nn as nn
 import qcompress as qc
 from qcompress.nn import pld as P
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 
 from dist_utils import run_ranks  # noqa: E402
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 from qcompress.export.hf_compat import dequantize_config  # noqa: E402
 

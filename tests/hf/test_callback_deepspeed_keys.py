@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 
 import qcompress  # noqa: E402
 from qcompress.hf import CompressionCallback  # noqa: E402

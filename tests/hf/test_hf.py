@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from hf_fixtures import tiny_bert_folder, tiny_gpt2_folder, topic_texts
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
-pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
+pytest.importorskip("accelerate", reason='the transformers Trainer needs accelerate (pip install -e ".[hf]" in the checkout)')
 
 import qcompress as qc  # noqa: E402
 from qcompress.hf import CompressionCallback, DistillationTrainer  # noqa: E402
@@ -307,7 +307,7 @@ def test_qcompress_does_not_import_transformers_and_hf_says_what_to_install():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stderr
-    assert "ERR" in res.stdout and "pip install qcompress[hf]" in res.stdout
+    assert "ERR" in res.stdout and 'pip install -e ".[hf]"' in res.stdout
 
 
 # --- accumulation, folder teachers, the best checkpoint, config vs TrainingArguments ------------

@@ -12,7 +12,7 @@ import qcompress as qc
 from qcompress.errors import NonFiniteError
 from qcompress.quant import kernels
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

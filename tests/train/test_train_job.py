@@ -98,6 +98,12 @@ def train(args, capsys=None):
     return code
 
 
+def _warnings(notes):
+    """The report's notes but the one on full-precision embedding tables, which any recipe that
+    leaves embeddings unquantized gets on these tiny models (tests/train/test_embedding_note.py)."""
+    return [n for n in notes if "embedding tables kept in full precision" not in n]
+
+
 def check_outputs(out, task, steps):
     """Every file the issue names, with content that agrees with itself."""
     for name in ("report.json", "report.md", "metrics.csv", "plots/loss.png", "plots/bits.png",
@@ -521,7 +527,7 @@ def test_a_schedule_cut_short_is_said(folders, tmp_path, capsys):
     assert len(said) == 1 and "8 bits" in said[0] and "target_bits 4" in said[0], rep["notes"]
     assert "warning: weight group 'w8_to_4'" in capsys.readouterr().out
     assert train([W8A8, *common, "--out", str(tmp_path / "w8")]) == 0
-    assert not json.load(open(tmp_path / "w8" / "report.json"))["notes"]
+    assert not _warnings(json.load(open(tmp_path / "w8" / "report.json"))["notes"])
 
 
 def test_max_length_beyond_the_position_table_is_refused(folders, tmp_path, capsys):
@@ -752,7 +758,7 @@ def test_teacher_folder_checked_up_front_and_a_headless_one_said(folders, tmp_pa
     kd.write_text(f"compression_training:\n  distillation: {{enabled: true, teacher: {clf}}}\n")
     out = str(tmp_path / "o3")
     assert train([W8A8, str(kd), *common, "--out", out]) == 0
-    assert not json.load(open(os.path.join(out, "report.json")))["notes"]
+    assert not _warnings(json.load(open(os.path.join(out, "report.json")))["notes"])
 
 
 def test_out_on_a_file_system_without_flock_still_runs(folders, tmp_path, monkeypatch):
