@@ -6,7 +6,6 @@ import os
 import re
 import shlex
 
-import pytest
 
 from benchmarks import common, provenance
 

@@ -3,7 +3,6 @@ before their backwards, as pipeline schedules order them (GPipe: F0 F1 B0 B1; 1F
 F0 F1 B0 F2 B1 B2). Each recompute must quantize with the range its own forward used, not the EMA
 range a later micro-batch has moved since. The oracle: the same model and micro-batches in the same
 order without checkpointing (autograd keeps each forward's quantized values), gradients bit for bit."""
-import copy
 
 import pytest
 import torch

@@ -2,13 +2,11 @@
 (plain from_pretrained quantizes them itself; only dequantize=True runs them unquantized), the
 transformers stage draws no compressed-tensors progress bars into a log, a YAML error names the
 file, docs/cli.md lists every option of `qcompress export`, and the docs name real commands."""
-import json
 import os
 import re
 import warnings
 
 import pytest
-import torch
 
 import hf_fixtures as hf
 import qcompress as qc
