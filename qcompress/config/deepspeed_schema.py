@@ -318,23 +318,36 @@ class Extractor:
         self.walk(tmod, func, env, cls, depth + 1, strs)
 
     # --- the whole schema ----------------------------------------------------------------------
+    def required(self, name: str) -> _Module:
+        """The module `name`, which the schema walk cannot do without."""
+        mod = self.module(name)
+        if mod is None:
+            raise FileNotFoundError(f"{name}: no such module under {self.root} (not a DeepSpeed 0.19 source tree?)")
+        return mod
+
+    def required_def(self, mod: _Module, name: str, kind: type):
+        node = mod.defs.get(name)
+        if not isinstance(node, kind):
+            raise LookupError(f"{mod.name}.{name}: expected a {kind.__name__} (not a DeepSpeed 0.19 source tree?)")
+        return node
+
     def run(self) -> List[str]:
-        mod = self.module(ENTRY[0])
-        cls = mod.defs[ENTRY[1]]
+        mod = self.required(ENTRY[0])
+        cls = self.required_def(mod, ENTRY[1], ast.ClassDef)
         for method in cls.body:      # __init__ parses; other methods read self._param_dict too
             if isinstance(method, ast.FunctionDef):
                 self.walk(mod, method, {"self._param_dict": ()}, cls)
         for path, (mname, fname) in DEFAULTS_DICTS.items():
-            func = self.module(mname).defs[fname]
-            for node in ast.walk(func):
+            dmod = self.required(mname)
+            for node in ast.walk(self.required_def(dmod, fname, ast.FunctionDef)):
                 if isinstance(node, ast.Dict):
                     for k in node.keys:
-                        key = self.string(self.module(mname), k)
+                        key = self.string(dmod, k)
                         if key:
                             self.add(path + (key,))
         for path, (mname, cname) in KWARGS_OF.items():
-            init = next(n for n in self.module(mname).defs[cname].body
-                        if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+            kcls = self.required_def(self.required(mname), cname, ast.ClassDef)
+            init = next(n for n in kcls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
             for a in init.args.args[1:]:
                 self.add(path + (a.arg,))
         return sorted(".".join(p) for p in self.keys)
