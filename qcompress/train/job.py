@@ -162,6 +162,9 @@ class Job(BaselineMixin, PhasesMixin):
         if split:
             stages["qat"] = self.stage("qat", lambda: ev(trained))
         report_bits = loop.final_bits(trained)
+        rotation = rotation_report(trained)
+        if rotation:
+            o.notes.append(rotation["summary"])
         for line in loop.schedule_shortfalls(trained):
             self.say(f"warning: {line}")
             o.notes.append(line)
@@ -178,7 +181,7 @@ class Job(BaselineMixin, PhasesMixin):
             sizes=dict(fp32_bytes=size_fp32, export_bytes=export_bytes,
                        compression_ratio=(size_fp32 / export_bytes) if export_bytes else None),
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
-            notes=list(o.notes))
+            rotation=rotation, notes=list(o.notes))
         # this attempt, plus the stages and the partial training earlier attempts recorded
         report["wall_time_s"]["total"] = round(time.perf_counter() - t_start + self.earlier_seconds, 3)
         self.finish(report)
@@ -262,6 +265,15 @@ class Job(BaselineMixin, PhasesMixin):
             self.say("plots: " + ", ".join(os.path.join(o.out, p) for p in plots))
         else:
             self.say("plots: not drawn (matplotlib is not installed: pip install 'qcompress[plot]')")
+
+
+def rotation_report(model) -> Optional[dict]:
+    """What init_compression rotated (the record transforms/ keeps on the model), with its summary
+    line: rotations, blocks, and a head untied from its embedding."""
+    from ..transforms import describe, record_of
+    from ..unwrap import unwrap
+    rec = record_of(unwrap(model))
+    return None if rec is None else {**rec, "summary": describe(rec)}
 
 
 def _device_name(dev: torch.device) -> str:
