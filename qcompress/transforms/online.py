@@ -30,11 +30,13 @@ class OnlineRotation(nn.Module):
         self.kind = kind                       # exported scheme type (learned: random-hadamard)
 
     def block(self) -> torch.Tensor:
-        """The unnormalized block in use now (what export writes)."""
+        """The unnormalized block in use now (what export writes), in float32 (compressed-tensors'
+        precision for online transforms; a model cast to bf16 keeps it) or float64."""
+        dt = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         cayley = self.__dict__.get("_qc_cayley")
         if cayley is None:
-            return self.weight
-        return (self.weight.to(torch.float64) @ cayley.matrix()).to(torch.float32)
+            return self.weight.to(dt)
+        return (self.weight.to(torch.float64) @ cayley.matrix()).to(dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return apply_block(x, self.block())
