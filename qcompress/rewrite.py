@@ -328,6 +328,8 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
 def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] = None) -> nn.Module:
     """Rewrite `model` in place so the config's techniques apply; returns the same model.
 
+    An enabled `rotation` section rotates the model first (qcompress.transforms: the function is
+    unchanged in full precision), so the quantizers see the rotated weights.
     Compressible modules become compress-aware subclasses of their own class (parameters keep
     identity, device, dtype and state_dict keys); with `progressive_layer_drop` enabled, the
     repeated transformer blocks become droppable the same way (qcompress.nn.pld). Each technique's groups claim modules by

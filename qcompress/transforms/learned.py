@@ -58,6 +58,12 @@ class Cayley(nn.Module):
     def clear(self) -> None:
         self.__dict__["_cache"] = None
 
+    def __getstate__(self):
+        # deepcopy / pickle: the cached C may hold an autograd graph, which neither can copy
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        return state
+
     def extra_repr(self) -> str:
         return f"n={self.skew.shape[0]}"
 

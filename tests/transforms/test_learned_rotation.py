@@ -148,6 +148,7 @@ def test_trained_rotations_export_fused_and_as_a_transform(tmp_path):
     model.eval()
     ids = tokens(64)
     trained = logits(model, ids)
+    assert torch.equal(logits(copy.deepcopy(model), ids), trained)      # a copy carries its factors
     out = str(tmp_path / "out")
     qc.export_quantized(model, out)
     config = json.load(open(os.path.join(out, "config.json")))
