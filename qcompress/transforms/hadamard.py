@@ -14,17 +14,15 @@ import torch
 
 
 def sylvester(b: int, dtype=torch.float64) -> torch.Tensor:
-    """The b x b Sylvester Hadamard matrix (entries +-1, symmetric); b a power of two. Row i,
-    column j is (-1)^popcount(i & j), the order the fast Walsh-Hadamard transform uses."""
+    """The b x b Sylvester Hadamard matrix (entries +-1, symmetric); b a power of two. Built by
+    doubling, H_2n = [[H, H], [H, -H]]: row i, column j is (-1)^popcount(i & j), the order the
+    fast Walsh-Hadamard transform uses."""
     if b < 1 or b & (b - 1):
         raise ValueError(f"a Sylvester Hadamard matrix has 2^k rows, not {b}")
-    idx = torch.arange(b)
-    bits = (idx[:, None] & idx[None, :])
-    parity = torch.zeros_like(bits)
-    while bool(bits.any()):
-        parity ^= bits & 1
-        bits = bits >> 1
-    return (1 - 2 * parity).to(dtype)
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
 
 
 def largest_power_of_two_block(n: int) -> int:
@@ -61,8 +59,9 @@ def rotate_dim(t: torch.Tensor, dim: int, block: torch.Tensor, scale: Optional[t
     if scale is not None:
         x = x * scale.to(block.dtype)
     b = block.shape[0]
-    n = x.shape[-1]
-    if n % b:
-        raise ValueError(f"a block of {b} does not divide the width {n}")
-    x = (x.unflatten(-1, (n // b, b)) @ block).flatten(-2)
+    shape = x.shape
+    if shape[-1] % b:
+        raise ValueError(f"a block of {b} does not divide the width {shape[-1]}")
+    # one GEMM over every block of every row (a batched product of strided blocks is far slower)
+    x = (x.contiguous().view(-1, b) @ block).view(shape)
     return x.movedim(-1, dim)
