@@ -13,6 +13,7 @@ from .config import Config, load_config
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .quant import kernels_available
 from .rewrite import init_compression, redundancy_clean, summary
+from .transforms import apply_rotations
 from .input_moments import calibrate_weight_ranges
 from .learn_ranges import learn_ranges
 from .schedule import CompressionScheduler
@@ -35,6 +36,6 @@ def __getattr__(name):
 
 
 __all__ = ["CheckpointError", "ConfigError", "NonFiniteError", "Config", "load_config", "init_compression",
-           "redundancy_clean", "summary", "CompressionScheduler", "calibrate_weight_ranges", "learn_ranges", "initialize", "estimate_memory",
+           "redundancy_clean", "summary", "apply_rotations", "CompressionScheduler", "calibrate_weight_ranges", "learn_ranges", "initialize", "estimate_memory",
            "export_quantized", "load_quantized", "kernels_available", "quant", "comm", "optim",
            "__version__"]

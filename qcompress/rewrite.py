@@ -24,6 +24,7 @@ from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware,
 from .nn import experts, ranges
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
+from .transforms import bake_learned, describe as describe_rotation, prepare_rotations, record_of
 
 log = logging.getLogger("qcompress")
 
@@ -327,6 +328,8 @@ def _act_quant(cfg, group: Group, module) -> ActQuant:
 def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] = None) -> nn.Module:
     """Rewrite `model` in place so the config's techniques apply; returns the same model.
 
+    An enabled `rotation` section rotates the model first (qcompress.transforms: the function is
+    unchanged in full precision), so the quantizers see the rotated weights.
     Compressible modules become compress-aware subclasses of their own class (parameters keep
     identity, device, dtype and state_dict keys); with `progressive_layer_drop` enabled, the
     repeated transformer blocks become droppable the same way (qcompress.nn.pld). Each technique's groups claim modules by
@@ -359,17 +362,26 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
                           "layer reduction initialises the student from a teacher: pass "
                           "init_compression(model, cfg, teacher_model=...)")
     assignments = plan(model, cfg)     # checks the claims before anything is written
+    rotation = prepare_rotations(model, cfg)   # and the rotations' (transforms/), None when off
     root = unwrap(model)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
     # error puts them back)
     students = ([(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
                 if cc.layer_reduction.enabled else [])
+    rotated = None
     try:
         if cc.layer_reduction.enabled:
             from .pruning.layer_reduction import student_initialization
             student_initialization(model, teacher_model, cc.layer_reduction)
-        return _rewrite_all(model, root, cfg, assignments)
+        # rotations first: the module rewrite (quantizers, observers) then sees the rotated weights
+        rotated = rotation.apply() if rotation is not None else None
+        out = _rewrite_all(model, root, cfg, assignments)
+        if rotated is not None:
+            rotated.release()
+        return out
     except BaseException:
+        if rotated is not None:
+            rotated.undo()
         with torch.no_grad():
             for t, saved in students:
                 t.copy_(saved)
@@ -544,6 +556,7 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
     it). Activation quantization stays: it is part of the compressed model's numerics.
     """
     root = unwrap(model)
+    bake_learned(root)  # learned rotations into the weights first: the codes are those of the rotated weights
     baked = set()      # tied weights: bake the shared Parameter once (re-quantizing may move it)
     for name, mod in compress_modules(root):
         wq = mod.qc_wq
@@ -585,4 +598,5 @@ def summary(model: nn.Module) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    rotation = describe_rotation(record_of(unwrap(model)))
+    return "\n".join(lines + ([rotation] if rotation else []))

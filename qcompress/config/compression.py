@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from .formats import check_act_group, check_weight_group, parse_format
+from .rotation import Rotation, check_with as _check_rotation
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
@@ -441,10 +442,12 @@ class CompressionConfig:
         Technique(ChannelPruningShared()), parse=_technique_parser(ChannelPruningShared, PruningParams))
     layer_reduction: LayerReduction = field(LayerReduction())
     distillation: Distillation = field(Distillation())
+    rotation: Rotation = field(Rotation(), doc="ext: Hadamard rotations (config/rotation.py)")
 
     def _validate(self, path):
         self._validate_ranges(path)
         self._validate_formats(path)
+        _check_rotation(self, path)
         kd, lr = self.distillation, self.layer_reduction
         if kd.teacher_layer is not None and lr.enabled and len(kd.teacher_layer) != len(lr.teacher_layer):
             raise ConfigError(join(path, "distillation.teacher_layer"),

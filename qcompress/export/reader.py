@@ -15,6 +15,7 @@ from .errors import CheckpointError
 from .manifest import check_expert_groups, check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
 from .quantized import (QuantizedMixin, _rebuild, class_parts, dequantize_record, gather_refusal, gather_rows,
                         load_steps, pickle_globals, quantized_class, swap)
+from .rotations import prepare_load
 from ..unwrap import unwrap
 
 # names importable from here before the split (_rebuild: what pickles saved then name)
@@ -63,6 +64,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     if config["qcompress"].get("experts"):      # fused expert Parameters, dequantized (export/experts.py)
         from .experts import load_experts
         load_experts(root, config["qcompress"]["experts"], tensors, cfg_path)
+    prepare_load(root, config, cfg_path)    # a rotated export: its untied head, R4's online modules
     named = dict(root.named_modules())
     for name, rec in modules.items():
         if name not in named:

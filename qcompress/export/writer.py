@@ -9,12 +9,13 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from . import experts, layout
+from . import experts, layout, rotations
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
 from .errors import ExportError
 from ..quant import kernels as _kernels
+from ..transforms import materialized
 from ..unwrap import unwrap
 
 
@@ -177,8 +178,9 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
         raise ExportError("the ranks hold different weights (0/1 Adam's local steps since its last "
                           "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
                           "and engine.save_checkpoint() do) before exporting")
-    tensors, modules, plain_linears, tied = collect(model)
-    expert_records = experts.add_experts(model, tensors)
+    with materialized(unwrap(model)):    # learned rotations: the rotated tensors, their factors left out
+        tensors, modules, plain_linears, tied = collect(model)
+        expert_records = experts.add_experts(model, tensors)
     if not modules and not expert_records:
         raise ExportError("nothing to export: no module has active weight or activation "
                           "quantization (call init_compression and train/schedule first)")
@@ -186,6 +188,7 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     if tied:
         config["qcompress"]["tied_tensors"] = tied
     experts.add_to_config(config, expert_records, modules)
+    rotations.add_to_config(config, unwrap(model))    # R4's transform_config, what was rotated
     local_only = [n for n, r in modules.items() if not layout.portable(r)]
     if local_only:
         warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"

@@ -164,6 +164,9 @@ class Job(BaselineMixin, PhasesMixin):
         if split:
             stages["qat"] = self.stage("qat", lambda: ev(trained))
         report_bits = loop.final_bits(trained)
+        rotation = rotation_report(trained)
+        if rotation:
+            o.notes.append(rotation["summary"])
         for line in loop.schedule_shortfalls(trained):
             self.say(f"warning: {line}")
             o.notes.append(line)
@@ -185,7 +188,7 @@ class Job(BaselineMixin, PhasesMixin):
                        compression_ratio=(size_fp32 / export_bytes) if export_bytes else None,
                        float_embedding_bytes=sum(float_emb.values())),
             wall_time_s=dict(self.progress.data["wall_time_s"]), final_bits=report_bits,
-            notes=list(o.notes))
+            rotation=rotation, notes=list(o.notes))
         # this attempt, plus the stages and the partial training earlier attempts recorded
         report["wall_time_s"]["total"] = round(time.perf_counter() - t_start + self.earlier_seconds, 3)
         self.finish(report)
@@ -314,6 +317,15 @@ def settle_checkpoints(out: str, keep: str) -> int:
     for base, _, files in os.walk(folder):
         total += sum(os.path.getsize(os.path.join(base, f)) for f in files)
     return total
+
+
+def rotation_report(model) -> Optional[dict]:
+    """What init_compression rotated (the record transforms/ keeps on the model), with its summary
+    line: rotations, blocks, and a head untied from its embedding."""
+    from ..transforms import describe, record_of
+    from ..unwrap import unwrap
+    rec = record_of(unwrap(model))
+    return None if rec is None else {**rec, "summary": describe(rec)}
 
 
 def _device_name(dev: torch.device) -> str:

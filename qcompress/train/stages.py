@@ -179,6 +179,10 @@ def transformers_attempts(export_dir: str, task: str, run: Callable[[nn.Module],
             with library_bars_off():
                 model = cls.from_pretrained(export_dir, local_files_only=True, dtype=getattr(torch, dtype),
                                             **kwargs)
+            # transformers drops transform_config (online rotations): compressed-tensors applies it
+            from ..export.rotations import apply_to_transformers
+            if apply_to_transformers(model, export_dir) is not None:
+                how += " + compressed_tensors.apply_transform_config"
             result = run(model.eval())
         except Exception as err:   # noqa: BLE001 — any failure is a reason for the report
             errors.append(f"{how}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
