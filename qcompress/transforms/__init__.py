@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..config import as_config
 from ..errors import ConfigError
 from ..unwrap import unwrap
-from . import fuse, learned
+from . import fuse
 from .families import PATH
 from .fuse import describe, record_of
 from .learned import bake as bake_learned, materialized
