@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import as_config
+from ..nn import kv_cache
 from ..errors import ConfigError
 from . import checkpoint as ckpt
 from . import checkpointing
@@ -407,7 +408,7 @@ class Engine:
             aq = getattr(m, "qc_aq", None)
             if aq is not None and getattr(aq, "calibration", None) == "static":
                 out.append(aq.observer)
-        return out
+        return out + kv_cache.observers(model)      # KV-cache ranges: per tensor or per head
 
     # --- the training rhythm -----------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
