@@ -589,4 +589,9 @@ def summary(model: nn.Module) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    kv = kv_cache.quantized_modules(model)
+    if kv:
+        state = kv[0][1].__dict__[kv_cache.ATTR]
+        lines.append(f"KV cache: {state.describe()}, {len(kv)} attention modules"
+                     + ("" if state.active else " (off)"))
     return "\n".join(lines)

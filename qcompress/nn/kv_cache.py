@@ -93,7 +93,7 @@ class KVQuant:
         return make_spec(8, symmetric=True, granularity=gran)
 
     def describe(self) -> str:
-        return f"KV {self.format} per {self.strategy}" + (" learned" if self.range_learning else "")
+        return f"{self.format} per {self.strategy}" + (", learned scales" if self.range_learning else "")
 
 
 # --- which modules are attention, and can be reached ------------------------------------------
