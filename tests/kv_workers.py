@@ -72,7 +72,9 @@ def train(engine, start, stop, rank=0):
 
 
 def state_of(engine):
-    sd = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    """(state_dict with whole tensors, KV ranges); collective under ZeRO 2 / 3."""
+    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+          for k, v in engine.module.state_dict().items()}
     return sd, ranges(engine.module)
 
 
@@ -92,3 +94,8 @@ def run_resume(rank, world, ckdir, stage=0):
     resumed = train(engine2, 3, 5, rank)
     return {"tail": tail, "resumed": resumed, "final": final, "resumed_final": state_of(engine2),
             "files": sorted(os.listdir(ckdir))}
+
+
+def run_ranks_checks(rank, world, ckdir):
+    """Both multi-rank checks in one process group: the range sync, and a ZeRO-3 resume."""
+    return {"sync": run_sync(rank, world), "zero3": run_resume(rank, world, ckdir, stage=3)}

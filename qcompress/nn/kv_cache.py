@@ -402,6 +402,8 @@ def current_scale(module: nn.Module, state: KVQuant, which: str, dtype=torch.flo
         return module._buffers[name].detach().float().reshape(state.scale_shape)
     if state.range_learning and state.learned_ready:
         p = module._parameters[name]
+        if hasattr(p, "full_tensor"):      # an FSDP2 shard outside forward (collective)
+            p = p.full_tensor()
         if state.format == "fp8_e4m3":
             s = float_observers.learned_scales(torch.empty(0, dtype=dtype), state.spec(), p)[0]
             return s.float().reshape(state.scale_shape)
@@ -468,8 +470,11 @@ def _init_learned(module: nn.Module, state: KVQuant) -> None:
     for which in ("k", "v"):
         obs = getattr(state, which)
         p = module._parameters[f"{which}_scale"]
-        s = scales_from_range(state, obs.min, obs.max)
-        p.copy_(s.to(device=p.device, dtype=p.dtype))
+        s = scales_from_range(state, obs.min, obs.max).to(device=p.device, dtype=p.dtype)
+        if hasattr(p, "full_tensor"):      # an FSDP2 shard (ZeRO 2 / 3): the same value on every rank
+            from torch.distributed.tensor import distribute_tensor
+            s = distribute_tensor(s, p.device_mesh, p.placements)
+        p.copy_(s)
     state.learned_ready = True
 
 

@@ -10,12 +10,20 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 import kv_workers as KW  # noqa: E402
 
 
-def test_ranges_are_averaged_over_data_parallel_ranks():
+def test_ranges_are_averaged_over_data_parallel_ranks_and_resume_under_zero3(tmp_path):
     """2 ranks (gloo), each its own batch: after the step every rank holds the mean of the two
-    ranks' EMA ranges, per head, for every layer's K and V."""
+    ranks' EMA ranges, per head, for every layer's K and V. Then ZeRO-3 (FSDP2-sharded learned
+    scales): checkpoint after 3 steps and resume a fresh engine: the same losses and parameters."""
     from dist_utils import run_ranks
-    res = run_ranks(KW.run_sync, 2, timeout=300)
-    a, b = res[0], res[1]
+    res = run_ranks(KW.run_ranks_checks, 2, str(tmp_path), timeout=600)
+    for rank in (0, 1):
+        z = res[rank]["zero3"]
+        assert z["tail"] == z["resumed"]
+        sd, sd2 = z["final"][0], z["resumed_final"][0]
+        assert sd["model.layers.1.self_attn.v_scale"].shape == (2, 1, 1)
+        assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert all(torch.equal(v, res[1]["zero3"]["final"][0][k]) for k, v in res[0]["zero3"]["final"][0].items())
+    a, b = res[0]["sync"], res[1]["sync"]
     assert set(a["local"]) == set(a["synced"]) and len(a["local"]) == 4
     for key in a["local"]:
         assert not torch.equal(a["local"][key][0], b["local"][key][0])       # the ranks saw different data
