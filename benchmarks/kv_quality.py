@@ -121,7 +121,7 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
             engine.backward(loss)
             engine.step()
             if step % 10 == 0 or step == a.steps - 1:
-                print(f"    step {step + 1}/{a.steps} loss {float(loss):.4f}", flush=True)
+                print(f"    step {step + 1}/{a.steps} loss {float(loss.detach()):.4f}", flush=True)
     elif kv is not None:
         tail = order[len(order) - a.calib_blocks:]        # training batches read the order from its start
         calibrate_static_ranges(model, [{"input_ids": train_blocks[tail[i:i + 4]]} for i in range(0, len(tail), 4)])

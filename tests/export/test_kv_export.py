@@ -86,7 +86,9 @@ def test_transformers_loader_applies_compressed_tensors_kv_quantization(tmp_path
     model = _trained("llama", fmt, strategy, weights=True)
     ref = model(X).logits
     qc.export_quantized(model, tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    from qcompress.export.hf_compat import transformers_kwargs
+    assert transformers_kwargs(tmp_path) == {}        # dequantize=True would skip the KV scheme
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **transformers_kwargs(tmp_path)).eval()
     attn = loaded.model.layers[0].self_attn
     assert hasattr(attn, "kv_cache")          # compressed-tensors' QuantizedKVCache
     assert torch.equal(attn.k_scale.detach().float(), qc_scales(model)["model.layers.0.self_attn"][0])
