@@ -192,13 +192,13 @@ def main(argv=None) -> int:
     train_blocks, order, held = load_data(a, tok)
     a.eval_blocks = len(held)
     summary = {"settings": settings(a), "rows": {}}
+    os.makedirs(a.out, exist_ok=True)
     for k in dict.fromkeys(keys):
         print(f"{k}: {ROWS[k][1]}", flush=True)
         summary["rows"][k] = run_row(k, base, train_blocks, order, held, a)
         print(f"  perplexity {summary['rows'][k]['perplexity']:.4f} ({summary['rows'][k]['seconds']} s)", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=2)
+        with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as fh:   # after every row
+            json.dump(summary, fh, indent=2)
     text = table(summary)
     print(text)
     if a.write_results:
