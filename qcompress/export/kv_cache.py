@@ -34,10 +34,6 @@ def scheme(fmt: str, strategy: str) -> dict:
             "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
 
 
-def _dtype(mod: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in mod.parameters() if p.is_floating_point()), torch.float32)
-
-
 def layer_scales(model: nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor, dict]]:
     """[(attention module name, k_scale, v_scale, kv_cache_scheme)] of the active KV quantizers of a
     model (trained or loaded): the scales forward quantizes with in eval now. ExportError for a
@@ -47,8 +43,8 @@ def layer_scales(model: nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor
         state = mod.__dict__[kv_cache.ATTR]
         if not state.active:
             continue
-        k = kv_cache.current_scale(mod, state, "k", _dtype(mod))
-        v = kv_cache.current_scale(mod, state, "v", _dtype(mod))
+        k = kv_cache.current_scale(mod, state, "k")
+        v = kv_cache.current_scale(mod, state, "v")
         if k is None or v is None:
             raise ExportError(f"{name}: its KV-cache range has seen no training batch, so it has no scale to "
                               "export; run training (or a few calibration batches in train mode) first")

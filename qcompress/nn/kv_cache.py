@@ -387,14 +387,15 @@ def _learned(x: torch.Tensor, state: KVQuant, param: torch.Tensor) -> torch.Tens
     spec = state.spec()
     v = _view(x, state)
     per = v.numel() // max(1, param.numel())
-    if state.format == "fp8_e4m3":
-        y = float_observers.fake_quantize_learned(v, spec, param, grad_scale=float_observers.lsq_grad_scale(per, spec))
+    if state.format == "fp8_e4m3":     # in float32 with a float32 scale, as the static and loaded paths
+        y = float_observers.fake_quantize_learned(v.float(), spec, param,
+                                                  grad_scale=float_observers.lsq_grad_scale(per, spec)).to(v.dtype)
     else:
         y = fake_quantize_learned(v, spec, param, None, grad_scale=lsq_grad_scale(per, spec))
     return _unview(y, state)
 
 
-def current_scale(module: nn.Module, state: KVQuant, which: str, dtype=torch.float32) -> Optional[torch.Tensor]:
+def current_scale(module: nn.Module, state: KVQuant, which: str) -> Optional[torch.Tensor]:
     """The scale (float32, state.scale_shape) forward quantizes `which` ('k' or 'v') with in eval now,
     or None while a static range has seen no batch."""
     name = f"{which}_scale"
@@ -405,7 +406,7 @@ def current_scale(module: nn.Module, state: KVQuant, which: str, dtype=torch.flo
         if hasattr(p, "full_tensor"):      # an FSDP2 shard outside forward (collective)
             p = p.full_tensor()
         if state.format == "fp8_e4m3":
-            s = float_observers.learned_scales(torch.empty(0, dtype=dtype), state.spec(), p)[0]
+            s = float_observers.learned_scales(torch.empty(0), state.spec(), p)[0]
             return s.float().reshape(state.scale_shape)
         from ..quant.api import learned_params
         return learned_params(p, None, state.spec())[0].reshape(state.scale_shape)

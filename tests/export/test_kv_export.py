@@ -146,3 +146,23 @@ def test_scheme_and_manifest_must_agree(tmp_path):
     with pytest.raises(CheckpointError, match="'model.layers.0.mlp' is not an attention module"):
         kv_export.load_kv_cache(model, config, tensors, {}, "config.json")
     assert not kv_cache.quantized_modules(model)
+
+
+@pytest.mark.parametrize("fmt,strategy", [("fp8_e4m3", "tensor"), ("int8", "head")])
+def test_bfloat16_model_with_learned_scales_reloads_exactly(tmp_path, fmt, strategy):
+    """K / V quantize in float32 with float32 scales whatever the model's dtype (as vLLM's cache
+    write), so a bfloat16 model's learned scales export and reload to the same logits."""
+    model = make_model("llama").to(torch.bfloat16)
+    raw = kv_config(fmt, strategy, range_learning=True)
+    qc.init_compression(model, raw)
+    sched = qc.CompressionScheduler(model, raw)
+    model.train()
+    for _ in range(2):
+        model(X, labels=X).loss.backward()
+        sched.step()
+    assert model.model.layers[0].self_attn.__dict__[kv_cache.ATTR].learned_ready
+    model.eval()
+    ref = model(X).logits
+    qc.export_quantized(model, tmp_path)
+    fresh = qc.load_quantized(tmp_path, make_model("llama").to(torch.bfloat16))
+    assert torch.equal(fresh(X).logits, ref)
