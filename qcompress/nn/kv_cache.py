@@ -81,6 +81,12 @@ class KVQuant:
     frozen: bool = False           # a loaded export: the scales are fixed buffers
     k: KVRange = field(default_factory=KVRange)
     v: KVRange = field(default_factory=KVRange)
+    original: str = "sdpa"         # the model's own attention implementation, wrapped
+
+    def __setstate__(self, state):
+        # an unpickled or copied model (another process, spawn) finds its implementation registered
+        self.__dict__.update(state)
+        register(self.original)
 
     @property
     def scale_shape(self) -> Tuple[int, ...]:
@@ -298,7 +304,7 @@ def install(model: nn.Module, kv, names: List[str]) -> None:
             per_head = kv.strategy == "head"
             state = KVQuant(format=kv.format, strategy=kv.strategy, heads=heads, offset=kv.schedule_offset,
                             range_learning=kv.range_learning, k=KVRange(kv.momentum, per_head),
-                            v=KVRange(kv.momentum, per_head))
+                            v=KVRange(kv.momentum, per_head), original=original)
             mod.__dict__[ATTR] = state
             if kv.range_learning:
                 dev = next((p.device for p in mod.parameters()), None)
@@ -528,7 +534,8 @@ def install_frozen(model: nn.Module, fmt: str, strategy: str, scales: Dict[str, 
     original = original_implementation(mods[0])
     try:
         for name, mod in zip(scales, mods):
-            state = KVQuant(format=fmt, strategy=strategy, heads=kv_heads(mod) or 1, active=True, frozen=True)
+            state = KVQuant(format=fmt, strategy=strategy, heads=kv_heads(mod) or 1, active=True, frozen=True,
+                            original=original)
             mod.__dict__[ATTR] = state
             for s, t in zip(SCALES, scales[name]):
                 mod.register_buffer(s, t.detach().to(torch.float32).reshape(state.scale_shape).clone())

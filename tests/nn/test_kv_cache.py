@@ -325,3 +325,28 @@ def test_a_failed_rewrite_leaves_the_attention_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         qc.init_compression(model, kv_config("fp8_e4m3", "tensor", range_learning=True))
     _unchanged(model, "sdpa")
+
+
+def test_a_pickled_model_registers_its_implementation_again(monkeypatch):
+    """A model saved whole and loaded where qcompress never installed anything (another process)
+    finds `qcompress_kv_<impl>` registered again, and computes the same logits."""
+    import io
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    model = make_model("llama")
+    qc.init_compression(model, kv_config("int8", "head"))
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(x)
+    model.eval()
+    ref = model(x).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    name = kv_cache.PREFIX + "sdpa"
+    monkeypatch.delitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name)
+    monkeypatch.delitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert name in ALL_ATTENTION_FUNCTIONS._global_mapping
+    assert torch.equal(loaded(x).logits, ref)
