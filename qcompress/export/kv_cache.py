@@ -165,3 +165,20 @@ def report(source) -> List[Tuple[str, torch.Tensor, torch.Tensor, dict]]:
             raise CheckpointError(f"{cfg_path}: KV-cache module {name!r} has no k_scale / v_scale tensor")
         out.append((name, k, v, ct))
     return out
+
+
+def consumers(scheme_args: Optional[dict]) -> Dict[str, str]:
+    """What each consumer does with an export's kv_cache_scheme, in words (for `qcompress verify`)."""
+    if not scheme_args:
+        return {}
+    per = "per attention head" if scheme_args.get("strategy") == "attn_head" else "per tensor"
+    fp8 = scheme_args.get("type") == "float" and scheme_args.get("num_bits") == 8
+    if fp8:
+        vllm = f"serves it with --kv-cache-dtype fp8, k_scale / v_scale {per}" + (
+            " (the flash-attention backend only)" if per == "per attention head" else "")
+    else:
+        vllm = "does not serve an int8 kv_cache_scheme (its compressed-tensors KV method takes FP8 only)"
+    return {"load_quantized": f"quantizes K / V with the stored scales {per}, bit for bit as trained",
+            "transformers": "plain from_pretrained applies compressed-tensors' QuantizedKVCache with the stored "
+                            "scales (CompressedTensorsConfig(dequantize=True) drops it)",
+            "vllm": vllm}

@@ -65,6 +65,8 @@ def test_export_writes_what_compressed_tensors_reads_and_load_quantized_reproduc
     tensors = load_file(tmp_path / "model.safetensors")
     names = [n for n, m in model.named_modules() if kv_cache.ATTR in m.__dict__]
     assert config["qcompress"]["kv_cache"]["modules"] == names
+    vllm = kv_export.consumers(config["quantization_config"]["kv_cache_scheme"])["vllm"]
+    assert vllm.startswith("serves" if fmt == "fp8_e4m3" else "does not serve")
     heads = kv_cache.kv_heads(dict(model.named_modules())[names[0]])
     for n in names:
         for s, want in zip(("k_scale", "v_scale"), scales[n]):
