@@ -33,7 +33,7 @@ import torch.nn as nn
 from ..calibration import StaticRange
 from ..errors import ConfigError
 from ..quant import floats, float_observers
-from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scale
+from ..quant.api import fake_quantize_learned, fake_quantize_spec, learned_params, lsq_grad_scale
 from ..quant.reference import int_params, make_spec
 from ..unwrap import unwrap
 
@@ -414,7 +414,6 @@ def current_scale(module: nn.Module, state: KVQuant, which: str) -> Optional[tor
         if state.format == "fp8_e4m3":
             s = float_observers.learned_scales(torch.empty(0), state.spec(), p)[0]
             return s.float().reshape(state.scale_shape)
-        from ..quant.api import learned_params
         return learned_params(p, None, state.spec())[0].reshape(state.scale_shape)
     obs = getattr(state, which)
     if not obs.initialized:
