@@ -40,6 +40,8 @@ quality() {
   $PY benchmarks/inference.py --only gpt2 --gpt2 runs/gpt2-austen --rounds 5
   # the MoE model is made by moe.py itself, pinned to --steps (kept in runs/moe-austen)
   $PY benchmarks/moe.py --steps 600 --qat-steps 120 --threads 1
+  # SmolLM2-135M with FP8 / int8 KV-cache quantization, before and after a short W4 g128 QAT
+  $PY benchmarks/kv_quality.py --write-results
 }
 
 parallel() {

@@ -7,6 +7,8 @@ import json
 import os
 
 
+import pytest
+
 import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
@@ -14,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 W8A8 = os.path.join(ROOT, "schedules", "w8a8.yaml")
 
 
+@pytest.mark.filterwarnings("ignore:the weight groups")      # W8A8 on GPT-2's Conv1D: said by the job
 def test_train_job_quantizes_and_exports_the_kv_cache(tmp_path):
     folder = hf.tiny_gpt2_folder(str(tmp_path / "gpt2"))
     data = tmp_path / "corpus.txt"
