@@ -49,6 +49,9 @@ class KVCacheQuantization:
                                    doc="static: scales from an EMA of the ranges seen in training, "
                                        "frozen in eval and exported")
     momentum: float = field(0.95, ge=0.0, lt=1.0, doc="EMA momentum of the static ranges")
+    observer: str = field("minmax", choices=("minmax", "mse"), lower=True,
+                          doc="each batch's range folded into the EMA: its min / max, or (mse) that range "
+                              "shrunk by the factor whose quantization error on the batch is least")
     range_learning: bool = field(False, doc="the scales become Parameters (k_scale / v_scale of each "
                                             "attention module) trained by LSQ, starting from the "
                                             "calibrated range")

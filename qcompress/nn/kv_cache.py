@@ -34,6 +34,7 @@ from ..calibration import StaticRange
 from ..errors import ConfigError
 from ..quant import floats, float_observers
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, learned_params, lsq_grad_scale
+from ..quant.observers import activation_range
 from ..quant.reference import int_params, make_spec
 from ..unwrap import unwrap
 
@@ -50,13 +51,18 @@ class KVRange(StaticRange):
         super().__init__(momentum)
         self.per_head = per_head
 
-    def observe(self, x: torch.Tensor):
+    def observe(self, x: torch.Tensor, choose: Optional[Callable] = None):
+        """Fold x's range (per head: of each head's slice) into the EMA; `choose(t)` -> (lo, hi)
+        picks a slice's range instead of its min / max (the mse observer)."""
         with torch.no_grad():
             x = x.detach()
-            if self.per_head:
+            if not self.per_head:
+                return self.update(*(choose(x) if choose else (x.amin(), x.amax())))
+            if choose is None:
                 t = x.transpose(0, 1).reshape(x.shape[1], -1)
                 return self.update(t.amin(dim=1), t.amax(dim=1))
-            return self.update(x.amin(), x.amax())
+            lo, hi = zip(*(choose(x[:, h]) for h in range(x.shape[1])))
+            return self.update(torch.stack(lo), torch.stack(hi))
 
     def sync_tensor(self) -> torch.Tensor:
         return torch.cat([self.min.float().reshape(-1), self.max.float().reshape(-1)])
@@ -75,6 +81,7 @@ class KVQuant:
     strategy: str                  # tensor | head
     heads: int                     # key/value heads (the scales' count per head)
     offset: int = 0
+    observer: str = "minmax"       # minmax | mse
     range_learning: bool = False
     active: bool = False
     learned_ready: bool = False    # the learned scales were set from the observer
@@ -99,7 +106,8 @@ class KVQuant:
         return make_spec(8, symmetric=True, granularity=gran)
 
     def describe(self) -> str:
-        return f"{self.format} per {self.strategy}" + (", learned scales" if self.range_learning else "")
+        return f"{self.format} per {self.strategy}" + (f", {self.observer}" if self.observer != "minmax" else "") \
+            + (", learned scales" if self.range_learning else "")
 
 
 # --- which modules are attention, and can be reached ------------------------------------------
@@ -303,7 +311,7 @@ def install(model: nn.Module, kv, names: List[str]) -> None:
             heads = kv_heads(mod) or 1
             per_head = kv.strategy == "head"
             state = KVQuant(format=kv.format, strategy=kv.strategy, heads=heads, offset=kv.schedule_offset,
-                            range_learning=kv.range_learning, k=KVRange(kv.momentum, per_head),
+                            observer=kv.observer, range_learning=kv.range_learning, k=KVRange(kv.momentum, per_head),
                             v=KVRange(kv.momentum, per_head), original=original)
             mod.__dict__[ATTR] = state
             if kv.range_learning:
@@ -439,7 +447,8 @@ def _one(module: nn.Module, state: KVQuant, which: str, x: torch.Tensor) -> torc
     obs: KVRange = getattr(state, which)
     from .layers import _recomputing
     if module.training and not (obs.initialized and _recomputing()):
-        lo, hi = obs.observe(x)       # activation checkpointing's recompute folds nothing in twice
+        # activation checkpointing's recompute folds nothing in twice
+        lo, hi = obs.observe(x, _mse_range(state) if state.observer == "mse" else None)
     elif obs.initialized:
         lo, hi = obs.min, obs.max
     else:
@@ -450,6 +459,16 @@ def _one(module: nn.Module, state: KVQuant, which: str, x: torch.Tensor) -> torc
         from .ranges import attach_unused
         y = attach_unused(y, module, (name,))
     return y
+
+
+def _mse_range(state: KVQuant) -> Callable:
+    """The mse observer of static activation ranges (quant/observers.py, quant/float_observers.py)
+    for one slice: its range shrunk by the factor whose error on it is least."""
+    if state.format == "fp8_e4m3":
+        spec = floats.float_spec("fp8_e4m3", "tensor")
+        return lambda t: float_observers.activation_range(t, spec, "mse")
+    spec = make_spec(8, symmetric=True)
+    return lambda t: activation_range(t, spec, "mse")
 
 
 def quantize_kv(module: nn.Module, state: KVQuant, key: torch.Tensor, value: torch.Tensor):

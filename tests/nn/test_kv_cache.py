@@ -180,6 +180,39 @@ def test_static_ranges_are_an_ema_frozen_in_eval(strategy, monkeypatch):
             assert torch.allclose(obs.max, 0.8 * hi1 + 0.2 * hi2, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("fmt,strategy", [("fp8_e4m3", "tensor"), ("int8", "head")])
+def test_mse_observer_shrinks_the_range_to_a_smaller_error(fmt, strategy, monkeypatch):
+    """observer: mse: each layer's K / V range after one batch lies inside the batch's min / max
+    (per head), and quantizing the raw keys / values with its scales errs no more than with the
+    min / max scales (the sum of squared errors the search minimises, on the whole batch)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    model = make_model("llama")
+    qc.init_compression(model, kv_config(fmt, strategy, observer="mse"))
+    name = model.config._attn_implementation
+    wrapper = ALL_ATTENTION_FUNCTIONS[name]
+    seen = []
+
+    def spy(module, q, k, v, *a, **kw):
+        seen.append((module, k.detach().clone(), v.detach().clone()))
+        return wrapper(module, q, k, v, *a, **kw)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
+    model.train()
+    model(torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5)))
+    shrunk = 0
+    for module, k, v in seen:
+        state = module.__dict__[kv_cache.ATTR]
+        for which, t in (("k", k), ("v", v)):
+            obs = getattr(state, which)
+            plain = kv_cache.KVRange(per_head=strategy == "head")
+            lo, hi = plain.observe(t)
+            assert bool((obs.min >= lo).all()) and bool((obs.max <= hi).all())
+            shrunk += int((obs.max < hi).sum())
+            mse = kv_cache.fake_quantize_kv(t, state, kv_cache.scales_from_range(state, obs.min, obs.max))
+            mm = kv_cache.fake_quantize_kv(t, state, kv_cache.scales_from_range(state, lo, hi))
+            assert float((mse - t).double().square().sum()) <= float((mm - t).double().square().sum()) * (1 + 1e-6)
+    assert shrunk > 0 and "mse" in qc.summary(model)
+
+
 def test_schedule_offset_and_learned_scales_start_from_the_range():
     """Off before schedule_offset; with range_learning the k_scale / v_scale Parameters (the shape
     compressed-tensors registers) are set from the static range at the first scheduler step after
