@@ -39,14 +39,18 @@ LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embedding
 # key: (base row it is compared with, label, KV (format, strategy) or None, QAT?)
 ROWS = {
     "fp32": (None, "FP32, no KV quantization", None, False),
-    "fp32_fp8": ("fp32", "FP32 + FP8 (e4m3) KV per tensor", ("fp8_e4m3", "tensor"), False),
-    "fp32_fp8_head": ("fp32", "FP32 + FP8 (e4m3) KV per head", ("fp8_e4m3", "head"), False),
-    "fp32_int8": ("fp32", "FP32 + int8 KV per tensor", ("int8", "tensor"), False),
-    "fp32_int8_head": ("fp32", "FP32 + int8 KV per head", ("int8", "head"), False),
+    "fp32_fp8": ("fp32", "FP32 + FP8 (e4m3) KV per tensor", ("fp8_e4m3", "tensor", "minmax"), False),
+    "fp32_fp8_head": ("fp32", "FP32 + FP8 (e4m3) KV per head", ("fp8_e4m3", "head", "minmax"), False),
+    "fp32_fp8_mse": ("fp32", "FP32 + FP8 (e4m3) KV per tensor, mse observer", ("fp8_e4m3", "tensor", "mse"), False),
+    "fp32_int8": ("fp32", "FP32 + int8 KV per tensor", ("int8", "tensor", "minmax"), False),
+    "fp32_int8_head": ("fp32", "FP32 + int8 KV per head", ("int8", "head", "minmax"), False),
     "qat": (None, "W4 g128 QAT, no KV quantization", None, True),
-    "qat_fp8": ("qat", "W4 g128 QAT with FP8 KV per tensor in the loop", ("fp8_e4m3", "tensor"), True),
-    "qat_int8": ("qat", "W4 g128 QAT with int8 KV per tensor in the loop", ("int8", "tensor"), True),
-    "qat_int8_head": ("qat", "W4 g128 QAT with int8 KV per head in the loop", ("int8", "head"), True),
+    "qat_fp8": ("qat", "W4 g128 QAT with FP8 KV per tensor in the loop", ("fp8_e4m3", "tensor", "minmax"), True),
+    "qat_fp8_head": ("qat", "W4 g128 QAT with FP8 KV per head in the loop", ("fp8_e4m3", "head", "minmax"), True),
+    "qat_fp8_mse": ("qat", "W4 g128 QAT with FP8 KV per tensor (mse observer) in the loop",
+                    ("fp8_e4m3", "tensor", "mse"), True),
+    "qat_int8": ("qat", "W4 g128 QAT with int8 KV per tensor in the loop", ("int8", "tensor", "minmax"), True),
+    "qat_int8_head": ("qat", "W4 g128 QAT with int8 KV per head in the loop", ("int8", "head", "minmax"), True),
 }
 TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
 
@@ -65,7 +69,7 @@ def config_doc(key: str, a) -> dict:
                                        "modules": [LINEARS]}}}
     if kv is not None:
         cc["kv_cache_quantization"] = {"enabled": True, "format": kv[0], "strategy": kv[1],
-                                       "range_calibration": "static"}
+                                       "range_calibration": "static", "observer": kv[2]}
     if cc:
         doc["compression_training"] = cc
     return doc
