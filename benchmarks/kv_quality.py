@@ -236,8 +236,8 @@ def main(argv=None) -> int:
             continue
         summary["rows"][k] = run_row(k, base, train_blocks, order, held, a)
         print(f"  perplexity {summary['rows'][k]['perplexity']:.4f} ({summary['rows'][k]['seconds']} s)", flush=True)
-        with open(path, "w", encoding="utf-8") as fh:   # after every row
-            json.dump(summary, fh, indent=2)
+        with open(path, "w", encoding="utf-8") as fh:   # after every row, with the rows not asked for
+            json.dump({"settings": summary["settings"], "rows": {**stored, **summary["rows"]}}, fh, indent=2)
     text = table(summary)
     print(text)
     if a.write_results:
