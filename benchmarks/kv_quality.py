@@ -183,7 +183,7 @@ def table(summary: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="fp32,fp32_fp8,fp32_fp8_head,fp32_int8,fp32_int8_head,qat,qat_fp8,qat_int8")
+    p.add_argument("--rows", default="fp32,fp32_fp8,fp32_fp8_head,fp32_fp8_mse,fp32_int8,fp32_int8_head,qat,qat_fp8,qat_fp8_head,qat_fp8_mse,qat_int8")
     p.add_argument("--list", action="store_true")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-blocks", type=int, default=6, help="held-out blocks to evaluate (0: all)")
