@@ -218,8 +218,8 @@ def _check_module(name: str, mod: nn.Module, kv, where: str) -> None:
                                  "on: its attention cannot be reached; set enabled: false")
     if getattr(mod, "is_causal", True) is False:
         raise ConfigError(where, f"attention module {name!r} ({type(mod).__name__}) is bidirectional "
-                                 "(is_causal false): an encoder keeps no KV cache to quantize; set enabled: false "
-                                 "(or use the model as a decoder, config.is_decoder: true)")
+                                 "(is_causal false): an encoder keeps no KV cache to quantize; leave it out with "
+                                 f"{KEY}.modules (the decoder's attention only), or set enabled: false")
     if _is_latent(mod):
         raise ConfigError(where, f"attention module {name!r} ({type(mod).__name__}) is multi-head latent "
                                  "attention: serving engines cache its compressed latent, not the keys and values "
