@@ -44,6 +44,8 @@ quality() {
       --float-rl --variants qat_rl --max-steps 20 --batch-size 8 --eval-samples 32 --threads 1 --write-results
   # the MoE model is made by moe.py itself, pinned to its --steps (600; kept in runs/moe-austen)
   $PY benchmarks/moe.py
+  # SmolLM2-135M with FP8 / int8 KV-cache quantization, before and after a short W4 g128 QAT
+  $PY benchmarks/kv_quality.py --write-results
 }
 
 parallel() {

@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
                         unsupported_reason)
-from .nn import experts, ranges
+from .nn import experts, kv_cache, ranges
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 from .transforms import bake_learned, describe as describe_rotation, prepare_rotations, record_of
@@ -362,6 +362,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
                           "layer reduction initialises the student from a teacher: pass "
                           "init_compression(model, cfg, teacher_model=...)")
     assignments = plan(model, cfg)     # checks the claims before anything is written
+    assignments["kv_cache_quantization"] = kv_cache.plan(model, cc.kv_cache_quantization)
     rotation = prepare_rotations(model, cfg)   # and the rotations' (transforms/), None when off
     root = unwrap(model)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
@@ -396,14 +397,17 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Modu
               for m in modules.values()}
     from .nn.pld import apply_pld, pld_schedule, remove_pld
     had_pld = pld_schedule(root) is not None
+    kv_names = assignments.pop("kv_cache_quantization", [])
     try:
         _rewrite(root, cfg, assignments, modules)
+        kv_cache.install(root, cfg.compression.kv_cache_quantization, kv_names)
         CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
         if cfg.progressive_layer_drop.enabled and not had_pld:
             apply_pld(root, cfg.progressive_layer_drop)   # a second init_compression leaves the blocks
     except BaseException:
         if not had_pld:
             remove_pld(root)
+        kv_cache.uninstall(root)
         _undo_rewrite(modules, before)
         raise
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
@@ -598,5 +602,10 @@ def summary(model: nn.Module) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    kv = kv_cache.quantized_modules(model)
+    if kv:
+        state = kv[0][1].__dict__[kv_cache.ATTR]
+        lines.append(f"KV cache: {state.describe()}, {len(kv)} attention modules"
+                     + ("" if state.active else " (off)"))
     rotation = describe_rotation(record_of(unwrap(model)))
     return "\n".join(lines + ([rotation] if rotation else []))

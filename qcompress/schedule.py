@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .config import as_config
-from .nn import ranges
+from .nn import kv_cache, ranges
 from .errors import NonFiniteError
 from .input_moments import missing_moments, weighted_modules
 from .nn.layers import CompressMixin, located
@@ -186,6 +186,7 @@ class CompressionScheduler:
                     ranges.init_input_ranges(mod)     # once the static range has seen a batch
             for state in mod.qc_pruning.values():
                 state.update(t)
+        kv_cache.schedule(self.model, t)
         written = set()    # tied weights: one MasterState, quantized once per step
         for name, mod in self._modules.items():
             wq = mod.qc_wq
@@ -300,7 +301,11 @@ class CompressionScheduler:
             for tech, state in mod.qc_pruning.items():
                 entry[f"prune.{tech}"] = state.state_dict()
             mods[name] = entry
-        return {"training_steps": self.training_steps, "modules": mods}
+        out = {"training_steps": self.training_steps, "modules": mods}
+        kv = kv_cache.state_dict(self.model)
+        if kv:
+            out["kv_cache"] = kv
+        return out
 
     def load_state_dict(self, sd: dict) -> None:
         self.training_steps = int(sd["training_steps"])
@@ -333,3 +338,4 @@ class CompressionScheduler:
                 mod.qc_aq.active = t >= mod.qc_aq.offset
             for state in mod.qc_pruning.values():
                 state.update(t)
+        kv_cache.load_state_dict(self.model, sd.get("kv_cache"), t)

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple, Union
 from ..errors import ConfigError
 from .formats import check_act_group, check_weight_group, parse_format
 from .rotation import Rotation, check_with as _check_rotation
+from .kv_cache import KVCacheQuantization
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
@@ -443,6 +444,7 @@ class CompressionConfig:
     layer_reduction: LayerReduction = field(LayerReduction())
     distillation: Distillation = field(Distillation())
     rotation: Rotation = field(Rotation(), doc="ext: Hadamard rotations (config/rotation.py)")
+    kv_cache_quantization: KVCacheQuantization = field(KVCacheQuantization())
 
     def _validate(self, path):
         self._validate_ranges(path)

@@ -9,6 +9,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from ..nn import kv_cache
 from ..serialize import flatten, unflatten
 
 RANKS_DIFFER = "_qc_ranks_differ"   # set on the model while ranks hold different weights
@@ -69,6 +70,7 @@ class ReplicaSync:
         self.observers = [m.qc_aq.observer for m in module.modules()
                           if getattr(m, "qc_aq", None) is not None
                           and getattr(m.qc_aq, "calibration", None) == "static"]
+        self.observers += kv_cache.observers(module)       # KV-cache ranges: per tensor or per head
         self.has_buffers = any(True for _ in module.buffers())
 
     @torch.no_grad()

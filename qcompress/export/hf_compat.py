@@ -43,9 +43,10 @@ def _groups(qconf: dict) -> list:
 def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
     """from_pretrained keyword arguments under which transformers computes the export's logits.
 
-    Exports with float input activations: none, so compressed-tensors applies its quantization
-    lifecycle and fake-quantizes each Linear's input as qcompress did (`dequantize=True` would
-    drop that; FP8 per-token inputs of rank 2 are the one difference, docs/formats.md). Other
+    Exports with float input activations or a kv_cache_scheme: none, so compressed-tensors applies
+    its quantization lifecycle and fake-quantizes each Linear's input and each attention module's
+    keys / values as qcompress did (`dequantize=True` would drop that; FP8 per-token inputs of
+    rank 2 are the one difference, docs/formats.md). Other
     exports: `dequantize_config()`, exact weights (compressed-tensors' dynamic int8 activations
     divide absmax by 127.5 where qcompress and vLLM divide by 127, so int activations match in
     neither call). Refused with an ExportError naming the reason: float-activation exports with
@@ -56,13 +57,14 @@ def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
         config = json.load(fh)
     qconf = config.get("quantization_config") or {}
     groups = _groups(qconf)
-    if not any((g.get("input_activations") or {}).get("type") == "float" for g in groups):
+    kv = qconf.get("kv_cache_scheme") is not None     # applied by the lifecycle only, as float activations
+    if not kv and not any((g.get("input_activations") or {}).get("type") == "float" for g in groups):
         return {"quantization_config": dequantize_config()}
     dtype = str(dtype or config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
     formats = sorted({g.get("format") or qconf.get("format") for g in groups} & set(BF16_DECOMPRESSED))
     if formats and dtype != "bfloat16":
         raise ExportError(
-            f"{path}: quantization_config formats {formats} with quantized input activations: "
+            f"{path}: quantization_config formats {formats} with quantized input activations or KV cache: "
             f"compressed-tensors decompresses these weights to bfloat16 only, so transformers cannot run "
             f"this {dtype} model with its activation quantization (dequantize=True would run the "
             "activations unquantized); use qcompress.load_quantized(folder, model), or train and "

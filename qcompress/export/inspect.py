@@ -32,6 +32,8 @@ def inspect_checkpoint(folder) -> str:
     from .experts import inspect_owners        # fused mixture-of-experts Parameters, per expert
     experts = config["qcompress"].get("experts") or {}
     owner.update(inspect_owners(experts))
+    kv = config["qcompress"].get("kv_cache") or {}        # KV-cache scales (export/kv_cache.py)
+    kv_scales = {f"{n}.{s}" for n in kv.get("modules") or () for s in ("k_scale", "v_scale")}
     rows = [("tensor", "format", "bits", "dtype", "shape", "bytes", "fp32 bytes", "ratio")]
     total = total_fp32 = 0
     for k in sorted(headers):
@@ -39,7 +41,9 @@ def inspect_checkpoint(folder) -> str:
         b = info["data_offsets"][1] - info["data_offsets"][0]
         numel = math.prod(info["shape"]) if info["shape"] else 1
         fmt, bits, fp32 = "dense", "-", numel * 4
-        if k in owner:
+        if k in kv_scales:
+            fmt, bits, fp32 = f"kv cache {kv.get('format')} per {kv.get('strategy')}", "8", 0
+        elif k in owner:
             name, rec = owner[k]
             w = rec.get("weights")
             fmt = rec["format"]

@@ -11,6 +11,7 @@ import os
 import torch.nn as nn
 
 from . import safetensors_io as sio
+from .kv_cache import load_kv_cache
 from .errors import CheckpointError
 from .manifest import check_expert_groups, check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
 from .quantized import (QuantizedMixin, _rebuild, class_parts, dequantize_record, gather_refusal, gather_rows,
@@ -92,6 +93,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
                 raise CheckpointError(f"{cfg_path}: module {name!r} weight is {want} in the "
                                       f"checkpoint but {have} in the given model")
         swap(mod, rec["kind"], name, rec)
+    load_kv_cache(root, config, tensors, where, cfg_path)     # k_scale / v_scale buffers, loaded below
     for name, rec in modules.items():
         if rec["format"] in ("int-quantized", "float-quantized", "mxfp8-quantized"):
             tensors[f"{name}.qweight"] = tensors.pop(f"{name}.weight")

@@ -9,7 +9,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from . import experts, layout, rotations
+from . import experts, kv_cache, layout, rotations
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
@@ -181,10 +181,12 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     with materialized(unwrap(model)):    # learned rotations: the rotated tensors, their factors left out
         tensors, modules, plain_linears, tied = collect(model)
         expert_records = experts.add_experts(model, tensors)
-    if not modules and not expert_records:
-        raise ExportError("nothing to export: no module has active weight or activation "
+        kv_record = kv_cache.add_kv_cache(model, tensors)
+    if not modules and not expert_records and kv_record is None:
+        raise ExportError("nothing to export: no module has active weight, activation or KV-cache "
                           "quantization (call init_compression and train/schedule first)")
     config = build_config(model, modules, plain_linears, expert_records)
+    kv_cache.add_to_config(config, kv_record)
     if tied:
         config["qcompress"]["tied_tensors"] = tied
     experts.add_to_config(config, expert_records, modules)

@@ -19,10 +19,11 @@ def range_parameter_ids(model: Optional[torch.nn.Module]) -> set:
     FSDP2 wrapping replaced the Parameters)."""
     if model is None:
         return set()
+    from .kv_cache import learned_parameter_ids
     from .layers import CompressMixin
     from .ranges import range_parameter_names
     return {id(m._parameters[n]) for m in model.modules() if isinstance(m, CompressMixin)
-            for n in range_parameter_names(m)}
+            for n in range_parameter_names(m)} | learned_parameter_ids(model)
 
 
 def split_range_groups(groups: List[dict], ids: set, lr: Optional[float] = None) -> List[dict]:

@@ -14,7 +14,9 @@ from .batches import device_of, to_device
 
 
 def has_static_ranges(model: nn.Module) -> bool:
-    return any(getattr(getattr(m, "qc_aq", None), "calibration", None) == "static" for m in model.modules())
+    from ..nn.kv_cache import observers
+    return any(getattr(getattr(m, "qc_aq", None), "calibration", None) == "static" for m in model.modules()) \
+        or bool(observers(model))       # KV-cache ranges
 
 
 @torch.no_grad()
