@@ -22,6 +22,7 @@ from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
                         unsupported_reason)
 from .nn import experts, ranges
+from .nn.lora import peft_adapter_modules
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 
@@ -47,7 +48,8 @@ def attention_internals(model: nn.Module) -> List[str]:
 
 
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    skip = set(attention_internals(model))
+    # peft's adapter matrices (lora_A.default, ...) are adapters, not weights to compress (nn/lora.py)
+    skip = set(attention_internals(model)) | peft_adapter_modules(unwrap(model))
     found = [(n, m) for n, m in unwrap(model).named_modules()
              if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
     return found + experts.pending_parts(unwrap(model))   # fused expert matrices (nn/experts.py)
@@ -360,6 +362,8 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
                           "init_compression(model, cfg, teacher_model=...)")
     assignments = plan(model, cfg)     # checks the claims before anything is written
     root = unwrap(model)
+    from . import lora_rewrite
+    lora_plan = lora_rewrite.check(root, cfg, compressible_modules(model), assignments)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
     # error puts them back)
     students = ([(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
@@ -368,7 +372,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
         if cc.layer_reduction.enabled:
             from .pruning.layer_reduction import student_initialization
             student_initialization(model, teacher_model, cc.layer_reduction)
-        return _rewrite_all(model, root, cfg, assignments)
+        return _rewrite_all(model, root, cfg, assignments, lora_plan)
     except BaseException:
         with torch.no_grad():
             for t, saved in students:
@@ -376,7 +380,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
         raise
 
 
-def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Module:
+def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=None) -> nn.Module:
     modules = dict(root.named_modules())
     modules.update(experts.pending_parts(root))      # attached to their experts modules by _rewrite
     # what each module holds now, so a config error found while rewriting leaves the model as it was
@@ -384,15 +388,21 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Modu
               for m in modules.values()}
     from .nn.pld import apply_pld, pld_schedule, remove_pld
     had_pld = pld_schedule(root) is not None
+    from . import lora_rewrite
     try:
         _rewrite(root, cfg, assignments, modules)
+        if lora_plan is not None:
+            lora_rewrite.attach(root, cfg, lora_plan, modules)
         CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
+        if lora_plan is not None:   # qlora stores its bases at step 0's bits; then all but adapters freeze
+            lora_rewrite.finish(root, lora_plan, modules)
         if cfg.progressive_layer_drop.enabled and not had_pld:
             apply_pld(root, cfg.progressive_layer_drop)   # a second init_compression leaves the blocks
     except BaseException:
         if not had_pld:
             remove_pld(root)
         _undo_rewrite(modules, before)
+        lora_rewrite.undo(root)
         raise
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
     root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals

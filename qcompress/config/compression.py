@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from .formats import check_act_group, check_weight_group, parse_format
+from .lora import Lora
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
@@ -441,6 +442,7 @@ class CompressionConfig:
         Technique(ChannelPruningShared()), parse=_technique_parser(ChannelPruningShared, PruningParams))
     layer_reduction: LayerReduction = field(LayerReduction())
     distillation: Distillation = field(Distillation())
+    lora: Lora = field(Lora(), doc="ext: low-rank adapters (config/lora.py)")
 
     def _validate(self, path):
         self._validate_ranges(path)
