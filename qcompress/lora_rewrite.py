@@ -224,6 +224,7 @@ def attach(root: nn.Module, cfg, plan: LoraPlan, modules) -> None:
             lora.adopt_peft(plan.peft[name], mod, plan.mode)
         else:
             lora.add_adapter(mod, mode=plan.mode, r=lc.r, alpha=lc.alpha, dropout=lc.dropout)
+        lora.state(mod).merge = bool(lc.merge)
         if plan.mode == "qlora" and name not in plan.quantized:
             qlora.use_qlora_forward(mod)
 

@@ -42,6 +42,7 @@ class LoraState:
     dropout: float
     holder: Optional[nn.Module] = None   # peft's layer holding the adapter; None: the layer itself
     adapter: Optional[str] = None        # peft's adapter name
+    merge: bool = False                  # qlora: the export also writes the merged model
     spec: Optional[Spec] = None          # qlora: the stored codes' Spec
     dtype: Optional[torch.dtype] = None       # qlora: the weight's dtype
 

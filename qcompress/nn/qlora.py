@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from ..quant.api import dequantize
 from ..quant.reference import Spec, saturate
+from . import ranges
 from .layers import CompressMixin, base_class, compress_class
-from .lora import adapter_weights
+from .lora import OWN_PARAMS, STORED, adapter_weights, merge
 
 
 def _dequantize(mod, q, s, z, spec: Spec, dtype) -> torch.Tensor:
@@ -182,3 +183,27 @@ def add_adapter_output(mod, x, result):
         x = F.dropout(x, st.dropout, mod.training)
     result = result + F.linear(F.linear(x, a), b) * st.scaling
     return result.to(dtype)
+
+
+@torch.no_grad()
+def merge_in(mod) -> None:
+    """Turn a qlora layer into a plain compress-aware one whose float weight is the merged
+    W + (B A) * scaling (W the stored base dequantized), adapter and codes dropped: what the merged
+    export re-quantizes with the layer's own quantizer. Used on a copy of the model."""
+    a, b = adapter_weights(mod)
+    w = mod.weight
+    merged = merge(mod, w.detach(), a.detach(), b.detach())
+    stored = isinstance(mod, StoredBaseMixin)
+    for k in STORED:
+        mod._buffers.pop(k, None)
+    for k in OWN_PARAMS:
+        mod._parameters.pop(k, None)
+    mod.__class__ = compress_class(base_class(type(mod)), mod.qc_kind)
+    del mod.__dict__["qc_lora"]
+    mod._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+    wq = mod.qc_wq
+    if wq is not None and stored:
+        wq.baked = False
+        wq.codes = wq.codes_spec = None
+        if wq.range_observer != "minmax":
+            ranges.init_weight_ranges(mod)      # the search runs on the merged weight
