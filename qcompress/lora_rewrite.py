@@ -223,7 +223,8 @@ def attach(root: nn.Module, cfg, plan: LoraPlan, modules) -> None:
         if name in plan.peft:
             lora.adopt_peft(plan.peft[name], mod, plan.mode)
         else:
-            lora.add_adapter(mod, mode=plan.mode, r=lc.r, alpha=lc.alpha, dropout=lc.dropout)
+            lora.add_adapter(mod, mode=plan.mode, r=lc.r, alpha=lc.r if lc.alpha is None else lc.alpha,
+                             dropout=lc.dropout)
         lora.state(mod).merge = bool(lc.merge)
         if plan.mode == "qlora" and name not in plan.quantized:
             qlora.use_qlora_forward(mod)

@@ -36,7 +36,8 @@ def _parse_targets(value, path):
 class Lora:
     enabled: bool = field(False)
     r: int = field(8, doc="rank of each adapter (B is [out, r], A is [r, in])")
-    alpha: float = field(8.0, gt=0.0, doc="the adapter's update is scaled by alpha / r (peft's lora_alpha)")
+    alpha: Optional[float] = field(None, gt=0.0, doc="the adapter's update is scaled by alpha / r (peft's "
+                                   "lora_alpha); default: r (scaling 1)")
     dropout: float = field(0.0, ge=0.0, lt=1.0,
                            doc="qlora: dropout on the adapter's input, as peft (mode qat merges the "
                                "adapter into the weight, where it has no place: 0 only)")

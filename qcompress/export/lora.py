@@ -134,3 +134,12 @@ def write_merged(export, model, out_dir: str, **kwargs) -> None:
         qlora.merge_in(mod)
     with torch.no_grad():
         export(twin, os.path.join(out_dir, MERGED), **kwargs)
+
+
+def with_adapter(model, folder):
+    """`model` (the base export, loaded) with the export's qlora adapter loaded by peft, in eval
+    mode; `model` itself when the export has no adapter."""
+    if not os.path.isfile(os.path.join(os.fspath(folder), ADAPTER_CONFIG)):
+        return model
+    from peft import PeftModel
+    return PeftModel.from_pretrained(model, os.fspath(folder)).eval()
