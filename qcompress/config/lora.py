@@ -12,6 +12,7 @@ qcompress/lora_rewrite.py.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -22,14 +23,27 @@ MODES = ("qat", "qlora")
 
 
 def _parse_targets(value, path):
-    """Regexes matched with re.search on dotted module names, as a group's `modules`; missing or
-    "all": every Linear (and transformers Conv1D) layer."""
-    from .compression import ALL_MODULES, _parse_patterns
-    patterns = _parse_patterns(value, path)
-    if patterns is not ALL_MODULES and not patterns:
+    """Regexes matched with re.search on dotted module names, as a group's `modules`; missing, "all"
+    or "*": every Linear (and transformers Conv1D) layer but the output head (None)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected a list of regex strings, got {value!r}")
+    if not value:
         raise ConfigError(path, "is empty: name the layers to adapt (regexes), or drop the key for "
                                 "every Linear layer")
-    return patterns
+    out = []
+    for i, pattern in enumerate(value):
+        if not isinstance(pattern, str):
+            raise ConfigError(join(path, i), f"expected a regex string, got {pattern!r}")
+        if pattern in ("all", "*"):
+            return None
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as err:
+            raise ConfigError(join(path, i), f"{pattern!r} is not a valid regex ({err})") from None
+        out.append(pattern)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
