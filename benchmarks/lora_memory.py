@@ -12,7 +12,9 @@ qcompress.initialize with AdamW, --steps steps of --batch x --seq tokens of Aust
   qlora   the same adapters over the base stored as its 4-bit codes (mode qlora)
 Each variant runs in a fresh subprocess (the same imports), which reports:
   peak RSS       the process's peak resident memory (VmHWM) over the training steps only: the peak
-                 is reset (/proc/self/clear_refs) once the model is loaded and rewritten
+                 is reset (/proc/self/clear_refs) once the model is loaded and rewritten; glibc's
+                 mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_=131072), so that memory freed within
+                 a step is returned rather than kept in the allocator's heaps
   above model    that peak minus the resident memory just before the first step
   tracked        parameters + gradients + optimizer state held after the last step, plus the bytes
                  autograd keeps for backward in the last step (saved_tensors_hooks, unique storages;
@@ -35,6 +37,10 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
+# glibc's malloc raises its mmap threshold as large blocks are freed, after which freed activations
+# and fake-quantized weights stay in its heaps: RSS then shows what the allocator kept, not what the
+# step holds. A fixed threshold maps every block above 128 KiB on its own and unmaps it when freed.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 LABELS = {"full": "full-parameter QAT", "lora": "LoRA QAT (mode qat)", "qlora": "QLoRA (mode qlora)"}
 BLOCK_LINEARS = ["self_attn\\.(q|k|v|o)_proj", "mlp\\.(gate|up|down)_proj"]
 
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", v, "--batch", str(args.batch),
                "--seq", str(args.seq), "--steps", str(args.steps), "--r", str(args.r),
                "--threads", str(args.threads), "--cache", args.cache] + (["--checkpointing"] if args.checkpointing else [])
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ALLOCATOR))
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
