@@ -136,3 +136,16 @@ def test_peft_wrapped_model_is_adopted_not_wrapped_again(tmp_path, mode):
     if mode == "qlora":
         back = PeftModel.from_pretrained(back, str(tmp_path))
     assert torch.equal(_logits(back, x), want)
+
+
+@pytest.mark.parametrize("mode", ["qat", "qlora"])
+def test_redundancy_clean_keeps_the_model_and_its_export(tmp_path, mode):
+    from qcompress.export.lora import with_adapter
+    model = _trained(mode)
+    x = batch(5)
+    want = _logits(model, x)
+    qc.redundancy_clean(model)          # qat: the merged quantized weight baked in, the adapter idle
+    assert torch.equal(_logits(model, x), want)
+    qc.export_quantized(model, tmp_path)
+    back = with_adapter(qc.load_quantized(tmp_path, tiny_llama(seed=3)), tmp_path)
+    assert torch.equal(_logits(back, x), want)
