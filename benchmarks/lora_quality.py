@@ -1,7 +1,7 @@
 """How much of full-parameter QAT's recovery LoRA QAT gets, on SmolLM2-135M-Instruct at W4 g128.
 
-    python benchmarks/lora_quality.py [--steps 40] [--batch 4] [--seq 256] [--eval-windows 16]
-        [--r 16] [--lr-full 1e-5] [--lr-lora 2e-4] [--page lora] [--no-write]
+    python benchmarks/lora_quality.py [--steps 20] [--batch 2] [--seq 256] [--eval-windows 8]
+        [--r 16] [--lr-full 2e-5] [--lr-lora 2e-4] [--page lora] [--no-write]
 
 All four rows quantize the same layers the same way (W4, groups of 128, symmetric, minmax, in forward:
 every Linear of the 30 decoder blocks; the tied embedding / head stays float) and are evaluated the
@@ -13,8 +13,8 @@ its next-token predictions.
   full QAT   every weight trains: AdamW at --lr-full, --steps steps of --batch x --seq tokens
   LoRA QAT   adapters of rank r (alpha 2r) on every block Linear, base frozen, the quantizer seeing
              W + (alpha / r) B A: AdamW at --lr-lora, the same steps on the same batches
-Training batches are consecutive --seq token windows of the training split, in a seeded order, the
-same for both. Recovery = (PTQ - method) / (PTQ - FP32) in perplexity; the last column is LoRA's
+Training batches are --seq token windows of the first 400k characters of the training split, in a
+seeded order, the same for both. Recovery = (PTQ - method) / (PTQ - FP32) in perplexity; the last column is LoRA's
 recovery over full QAT's. One seed; read small differences as noise.
 """
 from __future__ import annotations
@@ -47,10 +47,13 @@ def compression(lora_r=None) -> dict:
     return {"compression_training": cc}
 
 
-def token_ids(tok, cache):
+def token_ids(tok, cache, train_chars, held_chars):
+    """Token ids of the first train_chars / held_chars characters of the two splits (what the run
+    reads of them)."""
     from model_zoo.lm_corpus import load_corpus, split_corpus
     train, held = split_corpus(load_corpus("austen", cache), 0.05, 0)
-    return tok(train, return_tensors="pt").input_ids[0], tok(held, return_tensors="pt").input_ids[0]
+    return (tok(train[:train_chars], return_tensors="pt").input_ids[0],
+            tok(held[:held_chars], return_tensors="pt").input_ids[0])
 
 
 def perplexity(model, ids, windows: int, batch: int = 4) -> float:
@@ -93,36 +96,37 @@ def train(model, data, lr, log):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--r", type=int, default=16)
-    ap.add_argument("--lr-full", type=float, default=1e-5)
+    ap.add_argument("--lr-full", type=float, default=2e-5)
     ap.add_argument("--lr-lora", type=float, default=2e-4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=os.path.join(ROOT, ".cache"), help="corpus cache folder")
     ap.add_argument("--page", default="lora", help="results page (benchmarks/results/<page>.md)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    import copy
+
     import torch
     import qcompress as qc
     from model_zoo.smollm2 import load_smollm2
     torch.set_num_threads(args.threads)
     log = lambda s: print(s, flush=True)   # noqa: E731
     model, tok = load_smollm2()
-    train_ids, held_ids = token_ids(tok, args.cache)
+    # windows are drawn from the first 400k training characters (~100k tokens); the held-out windows
+    # are the first ones of the split
+    train_ids, held_ids = token_ids(tok, args.cache, 400_000, 4_000 * args.eval_windows)
     data = batches(train_ids, args.steps, args.batch, args.seq)
     rows, times = {}, {}
     rows["FP32"] = perplexity(model, held_ids, args.eval_windows)
     log(f"FP32 {rows['FP32']:.3f}")
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.config.use_cache = False
 
     def fresh():
-        m, _ = load_smollm2()
-        m.load_state_dict(state)
-        m.config.use_cache = False
-        return m
+        return copy.deepcopy(model)
     m = qc.init_compression(fresh(), compression())
     rows["PTQ"] = perplexity(m, held_ids, args.eval_windows)
     log(f"PTQ {rows['PTQ']:.3f}")
