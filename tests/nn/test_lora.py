@@ -206,3 +206,14 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
         grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_qat_with_learned_ranges_trains_the_scales_too():
+    model = qc.init_compression(_mlp(), lora_cfg("qat", targets=["0", "2"], wq_modules=["0", "2"],
+                                                 params_extra={"range_learning": True}))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == ["0.lora_A", "0.lora_B", "0.weight_scale", "2.lora_A", "2.lora_B", "2.weight_scale"]
+    _randomize_b(model)
+    model(torch.randn(4, 32)).sum().backward()
+    assert model[0].weight_scale.grad is not None and model[0].weight_scale.grad.abs().sum() > 0
+    assert model[0].lora_B.grad.abs().sum() > 0
