@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import lora_rewrite
 from .config import as_config
 from .quant import floats
 from .quant.observers import Search
@@ -362,7 +363,6 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
                           "init_compression(model, cfg, teacher_model=...)")
     assignments = plan(model, cfg)     # checks the claims before anything is written
     root = unwrap(model)
-    from . import lora_rewrite
     lora_plan = lora_rewrite.check(root, cfg, compressible_modules(model), assignments)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
     # error puts them back)
@@ -388,7 +388,6 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=
               for m in modules.values()}
     from .nn.pld import apply_pld, pld_schedule, remove_pld
     had_pld = pld_schedule(root) is not None
-    from . import lora_rewrite
     try:
         _rewrite(root, cfg, assignments, modules)
         if lora_plan is not None:
