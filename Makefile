@@ -37,7 +37,8 @@ $(DEPS_STAMP): $(VPY) setup.py Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q numpy "pyyaml>=6" "safetensors>=0.4" "einops>=0.7" "tqdm>=4.60" ninja \
 	    pytest pytest-timeout hypothesis tensorboard scikit-learn mlxtend matplotlib \
-	    "transformers==5.23.0" "compressed-tensors==0.20.0" "accelerate==1.15.0" "rdata==1.1.0"
+	    "transformers==5.23.0" "compressed-tensors==0.20.0" "accelerate==1.15.0" "rdata==1.1.0" \
+	    "peft==0.21.0"
 	touch $@
 
 venv: $(DEPS_STAMP)

@@ -11,9 +11,10 @@ from setuptools import find_packages, setup
 REQUIRES = ["torch>=2.4", "safetensors>=0.4", "pyyaml>=6", "einops>=0.7", "tqdm>=4.60", "numpy"]
 EXTRAS = {
     "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "mlxtend", "transformers>=4.45",
-             "compressed-tensors>=0.15", "accelerate>=1.1"],
+             "compressed-tensors>=0.15", "accelerate>=1.1", "peft>=0.21"],
     "hf": ["transformers>=4.45", "compressed-tensors>=0.15", "accelerate>=1.1"],  # Trainer needs accelerate
     "plot": ["matplotlib"],
+    "lora": ["peft>=0.21"],    # mode qlora's adapter files load with peft; peft-wrapped models
 }
 
 

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import lora_rewrite
 from .config import as_config
 from .quant import floats
 from .quant.observers import Search
@@ -22,6 +23,7 @@ from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
                         unsupported_reason)
 from .nn import experts, kv_cache, ranges
+from .nn.lora import peft_adapter_modules
 from .nn.state import ActQuant, WeightQuant
 from .schedule import CONFIG, REWRITTEN, CompressionScheduler, compress_modules
 from .transforms import bake_learned, describe as describe_rotation, prepare_rotations, record_of
@@ -48,7 +50,8 @@ def attention_internals(model: nn.Module) -> List[str]:
 
 
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    skip = set(attention_internals(model))
+    # peft's adapter matrices (lora_A.default, ...) are adapters, not weights to compress (nn/lora.py)
+    skip = set(attention_internals(model)) | peft_adapter_modules(unwrap(model))
     found = [(n, m) for n, m in unwrap(model).named_modules()
              if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
     return found + experts.pending_parts(unwrap(model))   # fused expert matrices (nn/experts.py)
@@ -365,6 +368,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
     assignments["kv_cache_quantization"] = kv_cache.plan(model, cc.kv_cache_quantization)
     rotation = prepare_rotations(model, cfg)   # and the rotations' (transforms/), None when off
     root = unwrap(model)
+    lora_plan = lora_rewrite.check(root, cfg, compressible_modules(model), assignments)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
     # error puts them back)
     students = ([(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
@@ -376,7 +380,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
             student_initialization(model, teacher_model, cc.layer_reduction)
         # rotations first: the module rewrite (quantizers, observers) then sees the rotated weights
         rotated = rotation.apply() if rotation is not None else None
-        out = _rewrite_all(model, root, cfg, assignments)
+        out = _rewrite_all(model, root, cfg, assignments, lora_plan)
         if rotated is not None:
             rotated.release()
         return out
@@ -389,7 +393,7 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
         raise
 
 
-def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Module:
+def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=None) -> nn.Module:
     modules = dict(root.named_modules())
     modules.update(experts.pending_parts(root))      # attached to their experts modules by _rewrite
     # what each module holds now, so a config error found while rewriting leaves the model as it was
@@ -401,7 +405,11 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Modu
     try:
         _rewrite(root, cfg, assignments, modules)
         kv_cache.install(root, cfg.compression.kv_cache_quantization, kv_names)
+        if lora_plan is not None:
+            lora_rewrite.attach(root, cfg, lora_plan, modules)
         CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
+        if lora_plan is not None:   # qlora stores its bases at step 0's bits; then all but adapters freeze
+            lora_rewrite.finish(root, lora_plan, modules)
         if cfg.progressive_layer_drop.enabled and not had_pld:
             apply_pld(root, cfg.progressive_layer_drop)   # a second init_compression leaves the blocks
     except BaseException:
@@ -409,6 +417,7 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments) -> nn.Modu
             remove_pld(root)
         kv_cache.uninstall(root)
         _undo_rewrite(modules, before)
+        lora_rewrite.undo(root)
         raise
     root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
     root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals

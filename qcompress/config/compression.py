@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .formats import check_act_group, check_weight_group, parse_format
 from .rotation import Rotation, check_with as _check_rotation
 from .kv_cache import KVCacheQuantization
+from .lora import Lora
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
@@ -445,6 +446,7 @@ class CompressionConfig:
     distillation: Distillation = field(Distillation())
     rotation: Rotation = field(Rotation(), doc="ext: Hadamard rotations (config/rotation.py)")
     kv_cache_quantization: KVCacheQuantization = field(KVCacheQuantization())
+    lora: Lora = field(Lora(), doc="ext: low-rank adapters (config/lora.py)")
 
     def _validate(self, path):
         self._validate_ranges(path)

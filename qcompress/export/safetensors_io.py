@@ -30,6 +30,8 @@ CONFIG = "config.json"
 TEMP_PREFIX = ".qcompress-"      # + generation id: a writer's lock and temporaries (hidden)
 CRC_KEY = "qcompress_crc32"
 SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# a qlora export's adapter in peft's format, beside the base and bound by the same config.json
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                 "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -328,7 +330,7 @@ def resolve(folder: str) -> Resolved:
         if INDEX in files:
             res.index = _pick(folder, manifest, INDEX, res)
         else:
-            res.shards = [_pick(folder, manifest, fn, res) for fn in sorted(files)]
+            res.shards = [_pick(folder, manifest, fn, res) for fn in sorted(files) if fn not in ADAPTER_FILES]
             return res
     res.weight_map = _read_weight_map(res.index[1], res.index[0])
     for fn in sorted(set(res.weight_map.values())):
@@ -400,4 +402,4 @@ def existing_outputs(folder: str) -> List[str]:
     if not os.path.isdir(folder):
         return []
     return sorted(f for f in os.listdir(folder)
-                  if f in (SINGLE, INDEX, CONFIG) or SHARD_RE.match(f))
+                  if f in (SINGLE, INDEX, CONFIG) + ADAPTER_FILES or SHARD_RE.match(f))

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import experts, kv_cache, layout, rotations
+from . import lora as export_lora
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
@@ -56,6 +57,8 @@ def collect(model: nn.Module):
             continue            # fused expert matrices: written by experts.add_experts
         for k in range_parameter_names(mod):   # learned ranges: written as the codes' scales, if at all
             replaced[f"{name}.{k}"] = True
+        for k, v in export_lora.replaced(mod).items():   # LoRA: adapters out, merged weights in
+            replaced[f"{name}.{k}"] = v
         wq = mod.qc_wq
         entry = weight_entry(mod) if wq is not None and wq.active else None
         act = act_entry(mod)
@@ -162,6 +165,9 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     or this one, never a mix; temporaries of earlier interrupted writers are removed.
     """
     out_dir = os.fspath(out_dir)
+    with export_lora.plain_view(model) as inner:     # a peft-wrapped model: under its own names
+        if inner is not None:
+            return export_quantized(inner, out_dir, cfg, max_shard_size=max_shard_size, force=force)
     from ..parallel.gather import export_split, needs_gather
     if needs_gather(model):       # tensor / pipeline parallel: every rank gathers, rank 0 writes
         return export_split(export_quantized, unwrap(model), out_dir, engine=model, cfg=cfg,
@@ -219,6 +225,10 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
             index = {"metadata": {"total_size": sum(sio.nbytes(t) for t in tensors.values())},
                      "weight_map": dict(sorted(weight_map.items()))}
             writer.stage_text(sio.INDEX, json.dumps(index, indent=2))
+        export_lora.stage_adapter(writer, model)     # qlora: peft's adapter files beside the base
         config["qcompress"].update(writer.manifest())
         writer.commit(dumps_config(config))
+    if export_lora.wants_merged(model):
+        export_lora.write_merged(export_quantized, model, out_dir, cfg=cfg, max_shard_size=max_shard_size,
+                                 force=force)
     return out_dir

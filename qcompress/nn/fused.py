@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..errors import NonFiniteError
 from ..quant import kernels
 from ..quant.api import dequantize, quantize_spec
-from . import int8_forward
+from . import int8_forward, lora
 from ..quant.reference import saturate
 
 _enabled = True
@@ -129,10 +129,11 @@ _FINITE_MAX.update({dt: torch.finfo(torch.float32).max for dt in (torch.float32,
 
 class Plan:
     """What one fused forward does: the op, the activation Spec, how the weight is made."""
-    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8", "weight_args")
+    __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8", "weight_args", "lora")
 
-    def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink, int8=False):
+    def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink, int8=False, lora=False):
         self.mod, self.op, self.spec = mod, op, spec
+        self.lora = lora    # mode qat LoRA: the weight is W + (B A) * scaling, made here (nn/lora.py)
         self.weight_mode, self.weight_spec, self.shrink = weight_mode, weight_spec, shrink
         self.int8 = int8    # forward multiplies the codes (int8_forward), backward as always
         # the weight's own (minmax) ranges: its quantizer op's arguments, made once for both calls
@@ -140,11 +141,14 @@ class Plan:
         if weight_mode == "fake_quant" and shrink is None and not mod.qc_wq.range_learning:
             self.weight_args = kernels.prepared_args(mod.weight_matrix_view(mod.weight), weight_spec)
 
-    def weight(self, w, scale=None, zero_point=None):
-        """The weight the op uses: the Parameter itself, or its fake-quantized copy."""
+    def weight(self, w, scale=None, zero_point=None, lora_a=None, lora_b=None):
+        """The weight the op uses: the Parameter itself, or its fake-quantized copy (of the merged
+        weight, with a LoRA adapter's A and B)."""
         if self.weight_mode == "param":
             return w
         mod, wq = self.mod, self.mod.qc_wq
+        if self.lora:
+            w = lora.merge(mod, w, lora_a, lora_b)
         if wq.shrink is not self.shrink:
             raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
                                "backward (a scheduler step in between?); run backward first")
@@ -203,12 +207,15 @@ def plan(mod, x, op: str) -> Optional[Plan]:
         mode = "param"   # not active yet, or optimizer-step mode: the weight is the quantized one
     if not act and mode != "fake_quant":
         return None      # nothing quantized in forward: the composed path is FP32's
+    adapted = "qc_lora" in mod.__dict__ and mod.qc_lora.mode == "qat" and not (wq is not None and wq.baked)
+    if adapted and mode != "fake_quant":
+        return None      # a LoRA adapter on a weight not quantized now: composed (effective_weight merges)
     spec = mod.input_spec() if act else None
     if getattr(weight_spec, "kind", None) == "float" or getattr(spec, "kind", None) == "float":
         return None      # float formats (quant/floats.py) run composed
     int8 = (act and int8_forward.enabled(aq, mod.training)
             and int8_forward.reason(mod, op, mode, weight_spec, spec) is None)
-    return Plan(mod, op, spec, mode, weight_spec, shrink, int8)
+    return Plan(mod, op, spec, mode, weight_spec, shrink, int8, adapted)
 
 
 def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +229,10 @@ def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
     if p.weight_mode == "fake_quant" and mod.qc_wq.range_learning:
         w_scale = mod.weight_scale
         w_zp = mod._parameters.get("weight_zero_point") if p.weight_spec.kind == "int" else None
-    return _FusedCompressed.apply(x, mod.weight, mod.bias, w_scale, w_zp, q, s, z, xh, p)
+    lora_a = lora_b = None
+    if p.lora:
+        lora_a, lora_b = lora.adapter_weights(mod)
+    return _FusedCompressed.apply(x, mod.weight, mod.bias, w_scale, w_zp, q, s, z, xh, p, lora_a, lora_b)
 
 
 # --- the autograd Function -----------------------------------------------------------------------
@@ -290,7 +300,7 @@ class _FusedCompressed(torch.autograd.Function):
     pass); saves the codes, the scales and the Parameters only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, xh, p):
+    def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, xh, p, lora_a=None, lora_b=None):
         ctx.cast = _autocast_dtype(x.device.type)
         if p.spec is None:          # weight-only: keep the input as autocast would cast it for the op
             xq = q = _cast(x, ctx.cast)
@@ -304,34 +314,37 @@ class _FusedCompressed(torch.autograd.Function):
             else:
                 xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)
         if out is None:
-            out = p.run(xq, p.weight(weight, w_scale, w_zp), bias)
+            out = p.run(xq, p.weight(weight, w_scale, w_zp, lora_a, lora_b), bias)
         ctx.p = p
         ctx.x_dtype = x.dtype
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
-        ctx.save_for_backward(q, s, z, weight, w_scale, w_zp)
+        ctx.save_for_backward(q, s, z, weight, w_scale, w_zp, lora_a, lora_b)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, s, z, weight, w_scale, w_zp = ctx.saved_tensors
+        q, s, z, weight, w_scale, w_zp, lora_a, lora_b = ctx.saved_tensors
         p = ctx.p
         need_x, need_w, need_b, need_s, need_z = ctx.needs_input_grad[:5]
-        weight_grads = need_w or need_s or need_z
+        need_la, need_lb = ctx.needs_input_grad[10:12]
+        weight_grads = need_w or need_s or need_z or need_la or need_lb
         # the weight the forward used; with autograd recording when the quantizer's own backward
         # (straight-through, clip mask, LSQ) has to carry the gradient on to the Parameters
         leaves = []
         wq = p.mod.qc_wq
         # straight-through without clip mask or learned ranges: the weight's gradient is the op's
         # own, so w^ is made without a graph and no nested autograd pass runs
-        track = weight_grads and p.weight_mode == "fake_quant" and (wq.range_learning or wq.clip_grad)
+        # (a LoRA adapter's A and B get theirs through the merge, so they are tracked too)
+        track = weight_grads and p.weight_mode == "fake_quant" and (wq.range_learning or wq.clip_grad or p.lora)
         with torch.set_grad_enabled(track):
             if track:
-                w_in, s_in, z_in = (None if t is None else t.detach().requires_grad_(need)
-                                    for t, need in ((weight, need_w), (w_scale, need_s), (w_zp, need_z)))
-                leaves = [t for t, need in ((w_in, need_w), (s_in, need_s), (z_in, need_z)) if need]
-                w_used = p.weight(w_in, s_in, z_in)
+                pairs = ((weight, need_w), (w_scale, need_s), (w_zp, need_z), (lora_a, need_la), (lora_b, need_lb))
+                w_in, s_in, z_in, a_in, b_in = (None if t is None else t.detach().requires_grad_(need)
+                                                for t, need in pairs)
+                leaves = [t for t, (_, need) in zip((w_in, s_in, z_in, a_in, b_in), pairs) if need]
+                w_used = p.weight(w_in, s_in, z_in, a_in, b_in)
             else:
-                w_used = p.weight(weight, w_scale, w_zp)
+                w_used = p.weight(weight, w_scale, w_zp, lora_a, lora_b)
         bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
         gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
                                bias_shape, need_x, weight_grads, need_b)
@@ -339,7 +352,7 @@ class _FusedCompressed(torch.autograd.Function):
             gx = gx.to(ctx.x_dtype)
         if gb is not None:
             gb = gb.to(ctx.bias_meta[1])
-        g_w = g_s = g_z = None
+        g_w = g_s = g_z = g_a = g_b = None
         if weight_grads:
             gw = gw.to(w_used.dtype)
             if track:
@@ -347,6 +360,8 @@ class _FusedCompressed(torch.autograd.Function):
                 g_w = next(got) if need_w else None
                 g_s = next(got) if need_s else None
                 g_z = next(got) if need_z else None
+                g_a = next(got) if need_la else None
+                g_b = next(got) if need_lb else None
             else:
                 g_w = gw
-        return gx, g_w, gb, g_s, g_z, None, None, None, None, None
+        return gx, g_w, gb, g_s, g_z, None, None, None, None, None, g_a, g_b

@@ -90,6 +90,8 @@ def reason(mod, op: str, weight_mode: str, weight_spec, act_spec) -> Optional[st
         return "no activation codes (weight-only)"
     if weight_mode != "fake_quant":
         return "the weight is not quantized in forward"
+    if "qc_lora" in mod.__dict__:
+        return "a LoRA adapter: the quantized weight is the merged one, made in the float forward"
     ws = weight_spec
     if ws.kind != "int" or ws.bits > 8 or ws.numerics != "default" or ws.rounding != "nearest":
         return f"weights {ws.bits}-bit {ws.kind}/{ws.numerics}/{ws.rounding}: the kernel takes int 2-8 bit, nearest"

@@ -31,7 +31,7 @@ from ..quant.api import fake_quantize_learned, fake_quantize_spec, lsq_grad_scal
 from ..quant import float_observers, floats
 from ..errors import NonFiniteError
 from ..quant.reference import make_spec
-from . import fused, ranges, recompute_ranges, sharded
+from . import fused, lora, ranges, recompute_ranges, sharded
 from .state import ActQuant, WeightQuant
 
 _CLASS_CACHE: Dict[type, type] = {}
@@ -134,7 +134,7 @@ class CompressMixin:
             return None
         if wq.codes is not None and weight is None:  # written by optimizer-step mode or clean
             return (*wq.codes, wq.codes_spec)
-        w = self.weight if weight is None else weight
+        w = self.quantizer_input() if weight is None else weight
         spec = wq.spec()
         view = self.weight_matrix_view(w.detach())
         if floats.is_float(spec):    # (codes, scale, global scale or None, spec): export/floats.py
@@ -147,9 +147,16 @@ class CompressMixin:
         q, s, z = quantize_spec(view, spec)
         return q, s, z, spec
 
+    def quantizer_input(self) -> torch.Tensor:
+        """The weight the quantizer sees: the Parameter, or with a LoRA adapter in mode qat the
+        merged W + (B A) * scaling (nn/lora.py)."""
+        if "qc_lora" in self.__dict__:
+            return lora.quantizer_input(self)
+        return self.weight
+
     def effective_weight(self) -> torch.Tensor:
         """The weight this module's forward uses at this step (quantized, blended, masked)."""
-        w = self.weight
+        w = self.quantizer_input()
         wq = self.qc_wq
         if wq is not None and wq.active and wq.in_forward and not wq.baked:
             q = self._from_matrix_view(self._fake_quantize_weight(w, wq))
@@ -538,7 +545,7 @@ def restore_class(module: nn.Module) -> nn.Module:
     """Undo make_compress_aware (used after redundancy_clean when nothing is left to apply)."""
     if isinstance(module, CompressMixin):
         base = base_class(type(module))
-        for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning", "_qc_weight_read"):
+        for attr in ("qc_name", "qc_wq", "qc_aq", "qc_pruning", "qc_lora", "_qc_weight_read"):
             module.__dict__.pop(attr, None)
         cls = type(module)
         module.__class__ = base

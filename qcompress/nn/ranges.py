@@ -47,7 +47,7 @@ def _claim(mod, name: str, path: str) -> None:
 
 
 def _weight_view(mod, source: Optional[torch.Tensor] = None) -> torch.Tensor:
-    w = mod.weight if source is None else source
+    w = mod.quantizer_input() if source is None else source
     return mod.weight_matrix_view(w.detach())
 
 

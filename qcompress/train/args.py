@@ -54,6 +54,9 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute the transformer blocks in the backward: less memory, more time (as the "
                         "config's activation_checkpointing section)")
+    t.add_argument("--lora-r", type=int, metavar="R",
+                   help="train LoRA adapters of rank R with the base frozen (the config's lora section, switched "
+                        "on at rank R; its mode, alpha and target_modules as the config gives them)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the model for training (as the config's compile section with enabled: "
                         "true; its backend and kwargs, default inductor)")
@@ -108,6 +111,8 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     if ns.ptq_range_steps < 0:
         raise ValueError(f"--ptq-range-steps must be >= 0, got {ns.ptq_range_steps}")
+    if ns.lora_r is not None and ns.lora_r < 1:
+        raise ValueError(f"--lora-r must be >= 1 (an adapter's rank), got {ns.lora_r}")
     if ns.save_steps < 0:
         raise ValueError(f"--save-steps must be >= 0, got {ns.save_steps}")
     for name in ("max_train_samples", "max_eval_samples"):
@@ -123,4 +128,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       max_eval_samples=ns.max_eval_samples, save_steps=ns.save_steps,
                       baseline_from=ns.baseline_from, device=ns.device, ptq_range_steps=ns.ptq_range_steps,
                       progress=not ns.no_progress, gradient_checkpointing=ns.gradient_checkpointing,
-                      compile=ns.compile, dtype=ns.dtype, keep_checkpoints=ns.keep_checkpoints)
+                      compile=ns.compile, dtype=ns.dtype, keep_checkpoints=ns.keep_checkpoints,
+                      lora_r=ns.lora_r)

@@ -225,6 +225,8 @@ class Job(BaselineMixin, PhasesMixin):
         mode = int8_forward.reload_mode(model)
         fresh = qcompress.load_quantized(export_dir, fresh_model(model, self.opts.task), mode=mode,
                                          fuse_activations=False)
+        from ..export.lora import with_adapter
+        fresh = with_adapter(fresh, export_dir)    # mode qlora: peft loads the adapter beside the base
         return fresh.to(device_of(model)), mode
 
     def transformers_stage(self, model, export_dir):

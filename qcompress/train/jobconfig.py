@@ -65,6 +65,11 @@ def job_config(opts: JobOptions) -> dict:
     if opts.compile:                # --compile: the config's compile section, switched on
         section = doc.get("compile")
         doc["compile"] = dict(section if isinstance(section, dict) else {}, enabled=True)
+    if opts.lora_r is not None:     # --lora-r: the config's lora section, switched on at that rank
+        cc = doc.get("compression_training")
+        if isinstance(cc, dict):
+            section = cc.get("lora")
+            cc["lora"] = dict(section if isinstance(section, dict) else {}, enabled=True, r=opts.lora_r)
     cc = doc.get("compression_training") or {}
     if not isinstance(cc, dict) or not cc:
         raise JobError(f"the configs {opts.configs} have no compression_training section: nothing to "

@@ -41,6 +41,7 @@ class JobOptions:
     compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
     dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
     keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
+    lora_r: Optional[int] = None    # --lora-r: the lora section switched on at this rank
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -54,6 +55,8 @@ class JobOptions:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
         if self.dtype == "float32":
             keep.pop("dtype")               # as runs made before --dtype existed
+        if self.lora_r is None:
+            keep.pop("lora_r")              # likewise runs without --lora-r
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
