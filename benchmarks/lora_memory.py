@@ -83,7 +83,6 @@ def _reset_peak() -> bool:
 
 
 def _text_batches(tok, batch: int, seq: int, steps: int, cache: str):
-    import torch
     from model_zoo.lm_corpus import load_corpus, split_corpus
     train, _ = split_corpus(load_corpus("austen", cache), 0.05, 0)
     ids = tok(train[:200_000], return_tensors="pt").input_ids[0]

@@ -11,7 +11,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch.nn as nn
 
