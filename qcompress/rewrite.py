@@ -281,7 +281,8 @@ def _check_gptq_module(module, name: str, path: str, gran: str, ngroups, vocab_t
     no such inputs or cannot keep one solution."""
     kind = module.qc_kind
     if kind not in ("linear", "hf_conv1d", "experts"):
-        raise ConfigError(f"{path}.modules", f"module {name!r} is a {kind}; observer gptq solves a layer "
+        what = {"embedding": "an Embedding", "conv": "a convolution"}.get(kind, f"a {kind}")
+        raise ConfigError(f"{path}.modules", f"module {name!r} is {what}; observer gptq solves a layer "
                           "against the inputs it multiplies (Linear, transformers' Conv1D, fused experts): "
                           "leave it out of the group, or give it a minmax / mse group")
     if gran == "groups":
