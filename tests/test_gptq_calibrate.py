@@ -302,3 +302,90 @@ def test_modules_gptq_cannot_solve_are_named():
     model = tiny_llama()
     with pytest.raises(ConfigError, match=r"module 'model\.embed_tokens' is an Embedding; observer gptq"):
         qc.init_compression(model, gptq_doc(modules=("embed_tokens",)))
+
+
+# --- float formats, range learning ------------------------------------------------------------------
+
+def output_error(model_fp, model_q, data, name):
+    """sum over the calibration inputs of |(W - W^) u|^2 for module `name`: what GPTQ minimises."""
+    H = record_inputs(model_fp, [name], data)[name]
+    W = dict(model_fp.named_modules())[name].weight.detach().double()
+    Q = dict(model_q.named_modules())[name].effective_weight().detach().double()
+    return float(((W - Q) @ H * (W - Q)).sum())
+
+
+@pytest.mark.parametrize("fmt,gran", [("nvfp4", None), ("mxfp4", None), ("fp8_e4m3", "channel")])
+def test_float_formats_on_a_model(tmp_path, fmt, gran):
+    from qcompress.quant import floats
+    fp = tiny_llama()
+    data = batches()
+
+    def doc(observer):
+        p = {"start_bits": floats.WIDTH[fmt], "target_bits": floats.WIDTH[fmt], "format": fmt, "observer": observer}
+        if gran:
+            p["granularity"] = gran
+        if observer == "gptq":
+            p["observer_kwargs"] = {"sequential": False}
+        return {"compression_training": {"weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"g": {"params": p, "modules": ["proj"]}}}}}
+    model, rtn = copy.deepcopy(fp), copy.deepcopy(fp)
+    qc.init_compression(model, doc("gptq"))
+    qc.init_compression(rtn, doc("minmax"))
+    qc.calibrate_weight_ranges(model, data)
+    m = model.model.layers[1].mlp.down_proj
+    s, g = m.qc_wq.solved
+    assert torch.equal(m.effective_weight(), floats.fake_quantize_float(m.weight, m.qc_wq.spec(), scale=s, gscale=g))
+    n = "model.layers.0.mlp.down_proj"
+    assert output_error(fp, model, data, n) < output_error(fp, rtn, data, n)
+    qc.export_quantized(model, tmp_path / "out", doc("gptq"))
+    back = dict(qc.load_quantized(tmp_path / "out", tiny_llama(seed=3)).named_modules())
+    for name, mod in model.named_modules():
+        if getattr(mod, "qc_wq", None) is not None:
+            assert torch.equal(back[name].weight.detach(), mod.effective_weight().detach()), name
+
+
+def test_moe_float_experts_keep_each_experts_scales(tmp_path):
+    from moe_fixtures import make_moe
+    model = make_moe("qwen3_moe", seed=1)
+    data = batches(n=3, vocab=model.config.vocab_size)
+    doc = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", "observer": "gptq"},
+                                   "modules": ["experts"]}}}}}
+    qc.init_compression(model, doc)
+    qc.calibrate_weight_ranges(model, data)
+    part = model.model.layers[0].mlp.experts._modules["down_proj"]
+    s, g = part.qc_wq.solved
+    assert g.shape == (part.matrix_shape()[0],)
+    eff = part.effective_weight().detach()
+    view = part.weight_matrix_view(part.weight.detach())
+    spec = part.qc_wq.spec()
+    from qcompress.quant import floats
+    for e, (v, se) in enumerate(zip(view.chunk(4), s.chunk(4))):
+        assert torch.equal(floats.fake_quantize_float(v, spec, scale=se, gscale=g[e].reshape(1)),
+                           part.weight_matrix_view(eff).chunk(4)[e])
+    qc.export_quantized(model, tmp_path / "out", doc)
+    back = qc.load_quantized(tmp_path / "out", make_moe("qwen3_moe", seed=5))
+    got = back.model.layers[0].mlp.experts.down_proj.detach()
+    assert torch.equal(got, eff)
+
+
+def test_range_learning_starts_from_gptqs_scales():
+    fp = tiny_llama()
+    data = batches()
+    doc = gptq_doc(sym=False, sequential=False)
+    doc["compression_training"]["weight_quantization"]["different_groups"]["g"]["params"]["range_learning"] = True
+    model = copy.deepcopy(fp)
+    qc.init_compression(model, doc)
+    qc.calibrate_weight_ranges(model, data)
+    plain = copy.deepcopy(fp)
+    qc.init_compression(plain, gptq_doc(sym=False, sequential=False))
+    qc.calibrate_weight_ranges(plain, data)
+    a, b = model.model.layers[0].self_attn.k_proj, plain.model.layers[0].self_attn.k_proj
+    assert a.qc_wq.solved == ()
+    assert torch.equal(a.weight_scale.detach().reshape(-1), b.qc_wq.solved[0])
+    assert torch.equal(a.effective_weight().detach(), b.effective_weight())
+    loss = model(data[0], labels=data[0]).loss
+    loss.backward()
+    assert a.weight_scale.grad is not None and a.weight_scale.grad.abs().sum() > 0

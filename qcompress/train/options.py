@@ -39,6 +39,7 @@ class JobOptions:
     progress: bool = True
     gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
     compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
+    calibrate: Optional[str] = None  # "gptq": observer gptq over the configs' weight groups
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -50,6 +51,8 @@ class JobOptions:
                              "configs", "device", "gradient_checkpointing", "compile")}
         if not self.ptq_range_steps:
             keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
+        if self.calibrate is None:
+            keep.pop("calibrate")           # likewise runs without --calibrate
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
