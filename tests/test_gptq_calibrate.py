@@ -389,3 +389,41 @@ def test_range_learning_starts_from_gptqs_scales():
     loss = model(data[0], labels=data[0]).loss
     loss.backward()
     assert a.weight_scale.grad is not None and a.weight_scale.grad.abs().sum() > 0
+
+
+def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tmp_path, monkeypatch, capsys):
+    import json
+    from safetensors.torch import save_file
+    from qcompress.cli import main as cli_main
+    (tmp_path / "tinyfactory.py").write_text(
+        "import torch, transformers\n"
+        "def build():\n"
+        "    torch.manual_seed(9)\n"
+        "    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,\n"
+        "                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)\n"
+        "    return transformers.AutoModelForCausalLM.from_config(cfg).eval()\n")
+    monkeypatch.chdir(tmp_path)
+    doc = dict(gptq_doc(), train_batch_size=2, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    model = tiny_llama()
+    data = batches()
+    qc.init_compression(model, doc)
+    qc.calibrate_weight_ranges(model, data)
+    engine = qc.initialize(model, doc, device="cpu")
+    for b in data:
+        engine.backward(engine(b, labels=b).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert cli_main(["export", "--model", "tinyfactory:build", "--config", "cfg.json", "--checkpoint",
+                     str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    back = dict(qc.load_quantized(tmp_path / "out", tiny_llama(seed=4)).named_modules())
+    for n, m in model.named_modules():
+        if getattr(m, "qc_wq", None) is not None:
+            assert torch.equal(back[n].weight.detach(), m.effective_weight().detach()), n
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    capsys.readouterr()
+    code = cli_main(["export", "--model", "tinyfactory:build", "--config", "cfg.json", "--weights",
+                     str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "out2")])
+    err = capsys.readouterr().err
+    assert code != 0 and "never solved" in err and "--weights" in err
+    assert not (tmp_path / "out2" / "config.json").exists()

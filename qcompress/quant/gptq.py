@@ -28,6 +28,7 @@ quantized (the error-compensated weights); Q is its quantization.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -229,36 +230,64 @@ def solve(W: torch.Tensor, H: torch.Tensor, grid, settings: Settings = Settings(
     if settings.act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
         work, H = work[:, perm], H[perm][:, perm]
-    U, damp = _inverse_factor(H, settings.damp)
+    with _one_thread(work.device):      # torch's threaded cholesky_inverse stalls on a busy CPU
+        U, damp = _inverse_factor(H, settings.damp)
     rounded = U is None
     if rounded:
         U = torch.eye(cols, dtype=torch.float64, device=work.device)
     width = grid.width
     B = settings.block_size if upfront else max(width, (settings.block_size // width) * width)
-    out = torch.empty(rows, cols, dtype=dtype, device=W.device)
+    # columns as rows: each column and each rank-1 update is contiguous
+    work_t = work.t().contiguous()
+    out = torch.empty(cols, rows, dtype=dtype, device=W.device)
     quant = torch.empty_like(out)
-    loss = 0.0
+    loss = torch.zeros((), dtype=torch.float64, device=work.device)
     for i1 in range(0, cols, B):
         i2 = min(i1 + B, cols)
-        block = work[:, i1:i2].clone()
-        errs = torch.zeros_like(block)
-        for i in range(i2 - i1):
-            j = i1 + i
-            c = int(perm[j]) if perm is not None else j
-            k = c // width
-            if not upfront and c % width == 0:       # a group starts: its scales from its current columns
-                grid.fit(block[:, i:i + width].to(dtype), k)
-            w = block[:, i]
-            stored = w.to(dtype)
-            q = grid.quantize(stored, k).to(dtype)
-            out[:, j], quant[:, j] = stored, q
-            d = U[j, j]
-            e = (w - q.to(torch.float64)) / d
-            loss += float((e * e).sum()) / 2.0
-            block[:, i:] -= e[:, None] * U[j, j:i2][None, :]
-            errs[:, i] = e
-        work[:, i2:] -= errs @ U[i1:i2, i2:]
+        block = work_t[i1:i2].clone()
+        errs = torch.empty_like(block)
+        with _one_thread(work.device):
+            _columns(block, errs, out, quant, U, grid, perm, upfront, width, i1, i2, dtype, loss)
+        if i2 < cols:
+            work_t[i2:].addmm_(U[i1:i2, i2:].t(), errs, alpha=-1.0)
+    out, quant = out.t(), quant.t()
     if perm is not None:
         inv = torch.argsort(perm)
         out, quant = out[:, inv], quant[:, inv]
-    return Solution(out, quant, grid.params(), loss, damp, rounded)
+    out, quant = out.contiguous(), quant.contiguous()
+    return Solution(out, quant, grid.params(), float(loss), damp, rounded)
+
+
+@contextmanager
+def _one_thread(device):
+    """The column loop's operations are a few thousand elements each: on the CPU, intra-op threads
+    cost more to wake than they save (hundreds of times more on a busy machine); so does the
+    threaded cholesky_inverse of a few thousand columns."""
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _columns(block, errs, out, quant, U, grid, perm, upfront, width, i1, i2, dtype, loss):
+    """One block's columns (rows of `block`, the transposed weights), each quantized and its error
+    spread over the block's later columns."""
+    for i in range(i2 - i1):
+        j = i1 + i
+        c = int(perm[j]) if perm is not None else j
+        k = c // width
+        if not upfront and c % width == 0:       # a group starts: its scales from its current columns
+            grid.fit(block[i:i + width].t().to(dtype), k)
+        w = block[i]
+        stored = w.to(dtype)
+        q = grid.quantize(stored, k).to(dtype)
+        out[j], quant[j] = stored, q
+        e = (w - q.to(torch.float64)) / U[j, j]
+        loss += e.dot(e) / 2.0
+        block[i:].addr_(U[j, j:i2], e, alpha=-1.0)
+        errs[i] = e
