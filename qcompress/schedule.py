@@ -117,7 +117,7 @@ class CompressionScheduler:
     def step(self) -> None:
         kernels.check_nonfinite()   # the CUDA quantizers' NaN/Inf count of the step just taken
         self.training_steps += 1
-        self._apply()
+        self._apply(strict=True)
         if self._unweighted_pending:
             self._warn_unweighted()
 
@@ -159,7 +159,7 @@ class CompressionScheduler:
                 written.add(id(wq.store))
                 self._quantize_from_master(mod)
 
-    def _apply(self, first: bool = False) -> None:
+    def _apply(self, first: bool = False, strict: bool = False) -> None:
         t = self.training_steps
         dropped_groups = set()
         advanced = set()   # groups whose step moved: re-applying the same step must not anneal again
@@ -204,9 +204,9 @@ class CompressionScheduler:
                     wq.mix_ratio = max(0.0, wq.mix_ratio - wq.change_ratio)
             if not wq.in_forward and id(wq.store) not in written:
                 if wq.solver is not None and wq.solved is None:
-                    if first:
+                    if not strict:
                         continue      # solved later (calibrate_weight_ranges) or restored from a checkpoint
-                    raise ranges.unsolved_error(mod)
+                    raise ranges.unsolved_error(mod)    # a training step: never a silent round-to-nearest
                 written.add(id(wq.store))
                 self._quantize_from_master(mod)
 

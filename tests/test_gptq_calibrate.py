@@ -427,3 +427,24 @@ def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tm
     err = capsys.readouterr().err
     assert code != 0 and "never solved" in err and "--weights" in err
     assert not (tmp_path / "out2" / "config.json").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_moe_families_export_exactly(tmp_path, family):
+    """gpt-oss stores each expert transposed ([in, out], with biases); Mixtral as Linear does."""
+    from moe_fixtures import make_moe
+    fp = make_moe(family, seed=2)
+    data = batches(n=3, vocab=fp.config.vocab_size)
+    model = copy.deepcopy(fp)
+    doc = gptq_doc(group_size=16, modules=("experts",))
+    qc.init_compression(model, doc)
+    assert qc.calibrate_weight_ranges(model, data) == 2 * fp.config.num_hidden_layers
+    n = "model.layers.0.mlp.experts.down_proj"
+    eff = {k: m.effective_weight().detach().clone() for k, m in model.named_modules() if getattr(m, "qc_wq", None)}
+    assert not torch.equal(eff[n], dict(fp.named_parameters())[n].detach())
+    qc.export_quantized(model, tmp_path / "out", doc)
+    back = qc.load_quantized(tmp_path / "out", make_moe(family, seed=6))
+    params = dict(back.named_parameters())
+    for k, w in eff.items():
+        assert torch.equal(params[k].detach(), w), k
+

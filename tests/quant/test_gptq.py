@@ -143,3 +143,24 @@ def test_a_hessian_no_dampening_factors_is_rounded_to_nearest():
     sol = gptq.solve(W, H, gptq.make_grid(spec, *W.shape, W.dtype, gptq.Settings()), gptq.Settings())
     assert sol.rounded
     assert torch.equal(sol.quantized, fake_quantize_spec(W, spec))
+
+
+@pytest.mark.parametrize("fmt", ["int", "nvfp4", "fp8_e4m3"])
+def test_bfloat16_weights_quantize_back_to_the_solution(fmt):
+    """bf16 weights: each column is stored and quantized in bf16, as the module's forward does."""
+    W, H = problem(rows=32, cols=64, seed=5)
+    W = W.to(torch.bfloat16)
+    spec = make_spec(4, granularity="group", group_size=32) if fmt == "int" else \
+        floats.float_spec(fmt, "group" if fmt == "nvfp4" else "channel")
+    sol = gptq.solve(W, H, gptq.make_grid(spec, 32, 64, W.dtype, gptq.Settings()), gptq.Settings())
+    assert sol.weight.dtype == sol.quantized.dtype == torch.bfloat16
+    s, z = sol.params
+    again = fake_quantize_spec(sol.weight, spec, scale=s, zero_point=z) if fmt == "int" else \
+        floats.fake_quantize_float(sol.weight, spec, scale=s, gscale=z)
+    assert torch.equal(again, sol.quantized)
+    rtn = fake_quantize_spec(W, spec) if fmt == "int" else floats.fake_quantize_float(W, spec)
+
+    def err(Q):
+        D = (W - Q).double()
+        return float((D @ H * D).sum())
+    assert err(sol.quantized) < err(rtn)

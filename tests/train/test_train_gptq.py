@@ -70,3 +70,15 @@ def test_resume_after_gptq_matches_uninterrupted(setup, tmp_path, monkeypatch):
     whole, cut = stages(tmp_path / "whole"), stages(out)
     for stage in ("ptq", "qat", "exported"):
         assert cut[stage]["perplexity"] == whole[stage]["perplexity"], stage
+
+
+def test_calibrate_gptq_in_optimizer_step_mode_with_quantized_activations(setup, tmp_path):
+    """schedules/w8a8.yaml quantizes the weights once per optimizer step from a master copy (GPTQ's
+    compensated weights become that master) and the activations per token."""
+    gpt2, data = setup
+    out = str(tmp_path / "w8a8")
+    assert cli_main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", gpt2, "--data", data,
+                     "--task", "causal-lm", "--max-steps", "2", "--out", out, "--calibrate", "gptq", *FAST]) == 0
+    st = stages(out)
+    assert st["exported"]["perplexity"] == st["qat"]["perplexity"]
+    assert st["exported"]["max_logit_diff_vs_qat"] == 0.0
