@@ -21,6 +21,15 @@ from gptq_reference import int_fit, int_quant, reference
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread; on a shared machine threads mostly wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -17,6 +17,15 @@ from qcompress.quant.reference import make_spec
 from gptq_reference import int_quant, problem, reference, int_fit  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread; on a shared machine threads mostly wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def params_of(spec, refs, rows, cols, width, upfront_tensor=False):
     """The reference's per-group params in the solver's layout (float32 [groups] in group order)."""
     if spec.granularity == "tensor":
