@@ -8,7 +8,9 @@ going into the first block, and every block's own other arguments (attention mas
 position embeddings, cache positions: per block, so families whose layers take different masks,
 sliding or full, get their own). Caches are dropped from those arguments (a cache object, and
 `use_cache`), so running a block again does not attend to keys it stored the first time.
-Then block i runs on the outputs block i - 1 gave, with its own arguments.
+Then block i runs on the outputs block i - 1 gave, with its own arguments. That each block's input
+is the previous block's output (a decoder's residual stream) is checked on that first forward:
+a model that changes the hidden state between blocks is reported, not run wrongly.
 """
 from __future__ import annotations
 
@@ -64,12 +66,28 @@ class BlockCalls:
         self.blocks, self.where = blocks, where
         self.calls: List[List[Tuple[tuple, dict, bool]]] = [[] for _ in blocks]   # (args, kwargs, hidden in args)
         self.first_inputs: List[torch.Tensor] = []
+        self._out = None          # (block index, its output hidden state) of the block that ran last
+        self.unchained: List[int] = []   # blocks whose input was not the previous block's output
 
     def hooks(self):
         handles = []
         for i, block in enumerate(self.blocks):
             handles.append(block.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(self._out_hook(i)))
         return handles
+
+    def _out_hook(self, i: int):
+        def hook(module, args, out):
+            self._out = (i, _hidden_of(out))
+        return hook
+
+    def _chained(self, i: int, hidden: torch.Tensor) -> bool:
+        if i == 0:
+            return True
+        if self._out is None or self._out[0] != i - 1 or self._out[1] is None:
+            return False
+        prev = self._out[1]
+        return hidden is prev or (hidden.shape == prev.shape and torch.equal(hidden, prev))
 
     def _hook(self, i: int):
         def hook(module, args, kwargs):
@@ -84,6 +102,9 @@ class BlockCalls:
                                    "be run one at a time: set observer_kwargs.sequential: false")
             if i == 0:
                 self.first_inputs.append(hidden)
+            elif not self._chained(i, hidden) and i not in self.unchained:
+                self.unchained.append(i)
+            self._out = None
             kept = {k: v for k, v in kwargs.items() if k != "hidden_states" or positional}
             self.calls[i].append((rest, kept, positional))
             return args, kwargs
@@ -96,10 +117,16 @@ class BlockCalls:
             out = self.blocks[i](hidden, *rest[1:], **kwargs)
         else:
             out = self.blocks[i](*rest, hidden_states=hidden, **kwargs)
-        if isinstance(out, (tuple, list)):
-            out = out[0]
-        if not isinstance(out, torch.Tensor):
+        out = _hidden_of(out)
+        if out is None:
             raise RuntimeError(f"{self.where}[{i}] ({type(self.blocks[i]).__name__}) returned a "
                                f"{type(out).__name__}, not a hidden state tensor (or a tuple starting with one): "
                                "set observer_kwargs.sequential: false")
         return out
+
+
+def _hidden_of(out) -> Optional[torch.Tensor]:
+    """A block's output hidden state: the tensor, or the first element of a tuple / list."""
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, torch.Tensor) else None

@@ -386,6 +386,13 @@ def calibrate_gptq(model: nn.Module, targets, batches: list, forward: Optional[C
             finally:
                 for h in handles:
                     h.remove()
+            if calls is not None and calls.unchained:
+                m = staged[0][1]
+                raise ConfigError(_path(m).replace(".observer", ".observer_kwargs.sequential"),
+                                  f"{found[0]}[{calls.unchained[0]}] is not fed the output of {found[0]}"
+                                  f"[{calls.unchained[0] - 1}] as it is (the model changes the hidden state "
+                                  "between its blocks), so the blocks cannot be calibrated one after another: "
+                                  "set observer_kwargs.sequential: false")
             reach.all_reduce()
             hess.all_reduce()
             missing = hess.unreached() + reach.unreached()

@@ -199,10 +199,12 @@ def test_moe_experts_are_solved_per_expert():
             assert (eff[e] - Q).abs().max() < 1e-5
 
 
-def test_export_is_exact_after_gptq_and_training(tmp_path):
+@pytest.mark.parametrize("kwargs", [{}, {"act_order": True, "scale_observer": "mse"}])
+def test_export_is_exact_after_gptq_and_training(tmp_path, kwargs):
     model = tiny_llama()
     data = batches()
-    doc = dict(gptq_doc(), train_batch_size=2, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+    doc = dict(gptq_doc(sym="act_order" not in kwargs, **kwargs), train_batch_size=2,
+               optimizer={"type": "Adam", "params": {"lr": 1e-3}})
     qc.init_compression(model, doc)
     qc.calibrate_weight_ranges(model, data)
     engine = qc.initialize(model, doc, device="cpu")
@@ -457,3 +459,18 @@ def test_moe_families_export_exactly(tmp_path, family):
     for k, w in eff.items():
         assert torch.equal(params[k].detach(), w), k
 
+
+
+def test_a_model_that_changes_the_hidden_state_between_blocks_is_refused_for_sequential():
+    model = tiny_llama()
+    qc.init_compression(model, gptq_doc())
+    model.model.layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2.0,) + tuple(args[1:]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"observer_kwargs\.sequential: model\.layers\[1\] is not fed the output"):
+        qc.calibrate_weight_ranges(model, batches())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    other = tiny_llama()                     # the way out the message gives works
+    qc.init_compression(other, gptq_doc(sequential=False))
+    other.model.layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2.0,) + tuple(args[1:]))
+    assert qc.calibrate_weight_ranges(other, batches()) == 14
