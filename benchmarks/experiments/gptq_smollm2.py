@@ -81,10 +81,12 @@ def main(argv=None) -> int:
     ppl_fp = perplexity(fp, test, a.batch)
     t_eval = time.perf_counter() - t0
     rows = [("FP32", ppl_fp, None)]
+    print(f"FP32 {ppl_fp:.3f}", flush=True)
     rtn = copy.deepcopy(fp)
     qc.init_compression(rtn, qc.load_config(RTN))
     ppl_rtn = perplexity(rtn, test, a.batch)
     rows.append(("RTN W4 g128 sym", ppl_rtn, None))
+    print(f"RTN {ppl_rtn:.3f}", flush=True)
     del rtn
     batches = [calib[i:i + a.batch] for i in range(0, calib.shape[0], a.batch)]
     for name in a.variants.split(","):
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
         qc.calibrate_weight_ranges(model, batches)
         t_cal = time.perf_counter() - t0
         rows.append((f"GPTQ W4 g128 sym ({name})", perplexity(model, test, a.batch), t_cal / t_eval))
+        print(f"GPTQ {name} {rows[-1][1]:.3f} (calibration {t_cal:.0f} s)", flush=True)
         del model
     print("| weights | held-out perplexity | x FP32 | share of RTN's excess recovered | calibration / one FP32 eval pass |")
     print("|---|---|---|---|---|")
