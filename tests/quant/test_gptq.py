@@ -5,8 +5,6 @@ the format's own quantizer (quant/floats.py, checked against compressed-tensors 
 that reference loop."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
