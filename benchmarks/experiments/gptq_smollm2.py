@@ -6,7 +6,7 @@ the variants asked for), each on the same held-out sequences; GPTQ calibrated on
 train split. Prints perplexities, the share of RTN's excess over FP32 each recovers, and the wall
 time of each calibration relative to one evaluation pass, measured in the same run.
 
-    python -m benchmarks.experiments.gptq_smollm2 [--calib 128] [--heldout 64] [--seq 512] [--variants plain,act_order]
+    python -m benchmarks.experiments.gptq_smollm2 [--calib 128] [--heldout 64] [--seq 512] [--variants default,no_act_order]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTN = os.path.join(ROOT, "schedules", "w4a16_g128.yaml")
 GPTQ = os.path.join(ROOT, "schedules", "w4a16_g128_gptq.yaml")
-VARIANTS = {"plain": {}, "act_order": {"act_order": True}, "mse": {"scale_observer": "mse"},
+VARIANTS = {"default": {}, "no_act_order": {"act_order": False}, "mse": {"scale_observer": "mse"},
             "not_sequential": {"sequential": False}}
 
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", type=int, default=64, help="held-out sequences evaluated")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=8, help="sequences per forward")
-    ap.add_argument("--variants", default="plain", help=f"comma-separated GPTQ variants: {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default="default", help=f"comma-separated GPTQ variants: {','.join(VARIANTS)}")
     ap.add_argument("--cache", default=os.path.join(ROOT, ".cache"), help="lm_corpus cache folder")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)

@@ -4,9 +4,9 @@ group must pass to be solved by GPTQ (docs/gptq-and-rotations.md).
 The keys sit in `observer_kwargs` beside the mse search's (grid, maxshrink, norm), which the
 mse scale observer inside GPTQ takes (`scale_observer: mse`). Defaults are the GPTQ paper's and
 llm-compressor's GPTQModifier's: dampening 0.01 of the Hessian's mean diagonal, lazy updates in
-blocks of 128 columns; activation order off (the paper's default; llm-compressor turns its
-"static" order on for group strategies); each decoder block calibrated on the outputs of the
-already-quantized blocks before it.
+blocks of 128 columns, activation order on (llm-compressor's default "static" order for group
+strategies; the paper's code leaves it off; benchmarks/experiments/README.md says what it did on
+SmolLM2), each decoder block calibrated on the outputs of the already-quantized blocks before it.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class GptqKwargs:
                                                    "as a fraction of its mean diagonal")
     block_size: int = field(128, ge=1, le=1 << 20, doc="ext, gptq: columns per lazy batch update (rounded "
                                                        "to a multiple of the group size)")
-    act_order: bool = field(False, doc="ext, gptq: columns in order of decreasing Hessian diagonal; group "
+    act_order: bool = field(True, doc="ext, gptq: columns in order of decreasing Hessian diagonal; group "
                                        "scales stay those of the original groups, chosen before the solve")
     sequential: bool = field(True, doc="ext, gptq: each repeated block calibrated on the outputs of the "
                                        "already-quantized blocks before it")

@@ -47,7 +47,7 @@ DAMP_RETRIES = 3      # a Hessian Cholesky cannot factor: damp x 10 each time, t
 class Settings:
     damp: float = 0.01
     block_size: int = 128
-    act_order: bool = False
+    act_order: bool = True
     observer: str = "minmax"                 # how each group's scale is chosen: minmax | mse
     search: Search = field(default=DEFAULT_SEARCH)
 

@@ -90,12 +90,13 @@ def test_mse_scale_observer_matches_reference():
     rows, cols = W.shape
     spec = make_spec(4, granularity="group", group_size=32)
     row = make_spec(4, granularity="channel")
-    settings = gptq.Settings(observer="mse")
+    settings = gptq.Settings(observer="mse", act_order=False)
     sol = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, settings), settings)
     Wc, Q, _ = reference(W, H, lambda X: observers.weight_params(X, row, "mse"),
                          lambda w, p: int_quant(w, p, 4), 32, upfront=False)
     assert (sol.weight - Wc).abs().max() < 1e-6 and (sol.quantized - Q).abs().max() < 1e-6
-    plain = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, gptq.Settings()), gptq.Settings())
+    minmax = gptq.Settings(act_order=False)
+    plain = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, minmax), minmax)
     assert not torch.equal(plain.params[0], sol.params[0])      # mse chose other scales
 
 
