@@ -21,6 +21,8 @@ the groups of each row are then chosen together against it: the output error's c
 groups are as large as its blocks on real layers (quant/cross_groups.py).
 
 On several ranks the sums are all-reduced, so every rank chooses the same ranges.
+
+The same call solves the weights of `observer: gptq` groups (gptq_calibrate.py), after the moments.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import gptq_calibrate
+from .calib_blocks import run_batch
 from .nn import ranges
 from .nn.layers import CompressMixin
 
@@ -78,13 +82,7 @@ def weighted_modules(model: nn.Module) -> List[Tuple[str, CompressMixin]]:
 
 
 def _run(model: nn.Module, batch, forward: Optional[Callable]):
-    if forward is not None:
-        return forward(model, batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+    return run_batch(model, batch, forward)
 
 
 def _all_reduce(sums: list, counts: torch.Tensor, device: torch.device) -> None:
@@ -106,14 +104,30 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     gradients): the blocks of E[u u^T] (u the module's input) over each weight group's columns, or
     E[u_j^2] where a group spans whole rows, and the whole E[u u^T] where cross_groups applies
     (MemoryError up front if those would take more than half the free memory). Then choose the
-    weight ranges of the quantized modules again with them.
+    weight ranges of the quantized modules again with them. Then solve the weights of the modules
+    whose group has `observer: gptq` and that were not solved yet (gptq_calibrate.py; its input
+    Hessians from the same batches, block by block with `sequential`).
 
     batches: dicts (model(**b)), tuples (model(*b)) or tensors (model(b)); or pass
     forward(model, batch). Call it after init_compression and before training (or before export
-    of a model quantized without training); the moments are kept, and the scheduler's state_dict
-    carries them, so later bit drops and resumed runs use them too. Returns the number of modules
-    whose moments were recorded (0 when no group asks for weight_by: inputs: nothing runs).
+    of a model quantized without training); the moments, and GPTQ's scales, are kept, and the
+    scheduler's state_dict carries them, so later bit drops and resumed runs use them too. Returns
+    the number of modules whose moments were recorded or whose weights were solved (0 when no
+    group asks for weight_by: inputs or gptq: nothing runs).
     """
+    targets = gptq_calibrate.unsolved(model)
+    if targets:
+        batches = list(batches)
+        gptq_calibrate.check_kinds(targets)
+        gptq_calibrate.check_batches(targets, batches)    # before anything runs or changes
+    with gptq_calibrate.inactive(targets):
+        n = _record_moments(model, batches, forward)
+    if targets:
+        n += gptq_calibrate.calibrate_gptq(model, targets, batches, forward)
+    return n
+
+
+def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Callable]) -> int:
     mods = weighted_modules(model)
     takers = [(n, m) for n, m in mods if m.qc_kind in INPUT_KINDS]
     if not takers:
@@ -194,5 +208,7 @@ def missing_moments(modules) -> List[str]:
 
 
 def needs_calibration(model: nn.Module) -> bool:
-    """Some module weighs its ranges by inputs it has no moments of yet (active or not)."""
-    return any(m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model))
+    """Some module weighs its ranges by inputs it has no moments of yet (active or not), or has
+    weights GPTQ has not solved yet."""
+    return (any(m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model))
+            or bool(gptq_calibrate.unsolved(model)))

@@ -14,6 +14,7 @@ import torch.nn as nn
 from . import lora_rewrite
 from .config import as_config
 from .quant import floats
+from .config.gptq import GPTQ
 from .quant.observers import Search
 from .config.loader import source_of
 from .config.compression import CompressionConfig, Group, group_setting
@@ -246,6 +247,11 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
                           f"{path}.params.granularity")
     search = _search(cfg.compression.weight_quantization, group)
     observer = group_setting(cfg.compression.weight_quantization, group, "observer")[0]
+    solver, solver_kwargs = None, ()
+    if observer == GPTQ:      # the solve's own scale observer chooses the ranges (config/gptq.py)
+        kw = group_setting(cfg.compression.weight_quantization, group, "observer_kwargs")[0]
+        solver, solver_kwargs, observer = GPTQ, (kw.damp, kw.block_size, kw.act_order, kw.sequential), kw.scale_observer
+        _check_gptq_module(module, name, path, gran, ngroups, vocab_tables)
     if gran == "groups" and observer == "mse" and Search(*search).weight_by == "inputs":
         raise ConfigError(f"{path}.params.observer_kwargs.weight_by",
                           f"'inputs' weighs each group's error by the inputs of its columns, but module "
@@ -271,7 +277,26 @@ def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()
         range_observer=observer,
         range_search=search,
         range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]),
-        format=fmt)
+        format=fmt, solver=solver, solver_kwargs=solver_kwargs)
+
+
+def _check_gptq_module(module, name: str, path: str, gran: str, ngroups, vocab_tables) -> None:
+    """GPTQ solves a layer against the inputs it multiplies: refuse, naming the module, what has
+    no such inputs or cannot keep one solution."""
+    kind = module.qc_kind
+    if kind not in ("linear", "hf_conv1d", "experts"):
+        what = {"embedding": "an Embedding", "conv": "a convolution"}.get(kind, f"a {kind}")
+        raise ConfigError(f"{path}.modules", f"module {name!r} is {what}; observer gptq solves a layer "
+                          "against the inputs it multiplies (Linear, transformers' Conv1D, fused experts): "
+                          "leave it out of the group, or give it a minmax / mse group")
+    if gran == "groups":
+        raise ConfigError(f"{path}.params.granularity", f"module {name!r} is quantized in {ngroups} chunks of the "
+                          "flattened weight (quantize_groups), which cut across GPTQ's columns; set granularity "
+                          "(tensor, channel or group) for this group")
+    if id(module.weight) in vocab_tables:
+        raise ConfigError(f"{path}.modules", f"module {name!r} shares its weight with an embedding (tied "
+                          "weights); GPTQ would change the embedding too: leave it out of the gptq group "
+                          "(or untie the weights first)")
 
 
 def _float_weight(fmt, params, shared, module, name, path):
@@ -493,6 +518,11 @@ def _share_tied_weights(root: nn.Module) -> None:
         if first is mod:
             continue
         _check_same_quantization(first_name, first, name, mod)
+        if mod.qc_wq.solver is not None:
+            raise ConfigError(f"compression_training.weight_quantization.different_groups.{mod.qc_wq.group}.modules",
+                              f"modules {first_name!r} and {name!r} share one weight Parameter (tied weights); "
+                              f"observer {mod.qc_wq.solver} solves one layer's weights against its own inputs: "
+                              "quantize only one of them with it, or untie the weights")
         mod.qc_wq.store = first.qc_wq.store
         mod.qc_wq.seed = first.qc_wq.seed      # same stochastic rounding of the same tensor
         for pname in ranges.WEIGHT_PARAMS:     # one learned scale for one weight

@@ -117,7 +117,7 @@ class CompressionScheduler:
     def step(self) -> None:
         kernels.check_nonfinite()   # the CUDA quantizers' NaN/Inf count of the step just taken
         self.training_steps += 1
-        self._apply()
+        self._apply(strict=True)
         if self._unweighted_pending:
             self._warn_unweighted()
 
@@ -159,7 +159,7 @@ class CompressionScheduler:
                 written.add(id(wq.store))
                 self._quantize_from_master(mod)
 
-    def _apply(self, first: bool = False) -> None:
+    def _apply(self, first: bool = False, strict: bool = False) -> None:
         t = self.training_steps
         dropped_groups = set()
         advanced = set()   # groups whose step moved: re-applying the same step must not anneal again
@@ -204,6 +204,10 @@ class CompressionScheduler:
                 elif wq.group in advanced:
                     wq.mix_ratio = max(0.0, wq.mix_ratio - wq.change_ratio)
             if not wq.in_forward and id(wq.store) not in written:
+                if wq.solver is not None and wq.solved is None:
+                    if not strict:
+                        continue      # solved later (calibrate_weight_ranges) or restored from a checkpoint
+                    raise ranges.unsolved_error(mod)    # a training step: never a silent round-to-nearest
                 written.add(id(wq.store))
                 self._quantize_from_master(mod)
 
@@ -246,6 +250,8 @@ class CompressionScheduler:
             wq.store.input_moments = entry["input_moments"].to("cpu", torch.float64)
         if "input_cross" in entry:
             wq.store.input_cross = entry["input_cross"].to("cpu", torch.float32)
+        if "solved" in entry:         # observer gptq: the scales its solve chose
+            wq.solved = tuple(None if t is None else t.to(mod.weight.device) for t in entry["solved"])
         if "master_of" in entry:
             return                  # tied weight: restored with the module that saved it
         dev = mod.weight.device
@@ -289,6 +295,8 @@ class CompressionScheduler:
                     entry["wq"]["applied"] = wq.applied.detach().cpu().clone()
                 if wq.shrink is not None:
                     entry["wq"]["shrink"] = wq.shrink.detach().cpu().clone()
+                if wq.solved is not None:
+                    entry["wq"]["solved"] = tuple(None if t is None else t.detach().cpu().clone() for t in wq.solved)
                 if wq.store.input_moments is not None:       # weight_by inputs: later bit drops use them
                     entry["wq"]["input_moments"] = wq.store.input_moments.clone()
                 if wq.store.input_cross is not None and id(wq.store) not in crossed:   # once per tensor

@@ -16,10 +16,12 @@ from .formats import check_act_group, check_weight_group, parse_format
 from .rotation import Rotation, check_with as _check_rotation
 from .kv_cache import KVCacheQuantization
 from .lora import Lora
+from .gptq import GPTQ, GptqKwargs, check_group as check_gptq_group, check_kwargs as check_gptq_kwargs
 from .schema import field, join, parse
 
 QUANT_TYPES = ("symmetric", "asymmetric")
 OBSERVERS = ("minmax", "mse")   # compressed-tensors' observer names
+WEIGHT_OBSERVERS = OBSERVERS + (GPTQ,)   # ext: gptq solves the weights on calibration data (config/gptq.py)
 ALL_MODULES = None  # `modules` missing or "all": every compressible module
 
 
@@ -68,14 +70,15 @@ def _parse_related(value, path):
 # --- range observers -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ObserverKwargs:
+class ObserverKwargs(GptqKwargs):
     """ext (compressed-tensors' `observer_kwargs`): the mse observer's search. Shrink factors
     p = 1 - k / grid for k below maxshrink * grid, the error sum |x^ - x|^norm (2: refined by
     least squares too). llm-compressor's: grid 100, maxshrink 0.2, norm 2.4. `weight_by: inputs`
     (weights only) weighs each group's error by the second moments of the module's input over the
     group's columns, recorded on calibration batches (qcompress.calibrate_weight_ranges); with
     `cross_groups` (the default) the groups of a row are then chosen together against the whole
-    E[x x^T], so their errors may cancel in the output (quant/cross_groups.py)."""
+    E[x x^T], so their errors may cancel in the output (quant/cross_groups.py). Observer gptq's
+    keys (damp, block_size, act_order, sequential, scale_observer) come from config/gptq.py."""
     maxshrink: float = field(0.8, gt=0.0, le=1.0, doc="ext: how far the range may shrink (0.8: down to p = 0.21)")
     grid: int = field(100, ge=1, le=100000, doc="ext: candidate steps of 1 / grid")
     norm: float = field(2.0, gt=0.0, le=16.0, doc="ext: exponent of the reconstruction error")
@@ -118,7 +121,7 @@ class WeightQuantShared:
     ste: str = field("identity", choices=("identity", "clip"), lower=True,
                      doc="ext: 'clip' zeroes the gradient of clipped elements")
     seed: int = field(0, ge=0, doc="ext: stochastic-rounding seed")
-    observer: str = field("minmax", choices=OBSERVERS, lower=True,
+    observer: str = field("minmax", choices=WEIGHT_OBSERVERS, lower=True,
                           doc="ext: default range observer of the groups (see WeightQuantParams)")
     observer_kwargs: ObserverKwargs = field(ObserverKwargs(), doc="ext: default of the groups' mse search")
     range_learning: bool = field(False, doc="ext: default of the groups' range_learning")
@@ -139,9 +142,9 @@ class WeightQuantParams:
     group_size: Optional[int] = field(None, ge=1, doc="ext: elements per group along the input dim; "
                                       "alone it means granularity 'group'")
     ternary: bool = field(True, doc="ext: 2 bits means ternary (DeepSpeed); false: 4-level grid")
-    observer: Optional[str] = field(None, choices=OBSERVERS, lower=True,
-                                    doc="ext: 'minmax' or 'mse' (searched shrink of the range); "
-                                        "default: shared_parameters.observer")
+    observer: Optional[str] = field(None, choices=WEIGHT_OBSERVERS, lower=True,
+                                    doc="ext: 'minmax', 'mse' (searched shrink of the range) or 'gptq' "
+                                        "(weights solved on calibration data); default: shared_parameters.observer")
     observer_kwargs: Optional[ObserverKwargs] = field(None, doc="ext: the mse search (maxshrink, grid, norm); "
                                                       "replaces shared_parameters.observer_kwargs whole")
     range_learning: Optional[bool] = field(None, doc="ext: scales (and zero points) trained by LSQ; "
@@ -221,17 +224,24 @@ def _check_kwargs(technique, where):
     """observer_kwargs set the mse search: refused on a group that uses minmax, and in
     shared_parameters when no group uses mse (a setting that would change nothing)."""
     groups = technique.groups if technique.enabled else ()
-    uses_mse = False
+    uses_mse = uses_gptq = False
     for group in groups:
         observer = group_setting(technique, group, "observer")[0]
-        uses_mse = uses_mse or observer == "mse"
+        kw, kw_at = group_setting(technique, group, "observer_kwargs")
+        if group.params.observer_kwargs is not None or observer == GPTQ:
+            check_gptq_kwargs(observer, kw, join(where, kw_at))
+        uses_mse = uses_mse or observer in ("mse", GPTQ)
+        uses_gptq = uses_gptq or observer == GPTQ
         if observer == "minmax" and group.params.observer_kwargs is not None:
             raise ConfigError(join(where, f"different_groups.{group.name}.params.observer_kwargs"),
                               f"sets the mse observer's search, but group {group.name!r} uses observer "
                               "'minmax'; set observer: mse, or drop observer_kwargs")
     if groups and not uses_mse and technique.shared.observer_kwargs != ObserverKwargs():
         raise ConfigError(join(where, "shared_parameters.observer_kwargs"),
-                          "sets the mse observer's search, but no group uses observer 'mse'")
+                          "sets the mse observer's search, but no group uses observer 'mse' (or 'gptq')")
+    if groups and not uses_gptq:
+        check_gptq_kwargs(None, technique.shared.observer_kwargs,
+                          join(where, "shared_parameters.observer_kwargs"))
 
 
 # --- pruning ---------------------------------------------------------------------------------
@@ -473,10 +483,12 @@ class CompressionConfig:
             if rl and sw.fp16_mixed_quantize.enabled:
                 raise ConfigError(join(where, rl_at), "range learning and fp16_mixed_quantize do not combine "
                                   "(the blend hides the learned grid); turn one off")
-            if (rl or obs == "mse") and sw.numerics == "deepspeed":
+            if (rl or obs in ("mse", GPTQ)) and sw.numerics == "deepspeed":
                 raise ConfigError(join(where, rl_at if rl else obs_at),
-                                  f"{'range learning' if rl else 'the mse observer'} works on the default "
+                                  f"{'range learning' if rl else f'the {obs} observer'} works on the default "
                                   "numerics (what export writes); shared_parameters.numerics is 'deepspeed'")
+            if obs == GPTQ:
+                check_gptq_group(group.params, sw, where, group.name)
         _check_kwargs(wq, join(path, "weight_quantization"))
         aq = self.activation_quantization
         _check_kwargs(aq, join(path, "activation_quantization"))

@@ -250,9 +250,9 @@ class CompressionCallback(TrainerCallback):
             pld.start_step(state.global_step, resumed=True)
 
     def _calibrate(self, model, loader) -> None:
-        """observer_kwargs.weight_by: inputs: the input moments from the first CALIBRATION_BATCHES
-        batches of the training dataloader, before the first step (a resumed run has them in its
-        compression state)."""
+        """observer_kwargs.weight_by: inputs: the input moments, and observer gptq: the solved
+        weights, from the first CALIBRATION_BATCHES batches of the training dataloader, before the
+        first step (a resumed run has them in its compression state)."""
         if loader is None or not needs_calibration(_root(model)):
             return
         dev = next(model.parameters()).device
@@ -260,8 +260,8 @@ class CompressionCallback(TrainerCallback):
         def forward(m, batch):
             return m(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()})
         n = calibrate_weight_ranges(_root(model), itertools.islice(loader, CALIBRATION_BATCHES), forward)
-        log.info("qcompress: weight ranges of %d module(s) weighted by their inputs on %d training batches",
-                 n, CALIBRATION_BATCHES)
+        log.info("qcompress: %d module(s) calibrated on %d training batches (input-weighted ranges, GPTQ "
+                 "solutions)", n, CALIBRATION_BATCHES)
 
     def resume_from(self, folder: str) -> None:
         """Restore the compression state from `folder` (a checkpoint written by on_save) when

@@ -60,6 +60,7 @@ class ExpertMatrix(CompressMixin, nn.Module):
         self.qc_fast = None                    # load_quantized(mode="fast"): per-expert low-bit kernels
         self.qc_expert = None                  # the expert whose routed tokens are being multiplied
         self.qc_static_inputs = None           # a loaded export's per-expert (input_scale, zero point)
+        self.qc_capture = None                 # calibration: capture(x, expert) sees each routed input
         self._qc_setup(name)
 
     @property
@@ -92,6 +93,8 @@ class ExpertMatrix(CompressMixin, nn.Module):
     def expert_linear(self, x, w, e: Optional[int], bias, transposed: bool = False):
         """x times expert e's matrix w (w: [out, in], or [in, out] when transposed), the input
         quantized per token; on the low-bit kernel when loaded in fast mode."""
+        if self.qc_capture is not None:
+            self.qc_capture(x, e)
         if self.qc_static_inputs is not None and e is not None:
             s, z = self.qc_static_inputs
             x = fake_quantize_spec(x, self.input_spec(), scale=s[e].reshape(1),
@@ -115,8 +118,19 @@ class ExpertMatrix(CompressMixin, nn.Module):
         if not floats.is_float(spec):
             return super()._fake_quantize_weight_of(w, wq, spec, learned)
         view = self.weight_matrix_view(w)
-        return torch.cat([floats.fake_quantize_float(v, spec, clip_grad=wq.clip_grad)
-                          for v in view.chunk(self.matrix_shape()[0])])
+        return torch.cat([floats.fake_quantize_float(v, spec, scale=s, gscale=g, clip_grad=wq.clip_grad)
+                          for v, (s, g) in zip(view.chunk(self.matrix_shape()[0]), self.expert_float_params(view, spec))])
+
+    def expert_float_params(self, view, spec):
+        """Each expert's (scale, global scale or None): the GPTQ solution's when solved (the
+        experts' scales concatenated, global scales stacked), else each matrix's own (minmax)."""
+        e = self.matrix_shape()[0]
+        solved = self.qc_wq.solved
+        if solved:
+            s, g = solved
+            gs = [None] * e if g is None else list(g.to(view.device).reshape(e, 1))
+            return list(zip(s.to(view.device).chunk(e), gs))
+        return [floats.qparams(v.detach(), spec) for v in view.chunk(e)]
 
     def quantized_weight(self, weight: Optional[torch.Tensor] = None):
         """As CompressMixin's; float formats give (codes, scales, [E] global scales or None, spec)."""
@@ -124,10 +138,10 @@ class ExpertMatrix(CompressMixin, nn.Module):
         spec = wq.spec() if wq is not None and wq.active else None
         if spec is None or not floats.is_float(spec) or (wq.codes is not None and weight is None):
             return super().quantized_weight(weight)
+        ranges.check_solved(self)
         view = self.weight_matrix_view((self.weight if weight is None else weight).detach())
         qs, ss, gs = [], [], []
-        for v in view.chunk(self.matrix_shape()[0]):
-            s, g = floats.qparams(v, spec)
+        for v, (s, g) in zip(view.chunk(self.matrix_shape()[0]), self.expert_float_params(view, spec)):
             qs.append(floats.quantize_codes(v, spec, s, g))
             ss.append(s)
             gs.append(g)
@@ -202,7 +216,7 @@ class ExpertsForward:
     def _input_calls(self) -> List[ExpertMatrix]:
         """The matrices whose products must be intercepted: quantized inputs or low-bit kernels."""
         return [p for p in self.expert_parts()
-                if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None]
+                if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None or p.qc_capture is not None]
 
     def _rowwise_inputs(self, calls) -> Optional[Dict[str, ExpertMatrix]]:
         """{param name: part} when compiling and every quantized input is dynamic per token (a
@@ -216,7 +230,7 @@ class ExpertsForward:
         if impl not in ("batched_mm", "grouped_mm"):
             return None
         for p in calls:
-            if p.qc_param not in ("gate_up_proj", "down_proj") or p.qc_fast is not None \
+            if p.qc_param not in ("gate_up_proj", "down_proj") or p.qc_fast is not None or p.qc_capture is not None \
                     or p.qc_static_inputs is not None or p.qc_aq.calibration != "dynamic":
                 return None
             spec = p.input_spec()
@@ -268,7 +282,7 @@ class ExpertsForward:
                 continue
             wq.store.reset()     # a loaded weight is a new starting point (as CompressMixin's)
             if wq.range_learning and f"{prefix}{part.qc_param}.weight_scale" in state_dict:
-                wq.ranges_loaded = True
+                ranges.loaded_with_scales(wq)
             else:
                 ranges.reinit_after_load(part)
 

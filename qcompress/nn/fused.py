@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..errors import NonFiniteError
 from ..quant import kernels
 from ..quant.api import dequantize, quantize_spec
-from . import int8_forward, lora
+from . import int8_forward, lora, ranges
 from ..quant.reference import saturate
 
 _enabled = True
@@ -149,7 +149,7 @@ class Plan:
         mod, wq = self.mod, self.mod.qc_wq
         if self.lora:
             w = lora.merge(mod, w, lora_a, lora_b)
-        if wq.shrink is not self.shrink:
+        if ranges.chosen(wq) is not self.shrink:
             raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
                                "backward (a scheduler step in between?); run backward first")
         if self.weight_args is not None and not torch.is_grad_enabled():   # no graph: the op itself
@@ -200,7 +200,8 @@ def plan(mod, x, op: str) -> Optional[Plan]:
     elif wq.active and wq.in_forward:
         if wq.mix_enabled and wq.mix_ratio > 0.0:
             return None  # fp16_mixed blend r w + (1 - r) w^: a transient schedule phase
-        mode, weight_spec, shrink = "fake_quant", wq.spec(), wq.shrink
+        ranges.check_solved(mod)
+        mode, weight_spec, shrink = "fake_quant", wq.spec(), ranges.chosen(wq)
     elif wq.range_learning:
         return None      # unused learned scales get zero gradients (ranges.attach_unused)
     else:

@@ -99,7 +99,7 @@ class CompressMixin:
         if loaded:
             wq.store.reset()
         if wq is not None and wq.range_learning and prefix + "weight_scale" in state_dict:
-            wq.ranges_loaded = True     # trained scales: the next range initialisation keeps them
+            ranges.loaded_with_scales(wq)   # trained scales: the next range initialisation keeps them
         elif loaded:
             ranges.reinit_after_load(self)   # no scales with them: observe the new weights
 
@@ -172,6 +172,7 @@ class CompressMixin:
     def _fake_quantize_weight(self, w, wq, spec=None, learned=None):
         """w^ in [out, ...] orientation. `spec` and `learned` (scale, zero point) stand in for
         wq.spec() and the module's learned-range Parameters (the fused backward's recompute)."""
+        ranges.check_solved(self)
         try:
             return self._fake_quantize_weight_of(w, wq, spec, learned)
         except NonFiniteError as err:

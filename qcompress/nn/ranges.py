@@ -18,6 +18,10 @@
 - Float formats (quant/float_observers.py): `mse` keeps each scale's choice in `WeightQuant.shrink`
   the same way; learned FP8 scales are `weight_scale` in the weight's units, learned NVFP4 scales
   the per-block effective scales `weight_scale` under a learned global `weight_global_scale`.
+- `observer: gptq`: the solver's scales (`WeightQuant.solved`, written by
+  qcompress.calibrate_weight_ranges, qcompress/gptq_calibrate.py) are used as they are, at every
+  step; with range learning they initialise the learned Parameters instead. A gptq module used
+  before it was solved is an error naming it, not a silent round-to-nearest.
 """
 from __future__ import annotations
 
@@ -106,6 +110,37 @@ def register_input_ranges(mod, path: str) -> None:
         mod.register_parameter("input_zero_point", nn.Parameter(torch.zeros(1, dtype=torch.float32, device=dev)))
 
 
+def unsolved_error(mod) -> ConfigError:
+    wq = mod.qc_wq
+    return ConfigError(f"compression_training.weight_quantization.different_groups.{wq.group}.params.observer",
+                       f"module {mod.qc_name!r} uses observer gptq but its weights were never solved: call "
+                       "qcompress.calibrate_weight_ranges(model, batches) after init_compression (qcompress "
+                       "train does), or load an engine checkpoint saved after it (engine.load_checkpoint, "
+                       "qcompress export --checkpoint); a state_dict alone (qcompress export --weights) does "
+                       "not hold GPTQ's scales")
+
+
+def check_solved(mod) -> None:
+    """Raise unsolved_error for a gptq module whose weights were never solved."""
+    wq = mod.qc_wq
+    if wq.solver is not None and wq.solved is None:
+        raise unsolved_error(mod)
+
+
+def chosen(wq):
+    """What a fused forward's plan keys its weight ranges on: the solver's scales, else the mse
+    observer's shrink factors (None: the weight's own minmax ranges)."""
+    return wq.solved if wq.solved else wq.shrink
+
+
+def loaded_with_scales(wq) -> None:
+    """A state_dict brought learned scales with the weights: the next range initialisation keeps
+    them, and a gptq module's solution is those scales."""
+    wq.ranges_loaded = True
+    if wq.solver is not None:
+        wq.solved = ()
+
+
 def weighs_by_inputs(wq) -> bool:
     """The group's mse search weights the error by the module's inputs (observer_kwargs.weight_by)."""
     return wq.range_observer == "mse" and observers.Search(*wq.range_search).weight_by == "inputs"
@@ -136,6 +171,9 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     """The observer's ranges at the bits now in force (first quantization, bit drops): the mse
     shrink factors, and the learned scales unless they were just loaded with trained weights."""
     wq = mod.qc_wq
+    if wq.solver is not None:
+        wq.shrink = None
+        return           # the solver chose the scales (calibrate_weight_ranges), once
     spec = wq.spec()
     view = _weight_view(mod, source)
     if view.is_meta:
@@ -182,6 +220,9 @@ def reinit_after_load(mod) -> None:
     model, or weights arriving after a meta-device init): choose the ranges again for them, as at
     the first quantization, instead of keeping those observed on the weights they replaced."""
     wq = mod.qc_wq
+    if wq.solver is not None and not wq.baked:
+        wq.solved = None     # solved for other weights; a checkpoint's compression state restores its own
+        return
     if wq.baked or not wq.active or (wq.range_observer == "minmax" and not wq.range_learning):
         return           # minmax ranges follow the weight anyway; inactive: set when it turns on
     # optimizer-step mode too: the loaded weight is the next step's master (the store was reset),
@@ -192,9 +233,13 @@ def reinit_after_load(mod) -> None:
 def weight_params(mod, view: torch.Tensor, spec):
     """(scale, zero point) the weight is quantized with now, or None for the spec's own (minmax)."""
     wq = mod.qc_wq
+    check_solved(mod)
     if wq.range_learning:
         return learned_params(mod.weight_scale, mod._parameters.get("weight_zero_point") if spec.kind == "int"
                               else None, spec)
+    if wq.solved:
+        s, z = wq.solved
+        return s.to(view.device), None if z is None else z.to(view.device)
     if wq.shrink is not None and spec.kind == "int":
         return observers.weight_params(view, spec, "mse", shrink=wq.shrink)
     return None
@@ -204,9 +249,13 @@ def float_weight_params(mod, view: torch.Tensor, spec):
     """(scale, global scale or None) a float-format weight is quantized with now: the learned
     ones, the mse observer's choice applied to the weight's absmax, or floats.qparams' (minmax)."""
     wq = mod.qc_wq
+    check_solved(mod)
     if wq.range_learning:
         return float_observers.learned_scales(view, spec, mod.weight_scale,
                                               mod._parameters.get("weight_global_scale"))
+    if wq.solved:
+        s, g = wq.solved
+        return s.to(view.device), None if g is None else g.to(view.device)
     if wq.shrink is not None:
         return float_observers.scales_with_shrink(view, spec, wq.shrink)
     return floats.qparams(view, spec)

@@ -76,6 +76,10 @@ def weight_needs_reduction(spec, split: Optional[int]) -> bool:
 def _weight_params(mod, w, spec):
     """(scale, zero point) of this rank's shard of DTensor w ([out, in] view) reduced over the
     group, or None when its groups lie whole on this rank."""
+    if mod.qc_wq.solver is not None:
+        raise ValueError(f"module {mod.qc_name!r}: observer {mod.qc_wq.solver} keeps the scales it solved for "
+                         "the whole weight, which tensor parallelism does not shard; leave the module out of "
+                         "tensor parallelism, or use observer minmax / mse")
     split = _shard_dim(w)
     if not weight_needs_reduction(spec, split):
         return None

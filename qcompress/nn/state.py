@@ -65,7 +65,7 @@ class MasterState:
 _WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
                     "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
                     "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_search",
-                    "range_learning", "format")
+                    "range_learning", "format", "solver", "solver_kwargs")
 
 
 def _delegate(attr):
@@ -112,6 +112,12 @@ class WeightQuant:
     #                                (re)initialisation keeps them (a model rebuilt from trained weights)
     pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
     per_expert: bool = False       # fused experts at granularity tensor: a channel of [E, out * in] each
+    solver: Optional[str] = None   # "gptq": the weights are solved on calibration data (gptq_calibrate.py)
+    solver_kwargs: tuple = ()      # quant.gptq.Settings' damp, block_size, act_order, and `sequential`
+    solved: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # ^ the solver's scales, fixed from then on: integers (scale [groups], zero point or None),
+    #   float formats (scale as floats.qparams shapes it, global scale or None); () when they were
+    #   written into the learned-range Parameters instead; None: not solved yet
     store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
     # `step` as a 0-d int64 CPU tensor, filled in place whenever step is set: compiled graphs take
     # it as an input (stochastic rounding), so a new step does not compile a new graph
@@ -143,6 +149,8 @@ class WeightQuant:
         self.store.follow(weight)
         if self.shrink is not None and not weight.is_meta:
             self.shrink = self.shrink.to(weight.device)
+        if self.solved and not weight.is_meta:
+            self.solved = tuple(None if t is None else t.to(weight.device) for t in self.solved)
 
     def step_as_input(self) -> bool:
         """Whether a compiled graph takes the stochastic-rounding step as a tensor input (the
@@ -179,6 +187,8 @@ class WeightQuant:
             out = self.granularity
         if self.range_observer != "minmax":
             out += f" {self.range_observer}"
+        if self.solver is not None:
+            out += f" {self.solver}" + ("" if self.solved is not None else " (not calibrated)")
         if self.format != "int":
             fmt = self.format if isinstance(self.format, str) else "→".join(f for _, f in self.format)
             out = f"{fmt} {out}"

@@ -74,6 +74,10 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
                    help="after the ptq stage, train the PTQ model's learned ranges on the loss for N batches of "
                         "--batch-size, weights frozen (qcompress.learn_ranges; needs range_learning: true): "
                         "the ptq_learned stage (default 0: none)")
+    t.add_argument("--calibrate", choices=("gptq",), default=None,
+                   help="gptq: the weight groups' weights solved by GPTQ on 8 training batches before the ptq and "
+                        "qat stages (observer: gptq in weight_quantization's shared_parameters, as merging "
+                        "schedules/with_gptq.yaml; a group that sets its own observer keeps it)")
     t.add_argument("--save-steps", type=int, default=50,
                    help="checkpoint every N optimizer steps for --resume (0: only at the end; default 50)")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -129,4 +133,4 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
                       baseline_from=ns.baseline_from, device=ns.device, ptq_range_steps=ns.ptq_range_steps,
                       progress=not ns.no_progress, gradient_checkpointing=ns.gradient_checkpointing,
                       compile=ns.compile, dtype=ns.dtype, keep_checkpoints=ns.keep_checkpoints,
-                      lora_r=ns.lora_r)
+                      lora_r=ns.lora_r, calibrate=ns.calibrate)

@@ -74,7 +74,23 @@ def job_config(opts: JobOptions) -> dict:
     if not isinstance(cc, dict) or not cc:
         raise JobError(f"the configs {opts.configs} have no compression_training section: nothing to "
                        "compress (see schedules/ for ready recipes)")
+    if opts.calibrate is not None:
+        doc = with_calibration(doc, opts)
     as_config(doc)          # a ConfigError names the key before anything runs
+    return doc
+
+
+def with_calibration(doc: dict, opts: JobOptions) -> dict:
+    """--calibrate gptq: observer gptq as the weight groups' shared default (schedules/with_gptq.yaml);
+    a JobError when no weight group would then use it."""
+    from ..config.loader import deep_merge
+    doc = deep_merge(doc, {"compression_training": {"weight_quantization": {"shared_parameters": {
+        "observer": opts.calibrate}}}})
+    wq = as_config(doc).compression.weight_quantization
+    from ..config.compression import group_setting
+    if not (wq.enabled and any(group_setting(wq, g, "observer")[0] == opts.calibrate for g in wq.groups)):
+        raise JobError(f"--calibrate {opts.calibrate}: no weight quantization group of {' + '.join(opts.configs)} "
+                       "would use it (weight quantization is off, or every group sets its own observer)")
     return doc
 
 

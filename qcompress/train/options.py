@@ -42,6 +42,7 @@ class JobOptions:
     dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
     keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
     lora_r: Optional[int] = None    # --lora-r: the lora section switched on at this rank
+    calibrate: Optional[str] = None  # "gptq": observer gptq over the configs' weight groups
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -57,6 +58,8 @@ class JobOptions:
             keep.pop("dtype")               # as runs made before --dtype existed
         if self.lora_r is None:
             keep.pop("lora_r")              # likewise runs without --lora-r
+        if self.calibrate is None:
+            keep.pop("calibrate")           # likewise runs without --calibrate
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]

@@ -117,10 +117,18 @@ class PhasesMixin:
         self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
-        weighted = qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model)))
-        if weighted:
-            self.say(f"[qat] weight ranges of {weighted} module(s) weighted by their inputs on "
-                     "8 calibration batches (observer_kwargs.weight_by)")
+        from ..gptq_calibrate import unsolved
+        solving = len(unsolved(model))
+        if self.progress.done("qat_train") or (
+                o.resume and loop.latest_step(os.path.join(o.out, "checkpoints", "qat")) is not None):
+            solving = 0     # the checkpoint brings the input moments and GPTQ's weights and scales
+        else:
+            weighted = qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model))) - solving
+            if weighted:
+                self.say(f"[qat] weight ranges of {weighted} module(s) weighted by their inputs on "
+                         "8 calibration batches (observer_kwargs.weight_by)")
+        if solving:
+            self.say(f"[qat] weights of {solving} module(s) solved by GPTQ on 8 calibration batches (observer gptq)")
         forward_note = int8_forward.describe(model)
         if forward_note:
             self.say(f"[qat] {forward_note}")
