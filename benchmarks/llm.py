@@ -37,6 +37,8 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -47,36 +49,62 @@ import common  # noqa: E402
 LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embeddings and lm_head stay float
 GPTQ = {"observer": "gptq"}
 MSE = {"observer": "mse", "observer_kwargs": {"weight_by": "inputs"}}
-R12 = ["R1", "R2"]
-R124 = ["R1", "R2", "R4"]
-
-# key: (table, label, weights, activations, observer params, rotations, learned, training)
-#   weights: (bits, format, granularity, group_size); activations: None, ("int", 8) or ("nvfp4", 4)
-W4G = (4, "int", "group", 128)
+R12 = ("R1", "R2")
+R124 = ("R1", "R2", "R4")
+W4G = (4, "int", "group", 128)      # weights: (bits, format, granularity, group_size)
 W4C = (4, "int", "channel", None)
 W3G = (3, "int", "group", 128)
 NV = (4, "nvfp4", None, None)
+
+
+@dataclass(frozen=True)
+class Row:
+    table: str
+    label: str
+    weights: Optional[tuple] = None         # W4G, W4C, W3G, NV
+    acts: Optional[tuple] = None            # ("int", 8) dynamic per token, ("nvfp4", 4) static global scale
+    observer: dict = field(default_factory=dict)
+    rotations: Optional[tuple] = None
+    learned: bool = False                   # rotations trained with the model (Cayley)
+    training: Optional[str] = None          # None (PTQ), "ft" / "qat" (token loss), "qad" (KL to FP32)
+    kv: Optional[tuple] = None              # (format, strategy, observer) of the KV cache
+    lora_r: Optional[int] = None            # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
+
+
 ROWS = {
-    "fp32": ("w4", "FP32", None, None, {}, None, False, None),
-    "fp32_ft": ("w4", "FP32 fine-tuned (same steps as QAT; control for domain adaptation)", None, None, {}, None, False, "ft"),
-    "w4_rtn": ("w4", "RTN (minmax)", W4G, None, {}, None, False, None),
-    "w4_mse": ("w4", "mse weighted by inputs", W4G, None, MSE, None, False, None),
-    "w4_gptq": ("w4", "GPTQ", W4G, None, GPTQ, None, False, None),
-    "w4_gptq_r12": ("w4", "GPTQ + R1 R2", W4G, None, GPTQ, R12, False, None),
-    "w4_gptq_r124": ("w4", "GPTQ + R1 R2 R4", W4G, None, GPTQ, R124, False, None),
-    "w4_qat": ("w4", "GPTQ + R1 R2 R4, then QAT", W4G, None, GPTQ, R124, False, "qat"),
-    "w4_qad": ("w4", "GPTQ + R1 R2 R4, then QAD", W4G, None, GPTQ, R124, False, "qad"),
-    "w4_qad_lrot": ("w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, None, GPTQ, R124, True, "qad"),
-    "w4ch_rtn": ("w4ch", "RTN (minmax)", W4C, None, {}, None, False, None),
-    "w4ch_gptq": ("w4ch", "GPTQ", W4C, None, GPTQ, None, False, None),
-    "w4ch_gptq_r124": ("w4ch", "GPTQ + R1 R2 R4", W4C, None, GPTQ, R124, False, None),
-    "w4a8_rtn": ("w4a8", "RTN (minmax)", W4G, ("int", 8), {}, None, False, None),
-    "w4a8_gptq_r124": ("w4a8", "GPTQ + R1 R2 R4", W4G, ("int", 8), GPTQ, R124, False, None),
-    "w3_rtn": ("w3", "RTN (minmax)", W3G, None, {}, None, False, None),
-    "w3_gptq_r124": ("w3", "GPTQ + R1 R2 R4", W3G, None, GPTQ, R124, False, None),
-    "nvfp4_rtn": ("nvfp4", "minmax", NV, ("nvfp4", 4), {}, None, False, None),
-    "nvfp4_r124": ("nvfp4", "R1 R2 R4", NV, ("nvfp4", 4), {}, R124, False, None),
-    "nvfp4_gptq_r124": ("nvfp4", "GPTQ + R1 R2 R4", NV, ("nvfp4", 4), GPTQ, R124, False, None),
+    "fp32": Row("w4", "FP32"),
+    "fp32_ft": Row("w4", "FP32 fine-tuned (same steps as QAT; control for domain adaptation)", training="ft"),
+    "w4_rtn": Row("w4", "RTN (minmax)", W4G),
+    "w4_mse": Row("w4", "mse weighted by inputs", W4G, observer=MSE),
+    "w4_gptq": Row("w4", "GPTQ", W4G, observer=GPTQ),
+    "w4_gptq_r12": Row("w4", "GPTQ + R1 R2", W4G, observer=GPTQ, rotations=R12),
+    "w4_gptq_r124": Row("w4", "GPTQ + R1 R2 R4", W4G, observer=GPTQ, rotations=R124),
+    "w4_qat": Row("w4", "GPTQ + R1 R2 R4, then QAT", W4G, observer=GPTQ, rotations=R124, training="qat"),
+    "w4_qad": Row("w4", "GPTQ + R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, training="qad"),
+    "w4_qad_lrot": Row("w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124,
+                       learned=True, training="qad"),
+    "w4ch_rtn": Row("w4ch", "RTN (minmax)", W4C),
+    "w4ch_gptq": Row("w4ch", "GPTQ", W4C, observer=GPTQ),
+    "w4ch_gptq_r124": Row("w4ch", "GPTQ + R1 R2 R4", W4C, observer=GPTQ, rotations=R124),
+    "w4a8_rtn": Row("w4a8", "RTN (minmax)", W4G, ("int", 8)),
+    "w4a8_gptq": Row("w4a8", "GPTQ", W4G, ("int", 8), observer=GPTQ),
+    "w4a8_gptq_r124": Row("w4a8", "GPTQ + R1 R2 R4", W4G, ("int", 8), observer=GPTQ, rotations=R124),
+    "w3_rtn": Row("w3", "RTN (minmax)", W3G),
+    "w3_gptq": Row("w3", "GPTQ", W3G, observer=GPTQ),
+    "w3_gptq_r124": Row("w3", "GPTQ + R1 R2 R4", W3G, observer=GPTQ, rotations=R124),
+    "nvfp4_rtn": Row("nvfp4", "minmax", NV, ("nvfp4", 4)),
+    "nvfp4_r124": Row("nvfp4", "R1 R2 R4", NV, ("nvfp4", 4), rotations=R124),
+    "nvfp4_gptq_r124": Row("nvfp4", "GPTQ + R1 R2 R4", NV, ("nvfp4", 4), observer=GPTQ, rotations=R124),
+    "kv_fp8": Row("kv", "FP32 + FP8 KV per tensor", kv=("fp8_e4m3", "tensor", "minmax")),
+    "kv_fp8_head": Row("kv", "FP32 + FP8 KV per head", kv=("fp8_e4m3", "head", "minmax")),
+    "kv_int8": Row("kv", "FP32 + int8 KV per tensor", kv=("int8", "tensor", "minmax")),
+    "kv_int8_head": Row("kv", "FP32 + int8 KV per head", kv=("int8", "head", "minmax")),
+    "w4qat_kv_fp8": Row("kv", "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop", W4G,
+                        training="qat", kv=("fp8_e4m3", "tensor", "minmax")),
+    "w4qat_kv_int8": Row("kv", "W4 g128 RTN start, QAT with int8 KV per tensor in the loop", W4G,
+                         training="qat", kv=("int8", "tensor", "minmax")),
+    "lora_full_qat": Row("lora", "full-parameter QAT", W4G, training="qat"),
+    "lora_qat_r16": Row("lora", "LoRA QAT, r 16 (alpha 32)", W4G, training="qat", lora_r=16),
 }
 TABLES = {
     "w4": "W4 g128 symmetric, weight-only",
@@ -85,49 +113,60 @@ TABLES = {
     "w3": "W3 g128 symmetric, weight-only",
     "nvfp4": "NVFP4 W4A4 (weights and activations in groups of 16, static activation global scale)",
 }
-RTN_OF = {"w4": "w4_rtn", "w4ch": "w4ch_rtn", "w4a8": "w4a8_rtn", "w3": "w3_rtn", "nvfp4": "nvfp4_rtn"}
+RTN_OF = {"w4": "w4_rtn", "w4ch": "w4ch_rtn", "w4a8": "w4a8_rtn", "w3": "w3_rtn", "nvfp4": "nvfp4_rtn",
+          "lora": "w4_rtn"}
 # what the page checks (the issue's targets), each row against float32's perplexity
 TARGETS = {"w4_gptq_r124": 1.06, "w4_qad": 1.02, "w4a8_gptq_r124": 1.08, "nvfp4_r124": 1.10}
+KV_TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
+LORA_TARGET = 0.60          # LoRA QAT recovers at least this share of what full-parameter QAT recovers
 
 
-def config_doc(key: str, a) -> dict:
+def config_doc(row: Row, a) -> dict:
     """The one config document a row runs: DeepSpeed's layout, compression_training per the row."""
-    _, _, weights, acts, observer, rotations, learned, training = ROWS[key]
     steps = max(a.steps, 1)
+    lr = a.lora_lr if row.lora_r else a.lr
     doc = {
         "train_batch_size": a.batch, "train_micro_batch_size_per_gpu": a.batch, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps,
                                                            "warmup_num_steps": max(steps // 10, 1)}},
     }
-    if weights is None:
-        return doc
-    bits, fmt, granularity, group_size = weights
-    params = {"start_bits": bits, "target_bits": bits, "quantization_period": 0, **observer}
-    if fmt != "int":
-        params["format"] = fmt
-    else:
-        params["granularity"] = granularity
-        if group_size:
-            params["group_size"] = group_size
-    cc = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "quantize_weight_in_forward": True,
-                              "schedule_offset": 0},
-        "different_groups": {"w": {"params": params, "modules": [LINEARS]}}}}
-    if acts is not None:
-        afmt, abits = acts
+    cc: dict = {}
+    if row.weights is not None:
+        bits, fmt, granularity, group_size = row.weights
+        params = {"start_bits": bits, "target_bits": bits, "quantization_period": 0, **row.observer}
+        if fmt != "int":
+            params["format"] = fmt
+        else:
+            params["granularity"] = granularity
+            if group_size:
+                params["group_size"] = group_size
+        cc["weight_quantization"] = {
+            "shared_parameters": {"enabled": True, "quantization_type": "symmetric",
+                                  "quantize_weight_in_forward": True, "schedule_offset": 0},
+            "different_groups": {"w": {"params": params, "modules": [LINEARS]}}}
+    if row.acts is not None:
+        afmt, abits = row.acts
         shared = {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
                   "range_calibration": "dynamic" if afmt == "int" else "static"}
         if afmt != "int":
             shared["format"] = afmt
         cc["activation_quantization"] = {"shared_parameters": shared,
                                          "different_groups": {"a": {"params": {"bits": abits}, "modules": [LINEARS]}}}
-    if rotations:
-        cc["rotation"] = {"enabled": True, "rotations": list(rotations), "type": "hadamard", "learned": learned,
-                          "seed": a.seed}
-    if training == "qad":
+    if row.rotations:
+        cc["rotation"] = {"enabled": True, "rotations": list(row.rotations), "type": "hadamard",
+                          "learned": row.learned, "seed": a.seed}
+    if row.kv is not None:
+        fmt, strategy, observer = row.kv
+        cc["kv_cache_quantization"] = {"enabled": True, "format": fmt, "strategy": strategy,
+                                       "range_calibration": "static", "observer": observer}
+    if row.lora_r:
+        cc["lora"] = {"enabled": True, "r": row.lora_r, "alpha": 2 * row.lora_r, "mode": "qat",
+                      "target_modules": [LINEARS]}
+    if row.training == "qad":
         cc["distillation"] = {"enabled": True, "teacher": "self", "temperature": 1.0, "alpha": 1.0}
-    doc["compression_training"] = cc
+    if cc:
+        doc["compression_training"] = cc
     return doc
 
 
@@ -192,15 +231,21 @@ def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
             print(f"    step {step + 1}/{a.steps} loss {float(loss):.4f}", flush=True)
 
 
+def kv_off(model) -> None:
+    """Leave the model's KV cache unquantized from now on (the same weights, for the paired figure)."""
+    from qcompress.nn import kv_cache
+    for _, mod in kv_cache.quantized_modules(model):
+        mod.__dict__[kv_cache.ATTR].active = False
+
+
 def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     import qcompress as qc
     from qcompress.train.stages import calibrate_static_ranges
-    table, label, weights, acts, observer, rotations, learned, training = ROWS[key]
+    row = ROWS[key]
     t0 = time.time()
     model = copy.deepcopy(base)
-    cfg = qc.load_config(config_doc(key, a))
-    teacher = None
-    if weights is not None:
+    cfg = qc.load_config(config_doc(row, a))
+    if cfg.raw.get("compression_training"):
         qc.init_compression(model, cfg)
         qc.CompressionScheduler(model, cfg).finish()
         tail = order[len(order) - a.calib_blocks:]       # training batches read the order from its start
@@ -208,39 +253,37 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
         calibrate_static_ranges(model, calib)
         qc.calibrate_weight_ranges(model, calib)
         calibrate_static_ranges(model, calib)      # the activations the calibrated weights give
-    ptq_s = time.time() - t0
-    if training is not None:
-        teacher = base if training == "qad" else None
-        train(model, teacher, cfg, training, train_blocks, order, a)
-    ppl = perplexity(model, held, a.eval_batch)
-    return {"table": table, "label": label, "perplexity": ppl, "seconds": round(time.time() - t0, 1),
-            "calibrate_seconds": round(ptq_s, 1), "steps": a.steps if training else 0}
+    calibrated_s = time.time() - t0
+    if row.training is not None:
+        train(model, base if row.training == "qad" else None, cfg, row.training, train_blocks, order, a)
+    out = {"perplexity": perplexity(model, held, a.eval_batch)}
+    if row.kv is not None and row.training is not None:    # the same trained weights, cache unquantized
+        kv_off(model)
+        out["perplexity_kv_off"] = perplexity(model, held, a.eval_batch)
+    out.update(seconds=round(time.time() - t0, 1), calibrate_seconds=round(calibrated_s, 1),
+               steps=a.steps if row.training else 0)
+    return out
 
 
 # --- the page -------------------------------------------------------------------------------------
 
 def settings(a) -> dict:
     return {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": a.calib_blocks, "steps": a.steps,
-            "batch": a.batch, "lr": a.lr, "seed": a.seed}
+            "batch": a.batch, "lr": a.lr, "lora_lr": a.lora_lr, "seed": a.seed}
 
 
 def share(rtn, row, ref):
     return None if rtn is None or ref is None or rtn - ref <= 0 else (rtn - row) / (rtn - ref)
 
 
-def tables(summary: dict) -> str:
-    rows = summary["rows"]
-    fp32 = rows.get("fp32", {}).get("perplexity")
-    ft = rows.get("fp32_ft", {}).get("perplexity")
-    s = summary["settings"]
-    out = [f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
-           f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
-           f"Training rows: {s['steps']} steps of {s['batch']} blocks, AdamW lr {s['lr']} (cosine).", ""]
-    if fp32:
-        out.append(f"FP32 perplexity: **{fp32:.3f}**" + (f"; FP32 fine-tuned on the training text for the same "
-                                                         f"steps: {ft:.3f}" if ft else "") + ".")
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def weight_tables(rows: dict, fp32, ft) -> list:
+    out = []
     for table, title in TABLES.items():
-        keys = [k for k in ROWS if ROWS[k][0] == table and k in rows and k not in ("fp32", "fp32_ft")]
+        keys = [k for k, r in ROWS.items() if r.table == table and k in rows and k not in ("fp32", "fp32_ft")]
         if not keys:
             continue
         rtn = rows.get(RTN_OF[table], {}).get("perplexity")
@@ -248,19 +291,69 @@ def tables(summary: dict) -> str:
                 "|---|---|---|---|---|"]
         for k in keys:
             r = rows[k]
-            rec = share(rtn, r["perplexity"], fp32)
-            rec_s = "-" if k == RTN_OF[table] or rec is None else f"{100 * rec:.0f} %"
-            if ROWS[k][7] == "qat" and ft:
-                ft_rec = share(rtn, r["perplexity"], ft)
-                rec_s += f" ({100 * ft_rec:.0f} % against FP32 fine-tuned)" if ft_rec is not None else ""
+            rec = "-" if k == RTN_OF[table] else pct(share(rtn, r["perplexity"], fp32))
+            if ROWS[k].training == "qat" and ft:
+                rec += f" ({pct(share(rtn, r['perplexity'], ft))} against FP32 fine-tuned)"
             ratio = f"{r['perplexity'] / fp32:.3f}" if fp32 else "-"
-            out.append(f"| {r['label']} | {r['perplexity']:.3f} | {ratio} | {rec_s} | {r['seconds']:.0f} |")
+            out.append(f"| {ROWS[k].label} | {r['perplexity']:.3f} | {ratio} | {rec} | {r['seconds']:.0f} |")
+    return out
+
+
+def kv_table(rows: dict, fp32) -> list:
+    keys = [k for k, r in ROWS.items() if r.table == "kv" and k in rows]
+    if not keys:
+        return []
+    out = ["", "### KV-cache quantization", "",
+           "`/ same weights without KV`: the FP32 rows against FP32; the QAT rows against the same trained "
+           "model with its KV quantizers switched off (the cost of the cache quantization itself, which the "
+           "targets bound).", "",
+           "| row | perplexity | / same weights without KV | target | met |", "|---|---|---|---|---|"]
+    for k in keys:
+        r, row = rows[k], ROWS[k]
+        paired = r.get("perplexity_kv_off") if row.training else fp32
+        ratio = r["perplexity"] / paired if paired else None
+        target = KV_TARGET[row.kv[0]]
+        met = "-" if ratio is None else ("yes" if ratio <= target else "no")
+        out.append(f"| {row.label} | {r['perplexity']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} | "
+                   f"<= {target} | {met} |")
+    return out
+
+
+def lora_table(rows: dict, fp32) -> list:
+    full, lora, rtn = (rows.get(k, {}).get("perplexity") for k in ("lora_full_qat", "lora_qat_r16", "w4_rtn"))
+    if full is None or lora is None:
+        return []
+    f_rec, l_rec = share(rtn, full, fp32), share(rtn, lora, fp32)
+    both = None if not f_rec or l_rec is None else l_rec / f_rec
+    out = ["", "### LoRA QAT against full-parameter QAT (W4 g128, RTN start, same steps and batches)", "",
+           "| row | perplexity | RTN excess recovered |", "|---|---|---|",
+           f"| RTN (minmax) | {rtn:.3f} | - |" if rtn else "| RTN (minmax) | - | - |",
+           f"| {ROWS['lora_full_qat'].label} | {full:.3f} | {pct(f_rec)} |",
+           f"| {ROWS['lora_qat_r16'].label} | {lora:.3f} | {pct(l_rec)} |", ""]
+    if both is not None:
+        out.append(f"LoRA QAT recovers {pct(both)} of what full-parameter QAT recovers (target >= "
+                   f"{pct(LORA_TARGET)}): {'met' if both >= LORA_TARGET else 'missed'}.")
+    return out
+
+
+def tables(summary: dict) -> str:
+    rows, s = summary["rows"], summary["settings"]
+    fp32 = rows.get("fp32", {}).get("perplexity")
+    ft = rows.get("fp32_ft", {}).get("perplexity")
+    out = [f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
+           f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
+           f"Training rows: {s['steps']} steps of {s['batch']} blocks, AdamW lr {s['lr']} (LoRA {s['lora_lr']}), "
+           "cosine after 10 % warm-up.", ""]
+    if fp32:
+        out.append(f"FP32 perplexity: **{fp32:.3f}**" + (f"; FP32 fine-tuned on the training text for the same "
+                                                         f"steps: {ft:.3f}" if ft else "") + ".")
+    out += weight_tables(rows, fp32, ft) + kv_table(rows, fp32) + lora_table(rows, fp32)
     if fp32:
         out += ["", "Targets (perplexity / FP32):"]
         for k, t in TARGETS.items():
             if k in rows:
                 v = rows[k]["perplexity"] / fp32
-                out.append(f"- {ROWS[k][1]} ({TABLES[ROWS[k][0]].split(',')[0]}): {v:.3f} (target <= {t}): "
+                out.append(f"- {ROWS[k].label} ({TABLES[ROWS[k].table].split(',')[0]}): {v:.3f} (target <= {t}): "
                            f"{'met' if v <= t else 'missed'}")
     return "\n".join(out) + "\n"
 
@@ -276,6 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lora-lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--cache", default=os.path.join(ROOT, ".cache"))
@@ -285,7 +379,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.list:
         for k, r in ROWS.items():
-            print(f"{k:18s} [{r[0]}] {r[1]}")
+            print(f"{k:18s} [{r.table}] {r.label}")
         return 0
     keys = [k.strip() for k in a.rows.split(",") if k.strip()]
     bad = [k for k in keys if k not in ROWS]
@@ -307,7 +401,7 @@ def main(argv=None) -> int:
         if key in summary["rows"] and not a.rerun:
             print(f"=== {key}: kept ({summary['rows'][key]['perplexity']:.3f})")
             continue
-        print(f"=== {key}: {ROWS[key][1]}", flush=True)
+        print(f"=== {key}: {ROWS[key].label}", flush=True)
         row = run_row(key, base, train_blocks, order, held, a)
         row["commit"] = common.commit()
         summary["rows"][key] = row

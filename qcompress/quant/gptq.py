@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -72,11 +72,12 @@ class IntGrid:
         self.spec, self.rows, self.cols = spec, rows, cols
         self.observer, self.search = observer, search
         self.row_spec = make_spec(spec.bits, symmetric=spec.symmetric, granularity="channel")
-        self.width = spec.group_size if spec.granularity == "group" else cols
+        self.width: int = spec.group_size if spec.granularity == "group" and spec.group_size else cols
         self.groups = max(1, math.ceil(cols / self.width))
         self.scale = torch.zeros(rows, self.groups, dtype=torch.float32)
-        self.zero = None if spec.symmetric else torch.zeros(rows, self.groups, dtype=torch.float32)
-        self._tensor = None
+        self.zero: Optional[torch.Tensor] = None if spec.symmetric else torch.zeros(rows, self.groups,
+                                                                                      dtype=torch.float32)
+        self._tensor: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     @property
     def in_loop(self) -> bool:
@@ -86,17 +87,18 @@ class IntGrid:
         """Group k's scales (one per row) from its columns X [rows, n] (float32)."""
         s, z = observers.weight_params(X, self.row_spec, self.observer, search=self.search)
         self.scale[:, k] = s.cpu()
-        if self.zero is not None:
+        if self.zero is not None and z is not None:      # asymmetric grids have a zero point
             self.zero[:, k] = z.cpu()
 
     def fit_all(self, W: torch.Tensor) -> None:
         W = W.float()
         if self.spec.granularity == "tensor":
             s, z = observers.weight_params(W, self.spec, self.observer, search=self.search)
-            self._tensor = (s.reshape(1).cpu(), None if z is None else z.reshape(1).cpu())
-            self.scale[:, 0] = self._tensor[0]
-            if self.zero is not None:
-                self.zero[:, 0] = self._tensor[1]
+            s1, z1 = s.reshape(1).cpu(), None if z is None else z.reshape(1).cpu()
+            self._tensor = (s1, z1)
+            self.scale[:, 0] = s1
+            if self.zero is not None and z1 is not None:
+                self.zero[:, 0] = z1
             return
         for k in range(self.groups):
             self.fit(W[:, k * self.width:(k + 1) * self.width], k)
@@ -124,13 +126,14 @@ class FloatGrid:
         self.spec, self.rows, self.cols, self.dtype = spec, rows, cols, dtype
         self.observer, self.search = observer, search
         gran = spec.granularity
-        self.width = {"group": spec.group_size, "block": floats.BLOCK[1]}.get(gran, cols)
+        self.width: int = {"group": spec.group_size, "block": floats.BLOCK[1]}.get(gran) or cols
         self.groups = max(1, math.ceil(cols / self.width))
         self.row_spec = FloatSpec(spec.format, "channel")      # one scale per row of a column
         self.slice_spec = FloatSpec(spec.format, gran, spec.group_size) if gran in ("group", "block") else spec
         self.gscale: Optional[torch.Tensor] = None
-        self.scales = [None] * self.groups      # per group: [rows] scale of each row (block: expanded)
-        self._whole = None
+        # per group: [rows] scale of each row (block: expanded)
+        self.scales: List[Optional[torch.Tensor]] = [None] * self.groups
+        self._whole: Optional[torch.Tensor] = None
 
     @property
     def in_loop(self) -> bool:
@@ -172,7 +175,9 @@ class FloatGrid:
             self.fit(W[:, k * self.width:(k + 1) * self.width], k)
 
     def quantize(self, w: torch.Tensor, k: int) -> torch.Tensor:
-        s = self.scales[0 if self._whole is not None else k].to(w.device)
+        s = self.scales[0 if self._whole is not None else k]
+        assert s is not None, "fit or fit_all chooses a group's scales before it is quantized"
+        s = s.to(w.device)
         return floats.fake_quantize_float(w.reshape(-1, 1), self.row_spec, scale=s.reshape(-1, 1),
                                           gscale=self.gscale).reshape(-1)
 
@@ -210,9 +215,10 @@ def _inverse_factor(H: torch.Tensor, damp: float):
 
 
 @torch.no_grad()
-def solve(W: torch.Tensor, H: torch.Tensor, grid, settings: Settings = Settings()) -> Solution:
+def solve(W: torch.Tensor, H: torch.Tensor, grid, settings: Optional[Settings] = None) -> Solution:
     """GPTQ of the matrix W [rows, cols] against H = E[u u^T] [cols, cols] (module docstring); the
     grid (IntGrid / FloatGrid) keeps the scales it chose (Solution.params)."""
+    settings = settings or Settings()
     rows, cols = W.shape
     dtype = W.dtype
     work = W.detach().to(torch.float64).clone()
