@@ -123,13 +123,13 @@ LORA_TARGET = 0.60          # LoRA QAT recovers at least this share of what full
 
 def config_doc(row: Row, a) -> dict:
     """The one config document a row runs: DeepSpeed's layout, compression_training per the row."""
-    steps = max(a.steps, 1)
+    steps = max(a.steps, 3)         # DeepSpeed's WarmupCosineLR warms up for 2 steps at least
     lr = a.lora_lr if row.lora_r else a.lr
     doc = {
         "train_batch_size": a.batch, "train_micro_batch_size_per_gpu": a.batch, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps,
-                                                           "warmup_num_steps": max(steps // 10, 1)}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_type": "linear",
+                                                           "warmup_num_steps": max(steps // 10, 2)}},
     }
     cc: dict = {}
     if row.weights is not None:
@@ -228,7 +228,7 @@ def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
         engine.backward(loss)
         engine.step()
         if step % 10 == 0 or step == a.steps - 1:
-            print(f"    step {step + 1}/{a.steps} loss {float(loss):.4f}", flush=True)
+            print(f"    step {step + 1}/{a.steps} loss {float(loss.detach()):.4f}", flush=True)
 
 
 def kv_off(model) -> None:
