@@ -14,6 +14,7 @@ from .export import Export, read_export
 from .offline import verify_offline
 from .report import ConsumerResult, ModuleRow, Problem, Report
 from .sections import section_check
+from . import kv_cache, transforms  # noqa: F401,E402 -- they register their section checks
 
 __all__ = ["verify", "read_export", "Export", "Report", "ModuleRow", "ConsumerResult", "Problem",
            "section_check", "verify_offline"]

@@ -57,6 +57,11 @@ def check_transformers(export: Export, report: Report, reference=None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plain = cls.from_pretrained(export.folder, dtype=torch.float32, local_files_only=True).eval()
+        how = "plain from_pretrained"
+        if _drops_transforms(export, report):
+            from ..export.rotations import apply_to_transformers
+            apply_to_transformers(plain, export.folder)
+            how += " + apply_transform_config"
         from .offline import greedy, probe_ids
         from .vllm import compare
         ids = probe_ids(export.config, batch=2)
@@ -67,7 +72,7 @@ def check_transformers(export: Export, report: Report, reference=None) -> None:
                               for s in range(got_tokens.shape[1])]} for i in range(ids.shape[0])]
         cmp = compare(want, outs, tol=0.1)
         res.generates = True
-        res.detail = (f"plain from_pretrained: greedy tokens equal in {cmp['equal_seqs']}/{cmp['seqs']} sequences, "
+        res.detail = (f"{how}: greedy tokens equal in {cmp['equal_seqs']}/{cmp['seqs']} sequences, "
                       f"top-5 log-prob max diff {cmp['max_lp_diff']:.2e}")
         for line in cmp["problems"]:
             if line.startswith("sequence"):
@@ -101,3 +106,20 @@ def _compare_weights(export: Export, report: Report, hf, reference) -> None:
         a, b = hf_params.get(pname), ref_params[pname]
         if a is None or a.shape != b.shape or not torch.equal(a.detach().float(), b.detach().float()):
             report.problem("transformers", pname, "decompressed experts differ from load_quantized's")
+
+
+def _drops_transforms(export: Export, report: Report) -> bool:
+    """transformers' from_pretrained drops transform_config (online rotations) without a word: a
+    problem of that consumer, named by the rotated modules. True when the export has one."""
+    groups = (export.qc.get("transform_config") or {}).get("config_groups") or {}
+    targets = sorted({t for scheme in groups.values() for entry in scheme.get("apply", [])
+                      for t in entry.get("targets", [])})
+    if not targets:
+        return False
+    more = f" (and {len(targets) - 1} more)" if len(targets) > 1 else ""
+    report.problem("transformers", targets[0] + more,
+                   "from_pretrained drops quantization_config.transform_config (the online rotation): its "
+                   "outputs differ from the trained model's unless compressed_tensors.transform."
+                   "apply_transform_config runs after loading (qcompress.export.rotations.apply_to_transformers"
+                   "(model, folder) does it); the generation below is measured with it applied")
+    return True
