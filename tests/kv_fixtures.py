@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 from moe_fixtures import moe_config  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")

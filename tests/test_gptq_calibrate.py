@@ -19,7 +19,7 @@ import qcompress as qc
 from qcompress.errors import ConfigError
 from gptq_reference import int_fit, int_quant, reference
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

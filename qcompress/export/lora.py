@@ -33,10 +33,13 @@ _PEFT_CONFIG = "_qc_peft_config"     # on the inner model while plain_view runs
 
 
 def replaced(mod) -> Dict[str, object]:
-    """{name in the layer: True (left out of the export) or the tensor written instead}."""
+    """{name in the layer: True (left out of the export) or the tensor written instead}. Only layers
+    qcompress adapted: a user's own layer with parameters called lora_A keeps them."""
+    if lora.state(mod) is None:
+        return {}
     out: Dict[str, object] = {k: True for k in lora.OWN_PARAMS + lora.STORED
                               if k in mod._parameters or k in mod._buffers}
-    if lora.state(mod) is not None and lora.merges(mod):
+    if lora.merges(mod):
         wq = mod.qc_wq
         if wq is None or not wq.active:          # no quantizer: the merged weight, dense
             out["weight"] = lora.quantizer_input(mod).detach()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 import kv_workers as KW  # noqa: E402
 

@@ -8,8 +8,8 @@ import torch
 
 from hf_fixtures import tiny_bert_folder, topic_texts
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
-pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install -e '.[hf]')")
 
 from qcompress.hf import CompressionCallback  # noqa: E402
 

@@ -9,8 +9,8 @@ import torch
 
 from hf_fixtures import tiny_gpt2_folder, topic_texts
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install qcompress[hf])")
-pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install qcompress[hf])")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install -e '.[hf]')")
 peft = pytest.importorskip("peft", reason="peft is not installed (the Makefile's test install adds it)")
 
 import qcompress as qc  # noqa: E402
