@@ -106,7 +106,7 @@ def test_missing_dependency_inside_the_factory_module_keeps_its_traceback(tmp_pa
 
 
 def test_config_json_names_the_exported_class_not_the_base_checkpoints(tmp_path):
-    hf = pytest.importorskip("tests.hf_fixtures", reason="transformers is not installed")
+    hf = pytest.importorskip("tests.helpers.hf_fixtures", reason="transformers is not installed")
     from transformers import AutoConfig, AutoModelForSequenceClassification
     base = hf.tiny_bert_folder(str(tmp_path / "base"))            # saved as a plain BertModel
     assert json.loads((tmp_path / "base" / "config.json").read_text())["architectures"] == ["BertModel"]

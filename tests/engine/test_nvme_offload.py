@@ -23,11 +23,9 @@ import qcompress as qc
 from qcompress.engine import estimate_memory, initialize
 from qcompress.engine import nvme as N
 
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TESTS = os.path.dirname(os.path.abspath(__file__))
-HELPERS = os.path.dirname(TESTS)   # tests/: dist_utils and the other shared helpers
 IN, HID, OUT = 24, 48, 6
 
 
@@ -199,7 +197,7 @@ def test_two_ranks_match_and_resume(tmp_path):
 # --- resident memory -------------------------------------------------------------------------------
 _MEMORY = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {helpers!r})
+    sys.path.insert(0, {root!r})
     import torch, torch.nn as nn, torch.nn.functional as F
     from qcompress.engine import initialize
     torch.set_num_threads(1)
@@ -232,7 +230,7 @@ _MEMORY = textwrap.dedent("""
 
 
 def _measure(offload):
-    code = _MEMORY.format(root=ROOT, tests=TESTS, helpers=HELPERS, offload=offload)
+    code = _MEMORY.format(root=ROOT, offload=offload)
     # a fixed mmap threshold: glibc returns every freed gradient to the system at once (its
     # adaptive threshold would keep freed 1 MB blocks in the heap and blur the measurement)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
@@ -265,8 +263,8 @@ def test_resident_memory_stays_under_the_buffer_bound(tmp_path):
 # --- crashes, bad paths, cleanup -------------------------------------------------------------------
 _KILLED = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {helpers!r})
-    import test_nvme_offload as T
+    sys.path.insert(0, {root!r})
+    from tests.engine import test_nvme_offload as T
     from qcompress import atomic
     from qcompress.engine import initialize
     engine = initialize(T.mlp(), T.cfg(1, "nvme", {swap!r}))
@@ -281,7 +279,7 @@ _KILLED = textwrap.dedent("""
 
 def test_kill_mid_save_leaves_the_previous_checkpoint_and_no_swap_files(tmp_path):
     ck, swap = tmp_path / "ck", tmp_path / "swap"
-    code = _KILLED.format(root=ROOT, tests=TESTS, helpers=HELPERS, swap=str(swap), ck=str(ck))
+    code = _KILLED.format(root=ROOT, swap=str(swap), ck=str(ck))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     dead_folder = res.stdout.strip().splitlines()[-1]
@@ -307,8 +305,8 @@ def test_swap_files_are_removed_at_exit(tmp_path):
     assert not os.path.exists(folder)
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {TESTS!r}); sys.path.insert(0, {HELPERS!r})
-        import test_nvme_offload as T
+        sys.path.insert(0, {ROOT!r})
+        from tests.engine import test_nvme_offload as T
         from qcompress.engine import initialize
         engine = initialize(T.mlp(), T.cfg(1, "nvme", {str(tmp_path)!r}))
         T.train(engine, 0, 1)

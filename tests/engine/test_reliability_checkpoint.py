@@ -14,9 +14,9 @@ import textwrap
 import pytest
 import torch
 
-import engine_workers as W
+from tests.helpers import engine_workers as W
 from qcompress.engine import initialize
-from test_reliability_export import Crash, Inject
+from tests.export.test_reliability_export import Crash, Inject
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,8 +106,8 @@ def test_leftovers_of_killed_saves_are_removed(tmp_path, monkeypatch):
 
 _LIVE = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import engine_workers as W
+    sys.path.insert(0, {root!r})
+    from tests.helpers import engine_workers as W
     from qcompress import atomic
     from qcompress.engine import initialize
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
@@ -122,7 +122,7 @@ _LIVE = textwrap.dedent("""
 
 def test_live_saver_is_not_cleaned_and_cannot_be_doubled(tmp_path):
     d = str(tmp_path)
-    code = _LIVE.format(root=ROOT, tests=os.path.join(ROOT, "tests"), d=d)
+    code = _LIVE.format(root=ROOT, d=d)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "written"

@@ -5,7 +5,7 @@ now must keep their layout.
 One case per way the engine places a model on its ranks. `write` runs a case and stores the
 checkpoint plus what the saving engine held (at the save, and two optimizer steps after it);
 the fixtures were made by running it with the engine as it was before its placements became
-classes (`python tests/checkpoint_compat_workers.py OUT_DIR`). `check` runs the same case with
+classes (`python tests/helpers/checkpoint_compat_workers.py OUT_DIR`). `check` runs the same case with
 the current engine: a fresh run to the save point must hold the same state bit for bit and save
 the same layout, and a fresh engine that loads the stored checkpoint must continue exactly as the
 saving engine did.
@@ -210,11 +210,11 @@ def check_all(rank, world, cases, fixtures, scratch):
             for case in cases}
 
 
-if __name__ == "__main__":      # regenerate: python tests/checkpoint_compat_workers.py OUT_DIR [CASE...]
+if __name__ == "__main__":      # regenerate: python tests/helpers/checkpoint_compat_workers.py OUT_DIR [CASE...]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import checkpoint_compat_workers as workers      # by name, so spawned ranks import it
+    from tests.helpers import checkpoint_compat_workers as workers      # by name, so spawned ranks import it
     import qcompress.engine
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     print("engine:", qcompress.engine.__file__, flush=True)
     out = sys.argv[1]
     for name in sys.argv[2:] or CASES:
