@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import engine_workers as W
 from qcompress.engine import initialize
-from tests.export.test_reliability_export import Crash, Inject
+from tests.export.test_export_integrity import Crash, Inject
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
