@@ -4,7 +4,6 @@ the collectives' own results, torch.nextafter, and F.linear on the halves comput
 import importlib.util
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from tests.helpers.dist_utils import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))    # parallel.py imports common / ranks by name
 
 
 def _load(name):
