@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qcompress.quant import kernels as K
+from tests.helpers.child_env import child_env
 
 if not K.available():
     pytest.skip(f"qcompress C++ extension not built ({K.load_error()})", allow_module_level=True)
@@ -32,8 +33,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("one_pass", ["0", "1"], ids=["two_pass_default", "one_pass_asked"])
 def test_cuda_quantizer_equals_cpu_bit_for_bit(one_pass):
-    env = dict(os.environ, QC_CUDA_ONE_PASS=one_pass)
-    env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])
+    env = child_env(QC_CUDA_ONE_PASS=one_pass)
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "helpers", "cuda_onepass_check.py")], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -831,7 +831,6 @@ def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
     # make demo's table prints "—" for a stage without a metric; the line under it gives the
     # stage's reason from report.json (here: transformers cannot load quantized embeddings, which
     # schedules/with_embeddings.yaml opts in)
-    sys.path.insert(0, ROOT)
     from model_zoo.demo_bbc import summary_table, table_notes
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
