@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
 import statistics
+import sys
 import time
 import types
 
 import torch
 import torch.nn.functional as F
 
-import common
-from ranks import run_ranks
+# the sibling modules by name, run as a script or loaded from its file (tests/benchmarks does)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 SCHEMES = {
     "none": None,

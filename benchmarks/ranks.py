@@ -1,5 +1,4 @@
-"""Spawn helper for multi-process benchmarks and tests (tests/dist_utils.py re-exports it):
-`run_ranks(fn, world_size, *args, timeout=...)`.
+"""Spawn helper for multi-process benchmarks: `run_ranks(fn, world_size, *args, timeout=...)`.
 
 Each rank is a fresh spawned process that joins a process group (gloo by default) on a free
 local port, runs `fn(rank, world_size, *args)` and sends its return value back. The parent
@@ -8,7 +7,8 @@ exception with the remote traceback attached as a note. A run that exceeds `time
 is killed and reported as TimeoutError, so a hung collective fails a test instead of blocking CI.
 
 `fn` must be importable by the children (a module-level function, not a lambda or closure),
-and its return value must be picklable; tensors are cloned on arrival.
+and its return value must be picklable; tensors are cloned on arrival. The tests keep their own
+copy (tests/helpers/dist_utils.py): benchmarks never import tests/, and tests never import benchmarks/.
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 import os
-import sys
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.dirname(os.path.abspath(__file__))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-# The test folders mirror the package; a few test modules reuse another folder's helpers by module
-# name (test_qat_train's digits MLP, test_reliability_export's crash injection), and spawned ranks
-# unpickle worker functions by module name too, so every folder is importable from anywhere.
-for _entry in sorted(os.listdir(TESTS)):
-    _folder = os.path.join(TESTS, _entry)
-    if os.path.isdir(_folder) and not _entry.startswith(("_", ".")) and _folder not in sys.path:
-        sys.path.append(_folder)
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 warnings.filterwarnings("ignore", message="qcompress kernels are not built")
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ its own inputs, and the model then computes, exports and resumes what the solve 
 Oracles written here: each module's inputs recorded by hooks on an untouched FP copy of the model
 (for sequential calibration: the whole copy run again after each block's solution is written into
 it, so block i sees the outputs of the quantized blocks before it), the Hessian E[u u^T] summed
-from them, and tests/gptq_reference.py's GPTQ; for fused experts each expert's routed tokens taken
+from them, and tests/helpers/gptq_reference.py's GPTQ; for fused experts each expert's routed tokens taken
 from the model's own router output; load_quantized of the export against the trained model's
 effective weights; an uninterrupted engine run against one resumed from a checkpoint."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import qcompress as qc
 from qcompress.errors import ConfigError
-from gptq_reference import int_fit, int_quant, reference
+from tests.helpers.gptq_reference import int_fit, int_quant, reference
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
@@ -143,7 +143,7 @@ def test_partial_groups_and_asymmetric():
 def test_gpt2_conv1d_blocks():
     """transformers' GPT-2: Conv1D weights stored [in, out], blocks called with positional cache
     arguments (dropped when the blocks run one at a time)."""
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     fp = make_gpt2(seed=0).eval()
     data = batches(vocab=fp.config.vocab_size)
     model = copy.deepcopy(fp)
@@ -164,7 +164,7 @@ def test_gpt2_conv1d_blocks():
 
 
 def test_moe_experts_are_solved_per_expert():
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     fp = make_moe("qwen3_moe", seed=0)
     data = batches(n=4, vocab=fp.config.vocab_size, seq=24)
     model = copy.deepcopy(fp)
@@ -360,7 +360,7 @@ def test_float_formats_on_a_model(tmp_path, fmt, gran):
 
 
 def test_moe_float_experts_keep_each_experts_scales(tmp_path):
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     model = make_moe("qwen3_moe", seed=1)
     data = batches(n=3, vocab=model.config.vocab_size)
     doc = {"compression_training": {"weight_quantization": {
@@ -446,7 +446,7 @@ def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tm
 @pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
 def test_moe_families_export_exactly(tmp_path, family):
     """gpt-oss stores each expert transposed ([in, out], with biases); Mixtral as Linear does."""
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     fp = make_moe(family, seed=2)
     data = batches(n=3, vocab=fp.config.vocab_size)
     model = copy.deepcopy(fp)

@@ -8,7 +8,7 @@ import qcompress as qc
 from qcompress.learn_ranges import learn_ranges, range_parameters
 
 pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
-from test_qat_train import digits_split, make_mlp, one_thread, train  # noqa: E402,F401  (fixture too)
+from tests.train.test_qat_train import digits_split, make_mlp, one_thread, train  # noqa: E402,F401  (fixture too)
 
 
 def w3(range_learning=True):
@@ -78,7 +78,7 @@ def test_needs_a_loss_when_the_output_has_none():
 
 def test_hugging_face_output_loss_and_tied_scales_once():
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     m = make_gpt2()
     cfg = w3()
     qc.init_compression(m, cfg)
@@ -107,7 +107,7 @@ def _ranks(rank, world, _):
 
 
 def test_ranks_average_their_gradients_and_keep_equal_ranges(tmp_path):
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     res = run_ranks(_ranks, 2, str(tmp_path), timeout=120)
     for a, b in zip(res[0]["end"], res[1]["end"]):
         assert torch.equal(a, b)
@@ -155,7 +155,7 @@ def _engine_ranks(rank, world, _):
 def test_every_zero_stage_steps_on_the_mean_gradient(tmp_path):
     """Stages 2-3 shard the ranges (DTensors): FSDP2 reduces their gradients, our all-reduce must
     leave them alone (it cannot even run on them) and gradient sync must be on."""
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     res = run_ranks(_engine_ranks, 2, str(tmp_path), timeout=240)
     model = make_mlp()
     qc.init_compression(model, w3())

@@ -8,7 +8,7 @@ import torch
 import qcompress as qc
 from qcompress.nn.layers import CompressMixin
 
-from lora_fixtures import lora_cfg, peft_section, tiny_llama
+from tests.helpers.lora_fixtures import lora_cfg, peft_section, tiny_llama
 
 
 def _snapshot(model):
@@ -96,7 +96,7 @@ def test_all_skips_the_output_head():
 
 
 def test_fused_experts_are_refused_by_name():
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     model = make_moe("qwen3_moe")
     err = _refused(model, lora_cfg(targets=["mlp"], wq_modules=["self_attn"]),
                    "compression_training.lora.target_modules[0]", "fused mixture-of-experts")

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import qcompress
 from qcompress import ConfigError, init_compression, load_config, redundancy_clean, summary
 from qcompress.quant import fake_quantize
-from shared_paths import DS_COMPRESSION
-from tiny_models import make_bert, make_gpt2
+from tests.helpers.shared_paths import DS_COMPRESSION
+from tests.helpers.tiny_models import make_bert, make_gpt2
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the BERT/GPT-2 models")
 

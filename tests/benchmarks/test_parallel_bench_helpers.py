@@ -4,17 +4,15 @@ the collectives' own results, torch.nextafter, and F.linear on the halves comput
 import importlib.util
 import math
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))    # parallel.py imports common / ranks by name
 
 
 def _load(name):

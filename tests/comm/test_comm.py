@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_ranks  # noqa: E402
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
 
 import qcompress.comm as qcomm  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 
 import qcompress
 from qcompress import ConfigError, load_config
-from shared_paths import DS_COMPRESSION
+from tests.helpers.shared_paths import DS_COMPRESSION
 
 DS_CONFIGS = sorted(glob.glob(os.path.join(DS_COMPRESSION, "**", "*.json"), recursive=True))
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import qcompress
 from qcompress import ConfigError
 from qcompress.config import Config
-from shared_paths import DS_COMPRESSION
+from tests.helpers.shared_paths import DS_COMPRESSION
 
 FILES = sorted(glob.glob(os.path.join(DS_COMPRESSION, "**", "*.json"), recursive=True))
 if len(FILES) != 6:

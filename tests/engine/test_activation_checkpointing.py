@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qcompress
-from tiny_models import make_gpt2
+from tests.helpers.tiny_models import make_gpt2
 
 D = 64
 
@@ -207,7 +207,7 @@ def test_hf_gpt2_uses_its_own_switch_and_keeps_gradients(section):
 def test_tiny_moe_keeps_gradients_and_router_loss():
     """Qwen3-MoE with quantized experts (W4 g16 on every expert matrix: 48 inputs), its router's auxiliary
     loss in the training loss: checkpointed gradients equal plain ones."""
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
 
     def make():
         model = make_moe("qwen3_moe").train()

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-import checkpoint_compat_workers as w
-from dist_utils import run_ranks
+from tests.helpers import checkpoint_compat_workers as w
+from tests.helpers.dist_utils import run_ranks
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
                         "engine_checkpoints")

@@ -10,7 +10,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 import qcompress
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 
 def _mlp(seed=0):

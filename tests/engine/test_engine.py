@@ -20,10 +20,10 @@ from qcompress.engine.batch import resolve_batch
 from qcompress.engine.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from qcompress.engine.precision import LossScaler
 
-import engine_workers as W
-from dist_utils import run_ranks
-from shared_paths import DS_COMPRESSION
-from tiny_models import TinyResNet, make_bert, make_gpt2
+from tests.helpers import engine_workers as W
+from tests.helpers.dist_utils import run_ranks
+from tests.helpers.shared_paths import DS_COMPRESSION
+from tests.helpers.tiny_models import TinyResNet, make_bert, make_gpt2
 
 STAGES = [s[0] for s in W.STAGES]
 
@@ -701,7 +701,7 @@ def test_tied_weights_train_at_every_stage_like_stage0():
     already managed by another FSDP group'); once sharded together, the optimizer-step quantization
     of the tied weight was overwritten by a second, stale whole copy. Oracle: a single-process
     torch AdamW loop on the global batch (uncompressed) and stage 0 (compressed)."""
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     res = run_ranks(W.run_tied, 2, 1, timeout=300)
     model = make_gpt2().train()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)

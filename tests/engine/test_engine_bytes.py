@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qcompress as qc
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 STEPS = 4
 

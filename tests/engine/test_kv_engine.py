@@ -7,14 +7,14 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-import kv_workers as KW  # noqa: E402
+from tests.helpers import kv_workers as KW  # noqa: E402
 
 
 def test_ranges_are_averaged_over_data_parallel_ranks_and_resume_under_zero3(tmp_path):
     """2 ranks (gloo), each its own batch: after the step every rank holds the mean of the two
     ranks' EMA ranges, per head, for every layer's K and V. Then ZeRO-3 (FSDP2-sharded learned
     scales): checkpoint after 3 steps and resume a fresh engine: the same losses and parameters."""
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     res = run_ranks(KW.run_ranks_checks, 2, str(tmp_path), timeout=600)
     for rank in (0, 1):
         z = res[rank]["zero3"]

@@ -1,4 +1,4 @@
-"""LoRA through qcompress.initialize on two gloo ranks at ZeRO stages 0-3 (tests/lora_workers.py):
+"""LoRA through qcompress.initialize on two gloo ranks at ZeRO stages 0-3 (tests/helpers/lora_workers.py):
 only the adapters are in the optimizer, the frozen base never moves, every stage trains as stage 0,
 and a checkpoint resumes bit for bit."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lora_workers as W
-from dist_utils import run_ranks
+from tests.helpers import lora_workers as W
+from tests.helpers.dist_utils import run_ranks
 
 
 @pytest.fixture(scope="module")

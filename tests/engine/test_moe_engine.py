@@ -4,8 +4,8 @@ exactly (same losses, same weights)."""
 import pytest
 import torch
 
-from dist_utils import run_ranks
-import moe_workers as W
+from tests.helpers.dist_utils import run_ranks
+from tests.helpers import moe_workers as W
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,9 @@ import qcompress as qc
 from qcompress.engine import estimate_memory, initialize
 from qcompress.engine import nvme as N
 
-from dist_utils import run_ranks
+from tests.helpers.child_env import child_env
+from tests.helpers.dist_utils import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TESTS = os.path.dirname(os.path.abspath(__file__))
-HELPERS = os.path.dirname(TESTS)   # tests/: dist_utils and the other shared helpers
 IN, HID, OUT = 24, 48, 6
 
 
@@ -198,8 +196,7 @@ def test_two_ranks_match_and_resume(tmp_path):
 
 # --- resident memory -------------------------------------------------------------------------------
 _MEMORY = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {helpers!r})
+    import json
     import torch, torch.nn as nn, torch.nn.functional as F
     from qcompress.engine import initialize
     torch.set_num_threads(1)
@@ -232,10 +229,10 @@ _MEMORY = textwrap.dedent("""
 
 
 def _measure(offload):
-    code = _MEMORY.format(root=ROOT, tests=TESTS, helpers=HELPERS, offload=offload)
+    code = _MEMORY.format(offload=offload)
     # a fixed mmap threshold: glibc returns every freed gradient to the system at once (its
     # adaptive threshold would keep freed 1 MB blocks in the heap and blur the measurement)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="131072")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -264,9 +261,8 @@ def test_resident_memory_stays_under_the_buffer_bound(tmp_path):
 
 # --- crashes, bad paths, cleanup -------------------------------------------------------------------
 _KILLED = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {helpers!r})
-    import test_nvme_offload as T
+    import os, signal
+    from tests.engine import test_nvme_offload as T
     from qcompress import atomic
     from qcompress.engine import initialize
     engine = initialize(T.mlp(), T.cfg(1, "nvme", {swap!r}))
@@ -281,8 +277,8 @@ _KILLED = textwrap.dedent("""
 
 def test_kill_mid_save_leaves_the_previous_checkpoint_and_no_swap_files(tmp_path):
     ck, swap = tmp_path / "ck", tmp_path / "swap"
-    code = _KILLED.format(root=ROOT, tests=TESTS, helpers=HELPERS, swap=str(swap), ck=str(ck))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    code = _KILLED.format(swap=str(swap), ck=str(ck))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env())
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     dead_folder = res.stdout.strip().splitlines()[-1]
     assert os.path.isdir(dead_folder) and os.listdir(dead_folder)      # a kill cleans nothing
@@ -306,15 +302,13 @@ def test_swap_files_are_removed_at_exit(tmp_path):
     gc.collect()
     assert not os.path.exists(folder)
     code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {TESTS!r}); sys.path.insert(0, {HELPERS!r})
-        import test_nvme_offload as T
+        from tests.engine import test_nvme_offload as T
         from qcompress.engine import initialize
         engine = initialize(T.mlp(), T.cfg(1, "nvme", {str(tmp_path)!r}))
         T.train(engine, 0, 1)
         print(engine.nvme.folder)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env())
     assert res.returncode == 0, res.stderr[-3000:]
     assert not os.path.exists(res.stdout.strip().splitlines()[-1])   # interpreter exit removed it
     assert os.listdir(tmp_path) == []

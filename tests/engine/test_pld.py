@@ -18,7 +18,7 @@ from qcompress.nn import pld as P
 
 transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 
-from dist_utils import run_ranks  # noqa: E402
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
 
 THETA, GAMMA = 0.3, 0.4
 

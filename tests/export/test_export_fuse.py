@@ -15,7 +15,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, fuse, load_quantized, pickle_globals
 from qcompress.quant import lowbit
-from test_export_fast import cfg_for
+from tests.export.test_export_fast import cfg_for
 
 pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the qcompress C++ extension is not built")
 

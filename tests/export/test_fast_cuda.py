@@ -21,7 +21,7 @@ from qcompress.export import fast as fastmod
 from qcompress.export import fast_cuda
 from qcompress.export.fast import plans_of, tensor_bytes
 
-from test_export_fast import cfg_for
+from tests.export.test_export_fast import cfg_for
 import qcompress
 
 BF = torch.bfloat16

@@ -16,7 +16,7 @@ from qcompress.errors import CheckpointError
 from qcompress.export import kv_cache as kv_export
 from qcompress.nn import kv_cache
 
-from kv_fixtures import kv_config, make_model, qc_scales, transformers
+from tests.helpers.kv_fixtures import kv_config, make_model, qc_scales, transformers
 
 
 def _trained(family, fmt, strategy, weights=False, learned=False, steps=2):

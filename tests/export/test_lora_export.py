@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import qcompress as qc
 from qcompress.quant.api import fake_quantize
 
-from lora_fixtures import adapted, batch, lora_cfg, peft_section, tiny_llama, train
+from tests.helpers.lora_fixtures import adapted, batch, lora_cfg, peft_section, tiny_llama, train
 
 peft = pytest.importorskip("peft", reason="peft is not installed (the Makefile's test install adds it)")
 

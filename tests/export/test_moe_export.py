@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 import qcompress
-from moe_fixtures import FAMILIES, make_moe, tokens
+from tests.helpers.moe_fixtures import FAMILIES, make_moe, tokens
 
 ct_quant = pytest.importorskip("compressed_tensors.quantization")
 ct_comp = pytest.importorskip("compressed_tensors.compressors")

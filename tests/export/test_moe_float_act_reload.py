@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qcompress
-from moe_fixtures import make_moe, tokens
+from tests.helpers.moe_fixtures import make_moe, tokens
 
 RECIPES = {
     "fp8_e4m3": ({"format": "fp8_e4m3", "start_bits": 8, "target_bits": 8, "granularity": "channel"},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qcompress as qc
-from rotation_fixtures import logits, make_dense, make_moe_model, rotation_doc, tokens, transformers
+from tests.helpers.rotation_fixtures import logits, make_dense, make_moe_model, rotation_doc, tokens, transformers
 
 ct = pytest.importorskip("compressed_tensors.transform", reason="compressed-tensors is not installed")
 from safetensors.torch import load_file  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 import qcompress
 import qcompress.verify
 from qcompress.cli import main as cli_main
-from moe_fixtures import make_moe
+from tests.helpers.moe_fixtures import make_moe
 
 ct_match = pytest.importorskip("compressed_tensors.utils.match")
 

@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason='transformers is not installed (pip i
 import qcompress  # noqa: E402
 from qcompress.hf import CompressionCallback  # noqa: E402
 from qcompress.hf.callback import check_training_args  # noqa: E402
-from tiny_models import make_gpt2  # noqa: E402
+from tests.helpers.tiny_models import make_gpt2  # noqa: E402
 
 RECIPE = {"compression_training": {"weight_quantization": {
     "shared_parameters": {"enabled": True, "schedule_offset": 0},

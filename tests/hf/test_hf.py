@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_fixtures import tiny_bert_folder, tiny_gpt2_folder, topic_texts
+from tests.helpers.hf_fixtures import tiny_bert_folder, tiny_gpt2_folder, topic_texts
 
 transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
 pytest.importorskip("accelerate", reason='the transformers Trainer needs accelerate (pip install -e ".[hf]" in the checkout)')

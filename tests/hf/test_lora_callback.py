@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_fixtures import tiny_gpt2_folder, topic_texts
+from tests.helpers.hf_fixtures import tiny_gpt2_folder, topic_texts
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate (pip install -e '.[hf]')")

@@ -10,7 +10,7 @@ import torch
 import qcompress
 from qcompress import ConfigError
 from qcompress.quant import fake_quantize
-from moe_fixtures import make_moe, oracle_copy, reference_experts_forward, tokens
+from tests.helpers.moe_fixtures import make_moe, oracle_copy, reference_experts_forward, tokens
 
 EXPERTS = r"mlp\.experts"
 MOMENTUM = 0.9

@@ -12,7 +12,7 @@ from qcompress.config import load_config
 from qcompress.nn import fused, int8_forward
 from qcompress.quant import kernels, lowbit
 
-from test_fused_qat import make_cfg
+from tests.nn.test_fused_qat import make_cfg
 
 pytestmark = [pytest.mark.filterwarnings("ignore:qcompress kernels are not built"),
               pytest.mark.skipif(not (kernels.available() and lowbit.available()),

@@ -13,7 +13,7 @@ import qcompress as qc
 from qcompress import ConfigError
 from qcompress.nn import kv_cache
 
-from kv_fixtures import FAMILIES, ct_args, ct_oracle, kv_config, make_model, qc_scales, transformers
+from tests.helpers.kv_fixtures import FAMILIES, ct_args, ct_oracle, kv_config, make_model, qc_scales, transformers
 
 CASES = [("fp8_e4m3", "tensor"), ("fp8_e4m3", "head"), ("int8", "tensor"), ("int8", "head")]
 
@@ -317,7 +317,7 @@ def test_encoder_and_latent_attention_are_refused():
     with pytest.raises(ConfigError, match="bidirectional.*encoder keeps no KV cache"):
         qc.init_compression(bert, kv_config())
     _unchanged(bert, "sdpa")
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     ds = make_moe("deepseek_v3")
     impl = ds.config._attn_implementation
     with pytest.raises(ConfigError, match="multi-head latent attention"):

@@ -12,7 +12,7 @@ import qcompress as qc
 from qcompress.nn import fused
 from qcompress.quant.api import fake_quantize
 
-from lora_fixtures import adapted, compressed, lora_cfg
+from tests.helpers.lora_fixtures import adapted, compressed, lora_cfg
 
 SCALE = 8 / 4      # alpha / r of lora_cfg
 
@@ -159,7 +159,7 @@ def test_qlora_codes_follow_to_and_state_dict_round_trip():
 
 def test_gpt2_conv1d_merges_in_its_layout():
     """transformers' Conv1D stores [in, out]: the merged weight is W + (B A)^T s (peft's fan_in_fan_out)."""
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     model = make_gpt2()
     qc.init_compression(model, lora_cfg("qat", targets=["c_attn"], wq_modules=["c_attn"], group_size=32))
     _randomize_b(model)

@@ -406,8 +406,8 @@ def test_learned_ranges_survive_the_engine_checkpoint_at_every_zero_stage(tmp_pa
     """2 ranks, ZeRO 0/1/2/3: learned weight scales and zero points (6 -> 4 bits, each drop
     re-initialised by the mse observer) and learned static activation ranges; checkpoint after 3
     steps, resume into a fresh engine: bit-exact, ranks identical, every stage equal to stage 0."""
-    import ranges_workers as RW
-    from dist_utils import run_ranks
+    from tests.helpers import ranges_workers as RW
+    from tests.helpers.dist_utils import run_ranks
     res = run_ranks(RW.run_stages, 2, str(tmp_path), timeout=300)
     ref = res[0]["s0"]["final"]
     assert {"0.weight_scale", "0.weight_zero_point", "0.input_scale", "0.input_zero_point"} <= set(ref)
@@ -470,7 +470,7 @@ def test_export_after_range_learning_decompresses_to_effective_weight(tmp_path, 
 
 def test_tied_gpt2_embedding_and_head_share_one_learned_scale(tmp_path):
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     m = make_gpt2()
     cfg = wq_cfg(bits=4, gran="channel", rl=True)
     qc.init_compression(m, cfg)
@@ -512,7 +512,7 @@ def test_range_learning_beats_fixed_ranges_on_digits():
     MLP on sklearn's digits, same seed and data order: learned scales end far more accurate
     (measured: 0.87 vs 0.66); asserted with a 10-point margin."""
     pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
-    from test_qat_train import accuracy, digits_split, make_mlp, train
+    from tests.train.test_qat_train import accuracy, digits_split, make_mlp, train
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

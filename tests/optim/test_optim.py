@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 from qcompress import ConfigError
 from qcompress.optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, build_optimizer
 
@@ -916,7 +916,7 @@ class _BucketMean:
     per_tensor: every tensor is cut into its own buckets (its own 1-bit scales)."""
 
     def __init__(self, shapes, bucket=_BUCKET4, world=_W4, per_tensor=False):
-        from test_comm import OneBitSim
+        from tests.comm.test_comm import OneBitSim
         self.shapes = shapes
         sizes = [math.prod(s) for s in shapes]
         spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))] if per_tensor else [(0, sum(sizes))]

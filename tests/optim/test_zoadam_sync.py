@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qcompress as qc
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 W8 = {"weight_quantization": {
     "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},

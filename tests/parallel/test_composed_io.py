@@ -18,14 +18,14 @@ import sys
 
 import pytest
 
-import parallel_composed_io_workers as ciow
-import parallel_io_workers as iow
-import test_train_parallel as tt
-from dist_utils import free_port, run_ranks
+from tests.helpers import parallel_composed_io_workers as ciow
+from tests.helpers import parallel_io_workers as iow
+from tests.train import test_train_parallel as tt
+from tests.helpers.dist_utils import free_port, run_ranks
 from qcompress.cli import main as cli_main
-from test_parallel_export import _same_export
-from test_parallel_resume import _same
-from test_train_parallel import llama  # noqa: F401  (the fixture: a tiny Llama and its corpus)
+from tests.parallel.test_parallel_export import _same_export
+from tests.parallel.test_parallel_resume import _same
+from tests.train.test_train_parallel import llama  # noqa: F401  (the fixture: a tiny Llama and its corpus)
 
 ZERO = {"tp2 x dp2": None, "tp2 x dp2 zero-3": {"stage": 3}}
 OFFLOAD = {"zero-3 offload param + optimizer": {"stage": 3, "offload_param": {"device": "cpu"},

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-import parallel_compose_workers as cw
-from dist_utils import run_ranks
+from tests.helpers import parallel_compose_workers as cw
+from tests.helpers.dist_utils import run_ranks
 
 REL = 1e-5
 
@@ -142,7 +142,7 @@ def test_onebit_lamb_with_tensor_parallelism_is_refused_by_key():
     import qcompress as qc
     from qcompress.errors import ConfigError
     from qcompress.parallel import build_mesh
-    from parallel_workers import tiny_llama
+    from tests.helpers.parallel_workers import tiny_llama
     cfg = qc.load_config(cw.config(tp=2, optimizer=_onebit("OneBitLamb")))
     with pytest.raises(ConfigError, match="optimizer.type") as err:
         build_mesh(cfg, 4, tiny_llama(), "cpu")      # refused before any mesh is built

@@ -11,7 +11,7 @@ from qcompress.config.parallel import MeshShape, check_model_sizes, mesh_shape
 from qcompress.nn.sharded import check_split
 from qcompress.parallel import resolve_plan
 
-import parallel_workers as pw
+from tests.helpers import parallel_workers as pw
 
 
 def test_sections_parse_with_deepspeed_defaults():

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import parallel_io_workers as iow
-from dist_utils import run_ranks
+from tests.helpers import parallel_io_workers as iow
+from tests.helpers.dist_utils import run_ranks
 
 
 def _same_export(folder):

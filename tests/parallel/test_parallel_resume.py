@@ -6,9 +6,9 @@ refused naming the folder and both meshes."""
 import pytest
 import torch
 
-import parallel_io_workers as iow
+from tests.helpers import parallel_io_workers as iow
 import qcompress as qc
-from dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 from qcompress.errors import CheckpointError
 
 

@@ -5,8 +5,8 @@ range its own forward used. Oracle: the same 2-stage run without checkpointing; 
 import pytest
 import torch
 
-import checkpointing_pipeline_workers as cw
-from dist_utils import run_ranks
+from tests.helpers import checkpointing_pipeline_workers as cw
+from tests.helpers.dist_utils import run_ranks
 
 
 @pytest.mark.parametrize("schedule,fmt", [("gpipe", "int8"), ("1f1b", "nvfp4")])

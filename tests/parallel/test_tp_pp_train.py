@@ -6,8 +6,8 @@ and gradients; engine.train_batch at TP2, DP2 and PP2 follows the single process
 """
 import pytest
 
-import parallel_workers as pw
-from dist_utils import run_ranks
+from tests.helpers import parallel_workers as pw
+from tests.helpers.dist_utils import run_ranks
 
 CASES = [
     ("channel sym, no activations", dict(bits=8)),

@@ -11,8 +11,8 @@ import torch.nn as nn
 import qcompress as qc
 from qcompress.errors import ConfigError
 from qcompress.pruning.masks import keep_count, topk_mask
-from shared_paths import DS_COMPRESSION
-from tiny_models import TinyResNet
+from tests.helpers.shared_paths import DS_COMPRESSION
+from tests.helpers.tiny_models import TinyResNet
 
 CIFAR = os.path.join(DS_COMPRESSION, "cifar", "config", "ds_config_channel_prune.json")
 

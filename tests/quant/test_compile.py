@@ -215,7 +215,7 @@ def test_group_layout_ops_pass_opcheck(rows, cols, group):
 def test_weight_only_moe_training_forward_has_no_graph_break(family):
     # fused 3-D expert Parameters quantized per expert (qcompress/nn/experts.py) inside the model's
     # own experts implementation
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     model = make_moe(family).train()
     qc.init_compression(model, recipe(wbits=4, abits=0, group=16))
     torch._dynamo.reset()
@@ -230,7 +230,7 @@ def test_per_token_input_quantized_moe_compiles_whole_and_equals_the_eager_loop(
     # dynamic per-token input quantization of the experts: under compile the hidden states are
     # quantized once before transformers' own batched / grouped forward and the down input in its
     # gate, instead of the per-expert eager loop the eager mode runs (the oracle here)
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     from qcompress.nn.experts import ExpertMatrix
     kw = dict(RECIPES["w8a8"]) if name == "w8a8" else dict(wbits=4, abits=8, group=16)
     model = make_moe(family).train()

@@ -133,7 +133,7 @@ def test_calibration_output_error_drops_below_each_group_alone():
 
 def test_scheduler_state_carries_the_whole_moments_once_for_tied_weights():
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     m = make_gpt2()
     cfg = copy.deepcopy(doc())
     cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["group_size"] = 16

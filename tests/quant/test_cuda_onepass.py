@@ -2,7 +2,7 @@
 and the one-pass kernel (a group held on chip, read once; opt-in with QC_CUDA_ONE_PASS=1 until it
 has passed here on a GPU). W8 per channel up to and past the one-pass limit (including a float32
 group that needs the shared-memory opt-in), W4 group 128, A8 per token, float32 and bfloat16.
-Each mode runs in a process of its own (tests/cuda_onepass_check.py), since the kernel choice is
+Each mode runs in a process of its own (tests/helpers/cuda_onepass_check.py), since the kernel choice is
 read once per process.
 
 Skips (with the reason) when there is no GPU or the extension was built without CUDA."""
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qcompress.quant import kernels as K
+from tests.helpers.child_env import child_env
 
 if not K.available():
     pytest.skip(f"qcompress C++ extension not built ({K.load_error()})", allow_module_level=True)
@@ -32,9 +33,8 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("one_pass", ["0", "1"], ids=["two_pass_default", "one_pass_asked"])
 def test_cuda_quantizer_equals_cpu_bit_for_bit(one_pass):
-    env = dict(os.environ, QC_CUDA_ONE_PASS=one_pass)
-    env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(TESTS, "cuda_onepass_check.py")], env=env,
+    env = child_env(QC_CUDA_ONE_PASS=one_pass)
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "helpers", "cuda_onepass_check.py")], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     bad = json.loads(proc.stdout.strip().splitlines()[-1])

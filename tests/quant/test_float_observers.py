@@ -13,7 +13,7 @@ import torch
 import qcompress as qc
 from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
-from float_fixtures import export_round_trip, float_mlp, float_weight_doc
+from tests.helpers.float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
@@ -292,7 +292,7 @@ def test_static_activation_range_mse(tmp_path, preset, fmt):
 @pytest.mark.parametrize("key,value", [("observer", "mse"), ("range_learning", True)])
 def test_fused_experts_refuse_float_mse_and_learning_by_name(key, value):
     pytest.importorskip("transformers")
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     model = make_moe("qwen3_moe", moe_intermediate_size=64)
     cfg = {"compression_training": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},

@@ -10,7 +10,7 @@ import torch
 import qcompress as qc
 from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
-from float_fixtures import export_round_trip, float_mlp, float_weight_doc
+from tests.helpers.float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
 

@@ -1,5 +1,5 @@
 """GPTQ's solver (qcompress.quant.gptq) against the reference written from the paper in
-tests/gptq_reference.py (float64, Cholesky of the damped inverse Hessian, column loop with error
+tests/helpers/gptq_reference.py (float64, Cholesky of the damped inverse Hessian, column loop with error
 propagation, lazy block updates; integer scales and rounding written out there); float formats use
 the format's own quantizer (quant/floats.py, checked against compressed-tensors elsewhere) inside
 that reference loop."""
@@ -12,7 +12,7 @@ from qcompress.quant import floats, gptq, observers
 from qcompress.quant.api import fake_quantize_spec
 from qcompress.quant.reference import make_spec
 
-from gptq_reference import int_quant, problem, reference, int_fit  # noqa: E402
+from tests.helpers.gptq_reference import int_quant, problem, reference, int_fit  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

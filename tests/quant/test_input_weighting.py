@@ -343,7 +343,7 @@ def test_tied_embedding_and_head_take_the_heads_moments_and_export_once(tmp_path
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationArgs
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     m = make_gpt2()
     cfg = doc(gs=16)
     qc.init_compression(m, cfg)
@@ -385,7 +385,7 @@ def _ranks(rank, world, _):
 
 
 def test_ranks_pool_their_moments_and_choose_the_same_ranges(tmp_path):
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     res = run_ranks(_ranks, 2, str(tmp_path), timeout=120)
     u = torch.cat([r["inputs"] for r in res]).double()
     want = blocks_of(u.T @ u / u.shape[0], 16)

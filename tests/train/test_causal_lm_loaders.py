@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
 transformers = hf.transformers

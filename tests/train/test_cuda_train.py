@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress import init_compression
 from qcompress.cli import main as cli_main
 from qcompress.nn import fused
@@ -92,7 +92,7 @@ def test_fast_reload_on_the_gpu(tmp_path, monkeypatch, dtype, kernels):
     """On a GPU the fast reload multiplies by the exact path's weight, decoded once: the exact
     reload's outputs bit for bit. With CUDA_LOWBIT_KERNELS, the CUDA low-bit kernels against the
     exact reload with test_lowbit_kernels' bound (the same weight bit for bit; only sums differ)."""
-    from test_lowbit_kernels import WEIGHTS, cfg_for, check, exact_and_bound, export_pair, odd_model
+    from tests.quant.test_lowbit_kernels import WEIGHTS, cfg_for, check, exact_and_bound, export_pair, odd_model
     from qcompress.export import fast as fastmod
     from qcompress.export.fast import plans_of
     monkeypatch.setattr(fastmod, "CUDA_LOWBIT_KERNELS", kernels)

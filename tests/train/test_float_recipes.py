@@ -10,7 +10,7 @@ import torch
 import qcompress as qc
 from qcompress.cli import main as cli_main
 
-hf = pytest.importorskip("hf_fixtures", reason="transformers is not installed")
+hf = pytest.importorskip("tests.helpers.hf_fixtures", reason="transformers is not installed")
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ so the trained weights are too). Oracle: the run without the flag."""
 import json
 import os
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 import torch
 from safetensors.torch import load_file
 

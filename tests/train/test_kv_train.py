@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ import qcompress as qc
 from qcompress.cli import main as cli_main
 from qcompress.export import reach
 
-hf = pytest.importorskip("hf_fixtures", reason="transformers is not installed")
+hf = pytest.importorskip("tests.helpers.hf_fixtures", reason="transformers is not installed")
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

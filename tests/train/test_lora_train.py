@@ -5,7 +5,7 @@ same. Oracle: the run's own trained model."""
 import json
 import os
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 import pytest
 
 from qcompress.cli import main as cli_main

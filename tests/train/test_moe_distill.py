@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import qcompress as qc
 from qcompress.train.distill import Distiller, load_teacher
-from moe_fixtures import make_moe, tokens
+from tests.helpers.moe_fixtures import make_moe, tokens
 
 T = 2.0
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import yaml
 
-import hf_fixtures as hf
-from moe_fixtures import make_moe
+from tests.helpers import hf_fixtures as hf
+from tests.helpers.moe_fixtures import make_moe
 from qcompress.cli import main as cli_main
 
 transformers = pytest.importorskip("transformers")

@@ -49,7 +49,7 @@ def test_the_training_loop_logs_through_it(monkeypatch, tmp_path):
 
     import qcompress
     from qcompress.train import loop
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
 
     model = make_gpt2()
     doc = {"train_batch_size": 4, "steps_per_print": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-import hf_fixtures as hf
-from rotation_fixtures import spread_norms
+from tests.helpers import hf_fixtures as hf
+from tests.helpers.rotation_fixtures import spread_norms
 from qcompress.cli import main as cli_main
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from hf_fixtures import topic_texts, write_tokenizer
+from tests.helpers.hf_fixtures import topic_texts, write_tokenizer
 from qcompress.train.data import (TASKS, DataError, Examples, TokenizedDataset, collate, label_names,
                                   prepare_data, read_examples, split_blocks, split_examples, subset,
                                   tokenize_causal_lm, tokenize_classification)

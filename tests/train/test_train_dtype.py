@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
-from test_causal_lm_loaders import tiny_llama_folder
+from tests.train.test_causal_lm_loaders import tiny_llama_folder
 
 FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress",
         "--max-steps", "2", "--save-steps", "0"]

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
-from test_train_job import FAST, ROOT, train_until_qat_checkpoint, write_data
+from tests.train.test_train_job import FAST, ROOT, train_until_qat_checkpoint, write_data
 
 G128 = os.path.join(ROOT, "schedules", "w4a16_g128.yaml")
 WITH_GPTQ = os.path.join(ROOT, "schedules", "with_gptq.yaml")

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -243,7 +243,7 @@ def test_torchrun_two_ranks_rank0_writes(folders, tmp_path):
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    from dist_utils import free_port
+    from tests.helpers.dist_utils import free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}",
            "-m", "qcompress", "train", W8A8, "--model", folders["bert"], "--data", data, "--task",
@@ -709,7 +709,7 @@ def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
             "--max-steps", "4", "--save-steps", "2", *FAST, "--out", out]
     train_until_qat_checkpoint(args, 2, monkeypatch)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    from dist_utils import free_port
+    from tests.helpers.dist_utils import free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--resume"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
@@ -831,7 +831,6 @@ def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
     # make demo's table prints "—" for a stage without a metric; the line under it gives the
     # stage's reason from report.json (here: transformers cannot load quantized embeddings, which
     # schedules/with_embeddings.yaml opts in)
-    sys.path.insert(0, ROOT)
     from model_zoo.demo_bbc import summary_table, table_notes
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
@@ -901,7 +900,7 @@ def test_ptq_range_steps_under_torchrun_equals_one_process(folders, tmp_path):
             "--lr", "0.1", "--ptq-range-steps", "3", *FAST]
     assert train([*args, "--out", str(tmp_path / "one")]) == 0
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    from dist_utils import free_port
+    from tests.helpers.dist_utils import free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))

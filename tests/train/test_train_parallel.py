@@ -14,8 +14,8 @@ import sys
 import pytest
 import yaml
 
-import hf_fixtures as hf
-from dist_utils import free_port
+from tests.helpers import hf_fixtures as hf
+from tests.helpers.dist_utils import free_port
 from qcompress.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
 FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress"]

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-import hf_fixtures as hf
+from tests.helpers import hf_fixtures as hf
 import qcompress as qc
 from qcompress.errors import ConfigError
 from qcompress.train import stages
@@ -91,7 +91,7 @@ def test_docs_name_only_real_commands():
 
 
 def test_the_fused_experts_warning_says_tensor_names_once(tmp_path):
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     model = make_moe("qwen3_moe")
     cfg = {"compression_training": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},

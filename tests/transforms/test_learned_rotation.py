@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qcompress as qc
-from rotation_fixtures import logits, make_dense, rotation_doc, tokens, transformers
+from tests.helpers.rotation_fixtures import logits, make_dense, rotation_doc, tokens, transformers
 from qcompress.transforms.learned import Cayley
 
 

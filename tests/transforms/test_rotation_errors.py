@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import qcompress as qc
-from rotation_fixtures import make_dense, make_moe_model, rotation_doc, transformers
+from tests.helpers.rotation_fixtures import make_dense, make_moe_model, rotation_doc, transformers
 
 
 def _state(model):

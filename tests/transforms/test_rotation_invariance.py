@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qcompress as qc
-from rotation_fixtures import (DENSE, MOE, logits, make_dense, make_moe_model, rel_diff, rotation_doc, tokens)
+from tests.helpers.rotation_fixtures import (DENSE, MOE, logits, make_dense, make_moe_model, rel_diff, rotation_doc, tokens)
 
 ct = pytest.importorskip("compressed_tensors.transform", reason="compressed-tensors is not installed")
 

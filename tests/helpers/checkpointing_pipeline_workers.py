@@ -3,7 +3,7 @@ stages, static activation ranges, trained with and without activation checkpoint
 import torch
 
 import qcompress as qc
-from parallel_workers import compression, tiny_llama
+from tests.helpers.parallel_workers import compression, tiny_llama
 
 
 def train_pipeline(rank, world, schedule, checkpointing, fmt="int8", steps=1, gas=3):

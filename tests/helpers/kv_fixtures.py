@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from moe_fixtures import moe_config  # noqa: E402
+from tests.helpers.moe_fixtures import moe_config  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "gpt2", "bert_decoder")
 _DENSE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

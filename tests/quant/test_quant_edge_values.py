@@ -19,7 +19,7 @@ try:
 except ImportError:   # pragma: no cover
     IMPLS = [R]
 if len(IMPLS) == 1:
-    print("test_reliability_numerics: the C++ kernels are not built; checking the reference only")
+    print("test_quant_edge_values: the C++ kernels are not built; checking the reference only")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

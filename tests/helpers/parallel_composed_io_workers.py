@@ -7,7 +7,7 @@ import os
 
 
 import qcompress as qc
-import parallel_io_workers as iow
+from tests.helpers import parallel_io_workers as iow
 
 STEPS, MORE = 2, 2          # steps before the save, steps after it
 

@@ -1,4 +1,4 @@
-"""Rank-side code for tests/engine/test_engine.py (spawned by tests/dist_utils.run_ranks).
+"""Rank-side code for tests/engine/test_engine.py (spawned by tests/helpers/dist_utils.run_ranks).
 
 Each worker runs many checks inside one process group and returns plain data; the assertions
 live in test_engine.py. No test functions here.
@@ -467,7 +467,7 @@ def tied_batch(step, rank, micro, world):
 
 def run_tied(rank, world, steps=1):
     """GPT-2 with its tied lm_head / wte at every stage (FSDP2 needs them in one group)."""
-    from tiny_models import make_gpt2
+    from tests.helpers.tiny_models import make_gpt2
     out = {}
     for compress in (False, True):
         for stage in (0, 2, 3):
@@ -532,7 +532,7 @@ def run_channel_prune(rank, world, path):
     """DeepSpeed's CIFAR channel-pruning config at stages 0 and 3: the BatchNorm after each pruned
     conv masks its output from the conv's topk scores, which stage 3 had resharded by then."""
     import json
-    from tiny_models import TinyResNet
+    from tests.helpers.tiny_models import TinyResNet
     out = {}
     for stage in (0, 3):
         raw = json.load(open(path))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import qcompress as qc
-from parallel_workers import compression, tiny_llama
+from tests.helpers.parallel_workers import compression, tiny_llama
 from qcompress.comm import Compressor, register_compressor
 
 MICRO, SEQ = 2, 12

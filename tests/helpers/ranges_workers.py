@@ -1,10 +1,10 @@
-"""Rank-side code for tests/nn/test_ranges.py (spawned by tests/dist_utils.run_ranks): learned
+"""Rank-side code for tests/nn/test_ranges.py (spawned by tests/helpers/dist_utils.run_ranks): learned
 ranges under the engine at every ZeRO stage, with a checkpoint and resume. No test functions."""
 from __future__ import annotations
 
 import os
 
-import engine_workers as W
+from tests.helpers import engine_workers as W
 
 # Weights 6 -> 4 bits (drop at steps 2 and 4, each re-initialising the learned scales from the
 # mse observer) with learned asymmetric per-channel scales and zero points; learned asymmetric

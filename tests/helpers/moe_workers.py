@@ -1,4 +1,4 @@
-"""Rank-side code for tests/engine/test_moe_engine.py (spawned by tests/dist_utils.run_ranks): a
+"""Rank-side code for tests/engine/test_moe_engine.py (spawned by tests/helpers/dist_utils.run_ranks): a
 tiny Qwen3-MoE causal LM with W4 g16 experts trained through the engine at a ZeRO stage, saved
 mid-way and resumed into a fresh engine. Returns plain data; the assertions live in the test."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import qcompress as qc
 from qcompress.engine import initialize
-from moe_fixtures import make_moe
-from engine_workers import full_params as full
+from tests.helpers.moe_fixtures import make_moe
+from tests.helpers.engine_workers import full_params as full
 
 STEPS, SAVE_AT, MICRO, SEQ = 4, 2, 2, 12
 

@@ -22,8 +22,7 @@ import qcompress
 from qcompress import atomic
 from qcompress.export import CheckpointError, export_quantized, load_quantized
 from qcompress.export import safetensors_io as sio
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.child_env import child_env
 
 CFG = {"compression_training": {"weight_quantization": {
     "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
@@ -291,8 +290,7 @@ def test_failed_write_leaves_the_old_export_and_no_temporaries(tmp_path, models,
 # --- temporaries of dead and live writers ---------------------------------------------------------
 
 _STALL = textwrap.dedent("""
-    import sys, time, torch, torch.nn as nn
-    sys.path.insert(0, {root!r})
+    import time, torch, torch.nn as nn
     import qcompress
     from qcompress.export import export_quantized
     torch.manual_seed(1)
@@ -309,8 +307,8 @@ _STALL = textwrap.dedent("""
 
 
 def _stalled_writer(out):
-    code = _STALL.format(root=ROOT, cfg=CFG, out=str(out))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    code = _STALL.format(cfg=CFG, out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
     line = proc.stdout.readline()
     assert line.strip() == "staged", line
     return proc
@@ -374,8 +372,7 @@ def test_full_disk_keeps_the_old_export(tmp_path):
     export_quantized(compressed(0), out)
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     child = textwrap.dedent(f"""
-        import resource, signal, sys, torch.nn as nn, torch
-        sys.path.insert(0, {ROOT!r})
+        import resource, signal, torch.nn as nn, torch
         import qcompress
         from qcompress.export import export_quantized
         cfg = qcompress.load_config({CFG!r})
@@ -389,7 +386,7 @@ def test_full_disk_keeps_the_old_export(tmp_path):
         except OSError as e:
             print("OSError:", e)
     """)
-    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=child_env())
     assert "OSError:" in run.stdout and "cannot write the export file" in run.stdout, run.stdout + run.stderr
     assert str(out) in run.stdout
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before

@@ -1,4 +1,4 @@
-"""Rank-side code for tests/engine/test_kv_engine.py (spawned by tests/dist_utils.run_ranks): the
+"""Rank-side code for tests/engine/test_kv_engine.py (spawned by tests/helpers/dist_utils.run_ranks): the
 engine averaging KV-cache ranges over data-parallel ranks, and resuming a checkpoint. No tests."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import qcompress as qc
 from qcompress.nn import kv_cache
 
-from kv_fixtures import make_model
+from tests.helpers.kv_fixtures import make_model
 
 MICRO = 2
 

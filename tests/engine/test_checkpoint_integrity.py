@@ -14,11 +14,10 @@ import textwrap
 import pytest
 import torch
 
-import engine_workers as W
+from tests.helpers import engine_workers as W
 from qcompress.engine import initialize
-from test_reliability_export import Crash, Inject
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.export.test_export_integrity import Crash, Inject
+from tests.helpers.child_env import child_env
 
 
 def _engine():
@@ -105,9 +104,8 @@ def test_leftovers_of_killed_saves_are_removed(tmp_path, monkeypatch):
 
 
 _LIVE = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import engine_workers as W
+    import time
+    from tests.helpers import engine_workers as W
     from qcompress import atomic
     from qcompress.engine import initialize
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
@@ -122,8 +120,8 @@ _LIVE = textwrap.dedent("""
 
 def test_live_saver_is_not_cleaned_and_cannot_be_doubled(tmp_path):
     d = str(tmp_path)
-    code = _LIVE.format(root=ROOT, tests=os.path.join(ROOT, "tests"), d=d)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    code = _LIVE.format(d=d)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
     try:
         assert proc.stdout.readline().strip() == "written"
         theirs = [f for f in _listing(d) if f.startswith(".slow.")]

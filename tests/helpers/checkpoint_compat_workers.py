@@ -5,10 +5,10 @@ now must keep their layout.
 One case per way the engine places a model on its ranks. `write` runs a case and stores the
 checkpoint plus what the saving engine held (at the save, and two optimizer steps after it);
 the fixtures were made by running it with the engine as it was before its placements became
-classes (`python tests/checkpoint_compat_workers.py OUT_DIR`). `check` runs the same case with
-the current engine: a fresh run to the save point must hold the same state bit for bit and save
-the same layout, and a fresh engine that loads the stored checkpoint must continue exactly as the
-saving engine did.
+classes (`python -m tests.helpers.checkpoint_compat_workers OUT_DIR`, tests/fixtures/engine_checkpoints/
+README.md says how). `check` runs the same case with the current engine: a fresh run to the save
+point must hold the same state bit for bit and save the same layout, and a fresh engine that loads
+the stored checkpoint must continue exactly as the saving engine did.
 """
 from __future__ import annotations
 
@@ -210,11 +210,10 @@ def check_all(rank, world, cases, fixtures, scratch):
             for case in cases}
 
 
-if __name__ == "__main__":      # regenerate: python tests/checkpoint_compat_workers.py OUT_DIR [CASE...]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import checkpoint_compat_workers as workers      # by name, so spawned ranks import it
+if __name__ == "__main__":      # regenerate: python -m tests.helpers.checkpoint_compat_workers OUT_DIR [CASE...]
+    from tests.helpers import checkpoint_compat_workers as workers      # by name, so spawned ranks import it
     import qcompress.engine
-    from dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
     print("engine:", qcompress.engine.__file__, flush=True)
     out = sys.argv[1]
     for name in sys.argv[2:] or CASES:

@@ -1,4 +1,4 @@
-"""Rank-side code for tests/engine/test_lora_engine.py (spawned by tests/dist_utils.run_ranks): LoRA
+"""Rank-side code for tests/engine/test_lora_engine.py (spawned by tests/helpers/dist_utils.run_ranks): LoRA
 training through qcompress.initialize at every ZeRO stage, with a checkpoint and resume. Returns
 plain data; the assertions live in the test file."""
 from __future__ import annotations

@@ -36,7 +36,7 @@ def make_dense(family: str = "llama", seed: int = 0, tie: bool = True, hidden: i
 
 
 def make_moe_model(family: str, seed: int = 0):
-    from moe_fixtures import make_moe
+    from tests.helpers.moe_fixtures import make_moe
     return spread_norms(make_moe(family, seed)).eval()
 
 

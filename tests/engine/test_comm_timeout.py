@@ -1,18 +1,16 @@
 """A stalled rank ends the job instead of hanging it: two gloo ranks launched as torchrun would (the engine
 creates the process group with comm_timeout_s); rank 1 stops itself with SIGSTOP after a
 step; rank 0 must fail within the timeout with an error naming the collective and the timeout."""
-import os
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.child_env import child_env
 
 RANK = textwrap.dedent("""
-    import os, signal, sys, time
-    sys.path.insert(0, {root!r})
+    import os, signal, time
     import torch, torch.nn as nn
     torch.set_num_threads(1)
     import qcompress as qc
@@ -47,13 +45,13 @@ def _port():
 
 def test_a_stalled_rank_ends_the_job_with_a_named_timeout():
     timeout = 3
-    code = RANK.format(root=ROOT, timeout=timeout)
+    code = RANK.format(timeout=timeout)
     port = _port()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo",
-                   OMP_NUM_THREADS="1")
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                        LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo",
+                        OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     t0 = time.monotonic()

@@ -8,7 +8,7 @@ import os
 import torch
 
 import qcompress as qc
-import parallel_workers as pw
+from tests.helpers import parallel_workers as pw
 
 
 def config(tp=1, pp=1, gas=2, act="static"):
