@@ -163,7 +163,7 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
         logger.setLevel(level)
     offsets = [q.offset for m in probe.modules() for q in (getattr(m, "qc_wq", None), getattr(m, "qc_aq", None))
                if q is not None]
-    from ..learn_ranges import range_parameters
+    from ..calibrate.learn_ranges import range_parameters
     learned = bool(range_parameters(probe))
     from ..export import reach
     unread = reach.unreadable(probe)
