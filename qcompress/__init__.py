@@ -14,8 +14,8 @@ from .errors import CheckpointError, ConfigError, NonFiniteError
 from .quant import kernels_available
 from .rewrite import init_compression, redundancy_clean, summary
 from .transforms import apply_rotations
-from .input_moments import calibrate_weight_ranges
-from .learn_ranges import learn_ranges
+from .calibrate.input_moments import calibrate_weight_ranges
+from .calibrate.learn_ranges import learn_ranges
 from .schedule import CompressionScheduler
 
 __version__ = "0.1.0"

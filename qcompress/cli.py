@@ -54,13 +54,11 @@ def schedule_columns(cfg) -> Tuple[List[Column], List[str]]:
 
     wqt = cc.weight_quantization
     if wqt.enabled:
-        sh = wqt.shared
-        off = sh.schedule_offset
-        mode = "in every forward" if sh.quantize_weight_in_forward else "once per optimizer step"
         for g in wqt.groups:
-            p = g.params
-            kw = dict(start=p.start_bits, target=p.target_bits, period=p.quantization_period,
-                      offset=off, growth=p.period_growth)
+            w = g.settings
+            off = w.offset
+            mode = "in every forward" if w.in_forward else "once per optimizer step"
+            kw = dict(start=w.start_bits, target=w.target_bits, period=w.period, offset=off, growth=w.growth)
             points = change_points(**kw)
 
             def bits(s, kw=kw, off=off):
@@ -68,25 +66,23 @@ def schedule_columns(cfg) -> Tuple[List[Column], List[str]]:
 
             cols.append(Column(f"W:{g.name}", lambda s, f=bits: "off" if f(s) is None else str(f(s)),
                                [s for s, _ in points], bits))
-            plan = (f"{p.start_bits} bits" if p.start_bits == p.target_bits else
-                    f"{p.start_bits} -> {p.target_bits} bits, period {p.quantization_period} "
-                    f"({p.period_growth})")
-            notes.append(f"W:{g.name}  weights {plan}, {sh.quantization_type}, quantized {mode}, "
+            plan = (f"{w.start_bits} bits" if w.start_bits == w.target_bits else
+                    f"{w.start_bits} -> {w.target_bits} bits, period {w.period} ({w.growth})")
+            notes.append(f"W:{g.name}  weights {plan}, {w.quantization_type}, quantized {mode}, "
                          f"from step {off}; modules: {mods(g)}")
     aqt = cc.activation_quantization
     if aqt.enabled:
-        sh = aqt.shared
-        off = sh.schedule_offset
         for g in aqt.groups:
-            b = g.params.bits
+            a = g.settings
+            b, off = a.bits, a.offset
 
             def abits(s, b=b, off=off):
                 return b if s >= off else None
 
             cols.append(Column(f"A:{g.name}", lambda s, f=abits: "off" if f(s) is None else str(f(s)),
                                [off], abits))
-            notes.append(f"A:{g.name}  activations {b} bits, {sh.quantization_type}, "
-                         f"{sh.range_calibration} ranges, from step {off}; modules: {mods(g)}")
+            notes.append(f"A:{g.name}  activations {b} bits, {a.quantization_type}, "
+                         f"{a.calibration} ranges, from step {off}; modules: {mods(g)}")
     for tech in ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning"):
         technique = getattr(cc, tech)
         if not technique.enabled:

@@ -15,7 +15,6 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
-from .config.compression import group_setting
 from .errors import ConfigError
 from .nn import experts, lora, qlora
 from .nn.layers import CompressMixin, kind_of, make_compress_aware, own_forward
@@ -178,8 +177,9 @@ def _check_groups(cfg, plan: LoraPlan, assignments) -> None:
     if not plan.quantized:
         return
     first = next(iter(plan.quantized))
+    technique_wide = groups[plan.quantized[first]].settings     # shared_parameters' keys, as resolved
     if plan.mode == "qat":
-        if not wq.shared.quantize_weight_in_forward:
+        if not technique_wide.in_forward:
             raise ConfigError(f"{WQ}.shared_parameters.quantize_weight_in_forward",
                               f"is false, but LoRA layers ({first!r} ...) are quantized as W + (B A) * scaling, "
                               "which changes with every adapter step and is made in forward: set it to true")
@@ -189,30 +189,29 @@ def _check_groups(cfg, plan: LoraPlan, assignments) -> None:
     if pruned:
         raise ConfigError(f"compression_training.{pruned[0][0]}", f"selects {pruned[0][1]!r}, whose base mode "
                           "qlora stores as fixed codes: pruning masks cannot act on it; leave it out or use mode qat")
-    sh = wq.shared
-    if sh.schedule_offset != 0:
-        raise ConfigError(f"{WQ}.shared_parameters.schedule_offset", f"is {sh.schedule_offset}, but mode qlora "
+    if technique_wide.offset != 0:
+        raise ConfigError(f"{WQ}.shared_parameters.schedule_offset", f"is {technique_wide.offset}, but mode qlora "
                           "stores the adapted layers' base quantized at step 0: set it to 0")
-    if sh.fp16_mixed_quantize.enabled:
+    if technique_wide.mix_enabled:
         raise ConfigError(f"{WQ}.shared_parameters.fp16_mixed_quantize.enabled", "mode qlora stores the base "
                           "quantized once; a blend with the full-precision weight has nothing to blend: turn it off")
     for name, gname in plan.quantized.items():
         group = groups[gname]
         gpath = f"{WQ}.different_groups.{gname}"
-        fmt, fmt_at = group_setting(wq, group, "format")
-        used = {f for _, f in fmt} if isinstance(fmt, tuple) else {fmt or "int"}
+        st = group.settings
+        used = st.listed_formats
         if used != {"int"}:
-            raise ConfigError(f"{WQ}.{fmt_at}", f"{sorted(used - {'int'})} for {name!r}: mode qlora stores the "
-                              "base as integer codes, and these float formats have no stored-quantized path "
-                              "here; use an int format, or mode qat (which trains every format)")
-        if group.params.start_bits != group.params.target_bits:
-            raise ConfigError(f"{gpath}.params.start_bits", f"{group.params.start_bits} differs from target_bits "
-                              f"{group.params.target_bits}, but mode qlora stores {name!r} once, at its final "
+            raise ConfigError(f"{WQ}.{st.at('format')}", f"{sorted(used - {'int'})} for {name!r}: mode qlora "
+                              "stores the base as integer codes, and these float formats have no stored-quantized "
+                              "path here; use an int format, or mode qat (which trains every format)")
+        if st.start_bits != st.target_bits:
+            raise ConfigError(f"{gpath}.params.start_bits", f"{st.start_bits} differs from target_bits "
+                              f"{st.target_bits}, but mode qlora stores {name!r} once, at its final "
                               "bits: set start_bits to target_bits")
-        rl, rl_at = group_setting(wq, group, "range_learning")
-        if rl:
-            raise ConfigError(f"{WQ}.{rl_at}", f"mode qlora keeps the base of {name!r} as fixed codes and scales; "
-                              "learned ranges would move them: turn range_learning off, or use mode qat")
+        if st.range_learning:
+            raise ConfigError(f"{WQ}.{st.at('range_learning')}", f"mode qlora keeps the base of {name!r} as "
+                              "fixed codes and scales; learned ranges would move them: turn range_learning off, "
+                              "or use mode qat")
 
 
 def attach(root: nn.Module, cfg, plan: LoraPlan, modules) -> None:

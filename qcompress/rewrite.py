@@ -5,7 +5,6 @@ import dataclasses
 import logging
 import re
 import warnings
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -17,8 +16,8 @@ from .quant import floats
 from .config.gptq import GPTQ
 from .quant.observers import Search
 from .config.loader import source_of
-from .config.compression import CompressionConfig, Group, group_setting
-from .config.formats import check_weight_group, format_at
+from .config.compression import CompressionConfig, Group
+from .config.formats import format_at
 from .errors import ConfigError
 from .unwrap import unwrap
 from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
@@ -225,62 +224,45 @@ def _report_uncompressible(modules: Dict[str, nn.Module], compressible: List[Tup
     log.warning(msg)
 
 
-def _weight_quant(cfg, group: Group, module, name: str, vocab_tables=frozenset()) -> WeightQuant:
-    shared = cfg.compression.weight_quantization.shared
-    p = group.params
-    kind = module.qc_kind
-    gran, gsize, ngroups = p.granularity, p.group_size, None
-    if gran is None:
-        if kind == "embedding" or id(module.weight) in vocab_tables:
-            # DeepSpeed: one group per vocabulary row; a head tied to an Embedding (GPT-2's
-            # lm_head) quantizes the same table, so it must use the same groups
-            gran = "channel"
-        elif shared.quantize_groups > 1:
-            gran, ngroups = "groups", shared.quantize_groups
-        else:
-            gran = "tensor"
+def _weight_quant(group: Group, module, name: str, vocab_tables=frozenset()) -> WeightQuant:
+    """The module's WeightQuant: its group's settings (resolved at load, config/group_settings.py)
+    on this module, after the checks that need the module."""
+    s = group.settings
+    # a head tied to an Embedding (GPT-2's lm_head) quantizes the same table, with the same groups
+    gran, gsize, ngroups = s.granularity_at(module.qc_kind == "embedding" or id(module.weight) in vocab_tables)
     path = f"compression_training.weight_quantization.different_groups.{group.name}"
-    if gran == "groups" and module.weight.numel() % ngroups:
+    if ngroups and module.weight.numel() % ngroups:
         raise ConfigError("compression_training.weight_quantization.shared_parameters.quantize_groups",
                           f"{ngroups} does not divide the {module.weight.numel()} weights of module "
                           f"{name!r} (shape {tuple(module.weight.shape)}); pick a divisor or set "
                           f"{path}.params.granularity")
-    search = _search(cfg.compression.weight_quantization, group)
-    observer = group_setting(cfg.compression.weight_quantization, group, "observer")[0]
-    solver, solver_kwargs = None, ()
-    if observer == GPTQ:      # the solve's own scale observer chooses the ranges (config/gptq.py)
-        kw = group_setting(cfg.compression.weight_quantization, group, "observer_kwargs")[0]
-        solver, solver_kwargs, observer = GPTQ, (kw.damp, kw.block_size, kw.act_order, kw.sequential), kw.scale_observer
-        _check_gptq_module(module, name, path, gran, ngroups, vocab_tables)
-    if gran == "groups" and observer == "mse" and Search(*search).weight_by == "inputs":
+    search = _search(s.observer_kwargs)
+    if s.solver == GPTQ:      # the solve's own scale observer chooses the ranges (config/gptq.py)
+        _check_gptq_module(module, name, path, ngroups, vocab_tables)
+    if ngroups and s.range_observer == "mse" and Search(*search).weight_by == "inputs":
         raise ConfigError(f"{path}.params.observer_kwargs.weight_by",
                           f"'inputs' weighs each group's error by the inputs of its columns, but module "
                           f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
                           "(quantize_groups); set granularity (tensor, channel or group) for this group")
-    fmt = group_setting(cfg.compression.weight_quantization, group, "format")[0]
-    if format_at(fmt, p.target_bits) != "int" or format_at(fmt, p.start_bits) != "int":
-        gran, gsize = _float_weight(fmt, p, shared, module, name, path)
-    bits = (p.start_bits, p.target_bits)
-    if min(bits) <= 2 and shared.quantization_type == "asymmetric" and (min(bits) == 1 or p.ternary):
+    if format_at(s.format, s.target_bits) != "int" or format_at(s.format, s.start_bits) != "int":
+        _check_float_module(s, module, name, path)
+    bits = (s.start_bits, s.target_bits)
+    if min(bits) <= 2 and not s.symmetric and (min(bits) == 1 or s.ternary):
         raise ConfigError(f"{path}.params.target_bits",
                           f"{min(bits)}-bit weights are binary/ternary, which are symmetric only; "
                           "quantization_type is 'asymmetric'")
     return WeightQuant(
-        group=group.name, start_bits=p.start_bits, target_bits=p.target_bits,
-        period=p.quantization_period, growth=p.period_growth, offset=shared.schedule_offset,
-        symmetric=shared.quantization_type == "symmetric", granularity=gran, group_size=gsize,
-        num_groups=ngroups, rounding=shared.rounding, numerics=shared.numerics, ternary=p.ternary,
-        clip_grad=shared.ste == "clip", in_forward=shared.quantize_weight_in_forward,
-        mix_enabled=shared.fp16_mixed_quantize.enabled,
-        change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio,
-        seed=(shared.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF if shared.rounding == "stochastic" else 0,
-        range_observer=observer,
-        range_search=search,
-        range_learning=bool(group_setting(cfg.compression.weight_quantization, group, "range_learning")[0]),
-        format=fmt, solver=solver, solver_kwargs=solver_kwargs)
+        group=group.name, start_bits=s.start_bits, target_bits=s.target_bits,
+        period=s.period, growth=s.growth, offset=s.offset,
+        symmetric=s.symmetric, granularity=gran, group_size=gsize,
+        num_groups=ngroups, rounding=s.rounding, numerics=s.numerics, ternary=s.ternary,
+        clip_grad=s.clip_grad, in_forward=s.in_forward, mix_enabled=s.mix_enabled,
+        change_ratio=s.change_ratio, seed=s.seed_of(name),
+        range_observer=s.range_observer, range_search=search, range_learning=s.range_learning,
+        format=s.format, solver=s.solver, solver_kwargs=s.solver_kwargs)
 
 
-def _check_gptq_module(module, name: str, path: str, gran: str, ngroups, vocab_tables) -> None:
+def _check_gptq_module(module, name: str, path: str, ngroups, vocab_tables) -> None:
     """GPTQ solves a layer against the inputs it multiplies: refuse, naming the module, what has
     no such inputs or cannot keep one solution."""
     kind = module.qc_kind
@@ -289,7 +271,7 @@ def _check_gptq_module(module, name: str, path: str, gran: str, ngroups, vocab_t
         raise ConfigError(f"{path}.modules", f"module {name!r} is {what}; observer gptq solves a layer "
                           "against the inputs it multiplies (Linear, transformers' Conv1D, fused experts): "
                           "leave it out of the group, or give it a minmax / mse group")
-    if gran == "groups":
+    if ngroups:
         raise ConfigError(f"{path}.params.granularity", f"module {name!r} is quantized in {ngroups} chunks of the "
                           "flattened weight (quantize_groups), which cut across GPTQ's columns; set granularity "
                           "(tensor, channel or group) for this group")
@@ -299,57 +281,48 @@ def _check_gptq_module(module, name: str, path: str, gran: str, ngroups, vocab_t
                           "(or untie the weights first)")
 
 
-def _float_weight(fmt, params, shared, module, name, path):
-    """(granularity, group size) of a float-format group on this module, or a ConfigError naming
-    the module where its kind or shape cannot take the format."""
-    gran, gsize = check_weight_group(fmt, params, shared, path, f"{path}.params.format")
+def _check_float_module(s, module, name, path) -> None:
+    """A ConfigError naming the module where its kind or shape cannot take the float formats of
+    its group (s: the group's settings)."""
     if module.qc_kind not in ("linear", "hf_conv1d", "embedding", "experts"):
         raise ConfigError(f"{path}.modules", f"module {name!r} is a {module.qc_kind}; float formats "
                           "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts), and "
                           "compressed-tensors defines no float layout for a conv kernel [out, in, *k] "
                           "(its groups would run along the kernel's last dim): leave it out")
     shape = tuple(module.weight_matrix_view(module.weight).shape)
-    for bits in range(params.target_bits, params.start_bits + 1):
-        f = format_at(fmt, bits)
-        reason = f != "int" and floats.check_shape(shape, floats.float_spec(f, gran, gsize))
+    for bits in range(s.target_bits, s.start_bits + 1):
+        f = format_at(s.format, bits)
+        reason = f != "int" and floats.check_shape(shape, floats.float_spec(f, s.granularity, s.group_size))
         if reason:
             raise ConfigError(f"{path}.params.format", f"module {name!r} cannot take {f}: {reason}; "
                               "leave it out of the group's modules")
-    return gran, gsize
 
 
-def _search(technique, group):
-    """The group's mse search (observer_kwargs): observers.Search's fields as a tuple."""
-    kw = group_setting(technique, group, "observer_kwargs")[0]
+def _search(kw) -> tuple:
+    """A group's mse search (its observer_kwargs): observers.Search's fields as a tuple."""
     return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by,
                                       cross_groups=kw.cross_groups))
 
 
-def _act_quant(cfg, group: Group, module) -> ActQuant:
-    shared = cfg.compression.activation_quantization.shared
-    aq = ActQuant(group=group.name, bits=group.params.bits,
-                  symmetric=shared.quantization_type == "symmetric",
-                  calibration=shared.range_calibration, offset=shared.schedule_offset,
-                  per="sample" if module.qc_kind == "conv" else "token",
-                  range_observer=group_setting(cfg.compression.activation_quantization, group, "observer")[0],
-                  range_search=_search(cfg.compression.activation_quantization, group),
-                  range_learning=bool(group_setting(cfg.compression.activation_quantization, group,
-                                                    "range_learning")[0]),
-                  fused=shared.fused_backward, share_input=shared.share_input,
-                  int8_forward=shared.int8_forward,
-                  format=group_setting(cfg.compression.activation_quantization, group, "format")[0],
-                  group_size=group.params.group_size)
+def _act_quant(group: Group, module) -> ActQuant:
+    """The module's ActQuant: its group's settings (resolved at load) on this module."""
+    s = group.settings
+    aq = ActQuant(group=group.name, bits=s.bits, symmetric=s.symmetric, calibration=s.calibration,
+                  offset=s.offset, per="sample" if module.qc_kind == "conv" else "token",
+                  range_observer=s.observer, range_search=_search(s.observer_kwargs),
+                  range_learning=s.range_learning, fused=s.fused, share_input=s.share_input,
+                  int8_forward=s.int8_forward, format=s.format, group_size=s.group_size)
     if aq.format != "int" and module.qc_kind == "conv":
         raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
                           f"module {module.qc_name!r} is a convolution; float-format activations are "
                           "per token or group of a Linear's input: leave it out")
     width = module.weight_matrix_view(module.weight).shape[-1] if module.qc_kind != "embedding" else None
-    gsize = aq.group_size or floats.GROUP_SIZE.get(aq.format)
+    gsize = s.float_group_size
     if aq.format != "int" and gsize and width and width % gsize:
         raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
                           f"module {module.qc_name!r} takes {width} inputs, not a multiple of the "
                           f"{aq.format} activation groups of {gsize}; leave it out of the group's modules")
-    aq.observer.momentum = shared.momentum
+    aq.observer.momentum = s.momentum
     return aq
 
 
@@ -460,14 +433,14 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                 mod = make_compress_aware(modules[name], name)
                 gpath = f"compression_training.{tech}.different_groups.{group.name}.params.range_learning"
                 if tech == "weight_quantization":
-                    mod.qc_wq = _weight_quant(cfg, group, mod, name, vocab_tables)
+                    mod.qc_wq = _weight_quant(group, mod, name, vocab_tables)
                     if mod.qc_kind == "experts":
                         experts.check_weight(mod, gpath.rsplit(".", 2)[0])
                     if mod.qc_wq.range_learning and id(mod.weight) not in learned:
                         learned.add(id(mod.weight))      # tied weights share the first one's scales
                         ranges.register_weight_ranges(mod, gpath)
                 elif tech == "activation_quantization":
-                    mod.qc_aq = _act_quant(cfg, group, mod)
+                    mod.qc_aq = _act_quant(group, mod)
                     if mod.qc_kind == "experts" and not experts.check_act(mod, gpath.rsplit(".", 2)[0],
                                                                            group.modules is not None):
                         mod.qc_aq = None

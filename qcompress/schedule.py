@@ -18,7 +18,7 @@ import torch.nn as nn
 from .config import as_config
 from .nn import kv_cache, ranges
 from .errors import NonFiniteError
-from .input_moments import missing_moments, weighted_modules
+from .calibrate.input_moments import missing_moments, weighted_modules
 from .nn.layers import CompressMixin, located
 from .quant import kernels
 from .quant.api import dequantize, quantize_spec

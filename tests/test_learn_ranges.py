@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import qcompress as qc
-from qcompress.learn_ranges import learn_ranges, range_parameters
+from qcompress.calibrate.learn_ranges import learn_ranges, range_parameters
 
 pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
 from tests.train.test_qat_train import digits_split, make_mlp, one_thread, train  # noqa: E402,F401  (fixture too)
@@ -95,7 +95,7 @@ def test_hugging_face_output_loss_and_tied_scales_once():
 
 def _ranks(rank, world, _):
     import torch
-    from qcompress.learn_ranges import learn_ranges, range_parameters
+    from qcompress.calibrate.learn_ranges import learn_ranges, range_parameters
     model = make_mlp()
     qc.init_compression(model, w3())
     qc.CompressionScheduler(model, w3()).finish()
@@ -135,7 +135,7 @@ def _full(p):
 
 def _engine_ranks(rank, world, _):
     import torch
-    from qcompress.learn_ranges import learn_ranges
+    from qcompress.calibrate.learn_ranges import learn_ranges
     out = {}
     for stage in (0, 1, 2, 3):
         model = make_mlp()

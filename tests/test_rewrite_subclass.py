@@ -534,7 +534,7 @@ def test_pickle_dtype_and_device_moves_keep_the_own_forward():
     buf.seek(0)
     from qcompress.nn.layers import _new_compress_aware
     from qcompress.nn.state import MasterState, WeightQuant, ActQuant
-    from qcompress.calibration import StaticRange
+    from qcompress.quant.static_range import StaticRange
     from qcompress.quant.reference import Spec
     allowed = [_new_compress_aware, WeightQuant, MasterState, ActQuant, StaticRange, Spec]
     from qcompress.nn.layers import base_class

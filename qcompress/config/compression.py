@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from .formats import check_act_group, check_weight_group, parse_format
+from .group_settings import act_settings, weight_settings
 from .rotation import Rotation, check_with as _check_rotation
 from .kv_cache import KVCacheQuantization
 from .lora import Lora
@@ -210,29 +211,19 @@ class ActQuantParams:
                                       "per group_size inputs along the last dim (fp8_e4m3: e.g. 128)")
 
 
-def group_setting(technique, group, key):
-    """A group's `observer` / `observer_kwargs` / `range_learning`: its own params', else
-    shared_parameters'.
-    Returns (value, key path where it was set)."""
-    own = getattr(group.params, key)
-    if own is not None:
-        return own, f"different_groups.{group.name}.params.{key}"
-    return getattr(technique.shared, key), f"shared_parameters.{key}"
-
-
 def _check_kwargs(technique, where):
     """observer_kwargs set the mse search: refused on a group that uses minmax, and in
     shared_parameters when no group uses mse (a setting that would change nothing)."""
     groups = technique.groups if technique.enabled else ()
     uses_mse = uses_gptq = False
     for group in groups:
-        observer = group_setting(technique, group, "observer")[0]
-        kw, kw_at = group_setting(technique, group, "observer_kwargs")
-        if group.params.observer_kwargs is not None or observer == GPTQ:
+        s = group.settings
+        observer, kw, kw_at = s.observer, s.observer_kwargs, s.at("observer_kwargs")
+        if s.own_observer_kwargs or observer == GPTQ:
             check_gptq_kwargs(observer, kw, join(where, kw_at))
         uses_mse = uses_mse or observer in ("mse", GPTQ)
         uses_gptq = uses_gptq or observer == GPTQ
-        if observer == "minmax" and group.params.observer_kwargs is not None:
+        if observer == "minmax" and s.own_observer_kwargs:
             raise ConfigError(join(where, f"different_groups.{group.name}.params.observer_kwargs"),
                               f"sets the mse observer's search, but group {group.name!r} uses observer "
                               "'minmax'; set observer: mse, or drop observer_kwargs")
@@ -322,6 +313,8 @@ class Group:
     params: Any
     modules: Optional[Tuple[str, ...]]  # None: every compressible module
     related_modules: Optional[Tuple[Tuple[str, ...], ...]] = None
+    # weight / activation quantization: every effective value, resolved at load (group_settings.py)
+    settings: Any = dataclasses.field(default=None, repr=False, metadata=dict(internal=True))
 
 
 @dataclass(frozen=True)
@@ -334,7 +327,7 @@ class Technique:
         return bool(self.shared.enabled)
 
 
-def _parse_group(name, raw, params_cls, path):
+def _parse_group(name, raw, params_cls, path, shared, resolve):
     if not isinstance(raw, dict):
         raise ConfigError(path, f"expected a mapping with 'params' and 'modules', got {raw!r}")
     allowed = ("params", "modules", "related_modules")
@@ -352,10 +345,11 @@ def _parse_group(name, raw, params_cls, path):
             raise ConfigError(join(path, "related_modules"),
                               f"has {len(related)} entries but modules has {n_mod}; they pair "
                               "by position, so the lengths must match")
-    return Group(name=name, params=params, modules=modules, related_modules=related)
+    return Group(name=name, params=params, modules=modules, related_modules=related,
+                 settings=resolve(shared, params, name) if resolve is not None else None)
 
 
-def _technique_parser(shared_cls, params_cls, groups_optional=False):
+def _technique_parser(shared_cls, params_cls, groups_optional=False, resolve=None):
     def parse_technique(raw, path):
         if raw is None:
             raw = {}
@@ -376,7 +370,7 @@ def _technique_parser(shared_cls, params_cls, groups_optional=False):
             groups_raw = {}
         if not isinstance(groups_raw, dict):
             raise ConfigError(gpath, f"expected a mapping of group name to group, got {groups_raw!r}")
-        groups = tuple(_parse_group(name, g, params_cls, join(gpath, name))
+        groups = tuple(_parse_group(name, g, params_cls, join(gpath, name), shared, resolve)
                        for name, g in groups_raw.items())
         return Technique(shared=shared, groups=groups)
     return parse_technique
@@ -440,9 +434,10 @@ _EMPTY = dict(shared=None)
 @dataclass(frozen=True)
 class CompressionConfig:
     weight_quantization: Technique = field(
-        Technique(WeightQuantShared()), parse=_technique_parser(WeightQuantShared, WeightQuantParams))
+        Technique(WeightQuantShared()),
+        parse=_technique_parser(WeightQuantShared, WeightQuantParams, resolve=weight_settings))
     activation_quantization: Technique = field(
-        Technique(ActQuantShared()), parse=_technique_parser(ActQuantShared, ActQuantParams))
+        Technique(ActQuantShared()), parse=_technique_parser(ActQuantShared, ActQuantParams, resolve=act_settings))
     sparse_pruning: Technique = field(
         Technique(SparsePruningShared()),
         parse=_technique_parser(SparsePruningShared, PruningParams, groups_optional=True))
@@ -472,29 +467,28 @@ class CompressionConfig:
     def _validate_ranges(self, path):
         """Observers and range learning need what they act on (checked where the value was set)."""
         wq = self.weight_quantization
-        sw = wq.shared
         for group in wq.groups if wq.enabled else ():
-            rl, rl_at = group_setting(wq, group, "range_learning")
-            obs, obs_at = group_setting(wq, group, "observer")
+            s = group.settings
+            rl, rl_at, obs, obs_at = s.range_learning, s.at("range_learning"), s.observer, s.at("observer")
             where = join(path, "weight_quantization")
-            if rl and not sw.quantize_weight_in_forward:
+            if rl and not s.in_forward:
                 raise ConfigError(join(where, rl_at), "range learning trains the scales through the forward "
                                   "pass: it needs shared_parameters.quantize_weight_in_forward: true")
-            if rl and sw.fp16_mixed_quantize.enabled:
+            if rl and s.mix_enabled:
                 raise ConfigError(join(where, rl_at), "range learning and fp16_mixed_quantize do not combine "
                                   "(the blend hides the learned grid); turn one off")
-            if (rl or obs in ("mse", GPTQ)) and sw.numerics == "deepspeed":
+            if (rl or obs in ("mse", GPTQ)) and s.numerics == "deepspeed":
                 raise ConfigError(join(where, rl_at if rl else obs_at),
                                   f"{'range learning' if rl else f'the {obs} observer'} works on the default "
                                   "numerics (what export writes); shared_parameters.numerics is 'deepspeed'")
             if obs == GPTQ:
-                check_gptq_group(group.params, sw, where, group.name)
+                check_gptq_group(s, where)
         _check_kwargs(wq, join(path, "weight_quantization"))
         aq = self.activation_quantization
         _check_kwargs(aq, join(path, "activation_quantization"))
         for kw, at in [(aq.shared.observer_kwargs, "shared_parameters.observer_kwargs")] + [
-                (g.params.observer_kwargs, f"different_groups.{g.name}.params.observer_kwargs")
-                for g in (aq.groups if aq.enabled else ()) if g.params.observer_kwargs is not None]:
+                (g.settings.observer_kwargs, g.settings.at("observer_kwargs"))
+                for g in (aq.groups if aq.enabled else ()) if g.settings.own_observer_kwargs]:
             if kw.weight_by != "none":
                 raise ConfigError(join(join(join(path, "activation_quantization"), at), "weight_by"),
                                   f"{kw.weight_by!r} weights a weight's error by the inputs it multiplies; "
@@ -502,8 +496,8 @@ class CompressionConfig:
         for group in aq.groups if aq.enabled else ():
             where = join(path, "activation_quantization")
             for key in ("range_learning", "observer"):
-                value, at = group_setting(aq, group, key)
-                if value not in (False, "minmax") and aq.shared.range_calibration != "static":
+                value, at = getattr(group.settings, key), group.settings.at(key)
+                if value not in (False, "minmax") and group.settings.calibration != "static":
                     raise ConfigError(join(where, at), f"{value!r} acts on stored (static) ranges; "
                                       "shared_parameters.range_calibration is 'dynamic' (recomputed on "
                                       "every call); set range_calibration: static")
@@ -525,18 +519,17 @@ class CompressionConfig:
 
 
 def _check_weight_formats(technique, group, where, tech_path):
-    fmt, at = group_setting(technique, group, "format")
-    check_weight_group(fmt, group.params, technique.shared, where, join(tech_path, at))
-    used = {f for _, f in fmt} if isinstance(fmt, tuple) else {fmt or "int"}
+    s = group.settings
+    check_weight_group(s.format, group.params, technique.shared, where, join(tech_path, s.at("format")))
+    used = s.listed_formats
     floats = sorted(used - {"int"})
     if not floats:
         return
-    obs, obs_at = group_setting(technique, group, "observer")
-    kw, kw_at = group_setting(technique, group, "observer_kwargs")
-    if obs == "mse" and kw is not None and kw.weight_by != "none":
+    kw, kw_at = s.observer_kwargs, s.at("observer_kwargs")
+    if s.observer == "mse" and kw is not None and kw.weight_by != "none":
         raise ConfigError(join(tech_path, join(kw_at, "weight_by")), f"{kw.weight_by!r} is for integer "
                           f"formats; the mse search of {floats} weighs the weight's own error: drop weight_by")
-    rl, rl_at = group_setting(technique, group, "range_learning")
+    rl, rl_at = s.range_learning, s.at("range_learning")
     if not rl:
         return
     if len(used) > 1:
@@ -550,12 +543,12 @@ def _check_weight_formats(technique, group, where, tech_path):
 
 
 def _check_act_formats(technique, group, where, tech_path):
-    fmt = group_setting(technique, group, "format")[0]
+    s = group.settings
+    fmt, fmt_at = s.format, join(tech_path, s.at("format"))
     if not isinstance(fmt, str):
-        raise ConfigError(join(tech_path, group_setting(technique, group, "format")[1]),
-                          "activations have one width: give one format name, not a mapping")
-    check_act_group(fmt, group.params, technique.shared, where)
-    rl, rl_at = group_setting(technique, group, "range_learning")
+        raise ConfigError(fmt_at, "activations have one width: give one format name, not a mapping")
+    check_act_group(fmt, group.params, technique.shared, where, fmt_at)
+    rl, rl_at = s.range_learning, s.at("range_learning")
     if fmt != "int" and rl:
         raise ConfigError(join(tech_path, rl_at), f"{fmt} activations are exported with the calibrated "
                           "range (input_scale / input_global_scale), not a learned one; use observer: mse "

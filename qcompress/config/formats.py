@@ -64,17 +64,31 @@ def format_at(fmt: Format, bits: int) -> str:
     return wider[-1] if wider else fmt[0][1]
 
 
-def check_weight_group(fmt: Format, params, shared, where: str, fmt_at: str) -> Tuple[Optional[str], Optional[int]]:
-    """Refuse impossible combinations for one weight group; returns the (granularity, group
-    size) the group quantizes with (a float format that fixes its group size sets them)."""
-    bits = range(params.target_bits, params.start_bits + 1)
-    used = {format_at(fmt, b) for b in bits}
+def _used(fmt: Format, params) -> set:
+    """The formats a weight group's schedule passes through."""
+    return {format_at(fmt, b) for b in range(params.target_bits, params.start_bits + 1)}
+
+
+def float_granularity(fmt: Format, params) -> Tuple[str, Optional[int]]:
+    """(granularity, group size) of a weight group that quantizes to a float format: a format that
+    fixes its group size (nvfp4, mxfp4, mxfp8) sets both, else the group's granularity (tensor
+    when unset) and group size. (params: the group's WeightQuantParams; check_weight_group
+    refuses what does not fit.)"""
+    sizes = {GROUP_SIZE[f] for f in _used(fmt, params) if f in GROUP_SIZE}
+    if sizes:
+        return "group", min(sizes)        # one size: more are refused
+    return params.granularity or "tensor", params.group_size
+
+
+def check_weight_group(fmt: Format, params, shared, where: str, fmt_at: str) -> None:
+    """Refuse impossible combinations for one weight group (fmt: its format, resolved)."""
+    used = _used(fmt, params)
     floats = sorted(used - {"int"})
     if params.granularity == "block" and used != {"fp8_e4m3"}:
         raise ConfigError(join(where, "params.granularity"), f"128 x 128 blocks are an fp8_e4m3 "
                           f"granularity; this group quantizes as {sorted(used)} (set format: fp8_e4m3)")
     if not floats:
-        return params.granularity, params.group_size
+        return
     if isinstance(fmt, str) and (params.start_bits != WIDTH[fmt] or params.target_bits != WIDTH[fmt]):
         raise ConfigError(join(where, "params.start_bits"),
                           f"{fmt} is {WIDTH[fmt]}-bit, but the schedule goes {params.start_bits} -> "
@@ -109,29 +123,26 @@ def check_weight_group(fmt: Format, params, shared, where: str, fmt_at: str) -> 
             raise ConfigError(join(where, "params.group_size" if gran in (None, "group") else "params.granularity"),
                               f"{shown} does not fit {[f for f in floats if f in GROUP_SIZE]}, whose "
                               f"groups hold {fixed} elements; drop it or set group_size: {fixed}")
-        gran, gsize = "group", fixed
+    g = float_granularity(fmt, params)[0]
     for f in used:
         allowed = GRANULARITIES.get(f, ("tensor", "channel", "group"))
-        g = gran or "tensor"
         if g not in allowed or (f == "int" and g == "block"):
             raise ConfigError(join(where, "params.granularity"),
                               f"{g!r} is not a granularity of {f} (it defines {list(allowed)})")
-    if shared.quantize_groups > 1 and gran is None:
+    if shared.quantize_groups > 1 and gran is None and not sizes:
         raise ConfigError("compression_training.weight_quantization.shared_parameters.quantize_groups",
                           f"chunks of the flattened weight are not a granularity of {floats}; set "
                           f"{join(where, 'params.granularity')}")
-    return gran or "tensor", gsize
 
 
-def check_act_group(fmt: str, params, shared, where: str) -> None:
-    """Refuse impossible float activation settings (bits, symmetry, calibration, group size)."""
+def check_act_group(fmt: str, params, shared, where: str, at: str) -> None:
+    """Refuse impossible float activation settings (bits, symmetry, calibration, group size);
+    fmt: the group's format, resolved, and `at` the key path where it was set."""
     if fmt == "int":
         if params.group_size is not None:
             raise ConfigError(join(where, "params.group_size"), "integer activations are per token "
                               "(dynamic) or per tensor (static); group_size is for float formats")
         return
-    at = f"{where}.params.format" if params.format is not None else \
-        "compression_training.activation_quantization.shared_parameters.format"
     if params.bits != WIDTH[fmt]:
         raise ConfigError(join(where, "params.bits"), f"{params.bits} does not match {fmt}, which is "
                           f"{WIDTH[fmt]}-bit")

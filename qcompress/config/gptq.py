@@ -62,23 +62,24 @@ def check_kwargs(observer, kw, where: str) -> None:
                           "GPTQ solves against the whole input Hessian already: drop weight_by")
 
 
-def check_group(params, shared, tech_path: str, group: str) -> None:
-    """What GPTQ cannot solve for, refused at the key that asks for it (tech_path: the
-    weight_quantization section's path)."""
+def check_group(settings, tech_path: str) -> None:
+    """What GPTQ cannot solve for, refused at the key that asks for it (settings: the group's
+    WeightGroupSettings; tech_path: the weight_quantization section's path)."""
+    group = settings.name
     params_at = join(tech_path, f"different_groups.{group}.params")
-    if params.start_bits != params.target_bits:
+    if settings.start_bits != settings.target_bits:
         raise ConfigError(join(params_at, "start_bits"), f"GPTQ solves the weights once for one width, but "
-                          f"the schedule goes from {params.start_bits} to {params.target_bits} bits; set "
+                          f"the schedule goes from {settings.start_bits} to {settings.target_bits} bits; set "
                           "start_bits = target_bits (or use minmax / mse for a bit schedule)")
-    if params.target_bits <= 2 and (params.target_bits == 1 or params.ternary):
-        raise ConfigError(join(params_at, "target_bits"), f"{params.target_bits}-bit weights are binary / "
+    if settings.target_bits <= 2 and (settings.target_bits == 1 or settings.ternary):
+        raise ConfigError(join(params_at, "target_bits"), f"{settings.target_bits}-bit weights are binary / "
                           "ternary (a scale from the mean |w|, no integer grid for GPTQ to round onto); use "
                           "observer minmax / mse, or ternary: false for the 4-level grid")
-    if shared.rounding != "nearest":
+    if settings.rounding != "nearest":
         raise ConfigError(join(tech_path, "shared_parameters.rounding"),
                           f"group {group!r} uses observer gptq, which propagates each column's round-to-nearest "
                           "error; stochastic rounding draws another grid point every step: use rounding: nearest")
-    if shared.fp16_mixed_quantize.enabled:
+    if settings.mix_enabled:
         raise ConfigError(join(tech_path, "shared_parameters.fp16_mixed_quantize.enabled"),
                           f"group {group!r} uses observer gptq, whose grid the blend of full-precision and "
                           "quantized weights would hide; turn fp16_mixed_quantize off")

@@ -36,7 +36,7 @@ from ..config import as_config
 from ..errors import ConfigError
 from ..serialize import flatten, tensor_keys, unflatten
 from ..export import export_quantized
-from ..input_moments import calibrate_weight_ranges, needs_calibration
+from ..calibrate.input_moments import calibrate_weight_ranges, needs_calibration
 from ..export.safetensors_io import existing_outputs
 from ..rewrite import init_compression
 from ..nn.pld import pld_schedule

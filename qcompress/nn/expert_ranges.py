@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from ..calibration import StaticRange
+from ..quant.static_range import StaticRange
 
 
 class ExpertRanges:

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..calibration import StaticRange
+from ..quant.static_range import StaticRange
 from ..errors import ConfigError
 from ..quant import floats, float_observers
 from ..quant.api import fake_quantize_learned, fake_quantize_spec, learned_params, lsq_grad_scale

@@ -19,7 +19,7 @@
   the same way; learned FP8 scales are `weight_scale` in the weight's units, learned NVFP4 scales
   the per-block effective scales `weight_scale` under a learned global `weight_global_scale`.
 - `observer: gptq`: the solver's scales (`WeightQuant.solved`, written by
-  qcompress.calibrate_weight_ranges, qcompress/gptq_calibrate.py) are used as they are, at every
+  qcompress.calibrate_weight_ranges, qcompress/calibrate/gptq.py) are used as they are, at every
   step; with range learning they initialise the learned Parameters instead. A gptq module used
   before it was solved is an error naming it, not a silent round-to-nearest.
 """

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..calibration import StaticRange
+from ..quant.static_range import StaticRange
 from ..config.formats import format_at
 from ..quant import rng
 from ..quant.observers import DEFAULT_SEARCH_FIELDS
@@ -112,7 +112,7 @@ class WeightQuant:
     #                                (re)initialisation keeps them (a model rebuilt from trained weights)
     pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
     per_expert: bool = False       # fused experts at granularity tensor: a channel of [E, out * in] each
-    solver: Optional[str] = None   # "gptq": the weights are solved on calibration data (gptq_calibrate.py)
+    solver: Optional[str] = None   # "gptq": the weights are solved on calibration data (calibrate/gptq.py)
     solver_kwargs: tuple = ()      # quant.gptq.Settings' damp, block_size, act_order, and `sequential`
     solved: Optional[tuple] = field(default=None, repr=False, compare=False)
     # ^ the solver's scales, fixed from then on: integers (scale [groups], zero point or None),

@@ -87,8 +87,7 @@ def with_calibration(doc: dict, opts: JobOptions) -> dict:
     doc = deep_merge(doc, {"compression_training": {"weight_quantization": {"shared_parameters": {
         "observer": opts.calibrate}}}})
     wq = as_config(doc).compression.weight_quantization
-    from ..config.compression import group_setting
-    if not (wq.enabled and any(group_setting(wq, g, "observer")[0] == opts.calibrate for g in wq.groups)):
+    if not (wq.enabled and any(g.settings.observer == opts.calibrate for g in wq.groups)):
         raise JobError(f"--calibrate {opts.calibrate}: no weight quantization group of {' + '.join(opts.configs)} "
                        "would use it (weight quantization is off, or every group sets its own observer)")
     return doc
@@ -163,7 +162,7 @@ def check_compression(model: torch.nn.Module, doc: dict, configs: List[str], ste
         logger.setLevel(level)
     offsets = [q.offset for m in probe.modules() for q in (getattr(m, "qc_wq", None), getattr(m, "qc_aq", None))
                if q is not None]
-    from ..learn_ranges import range_parameters
+    from ..calibrate.learn_ranges import range_parameters
     learned = bool(range_parameters(probe))
     from ..export import reach
     unread = reach.unreadable(probe)

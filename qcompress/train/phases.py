@@ -117,7 +117,7 @@ class PhasesMixin:
         self.finetuned = None
         lr_teacher = teacher if cc.layer_reduction.enabled else None
         qcompress.init_compression(model, doc, teacher_model=lr_teacher)
-        from ..gptq_calibrate import unsolved
+        from ..calibrate.gptq import unsolved
         solving = len(unsolved(model))
         if self.progress.done("qat_train") or (
                 o.resume and loop.latest_step(os.path.join(o.out, "checkpoints", "qat")) is not None):

@@ -152,7 +152,7 @@ def test_whole_moments_that_would_not_fit_in_memory_are_refused_up_front(monkeyp
     """40 x 40 float64 sums + the float32 copy kept: 19,200 bytes; with 30,000 free (half: 15,000)
     calibration refuses before any batch runs, naming the key that avoids it; cross_groups: false
     (no whole moments) runs."""
-    from qcompress import input_moments
+    from qcompress.calibrate import input_moments
     monkeypatch.setattr(input_moments, "free_memory", lambda: 30_000)
     drawn = []
 

@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from .nn.range_groups import range_parameter_ids
-from .unwrap import unwrap
+from ..nn.range_groups import range_parameter_ids
+from ..unwrap import unwrap
 
 
 def range_parameters(model: nn.Module) -> list:
@@ -45,7 +45,7 @@ def _start_input_ranges(model: nn.Module) -> None:
     a scheduler step; a PTQ model (finish(), then calibration batches) has had none, so its learned
     input ranges would stay unused and untrained. Initialise them here from the calibrated observer;
     warn about those whose observer has seen no batch."""
-    from .nn.ranges import init_input_ranges
+    from ..nn.ranges import init_input_ranges
     unseen = []
     for name, mod in model.named_modules():
         aq = getattr(mod, "qc_aq", None)
@@ -66,7 +66,7 @@ def _average_over_ranks(params: list) -> None:
     """Replicated models on several ranks (each its own batches): one mean gradient, so every rank
     takes the same step and keeps the same ranges. Parameters sharded by FSDP2 (DTensors, ZeRO
     stages 2-3) are left out: FSDP2's backward has already reduce-scattered their mean gradient."""
-    from .optim._dist import average_, world_size      # optim loads on first use (see __init__)
+    from ..optim._dist import average_, world_size      # optim loads on first use (see __init__)
     params = [p for p in params if not hasattr(p, "full_tensor")]
     if world_size() == 1 or not params:
         return

@@ -22,7 +22,7 @@ groups are as large as its blocks on real layers (quant/cross_groups.py).
 
 On several ranks the sums are all-reduced, so every rank chooses the same ranges.
 
-The same call solves the weights of `observer: gptq` groups (gptq_calibrate.py), after the moments.
+The same call solves the weights of `observer: gptq` groups (calibrate/gptq.py), after the moments.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import gptq_calibrate
-from .calib_blocks import run_batch
-from .nn import ranges
-from .nn.layers import CompressMixin
+from . import gptq
+from .blocks import run_batch
+from ..nn import ranges
+from ..nn.layers import CompressMixin
 
 INPUT_KINDS = ("linear", "hf_conv1d")
 
@@ -105,7 +105,7 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     E[u_j^2] where a group spans whole rows, and the whole E[u u^T] where cross_groups applies
     (MemoryError up front if those would take more than half the free memory). Then choose the
     weight ranges of the quantized modules again with them. Then solve the weights of the modules
-    whose group has `observer: gptq` and that were not solved yet (gptq_calibrate.py; its input
+    whose group has `observer: gptq` and that were not solved yet (calibrate/gptq.py; its input
     Hessians from the same batches, block by block with `sequential`).
 
     batches: dicts (model(**b)), tuples (model(*b)) or tensors (model(b)); or pass
@@ -115,15 +115,15 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     the number of modules whose moments were recorded or whose weights were solved (0 when no
     group asks for weight_by: inputs or gptq: nothing runs).
     """
-    targets = gptq_calibrate.unsolved(model)
+    targets = gptq.unsolved(model)
     if targets:
         batches = list(batches)
-        gptq_calibrate.check_kinds(targets)
-        gptq_calibrate.check_batches(targets, batches)    # before anything runs or changes
-    with gptq_calibrate.inactive(targets):
+        gptq.check_kinds(targets)
+        gptq.check_batches(targets, batches)    # before anything runs or changes
+    with gptq.inactive(targets):
         n = _record_moments(model, batches, forward)
     if targets:
-        n += gptq_calibrate.calibrate_gptq(model, targets, batches, forward)
+        n += gptq.calibrate_gptq(model, targets, batches, forward)
     return n
 
 
@@ -211,4 +211,4 @@ def needs_calibration(model: nn.Module) -> bool:
     """Some module weighs its ranges by inputs it has no moments of yet (active or not), or has
     weights GPTQ has not solved yet."""
     return (any(m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model))
-            or bool(gptq_calibrate.unsolved(model)))
+            or bool(gptq.unsolved(model)))

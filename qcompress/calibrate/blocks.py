@@ -1,5 +1,5 @@
 """Running a model's repeated blocks one at a time on calibration batches (GPTQ's sequential
-calibration, qcompress/gptq_calibrate.py).
+calibration, qcompress/calibrate/gptq.py).
 
 The blocks are found by structure: the nn.ModuleList of two or more children of one class that
 holds the most of the modules to calibrate (a decoder's `model.layers`, GPT-2's `transformer.h`).

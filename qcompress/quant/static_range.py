@@ -36,13 +36,19 @@ class StaticRange:
                 self.min, self.max = cur_min.clone(), cur_max.clone()
             else:
                 m = self.momentum
-                self.min = m * self.min.to(cur_min.device) + (1.0 - m) * cur_min
-                self.max = m * self.max.to(cur_max.device) + (1.0 - m) * cur_max
+                lo, hi = self._held()
+                self.min = m * lo.to(cur_min.device) + (1.0 - m) * cur_min
+                self.max = m * hi.to(cur_max.device) + (1.0 - m) * cur_max
+        return self._held()
+
+    def _held(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        assert self.min is not None and self.max is not None   # set together, by update or a load
         return self.min, self.max
 
     def sync_tensor(self) -> torch.Tensor:
         """(min, max), for the engine's all-reduce across data-parallel ranks."""
-        return torch.stack([self.min.float().reshape(()), self.max.float().reshape(())])
+        lo, hi = self._held()
+        return torch.stack([lo.float().reshape(()), hi.float().reshape(())])
 
     def sync_from(self, summed: torch.Tensor, world: int) -> None:
         """The range averaged over the ranks (summed: the all-reduced sync_tensor)."""
@@ -52,7 +58,8 @@ class StaticRange:
     def state_dict(self) -> dict:
         if self.min is None:
             return {}
-        return {"min": self.min.detach().cpu().clone(), "max": self.max.detach().cpu().clone()}
+        lo, hi = self._held()
+        return {"min": lo.detach().cpu().clone(), "max": hi.detach().cpu().clone()}
 
     def load_state_dict(self, sd: dict) -> None:
         if "min" in sd:

@@ -1,7 +1,7 @@
 """observer: gptq — the calibration side: each solved module's input Hessian H = E[u u^T] on the
 calibration batches, then quant/gptq.py's solve, and the solution written into the model.
 
-Called by qcompress.calibrate_weight_ranges (input_moments.py), once per module: a module that was
+Called by qcompress.calibrate_weight_ranges (calibrate/input_moments.py), once per module: a module that was
 solved keeps its solution (solve again from a freshly built model). What it writes:
 - the error-compensated weights replace the full-precision weights (optimizer-step mode: they
   become the master copy and the weight holds their quantization), so QAT and QAD continue from
@@ -15,7 +15,7 @@ Which inputs: Linear and transformers' Conv1D take their forward input; a fused 
 takes, for each expert, the tokens routed to it (one Hessian per expert, each expert's matrix
 solved alone; an expert no calibration token reached is rounded to nearest, with a warning).
 
-Sequential (`observer_kwargs.sequential`, the default): the repeated blocks (calib_blocks.py) are
+Sequential (`observer_kwargs.sequential`, the default): the repeated blocks (calibrate/blocks.py) are
 solved in order, block i on the outputs of blocks 0 .. i-1 already quantized; every solved module of
 one block takes its Hessian from the same pass over that block (the block's modules are not
 sequential among themselves). Modules outside the blocks (an lm_head) are solved last, on a pass of
@@ -38,15 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .calib_blocks import BlockCalls, repeated_blocks, run_batch
-from .errors import ConfigError
-from .nn import ranges
-from .nn.experts import IN_OUT, ExpertMatrix
-from .nn.layers import CompressMixin
-from .quant import floats
-from .quant import gptq as solver
-from .quant.observers import Search
-from .quant.reference import make_spec
+from .blocks import BlockCalls, repeated_blocks, run_batch
+from ..errors import ConfigError
+from ..nn import ranges
+from ..nn.experts import IN_OUT, ExpertMatrix
+from ..nn.layers import CompressMixin
+from ..quant import floats
+from ..quant import gptq as solver
+from ..quant.observers import Search
+from ..quant.reference import make_spec
 
 log = logging.getLogger("qcompress")
 GPTQ_KINDS = ("linear", "hf_conv1d", "experts")
@@ -302,7 +302,7 @@ def _write_learned(mod, params) -> None:
     spec = _spec(mod)
     s, z = params
     if floats.is_float(spec):
-        from .quant import float_observers
+        from ..quant import float_observers
         view = mod.weight_matrix_view(mod.weight.detach())
         s, g = float_observers.learned_init(view, spec, s, z)
         mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
