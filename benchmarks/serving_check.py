@@ -57,7 +57,7 @@ RESULTS = os.path.join(HERE, "results", "serving.md")
 def tiny(family: str):
     import transformers
     common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False)
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=False)
     if family == "llama":
         cfg = transformers.LlamaConfig(**common, intermediate_size=256)
     elif family == "qwen3":
@@ -305,7 +305,7 @@ def _cell(text) -> str:
 def write_page(rows, args, versions, floors) -> str:
     floor_text = "; ".join(f"{f}: {v['floor']:.3f}{'' if v['equal'] else ' (greedy tokens differ)'}" if "floor" in v
                            else f"{f}: not measured ({v.get('error', '')[:80]})" for f, v in floors.items())
-    lines = ["Written by `benchmarks/serving_check.py` (`make serve-check`): tiny models (2 layers x 128, "
+    lines = ["Written by `benchmarks/serving_check.py` (`make serve-check`): tiny models (2 layers, hidden 128, 4 heads of 64 with 2 KV heads, "
              f"vocab {VOCAB}) pretrained {args.steps} steps on a learnable pattern, each recipe trained "
              f"{args.qat_steps} steps into them and exported, then read by each consumer. "
              f"Versions: {versions}. vLLM runs on this machine's CPU; where its CPU backend has no kernel "
