@@ -22,10 +22,13 @@ UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod")
 
 
 def default_dtype(export: Export) -> str:
-    """vLLM's CPU kernels for int W8A8 and WNA16 take bfloat16 activations only; float32 exports of
-    other schemes serve in float32."""
-    formats = {r.get("format") for r in list(export.modules.values()) + list(export.experts.values())}
-    return "bfloat16" if formats & {"int-quantized", "pack-quantized"} else str(export.config.get("dtype") or "float32")
+    """vLLM's CPU kernels for int W8A8, WNA16 and FP8 block scales take bfloat16 activations only;
+    float32 exports of other schemes serve in float32."""
+    recs = list(export.modules.values()) + list(export.experts.values())
+    formats = {r.get("format") for r in recs}
+    blocks = any((r.get("weights") or {}).get("strategy") == "block" for r in recs)
+    return ("bfloat16" if formats & {"int-quantized", "pack-quantized"} or blocks
+            else str(export.config.get("dtype") or "float32"))
 
 
 def has_quantized_experts(export: Export) -> bool:
