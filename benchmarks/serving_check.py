@@ -501,9 +501,8 @@ def main(argv=None) -> int:
                 floors[family] = noise_floor(fp, saved, prompts, a.gen_steps)
                 print(f"[{family}] bfloat16 noise floor: {floors[family]}", flush=True)
             f = floors[family]
-            if "floor" not in f or not f["equal"]:
-                raise RuntimeError(f"the bfloat16 oracle of {family} did not give a floor with equal greedy "
-                                   f"tokens: {f}")
+            if "floor" not in f:         # (a near-tie on its larger sample may change a greedy token: the
+                raise RuntimeError(f"the bfloat16 oracle of {family} failed: {f}")   # floor stops there)
             return bf16_tolerance(a.tol, f, a.floor_factor, own)
         for recipe in recipes:
             out = os.path.join(work, f"{family}-{recipe}")
