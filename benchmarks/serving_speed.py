@@ -153,6 +153,8 @@ def main(argv=None) -> int:
                 v, llm = vllm_decoder(name, exports[name], a)
                 v(1)
             except Exception as err:          # noqa: BLE001 -- vLLM has no kernel for it here: a result
+                while err.__cause__ is not None or (err.__context__ is not None and "Dynamo" in str(err)):
+                    err = err.__cause__ or err.__context__      # torch.compile wraps the kernel's own error
                 msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
                 row = f"| {name} | 1, 8 | - | vLLM fails: {msg} | - |"
                 print(row, flush=True)
