@@ -74,9 +74,9 @@ def module_rows(export: Export, report: Report) -> None:
                 report.notes.append(f"{label}: fused experts are stored for load_quantized only")
             elif rec.get("weights") is not None and rec.get("streamed") and label.endswith(("gate_proj", "down_proj")):
                 report.notes.append(f"{pname}: gpt-oss experts under vLLM's per-expert names "
-                                    f"({rec['streamed']['prefix']}.{{e}}.{rec['streamed']['param']}_*): vLLM and "
-                                    "load_quantized read them; transformers refuses (it reads gpt-oss experts "
-                                    "only unquantized)")
+                                    f"({rec['streamed']['prefix']}.{{e}}.{rec['streamed']['param']}_*), which its gpt-oss "
+                                    "loader streams; load_quantized reads them; transformers refuses (it reads "
+                                    "gpt-oss experts only unquantized)")
     _fused_shards(export, report)
     run_sections(export, report, "offline")
 
