@@ -218,6 +218,14 @@ def _local_only(folder: str):
     return [r.name for r in report.rows.values() if r.declared.startswith("ignore")]
 
 
+def unserved_bits(export) -> str:
+    """The integer weight widths of the export that vLLM has no compressed-tensors scheme for
+    (it runs 4- and 8-bit integer weights), e.g. "3"; "" when none."""
+    bits = {(r.get("weights") or {}).get("num_bits") for r in list(export.modules.values()) + list(export.experts.values())
+            if (r.get("weights") or {}).get("type", "int") == "int" and r.get("weights")}
+    return ", ".join(str(b) for b in sorted(bits - {4, 8, None}))
+
+
 def vllm_consumer(folder: str, prompts: torch.Tensor, steps: int, tol: float, tol_bf16: float) -> dict:
     """{"status", "detail", "ok", "schemes"} of vLLM for one export."""
     from qcompress.verify.export import read_export
@@ -236,6 +244,10 @@ def vllm_consumer(folder: str, prompts: torch.Tensor, steps: int, tol: float, to
         if local_only:
             return {"status": "refuses", "ok": True,
                     "detail": f"refuses ({len(local_only)} modules are load_quantized only): {loaded['error'][:120]}"}
+        odd = unserved_bits(export)
+        if odd:
+            return {"status": "refuses", "ok": True,
+                    "detail": f"refuses (vLLM has no {odd}-bit integer scheme): {loaded['error'][:120]}"}
         return {"status": "FAIL", "ok": False, "detail": f"vLLM refuses: {loaded['error'][:200]}"}
     schemes = sorted({c for c in loaded["layers"].values() if c != "CompressedTensorsKVCacheMethod"})
     if "load_error" in loaded:
@@ -460,8 +472,8 @@ def main(argv=None) -> int:
                    help="only regenerate docs/export.md's table from benchmarks/results/serving.md")
     p.add_argument("--work", default=None, help="folder for the exports (default: a temporary one)")
     p.add_argument("--reuse", action="store_true",
-                   help="with --work: take the float model and the exports an earlier run left there "
-                        "(a run resumed after an interruption; the same steps and seeds)")
+                   help="with --work: take the float model, the exports, the noise floors and the rows an "
+                        "earlier run left there (a run resumed after an interruption; the same steps and seeds)")
     a = p.parse_args(argv)
     if a.write_docs:
         print(f"wrote {write_docs()}")
@@ -495,10 +507,17 @@ def main(argv=None) -> int:
             fp.save_pretrained(saved)
             print(f"[{family}] pretrained {a.steps} steps, loss {loss:.3f} ({time.time() - t0:.0f}s)", flush=True)
 
-        def tol_bf16(own: float, family=family, fp=fp):
+        if a.reuse and os.path.exists(os.path.join(saved, "bf16_floor.json")):
+            with open(os.path.join(saved, "bf16_floor.json")) as fh:
+                floors[family] = json.load(fh)
+
+        def tol_bf16(own: float, family=family, fp=fp, saved=saved):
             """The family's floor measured once, when a recipe first serves in bfloat16."""
+            path = os.path.join(saved, "bf16_floor.json")
             if family not in floors:
                 floors[family] = noise_floor(fp, saved, prompts, a.gen_steps)
+                with open(path, "w") as fh:
+                    json.dump(floors[family], fh)
                 print(f"[{family}] bfloat16 noise floor: {floors[family]}", flush=True)
             f = floors[family]
             if "floor" not in f:         # (a near-tie on its larger sample may change a greedy token: the
@@ -519,12 +538,20 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"[{family}/{recipe}] not exported: {msg}", flush=True)
                 continue
-            try:
-                row["vllm"] = vllm_consumer(out, prompts, a.gen_steps, a.tol, tol_bf16)
-            except RuntimeError as err:
-                row["vllm"] = {"status": "FAIL", "ok": False, "detail": str(err)[:200]}
-            row["transformers"] = ({"status": "-", "ok": True, "detail": ""} if a.no_transformers
-                                   else transformers_consumer(out, a.transformers_python))
+            cached = os.path.join(work, f"{family}-{recipe}.row.json")
+            if a.reuse and os.path.exists(cached):       # checked by an earlier run of the same exports
+                with open(cached) as fh:
+                    row = json.load(fh)
+            else:
+                try:
+                    row["vllm"] = vllm_consumer(out, prompts, a.gen_steps, a.tol, tol_bf16)
+                except RuntimeError as err:
+                    row["vllm"] = {"status": "FAIL", "ok": False, "detail": str(err)[:200]}
+                row["transformers"] = ({"status": "-", "ok": True, "detail": ""} if a.no_transformers
+                                       else transformers_consumer(out, a.transformers_python))
+                if a.work is not None:
+                    with open(cached, "w") as fh:
+                        json.dump(row, fh)
             rows.append(row)
             ok = row["vllm"]["ok"] and row["transformers"]["ok"]
             if not ok:
