@@ -322,8 +322,13 @@ def transformers_consumer(folder: str, python: str = None) -> dict:
     if t is None or t.loads is False:
         return {"status": "refuses", "ok": True, "detail": (t.detail if t else "")[:150]}
     if probs:
-        return {"status": "dequantizes" if "unquantized" in probs[0] else "differs", "ok": True,
-                "detail": probs[0][:150]}
+        if "unquantized" in probs[0]:
+            status = "dequantizes"          # runs quantized inputs unquantized
+        elif all("plain from_pretrained fails" in p for p in probs):
+            status = "decompresses only"    # loads with dequantize=True; plain from_pretrained stops
+        else:
+            status = "differs"
+        return {"status": status, "ok": True, "detail": probs[0][:150]}
     return {"status": "loads", "ok": True, "detail": t.detail[:150]}
 
 
