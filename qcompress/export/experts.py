@@ -90,6 +90,7 @@ def tensor_name(saved: str, suffix: str) -> str:
 
 # --- gpt-oss: the per-expert names vLLM's gpt-oss loader streams --------------------------------
 STREAMED = {"gate_up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",))}
+STREAMED_SUFFIXES = SUFFIXES + ("input_scale", "input_zero_point", "input_global_scale")
 
 
 def streamed_layout(root: nn.Module, fused: str) -> Optional[dict]:
@@ -131,14 +132,19 @@ def _unstream(rec: dict, tensors: Dict[str, torch.Tensor], where: str) -> dict:
     out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
     flip = st.get("transposed", False)
     pieces = []
+    codes = "weight_packed" if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized",
+                                                       "mxfp4-pack-quantized") else "weight"
     for e in range(e_n):
         saved = f"{st['prefix']}.{e}.{st['param']}.weight"
         pieces.append([saved, e, 0, out])
-        head = f"{st['prefix']}.{e}.{st['param']}_"
-        for key in [k for k in tensors if k.startswith(head)]:
+        if streamed_name(st, e, codes) not in tensors:
+            raise CheckpointError(f"{where}: tensor {streamed_name(st, e, codes)!r} is missing")
+        for suffix in STREAMED_SUFFIXES:
+            key = streamed_name(st, e, suffix)
+            if key not in tensors:
+                continue
             t = tensors.pop(key)
-            suffix = key[len(head):]
-            if flip and t.dim() == 2 and suffix not in ("input_scale", "input_zero_point"):
+            if flip and t.dim() == 2:
                 t = t.t().contiguous()
             tensors[saved[: -len("weight")] + suffix] = t
         if rec.get("format") == "pack-quantized":
