@@ -252,6 +252,10 @@ def vllm_consumer(folder: str, prompts: torch.Tensor, steps: int, tol: float, to
     schemes = sorted({c for c in loaded["layers"].values() if c != "CompressedTensorsKVCacheMethod"})
     if "load_error" in loaded:
         module, why = load_error_line(export, loaded)
+        if local_only and any(module == m or module.startswith(m + ".") for m in local_only):
+            return {"status": "refuses", "ok": True, "schemes": schemes,
+                    "detail": f"refuses ({len(local_only)} modules are load_quantized only; its loader stops at "
+                              f"{module}): {loaded['load_error']['error'][:100]}"}
         if why.startswith("vLLM limitation"):
             return {"status": "vLLM limitation", "ok": True, "schemes": schemes, "detail": f"{module}: {why}"}
         return {"status": "FAIL", "ok": False, "schemes": schemes, "detail": f"{module}: {why}"}
