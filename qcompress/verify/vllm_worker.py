@@ -26,6 +26,9 @@ import sys
 import tempfile
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: the parent waits for it
+# vLLM's CPU backend runs WNA16 (W4A16) layers with int8-quantized activations on AMX CPUs unless
+# told not to: the check serves the export's own scheme, 16-bit activations
+os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
 
 
 def _patch_backend_selection(missing: list) -> None:
