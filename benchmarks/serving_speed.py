@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     import tempfile
     lines = [f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
              f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode float32, "
-             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32. Shared machine: "
+             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32, with its defaults "
+             "(on AMX CPUs that runs W4A16 layers with int8 activations, VLLM_CPU_INT4_W4A8=1). Shared machine: "
              "ratios are the result.", "",
              "| export | batch | qcompress tok/s | vLLM CPU tok/s | qcompress / vLLM |", "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
