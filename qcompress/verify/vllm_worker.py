@@ -31,6 +31,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: th
 os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
 
 
+def _amx_permission() -> None:
+    """vLLM's 16-bit-activation WNA16 GEMM uses AMX tiles without asking Linux for them (oneDNN's
+    AMX kernels ask; with none run before it, it dies of SIGILL): ask once, as oneDNN would."""
+    import torch
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if init is not None:
+        init()
+
+
 def _patch_backend_selection(missing: list) -> None:
     """Wrap every `select_*backend` (MoE methods) and `init_*_kernel` / `choose_*kernel` (Linear
     schemes) that vLLM's compressed-tensors package calls: a failure (no kernel here) is recorded
@@ -231,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dump", help="load: write the experts layers' parameters to this safetensors file")
     a = p.parse_args(argv)
+    _amx_permission()
     try:
         if a.what == "load":
             result = load_check(a.folder, a.dtype, a.dump)
