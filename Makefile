@@ -143,8 +143,9 @@ $(SERVE_STAMP): Makefile
 	$(SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
-serve-check: $(SERVE_STAMP) $(BUILD_STAMP)
-	PYTHONPATH=$(CURDIR) $(SERVE_PY) benchmarks/serving_check.py $(SERVE_ARGS)
+# The transformers column runs in the project's own environment (the transformers users get).
+serve-check: $(SERVE_STAMP) $(BUILD_STAMP) $(DEPS_STAMP)
+	PYTHONPATH=$(CURDIR) $(SERVE_PY) benchmarks/serving_check.py --transformers-python $(VPY) $(SERVE_ARGS)
 
 clean:
 	rm -rf build *.egg-info qcompress/*.so $(VENV)/.build-stamp $(VENV)/.build-stamp-pure

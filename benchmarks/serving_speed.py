@@ -15,7 +15,9 @@ at batch 1 and batch 8, by
 Rounds alternate between the two (benchmarks/common.py: interleaved), on one machine that other
 jobs may share: the ratios (qcompress tokens/s over vLLM tokens/s, median of the per-round ratios)
 are the result, not the absolute times. --isa avx2 (default on) holds both to AVX2: ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA and qcompress' own QCOMPRESS_LOWBIT_ISA, set before torch is imported.
+ONEDNN_MAX_CPU_ISA and qcompress' own QCOMPRESS_LOWBIT_ISA, set before torch is imported, and
+torch.cpu's AVX-512 / AMX checks answering False, which makes vLLM load its AVX2 kernel library and
+pick its non-AMX kernels, as on an AVX2 machine. --isa native: each at its best on this CPU.
 Writes section "llama-124m" of benchmarks/results/serving.md with --write-results.
 """
 from __future__ import annotations
@@ -46,6 +48,22 @@ import torch                                                   # noqa: E402
 import qcompress                                               # noqa: E402
 
 
+def _cap_vllm(argv):
+    """vLLM picks its kernel library (_C, _C_AVX512, _C_AVX2) and its AMX kernels from torch.cpu's
+    feature checks, which read the CPU itself: under the AVX2 cap they answer as an AVX2 machine's
+    would, so vLLM loads its AVX2 library and non-AMX kernels (oneDNN, capped too, would refuse
+    its AMX ones)."""
+    if "--isa" in argv and argv[argv.index("--isa") + 1] == "native":
+        return
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+
+
+_cap_vllm(sys.argv)
+
+
 def llama(args):
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
@@ -59,20 +77,21 @@ def llama(args):
 def make_exports(args, work):
     import warnings
     out = {}
-    base = llama(args)
     fp = os.path.join(work, "fp32")
-    base.save_pretrained(fp)
+    if not os.path.exists(os.path.join(fp, "config.json")):
+        llama(args).save_pretrained(fp)
     out["FP32"] = fp
     for name, recipe in (("W8A8", "w8a8"), ("W4A16", "w4a16_g128")):
+        out[name] = path = os.path.join(work, recipe)
+        if os.path.exists(os.path.join(path, "config.json")):      # --work: exports of an earlier run
+            continue
         model = llama(args)
         cfg = qcompress.load_config(os.path.join(common.ROOT, "schedules", recipe + ".yaml"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qcompress.init_compression(model, cfg)
             qcompress.redundancy_clean(model, cfg)
-            path = os.path.join(work, recipe)
             qcompress.export_quantized(model, path, cfg, force=True)
-        out[name] = path
     return out
 
 
@@ -116,19 +135,32 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     p.add_argument("--schemes", nargs="+", default=["W4A16", "W8A8", "FP32"])
     p.add_argument("--write-results", action="store_true")
+    p.add_argument("--work", default=None, help="keep the exports in this folder (and reuse them)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     import tempfile
     lines = [f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
              f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode float32, "
-             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32. Shared machine: "
+             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32, with its defaults "
+             "(on AMX CPUs that runs W4A16 layers with int8 activations, VLLM_CPU_INT4_W4A8=1). Shared machine: "
              "ratios are the result.", "",
              "| export | batch | qcompress tok/s | vLLM CPU tok/s | qcompress / vLLM |", "|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory(prefix="qc-speed-") as work:
+    with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
+        work = a.work or tmp
         exports = make_exports(a, work)
         for name in a.schemes:
             q = qcompress_decoder(name, exports[name], a)
-            v, _llm = vllm_decoder(name, exports[name], a)    # _llm: held so vLLM lives until the rows are timed
+            try:
+                v, llm = vllm_decoder(name, exports[name], a)
+                v(1)
+            except Exception as err:          # noqa: BLE001 -- vLLM has no kernel for it here: a result
+                while err.__cause__ is not None or (err.__context__ is not None and "Dynamo" in str(err)):
+                    err = err.__cause__ or err.__context__      # torch.compile wraps the kernel's own error
+                msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
+                row = f"| {name} | 1, 8 | - | vLLM fails: {msg} | - |"
+                print(row, flush=True)
+                lines.append(row)
+                continue
             for batch in (1, 8):
                 q(batch), v(batch)                            # warm-up (compilation, caches)
                 t = common.interleaved({"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)},
@@ -139,11 +171,12 @@ def main(argv=None) -> int:
                        f"{common.ratio(t, 'vllm', 'qcompress')} |")
                 print(row, flush=True)
                 lines.append(row)
-            _llm = v = None                                   # free vLLM before the next export
+            del llm, v
     text = "\n".join(lines) + "\n"
     print(text)
     if a.write_results:
-        common.write_section("serving", "llama-124m", text, title="Decode speed: load_quantized fast vs vLLM CPU")
+        common.write_section("serving", f"llama-124m-{a.isa}", text,
+                             title="Decode speed: load_quantized fast vs vLLM CPU")
     return 0
 
 

@@ -97,6 +97,11 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
         if rec["weights"] is None:
             continue            # input-only experts: no weight scheme for a loader to pick
         fragments = expert_targets(rec)
+        if rec.get("streamed"):
+            # gpt-oss: vLLM reads these names; transformers reads gpt-oss experts only unquantized,
+            # so the refusal group keeps it from loading them as random weights (vLLM ignores it)
+            local_only.append(name)
+            reasons.append("gpt-oss experts under vLLM's per-expert names, which transformers does not read")
         if fragments is None:
             local_only.append(name)
             reasons.append("fused experts (gpt-oss layout), which vLLM and transformers do not read quantized")
@@ -138,7 +143,11 @@ _EXPERT_PIECE = re.compile(r"^(.*)\.(\d+)\.([^.]+)\.weight$")
 
 
 def expert_modules(rec: dict) -> List[str]:
-    """The per-expert Linear names an experts record is written under (`...experts.3.gate_proj`)."""
+    """The per-expert Linear names an experts record is written under (`...experts.3.gate_proj`);
+    for gpt-oss' streamed experts, the names vLLM asks its config for."""
+    if rec.get("streamed"):
+        from .experts import streamed_modules
+        return streamed_modules(rec["streamed"], rec["shape"][0])
     return [saved[: -len(".weight")] for saved, *_ in rec.get("pieces") or ()]
 
 
@@ -146,6 +155,11 @@ def expert_targets(rec: dict) -> Optional[List[str]]:
     """`targets` entries matching exactly the per-expert module names of an experts record: one
     `re:` pattern per projection that every expert has, plain names otherwise; None for a fused
     (gpt-oss) record."""
+    if rec.get("streamed"):
+        # one pattern per record (vLLM leaves `re:` targets as they are; its gpt-oss name mapper
+        # would turn a plain `...experts.0.down_proj` into `...experts.0.w2_weight`)
+        names = sorted({n.rsplit(".", 1)[1] for n in expert_modules(rec)})
+        return ["re:^" + re.escape(rec["streamed"]["prefix"]) + r"\.\d+\.(?:" + "|".join(names) + ")$"]
     if rec.get("fused") is not None or not rec.get("pieces"):
         return None
     n_experts = rec["shape"][0]

@@ -42,5 +42,5 @@ def verify(folder, *, vllm: bool = False, transformers: bool = False, load: bool
             reference = greedy(model, prompts, 6)
         # bfloat16 serving against a float32 reference: log-probabilities agree to bfloat16's precision
         check_vllm(export, report, dtype=dtype, prompts=prompts.tolist(), steps=6, reference=reference,
-                   tol=1e-2 if dtype == str(export.config.get("dtype") or "float32") else 0.1)
+                   tol=1e-2 if dtype == str(export.config.get("dtype") or "float32") else 0.1, model=model)
     return report

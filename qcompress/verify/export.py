@@ -46,19 +46,22 @@ def read_export(folder: str) -> Export:
 
 def _check_expert_tensors(experts, tensors, cfg_path) -> None:
     """Every stored entry an experts record names must be there (load_quantized would stop at it)."""
-    from ..export.experts import tensor_name
+    from ..export.experts import streamed_name, tensor_name
     for name, rec in experts.items():
         if rec.get("weights") is None:
             continue
         codes = "weight_packed" if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized",
                                                           "mxfp4-pack-quantized") else "weight"
-        saved = [rec["fused"]] if rec.get("fused") is not None else [p[0] for p in rec.get("pieces") or ()]
-        for s in saved:
-            for suffix in (codes, "weight_scale"):
-                key = tensor_name(s, suffix)
-                if key not in tensors:
-                    raise CheckpointError(f"{cfg_path}: experts {name!r} needs tensor {key!r}, which no "
-                                          "checkpoint file holds")
+        if rec.get("streamed"):
+            keys = [streamed_name(rec["streamed"], e, s) for e in range(rec["shape"][0])
+                    for s in (codes, "weight_scale")]
+        else:
+            saved = [rec["fused"]] if rec.get("fused") is not None else [p[0] for p in rec.get("pieces") or ()]
+            keys = [tensor_name(s, suffix) for s in saved for suffix in (codes, "weight_scale")]
+        for key in keys:
+            if key not in tensors:
+                raise CheckpointError(f"{cfg_path}: experts {name!r} needs tensor {key!r}, which no "
+                                      "checkpoint file holds")
 
 
 # --- compressed-tensors' matching of a name against targets / ignore ---------------------------
@@ -87,7 +90,7 @@ def declared(qc: dict, name: str, kind: str) -> Tuple[str, Optional[str]]:
 def expert_rows(rec: dict) -> List[Tuple[str, List[str]]]:
     """(row label, per-expert module names) of an experts record: one row per projection
     (`...experts.*.gate_proj`), or the fused Parameter's own name (gpt-oss)."""
-    if rec.get("fused") is not None or not rec.get("pieces"):
+    if not layout.expert_modules(rec):
         return [(rec.get("fused") or "?", [])]
     rows: Dict[str, List[str]] = {}
     for n in layout.expert_modules(rec):

@@ -71,7 +71,12 @@ def module_rows(export: Export, report: Report) -> None:
                                "transformers build them unquantized and then refuse their weight_scale "
                                "tensors (an export of an older qcompress: export it again)")
             if rec.get("weights") is not None and rec.get("fused") is not None:
-                report.notes.append(f"{label}: fused gpt-oss experts are stored for load_quantized only")
+                report.notes.append(f"{label}: fused experts are stored for load_quantized only")
+            elif rec.get("weights") is not None and rec.get("streamed") and label.endswith(("gate_proj", "down_proj")):
+                report.notes.append(f"{pname}: gpt-oss experts under vLLM's per-expert names "
+                                    f"({rec['streamed']['prefix']}.{{e}}.{rec['streamed']['param']}_*), which its gpt-oss "
+                                    "loader streams; load_quantized reads them; transformers refuses (it reads "
+                                    "gpt-oss experts only unquantized)")
     _fused_shards(export, report)
     run_sections(export, report, "offline")
 

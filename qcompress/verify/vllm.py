@@ -22,10 +22,62 @@ UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod")
 
 
 def default_dtype(export: Export) -> str:
-    """vLLM's CPU kernels for int W8A8 and WNA16 take bfloat16 activations only; float32 exports of
-    other schemes serve in float32."""
-    formats = {r.get("format") for r in list(export.modules.values()) + list(export.experts.values())}
-    return "bfloat16" if formats & {"int-quantized", "pack-quantized"} else str(export.config.get("dtype") or "float32")
+    """vLLM's CPU kernels for int W8A8, WNA16 and FP8 block scales take bfloat16 activations only;
+    float32 exports of other schemes serve in float32."""
+    recs = list(export.modules.values()) + list(export.experts.values())
+    formats = {r.get("format") for r in recs}
+    blocks = any((r.get("weights") or {}).get("strategy") == "block" for r in recs)
+    return ("bfloat16" if formats & {"int-quantized", "pack-quantized"} or blocks
+            else str(export.config.get("dtype") or "float32"))
+
+
+def has_quantized_experts(export: Export) -> bool:
+    return any(r.get("weights") is not None for r in export.experts.values())
+
+
+def load_dtype(export: Export, dtype: str) -> str:
+    """The dtype of the load check: the export's own for quantized experts (no CPU kernel serves
+    them, and scales kept in the export's precision compare bit for bit), else the serving one."""
+    return str(export.config.get("dtype") or "float32") if has_quantized_experts(export) else dtype
+
+
+def expert_check(export: Export, dtype: str, params) -> dict:
+    """vLLM's load check with the experts layers' parameters compared against `params` (the
+    Parameters of a model load_quantized loaded): {"load": result, "experts": [(module, problem)]}."""
+    import tempfile as _tf
+    from safetensors.torch import load_file
+    from .vllm_experts import compare_expert_weights
+    with _tf.TemporaryDirectory(prefix="qc-vllm-dump-") as tmp:
+        dump = os.path.join(tmp, "experts.safetensors")
+        loaded = run_worker(["load", export.folder, "--dtype", dtype, "--dump", dump])
+        if "error" in loaded or not os.path.exists(dump):
+            return {"load": loaded, "experts": []}
+        values = load_file(dump)
+    return {"load": loaded, "experts": compare_expert_weights(values, export.experts, params)}
+
+
+def load_error_line(export: Export, loaded: dict):
+    """(module, reason) for vLLM's load_weights stopping at a checkpoint tensor: an experts tensor
+    written under the names vLLM's own MoE loader asks for, in a layer it resolved to a quantized
+    MoE method, is a limitation of vLLM's loader for that method."""
+    tensor = loaded["load_error"]["tensor"] or "(model)"
+    error = loaded["load_error"]["error"][:240]
+    owner = next((p for p, r in export.experts.items() if r.get("weights") is not None
+                  and _owns(p, r, tensor)), None)
+    if owner is None:
+        return tensor, f"vLLM's load_weights stops at this checkpoint tensor: {error}"
+    layer = _vllm_layer(loaded["layers"], owner.rsplit(".", 1)[0] + ".0.x") or owner
+    method = loaded["layers"].get(layer, "?")
+    return owner, (f"vLLM limitation: its {method} for {layer} stops on the expert tensors its own gpt-oss / MoE "
+                   f"name mapping asks for ({tensor}): {error}")
+
+
+def _owns(pname: str, rec: dict, tensor: str) -> bool:
+    if rec.get("streamed"):
+        return tensor.startswith(rec["streamed"]["prefix"] + ".")
+    prefix = pname.rsplit(".", 1)[0]
+    saved = [p[0] for p in rec.get("pieces") or ()]
+    return tensor.startswith(prefix + ".") or any(tensor.startswith(s[: -len("weight")]) for s in saved)
 
 
 def run_worker(args, timeout: int = 900) -> dict:
@@ -63,8 +115,9 @@ def _vllm_layer(layers: dict, name: str) -> Optional[str]:
 
 
 def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prompts=None, steps: int = 6,
-               reference=None, tol: float = 1e-2) -> dict:
-    """Resolve and load with vLLM; generate where it has the kernels. Returns the raw results."""
+               reference=None, tol: float = 1e-2, model=None) -> dict:
+    """Resolve and load with vLLM; compare its loaded expert weights with `model`'s (load_quantized's)
+    where the export has quantized experts; generate where it has the kernels. Returns the raw results."""
     res = report.consumers.setdefault("vllm", ConsumerResult())
     try:
         import vllm  # noqa: F401
@@ -74,14 +127,24 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
                                            "vLLM's environment (make serve-check builds one)")
         return {}
     dtype = dtype or default_dtype(export)
-    loaded = run_worker(["load", export.folder, "--dtype", dtype])
-    out = {"load": loaded, "dtype": dtype}
+    experts = []
+    if has_quantized_experts(export) and model is not None:
+        checked = expert_check(export, load_dtype(export, dtype), dict(model.named_parameters()))
+        loaded, experts = checked["load"], checked["experts"]
+    else:
+        loaded = run_worker(["load", export.folder, "--dtype", dtype])
+    out = {"load": loaded, "dtype": dtype, "experts": experts}
     if "error" in loaded:
         res.loads = False
         res.detail = loaded["error"][:300]
         report.problem("vllm", "(model)", f"vLLM refuses the export: {loaded['error'][:300]}")
         return out
     layers = loaded["layers"]
+    if "load_error" in loaded:
+        res.loads = False
+        res.detail = f"vLLM builds the model and its load_weights stops: {loaded['load_error']['error'][:200]}"
+        report.problem("vllm", *load_error_line(export, loaded))
+        return out
     for label, row in report.rows.items():
         layer = _vllm_layer(layers, label)
         used = layers.get(layer) if layer else None
@@ -96,13 +159,19 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
         report.problem("vllm", k, "checkpoint tensor dropped by vLLM's weight loader (it reaches no parameter)")
     for p in loaded["unloaded"]:
         report.problem("vllm", p, "vLLM parameter that no checkpoint tensor fills")
-    res.loads = not loaded["dropped"] and not loaded["unloaded"]
+    for module, why in experts:
+        report.problem("vllm", module, why)
+    res.loads = not loaded["dropped"] and not loaded["unloaded"] and not experts
     if not res.loads:
-        res.detail = "vLLM's loader drops checkpoint tensors or leaves parameters unfilled"
+        res.detail = ("vLLM's loader drops checkpoint tensors, leaves parameters unfilled or fills expert "
+                      "weights other than the export holds")
         return out
     if loaded["missing_kernels"]:
         kinds = sorted({m.split(":")[0] for m in loaded["missing_kernels"]})
-        res.detail = f"resolved and loaded; no kernel on this machine ({', '.join(kinds)}): serves where vLLM has one"
+        held = "; every expert's weights as load_quantized's, bit for bit" if has_quantized_experts(export) \
+            and model is not None else ""
+        res.detail = (f"resolved and loaded{held}; no kernel on this machine ({', '.join(kinds)}): serves "
+                      "where vLLM has one")
         return out
     if prompts is None:
         from .offline import probe_ids

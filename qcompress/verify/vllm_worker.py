@@ -9,7 +9,9 @@ checkpoint tensor. Where vLLM has no kernel for a scheme on this machine (quanti
 formats on a CPU), its backend selection is recorded and stood in for, so the weights still go
 through the real weight loaders; process_weights_after_loading (kernel-specific repacking) is not
 run. Every checkpoint tensor is followed (a TorchFunctionMode tags it and what is computed from it)
-until it is written into a parameter; one that never is was dropped by the loader.
+until it is written into a parameter; one that never is was dropped by the loader. With --dump,
+the experts layers' parameters as the loader left them are written out, for the parent to compare
+with load_quantized's weights (qcompress/verify/vllm_experts.py).
 `generate` serves the export with vLLM's LLM (greedy, top-5 log-probabilities). Output: JSON.
 """
 from __future__ import annotations
@@ -24,11 +26,24 @@ import sys
 import tempfile
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: the parent waits for it
+# vLLM's CPU backend runs WNA16 (W4A16) layers with int8-quantized activations on AMX CPUs unless
+# told not to: the check serves the export's own scheme, 16-bit activations
+os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
+
+
+def _amx_permission() -> None:
+    """vLLM's 16-bit-activation WNA16 GEMM uses AMX tiles without asking Linux for them (oneDNN's
+    AMX kernels ask; with none run before it, it dies of SIGILL): ask once, as oneDNN would."""
+    import torch
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if init is not None:
+        init()
 
 
 def _patch_backend_selection(missing: list) -> None:
-    """Wrap every `select_*backend` of vLLM's compressed-tensors package: a failure (no kernel here)
-    is recorded and answered with (None, None), so the layer is still built and its weights loaded."""
+    """Wrap every `select_*backend` (MoE methods) and `init_*_kernel` / `choose_*kernel` (Linear
+    schemes) that vLLM's compressed-tensors package calls: a failure (no kernel here) is recorded
+    and answered with a stand-in, so the layer is still built and its weights loaded."""
     import vllm.model_executor.layers.quantization.compressed_tensors as ct
     for info in pkgutil.walk_packages(ct.__path__, ct.__name__ + "."):
         try:
@@ -36,18 +51,36 @@ def _patch_backend_selection(missing: list) -> None:
         except ImportError:            # a ROCm-only module
             continue
         for key, fn in list(vars(mod).items()):
-            if key.startswith("select_") and key.endswith("backend") and callable(fn):
-                setattr(mod, key, _standin(fn, key, missing))
+            if not callable(fn):
+                continue
+            if key.startswith("select_") and key.endswith("backend"):
+                setattr(mod, key, _standin(fn, key, missing, (None, None)))
+            elif key.startswith(("init_", "choose_")) and key.endswith("kernel"):
+                setattr(mod, key, _standin(fn, key, missing, _NoKernel()))
 
 
-def _standin(fn, key, missing):
+class _NoKernel:
+    """Stands in for a Linear kernel (or its class) vLLM has none of here: every method answers None."""
+
+    __name__ = "NoKernelHere"           # vLLM logs the chosen kernel class by name
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+def _standin(fn, key, missing, answer):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as err:       # noqa: BLE001 -- vLLM's own "no kernel" errors vary by format
             missing.append(f"{key}: {type(err).__name__}: {err}")
-            return None, None
+            return answer
     return call
 
 
@@ -106,7 +139,20 @@ def _checkpoint_tensors(folder):
                 yield k, fh.get_tensor(k)
 
 
-def load_check(folder: str, dtype: str) -> dict:
+def _dump_experts(model, path: str) -> None:
+    """Every experts layer's w13_* / w2_* parameters as vLLM's loader left them (before
+    process_weights_after_loading repacks them for a kernel), to a safetensors file."""
+    from safetensors.torch import save_file
+    out = {}
+    for name, mod in model.named_modules():
+        if type(getattr(mod, "quant_method", None)).__name__.endswith("MoEMethod"):
+            for pname, p in mod.named_parameters(recurse=False):
+                if pname.startswith(("w13_", "w2_")) and p.numel():
+                    out[f"{name}.{pname}"] = p.detach().cpu().contiguous()
+    save_file(out, path)
+
+
+def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -141,14 +187,24 @@ def load_check(folder: str, dtype: str) -> dict:
                 t._qc_tags = {k}
                 names.append(k)
                 yield k, t
-        with follow.mode:
-            loaded = model.load_weights(tagged())
+        try:
+            with follow.mode:
+                loaded = model.load_weights(tagged())
+        except Exception as err:     # noqa: BLE001 -- the model was built: say where its loader stopped
+            out["load_error"] = {"tensor": names[-1] if names else None, "error": f"{type(err).__name__}: {err}"}
+            return out
     out["dropped"] = [k for k in names if k not in follow.consumed]
     params = {n for n, _ in model.named_parameters()}
     kv_placeholders = (".k_scale", ".v_scale", ".q_scale", ".k_zero_point", ".v_zero_point", ".q_zero_point")
+    # the MoE methods' w13/w2_weight_shape parameters: filled from a checkpoint's weight_shape where
+    # one is written, and read by nothing after loading (the packed parameters' shapes fix them)
+    unread = (".w13_weight_shape", ".w2_weight_shape")
     out["unloaded"] = sorted(p for p in params - set(loaded or ())
-                             if not (vcfg.model_config.hf_config.to_dict().get("quantization_config", {})
-                                     .get("kv_cache_scheme") is None and p.endswith(kv_placeholders)))
+                             if not p.endswith(unread)
+                             and not (vcfg.model_config.hf_config.to_dict().get("quantization_config", {})
+                                      .get("kv_cache_scheme") is None and p.endswith(kv_placeholders)))
+    if dump:
+        _dump_experts(model, dump)
     return out
 
 
@@ -182,10 +238,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompts")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", required=True)
+    p.add_argument("--dump", help="load: write the experts layers' parameters to this safetensors file")
     a = p.parse_args(argv)
+    _amx_permission()
     try:
         if a.what == "load":
-            result = load_check(a.folder, a.dtype)
+            result = load_check(a.folder, a.dtype, a.dump)
         else:
             with open(a.prompts) as fh:
                 result = generate(a.folder, a.dtype, json.load(fh), a.steps)

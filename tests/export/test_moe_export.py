@@ -2,6 +2,7 @@
 tensors decoding each expert to the compressed model's effective weight, exact reload, and
 transformers loading the declared experts exactly or refusing loudly."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -40,16 +41,28 @@ def _parts(model):
     return {n: m for n, m in model.named_modules() if type(m).__name__ == "ExpertMatrix"}
 
 
+def _streamed_names(fused_names, n_experts=4):
+    """gpt-oss: the per-expert names vLLM's gpt-oss loader streams (`experts.{e}.w13` for gate_up_proj)."""
+    param = {"gate_up_proj": "w13", "down_proj": "w2"}
+    return sorted(f"{n.rsplit('.', 1)[0]}.{e}.{param[n.rsplit('.', 1)[1]]}" for n in fused_names
+                  for e in range(n_experts))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_names_equal_save_pretrained_and_compressed_tensors_decodes(tmp_path, family):
     model = make_moe(family)
     model.save_pretrained(tmp_path / "fp")
     want = _saved_expert_names(tmp_path / "fp")
     qcompress.init_compression(model, cfg_w(4, sym=False))
-    qcompress.export_quantized(model, tmp_path / "q")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qcompress.export_quantized(model, tmp_path / "q")
     sd = _tensors(tmp_path / "q")
     fused = family == "gpt_oss"
-    mark = "_packed" if fused else ".weight_packed"
+    mark = "_weight_packed" if fused else ".weight_packed"
+    if fused:            # per expert, under vLLM's parameter names (save_pretrained keeps them fused)
+        want = _streamed_names(want)
+        assert not any(k.endswith("weight_shape") for k in sd if ".experts." in k)
     assert sorted(k[: -len(mark)] for k in sd if ".experts." in k and k.endswith(mark)) == want
     assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in sd)   # no float copies left
     # compressed-tensors' own decompressor gives each expert's [out, in] rows of the effective weight
@@ -63,11 +76,14 @@ def test_names_equal_save_pretrained_and_compressed_tensors_decodes(tmp_path, fa
         eff = part.effective_weight().detach()
         rec = records[pname]
         e_n, out, _ = part.matrix_shape()
-        pieces = [(rec["fused"], e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
+        st = rec.get("streamed")
+        pieces = [(f"{st['prefix']}.{e}.{st['param']}", e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
         assert sum(r for *_, r in pieces) == e_n * out            # every row of every expert, once
         for saved, e, o0, r in pieces:
-            if fused:
-                local = {s: sd[saved + s[len("weight"):]][e] for s in SUFFIXES}
+            if fused:            # WNA16: [out, in] entries as vLLM's WNA16 MoE method copies them
+                assert st["transposed"] is False
+                local = {s: sd[f"{saved}_{s}"] for s in SUFFIXES if s != "weight_shape"}
+                local["weight_shape"] = torch.tensor([r, eff.shape[1]])
                 ref = eff[e].t()[o0:o0 + r]
             else:
                 local = {s: sd[saved[: -len("weight")] + s] for s in SUFFIXES}
@@ -83,7 +99,7 @@ def test_names_equal_save_pretrained_and_compressed_tensors_decodes(tmp_path, fa
 def test_reload_exact_and_transformers_loads_exactly_or_refuses(tmp_path, family, bits, sym, gran):
     """Experts are declared in config_groups under their per-expert names: transformers either loads
     them into the effective weights bit for bit or fails loudly (int-quantized experts: its weight
-    conversion stops; gpt-oss' fused layout: the refusal group naming qcompress.load_quantized)."""
+    conversion stops; gpt-oss' experts under vLLM's names: the refusal group naming qcompress.load_quantized)."""
     from transformers import AutoModelForCausalLM
     from qcompress.export.hf_compat import dequantize_config
     model = make_moe(family)
@@ -180,7 +196,7 @@ def test_redundancy_clean_bakes_the_experts_and_the_export_reloads_exactly(tmp_p
     qcompress.redundancy_clean(model)
     with torch.no_grad():
         assert torch.equal(model(x).logits, want)
-    if family == "gpt_oss":          # the fused layout: only load_quantized reads it quantized
+    if family == "gpt_oss":          # vLLM's per-expert names: transformers refuses, naming load_quantized
         with pytest.warns(UserWarning, match="load_quantized"):
             qcompress.export_quantized(model, tmp_path / "q")
     else:
@@ -188,3 +204,48 @@ def test_redundancy_clean_bakes_the_experts_and_the_export_reloads_exactly(tmp_p
     fresh = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=2))
     with torch.no_grad():
         assert torch.equal(fresh(x).logits, want)
+
+
+def test_gpt_oss_exports_of_earlier_versions_still_reload(tmp_path, monkeypatch):
+    """Earlier versions stacked gpt-oss' expert entries under the fused name
+    (`experts.gate_up_proj_packed` [E, ...]); load_quantized reads those exactly still."""
+    import qcompress.export.experts as experts_mod
+    model = make_moe("gpt_oss")
+    qcompress.init_compression(model, cfg_w(4, sym=False))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    monkeypatch.setattr(experts_mod, "streamed_layout", lambda root, fused: None)   # the earlier writer
+    with pytest.warns(UserWarning, match="load_quantized"):
+        qcompress.export_quantized(model, tmp_path / "old")
+    monkeypatch.undo()
+    sd = _tensors(tmp_path / "old")
+    assert "model.layers.0.mlp.experts.gate_up_proj_packed" in sd and not any(".experts.0." in k for k in sd)
+    back = qcompress.load_quantized(tmp_path / "old", make_moe("gpt_oss", seed=4))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, want)
+
+
+def test_gpt_oss_int8_experts_are_written_transposed_for_vllm(tmp_path):
+    """int8 (and FP8 / MX) experts: vLLM's gpt-oss loader transposes each streamed tensor (it takes
+    them for gpt-oss' [in, out] float layout), so they are written [in, out]: codes [H, 2I] and
+    per-channel scales [1, 2I] for gate_up_proj; load_quantized reads them back exactly."""
+    model = make_moe("gpt_oss")
+    qcompress.init_compression(model, cfg_w(8, sym=True, gran="channel"))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    with pytest.warns(UserWarning, match="vLLM"):
+        qcompress.export_quantized(model, tmp_path / "q")
+    sd = _tensors(tmp_path / "q")
+    hidden, inter = 32, 48
+    assert sd["model.layers.0.mlp.experts.3.w13_weight"].shape == (hidden, 2 * inter)
+    assert sd["model.layers.0.mlp.experts.3.w13_weight_scale"].shape == (1, 2 * inter)
+    assert sd["model.layers.0.mlp.experts.3.w2_weight"].shape == (inter, hidden)
+    part = _parts(model)["model.layers.0.mlp.experts.gate_up_proj"]
+    eff = part.effective_weight().detach()[3]            # [in, out]
+    w = sd["model.layers.0.mlp.experts.3.w13_weight"].float() * sd["model.layers.0.mlp.experts.3.w13_weight_scale"]
+    assert torch.equal(w, eff)
+    back = qcompress.load_quantized(tmp_path / "q", make_moe("gpt_oss", seed=4))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, want)

@@ -53,12 +53,17 @@ def test_compressed_tensors_decodes_each_expert_and_reload_is_exact(tmp_path, fa
         args = ct_quant.QuantizationArgs(**{k: v for k, v in rec["weights"].items() if v is not None})
         scheme = ct_quant.QuantizationScheme(targets=["Linear"], weights=args, format=ct_format)
         comp = ct_comp.BaseCompressor.get_value_from_registry(ct_format)
-        pieces = [(rec["fused"], e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
+        st = rec.get("streamed")
+        pieces = [(f"{st['prefix']}.{e}.{st['param']}", e, 0, out) for e in range(e_n)] if fused else rec["pieces"]
         globals_of = {}
         for saved, e, o0, r in pieces:
             names = comp.compression_param_names(scheme)
-            if fused:
-                local = {s: sd[saved + s[len("weight"):]][e] for s in names}
+            if fused:        # vLLM's per-expert names; transposed where its loader transposes (MXFP4)
+                assert st["transposed"] == (fmt != "nvfp4")
+                local = {s: sd[f"{saved}_{s}"] for s in names if s != "weight_shape"}
+                local = {s: t.t() if st["transposed"] and t.dim() == 2 else t for s, t in local.items()}
+                if "weight_shape" in names:
+                    local["weight_shape"] = torch.tensor([r, eff.shape[1]])
                 ref = eff[e].t()[o0:o0 + r]
                 w_e = raw[pname][e].t()
             else:
@@ -99,3 +104,50 @@ def test_float_recipes_include_the_experts(recipe, fmt):
     parts = [m for m in model.modules() if type(m).__name__ == "ExpertMatrix"]
     assert len(parts) == 4 and all(p.qc_wq.format == fmt for p in parts)
     assert model.model.layers[0].mlp.gate.__class__.__name__ == "Qwen3MoeTopKRouter"   # router stays FP
+
+
+def _fp8_cfg(gran, inputs):
+    cfg = {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "format": "fp8_e4m3"},
+        "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8, "granularity": gran},
+                                    "modules": [r"mlp\.experts"]}}}}}
+    if inputs:
+        cfg["compression_training"]["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "format": "fp8_e4m3",
+                                  "quantization_type": "symmetric", "schedule_offset": 0},
+            "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.experts"]}}}
+    return cfg
+
+
+@pytest.mark.parametrize("family,gran,inputs,widths", [
+    ("qwen3_moe", "channel", True, {}), ("gpt_oss", "channel", True, {}),
+    ("qwen3_moe", "block", True, {"moe_intermediate_size": 128}), ("gpt_oss", "block", False, {})])
+def test_fp8_dynamic_inputs_and_block_scales_of_experts_reload_exactly(tmp_path, family, gran, inputs, widths):
+    """FP8 per-token input quantization of the experts is applied again after reload (the logits
+    equal the trained model's), and 128 x 128 block scales are written per expert."""
+    model = make_moe(family, **widths)
+    qcompress.init_compression(model, _fp8_cfg(gran, inputs))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+        unquantized_inputs = None
+        if inputs:
+            plain = make_moe(family, **widths)
+            qcompress.init_compression(plain, _fp8_cfg(gran, False))
+            unquantized_inputs = plain(x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qcompress.export_quantized(model, tmp_path / "q")
+    back = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=7, **widths))
+    with torch.no_grad():
+        got = back(x).logits
+    assert torch.equal(got, want)
+    if inputs:                      # the inputs' quantization is visible in the logits
+        assert not torch.equal(got, unquantized_inputs)
+
+
+def test_fp8_block_scales_cut_by_a_projection_are_refused_by_name(tmp_path):
+    model = make_moe("qwen3_moe")          # gate rows 0-48 and up rows 48-96 share one 128-row block
+    qcompress.init_compression(model, _fp8_cfg("block", False))
+    with pytest.raises(qcompress.export.errors.ExportError, match=r"experts\.0\.gate_proj.*rows 0-48.*128-row"):
+        qcompress.export_quantized(model, tmp_path / "q")

@@ -168,7 +168,9 @@ def test_verify_transformers_reports_unquantized_expert_inputs_and_gpt_oss_refus
     _, out = export(tmp_path, family="gpt_oss")
     report = qcompress.verify.verify(out, transformers=True)
     assert report.consumers["transformers"].loads is False and report.exit_code == 1
-    assert any("fused gpt-oss experts" in n for n in report.notes)
+    assert any("gpt-oss experts under vLLM's per-expert names" in n for n in report.notes), report.notes
+    rows = [r for r in report.rows.values() if r.kind == "experts"]   # declared per expert, as vLLM asks
+    assert rows and all(r.declared.startswith("W") for r in rows), report.format()
 
 
 def test_fused_projection_schemes_must_agree_for_vllm(tmp_path):

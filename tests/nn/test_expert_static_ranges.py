@@ -149,15 +149,15 @@ def test_export_writes_one_input_scale_per_expert_and_reload_applies_them(tmp_pa
     for e in range(4):
         want, wz, _ = reference.qparams(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec,
                                         min_val=obs[e].min, max_val=obs[e].max)
-        if family == "gpt_oss":      # fused names kept: stacked over experts
-            got = sd["model.layers.1.mlp.experts.down_proj_input_scale"][e]
+        if family == "gpt_oss":      # the per-expert names vLLM's gpt-oss loader uses (w2 = down_proj)
+            got = sd[f"model.layers.1.mlp.experts.{e}.w2_input_scale"]
         else:                        # save_pretrained's per-expert Linear names
             got = sd[f"model.layers.1.mlp.experts.{e}.down_proj.input_scale"]
             assert torch.equal(sd[f"model.layers.1.mlp.experts.{e}.gate_proj.input_scale"],
                                sd[f"model.layers.1.mlp.experts.{e}.up_proj.input_scale"])
             assert sd[f"model.layers.1.mlp.experts.{e}.up_proj.input_zero_point"].dtype == torch.int8
         assert torch.equal(got.reshape(()), want.reshape(()).float()), e
-    assert len({float(sd["model.layers.1.mlp.experts.down_proj_input_scale"][e]) if family == "gpt_oss" else
+    assert len({float(sd[f"model.layers.1.mlp.experts.{e}.w2_input_scale"]) if family == "gpt_oss" else
                 float(sd[f"model.layers.1.mlp.experts.{e}.down_proj.input_scale"]) for e in range(4)}) > 1
     loaded = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=5), mode=mode)
     x = tokens(model, batch=2, seq=9, seed=11)
