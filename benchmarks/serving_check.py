@@ -31,6 +31,7 @@ import argparse
 import copy
 import glob
 import os
+import json
 import shutil
 import sys
 import tempfile

@@ -117,7 +117,7 @@ def main() -> int:
         elif "load_error" in res:
             what = f"load_weights stops at {res['load_error']['tensor']}: {res['load_error']['error'][:160]}"
         else:
-            what = (f"every tensor taken" if not res["dropped"] and not res["unloaded"]
+            what = ("every tensor taken" if not res["dropped"] and not res["unloaded"]
                     else f"dropped {res['dropped'][:2]}, unfilled {res['unloaded'][:2]}")
         rows.append(f"| {case} | {method} | {what} |")
         print(rows[-1], flush=True)
