@@ -12,7 +12,7 @@ import torch
 
 import qcompress
 import qcompress.verify
-from rotation_fixtures import make_dense
+from tests.helpers.rotation_fixtures import make_dense
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install -e \".[hf]\")")
 
