@@ -7,11 +7,18 @@ Mixtral: `block_sparse_moe.experts.{e}.w1.weight`), the mapping is read off tran
 `revert_weight_conversion` applied to an index tensor (each element holding its own flat
 position), so every family's converters are followed as written, not re-implemented here. Each
 per-expert matrix is then a compressed-tensors Linear entry (`.weight_packed`, `.weight_scale`,
-`.weight_zero_point`, `.weight_shape`, or int8 `.weight`). Where the fused name stays (gpt-oss),
-the per-expert entries are stacked along a leading expert dimension under the Parameter's name
-in place of `weight` (`experts.gate_up_proj_packed`, `..._scale`, ...; int8 codes under
-`experts.gate_up_proj`): slice [e] of each is expert e's compressed-tensors entry, in [out, in]
-orientation whatever the stored layout.
+`.weight_zero_point`, `.weight_shape`, or int8 `.weight`).
+
+gpt-oss keeps its experts fused in its own checkpoints (`experts.gate_up_proj` [E, in, out]).
+Quantized, each expert is written under the names vLLM's gpt-oss loader streams one expert at a
+time (its `_try_load_streamed_expert`): `experts.{e}.w13_weight_packed`, `experts.{e}.w13_weight_scale`,
+`experts.{e}.w2_weight` ... (w13 = gate_up_proj, w2 = down_proj), each expert's compressed-tensors
+entry in [out, in] orientation for the MoE methods vLLM copies as they are (WNA16, NVFP4) and
+transposed for the ones it transposes on load (int8 / FP8 / MX formats: the loader treats them as
+gpt-oss' [in, out] float layout). `weight_shape` is not written (vLLM's gpt-oss loader sends any
+other `w13_weight*` name down its fused path, which fails on it; the record gives the shape).
+Exports of earlier versions stacked the entries along a leading expert dimension under the fused
+name (`experts.gate_up_proj_packed`, ...): load_quantized still reads them.
 
 config.json lists them in the `qcompress` manifest under `experts`; load_quantized reassembles
 each fused Parameter from them (`load_experts`).
@@ -81,6 +88,70 @@ def tensor_name(saved: str, suffix: str) -> str:
     return saved + suffix[len("weight"):]
 
 
+# --- gpt-oss: the per-expert names vLLM's gpt-oss loader streams --------------------------------
+STREAMED = {"gate_up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",))}
+STREAMED_SUFFIXES = SUFFIXES + ("input_scale", "input_zero_point", "input_global_scale")
+
+
+def streamed_layout(root: nn.Module, fused: str) -> Optional[dict]:
+    """{"prefix", "param"} for a gpt-oss fused Parameter (`...mlp.experts.gate_up_proj` -> w13),
+    else None (other fused layouts keep the stacked entries only load_quantized reads)."""
+    if getattr(getattr(root, "config", None), "model_type", None) != "gpt_oss":
+        return None
+    prefix, _, leaf = fused.rpartition(".")
+    if leaf not in STREAMED or not prefix.endswith(".experts"):
+        return None
+    return {"prefix": prefix, "param": STREAMED[leaf][0]}
+
+
+def streamed_transposed(fmt: str, weights: Optional[dict], act: Optional[dict]) -> bool:
+    """Whether vLLM's gpt-oss loader transposes each streamed expert tensor on load: it copies
+    them as they are for its WNA16 and NVFP4 MoE methods and transposes them for every other one
+    (GptOssRoutedExperts.weight_loader), so those are written transposed."""
+    wna16 = fmt == "pack-quantized" and (weights or {}).get("type", "int") == "int" and not act
+    return not (wna16 or fmt == "nvfp4-pack-quantized")
+
+
+def streamed_name(st: dict, e: int, suffix: str) -> str:
+    """`{prefix}.{e}.w13_weight_packed` for suffix `weight_packed` (vLLM's parameter name, per expert)."""
+    return f"{st['prefix']}.{e}.{st['param']}_{suffix}"
+
+
+def streamed_modules(st: dict, n_experts: int) -> List[str]:
+    """The per-expert module names vLLM's compressed-tensors config is asked for (its
+    get_moe_method asks `{prefix}.0.gate_proj`, `.up_proj`, `.down_proj`)."""
+    leaf = next(k for k, v in STREAMED.items() if v[0] == st["param"])
+    return [f"{st['prefix']}.{e}.{p}" for e in range(n_experts) for p in STREAMED[leaf][1]]
+
+
+def _unstream(rec: dict, tensors: Dict[str, torch.Tensor], where: str) -> dict:
+    """Rename a streamed record's tensors to per-expert Linear entries (`{prefix}.{e}.{param}.weight_*`,
+    [out, in] orientation, weight_shape filled in) and return the record as a pieces record."""
+    st = rec["streamed"]
+    e_n, a, b = rec["shape"]
+    out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
+    flip = st.get("transposed", False)
+    pieces = []
+    codes = "weight_packed" if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized",
+                                                       "mxfp4-pack-quantized") else "weight"
+    for e in range(e_n):
+        saved = f"{st['prefix']}.{e}.{st['param']}.weight"
+        pieces.append([saved, e, 0, out])
+        if streamed_name(st, e, codes) not in tensors:
+            raise CheckpointError(f"{where}: tensor {streamed_name(st, e, codes)!r} is missing")
+        for suffix in STREAMED_SUFFIXES:
+            key = streamed_name(st, e, suffix)
+            if key not in tensors:
+                continue
+            t = tensors.pop(key)
+            if flip and t.dim() == 2:
+                t = t.t().contiguous()
+            tensors[saved[: -len("weight")] + suffix] = t
+        if rec.get("format") == "pack-quantized":
+            tensors[saved + "_shape"] = torch.tensor([out, inp], dtype=torch.int64)
+    return {**rec, "fused": None, "pieces": pieces}
+
+
 # --- one expert's rows as a Linear-like weight for codes.weight_entry ---------------------------
 class _Rows:
     """Rows [o0, o0 + r) of expert e's [out, in] matrix, seen as a compress-aware Linear."""
@@ -91,7 +162,18 @@ class _Rows:
         self.qc_wq, self.qc_aq, self.qc_name = part.qc_wq, part.qc_aq, saved
         q, s, z, spec = codes
         e_n, out, inp = part.matrix_shape()
-        if spec.kind == "float":              # z: each expert's global scale (NVFP4) or None
+        if spec.kind == "float" and spec.granularity == "block":     # 128 x 128 blocks per expert
+            from ..quant.floats import BLOCK
+            rb = -(-out // BLOCK[0])
+            if o0 % BLOCK[0] or (r % BLOCK[0] and o0 + r != out):
+                raise ExportError(f"module {part.qc_name!r}: {saved!r} holds rows {o0}-{o0 + r} of expert {e}, "
+                                  f"which cut its {BLOCK[0]}-row scale blocks; a block format needs those "
+                                  "projections to be whole blocks")
+            first = e * rb + o0 // BLOCK[0]
+            rows = slice(e * out + o0, e * out + o0 + r)
+            self._codes = (q.reshape(e_n * out, -1)[rows],
+                           s.reshape(e_n * rb, -1)[first:first + -(-r // BLOCK[0])], None, spec)
+        elif spec.kind == "float":              # z: each expert's global scale (NVFP4) or None
             rows = slice(e * out + o0, e * out + o0 + r)
             self._codes = (q.reshape(e_n * out, -1)[rows], s.reshape(e_n * out, -1)[rows],
                            None if z is None else z[e], spec)
@@ -125,7 +207,21 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
     fused, pieces = saved_pieces(root, part)
     e_n, out, inp = part.matrix_shape()
     tensors: Dict[str, torch.Tensor] = {}
-    if fused is not None:
+    st = None if fused is None else streamed_layout(root, fused)
+    if st is not None:
+        entries = [weight_entry(_Rows(part, codes, eff, e, 0, out, f"{st['prefix']}.{e}.{st['param']}"))
+                   for e in range(e_n)]
+        first = entries[0]
+        acts = part.qc_aq is not None and part.qc_aq.active
+        st["transposed"] = streamed_transposed(first.fmt, {"type": first.qtype}, acts)
+        for e, entry in enumerate(entries):
+            for key, t in entry.tensors.items():
+                if key == "weight_shape":
+                    continue
+                tensors[streamed_name(st, e, key)] = (t.t().contiguous() if st["transposed"] and t.dim() == 2
+                                                      else t)
+        fused = None
+    elif fused is not None:
         entries = [weight_entry(_Rows(part, codes, eff, e, 0, out, f"{fused}[{e}]")) for e in range(e_n)]
         for key in entries[0].tensors:
             tensors[tensor_name(fused, key)] = torch.stack([x.tensors[key] for x in entries]).contiguous()
@@ -142,6 +238,8 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
               "qtype": first.qtype, "dtype": first.dtype, "target_bits": wq.target_bits,
               "layout": part.qc_layout, "shape": list(part.weight.shape), "fused": fused,
               "pieces": [list(p) for p in pieces]}
+    if st is not None:
+        record["streamed"] = st
     return tensors, record
 
 
@@ -198,6 +296,12 @@ def _static_inputs(part, rec: dict) -> Dict[str, torch.Tensor]:
         scales.append(s.reshape(1).to(torch.float32))
         zps.append(None if zp is None else zp.reshape(1).to(torch.int8))
     out = {}
+    if rec.get("streamed"):
+        for e in range(len(scales)):
+            out[streamed_name(rec["streamed"], e, "input_scale")] = scales[e].clone()
+            if zps[e] is not None:
+                out[streamed_name(rec["streamed"], e, "input_zero_point")] = zps[e].clone()
+        return out
     if rec["fused"] is not None:
         out[input_name(rec["fused"], "input_scale")] = torch.cat(scales)
         if zps[0] is not None:
@@ -300,6 +404,8 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         have = list(params[name].shape)
         if have != rec["shape"]:
             raise CheckpointError(f"{where}: shape {rec['shape']} in the checkpoint but {have} in the given model")
+        if rec.get("streamed"):
+            rec = _unstream(rec, tensors, where)
         part = _loaded_part(modules, name, rec)
         act = rec.get("input_activations")
         if act is not None and not act.get("dynamic", True):
@@ -346,16 +452,23 @@ def add_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[str,
 
 def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dict]) -> None:
     """List the experts in the manifest (their config groups are layout.quantization_config's);
-    warn where only qcompress.load_quantized reads them (gpt-oss' fused layout)."""
+    warn where transformers refuses them (gpt-oss) or only qcompress.load_quantized reads them
+    (other fused layouts)."""
     if not records:
         return
     config["qcompress"]["experts"] = records
+    import warnings
     fused = sorted(n for n, r in records.items() if r["weights"] is not None and r["fused"] is not None)
     if fused:
-        import warnings
         warnings.warn(f"{len(fused)} fused expert Parameters ({', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''}) "
-                      "keep the fused gpt-oss layout, which only qcompress.load_quantized reads quantized; "
+                      "keep their fused layout, which only qcompress.load_quantized reads quantized; "
                       "transformers and vLLM refuse the export (see docs/moe.md)", stacklevel=3)
+    streamed = sorted(n for n, r in records.items() if r["weights"] is not None and r.get("streamed"))
+    if streamed:
+        warnings.warn(f"{len(streamed)} quantized gpt-oss expert Parameters ({', '.join(streamed[:2])}"
+                      f"{', ...' if len(streamed) > 2 else ''}) are written under the per-expert names vLLM "
+                      "loads; transformers reads gpt-oss experts only unquantized and refuses the export: "
+                      "use vLLM or qcompress.load_quantized (see docs/moe.md)", stacklevel=3)
 
 
 def _loaded_part(modules, name: str, rec: dict):
@@ -461,11 +574,19 @@ def inspect_owners(experts: Dict[str, dict]) -> Dict[str, Tuple[str, dict]]:
             continue
         e_n, a, b = rec["shape"]
         inp = b if rec["layout"] == "out_in" else a
+        codes = "weight_packed" if rec["format"] == "pack-quantized" else "weight"
+        if rec.get("streamed"):
+            st = rec["streamed"]
+            rows = a * b // inp
+            for e in range(e_n):
+                entry = {**rec, "weight_shape": [rows, inp], "codes_key": streamed_name(st, e, codes)}
+                for suffix in SUFFIXES:
+                    out[streamed_name(st, e, suffix)] = (f"{name} (experts)", entry)
+            continue
         if rec["fused"] is not None:
             entries = [(rec["fused"], [e_n, a * b // inp, inp])]
         else:
             entries = [(saved, [r, inp]) for saved, _, _, r in rec["pieces"]]
-        codes = "weight_packed" if rec["format"] == "pack-quantized" else "weight"
         for saved, shape in entries:
             entry = {**rec, "weight_shape": shape, "codes_key": tensor_name(saved, codes)}
             for suffix in SUFFIXES:
