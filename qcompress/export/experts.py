@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from .codes import dequantize_2d, weight_entry
 from .errors import CheckpointError, ExportError
+from .layout import STREAMED, weight_args
 
 Piece = Tuple[str, int, int, int]      # (saved tensor name, expert, first out row, rows)
 SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale", "weight")
@@ -89,7 +90,6 @@ def tensor_name(saved: str, suffix: str) -> str:
 
 
 # --- gpt-oss: the per-expert names vLLM's gpt-oss loader streams --------------------------------
-STREAMED = {"gate_up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",))}
 STREAMED_SUFFIXES = SUFFIXES + ("input_scale", "input_zero_point", "input_global_scale")
 
 
@@ -115,13 +115,6 @@ def streamed_transposed(fmt: str, weights: Optional[dict], act: Optional[dict]) 
 def streamed_name(st: dict, e: int, suffix: str) -> str:
     """`{prefix}.{e}.w13_weight_packed` for suffix `weight_packed` (vLLM's parameter name, per expert)."""
     return f"{st['prefix']}.{e}.{st['param']}_{suffix}"
-
-
-def streamed_modules(st: dict, n_experts: int) -> List[str]:
-    """The per-expert module names vLLM's compressed-tensors config is asked for (its
-    get_moe_method asks `{prefix}.0.gate_proj`, `.up_proj`, `.down_proj`)."""
-    leaf = next(k for k, v in STREAMED.items() if v[0] == st["param"])
-    return [f"{st['prefix']}.{e}.{p}" for e in range(n_experts) for p in STREAMED[leaf][1]]
 
 
 def _unstream(rec: dict, tensors: Dict[str, torch.Tensor], where: str) -> dict:
@@ -233,7 +226,6 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
             first = first or entry
             for key, t in entry.tensors.items():
                 tensors[tensor_name(saved, key)] = t
-    from .layout import weight_args
     record = {"kind": "experts", "group": wq.group, "format": first.fmt, "weights": weight_args(first),
               "qtype": first.qtype, "dtype": first.dtype, "target_bits": wq.target_bits,
               "layout": part.qc_layout, "shape": list(part.weight.shape), "fused": fused,

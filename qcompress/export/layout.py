@@ -139,6 +139,17 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
     }
 
 
+# gpt-oss' fused experts -> the per-expert names vLLM's gpt-oss loader streams (w13 = gate and up)
+STREAMED = {"gate_up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",))}
+
+
+def streamed_modules(st: dict, n_experts: int) -> List[str]:
+    """The per-expert module names vLLM's compressed-tensors config is asked for (its
+    get_moe_method asks `{prefix}.0.gate_proj`, `.up_proj`, `.down_proj`)."""
+    leaf = next(k for k, v in STREAMED.items() if v[0] == st["param"])
+    return [f"{st['prefix']}.{e}.{p}" for e in range(n_experts) for p in STREAMED[leaf][1]]
+
+
 _EXPERT_PIECE = re.compile(r"^(.*)\.(\d+)\.([^.]+)\.weight$")
 
 
@@ -146,7 +157,6 @@ def expert_modules(rec: dict) -> List[str]:
     """The per-expert Linear names an experts record is written under (`...experts.3.gate_proj`);
     for gpt-oss' streamed experts, the names vLLM asks its config for."""
     if rec.get("streamed"):
-        from .experts import streamed_modules
         return streamed_modules(rec["streamed"], rec["shape"][0])
     return [saved[: -len(".weight")] for saved, *_ in rec.get("pieces") or ()]
 

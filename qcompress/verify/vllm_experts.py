@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..export.experts import STREAMED, _piece_codes, _piece_float, tensor_name
+from ..export.layout import STREAMED
+from ..export.experts import _piece_codes, _piece_float, tensor_name
 from ..export.codes import dequantize_2d
 
 SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale")

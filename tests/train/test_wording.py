@@ -90,18 +90,32 @@ def test_docs_name_only_real_commands():
     assert not found, found
 
 
-def test_the_fused_experts_warning_says_tensor_names_once(tmp_path):
+def _expert_warnings(family, tmp_path):
     from tests.helpers.moe_fixtures import make_moe
-    model = make_moe("qwen3_moe")
+    model = make_moe(family)
     cfg = {"compression_training": {"weight_quantization": {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
         "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8}, "modules": [r"mlp\.experts"]}}}}}
     qc.init_compression(model, cfg)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        qc.export_quantized(model, tmp_path / "q", cfg)
-    said = [str(w.message) for w in seen if "fused expert Parameters" in str(w.message)]
-    assert len(said) == 1 and "tensor names;" in said[0] and "names names" not in said[0], said
+        qc.export_quantized(model, tmp_path / family, cfg)
+    fused = [n for n, p in model.named_parameters() if p.dim() == 3]
+    return [str(w.message) for w in seen if "expert Parameters" in str(w.message)], fused
+
+
+def test_the_expert_layout_warnings_say_each_thing_once(tmp_path):
+    # Qwen3-MoE experts are written per expert, which transformers and vLLM read: nothing to warn
+    assert _expert_warnings("qwen3_moe", tmp_path)[0] == []
+    # gpt-oss' are written under vLLM's names, which transformers does not read: one warning that
+    # counts them, names two, and names the loaders that read them
+    said, fused = _expert_warnings("gpt_oss", tmp_path)
+    assert len(said) == 1 and len(fused) > 2, said
+    named = ", ".join(sorted(fused)[:2])
+    assert said[0].startswith(f"{len(fused)} quantized gpt-oss expert Parameters ({named}, ...) "), said
+    assert "vLLM" in said[0] and "qcompress.load_quantized" in said[0], said
+    words = said[0].split()
+    assert not any(a == b for a, b in zip(words, words[1:])), said     # no doubled word
 
 
 def test_setup_times_are_the_measured_ones_not_a_few_minutes():
