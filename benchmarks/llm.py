@@ -267,9 +267,13 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
 
 # --- the page -------------------------------------------------------------------------------------
 
-def settings(a) -> dict:
-    return {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": a.calib_blocks, "steps": a.steps,
-            "batch": a.batch, "lr": a.lr, "lora_lr": a.lora_lr, "seed": a.seed}
+def settings(a, row: Optional[Row] = None) -> dict:
+    """What a row's figure depends on: the evaluation and calibration always, the training
+    settings for the rows that train (so PTQ rows are kept when only --steps changes)."""
+    out = {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": a.calib_blocks, "seed": a.seed}
+    if row is not None and row.training is not None:
+        out.update(steps=a.steps, batch=a.batch, lr=a.lora_lr if row.lora_r else a.lr)
+    return out
 
 
 def share(rtn, row, ref):
@@ -340,10 +344,12 @@ def tables(summary: dict) -> str:
     rows, s = summary["rows"], summary["settings"]
     fp32 = rows.get("fp32", {}).get("perplexity")
     ft = rows.get("fp32_ft", {}).get("perplexity")
+    trained = sorted({(r["settings"]["steps"], r["settings"]["batch"], r["settings"]["lr"]) for k, r in rows.items()
+                      if ROWS[k].training is not None})
     out = [f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
            f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
-           f"Training rows: {s['steps']} steps of {s['batch']} blocks, AdamW lr {s['lr']} (LoRA {s['lora_lr']}), "
-           "cosine after 10 % warm-up.", ""]
+           + "".join(f"Training rows: {st} steps of {b} blocks of {s['context']} tokens, AdamW lr {lr}, cosine after "
+                     "10 % warm-up. " for st, b, lr in trained), ""]
     if fp32:
         out.append(f"FP32 perplexity: **{fp32:.3f}**" + (f"; FP32 fine-tuned on the training text for the same "
                                                          f"steps: {ft:.3f}" if ft else "") + ".")
@@ -395,15 +401,18 @@ def main(argv=None) -> int:
     train_blocks, order, held = load_data(a, tok)
     path = os.path.join(a.out, "summary.json")
     summary = json.load(open(path)) if os.path.exists(path) else {}
-    if summary.get("settings") != settings(a):
-        summary = {"settings": settings(a), "rows": {}}
+    for k, r in summary.get("rows", {}).items():     # files from before per-row settings: the file's own
+        if "settings" not in r and k in ROWS:
+            r["settings"] = {n: summary["settings"][n] for n in settings(a, ROWS[k]) if n in summary["settings"]}
+    summary = {"settings": settings(a), "rows": {k: r for k, r in summary.get("rows", {}).items()
+                                                  if k in ROWS and r.get("settings") == settings(a, ROWS[k])}}
     for key in keys:
         if key in summary["rows"] and not a.rerun:
             print(f"=== {key}: kept ({summary['rows'][key]['perplexity']:.3f})")
             continue
         print(f"=== {key}: {ROWS[key].label}", flush=True)
         row = run_row(key, base, train_blocks, order, held, a)
-        row["commit"] = common.commit()
+        row.update(commit=common.commit(), settings=settings(a, ROWS[key]))
         summary["rows"][key] = row
         common.atomic_write(path, json.dumps(summary, indent=1))
         print(f"=== {key}: perplexity {row['perplexity']:.3f} ({row['seconds']:.0f} s)", flush=True)
