@@ -132,6 +132,8 @@ def qat_export(fp, recipe: str, out: str, steps: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qcompress.init_compression(model, cfg)
+        # recipes whose weights are solved on calibration data (observer: gptq, weight_by: inputs)
+        qcompress.calibrate_weight_ranges(model, [pattern(16, 4242 + i) for i in range(4)])
         sched = qcompress.CompressionScheduler(model, cfg)
         loss = train(model, steps, 1e-4, seed=7, sched=sched)
         sched.finish()

@@ -178,7 +178,10 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
                 out["layers"][name] = type(scheme).__name__
             elif method is not None and type(method).__name__ not in ("UnquantizedEmbeddingMethod",):
                 out["layers"][name] = type(method).__name__
-        targets = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        # online transforms (transform_config) load into tensors a SharedWeightParameter shares
+        # between layers and keeps in its `partitions`, not among the module's parameters
+        shared = [p for m in model.modules() for p in getattr(getattr(m, "weight", None), "partitions", {}).values()]
+        targets = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers()) + shared}
         follow = _Follow(targets)
         names = []
 
