@@ -171,6 +171,10 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     with set_current_vllm_config(vcfg):
         with set_default_torch_dtype(vcfg.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vcfg)
+        # vLLM runs `type: hadamard` online transforms with its hadacore op, built for CUDA only
+        if any(type(m).__name__ == "HadamardTransform" for m in model.modules()) and \
+                not hasattr(torch.ops._C, "hadacore_transform"):
+            missing.append("hadacore_transform: vLLM's online Hadamard op is not in this build")
         for name, mod in model.named_modules():
             scheme = getattr(mod, "scheme", None)
             method = getattr(mod, "quant_method", None)
