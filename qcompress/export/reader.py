@@ -11,6 +11,7 @@ import os
 import torch.nn as nn
 
 from . import safetensors_io as sio
+from . import saved_names
 from .kv_cache import load_kv_cache
 from .errors import CheckpointError
 from .manifest import check_expert_groups, check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
@@ -54,6 +55,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     check_expert_groups(qc, config["qcompress"].get("experts"), cfg_path)
     unbound = []                  # files config.json does not bind: reported after content checks
     tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
+    saved_names.restore(tensors, config["qcompress"].get("saved_names", {}))
     resolve_ties(tensors, where, modules)
     for later, first in config["qcompress"].get("tied_tensors", {}).items():
         if later not in tensors and first in tensors:    # a tied full-precision tensor, written once

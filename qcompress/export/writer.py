@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from . import experts, kv_cache, layout, rotations
 from . import lora as export_lora
+from . import saved_names
 from . import safetensors_io as sio
 from .codes import act_entry, weight_entry
 from .commit import ExportWriter, dumps_config
@@ -188,6 +189,7 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
         tensors, modules, plain_linears, tied = collect(model)
         expert_records = experts.add_experts(model, tensors)
         kv_record = kv_cache.add_kv_cache(model, tensors)
+        renamed = saved_names.rename_plain(unwrap(model), tensors, list(modules) + list(expert_records))
     if not modules and not expert_records and kv_record is None:
         raise ExportError("nothing to export: no module has active weight, activation or KV-cache "
                           "quantization (call init_compression and train/schedule first)")
@@ -195,6 +197,8 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     kv_cache.add_to_config(config, kv_record)
     if tied:
         config["qcompress"]["tied_tensors"] = tied
+    if renamed:
+        config["qcompress"]["saved_names"] = renamed
     experts.add_to_config(config, expert_records, modules)
     rotations.add_to_config(config, unwrap(model))    # R4's transform_config, what was rotated
     local_only = [n for n, r in modules.items() if not layout.portable(r)]

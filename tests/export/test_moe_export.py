@@ -249,3 +249,27 @@ def test_gpt_oss_int8_experts_are_written_transposed_for_vllm(tmp_path):
     back = qcompress.load_quantized(tmp_path / "q", make_moe("gpt_oss", seed=4))
     with torch.no_grad():
         assert torch.equal(back(x).logits, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_precision_tensors_keep_the_names_save_pretrained_writes(tmp_path, family):
+    # Mixtral's router is `mlp.gate` in transformers 5's memory and `block_sparse_moe.gate` in its
+    # checkpoints, which vLLM loads; the export writes what save_pretrained writes, and
+    # load_quantized maps it back
+    model = make_moe(family)
+    model.save_pretrained(tmp_path / "fp")
+    plain = {k for k in _tensors(tmp_path / "fp") if ".experts." not in k and "shared_experts" not in k}
+    qcompress.init_compression(model, cfg_w(4))
+    x = tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qcompress.export_quantized(model, tmp_path / "q")
+    written = {k for k in _tensors(tmp_path / "q") if ".experts." not in k and "shared_experts" not in k}
+    assert written == plain
+    renamed = json.loads((tmp_path / "q" / "config.json").read_text())["qcompress"].get("saved_names", {})
+    assert (family == "mixtral") == bool(renamed), renamed
+    got = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=3))
+    with torch.no_grad():
+        assert torch.equal(got(x).logits, want)
