@@ -171,6 +171,13 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     with set_current_vllm_config(vcfg):
         with set_default_torch_dtype(vcfg.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vcfg)
+        # a MoE method whose backend selection found nothing for this machine answers NONE (FP8)
+        # rather than raising: it fails at the first forward, so it is a missing kernel here
+        for mod in model.modules():
+            method = getattr(mod, "quant_method", None)
+            for key, val in vars(method).items() if method is not None and hasattr(method, "__dict__") else ():
+                if key.endswith("_backend") and str(getattr(val, "value", val)).upper() == "NONE":
+                    missing.append(f"{key}: vLLM's {type(method).__name__} has no backend here")
         # vLLM runs `type: hadamard` online transforms with its hadacore op, built for CUDA only
         if any(type(m).__name__ == "HadamardTransform" for m in model.modules()) and \
                 not hasattr(torch.ops._C, "hadacore_transform"):
