@@ -55,6 +55,9 @@ def _rows_entry(dump, prefix: str, w: str, rec: dict, e: int, o0: int, r: int, i
         if t.dim() == 2 and suffix == "weight_zero_point" and rec["format"] == "pack-quantized":
             per = 32 // bits                   # zero points packed along the rows
             t = t[o0 // per:(o0 + r) // per]
+        elif t.dim() == 2 and suffix == "weight_scale" and rec["weights"].get("strategy") == "block":
+            b = rec["weights"]["block_structure"][0]     # one scale row per block of rows
+            t = t[o0 // b:(o0 + r + b - 1) // b]
         elif t.dim() == 2:
             t = t[o0:o0 + r]
         elif t.dim() == 1 and t.numel() > 1:
