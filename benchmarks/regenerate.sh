@@ -3,7 +3,7 @@
 # at. Each step replaces only its own generated section; a step that fails stops the script. Every
 # command here writes a section that is on its page, and every section on a page but the GPU's (it
 # needs a GPU: benchmarks/gpu.py) is written by a command here (tests/benchmarks/test_results_claims.py).
-#   benchmarks/regenerate.sh [quality|micro|parallel|all]   (default: all; `micro` skips the training runs)
+#   benchmarks/regenerate.sh [quality|micro|parallel|serving|all]   (default: all; `micro` skips the training runs)
 # The sizes are small enough for a shared 2-core CPU; larger runs: see each script's --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,19 @@ quality() {
   $PY benchmarks/moe.py
   # SmolLM2-135M with FP8 / int8 KV-cache quantization, before and after a short W4 g128 QAT
   $PY benchmarks/kv_quality.py --write-results
+  # SmolLM2-135M: every 4-bit method's perplexity (finished rows are kept in runs/llm/summary.json)
+  @@LLM_CMD@@
+  # LoRA QAT's and QLoRA's peak training memory against full-parameter QAT
+  $PY benchmarks/lora_memory.py
+}
+
+serving() {
+  # vLLM's CPU build lives in its own environment (make serve-check builds it); the transformers
+  # column runs in the project's
+  local PY=.venv-serve/bin/python
+  $PY benchmarks/serving_check.py --transformers-python .venv/bin/python --work runs/serving --reuse --write-results
+  $PY benchmarks/serving_check.py --write-docs
+  @@SPEED_CMD@@
 }
 
 parallel() {
@@ -62,8 +75,9 @@ case "$what" in
   micro) micro ;;
   quality) quality ;;
   parallel) parallel ;;
-  all) micro; quality; parallel ;;
-  *) echo "usage: $0 [quality|micro|parallel|all]" >&2; exit 2 ;;
+  serving) serving ;;
+  all) micro; quality; parallel; serving ;;
+  *) echo "usage: $0 [quality|micro|parallel|serving|all]" >&2; exit 2 ;;
 esac
 # RESULTS.md's table of what each section was run at, read from the headers just written
 $PY benchmarks/provenance.py --write-results

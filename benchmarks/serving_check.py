@@ -493,7 +493,7 @@ def main(argv=None) -> int:
         print(f"wrote {write_docs()}")
         return 0
     recipes = a.recipes or full_recipes()
-    work = a.work or tempfile.mkdtemp(prefix="qc-serve-")
+    work = os.path.abspath(a.work) if a.work else tempfile.mkdtemp(prefix="qc-serve-")   # vLLM's workers run elsewhere
     rows, failed, floors = [], [], {}
     prompts = pattern(8, seed=999, noise=0.0)[:, :8]
     import transformers
