@@ -404,10 +404,12 @@ def main(argv=None) -> int:
     for k, r in summary.get("rows", {}).items():     # files from before per-row settings: the file's own
         if "settings" not in r and k in ROWS:
             r["settings"] = {n: summary["settings"][n] for n in settings(a, ROWS[k]) if n in summary["settings"]}
-    summary = {"settings": settings(a), "rows": {k: r for k, r in summary.get("rows", {}).items()
-                                                  if k in ROWS and r.get("settings") == settings(a, ROWS[k])}}
+    # every finished row stays in the file with its own settings; one asked for again is re-run
+    # when its settings differ from this run's
+    summary = {"settings": settings(a), "rows": {k: r for k, r in summary.get("rows", {}).items() if k in ROWS}}
     for key in keys:
-        if key in summary["rows"] and not a.rerun:
+        if key in summary["rows"] and summary["rows"][key].get("settings") == settings(a, ROWS[key]) \
+                and not a.rerun:
             print(f"=== {key}: kept ({summary['rows'][key]['perplexity']:.3f})")
             continue
         print(f"=== {key}: {ROWS[key].label}", flush=True)
