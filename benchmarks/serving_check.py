@@ -431,8 +431,10 @@ def docs_table(rows) -> str:
             tf.setdefault(r["transformers"], []).append(r["family"])
         gpu_cell = "; ".join(f"{k}" if v <= {"dense", "moe"} else f"{k} ({', '.join(sorted(v))})"
                              for k, v in gpu.items()) or "-"
-        lq = "yes" if all(r["load_quantized"] == "loads" for r in rs) else _join(
-            {("yes" if r["load_quantized"] == "loads" else "not exported"): [] for r in rs})
+        lq_parts: dict = {}
+        for r in rs:       # the recipe refused up front (a ConfigError naming why) counts as not exported
+            lq_parts.setdefault("yes" if r["load_quantized"] == "loads" else "not exported", []).append(r["family"])
+        lq = _join(lq_parts)
         out.append(f"| `{recipe}` | {gpu_cell} | {_join(cpu['dense']) if cpu['dense'] else '-'} | "
                    f"{_join(cpu['moe']) if cpu['moe'] else '-'} | {_join(tf)} | {lq} |")
     return "\n".join(out)
