@@ -299,7 +299,8 @@ def weight_tables(rows: dict, fp32, ft) -> list:
             if ROWS[k].training == "qat" and ft:
                 rec += f" ({pct(share(rtn, r['perplexity'], ft))} against FP32 fine-tuned)"
             ratio = f"{r['perplexity'] / fp32:.3f}" if fp32 else "-"
-            out.append(f"| {ROWS[k].label} | {r['perplexity']:.3f} | {ratio} | {rec} | {r['seconds']:.0f} |")
+            label = ROWS[k].label + (f" ({r['settings']['steps']} steps)" if ROWS[k].training else "")
+            out.append(f"| {label} | {r['perplexity']:.3f} | {ratio} | {rec} | {r['seconds']:.0f} |")
     return out
 
 
@@ -329,7 +330,8 @@ def lora_table(rows: dict, fp32) -> list:
         return []
     f_rec, l_rec = share(rtn, full, fp32), share(rtn, lora, fp32)
     both = None if not f_rec or l_rec is None else l_rec / f_rec
-    out = ["", "### LoRA QAT against full-parameter QAT (W4 g128, RTN start, same steps and batches)", "",
+    steps = rows["lora_qat_r16"]["settings"]["steps"]
+    out = ["", f"### LoRA QAT against full-parameter QAT (W4 g128, RTN start, both {steps} steps of the same batches)", "",
            "| row | perplexity | RTN excess recovered |", "|---|---|---|",
            f"| RTN (minmax) | {rtn:.3f} | - |" if rtn else "| RTN (minmax) | - | - |",
            f"| {ROWS['lora_full_qat'].label} | {full:.3f} | {pct(f_rec)} |",
@@ -348,8 +350,9 @@ def tables(summary: dict) -> str:
                       if ROWS[k].training is not None})
     out = [f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
            f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
-           + "".join(f"Training rows: {st} steps of {b} blocks of {s['context']} tokens, AdamW lr {lr}, cosine after "
-                     "10 % warm-up. " for st, b, lr in trained), ""]
+           + ("Training rows (steps x blocks of " + str(s['context']) + " tokens, AdamW lr; cosine after 10 % warm-up): "
+              + ", ".join(f"{st} x {b} at {lr:g}" for st, b, lr in trained) + "; each row says its steps." if trained else ""),
+           ""]
     if fp32:
         out.append(f"FP32 perplexity: **{fp32:.3f}**" + (f"; FP32 fine-tuned on the training text for the same "
                                                          f"steps: {ft:.3f}" if ft else "") + ".")

@@ -50,7 +50,7 @@ quality() {
   # (PTQ rows, then QAD at 40 steps, then the LoRA pair at 20 steps, which writes the page)
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 \
       --rows fp32,w4_rtn,w4_gptq,w4_gptq_r124,w4a8_rtn,w4a8_gptq,w4a8_gptq_r124,nvfp4_rtn,nvfp4_r124,w4ch_rtn,w4ch_gptq,w3_rtn,w3_gptq,kv_fp8,kv_int8,kv_fp8_head,w4_mse,w4_gptq_r12
-  $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 40 --batch 2 --lr 2e-5 --rows w4_qad
+  $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 40 --batch 2 --lr 2e-5 --rows w4_qad,w4_qad_lrot
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 20 --batch 2 --lr 2e-5 \
       --rows lora_full_qat,lora_qat_r16 --write-results
   # LoRA QAT's and QLoRA's peak training memory against full-parameter QAT
