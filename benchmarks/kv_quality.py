@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
-import random
 import sys
 import time
 
@@ -33,6 +31,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 import common  # noqa: E402
+import lm_eval  # noqa: E402
 
 LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embeddings and lm_head stay float
 
@@ -75,38 +74,11 @@ def config_doc(key: str, a) -> dict:
     return doc
 
 
-def token_blocks(text: str, tok, context: int):
-    import torch
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    n = len(ids) // context
-    return torch.tensor(ids[:n * context], dtype=torch.long).view(n, context)
-
-
 def load_data(a, tok):
-    from model_zoo import lm_corpus
-    train_text, held_text = lm_corpus.split_corpus(lm_corpus.load_corpus("austen", a.cache), 0.05, 0)
-    train, held = token_blocks(train_text, tok, a.context), token_blocks(held_text, tok, a.context)
-    if a.eval_blocks > len(held):
-        raise SystemExit(f"--eval-blocks {a.eval_blocks}: the held-out text has {len(held)} blocks of {a.context}")
-    order = list(range(len(train)))
-    random.Random(a.seed).shuffle(order)
-    return train, order, held[:a.eval_blocks or len(held)]
+    return lm_eval.austen_blocks(tok, a.context, a.eval_blocks, a.seed, a.cache)
 
 
-def perplexity(model, blocks, batch: int) -> float:
-    """exp of the mean next-token loss over every position of every block (float64 sum), eval mode."""
-    import torch
-    import torch.nn.functional as F
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(blocks), batch):
-            x = blocks[i:i + batch]
-            logits = model(input_ids=x).logits.float()
-            total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                     reduction="sum").double().item()
-            count += x[:, 1:].numel()
-    return math.exp(total / count)
+perplexity = lm_eval.perplexity
 
 
 def run_row(key: str, base, train_blocks, order, held, a) -> dict:

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 import common  # noqa: E402
+import lm_eval  # noqa: E402
 
 LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embeddings and lm_head stay float
 GPTQ = {"observer": "gptq"}
@@ -172,42 +171,13 @@ def config_doc(row: Row, a) -> dict:
 
 # --- data -----------------------------------------------------------------------------------------
 
-def token_blocks(text: str, tok, context: int):
-    import torch
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    n = len(ids) // context
-    return torch.tensor(ids[:n * context], dtype=torch.long).view(n, context)
-
-
 def load_data(a, tok):
-    from model_zoo import lm_corpus
-    train_text, held_text = lm_corpus.split_corpus(lm_corpus.load_corpus("austen", a.cache), 0.05, 0)
-    train = token_blocks(train_text, tok, a.context)
-    held = token_blocks(held_text, tok, a.context)
-    if len(held) < a.eval_blocks:
-        raise SystemExit(f"--eval-blocks {a.eval_blocks}: the held-out text has only {len(held)} blocks of {a.context}")
-    order = list(range(len(train)))
-    random.Random(a.seed).shuffle(order)
-    a.eval_blocks = a.eval_blocks or len(held)
-    return train, order, held[:a.eval_blocks]
+    train, order, held = lm_eval.austen_blocks(tok, a.context, a.eval_blocks, a.seed, a.cache)
+    a.eval_blocks = len(held)
+    return train, order, held
 
 
-# --- one row --------------------------------------------------------------------------------------
-
-def perplexity(model, blocks, batch: int) -> float:
-    """exp of the mean next-token loss over every position of every block (float64 sum)."""
-    import torch
-    import torch.nn.functional as F
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(blocks), batch):
-            x = blocks[i:i + batch]
-            logits = model(input_ids=x).logits.float()
-            total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                     reduction="sum").double().item()
-            count += x[:, 1:].numel()
-    return math.exp(total / count)
+perplexity = lm_eval.perplexity
 
 
 def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
