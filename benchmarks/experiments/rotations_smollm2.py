@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import sys
 import time
@@ -22,6 +21,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
+import lm_eval  # noqa: E402
 
 LINEARS = "^(?!.*(embed|lm_head))"
 R124 = ["R1", "R2", "R4"]
@@ -55,17 +56,7 @@ def doc(weights, acts, rotations):
 
 
 def perplexity(model, blocks, batch=4):
-    import torch
-    import torch.nn.functional as F
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(blocks), batch):
-            x = blocks[i:i + batch]
-            logits = model(input_ids=x).logits.float()
-            total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                     reduction="sum").double().item()
-            count += x[:, 1:].numel()
-    return math.exp(total / count)
+    return lm_eval.perplexity(model, blocks, batch)
 
 
 def main(argv=None) -> int:
