@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         commits = sorted({r.get("commit", "?") for r in summary["rows"].values()})
         note = f"Rows measured at: {', '.join(commits)}.\n\n"
         common.write_section("llm", "smollm2", note + text, title="Quality on a real LLM: SmolLM2-135M",
-                             cmd=common.command(["python", "benchmarks/llm.py", *(argv or sys.argv[1:])]))
+                             cmd=common.command(["benchmarks/llm.py", *(argv or sys.argv[1:])]))
     return 0
 
 
