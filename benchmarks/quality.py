@@ -50,6 +50,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -448,6 +449,13 @@ def write_results(task: str, summary: dict, cmd=None) -> str:
     return common.write_section("quality", task, task_text(summary), title="Compression quality", cmd=cmd)
 
 
+
+def _portable(text: str) -> str:
+    """A data summary with an installed package's folder named from site-packages (a reader's
+    machine has its own prefix)."""
+    return re.sub(r"/\S*/site-packages/", "<site-packages>/", text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=("classifier", "lm"), required=True)
@@ -548,7 +556,7 @@ def main(argv=None) -> int:
         setup = (f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "
                  f"steps per recipe in its row), batch {a.batch_size}, max length {a.max_length}, AdamW "
                  f"{a.lr} (weight decay 0.01); accuracy on {a.eval_samples or 445} held-out articles "
-                 f"({summary.get('data', '')}). {a.threads or torch.get_num_threads()} thread(s) per run "
+                 f"({_portable(summary.get('data', ''))}). {a.threads or torch.get_num_threads()} thread(s) per run "
                  "on a shared 2-core CPU.")
     else:
         title = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
