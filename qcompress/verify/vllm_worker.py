@@ -213,8 +213,13 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     # the MoE methods' w13/w2_weight_shape parameters: filled from a checkpoint's weight_shape where
     # one is written, and read by nothing after loading (the packed parameters' shapes fix them)
     unread = (".w13_weight_shape", ".w2_weight_shape")
+    # NVFP4 MoE methods register per-expert input global scales for W4A16 too (use_a16), and the
+    # A16 kernels never read them; llm-compressor's NVFP4A16 checkpoints carry none either
+    a16 = tuple(f"{name}.{p}" for name, mod in model.named_modules()
+                if getattr(getattr(mod, "quant_method", None), "use_a16", False)
+                for p in ("w13_input_global_scale", "w2_input_global_scale"))
     out["unloaded"] = sorted(p for p in params - set(loaded or ())
-                             if not p.endswith(unread)
+                             if not p.endswith(unread) and p not in a16
                              and not (vcfg.model_config.hf_config.to_dict().get("quantization_config", {})
                                       .get("kv_cache_scheme") is None and p.endswith(kv_placeholders)))
     if dump:

@@ -191,3 +191,23 @@ def test_load_quantized_refuses_an_expert_group_contradicting_the_tensors(tmp_pa
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(qcompress.export.CheckpointError, match="group_size"):
         qcompress.load_quantized(out, make_moe("qwen3_moe", seed=3))
+
+
+def test_verify_names_transformers_dropping_the_nvfp4_experts_global_scale(tmp_path):
+    """transformers decompresses MoE experts from weight_packed and weight_scale only: NVFP4 experts
+    come out times their weight_global_scale. verify says so, by expert tensor; the dense layers,
+    decompressed in bfloat16, are load_quantized's weights rounded (the oracle: torch's rounding)."""
+    pytest.importorskip("transformers")
+    model = make_moe("qwen3_moe")
+    c = cfg()
+    c["compression_training"]["weight_quantization"]["different_groups"]["wq"]["params"] = {
+        "start_bits": 4, "target_bits": 4, "format": "nvfp4"}
+    qcompress.init_compression(model, c)
+    out = tmp_path / "nvfp4"
+    qcompress.export_quantized(model, out)
+    report = qcompress.verify.verify(out, transformers=True)
+    experts = [p for p in report.problems if p.consumer == "transformers" and p.module.endswith("_proj")
+               and "experts" in p.module]
+    assert experts and all("weight_global_scale" in p.reason for p in experts), report.format()
+    dense = [r for r in report.rows.values() if r.kind != "experts" and "self_attn" in r.name]
+    assert dense and all("bfloat16" in r.consumers.get("transformers", "") for r in dense), report.format()
