@@ -95,12 +95,12 @@ def make_exports(args, work):
     return out
 
 
-def qcompress_decoder(name, folder, args):
+def qcompress_decoder(name, folder, args, dtype=torch.float32):
     import transformers
     if name == "FP32":
-        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     else:
-        model = qcompress.load_quantized(folder, llama(args), mode="fast")
+        model = qcompress.load_quantized(folder, llama(args).to(dtype), mode="fast")
     prompts = torch.randint(0, 32000, (8, 8), generator=torch.Generator().manual_seed(1))
 
     def run(batch):
@@ -140,16 +140,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     import tempfile
     lines = [f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
-             f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode float32, "
-             "vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32, with its defaults "
-             "(on AMX CPUs that runs W4A16 layers with int8 activations, VLLM_CPU_INT4_W4A8=1). Shared machine: "
-             "ratios are the result.", "",
-             "| export | batch | qcompress tok/s | vLLM CPU tok/s | qcompress / vLLM |", "|---|---|---|---|---|"]
+             f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode in float32 "
+             "and in bfloat16 (the model loaded in bfloat16: the unquantized layers, lm_head above all, then read "
+             "half the bytes, as in vLLM), vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 "
+             "for FP32, with its defaults (on AMX CPUs that runs W4A16 layers with int8 activations, "
+             "VLLM_CPU_INT4_W4A8=1). Shared machine: ratios are the result.", "",
+             "| export | batch | qcompress fp32 tok/s | qcompress bf16 tok/s | vLLM CPU tok/s | qcompress fp32 / vLLM "
+             "| qcompress bf16 / vLLM |", "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
         work = a.work or tmp
         exports = make_exports(a, work)
         for name in a.schemes:
             q = qcompress_decoder(name, exports[name], a)
+            qb = None if name == "FP32" else qcompress_decoder(name, exports[name], a, torch.bfloat16)
             try:
                 v, _llm = vllm_decoder(name, exports[name], a)    # _llm: held so vLLM lives until the rows are timed
                 v(1)
@@ -157,18 +160,21 @@ def main(argv=None) -> int:
                 while err.__cause__ is not None or (err.__context__ is not None and "Dynamo" in str(err)):
                     err = err.__cause__ or err.__context__      # torch.compile wraps the kernel's own error
                 msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
-                row = f"| {name} | 1, 8 | - | vLLM fails: {msg} | - |"
+                row = f"| {name} | 1, 8 | - | - | vLLM fails: {msg} | - | - |"
                 print(row, flush=True)
                 lines.append(row)
                 continue
             for batch in (1, 8):
-                q(batch), v(batch)                            # warm-up (compilation, caches)
-                t = common.interleaved({"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)},
-                                       repeats=a.rounds)
-                qt = batch * a.tokens / t["qcompress"].median
-                vt = batch * a.tokens / t["vllm"].median
-                row = (f"| {name} | {batch} | {qt:.1f} | {vt:.1f} | "
-                       f"{common.ratio(t, 'vllm', 'qcompress')} |")
+                fns = {"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)}
+                if qb is not None:
+                    fns["qcompress_bf16"] = lambda b=batch: qb(b)
+                for f in fns.values():                        # warm-up (compilation, caches)
+                    f()
+                t = common.interleaved(fns, repeats=a.rounds)
+                tps = {k: batch * a.tokens / t[k].median for k in t}
+                bf = (f"{tps['qcompress_bf16']:.1f}", common.ratio(t, "vllm", "qcompress_bf16")) if qb else ("-", "-")
+                row = (f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf[0]} | {tps['vllm']:.1f} | "
+                       f"{common.ratio(t, 'vllm', 'qcompress')} | {bf[1]} |")
                 print(row, flush=True)
                 lines.append(row)
             _llm = v = None                                   # free vLLM before the next export
