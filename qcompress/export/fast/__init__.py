@@ -21,8 +21,6 @@ plan named by the module's `qx_plan`, and the load step.
 from __future__ import annotations
 
 import logging
-import sys
-import types
 import warnings
 from typing import Dict, Tuple
 
@@ -31,10 +29,10 @@ import torch.nn as nn
 from ...quant import lowbit
 from .. import quantized
 from ..quantized import _QHFConv1D, _QLinear, QuantizedMixin
-from . import core, cuda_plans, lowbit_plans, planes, torch_plans
+from . import core, cuda_plans, lowbit_plans, torch_plans
 from .core import DEQUANT, Plan, _needs_grad
 from .lowbit_plans import _direct
-# names that other modules, tests and benchmarks read from here (one module, fast.py, before)
+# names that other modules, tests and benchmarks read from here (fast was one module before)
 from .core import _exported_codes, dequantize_record  # noqa: F401
 from .lowbit_plans import CUDA_LOWBIT_KERNELS, _lowbit_weight  # noqa: F401
 from .planes import planes_codes, planes_dequantize, planes_ok  # noqa: F401
@@ -204,23 +202,6 @@ def tensor_bytes(model: nn.Module) -> int:
             total += t.numel() * t.element_size()
     return total
 
-
-_PARTS = (core, planes, lowbit_plans, torch_plans, cuda_plans)
-
-
-class _Package(types.ModuleType):
-    """Setting a name here sets it in each part that defines it too, as on the single module this
-    package was: `fast.CUDA_LOWBIT_KERNELS = True` (benchmarks/gpu.py) and tests' monkeypatching of
-    the weight decoders must reach the code that reads them."""
-
-    def __setattr__(self, name, value):
-        for part in _PARTS:
-            if name in vars(part):
-                setattr(part, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 quantized.register_family(__name__, fast_class, (FastMixin, FastLinearMixin, FastConv1DMixin))
 quantized.register_load_step("fast", lambda root, modules, options: convert(root, modules))
