@@ -169,7 +169,8 @@ def reload_table(tmp):
     import torch.nn as nn
 
     import qcompress
-    from qcompress.export import export_quantized, fast as fastmod, load_quantized
+    from qcompress.export import export_quantized, load_quantized
+    from qcompress.export.fast import lowbit_plans  # where the fast plans read CUDA_LOWBIT_KERNELS
     from gpu_quick import PACKED_RECIPES
     out = []
     for name, cc in PACKED_RECIPES.items():
@@ -191,9 +192,9 @@ def reload_table(tmp):
                     t_d = cuda_time(lambda: d(x))
                     t_e = cuda_time(lambda: e(x))
                     t_f = cuda_time(lambda: f(x))
-                    fastmod.CUDA_LOWBIT_KERNELS = True
+                    lowbit_plans.CUDA_LOWBIT_KERNELS = True
                     t_k = cuda_time(lambda: f(x))
-                    fastmod.CUDA_LOWBIT_KERNELS = False
+                    lowbit_plans.CUDA_LOWBIT_KERNELS = False
                 out.append({"recipe": name, "tokens": tokens, "dtype": str(dtype)[6:], "dense_ms": round(t_d, 4),
                             "exact_ms": round(t_e, 4), "fast_ms": round(t_f, 4), "cuda_kernels_ms": round(t_k, 4),
                             "exact_over_dense": round(t_e / t_d, 2), "fast_over_dense": round(t_f / t_d, 2),

@@ -19,7 +19,7 @@ The kernels' math (ATen/native/cuda/int4mm.cu, torch 2.13):
   zero = -zp * s (0 when symmetric).
 
 Anything else (2/3-bit, 8-bit groups or asymmetric 8-bit, float32/float16 models, other group
-sizes, odd shapes, pre-Ampere GPUs) keeps fast.py's plan, which on a GPU decodes a dense weight
+sizes, odd shapes, pre-Ampere GPUs) keeps the fast package's plan, which on a GPU decodes a dense weight
 once; load_quantized warns once per load naming those layers and why. mode="dense" asks for that
 dense decode for every layer. The layout functions below are pure tensor code so that the CPU tests
 can check them against the exact reload.

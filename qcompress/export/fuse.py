@@ -255,4 +255,4 @@ def _fuse_step(root: nn.Module, modules, options) -> None:
 
 
 quantized.register_family(__name__, fused_class, (FusedActMixin, FusedResidualMixin, FusedSequentialMixin))
-quantized.register_load_step("fast", _fuse_step)     # after fast.py's convert: fuse imports fast
+quantized.register_load_step("fast", _fuse_step)     # after fast's convert: fuse imports fast

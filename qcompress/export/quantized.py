@@ -1,4 +1,4 @@
-"""The loaded quantized module classes, and the registry that fast.py and fuse.py add theirs to.
+"""The loaded quantized module classes, and the registry that export/fast and fuse.py add theirs to.
 
 load_quantized swaps a subclass into each quantized module (so isinstance checks hold): its float
 `weight` parameter is replaced by buffers with the exported names (weight_packed / weight,
@@ -7,7 +7,7 @@ activation quantization uses the stored input_scale.
 
 The registry holds what the reader must know of classes defined elsewhere, so that no module here
 imports the modules that build on it: the forward mixin of each module kind, the class families
-(fast, fused) that pickles rebuild, and the load modes beyond "exact". fast.py and fuse.py register
+(fast, fused) that pickles rebuild, and the load modes beyond "exact". export/fast and fuse.py register
 theirs when imported; qcompress/export/__init__.py imports both, so every entry is in place before
 any of its modules is used.
 """

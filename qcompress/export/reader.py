@@ -2,7 +2,7 @@
 
 The loaded module classes live in quantized.py, the checks of config.json and the tensors in
 manifest.py; this module puts the model together. mode="fast" and the fused activations are load
-steps that fast.py and fuse.py register (quantized.register_load_step).
+steps that fast/ and fuse.py register (quantized.register_load_step).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
 
     mode="exact" dequantizes each weight in every forward (bit-exact outputs); mode="fast" runs
     integer-weight kernels where torch has them and a fused dequantization elsewhere (see
-    qcompress/export/fast.py; outputs equal "exact" up to float summation order). With
+    qcompress/export/fast/; outputs equal "exact" up to float summation order). With
     fuse_activations (mode="fast" only), a GELU / ReLU or a skip-connection add that provably only
     follows a low-bit layer (BERT's feed-forward and block outputs, GPT-2's MLP, nn.Sequential
     neighbours) runs in that layer's kernel call; only the parent module's forward changes

@@ -29,6 +29,7 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 from qcompress.export import fast as fastmod
+from tests.helpers.fast_patch import patch_fast
 from qcompress.export import quantized
 from qcompress.quant import lowbit
 from qcompress.export.errors import CheckpointError
@@ -74,9 +75,9 @@ def no_float_weight(monkeypatch):
     """Make any per-call weight dequantization fail loudly."""
     def boom(*a, **k):
         raise AssertionError("a kernel plan dequantized the float weight in forward")
-    monkeypatch.setattr(fastmod, "planes_dequantize", boom)
-    monkeypatch.setattr(fastmod, "dequantize_record", boom)
-    monkeypatch.setattr(fastmod, "_lowbit_weight", boom)
+    patch_fast(monkeypatch, "planes_dequantize", boom)
+    patch_fast(monkeypatch, "dequantize_record", boom)
+    patch_fast(monkeypatch, "_lowbit_weight", boom)
 
 
 def without_extension(monkeypatch):
@@ -395,7 +396,7 @@ def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
     assert all((m.qx_direct is not None) == direct for m in mods)
     calls = []
     real = fastmod._direct
-    monkeypatch.setattr(fastmod, "_direct", lambda m, x: calls.append(real(m, x) is not None) or real(m, x))
+    patch_fast(monkeypatch, "_direct", lambda m, x: calls.append(real(m, x) is not None) or real(m, x))
     for x in (torch.randn(1, 256, generator=g), torch.randn(3, 33, 256, generator=g)):
         with torch.no_grad():
             y_direct = fast(x)

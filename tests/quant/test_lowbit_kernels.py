@@ -51,7 +51,7 @@ import torch.nn as nn
 
 import qcompress
 from qcompress.export import export_quantized, load_quantized
-from qcompress.export import fast as fastmod
+from tests.helpers.fast_patch import patch_fast
 from qcompress.quant import lowbit
 from qcompress.export.fast import plans_of
 
@@ -117,7 +117,7 @@ def no_float_weight(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a kernel plan built the float weight in forward")
     for name in ("_lowbit_weight", "planes_dequantize", "dequantize_record"):
-        monkeypatch.setattr(fastmod, name, boom)
+        patch_fast(monkeypatch, name, boom)
 
 
 def digit_term(x, w):

@@ -93,9 +93,9 @@ def test_fast_reload_on_the_gpu(tmp_path, monkeypatch, dtype, kernels):
     reload's outputs bit for bit. With CUDA_LOWBIT_KERNELS, the CUDA low-bit kernels against the
     exact reload with test_lowbit_kernels' bound (the same weight bit for bit; only sums differ)."""
     from tests.quant.test_lowbit_kernels import WEIGHTS, cfg_for, check, exact_and_bound, export_pair, odd_model
-    from qcompress.export import fast as fastmod
+    from qcompress.export.fast import lowbit_plans
     from qcompress.export.fast import plans_of
-    monkeypatch.setattr(fastmod, "CUDA_LOWBIT_KERNELS", kernels)
+    monkeypatch.setattr(lowbit_plans, "CUDA_LOWBIT_KERNELS", kernels)
     for (bits, gran, gs), act in itertools.product(WEIGHTS, (None, ("dynamic", True))):
         g = torch.Generator().manual_seed(bits)
         folder = tmp_path / f"w{bits}{gran}{act is not None}"
