@@ -477,3 +477,32 @@ def test_a_model_that_changes_the_hidden_state_between_blocks_is_refused_for_seq
     qc.init_compression(other, gptq_doc(sequential=False))
     other.model.layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2.0,) + tuple(args[1:]))
     assert qc.calibrate_weight_ranges(other, batches()) == 14
+
+
+def test_static_activation_ranges_calibrate_before_gptq_on_full_precision_weights():
+    """PTQ calibrates static activation ranges before GPTQ solves the weights (qcompress train's
+    order): the modules still to solve run their full-precision weights meanwhile, so the ranges are
+    those of the same model with activation quantization only (the oracle); GPTQ then solves, and
+    the model runs."""
+    from qcompress.train.stages import calibrate_static_ranges
+    acts = {"shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0},
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}}}
+    doc = gptq_doc()
+    doc["compression_training"]["activation_quantization"] = acts
+    model = tiny_llama()
+    qc.init_compression(model, doc)
+    oracle = tiny_llama()
+    qc.init_compression(oracle, {"compression_training": {"activation_quantization": acts}})
+    data = [{"input_ids": b} for b in batches()]
+    calibrate_static_ranges(model, data)
+    calibrate_static_ranges(oracle, data)
+    got = {n: (m.qc_aq.observer.min, m.qc_aq.observer.max) for n, m in model.named_modules() if hasattr(m, "qc_aq")}
+    want = {n: (m.qc_aq.observer.min, m.qc_aq.observer.max) for n, m in oracle.named_modules() if hasattr(m, "qc_aq")}
+    assert got.keys() == want.keys() and len(got) == 2 * len(PROJ)
+    for n in got:
+        assert torch.equal(torch.as_tensor(got[n][0]), torch.as_tensor(want[n][0])), n
+        assert torch.equal(torch.as_tensor(got[n][1]), torch.as_tensor(want[n][1])), n
+    assert qc.calibrate_weight_ranges(model, [b["input_ids"] for b in data]) == 2 * len(PROJ)
+    calibrate_static_ranges(model, data)        # the ranges the solved weights give
+    with torch.no_grad():
+        assert torch.isfinite(model(data[0]["input_ids"]).logits).all()

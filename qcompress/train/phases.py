@@ -42,10 +42,15 @@ class PhasesMixin:
 
     def calibrate(self, model) -> None:
         """PTQ's calibration: static activation ranges (training mode), then the input moments of
-        input-weighted weight ranges (eval mode, static ranges set)."""
+        input-weighted weight ranges (eval mode, static ranges set); after GPTQ has changed weights,
+        the static ranges once more, for the activations the solved weights give."""
         import qcompress
+        from ..calibrate.gptq import unsolved
         calibrate_static_ranges(model, self.calibration_batches())
+        solving = len(unsolved(model))
         qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model)))
+        if solving:
+            calibrate_static_ranges(model, self.calibration_batches())
 
     def learned_ranges(self, model):
         """The ptq_learned stage: the PTQ model's learned ranges trained on the loss for

@@ -22,7 +22,10 @@ def has_static_ranges(model: nn.Module) -> bool:
 @torch.no_grad()
 def calibrate_static_ranges(model: nn.Module, batches: Iterable[dict]) -> None:
     """Static activation ranges learn in training mode; PTQ has no training, so run a few batches
-    (dropout off: every Dropout module is put in eval mode meanwhile)."""
+    (dropout off: every Dropout module is put in eval mode meanwhile). Modules whose GPTQ solve is
+    still to come run their full-precision weights meanwhile, as GPTQ's own calibration does; run
+    this again after calibrate_weight_ranges for the ranges the solved weights give."""
+    from ..calibrate.gptq import inactive, unsolved
     if not has_static_ranges(model):
         return
     model.train()
@@ -30,8 +33,9 @@ def calibrate_static_ranges(model: nn.Module, batches: Iterable[dict]) -> None:
         if isinstance(m, nn.Dropout):
             m.eval()
     dev = device_of(model)
-    for b in batches:
-        model(**to_device(b, dev))
+    with inactive(unsolved(model)):
+        for b in batches:
+            model(**to_device(b, dev))
     model.eval()
 
 
