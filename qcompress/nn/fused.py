@@ -10,6 +10,10 @@ derivatives of addmm / mm / convolution run (same layouts, same autocast casts) 
 values, and the weight quantizer's own backward (straight-through, clip mask, LSQ) on the
 recomputed w^, so every gradient is bit for bit the unfused path's.
 
+LoRA (mode qat): backward makes the merged weight W + (B A) * scaling and its w^ again without a
+graph and hands the merged weight's gradient to lora.merge_grads (autograd's tensors through the
+merge, bit for bit), so at most two weight-size tensors, w^ and its gradient, are alive at once.
+
 Shared inputs: sibling modules fed one tensor with the same dynamic activation settings (Q/K/V,
 gate/up) quantize it once. The last codes are kept per thread, keyed by the tensor itself (a weak
 reference), its version counter and the Spec: a different tensor (a pre-hook's result, a
@@ -146,9 +150,13 @@ class Plan:
         weight, with a LoRA adapter's A and B)."""
         if self.weight_mode == "param":
             return w
-        mod, wq = self.mod, self.mod.qc_wq
         if self.lora:
-            w = lora.merge(mod, w, lora_a, lora_b)
+            w = lora.merge(self.mod, w, lora_a, lora_b)
+        return self.quantized(w, scale, zero_point)
+
+    def quantized(self, w, scale=None, zero_point=None):
+        """The weight quantizer's output for w (the Parameter, or the merged weight)."""
+        mod, wq = self.mod, self.mod.qc_wq
         if ranges.chosen(wq) is not self.shrink:
             raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
                                "backward (a scheduler step in between?); run backward first")
@@ -329,31 +337,28 @@ class _FusedCompressed(torch.autograd.Function):
         need_x, need_w, need_b, need_s, need_z = ctx.needs_input_grad[:5]
         need_la, need_lb = ctx.needs_input_grad[10:12]
         weight_grads = need_w or need_s or need_z or need_la or need_lb
+        if p.lora and weight_grads:
+            return _lora_backward(ctx, grad, q, s, z, weight, w_scale, w_zp, lora_a, lora_b)
         # the weight the forward used; with autograd recording when the quantizer's own backward
         # (straight-through, clip mask, LSQ) has to carry the gradient on to the Parameters
         leaves = []
         wq = p.mod.qc_wq
         # straight-through without clip mask or learned ranges: the weight's gradient is the op's
         # own, so w^ is made without a graph and no nested autograd pass runs
-        # (a LoRA adapter's A and B get theirs through the merge, so they are tracked too)
-        track = weight_grads and p.weight_mode == "fake_quant" and (wq.range_learning or wq.clip_grad or p.lora)
+        track = weight_grads and p.weight_mode == "fake_quant" and (wq.range_learning or wq.clip_grad)
         with torch.set_grad_enabled(track):
             if track:
-                pairs = ((weight, need_w), (w_scale, need_s), (w_zp, need_z), (lora_a, need_la), (lora_b, need_lb))
-                w_in, s_in, z_in, a_in, b_in = (None if t is None else t.detach().requires_grad_(need)
-                                                for t, need in pairs)
-                leaves = [t for t, (_, need) in zip((w_in, s_in, z_in, a_in, b_in), pairs) if need]
-                w_used = p.weight(w_in, s_in, z_in, a_in, b_in)
+                pairs = ((weight, need_w), (w_scale, need_s), (w_zp, need_z))
+                w_in, s_in, z_in = (None if t is None else t.detach().requires_grad_(need) for t, need in pairs)
+                leaves = [t for t, (_, need) in zip((w_in, s_in, z_in), pairs) if need]
+                w_used = p.weight(w_in, s_in, z_in)
             else:
-                w_used = p.weight(weight, w_scale, w_zp, lora_a, lora_b)
+                w_used = p.weight(weight, w_scale, w_zp)
         bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
         gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
                                bias_shape, need_x, weight_grads, need_b)
-        if gx is not None:
-            gx = gx.to(ctx.x_dtype)
-        if gb is not None:
-            gb = gb.to(ctx.bias_meta[1])
-        g_w = g_s = g_z = g_a = g_b = None
+        gx, gb = _input_grads(ctx, gx, gb)
+        g_w = g_s = g_z = None
         if weight_grads:
             gw = gw.to(w_used.dtype)
             if track:
@@ -361,8 +366,65 @@ class _FusedCompressed(torch.autograd.Function):
                 g_w = next(got) if need_w else None
                 g_s = next(got) if need_s else None
                 g_z = next(got) if need_z else None
-                g_a = next(got) if need_la else None
-                g_b = next(got) if need_lb else None
             else:
                 g_w = gw
-        return gx, g_w, gb, g_s, g_z, None, None, None, None, None, g_a, g_b
+        return gx, g_w, gb, g_s, g_z, None, None, None, None, None, None, None
+
+
+def _input_grads(ctx, gx, gb):
+    if gx is not None:
+        gx = gx.to(ctx.x_dtype)
+    if gb is not None:
+        gb = gb.to(ctx.bias_meta[1])
+    return gx, gb
+
+
+def _lora_backward(ctx, grad, q, s, z, weight, w_scale, w_zp, lora_a, lora_b):
+    """Backward of a mode qat LoRA layer: the merged weight W + (B A) * scaling and its quantization
+    are made again without a graph (the quantizer's own backward recorded only where it has one:
+    clip mask, learned ranges), and the merge's gradients are lora.merge_grads', so no weight-size
+    intermediate of the merge waits in an autograd graph; the values are autograd's through
+    lora.merge bit for bit. At most two weight-size tensors are alive at once (w^ and its
+    gradient), where a recorded merge kept a third. (The saved tensors come unpacked: checkpointing
+    allows one unpacking.)"""
+    p = ctx.p
+    need_x, need_w, need_b, need_s, need_z = ctx.needs_input_grad[:5]
+    need_la, need_lb = ctx.needs_input_grad[10:12]
+    wq = p.mod.qc_wq
+    graph = wq.range_learning or wq.clip_grad     # the quantizer's backward is more than the identity
+    with torch.no_grad():
+        merged = lora.merge(p.mod, weight, lora_a, lora_b)
+    leaves = []
+    need_m = need_w or need_la or need_lb
+    with torch.set_grad_enabled(graph):
+        if graph:
+            m_in = merged.requires_grad_(need_m)
+            s_in, z_in = (None if t is None else t.detach().requires_grad_(need)
+                          for t, need in ((w_scale, need_s), (w_zp, need_z)))
+            leaves = [t for t, need in ((m_in, need_m), (s_in, need_s), (z_in, need_z)) if need]
+            w_used = p.quantized(m_in, s_in, z_in)
+            del m_in
+        else:
+            w_used = p.quantized(merged, w_scale, w_zp)
+    del merged          # (kept by the graph only where the quantizer's backward reads it)
+    bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
+    gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
+                           bias_shape, need_x, True, need_b)
+    gx, gb = _input_grads(ctx, gx, gb)
+    gw = gw.to(w_used.dtype)
+    g_s = g_z = None
+    if graph:
+        got = iter(torch.autograd.grad(w_used, leaves, gw))
+        del gw
+        g_m = next(got) if need_m else None
+        g_s = next(got) if need_s else None
+        g_z = next(got) if need_z else None
+    else:
+        g_m = gw            # straight-through: the merged weight's gradient is w^'s
+        del gw
+    del w_used
+    g_w = g_a = g_b = None
+    if need_m:
+        g_w, g_a, g_b = lora.merge_grads(p.mod, g_m, weight, lora_a, lora_b, need_w, need_la, need_lb,
+                                         own_grad=True)
+    return gx, g_w, gb, g_s, g_z, None, None, None, None, None, g_a, g_b

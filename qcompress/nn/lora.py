@@ -86,7 +86,43 @@ def merge(mod, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     delta = b @ a
     if mod.qc_kind == "hf_conv1d":        # weight stored [in, out] (peft's fan_in_fan_out)
         delta = delta.t()
-    return (w + delta * mod.__dict__["qc_lora"].scaling).to(w.dtype)
+    scaling = mod.__dict__["qc_lora"].scaling
+    if delta.requires_grad:
+        return (w + delta * scaling).to(w.dtype)
+    # no graph (the fused path, export): scaled in place, the same values with one weight-size
+    # tensor fewer alive
+    return (w + delta.mul_(scaling)).to(w.dtype)
+
+
+def merge_grads(mod, grad: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                need_w: bool = False, need_a: bool = True, need_b: bool = True, own_grad: bool = False):
+    """(gradient of w, of a, of b) for the gradient `grad` of merge(mod, w, a, b): the tensors
+    torch's autograd makes through merge's ops (to, add, mul by the scaling, the Conv1D transpose,
+    mm), bit for bit, without a recorded graph keeping weight-size intermediates alive. The fused
+    backward (nn/fused.py) calls it; tests/nn/test_lora.py checks it against autograd.
+    `own_grad`: nothing else holds `grad`, which is then scaled in place (one weight-size tensor
+    fewer)."""
+    scaling = mod.__dict__["qc_lora"].scaling
+    summed = torch.promote_types(w.dtype, a.dtype)      # w + delta * scaling, before .to(w.dtype)
+    g = grad if grad.dtype == summed else grad.to(summed)             # ToCopyBackward
+    gw = None
+    if need_w:                                          # AddBackward, cast to w's dtype by the engine
+        gw = g if g.dtype == w.dtype else g.to(w.dtype)
+    if not (need_a or need_b):
+        return gw, None, None
+    g = g if g.dtype == a.dtype else g.to(a.dtype)      # the engine's cast to delta's dtype
+    if own_grad and g is grad and not need_w:
+        g = g.mul_(scaling)                             # MulBackward, in place: the same values
+    else:
+        g = g * scaling                                 # MulBackward
+    if mod.qc_kind == "hf_conv1d":                      # TBackward
+        g = g.t()
+    ga = gb = None
+    if need_b:          # mm_mat1_backward(g, a, b's sizes and strides)
+        gb = a.mm(g.t()).t() if b.stride(0) == 1 and b.stride(1) == b.size(0) else g.mm(a.t())
+    if need_a:          # mm_mat2_backward(g, b, a's sizes and strides)
+        ga = g.t().mm(b).t() if a.stride(0) == 1 and a.stride(1) == a.size(0) else b.t().mm(g)
+    return gw, ga, gb
 
 
 def quantizer_input(mod) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..quant.api import dequantize
 from ..quant.reference import Spec, saturate
-from . import ranges
+from . import pages, ranges
 from .layers import CompressMixin, base_class, compress_class
 from .lora import OWN_PARAMS, STORED, adapter_weights, merge
 
@@ -118,7 +118,10 @@ def store_base(mod, codes) -> None:
     st.spec, st.dtype = spec, dtype
     wq = mod.qc_wq
     old_cls = type(mod)
-    del mod._parameters["weight"]
+    wq.master = wq.applied = None
+    # a weight mapped from the checkpoint file (transformers loads safetensors by mmap) gives its
+    # pages back: otherwise the float base stays resident beside its codes (nn/pages.py)
+    pages.drop(mod._parameters, "weight")
     mod.register_buffer("qlora_codes", q.detach().clone())
     mod.register_buffer("qlora_scale", s.detach().clone())
     if z is not None:
@@ -126,7 +129,6 @@ def store_base(mod, codes) -> None:
     mod.__class__ = qlora_class(base_class(old_cls), mod.qc_kind, True)
     wq.baked = True
     wq.codes_spec = spec
-    wq.master = wq.applied = None
     _point_codes(mod)
 
 

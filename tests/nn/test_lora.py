@@ -3,13 +3,17 @@ quantizer sees (mode qat), the stored base (mode qlora), their gradients, agains
 here with the reference quantizer."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qcompress as qc
-from qcompress.nn import fused
+from qcompress.nn import fused, lora
 from qcompress.quant.api import fake_quantize
 
 from tests.helpers.lora_fixtures import adapted, compressed, lora_cfg
@@ -217,3 +221,82 @@ def test_qat_with_learned_ranges_trains_the_scales_too():
     model(torch.randn(4, 32)).sum().backward()
     assert model[0].weight_scale.grad is not None and model[0].weight_scale.grad.abs().sum() > 0
     assert model[0].lora_B.grad.abs().sum() > 0
+
+
+class _Layer:
+    """What lora.merge and merge_grads read of a layer: its kind and its LoRA state."""
+
+    def __init__(self, kind, scaling):
+        self.qc_kind = kind
+        self.__dict__["qc_lora"] = lora.LoraState(mode="qat", r=4, alpha=4 * scaling, scaling=scaling, dropout=0.0)
+
+
+@pytest.mark.parametrize("kind", ["linear", "hf_conv1d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "column_major"])
+@pytest.mark.parametrize("need_w", [False, True])
+def test_merge_grads_are_autograds_bit_for_bit(kind, dtype, layout, need_w):
+    """lora.merge_grads (the fused backward's) against autograd through lora.merge itself: the same
+    tensors, strides included, for both layouts, a low-precision base and column-major adapters."""
+    g = torch.Generator().manual_seed(0)
+    out_f, in_f, r = 48, 40, 4
+    layer = _Layer(kind, 0.37)
+    w = torch.randn((out_f, in_f) if kind == "linear" else (in_f, out_f), generator=g).to(dtype)
+    a = torch.randn(r, in_f, generator=g)
+    b = torch.randn(out_f, r, generator=g)
+    if layout == "column_major":
+        a, b = a.t().contiguous().t(), b.t().contiguous().t()
+    w_in, a_in, b_in = w.clone().requires_grad_(need_w), a.clone().requires_grad_(), b.clone().requires_grad_()
+    merged = lora.merge(layer, w_in, a_in, b_in)
+    with torch.no_grad():
+        assert torch.equal(merged, lora.merge(layer, w, a, b))    # the in-place scaling: the same values
+    grad = torch.randn(merged.shape, generator=g).to(dtype)
+    want = torch.autograd.grad(merged, [t for t in (w_in, a_in, b_in) if t.requires_grad], grad)
+    for own in (False, True):
+        got = lora.merge_grads(layer, grad.clone(), w, a, b, need_w=need_w, own_grad=own)
+        got = [t for t in got if t is not None]
+        assert len(got) == len(want)
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.stride() == y.stride() and torch.equal(x, y)
+
+
+class _WeightSized(TorchDispatchMode):
+    """Counts the storages of at least `nbytes` that ops make and that are alive at once (the most
+    seen after any op): a tensor stays counted until its last reference, autograd's included, goes."""
+
+    def __init__(self, nbytes):
+        super().__init__()
+        self.nbytes, self.users, self.most = nbytes, {}, 0
+
+    def _drop(self, key):
+        self.users[key] -= 1
+        if not self.users[key]:
+            del self.users[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= self.nbytes:
+                key = t.untyped_storage().data_ptr()
+                self.users[key] = self.users.get(key, 0) + 1
+                weakref.finalize(t, self._drop, key)
+        self.most = max(self.most, len(self.users))
+        return out
+
+
+def test_qat_makes_no_more_than_two_weight_size_tensors_at_once():
+    """The fused LoRA layer merges and quantizes without a graph, scales in place and gives the
+    merged weight's gradient the merge's own backward (lora.merge_grads): in forward the merged
+    weight and w^, in backward w^ and its gradient are the only weight-size tensors alive at once
+    (a recorded merge kept a third)."""
+    n = 256
+    model = qc.init_compression(nn.Sequential(nn.Linear(n, n, bias=False)),
+                                lora_cfg("qat", targets=["0"], wq_modules=["0"]))
+    _randomize_b(model)
+    x = torch.randn(3, n, requires_grad=True)
+    with _WeightSized(n * n * 4) as fwd:
+        y = model(x)
+    with _WeightSized(n * n * 4) as bwd:
+        y.square().sum().backward()
+    assert (fwd.most, bwd.most) == (2, 2)
+    assert model[0].lora_A.grad is not None and model[0].lora_B.grad is not None
