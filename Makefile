@@ -86,6 +86,7 @@ $(LINT_STAMP): $(DEPS_STAMP)
 
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # --durations=15: the slowest tests, so a test that grows slow is seen

@@ -11,6 +11,7 @@ step, the processes of a round run back to back with the order alternating betwe
 
     .venv/bin/python benchmarks/activation_checkpointing.py [--rounds 2] [--steps 3] [--write-results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,28 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS, SEQ, BATCH, HIDDEN, HEADS, VOCAB = 6, 512, 8, 256, 4, 2048
 
-W8A8 = {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                          "quantize_weight_in_forward": True},
-    "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0,
-                                            "granularity": "channel"}}}},
+W8A8 = {
+    "weight_quantization": {
+        "shared_parameters": {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "schedule_offset": 0,
+            "quantize_weight_in_forward": True,
+        },
+        "different_groups": {
+            "w8": {"params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0, "granularity": "channel"}}
+        },
+    },
     "activation_quantization": {
-    "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "range_calibration": "dynamic",
-                          "schedule_offset": 0},
-    "different_groups": {"a8": {"params": {"bits": 8}}}}}
+        "shared_parameters": {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "range_calibration": "dynamic",
+            "schedule_offset": 0,
+        },
+        "different_groups": {"a8": {"params": {"bits": 8}}},
+    },
+}
 
 
 def child(recipe: str, checkpointing: bool, steps: int) -> dict:
@@ -48,8 +62,17 @@ def child(recipe: str, checkpointing: bool, steps: int) -> dict:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     doc = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if recipe == "w8a8":
@@ -67,9 +90,13 @@ def child(recipe: str, checkpointing: bool, steps: int) -> dict:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss        # KiB on Linux
-    return {"added_mib": (peak - before) / 1024, "step_s": statistics.median(times[1:]),
-            "blocks": engine.checkpointed_blocks, "loss": float(loss.detach())}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {
+        "added_mib": (peak - before) / 1024,
+        "step_s": statistics.median(times[1:]),
+        "blocks": engine.checkpointed_blocks,
+        "loss": float(loss.detach()),
+    }
 
 
 def run_child(recipe: str, checkpointing: bool, steps: int) -> dict:
@@ -97,26 +124,31 @@ def main() -> None:
     for recipe in a.recipes.split(","):
         runs = {False: [], True: []}
         for r in range(a.rounds):
-            for ck in ((False, True) if r % 2 == 0 else (True, False)):
+            for ck in (False, True) if r % 2 == 0 else (True, False):
                 res = run_child(recipe, ck, a.steps)
                 runs[ck].append(res)
                 print(f"{recipe} checkpointing={ck}: {res}", file=sys.stderr)
         mem = {ck: statistics.median(x["added_mib"] for x in v) for ck, v in runs.items()}
         step = {ck: statistics.median(x["step_s"] for x in v) for ck, v in runs.items()}
         same_loss = runs[False][0]["loss"] == runs[True][0]["loss"]
-        rows.append(f"| {recipe.upper()} | {mem[False]:.0f} | {mem[True]:.0f} | {mem[True] / mem[False]:.2f}x | "
-                    f"{step[False]:.2f} | {step[True]:.2f} | {step[True] / step[False]:.2f}x | "
-                    f"{'equal' if same_loss else 'differ'} |")
-    text = (f"## Activation checkpointing: memory and step time\n\n"
-            f"GPT-2-shaped decoder, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, "
-            f"AdamW; every block checkpointed. Memory: peak RSS minus RSS before the first step, median of "
-            f"{a.rounds} fresh processes. Step: median of {a.steps} steps after a warm-up, median over processes.\n\n"
-            "| recipe | added MiB, plain | added MiB, checkpointed | ratio | step s, plain | step s, checkpointed "
-            "| time ratio | loss |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + "\n".join(rows) + "\n")
+        rows.append(
+            f"| {recipe.upper()} | {mem[False]:.0f} | {mem[True]:.0f} | {mem[True] / mem[False]:.2f}x | "
+            f"{step[False]:.2f} | {step[True]:.2f} | {step[True] / step[False]:.2f}x | "
+            f"{'equal' if same_loss else 'differ'} |"
+        )
+    text = (
+        f"## Activation checkpointing: memory and step time\n\n"
+        f"GPT-2-shaped decoder, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, sequence {SEQ}, batch {BATCH}, "
+        f"AdamW; every block checkpointed. Memory: peak RSS minus RSS before the first step, median of "
+        f"{a.rounds} fresh processes. Step: median of {a.steps} steps after a warm-up, median over processes.\n\n"
+        "| recipe | added MiB, plain | added MiB, checkpointed | ratio | step s, plain | step s, checkpointed "
+        "| time ratio | loss |\n|---|---:|---:|---:|---:|---:|---:|---|\n" + "\n".join(rows) + "\n"
+    )
     print(text)
     if a.write_results:
         sys.path.insert(0, HERE)
         import common
+
         common.write_section("engine", "activation-checkpointing", text, title="Engine costs")
 
 

@@ -9,6 +9,7 @@ table alone) on the saved files; min / median over rounds. The files were just w
 read from the page cache: on a cold disk the table costs a disk read of the checkpoint instead.
 Prints one paragraph; --write-results replaces its section of benchmarks/results/engine.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
     import torch.nn as nn
     import qcompress as qc
     from qcompress.engine import checkpoint as ck
+
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
@@ -63,16 +65,19 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mn, md = min, statistics.median
-    text = (f"## Engine checkpoints: what the crc32 table costs\n\n"
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, checkpoint {size / 1e6:.0f} MB, "
-            f"{a.rounds} rounds, {a.threads} threads (min / median): save {mn(saves):.2f} / {md(saves):.2f} s, "
-            f"load {mn(loads):.2f} / {md(loads):.2f} s, crc32 table alone {mn(sums):.2f} / {md(sums):.2f} s "
-            f"({size / 1e9 / mn(sums):.2f} GB/s): {mn(sums) / mn(saves):.0%} of a save, "
-            f"{mn(sums) / mn(loads):.0%} of a load.\n")
+    text = (
+        f"## Engine checkpoints: what the crc32 table costs\n\n"
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, checkpoint {size / 1e6:.0f} MB, "
+        f"{a.rounds} rounds, {a.threads} threads (min / median): save {mn(saves):.2f} / {md(saves):.2f} s, "
+        f"load {mn(loads):.2f} / {md(loads):.2f} s, crc32 table alone {mn(sums):.2f} / {md(sums):.2f} s "
+        f"({size / 1e9 / mn(sums):.2f} GB/s): {mn(sums) / mn(saves):.0%} of a save, "
+        f"{mn(sums) / mn(loads):.0%} of a load.\n"
+    )
     print(text)
     if a.write_results:
         sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         import common
+
         common.write_section("engine", "checkpoint", text, title="Engine costs")
     return 0
 

@@ -14,6 +14,7 @@ Counting rules (those of qcompress.engine.traffic): payload bytes; an all-reduce
 P ranks sends 2(P-1)B/P (ring), a reduce-scatter of an input of B bytes (P-1)B/P, an all-gather of
 a chunk of b bytes (P-1)b, a broadcast's root (P-1)B and the others nothing, a send its B.
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -53,11 +54,15 @@ _C10D = {
     "send": (0, 1, lambda b, p: b),
     "recv_": (0, 1, lambda b, p: 0),
 }
-_FUNCTIONAL = {   # group_name is the last positional argument
-    "all_reduce": (0, _ring_all_reduce), "all_reduce_": (0, _ring_all_reduce),
-    "all_reduce_coalesced": (0, _ring_all_reduce), "all_reduce_coalesced_": (0, _ring_all_reduce),
-    "reduce_scatter_tensor": (0, _reduce_scatter), "reduce_scatter_tensor_coalesced": (0, _reduce_scatter),
-    "all_gather_into_tensor": (0, _all_gather), "all_gather_into_tensor_coalesced": (0, _all_gather),
+_FUNCTIONAL = {  # group_name is the last positional argument
+    "all_reduce": (0, _ring_all_reduce),
+    "all_reduce_": (0, _ring_all_reduce),
+    "all_reduce_coalesced": (0, _ring_all_reduce),
+    "all_reduce_coalesced_": (0, _ring_all_reduce),
+    "reduce_scatter_tensor": (0, _reduce_scatter),
+    "reduce_scatter_tensor_coalesced": (0, _reduce_scatter),
+    "all_gather_into_tensor": (0, _all_gather),
+    "all_gather_into_tensor_coalesced": (0, _all_gather),
 }
 _NOT_COMMUNICATION = {"wait_tensor", "_wrap_tensor_autograd"}
 
@@ -66,6 +71,7 @@ def _group(ref):
     """The ProcessGroup a functional collective names: by group_name, or the group itself."""
     if isinstance(ref, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         return _resolve_process_group(ref)
     return dist.ProcessGroup.unbox(ref) if isinstance(ref, torch.ScriptObject) else ref
 

@@ -15,6 +15,7 @@ waits for the slowest rank). Bytes per rank: measured by qcompress.comm.stats() 
 all_reduce the ring volume 2 (P-1)/P * N * bytes_per_element (the counting rule of
 qcompress.comm.stats). Results replace the all-reduce section of benchmarks/results/comm.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,10 +99,20 @@ def _bench_rank(rank, world, sizes, reps):
         t_math = statistics.median(math_times)
 
         ring = 2 * (world - 1) * n // world
-        rows.append({"n": n, "onebit_s": t_onebit, "fp32_s": t_fp32, "fp16_s": t_fp16, "math_s": t_math,
-                     "onebit_bytes": onebit_bytes, "fp32_bytes": ring * 4, "fp16_bytes": ring * 2,
-                     "bound_bytes": 1.05 * (world - 1) / world * qcomm.padded_length(n, world) / 4})
-        x = buf32 = state = local = None     # freed before the next size
+        rows.append(
+            {
+                "n": n,
+                "onebit_s": t_onebit,
+                "fp32_s": t_fp32,
+                "fp16_s": t_fp16,
+                "math_s": t_math,
+                "onebit_bytes": onebit_bytes,
+                "fp32_bytes": ring * 4,
+                "fp16_bytes": ring * 2,
+                "bound_bytes": 1.05 * (world - 1) / world * qcomm.padded_length(n, world) / 4,
+            }
+        )
+        x = buf32 = state = local = None  # freed before the next size
     return rows
 
 
@@ -117,9 +128,11 @@ def fmt_b(b):
 
 
 def table(results):
-    lines = ["| ranks | elements | 1-bit ms | fp32 ms | fp16 ms | math ms | fp32/1-bit time | fp16/1-bit time | "
-             "1-bit bytes | fp32 bytes | fp16 bytes | fp32/1-bit bytes | within bound |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| ranks | elements | 1-bit ms | fp32 ms | fp16 ms | math ms | fp32/1-bit time | fp16/1-bit time | "
+        "1-bit bytes | fp32 bytes | fp16 bytes | fp32/1-bit bytes | within bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for world, rows in results:
         for r in rows:
             lines.append(
@@ -127,21 +140,30 @@ def table(results):
                 f"{r['fp16_s'] * 1e3:.1f} | {r['math_s'] * 1e3:.1f} | {r['fp32_s'] / r['onebit_s']:.2f}x | "
                 f"{r['fp16_s'] / r['onebit_s']:.2f}x | {fmt_b(r['onebit_bytes'])} | {fmt_b(r['fp32_bytes'])} | "
                 f"{fmt_b(r['fp16_bytes'])} | {r['fp32_bytes'] / r['onebit_bytes']:.1f}x | "
-                f"{'yes' if r['onebit_bytes'] <= r['bound_bytes'] else 'NO'} |")
+                f"{'yes' if r['onebit_bytes'] <= r['bound_bytes'] else 'NO'} |"
+            )
     return lines
 
 
 def render(tables, reps, notes):
     from qcompress.quant import kernels
 
-    ops = "fused csrc kernels" if kernels.available() and hasattr(kernels, "onebit_compress") else \
-        "the pure-torch reference"
-    lines = [SECTION, "",
-             f"gloo over 127.0.0.1, 1-bit ops from {ops}. Median of {reps} calls, max over ranks per call. Bytes are per rank per call (sent; received is "
-             f"equal): measured by `qcompress.comm.stats()` for 1-bit, ring volume 2(P-1)/P·N·bytes for "
-             f"all_reduce. Bound = 1.05·(P-1)/P·N/4, the 1-bit payload plus 5 % for scales. 'math' = the "
-             f"1-bit compression math alone (world-size-1 formula on a one-rank group, no communication), "
-             f"measured in the same job. Other jobs share the CPU: compare columns within a row.", ""]
+    ops = (
+        "fused csrc kernels"
+        if kernels.available() and hasattr(kernels, "onebit_compress")
+        else "the pure-torch reference"
+    )
+    lines = [
+        SECTION,
+        "",
+        f"gloo over 127.0.0.1, 1-bit ops from {ops}. Median of {reps} calls, max over ranks per call. "
+        "Bytes are per rank per call (sent; received is "
+        f"equal): measured by `qcompress.comm.stats()` for 1-bit, ring volume 2(P-1)/P·N·bytes for "
+        f"all_reduce. Bound = 1.05·(P-1)/P·N/4, the 1-bit payload plus 5 % for scales. 'math' = the "
+        f"1-bit compression math alone (world-size-1 formula on a one-rank group, no communication), "
+        f"measured in the same job. Other jobs share the CPU: compare columns within a row.",
+        "",
+    ]
     for label, results in tables:
         lines += [f"{label}:", ""] + table(results) + [""]
     lines += notes + [""]
@@ -176,10 +198,41 @@ def run_shaped(rate, worlds, sizes, reps, latency="50ms"):
     try:
         sh("ip", "netns", "add", ns)
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-           "burst", "512kb", "latency", latency)
-        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--inner-json", out.name,
-           "--worlds", *map(str, worlds), "--sizes", *map(str, sizes), "--reps", str(reps))
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "512kb",
+            "latency",
+            latency,
+        )
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            os.path.abspath(__file__),
+            "--inner-json",
+            out.name,
+            "--worlds",
+            *map(str, worlds),
+            "--sizes",
+            *map(str, sizes),
+            "--reps",
+            str(reps),
+        )
         with open(out.name) as f:
             return [(w, rows) for w, rows in json.load(f)]
     finally:
@@ -193,16 +246,25 @@ def main(argv=None):
     ap.add_argument("--sizes", nargs="+", help="element counts, e.g. 1M 4M (overrides the defaults)")
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 5, 3 with --full)")
-    ap.add_argument("--shaped", nargs="?", const="1gbit", default=None, metavar="RATE",
-                    help="also measure on a loopback shaped to RATE (default 1gbit) in a private network "
-                         "namespace (root, ip and tc needed; skipped with a note otherwise)")
+    ap.add_argument(
+        "--shaped",
+        nargs="?",
+        const="1gbit",
+        default=None,
+        metavar="RATE",
+        help="also measure on a loopback shaped to RATE (default 1gbit) in a private network "
+        "namespace (root, ip and tc needed; skipped with a note otherwise)",
+    )
     ap.add_argument("--shaped-sizes", nargs="+", default=["1M", "4M"], help="element counts for --shaped")
     ap.add_argument("--tbf-latency", default="50ms", help="tbf queue limit as latency (packets beyond it drop)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/comm.md alone")
     ap.add_argument("--inner-json", help=argparse.SUPPRESS)  # used by --shaped inside the namespace
     args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes if s != "0"] if args.sizes else \
-        [1 << 20, 4 << 20, 16 << 20] + ([64 << 20] if args.full else [])
+    sizes = (
+        [parse_size(s) for s in args.sizes if s != "0"]
+        if args.sizes
+        else [1 << 20, 4 << 20, 16 << 20] + ([64 << 20] if args.full else [])
+    )
     reps = args.reps or (3 if args.full else 5)
     if any(w < 2 for w in args.worlds):
         ap.error("--worlds must be >= 2")
@@ -214,9 +276,11 @@ def main(argv=None):
         os.replace(tmp, args.inner_json)
         return
     tables = [("Unshaped loopback", run_all(args.worlds, sizes, reps))] if sizes else []
-    notes = ["On the unshaped loopback, bandwidth is memory-copy speed, so the 1-bit path wins in time only "
-             "where its compression math (column 'math') costs less than moving the fp32 bytes through memory "
-             "(see the time ratios); the byte columns are what carries over to real networks."]
+    notes = [
+        "On the unshaped loopback, bandwidth is memory-copy speed, so the 1-bit path wins in time only "
+        "where its compression math (column 'math') costs less than moving the fp32 bytes through memory "
+        "(see the time ratios); the byte columns are what carries over to real networks."
+    ]
     if args.shaped:
         why = shaping_unavailable(args.shaped)
         if why:
@@ -224,14 +288,20 @@ def main(argv=None):
             notes.append(f"Shaped run skipped: {why}.")
         else:
             shaped_sizes = [parse_size(s) for s in args.shaped_sizes]
-            notes.append("On the shaped link time follows bytes as long as the compression math (column "
-                         "'math', world-size-1 formula, an upper bound of the per-rank math at P ranks) stays "
-                         "below the transfer time of the uncompressed all_reduce. tbf drops packets beyond its "
-                         "queue limit (--tbf-latency); a TCP retransmission timeout then shows up as a ~200 ms "
-                         "outlier, which the median of the calls absorbs.")
-            tables.append((f"Loopback shaped to {args.shaped} (tbf, private network namespace; both "
-                           f"directions share the one queue)", run_shaped(args.shaped, args.worlds, shaped_sizes,
-                                                                         reps, args.tbf_latency)))
+            notes.append(
+                "On the shaped link time follows bytes as long as the compression math (column "
+                "'math', world-size-1 formula, an upper bound of the per-rank math at P ranks) stays "
+                "below the transfer time of the uncompressed all_reduce. tbf drops packets beyond its "
+                "queue limit (--tbf-latency); a TCP retransmission timeout then shows up as a ~200 ms "
+                "outlier, which the median of the calls absorbs."
+            )
+            tables.append(
+                (
+                    f"Loopback shaped to {args.shaped} (tbf, private network namespace; both "
+                    f"directions share the one queue)",
+                    run_shaped(args.shaped, args.worlds, shaped_sizes, reps, args.tbf_latency),
+                )
+            )
     text = render(tables, reps, notes)
     print(text)
     if not args.no_write:

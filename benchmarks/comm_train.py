@@ -16,6 +16,7 @@ section of benchmarks/results/comm.md (other sections are kept).
     python benchmarks/comm_train.py --no-shape     # plain loopback
     python benchmarks/comm_train.py --worlds 2 4   # 2 and 4 ranks, one table each
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ LR = 1e-7
 
 def _model():
     import torch
+
     torch.manual_seed(0)
     layers = []
     for i in range(LAYERS):
@@ -60,14 +62,21 @@ def _configs(args):
 
     w, c = args.warmup_steps, args.compression_steps
     return {
-        "Adam + DDP (fp32)": (lambda ps: torch.optim.Adam(ps, lr=LR), 1 + w,
-                              lambda o: "all-reduce"),
-        "1-bit Adam": (lambda ps: OneBitAdam(ps, lr=LR, freeze_step=w), w + 1 + c,
-                       lambda o: o.stage),
+        "Adam + DDP (fp32)": (lambda ps: torch.optim.Adam(ps, lr=LR), 1 + w, lambda o: "all-reduce"),
+        "1-bit Adam": (lambda ps: OneBitAdam(ps, lr=LR, freeze_step=w), w + 1 + c, lambda o: o.stage),
         # constant local-step policy (DeepSpeed tutorial: local_step_scaler=1, local_step_clipper=H)
-        "0/1 Adam": (lambda ps: ZeroOneAdam(ps, lr=LR, var_freeze_step=w, var_update_scaler=1,
-                                            local_step_scaler=1, local_step_clipper=args.local_steps),
-                     w + 1 + c, lambda o: "warmup" if not o.counters["frozen"] else "compression"),
+        "0/1 Adam": (
+            lambda ps: ZeroOneAdam(
+                ps,
+                lr=LR,
+                var_freeze_step=w,
+                var_update_scaler=1,
+                local_step_scaler=1,
+                local_step_clipper=args.local_steps,
+            ),
+            w + 1 + c,
+            lambda o: "warmup" if not o.counters["frozen"] else "compression",
+        ),
     }
 
 
@@ -117,6 +126,7 @@ def _rank(rank, world, args):
 def run_ranks_here(args):
     """{world size: results} for every --worlds entry."""
     from ranks import run_ranks
+
     return {str(w): run_ranks(_rank, w, args, timeout=args.timeout, threads=1)[0] for w in args.worlds}
 
 
@@ -138,10 +148,26 @@ def run_shaped(args, argv, script=None, name="train"):
     try:
         sh("ip", "netns", "add", ns)
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", args.rate,
-           "burst", "512kb", "latency", "50ms")
-        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(script or __file__), "--inner-json", out,
-           *argv)
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            args.rate,
+            "burst",
+            "512kb",
+            "latency",
+            "50ms",
+        )
+        sh("ip", "netns", "exec", ns, sys.executable, os.path.abspath(script or __file__), "--inner-json", out, *argv)
         with open(out) as f:
             return json.load(f)
     finally:
@@ -171,16 +197,20 @@ def render_world(res, world, link, args, cmd):
             thr[(name, phase)] = world * BATCH / t
             rows.append((name, phase, len(rec["times"]), t, world * BATCH / t, sent))
     base = thr.get(("Adam + DDP (fp32)", "all-reduce"))
-    lines = [f"### {world} ranks", "",
-             f"`{cmd}` on {platform.machine()} / {os.cpu_count()} CPUs, {world} gloo ranks (1 thread each), {link}; "
-             f"model {LAYERS} x Linear({WIDTH}, {WIDTH}) = {n / 1e6:.1f}M parameters, batch {BATCH} per rank, "
-             f"MSE on random data; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average "
-             f"at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: compare ratios within this table). "
-             f"0/1 Adam uses a constant local-step interval H = {args.local_steps} in its compression stage "
-             f"(local_step_scaler=1, local_step_clipper={args.local_steps}); times are means over the stage, "
-             "first step of each stage excluded, max over ranks per step.", "",
-             "| optimizer | stage | steps timed | s/step | samples/s | vs Adam+DDP | bytes sent/rank/step |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### {world} ranks",
+        "",
+        f"`{cmd}` on {platform.machine()} / {os.cpu_count()} CPUs, {world} gloo ranks (1 thread each), {link}; "
+        f"model {LAYERS} x Linear({WIDTH}, {WIDTH}) = {n / 1e6:.1f}M parameters, batch {BATCH} per rank, "
+        f"MSE on random data; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average "
+        f"at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: compare ratios within this table). "
+        f"0/1 Adam uses a constant local-step interval H = {args.local_steps} in its compression stage "
+        f"(local_step_scaler=1, local_step_clipper={args.local_steps}); times are means over the stage, "
+        "first step of each stage excluded, max over ranks per step.",
+        "",
+        "| optimizer | stage | steps timed | s/step | samples/s | vs Adam+DDP | bytes sent/rank/step |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for name, phase, k, t, s, sent in rows:
         ratio = f"{s / base:.2f}x" if base else "n/a"
         src = " (ring formula)" if name.startswith("Adam") else ""
@@ -192,20 +222,28 @@ def render_world(res, world, link, args, cmd):
             per_step = _mean(rec["bytes"])
             per_call = max(rec["bytes"])
             ok = per_call <= bound
-            lines.append(f"- {name} compression-stage bytes per rank per step: mean {per_step / 1e6:.3f} MB, "
-                         f"max {per_call / 1e6:.3f} MB vs bound 1.05(P-1)/P*N/4 = {bound / 1e6:.3f} MB: "
-                         f"{'met' if ok else 'NOT met'}.")
+            lines.append(
+                f"- {name} compression-stage bytes per rank per step: mean {per_step / 1e6:.3f} MB, "
+                f"max {per_call / 1e6:.3f} MB vs bound 1.05(P-1)/P*N/4 = {bound / 1e6:.3f} MB: "
+                f"{'met' if ok else 'NOT met'}."
+            )
     one = thr.get(("1-bit Adam", "compression"))
     zo = thr.get(("0/1 Adam", "compression"))
     if base and one:
-        lines.append(f"- 1-bit Adam compression-stage throughput vs Adam+DDP: {one / base:.2f}x "
-                     f"(target >= 5x: {'met' if one / base >= 5 else 'NOT met'}).")
+        lines.append(
+            f"- 1-bit Adam compression-stage throughput vs Adam+DDP: {one / base:.2f}x "
+            f"(target >= 5x: {'met' if one / base >= 5 else 'NOT met'})."
+        )
     if base and zo:
-        lines.append(f"- 0/1 Adam compression-stage throughput vs Adam+DDP: {zo / base:.2f}x "
-                     f"(target >= 5x: {'met' if zo / base >= 5 else 'NOT met'}).")
+        lines.append(
+            f"- 0/1 Adam compression-stage throughput vs Adam+DDP: {zo / base:.2f}x "
+            f"(target >= 5x: {'met' if zo / base >= 5 else 'NOT met'})."
+        )
     if one and zo:
-        lines.append(f"- 0/1 Adam vs 1-bit Adam (compression stage): {zo / one:.2f}x "
-                     f"(target >= 1.5x: {'met' if zo / one >= 1.5 else 'NOT met'}).")
+        lines.append(
+            f"- 0/1 Adam vs 1-bit Adam (compression stage): {zo / one:.2f}x "
+            f"(target >= 1.5x: {'met' if zo / one >= 1.5 else 'NOT met'})."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -246,6 +284,7 @@ def main(argv=None):
     print(f"total {time.time() - t0:.0f} s", file=sys.stderr)
     if not args.no_write:
         import common
+
         path = common.write_section("comm", "train", text, title="Communication")
         print(f"wrote the training section of {path}", file=sys.stderr)
 

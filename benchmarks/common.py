@@ -12,6 +12,7 @@ Each section is written between `<!-- generated: KEY -->` and `<!-- /generated: 
 outside the markers (hand-written notes) and the other sections stay as they are. The page's file is
 replaced in one rename, never half-written.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,6 +39,7 @@ _ENV_KEYS = ("ATEN_CPU_CAPABILITY", "QCOMPRESS_LOWBIT_ISA", "OMP_NUM_THREADS", "
 
 # --- the machine header ---------------------------------------------------------------------------
 
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -53,7 +55,7 @@ def commit() -> str:
     return f"{head} (dirty: {', '.join(dirty)})" if dirty else head
 
 
-_START = []   # the commit when this process imported common: the code a long run measured
+_START = []  # the commit when this process imported common: the code a long run measured
 
 
 def started_at() -> str:
@@ -76,11 +78,13 @@ def cpu_model() -> str:
 def isa() -> str:
     """What torch's CPU kernels and the qcompress extension's low-bit kernels dispatch to."""
     import torch
+
     out = f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
     try:
         from qcompress.quant import lowbit
+
         ext = f"extension {lowbit.isa()}" if lowbit.available() else "extension not loaded"
-    except Exception as e:   # a broken build is a fact of the run, not a reason to lose the page
+    except Exception as e:  # a broken build is a fact of the run, not a reason to lose the page
         ext = f"extension unavailable ({type(e).__name__})"
     return f"{out}, {ext}"
 
@@ -114,17 +118,22 @@ def command(argv: Optional[List[str]] = None) -> str:
 def machine_header(cmd: Optional[str] = None) -> str:
     """Two quoted lines: what produced the figures below, and where."""
     import torch
+
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"> `{cmd or command()}` at commit {started_at()}, {now}.\n"
-            f"> {cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; {isa()}; "
-            f"1-min load average {load:.1f} at the end.\n")
+    return (
+        f"> `{cmd or command()}` at commit {started_at()}, {now}.\n"
+        f"> {cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; {isa()}; "
+        f"1-min load average {load:.1f} at the end.\n"
+    )
 
 
 # --- timing ---------------------------------------------------------------------------------------
 
+
 class Timing(NamedTuple):
     """Seconds per call over the repeats: the median, the fastest and the slowest."""
+
     median: float
     lo: float
     hi: float
@@ -134,8 +143,13 @@ class Timing(NamedTuple):
         return f"{self.median * 1e3:.{digits}f} [{self.lo * 1e3:.{digits}f}-{self.hi * 1e3:.{digits}f}]"
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 7, per_repeat: int = 1,
-                warmup: int = 1, sync: Optional[Callable[[], object]] = None) -> Dict[str, Timing]:
+def interleaved(
+    fns: Dict[str, Callable[[], object]],
+    repeats: int = 7,
+    per_repeat: int = 1,
+    warmup: int = 1,
+    sync: Optional[Callable[[], object]] = None,
+) -> Dict[str, Timing]:
     """Time every callable once per round, round after round, so a load spike from another job hits
     every variant alike. `per_repeat` calls make one sample (for calls shorter than a millisecond);
     `sync` runs before each clock read (e.g. torch.cuda.synchronize)."""
@@ -168,9 +182,11 @@ def ratio_value(times: Dict[str, Timing], num: str, den: str) -> float:
 
 # --- results pages --------------------------------------------------------------------------------
 
+
 def atomic_write(path: str, text: str) -> None:
     """Write through a temporary file in the same folder and one rename (qcompress's own writer)."""
     from qcompress.train.report import atomic_write as write
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write(path, text)
 
@@ -206,8 +222,9 @@ def read_section(page: str, key: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def write_section(page: str, key: str, text: str, title: Optional[str] = None,
-                  cmd: Optional[str] = None, header: bool = True) -> str:
+def write_section(
+    page: str, key: str, text: str, title: Optional[str] = None, cmd: Optional[str] = None, header: bool = True
+) -> str:
     """Replace section `key` of results page `page` with the machine header and `text`; a new page
     starts with `# title`. Returns the page's path."""
     path = page_path(page)

@@ -25,6 +25,7 @@ the training steps only (evaluation excluded), max over ranks, on the loopback s
 with tbf in a private network namespace (root, `ip` and `tc` needed; otherwise said so).
 --write-results replaces its section of benchmarks/results/comm.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,14 @@ SECTION = "## Compressed optimizers: convergence"
 CTX, GLOBAL_BATCH, VAL_BATCHES = 64, 32, 8
 ADAM_LR, LAMB_LR = 2e-3, 2e-2
 RUNS = ("adamw", "onebitadam", "onebitadam_pt", "zerooneadam", "lamb", "onebitlamb")
-LABEL = {"adamw": "AdamW", "onebitadam": "1-bit Adam, one scale (scale_per_tensor false)",
-         "onebitadam_pt": "1-bit Adam (default: scale per tensor)",
-         "zerooneadam": "0/1 Adam (default: scale per tensor)", "lamb": "LAMB", "onebitlamb": "1-bit LAMB"}
+LABEL = {
+    "adamw": "AdamW",
+    "onebitadam": "1-bit Adam, one scale (scale_per_tensor false)",
+    "onebitadam_pt": "1-bit Adam (default: scale per tensor)",
+    "zerooneadam": "0/1 Adam (default: scale per tensor)",
+    "lamb": "LAMB",
+    "onebitlamb": "1-bit LAMB",
+}
 BASE = {"onebitadam": "adamw", "onebitadam_pt": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
 
 
@@ -55,12 +61,21 @@ def optimizer_cfg(name, steps):
     freeze = max(1, steps // 5)
     return {
         "adamw": {"type": "AdamW", "params": {"lr": ADAM_LR, "weight_decay": 0.0}},
-        "onebitadam": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze,
-                                                        "scale_per_tensor": False}},
+        "onebitadam": {
+            "type": "OneBitAdam",
+            "params": {"lr": ADAM_LR, "freeze_step": freeze, "scale_per_tensor": False},
+        },
         "onebitadam_pt": {"type": "OneBitAdam", "params": {"lr": ADAM_LR, "freeze_step": freeze}},
-        "zerooneadam": {"type": "ZeroOneAdam", "params": {"lr": ADAM_LR, "var_freeze_step": freeze,
-                                                          "var_update_scaler": 16, "local_step_scaler": freeze,
-                                                          "local_step_clipper": 16}},
+        "zerooneadam": {
+            "type": "ZeroOneAdam",
+            "params": {
+                "lr": ADAM_LR,
+                "var_freeze_step": freeze,
+                "var_update_scaler": 16,
+                "local_step_scaler": freeze,
+                "local_step_clipper": 16,
+            },
+        },
         "lamb": {"type": "Lamb", "params": {"lr": LAMB_LR}},
         "onebitlamb": {"type": "OneBitLamb", "params": {"lr": LAMB_LR, "freeze_step": freeze}},
     }[name]
@@ -83,8 +98,10 @@ def load_data():
     import torch
 
     from model_zoo import lm_corpus
-    train, held = lm_corpus.split_corpus(lm_corpus.load_corpus("austen", os.path.join(ROOT, ".cache")),
-                                         held_out_fraction=0.05, seed=0)
+
+    train, held = lm_corpus.split_corpus(
+        lm_corpus.load_corpus("austen", os.path.join(ROOT, ".cache")), held_out_fraction=0.05, seed=0
+    )
     vocab = sorted(set(train))
     index = {c: i for i, c in enumerate(vocab)}
     ids = lambda t: torch.tensor([index.get(c, len(vocab)) for c in t], dtype=torch.long)  # noqa: E731
@@ -93,10 +110,11 @@ def load_data():
 
 def global_batch(data, seed):
     import torch
+
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, data.numel() - CTX - 1, (GLOBAL_BATCH,), generator=g).tolist()
-    x = torch.stack([data[s:s + CTX] for s in starts])
-    y = torch.stack([data[s + 1:s + CTX + 1] for s in starts])
+    x = torch.stack([data[s : s + CTX] for s in starts])
+    y = torch.stack([data[s + 1 : s + CTX + 1] for s in starts])
     return x, y
 
 
@@ -116,8 +134,11 @@ def _rank(rank, world, a):
     for name in a["runs"]:
         torch.manual_seed(0)
         model = CharGPT(vocab)
-        cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": per,
-               "optimizer": optimizer_cfg(name, a["steps"])}
+        cfg = {
+            "train_batch_size": GLOBAL_BATCH,
+            "train_micro_batch_size_per_gpu": per,
+            "optimizer": optimizer_cfg(name, a["steps"]),
+        }
         engine = qc.initialize(model, cfg)
         curve, seconds = [], 0.0
         for t in range(1, a["steps"] + 1):
@@ -130,7 +151,7 @@ def _rank(rank, world, a):
             engine.step()
             seconds += time.perf_counter() - t0
             if t % a["eval_every"] == 0 or t == a["steps"]:
-                engine.eval()                       # 0/1 Adam: the ranks synchronize here
+                engine.eval()  # 0/1 Adam: the ranks synchronize here
                 total = torch.zeros(1, dtype=torch.float64)
                 with torch.no_grad():
                     for i in range(rank, VAL_BATCHES, world):
@@ -143,45 +164,59 @@ def _rank(rank, world, a):
                 engine.train()
         worst = torch.tensor([seconds])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out[name] = {"curve": curve, "seconds": float(worst), "bytes": engine.comm_bytes(),
-                     "params": sum(p.numel() for p in model.parameters())}
+        out[name] = {
+            "curve": curve,
+            "seconds": float(worst),
+            "bytes": engine.comm_bytes(),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
         del engine, model
     return out
 
 
 def run_here(a):
     from ranks import run_ranks
+
     d = {"runs": a.runs.split(","), "steps": a.steps, "eval_every": a.eval_every}
     return {str(w): run_ranks(_rank, w, d, timeout=a.timeout, threads=1) for w in a.worlds}
 
 
 def run_shaped(a, argv):
-    import comm_train      # the shaped-namespace runner, shared
+    import comm_train  # the shaped-namespace runner, shared
+
     return comm_train.run_shaped(a, argv, script=__file__, name="conv")
 
 
 # ------------------------------------------------------------------------------------------- report
 def render(res, a, link, cmd):
-    lines = [SECTION, "",
-             f"`{cmd}`: a character-level GPT (4 x 128, {next(iter(next(iter(res.values()))[0].values()))['params']:,} "
-             f"parameters) on Jane Austen's novels (5 % of the sections held out), trained through "
-             f"qcompress.initialize (ZeRO stage 0 = DDP, fp32) on P gloo ranks (1 thread each), {link}. "
-             f"Global batch {GLOBAL_BATCH} x {CTX} characters at every P (the same data at 2 and 4 ranks), "
-             f"{a.steps} steps, lr 5 % warmup then cosine to 10 % of the peak (AdamW family {ADAM_LR}, LAMB family "
-             f"{LAMB_LR}), no weight decay; 1-bit Adam / 1-bit LAMB freeze at step {a.steps // 5}; 0/1 Adam "
-             f"var_freeze_step {a.steps // 5}, var_update_scaler 16, local_step_scaler {a.steps // 5}, "
-             f"local_step_clipper 16. Validation loss on {VAL_BATCHES} held-out batches after engine.eval() "
-             f"(which synchronizes 0/1 Adam's ranks). Bytes: Engine.comm_bytes() (DDP's gradient all-reduce, "
-             f"the start-up broadcasts and the compressed path), sent by the busiest rank over the whole run. "
-             f"Time: training steps only, max over ranks; the machine (2 cores) was shared with other jobs "
-             f"(1-min load average {os.getloadavg()[0]:.1f} at the end), so compare times within a table only. "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    lines = [
+        SECTION,
+        "",
+        f"`{cmd}`: a character-level GPT (4 x 128, {next(iter(next(iter(res.values()))[0].values()))['params']:,} "
+        f"parameters) on Jane Austen's novels (5 % of the sections held out), trained through "
+        f"qcompress.initialize (ZeRO stage 0 = DDP, fp32) on P gloo ranks (1 thread each), {link}. "
+        f"Global batch {GLOBAL_BATCH} x {CTX} characters at every P (the same data at 2 and 4 ranks), "
+        f"{a.steps} steps, lr 5 % warmup then cosine to 10 % of the peak (AdamW family {ADAM_LR}, LAMB family "
+        f"{LAMB_LR}), no weight decay; 1-bit Adam / 1-bit LAMB freeze at step {a.steps // 5}; 0/1 Adam "
+        f"var_freeze_step {a.steps // 5}, var_update_scaler 16, local_step_scaler {a.steps // 5}, "
+        f"local_step_clipper 16. Validation loss on {VAL_BATCHES} held-out batches after engine.eval() "
+        f"(which synchronizes 0/1 Adam's ranks). Bytes: Engine.comm_bytes() (DDP's gradient all-reduce, "
+        f"the start-up broadcasts and the compressed path), sent by the busiest rank over the whole run. "
+        f"Time: training steps only, max over ranks; the machine (2 cores) was shared with other jobs "
+        f"(1-min load average {os.getloadavg()[0]:.1f} at the end), so compare times within a table only. "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+    ]
     for world, ranks in res.items():
         r0 = ranks[0]
         sent = {n: max(r[n]["bytes"]["bytes_sent"] for r in ranks) for n in r0}
-        lines += [f"### {world} ranks", "",
-                  "| optimizer | final val loss | vs base | target <= 1.01x | bytes sent (max rank) | vs base "
-                  "| of which DDP | time (s) | vs base |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {world} ranks",
+            "",
+            "| optimizer | final val loss | vs base | target <= 1.01x | bytes sent (max rank) | vs base "
+            "| of which DDP | time (s) | vs base |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
         for n in r0:
             f = r0[n]["curve"][-1][1]
             b = BASE.get(n)
@@ -193,11 +228,18 @@ def render(res, a, link, cmd):
                 time_rel = f"{r0[n]['seconds'] / r0[b]['seconds']:.2f}x"
             else:
                 rel, ok, bytes_rel, time_rel = "base", "", "", ""
-            lines.append(f"| {LABEL[n]} | {f:.4f} | {rel} | {ok} | {sent[n] / 1e6:.2f} MB | {bytes_rel} | "
-                         f"{ddp / 1e6:.2f} MB | {r0[n]['seconds']:.1f} | {time_rel} |")
+            lines.append(
+                f"| {LABEL[n]} | {f:.4f} | {rel} | {ok} | {sent[n] / 1e6:.2f} MB | {bytes_rel} | "
+                f"{ddp / 1e6:.2f} MB | {r0[n]['seconds']:.1f} | {time_rel} |"
+            )
         steps = [t for t, _ in r0[next(iter(r0))]["curve"]]
-        lines += ["", "Validation loss by step:", "",
-                  "| step | " + " | ".join(LABEL[n] for n in r0) + " |", "|---|" + "---:|" * len(r0)]
+        lines += [
+            "",
+            "Validation loss by step:",
+            "",
+            "| step | " + " | ".join(LABEL[n] for n in r0) + " |",
+            "|---|" + "---:|" * len(r0),
+        ]
         for i, t in enumerate(steps):
             lines.append(f"| {t} | " + " | ".join(f"{r0[n]['curve'][i][1]:.4f}" for n in r0) + " |")
         lines.append("")
@@ -247,6 +289,7 @@ def main(argv=None):
     print(text)
     if a.write_results:
         import common
+
         common.write_section("comm", "convergence", text, title="Communication")
     return 0
 

@@ -5,6 +5,7 @@ save/load of the same model, plus file sizes and the forward cost of dequantizin
 
 Writes (replaces) its section of benchmarks/results/inference.md, keeping the others.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
-import torch                                      # noqa: E402
-import torch.nn as nn                             # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import qcompress                                  # noqa: E402
+import qcompress  # noqa: E402
 from qcompress.export import export_quantized, load_quantized  # noqa: E402
 
 
@@ -37,15 +38,31 @@ def build(layers, width):
 
 
 def cfg_for(bits, group_size):
-    return qcompress.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": bits, "target_bits": bits, "ternary": False,
-                                              "granularity": "group", "group_size": group_size}}}}}})
+    return qcompress.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                    "different_groups": {
+                        "w": {
+                            "params": {
+                                "start_bits": bits,
+                                "target_bits": bits,
+                                "ternary": False,
+                                "granularity": "group",
+                                "group_size": group_size,
+                            }
+                        }
+                    },
+                }
+            }
+        }
+    )
 
 
 def save_fsync(sd, path):
     save_file(sd, path, metadata={"format": "pt"})
-    with open(path, "rb+") as f:          # same durability as the export's writes
+    with open(path, "rb+") as f:  # same durability as the export's writes
         os.fsync(f.fileno())
 
 
@@ -59,8 +76,7 @@ def timed(fn, repeats):
 
 
 def folder_size(path):
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-               if f.endswith(".safetensors"))
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
 def run(args):
@@ -71,8 +87,7 @@ def run(args):
         fp_path = os.path.join(tmp, "fp32.safetensors")
         sd = {k: v.contiguous() for k, v in fp.state_dict().items()}
         t_save = timed(lambda: save_fsync(sd, fp_path), args.repeats)
-        t_load = timed(lambda: build(args.layers, args.width).load_state_dict(load_file(fp_path)),
-                       args.repeats)
+        t_load = timed(lambda: build(args.layers, args.width).load_state_dict(load_file(fp_path)), args.repeats)
         with torch.no_grad():
             t_fwd = timed(lambda: fp(x), args.repeats * 5)
         fp_size = os.path.getsize(fp_path)
@@ -84,8 +99,7 @@ def run(args):
             out = os.path.join(tmp, f"w{bits}g{gs}")
             t_exp = timed(lambda: export_quantized(m, out, cfg, force=True), args.repeats)
             loaded = []
-            t_ld = timed(lambda: loaded.append(load_quantized(out, build(args.layers, args.width))),
-                         args.repeats)
+            t_ld = timed(lambda: loaded.append(load_quantized(out, build(args.layers, args.width))), args.repeats)
             with torch.no_grad():
                 ref = m(x)
                 assert torch.equal(loaded[-1](x), ref), "loaded model differs"
@@ -97,20 +111,28 @@ def run(args):
 
 def table(rows, args):
     params = args.layers * (args.width * args.width + args.width)
-    head = (f"Model: {args.layers} x Linear({args.width}, {args.width}) ({params / 1e6:.1f} M params), "
-            f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
-            f"median of {args.repeats} runs (forward: batch 8, median of {args.repeats * 5}); "
-            f"1-min load average at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: "
-            "compare ratios within this table only).")
-    lines = [head, "",
-             "| checkpoint | save/export s | load s | size MB | size vs fp32 | forward ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    head = (
+        f"Model: {args.layers} x Linear({args.width}, {args.width}) ({params / 1e6:.1f} M params), "
+        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} runs (forward: batch 8, median of {args.repeats * 5}); "
+        f"1-min load average at the end {os.getloadavg()[0]:.1f} (other jobs share the CPU: "
+        "compare ratios within this table only)."
+    )
+    lines = [
+        head,
+        "",
+        "| checkpoint | save/export s | load s | size MB | size vs fp32 | forward ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, ts, tl, size, ratio, tf in rows:
         lines.append(f"| {name} | {ts:.3f} | {tl:.3f} | {size / 1e6:.2f} | {ratio:.3f} | {tf * 1e3:.2f} |")
-    lines += ["", "Export time includes computing, checking (dequantize == effective_weight(), bit for "
-              "bit) and packing the integers, CRC32 of every tensor and fsync; load includes header "
-              "and CRC checks. The loaded model dequantizes each Linear's weight in every forward, "
-              "hence the slower forward; it holds only the packed integers."]
+    lines += [
+        "",
+        "Export time includes computing, checking (dequantize == effective_weight(), bit for "
+        "bit) and packing the integers, CRC32 of every tensor and fsync; load includes header "
+        "and CRC checks. The loaded model dequantizes each Linear's weight in every forward, "
+        "hence the slower forward; it holds only the packed integers.",
+    ]
     return "\n".join(lines)
 
 
@@ -126,8 +148,10 @@ def main(argv=None):
     if not args.no_write:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import common
-        common.write_section("inference", "export-sizes", "## Export: size, save and load time\n\n" + text,
-                             title="Inference and export")
+
+        common.write_section(
+            "inference", "export-sizes", "## Export: size, save and load time\n\n" + text, title="Inference and export"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ per-element pass in csrc/cpu/floats.cpp), "reference" its pure-torch math (quant
 backward + SGD, the compressed model's weights and inputs fake-quantized in every forward, against
 the same model uncompressed. Times are medians of interleaved repeats (benchmarks/common.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,13 @@ import common  # noqa: E402
 
 import torch  # noqa: E402
 
-FORMATS = [("fp8_e4m3 channel", "fp8_e4m3", "channel", None, "FP8_DYNAMIC"),
-           ("fp8_e4m3 block", "fp8_e4m3", "block", None, "FP8_BLOCK"),
-           ("nvfp4", "nvfp4", "group", None, "NVFP4A16"),
-           ("mxfp4", "mxfp4", "group", None, "MXFP4A16"),
-           ("mxfp8", "mxfp8", "group", None, "MXFP8A16")]
+FORMATS = [
+    ("fp8_e4m3 channel", "fp8_e4m3", "channel", None, "FP8_DYNAMIC"),
+    ("fp8_e4m3 block", "fp8_e4m3", "block", None, "FP8_BLOCK"),
+    ("nvfp4", "nvfp4", "group", None, "NVFP4A16"),
+    ("mxfp4", "mxfp4", "group", None, "MXFP4A16"),
+    ("mxfp8", "mxfp8", "group", None, "MXFP8A16"),
+]
 
 
 def _ct_fake(w, spec, preset):
@@ -38,6 +41,7 @@ def _ct_fake(w, spec, preset):
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
     from qcompress.quant import floats
+
     args = PRESET_SCHEMES[preset]["weights"]
     t = floats._tiles(w, spec)
     dims = floats._reduce_dims(t, spec)
@@ -49,27 +53,35 @@ def _ct_fake(w, spec, preset):
 
 def fake_quant_table(rows, cols, dtype, reps):
     from qcompress.quant import floats
+
     w = torch.randn(rows, cols).to(dtype)
     have_ct = True
     try:
         import compressed_tensors  # noqa: F401
     except ImportError:
         have_ct = False
-    lines = [f"Fake quantization of a {rows} x {cols} {str(dtype).replace('torch.', '')} weight "
-             f"({w.numel() * w.element_size() / 2**20:.0f} MiB); ms, and copy time / op time.", "",
-             "| format | copy ms | kernel ms | vs copy | reference ms | vs copy | compressed-tensors ms | vs copy |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Fake quantization of a {rows} x {cols} {str(dtype).replace('torch.', '')} weight "
+        f"({w.numel() * w.element_size() / 2**20:.0f} MiB); ms, and copy time / op time.",
+        "",
+        "| format | copy ms | kernel ms | vs copy | reference ms | vs copy | compressed-tensors ms | vs copy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label, fmt, gran, gs, preset in FORMATS:
         spec = floats.float_spec(fmt, gran, gs)
-        fns = {"copy": lambda: w.clone(),
-               "kernel": lambda: floats.fake_quantize_float(w, spec, backend="kernel"),
-               "reference": lambda: floats.fake_quantize_float(w, spec, backend="reference")}
+        fns = {
+            "copy": lambda: w.clone(),
+            "kernel": lambda: floats.fake_quantize_float(w, spec, backend="kernel"),
+            "reference": lambda: floats.fake_quantize_float(w, spec, backend="reference"),
+        }
         if have_ct:
             fns["ct"] = lambda: _ct_fake(w, spec, preset)
         t = common.interleaved(fns, repeats=reps)
         ct = f"{t['ct'].ms()} | {common.ratio(t, 'copy', 'ct')}" if have_ct else "- | -"
-        lines.append(f"| {label} | {t['copy'].ms()} | {t['kernel'].ms()} | {common.ratio(t, 'copy', 'kernel')} | "
-                     f"{t['reference'].ms()} | {common.ratio(t, 'copy', 'reference')} | {ct} |")
+        lines.append(
+            f"| {label} | {t['copy'].ms()} | {t['kernel'].ms()} | {common.ratio(t, 'copy', 'kernel')} | "
+            f"{t['reference'].ms()} | {common.ratio(t, 'copy', 'reference')} | {ct} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -83,22 +95,33 @@ def _mlp(width, seed=0):
 
 def _cfg(fmt, bits, acts):
     import qcompress as qc
+
     params = {"start_bits": bits, "target_bits": bits, "format": fmt}
     if fmt == "fp8_e4m3":
         params["granularity"] = "channel"
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"w": {"params": params}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+                "different_groups": {"w": {"params": params}},
+            }
+        }
+    }
     if acts:
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0,
-                                  "range_calibration": "static" if fmt == "nvfp4" else "dynamic"},
-            "different_groups": {"a": {"params": {"bits": bits, "format": fmt}}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": "static" if fmt == "nvfp4" else "dynamic",
+            },
+            "different_groups": {"a": {"params": {"bits": bits, "format": fmt}}},
+        }
     return qc.load_config(doc)
 
 
 def step_table(width, batch, reps):
     import qcompress as qc
+
     x, t = torch.randn(batch, width), torch.randn(batch, width)
 
     def stepper(model):
@@ -109,12 +132,17 @@ def step_table(width, batch, reps):
             opt.zero_grad()
             loss.backward()
             opt.step()
+
         return step
 
     variants = {"fp32": stepper(_mlp(width))}
-    for name, fmt, bits, acts in [("FP8 W8A8 (dynamic)", "fp8_e4m3", 8, True), ("NVFP4 W4A4", "nvfp4", 4, True),
-                                  ("NVFP4 W4A16", "nvfp4", 4, False), ("MXFP4 W4A16", "mxfp4", 4, False),
-                                  ("MXFP8 W8A8", "mxfp8", 8, True)]:
+    for name, fmt, bits, acts in [
+        ("FP8 W8A8 (dynamic)", "fp8_e4m3", 8, True),
+        ("NVFP4 W4A4", "nvfp4", 4, True),
+        ("NVFP4 W4A16", "nvfp4", 4, False),
+        ("MXFP4 W4A16", "mxfp4", 4, False),
+        ("MXFP8 W8A8", "mxfp8", 8, True),
+    ]:
         model = _mlp(width)
         cfg = _cfg(fmt, bits, acts)
         with warnings.catch_warnings():
@@ -123,9 +151,14 @@ def step_table(width, batch, reps):
         qc.CompressionScheduler(model, cfg).step()
         variants[name] = stepper(model)
     t = common.interleaved(variants, repeats=reps)
-    lines = [f"QAT step of a 4-layer MLP ({width} wide, batch {batch}, float32), forward + backward + SGD; "
-             "ms, and step time / FP32's.", "", "| variant | ms | vs FP32 |", "|---|---|---|",
-             f"| FP32 | {t['fp32'].ms()} | 1.00x |"]
+    lines = [
+        f"QAT step of a 4-layer MLP ({width} wide, batch {batch}, float32), forward + backward + SGD; "
+        "ms, and step time / FP32's.",
+        "",
+        "| variant | ms | vs FP32 |",
+        "|---|---|---|",
+        f"| FP32 | {t['fp32'].ms()} | 1.00x |",
+    ]
     for name in variants:
         if name != "fp32":
             lines.append(f"| {name} | {t[name].ms()} | {common.ratio(t, name, 'fp32')} |")
@@ -139,14 +172,19 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default torch's); 1 on a shared, loaded machine, where OpenMP "
-                        "barriers cost more than the work")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's); 1 on a shared, loaded machine, where OpenMP "
+        "barriers cost more than the work",
+    )
     p.add_argument("--write-results", action="store_true", help="record the tables in benchmarks/results/formats.md")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from qcompress.quant import kernels
+
     if not kernels.available():
         sys.exit(f"the csrc extension is not built (make build): {kernels.load_error()}")
     text = ""

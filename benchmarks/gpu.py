@@ -10,9 +10,10 @@ Step: forward + backward + AdamW step of train_step.py's BERT 6 x 384 and Llama-
 models (random init), batch x 128 tokens, FP32 weights with fp32 math or bf16 autocast; the
 variants take turns step by step (interleaved), median of --steps timed steps after warm-up. Step
 memory: torch.cuda.max_memory_allocated over one step less what was allocated before it (the
-weights and optimizer state: activations saved for backward, gradients, temporaries), per variant. Kernels: median over repeats,
-timed with CUDA events. Needs a GPU and the extension built with CUDA (QCOMPRESS_CUDA=1).
+weights and optimizer state: activations saved for backward, gradients, temporaries), per variant.
+Kernels: median over repeats, timed with CUDA events. Needs a GPU and the extension built with CUDA (QCOMPRESS_CUDA=1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 import train_step  # noqa: E402  (model builders and the qcompress recipes)
 
-STEP_VARIANTS = ("fp32", "qc_w8a8", "qc_w4a8", "qc_w4", "qc_w8a8+sync")   # +sync: a NaN/Inf check per call
+STEP_VARIANTS = ("fp32", "qc_w8a8", "qc_w4a8", "qc_w4", "qc_w8a8+sync")  # +sync: a NaN/Inf check per call
 
 
 def cuda_time(fn, reps=20, warm=3):
@@ -53,19 +54,29 @@ def build(model_name):
     if not model_name.startswith("bert") or model_name == "bert":
         return train_step.build(model_name)
     import transformers
+
     w = int(model_name[4:])
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=w, num_hidden_layers=6, num_attention_heads=w // 64,
-                                  intermediate_size=4 * w, num_labels=5)
+    cfg = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=w,
+        num_hidden_layers=6,
+        num_attention_heads=w // 64,
+        intermediate_size=4 * w,
+        num_labels=5,
+    )
     ids = torch.randint(0, cfg.vocab_size, (train_step.BATCH, train_step.SEQ))
     return transformers.BertForSequenceClassification(cfg).train(), {
-        "input_ids": ids, "labels": torch.randint(0, 5, (train_step.BATCH,))}
+        "input_ids": ids,
+        "labels": torch.randint(0, 5, (train_step.BATCH,)),
+    }
 
 
 def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
     train_step.BATCH = batch
     runs = {}
     from qcompress.quant import kernels as K
+
     for v in variants:
         model, data = build(model_name)
         framework, recipe = train_step.VARIANTS[v.partition("+")[0]]
@@ -85,6 +96,7 @@ def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
             if after is not None:
                 after()
             K.cuda_sync_checks(old)
+
         for _ in range(3):
             one()
         torch.cuda.synchronize()
@@ -94,7 +106,7 @@ def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
         torch.cuda.synchronize()
         # what one step adds over the resident weights and optimizer state (activations, grads)
         runs[v] = {"one": one, "times": [], "peak": torch.cuda.max_memory_allocated() - resident}
-    for _ in range(steps):          # interleaved: clock changes hit every variant alike
+    for _ in range(steps):  # interleaved: clock changes hit every variant alike
         for v, r in runs.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -107,9 +119,17 @@ def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
     out = []
     for v, r in runs.items():
         t = statistics.median(r["times"])
-        out.append({"model": model_name, "autocast": "bf16" if autocast else "fp32", "variant": v,
-                    "ms": round(t, 3), "vs_fp32": round(t / base_t, 3), "step_peak_mib": round(r["peak"] / 2**20, 1),
-                    "step_peak_vs_fp32": round(r["peak"] / base_m, 3)})
+        out.append(
+            {
+                "model": model_name,
+                "autocast": "bf16" if autocast else "fp32",
+                "variant": v,
+                "ms": round(t, 3),
+                "vs_fp32": round(t / base_t, 3),
+                "step_peak_mib": round(r["peak"] / 2**20, 1),
+                "step_peak_vs_fp32": round(r["peak"] / base_m, 3),
+            }
+        )
     for r in runs.values():
         r.clear()
     torch.cuda.empty_cache()
@@ -119,6 +139,7 @@ def step_table(model_name, batch, steps, autocast, variants=STEP_VARIANTS):
 def profile(model_name, batch):
     """torch.profiler's top ops of one qcompress W8A8 step (what the QAT step spends beyond FP32)."""
     from torch.profiler import ProfilerActivity, profile as prof
+
     train_step.BATCH = batch
     model, data = train_step.build(model_name)
     after = train_step.apply_qcompress(model, "w8a8")
@@ -131,6 +152,7 @@ def profile(model_name, batch):
         opt.step()
         opt.zero_grad(set_to_none=True)
         after()
+
     for _ in range(3):
         one()
     torch.cuda.synchronize()
@@ -142,17 +164,26 @@ def profile(model_name, batch):
 
 def kernel_table(n):
     from qcompress.quant import kernels as K, reference as R
+
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(n // 4096, 4096, device="cuda", dtype=dtype)
         copy_ms = cuda_time(lambda: x.clone())
-        specs = {"w8 channel sym": R.make_spec(8, granularity="channel"),
-                 "w4 group128 sym": R.make_spec(4, granularity="group", group_size=128),
-                 "a8 token asym": R.make_spec(8, symmetric=False, granularity="token")}
+        specs = {
+            "w8 channel sym": R.make_spec(8, granularity="channel"),
+            "w4 group128 sym": R.make_spec(4, granularity="group", group_size=128),
+            "a8 token asym": R.make_spec(8, symmetric=False, granularity="token"),
+        }
         for name, spec in specs.items():
             ms = cuda_time(lambda: K.fake_quantize_with_mask(x, spec, with_mask=False))
-            row = {"dtype": str(dtype)[6:], "op": name, "elements": n, "ms": round(ms, 4),
-                   "copy_ms": round(copy_ms, 4), "copy_time_over_op_time": round(copy_ms / ms, 3)}
+            row = {
+                "dtype": str(dtype)[6:],
+                "op": name,
+                "elements": n,
+                "ms": round(ms, 4),
+                "copy_ms": round(copy_ms, 4),
+                "copy_time_over_op_time": round(copy_ms / ms, 3),
+            }
             if dtype == torch.float32 and name == "w8 channel sym":
                 s = (x.abs().amax(1) / 127).clamp(min=1e-8)
                 z = torch.zeros(x.shape[0], dtype=torch.int32, device="cuda")
@@ -172,6 +203,7 @@ def reload_table(tmp):
     from qcompress.export import export_quantized, load_quantized
     from qcompress.export.fast import lowbit_plans  # where the fast plans read CUDA_LOWBIT_KERNELS
     from gpu_quick import PACKED_RECIPES
+
     out = []
     for name, cc in PACKED_RECIPES.items():
         torch.manual_seed(0)
@@ -195,10 +227,20 @@ def reload_table(tmp):
                     lowbit_plans.CUDA_LOWBIT_KERNELS = True
                     t_k = cuda_time(lambda: f(x))
                     lowbit_plans.CUDA_LOWBIT_KERNELS = False
-                out.append({"recipe": name, "tokens": tokens, "dtype": str(dtype)[6:], "dense_ms": round(t_d, 4),
-                            "exact_ms": round(t_e, 4), "fast_ms": round(t_f, 4), "cuda_kernels_ms": round(t_k, 4),
-                            "exact_over_dense": round(t_e / t_d, 2), "fast_over_dense": round(t_f / t_d, 2),
-                            "cuda_kernels_over_dense": round(t_k / t_d, 2)})
+                out.append(
+                    {
+                        "recipe": name,
+                        "tokens": tokens,
+                        "dtype": str(dtype)[6:],
+                        "dense_ms": round(t_d, 4),
+                        "exact_ms": round(t_e, 4),
+                        "fast_ms": round(t_f, 4),
+                        "cuda_kernels_ms": round(t_k, 4),
+                        "exact_over_dense": round(t_e / t_d, 2),
+                        "fast_over_dense": round(t_f / t_d, 2),
+                        "cuda_kernels_over_dense": round(t_k / t_d, 2),
+                    }
+                )
     return out
 
 
@@ -212,13 +254,19 @@ def markdown(rows):
 def run_quick(a):
     import common
     import gpu_quick
+
     result = gpu_quick.quick(a)
     if a.json:
         common.atomic_write(a.json, json.dumps(result, indent=1, default=str) + "\n")
     page = a.page or ("gpu" if torch.cuda.is_available() else None)
     if page:
-        path = common.write_section(page, "quick-check", "## The quick device check\n\n" + gpu_quick.page(result),
-                                    title="On a GPU", header=False)
+        path = common.write_section(
+            page,
+            "quick-check",
+            "## The quick device check\n\n" + gpu_quick.page(result),
+            title="On a GPU",
+            header=False,
+        )
         print(f"written to {path}")
     return result
 
@@ -237,16 +285,23 @@ def main(argv=None):
     q.add_argument("--budget-s", type=float, default=450.0, help="parts not started by then are skipped")
     q.add_argument("--pytest-paths", default="tests", help="comma-separated paths for pytest -m cuda")
     q.add_argument("--widths", help="model widths of the step part (default 1024,384 on a GPU, 64 on the CPU)")
-    q.add_argument("--backend", default="inductor", help="torch.compile backend of the step part (the CI "
-                   "test's CPU run: aot_eager, the same graphs without inductor's compile time)")
-    q.add_argument("--page", help="results page to write the quick-check section to (default: results/gpu.md "
-                   "on a GPU, none on the CPU)")
+    q.add_argument(
+        "--backend",
+        default="inductor",
+        help="torch.compile backend of the step part (the CI "
+        "test's CPU run: aot_eager, the same graphs without inductor's compile time)",
+    )
+    q.add_argument(
+        "--page",
+        help="results page to write the quick-check section to (default: results/gpu.md on a GPU, none on the CPU)",
+    )
     a = p.parse_args(argv)
     if a.quick:
         return run_quick(a)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA device")
     import tempfile
+
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(f"# {result['device']}, torch {result['torch']}", flush=True)
@@ -258,8 +313,13 @@ def main(argv=None):
         result["steps"] = []
         for model_name in a.models.split(","):
             for autocast in (False, True):
-                rows = step_table(model_name, a.batch, a.steps, autocast,
-                                  STEP_VARIANTS if model_name in ("bert", "llama") else STEP_VARIANTS[:4])
+                rows = step_table(
+                    model_name,
+                    a.batch,
+                    a.steps,
+                    autocast,
+                    STEP_VARIANTS if model_name in ("bert", "llama") else STEP_VARIANTS[:4],
+                )
                 result["steps"] += rows
                 print(markdown(rows), "\n", flush=True)
     if "profile" in parts:

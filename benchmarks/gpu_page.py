@@ -7,6 +7,7 @@ the file and the commit that added the file (git log), since the figures were no
 Kept per table: the latest run that measured it (kernels and steps: the deferred NaN/Inf check;
 reload: the weight decoded once for cuBLAS; wider models: their own run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,43 +45,107 @@ def md_table(head: list, rows: list) -> str:
 def render(doc: dict, path: str) -> str:
     runs = {k: v for k, v in doc.items() if isinstance(v, dict)}
     any_run = next(iter(runs.values()))
-    parts = [f"> Figures from `benchmarks/gpu.py --json` on {any_run['device']}, torch {any_run['torch']}; "
-             f"the file `{os.path.relpath(path, common.ROOT)}` was added in commit {origin(path)}, and the "
-             "runs were measured just before that commit. Not re-run at later commits (no GPU "
-             "since); rendered by `.venv/bin/python benchmarks/gpu_page.py`.", ""]
+    parts = [
+        f"> Figures from `benchmarks/gpu.py --json` on {any_run['device']}, torch {any_run['torch']}; "
+        f"the file `{os.path.relpath(path, common.ROOT)}` was added in commit {origin(path)}, and the "
+        "runs were measured just before that commit. Not re-run at later commits (no GPU "
+        "since); rendered by `.venv/bin/python benchmarks/gpu_page.py`.",
+        "",
+    ]
     _, steps = latest(runs, "steps", lambda r: r["model"] in ("bert", "llama"))
     if steps:
-        parts += ["## QAT step vs FP32 (6 x 384 models)", "",
-                  "Forward + backward + AdamW, median of CUDA-event times, variants interleaved step by step; "
-                  "step peak = the step's allocation peak beyond the weights and optimizer state.", "",
-                  md_table(["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
-                           [(r["model"], r["autocast"], r["variant"], f"{r['ms']:.2f}", f"{r['vs_fp32']:.3f}",
-                             f"{r['step_peak_mib']:.0f}", f"{r['step_peak_vs_fp32']:.3f}") for r in steps]), ""]
+        parts += [
+            "## QAT step vs FP32 (6 x 384 models)",
+            "",
+            "Forward + backward + AdamW, median of CUDA-event times, variants interleaved step by step; "
+            "step peak = the step's allocation peak beyond the weights and optimizer state.",
+            "",
+            md_table(
+                ["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
+                [
+                    (
+                        r["model"],
+                        r["autocast"],
+                        r["variant"],
+                        f"{r['ms']:.2f}",
+                        f"{r['vs_fp32']:.3f}",
+                        f"{r['step_peak_mib']:.0f}",
+                        f"{r['step_peak_vs_fp32']:.3f}",
+                    )
+                    for r in steps
+                ],
+            ),
+            "",
+        ]
     _, wide = latest(runs, "steps", lambda r: r["model"] not in ("bert", "llama"))
     if wide:
-        parts += ["## QAT step vs FP32, wider models", "",
-                  md_table(["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
-                           [(r["model"], r["autocast"], r["variant"], f"{r['ms']:.2f}", f"{r['vs_fp32']:.3f}",
-                             f"{r['step_peak_mib']:.0f}", f"{r['step_peak_vs_fp32']:.3f}") for r in wide]), ""]
+        parts += [
+            "## QAT step vs FP32, wider models",
+            "",
+            md_table(
+                ["model", "math", "variant", "ms", "vs FP32", "step peak MiB", "peak vs FP32"],
+                [
+                    (
+                        r["model"],
+                        r["autocast"],
+                        r["variant"],
+                        f"{r['ms']:.2f}",
+                        f"{r['vs_fp32']:.3f}",
+                        f"{r['step_peak_mib']:.0f}",
+                        f"{r['step_peak_vs_fp32']:.3f}",
+                    )
+                    for r in wide
+                ],
+            ),
+            "",
+        ]
     _, kern = latest(runs, "kernels")
     if kern:
-        parts += ["## Fake quantization vs a device copy", "",
-                  md_table(["dtype", "op", "elements", "ms", "copy ms", "copy / op", "torch fake_quantize ms"],
-                           [(r["dtype"], r["op"], f"{r['elements'] >> 20}M", f"{r['ms']:.3f}", f"{r['copy_ms']:.3f}",
-                             f"{r['copy_time_over_op_time']:.3f}",
-                             f"{r['torch_fake_quantize_ms']:.3f}" if r.get("torch_fake_quantize_ms") else None)
-                            for r in kern]), ""]
+        parts += [
+            "## Fake quantization vs a device copy",
+            "",
+            md_table(
+                ["dtype", "op", "elements", "ms", "copy ms", "copy / op", "torch fake_quantize ms"],
+                [
+                    (
+                        r["dtype"],
+                        r["op"],
+                        f"{r['elements'] >> 20}M",
+                        f"{r['ms']:.3f}",
+                        f"{r['copy_ms']:.3f}",
+                        f"{r['copy_time_over_op_time']:.3f}",
+                        f"{r['torch_fake_quantize_ms']:.3f}" if r.get("torch_fake_quantize_ms") else None,
+                    )
+                    for r in kern
+                ],
+            ),
+            "",
+        ]
     _, rel = latest(runs, "reload")
     if rel:
-        parts += ["## Exported layer reloads vs the dense layer", "",
-                  "exact = dequantize in every forward; fast = the weight decoded once for cuBLAS; cuda kernels "
-                  "= the CUDA low-bit kernels. Ratios: time over the dense layer's (lower is faster).", "",
-                  md_table(["recipe", "tokens", "dtype", "dense ms", "exact / dense", "fast / dense",
-                            "cuda kernels / dense"],
-                           [(r["recipe"], r["tokens"], r["dtype"], f"{r['dense_ms']:.4f}", f"{r['exact_over_dense']:.2f}",
-                             f"{r['fast_over_dense']:.2f}",
-                             f"{r['cuda_kernels_over_dense']:.2f}" if r.get("cuda_kernels_over_dense") else None)
-                            for r in rel]), ""]
+        parts += [
+            "## Exported layer reloads vs the dense layer",
+            "",
+            "exact = dequantize in every forward; fast = the weight decoded once for cuBLAS; cuda kernels "
+            "= the CUDA low-bit kernels. Ratios: time over the dense layer's (lower is faster).",
+            "",
+            md_table(
+                ["recipe", "tokens", "dtype", "dense ms", "exact / dense", "fast / dense", "cuda kernels / dense"],
+                [
+                    (
+                        r["recipe"],
+                        r["tokens"],
+                        r["dtype"],
+                        f"{r['dense_ms']:.4f}",
+                        f"{r['exact_over_dense']:.2f}",
+                        f"{r['fast_over_dense']:.2f}",
+                        f"{r['cuda_kernels_over_dense']:.2f}" if r.get("cuda_kernels_over_dense") else None,
+                    )
+                    for r in rel
+                ],
+            ),
+            "",
+        ]
     return "\n".join(parts)
 
 

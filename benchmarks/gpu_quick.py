@@ -22,6 +22,7 @@ expensive step timings last and cut at --budget-s so the JSON always comes back:
              GPU (CUDA graphs), the default mode on the CPU
 Without CUDA the same code runs on the CPU at tiny sizes (the CI test runs it so), with gloo.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,17 +42,29 @@ import common  # noqa: E402
 RECIPES = {"w8a8": "w8a8.yaml", "w4a8_g128": "w4a8_g128.yaml", "w4_g128": "w4a16_g128.yaml"}
 # the exported layer's recipes (compression_training sections), also gpu.py's reload table
 PACKED_RECIPES = {
-    "W4 g128 weight-only": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}}}},
-    "W8 channel weight-only": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}}},
-    "W8 channel + A8 dynamic": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}},
-        "activation_quantization": {"shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
-                                    "different_groups": {"a": {"params": {"bits": 8}}}}}}
+    "W4 g128 weight-only": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}}},
+        }
+    },
+    "W8 channel weight-only": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}},
+        }
+    },
+    "W8 channel + A8 dynamic": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}},
+        },
+        "activation_quantization": {
+            "shared_parameters": {"enabled": True, "range_calibration": "dynamic"},
+            "different_groups": {"a": {"params": {"bits": 8}}},
+        },
+    },
+}
 
 
 class Check:
@@ -72,13 +85,19 @@ class Check:
         else:
             try:
                 entry = {"status": "ok", "result": fn(*args)}
-            except Exception as exc:   # a failed part is a finding: record it, run the next
-                entry = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
-                         "trace": traceback.format_exc()[-3000:]}
+            except Exception as exc:  # a failed part is a finding: record it, run the next
+                entry = {
+                    "status": "error",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()[-3000:],
+                }
         entry["seconds"] = round(time.perf_counter() - t, 2)
         self.result["parts"][name] = entry
-        print(f"[quick] {name}: {entry['status']} in {entry['seconds']} s"
-              + (f" ({entry['error']})" if "error" in entry else ""), flush=True)
+        print(
+            f"[quick] {name}: {entry['status']} in {entry['seconds']} s"
+            + (f" ({entry['error']})" if "error" in entry else ""),
+            flush=True,
+        )
         return entry
 
 
@@ -103,28 +122,55 @@ def timer(device):
                 fn()
                 times.append(time.perf_counter() - t)
         return statistics.median(times)
+
     return time_it
 
 
 # --- parts -----------------------------------------------------------------------------------------
 
+
 def build():
     env = dict(os.environ, QCOMPRESS_CUDA="1")
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e",
-                          "."], cwd=common.ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", "."],
+        cwd=common.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(f"build failed ({out.returncode}): {out.stderr[-2000:]}")
-    probe = subprocess.run([sys.executable, "-c", "import torch, qcompress.quant.kernels as K; "
-                            "print(K.available(), K._has_cuda)"], cwd=common.ROOT, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, qcompress.quant.kernels as K; print(K.available(), K._has_cuda)"],
+        cwd=common.ROOT,
+        capture_output=True,
+        text=True,
+    )
     return {"kernels_loaded_with_cuda": probe.stdout.strip()}
 
 
 def pytest_cuda(paths, timeout_s):
-    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
-                          f"--timeout={int(timeout_s)}", *paths], cwd=common.ROOT, capture_output=True, text=True,
-                         timeout=timeout_s + 30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "cuda",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={int(timeout_s)}",
+            *paths,
+        ],
+        cwd=common.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 30,
+    )
     tail = out.stdout.strip().splitlines()[-1:] or [""]
-    if out.returncode not in (0, 5):        # 5: nothing collected / all deselected
+    if out.returncode not in (0, 5):  # 5: nothing collected / all deselected
         raise RuntimeError(f"pytest -m cuda exit {out.returncode}: {out.stdout[-2500:]}")
     return {"summary": tail[0], "exit": out.returncode}
 
@@ -132,11 +178,14 @@ def pytest_cuda(paths, timeout_s):
 def quantizers(device, elements):
     import torch
     from qcompress.quant import kernels as K, reference as R
+
     time_it = timer(device)
     rows = []
-    specs = {"w8 channel sym": R.make_spec(8, granularity="channel"),
-             "w4 group128 sym": R.make_spec(4, granularity="group", group_size=128),
-             "a8 token sym": R.make_spec(8, granularity="token")}
+    specs = {
+        "w8 channel sym": R.make_spec(8, granularity="channel"),
+        "w4 group128 sym": R.make_spec(4, granularity="group", group_size=128),
+        "a8 token sym": R.make_spec(8, granularity="token"),
+    }
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(max(1, elements // 4096), 4096, device=device, dtype=dtype)
         copy_s = time_it(lambda: x.clone())
@@ -144,12 +193,20 @@ def quantizers(device, elements):
             s = time_it(lambda: K.fake_quantize_with_mask(x, spec, with_mask=False))
             ref = R.fake_quantize_with_mask(x[:8], spec)[0]
             same = bool(torch.equal(K.fake_quantize_with_mask(x[:8], spec, with_mask=False)[0], ref))
-            rows.append({"dtype": str(dtype)[6:], "op": name, "elements": x.numel(), "ms": round(s * 1e3, 4),
-                         "copy_ms": round(copy_s * 1e3, 4), "copy_over_op": round(copy_s / s, 3),
-                         "equals_reference": same,
-                         # the two-pass kernels unless the one-pass one is asked for (QC_CUDA_ONE_PASS=1;
-                         # groups that do not fit the device's shared memory still take two passes)
-                         "kernel": "one-pass" if os.environ.get("QC_CUDA_ONE_PASS") == "1" else "two-pass"})
+            rows.append(
+                {
+                    "dtype": str(dtype)[6:],
+                    "op": name,
+                    "elements": x.numel(),
+                    "ms": round(s * 1e3, 4),
+                    "copy_ms": round(copy_s * 1e3, 4),
+                    "copy_over_op": round(copy_s / s, 3),
+                    "equals_reference": same,
+                    # the two-pass kernels unless the one-pass one is asked for (QC_CUDA_ONE_PASS=1;
+                    # groups that do not fit the device's shared memory still take two passes)
+                    "kernel": "one-pass" if os.environ.get("QC_CUDA_ONE_PASS") == "1" else "two-pass",
+                }
+            )
     return rows
 
 
@@ -159,11 +216,12 @@ def packed(device, width):
     import qcompress
     from qcompress.export import export_quantized, load_quantized
     from qcompress.export.fast import plans_of
+
     time_it = timer(device)
     rows = []
     for name, cc in PACKED_RECIPES.items():
         torch.manual_seed(0)
-        base = nn.Sequential(nn.Linear(width, width)).to(torch.bfloat16)   # the CUDA int4 kernel's dtype
+        base = nn.Sequential(nn.Linear(width, width)).to(torch.bfloat16)  # the CUDA int4 kernel's dtype
         model = copy.deepcopy(base)
         qcompress.init_compression(model, {"compression_training": cc})
         model.eval()
@@ -174,9 +232,13 @@ def packed(device, width):
             for mode in ("dense", "exact", "fast", "decoded"):
                 before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
                 # loaded into a model already on the device: there fast keeps the codes packed
-                m = (copy.deepcopy(base).to(device) if mode == "dense" else
-                     load_quantized(folder, copy.deepcopy(base).to(device),
-                                    mode="dense" if mode == "decoded" else mode))
+                m = (
+                    copy.deepcopy(base).to(device)
+                    if mode == "dense"
+                    else load_quantized(
+                        folder, copy.deepcopy(base).to(device), mode="dense" if mode == "decoded" else mode
+                    )
+                )
                 held[mode] = (torch.cuda.memory_allocated() - before) if device.type == "cuda" else None
                 mods[mode] = m
             for tokens in (1, 256):
@@ -185,18 +247,28 @@ def packed(device, width):
                     t = {mode: time_it(lambda m=m: m(x)) for mode, m in mods.items()}
                     want, got = mods["exact"](x), mods["fast"](x)
                     diff = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
-                rows.append({"recipe": name, "tokens": tokens, "dense_ms": round(t["dense"] * 1e3, 4),
-                             "exact_over_dense": round(t["exact"] / t["dense"], 2),
-                             "fast_over_dense": round(t["fast"] / t["dense"], 2), "fast_vs_exact_max_rel": diff,
-                             "decoded_over_dense": round(t["decoded"] / t["dense"], 2),
-                             "fast_plan": ",".join(sorted(set(plans_of(mods["fast"]).values()))),
-                             "bytes_dense": held["dense"], "bytes_exact": held["exact"], "bytes_fast": held["fast"],
-                             "bytes_decoded": held["decoded"]})
+                rows.append(
+                    {
+                        "recipe": name,
+                        "tokens": tokens,
+                        "dense_ms": round(t["dense"] * 1e3, 4),
+                        "exact_over_dense": round(t["exact"] / t["dense"], 2),
+                        "fast_over_dense": round(t["fast"] / t["dense"], 2),
+                        "fast_vs_exact_max_rel": diff,
+                        "decoded_over_dense": round(t["decoded"] / t["dense"], 2),
+                        "fast_plan": ",".join(sorted(set(plans_of(mods["fast"]).values()))),
+                        "bytes_dense": held["dense"],
+                        "bytes_exact": held["exact"],
+                        "bytes_fast": held["fast"],
+                        "bytes_decoded": held["decoded"],
+                    }
+                )
     return rows
 
 
 def _one_process_group(device):
     import torch.distributed as dist
+
     if dist.is_initialized():
         return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -210,6 +282,7 @@ def onebit(device):
     import torch.distributed as dist
     import qcompress
     from qcompress.quant import onebit as O
+
     mine = _one_process_group(device)
     try:
         x = torch.randn(1 << 16, device=device)
@@ -219,9 +292,13 @@ def onebit(device):
             torch.cuda.synchronize()
         # one rank: the average is the sign of x times its mean |x| (worker phase), compressed again
         want = O.decode(*O.compress(x.cpu(), torch.zeros(x.numel()))[:2])
-        return {"backend": dist.get_backend(), "elements": x.numel(), "finite": bool(torch.isfinite(avg).all()),
-                "signs_match": bool(torch.equal(torch.sign(avg.cpu()), torch.sign(want))),
-                "bytes_sent": qcompress.comm.stats()["bytes_sent"]}
+        return {
+            "backend": dist.get_backend(),
+            "elements": x.numel(),
+            "finite": bool(torch.isfinite(avg).all()),
+            "signs_match": bool(torch.equal(torch.sign(avg.cpu()), torch.sign(want))),
+            "bytes_sent": qcompress.comm.stats()["bytes_sent"],
+        }
     finally:
         if mine:
             dist.destroy_process_group()
@@ -232,14 +309,18 @@ def zero3(device):
     import torch.nn as nn
     import torch.distributed as dist
     import qcompress
+
     mine = _one_process_group(device)
     try:
         losses = {}
         for stage in (0, 3):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 16))
-            doc = {"train_batch_size": 8, "zero_optimization": {"stage": stage},
-                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+            doc = {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            }
             engine = qcompress.initialize(model, doc, device=str(device))
             g = torch.Generator().manual_seed(1)
             out = []
@@ -250,8 +331,12 @@ def zero3(device):
                 engine.step()
                 out.append(float(loss))
             losses[stage] = out
-        return {"backend": dist.get_backend(), "stage0_losses": losses[0], "stage3_losses": losses[3],
-                "max_abs_diff": max(abs(a - b) for a, b in zip(losses[0], losses[3]))}
+        return {
+            "backend": dist.get_backend(),
+            "stage0_losses": losses[0],
+            "stage3_losses": losses[3],
+            "max_abs_diff": max(abs(a - b) for a, b in zip(losses[0], losses[3])),
+        }
     finally:
         if mine and dist.is_initialized():
             dist.destroy_process_group()
@@ -260,22 +345,36 @@ def zero3(device):
 def _model(kind, width, layers, vocab, seq):
     import torch
     import transformers
+
     torch.manual_seed(0)
     heads = max(1, width // 64)
     if kind == "bert":
-        cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
-                                      num_attention_heads=heads, intermediate_size=4 * width,
-                                      max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0)
+        cfg = transformers.BertConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * width,
+            max_position_embeddings=max(32, seq),
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         return transformers.BertForMaskedLM(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=8 * width // 3 // 32 * 32,
-                                   num_hidden_layers=layers, num_attention_heads=heads,
-                                   num_key_value_heads=heads, max_position_embeddings=max(32, seq))
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=8 * width // 3 // 32 * 32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max(32, seq),
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _loss(model, ids):
     import torch
+
     logits = model(input_ids=ids).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
@@ -283,12 +382,14 @@ def _loss(model, ids):
 def _apply(model, variant):
     """FP32, a qcompress recipe, or torchao's QAT (int8 dynamic activations + int4 group-32 weights)."""
     import qcompress as qc
+
     if variant in RECIPES:
         qc.init_compression(model, qc.load_config(os.path.join(common.ROOT, "schedules", RECIPES[variant])))
     elif variant == "torchao_w4a8":
         import torch
         from torchao.quantization import quantize_
         from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
         act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
         weight = IntxFakeQuantizeConfig(torch.int4, group_size=32, is_symmetric=True)
         quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"))
@@ -299,6 +400,7 @@ def steps(device, check, kinds, widths, variants, layers, batch, seq, vocab, rou
     """Per model and width: each variant's eager and compiled step, interleaved, bf16 autocast."""
     import torch
     from qcompress.engine.compile import raise_recompile_limit
+
     raise_recompile_limit()
     mode = "reduce-overhead" if device.type == "cuda" else "default"
     sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -326,24 +428,36 @@ def steps(device, check, kinds, widths, variants, layers, batch, seq, vocab, rou
                             loss.backward()
                             opt.step()
                             opt.zero_grad(set_to_none=True)
+
                         t = time.perf_counter()
                         one()
                         if sync:
                             sync()
                         first[name] = round(time.perf_counter() - t, 2)
                         fns[name] = one
-                    except Exception as exc:      # e.g. torchao absent: the others still run
+                    except Exception as exc:  # e.g. torchao absent: the others still run
                         first[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             times = common.interleaved(fns, repeats=rounds, warmup=1, sync=sync)
             for name, tm in times.items():
                 mode_of = name.rsplit("_", 1)[1]
                 base_name = f"fp32_{mode_of}"
-                rows.append({"model": kind, "width": width, "variant": name, "ms": round(tm.median * 1e3, 3),
-                             "vs_fp32_same_mode": (round(common.ratio_value(times, name, base_name), 3)
-                                                   if base_name in times else None),
-                             "first_step_s": first[name]})
-            rows += [{"model": kind, "width": width, "variant": n, "error": e}
-                     for n, e in first.items() if isinstance(e, str)]
+                rows.append(
+                    {
+                        "model": kind,
+                        "width": width,
+                        "variant": name,
+                        "ms": round(tm.median * 1e3, 3),
+                        "vs_fp32_same_mode": (
+                            round(common.ratio_value(times, name, base_name), 3) if base_name in times else None
+                        ),
+                        "first_step_s": first[name],
+                    }
+                )
+            rows += [
+                {"model": kind, "width": width, "variant": n, "error": e}
+                for n, e in first.items()
+                if isinstance(e, str)
+            ]
     return rows
 
 
@@ -353,8 +467,10 @@ def torchao_present():
 
 def page(result) -> str:
     """The results section: every part's status, then its rows."""
-    head = (f"> `benchmarks/gpu.py --quick` on {result['device']}, torch {result['torch']}, "
-            f"{result['when']}, commit {result['commit']}.\n\n")
+    head = (
+        f"> `benchmarks/gpu.py --quick` on {result['device']}, torch {result['torch']}, "
+        f"{result['when']}, commit {result['commit']}.\n\n"
+    )
     lines = [head, "| part | status | seconds | note |", "|---|---|---|---|"]
     for name, e in result["parts"].items():
         note = e.get("error") or e.get("why") or ""
@@ -374,18 +490,23 @@ def page(result) -> str:
 def quick(args) -> dict:
     """Run the parts (see the module docstring); returns the JSON document."""
     import torch
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     check = Check(args.budget_s)
     if args.build:
         check.run("build", build)
     import datetime
-    check.result.update(device=torch.cuda.get_device_name() if cuda else f"CPU ({common.cpu_model()})",
-                        torch=torch.__version__, commit=common.commit(),
-                        when=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+    check.result.update(
+        device=torch.cuda.get_device_name() if cuda else f"CPU ({common.cpu_model()})",
+        torch=torch.__version__,
+        commit=common.commit(),
+        when=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
-    small = not cuda        # the CPU fallback: the same code paths at tiny sizes
+    small = not cuda  # the CPU fallback: the same code paths at tiny sizes
     check.run("pytest", pytest_cuda, args.pytest_paths.split(","), 240 if cuda else 120)
     check.run("quantizers", quantizers, device, 1 << 12 if small else 1 << 26)
     check.run("packed", packed, device, 256 if small else 4096)
@@ -393,10 +514,25 @@ def quick(args) -> dict:
     check.run("zero3", zero3, device)
     variants = ["fp32", "w8a8", "w4a8_g128", "w4_g128"] + (["torchao_w4a8"] if torchao_present() else [])
     if not torchao_present():
-        check.result["parts"]["torchao"] = {"status": "absent", "seconds": 0, "why": "torchao is not installed: "
-                                            "pip install torchao==0.18.* (3.4 MB wheel) and rerun"}
+        check.result["parts"]["torchao"] = {
+            "status": "absent",
+            "seconds": 0,
+            "why": "torchao is not installed: pip install torchao==0.18.* (3.4 MB wheel) and rerun",
+        }
     widths = [int(w) for w in args.widths.split(",")] if args.widths else ([64] if small else [1024, 384])
-    check.run("steps", steps, device, check, args.models.split(","), widths, variants,
-              1 if small else 2, 2 if small else 16, 16 if small else 256, 128 if small else 8192,
-              2 if small else 10, args.backend)
+    check.run(
+        "steps",
+        steps,
+        device,
+        check,
+        args.models.split(","),
+        widths,
+        variants,
+        1 if small else 2,
+        2 if small else 16,
+        16 if small else 256,
+        128 if small else 8192,
+        2 if small else 10,
+        args.backend,
+    )
     return check.result

@@ -19,6 +19,7 @@ give min and median. The memory-bandwidth limit of a forward is the bytes of its
 the measured copy bandwidth ((read + write bytes) / time of a 256 MB copy, same run).
 Writes (replaces) its section of benchmarks/results/inference.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
-import torch                                      # noqa: E402
-import torch.nn as nn                             # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
-import qcompress                                  # noqa: E402
+import qcompress  # noqa: E402
 from qcompress.export import export_quantized, load_quantized  # noqa: E402
-from qcompress.export import fast as fastmod      # noqa: E402
-from qcompress.quant import lowbit               # noqa: E402
+from qcompress.export import fast as fastmod  # noqa: E402
+from qcompress.quant import lowbit  # noqa: E402
 from qcompress.export.fast import plans_of  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common                                     # noqa: E402
+import common  # noqa: E402
 
 SECTION = "## Inference of exported checkpoints"
 
@@ -51,13 +53,19 @@ def wq(bits, granularity, group_size=None, act=False, modules=(".",)):
     params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": granularity}
     if group_size:
         params["group_size"] = group_size
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": params, "modules": list(modules)}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"w": {"params": params, "modules": list(modules)}},
+            }
+        }
+    }
     if act:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": list(modules)}}}
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": list(modules)}},
+        }
     return doc
 
 
@@ -71,6 +79,7 @@ SCHEMES = [
 
 
 # --- torch's own kernels on the exported integers ------------------------------------------------
+
 
 class TorchInt8(nn.Module):
     """torch._weight_int8pack_mm on the exported int8 codes (per-channel scales)."""
@@ -95,8 +104,9 @@ class TorchInt4(nn.Module):
         super().__init__()
         n, k = q.shape
         self.group = group
-        self.register_buffer("w", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            (q.to(torch.int32) + 8).contiguous(), 1))
+        self.register_buffer(
+            "w", torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+        )
         self.register_buffer("sz", torch.stack([s.t(), torch.zeros_like(s.t())], -1).to(dtype).contiguous())
         self.bias = bias
 
@@ -113,7 +123,7 @@ def torch_weight_only(exact: nn.Module, dtype) -> nn.Module:
     for name, mod in list(model.named_modules()):
         rec = getattr(mod, "qx_rec", None)
         if rec is None or rec.get("weights") is None or rec["kind"] not in ("linear", "hf_conv1d"):
-            continue               # (Conv1D codes are exported in the Linear layout, [out, in])
+            continue  # (Conv1D codes are exported in the Linear layout, [out, in])
         q, s, _ = fastmod._exported_codes(mod, rec)
         w = rec["weights"]
         bias = None if mod.bias is None else mod.bias.detach()
@@ -123,7 +133,7 @@ def torch_weight_only(exact: nn.Module, dtype) -> nn.Module:
         elif q.shape[0] % 16 == 0 and gs in fastmod.INT4_GROUPS:
             new = TorchInt4(q, s.contiguous(), gs, bias, dtype)
         else:
-            continue           # outside int4pack's shapes (e.g. a 4-class head): the exact path
+            continue  # outside int4pack's shapes (e.g. a 4-class head): the exact path
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return model
@@ -144,7 +154,7 @@ def load_variants(make, doc, dtype, torch_kind, tmp, calib):
         out["torch"] = torch_weight_only(load_quantized(path, make()), dtype)
     elif torch_kind == "int_mm":
         saved = lowbit.available
-        lowbit.available = lambda: False       # the fast plans of a build without the extension
+        lowbit.available = lambda: False  # the fast plans of a build without the extension
         try:
             out["torch"] = load_quantized(path, make(), mode="fast")
         finally:
@@ -153,6 +163,7 @@ def load_variants(make, doc, dtype, torch_kind, tmp, calib):
 
 
 # --- timing ----------------------------------------------------------------------------------
+
 
 def interleaved(fns, rounds, per_round=1):
     """{name: (min, median)} seconds per call; every round times every variant once."""
@@ -174,8 +185,9 @@ def quantized_weight_bytes(model) -> int:
     total = 0
     for mod in model.modules():
         if hasattr(mod, "qx_rec"):
-            total += sum(b.numel() * b.element_size() for n, b in mod.named_buffers(recurse=False)
-                         if not n.startswith("input_"))
+            total += sum(
+                b.numel() * b.element_size() for n, b in mod.named_buffers(recurse=False) if not n.startswith("input_")
+            )
         elif isinstance(mod, (TorchInt8, TorchInt4)):
             total += sum(b.numel() * b.element_size() for b in mod.buffers())
         elif isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
@@ -220,6 +232,7 @@ def fmt(t):
 
 # --- workloads -------------------------------------------------------------------------------
 
+
 def stack(args, dtype):
     def make():
         torch.manual_seed(0)
@@ -227,6 +240,7 @@ def stack(args, dtype):
         for _ in range(args.layers):
             mods += [nn.Linear(args.width, args.width), nn.ReLU()]
         return nn.Sequential(*mods).to(dtype).eval()
+
     return make
 
 
@@ -238,16 +252,24 @@ def run_stack(args, bw, rows):
             if dtype == torch.bfloat16 and "A8" in name:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                v = load_variants(make, doc, dtype, torch_kind, tmp,
-                                  lambda m: m(torch.randn(4, args.width, dtype=dtype)))
+                v = load_variants(
+                    make, doc, dtype, torch_kind, tmp, lambda m: m(torch.randn(4, args.width, dtype=dtype))
+                )
             for batch in (1, 32):
                 x = torch.randn(batch, args.width, dtype=dtype)
                 fns = {"fp32" if dtype == torch.float32 else "bf16": lambda: base(x)}
                 fns.update({k: (lambda m: lambda: m(x))(m) for k, m in v.items()})
                 t = interleaved(fns, args.rounds, args.per_round if batch == 1 else 1)
-                rows.append(("stack", f"{name}, {str(dtype)[6:]}", batch, t, {
-                    k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
-                    "/".join(sorted(set(plans_of(v["ours"]).values())))))
+                rows.append(
+                    (
+                        "stack",
+                        f"{name}, {str(dtype)[6:]}",
+                        batch,
+                        t,
+                        {k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
+                        "/".join(sorted(set(plans_of(v["ours"]).values()))),
+                    )
+                )
                 print(rows[-1][:3], {k: fmt(x) for k, x in t.items()}, flush=True)
             del v
 
@@ -267,6 +289,7 @@ def run_minilm(args, rows):
         print("all-MiniLM-L6-v2 not installed (make workloads): skipped", flush=True)
         return
     import transformers
+
     transformers.logging.set_verbosity_error()
 
     def make():
@@ -283,8 +306,9 @@ def run_minilm(args, rows):
             for grp in tech["different_groups"].values():
                 grp["modules"] = list(mods)
         with tempfile.TemporaryDirectory() as tmp:
-            v = load_variants(make, d, torch.float32, torch_kind, tmp,
-                              lambda m: m(torch.randint(0, 30000, (2, 16), generator=g)))
+            v = load_variants(
+                make, d, torch.float32, torch_kind, tmp, lambda m: m(torch.randint(0, 30000, (2, 16), generator=g))
+            )
         for batch in (1, 32):
             ids = torch.randint(1000, 30000, (batch, args.seq), generator=g)
             fns = {"fp32": lambda: base(input_ids=ids), "free": lambda: free(input_ids=ids)}
@@ -292,9 +316,16 @@ def run_minilm(args, rows):
             # torch's fp32 weight-only kernels take ~20-40 s per batch-32 forward here: fewer rounds
             rounds = args.rounds if batch == 1 or torch_kind != "wo" else min(args.rounds, 3)
             t = interleaved(fns, rounds, args.per_round if batch == 1 else 1)
-            rows.append(("minilm", name, batch, t, {
-                k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
-                "/".join(sorted(set(plans_of(v["ours"]).values())))))
+            rows.append(
+                (
+                    "minilm",
+                    name,
+                    batch,
+                    t,
+                    {k: quantized_weight_bytes(m) for k, m in [("base", base)] + list(v.items())},
+                    "/".join(sorted(set(plans_of(v["ours"]).values()))),
+                )
+            )
             print(rows[-1][:3], {k: fmt(x) for k, x in t.items()}, flush=True)
         del v
 
@@ -312,10 +343,10 @@ def decode(model, prompt, steps):
 
 def run_gpt2(args, rows, folder):
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        print(f"{folder}: no trained GPT-2 (python benchmarks/pretrain_gpt2.py --out {folder}): skipped",
-              flush=True)
+        print(f"{folder}: no trained GPT-2 (python benchmarks/pretrain_gpt2.py --out {folder}): skipped", flush=True)
         return
     import transformers
+
     transformers.logging.set_verbosity_error()
 
     def make():
@@ -337,45 +368,67 @@ def run_gpt2(args, rows, folder):
         fns = {"fp32": lambda: decode(base, prompt, args.tokens), "free": lambda: decode(free, prompt, args.tokens)}
         fns.update({k: (lambda m: lambda: decode(m, prompt, args.tokens))(m) for k, m in v.items()})
         t = interleaved(fns, args.rounds)
-        t = {k: (a / args.tokens, b / args.tokens) for k, (a, b) in t.items()}     # seconds per token
-        rows.append((f"gpt2:{folder}", name, 1, t, {k: quantized_weight_bytes(m) for k, m in
-                                                    [("base", base), ("ours", v["ours"])]},
-                     "/".join(sorted(set(plans_of(v["ours"]).values())))))
+        t = {k: (a / args.tokens, b / args.tokens) for k, (a, b) in t.items()}  # seconds per token
+        rows.append(
+            (
+                f"gpt2:{folder}",
+                name,
+                1,
+                t,
+                {k: quantized_weight_bytes(m) for k, m in [("base", base), ("ours", v["ours"])]},
+                "/".join(sorted(set(plans_of(v["ours"]).values()))),
+            )
+        )
         print(rows[-1][:3], {k: f"{1 / x[0]:.0f} / {1 / x[1]:.0f} tok/s" for k, x in t.items()}, flush=True)
         del v
 
 
 # --- report ----------------------------------------------------------------------------------
 
+
 def fmt_section(args, bw, bw_end, rows):
     bw_lo = min(bw[0], bw_end[0])
-    out = [SECTION, "",
-           f"({args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "
-           f"min / median; batch 1: {args.per_round} calls per round). Copy bandwidth "
-           f"{bw[0] / 1e9:.1f} GB/s at the start, {bw_end[0] / 1e9:.1f} GB/s at the end (min-time; median "
-           f"{bw[1] / 1e9:.1f} / {bw_end[1] / 1e9:.1f}). Other jobs "
-           "share the CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
-           "torch's fp32 weight-only kernels: 3 rounds, each forward takes tens of seconds). speedup = fp32 min / "
-           "variant min. limit = weight bytes / copy bandwidth (the lower of the two measurements), the "
-           "memory-bound time of a forward; % of limit = limit / ours (above 100%: the weights came from "
-           "cache, not memory). ceiling (MiniLM, GPT-2) = fp32 min / the min of the same model with its "
-           "quantized matmuls replaced by free stubs (a cached zero output), timed in the same rounds: "
-           "the speedup that infinitely fast matmul kernels would give, the rest of the forward (attention, "
-           "norms, activations, embeddings, Python) unchanged.", ""]
-    titles = [("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
-              ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, ms per forward")]
+    out = [
+        SECTION,
+        "",
+        f"({args.threads} threads, lowbit kernels: {lowbit.isa()}; {args.rounds} interleaved rounds, "
+        f"min / median; batch 1: {args.per_round} calls per round). Copy bandwidth "
+        f"{bw[0] / 1e9:.1f} GB/s at the start, {bw_end[0] / 1e9:.1f} GB/s at the end (min-time; median "
+        f"{bw[1] / 1e9:.1f} / {bw_end[1] / 1e9:.1f}). Other jobs "
+        "share the CPUs, so single numbers are noisy; compare within a row (MiniLM batch 32 with "
+        "torch's fp32 weight-only kernels: 3 rounds, each forward takes tens of seconds). speedup = fp32 min / "
+        "variant min. limit = weight bytes / copy bandwidth (the lower of the two measurements), the "
+        "memory-bound time of a forward; % of limit = limit / ours (above 100%: the weights came from "
+        "cache, not memory). ceiling (MiniLM, GPT-2) = fp32 min / the min of the same model with its "
+        "quantized matmuls replaced by free stubs (a cached zero output), timed in the same rounds: "
+        "the speedup that infinitely fast matmul kernels would give, the rest of the forward (attention, "
+        "norms, activations, embeddings, Python) unchanged.",
+        "",
+    ]
+    titles = [
+        ("stack", f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, ms per forward"),
+        ("minilm", f"all-MiniLM-L6-v2 + 4-class head, {args.seq} tokens per sequence, ms per forward"),
+    ]
     for kind in dict.fromkeys(r[0] for r in rows if r[0].startswith("gpt2:")):
-        titles.append((kind, f"GPT-2 ({gpt2_shape(kind[5:])}, {os.path.relpath(kind[5:], ROOT)}) greedy decode "
-                             f"with KV cache, batch 1, {args.tokens} tokens from a 16-token prompt, ms per token "
-                             "(tokens/s)"))
+        titles.append(
+            (
+                kind,
+                f"GPT-2 ({gpt2_shape(kind[5:])}, {os.path.relpath(kind[5:], ROOT)}) greedy decode "
+                f"with KV cache, batch 1, {args.tokens} tokens from a 16-token prompt, ms per token "
+                "(tokens/s)",
+            )
+        )
     for kind, title in titles:
         sel = [r for r in rows if r[0] == kind]
         if not sel:
             continue
-        out += [f"### {title}", "",
-                "| scheme | batch | ours plan | fp32 | ours | torch | speedup ours | speedup torch | "
-                "weight MB fp32 / ours | limit ours | % of limit | ceiling |",
-                "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        out += [
+            f"### {title}",
+            "",
+            "| scheme | batch | ours plan | fp32 | ours | torch | speedup ours | speedup torch | "
+            "weight MB fp32 / ours | limit ours | % of limit | ceiling |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        ]
         for _, name, batch, t, nb, plan in sel:
             basek = "bf16" if "bf16" in t else "fp32"
             b = t[basek]
@@ -386,11 +439,13 @@ def fmt_section(args, bw, bw_end, rows):
                 cell = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f} ({1 / v[0]:.0f} / {1 / v[1]:.0f} tok/s)"
             else:
                 cell = fmt
-            out.append(f"| {name} | {batch} | {plan} | {cell(b)} | {cell(ours)} | "
-                       f"{cell(tor) if tor else '-'} | {b[0] / ours[0]:.2f} | "
-                       f"{f'{b[0] / tor[0]:.2f}' if tor else '-'} | {nb['base'] / 1e6:.1f} / {nb['ours'] / 1e6:.1f} | "
-                       f"{limit * 1e3:.2f} ms | {100 * limit / ours[0]:.0f}% | "
-                       f"{ceiling} |")
+            out.append(
+                f"| {name} | {batch} | {plan} | {cell(b)} | {cell(ours)} | "
+                f"{cell(tor) if tor else '-'} | {b[0] / ours[0]:.2f} | "
+                f"{f'{b[0] / tor[0]:.2f}' if tor else '-'} | {nb['base'] / 1e6:.1f} / {nb['ours'] / 1e6:.1f} | "
+                f"{limit * 1e3:.2f} ms | {100 * limit / ours[0]:.0f}% | "
+                f"{ceiling} |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -413,8 +468,11 @@ def main():
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64, help="tokens per MiniLM input")
     ap.add_argument("--tokens", type=int, default=48, help="GPT-2 tokens decoded per round")
-    ap.add_argument("--gpt2", default=",".join(os.path.join(ROOT, "runs", n) for n in ("gpt2-austen", "gpt2-austen-768")),
-                    help="comma-separated GPT-2 folders to decode with (benchmarks/pretrain_gpt2.py makes them)")
+    ap.add_argument(
+        "--gpt2",
+        default=",".join(os.path.join(ROOT, "runs", n) for n in ("gpt2-austen", "gpt2-austen-768")),
+        help="comma-separated GPT-2 folders to decode with (benchmarks/pretrain_gpt2.py makes them)",
+    )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--per-round", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -426,12 +484,14 @@ def main():
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             d = json.load(f)
-        gpt2 = "gpt2:" + args.gpt2.split(",")[0]      # files from before several GPT-2s: kind "gpt2"
+        gpt2 = "gpt2:" + args.gpt2.split(",")[0]  # files from before several GPT-2s: kind "gpt2"
         rows = [tuple([gpt2 if r[0] == "gpt2" else r[0], *r[1:]]) for r in d["rows"]]
         text = fmt_section(args, d["bw"], d["bw_end"], rows)
         print(text)
         if not args.no_write:
-            common.write_section("inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export")
+            common.write_section(
+                "inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export"
+            )
         return
     if not lowbit.available():
         sys.exit("the qcompress extension with the lowbit kernels is not built (make build)")
@@ -447,12 +507,14 @@ def main():
         for folder in args.gpt2.split(","):
             run_gpt2(args, rows, folder)
     bw_end = copy_bandwidth(args.rounds)
-    with open(args.save, "w", encoding="utf-8") as f:            # re-render with --from-json
+    with open(args.save, "w", encoding="utf-8") as f:  # re-render with --from-json
         json.dump({"bw": bw, "bw_end": bw_end, "rows": rows}, f)
     text = fmt_section(args, bw, bw_end, rows)
     print(text)
     if not args.no_write:
-        common.write_section("inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export")
+        common.write_section(
+            "inference", "fast-mode-" + args.only.replace(",", "-"), text, title="Inference and export"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Times are medians of --reps interleaved repeats (benchmarks/common.py). Prints t
 --write-results replaces the quantizer section of benchmarks/results/kernels.md (a run on a busy
 machine should not overwrite the recorded figures by accident).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,7 @@ def _configs(full):
 def child(args):
     import torch
     from qcompress.quant import api, kernels
+
     torch.set_num_threads(args.threads)
     if not kernels.available():
         print(f"kernels not built: {kernels.load_error()}", file=sys.stderr)
@@ -105,10 +107,12 @@ def child(args):
             def run():
                 y = api.fake_quantize(xg, cfg["bits"], clip_grad=True, backend=backend, **kw)
                 torch.autograd.grad(y, xg, g)
+
             return run
 
-        copy, clone, ours, ours_fb = _paired([lambda: y.copy_(x), lambda: x.clone(), fwd("kernel"),
-                                              fwd_bwd("kernel")], args.reps)
+        copy, clone, ours, ours_fb = _paired(
+            [lambda: y.copy_(x), lambda: x.clone(), fwd("kernel"), fwd_bwd("kernel")], args.reps
+        )
         torch_op = None
         if torch_fn is not None:
             torch_op, ours_again = _paired([torch_fn, fwd("kernel")], 2)
@@ -116,8 +120,7 @@ def child(args):
         slow_ok = args.full or (cfg["bits"] == 8 and cfg["rounding"] == "nearest")
         ref = _timeit(fwd("reference"), 1) if slow_ok else None
         ref_fb = _timeit(fwd_bwd("reference"), 1) if slow_ok and cfg["gran"] == "group128" else None
-        row = dict(cfg, copy=copy, clone=clone, torch_op=torch_op, ours=ours, ours_fb=ours_fb, ref=ref,
-                   ref_fb=ref_fb)
+        row = dict(cfg, copy=copy, clone=clone, torch_op=torch_op, ours=ours, ours_fb=ours_fb, ref=ref, ref_fb=ref_fb)
         rows.append(row)
         print(_line(row), flush=True)
     with open(args.out, "w") as f:
@@ -129,15 +132,19 @@ def _r(a, b):
 
 
 def _line(r):
-    return (f"| {r['n'] >> 20}M | {r['dtype']} | int{r['bits']} | {'sym' if r['sym'] else 'asym'} | {r['gran']} | "
-            f"{r['rounding']} | {r['copy'] * 1e3:.1f} | {r['ours'] * 1e3:.1f} | {_r(r['copy'], r['ours'])} | "
-            f"{_r(r['clone'], r['ours'])} | {_r(r['torch_op'], r['ours'])} | {_r(r['ref'], r['ours'])} | "
-            f"{_r(2 * r['copy'], r['ours_fb'])} | {_r(r['ref_fb'], r['ours_fb'])} |")
+    return (
+        f"| {r['n'] >> 20}M | {r['dtype']} | int{r['bits']} | {'sym' if r['sym'] else 'asym'} | {r['gran']} | "
+        f"{r['rounding']} | {r['copy'] * 1e3:.1f} | {r['ours'] * 1e3:.1f} | {_r(r['copy'], r['ours'])} | "
+        f"{_r(r['clone'], r['ours'])} | {_r(r['torch_op'], r['ours'])} | {_r(r['ref'], r['ours'])} | "
+        f"{_r(2 * r['copy'], r['ours_fb'])} | {_r(r['ref_fb'], r['ours_fb'])} |"
+    )
 
 
-HEADER = ("| n | dtype | bits | range | granularity | rounding | copy ms | ours ms | copy/ours | "
-          "clone/ours | torch op/ours | reference/ours | fwd+bwd: 2 copies/ours | fwd+bwd: reference/ours |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| n | dtype | bits | range | granularity | rounding | copy ms | ours ms | copy/ours | "
+    "clone/ours | torch op/ours | reference/ours | fwd+bwd: 2 copies/ours | fwd+bwd: reference/ours |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _targets(rows):
@@ -146,18 +153,23 @@ def _targets(rows):
     big = [r for r in rows if r["n"] == 1 << 24 and r["dtype"] == "float32"]
     if not big:
         return ""
+
     def frac(pred):
         ok = [r for r in big if pred(r)]
         return f"{len(ok)}/{len(big)}"
+
     fwd = sorted(r["copy"] / r["ours"] for r in big)
     top = sorted(r["torch_op"] / r["ours"] for r in big if r["torch_op"])
     fb = sorted(2 * r["copy"] / r["ours_fb"] for r in big)
-    return (f"\n\nTargets at 16M fp32 ({len(big)} modes): forward >= 0.8x copy in {frac(lambda r: r['copy'] / r['ours'] >= 0.8)} "
-            f"(median {fwd[len(fwd) // 2]:.2f}x, range {fwd[0]:.2f}-{fwd[-1]:.2f}); >= 10x torch's op in "
-            f"{frac(lambda r: r['torch_op'] and r['torch_op'] / r['ours'] >= 10)}"
-            + (f" (median {top[len(top) // 2]:.1f}x)" if top else "")
-            + f"; forward+backward <= 1.25x two copies in {frac(lambda r: 2 * r['copy'] / r['ours_fb'] >= 0.8)} "
-            f"(median 2 copies/ours {fb[len(fb) // 2]:.2f}).")
+    return (
+        f"\n\nTargets at 16M fp32 ({len(big)} modes): forward >= 0.8x copy in "
+        f"{frac(lambda r: r['copy'] / r['ours'] >= 0.8)} "
+        f"(median {fwd[len(fwd) // 2]:.2f}x, range {fwd[0]:.2f}-{fwd[-1]:.2f}); >= 10x torch's op in "
+        f"{frac(lambda r: r['torch_op'] and r['torch_op'] / r['ours'] >= 10)}"
+        + (f" (median {top[len(top) // 2]:.1f}x)" if top else "")
+        + f"; forward+backward <= 1.25x two copies in {frac(lambda r: 2 * r['copy'] / r['ours_fb'] >= 0.8)} "
+        f"(median 2 copies/ours {fb[len(fb) // 2]:.2f})."
+    )
 
 
 def main(argv=None):
@@ -166,10 +178,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--allocators", default="default,nocache", help="comma list of default,nocache,thp")
-    p.add_argument("--write-results", action="store_true",
-                   help="replace the quantizer section of benchmarks/results/kernels.md with this run")
-    p.add_argument("--no-write", action="store_true",
-                   help="accepted for old scripts; printing only is the default now")
+    p.add_argument(
+        "--write-results",
+        action="store_true",
+        help="replace the quantizer section of benchmarks/results/kernels.md with this run",
+    )
+    p.add_argument("--no-write", action="store_true", help="accepted for old scripts; printing only is the default now")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -188,22 +202,37 @@ def main(argv=None):
             env["QCOMPRESS_CPU_CACHE_MB"] = "0"
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        title = {"default": "reused output blocks (default)", "nocache": "QCOMPRESS_CPU_CACHE_MB=0 (fresh pages)",
-                 "thp": "reused output blocks, THP_MEM_ALLOC_ENABLE=1"}[alloc] + f", {args.threads} threads"
+        title = {
+            "default": "reused output blocks (default)",
+            "nocache": "QCOMPRESS_CPU_CACHE_MB=0 (fresh pages)",
+            "thp": "reused output blocks, THP_MEM_ALLOC_ENABLE=1",
+        }[alloc] + f", {args.threads} threads"
         print(f"\n{title}\n{HEADER}", flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--threads",
-               str(args.threads), "--reps", str(args.reps)] + (["--full"] if args.full else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--out",
+            out,
+            "--threads",
+            str(args.threads),
+            "--reps",
+            str(args.reps),
+        ] + (["--full"] if args.full else [])
         subprocess.run(cmd, env=env, check=True)
         rows = json.load(open(out))
         os.unlink(out)
         tables.append(f"{title}:\n\n{HEADER}\n" + "\n".join(_line(r) for r in rows) + _targets(rows))
     if args.write_results:
-        text = ("## Fake quantization vs copy bandwidth\n\n"
-                f"Times: median of {args.reps} interleaved repeats. Ratios: copy time / op time "
-                "(forward), 2 x copy time / op time (forward + clip-aware backward), higher is better; "
-                "clone = copy into a freshly allocated tensor; torch op = "
-                "torch.fake_quantize_per_channel_affine; reference = qcompress's pure-torch path.\n\n"
-                + "\n\n".join(tables) + "\n")
+        text = (
+            "## Fake quantization vs copy bandwidth\n\n"
+            f"Times: median of {args.reps} interleaved repeats. Ratios: copy time / op time "
+            "(forward), 2 x copy time / op time (forward + clip-aware backward), higher is better; "
+            "clone = copy into a freshly allocated tensor; torch op = "
+            "torch.fake_quantize_per_channel_affine; reference = qcompress's pure-torch path.\n\n"
+            + "\n\n".join(tables)
+            + "\n"
+        )
         cmd = common.command([os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None else argv))
         path = common.write_section("kernels", "quantizers", text, title="Kernels", cmd=cmd)
         print(f"\nrecorded in {path}")

@@ -17,6 +17,7 @@ KV <= 1.005 x and int8 KV <= 1.01 x the perplexity without KV quantization, befo
 Finished rows are kept in --out/summary.json with their settings and reused unless --rerun.
 --write-results replaces the generated section `smollm2` of benchmarks/results/kv_cache.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import lm_eval  # noqa: E402
 
-LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embeddings and lm_head stay float
+LINEARS = "^(?!.*(embed|lm_head))"  # every Linear of the decoder; embeddings and lm_head stay float
 
 # key: (base row it is compared with, label, KV (format, strategy) or None, QAT?)
 ROWS = {
@@ -46,8 +47,12 @@ ROWS = {
     "qat": (None, "W4 g128 QAT, no KV quantization", None, True),
     "qat_fp8": ("qat", "W4 g128 QAT with FP8 KV per tensor in the loop", ("fp8_e4m3", "tensor", "minmax"), True),
     "qat_fp8_head": ("qat", "W4 g128 QAT with FP8 KV per head in the loop", ("fp8_e4m3", "head", "minmax"), True),
-    "qat_fp8_mse": ("qat", "W4 g128 QAT with FP8 KV per tensor (mse observer) in the loop",
-                    ("fp8_e4m3", "tensor", "mse"), True),
+    "qat_fp8_mse": (
+        "qat",
+        "W4 g128 QAT with FP8 KV per tensor (mse observer) in the loop",
+        ("fp8_e4m3", "tensor", "mse"),
+        True,
+    ),
     "qat_int8": ("qat", "W4 g128 QAT with int8 KV per tensor in the loop", ("int8", "tensor", "minmax"), True),
     "qat_int8_head": ("qat", "W4 g128 QAT with int8 KV per head in the loop", ("int8", "head", "minmax"), True),
 }
@@ -56,19 +61,41 @@ TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
 
 def config_doc(key: str, a) -> dict:
     _, _, kv, qat = ROWS[key]
-    doc = {"train_batch_size": a.batch, "train_micro_batch_size_per_gpu": a.batch,
-           "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}}}
+    doc = {
+        "train_batch_size": a.batch,
+        "train_micro_batch_size_per_gpu": a.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
+    }
     cc = {}
     if qat:
         cc["weight_quantization"] = {
-            "shared_parameters": {"enabled": True, "quantization_type": "symmetric",
-                                  "quantize_weight_in_forward": True, "schedule_offset": 0},
-            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "quantization_period": 0,
-                                                  "granularity": "group", "group_size": 128},
-                                       "modules": [LINEARS]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "quantize_weight_in_forward": True,
+                "schedule_offset": 0,
+            },
+            "different_groups": {
+                "w": {
+                    "params": {
+                        "start_bits": 4,
+                        "target_bits": 4,
+                        "quantization_period": 0,
+                        "granularity": "group",
+                        "group_size": 128,
+                    },
+                    "modules": [LINEARS],
+                }
+            },
+        }
     if kv is not None:
-        cc["kv_cache_quantization"] = {"enabled": True, "format": kv[0], "strategy": kv[1],
-                                       "range_calibration": "static", "observer": kv[2]}
+        cc["kv_cache_quantization"] = {
+            "enabled": True,
+            "format": kv[0],
+            "strategy": kv[1],
+            "range_calibration": "static",
+            "observer": kv[2],
+        }
     if cc:
         doc["compression_training"] = cc
     return doc
@@ -84,6 +111,7 @@ perplexity = lm_eval.perplexity
 def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     import qcompress as qc
     from qcompress.train.stages import calibrate_static_ranges
+
     t0 = time.time()
     model = copy.deepcopy(base)
     cfg = qc.load_config(config_doc(key, a))
@@ -101,11 +129,12 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
             if step % 10 == 0 or step == a.steps - 1:
                 print(f"    step {step + 1}/{a.steps} loss {float(loss.detach()):.4f}", flush=True)
     elif kv is not None:
-        tail = order[len(order) - a.calib_blocks:]        # training batches read the order from its start
-        calibrate_static_ranges(model, [{"input_ids": train_blocks[tail[i:i + 4]]} for i in range(0, len(tail), 4)])
+        tail = order[len(order) - a.calib_blocks :]  # training batches read the order from its start
+        calibrate_static_ranges(model, [{"input_ids": train_blocks[tail[i : i + 4]]} for i in range(0, len(tail), 4)])
     out = {"label": label, "perplexity": perplexity(model, held, a.eval_batch)}
-    if qat and kv is not None:        # the same trained model with its cache left unquantized
+    if qat and kv is not None:  # the same trained model with its cache left unquantized
         from qcompress.nn import kv_cache
+
         for _, mod in kv_cache.quantized_modules(model):
             mod.__dict__[kv_cache.ATTR].active = False
         out["perplexity_kv_off"] = perplexity(model, held, a.eval_batch)
@@ -120,23 +149,34 @@ def complete(key: str, row: dict) -> bool:
 
 
 def settings(a) -> dict:
-    return {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": a.calib_blocks, "steps": a.steps,
-            "batch": a.batch, "lr": a.lr, "seed": a.seed}
+    return {
+        "context": a.context,
+        "eval_blocks": a.eval_blocks,
+        "calib_blocks": a.calib_blocks,
+        "steps": a.steps,
+        "batch": a.batch,
+        "lr": a.lr,
+        "seed": a.seed,
+    }
 
 
 def table(summary: dict) -> str:
     rows, s = summary["rows"], summary["settings"]
-    out = [f"SmolLM2-135M-Instruct (float32), Austen held-out text: {s['eval_blocks']} blocks of {s['context']} "
-           f"tokens. Calibration (FP32 rows): {s['calib_blocks']} training blocks in train mode. QAT rows: "
-           f"{s['steps']} steps of {s['batch']} blocks, AdamW lr {s['lr']}, W4 g128 symmetric minmax weights; "
-           "the cache quantized in the loop from step 1.", "",
-           "`/ same model without KV` compares a model with its cache quantized and the same weights with the "
-           "cache left unquantized (FP32 rows: the FP32 row; QAT rows: the trained model with the KV "
-           "quantizers switched off): the cost of the cache quantization itself, which the targets bound. "
-           "`/ QAT run without KV` compares with a separate QAT run without KV quantization, whose weights "
-           "took other steps.", "",
-           "| row | perplexity | / same model without KV | target | met | / QAT run without KV |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        f"SmolLM2-135M-Instruct (float32), Austen held-out text: {s['eval_blocks']} blocks of {s['context']} "
+        f"tokens. Calibration (FP32 rows): {s['calib_blocks']} training blocks in train mode. QAT rows: "
+        f"{s['steps']} steps of {s['batch']} blocks, AdamW lr {s['lr']}, W4 g128 symmetric minmax weights; "
+        "the cache quantized in the loop from step 1.",
+        "",
+        "`/ same model without KV` compares a model with its cache quantized and the same weights with the "
+        "cache left unquantized (FP32 rows: the FP32 row; QAT rows: the trained model with the KV "
+        "quantizers switched off): the cost of the cache quantization itself, which the targets bound. "
+        "`/ QAT run without KV` compares with a separate QAT run without KV quantization, whose weights "
+        "took other steps.",
+        "",
+        "| row | perplexity | / same model without KV | target | met | / QAT run without KV |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, r in rows.items():
         ref_key, _, kv, qat = ROWS[key]
         if kv is None:
@@ -146,16 +186,22 @@ def table(summary: dict) -> str:
         other = rows.get(ref_key, {}).get("perplexity") if qat else None
         ratio = r["perplexity"] / paired if paired else None
         target = TARGET[kv[0]]
-        cells = [f"{ratio:.4f}" if ratio else "-", f"<= {target}",
-                 ("yes" if ratio <= target else "no") if ratio else "-",
-                 f"{r['perplexity'] / other:.4f}" if other else "-"]
+        cells = [
+            f"{ratio:.4f}" if ratio else "-",
+            f"<= {target}",
+            ("yes" if ratio <= target else "no") if ratio else "-",
+            f"{r['perplexity'] / other:.4f}" if other else "-",
+        ]
         out.append(f"| {r['label']} | {r['perplexity']:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="fp32,fp32_fp8,fp32_fp8_head,fp32_fp8_mse,fp32_int8,fp32_int8_head,qat,qat_fp8,qat_fp8_head,qat_fp8_mse,qat_int8")
+    p.add_argument(
+        "--rows",
+        default="fp32,fp32_fp8,fp32_fp8_head,fp32_fp8_mse,fp32_int8,fp32_int8_head,qat,qat_fp8,qat_fp8_head,qat_fp8_mse,qat_int8",
+    )
     p.add_argument("--list", action="store_true")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-blocks", type=int, default=6, help="held-out blocks to evaluate (0: all)")
@@ -179,15 +225,17 @@ def main(argv=None) -> int:
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; --list shows them")
-    for k in keys:                      # a ratio needs its base row
+    for k in keys:  # a ratio needs its base row
         ref = ROWS[k][0]
         if ref and ref not in keys:
             keys.insert(keys.index(k), ref)
     import torch
+
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     from model_zoo.smollm2 import load_smollm2
+
     base, tok = load_smollm2()
     train_blocks, order, held = load_data(a, tok)
     a.eval_blocks = len(held)
@@ -208,14 +256,18 @@ def main(argv=None) -> int:
             continue
         summary["rows"][k] = run_row(k, base, train_blocks, order, held, a)
         print(f"  perplexity {summary['rows'][k]['perplexity']:.4f} ({summary['rows'][k]['seconds']} s)", flush=True)
-        with open(path, "w", encoding="utf-8") as fh:   # after every row, with the rows not asked for
+        with open(path, "w", encoding="utf-8") as fh:  # after every row, with the rows not asked for
             json.dump({"settings": summary["settings"], "rows": {**stored, **summary["rows"]}}, fh, indent=2)
     text = table(summary)
     print(text)
     if a.write_results:
-        path = common.write_section("kv_cache", "smollm2", text, title="KV-cache quantization",
-                                    cmd="python benchmarks/kv_quality.py " + " ".join(argv if argv is not None
-                                                                                      else sys.argv[1:]))
+        path = common.write_section(
+            "kv_cache",
+            "smollm2",
+            text,
+            title="KV-cache quantization",
+            cmd="python benchmarks/kv_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        )
         print(f"wrote {path}")
     return 0
 

@@ -27,6 +27,7 @@ optimizer steps of --batch blocks (AdamW, cosine decay from --lr after 10 % warm
 Finished rows are kept in --out/summary.json with their settings and reused unless --rerun.
 --write-results replaces the generated section of benchmarks/results/llm.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,13 +46,13 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import lm_eval  # noqa: E402
 
-LINEARS = "^(?!.*(embed|lm_head))"      # every Linear of the decoder; embeddings and lm_head stay float
+LINEARS = "^(?!.*(embed|lm_head))"  # every Linear of the decoder; embeddings and lm_head stay float
 GPTQ = {"observer": "gptq"}
-GPTQ_MSE = {"observer": "gptq", "observer_kwargs": {"scale_observer": "mse"}}    # group scales by mse search
+GPTQ_MSE = {"observer": "gptq", "observer_kwargs": {"scale_observer": "mse"}}  # group scales by mse search
 MSE = {"observer": "mse", "observer_kwargs": {"weight_by": "inputs"}}
 R12 = ("R1", "R2")
 R124 = ("R1", "R2", "R4")
-W4G = (4, "int", "group", 128)      # weights: (bits, format, granularity, group_size)
+W4G = (4, "int", "group", 128)  # weights: (bits, format, granularity, group_size)
 W4C = (4, "int", "channel", None)
 W3G = (3, "int", "group", 128)
 NV = (4, "nvfp4", None, None)
@@ -61,15 +62,15 @@ NV = (4, "nvfp4", None, None)
 class Row:
     table: str
     label: str
-    weights: Optional[tuple] = None         # W4G, W4C, W3G, NV
-    acts: Optional[tuple] = None            # ("int", 8) dynamic per token, ("nvfp4", 4) static global scale
+    weights: Optional[tuple] = None  # W4G, W4C, W3G, NV
+    acts: Optional[tuple] = None  # ("int", 8) dynamic per token, ("nvfp4", 4) static global scale
     observer: dict = field(default_factory=dict)
     rotations: Optional[tuple] = None
-    learned: bool = False                   # rotations trained with the model (Cayley)
-    block_size: Optional[int] = None        # Hadamard blocks forced to this size (default: the largest that fits)
-    training: Optional[str] = None          # None (PTQ), "ft" / "qat" (token loss), "qad" (KL to FP32)
-    kv: Optional[tuple] = None              # (format, strategy, observer) of the KV cache
-    lora_r: Optional[int] = None            # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
+    learned: bool = False  # rotations trained with the model (Cayley)
+    block_size: Optional[int] = None  # Hadamard blocks forced to this size (default: the largest that fits)
+    training: Optional[str] = None  # None (PTQ), "ft" / "qat" (token loss), "qad" (KL to FP32)
+    kv: Optional[tuple] = None  # (format, strategy, observer) of the KV cache
+    lora_r: Optional[int] = None  # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
 
 
 ROWS = {
@@ -80,12 +81,14 @@ ROWS = {
     "w4_gptq": Row("w4", "GPTQ", W4G, observer=GPTQ),
     "w4_gptq_r12": Row("w4", "GPTQ + R1 R2", W4G, observer=GPTQ, rotations=R12),
     "w4_gptq_r124": Row("w4", "GPTQ + R1 R2 R4", W4G, observer=GPTQ, rotations=R124),
-    "w4_gptq_mse_r124": Row("w4", "GPTQ (group scales by mse search) + R1 R2 R4", W4G, observer=GPTQ_MSE,
-                            rotations=R124),
+    "w4_gptq_mse_r124": Row(
+        "w4", "GPTQ (group scales by mse search) + R1 R2 R4", W4G, observer=GPTQ_MSE, rotations=R124
+    ),
     "w4_qat": Row("w4", "GPTQ + R1 R2 R4, then QAT", W4G, observer=GPTQ, rotations=R124, training="qat"),
     "w4_qad": Row("w4", "GPTQ + R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, training="qad"),
-    "w4_qad_lrot": Row("w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124,
-                       learned=True, training="qad"),
+    "w4_qad_lrot": Row(
+        "w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, learned=True, training="qad"
+    ),
     "w4ch_rtn": Row("w4ch", "RTN (minmax)", W4C),
     "w4ch_gptq": Row("w4ch", "GPTQ", W4C, observer=GPTQ),
     "w4ch_gptq_r124": Row("w4ch", "GPTQ + R1 R2 R4", W4C, observer=GPTQ, rotations=R124),
@@ -100,18 +103,36 @@ ROWS = {
     "nvfp4_gptq_r124": Row("nvfp4", "GPTQ + R1 R2 R4", NV, ("nvfp4", 4), observer=GPTQ, rotations=R124),
     # Hadamard blocks as wide as NVFP4's groups: each group is rotated on its own, so the FP8 group
     # scales still see the groups' own ranges (MR-GPTQ's block rotations)
-    "nvfp4_r124_b16": Row("nvfp4", "R1 R2 R4 in Hadamard blocks of 16 (the group size)", NV, ("nvfp4", 4),
-                          rotations=R124, block_size=16),
-    "nvfp4_gptq_r124_b16": Row("nvfp4", "GPTQ + R1 R2 R4 in Hadamard blocks of 16", NV, ("nvfp4", 4),
-                               observer=GPTQ, rotations=R124, block_size=16),
+    "nvfp4_r124_b16": Row(
+        "nvfp4", "R1 R2 R4 in Hadamard blocks of 16 (the group size)", NV, ("nvfp4", 4), rotations=R124, block_size=16
+    ),
+    "nvfp4_gptq_r124_b16": Row(
+        "nvfp4",
+        "GPTQ + R1 R2 R4 in Hadamard blocks of 16",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ,
+        rotations=R124,
+        block_size=16,
+    ),
     "kv_fp8": Row("kv", "FP32 + FP8 KV per tensor", kv=("fp8_e4m3", "tensor", "minmax")),
     "kv_fp8_head": Row("kv", "FP32 + FP8 KV per head", kv=("fp8_e4m3", "head", "minmax")),
     "kv_int8": Row("kv", "FP32 + int8 KV per tensor", kv=("int8", "tensor", "minmax")),
     "kv_int8_head": Row("kv", "FP32 + int8 KV per head", kv=("int8", "head", "minmax")),
-    "w4qat_kv_fp8": Row("kv", "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop", W4G,
-                        training="qat", kv=("fp8_e4m3", "tensor", "minmax")),
-    "w4qat_kv_int8": Row("kv", "W4 g128 RTN start, QAT with int8 KV per tensor in the loop", W4G,
-                         training="qat", kv=("int8", "tensor", "minmax")),
+    "w4qat_kv_fp8": Row(
+        "kv",
+        "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop",
+        W4G,
+        training="qat",
+        kv=("fp8_e4m3", "tensor", "minmax"),
+    ),
+    "w4qat_kv_int8": Row(
+        "kv",
+        "W4 g128 RTN start, QAT with int8 KV per tensor in the loop",
+        W4G,
+        training="qat",
+        kv=("int8", "tensor", "minmax"),
+    ),
     "lora_full_qat": Row("lora", "full-parameter QAT", W4G, training="qat"),
     "lora_qat_r16": Row("lora", "LoRA QAT, r 16 (alpha 32)", W4G, training="qat", lora_r=16),
 }
@@ -122,25 +143,39 @@ TABLES = {
     "w3": "W3 g128 symmetric, weight-only",
     "nvfp4": "NVFP4 W4A4 (weights and activations in groups of 16, static activation global scale)",
 }
-RTN_OF = {"w4": "w4_rtn", "w4ch": "w4ch_rtn", "w4a8": "w4a8_rtn", "w3": "w3_rtn", "nvfp4": "nvfp4_rtn",
-          "lora": "w4_rtn"}
+RTN_OF = {
+    "w4": "w4_rtn",
+    "w4ch": "w4ch_rtn",
+    "w4a8": "w4a8_rtn",
+    "w3": "w3_rtn",
+    "nvfp4": "nvfp4_rtn",
+    "lora": "w4_rtn",
+}
 # what the page checks (the issue's targets), each row against float32's perplexity
 # (the rows that qualify, the best of which is held to the target)
-TARGETS = [(("w4_gptq_r124", "w4_gptq_mse_r124"), 1.06), (("w4_qad", "w4_qad_lrot"), 1.02), (("w4a8_gptq_r124",), 1.08),
-           (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10)]
+TARGETS = [
+    (("w4_gptq_r124", "w4_gptq_mse_r124"), 1.06),
+    (("w4_qad", "w4_qad_lrot"), 1.02),
+    (("w4a8_gptq_r124",), 1.08),
+    (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10),
+]
 KV_TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
-LORA_TARGET = 0.60          # LoRA QAT recovers at least this share of what full-parameter QAT recovers
+LORA_TARGET = 0.60  # LoRA QAT recovers at least this share of what full-parameter QAT recovers
 
 
 def config_doc(row: Row, a) -> dict:
     """The one config document a row runs: DeepSpeed's layout, compression_training per the row."""
-    steps = max(a.steps, 3)         # DeepSpeed's WarmupCosineLR warms up for 2 steps at least
+    steps = max(a.steps, 3)  # DeepSpeed's WarmupCosineLR warms up for 2 steps at least
     lr = a.lora_lr if row.lora_r else a.lr
     doc = {
-        "train_batch_size": a.batch, "train_micro_batch_size_per_gpu": a.batch, "gradient_clipping": 1.0,
+        "train_batch_size": a.batch,
+        "train_micro_batch_size_per_gpu": a.batch,
+        "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_type": "linear",
-                                                           "warmup_num_steps": max(steps // 10, 2)}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": steps, "warmup_type": "linear", "warmup_num_steps": max(steps // 10, 2)},
+        },
     }
     cc: dict = {}
     if row.weights is not None:
@@ -153,29 +188,55 @@ def config_doc(row: Row, a) -> dict:
             if group_size:
                 params["group_size"] = group_size
         cc["weight_quantization"] = {
-            "shared_parameters": {"enabled": True, "quantization_type": "symmetric",
-                                  "quantize_weight_in_forward": True, "schedule_offset": 0},
-            "different_groups": {"w": {"params": params, "modules": [LINEARS]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "quantize_weight_in_forward": True,
+                "schedule_offset": 0,
+            },
+            "different_groups": {"w": {"params": params, "modules": [LINEARS]}},
+        }
     if row.acts is not None:
         afmt, abits = row.acts
-        shared = {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                  "range_calibration": "dynamic" if afmt == "int" else "static"}
+        shared = {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "schedule_offset": 0,
+            "range_calibration": "dynamic" if afmt == "int" else "static",
+        }
         if afmt != "int":
             shared["format"] = afmt
-        cc["activation_quantization"] = {"shared_parameters": shared,
-                                         "different_groups": {"a": {"params": {"bits": abits}, "modules": [LINEARS]}}}
+        cc["activation_quantization"] = {
+            "shared_parameters": shared,
+            "different_groups": {"a": {"params": {"bits": abits}, "modules": [LINEARS]}},
+        }
     if row.rotations:
-        cc["rotation"] = {"enabled": True, "rotations": list(row.rotations), "type": "hadamard",
-                          "learned": row.learned, "seed": a.seed}
+        cc["rotation"] = {
+            "enabled": True,
+            "rotations": list(row.rotations),
+            "type": "hadamard",
+            "learned": row.learned,
+            "seed": a.seed,
+        }
         if row.block_size:
             cc["rotation"]["block_size"] = row.block_size
     if row.kv is not None:
         fmt, strategy, observer = row.kv
-        cc["kv_cache_quantization"] = {"enabled": True, "format": fmt, "strategy": strategy,
-                                       "range_calibration": "static", "observer": observer}
+        cc["kv_cache_quantization"] = {
+            "enabled": True,
+            "format": fmt,
+            "strategy": strategy,
+            "range_calibration": "static",
+            "observer": observer,
+        }
     if row.lora_r:
-        cc["lora"] = {"enabled": True, "r": row.lora_r, "alpha": 2 * row.lora_r, "mode": "qat",
-                      "target_modules": [LINEARS]}
+        cc["lora"] = {
+            "enabled": True,
+            "r": row.lora_r,
+            "alpha": 2 * row.lora_r,
+            "mode": "qat",
+            "target_modules": [LINEARS],
+        }
     if row.training == "qad":
         cc["distillation"] = {"enabled": True, "teacher": "self", "temperature": 1.0, "alpha": 1.0}
     if cc:
@@ -184,6 +245,7 @@ def config_doc(row: Row, a) -> dict:
 
 
 # --- data -----------------------------------------------------------------------------------------
+
 
 def load_data(a, tok):
     train, order, held = lm_eval.austen_blocks(tok, a.context, a.eval_blocks, a.seed, a.cache)
@@ -198,6 +260,7 @@ def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
     """--steps optimizer steps through the engine: token loss (qat, ft) or KL to the teacher (qad)."""
     import qcompress as qc
     from qcompress.train.distill import logit_kl
+
     engine = qc.initialize(model, cfg, device="cpu")
     model.train()
     for step in range(a.steps):
@@ -218,6 +281,7 @@ def train(model, teacher, cfg, training: str, train_blocks, order, a) -> None:
 def kv_off(model) -> None:
     """Leave the model's KV cache unquantized from now on (the same weights, for the paired figure)."""
     from qcompress.nn import kv_cache
+
     for _, mod in kv_cache.quantized_modules(model):
         mod.__dict__[kv_cache.ATTR].active = False
 
@@ -225,6 +289,7 @@ def kv_off(model) -> None:
 def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     import qcompress as qc
     from qcompress.train.stages import calibrate_static_ranges
+
     row = ROWS[key]
     t0 = time.time()
     model = copy.deepcopy(base)
@@ -232,24 +297,28 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     if cfg.raw.get("compression_training"):
         qc.init_compression(model, cfg)
         qc.CompressionScheduler(model, cfg).finish()
-        tail = order[len(order) - a.calib_blocks:]       # training batches read the order from its start
-        calib = [{"input_ids": train_blocks[tail[i:i + 4]]} for i in range(0, len(tail), 4)]
+        tail = order[len(order) - a.calib_blocks :]  # training batches read the order from its start
+        calib = [{"input_ids": train_blocks[tail[i : i + 4]]} for i in range(0, len(tail), 4)]
         calibrate_static_ranges(model, calib)
         qc.calibrate_weight_ranges(model, calib)
-        calibrate_static_ranges(model, calib)      # the activations the calibrated weights give
+        calibrate_static_ranges(model, calib)  # the activations the calibrated weights give
     calibrated_s = time.time() - t0
     if row.training is not None:
         train(model, base if row.training == "qad" else None, cfg, row.training, train_blocks, order, a)
     out = {"perplexity": perplexity(model, held, a.eval_batch)}
-    if row.kv is not None and row.training is not None:    # the same trained weights, cache unquantized
+    if row.kv is not None and row.training is not None:  # the same trained weights, cache unquantized
         kv_off(model)
         out["perplexity_kv_off"] = perplexity(model, held, a.eval_batch)
-    out.update(seconds=round(time.time() - t0, 1), calibrate_seconds=round(calibrated_s, 1),
-               steps=a.steps if row.training else 0)
+    out.update(
+        seconds=round(time.time() - t0, 1),
+        calibrate_seconds=round(calibrated_s, 1),
+        steps=a.steps if row.training else 0,
+    )
     return out
 
 
 # --- the page -------------------------------------------------------------------------------------
+
 
 def settings(a, row: Optional[Row] = None) -> dict:
     """What a row's figure depends on: the evaluation and calibration always, the training
@@ -275,8 +344,13 @@ def weight_tables(rows: dict, fp32, ft) -> list:
         if not keys:
             continue
         rtn = rows.get(RTN_OF[table], {}).get("perplexity")
-        out += ["", f"### {title}", "", "| method | perplexity | / FP32 | RTN excess recovered | wall s |",
-                "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"### {title}",
+            "",
+            "| method | perplexity | / FP32 | RTN excess recovered | wall s |",
+            "|---|---|---|---|---|",
+        ]
         for k in keys:
             r = rows[k]
             rec = "-" if k == RTN_OF[table] else pct(share(rtn, r["perplexity"], fp32))
@@ -292,19 +366,27 @@ def kv_table(rows: dict, fp32) -> list:
     keys = [k for k, r in ROWS.items() if r.table == "kv" and k in rows]
     if not keys:
         return []
-    out = ["", "### KV-cache quantization", "",
-           "`/ same weights without KV`: the FP32 rows against FP32; the QAT rows against the same trained "
-           "model with its KV quantizers switched off (the cost of the cache quantization itself, which the "
-           "targets bound).", "",
-           "| row | perplexity | / same weights without KV | target | met |", "|---|---|---|---|---|"]
+    out = [
+        "",
+        "### KV-cache quantization",
+        "",
+        "`/ same weights without KV`: the FP32 rows against FP32; the QAT rows against the same trained "
+        "model with its KV quantizers switched off (the cost of the cache quantization itself, which the "
+        "targets bound).",
+        "",
+        "| row | perplexity | / same weights without KV | target | met |",
+        "|---|---|---|---|---|",
+    ]
     for k in keys:
         r, row = rows[k], ROWS[k]
         paired = r.get("perplexity_kv_off") if row.training else fp32
         ratio = r["perplexity"] / paired if paired else None
         target = KV_TARGET[row.kv[0]]
         met = "-" if ratio is None else ("yes" if ratio <= target else "no")
-        out.append(f"| {row.label} | {r['perplexity']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} | "
-                   f"<= {target} | {met} |")
+        out.append(
+            f"| {row.label} | {r['perplexity']:.3f} | {'-' if ratio is None else f'{ratio:.4f}'} | "
+            f"<= {target} | {met} |"
+        )
     return out
 
 
@@ -315,14 +397,22 @@ def lora_table(rows: dict, fp32) -> list:
     f_rec, l_rec = share(rtn, full, fp32), share(rtn, lora, fp32)
     both = None if not f_rec or l_rec is None else l_rec / f_rec
     steps = rows["lora_qat_r16"]["settings"]["steps"]
-    out = ["", f"### LoRA QAT against full-parameter QAT (W4 g128, RTN start, both {steps} steps of the same batches)", "",
-           "| row | perplexity | RTN excess recovered |", "|---|---|---|",
-           f"| RTN (minmax) | {rtn:.3f} | - |" if rtn else "| RTN (minmax) | - | - |",
-           f"| {ROWS['lora_full_qat'].label} | {full:.3f} | {pct(f_rec)} |",
-           f"| {ROWS['lora_qat_r16'].label} | {lora:.3f} | {pct(l_rec)} |", ""]
+    out = [
+        "",
+        f"### LoRA QAT against full-parameter QAT (W4 g128, RTN start, both {steps} steps of the same batches)",
+        "",
+        "| row | perplexity | RTN excess recovered |",
+        "|---|---|---|",
+        f"| RTN (minmax) | {rtn:.3f} | - |" if rtn else "| RTN (minmax) | - | - |",
+        f"| {ROWS['lora_full_qat'].label} | {full:.3f} | {pct(f_rec)} |",
+        f"| {ROWS['lora_qat_r16'].label} | {lora:.3f} | {pct(l_rec)} |",
+        "",
+    ]
     if both is not None:
-        out.append(f"LoRA QAT recovers {pct(both)} of what full-parameter QAT recovers (target >= "
-                   f"{pct(LORA_TARGET)}): {'met' if both >= LORA_TARGET else 'missed'}.")
+        out.append(
+            f"LoRA QAT recovers {pct(both)} of what full-parameter QAT recovers (target >= "
+            f"{pct(LORA_TARGET)}): {'met' if both >= LORA_TARGET else 'missed'}."
+        )
     return out
 
 
@@ -330,16 +420,33 @@ def tables(summary: dict) -> str:
     rows, s = summary["rows"], summary["settings"]
     fp32 = rows.get("fp32", {}).get("perplexity")
     ft = rows.get("fp32_ft", {}).get("perplexity")
-    trained = sorted({(r["settings"]["steps"], r["settings"]["batch"], r["settings"]["lr"]) for k, r in rows.items()
-                      if ROWS[k].training is not None})
-    out = [f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
-           f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
-           + ("Training rows (steps x blocks of " + str(s['context']) + " tokens, AdamW lr; cosine after 10 % warm-up): "
-              + ", ".join(f"{st} x {b} at {lr:g}" for st, b, lr in trained) + "; each row says its steps." if trained else ""),
-           ""]
+    trained = sorted(
+        {
+            (r["settings"]["steps"], r["settings"]["batch"], r["settings"]["lr"])
+            for k, r in rows.items()
+            if ROWS[k].training is not None
+        }
+    )
+    out = [
+        f"SmolLM2-135M-Instruct, Austen held-out text: {s['eval_blocks']} blocks of {s['context']} tokens "
+        f"({s['eval_blocks'] * s['context']:,} tokens). Calibration: {s['calib_blocks']} training blocks. "
+        + (
+            "Training rows (steps x blocks of "
+            + str(s["context"])
+            + " tokens, AdamW lr; cosine after 10 % warm-up): "
+            + ", ".join(f"{st} x {b} at {lr:g}" for st, b, lr in trained)
+            + "; each row says its steps."
+            if trained
+            else ""
+        ),
+        "",
+    ]
     if fp32:
-        out.append(f"FP32 perplexity: **{fp32:.3f}**" + (f"; FP32 fine-tuned on the training text for the same "
-                                                         f"steps: {ft:.3f}" if ft else "") + ".")
+        out.append(
+            f"FP32 perplexity: **{fp32:.3f}**"
+            + (f"; FP32 fine-tuned on the training text for the same steps: {ft:.3f}" if ft else "")
+            + "."
+        )
     out += weight_tables(rows, fp32, ft) + kv_table(rows, fp32) + lora_table(rows, fp32)
     if fp32:
         out += ["", "Targets (perplexity / FP32):"]
@@ -348,8 +455,10 @@ def tables(summary: dict) -> str:
             if have:
                 k = min(have, key=lambda k: rows[k]["perplexity"])
                 v = rows[k]["perplexity"] / fp32
-                out.append(f"- {ROWS[k].label} ({TABLES[ROWS[k].table].split(',')[0]}): {v:.3f} (target <= {t}): "
-                           f"{'met' if v <= t else 'missed'}")
+                out.append(
+                    f"- {ROWS[k].label} ({TABLES[ROWS[k].table].split(',')[0]}): {v:.3f} (target <= {t}): "
+                    f"{'met' if v <= t else 'missed'}"
+                )
     return "\n".join(out) + "\n"
 
 
@@ -382,6 +491,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown rows {bad}; --list shows them")
     import torch
     from model_zoo.smollm2 import load_smollm2
+
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -390,15 +500,14 @@ def main(argv=None) -> int:
     train_blocks, order, held = load_data(a, tok)
     path = os.path.join(a.out, "summary.json")
     summary = json.load(open(path)) if os.path.exists(path) else {}
-    for k, r in summary.get("rows", {}).items():     # files from before per-row settings: the file's own
+    for k, r in summary.get("rows", {}).items():  # files from before per-row settings: the file's own
         if "settings" not in r and k in ROWS:
             r["settings"] = {n: summary["settings"][n] for n in settings(a, ROWS[k]) if n in summary["settings"]}
     # every finished row stays in the file with its own settings; one asked for again is re-run
     # when its settings differ from this run's
     summary = {"settings": settings(a), "rows": {k: r for k, r in summary.get("rows", {}).items() if k in ROWS}}
     for key in keys:
-        if key in summary["rows"] and summary["rows"][key].get("settings") == settings(a, ROWS[key]) \
-                and not a.rerun:
+        if key in summary["rows"] and summary["rows"][key].get("settings") == settings(a, ROWS[key]) and not a.rerun:
             print(f"=== {key}: kept ({summary['rows'][key]['perplexity']:.3f})")
             continue
         print(f"=== {key}: {ROWS[key].label}", flush=True)
@@ -412,8 +521,13 @@ def main(argv=None) -> int:
     if a.write_results:
         commits = sorted({r.get("commit", "?") for r in summary["rows"].values()})
         note = f"Rows measured at: {', '.join(commits)}.\n\n"
-        common.write_section("llm", "smollm2", note + text, title="Quality on a real LLM: SmolLM2-135M",
-                             cmd=common.command(["benchmarks/llm.py", *(argv or sys.argv[1:])]))
+        common.write_section(
+            "llm",
+            "smollm2",
+            note + text,
+            title="Quality on a real LLM: SmolLM2-135M",
+            cmd=common.command(["benchmarks/llm.py", *(argv or sys.argv[1:])]),
+        )
     return 0
 
 

@@ -17,6 +17,7 @@ Training batches are --seq token windows of the first 400k characters of the tra
 seeded order, the same for both. Recovery = (PTQ - method) / (PTQ - FP32) in perplexity; the last column is LoRA's
 recovery over full QAT's. One seed; read small differences as noise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,18 @@ EVAL_CTX = 512
 
 
 def compression(lora_r=None) -> dict:
-    cc = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantization_type": "symmetric"},
-        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128},
-                                    "modules": BLOCK_LINEARS}}}}
+    cc = {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "quantize_weight_in_forward": True,
+                "quantization_type": "symmetric",
+            },
+            "different_groups": {
+                "w4": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 128}, "modules": BLOCK_LINEARS}
+            },
+        }
+    }
     if lora_r:
         cc["lora"] = {"enabled": True, "r": lora_r, "alpha": 2 * lora_r, "target_modules": BLOCK_LINEARS, "mode": "qat"}
     return {"compression_training": cc}
@@ -51,20 +60,24 @@ def token_ids(tok, cache, train_chars, held_chars):
     """Token ids of the first train_chars / held_chars characters of the two splits (what the run
     reads of them)."""
     from model_zoo.lm_corpus import load_corpus, split_corpus
+
     train, held = split_corpus(load_corpus("austen", cache), 0.05, 0)
-    return (tok(train[:train_chars], return_tensors="pt").input_ids[0],
-            tok(held[:held_chars], return_tensors="pt").input_ids[0])
+    return (
+        tok(train[:train_chars], return_tensors="pt").input_ids[0],
+        tok(held[:held_chars], return_tensors="pt").input_ids[0],
+    )
 
 
 def perplexity(model, ids, windows: int, batch: int = 4) -> float:
     import torch
     import torch.nn.functional as F
-    chunks = [ids[i * EVAL_CTX:(i + 1) * EVAL_CTX] for i in range(min(windows, len(ids) // EVAL_CTX))]
+
+    chunks = [ids[i * EVAL_CTX : (i + 1) * EVAL_CTX] for i in range(min(windows, len(ids) // EVAL_CTX))]
     model.eval()
     nll, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(chunks), batch):
-            x = torch.stack(chunks[i:i + batch])
+            x = torch.stack(chunks[i : i + batch])
             logits = model(input_ids=x).logits[:, :-1].float()
             nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum").item()
             count += x[:, 1:].numel()
@@ -73,16 +86,23 @@ def perplexity(model, ids, windows: int, batch: int = 4) -> float:
 
 def batches(ids, steps, batch, seq, seed=0):
     import torch
+
     n = len(ids) // seq
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:steps * batch]
-    return [torch.stack([ids[j * seq:(j + 1) * seq] for j in order[s * batch:(s + 1) * batch].tolist()])
-            for s in range(steps)]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: steps * batch]
+    return [
+        torch.stack([ids[j * seq : (j + 1) * seq] for j in order[s * batch : (s + 1) * batch].tolist()])
+        for s in range(steps)
+    ]
 
 
 def train(model, data, lr, log):
     import qcompress as qc
-    cfg = {"train_micro_batch_size_per_gpu": data[0].shape[0], "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}}
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": data[0].shape[0],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+    }
     engine = qc.initialize(model, cfg)
     model.train()
     for i, x in enumerate(data):
@@ -113,8 +133,9 @@ def main(argv=None) -> int:
     import torch
     import qcompress as qc
     from model_zoo.smollm2 import load_smollm2
+
     torch.set_num_threads(args.threads)
-    log = lambda s: print(s, flush=True)   # noqa: E731
+    log = lambda s: print(s, flush=True)  # noqa: E731
     model, tok = load_smollm2()
     # windows are drawn from the first 400k training characters (~100k tokens); the held-out windows
     # are the first ones of the split
@@ -127,6 +148,7 @@ def main(argv=None) -> int:
 
     def fresh():
         return copy.deepcopy(model)
+
     m = qc.init_compression(fresh(), compression())
     rows["PTQ"] = perplexity(m, held_ids, args.eval_windows)
     log(f"PTQ {rows['PTQ']:.3f}")
@@ -143,20 +165,28 @@ def main(argv=None) -> int:
     rec = {k: (ptq - v) / (ptq - fp) for k, v in rows.items()}
     full = "full QAT"
     lora_name = [k for k in rows if k.startswith("LoRA")][0]
-    lines = [f"SmolLM2-135M-Instruct, W4 g128 symmetric (minmax) on every decoder-block Linear; perplexity on "
-             f"{args.eval_windows} x {EVAL_CTX} held-out Austen tokens. QAT: {args.steps} AdamW steps of "
-             f"{args.batch} x {args.seq} tokens, full at lr {args.lr_full:g}, LoRA (r = {args.r}, alpha = {2 * args.r}) "
-             f"at lr {args.lr_lora:g}, the same batches.", "",
-             "| model | perplexity | recovered of PTQ's loss | training time (this machine) |", "|---|---|---|---|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, W4 g128 symmetric (minmax) on every decoder-block Linear; perplexity on "
+        f"{args.eval_windows} x {EVAL_CTX} held-out Austen tokens. QAT: {args.steps} AdamW steps of "
+        f"{args.batch} x {args.seq} tokens, full at lr {args.lr_full:g}, LoRA (r = {args.r}, alpha = {2 * args.r}) "
+        f"at lr {args.lr_lora:g}, the same batches.",
+        "",
+        "| model | perplexity | recovered of PTQ's loss | training time (this machine) |",
+        "|---|---|---|---|",
+    ]
     for k, v in rows.items():
         rt = f"{rec[k]:.0%}" if k not in ("FP32", "PTQ") else "-"
         lines.append(f"| {k} | {v:.3f} | {rt} | {times[k]:.0f} s |" if k in times else f"| {k} | {v:.3f} | {rt} | - |")
-    lines += ["", f"LoRA QAT recovers {rec[lora_name] / rec[full]:.0%} of what full-parameter QAT recovers "
-                  f"at the same step count (training time ratio LoRA / full: {times[lora_name] / times[full]:.2f})."]
+    lines += [
+        "",
+        f"LoRA QAT recovers {rec[lora_name] / rec[full]:.0%} of what full-parameter QAT recovers "
+        f"at the same step count (training time ratio LoRA / full: {times[lora_name] / times[full]:.2f}).",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
         import common
+
         common.write_section(args.page, "lora-quality", text, title="LoRA and QLoRA QAT")
     return 0
 

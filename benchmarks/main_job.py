@@ -8,6 +8,7 @@ Prints the quality table (accuracy after training, PTQ, the reloaded export, tra
 size vs FP32, training time vs FP32); --write-results replaces its section of
 benchmarks/results/quality.md. Needs the packaged workloads (`make workloads`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,30 @@ RECIPES = [  # (name, config files, target in points below the FP32 fine-tune)
 
 def run(name, cfgs, out, model, data, baseline_from, a) -> dict:
     from qcompress.cli import main as qcompress_main
-    args = [*(os.path.join(ROOT, c) for c in cfgs), "--model", model, "--data", data, "--task",
-            "text-classification", "--out", out, "--max-length", str(a.max_length), "--batch-size",
-            str(a.batch_size), "--epochs", "1", "--seed", str(a.seed), "--save-steps", "0", "--overwrite",
-            "--no-progress"]
+
+    args = [
+        *(os.path.join(ROOT, c) for c in cfgs),
+        "--model",
+        model,
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--out",
+        out,
+        "--max-length",
+        str(a.max_length),
+        "--batch-size",
+        str(a.batch_size),
+        "--epochs",
+        "1",
+        "--seed",
+        str(a.seed),
+        "--save-steps",
+        "0",
+        "--overwrite",
+        "--no-progress",
+    ]
     args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
     print(f"=== {name}: qcompress train {' '.join(args)}", flush=True)
     if qcompress_main(["train", *args]):
@@ -56,9 +77,17 @@ def step_times(model_dir: str, data_dir: str, a, rounds: int = 3, steps: int = 3
     from qcompress.train.distill import Distiller, load_teacher
     from qcompress.train.models import load_model, load_tokenizer
     from qcompress.train.data import collate
+
     tok = load_tokenizer(model_dir)
-    data = prepare_data("text-classification", data_dir, tok, max_length=a.max_length, seed=a.seed,
-                        max_train_samples=a.batch_size, max_eval_samples=1)
+    data = prepare_data(
+        "text-classification",
+        data_dir,
+        tok,
+        max_length=a.max_length,
+        seed=a.seed,
+        max_train_samples=a.batch_size,
+        max_eval_samples=1,
+    )
     batch = collate([data.train[i] for i in range(len(data.train))], tok.pad_token_id)
     base = load_model(model_dir, "text-classification", data.labels, a.seed)
     setups = {"FP32": (copy.deepcopy(base), None)}
@@ -85,8 +114,9 @@ def step_times(model_dir: str, data_dir: str, a, rounds: int = 3, steps: int = 3
         opts[name].step()
         opts[name].zero_grad(set_to_none=True)
         return time.perf_counter() - t0
+
     for n in setups:
-        step(n)                                  # warm-up
+        step(n)  # warm-up
     for _ in range(rounds):
         for n in setups:
             times[n] += [step(n) for _ in range(steps)]
@@ -96,23 +126,27 @@ def step_times(model_dir: str, data_dir: str, a, rounds: int = 3, steps: int = 3
 def table(results, times=None) -> str:
     fp = results[0][1]["stages"]["fp32_finetuned"]["accuracy"]
     times = times or {}
-    lines = ["| recipe | accuracy after training | Δ vs FP32 (target) | PTQ | reloaded export | transformers | "
-             "export size | vs FP32 size | step time vs FP32 |",
-             "|---|---|---|---|---|---|---|---|---|",
-             f"| FP32 fine-tune (same budget) | {fp:.4f} | — | — | — | — | "
-             f"{results[0][1]['sizes']['fp32_bytes'] / 2**20:.1f} MiB | 1.00x | "
-             f"{'1.00 (%.2f s/step)' % times['FP32'] if 'FP32' in times else '—'} |"]
-    for (name, rep, target) in results:
+    lines = [
+        "| recipe | accuracy after training | Δ vs FP32 (target) | PTQ | reloaded export | transformers | "
+        "export size | vs FP32 size | step time vs FP32 |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| FP32 fine-tune (same budget) | {fp:.4f} | — | — | — | — | "
+        f"{results[0][1]['sizes']['fp32_bytes'] / 2**20:.1f} MiB | 1.00x | "
+        f"{'1.00 (%.2f s/step)' % times['FP32'] if 'FP32' in times else '—'} |",
+    ]
+    for name, rep, target in results:
         st, sz = rep["stages"], rep["sizes"]
         q = st["qat"]["accuracy"]
         d = (q - fp) * 100
         tr = st.get("transformers") or {}
         tr_txt = f"{tr['accuracy']:.4f}" if tr.get("accuracy") is not None else "not loadable"
         ok = "met" if -d <= target else "missed"
-        lines.append(f"| {name} | {q:.4f} | {d:+.2f} pts (≤ {target} pts: {ok}) | {st['ptq']['accuracy']:.4f} | "
-                     f"{st['exported']['accuracy']:.4f} | {tr_txt} | {sz['export_bytes'] / 2**20:.1f} MiB | "
-                     f"{sz['fp32_bytes'] / sz['export_bytes']:.2f}x smaller | "
-                     f"{'%.2f' % (times[name] / times['FP32']) if name in times else '—'} |")
+        lines.append(
+            f"| {name} | {q:.4f} | {d:+.2f} pts (≤ {target} pts: {ok}) | {st['ptq']['accuracy']:.4f} | "
+            f"{st['exported']['accuracy']:.4f} | {tr_txt} | {sz['export_bytes'] / 2**20:.1f} MiB | "
+            f"{sz['fp32_bytes'] / sz['export_bytes']:.2f}x smaller | "
+            f"{'%.2f' % (times[name] / times['FP32']) if name in times else '—'} |"
+        )
     return "\n".join(lines)
 
 
@@ -122,8 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reuse-runs", action="store_true",
-                   help="read the reports of an earlier run in --out; only measure the step times")
+    p.add_argument(
+        "--reuse-runs",
+        action="store_true",
+        help="read the reports of an earlier run in --out; only measure the step times",
+    )
     p.add_argument("--write-results", action="store_true", help="replace its section of benchmarks/results/quality.md")
     a = p.parse_args(argv)
     model, data = workloads()
@@ -139,20 +176,24 @@ def main(argv=None) -> int:
         results.append((name, rep, target))
     times = step_times(model, data, a)
     import torch
-    section = ("## Main job: all-MiniLM-L6-v2 on BBC News (`benchmarks/main_job.py`)\n\n"
-               f"One epoch of the 1,780-article training split (80/20, seed {a.seed}), max length {a.max_length}, "
-               f"batch {a.batch_size} ({results[0][1]['training']['steps']} steps), AdamW 1e-4, accuracy on the "
-               f"445 held-out articles; {torch.get_num_threads()} threads, CPU. Every row is one `qcompress train` run (commands printed by the script); the FP32 "
-               "fine-tune is the first run's `--baseline`, which the others reuse (`--baseline-from`). "
-               "Step time: median of 9 training steps (forward, backward, AdamW; the teacher's forward "
-               "included for distillation) on the same 32 articles, the configurations interleaved in one "
-               "process after the runs, so machine load hits them alike (the runs' own wall times are in "
-               "each report.json but were taken on a machine shared with other jobs).\n\n"
-               + table(results, times) + "\n")
+
+    section = (
+        "## Main job: all-MiniLM-L6-v2 on BBC News (`benchmarks/main_job.py`)\n\n"
+        f"One epoch of the 1,780-article training split (80/20, seed {a.seed}), max length {a.max_length}, "
+        f"batch {a.batch_size} ({results[0][1]['training']['steps']} steps), AdamW 1e-4, accuracy on the "
+        f"445 held-out articles; {torch.get_num_threads()} threads, CPU. Every row is one `qcompress train` "
+        "run (commands printed by the script); the FP32 "
+        "fine-tune is the first run's `--baseline`, which the others reuse (`--baseline-from`). "
+        "Step time: median of 9 training steps (forward, backward, AdamW; the teacher's forward "
+        "included for distillation) on the same 32 articles, the configurations interleaved in one "
+        "process after the runs, so machine load hits them alike (the runs' own wall times are in "
+        "each report.json but were taken on a machine shared with other jobs).\n\n" + table(results, times) + "\n"
+    )
     print("\n" + section)
     if a.write_results:
         sys.path.insert(0, HERE)
         import common
+
         print(f"written to {common.write_section('quality', 'main-job', section, title='Compression quality')}")
     return 0
 

@@ -8,9 +8,10 @@
    for --steps optimizer steps with the tokenizer and schedule of benchmarks/pretrain_gpt2.py: the
    same steps and data order on any machine. It is kept in --out and reused on later runs.
 2. Held-out perplexity (FP32 evaluation, the first --eval-blocks blocks of --context tokens) of:
-   FP32 (and FP32 fine-tuned as long as QAT, to separate the extra steps' effect); PTQ and QAT (--qat-steps fine-tuning steps through the fake quantizers) at W4 g32 and at
-   W8A8 (channel weights, per-token activations), all on the experts only (routers, attention and
-   embeddings stay FP32).
+   FP32 (and FP32 fine-tuned as long as QAT, to separate the extra steps' effect); PTQ and QAT
+   (--qat-steps fine-tuning steps through the fake quantizers) at W4 g32 and at W8A8 (channel
+   weights, per-token activations), all on the experts only (routers, attention and embeddings
+   stay FP32).
 3. Export size: the experts, every Linear and the embedding at W4 g128 (symmetric) vs the FP32
    checkpoint, and the experts' bytes alone.
 4. Batch-1 decode: greedy generation of --decode-tokens tokens with the KV cache, the W4 g128
@@ -19,6 +20,7 @@
 
 Writes section "tiny-qwen3-moe" of benchmarks/results/moe.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,24 +35,39 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import common                                          # noqa: E402
-import pretrain_gpt2 as pt                             # noqa: E402
+import common  # noqa: E402
+import pretrain_gpt2 as pt  # noqa: E402
 
-import torch                                           # noqa: E402
+import torch  # noqa: E402
 
-import qcompress                                       # noqa: E402
-from model_zoo import lm_corpus                        # noqa: E402
+import qcompress  # noqa: E402
+from model_zoo import lm_corpus  # noqa: E402
 
 EXPERTS = r"mlp\.experts"
 
 
 def moe_config(vocab: int, eot: int, context: int):
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=128,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
-                          router_aux_loss_coef=0.01, max_position_embeddings=context, bos_token_id=eot,
-                          eos_token_id=eot, tie_word_embeddings=False)
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=context,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        tie_word_embeddings=False,
+    )
 
 
 def pretrain(args, log):
@@ -61,6 +78,7 @@ def pretrain(args, log):
             if json.load(f)["steps"] == args.steps:
                 return
     from transformers import Qwen3MoeForCausalLM
+
     train_text, heldout_text = lm_corpus.split_corpus(lm_corpus.load_corpus("austen", args.cache), 0.05, 0)
     tok = pt.train_tokenizer(pt.paragraphs(train_text), args.vocab_size, args.context)
     ids = pt.token_stream(tok, train_text)
@@ -88,8 +106,14 @@ def pretrain(args, log):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             f.write(text)
     with open(os.path.join(tmp, "pretrain_report.json"), "w") as f:
-        json.dump({"steps": args.steps, "seconds": round(time.time() - t0, 1),
-                   "parameters": sum(p.numel() for p in model.parameters())}, f)
+        json.dump(
+            {
+                "steps": args.steps,
+                "seconds": round(time.time() - t0, 1),
+                "parameters": sum(p.numel() for p in model.parameters()),
+            },
+            f,
+        )
     if os.path.exists(args.out):
         shutil.rmtree(args.out)
     os.replace(tmp, args.out)
@@ -97,6 +121,7 @@ def pretrain(args, log):
 
 def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.out)
     return model.eval(), tok
@@ -106,13 +131,17 @@ def wcfg(bits, gran, group=None, abits=None, modules=(EXPERTS,)):
     params = {"start_bits": bits, "target_bits": bits, "granularity": gran}
     if group:
         params["group_size"] = group
-    cc = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": params, "modules": list(modules)}}}}
+    cc = {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": params, "modules": list(modules)}},
+        }
+    }
     if abits:
         cc["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
-            "different_groups": {"a": {"params": {"bits": abits}, "modules": list(modules)}}}
+            "different_groups": {"a": {"params": {"bits": abits}, "modules": list(modules)}},
+        }
     return {"compression_training": cc}
 
 
@@ -139,6 +168,7 @@ def qat(model, cfg, ids, args):
 
 def folder_bytes(path, match=lambda k: True):
     from safetensors import safe_open
+
     total = 0
     for f in os.listdir(path):
         if f.endswith(".safetensors"):
@@ -146,8 +176,10 @@ def folder_bytes(path, match=lambda k: True):
                 for k in fh.keys():
                     if match(k):
                         t = fh.get_slice(k)
-                        total += math.prod(t.get_shape()) * {"F32": 4, "I32": 4, "I64": 8, "I8": 1,
-                                                             "BF16": 2, "F16": 2}[t.get_dtype()]
+                        total += (
+                            math.prod(t.get_shape())
+                            * {"F32": 4, "I32": 4, "I64": 8, "I8": 1, "BF16": 2, "F16": 2}[t.get_dtype()]
+                        )
     return total
 
 
@@ -168,18 +200,20 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true", help="print, do not write the results page")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    log = lambda s: print(s, flush=True)                 # noqa: E731
+    log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.time()
     pretrain(args, log)
     model, tok = load(args)
     with open(os.path.join(args.out, "heldout.txt"), encoding="utf-8") as f:
-        heldout = pt.full_blocks(pt.token_stream(tok, f.read()), args.context)[:args.eval_blocks]
+        heldout = pt.full_blocks(pt.token_stream(tok, f.read()), args.context)[: args.eval_blocks]
     with open(os.path.join(args.out, "train.txt"), encoding="utf-8") as f:
         ids = pt.token_stream(tok, f.read())
     n_params = sum(p.numel() for p in model.parameters())
     n_experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    rows = [("FP32", "-", ppl(model, heldout)),
-            ("FP32", f"fine-tuned {args.qat_steps} steps", ppl(qat(copy.deepcopy(model), None, ids, args), heldout))]
+    rows = [
+        ("FP32", "-", ppl(model, heldout)),
+        ("FP32", f"fine-tuned {args.qat_steps} steps", ppl(qat(copy.deepcopy(model), None, ids, args), heldout)),
+    ]
     for label, cfg in (("W4 g32", wcfg(4, "group", 32)), ("W8A8", wcfg(8, "channel", abits=8))):
         ptq = qcompress.init_compression(copy.deepcopy(model), cfg)
         rows.append((label, "PTQ", ppl(ptq, heldout)))
@@ -189,41 +223,64 @@ def main(argv=None):
     work = tempfile.mkdtemp()
     fp_dir, q_dir = os.path.join(work, "fp32"), os.path.join(work, "w4")
     model.save_pretrained(fp_dir)
-    q = qcompress.init_compression(copy.deepcopy(model), wcfg(4, "group", 128, modules=(EXPERTS, "proj", "lm_head", "embed_tokens")))
+    q = qcompress.init_compression(
+        copy.deepcopy(model), wcfg(4, "group", 128, modules=(EXPERTS, "proj", "lm_head", "embed_tokens"))
+    )
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qcompress.export_quantized(q, q_dir)
-    is_expert = lambda k: ".experts." in k                # noqa: E731
-    size = {"fp": folder_bytes(fp_dir), "q": folder_bytes(q_dir),
-            "fp_e": folder_bytes(fp_dir, is_expert), "q_e": folder_bytes(q_dir, is_expert)}
+    is_expert = lambda k: ".experts." in k  # noqa: E731
+    size = {
+        "fp": folder_bytes(fp_dir),
+        "q": folder_bytes(q_dir),
+        "fp_e": folder_bytes(fp_dir, is_expert),
+        "q_e": folder_bytes(q_dir, is_expert),
+    }
     # batch-1 decode: the export in fast mode vs the FP32 model
     from transformers import AutoModelForCausalLM
+
     fast = qcompress.load_quantized(q_dir, AutoModelForCausalLM.from_pretrained(fp_dir), mode="fast")
     exact = qcompress.load_quantized(q_dir, AutoModelForCausalLM.from_pretrained(fp_dir))
     prompt = heldout[:1, :8]
 
     def gen(m):
-        return lambda: m.generate(prompt, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
-                                  do_sample=False, pad_token_id=tok.eos_token_id)
+        return lambda: m.generate(
+            prompt,
+            max_new_tokens=args.decode_tokens,
+            min_new_tokens=args.decode_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
+
     with torch.no_grad():
         same = torch.equal(gen(fast)(), gen(exact)())
         times = common.interleaved({"fp32": gen(model), "fast": gen(fast)}, repeats=7)
     shutil.rmtree(work, ignore_errors=True)
-    lines = [f"Qwen3-MoE 2 layers x 128, 8 experts top-2 ({n_params / 1e6:.2f}M parameters, experts "
-             f"{n_experts / n_params:.0%}), pretrained {args.steps} steps on Jane Austen (context {args.context}, "
-             f"vocabulary {len(tok)}); held-out perplexity over {heldout.shape[0]} blocks. Quantized: the "
-             "experts only; QAT: AdamW lr {:g}, batch {} x {}.".format(args.qat_lr, args.batch_size, args.context),
-             "", "| experts | method | held-out perplexity |", "|---|---|---|"]
+    lines = [
+        f"Qwen3-MoE 2 layers x 128, 8 experts top-2 ({n_params / 1e6:.2f}M parameters, experts "
+        f"{n_experts / n_params:.0%}), pretrained {args.steps} steps on Jane Austen (context {args.context}, "
+        f"vocabulary {len(tok)}); held-out perplexity over {heldout.shape[0]} blocks. Quantized: the "
+        "experts only; QAT: AdamW lr {:g}, batch {} x {}.".format(args.qat_lr, args.batch_size, args.context),
+        "",
+        "| experts | method | held-out perplexity |",
+        "|---|---|---|",
+    ]
     lines += [f"| {a} | {b} | {c:.2f} |" for a, b, c in rows]
-    lines += ["", f"Export at W4 g128 (symmetric; experts, attention projections, lm_head and the embedding; "
-                  f"norms and routers FP32): {size['q'] / 1e6:.2f} MB vs {size['fp'] / 1e6:.2f} MB FP32 = "
-                  f"{size['q'] / size['fp']:.3f}x; the experts alone {size['q_e'] / size['fp_e']:.3f}x.",
-              "", f"Batch-1 greedy decode of {args.decode_tokens} tokens (KV cache), the W4 g128 export in "
-                  f"load_quantized(mode=\"fast\") vs the FP32 model: FP32 {times['fp32'].ms(1)} ms, fast "
-                  f"{times['fast'].ms(1)} ms; fast / FP32 {common.ratio(times, 'fast', 'fp32')} (median "
-                  f"[range] of 7 interleaved rounds); fast mode's tokens equal exact mode's: {same}.",
-              "", f"Total run {time.time() - t0:.0f} s wall, {args.threads} torch thread(s)."]
+    lines += [
+        "",
+        f"Export at W4 g128 (symmetric; experts, attention projections, lm_head and the embedding; "
+        f"norms and routers FP32): {size['q'] / 1e6:.2f} MB vs {size['fp'] / 1e6:.2f} MB FP32 = "
+        f"{size['q'] / size['fp']:.3f}x; the experts alone {size['q_e'] / size['fp_e']:.3f}x.",
+        "",
+        f"Batch-1 greedy decode of {args.decode_tokens} tokens (KV cache), the W4 g128 export in "
+        f'load_quantized(mode="fast") vs the FP32 model: FP32 {times["fp32"].ms(1)} ms, fast '
+        f"{times['fast'].ms(1)} ms; fast / FP32 {common.ratio(times, 'fast', 'fp32')} (median "
+        f"[range] of 7 interleaved rounds); fast mode's tokens equal exact mode's: {same}.",
+        "",
+        f"Total run {time.time() - t0:.0f} s wall, {args.threads} torch thread(s).",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

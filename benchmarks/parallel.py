@@ -15,6 +15,7 @@ the final losses of single processes nudged by one ulp at the training setting (
 
     .venv/bin/python benchmarks/parallel.py [--steps 200] [--meshes ...] [--drift | --spread]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,44 +41,82 @@ SCHEMES = {
     "W4 g32": dict(bits=4, granularity="group", group_size=32, symmetric=False, act=False),
 }
 # name -> (tp, pp, dp)
-MESHES = {"1 process": (1, 1, 1), "DP2": (1, 1, 2), "DP4": (1, 1, 4), "TP2": (2, 1, 1), "PP2": (1, 2, 1),
-          "PP2 x TP2": (2, 2, 1), "TP2 x DP2": (2, 1, 2), "PP2 x DP2": (1, 2, 2), "PP2 x TP2 x DP2": (2, 2, 2)}
-GLOBAL, MICRO, SEQ = 8, 2, 32     # sequences per optimizer step, per micro-batch, tokens each
-TAIL = 20                          # steps averaged for the "last steps" loss
+MESHES = {
+    "1 process": (1, 1, 1),
+    "DP2": (1, 1, 2),
+    "DP4": (1, 1, 4),
+    "TP2": (2, 1, 1),
+    "PP2": (1, 2, 1),
+    "PP2 x TP2": (2, 2, 1),
+    "TP2 x DP2": (2, 1, 2),
+    "PP2 x DP2": (1, 2, 2),
+    "PP2 x TP2 x DP2": (2, 2, 2),
+}
+GLOBAL, MICRO, SEQ = 8, 2, 32  # sequences per optimizer step, per micro-batch, tokens each
+TAIL = 20  # steps averaged for the "last steps" loss
 
 
 def _doc(scheme, tp: int, pp: int, dp: int, opts: dict) -> dict:
-    doc = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GLOBAL // (MICRO * dp),
-           "optimizer": {"type": "AdamW", "params": {"lr": opts["lr"]}},
-           "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp}}
+    doc = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GLOBAL // (MICRO * dp),
+        "optimizer": {"type": "AdamW", "params": {"lr": opts["lr"]}},
+        "tensor_parallel": {"autotp_size": tp},
+        "pipeline": {"stages": pp},
+    }
     if opts.get("warmup"):
-        doc["scheduler"] = {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": opts["lr"], "warmup_num_steps": opts["warmup"],
-            "warmup_type": "linear", "total_num_steps": opts["steps"]}}
+        doc["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": opts["lr"],
+                "warmup_num_steps": opts["warmup"],
+                "warmup_type": "linear",
+                "total_num_steps": opts["steps"],
+            },
+        }
     if scheme is None:
         return doc
-    params = {"start_bits": scheme["bits"], "target_bits": scheme["bits"], "quantization_period": 1,
-              "granularity": scheme["granularity"]}
+    params = {
+        "start_bits": scheme["bits"],
+        "target_bits": scheme["bits"],
+        "quantization_period": 1,
+        "granularity": scheme["granularity"],
+    }
     if "group_size" in scheme:
         params["group_size"] = scheme["group_size"]
     kind = "symmetric" if scheme["symmetric"] else "asymmetric"
-    comp = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantization_type": kind},
-        "different_groups": {"w": {"params": params, "modules": ["proj"]}}}}
+    comp = {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantization_type": kind},
+            "different_groups": {"w": {"params": params, "modules": ["proj"]}},
+        }
+    }
     if scheme["act"]:
         comp["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}}}
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}},
+        }
     doc["compression_training"] = comp
     return doc
 
 
 def _model(ulp_seed=None):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=SEQ, attn_implementation="eager"))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            attn_implementation="eager",
+        )
+    )
     if ulp_seed is not None:
         nudge_one_ulp(model, ulp_seed)
     return model
@@ -132,7 +171,7 @@ def _micro_batches(data, steps: int, replica: int, replicas: int):
     for s in range(steps):
         first = s * GLOBAL + replica * share
         for j in range(share // MICRO):
-            rows = data[first + j * MICRO:first + (j + 1) * MICRO]
+            rows = data[first + j * MICRO : first + (j + 1) * MICRO]
             yield {"input_ids": rows, "labels": rows}
 
 
@@ -153,7 +192,8 @@ def state_bytes(optimizer) -> int:
 def train(rank: int, world: int, scheme_name: str, tp: int, pp: int, steps: int, opts: dict):
     import qcompress as qc
     from collective_bytes import CollectiveBytes, mesh_labels
-    torch.set_num_threads(1)        # every rank one thread, the single process too: comparable times
+
+    torch.set_num_threads(1)  # every rank one thread, the single process too: comparable times
     scheme = SCHEMES[scheme_name]
     dp = world // (tp * pp)
     opts = dict(opts, steps=steps)
@@ -169,16 +209,21 @@ def train(rank: int, world: int, scheme_name: str, tp: int, pp: int, steps: int,
     losses, times = [], []
     for s in range(steps):
         t0 = time.perf_counter()
-        if s == 1:                  # one step counted (the mode slows every op down): not timed
+        if s == 1:  # one step counted (the mode slows every op down): not timed
             with count:
                 losses.append(float(engine.train_batch(it)))
         else:
             losses.append(float(engine.train_batch(it)))
         times.append(time.perf_counter() - t0)
     timed = [t for s, t in enumerate(times) if s >= 2]
-    return dict(losses=losses, step_s=statistics.median(timed) if timed else float("nan"),
-                rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                state=state_bytes(engine.optimizer), sent=dict(count.sent), unknown=dict(count.unknown))
+    return dict(
+        losses=losses,
+        step_s=statistics.median(timed) if timed else float("nan"),
+        rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        state=state_bytes(engine.optimizer),
+        sent=dict(count.sent),
+        unknown=dict(count.unknown),
+    )
 
 
 def run_mesh(scheme_name: str, mesh: str, steps: int, opts: dict, timeout: float = 3600):
@@ -205,32 +250,41 @@ def _kib(out, group: str) -> str:
 def _cost_row(sname, mesh, out, dp_time) -> str:
     step = max(o["step_s"] for o in out)
     vs = f"{step / dp_time:.2f}x" if dp_time else "-"
-    state = " / ".join(f"{o['state'] / 2 ** 20:.2f}" for o in out)
-    rss = " / ".join(f"{o['rss'] / 2 ** 20:.0f}" for o in out)
+    state = " / ".join(f"{o['state'] / 2**20:.2f}" for o in out)
+    rss = " / ".join(f"{o['rss'] / 2**20:.0f}" for o in out)
     sent = " | ".join(_kib(out, g) for g in ("tp", "pp", "dp", "world"))
     return f"| {sname} | {mesh} | {len(out)} | {1e3 * step:.0f} ms | {vs} | {state} | {rss} | {sent} |"
 
 
 def training_section(args) -> str:
     opts = dict(lr=args.lr, warmup=args.warmup)
-    loss_rows = ["| scheme | mesh | ranks | final loss | vs 1 process | mean of the last 20 steps vs 1 process |",
-                 "|---|---|---|---|---|---|"]
-    cost_rows = ["| scheme | mesh | ranks | step time (median, slowest rank) | vs DP-only on as many ranks "
-                 "| model state per rank (MiB) | peak RSS per rank (MiB) | KiB sent per step per rank: tp "
-                 "| pp | dp | world |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    loss_rows = [
+        "| scheme | mesh | ranks | final loss | vs 1 process | mean of the last 20 steps vs 1 process |",
+        "|---|---|---|---|---|---|",
+    ]
+    cost_rows = [
+        "| scheme | mesh | ranks | step time (median, slowest rank) | vs DP-only on as many ranks "
+        "| model state per rank (MiB) | peak RSS per rank (MiB) | KiB sent per step per rank: tp "
+        "| pp | dp | world |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for sname in args.schemes:
         base = run_mesh(sname, "1 process", args.steps, opts)
         b = base[0]["losses"]
         loss_rows.append(f"| {sname} | 1 process | 1 | {b[-1]:.4f} | 0 | 0 |")
-        nudged = [run_mesh(sname, "1 process", args.steps, dict(opts, ulp_seed=s))[0]["losses"]
-                  for s in range(1, args.ulp_runs + 1)]
+        nudged = [
+            run_mesh(sname, "1 process", args.steps, dict(opts, ulp_seed=s))[0]["losses"]
+            for s in range(1, args.ulp_runs + 1)
+        ]
         if nudged:
             fin = sorted((x[-1] - b[-1]) / b[-1] for x in nudged)
             tail = sorted((tail_mean(x) - tail_mean(b)) / tail_mean(b) for x in nudged)
-            loss_rows.append(f"| {sname} | 1 process, initial weights +1 ulp ({len(nudged)} runs) | 1 | "
-                             f"{min(x[-1] for x in nudged):.4f} .. {max(x[-1] for x in nudged):.4f} | "
-                             f"{100 * fin[0]:+.2f} .. {100 * fin[-1]:+.2f} % | "
-                             f"{100 * tail[0]:+.2f} .. {100 * tail[-1]:+.2f} % |")
+            loss_rows.append(
+                f"| {sname} | 1 process, initial weights +1 ulp ({len(nudged)} runs) | 1 | "
+                f"{min(x[-1] for x in nudged):.4f} .. {max(x[-1] for x in nudged):.4f} | "
+                f"{100 * fin[0]:+.2f} .. {100 * fin[-1]:+.2f} % | "
+                f"{100 * tail[0]:+.2f} .. {100 * tail[-1]:+.2f} % |"
+            )
         dp_times = {1: base[0]["step_s"]}
         cost_rows.append(_cost_row(sname, "1 process", base, None))
         for mesh in args.meshes:
@@ -241,47 +295,66 @@ def training_section(args) -> str:
             tp, pp, dp = MESHES[mesh]
             if tp == pp == 1:
                 dp_times[dp] = max(o["step_s"] for o in out)
-            loss_rows.append(f"| {sname} | {mesh} | {len(out)} | {l0[-1]:.4f} | {_pct(l0[-1], b[-1])} | "
-                             f"{_pct(tail_mean(l0), tail_mean(b))} |")
+            loss_rows.append(
+                f"| {sname} | {mesh} | {len(out)} | {l0[-1]:.4f} | {_pct(l0[-1], b[-1])} | "
+                f"{_pct(tail_mean(l0), tail_mean(b))} |"
+            )
             cost_rows.append(_cost_row(sname, mesh, out, dp_times.get(len(out)) if tp * pp > 1 else None))
             print(loss_rows[-1], cost_rows[-1], sep="\n", flush=True)
     n = sum(p.numel() for p in _model().parameters())
-    return (f"Tiny Llama (4 blocks, hidden 128, {n / 1e6:.2f} M parameters), {args.steps} optimizer steps of {GLOBAL} "
-            f"sequences of {SEQ} tokens (micro-batches of {MICRO}; each data-parallel replica its share), "
-            f"AdamW, LR warmed up linearly to {args.lr:g} over {args.warmup} steps then decayed linearly to 0; "
-            "gloo on CPU, one thread per rank. Loss = the mean train_batch loss of the step.\n\n"
-            + "\n".join(loss_rows) + "\n\n" + "\n".join(cost_rows) + "\n")
+    return (
+        f"Tiny Llama (4 blocks, hidden 128, {n / 1e6:.2f} M parameters), {args.steps} optimizer steps of {GLOBAL} "
+        f"sequences of {SEQ} tokens (micro-batches of {MICRO}; each data-parallel replica its share), "
+        f"AdamW, LR warmed up linearly to {args.lr:g} over {args.warmup} steps then decayed linearly to 0; "
+        "gloo on CPU, one thread per rank. Loss = the mean train_batch loss of the step.\n\n"
+        + "\n".join(loss_rows)
+        + "\n\n"
+        + "\n".join(cost_rows)
+        + "\n"
+    )
 
 
 def drift_section(args) -> str:
     at = [1, 2, 5, 10, 20, 50, args.drift_steps]
-    rows = ["| scheme | run | " + " | ".join(f"step {s}" for s in at) + " | final vs 1 process "
-            "| mean of the last 20 steps vs 1 process |", "|---|---|" + "---|" * (len(at) + 2)]
+    rows = [
+        "| scheme | run | " + " | ".join(f"step {s}" for s in at) + " | final vs 1 process "
+        "| mean of the last 20 steps vs 1 process |",
+        "|---|---|" + "---|" * (len(at) + 2),
+    ]
     opts = dict(lr=args.lr, warmup=0)
     for sname in args.drift_schemes:
         base = run_mesh(sname, "1 process", args.drift_steps, opts)[0]["losses"]
-        runs = [(f"initial weights +1 ulp (seed {s})", "1 process", dict(opts, ulp_seed=s))
-                for s in range(1, args.ulp_runs + 1)]
-        runs += [("row-parallel layers summed as two halves", "1 process", dict(opts, tp_order=True)),
-                 ("TP2", "TP2", opts)]
+        runs = [
+            (f"initial weights +1 ulp (seed {s})", "1 process", dict(opts, ulp_seed=s))
+            for s in range(1, args.ulp_runs + 1)
+        ]
+        runs += [
+            ("row-parallel layers summed as two halves", "1 process", dict(opts, tp_order=True)),
+            ("TP2", "TP2", opts),
+        ]
         for label, mesh, o in runs:
             x = run_mesh(sname, mesh, args.drift_steps, o)[0]["losses"]
             diffs = " | ".join(f"{abs(x[s - 1] - base[s - 1]):.1e}" for s in at)
-            rows.append(f"| {sname} | {label} | {diffs} | {_pct(x[-1], base[-1])} | "
-                        f"{_pct(tail_mean(x), tail_mean(base))} |")
+            rows.append(
+                f"| {sname} | {label} | {diffs} | {_pct(x[-1], base[-1])} | {_pct(tail_mean(x), tail_mean(base))} |"
+            )
             print(rows[-1], flush=True)
-    return (f"The same model and data, {args.drift_steps} steps at a constant LR {args.lr:g} (AdamW), one "
-            "data-parallel replica. Each run against the unperturbed single process: the absolute "
-            "difference of the step's loss at the steps named, then the final and the tail-mean "
-            "loss.\n\n" + "\n".join(rows) + "\n")
+    return (
+        f"The same model and data, {args.drift_steps} steps at a constant LR {args.lr:g} (AdamW), one "
+        "data-parallel replica. Each run against the unperturbed single process: the absolute "
+        "difference of the step's loss at the steps named, then the final and the tail-mean "
+        "loss.\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def spread_section(args) -> str:
     """Single processes whose initial weights differ by one ulp, at the training section's setting:
     how far apart runs end that differ only by float noise."""
     opts = dict(lr=args.lr, warmup=args.warmup)
-    rows = ["| scheme | initial weights | final loss | vs unperturbed | mean of the last 20 steps vs unperturbed |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| scheme | initial weights | final loss | vs unperturbed | mean of the last 20 steps vs unperturbed |",
+        "|---|---|---|---|---|",
+    ]
     for sname in args.schemes:
         base = run_mesh(sname, "1 process", args.steps, opts)[0]["losses"]
         finals = [base[-1]]
@@ -289,15 +362,22 @@ def spread_section(args) -> str:
         for s in range(1, args.ulp_runs + 1):
             x = run_mesh(sname, "1 process", args.steps, dict(opts, ulp_seed=s))[0]["losses"]
             finals.append(x[-1])
-            rows.append(f"| {sname} | +1 ulp (seed {s}) | {x[-1]:.4f} | {_pct(x[-1], base[-1])} | "
-                        f"{_pct(tail_mean(x), tail_mean(base))} |")
+            rows.append(
+                f"| {sname} | +1 ulp (seed {s}) | {x[-1]:.4f} | {_pct(x[-1], base[-1])} | "
+                f"{_pct(tail_mean(x), tail_mean(base))} |"
+            )
             print(rows[-1], flush=True)
         mean, sd = statistics.fmean(finals), statistics.stdev(finals)
-        rows.append(f"| {sname} | all {len(finals)} runs | {mean:.4f} +- {sd:.4f} (sd) | "
-                    f"{min(finals):.4f} .. {max(finals):.4f} | range {100 * (max(finals) - min(finals)) / mean:.2f} % of the mean |")
-    return (f"The training section's setting ({args.steps} steps, warmup {args.warmup}, peak LR {args.lr:g}, "
-            "linear decay to 0), one process, a random half of every initial weight moved one ulp up "
-            "(a different half per seed).\n\n" + "\n".join(rows) + "\n")
+        rows.append(
+            f"| {sname} | all {len(finals)} runs | {mean:.4f} +- {sd:.4f} (sd) | "
+            f"{min(finals):.4f} .. {max(finals):.4f} "
+            f"| range {100 * (max(finals) - min(finals)) / mean:.2f} % of the mean |"
+        )
+    return (
+        f"The training section's setting ({args.steps} steps, warmup {args.warmup}, peak LR {args.lr:g}, "
+        "linear decay to 0), one process, a random half of every initial weight moved one ulp up "
+        "(a different half per seed).\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def main():
@@ -306,8 +386,12 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--schemes", nargs="+", default=["W8A8", "W4 g32"], choices=list(SCHEMES))
-    ap.add_argument("--meshes", nargs="+", default=[m for m in MESHES if m != "1 process"],
-                    choices=[m for m in MESHES if m != "1 process"])
+    ap.add_argument(
+        "--meshes",
+        nargs="+",
+        default=[m for m in MESHES if m != "1 process"],
+        choices=[m for m in MESHES if m != "1 process"],
+    )
     ap.add_argument("--ulp-runs", type=int, default=2, help="single-process runs with weights nudged by 1 ulp")
     ap.add_argument("--drift", action="store_true", help="write the reduction-order section instead")
     ap.add_argument("--drift-steps", type=int, default=100)

@@ -10,6 +10,7 @@ Writes benchmarks/results/parallel.md (section "flips").
 
     .venv/bin/python benchmarks/parallel_flips.py [--steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,14 @@ import common
 import parallel as P
 from ranks import run_ranks
 
-ROW_PARALLEL = ("o_proj", "down_proj")      # transformers' Llama plan; the others are column-parallel
+ROW_PARALLEL = ("o_proj", "down_proj")  # transformers' Llama plan; the others are column-parallel
 
 
 def _snapshot(model) -> dict:
     """{module: (this rank's weight codes, static range min, max)} of every quantized Linear."""
     from qcompress.nn.sharded import is_dtensor, weight_codes
     from qcompress.quant.api import quantize_spec
+
     out = {}
     for name, mod in model.named_modules():
         if getattr(mod, "qc_wq", None) is None:
@@ -39,6 +41,7 @@ def _snapshot(model) -> dict:
 
 def run(rank: int, world: int, steps: int, opts: dict):
     import qcompress as qc
+
     torch.set_num_threads(1)
     doc = P._doc(P.SCHEMES["W8A8"], world, 1, 1, dict(opts, steps=steps))
     doc["compression_training"]["activation_quantization"]["shared_parameters"]["range_calibration"] = "static"
@@ -75,21 +78,27 @@ def main():
     args = ap.parse_args()
     opts = dict(lr=args.lr, warmup=0)
     base = run(0, 1, args.steps, opts)
-    runs = [("1 process, initial weights +1 ulp (seed 1)", [run(0, 1, args.steps, dict(opts, ulp_seed=1))]),
-            ("1 process, initial weights +1 ulp (seed 2)", [run(0, 1, args.steps, dict(opts, ulp_seed=2))]),
-            ("1 process, row-parallel layers summed as two halves",
-             [run(0, 1, args.steps, dict(opts, tp_order=True))]),
-            ("TP2", run_ranks(run, 2, args.steps, opts, timeout=1800))]
-    rows = ["| run | after step | weight codes differing | largest static-range difference (relative) "
-            "| loss difference (abs) |", "|---|---|---|---|---|"]
+    runs = [
+        ("1 process, initial weights +1 ulp (seed 1)", [run(0, 1, args.steps, dict(opts, ulp_seed=1))]),
+        ("1 process, initial weights +1 ulp (seed 2)", [run(0, 1, args.steps, dict(opts, ulp_seed=2))]),
+        ("1 process, row-parallel layers summed as two halves", [run(0, 1, args.steps, dict(opts, tp_order=True))]),
+        ("TP2", run_ranks(run, 2, args.steps, opts, timeout=1800)),
+    ]
+    rows = [
+        "| run | after step | weight codes differing | largest static-range difference (relative) "
+        "| loss difference (abs) |",
+        "|---|---|---|---|---|",
+    ]
     for label, out in runs:
         for step in (1, args.steps):
             differ, total, worst, dloss = compare(base, out, step)
             rows.append(f"| {label} | {step} | {differ} of {total} | {worst:.1e} | {dloss:.1e} |")
             print(rows[-1], flush=True)
-    text = (f"W8A8 with static activation ranges, {args.steps} steps at a constant LR {args.lr:g}, each run "
-            "against the unperturbed single process (the loss difference is that of the step's own loss, "
-            "computed before its update).\n\n" + "\n".join(rows) + "\n")
+    text = (
+        f"W8A8 with static activation ranges, {args.steps} steps at a constant LR {args.lr:g}, each run "
+        "against the unperturbed single process (the loss difference is that of the step's own loss, "
+        "computed before its update).\n\n" + "\n".join(rows) + "\n"
+    )
     common.write_section("parallel", "flips", text, title="Tensor and pipeline parallelism")
 
 

@@ -16,6 +16,7 @@ its held-out loss (evaluated every --eval-every steps) reaches the target, or 2 
 Reported: training seconds and samples to the target, samples per second, the share of block
 calls PLD ran. Prints markdown; --write-results replaces its section of benchmarks/results/engine.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,13 @@ CONTEXT, BATCH = 64, 16
 
 def load_text(cache):
     from model_zoo import lm_corpus
+
     return lm_corpus.split_corpus(lm_corpus.load_corpus("austen", cache), held_out_fraction=0.05, seed=0)
 
 
 def encode(train_text, heldout_text):
     import torch
+
     vocab = sorted(set(train_text))
     index = {c: i for i, c in enumerate(vocab)}
     unk = len(vocab)
@@ -51,18 +54,33 @@ def encode(train_text, heldout_text):
 def make_model(vocab, layers, width, seed=0):
     import torch
     import transformers
+
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=CONTEXT, n_embd=width, n_layer=layers,
-                                  n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=CONTEXT,
+        n_embd=width,
+        n_layer=layers,
+        n_head=max(1, width // 32),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def ds_config(pld=None):
-    cfg = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                        "warmup_num_steps": 40}},
-           "gradient_clipping": 1.0}
+    cfg = {
+        "train_batch_size": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 40},
+        },
+        "gradient_clipping": 1.0,
+    }
     if pld is not None:
         cfg["progressive_layer_drop"] = pld
     return cfg
@@ -70,18 +88,20 @@ def ds_config(pld=None):
 
 def batch_at(tokens, step, seed=0):
     import torch
+
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, tokens.numel() - CONTEXT - 1, (BATCH,), generator=g)
-    return torch.stack([tokens[s:s + CONTEXT] for s in starts.tolist()])
+    return torch.stack([tokens[s : s + CONTEXT] for s in starts.tolist()])
 
 
 def held_out_loss(model, tokens, windows=64):
     import torch
+
     n = min(windows, (tokens.numel() - 1) // CONTEXT)
-    x = tokens[:n * CONTEXT].view(n, CONTEXT)
+    x = tokens[: n * CONTEXT].view(n, CONTEXT)
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=x[i:i + 16], labels=x[i:i + 16]).loss.item() for i in range(0, n, 16)]
+        losses = [model(input_ids=x[i : i + 16], labels=x[i : i + 16]).loss.item() for i in range(0, n, 16)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -89,11 +109,12 @@ def held_out_loss(model, tokens, windows=64):
 class Run:
     def __init__(self, name, engine, heldout):
         self.name, self.engine, self.heldout = name, engine, heldout
-        self.train_s, self.steps, self.curve = 0.0, 0, []      # curve: (step, seconds, held-out loss)
-        self.block_calls = [0, 0]                               # run, decided
+        self.train_s, self.steps, self.curve = 0.0, 0, []  # curve: (step, seconds, held-out loss)
+        self.block_calls = [0, 0]  # run, decided
 
     def step(self, x):
         import torch
+
         eng = self.engine
         eng.train()
         pld = eng.pld
@@ -137,6 +158,7 @@ def main():
 
     import torch
     import qcompress as qc
+
     torch.set_num_threads(a.threads)
     train_text, heldout_text = load_text(a.cache)
     train_ids, heldout_ids, vocab = encode(train_text, heldout_text)
@@ -149,13 +171,16 @@ def main():
     t_start = time.time()
     for step in range(a.steps):
         x = batch_at(train_ids, step)
-        for r in (base, pld) if step % 2 == 0 else (pld, base):   # alternate who goes first
+        for r in (base, pld) if step % 2 == 0 else (pld, base):  # alternate who goes first
             r.step(x)
         if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
             for r in (base, pld):
                 r.evaluate()
-            print(f"step {step + 1}: FP32 {base.curve[-1][2]:.4f} ({base.train_s:.0f} s)  "
-                  f"PLD {pld.curve[-1][2]:.4f} ({pld.train_s:.0f} s)", file=sys.stderr)
+            print(
+                f"step {step + 1}: FP32 {base.curve[-1][2]:.4f} ({base.train_s:.0f} s)  "
+                f"PLD {pld.curve[-1][2]:.4f} ({pld.train_s:.0f} s)",
+                file=sys.stderr,
+            )
     target = base.curve[-1][2]
     step = a.steps
     while first_reach(pld.curve, target) is None and step < 2 * a.steps:
@@ -163,18 +188,21 @@ def main():
         step += 1
         if step % a.eval_every == 0:
             pld.evaluate()
-            print(f"step {step}: PLD {pld.curve[-1][2]:.4f} ({pld.train_s:.0f} s), target {target:.4f}",
-                  file=sys.stderr)
+            print(
+                f"step {step}: PLD {pld.curve[-1][2]:.4f} ({pld.train_s:.0f} s), target {target:.4f}", file=sys.stderr
+            )
     text = report(a, base, pld, target, vocab, time.time() - t_start)
     print(text)
     if a.write_results:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import common
+
         common.write_section("engine", "pld", text, title="Engine costs")
 
 
 def report(a, base, pld, target, vocab, wall):
     import torch
+
     n_params = sum(p.numel() for p in base.engine.module.parameters())
     reach = first_reach(pld.curve, target)
     b_sps = BATCH * base.steps / base.train_s
@@ -184,38 +212,57 @@ def report(a, base, pld, target, vocab, wall):
     p_sps = BATCH * p_steps[-1][0] / p_secs
     share = pld.block_calls[0] / max(1, pld.block_calls[1])
     load = os.getloadavg()
-    lines = [SECTION, "",
-             f"`nice -n 10 python benchmarks/pld.py --steps {a.steps} --theta {a.theta} --gamma {a.gamma}` "
-             f"(torch {torch.__version__}, {platform.machine()}, {a.threads} torch thread(s), 2 CPUs shared with "
-             f"other agents' jobs, load average {load[0]:.1f} at the end, {wall / 60:.1f} min in all). "
-             f"Pre-LN GPT-2, {a.layers} layers x {a.width}, {n_params / 1e6:.2f}M parameters, character "
-             f"vocabulary of {vocab}, context {CONTEXT}, batch {BATCH}, AdamW lr 1e-3, trained from scratch on "
-             f"Jane Austen's novels; held-out loss on 64 windows of the 5% held-out sections. Both runs "
-             f"alternate steps in one process (same batches, same start).", "",
-             "| run | steps | train s | samples/s | held-out loss at end | steps to FP32's final loss | "
-             "train s to it | samples to it |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|",
-             f"| FP32 baseline | {base.steps} | {base.train_s:.0f} | {b_sps:.1f} | {base.curve[-1][2]:.4f} | "
-             f"{base.steps} | {base.train_s:.0f} | {BATCH * base.steps} |"]
+    lines = [
+        SECTION,
+        "",
+        f"`nice -n 10 python benchmarks/pld.py --steps {a.steps} --theta {a.theta} --gamma {a.gamma}` "
+        f"(torch {torch.__version__}, {platform.machine()}, {a.threads} torch thread(s), 2 CPUs shared with "
+        f"other agents' jobs, load average {load[0]:.1f} at the end, {wall / 60:.1f} min in all). "
+        f"Pre-LN GPT-2, {a.layers} layers x {a.width}, {n_params / 1e6:.2f}M parameters, character "
+        f"vocabulary of {vocab}, context {CONTEXT}, batch {BATCH}, AdamW lr 1e-3, trained from scratch on "
+        f"Jane Austen's novels; held-out loss on 64 windows of the 5% held-out sections. Both runs "
+        f"alternate steps in one process (same batches, same start).",
+        "",
+        "| run | steps | train s | samples/s | held-out loss at end | steps to FP32's final loss | "
+        "train s to it | samples to it |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| FP32 baseline | {base.steps} | {base.train_s:.0f} | {b_sps:.1f} | {base.curve[-1][2]:.4f} | "
+        f"{base.steps} | {base.train_s:.0f} | {BATCH * base.steps} |",
+    ]
     if reach is not None:
         r_step, r_secs, _ = reach
-        lines.append(f"| PLD theta {a.theta}, gamma {a.gamma} | {pld.steps} | {pld.train_s:.0f} | {p_sps:.1f} | "
-                     f"{pld.curve[-1][2]:.4f} | {r_step} | {r_secs:.0f} | {BATCH * r_step} |")
+        lines.append(
+            f"| PLD theta {a.theta}, gamma {a.gamma} | {pld.steps} | {pld.train_s:.0f} | {p_sps:.1f} | "
+            f"{pld.curve[-1][2]:.4f} | {r_step} | {r_secs:.0f} | {BATCH * r_step} |"
+        )
     else:
-        lines.append(f"| PLD theta {a.theta}, gamma {a.gamma} | {pld.steps} | {pld.train_s:.0f} | {p_sps:.1f} | "
-                     f"{pld.curve[-1][2]:.4f} | not reached in {pld.steps} | - | - |")
+        lines.append(
+            f"| PLD theta {a.theta}, gamma {a.gamma} | {pld.steps} | {pld.train_s:.0f} | {p_sps:.1f} | "
+            f"{pld.curve[-1][2]:.4f} | not reached in {pld.steps} | - | - |"
+        )
     theta_end = (1 - a.theta) * math.exp(-a.gamma * (base.steps - 1)) + a.theta
-    lines += ["",
-              f"PLD ran {100 * share:.1f}% of the block calls over its {pld.steps} steps (theta falls from 1 to "
-              f"{theta_end:.2f} by step {base.steps}; the last block keeps with theta, the first with "
-              f"1 - (1 - theta)/{a.layers}). Samples/s over the first {base.steps} steps: PLD "
-              f"{p_sps / b_sps:.2f}x the baseline's. "]
+    lines += [
+        "",
+        f"PLD ran {100 * share:.1f}% of the block calls over its {pld.steps} steps (theta falls from 1 to "
+        f"{theta_end:.2f} by step {base.steps}; the last block keeps with theta, the first with "
+        f"1 - (1 - theta)/{a.layers}). Samples/s over the first {base.steps} steps: PLD "
+        f"{p_sps / b_sps:.2f}x the baseline's. ",
+    ]
     if reach is not None:
-        lines[-1] += (f"To the baseline's final held-out loss: {reach[1] / base.train_s:.2f}x the baseline's "
-                      f"training time, {reach[0] / base.steps:.2f}x its samples.")
-    lines += ["", "Held-out loss against training seconds (every "
-              f"{a.eval_every} steps): FP32 " + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in base.curve[1::4])
-              + "; PLD " + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in pld.curve[1::4]) + ".", ""]
+        lines[-1] += (
+            f"To the baseline's final held-out loss: {reach[1] / base.train_s:.2f}x the baseline's "
+            f"training time, {reach[0] / base.steps:.2f}x its samples."
+        )
+    lines += [
+        "",
+        "Held-out loss against training seconds (every "
+        f"{a.eval_every} steps): FP32 "
+        + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in base.curve[1::4])
+        + "; PLD "
+        + ", ".join(f"{s:.0f}s {l:.3f}" for _, s, l in pld.curve[1::4])
+        + ".",
+        "",
+    ]
     return "\n".join(lines)
 
 

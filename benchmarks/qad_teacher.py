@@ -13,6 +13,7 @@ held-out accuracy, the student's argmax agreement with its teacher and the mean 
 probability (uniform over C classes: 1 / C).
 --write-results replaces the `qad-teacher` section of benchmarks/results/quality.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,11 +61,19 @@ def main(argv=None) -> int:
     from qcompress.train.data import prepare_data
     from qcompress.train.distill import Distiller, load_teacher
     from qcompress.train.models import load_model, load_tokenizer
+
     torch.set_num_threads(a.threads)
     model_dir, data_dir = workloads()
     tok = load_tokenizer(model_dir)
-    data = prepare_data("text-classification", data_dir, tok, seed=a.seed, max_length=a.max_length,
-                        max_train_samples=a.train_samples, max_eval_samples=a.eval_samples)
+    data = prepare_data(
+        "text-classification",
+        data_dir,
+        tok,
+        seed=a.seed,
+        max_length=a.max_length,
+        max_train_samples=a.train_samples,
+        max_eval_samples=a.eval_samples,
+    )
 
     def fresh():
         return load_model(model_dir, "text-classification", data.labels, a.seed, tok.pad_token_id)
@@ -83,15 +92,24 @@ def main(argv=None) -> int:
         opt = opt or torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
         for step in range(start, steps):
             model.train()
-            for b in micro_batches(data.train, step, seed=a.seed, train_batch_size=a.batch_size,
-                                   micro=a.batch_size, accumulation=1, rank=0, world=1, pad_id=tok.pad_token_id):
+            for b in micro_batches(
+                data.train,
+                step,
+                seed=a.seed,
+                train_batch_size=a.batch_size,
+                micro=a.batch_size,
+                accumulation=1,
+                rank=0,
+                world=1,
+                pad_id=tok.pad_token_id,
+            ):
                 out = model(**b)
                 loss = out.loss if kd is None else kd.loss(out, kd.teacher_outputs(b), out.loss)[0]
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
             if snapshot is not None and step + 1 in snapshot:
-                snapshot[step + 1] = load_teacher("self", model, None)      # a frozen copy
+                snapshot[step + 1] = load_teacher("self", model, None)  # a frozen copy
         return opt
 
     # the teachers: one FP32 fine-tune, snapshotted at each teacher step count
@@ -103,36 +121,49 @@ def main(argv=None) -> int:
     for n, t in sorted(teachers.items()):
         tp, y = probs(t)
         teachers[n] = (t, tp)
-        print(f"teacher {n} steps: accuracy {(tp.argmax(-1) == y).float().mean():.4f}, "
-              f"mean top-class probability {tp.max(-1).values.mean():.3f}", flush=True)
+        print(
+            f"teacher {n} steps: accuracy {(tp.argmax(-1) == y).float().mean():.4f}, "
+            f"mean top-class probability {tp.max(-1).values.mean():.3f}",
+            flush=True,
+        )
     lines = [(a.steps, 0.0)] + [pr for pr in pairs if pr != (a.steps, 0.0)]
     for n, alpha in lines:
         t, tp = teachers[n]
         if alpha == 0.0 and n == a.steps:
-            sp = tp          # no distillation: the student is the teacher's own run
+            sp = tp  # no distillation: the student is the teacher's own run
         else:
             student = fresh()
             kd = Distiller(t, Distillation(enabled=True, teacher="self", temperature=1.0, alpha=alpha))
             train(student, a.steps, kd=kd)
             sp, _ = probs(student)
-        row = dict(n=n, alpha=alpha, t_acc=float((tp.argmax(-1) == y).float().mean()),
-                   t_top=float(tp.max(-1).values.mean()), s_acc=float((sp.argmax(-1) == y).float().mean()),
-                   agree=float((sp.argmax(-1) == tp.argmax(-1)).float().mean()), s_top=float(sp.max(-1).values.mean()))
+        row = dict(
+            n=n,
+            alpha=alpha,
+            t_acc=float((tp.argmax(-1) == y).float().mean()),
+            t_top=float(tp.max(-1).values.mean()),
+            s_acc=float((sp.argmax(-1) == y).float().mean()),
+            agree=float((sp.argmax(-1) == tp.argmax(-1)).float().mean()),
+            s_top=float(sp.max(-1).values.mean()),
+        )
         rows.append(row)
         print(row, flush=True)
-    text = (f"## The classifier's QAD and its teacher\n\n"
-            f"An FP32 student (no quantizer) trains {a.steps} steps of {a.batch_size} of the first "
-            f"{a.train_samples} training articles (the quality table's budget, batches, seed and AdamW "
-            f"{a.lr}), distilling (KL at T 1, qcompress's Distiller) an FP32 fine-tune of N steps; accuracy "
-            f"on {len(data.eval)} held-out articles. Alpha 0 at N = {a.steps} is the quality job's FP32 "
-            f"fine-tune itself. Uniform guessing over the {classes} classes: top-class probability "
-            f"{1 / classes:.2f}.\n\n"
-            "| teacher: FP32 fine-tune of N steps | teacher accuracy | teacher mean top-class probability "
-            "| alpha | student accuracy | student agrees with teacher | student mean top-class probability |\n"
-            "|---|---|---|---|---|---|---|\n")
+    text = (
+        f"## The classifier's QAD and its teacher\n\n"
+        f"An FP32 student (no quantizer) trains {a.steps} steps of {a.batch_size} of the first "
+        f"{a.train_samples} training articles (the quality table's budget, batches, seed and AdamW "
+        f"{a.lr}), distilling (KL at T 1, qcompress's Distiller) an FP32 fine-tune of N steps; accuracy "
+        f"on {len(data.eval)} held-out articles. Alpha 0 at N = {a.steps} is the quality job's FP32 "
+        f"fine-tune itself. Uniform guessing over the {classes} classes: top-class probability "
+        f"{1 / classes:.2f}.\n\n"
+        "| teacher: FP32 fine-tune of N steps | teacher accuracy | teacher mean top-class probability "
+        "| alpha | student accuracy | student agrees with teacher | student mean top-class probability |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     for r in rows:
-        text += (f"| {r['n']} | {r['t_acc']:.4f} | {r['t_top']:.3f} | {r['alpha']:g} | {r['s_acc']:.4f} | "
-                 f"{r['agree']:.4f} | {r['s_top']:.3f} |\n")
+        text += (
+            f"| {r['n']} | {r['t_acc']:.4f} | {r['t_top']:.3f} | {r['alpha']:g} | {r['s_acc']:.4f} | "
+            f"{r['agree']:.4f} | {r['s_top']:.3f} |\n"
+        )
     print(text)
     if a.write_results:
         cmd = common.command([os.path.abspath(__file__)] + list(sys.argv[1:] if argv is None else argv))

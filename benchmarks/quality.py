@@ -44,6 +44,7 @@ on the first --eval-samples blocks and on all of them; another line under the ta
 --write-results replaces this task's section of benchmarks/results/quality.md (its table, the
 target lines computed from it, and the --note sentences); text outside the generated sections stays.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 
-RECIPES = {   # key: (label, schedule file, progressive)
+RECIPES = {  # key: (label, schedule file, progressive)
     "w8a8": ("W8A8", "schedules/w8a8.yaml", False),
     "w4a8_g128": ("W4A8 g128", "schedules/w4a8_g128.yaml", False),
     "w4_g32": ("W4 g32 (weight-only)", "schedules/w4a16_g32.yaml", False),
@@ -82,9 +83,9 @@ FLOAT_VARIANTS = {"qat": "qat", "qat_rl": None, "qad_rl": "qad", "qad": "qad"}
 # is for integer grids) and range learning where the format learns its scales; MX scales are E8M0
 # powers of two, which a straight-through step never moves (the config refuses it): mse only there.
 LEARNED_FLOAT_SCALES = ("fp8_e4m3", "nvfp4")
-COLUMNS = ("qat", "qat_rl", "qad", "qad_rl")     # the table's trained columns
-OBSERVER_KWARGS = {}    # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
-DEFAULT_OBSERVER_KWARGS = '{"weight_by": "inputs"}'   # the mse variants: the input-weighted search
+COLUMNS = ("qat", "qat_rl", "qad", "qad_rl")  # the table's trained columns
+OBSERVER_KWARGS = {}  # --observer-kwargs: the mse variants' search (maxshrink, grid, norm, weight_by)
+DEFAULT_OBSERVER_KWARGS = '{"weight_by": "inputs"}'  # the mse variants: the input-weighted search
 
 
 def fragment(variant: str, task: str = "lm", formats=("int",)) -> dict:
@@ -97,17 +98,20 @@ def fragment(variant: str, task: str = "lm", formats=("int",)) -> dict:
     wq = {"observer": "mse" if mse else "minmax", "range_learning": mse and floats <= set(LEARNED_FLOAT_SCALES)}
     if mse and OBSERVER_KWARGS and not floats:
         wq["observer_kwargs"] = dict(OBSERVER_KWARGS)
-    doc = {"compression_training": {"weight_quantization": {"shared_parameters": wq},
-                                    "distillation": {"enabled": distil}}}
+    doc = {
+        "compression_training": {"weight_quantization": {"shared_parameters": wq}, "distillation": {"enabled": distil}}
+    }
     if distil:
         doc["compression_training"]["distillation"].update(
-            teacher="self" if task == "lm" else "baseline", temperature=1.0, alpha=0.9)
+            teacher="self" if task == "lm" else "baseline", temperature=1.0, alpha=0.9
+        )
     return doc
 
 
 def progressive_fix(recipe_file: str, steps: int) -> dict:
     """Spread the recipe's bit drops evenly over the run: the last at 4/5 of the steps."""
     import yaml
+
     with open(os.path.join(ROOT, recipe_file), encoding="utf-8") as fh:
         doc = yaml.safe_load(fh)
     groups = doc["compression_training"]["weight_quantization"]["different_groups"]
@@ -115,8 +119,7 @@ def progressive_fix(recipe_file: str, steps: int) -> dict:
     for name, g in groups.items():
         p = g["params"]
         drops = max(1, p["start_bits"] - p["target_bits"])
-        out[name] = {"params": {"quantization_period": max(1, (4 * steps) // (5 * drops)),
-                                "period_growth": "linear"}}
+        out[name] = {"params": {"quantization_period": max(1, (4 * steps) // (5 * drops)), "period_growth": "linear"}}
     return {"compression_training": {"weight_quantization": {"different_groups": out}}}
 
 
@@ -124,6 +127,7 @@ def weight_formats(recipe_file: str) -> set:
     """The number formats of a recipe's weight groups (`params.format`, else the shared one, else int;
     a group that steps between formats gives each)."""
     import yaml
+
     with open(os.path.join(ROOT, recipe_file), encoding="utf-8") as fh:
         wq = yaml.safe_load(fh)["compression_training"]["weight_quantization"]
     shared = (wq.get("shared_parameters") or {}).get("format", "int")
@@ -146,6 +150,7 @@ def recipe_variants(key: str, variants, float_rl: bool = False) -> list:
 
 def write_yaml(path: str, doc: dict) -> str:
     import yaml
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -158,9 +163,22 @@ def task_args(a) -> tuple:
     """(qcompress train arguments for the data and model, metric, higher is better, steps)."""
     if a.task == "classifier":
         from model_zoo.demo_bbc import workloads
+
         model, data = workloads()
-        args = ["--model", model, "--data", data, "--task", "text-classification",
-                "--max-length", str(a.max_length), "--batch-size", str(a.batch_size), "--epochs", "1"]
+        args = [
+            "--model",
+            model,
+            "--data",
+            data,
+            "--task",
+            "text-classification",
+            "--max-length",
+            str(a.max_length),
+            "--batch-size",
+            str(a.batch_size),
+            "--epochs",
+            "1",
+        ]
         if a.train_samples:
             args += ["--max-train-samples", str(a.train_samples)]
         if a.eval_samples:
@@ -171,9 +189,24 @@ def task_args(a) -> tuple:
     for f in ("config.json", "train.txt", "heldout.txt"):
         if not os.path.isfile(os.path.join(lm, f)):
             raise SystemExit(f"--lm {lm}: no {f} there (make it with benchmarks/pretrain_gpt2.py)")
-    args = ["--model", lm, "--data", os.path.join(lm, "train.txt"), "--eval-data", os.path.join(lm, "heldout.txt"),
-            "--task", "causal-lm", "--max-length", str(a.max_length), "--batch-size", str(a.batch_size),
-            "--max-steps", str(a.max_steps), "--lr", str(a.lr)]
+    args = [
+        "--model",
+        lm,
+        "--data",
+        os.path.join(lm, "train.txt"),
+        "--eval-data",
+        os.path.join(lm, "heldout.txt"),
+        "--task",
+        "causal-lm",
+        "--max-length",
+        str(a.max_length),
+        "--batch-size",
+        str(a.batch_size),
+        "--max-steps",
+        str(a.max_steps),
+        "--lr",
+        str(a.lr),
+    ]
     if a.eval_samples:
         args += ["--max-eval-samples", str(a.eval_samples)]
     return args, "perplexity", False, a.max_steps
@@ -186,8 +219,19 @@ def run_one(out: str, configs, base_args, baseline_from, a) -> dict:
         with open(report, encoding="utf-8") as fh:
             return json.load(fh)
     from qcompress.cli import main as qcompress_main
-    args = [*configs, *base_args, "--out", out, "--seed", str(a.seed), "--save-steps", "0", "--overwrite",
-            "--no-progress"]
+
+    args = [
+        *configs,
+        *base_args,
+        "--out",
+        out,
+        "--seed",
+        str(a.seed),
+        "--save-steps",
+        "0",
+        "--overwrite",
+        "--no-progress",
+    ]
     args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
     if a.threads:
         args += ["--threads", str(a.threads)]
@@ -216,6 +260,7 @@ def job_calibration(train, pad_id):
     def calibrate(model):
         calibrate_static_ranges(model, batches())
         calibrate_weight_ranges(model, batches())
+
     return calibrate
 
 
@@ -231,15 +276,24 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
     from qcompress.train.evaluate import evaluate
     from qcompress.train.models import load_model, load_tokenizer
     from qcompress.train.stages import quantize_without_training
+
     if a.threads:
         torch.set_num_threads(a.threads)
     tok = load_tokenizer(a.lm)
-    data = prepare_data("causal-lm", os.path.join(a.lm, "train.txt"), tok, eval_data=os.path.join(a.lm, "heldout.txt"),
-                        seed=a.seed, max_length=a.max_length, max_eval_samples=n_eval)
+    data = prepare_data(
+        "causal-lm",
+        os.path.join(a.lm, "train.txt"),
+        tok,
+        eval_data=os.path.join(a.lm, "heldout.txt"),
+        seed=a.seed,
+        max_length=a.max_length,
+        max_eval_samples=n_eval,
+    )
     model = load_model(a.lm, "causal-lm", None, a.seed)
-    if baseline_run:                                                     # tied weights are saved once
-        model.load_state_dict(load_file(os.path.join(baseline_run, "checkpoints", "fp32_finetuned.safetensors")),
-                              strict=False)
+    if baseline_run:  # tied weights are saved once
+        model.load_state_dict(
+            load_file(os.path.join(baseline_run, "checkpoints", "fp32_finetuned.safetensors")), strict=False
+        )
 
     def ev(m):
         return evaluate(m, data.eval, "causal-lm", 64, tok.pad_token_id)["perplexity"]
@@ -255,7 +309,9 @@ def ptq_whole_set(a, recipes, baseline_run, n_eval=None) -> dict:
             if progressive:
                 docs.append(progressive_fix(recipe, a.max_steps))
             row[col] = ev(quantize_without_training(model, load_config(*docs), calibration))
-            print(f"=== whole-set PTQ {key} {col}: {row[col]:.4f} (FP32 {fp32:.4f}, {len(data.eval)} blocks)", flush=True)
+            print(
+                f"=== whole-set PTQ {key} {col}: {row[col]:.4f} (FP32 {fp32:.4f}, {len(data.eval)} blocks)", flush=True
+            )
         out[key] = row
     return out
 
@@ -279,9 +335,11 @@ def whole_set_line(summary: dict) -> str:
         blocks, fp32 = w["blocks"], fp
     if not parts:
         return ""
-    return (f"Outside the table, PTQ of the same FP32 fine-tune on all {blocks} held-out blocks "
-            f"(`--ptq-whole-set`, the mse columns' observer; the table's measure is the "
-            f"runs' `ptq` stage on the first blocks above): FP32 {fp32:.3f}; " + "; ".join(parts) + ".")
+    return (
+        f"Outside the table, PTQ of the same FP32 fine-tune on all {blocks} held-out blocks "
+        f"(`--ptq-whole-set`, the mse columns' observer; the table's measure is the "
+        f"runs' `ptq` stage on the first blocks above): FP32 {fp32:.3f}; " + "; ".join(parts) + "."
+    )
 
 
 def pretrained_line(summary: dict) -> str:
@@ -295,13 +353,21 @@ def pretrained_line(summary: dict) -> str:
         sizes = " / ".join(str(w["blocks"]) for w in runs)
         fp32 = " / ".join(f"{w['fp32']:.3f}" for w in runs)
         cuts = " / ".join(f"{100 * (1 - (w['mse'] - w['fp32']) / (w['minmax'] - w['fp32'])):.1f} %" for w in runs)
-        parts.append(f"{row['label']} minmax " + " / ".join(f"{w['minmax']:.3f}" for w in runs)
-                     + ", mse " + " / ".join(f"{w['mse']:.3f}" for w in runs) + f" (cut {cuts})")
+        parts.append(
+            f"{row['label']} minmax "
+            + " / ".join(f"{w['minmax']:.3f}" for w in runs)
+            + ", mse "
+            + " / ".join(f"{w['mse']:.3f}" for w in runs)
+            + f" (cut {cuts})"
+        )
     if not parts:
         return ""
-    return (f"PTQ of the pretrained checkpoint itself (`--ptq-pretrained`: no fine-tune, the model a user "
-            f"would quantize; the same observers and steps), first {sizes} held-out blocks: FP32 {fp32}; "
-            + "; ".join(parts) + ".")
+    return (
+        f"PTQ of the pretrained checkpoint itself (`--ptq-pretrained`: no fine-tune, the model a user "
+        f"would quantize; the same observers and steps), first {sizes} held-out blocks: FP32 {fp32}; "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def update_summary(path: str, metric: str, key=None, row=None, **fields) -> dict:
@@ -338,8 +404,10 @@ def small_ptq_loss(pm, fp, acc: bool) -> bool:
 def table(summary: dict) -> str:
     metric = summary["metric"]
     acc = metric == "accuracy"
-    head = ("| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD | QAD + RL | recovered: QAT / QAT+RL / "
-            "QAD / QAD+RL | mse cuts PTQ excess by | export / FP32 bytes |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| recipe (budget) | FP32 | PTQ minmax | PTQ mse | QAT | QAT + RL | QAD | QAD + RL | recovered: QAT / QAT+RL / "
+        "QAD / QAD+RL | mse cuts PTQ excess by | export / FP32 bytes |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for key, row in ordered(summary):
         fp, pm, ps = row["fp32"], row.get("ptq_minmax"), row.get("ptq_mse")
@@ -348,13 +416,16 @@ def table(summary: dict) -> str:
             rec = "n/a (PTQ ≈ or > FP32)" if pm is not None else "—"
             cut = "n/a" if pm is not None else "—"
         else:
-            rec = " / ".join("—" if v is None else f"{round(100 * share(pm, v, fp))} %" for v in vals)   # no "-0 %"
+            rec = " / ".join("—" if v is None else f"{round(100 * share(pm, v, fp))} %" for v in vals)  # no "-0 %"
             cut = "—" if ps is None else f"{100 * (1 - (ps - fp) / (pm - fp)):.0f} %"
         budget = f" ({row['budget']})" if row.get("budget") else ""
         size = f"{row['export_ratio']:.3f}" if row.get("export_ratio") is not None else "—"
-        lines.append(f"| {row['label']}{budget} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
-                     f"{fmt_metric(ps, metric)} | " + " | ".join(fmt_metric(v, metric) for v in vals) +
-                     f" | {rec} | {cut} | {size} |")
+        lines.append(
+            f"| {row['label']}{budget} | {fmt_metric(fp, metric)} | {fmt_metric(pm, metric)} | "
+            f"{fmt_metric(ps, metric)} | "
+            + " | ".join(fmt_metric(v, metric) for v in vals)
+            + f" | {rec} | {cut} | {size} |"
+        )
     return "\n".join(lines)
 
 
@@ -364,13 +435,16 @@ def targets(summary: dict) -> list:
 
     def verdict(ok):
         return "**met**" if ok else "**missed**"
+
     if summary["metric"] == "perplexity":
         w4 = r.get("w4_g32", {})
         if w4.get("ptq_minmax") is not None and w4.get("ptq_mse") is not None:
             fp, pm, ps = w4["fp32"], w4["ptq_minmax"], w4["ptq_mse"]
             cut = 1 - (ps - fp) / (pm - fp)
-            out.append(f"Target: mse observer cuts the W4 g32 PTQ perplexity excess by ≥ 1/3: {verdict(cut >= 1 / 3)} "
-                       f"(+{pm - fp:.3f} → +{ps - fp:.3f} over FP32 {fp:.3f}: cut by {100 * cut:.0f} %).")
+            out.append(
+                f"Target: mse observer cuts the W4 g32 PTQ perplexity excess by ≥ 1/3: {verdict(cut >= 1 / 3)} "
+                f"(+{pm - fp:.3f} → +{ps - fp:.3f} over FP32 {fp:.3f}: cut by {100 * cut:.0f} %)."
+            )
         for key, bits, goal in (("w4_g32", "W4 g32", 0.9), ("w3_g32", "W3 g32", 0.7)):
             row = r.get(key, {})
             if row.get("qad_rl") is None or row.get("ptq_minmax") is None:
@@ -378,37 +452,46 @@ def targets(summary: dict) -> list:
             fp, pm, v = row["fp32"], row["ptq_minmax"], row["qad_rl"]
             sh = share(pm, v, fp)
             pre = row.get("fp32_start")
-            vs_pre = (f"; against the pretrained checkpoint's {pre:.3f}: {100 * share(pm, v, pre):.0f} %"
-                      if pre is not None and pm > pre else "")
-            out.append(f"Target: QAD + range learning recovers ≥ {100 * goal:.0f} % of the {bits} PTQ degradation: "
-                       f"{verdict(sh >= goal)} (FP32 {fp:.3f}, PTQ {pm:.3f}, QAD + RL {v:.3f}: {100 * sh:.0f} %"
-                       f"{vs_pre}).")
+            vs_pre = (
+                f"; against the pretrained checkpoint's {pre:.3f}: {100 * share(pm, v, pre):.0f} %"
+                if pre is not None and pm > pre
+                else ""
+            )
+            out.append(
+                f"Target: QAD + range learning recovers ≥ {100 * goal:.0f} % of the {bits} PTQ degradation: "
+                f"{verdict(sh >= goal)} (FP32 {fp:.3f}, PTQ {pm:.3f}, QAD + RL {v:.3f}: {100 * sh:.0f} %"
+                f"{vs_pre})."
+            )
     else:
         row = r.get("w2a8_kd", {})
         if row.get("qad_rl") is not None:
             d = 100 * (row["qad_rl"] - row["fp32"])
-            out.append(f"Target: ternary W2 with distillation within 3 accuracy points of FP32: {verdict(d >= -3)} "
-                       f"(QAD + RL {row['qad_rl']:.4f} vs FP32 {row['fp32']:.4f}: {d:+.2f} points).")
+            out.append(
+                f"Target: ternary W2 with distillation within 3 accuracy points of FP32: {verdict(d >= -3)} "
+                f"(QAD + RL {row['qad_rl']:.4f} vs FP32 {row['fp32']:.4f}: {d:+.2f} points)."
+            )
     return out
 
 
-METHOD = ("## Method\n\n"
-          "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
-          "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
-          "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
-          "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
-          "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
-          "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay. "
-          "PTQ columns are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
-          "minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; \"mse cuts PTQ "
-          "excess by\" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning. One seed per run: "
-          "on a small held-out set one example moves accuracy by 1 / (held-out size). Float recipes (FP8, NVFP4, "
-          "MXFP4) run `qat` and `qad` (minmax + the same distillation), the QAD column; where their mse columns "
-          "are filled (`--float-rl`) the mse observer takes its plain search and range learning trains FP8 / NVFP4 "
-          "scales (MX scales are powers of two: mse only). The classifier's QAD student starts from the "
-          "pretrained checkpoint like every variant, and distils a teacher of the same short budget: "
-          "\"The classifier's QAD and its teacher\" below measures what that teacher's confidence does to it. "
-          "Export / FP32 bytes: the export folder's size over the FP32 model's.\n")
+METHOD = (
+    "## Method\n\n"
+    "`benchmarks/quality.py`: per recipe, three `qcompress train` runs with one shared FP32 baseline "
+    "(same steps, data order and seed): `qat` (minmax observer, fixed ranges), `qat_rl` (mse observer + "
+    "range learning) and `qad_rl` (the same + distillation, KL at T 1, alpha 0.9: for the causal LM from the "
+    "pretrained model itself, `teacher: self`, as llm-compressor / ModelOpt distil from the original model; "
+    "for the classifier from the FP32 fine-tune, `teacher: baseline`, since its pretrained head is random). "
+    "Learned ranges train in their own AdamW group at 0.1x the lr without weight decay. "
+    "PTQ columns are the runs' `ptq` stage (the FP32 fine-tune quantized at the recipe's target bits, "
+    'minmax or mse). Recovered = (PTQ − method) / (PTQ − FP32) with the minmax PTQ; "mse cuts PTQ '
+    'excess by" = 1 − (PTQ mse − FP32) / (PTQ minmax − FP32). RL = range learning. One seed per run: '
+    "on a small held-out set one example moves accuracy by 1 / (held-out size). Float recipes (FP8, NVFP4, "
+    "MXFP4) run `qat` and `qad` (minmax + the same distillation), the QAD column; where their mse columns "
+    "are filled (`--float-rl`) the mse observer takes its plain search and range learning trains FP8 / NVFP4 "
+    "scales (MX scales are powers of two: mse only). The classifier's QAD student starts from the "
+    "pretrained checkpoint like every variant, and distils a teacher of the same short budget: "
+    "\"The classifier's QAD and its teacher\" below measures what that teacher's confidence does to it. "
+    "Export / FP32 bytes: the export folder's size over the FP32 model's.\n"
+)
 
 
 def measured_at(summary: dict) -> str:
@@ -430,14 +513,20 @@ def task_text(summary: dict) -> str:
 def headline(summary: dict) -> str:
     """The index's short table: FP32, minmax PTQ, plain QAT and the best trained variant per recipe."""
     metric = summary["metric"]
-    lines = [f"**{summary['title']}** ([details](results/quality.md))", "",
-             "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD / QAD + RL |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"**{summary['title']}** ([details](results/quality.md))",
+        "",
+        "| recipe | FP32 | PTQ | QAT | best of QAT / QAT + RL / QAD / QAD + RL |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for _, row in ordered(summary):
         done = [row[v] for v in COLUMNS if row.get(v) is not None]
         best = (max if metric == "accuracy" else min)(done) if done else None
-        lines.append(f"| {row['label']} | {fmt_metric(row.get('fp32'), metric)} | "
-                     f"{fmt_metric(row.get('ptq_minmax'), metric)} | {fmt_metric(row.get('qat'), metric)} | "
-                     f"{fmt_metric(best, metric)} |")
+        lines.append(
+            f"| {row['label']} | {fmt_metric(row.get('fp32'), metric)} | "
+            f"{fmt_metric(row.get('ptq_minmax'), metric)} | {fmt_metric(row.get('qat'), metric)} | "
+            f"{fmt_metric(best, metric)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -447,7 +536,6 @@ def write_results(task: str, summary: dict, cmd=None) -> str:
     common.write_section("quality", "method", METHOD, title="Compression quality", header=False)
     common.write_section(os.path.join(HERE, "RESULTS.md"), f"headline-{task}", headline(summary), cmd=cmd)
     return common.write_section("quality", task, task_text(summary), title="Compression quality", cmd=cmd)
-
 
 
 def _portable(text: str) -> str:
@@ -472,22 +560,43 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per run (default: torch's)")
     p.add_argument("--rerun", action="store_true")
-    p.add_argument("--baseline-from", default=None, metavar="RUN",
-                   help="a finished run folder of the same task and budget whose FP32 fine-tune to reuse")
-    p.add_argument("--ptq-whole-set", action="store_true",
-                   help="lm: also PTQ the FP32 fine-tune (minmax, mse) and evaluate it on every held-out block")
-    p.add_argument("--ptq-pretrained", action="store_true",
-                   help="causal LM: also PTQ the pretrained checkpoint (--lm, no fine-tune) with each recipe's "
-                        "minmax and mse configs, on the first --eval-samples blocks and on all of them")
-    p.add_argument("--observer-kwargs", default=DEFAULT_OBSERVER_KWARGS, metavar="JSON",
-                   help="the mse variants' observer_kwargs, e.g. '{\"maxshrink\": 0.2, \"norm\": 2.4}' (default: "
-                        f"{DEFAULT_OBSERVER_KWARGS}, the input-weighted search; '{{}}': the plain mse)")
-    p.add_argument("--float-rl", action="store_true",
-                   help="float recipes also run the mse variants (qat_rl, qad_rl: the plain mse search; range "
-                        "learning for FP8 / NVFP4 scales, mse only for MX) and qad when --variants names it")
+    p.add_argument(
+        "--baseline-from",
+        default=None,
+        metavar="RUN",
+        help="a finished run folder of the same task and budget whose FP32 fine-tune to reuse",
+    )
+    p.add_argument(
+        "--ptq-whole-set",
+        action="store_true",
+        help="lm: also PTQ the FP32 fine-tune (minmax, mse) and evaluate it on every held-out block",
+    )
+    p.add_argument(
+        "--ptq-pretrained",
+        action="store_true",
+        help="causal LM: also PTQ the pretrained checkpoint (--lm, no fine-tune) with each recipe's "
+        "minmax and mse configs, on the first --eval-samples blocks and on all of them",
+    )
+    p.add_argument(
+        "--observer-kwargs",
+        default=DEFAULT_OBSERVER_KWARGS,
+        metavar="JSON",
+        help='the mse variants\' observer_kwargs, e.g. \'{"maxshrink": 0.2, "norm": 2.4}\' (default: '
+        f"{DEFAULT_OBSERVER_KWARGS}, the input-weighted search; '{{}}': the plain mse)",
+    )
+    p.add_argument(
+        "--float-rl",
+        action="store_true",
+        help="float recipes also run the mse variants (qat_rl, qad_rl: the plain mse search; range "
+        "learning for FP8 / NVFP4 scales, mse only for MX) and qad when --variants names it",
+    )
     p.add_argument("--write-results", action="store_true")
-    p.add_argument("--note", action="append", default=None,
-                   help="a sentence listed under this task's table (repeat; replaces the task's notes)")
+    p.add_argument(
+        "--note",
+        action="append",
+        default=None,
+        help="a sentence listed under this task's table (repeat; replaces the task's notes)",
+    )
     a = p.parse_args(argv)
     if a.observer_kwargs:
         OBSERVER_KWARGS.update(json.loads(a.observer_kwargs))
@@ -511,11 +620,15 @@ def main(argv=None) -> int:
         row["label"] = label
         for variant in recipe_variants(key, [v for v in a.variants.split(",") if v], a.float_rl):
             out = os.path.join(out_task, key, variant)
-            frags = [write_yaml(os.path.join(out_task, key, f"{variant}.yaml"),
-                                fragment(variant, a.task, weight_formats(recipe)))]
+            frags = [
+                write_yaml(
+                    os.path.join(out_task, key, f"{variant}.yaml"), fragment(variant, a.task, weight_formats(recipe))
+                )
+            ]
             if progressive:
-                frags.append(write_yaml(os.path.join(out_task, key, "spread_drops.yaml"),
-                                        progressive_fix(recipe, steps)))
+                frags.append(
+                    write_yaml(os.path.join(out_task, key, "spread_drops.yaml"), progressive_fix(recipe, steps))
+                )
             fresh = a.rerun or not os.path.isfile(os.path.join(out, "report.json"))
             rep = run_one(out, [os.path.join(ROOT, recipe), *frags], base_args, baseline, a)
             if fresh or f"{variant}_commit" not in row:
@@ -532,8 +645,9 @@ def main(argv=None) -> int:
             row["export_ratio"] = rep["sizes"]["export_bytes"] / rep["sizes"]["fp32_bytes"]
             row["steps"] = rep["training"]["steps"]
             row["budget"] = budget
-            summary = update_summary(summary_path, metric, key=key, row=row, baseline_run=baseline,
-                                     data=rep["data"]["summary"])
+            summary = update_summary(
+                summary_path, metric, key=key, row=row, baseline_run=baseline, data=rep["data"]["summary"]
+            )
     if a.ptq_whole_set and a.task == "lm":
         if not baseline:
             raise SystemExit("--ptq-whole-set needs a finished FP32 fine-tune (--baseline-from or a measured run)")
@@ -551,22 +665,27 @@ def main(argv=None) -> int:
                 summary = update_summary(summary_path, metric, key=key, row=row)
     import torch
     from qcompress.nn.range_groups import RANGE_LR_FACTOR
+
     if a.task == "classifier":
         title = "all-MiniLM-L6-v2 on BBC News (accuracy)"
-        setup = (f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "
-                 f"steps per recipe in its row), batch {a.batch_size}, max length {a.max_length}, AdamW "
-                 f"{a.lr} (weight decay 0.01); accuracy on {a.eval_samples or 445} held-out articles "
-                 f"({_portable(summary.get('data', ''))}). {a.threads or torch.get_num_threads()} thread(s) per run "
-                 "on a shared 2-core CPU.")
+        setup = (
+            f"One epoch on the first N training articles of the 80/20 split (seed {a.seed}; N and the "
+            f"steps per recipe in its row), batch {a.batch_size}, max length {a.max_length}, AdamW "
+            f"{a.lr} (weight decay 0.01); accuracy on {a.eval_samples or 445} held-out articles "
+            f"({_portable(summary.get('data', ''))}). {a.threads or torch.get_num_threads()} thread(s) per run "
+            "on a shared 2-core CPU."
+        )
     else:
         title = f"Causal LM `{os.path.basename(a.lm.rstrip('/'))}` (held-out perplexity)"
-        setup = (f"Steps of batch × tokens on its train.txt per recipe in its row, AdamW {a.lr} (weight decay "
-                 f"0.01; learned ranges {RANGE_LR_FACTOR * a.lr:g}, no decay), constant lr; perplexity on heldout.txt"
-                 f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
-                 f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU. "
-                 f"The integer recipes' mse columns (PTQ mse, QAT + RL, QAD + RL) use observer_kwargs "
-                 f"{json.dumps(OBSERVER_KWARGS) if OBSERVER_KWARGS else '{} (the plain search)'}; the float "
-                 f"ones the plain search.")
+        setup = (
+            f"Steps of batch × tokens on its train.txt per recipe in its row, AdamW {a.lr} (weight decay "
+            f"0.01; learned ranges {RANGE_LR_FACTOR * a.lr:g}, no decay), constant lr; perplexity on heldout.txt"
+            f"{f' (its first {a.eval_samples} blocks of {a.max_length} tokens)' if a.eval_samples else ''}. "
+            f"{a.threads or torch.get_num_threads()} thread(s) per run on a shared 2-core CPU. "
+            f"The integer recipes' mse columns (PTQ mse, QAT + RL, QAD + RL) use observer_kwargs "
+            f"{json.dumps(OBSERVER_KWARGS) if OBSERVER_KWARGS else '{} (the plain search)'}; the float "
+            f"ones the plain search."
+        )
     summary = update_summary(summary_path, metric, title=title, setup=setup, notes=a.note)
     print(f"\n{table(summary)}\n({time.perf_counter() - t0:.0f} s)")
     if a.write_results:

@@ -20,6 +20,7 @@ torch.cpu's AVX-512 / AMX checks answering False, which makes vLLM load its AVX2
 pick its non-AMX kernels, as on an AVX2 machine. --isa native: each at its best on this CPU.
 Writes section "llama-124m" of benchmarks/results/serving.md with --write-results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import common                                                  # noqa: E402
+import common  # noqa: E402
 
-import torch                                                   # noqa: E402
+import torch  # noqa: E402
 
-import qcompress                                               # noqa: E402
+import qcompress  # noqa: E402
 
 
 def _cap_vllm(argv):
@@ -55,8 +56,13 @@ def _cap_vllm(argv):
     its AMX ones)."""
     if "--isa" in argv and argv[argv.index("--isa") + 1] == "native":
         return
-    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
-                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    for name in (
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_avx512_vnni_supported",
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+    ):
         if hasattr(torch.cpu, name):
             setattr(torch.cpu, name, lambda: False)
 
@@ -66,16 +72,25 @@ _cap_vllm(sys.argv)
 
 def llama(args):
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                   num_key_value_heads=max(1, args.hidden // 64 // 3), head_dim=64,
-                                   max_position_embeddings=512, tie_word_embeddings=False)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 64 // 3),
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def make_exports(args, work):
     import warnings
+
     out = {}
     fp = os.path.join(work, "fp32")
     if not os.path.exists(os.path.join(fp, "config.json")):
@@ -83,7 +98,7 @@ def make_exports(args, work):
     out["FP32"] = fp
     for name, recipe in (("W8A8", "w8a8"), ("W4A16", "w4a16_g128")):
         out[name] = path = os.path.join(work, recipe)
-        if os.path.exists(os.path.join(path, "config.json")):      # --work: exports of an earlier run
+        if os.path.exists(os.path.join(path, "config.json")):  # --work: exports of an earlier run
             continue
         model = llama(args)
         cfg = qcompress.load_config(os.path.join(common.ROOT, "schedules", recipe + ".yaml"))
@@ -97,6 +112,7 @@ def make_exports(args, work):
 
 def qcompress_decoder(name, folder, args, dtype=torch.float32):
     import transformers
+
     if name == "FP32":
         model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     else:
@@ -105,22 +121,35 @@ def qcompress_decoder(name, folder, args, dtype=torch.float32):
 
     def run(batch):
         with torch.inference_mode():
-            model.generate(prompts[:batch], max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                prompts[:batch], max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0
+            )
+
     return run
 
 
 def vllm_decoder(name, folder, args):
     from vllm import LLM, SamplingParams
+
     dtype = "float32" if name == "FP32" else "bfloat16"
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=256, max_num_seqs=8,
-              seed=0, kv_cache_memory_bytes=256 << 20, enforce_eager=args.eager)
-    sp = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0,
-                        detokenize=False)
+    llm = LLM(
+        model=folder,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+        enforce_eager=args.eager,
+    )
+    sp = SamplingParams(
+        max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0, detokenize=False
+    )
     prompts = torch.randint(0, 32000, (8, 8), generator=torch.Generator().manual_seed(1)).tolist()
 
     def run(batch):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], sp, use_tqdm=False)
+
     return run, llm
 
 
@@ -139,14 +168,19 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     import tempfile
-    lines = [f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
-             f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode in float32 "
-             "and in bfloat16 (the model loaded in bfloat16: the unquantized layers, lm_head above all, then read "
-             "half the bytes, as in vLLM), vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 "
-             "for FP32, with its defaults (on AMX CPUs that runs W4A16 layers with int8 activations, "
-             "VLLM_CPU_INT4_W4A8=1). Shared machine: ratios are the result.", "",
-             "| export | batch | qcompress fp32 tok/s | qcompress bf16 tok/s | vLLM CPU tok/s | qcompress fp32 / vLLM "
-             "| qcompress bf16 / vLLM |", "|---|---|---|---|---|---|---|"]
+
+    lines = [
+        f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
+        f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode in float32 "
+        "and in bfloat16 (the model loaded in bfloat16: the unquantized layers, lm_head above all, then read "
+        "half the bytes, as in vLLM), vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 "
+        "for FP32, with its defaults (on AMX CPUs that runs W4A16 layers with int8 activations, "
+        "VLLM_CPU_INT4_W4A8=1). Shared machine: ratios are the result.",
+        "",
+        "| export | batch | qcompress fp32 tok/s | qcompress bf16 tok/s | vLLM CPU tok/s | qcompress fp32 / vLLM "
+        "| qcompress bf16 / vLLM |",
+        "|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
         work = a.work or tmp
         exports = make_exports(a, work)
@@ -154,11 +188,11 @@ def main(argv=None) -> int:
             q = qcompress_decoder(name, exports[name], a)
             qb = None if name == "FP32" else qcompress_decoder(name, exports[name], a, torch.bfloat16)
             try:
-                v, _llm = vllm_decoder(name, exports[name], a)    # _llm: held so vLLM lives until the rows are timed
+                v, _llm = vllm_decoder(name, exports[name], a)  # _llm: held so vLLM lives until the rows are timed
                 v(1)
-            except Exception as err:          # noqa: BLE001 -- vLLM has no kernel for it here: a result
+            except Exception as err:  # noqa: BLE001 -- vLLM has no kernel for it here: a result
                 while err.__cause__ is not None or (err.__context__ is not None and "Dynamo" in str(err)):
-                    err = err.__cause__ or err.__context__      # torch.compile wraps the kernel's own error
+                    err = err.__cause__ or err.__context__  # torch.compile wraps the kernel's own error
                 msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
                 row = f"| {name} | 1, 8 | - | - | vLLM fails: {msg} | - | - |"
                 print(row, flush=True)
@@ -168,21 +202,24 @@ def main(argv=None) -> int:
                 fns = {"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)}
                 if qb is not None:
                     fns["qcompress_bf16"] = lambda b=batch: qb(b)
-                for f in fns.values():                        # warm-up (compilation, caches)
+                for f in fns.values():  # warm-up (compilation, caches)
                     f()
                 t = common.interleaved(fns, repeats=a.rounds)
                 tps = {k: batch * a.tokens / t[k].median for k in t}
                 bf = (f"{tps['qcompress_bf16']:.1f}", common.ratio(t, "vllm", "qcompress_bf16")) if qb else ("-", "-")
-                row = (f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf[0]} | {tps['vllm']:.1f} | "
-                       f"{common.ratio(t, 'vllm', 'qcompress')} | {bf[1]} |")
+                row = (
+                    f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf[0]} | {tps['vllm']:.1f} | "
+                    f"{common.ratio(t, 'vllm', 'qcompress')} | {bf[1]} |"
+                )
                 print(row, flush=True)
                 lines.append(row)
-            _llm = v = None                                   # free vLLM before the next export
+            _llm = v = None  # free vLLM before the next export
     text = "\n".join(lines) + "\n"
     print(text)
     if a.write_results:
-        common.write_section("serving", f"llama-124m-{a.isa}", text,
-                             title="Decode speed: load_quantized fast vs vLLM CPU")
+        common.write_section(
+            "serving", f"llama-124m-{a.isa}", text, title="Decode speed: load_quantized fast vs vLLM CPU"
+        )
     return 0
 
 

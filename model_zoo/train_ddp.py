@@ -8,6 +8,7 @@ trained by the engine: ZeRO stage, precision, accumulation, clipping, LR schedul
 all come from the config. --config files are merged over DEFAULT below (a DeepSpeed-style
 ds_config.json works); e.g. `zero_optimization: {stage: 3}` shards the model with FSDP2.
 """
+
 import argparse
 import os
 import sys
@@ -29,10 +30,12 @@ DEFAULT = {
     "compression_training": {
         "weight_quantization": {
             "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["*"]}}},
+            "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["*"]}},
+        },
         "activation_quantization": {
             "shared_parameters": {"enabled": True, "schedule_offset": 0},
-            "different_groups": {"a8": {"params": {"bits": 8}, "modules": ["*"]}}},
+            "different_groups": {"a8": {"params": {"bits": 8}, "modules": ["*"]}},
+        },
     },
 }
 # Only when the config gives no batch size: a fixed micro batch would contradict a ds_config.json's
@@ -49,9 +52,9 @@ args = parser.parse_args()
 cfg = qc.load_config(DEFAULT, *args.config)
 if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
     cfg = qc.load_config(DEFAULT, BATCH_DEFAULT, *args.config)
-torch.manual_seed(0)                                   # same init everywhere (rank 0's wins anyway)
+torch.manual_seed(0)  # same init everywhere (rank 0's wins anyway)
 model = qc.init_compression(SmallCNN(image_size=8, channels=(8, 16), hidden=64), cfg)
-engine = qc.initialize(model, cfg)                     # reads RANK / WORLD_SIZE from torchrun
+engine = qc.initialize(model, cfg)  # reads RANK / WORLD_SIZE from torchrun
 rank, world = engine.rank, engine.world_size
 train_set, test_set = load_digits()
 x_train, y_train = (t.to(engine.device) for t in train_set)
@@ -71,7 +74,7 @@ for epoch in range(start_epoch, args.epochs):
         for m in range(engine.gradient_accumulation_steps):
             # this rank's slice of the global batch: [rank][micro-batch] blocks
             base = step * engine.train_batch_size + (rank * engine.gradient_accumulation_steps + m) * micro
-            idx = order[base:base + micro]
+            idx = order[base : base + micro]
             loss = F.cross_entropy(engine(x_train[idx]), y_train[idx])
             engine.backward(loss)
             engine.step()
@@ -80,12 +83,16 @@ for epoch in range(start_epoch, args.epochs):
         acc = (engine(x_test).argmax(1) == y_test).float().mean().item()
     engine.save_checkpoint(args.out, client_state={"epoch": epoch})
     if rank == 0:
-        print(f"epoch {epoch}: loss {loss.item():.4f}  test accuracy {acc:.3f}  lr {engine.get_lr()[0]:.2e}  "
-              f"steps {engine.global_steps}")
+        print(
+            f"epoch {epoch}: loss {loss.item():.4f}  test accuracy {acc:.3f}  lr {engine.get_lr()[0]:.2e}  "
+            f"steps {engine.global_steps}"
+        )
 
 if rank == 0:
     mem = engine.memory_report()
-    print(f"memory per rank (stage {engine.stage}, {world} ranks): "
-          + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in mem.items()))
+    print(
+        f"memory per rank (stage {engine.stage}, {world} ranks): "
+        + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in mem.items())
+    )
 if dist.is_initialized():
     dist.destroy_process_group()

@@ -1,4 +1,5 @@
 """`python -m qcompress ...` runs the `qcompress` command line."""
+
 import sys
 
 from .cli import main

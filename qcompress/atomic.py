@@ -8,6 +8,7 @@
 - Every rename and removal of a commit goes through `fs_replace` / `fs_remove` / `fs_rmtree`,
   module-level functions that tests replace to inject a crash at any one of them.
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - Windows: no owner locks, nothing is ev
 
 
 # --- the renames and removals of a commit (tests replace these to inject crashes) ---------------
+
 
 def fs_replace(src: str, dst: str) -> None:
     os.replace(src, dst)
@@ -56,6 +58,7 @@ def rmtree_quietly(path: str) -> None:
 
 
 # --- creating files ----------------------------------------------------------------------------
+
 
 def create_exclusive(path: str) -> int:
     """A new file opened for writing (an fd); fails if `path` exists. Mode 0o666 & ~umask."""
@@ -95,6 +98,7 @@ def fsync_dir(path: str) -> None:
 
 # --- owner locks -------------------------------------------------------------------------------
 
+
 def _unlink_private(path: str) -> None:
     """Remove a lock file's private name (not a commit step: plain unlink, no crash injection)."""
     try:
@@ -133,10 +137,10 @@ class OwnerLock:
         try:
             _lock_new(fd)
             try:
-                os.link(tmp, path)          # FileExistsError as create_exclusive(path) raises it
+                os.link(tmp, path)  # FileExistsError as create_exclusive(path) raises it
             except FileExistsError:
                 raise
-            except OSError:                 # no hard links here: the short unlocked window is back
+            except OSError:  # no hard links here: the short unlocked window is back
                 os.close(fd)
                 fd = None
                 _unlink_private(tmp)
@@ -168,14 +172,14 @@ class OwnerLock:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:          # held by a live owner (or no locks here): not ours to clean
+        except OSError:  # held by a live owner (or no locks here): not ours to clean
             os.close(fd)
             return None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
-        if not same:             # another cleaner finished with it meanwhile
+        if not same:  # another cleaner finished with it meanwhile
             os.close(fd)
             return None
         return cls(path, fd)

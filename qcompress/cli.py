@@ -10,6 +10,7 @@
 `python -m qcompress ...` is the same. Heavy parts (torch models, matplotlib, export) load only
 when their command runs. Exit status: 0 ok, 1 a missing optional part, 2 bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .errors import install_hint
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-SOURCE_ROOT = os.path.dirname(PACKAGE_DIR)   # the repository, for model_zoo/ and benchmarks/
+SOURCE_ROOT = os.path.dirname(PACKAGE_DIR)  # the repository, for model_zoo/ and benchmarks/
 
 
 class CLIError(Exception):
@@ -33,10 +34,13 @@ class CLIError(Exception):
 
 # --- schedule --------------------------------------------------------------------------------------
 
+
 class Column:
     """One table column: a label, the value at any step, and the steps where it changes."""
 
-    def __init__(self, label: str, value: Callable[[int], str], changes: Sequence[int], numeric: Callable[[int], Optional[float]]):
+    def __init__(
+        self, label: str, value: Callable[[int], str], changes: Sequence[int], numeric: Callable[[int], Optional[float]]
+    ):
         self.label, self.value, self.changes, self.numeric = label, value, list(changes), numeric
 
 
@@ -64,12 +68,20 @@ def schedule_columns(cfg) -> Tuple[List[Column], List[str]]:
             def bits(s, kw=kw, off=off):
                 return bits_at(s, **kw) if s >= off else None
 
-            cols.append(Column(f"W:{g.name}", lambda s, f=bits: "off" if f(s) is None else str(f(s)),
-                               [s for s, _ in points], bits))
-            plan = (f"{w.start_bits} bits" if w.start_bits == w.target_bits else
-                    f"{w.start_bits} -> {w.target_bits} bits, period {w.period} ({w.growth})")
-            notes.append(f"W:{g.name}  weights {plan}, {w.quantization_type}, quantized {mode}, "
-                         f"from step {off}; modules: {mods(g)}")
+            cols.append(
+                Column(
+                    f"W:{g.name}", lambda s, f=bits: "off" if f(s) is None else str(f(s)), [s for s, _ in points], bits
+                )
+            )
+            plan = (
+                f"{w.start_bits} bits"
+                if w.start_bits == w.target_bits
+                else f"{w.start_bits} -> {w.target_bits} bits, period {w.period} ({w.growth})"
+            )
+            notes.append(
+                f"W:{g.name}  weights {plan}, {w.quantization_type}, quantized {mode}, "
+                f"from step {off}; modules: {mods(g)}"
+            )
     aqt = cc.activation_quantization
     if aqt.enabled:
         for g in aqt.groups:
@@ -79,10 +91,11 @@ def schedule_columns(cfg) -> Tuple[List[Column], List[str]]:
             def abits(s, b=b, off=off):
                 return b if s >= off else None
 
-            cols.append(Column(f"A:{g.name}", lambda s, f=abits: "off" if f(s) is None else str(f(s)),
-                               [off], abits))
-            notes.append(f"A:{g.name}  activations {b} bits, {a.quantization_type}, "
-                         f"{a.calibration} ranges, from step {off}; modules: {mods(g)}")
+            cols.append(Column(f"A:{g.name}", lambda s, f=abits: "off" if f(s) is None else str(f(s)), [off], abits))
+            notes.append(
+                f"A:{g.name}  activations {b} bits, {a.quantization_type}, "
+                f"{a.calibration} ranges, from step {off}; modules: {mods(g)}"
+            )
     for tech in ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning"):
         technique = getattr(cc, tech)
         if not technique.enabled:
@@ -97,12 +110,19 @@ def schedule_columns(cfg) -> Tuple[List[Column], List[str]]:
                 return None if s < st.offset else st.ratio_at(s)
 
             changes = [sh.schedule_offset] + ([end] if end is not None and end > sh.schedule_offset else [])
-            cols.append(Column(f"{short}:{g.name}",
-                               lambda s, f=keep: "off" if f(s) is None else f"keep {f(s):.3g}",
-                               changes, lambda s: None))
+            cols.append(
+                Column(
+                    f"{short}:{g.name}",
+                    lambda s, f=keep: "off" if f(s) is None else f"keep {f(s):.3g}",
+                    changes,
+                    lambda s: None,
+                )
+            )
             ramp = f", kept ratio ramps 1 -> {g.params.dense_ratio} until step {end}" if end else ""
-            notes.append(f"{short}:{g.name}  {tech} ({sh.method}) keeps {g.params.dense_ratio} "
-                         f"from step {sh.schedule_offset}{ramp}; modules: {mods(g)}")
+            notes.append(
+                f"{short}:{g.name}  {tech} ({sh.method}) keeps {g.params.dense_ratio} "
+                f"from step {sh.schedule_offset}{ramp}; modules: {mods(g)}"
+            )
     return cols, notes
 
 
@@ -123,12 +143,14 @@ def plot_schedule(cols: List[Column], last_step: int, path: str, title: str) -> 
     """Bits vs step (step plot, weights solid, activations dashed), written atomically."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as err:
-        raise CLIError("--plot needs matplotlib, which is not installed "
-                       f"({err}); install it with: {install_hint('plot')}", code=1) from None
+        raise CLIError(
+            f"--plot needs matplotlib, which is not installed ({err}); install it with: {install_hint('plot')}", code=1
+        ) from None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     plotted = 0
     for c in cols:
@@ -136,8 +158,14 @@ def plot_schedule(cols: List[Column], last_step: int, path: str, title: str) -> 
         ys = [c.numeric(s) for s in steps]
         if all(y is None for y in ys):
             continue
-        ax.step(steps, [float("nan") if y is None else y for y in ys], where="post", label=c.label,
-                linestyle="--" if c.label.startswith("A:") else "-", linewidth=1.8)
+        ax.step(
+            steps,
+            [float("nan") if y is None else y for y in ys],
+            where="post",
+            label=c.label,
+            linestyle="--" if c.label.startswith("A:") else "-",
+            linewidth=1.8,
+        )
         plotted += 1
     ax.set_xlabel("training step (optimizer steps)")
     ax.set_ylabel("bits")
@@ -188,14 +216,14 @@ def cmd_schedule(args) -> int:
 
 # --- train (the main job: qcompress/train/) -------------------------------------------------------
 
+
 def cmd_train(rest: List[str]) -> int:
     try:
         from .train.args import build_parser, options_from
         from .train.errors import JobError
         from .train.job import run_job
     except ImportError as err:
-        raise CLIError(f"`qcompress train` needs transformers ({err}): {install_hint('hf')}",
-                       code=1) from None
+        raise CLIError(f"`qcompress train` needs transformers ({err}): {install_hint('hf')}", code=1) from None
     p = build_parser(argparse.ArgumentParser(prog="qcompress train"))
     ns = p.parse_args(rest)
     try:
@@ -204,6 +232,7 @@ def cmd_train(rest: List[str]) -> int:
         raise CLIError(str(err)) from None
     if ns.threads:
         import torch
+
         torch.set_num_threads(ns.threads)
     try:
         run_job(opts)
@@ -213,6 +242,7 @@ def cmd_train(rest: List[str]) -> int:
 
 
 # --- export / inspect / bench (other parts of the package) -------------------------------------------
+
 
 def _export_module():
     try:
@@ -224,16 +254,18 @@ def _export_module():
 
 def cmd_export(rest: List[str]) -> int:
     ecli = _export_module()
-    p = argparse.ArgumentParser(prog="qcompress export",
-                                description="Export a trained model as a quantized safetensors checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="qcompress export", description="Export a trained model as a quantized safetensors checkpoint."
+    )
     ns = ecli.export_parser(p).parse_args(rest)
     return int(ecli.cli_export(ns) or 0)
 
 
 def cmd_inspect(rest: List[str]) -> int:
     ecli = _export_module()
-    p = argparse.ArgumentParser(prog="qcompress inspect",
-                                description="Describe a quantized export: tensors, bits, scales, config.")
+    p = argparse.ArgumentParser(
+        prog="qcompress inspect", description="Describe a quantized export: tensors, bits, scales, config."
+    )
     if hasattr(ecli, "inspect_parser"):
         ns = ecli.inspect_parser(p).parse_args(rest)
     else:
@@ -247,6 +279,7 @@ def cmd_inspect(rest: List[str]) -> int:
 def cmd_verify(rest: List[str]) -> int:
     """qcompress verify EXPORT [--vllm] [--transformers] [--json]: qcompress/verify/."""
     from .verify.cli import main_verify
+
     return main_verify(rest)
 
 
@@ -257,8 +290,10 @@ def cmd_bench(rest: List[str]) -> int:
 
     script = os.path.join(SOURCE_ROOT, "benchmarks", "kernels.py")
     if not os.path.isfile(script):
-        raise CLIError(f"{script} not found: the benchmarks ship with the source tree; "
-                       "run `qcompress bench` from a checkout", code=1)
+        raise CLIError(
+            f"{script} not found: the benchmarks ship with the source tree; run `qcompress bench` from a checkout",
+            code=1,
+        )
     saved = sys.argv
     sys.argv = [script, *rest]
     try:
@@ -273,25 +308,33 @@ def cmd_bench(rest: List[str]) -> int:
 
 # --- entry point ----------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcompress", description="Quantization-aware compression training.")
     sub = p.add_subparsers(dest="command", metavar="{train,export,inspect,verify,schedule,bench}")
     # Delegating commands parse their own arguments (lazily imported parsers), so no help here.
-    sub.add_parser("train", add_help=False,
-                   help="fine-tune a Hugging Face model with compression, evaluate, export, report")
+    sub.add_parser(
+        "train", add_help=False, help="fine-tune a Hugging Face model with compression, evaluate, export, report"
+    )
     sub.add_parser("export", add_help=False, help="export a model as quantized safetensors")
     sub.add_parser("inspect", add_help=False, help="describe a quantized export")
-    sub.add_parser("verify", add_help=False,
-                   help="what each consumer (load_quantized, transformers, vLLM) makes of an export")
-    s = sub.add_parser("schedule", help="print (and plot) each group's bits at every step where they change",
-                       description="Print each group's bits at every step where something changes "
-                                   "(technique offsets, bit drops). Several CFG files are merged in order.")
+    sub.add_parser(
+        "verify", add_help=False, help="what each consumer (load_quantized, transformers, vLLM) makes of an export"
+    )
+    s = sub.add_parser(
+        "schedule",
+        help="print (and plot) each group's bits at every step where they change",
+        description="Print each group's bits at every step where something changes "
+        "(technique offsets, bit drops). Several CFG files are merged in order.",
+    )
     s.add_argument("configs", nargs="+", metavar="CFG", help="config / schedule files (JSON or YAML)")
     s.add_argument("--plot", metavar="OUT.png", help="also plot bits vs step with matplotlib")
-    s.add_argument("--steps", type=int, metavar="N",
-                   help="show the schedule up to step N (default: the last change)")
-    sub.add_parser("bench", add_help=False,
-                   help="run benchmarks/kernels.py (prints; --write-results records it in benchmarks/RESULTS.md)")
+    s.add_argument("--steps", type=int, metavar="N", help="show the schedule up to step N (default: the last change)")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="run benchmarks/kernels.py (prints; --write-results records it in benchmarks/RESULTS.md)",
+    )
     return p
 
 
@@ -305,8 +348,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     handlers: Dict[str, Callable[[List[str]], int]] = {
-        "train": cmd_train, "export": cmd_export, "inspect": cmd_inspect, "bench": cmd_bench,
-        "verify": cmd_verify}
+        "train": cmd_train,
+        "export": cmd_export,
+        "inspect": cmd_inspect,
+        "bench": cmd_bench,
+        "verify": cmd_verify,
+    }
     try:
         if args.command == "schedule":
             if rest:
@@ -324,6 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command not in ("export", "inspect"):
             raise
         from .export.errors import CheckpointError, ExportError
+
         if not isinstance(err, (FileExistsError, CheckpointError, ExportError)):
             raise
         print(f"qcompress {args.command}: error: {err}", file=sys.stderr)

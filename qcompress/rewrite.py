@@ -1,4 +1,5 @@
 """The module-rewriting pass: init_compression, redundancy_clean, summary."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,7 @@ from .config.compression import CompressionConfig, Group
 from .config.formats import format_at
 from .errors import ConfigError
 from .unwrap import unwrap
-from .nn.layers import (CompressMixin, base_class, kind_of, make_compress_aware, restore_class,
-                        unsupported_reason)
+from .nn.layers import CompressMixin, base_class, kind_of, make_compress_aware, restore_class, unsupported_reason
 from .nn import experts, kv_cache, ranges
 from .nn.lora import peft_adapter_modules
 from .nn.state import ActQuant, WeightQuant
@@ -44,17 +44,24 @@ SUPPORTS = {
 def attention_internals(model: nn.Module) -> List[str]:
     """Names of Linear children of nn.MultiheadAttention: MHA reads their weight directly
     (F.multi_head_attention_forward) and never calls their forward, so they cannot be compressed."""
-    return [f"{n}.{c}" if n else c for n, m in unwrap(model).named_modules()
-            if isinstance(m, nn.MultiheadAttention)
-            for c, child in m.named_children() if kind_of(child) is not None]
+    return [
+        f"{n}.{c}" if n else c
+        for n, m in unwrap(model).named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+        for c, child in m.named_children()
+        if kind_of(child) is not None
+    ]
 
 
 def compressible_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     # peft's adapter matrices (lora_A.default, ...) are adapters, not weights to compress (nn/lora.py)
     skip = set(attention_internals(model)) | peft_adapter_modules(unwrap(model))
-    found = [(n, m) for n, m in unwrap(model).named_modules()
-             if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)]
-    return found + experts.pending_parts(unwrap(model))   # fused expert matrices (nn/experts.py)
+    found = [
+        (n, m)
+        for n, m in unwrap(model).named_modules()
+        if n and n not in skip and kind_of(m) is not None and not unsupported_reason(m)
+    ]
+    return found + experts.pending_parts(unwrap(model))  # fused expert matrices (nn/experts.py)
 
 
 def unsupported_modules(model: nn.Module) -> List[Tuple[str, str, str]]:
@@ -75,16 +82,19 @@ def _check_unsupported(tech: str, group: Group, unsupported, path: str) -> None:
     if not hits:
         return
     if group.modules is None:
-        msg = (f"{path}: skipping {len(hits)} module(s) that cannot be compressed: "
-               + "; ".join(f"{n!r} ({why})" for n, why in hits))
+        msg = f"{path}: skipping {len(hits)} module(s) that cannot be compressed: " + "; ".join(
+            f"{n!r} ({why})" for n, why in hits
+        )
         warnings.warn(msg, stacklevel=4)
         log.warning(msg)
         return
     for i, pattern in enumerate(group.modules):
         for n, why in hits:
             if re.search(pattern, n):
-                raise ConfigError(f"{path}[{i}]", f"{pattern!r} selects module {n!r}, which cannot be "
-                                  f"compressed ({why}); narrow the regex")
+                raise ConfigError(
+                    f"{path}[{i}]",
+                    f"{pattern!r} selects module {n!r}, which cannot be compressed ({why}); narrow the regex",
+                )
 
 
 def _check_grouped_channel_slicing(group: Group, matched: List[str], modules, path: str) -> None:
@@ -94,14 +104,17 @@ def _check_grouped_channel_slicing(group: Group, matched: List[str], modules, pa
     if not group.related_modules:
         return
     from .pruning.setup import related_of
+
     for name in matched:
         for n in related_of("channel_pruning", group, name, modules):
             m = modules[n]
             if kind_of(m) == "conv" and m.groups != 1:
-                raise ConfigError(f"{path.rsplit('.', 1)[0]}.related_modules",
-                                  f"module {n!r} (related to {name!r}) is a grouped convolution "
-                                  f"(groups={m.groups}): channel pruning cannot slice its input "
-                                  "channels alone; leave it out of related_modules")
+                raise ConfigError(
+                    f"{path.rsplit('.', 1)[0]}.related_modules",
+                    f"module {n!r} (related to {name!r}) is a grouped convolution "
+                    f"(groups={m.groups}): channel pruning cannot slice its input "
+                    "channels alone; leave it out of related_modules",
+                )
 
 
 def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> List[str]:
@@ -111,12 +124,20 @@ def match_group(names: List[Tuple[str, str]], group: Group, technique: str) -> L
     if group.modules is None:
         return [n for n, _ in pool]
     # an expert matrix is selected by its own name or by its experts module's
-    return [n for n, k in pool if any(re.search(p, n) or (k == "experts" and re.search(p, experts.owner_name(n)))
-                                      for p in group.modules)]
+    return [
+        n
+        for n, k in pool
+        if any(re.search(p, n) or (k == "experts" and re.search(p, experts.owner_name(n))) for p in group.modules)
+    ]
 
 
-_KIND_NAMES = {"linear": "Linear", "conv": "Conv", "embedding": "Embedding", "hf_conv1d": "transformers Conv1D",
-               "experts": "fused experts"}
+_KIND_NAMES = {
+    "linear": "Linear",
+    "conv": "Conv",
+    "embedding": "Embedding",
+    "hf_conv1d": "transformers Conv1D",
+    "experts": "fused experts",
+}
 
 
 def _other_kinds(names: List[Tuple[str, str]], group: Group, technique: str) -> str:
@@ -140,13 +161,17 @@ def _check_attention_patterns(group: Group, matched: List[str], internals: List[
     for i, pattern in enumerate(group.modules):
         hits = [n for n in internals if re.search(pattern, n)]
         if hits and not any(re.search(pattern, n) for n in matched):
-            raise ConfigError(f"{path}[{i}]", f"{pattern!r} selects {hits}, the projection(s) of an "
-                              "nn.MultiheadAttention, which reads their weights directly and never "
-                              "calls their forward, so they cannot be compressed; name other modules")
+            raise ConfigError(
+                f"{path}[{i}]",
+                f"{pattern!r} selects {hits}, the projection(s) of an "
+                "nn.MultiheadAttention, which reads their weights directly and never "
+                "calls their forward, so they cannot be compressed; name other modules",
+            )
     skipped = [n for n in internals if any(re.search(p, n) for p in group.modules)]
     if skipped:
-        msg = (f"{path}: skipping {skipped}: nn.MultiheadAttention never calls their forward, "
-               "so they cannot be compressed")
+        msg = (
+            f"{path}: skipping {skipped}: nn.MultiheadAttention never calls their forward, so they cannot be compressed"
+        )
         warnings.warn(msg, stacklevel=4)
         log.warning(msg)
 
@@ -168,8 +193,9 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
         result[tech] = {}
         for group in technique.groups:
             matched = match_group(names, group, tech)
-            if tech == "sparse_pruning":               # shared_parameters.excluded_modules
+            if tech == "sparse_pruning":  # shared_parameters.excluded_modules
                 from .pruning.setup import drop_excluded
+
                 matched = drop_excluded(technique, matched)
             path = f"compression_training.{tech}.different_groups.{group.name}.modules"
             _check_attention_patterns(group, matched, internals, path)
@@ -179,14 +205,19 @@ def plan(model: nn.Module, cfg) -> Dict[str, Dict[str, List[str]]]:
                 _check_grouped_channel_slicing(group, matched, all_modules, path)
             for n in matched:
                 if n in claimed:
-                    raise ConfigError(path, f"module {n!r} is already claimed by group "
-                                            f"{claimed[n]!r} of {tech}; a technique may apply to a "
-                                            "module only once (narrow one of the regexes)")
+                    raise ConfigError(
+                        path,
+                        f"module {n!r} is already claimed by group "
+                        f"{claimed[n]!r} of {tech}; a technique may apply to a "
+                        "module only once (narrow one of the regexes)",
+                    )
                 claimed[n] = group.name
             if not matched:
-                msg = (f"{path}: group {group.name!r} matches no compressible module "
-                       f"(patterns {'all' if group.modules is None else list(group.modules)})"
-                       f"{_other_kinds(names, group, tech)}{source_of(cfg, path)}")
+                msg = (
+                    f"{path}: group {group.name!r} matches no compressible module "
+                    f"(patterns {'all' if group.modules is None else list(group.modules)})"
+                    f"{_other_kinds(names, group, tech)}{source_of(cfg, path)}"
+                )
                 warnings.warn(msg, stacklevel=3)
                 log.warning(msg)
             result[tech][group.name] = matched
@@ -217,9 +248,12 @@ def _report_uncompressible(modules: Dict[str, nn.Module], compressible: List[Tup
     others.sort(key=lambda o: -o[0])
     shown = "; ".join(f"{n!r} ({cls}, {list(shape)})" for _, n, cls, shape in others[:6])
     path = "compression_training.weight_quantization.different_groups"
-    msg = (f"{path}: {left / total:.0%} of the model's weight matrices ({left:,} values) are Parameters "
-           f"no group can compress (of modules other than Linear / Conv / Embedding / transformers Conv1D, "
-           f"or read directly by nn.MultiheadAttention) and stay full precision: {shown}{' ...' if len(others) > 6 else ''}{source_of(cfg, path)}")
+    msg = (
+        f"{path}: {left / total:.0%} of the model's weight matrices ({left:,} values) are Parameters "
+        f"no group can compress (of modules other than Linear / Conv / Embedding / transformers Conv1D, "
+        f"or read directly by nn.MultiheadAttention) and stay full precision: "
+        f"{shown}{' ...' if len(others) > 6 else ''}{source_of(cfg, path)}"
+    )
     warnings.warn(msg, stacklevel=4)
     log.warning(msg)
 
@@ -232,34 +266,56 @@ def _weight_quant(group: Group, module, name: str, vocab_tables=frozenset()) -> 
     gran, gsize, ngroups = s.granularity_at(module.qc_kind == "embedding" or id(module.weight) in vocab_tables)
     path = f"compression_training.weight_quantization.different_groups.{group.name}"
     if ngroups and module.weight.numel() % ngroups:
-        raise ConfigError("compression_training.weight_quantization.shared_parameters.quantize_groups",
-                          f"{ngroups} does not divide the {module.weight.numel()} weights of module "
-                          f"{name!r} (shape {tuple(module.weight.shape)}); pick a divisor or set "
-                          f"{path}.params.granularity")
+        raise ConfigError(
+            "compression_training.weight_quantization.shared_parameters.quantize_groups",
+            f"{ngroups} does not divide the {module.weight.numel()} weights of module "
+            f"{name!r} (shape {tuple(module.weight.shape)}); pick a divisor or set "
+            f"{path}.params.granularity",
+        )
     search = _search(s.observer_kwargs)
-    if s.solver == GPTQ:      # the solve's own scale observer chooses the ranges (config/gptq.py)
+    if s.solver == GPTQ:  # the solve's own scale observer chooses the ranges (config/gptq.py)
         _check_gptq_module(module, name, path, ngroups, vocab_tables)
     if ngroups and s.range_observer == "mse" and Search(*search).weight_by == "inputs":
-        raise ConfigError(f"{path}.params.observer_kwargs.weight_by",
-                          f"'inputs' weighs each group's error by the inputs of its columns, but module "
-                          f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
-                          "(quantize_groups); set granularity (tensor, channel or group) for this group")
+        raise ConfigError(
+            f"{path}.params.observer_kwargs.weight_by",
+            f"'inputs' weighs each group's error by the inputs of its columns, but module "
+            f"{name!r} is quantized in {ngroups} chunks of the flattened weight "
+            "(quantize_groups); set granularity (tensor, channel or group) for this group",
+        )
     if format_at(s.format, s.target_bits) != "int" or format_at(s.format, s.start_bits) != "int":
         _check_float_module(s, module, name, path)
     bits = (s.start_bits, s.target_bits)
     if min(bits) <= 2 and not s.symmetric and (min(bits) == 1 or s.ternary):
-        raise ConfigError(f"{path}.params.target_bits",
-                          f"{min(bits)}-bit weights are binary/ternary, which are symmetric only; "
-                          "quantization_type is 'asymmetric'")
+        raise ConfigError(
+            f"{path}.params.target_bits",
+            f"{min(bits)}-bit weights are binary/ternary, which are symmetric only; quantization_type is 'asymmetric'",
+        )
     return WeightQuant(
-        group=group.name, start_bits=s.start_bits, target_bits=s.target_bits,
-        period=s.period, growth=s.growth, offset=s.offset,
-        symmetric=s.symmetric, granularity=gran, group_size=gsize,
-        num_groups=ngroups, rounding=s.rounding, numerics=s.numerics, ternary=s.ternary,
-        clip_grad=s.clip_grad, in_forward=s.in_forward, mix_enabled=s.mix_enabled,
-        change_ratio=s.change_ratio, seed=s.seed_of(name),
-        range_observer=s.range_observer, range_search=search, range_learning=s.range_learning,
-        format=s.format, solver=s.solver, solver_kwargs=s.solver_kwargs)
+        group=group.name,
+        start_bits=s.start_bits,
+        target_bits=s.target_bits,
+        period=s.period,
+        growth=s.growth,
+        offset=s.offset,
+        symmetric=s.symmetric,
+        granularity=gran,
+        group_size=gsize,
+        num_groups=ngroups,
+        rounding=s.rounding,
+        numerics=s.numerics,
+        ternary=s.ternary,
+        clip_grad=s.clip_grad,
+        in_forward=s.in_forward,
+        mix_enabled=s.mix_enabled,
+        change_ratio=s.change_ratio,
+        seed=s.seed_of(name),
+        range_observer=s.range_observer,
+        range_search=search,
+        range_learning=s.range_learning,
+        format=s.format,
+        solver=s.solver,
+        solver_kwargs=s.solver_kwargs,
+    )
 
 
 def _check_gptq_module(module, name: str, path: str, ngroups, vocab_tables) -> None:
@@ -268,60 +324,90 @@ def _check_gptq_module(module, name: str, path: str, ngroups, vocab_tables) -> N
     kind = module.qc_kind
     if kind not in ("linear", "hf_conv1d", "experts"):
         what = {"embedding": "an Embedding", "conv": "a convolution"}.get(kind, f"a {kind}")
-        raise ConfigError(f"{path}.modules", f"module {name!r} is {what}; observer gptq solves a layer "
-                          "against the inputs it multiplies (Linear, transformers' Conv1D, fused experts): "
-                          "leave it out of the group, or give it a minmax / mse group")
+        raise ConfigError(
+            f"{path}.modules",
+            f"module {name!r} is {what}; observer gptq solves a layer "
+            "against the inputs it multiplies (Linear, transformers' Conv1D, fused experts): "
+            "leave it out of the group, or give it a minmax / mse group",
+        )
     if ngroups:
-        raise ConfigError(f"{path}.params.granularity", f"module {name!r} is quantized in {ngroups} chunks of the "
-                          "flattened weight (quantize_groups), which cut across GPTQ's columns; set granularity "
-                          "(tensor, channel or group) for this group")
+        raise ConfigError(
+            f"{path}.params.granularity",
+            f"module {name!r} is quantized in {ngroups} chunks of the "
+            "flattened weight (quantize_groups), which cut across GPTQ's columns; set granularity "
+            "(tensor, channel or group) for this group",
+        )
     if id(module.weight) in vocab_tables:
-        raise ConfigError(f"{path}.modules", f"module {name!r} shares its weight with an embedding (tied "
-                          "weights); GPTQ would change the embedding too: leave it out of the gptq group "
-                          "(or untie the weights first)")
+        raise ConfigError(
+            f"{path}.modules",
+            f"module {name!r} shares its weight with an embedding (tied "
+            "weights); GPTQ would change the embedding too: leave it out of the gptq group "
+            "(or untie the weights first)",
+        )
 
 
 def _check_float_module(s, module, name, path) -> None:
     """A ConfigError naming the module where its kind or shape cannot take the float formats of
     its group (s: the group's settings)."""
     if module.qc_kind not in ("linear", "hf_conv1d", "embedding", "experts"):
-        raise ConfigError(f"{path}.modules", f"module {name!r} is a {module.qc_kind}; float formats "
-                          "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts), and "
-                          "compressed-tensors defines no float layout for a conv kernel [out, in, *k] "
-                          "(its groups would run along the kernel's last dim): leave it out")
+        raise ConfigError(
+            f"{path}.modules",
+            f"module {name!r} is a {module.qc_kind}; float formats "
+            "quantize matrices (Linear, transformers' Conv1D, Embedding, fused experts), and "
+            "compressed-tensors defines no float layout for a conv kernel [out, in, *k] "
+            "(its groups would run along the kernel's last dim): leave it out",
+        )
     shape = tuple(module.weight_matrix_view(module.weight).shape)
     for bits in range(s.target_bits, s.start_bits + 1):
         f = format_at(s.format, bits)
         reason = f != "int" and floats.check_shape(shape, floats.float_spec(f, s.granularity, s.group_size))
         if reason:
-            raise ConfigError(f"{path}.params.format", f"module {name!r} cannot take {f}: {reason}; "
-                              "leave it out of the group's modules")
+            raise ConfigError(
+                f"{path}.params.format",
+                f"module {name!r} cannot take {f}: {reason}; leave it out of the group's modules",
+            )
 
 
 def _search(kw) -> tuple:
     """A group's mse search (its observer_kwargs): observers.Search's fields as a tuple."""
-    return dataclasses.astuple(Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by,
-                                      cross_groups=kw.cross_groups))
+    return dataclasses.astuple(
+        Search(grid=kw.grid, maxshrink=kw.maxshrink, norm=kw.norm, weight_by=kw.weight_by, cross_groups=kw.cross_groups)
+    )
 
 
 def _act_quant(group: Group, module) -> ActQuant:
     """The module's ActQuant: its group's settings (resolved at load) on this module."""
     s = group.settings
-    aq = ActQuant(group=group.name, bits=s.bits, symmetric=s.symmetric, calibration=s.calibration,
-                  offset=s.offset, per="sample" if module.qc_kind == "conv" else "token",
-                  range_observer=s.observer, range_search=_search(s.observer_kwargs),
-                  range_learning=s.range_learning, fused=s.fused, share_input=s.share_input,
-                  int8_forward=s.int8_forward, format=s.format, group_size=s.group_size)
+    aq = ActQuant(
+        group=group.name,
+        bits=s.bits,
+        symmetric=s.symmetric,
+        calibration=s.calibration,
+        offset=s.offset,
+        per="sample" if module.qc_kind == "conv" else "token",
+        range_observer=s.observer,
+        range_search=_search(s.observer_kwargs),
+        range_learning=s.range_learning,
+        fused=s.fused,
+        share_input=s.share_input,
+        int8_forward=s.int8_forward,
+        format=s.format,
+        group_size=s.group_size,
+    )
     if aq.format != "int" and module.qc_kind == "conv":
-        raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
-                          f"module {module.qc_name!r} is a convolution; float-format activations are "
-                          "per token or group of a Linear's input: leave it out")
+        raise ConfigError(
+            f"compression_training.activation_quantization.different_groups.{group.name}.modules",
+            f"module {module.qc_name!r} is a convolution; float-format activations are "
+            "per token or group of a Linear's input: leave it out",
+        )
     width = module.weight_matrix_view(module.weight).shape[-1] if module.qc_kind != "embedding" else None
     gsize = s.float_group_size
     if aq.format != "int" and gsize and width and width % gsize:
-        raise ConfigError(f"compression_training.activation_quantization.different_groups.{group.name}.modules",
-                          f"module {module.qc_name!r} takes {width} inputs, not a multiple of the "
-                          f"{aq.format} activation groups of {gsize}; leave it out of the group's modules")
+        raise ConfigError(
+            f"compression_training.activation_quantization.different_groups.{group.name}.modules",
+            f"module {module.qc_name!r} takes {width} inputs, not a multiple of the "
+            f"{aq.format} activation groups of {gsize}; leave it out of the group's modules",
+        )
     aq.observer.momentum = s.momentum
     return aq
 
@@ -333,8 +419,8 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
     unchanged in full precision), so the quantizers see the rotated weights.
     Compressible modules become compress-aware subclasses of their own class (parameters keep
     identity, device, dtype and state_dict keys); with `progressive_layer_drop` enabled, the
-    repeated transformer blocks become droppable the same way (qcompress.nn.pld). Each technique's groups claim modules by
-    `re.search` on the dotted name; a module claimed twice by one technique is a ConfigError,
+    repeated transformer blocks become droppable the same way (qcompress.nn.pld). Each technique's
+    groups claim modules by `re.search` on the dotted name; a module claimed twice by one technique is a ConfigError,
     a group that matches nothing is reported with a warning.
     """
     cfg = as_config(cfg)
@@ -344,7 +430,7 @@ def init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module] =
         where = source_of(cfg, err.path)
         if not where or str(err).endswith(where):
             raise
-        raise ConfigError(err.path, f"{str(err)[len(err.path) + 2:] if err.path else err}{where}") from None
+        raise ConfigError(err.path, f"{str(err)[len(err.path) + 2 :] if err.path else err}{where}") from None
 
 
 def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module]) -> nn.Module:
@@ -353,28 +439,36 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
     if done:
         # A second rewrite would keep the first config's settings on modules the second does not
         # claim, and in optimizer-step mode take the already quantized weights as new masters.
-        raise ValueError(f"init_compression: the model was already rewritten by init_compression "
-                         f"({len(done)} compress-aware modules, e.g. {done[0]!r}); a second call would "
-                         "mix both configs and, with quantize_weight_in_forward: false, take the "
-                         "quantized weights as the full-precision masters. Apply the config to a "
-                         "freshly built model instead")
+        raise ValueError(
+            f"init_compression: the model was already rewritten by init_compression "
+            f"({len(done)} compress-aware modules, e.g. {done[0]!r}); a second call would "
+            "mix both configs and, with quantize_weight_in_forward: false, take the "
+            "quantized weights as the full-precision masters. Apply the config to a "
+            "freshly built model instead"
+        )
     if cc.layer_reduction.enabled and teacher_model is None:
-        raise ConfigError("compression_training.layer_reduction.enabled",
-                          "layer reduction initialises the student from a teacher: pass "
-                          "init_compression(model, cfg, teacher_model=...)")
-    assignments = plan(model, cfg)     # checks the claims before anything is written
+        raise ConfigError(
+            "compression_training.layer_reduction.enabled",
+            "layer reduction initialises the student from a teacher: pass "
+            "init_compression(model, cfg, teacher_model=...)",
+        )
+    assignments = plan(model, cfg)  # checks the claims before anything is written
     assignments["kv_cache_quantization"] = kv_cache.plan(model, cc.kv_cache_quantization)
-    rotation = prepare_rotations(model, cfg)   # and the rotations' (transforms/), None when off
+    rotation = prepare_rotations(model, cfg)  # and the rotations' (transforms/), None when off
     root = unwrap(model)
     lora_plan = lora_rewrite.check(root, cfg, compressible_modules(model), assignments)
     # the student's tensors before layer reduction overwrites some with the teacher's (a later
     # error puts them back)
-    students = ([(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
-                if cc.layer_reduction.enabled else [])
+    students = (
+        [(t, t.detach().clone()) for t in root.state_dict(keep_vars=True).values()]
+        if cc.layer_reduction.enabled
+        else []
+    )
     rotated = None
     try:
         if cc.layer_reduction.enabled:
             from .pruning.layer_reduction import student_initialization
+
             student_initialization(model, teacher_model, cc.layer_reduction)
         # rotations first: the module rewrite (quantizers, observers) then sees the rotated weights
         rotated = rotation.apply() if rotation is not None else None
@@ -393,11 +487,14 @@ def _init_compression(model: nn.Module, cfg, teacher_model: Optional[nn.Module])
 
 def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=None) -> nn.Module:
     modules = dict(root.named_modules())
-    modules.update(experts.pending_parts(root))      # attached to their experts modules by _rewrite
+    modules.update(experts.pending_parts(root))  # attached to their experts modules by _rewrite
     # what each module holds now, so a config error found while rewriting leaves the model as it was
-    before = {id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))
-              for m in modules.values()}
+    before = {
+        id(m): (set(m._parameters), set(m._buffers), set(m._forward_hooks), set(m._forward_pre_hooks))
+        for m in modules.values()
+    }
     from .nn.pld import apply_pld, pld_schedule, remove_pld
+
     had_pld = pld_schedule(root) is not None
     kv_names = assignments.pop("kv_cache_quantization", [])
     try:
@@ -406,10 +503,10 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=
         if lora_plan is not None:
             lora_rewrite.attach(root, cfg, lora_plan, modules)
         CompressionScheduler(root)  # apply step-0 state so offset-0 techniques act at once
-        if lora_plan is not None:   # qlora stores its bases at step 0's bits; then all but adapters freeze
+        if lora_plan is not None:  # qlora stores its bases at step 0's bits; then all but adapters freeze
             lora_rewrite.finish(root, lora_plan, modules)
         if cfg.progressive_layer_drop.enabled and not had_pld:
-            apply_pld(root, cfg.progressive_layer_drop)   # a second init_compression leaves the blocks
+            apply_pld(root, cfg.progressive_layer_drop)  # a second init_compression leaves the blocks
     except BaseException:
         if not had_pld:
             remove_pld(root)
@@ -417,8 +514,8 @@ def _rewrite_all(model: nn.Module, root: nn.Module, cfg, assignments, lora_plan=
         _undo_rewrite(modules, before)
         lora_rewrite.undo(root)
         raise
-    root.__dict__[REWRITTEN] = True   # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
-    root.__dict__[CONFIG] = cfg.raw   # a plain dict: the model still pickles with few globals
+    root.__dict__[REWRITTEN] = True  # lets CompressionScheduler(model, cfg) tell a forgotten rewrite
+    root.__dict__[CONFIG] = cfg.raw  # a plain dict: the model still pickles with few globals
     return model
 
 
@@ -437,17 +534,19 @@ def _rewrite(root: nn.Module, cfg, assignments, modules) -> None:
                     if mod.qc_kind == "experts":
                         experts.check_weight(mod, gpath.rsplit(".", 2)[0])
                     if mod.qc_wq.range_learning and id(mod.weight) not in learned:
-                        learned.add(id(mod.weight))      # tied weights share the first one's scales
+                        learned.add(id(mod.weight))  # tied weights share the first one's scales
                         ranges.register_weight_ranges(mod, gpath)
                 elif tech == "activation_quantization":
                     mod.qc_aq = _act_quant(group, mod)
-                    if mod.qc_kind == "experts" and not experts.check_act(mod, gpath.rsplit(".", 2)[0],
-                                                                           group.modules is not None):
+                    if mod.qc_kind == "experts" and not experts.check_act(
+                        mod, gpath.rsplit(".", 2)[0], group.modules is not None
+                    ):
                         mod.qc_aq = None
                     if mod.qc_aq is not None and mod.qc_aq.range_learning:
                         ranges.register_input_ranges(mod, gpath)
                 else:
                     from .pruning.setup import enable_pruning
+
                     enable_pruning(mod, tech, technique.shared, group, name, modules)
     experts.attach(m for m in modules.values() if isinstance(m, experts.ExpertMatrix))
     _share_tied_weights(root)
@@ -492,13 +591,15 @@ def _share_tied_weights(root: nn.Module) -> None:
             continue
         _check_same_quantization(first_name, first, name, mod)
         if mod.qc_wq.solver is not None:
-            raise ConfigError(f"compression_training.weight_quantization.different_groups.{mod.qc_wq.group}.modules",
-                              f"modules {first_name!r} and {name!r} share one weight Parameter (tied weights); "
-                              f"observer {mod.qc_wq.solver} solves one layer's weights against its own inputs: "
-                              "quantize only one of them with it, or untie the weights")
+            raise ConfigError(
+                f"compression_training.weight_quantization.different_groups.{mod.qc_wq.group}.modules",
+                f"modules {first_name!r} and {name!r} share one weight Parameter (tied weights); "
+                f"observer {mod.qc_wq.solver} solves one layer's weights against its own inputs: "
+                "quantize only one of them with it, or untie the weights",
+            )
         mod.qc_wq.store = first.qc_wq.store
-        mod.qc_wq.seed = first.qc_wq.seed      # same stochastic rounding of the same tensor
-        for pname in ranges.WEIGHT_PARAMS:     # one learned scale for one weight
+        mod.qc_wq.seed = first.qc_wq.seed  # same stochastic rounding of the same tensor
+        for pname in ranges.WEIGHT_PARAMS:  # one learned scale for one weight
             # registered on the tied module whose group the config lists first, which need not
             # be the first in the model (lm_head's group before wte's)
             shared = first._parameters.get(pname)
@@ -511,18 +612,19 @@ def _share_tied_weights(root: nn.Module) -> None:
 def _warn_tied_unselected(root: nn.Module) -> None:
     """Optimizer-step mode writes the quantized weight into the Parameter itself, so a module tied
     to it (GPT-2's wte under lm_head) uses it too, although no group selected that module."""
-    written = {id(m.weight): n for n, m in compress_modules(root)
-               if m.qc_wq is not None and not m.qc_wq.in_forward}
+    written = {id(m.weight): n for n, m in compress_modules(root) if m.qc_wq is not None and not m.qc_wq.in_forward}
     if not written:
         return
     for name, mod in root.named_modules():
         w = mod._parameters.get("weight") if name else None
         if w is None or id(w) not in written or getattr(mod, "qc_wq", None) is not None:
             continue
-        msg = (f"compression_training.weight_quantization: module {name!r} shares its weight Parameter "
-               f"with {written[id(w)]!r} (tied weights), which is quantized with "
-               "quantize_weight_in_forward: false, i.e. written into that Parameter at each step: "
-               f"{name!r} uses the quantized weight too, although no group selects it")
+        msg = (
+            f"compression_training.weight_quantization: module {name!r} shares its weight Parameter "
+            f"with {written[id(w)]!r} (tied weights), which is quantized with "
+            "quantize_weight_in_forward: false, i.e. written into that Parameter at each step: "
+            f"{name!r} uses the quantized weight too, although no group selects it"
+        )
         warnings.warn(msg, stacklevel=3)
         log.warning(msg)
 
@@ -534,11 +636,13 @@ def _check_same_quantization(name_a: str, a: CompressMixin, name_b: str, b: Comp
     if transposed and sa["granularity"] != "tensor":
         diff.append(f"{sa['granularity']} groups over transposed layouts ({a.qc_kind} vs {b.qc_kind})")
     if diff:
-        raise ConfigError(f"compression_training.weight_quantization.different_groups.{b.qc_wq.group}",
-                          f"modules {name_a!r} (group {a.qc_wq.group!r}) and {name_b!r} (group "
-                          f"{b.qc_wq.group!r}) share one weight Parameter (tied weights) but would "
-                          f"quantize it differently: {'; '.join(diff)}. Give both the same bits, "
-                          "schedule and granularity, or quantize only one of them")
+        raise ConfigError(
+            f"compression_training.weight_quantization.different_groups.{b.qc_wq.group}",
+            f"modules {name_a!r} (group {a.qc_wq.group!r}) and {name_b!r} (group "
+            f"{b.qc_wq.group!r}) share one weight Parameter (tied weights) but would "
+            f"quantize it differently: {'; '.join(diff)}. Give both the same bits, "
+            "schedule and granularity, or quantize only one of them",
+        )
 
 
 def _fast_path_guard(module, args):
@@ -559,8 +663,7 @@ def _acts_in_forward(mod) -> bool:
     """Whether the module's forward does the compression (not only the optimizer-step rewrite)."""
     if not isinstance(mod, CompressMixin):
         return False
-    return bool((mod.qc_wq is not None and mod.qc_wq.in_forward) or mod.qc_aq is not None
-                or mod.qc_pruning)
+    return bool((mod.qc_wq is not None and mod.qc_wq.in_forward) or mod.qc_aq is not None or mod.qc_pruning)
 
 
 @torch.no_grad()
@@ -573,11 +676,11 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
     """
     root = unwrap(model)
     bake_learned(root)  # learned rotations into the weights first: the codes are those of the rotated weights
-    baked = set()      # tied weights: bake the shared Parameter once (re-quantizing may move it)
+    baked = set()  # tied weights: bake the shared Parameter once (re-quantizing may move it)
     for name, mod in compress_modules(root):
         wq = mod.qc_wq
         if wq is not None and wq.active and not wq.baked and id(mod.weight) in baked:
-            wq.baked = True          # the shared MasterState already holds the codes
+            wq.baked = True  # the shared MasterState already holds the codes
             continue
         if wq is not None and wq.active and not wq.baked:
             baked.add(id(mod.weight))
@@ -590,6 +693,7 @@ def redundancy_clean(model: nn.Module, cfg=None) -> nn.Module:
             wq.master = wq.applied = None
     if cfg is not None and any(m.qc_pruning for _, m in compress_modules(root)):
         from .pruning.clean import clean_pruning
+
         clean_pruning(root, as_config(cfg))
     return model
 
@@ -617,7 +721,6 @@ def summary(model: nn.Module) -> str:
     kv = kv_cache.quantized_modules(model)
     if kv:
         state = kv[0][1].__dict__[kv_cache.ATTR]
-        lines.append(f"KV cache: {state.describe()}, {len(kv)} attention modules"
-                     + ("" if state.active else " (off)"))
+        lines.append(f"KV cache: {state.describe()}, {len(kv)} attention modules" + ("" if state.active else " (off)"))
     rotation = describe_rotation(record_of(unwrap(model)))
     return "\n".join(lines + ([rotation] if rotation else []))

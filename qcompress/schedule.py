@@ -7,6 +7,7 @@ P 50: 11 bits at 50, 10 at 100, 9 at 200, 8 at 400) or at P, 2P, 3P ... with
 (its `qsteps >= q_period` test always holds). Unlike DeepSpeed, the schedule applies in every
 mode (fake quantization in forward, or once per optimizer step).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -24,8 +25,8 @@ from .quant import kernels
 from .quant.api import dequantize, quantize_spec
 from .unwrap import unwrap
 
-REWRITTEN = "_qc_rewritten"   # set on the root module by init_compression
-CONFIG = "_qc_config"         # the config document init_compression applied (export metadata default)
+REWRITTEN = "_qc_rewritten"  # set on the root module by init_compression
+CONFIG = "_qc_config"  # the config document init_compression applied (export metadata default)
 
 
 def drops_at(t: int, start: int, target: int, period: int, growth: str = "exponential") -> int:
@@ -46,21 +47,20 @@ def drops_at(t: int, start: int, target: int, period: int, growth: str = "expone
 def _due(k: int, period: int, growth: str) -> int:
     """Steps after the offset at which drop k (0-based) happens."""
     if period <= 0:
-        return k + 1                 # DeepSpeed with q_period 0: one bit per quantize call
-    return period * (2 ** k) if growth == "exponential" else period * (k + 1)
+        return k + 1  # DeepSpeed with q_period 0: one bit per quantize call
+    return period * (2**k) if growth == "exponential" else period * (k + 1)
 
 
-def bits_at(step: int, *, start: int, target: int, period: int, offset: int = 0,
-            growth: str = "exponential") -> int:
+def bits_at(step: int, *, start: int, target: int, period: int, offset: int = 0, growth: str = "exponential") -> int:
     """Bits in force at training step `step` (the step counter after that many optimizer steps)."""
     return start - drops_at(step - offset, start, target, period, growth)
 
 
-def change_points(start: int, target: int, period: int, offset: int = 0,
-                  growth: str = "exponential") -> List[Tuple[int, int]]:
+def change_points(
+    start: int, target: int, period: int, offset: int = 0, growth: str = "exponential"
+) -> List[Tuple[int, int]]:
     """[(step, bits)] at the offset and at every drop."""
-    points = [(offset, bits_at(offset, start=start, target=target, period=period, offset=offset,
-                               growth=growth))]
+    points = [(offset, bits_at(offset, start=start, target=target, period=period, offset=offset, growth=growth))]
     for k in range(max(0, start - target)):
         points.append((offset + _due(k, period, growth), start - k - 1))
     return points
@@ -89,9 +89,11 @@ def _check_rewritten(model: nn.Module, cfg, modules) -> None:
     on = [name for name, tech in cfg.compression.techniques() if tech.enabled]
     root = unwrap(model)
     if on and not modules and not getattr(root, REWRITTEN, False):
-        raise ValueError(f"the config enables {', '.join(on)}, but the model has no compress-aware "
-                         "modules: call qcompress.init_compression(model, cfg) before building the "
-                         "CompressionScheduler")
+        raise ValueError(
+            f"the config enables {', '.join(on)}, but the model has no compress-aware "
+            "modules: call qcompress.init_compression(model, cfg) before building the "
+            "CompressionScheduler"
+        )
 
 
 class CompressionScheduler:
@@ -115,7 +117,7 @@ class CompressionScheduler:
 
     # --- the schedule ---------------------------------------------------------------------------
     def step(self) -> None:
-        kernels.check_nonfinite()   # the CUDA quantizers' NaN/Inf count of the step just taken
+        kernels.check_nonfinite()  # the CUDA quantizers' NaN/Inf count of the step just taken
         self.training_steps += 1
         self._apply(strict=True)
         if self._unweighted_pending:
@@ -127,11 +129,14 @@ class CompressionScheduler:
             return
         self._unweighted_pending = []
         group = self._modules[names[0]].qc_wq.group
-        warnings.warn(f"compression_training.weight_quantization.different_groups.{group}: observer_kwargs."
-                      f"weight_by is 'inputs', but no input statistics were recorded for {len(names)} "
-                      f"module(s) ({names[0]!r} ...): their ranges come from the unweighted mse search. Call "
-                      "qcompress.calibrate_weight_ranges(model, batches) after init_compression "
-                      "(qcompress train does)", stacklevel=3)
+        warnings.warn(
+            f"compression_training.weight_quantization.different_groups.{group}: observer_kwargs."
+            f"weight_by is 'inputs', but no input statistics were recorded for {len(names)} "
+            f"module(s) ({names[0]!r} ...): their ranges come from the unweighted mse search. Call "
+            "qcompress.calibrate_weight_ranges(model, batches) after init_compression "
+            "(qcompress train does)",
+            stacklevel=3,
+        )
 
     def finish(self) -> None:
         """Jump past the end of every schedule: every technique on, weights at target_bits with no
@@ -141,8 +146,9 @@ class CompressionScheduler:
         for mod in self._modules.values():
             wq, aq = mod.qc_wq, mod.qc_aq
             if wq is not None and not wq.baked:
-                end = max(end, *(t for t, _ in change_points(wq.start_bits, wq.target_bits, wq.period,
-                                                             wq.offset, wq.growth)))
+                end = max(
+                    end, *(t for t, _ in change_points(wq.start_bits, wq.target_bits, wq.period, wq.offset, wq.growth))
+                )
             if aq is not None:
                 end = max(end, aq.offset)
             for state in mod.qc_pruning.values():
@@ -162,8 +168,8 @@ class CompressionScheduler:
     def _apply(self, first: bool = False, strict: bool = False) -> None:
         t = self.training_steps
         dropped_groups = set()
-        advanced = set()   # groups whose step moved: re-applying the same step must not anneal again
-        rerange = set()    # modules whose ranges the observer (re)initialises at this step
+        advanced = set()  # groups whose step moved: re-applying the same step must not anneal again
+        rerange = set()  # modules whose ranges the observer (re)initialises at this step
         for name, mod in self._modules.items():
             wq = mod.qc_wq
             if wq is not None and not wq.baked:
@@ -173,8 +179,14 @@ class CompressionScheduler:
                 wq.active = t >= wq.offset
                 wq.step = t
                 if wq.active:
-                    wq.bits = bits_at(t, start=wq.start_bits, target=wq.target_bits,
-                                      period=wq.period, offset=wq.offset, growth=wq.growth)
+                    wq.bits = bits_at(
+                        t,
+                        start=wq.start_bits,
+                        target=wq.target_bits,
+                        period=wq.period,
+                        offset=wq.offset,
+                        growth=wq.growth,
+                    )
                     if not was_active or wq.bits != old_bits:
                         dropped_groups.add(wq.group)
                         if wq.range_observer != "minmax" or wq.range_learning:
@@ -183,11 +195,11 @@ class CompressionScheduler:
             if aq is not None:
                 aq.active = t >= aq.offset
                 if aq.active and aq.range_learning:
-                    ranges.init_input_ranges(mod)     # once the static range has seen a batch
+                    ranges.init_input_ranges(mod)  # once the static range has seen a batch
             for state in mod.qc_pruning.values():
                 state.update(t)
         kv_cache.schedule(self.model, t)
-        written = set()    # tied weights: one MasterState, quantized once per step
+        written = set()  # tied weights: one MasterState, quantized once per step
         for name, mod in self._modules.items():
             wq = mod.qc_wq
             if wq is None or wq.baked or not wq.active:
@@ -196,18 +208,18 @@ class CompressionScheduler:
                 if wq.in_forward or wq.master is None:
                     ranges.init_weight_ranges(mod)
                 else:
-                    wq.shrink = None          # re-searched on the updated master (_quantize_from_master)
+                    wq.shrink = None  # re-searched on the updated master (_quantize_from_master)
                     wq.pending_ranges = True
             if wq.mix_enabled:
                 if wq.group in dropped_groups:
-                    wq.mix_ratio = 1.0          # each precision drop restarts the anneal
+                    wq.mix_ratio = 1.0  # each precision drop restarts the anneal
                 elif wq.group in advanced:
                     wq.mix_ratio = max(0.0, wq.mix_ratio - wq.change_ratio)
             if not wq.in_forward and id(wq.store) not in written:
                 if wq.solver is not None and wq.solved is None:
                     if not strict:
-                        continue      # solved later (calibrate_weight_ranges) or restored from a checkpoint
-                    raise ranges.unsolved_error(mod)    # a training step: never a silent round-to-nearest
+                        continue  # solved later (calibrate_weight_ranges) or restored from a checkpoint
+                    raise ranges.unsolved_error(mod)  # a training step: never a silent round-to-nearest
                 written.add(id(wq.store))
                 self._quantize_from_master(mod)
 
@@ -217,7 +229,7 @@ class CompressionScheduler:
         wq = mod.qc_wq
         w = mod.weight
         if w.is_meta:
-            return                  # no values to quantize; the state moved along (to("meta"))
+            return  # no values to quantize; the state moved along (to("meta"))
         if wq.master is None:
             wq.master = w.detach().to(torch.float32).clone()
         else:
@@ -227,11 +239,13 @@ class CompressionScheduler:
                 wq.pending_ranges = False
                 ranges.init_weight_ranges(mod, source=wq.master)
             (q, s, z), spec = _master_codes(mod)
-        except NonFiniteError as err:           # a diverged update reached the master: say where
+        except NonFiniteError as err:  # a diverged update reached the master: say where
             raise located(mod, "weight's full-precision master", err) from None
-        deq = mod._from_matrix_view(dequantize(
-            q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
-            num_groups=spec.num_groups))
+        deq = mod._from_matrix_view(
+            dequantize(
+                q, s, z, group_size=spec.group_size if spec.granularity == "group" else None, num_groups=spec.num_groups
+            )
+        )
         r = wq.mix_ratio if wq.mix_enabled else 0.0
         new = deq if r <= 0.0 else r * wq.master + (1.0 - r) * deq
         w.copy_(new.to(w.dtype))
@@ -244,21 +258,21 @@ class CompressionScheduler:
         wq = mod.qc_wq
         wq.mix_ratio = float(entry["mix_ratio"])
         wq.baked = bool(entry.get("baked", False))
-        wq.ranges_loaded = False          # the schedule's own state: bits and ranges are known
+        wq.ranges_loaded = False  # the schedule's own state: bits and ranges are known
         wq.shrink = entry["shrink"].to(mod.weight.device) if "shrink" in entry else None
         if "input_moments" in entry:
             wq.store.input_moments = entry["input_moments"].to("cpu", torch.float64)
         if "input_cross" in entry:
             wq.store.input_cross = entry["input_cross"].to("cpu", torch.float32)
-        if "solved" in entry:         # observer gptq: the scales its solve chose
+        if "solved" in entry:  # observer gptq: the scales its solve chose
             wq.solved = tuple(None if t is None else t.to(mod.weight.device) for t in entry["solved"])
         if "master_of" in entry:
-            return                  # tied weight: restored with the module that saved it
+            return  # tied weight: restored with the module that saved it
         dev = mod.weight.device
         wq.master = entry["master"].to(dev) if "master" in entry else None
         wq.applied = entry["applied"].to(dev) if "applied" in entry else None
         if wq.master is not None:
-            wq.codes = wq.codes_spec = None     # re-derived from the master at the loaded step
+            wq.codes = wq.codes_spec = None  # re-derived from the master at the loaded step
         if wq.applied is not None:
             # the weight held `applied` at save time; a scheduler built after the model state
             # was loaded may have requantized it from a stale master, so put it back
@@ -274,14 +288,13 @@ class CompressionScheduler:
     # --- introspection --------------------------------------------------------------------------
     def current_bits(self) -> Dict[str, int]:
         """{module name: weight bits in force (0 = not yet quantized)}."""
-        return {n: (m.qc_wq.bits if m.qc_wq.active else 0)
-                for n, m in self._modules.items() if m.qc_wq is not None}
+        return {n: (m.qc_wq.bits if m.qc_wq.active else 0) for n, m in self._modules.items() if m.qc_wq is not None}
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         mods = {}
-        saved: Dict[int, str] = {}    # id(MasterState) -> module that saved it (tied weights)
-        crossed = set()               # id(MasterState) whose whole input moments are saved
+        saved: Dict[int, str] = {}  # id(MasterState) -> module that saved it (tied weights)
+        crossed = set()  # id(MasterState) whose whole input moments are saved
         for name, mod in self._modules.items():
             entry = {}
             if mod.qc_wq is not None:
@@ -297,9 +310,9 @@ class CompressionScheduler:
                     entry["wq"]["shrink"] = wq.shrink.detach().cpu().clone()
                 if wq.solved is not None:
                     entry["wq"]["solved"] = tuple(None if t is None else t.detach().cpu().clone() for t in wq.solved)
-                if wq.store.input_moments is not None:       # weight_by inputs: later bit drops use them
+                if wq.store.input_moments is not None:  # weight_by inputs: later bit drops use them
                     entry["wq"]["input_moments"] = wq.store.input_moments.clone()
-                if wq.store.input_cross is not None and id(wq.store) not in crossed:   # once per tensor
+                if wq.store.input_cross is not None and id(wq.store) not in crossed:  # once per tensor
                     crossed.add(id(wq.store))
                     entry["wq"]["input_cross"] = wq.store.input_cross.clone()
             if mod.qc_aq is not None:
@@ -336,8 +349,14 @@ class CompressionScheduler:
             if wq is not None and not wq.baked:
                 wq.active, wq.step = t >= wq.offset, t
                 if wq.active:
-                    wq.bits = bits_at(t, start=wq.start_bits, target=wq.target_bits,
-                                      period=wq.period, offset=wq.offset, growth=wq.growth)
+                    wq.bits = bits_at(
+                        t,
+                        start=wq.start_bits,
+                        target=wq.target_bits,
+                        period=wq.period,
+                        offset=wq.offset,
+                        growth=wq.growth,
+                    )
                 blended = wq.mix_enabled and wq.mix_ratio > 0.0
                 if wq.active and wq.master is not None and not blended and wq.codes is None:
                     with torch.no_grad():

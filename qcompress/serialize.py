@@ -4,6 +4,7 @@ Checkpoints keep tensors in torch.distributed.checkpoint files and everything el
 nothing is pickled. `flatten` puts each tensor under a dotted key in `out` and leaves
 {"__t__": key} in the skeleton; `inline=True` writes small tensors into the JSON itself.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -11,15 +12,31 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def flatten(obj: Any, prefix: str, out: Dict[str, torch.Tensor], inline: bool = False) -> Any:
     if isinstance(obj, torch.Tensor):
         if inline:
-            return {"__tensor__": obj.detach().cpu().reshape(-1).tolist(), "dtype": str(obj.dtype),
-                    "shape": list(obj.shape)}
+            return {
+                "__tensor__": obj.detach().cpu().reshape(-1).tolist(),
+                "dtype": str(obj.dtype),
+                "shape": list(obj.shape),
+            }
         out[prefix] = obj
         return {"__t__": prefix}
     if isinstance(obj, np.ndarray):

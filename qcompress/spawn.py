@@ -10,6 +10,7 @@ is killed and reported as TimeoutError, so a hung collective fails a test instea
 `fn` must be importable by the children (a module-level function, not a lambda or closure),
 and its return value must be picklable; tensors are cloned on arrival.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,7 @@ def _worker(rank, world_size, port, backend, threads, fn, args, results, release
     import torch.distributed as dist
 
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -74,8 +74,7 @@ def _worker(rank, world_size, port, backend, threads, fn, args, results, release
     release.wait(timeout=60)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",
-              threads: int = 1):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", threads: int = 1):
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return [result of rank 0, ...].
 
     threads: torch intra-op threads per rank (1 keeps oversubscribed CI machines predictable;
@@ -87,9 +86,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
     results = ctx.Queue()
     release = ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, threads, fn, args, results, release))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, daemon=True, args=(r, world_size, port, backend, threads, fn, args, results, release)
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
@@ -99,15 +101,20 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
         while len(got) < world_size and failure is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
-                                   f"did not finish within {timeout} s; ranks done: {sorted(got)}")
+                raise TimeoutError(
+                    f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
+                    f"did not finish within {timeout} s; ranks done: {sorted(got)}"
+                )
             try:
                 rank, status, payload, tb = results.get(timeout=min(left, 1.0))
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
                 if dead:
-                    failure = (dead[0], RuntimeError(f"rank {dead[0]} exited with code "
-                                                     f"{procs[dead[0]].exitcode} without a result"), "")
+                    failure = (
+                        dead[0],
+                        RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"),
+                        "",
+                    )
                 continue
             if status == "ok":
                 got[rank] = _detach(payload)

@@ -1,4 +1,5 @@
 """The model inside a wrapper: one rule for every part of qcompress that looks through one."""
+
 from __future__ import annotations
 
 
@@ -8,6 +9,7 @@ def unwrap(model):
     backbone and a head) is the model itself: looking through it would leave the rest out (of the
     rewrite, the export, the load)."""
     import torch.nn as nn
+
     inner = getattr(model, "module", None)
     if not isinstance(inner, nn.Module):
         return model

@@ -15,6 +15,7 @@ def _no_leftover_process_group():
     that need no group would skip. Each test ends without one."""
     yield
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
         dist.destroy_process_group()
 
@@ -27,6 +28,7 @@ def pytest_report_header(config):
     """Whether the kernel tests can run: they skip without the extension, and
     tests/quant/test_extension_loaded.py fails then unless QCOMPRESS_PURE_PYTHON=1 asked for it."""
     from qcompress.quant import kernels
+
     if kernels.available():
         return "qcompress C++ extension: loaded"
     return f"qcompress C++ extension: NOT loaded ({kernels.load_error()}); the kernel tests skip"
@@ -38,6 +40,7 @@ def _cpu_unless_marked_cuda(request, monkeypatch):
     sees one (as DeepSpeed does): on a GPU machine, tests not marked `cuda` see none, nor do the
     ranks they spawn. The `cuda` tests run there on the GPU."""
     import torch
+
     if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

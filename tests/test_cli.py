@@ -1,4 +1,5 @@
 """`qcompress` command line: schedule tables against the documented bit rule, plots, errors."""
+
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def table(out: str):
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
     header = lines[start].split()
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         cells = line.split()
         if not cells or not cells[0].isdigit():
             break
@@ -36,7 +37,7 @@ def doubling_rule(start, target, period, offset=0):
     """Oracle from the issue: one bit less at P, 2P, 4P, ... after the offset."""
     points = {offset: start}
     for k in range(start - target):
-        points[offset + period * 2 ** k] = start - k - 1
+        points[offset + period * 2**k] = start - k - 1
     return points
 
 
@@ -61,7 +62,10 @@ def test_schedule_12_to_8_period_50_lists_every_drop(tmp_path, capsys):
 
 
 def test_schedule_linear_growth_offsets_and_activation_offset(tmp_path, capsys):
-    path = write(tmp_path, "lin.yaml", """\
+    path = write(
+        tmp_path,
+        "lin.yaml",
+        """\
         compression_training:
           weight_quantization:
             shared_parameters: {enabled: true, schedule_offset: 100}
@@ -71,7 +75,8 @@ def test_schedule_linear_growth_offsets_and_activation_offset(tmp_path, capsys):
             shared_parameters: {enabled: true, schedule_offset: 150}
             different_groups:
               a: {params: {bits: 4}}
-        """)
+        """,
+    )
     assert cli.main(["schedule", path]) == 0
     got = table(capsys.readouterr().out)
     # linear rule: drops at offset + P, 2P, 3P; activations switch on at their own offset
@@ -87,7 +92,7 @@ def test_schedule_steps_caps_the_table(tmp_path, capsys):
 
 
 def test_progressive_schedule_reaches_4_bits_within_the_demo(capsys):
-    demo_steps = 2 * -(-20000 // 128)     # demo defaults: 2 QAT epochs of 20k images, batch 128
+    demo_steps = 2 * -(-20000 // 128)  # demo defaults: 2 QAT epochs of 20k images, batch 128
     path = os.path.join(ROOT, "schedules", "w4a8_progressive.yaml")
     assert cli.main(["schedule", path, "--steps", str(demo_steps)]) == 0
     got = table(capsys.readouterr().out)["W:w8_to_4"]
@@ -109,7 +114,7 @@ def test_schedule_plot_written(tmp_path, capsys):
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     path = write(tmp_path, "s.yaml", CFG_12_8)
     assert cli.main(["schedule", path, "--plot", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err
@@ -119,9 +124,14 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 
 def test_bad_config_path_exits_nonzero_naming_the_file(tmp_path):
     missing = str(tmp_path / "no_such_schedule.yaml")
-    proc = subprocess.run([PY, "-m", "qcompress", "schedule", missing], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [PY, "-m", "qcompress", "schedule", missing],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode != 0
     assert missing in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -132,7 +142,7 @@ def test_config_mistake_reported_with_key_path(tmp_path, capsys):
     assert cli.main(["schedule", path]) == 2
     err = capsys.readouterr().err
     assert "compression_training.weight_quantization.different_groups.wq1.params.quantisation_period" in err
-    assert "quantization_period" in err.split("quantisation_period", 2)[-1]   # did-you-mean
+    assert "quantization_period" in err.split("quantisation_period", 2)[-1]  # did-you-mean
 
 
 def test_no_command_and_unknown_arguments(capsys):
@@ -144,8 +154,24 @@ def test_no_command_and_unknown_arguments(capsys):
 
 def test_train_bad_config_fails_before_training(tmp_path, capsys):
     missing = str(tmp_path / "missing.yaml")
-    assert cli.main(["train", missing, "--model", str(tmp_path), "--data", str(tmp_path), "--task",
-                     "text-classification", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                missing,
+                "--model",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--task",
+                "text-classification",
+                "--out",
+                str(tmp_path / "out"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert missing in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -176,23 +202,43 @@ def test_bench_without_benchmarks_folder(monkeypatch, tmp_path, capsys):
 def test_bench_runs_the_script_with_arguments(monkeypatch, tmp_path, capsys):
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "kernels.py").write_text(
-        "import sys\nprint('bench args', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n")
+        "import sys\nprint('bench args', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n"
+    )
     monkeypatch.setattr(cli, "SOURCE_ROOT", str(tmp_path))
     assert cli.main(["bench", "--quick"]) == 0
     assert "bench args ['--quick']" in capsys.readouterr().out
     assert cli.main(["bench", "--fail"]) == 3
 
 
-@pytest.mark.parametrize("flag, value", [("--lr", "-1"), ("--lr", "nan"), ("--epochs", "inf"),
-                                         ("--threads", "-2"), ("--threads", "0")])
+@pytest.mark.parametrize(
+    "flag, value", [("--lr", "-1"), ("--lr", "nan"), ("--epochs", "inf"), ("--threads", "-2"), ("--threads", "0")]
+)
 def test_train_bad_numbers_exit_2_before_anything(tmp_path, capsys, flag, value):
     """Options torch would refuse only later (AdamW's lr, after the FP32 stages; set_num_threads) or
     never (--epochs inf overflowed the step count) are one line and exit status 2 up front."""
     import torch
+
     threads = torch.get_num_threads()
-    assert cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", str(tmp_path),
-                     "--data", str(tmp_path), "--task", "text-classification", "--out", str(tmp_path / "out"),
-                     "--no-progress", flag, value]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                os.path.join(ROOT, "schedules", "w8a8.yaml"),
+                "--model",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--task",
+                "text-classification",
+                "--out",
+                str(tmp_path / "out"),
+                "--no-progress",
+                flag,
+                value,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert flag in err and "\n" not in err, err
     assert not (tmp_path / "out").exists()
@@ -201,9 +247,25 @@ def test_train_bad_numbers_exit_2_before_anything(tmp_path, capsys, flag, value)
 
 def test_train_text_and_label_column_must_differ(tmp_path, capsys):
     """--label-column text (with --text-column text): the label was read as the text."""
-    assert cli.main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", str(tmp_path),
-                     "--data", str(tmp_path), "--task", "text-classification", "--out", str(tmp_path / "out"),
-                     "--label-column", "text"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                os.path.join(ROOT, "schedules", "w8a8.yaml"),
+                "--model",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--task",
+                "text-classification",
+                "--out",
+                str(tmp_path / "out"),
+                "--label-column",
+                "text",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "--text-column and --label-column" in err and "'text'" in err and "\n" not in err
     assert not (tmp_path / "out").exists()

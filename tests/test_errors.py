@@ -1,5 +1,6 @@
 """The library's exceptions: they cross process boundaries intact, and one CheckpointError class
 covers export folders and engine checkpoints."""
+
 import multiprocessing as mp
 import pickle
 
@@ -43,6 +44,7 @@ def test_config_error_from_a_spawned_process_keeps_its_message():
 def test_one_checkpoint_error_class():
     from qcompress.engine import CheckpointError as EngineError
     from qcompress.export import CheckpointError as ExportCheckpointError
+
     assert EngineError is ExportCheckpointError is CheckpointError is qcompress.CheckpointError
-    with pytest.raises(ValueError):       # still a ValueError, as both were
+    with pytest.raises(ValueError):  # still a ValueError, as both were
         raise EngineError("x")

@@ -7,6 +7,7 @@ it, so block i sees the outputs of the quantized blocks before it), the Hessian 
 from them, and tests/helpers/gptq_reference.py's GPTQ; for fused experts each expert's routed tokens taken
 from the model's own router output; load_quantized of the export against the trained model's
 effective weights; an uninterrupted engine run against one resumed from a checkpoint."""
+
 from __future__ import annotations
 
 import copy
@@ -20,6 +21,7 @@ from qcompress.errors import ConfigError
 from tests.helpers.gptq_reference import int_fit, int_quant, reference
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -35,8 +37,15 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 def tiny_llama(seed=0, layers=2):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -44,10 +53,18 @@ def gptq_doc(group_size=32, sym=True, in_forward=True, modules=("proj",), **kwar
     params = {"start_bits": 4, "target_bits": 4, "group_size": group_size, "observer": "gptq"}
     if kwargs:
         params["observer_kwargs"] = kwargs
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": in_forward,
-                              "quantization_type": "symmetric" if sym else "asymmetric"},
-        "different_groups": {"g": {"params": params, "modules": list(modules)}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": in_forward,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                },
+                "different_groups": {"g": {"params": params, "modules": list(modules)}},
+            }
+        }
+    }
 
 
 def batches(n=3, seed=1, vocab=64, seq=16):
@@ -60,10 +77,12 @@ def record_inputs(model, names, data):
     mods = dict(model.named_modules())
     sums, counts, handles = {}, {}, []
     for n in names:
+
         def hook(mod, args, n=n):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
             sums[n] = sums.get(n, 0) + x.T @ x
             counts[n] = counts.get(n, 0) + x.shape[0]
+
         handles.append(mods[n].register_forward_pre_hook(hook))
     with torch.no_grad():
         for b in data:
@@ -75,8 +94,9 @@ def record_inputs(model, names, data):
 
 def oracle_solve(W, H, gs=32, sym=True, act_order=True):
     """GPTQ of W as the reference computes it (act_order: the default of observer_kwargs)."""
-    return reference(W, H, lambda X: int_fit(X, 4, sym), lambda w, p: int_quant(w, p, 4), gs,
-                     upfront=act_order, act_order=act_order)
+    return reference(
+        W, H, lambda X: int_fit(X, 4, sym), lambda w, p: int_quant(w, p, 4), gs, upfront=act_order, act_order=act_order
+    )
 
 
 def oracle_model(model_fp, data, sequential, sym=True, act_order=True):
@@ -85,8 +105,10 @@ def oracle_model(model_fp, data, sequential, sym=True, act_order=True):
     already quantized in the copy)."""
     ref = copy.deepcopy(model_fp)
     layers = ref.model.layers
-    names = [[f"model.layers.{i}.{part}.{p}" for p in PROJ
-              for part in (("self_attn",) if p in PROJ[:4] else ("mlp",))] for i in range(len(layers))]
+    names = [
+        [f"model.layers.{i}.{part}.{p}" for p in PROJ for part in (("self_attn",) if p in PROJ[:4] else ("mlp",))]
+        for i in range(len(layers))
+    ]
     out = {}
     stages = names if sequential else [sum(names, [])]
     mods = dict(ref.named_modules())
@@ -112,15 +134,16 @@ def test_dense_model_matches_the_oracle(sequential, act_order):
     mods = dict(model.named_modules())
     for n, (Wc, Q) in want.items():
         m = mods[n]
-        assert (m.weight.detach() - Wc).abs().max() < 1e-6, n           # compensated weights replace the FP ones
+        assert (m.weight.detach() - Wc).abs().max() < 1e-6, n  # compensated weights replace the FP ones
         assert (m.effective_weight().detach() - Q).abs().max() < 1e-6, n  # and quantize to GPTQ's Q
     # sequential calibration sees the quantized first block: the second block's solution differs
     other = copy.deepcopy(fp)
     qc.init_compression(other, gptq_doc(sequential=not sequential, act_order=act_order))
     qc.calibrate_weight_ranges(other, data)
     a, b = (m.model.layers[1].mlp.down_proj.effective_weight() for m in (model, other))
-    assert torch.equal(model.model.layers[0].mlp.down_proj.effective_weight(),
-                       other.model.layers[0].mlp.down_proj.effective_weight())
+    assert torch.equal(
+        model.model.layers[0].mlp.down_proj.effective_weight(), other.model.layers[0].mlp.down_proj.effective_weight()
+    )
     assert not torch.allclose(a, b)
 
 
@@ -129,13 +152,20 @@ def test_partial_groups_and_asymmetric():
     fp = tiny_llama(seed=2)
     data = batches(seed=4)
     model = copy.deepcopy(fp)
-    qc.init_compression(model, gptq_doc(group_size=48, sym=False, modules=("q_proj",), sequential=False,
-                                        act_order=False))
+    qc.init_compression(
+        model, gptq_doc(group_size=48, sym=False, modules=("q_proj",), sequential=False, act_order=False)
+    )
     qc.calibrate_weight_ranges(model, data)
     hs = record_inputs(fp, ["model.layers.0.self_attn.q_proj"], data)
     m = model.model.layers[0].self_attn.q_proj
-    Wc, Q, _ = reference(fp.model.layers[0].self_attn.q_proj.weight.detach(), hs["model.layers.0.self_attn.q_proj"],
-                         lambda X: int_fit(X, 4, False), lambda w, p: int_quant(w, p, 4), 48, upfront=False)
+    Wc, Q, _ = reference(
+        fp.model.layers[0].self_attn.q_proj.weight.detach(),
+        hs["model.layers.0.self_attn.q_proj"],
+        lambda X: int_fit(X, 4, False),
+        lambda w, p: int_quant(w, p, 4),
+        48,
+        upfront=False,
+    )
     assert (m.weight.detach() - Wc).abs().max() < 1e-6
     assert (m.effective_weight().detach() - Q).abs().max() < 1e-6
 
@@ -144,13 +174,14 @@ def test_gpt2_conv1d_blocks():
     """transformers' GPT-2: Conv1D weights stored [in, out], blocks called with positional cache
     arguments (dropped when the blocks run one at a time)."""
     from tests.helpers.tiny_models import make_gpt2
+
     fp = make_gpt2(seed=0).eval()
     data = batches(vocab=fp.config.vocab_size)
     model = copy.deepcopy(fp)
     qc.init_compression(model, gptq_doc(modules=("attn.c_attn", "mlp.c_fc")))
     assert qc.calibrate_weight_ranges(model, data) == 2 * len(fp.transformer.h)
     ref = copy.deepcopy(fp)
-    for i, block in enumerate(ref.transformer.h):          # block by block on the quantized copy
+    for i, block in enumerate(ref.transformer.h):  # block by block on the quantized copy
         names = [f"transformer.h.{i}.attn.c_attn", f"transformer.h.{i}.mlp.c_fc"]
         hs = record_inputs(ref, names, data)
         for n in names:
@@ -165,6 +196,7 @@ def test_gpt2_conv1d_blocks():
 
 def test_moe_experts_are_solved_per_expert():
     from tests.helpers.moe_fixtures import make_moe
+
     fp = make_moe("qwen3_moe", seed=0)
     data = batches(n=4, vocab=fp.config.vocab_size, seq=24)
     model = copy.deepcopy(fp)
@@ -206,8 +238,9 @@ def test_moe_experts_are_solved_per_expert():
 def test_export_is_exact_after_gptq_and_training(tmp_path, kwargs):
     model = tiny_llama()
     data = batches()
-    doc = dict(gptq_doc(sym=not kwargs, **kwargs), train_batch_size=2,
-               optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+    doc = dict(
+        gptq_doc(sym=not kwargs, **kwargs), train_batch_size=2, optimizer={"type": "Adam", "params": {"lr": 1e-3}}
+    )
     qc.init_compression(model, doc)
     qc.calibrate_weight_ranges(model, data)
     engine = qc.initialize(model, doc, device="cpu")
@@ -215,8 +248,11 @@ def test_export_is_exact_after_gptq_and_training(tmp_path, kwargs):
         loss = engine(b, labels=b).loss
         engine.backward(loss)
         engine.step()
-    trained = {n: m.effective_weight().detach().clone() for n, m in model.named_modules()
-               if getattr(m, "qc_wq", None) is not None}
+    trained = {
+        n: m.effective_weight().detach().clone()
+        for n, m in model.named_modules()
+        if getattr(m, "qc_wq", None) is not None
+    }
     qc.export_quantized(model, tmp_path / "out", doc)
     back = qc.load_quantized(tmp_path / "out", tiny_llama(seed=5))
     mods = dict(back.named_modules())
@@ -227,8 +263,7 @@ def test_export_is_exact_after_gptq_and_training(tmp_path, kwargs):
 @pytest.mark.parametrize("in_forward", [True, False])
 def test_resume_after_gptq_is_bit_exact(tmp_path, in_forward):
     data = batches(n=4)
-    doc = dict(gptq_doc(in_forward=in_forward), train_batch_size=2,
-               optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+    doc = dict(gptq_doc(in_forward=in_forward), train_batch_size=2, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
 
     def run(engine, steps):
         for b in steps:
@@ -250,18 +285,23 @@ def test_resume_after_gptq_is_bit_exact(tmp_path, in_forward):
     run(engine2, data[2:])
     for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), n
-    assert torch.equal(model.model.layers[1].mlp.down_proj.effective_weight(),
-                       fresh.model.layers[1].mlp.down_proj.effective_weight())
+    assert torch.equal(
+        model.model.layers[1].mlp.down_proj.effective_weight(), fresh.model.layers[1].mlp.down_proj.effective_weight()
+    )
 
 
 # --- bad input -----------------------------------------------------------------------------------
+
 
 def test_no_calibration_batches_is_a_config_error_before_anything_changes():
     model = tiny_llama()
     qc.init_compression(model, gptq_doc())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ConfigError, match=r"different_groups\.g\.params\.observer: module 'model\.layers\.0\.self_attn"
-                                          r"\.q_proj' and 13 more use observer gptq.*no batches"):
+    with pytest.raises(
+        ConfigError,
+        match=r"different_groups\.g\.params\.observer: module 'model\.layers\.0\.self_attn"
+        r"\.q_proj' and 13 more use observer gptq.*no batches",
+    ):
         qc.calibrate_weight_ranges(model, iter(()))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -272,7 +312,7 @@ def test_modules_the_batches_never_reach_are_named_before_anything_changes():
     qc.init_compression(model, gptq_doc())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     layer = model.model.layers[1]
-    layer.forward = lambda hidden_states, *a, **k: hidden_states      # the batches skip the second block
+    layer.forward = lambda hidden_states, *a, **k: hidden_states  # the batches skip the second block
     with pytest.raises(ConfigError, match=r"never reached module\(s\) \['model\.layers\.1\.self_attn\.q_proj'"):
         qc.calibrate_weight_ranges(model, batches())
     for k, v in model.state_dict().items():
@@ -297,13 +337,20 @@ def test_an_uncalibrated_gptq_group_refuses_to_train_or_export(tmp_path):
         engine.step()
 
 
-@pytest.mark.parametrize("params,shared,match", [
-    ({"start_bits": 8}, {}, r"params\.start_bits: GPTQ solves the weights once for one width"),
-    ({}, {"rounding": "stochastic"}, r"shared_parameters\.rounding: .*round-to-nearest"),
-    ({"observer_kwargs": {"weight_by": "inputs"}}, {}, r"observer_kwargs\.weight_by"),
-    ({"observer": "mse", "observer_kwargs": {"act_order": False}}, {}, r"observer_kwargs\.act_order: is a setting of observer 'gptq'"),
-    ({"target_bits": 2, "start_bits": 2}, {}, r"params\.target_bits: 2-bit weights are binary / ternary"),
-])
+@pytest.mark.parametrize(
+    "params,shared,match",
+    [
+        ({"start_bits": 8}, {}, r"params\.start_bits: GPTQ solves the weights once for one width"),
+        ({}, {"rounding": "stochastic"}, r"shared_parameters\.rounding: .*round-to-nearest"),
+        ({"observer_kwargs": {"weight_by": "inputs"}}, {}, r"observer_kwargs\.weight_by"),
+        (
+            {"observer": "mse", "observer_kwargs": {"act_order": False}},
+            {},
+            r"observer_kwargs\.act_order: is a setting of observer 'gptq'",
+        ),
+        ({"target_bits": 2, "start_bits": 2}, {}, r"params\.target_bits: 2-bit weights are binary / ternary"),
+    ],
+)
 def test_config_errors(params, shared, match):
     doc = gptq_doc()
     doc["compression_training"]["weight_quantization"]["different_groups"]["g"]["params"].update(params)
@@ -320,6 +367,7 @@ def test_modules_gptq_cannot_solve_are_named():
 
 # --- float formats, range learning ------------------------------------------------------------------
 
+
 def output_error(model_fp, model_q, data, name):
     """sum over the calibration inputs of |(W - W^) u|^2 for module `name`: what GPTQ minimises."""
     H = record_inputs(model_fp, [name], data)[name]
@@ -331,6 +379,7 @@ def output_error(model_fp, model_q, data, name):
 @pytest.mark.parametrize("fmt,gran", [("nvfp4", None), ("mxfp4", None), ("fp8_e4m3", "channel")])
 def test_float_formats_on_a_model(tmp_path, fmt, gran):
     from qcompress.quant import floats
+
     fp = tiny_llama()
     data = batches()
 
@@ -340,9 +389,15 @@ def test_float_formats_on_a_model(tmp_path, fmt, gran):
             p["granularity"] = gran
         if observer == "gptq":
             p["observer_kwargs"] = {"sequential": False}
-        return {"compression_training": {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"g": {"params": p, "modules": ["proj"]}}}}}
+        return {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                    "different_groups": {"g": {"params": p, "modules": ["proj"]}},
+                }
+            }
+        }
+
     model, rtn = copy.deepcopy(fp), copy.deepcopy(fp)
     qc.init_compression(model, doc("gptq"))
     qc.init_compression(rtn, doc("minmax"))
@@ -361,12 +416,22 @@ def test_float_formats_on_a_model(tmp_path, fmt, gran):
 
 def test_moe_float_experts_keep_each_experts_scales(tmp_path):
     from tests.helpers.moe_fixtures import make_moe
+
     model = make_moe("qwen3_moe", seed=1)
     data = batches(n=3, vocab=model.config.vocab_size)
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", "observer": "gptq"},
-                                   "modules": ["experts"]}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "g": {
+                        "params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", "observer": "gptq"},
+                        "modules": ["experts"],
+                    }
+                },
+            }
+        }
+    }
     qc.init_compression(model, doc)
     qc.calibrate_weight_ranges(model, data)
     part = model.model.layers[0].mlp.experts._modules["down_proj"]
@@ -376,9 +441,12 @@ def test_moe_float_experts_keep_each_experts_scales(tmp_path):
     view = part.weight_matrix_view(part.weight.detach())
     spec = part.qc_wq.spec()
     from qcompress.quant import floats
+
     for e, (v, se) in enumerate(zip(view.chunk(4), s.chunk(4))):
-        assert torch.equal(floats.fake_quantize_float(v, spec, scale=se, gscale=g[e].reshape(1)),
-                           part.weight_matrix_view(eff).chunk(4)[e])
+        assert torch.equal(
+            floats.fake_quantize_float(v, spec, scale=se, gscale=g[e].reshape(1)),
+            part.weight_matrix_view(eff).chunk(4)[e],
+        )
     qc.export_quantized(model, tmp_path / "out", doc)
     back = qc.load_quantized(tmp_path / "out", make_moe("qwen3_moe", seed=5))
     got = back.model.layers[0].mlp.experts.down_proj.detach()
@@ -409,13 +477,15 @@ def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tm
     import json
     from safetensors.torch import save_file
     from qcompress.cli import main as cli_main
+
     (tmp_path / "tinyfactory.py").write_text(
         "import torch, transformers\n"
         "def build():\n"
         "    torch.manual_seed(9)\n"
         "    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,\n"
         "                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)\n"
-        "    return transformers.AutoModelForCausalLM.from_config(cfg).eval()\n")
+        "    return transformers.AutoModelForCausalLM.from_config(cfg).eval()\n"
+    )
     monkeypatch.chdir(tmp_path)
     doc = dict(gptq_doc(), train_batch_size=2, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
     (tmp_path / "cfg.json").write_text(json.dumps(doc))
@@ -428,16 +498,41 @@ def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tm
         engine.backward(engine(b, labels=b).loss)
         engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")
-    assert cli_main(["export", "--model", "tinyfactory:build", "--config", "cfg.json", "--checkpoint",
-                     str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert (
+        cli_main(
+            [
+                "export",
+                "--model",
+                "tinyfactory:build",
+                "--config",
+                "cfg.json",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     back = dict(qc.load_quantized(tmp_path / "out", tiny_llama(seed=4)).named_modules())
     for n, m in model.named_modules():
         if getattr(m, "qc_wq", None) is not None:
             assert torch.equal(back[n].weight.detach(), m.effective_weight().detach()), n
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
     capsys.readouterr()
-    code = cli_main(["export", "--model", "tinyfactory:build", "--config", "cfg.json", "--weights",
-                     str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "out2")])
+    code = cli_main(
+        [
+            "export",
+            "--model",
+            "tinyfactory:build",
+            "--config",
+            "cfg.json",
+            "--weights",
+            str(tmp_path / "w.safetensors"),
+            "--out",
+            str(tmp_path / "out2"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code != 0 and "never solved" in err and "--weights" in err
     assert not (tmp_path / "out2" / "config.json").exists()
@@ -447,6 +542,7 @@ def test_qcompress_export_from_a_checkpoint_is_exact_and_from_weights_refused(tm
 def test_moe_families_export_exactly(tmp_path, family):
     """gpt-oss stores each expert transposed ([in, out], with biases); Mixtral as Linear does."""
     from tests.helpers.moe_fixtures import make_moe
+
     fp = make_moe(family, seed=2)
     data = batches(n=3, vocab=fp.config.vocab_size)
     model = copy.deepcopy(fp)
@@ -463,7 +559,6 @@ def test_moe_families_export_exactly(tmp_path, family):
         assert torch.equal(params[k].detach(), w), k
 
 
-
 def test_a_model_that_changes_the_hidden_state_between_blocks_is_refused_for_sequential():
     model = tiny_llama()
     qc.init_compression(model, gptq_doc())
@@ -473,7 +568,7 @@ def test_a_model_that_changes_the_hidden_state_between_blocks_is_refused_for_seq
         qc.calibrate_weight_ranges(model, batches())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
-    other = tiny_llama()                     # the way out the message gives works
+    other = tiny_llama()  # the way out the message gives works
     qc.init_compression(other, gptq_doc(sequential=False))
     other.model.layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2.0,) + tuple(args[1:]))
     assert qc.calibrate_weight_ranges(other, batches()) == 14
@@ -485,8 +580,11 @@ def test_static_activation_ranges_calibrate_before_gptq_on_full_precision_weight
     those of the same model with activation quantization only (the oracle); GPTQ then solves, and
     the model runs."""
     from qcompress.train.stages import calibrate_static_ranges
-    acts = {"shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}}}
+
+    acts = {
+        "shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0},
+        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["proj"]}},
+    }
     doc = gptq_doc()
     doc["compression_training"]["activation_quantization"] = acts
     model = tiny_llama()
@@ -503,6 +601,6 @@ def test_static_activation_ranges_calibrate_before_gptq_on_full_precision_weight
         assert torch.equal(torch.as_tensor(got[n][0]), torch.as_tensor(want[n][0])), n
         assert torch.equal(torch.as_tensor(got[n][1]), torch.as_tensor(want[n][1])), n
     assert qc.calibrate_weight_ranges(model, [b["input_ids"] for b in data]) == 2 * len(PROJ)
-    calibrate_static_ranges(model, data)        # the ranges the solved weights give
+    calibrate_static_ranges(model, data)  # the ranges the solved weights give
     with torch.no_grad():
         assert torch.isfinite(model(data[0]["input_ids"]).logits).all()

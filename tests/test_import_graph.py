@@ -15,6 +15,7 @@ function of qcompress.export.cli can only run once qcompress has finished import
 package importing its own subpackages is its structure, not a cycle between peers. The tests
 print how many lazy imports there are.
 """
+
 from __future__ import annotations
 
 import ast
@@ -34,7 +35,7 @@ def modules_of(root: str, package: str) -> Dict[str, str]:
             if f.endswith(".py"):
                 path = os.path.join(folder, f)
                 name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return out
 
 
@@ -44,7 +45,7 @@ def _targets(node, here: str, is_package: bool, modules: Dict[str, str]) -> List
         return [a.name for a in node.names if a.name in modules]
     if node.level:
         parts = here.split(".") if is_package else here.split(".")[:-1]
-        parts = parts[:len(parts) - (node.level - 1)]
+        parts = parts[: len(parts) - (node.level - 1)]
         base = ".".join(parts + ([node.module] if node.module else []))
     else:
         base = node.module or ""
@@ -78,13 +79,13 @@ def import_edges(modules: Dict[str, str]) -> Tuple[Dict[str, Set[str]], List[Tup
                     for target in _targets(child, here, is_package, modules):
                         if in_function:
                             lazy.append((here, target))
-                            if here.startswith(target + "."):    # an ancestor package: see above
+                            if here.startswith(target + "."):  # an ancestor package: see above
                                 continue
                         if target != here:
                             edges[here].add(target)
                 else:
-                    walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                  ast.Lambda)))
+                    walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
         walk(tree, False)
     return edges, lazy
 
@@ -126,21 +127,27 @@ def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
 
 def _describe(comp: List[str], edges, lazy) -> str:
     lazy_set = set(lazy)
-    lines = [f"{a} -> {b}" + (" (inside a function)" if (a, b) in lazy_set else "")
-             for a in comp for b in sorted(edges[a]) if b in comp]
+    lines = [
+        f"{a} -> {b}" + (" (inside a function)" if (a, b) in lazy_set else "")
+        for a in comp
+        for b in sorted(edges[a])
+        if b in comp
+    ]
     return "import cycle among " + ", ".join(comp) + ":\n  " + "\n  ".join(lines)
 
 
 def test_qcompress_has_no_import_cycle():
     modules = modules_of(ROOT, "qcompress")
     edges, lazy = import_edges(modules)
-    print(f"{len(modules)} modules, {sum(map(len, edges.values()))} import edges, "
-          f"{len(lazy)} of the imports inside functions")
+    print(
+        f"{len(modules)} modules, {sum(map(len, edges.values()))} import edges, "
+        f"{len(lazy)} of the imports inside functions"
+    )
     # the walk sees the package's real structure (an empty or misread graph would pass vacuously)
     assert len(modules) > 50, sorted(modules)
     assert "qcompress.export.quantized" in edges["qcompress.export.reader"]
     assert "qcompress.export.quantized" in edges["qcompress.export.fast"]
-    assert ("qcompress", "qcompress.engine") in lazy          # qcompress.__getattr__
+    assert ("qcompress", "qcompress.engine") in lazy  # qcompress.__getattr__
     found = cycles(edges)
     assert not found, "\n".join(_describe(c, edges, lazy) for c in found)
 
@@ -156,20 +163,23 @@ def _package(tmp_path, files: Dict[str, str]) -> Dict[str, str]:
 def test_the_walk_finds_module_level_and_lazy_cycles(tmp_path):
     """The checker itself: a module-level cycle, a cycle closed inside a function, and a lazy import
     of the package facade (allowed), in a throwaway package."""
-    modules = _package(tmp_path, {
-        "pkg/__init__.py": "def __getattr__(name):\n    from . import c\n    return c\n",
-        "pkg/a.py": "from .b import thing\n",
-        "pkg/b.py": "from . import a\nthing = 1\n",
-        "pkg/c.py": "from .d import x\n",
-        "pkg/d.py": "x = 1\ndef f():\n    from .c import y\n    import pkg\n",
-        "pkg/sub/__init__.py": "from ..a import thing\nfrom . import leaf\n",
-        "pkg/sub/leaf.py": "def g():\n    from pkg import sub\n",
-    })
+    modules = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "def __getattr__(name):\n    from . import c\n    return c\n",
+            "pkg/a.py": "from .b import thing\n",
+            "pkg/b.py": "from . import a\nthing = 1\n",
+            "pkg/c.py": "from .d import x\n",
+            "pkg/d.py": "x = 1\ndef f():\n    from .c import y\n    import pkg\n",
+            "pkg/sub/__init__.py": "from ..a import thing\nfrom . import leaf\n",
+            "pkg/sub/leaf.py": "def g():\n    from pkg import sub\n",
+        },
+    )
     edges, lazy = import_edges(modules)
     assert edges["pkg.a"] == {"pkg.b"} and edges["pkg.b"] == {"pkg.a"}
-    assert edges["pkg.d"] == {"pkg.c"}                       # `import pkg` in a function: no edge
+    assert edges["pkg.d"] == {"pkg.c"}  # `import pkg` in a function: no edge
     assert edges["pkg.sub"] == {"pkg.a", "pkg.sub.leaf"}
-    assert edges["pkg.sub.leaf"] == set()                    # its own package, lazily: no edge
+    assert edges["pkg.sub.leaf"] == set()  # its own package, lazily: no edge
     assert ("pkg.d", "pkg.c") in lazy and ("pkg.sub.leaf", "pkg.sub") in lazy
     assert sorted(cycles(edges)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
     assert "(inside a function)" in _describe(["pkg.c", "pkg.d"], edges, lazy)

@@ -1,5 +1,6 @@
 """The lora section against a model (qcompress/lora_rewrite.py): bad input is a ConfigError naming the
 key and what to do, raised by init_compression before anything in the model changes."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,11 @@ from tests.helpers.lora_fixtures import lora_cfg, peft_section, tiny_llama
 
 
 def _snapshot(model):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            {n: p.requires_grad for n, p in model.named_parameters()},
-            [type(m) for m in model.modules()])
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {n: p.requires_grad for n, p in model.named_parameters()},
+        [type(m) for m in model.modules()],
+    )
 
 
 def _refused(model, cfg, path, *words):
@@ -51,26 +54,44 @@ def test_qlora_with_a_float_format():
     cfg = lora_cfg("qlora", bits=8, params_extra={"format": "fp8_e4m3"})
     del cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["group_size"]
     cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["granularity"] = "channel"
-    _refused(tiny_llama(), cfg, "compression_training.weight_quantization.different_groups.w.params.format",
-             "fp8_e4m3", "no stored-quantized path", "mode qat")
+    _refused(
+        tiny_llama(),
+        cfg,
+        "compression_training.weight_quantization.different_groups.w.params.format",
+        "fp8_e4m3",
+        "no stored-quantized path",
+        "mode qat",
+    )
 
 
 def test_qlora_with_a_bit_schedule():
     cfg = lora_cfg("qlora", params_extra={"start_bits": 8, "quantization_period": 5})
-    _refused(tiny_llama(), cfg, "compression_training.weight_quantization.different_groups.w.params.start_bits",
-             "set start_bits to target_bits")
+    _refused(
+        tiny_llama(),
+        cfg,
+        "compression_training.weight_quantization.different_groups.w.params.start_bits",
+        "set start_bits to target_bits",
+    )
 
 
 def test_qlora_with_range_learning():
     cfg = lora_cfg("qlora", params_extra={"range_learning": True})
-    _refused(tiny_llama(), cfg, "compression_training.weight_quantization.different_groups.w.params.range_learning",
-             "range_learning off")
+    _refused(
+        tiny_llama(),
+        cfg,
+        "compression_training.weight_quantization.different_groups.w.params.range_learning",
+        "range_learning off",
+    )
 
 
 def test_qat_needs_quantization_in_forward():
     cfg = lora_cfg("qat", shared_extra={"quantize_weight_in_forward": False})
-    _refused(tiny_llama(), cfg, "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward",
-             "set it to true")
+    _refused(
+        tiny_llama(),
+        cfg,
+        "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward",
+        "set it to true",
+    )
 
 
 def test_qat_refuses_dropout_and_merge():
@@ -97,14 +118,20 @@ def test_all_skips_the_output_head():
 
 def test_fused_experts_are_refused_by_name():
     from tests.helpers.moe_fixtures import make_moe
+
     model = make_moe("qwen3_moe")
-    err = _refused(model, lora_cfg(targets=["mlp"], wq_modules=["self_attn"]),
-                   "compression_training.lora.target_modules[0]", "fused mixture-of-experts")
+    err = _refused(
+        model,
+        lora_cfg(targets=["mlp"], wq_modules=["self_attn"]),
+        "compression_training.lora.target_modules[0]",
+        "fused mixture-of-experts",
+    )
     assert "experts" in str(err)
 
 
 def test_experts_that_are_linear_modules_get_one_adapter_each():
     """A mixture of experts built from nn.Linear experts: each expert is a Linear layer, with its own adapter."""
+
     class Experts(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -113,7 +140,8 @@ def test_experts_that_are_linear_modules_get_one_adapter_each():
 
         def forward(self, x):
             w = self.router(x).softmax(-1)
-            return sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+            return sum(w[..., i : i + 1] * e(x) for i, e in enumerate(self.experts))
+
     torch.manual_seed(0)
     model = Experts()
     qc.init_compression(model, lora_cfg(targets=["experts"], wq_modules=["experts"]))

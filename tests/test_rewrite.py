@@ -1,4 +1,5 @@
 """init_compression / redundancy_clean / summary on real transformers models (random weights)."""
+
 import copy
 import glob
 import json
@@ -18,9 +19,14 @@ from tests.helpers.tiny_models import make_bert, make_gpt2
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the BERT/GPT-2 models")
 
 DS = DS_COMPRESSION
-BERT_QUANT_CONFIGS = sorted(p for p in glob.glob(f"{DS}/bert/**/*.json", recursive=True)
-                            if json.load(open(p))["compression_training"].get("weight_quantization", {})
-                            .get("shared_parameters", {}).get("enabled"))
+BERT_QUANT_CONFIGS = sorted(
+    p
+    for p in glob.glob(f"{DS}/bert/**/*.json", recursive=True)
+    if json.load(open(p))["compression_training"]
+    .get("weight_quantization", {})
+    .get("shared_parameters", {})
+    .get("enabled")
+)
 GPT2_CONFIG = f"{DS}/gpt2/config/ds_config_W4or8A8_Qgroup64_fp16.json"
 NO_LAYER_REDUCTION = {"compression_training": {"layer_reduction": {"enabled": False}}}
 
@@ -52,7 +58,7 @@ def test_ds_config_quantizes_exactly_selected_modules(path):
     orig = copy.deepcopy(model)
     params_before = {n: (p, p.device, p.dtype) for n, p in model.named_parameters()}
     keys_before = list(model.state_dict().keys())
-    cfg = load_config(path, NO_LAYER_REDUCTION)   # layer reduction needs a teacher: tested by its owner
+    cfg = load_config(path, NO_LAYER_REDUCTION)  # layer reduction needs a teacher: tested by its owner
     assert init_compression(model, cfg) is model
 
     wq_json = raw["compression_training"]["weight_quantization"]
@@ -71,7 +77,7 @@ def test_ds_config_quantizes_exactly_selected_modules(path):
         w0 = origs[name].weight.detach()
         kw = dict(ternary=True) if bits == 2 else {}
         if isinstance(mods[name], nn.Embedding):
-            ref = fake_quantize(w0, bits, granularity="channel", **kw)   # one group per vocab row
+            ref = fake_quantize(w0, bits, granularity="channel", **kw)  # one group per vocab row
         else:
             ref = fake_quantize(w0, bits, num_groups=shared["quantize_groups"], **kw)
         assert torch.equal(mods[name].effective_weight().detach(), ref), name
@@ -115,10 +121,17 @@ def test_state_dict_roundtrip_with_original_model():
 
 
 def _two_groups(a, b):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g1": {"params": {"start_bits": 8, "target_bits": 8}, "modules": a},
-                             "g2": {"params": {"start_bits": 4, "target_bits": 4}, "modules": b}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "g1": {"params": {"start_bits": 8, "target_bits": 8}, "modules": a},
+                    "g2": {"params": {"start_bits": 4, "target_bits": 4}, "modules": b},
+                },
+            }
+        }
+    }
 
 
 def test_module_claimed_twice_is_config_error():
@@ -134,9 +147,14 @@ def test_group_matching_nothing_warns():
 
 
 def test_missing_modules_means_every_compressible_module():
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}}},
+            }
+        }
+    }
     model = init_compression(make_bert(), cfg)
     want = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     got = {n for n, m in model.named_modules() if getattr(m, "qc_wq", None) is not None}
@@ -146,6 +164,7 @@ def test_missing_modules_means_every_compressible_module():
 def _count_weight_fake_quant(model, monkeypatch):
     import qcompress.nn.fused as fused
     import qcompress.nn.layers as layers
+
     ptrs = {p.data_ptr() for p in model.parameters()}
     calls = {"weight": 0, "other": 0}
     real = layers.fake_quantize_spec
@@ -153,18 +172,21 @@ def _count_weight_fake_quant(model, monkeypatch):
     def spy(x, *a, **k):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real(x, *a, **k)
+
     monkeypatch.setattr(layers, "fake_quantize_spec", spy)
-    real_prepared = fused.kernels.fake_quantize_prepared    # the fused path's weight quantizer call
+    real_prepared = fused.kernels.fake_quantize_prepared  # the fused path's weight quantizer call
 
     def spy_prepared(x, *a, **k):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real_prepared(x, *a, **k)
+
     monkeypatch.setattr(fused.kernels, "fake_quantize_prepared", spy_prepared)
-    real_codes = fused._quantize     # the fused path quantizes activations to int8 codes
+    real_codes = fused._quantize  # the fused path quantizes activations to int8 codes
 
     def spy_codes(x, *a, **k):
         calls["weight" if x.data_ptr() in ptrs else "other"] += 1
         return real_codes(x, *a, **k)
+
     monkeypatch.setattr(fused, "_quantize", spy_codes)
     return calls
 
@@ -176,13 +198,13 @@ def test_redundancy_clean_keeps_eval_forward_and_stops_weight_fake_quant(monkeyp
     calls = _count_weight_fake_quant(model, monkeypatch)
     with torch.no_grad():
         before = model(x).logits
-    assert calls["weight"] == 12 and calls["other"] > 0      # per layer: 4 wq1 + 2 wq2 modules
+    assert calls["weight"] == 12 and calls["other"] > 0  # per layer: 4 wq1 + 2 wq2 modules
     assert redundancy_clean(model, cfg) is model
     calls.update(weight=0, other=0)
     with torch.no_grad():
         after = model(x).logits
     assert torch.equal(before, after)
-    assert calls["weight"] == 0 and calls["other"] > 0        # activation quant stays
+    assert calls["weight"] == 0 and calls["other"] > 0  # activation quant stays
     m = dict(model.named_modules())["bert.encoder.layer.1.intermediate.dense"]
     q, s, z, spec = m.quantized_weight()
     assert spec.bits == 4
@@ -216,17 +238,23 @@ def test_gpt2_conv1d_quantized_along_output_dim():
 
 def test_gpt2_conv1d_channel_granularity_is_per_output():
     model = make_gpt2()
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"},
-                                   "modules": ["c_fc"]}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "g": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}, "modules": ["c_fc"]}
+                },
+            }
+        }
+    }
     init_compression(model, cfg)
     m = dict(model.named_modules())["transformer.h.0.mlp.c_fc"]
-    w = m.weight.detach()                                      # [in=96, out=384]
+    w = m.weight.detach()  # [in=96, out=384]
     eff = m.effective_weight().detach()
     assert eff.shape == w.shape
     assert torch.equal(eff, fake_quantize(w.t(), 4, granularity="channel").t())
-    scales = eff.abs().amax(dim=0)                             # one grid per output column
+    scales = eff.abs().amax(dim=0)  # one grid per output column
     assert torch.allclose(scales, w.abs().amax(dim=0))
     x = torch.randn(2, 5, 96)
     torch.testing.assert_close(m(x), x @ eff + m.bias)
@@ -236,9 +264,14 @@ def _static_cfg(momentum=None, bits=8):
     shared = {"enabled": True, "range_calibration": "static", "schedule_offset": 0}
     if momentum is not None:
         shared["momentum"] = momentum
-    return {"compression_training": {"activation_quantization": {
-        "shared_parameters": shared,
-        "different_groups": {"a": {"params": {"bits": bits}, "modules": ["0"]}}}}}
+    return {
+        "compression_training": {
+            "activation_quantization": {
+                "shared_parameters": shared,
+                "different_groups": {"a": {"params": {"bits": bits}, "modules": ["0"]}},
+            }
+        }
+    }
 
 
 @pytest.mark.parametrize("momentum", [None, 0.8])
@@ -255,7 +288,7 @@ def test_static_activation_ema_and_frozen_in_eval(momentum):
     for x in batches:
         cur_lo, cur_hi = x.min().item(), x.max().item()
         if lo is None:
-            lo, hi = cur_lo, cur_hi                              # first batch initialises
+            lo, hi = cur_lo, cur_hi  # first batch initialises
         else:
             lo, hi = m * lo + (1 - m) * cur_lo, m * hi + (1 - m) * cur_hi
         y = model(x)
@@ -266,7 +299,7 @@ def test_static_activation_ema_and_frozen_in_eval(momentum):
     model.eval()
     x = torch.randn(5, 6, generator=g) * 10
     y = model(x)
-    assert obs.min.item() == pytest.approx(lo, rel=1e-6)       # frozen
+    assert obs.min.item() == pytest.approx(lo, rel=1e-6)  # frozen
     ref = F.relu(F.linear(fake_quantize(x, 8, min_val=lo, max_val=hi), lin.weight, lin.bias))
     torch.testing.assert_close(y, ref)
 
@@ -274,9 +307,14 @@ def test_static_activation_ema_and_frozen_in_eval(momentum):
 def test_dynamic_activation_per_token_and_per_sample():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 4))
-    cfg = {"compression_training": {"activation_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "asymmetric"},
-        "different_groups": {"a": {"params": {"bits": 4}, "modules": ["0", "2"]}}}}}
+    cfg = {
+        "compression_training": {
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "asymmetric"},
+                "different_groups": {"a": {"params": {"bits": 4}, "modules": ["0", "2"]}},
+            }
+        }
+    }
     init_compression(model, cfg)
     x = torch.randn(5, 2, 4, 4)
     conv, lin = model[0], model[2]
@@ -287,9 +325,14 @@ def test_dynamic_activation_per_token_and_per_sample():
 
 def test_activation_offset_default_1000():
     model = nn.Sequential(nn.Linear(6, 4))
-    cfg = {"compression_training": {"activation_quantization": {
-        "shared_parameters": {"enabled": True},
-        "different_groups": {"a": {"params": {"bits": 4}, "modules": ["0"]}}}}}
+    cfg = {
+        "compression_training": {
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"a": {"params": {"bits": 4}, "modules": ["0"]}},
+            }
+        }
+    }
     init_compression(model, cfg)
     x = torch.randn(3, 6)
     torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
@@ -297,16 +340,26 @@ def test_activation_offset_default_1000():
 
 
 def test_rewrite_time_config_errors():
-    bad_groups = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_groups": 7},
-        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["query"]}}}}}
+    bad_groups = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_groups": 7},
+                "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["query"]}},
+            }
+        }
+    }
     with pytest.raises(ConfigError) as info:
         init_compression(make_bert(), bad_groups)
     assert info.value.path == "compression_training.weight_quantization.shared_parameters.quantize_groups"
-    assert "9216" in str(info.value)                             # 96 x 96 weights
-    asym_ternary = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "asymmetric"},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 2}, "modules": ["query"]}}}}}
+    assert "9216" in str(info.value)  # 96 x 96 weights
+    asym_ternary = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantization_type": "asymmetric"},
+                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 2}, "modules": ["query"]}},
+            }
+        }
+    }
     with pytest.raises(ConfigError) as info:
         init_compression(make_bert(), asym_ternary)
     assert info.value.path == "compression_training.weight_quantization.different_groups.g.params.target_bits"
@@ -314,10 +367,16 @@ def test_rewrite_time_config_errors():
 
 # --- tied weights, attention internals, group_size alone, pickling --------------------------------
 
+
 def _moq(groups, **shared):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **shared},
-        "different_groups": groups}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **shared},
+                "different_groups": groups,
+            }
+        }
+    }
 
 
 class TiedNet(nn.Module):
@@ -337,10 +396,10 @@ def test_tied_weights_share_one_master_and_do_not_drift():
     model = init_compression(TiedNet(), cfg)
     sched = qcompress.CompressionScheduler(model, cfg)
     assert model.emb.qc_wq.master is model.head.qc_wq.master
-    assert model.head.qc_wq.granularity == model.emb.qc_wq.granularity == "channel"   # one vocabulary table
+    assert model.head.qc_wq.granularity == model.emb.qc_wq.granularity == "channel"  # one vocabulary table
     w0, master0 = model.emb.weight.detach().clone(), model.emb.qc_wq.master.clone()
     for _ in range(20):
-        sched.step()                                    # no optimizer update: nothing may move
+        sched.step()  # no optimizer update: nothing may move
     assert torch.equal(model.emb.weight.detach(), w0) and torch.equal(model.emb.qc_wq.master, master0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randint(0, 32, (8, 5))
@@ -348,7 +407,7 @@ def test_tied_weights_share_one_master_and_do_not_drift():
     F.cross_entropy(model(x).reshape(-1, 32), x.reshape(-1)).backward()
     opt.step()
     update = model.emb.weight.detach() - before
-    sched.step()                                        # the update reaches the master once, not twice
+    sched.step()  # the update reaches the master once, not twice
     assert torch.equal(model.emb.qc_wq.master, master0 + update)
     assert torch.equal(model.emb.weight.detach(), fake_quantize(master0 + update, 4, granularity="channel"))
     # one master in the scheduler's checkpoint, restored for both modules
@@ -361,25 +420,36 @@ def test_tied_weights_share_one_master_and_do_not_drift():
 
 
 def test_tied_weights_quantized_differently_is_config_error():
-    cfg = _moq({"a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
-                "b": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["head"]}})
+    cfg = _moq(
+        {
+            "a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
+            "b": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["head"]},
+        }
+    )
     with pytest.raises(ConfigError) as info:
         init_compression(TiedNet(), cfg)
     msg = str(info.value)
     assert "'emb'" in msg and "'head'" in msg and "start_bits 8 vs 4" in msg
     assert info.value.path == "compression_training.weight_quantization.different_groups.b"
-    same = _moq({"a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
-                 "b": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["head"]}})
+    same = _moq(
+        {
+            "a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["emb"]},
+            "b": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["head"]},
+        }
+    )
     model = init_compression(TiedNet(), same)
     assert model.emb.qc_wq.master is model.head.qc_wq.master
 
 
 def test_gpt2_tied_lm_head_and_wte_share_one_master():
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)).eval()
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0
+        )
+    ).eval()
     assert model.lm_head.weight is model.transformer.wte.weight
-    cfg = _moq({"g": {"params": {"start_bits": 8, "target_bits": 8}}})   # no `modules`: both claimed
+    cfg = _moq({"g": {"params": {"start_bits": 8, "target_bits": 8}}})  # no `modules`: both claimed
     init_compression(model, cfg)
     sched = qcompress.CompressionScheduler(model, cfg)
     head, wte = model.lm_head.qc_wq, model.transformer.wte.qc_wq
@@ -394,13 +464,18 @@ def test_gpt2_tied_lm_head_and_wte_share_one_master():
 def test_multihead_attention_projection_is_not_claimed():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 2, "target_bits": 2}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"g": {"params": {"start_bits": 2, "target_bits": 2}}},
+            }
+        }
+    }
     orig, plain = copy.deepcopy(layer), copy.deepcopy(layer)
     init_compression(layer, cfg)
     claimed = {n for n, m in layer.named_modules() if getattr(m, "qc_wq", None) is not None}
-    assert claimed == {"linear1", "linear2"}               # not self_attn.out_proj: MHA never calls it
+    assert claimed == {"linear1", "linear2"}  # not self_attn.out_proj: MHA never calls it
     # the fused inference path would skip linear1/linear2 too: the compressed layer must not take it
     for name in ("linear1", "linear2"):
         w = getattr(plain, name).weight
@@ -408,7 +483,7 @@ def test_multihead_attention_projection_is_not_claimed():
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(layer(x), orig(x), atol=1e-2)       # the 2 bits do show
+        assert not torch.allclose(layer(x), orig(x), atol=1e-2)  # the 2 bits do show
     named = copy.deepcopy(cfg)
     named["compression_training"]["weight_quantization"]["different_groups"]["g"]["modules"] = ["out_proj"]
     with pytest.raises(ConfigError) as info:
@@ -417,15 +492,20 @@ def test_multihead_attention_projection_is_not_claimed():
     assert "MultiheadAttention" in str(info.value) and "self_attn.out_proj" in str(info.value)
     broad = copy.deepcopy(cfg)
     broad["compression_training"]["weight_quantization"]["different_groups"]["g"]["modules"] = ["."]
-    with pytest.warns(UserWarning, match="self_attn.out_proj"):       # a broad regex skips it, reported
+    with pytest.warns(UserWarning, match="self_attn.out_proj"):  # a broad regex skips it, reported
         broad_model = init_compression(copy.deepcopy(orig), broad)
     assert {n for n, m in broad_model.named_modules() if getattr(m, "qc_wq", None)} == {"linear1", "linear2"}
 
 
 def test_group_size_alone_means_group_granularity():
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantize_groups": 4},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 16}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "quantize_groups": 4},
+                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 16}}},
+            }
+        }
+    }
     model = init_compression(nn.Sequential(nn.Linear(64, 8)), cfg)
     wq = model[0].qc_wq
     assert (wq.granularity, wq.group_size, wq.num_groups) == ("group", 16, None)
@@ -437,6 +517,7 @@ def test_group_size_alone_means_group_granularity():
 @pytest.mark.parametrize("in_forward", [True, False])
 def test_whole_model_pickles(tmp_path, in_forward):
     import io
+
     cfg = _moq({"g": {"params": {"start_bits": 4, "target_bits": 4}}}, quantize_weight_in_forward=in_forward)
     model = init_compression(TiedNet(), cfg)
     buf = io.BytesIO()
@@ -446,6 +527,7 @@ def test_whole_model_pickles(tmp_path, in_forward):
     from qcompress.nn.layers import _new_compress_aware
     from qcompress.nn.state import MasterState, WeightQuant
     from qcompress.quant.reference import Spec
+
     allowed = [_new_compress_aware, WeightQuant, MasterState, Spec, nn.Linear, nn.Embedding]
     with torch.serialization.safe_globals(allowed + [type(m) for m in model.modules()]):
         back = torch.load(buf, weights_only=True)

@@ -1,6 +1,7 @@
 """init_compression as a user applies it to transformers models (random weights, no download):
 module outputs against a closed-form fake-quant oracle, generate(), activation checkpointing with
 static ranges, tied weights, a failed rewrite leaving the model as it was, NaN/Inf naming the module."""
+
 import copy
 import warnings
 
@@ -20,13 +21,14 @@ transformers = pytest.importorskip("transformers", reason="transformers is neede
 
 # --- an oracle written from the README's formulas, not from qcompress.quant --------------------------
 
+
 def fq_rows(a: torch.Tensor, bits: int) -> torch.Tensor:
     """Symmetric fake quantization of each row of a 2-D tensor: scale = absmax / (2^(b-1) - 1),
     round half to even, clamp to [-2^(b-1), 2^(b-1) - 1]; a zero row gets scale 2^-100 (a
     left-padded token's attention output is all zeros)."""
     qmax = 2 ** (bits - 1) - 1
     s = a.float().abs().amax(-1, keepdim=True) / qmax
-    s = torch.where(s == 0, torch.full_like(s, 2.0 ** -100), s)
+    s = torch.where(s == 0, torch.full_like(s, 2.0**-100), s)
     return torch.clamp(torch.round(a.float() / s), -qmax - 1, qmax) * s
 
 
@@ -41,31 +43,49 @@ def oracle_linear(x, w, b, wbits, group_size, abits):
 def wa_cfg(wbits, group_size=None, abits=8, **act_shared):
     params = dict(start_bits=wbits, target_bits=wbits, quantization_period=0)
     params.update(group_size=group_size) if group_size else params.update(granularity="channel")
-    return {"compression_training": {
-        "weight_quantization": {"shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
-                                                      "schedule_offset": 0},
-                                "different_groups": {"w": {"params": params}}},
-        "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0, **act_shared},
-                                    "different_groups": {"a": {"params": {"bits": abits}}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+                "different_groups": {"w": {"params": params}},
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, **act_shared},
+                "different_groups": {"a": {"params": {"bits": abits}}},
+            },
+        }
+    }
 
 
 def llama(seed=0):
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
 
 
 def gpt2(seed=0):
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=1, eos_token_id=2)).eval()
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=1, eos_token_id=2
+        )
+    ).eval()
 
 
 def falcon(seed=0):
-    torch.manual_seed(seed)   # FalconLinear: a Linear subclass with its own forward (composed path)
-    return transformers.FalconForCausalLM(transformers.FalconConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)).eval()
+    torch.manual_seed(seed)  # FalconLinear: a Linear subclass with its own forward (composed path)
+    return transformers.FalconForCausalLM(
+        transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    ).eval()
 
 
 def record_linears(model):
@@ -74,8 +94,11 @@ def record_linears(model):
     recs, handles = {}, []
     for name, mod in model.named_modules():
         if getattr(mod, "qc_aq", None) is not None and mod.qc_kind in ("linear", "hf_conv1d"):
-            handles.append(mod.register_forward_hook(
-                lambda m, a, o, name=name: recs.__setitem__(name, (a[0].detach().clone(), o.detach().clone()))))
+            handles.append(
+                mod.register_forward_hook(
+                    lambda m, a, o, name=name: recs.__setitem__(name, (a[0].detach().clone(), o.detach().clone()))
+                )
+            )
     return recs, handles
 
 
@@ -88,13 +111,13 @@ def test_every_linear_equals_the_closed_form_oracle_and_generate_runs(build, wbi
     recs, handles = record_linears(model)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0                                      # left padding
+    mask[0, :3] = 0  # left padding
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     for h in handles:
         h.remove()
     linears = [n for n, m in mods.items() if isinstance(m, nn.Linear) or m.__class__.__name__.endswith("Conv1D")]
-    assert sorted(recs) == sorted(linears) and len(recs) >= 7    # every Linear, lm_head included
+    assert sorted(recs) == sorted(linears) and len(recs) >= 7  # every Linear, lm_head included
     for name, (x, out) in recs.items():
         mod = mods[name]
         w = mod.weight.detach().t() if mod.qc_kind == "hf_conv1d" else mod.weight.detach()
@@ -108,10 +131,20 @@ def test_every_linear_equals_the_closed_form_oracle_and_generate_runs(build, wbi
 
 # --- static ranges under activation checkpointing ---------------------------------------------------
 
-STATIC = {"compression_training": {"activation_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static",
-                          "quantization_type": "asymmetric", "momentum": 0.5},
-    "different_groups": {"a": {"params": {"bits": 8}}}}}}
+STATIC = {
+    "compression_training": {
+        "activation_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": "static",
+                "quantization_type": "asymmetric",
+                "momentum": 0.5,
+            },
+            "different_groups": {"a": {"params": {"bits": 8}}},
+        }
+    }
+}
 
 
 class Stack(nn.Module):
@@ -138,7 +171,7 @@ def test_static_ranges_fold_each_batch_once_under_activation_checkpointing(reent
     lo = hi = None
     for step in range(3):
         x = torch.randn(4, 5, 16, generator=g) * (step + 1)
-        lo = x.amin() if lo is None else 0.5 * lo + 0.5 * x.amin()     # the documented EMA, by hand
+        lo = x.amin() if lo is None else 0.5 * lo + 0.5 * x.amin()  # the documented EMA, by hand
         hi = x.amax() if hi is None else 0.5 * hi + 0.5 * x.amax()
         for model in (plain, ckpt):
             model.zero_grad()
@@ -171,16 +204,24 @@ def test_static_ranges_with_transformers_gradient_checkpointing():
 
 # --- a rewrite either happens whole or not at all; never twice --------------------------------------
 
+
 def _moq(shared=None, **groups):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **(shared or {})},
-        "different_groups": groups or {"w": {"params": {"start_bits": 4, "target_bits": 4}}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, **(shared or {})},
+                "different_groups": groups or {"w": {"params": {"start_bits": 4, "target_bits": 4}}},
+            }
+        }
+    }
 
 
 def _snapshot(model):
-    return ({n: type(m) for n, m in model.named_modules()},
-            {k: v.clone() for k, v in model.state_dict().items()},
-            [(n, p) for n, p in model.named_parameters()])
+    return (
+        {n: type(m) for n, m in model.named_modules()},
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [(n, p) for n, p in model.named_parameters()],
+    )
 
 
 def _assert_untouched(model, snap):
@@ -200,7 +241,7 @@ def test_config_error_found_while_rewriting_leaves_the_model_as_it_was():
     with pytest.raises(ConfigError, match="quantize_groups: 7 does not divide"):
         init_compression(model, _moq({"quantize_groups": 7}))
     _assert_untouched(model, snap)
-    init_compression(model, _moq())                     # the corrected config applies
+    init_compression(model, _moq())  # the corrected config applies
     assert model.transformer.h[0].attn.c_attn.qc_wq.bits == 4
 
 
@@ -210,7 +251,7 @@ def test_nonfinite_weight_at_step_zero_restores_the_weights_already_quantized():
         model.transformer.h[0].mlp.c_proj.weight[0, 0] = float("nan")
     snap = _snapshot(model)
     with pytest.raises(NonFiniteError):
-        init_compression(model, _moq())   # optimizer-step mode writes wte, c_attn ... before c_proj
+        init_compression(model, _moq())  # optimizer-step mode writes wte, c_attn ... before c_proj
     _assert_untouched(model, snap)
 
 
@@ -218,15 +259,22 @@ def test_tied_range_learning_with_the_head_group_listed_first():
     """lm_head's group before wte's: the learned scale was registered on lm_head, the tied weight's
     owner is wte, which then had none (AttributeError at the first quantization)."""
     model = gpt2()
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "range_learning": True},
-        "different_groups": {"head": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["lm_head"]},
-                             "emb": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte"]}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "range_learning": True},
+                "different_groups": {
+                    "head": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["lm_head"]},
+                    "emb": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte"]},
+                },
+            }
+        }
+    }
     init_compression(model, cfg)
     wte, head = model.transformer.wte, model.lm_head
     assert wte.weight_scale is head.weight_scale
     w = wte.weight.detach()
-    assert torch.equal(wte.weight_scale.detach(), w.abs().amax(1, keepdim=True) / 127)   # per-row minmax
+    assert torch.equal(wte.weight_scale.detach(), w.abs().amax(1, keepdim=True) / 127)  # per-row minmax
     assert torch.equal(head.effective_weight(), fq_rows(w, 8))
     ids = torch.randint(0, 128, (1, 6))
     model(ids).logits.sum().backward()
@@ -239,7 +287,7 @@ def test_second_init_compression_is_refused_and_keeps_the_master():
     init_compression(model, _moq())
     with pytest.raises(ValueError, match="already rewritten by init_compression.*'0'"):
         init_compression(model, _moq())
-    assert torch.equal(model[0].qc_wq.master, w0)     # the full-precision weights are still there
+    assert torch.equal(model[0].qc_wq.master, w0)  # the full-precision weights are still there
 
 
 def test_tied_module_no_group_selects_is_reported_in_optimizer_step_mode():
@@ -249,12 +297,15 @@ def test_tied_module_no_group_selects_is_reported_in_optimizer_step_mode():
     # in forward mode the Parameter is never written: nothing to report
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = _moq({"quantize_weight_in_forward": True},
-                   w={"params": {"start_bits": 4, "target_bits": 4}, "modules": ["lm_head"]})
+        cfg = _moq(
+            {"quantize_weight_in_forward": True},
+            w={"params": {"start_bits": 4, "target_bits": 4}, "modules": ["lm_head"]},
+        )
         init_compression(gpt2(), cfg)
 
 
 # --- NaN / Inf: say which module and which tensor ---------------------------------------------------
+
 
 @pytest.mark.parametrize("fused_on", [True, False], ids=["fused", "unfused"])
 def test_nonfinite_error_names_the_module_and_tensor(fused_on):
@@ -265,8 +316,11 @@ def test_nonfinite_error_names_the_module_and_tensor(fused_on):
     with fused.enabled(fused_on):
         with torch.no_grad():
             up.weight[3, 3] = float("inf")
-        with pytest.raises(NonFiniteError, match=r"module 'model.layers.1.mlp.up_proj' \(Linear\), its weight: "
-                                                 r"1 of 128 quantization groups contain NaN or Inf"):
+        with pytest.raises(
+            NonFiniteError,
+            match=r"module 'model.layers.1.mlp.up_proj' \(Linear\), its weight: "
+            r"1 of 128 quantization groups contain NaN or Inf",
+        ):
             model(ids)
         with torch.no_grad():
             up.weight[3, 3] = 0.0
@@ -278,21 +332,40 @@ def test_nonfinite_error_names_the_module_and_tensor(fused_on):
 def test_config_error_with_layer_reduction_leaves_the_student_weights_alone():
     """The claims are checked before layer reduction copies the teacher's layers in (it copied
     first, so a config error left a half-initialised student behind)."""
+
     def bert(layers, seed):
         torch.manual_seed(seed)
-        return transformers.BertModel(transformers.BertConfig(
-            vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-            intermediate_size=40, max_position_embeddings=32))
+        return transformers.BertModel(
+            transformers.BertConfig(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                intermediate_size=40,
+                max_position_embeddings=32,
+            )
+        )
+
     student, teacher = bert(2, 1), bert(4, 0)
     snap = _snapshot(student)
-    cfg = {"compression_training": {
-        "layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "encoder.layer",
-                            "teacher_layer": [1, 3], "other_module_name": ["embeddings"]},
-        "weight_quantization": {"shared_parameters": {"enabled": True},
-                                "different_groups": {"a": {"params": {"start_bits": 8, "target_bits": 8},
-                                                           "modules": ["query"]},
-                                                     "b": {"params": {"start_bits": 4, "target_bits": 4},
-                                                           "modules": ["attention.self"]}}}}}
+    cfg = {
+        "compression_training": {
+            "layer_reduction": {
+                "enabled": True,
+                "keep_number_layer": 2,
+                "module_name_prefix": "encoder.layer",
+                "teacher_layer": [1, 3],
+                "other_module_name": ["embeddings"],
+            },
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {
+                    "a": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["query"]},
+                    "b": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["attention.self"]},
+                },
+            },
+        }
+    }
     with pytest.raises(ConfigError, match="already claimed by group 'a'"):
         init_compression(student, cfg, teacher_model=teacher)
     _assert_untouched(student, snap)
@@ -300,23 +373,28 @@ def test_config_error_with_layer_reduction_leaves_the_student_weights_alone():
 
 def test_errors_found_at_rewrite_time_name_the_file_the_key_came_from(tmp_path):
     base = tmp_path / "ds_config.json"
-    base.write_text('{"train_batch_size": 8, "compression_training": {"weight_quantization": {'
-                    '"shared_parameters": {"enabled": true, "quantize_weight_in_forward": true}, '
-                    '"different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}}}}}')
+    base.write_text(
+        '{"train_batch_size": 8, "compression_training": {"weight_quantization": {'
+        '"shared_parameters": {"enabled": true, "quantize_weight_in_forward": true}, '
+        '"different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}}}}}'
+    )
     frag = tmp_path / "groups7.yaml"
-    frag.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n"
-                    "      quantize_groups: 7\n")
+    frag.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      quantize_groups: 7\n")
     with pytest.raises(ConfigError, match=r"quantize_groups: 7 does not divide .*\(in .*groups7\.yaml\)$"):
         init_compression(gpt2(), qc.load_config(str(base), str(frag)))
     whole = tmp_path / "whole.yaml"
-    whole.write_text("compression_training:\n  weight_quantization:\n    shared_parameters: "
-                     "{enabled: true, quantize_groups: 7}\n    different_groups:\n"
-                     "      w: {params: {start_bits: 8, target_bits: 8}}\n")
+    whole.write_text(
+        "compression_training:\n  weight_quantization:\n    shared_parameters: "
+        "{enabled: true, quantize_groups: 7}\n    different_groups:\n"
+        "      w: {params: {start_bits: 8, target_bits: 8}}\n"
+    )
     with pytest.raises(ConfigError, match=r"quantize_groups: 7 does not divide .*\(in .*whole\.yaml\)$"):
-        init_compression(gpt2(), str(whole))   # a path given to init_compression itself
+        init_compression(gpt2(), str(whole))  # a path given to init_compression itself
     none = tmp_path / "none.yaml"
-    none.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
-                    "      w: {modules: [nothing_has_this_name]}\n")
+    none.write_text(
+        "compression_training:\n  weight_quantization:\n    different_groups:\n"
+        "      w: {modules: [nothing_has_this_name]}\n"
+    )
     with pytest.warns(UserWarning, match=r"group 'w' matches no compressible module .*\(in .*none\.yaml\)"):
         init_compression(gpt2(), qc.load_config(str(base), str(none)))
     # a single dict has no file to name: the message is as before
@@ -327,34 +405,49 @@ def test_errors_found_at_rewrite_time_name_the_file_the_key_came_from(tmp_path):
 
 def test_group_matching_nothing_says_why():
     def act(modules):
-        return {"compression_training": {"activation_quantization": {
-            "shared_parameters": {"enabled": True},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": modules}}}}}
+        return {
+            "compression_training": {
+                "activation_quantization": {
+                    "shared_parameters": {"enabled": True},
+                    "different_groups": {"a": {"params": {"bits": 8}, "modules": modules}},
+                }
+            }
+        }
+
     # an empty list selects nothing; it is not 'all' (the warning said "patterns all")
     model = gpt2()
     with pytest.warns(UserWarning, match=r"group 'a' matches no compressible module \(patterns \[\]\)$"):
         init_compression(model, act([]))
-    assert qc.summary(model).count("\n") == 1     # header and rule only: nothing was rewritten
+    assert qc.summary(model).count("\n") == 1  # header and rule only: nothing was rewritten
     # the regex selects the embeddings, which activation quantization does not act on
-    with pytest.warns(UserWarning, match=r"\(patterns \['wte'\]\); it selects 'transformer.wte' \(Embedding\), "
-                                         r"but activation_quantization acts on Linear, Conv, transformers Conv1D, fused experts only"):
+    with pytest.warns(
+        UserWarning,
+        match=r"\(patterns \['wte'\]\); it selects 'transformer.wte' \(Embedding\), "
+        r"but activation_quantization acts on Linear, Conv, transformers Conv1D, fused experts only",
+    ):
         init_compression(gpt2(), act(["wte"]))
 
 
 def test_compressed_layers_keep_their_forward_argument_names():
     """`linear(input=x)` works on a torch Linear; the rewrite renamed the argument to x."""
     from transformers.pytorch_utils import Conv1D
+
     torch.manual_seed(0)
-    plain = nn.ModuleDict({"lin": nn.Linear(4, 4), "conv": nn.Conv1d(4, 4, 1), "emb": nn.Embedding(5, 4),
-                           "c1d": Conv1D(4, 4)})
+    plain = nn.ModuleDict(
+        {"lin": nn.Linear(4, 4), "conv": nn.Conv1d(4, 4, 1), "emb": nn.Embedding(5, 4), "c1d": Conv1D(4, 4)}
+    )
     model = copy.deepcopy(plain)
     init_compression(model, wa_cfg(8))
-    calls = {"lin": ("input", torch.randn(2, 4)), "conv": ("input", torch.randn(2, 4, 3)),
-             "emb": ("input", torch.tensor([1, 2])), "c1d": ("x", torch.randn(2, 4))}
+    calls = {
+        "lin": ("input", torch.randn(2, 4)),
+        "conv": ("input", torch.randn(2, 4, 3)),
+        "emb": ("input", torch.tensor([1, 2])),
+        "c1d": ("x", torch.randn(2, 4)),
+    }
     for name, (kw, x) in calls.items():
         assert isinstance(model[name], qc.nn.CompressMixin), name
         assert torch.equal(model[name](**{kw: x}), model[name](x)), name
-        plain[name](**{kw: x})                       # the same keyword the library class takes
+        plain[name](**{kw: x})  # the same keyword the library class takes
 
 
 def test_modules_hooked_by_accelerate_are_compressed():
@@ -365,7 +458,7 @@ def test_modules_hooked_by_accelerate_are_compressed():
     hooks.attach_align_device_hook(model, execution_device=torch.device("cpu"))
     assert "_old_forward" in model.model.layers[0].mlp.up_proj.__dict__
     with warnings.catch_warnings():
-        warnings.simplefilter("error")          # accelerate's own convention: nothing to report
+        warnings.simplefilter("error")  # accelerate's own convention: nothing to report
         init_compression(model, wa_cfg(4, 32))
     recs, handles = record_linears(model)
     with torch.no_grad():
@@ -375,7 +468,7 @@ def test_modules_hooked_by_accelerate_are_compressed():
         mod = dict(model.named_modules())[name]
         ref = oracle_linear(x, mod.weight.detach(), None if mod.bias is None else mod.bias.detach(), 4, 32, 8)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=name)
-    hooks.remove_hook_from_submodules(model)    # the forward left behind is still the compressed one
+    hooks.remove_hook_from_submodules(model)  # the forward left behind is still the compressed one
     up = model.model.layers[0].mlp.up_proj
     x = torch.randn(1, 3, 64)
     torch.testing.assert_close(up(x), oracle_linear(x, up.weight.detach(), None, 4, 32, 8), rtol=1e-5, atol=1e-6)
@@ -397,7 +490,7 @@ def test_progressive_layer_drop_error_leaves_the_model_as_it_was():
         init_compression(model, cfg)
     _assert_untouched(model, snap)
     cfg["progressive_layer_drop"]["modules"] = [r"h\.\d+$"]
-    init_compression(model, cfg)                      # the corrected config applies
+    init_compression(model, cfg)  # the corrected config applies
     assert model.transformer.h[1].qc_pld.depth == 2 and model.lm_head.qc_aq.active
 
 
@@ -408,21 +501,26 @@ def test_embedding_with_max_norm(sparse):
     torch.manual_seed(0)
     plain = nn.Embedding(10, 4, max_norm=1.0, padding_idx=0, sparse=sparse)
     with torch.no_grad():
-        plain.weight.mul_(3)                      # most rows above max_norm
+        plain.weight.mul_(3)  # most rows above max_norm
     model = nn.Sequential(copy.deepcopy(plain))
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}}},
+            }
+        }
+    }
     init_compression(model, cfg)
     idx = torch.tensor([0, 3, 5, 3])
-    ref_out = plain(idx)                          # renorms rows 0, 3, 5 of plain.weight in place
+    ref_out = plain(idx)  # renorms rows 0, 3, 5 of plain.weight in place
     out = model(idx)
-    assert torch.equal(model[0].weight, plain.weight)            # renormed as the library class does
-    assert torch.equal(out, fq_rows(plain.weight.detach(), 8)[idx])   # then quantized per row
+    assert torch.equal(model[0].weight, plain.weight)  # renormed as the library class does
+    assert torch.equal(out, fq_rows(plain.weight.detach(), 8)[idx])  # then quantized per row
     assert not torch.equal(out, ref_out)
     out.sum().backward()
     grad = model[0].weight.grad.to_dense()
-    assert torch.equal(grad[0], torch.zeros(4)) and grad[3].eq(2).all()   # padding row; row 3 twice
+    assert torch.equal(grad[0], torch.zeros(4)) and grad[3].eq(2).all()  # padding row; row 3 twice
 
 
 class _BackboneAndHead(nn.Module):
@@ -446,8 +544,12 @@ def test_a_child_named_module_is_not_taken_for_a_wrapper():
     assert [line.split()[0] for line in qc.summary(model).splitlines()[2:]] == ["module.0", "head"]
     x = torch.randn(3, 8)
     h = model.module(x)
-    torch.testing.assert_close(model(x), oracle_linear(h, model.head.weight.detach(), model.head.bias.detach(),
-                                                       4, None, 8), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        model(x),
+        oracle_linear(h, model.head.weight.detach(), model.head.bias.detach(), 4, None, 8),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     # a real wrapper (nothing but `module`) is still looked through
     wrapped = nn.parallel.DataParallel(_BackboneAndHead())
     init_compression(wrapped, wa_cfg(4))
@@ -458,13 +560,22 @@ def test_weights_no_group_can_compress_are_reported():
     """transformers 5 keeps a mixture-of-experts block's experts as 3-D Parameters of one module:
     'every compressible module' quantized 17 % of a Mixtral's matrices and said nothing."""
     torch.manual_seed(0)
-    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    moe = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     experts = 2 * (4 * 256 * 64 + 4 * 64 * 128)
     routers = 2 * 4 * 64
     matrices = sum(p.numel() for p in moe.parameters() if p.dim() >= 2)
-    assert (experts + routers) / matrices > 0.8        # most of the model is experts
+    assert (experts + routers) / matrices > 0.8  # most of the model is experts
     # the experts are compressible now (qcompress/nn/experts.py): only the routers (<5 %) stay FP32
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -474,9 +585,17 @@ def test_weights_no_group_can_compress_are_reported():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         init_compression(llama(), wa_cfg(4, 32))
-        vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                           num_attention_heads=4, image_size=32, patch_size=8))
-        init_compression(vit, wa_cfg(8))          # cls token and position embeddings: about 1 %
+        vit = transformers.ViTModel(
+            transformers.ViTConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=8,
+            )
+        )
+        init_compression(vit, wa_cfg(8))  # cls token and position embeddings: about 1 %
     # named groups choose their modules themselves: nothing to add
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -490,8 +609,9 @@ def test_failed_rewrite_removes_the_hooks_it_put_on_related_modules():
     """Channel pruning hooks the BatchNorm after the pruned conv; when a later step of the rewrite
     failed, the hook stayed and every forward then raised AttributeError (qc_pruning was gone)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 4 * 4, 2))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 2)
+    )
     with torch.no_grad():
         model[4].weight[0, 0] = float("nan")
     snap = _snapshot(model)
@@ -499,24 +619,36 @@ def test_failed_rewrite_removes_the_hooks_it_put_on_related_modules():
     cfg = _moq()
     cfg["compression_training"]["channel_pruning"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0},
-        "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"], "related_modules": [["^1$"]]}}}
+        "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"], "related_modules": [["^1$"]]}},
+    }
     with pytest.raises(NonFiniteError, match=r"module '4' \(Linear\)|NaN"):
-        init_compression(model, cfg)        # optimizer-step quantization of '4' at step 0
+        init_compression(model, cfg)  # optimizer-step quantization of '4' at step 0
     _assert_untouched(model, snap)
     assert (dict(model[1]._forward_hooks), dict(model[1]._forward_pre_hooks)) == hooks
     model.eval()(torch.randn(2, 3, 4, 4))
 
 
 def _ranges_cfg(observer, learned, in_forward=True):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": in_forward,
-                              "range_learning": learned, "observer": observer},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": in_forward,
+                    "range_learning": learned,
+                    "observer": observer,
+                },
+                "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}}},
+            }
+        }
+    }
 
 
-@pytest.mark.parametrize("observer,learned,in_forward", [("mse", False, True), ("mse", False, False),
-                                                         ("minmax", True, True), ("mse", True, True)],
-                         ids=["mse", "mse_optimizer_step", "learned", "learned_mse"])
+@pytest.mark.parametrize(
+    "observer,learned,in_forward",
+    [("mse", False, True), ("mse", False, False), ("minmax", True, True), ("mse", True, True)],
+    ids=["mse", "mse_optimizer_step", "learned", "learned_mse"],
+)
 def test_weights_loaded_after_the_rewrite_get_their_own_ranges(observer, learned, in_forward):
     """A plain checkpoint loaded into a compressed model (pretrained weights after compressing a
     randomly initialised one): the learned scales and mse shrink factors stayed those observed on
@@ -527,7 +659,7 @@ def test_weights_loaded_after_the_rewrite_get_their_own_ranges(observer, learned
         for p in pretrained.parameters():
             p.mul_(3)
     late = init_compression(llama(seed=0), cfg)
-    late.load_state_dict(pretrained.state_dict(), strict=not learned)    # no scales in the file
+    late.load_state_dict(pretrained.state_dict(), strict=not learned)  # no scales in the file
     early = llama(seed=0)
     early.load_state_dict(pretrained.state_dict())
     init_compression(early, cfg)
@@ -548,7 +680,7 @@ def test_meta_device_init_then_weights():
         init_compression(model, cfg)
         model.to_empty(device="cpu")
         model.load_state_dict(reference.state_dict(), strict=False)
-        for name, buf in reference.named_buffers():      # rotary frequencies are not in state_dict
+        for name, buf in reference.named_buffers():  # rotary frequencies are not in state_dict
             model.get_buffer(name).copy_(buf)
         direct = init_compression(copy.deepcopy(reference), cfg)
         for model_ in (model, direct):
@@ -565,7 +697,7 @@ def test_a_child_named_module_is_exported_and_loaded_whole(tmp_path):
     model = _BackboneAndHead()
     cfg = wa_cfg(4)
     init_compression(model, cfg)
-    qc.CompressionScheduler(model, cfg)          # accepts the model as rewritten
+    qc.CompressionScheduler(model, cfg)  # accepts the model as rewritten
     model.eval()
     qc.export_quantized(model, tmp_path / "out", cfg)
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
@@ -573,7 +705,7 @@ def test_a_child_named_module_is_exported_and_loaded_whole(tmp_path):
     assert any(n.startswith("module.0.") for n in names) and any(n.startswith("head.") for n in names)
     fresh = _BackboneAndHead()
     with torch.no_grad():
-        fresh.head.weight.add_(1.0)                  # not the trained head: loading must replace it
+        fresh.head.weight.add_(1.0)  # not the trained head: loading must replace it
     loaded = qc.load_quantized(tmp_path / "out", fresh)
     x = torch.randn(5, 8)
     with torch.no_grad():
@@ -588,7 +720,10 @@ def test_nonfinite_master_in_optimizer_step_mode_names_the_module():
     init_compression(model, cfg)
     sched = qc.CompressionScheduler(model, cfg)
     with torch.no_grad():
-        model.transformer.h[0].mlp.c_proj.weight[0, 0] = float("nan")    # what a bad step writes
-    with pytest.raises(NonFiniteError, match=r"module 'transformer\.h\.0\.mlp\.c_proj' \(Conv1D\), its weight's "
-                                             r"full-precision master: .*NaN"):
+        model.transformer.h[0].mlp.c_proj.weight[0, 0] = float("nan")  # what a bad step writes
+    with pytest.raises(
+        NonFiniteError,
+        match=r"module 'transformer\.h\.0\.mlp\.c_proj' \(Conv1D\), its weight's "
+        r"full-precision master: .*NaN",
+    ):
         sched.step()

@@ -6,6 +6,7 @@ weights replaced by qcompress.quant.fake_quantize (reference backend) and its co
 inputs fake-quantized by forward pre-hooks. The module's own forward (padding, standardization,
 scaling, adapters) then runs exactly as the compressed model must run it.
 """
+
 import copy
 import io
 import math
@@ -23,6 +24,7 @@ from qcompress.quant import fake_quantize
 
 
 # --- real-world module patterns ----------------------------------------------------------------
+
 
 def same_pads(size, k, stride, dilation):
     """TensorFlow "SAME": output ceil(size / stride); the odd pixel of padding goes after."""
@@ -167,9 +169,17 @@ class TinyTransformer(nn.Module):
         self.emb = ScaledEmbedding(vocab, d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
-            self.blocks.append(nn.ModuleDict({
-                "ln1": nn.LayerNorm(d), "attn": Attention(d, heads), "ln2": nn.LayerNorm(d),
-                "fc1": ScaledLinear(d, 2 * d), "fc2": nn.Linear(2 * d, d)}))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        "ln1": nn.LayerNorm(d),
+                        "attn": Attention(d, heads),
+                        "ln2": nn.LayerNorm(d),
+                        "fc1": ScaledLinear(d, 2 * d),
+                        "fc2": nn.Linear(2 * d, d),
+                    }
+                )
+            )
         self.lm_head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -183,7 +193,7 @@ class TinyTransformer(nn.Module):
 def make_model(name, seed=0):
     torch.manual_seed(seed)
     model = TFStyleCNN() if name == "cnn" else TinyTransformer()
-    if name == "cnn":       # non-trivial BatchNorm statistics, so eval mode does not hide errors
+    if name == "cnn":  # non-trivial BatchNorm statistics, so eval mode does not hide errors
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, nn.BatchNorm2d):
@@ -202,37 +212,54 @@ def make_input(name, seed=1):
 
 
 MODELS = ["cnn", "transformer"]
-SUBCLASSED = {"cnn": ["stem", "ws", "block1.dw", "reduce", "head"],
-              "transformer": ["emb"] + [f"blocks.{i}.{m}" for i in (0, 1) for m in ("attn.qkv", "attn.out", "fc1")]}
+SUBCLASSED = {
+    "cnn": ["stem", "ws", "block1.dw", "reduce", "head"],
+    "transformer": ["emb"] + [f"blocks.{i}.{m}" for i in (0, 1) for m in ("attn.qkv", "attn.out", "fc1")],
+}
 
 
 # --- configs and the oracle --------------------------------------------------------------------
 
+
 def wq_cfg(conv_bits, linear_bits, act_bits=None, in_forward=True):
     groups = {
-        "convs": {"params": {"start_bits": conv_bits, "target_bits": conv_bits, "granularity": "channel"},
-                  "modules": [r"stem|ws|dw|pw|reduce"]},
-        "linears": {"params": {"start_bits": linear_bits, "target_bits": linear_bits, "group_size": 8},
-                    "modules": [r"head|qkv|out|fc"]},
+        "convs": {
+            "params": {"start_bits": conv_bits, "target_bits": conv_bits, "granularity": "channel"},
+            "modules": [r"stem|ws|dw|pw|reduce"],
+        },
+        "linears": {
+            "params": {"start_bits": linear_bits, "target_bits": linear_bits, "group_size": 8},
+            "modules": [r"head|qkv|out|fc"],
+        },
         "emb": {"params": {"start_bits": linear_bits, "target_bits": linear_bits}, "modules": [r"^emb$"]},
     }
-    ct = {"weight_quantization": {"shared_parameters": {"enabled": True,
-                                                        "quantize_weight_in_forward": in_forward},
-                                  "different_groups": groups}}
+    ct = {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": in_forward},
+            "different_groups": groups,
+        }
+    }
     if act_bits:
-        ct["activation_quantization"] = {"shared_parameters": {"enabled": True, "schedule_offset": 0},
-                                         "different_groups": {"a": {"params": {"bits": act_bits}}}}
+        ct["activation_quantization"] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0},
+            "different_groups": {"a": {"params": {"bits": act_bits}}},
+        }
     return {"compression_training": ct}
 
 
-W8 = {"compression_training": {"weight_quantization": {   # every compressible module, 8 bits
-    "shared_parameters": {"enabled": True},
-    "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}}}}}}
+W8 = {
+    "compression_training": {
+        "weight_quantization": {  # every compressible module, 8 bits
+            "shared_parameters": {"enabled": True},
+            "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}}},
+        }
+    }
+}
 
 
 def compress(model, cfg):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # groups matching nothing in one of the two models
+        warnings.simplefilter("ignore")  # groups matching nothing in one of the two models
         return init_compression(model, cfg)
 
 
@@ -255,8 +282,10 @@ def oracle_of(name, model, quantize_weights=True):
         if aq is not None and aq.active:
             gran = "channel" if aq.per == "sample" else "token"
             r.register_forward_pre_hook(
-                lambda mod, args, b=aq.bits, g=gran: (fake_quantize(args[0], b, granularity=g,
-                                                                    backend="reference"),) + args[1:])
+                lambda mod, args, b=aq.bits, g=gran: (
+                    (fake_quantize(args[0], b, granularity=g, backend="reference"),) + args[1:]
+                )
+            )
     return ref.eval()
 
 
@@ -266,8 +295,9 @@ def rel_err(a, b):
 
 # --- the mechanism -----------------------------------------------------------------------------
 
+
 def test_fast_path_for_library_forwards_composed_for_own_forwards():
-    class Tagged(nn.Linear):          # inherits forward: may use the fast path
+    class Tagged(nn.Linear):  # inherits forward: may use the fast path
         def extra_repr(self):
             return "tagged " + super().extra_repr()
 
@@ -275,16 +305,30 @@ def test_fast_path_for_library_forwards_composed_for_own_forwards():
         def _conv_forward(self, x, w, b):
             return super()._conv_forward(x, w * 2.0, b)
 
-    model = nn.ModuleDict({"lin": nn.Linear(4, 4), "conv": nn.Conv2d(2, 2, 3), "tag": Tagged(4, 4),
-                           "eq": EqualizedLinear(4, 4), "same": Conv2dSameDynamic(2, 2, 3),
-                           "own": OwnConvForward(2, 2, 3), "conv3": nn.Conv3d(2, 2, 3)})
-    assert [own_forward(type(m)) for m in model.values()] == [None, None, None, "forward", "forward",
-                                                               "_conv_forward", None]
+    model = nn.ModuleDict(
+        {
+            "lin": nn.Linear(4, 4),
+            "conv": nn.Conv2d(2, 2, 3),
+            "tag": Tagged(4, 4),
+            "eq": EqualizedLinear(4, 4),
+            "same": Conv2dSameDynamic(2, 2, 3),
+            "own": OwnConvForward(2, 2, 3),
+            "conv3": nn.Conv3d(2, 2, 3),
+        }
+    )
+    assert [own_forward(type(m)) for m in model.values()] == [
+        None,
+        None,
+        None,
+        "forward",
+        "forward",
+        "_conv_forward",
+        None,
+    ]
     model = init_compression(model, W8)
     fast = {k: isinstance(m, (_LinearForward, _ConvForward)) for k, m in model.items()}
     composed = {k: isinstance(m, _ComposedForward) for k, m in model.items()}
-    assert fast == {"lin": True, "conv": True, "tag": True, "eq": False, "same": False, "own": False,
-                    "conv3": True}
+    assert fast == {"lin": True, "conv": True, "tag": True, "eq": False, "same": False, "own": False, "conv3": True}
     assert composed == {k: not v for k, v in fast.items()}
     # the overridden _conv_forward sees the quantized weight (doubled), as written
     own = model["own"]
@@ -301,8 +345,8 @@ def test_16bit_weights_match_the_original_model(name):
     compress(model, wq_cfg(16, 16))
     mods = compressed_modules(model)
     composed = [n for n, m in mods.items() if isinstance(m, _ComposedForward)]
-    assert composed == SUBCLASSED[name]                              # the subclasses were compressed
-    for m in mods.values():                                          # and their weights do change
+    assert composed == SUBCLASSED[name]  # the subclasses were compressed
+    for m in mods.values():  # and their weights do change
         assert not torch.equal(m.effective_weight(), m.weight)
     with torch.no_grad():
         got, want = model(x), orig(x)
@@ -352,34 +396,41 @@ def test_compressed_train_export_reload(name, in_forward, tmp_path):
         for m in compressed_modules(model).values():
             q, s, z, spec = m.quantized_weight()
             gs = spec.group_size if spec.granularity == "group" else None
-            assert torch.equal(qc.quant.dequantize(q, s, z, group_size=gs).reshape(m.weight.shape),
-                               m.weight.detach())
+            assert torch.equal(qc.quant.dequantize(q, s, z, group_size=gs).reshape(m.weight.shape), m.weight.detach())
 
     out_dir = tmp_path / "export"
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # conv / embedding records: qcompress-only
+        warnings.simplefilter("ignore")  # conv / embedding records: qcompress-only
         qc.export_quantized(model, out_dir)
     for mode in ("exact", "fast"):
         loaded = qc.load_quantized(out_dir, make_model(name, seed=99), mode=mode)
         with torch.no_grad():
             if mode == "exact":
                 assert torch.equal(loaded(x), got), mode
-            else:   # fused low-bit kernels sum in another order (bound: README, Export, fast mode)
+            else:  # fused low-bit kernels sum in another order (bound: README, Export, fast mode)
                 torch.testing.assert_close(loaded(x), got, rtol=1e-4, atol=1e-5)
 
 
 # --- conv variants -----------------------------------------------------------------------------
 
 CONVS = {
-    "conv1d_grouped_dilated_reflect": (lambda: nn.Conv1d(4, 6, 3, dilation=2, padding=2, groups=2,
-                                                         padding_mode="reflect"), (2, 4, 11)),
-    "conv2d_depthwise_circular": (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4,
-                                                    padding_mode="circular"), (2, 4, 7, 7)),
-    "conv2d_same_dilated_replicate": (lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2,
-                                                        padding_mode="replicate"), (2, 4, 9, 8)),
+    "conv1d_grouped_dilated_reflect": (
+        lambda: nn.Conv1d(4, 6, 3, dilation=2, padding=2, groups=2, padding_mode="reflect"),
+        (2, 4, 11),
+    ),
+    "conv2d_depthwise_circular": (
+        lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4, padding_mode="circular"),
+        (2, 4, 7, 7),
+    ),
+    "conv2d_same_dilated_replicate": (
+        lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2, padding_mode="replicate"),
+        (2, 4, 9, 8),
+    ),
     "conv3d_grouped_strided": (lambda: nn.Conv3d(4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 5, 6, 5)),
-    "conv2d_same_dynamic_depthwise_dilated": (lambda: Conv2dSameDynamic(4, 8, 3, stride=2, dilation=2,
-                                                                        groups=4), (2, 4, 9, 10)),
+    "conv2d_same_dynamic_depthwise_dilated": (
+        lambda: Conv2dSameDynamic(4, 8, 3, stride=2, dilation=2, groups=4),
+        (2, 4, 9, 10),
+    ),
 }
 
 
@@ -390,12 +441,18 @@ def test_conv_variants_quantize_export_and_reload(case, tmp_path):
     model = nn.Sequential(build())
     ref = copy.deepcopy(model)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
-    cfg = {"compression_training": {
-        "weight_quantization": {"shared_parameters": {"enabled": True},
-                                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4,
-                                                                      "granularity": "channel"}}}},
-        "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0},
-                                    "different_groups": {"a": {"params": {"bits": 8}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}}},
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                "different_groups": {"a": {"params": {"bits": 8}}},
+            },
+        }
+    }
     init_compression(model, cfg)
     with torch.no_grad():
         ref[0].weight.copy_(fake_quantize(ref[0].weight, 4, granularity="channel", backend="reference"))
@@ -413,8 +470,11 @@ def test_conv_variants_quantize_export_and_reload(case, tmp_path):
 def test_conv_transpose_is_refused_by_name_or_skipped_with_warning():
     def net():
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 3, 2, stride=2))
-    wq = {"shared_parameters": {"enabled": True},
-          "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": [r"\d"]}}}
+
+    wq = {
+        "shared_parameters": {"enabled": True},
+        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": [r"\d"]}},
+    }
     with pytest.raises(ConfigError, match=r"different_groups\.g\.modules\[0\].*'1'.*ConvTranspose2d.*transposed"):
         init_compression(net(), {"compression_training": {"weight_quantization": wq}})
     del wq["different_groups"]["g"]["modules"]
@@ -426,8 +486,11 @@ def test_conv_transpose_is_refused_by_name_or_skipped_with_warning():
 
 def test_parametrized_and_computed_weights_are_refused():
     from torch.nn.utils import parametrizations
-    wq = {"shared_parameters": {"enabled": True},
-          "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["proj"]}}}
+
+    wq = {
+        "shared_parameters": {"enabled": True},
+        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["proj"]}},
+    }
     model = nn.ModuleDict({"proj": parametrizations.weight_norm(nn.Linear(4, 4))})
     with pytest.raises(ConfigError, match=r"'proj'.*ParametrizedLinear.*parametrize"):
         init_compression(model, {"compression_training": {"weight_quantization": wq}})
@@ -442,22 +505,25 @@ def test_grouped_conv_channel_pruning_is_refused_naming_the_module():
     def net():
         torch.manual_seed(0)
         return nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8))
-    cp = {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
-          "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"],
-                                     "related_modules": [["^1$"]]}}}
+
+    cp = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+        "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"], "related_modules": [["^1$"]]}},
+    }
     with pytest.raises(ConfigError, match=r"channel_pruning.*related_modules.*'1'.*grouped.*groups=8"):
         init_compression(net(), {"compression_training": {"channel_pruning": cp}})
     cp["different_groups"]["c"].pop("related_modules")
-    cp["different_groups"]["c"]["modules"] = ["^1$"]       # the depthwise conv itself (pruning/setup.py)
+    cp["different_groups"]["c"]["modules"] = ["^1$"]  # the depthwise conv itself (pruning/setup.py)
     with pytest.raises(ConfigError, match=r"channel_pruning.*modules.*'1'.*grouped.*groups=8"):
         init_compression(net(), {"compression_training": {"channel_pruning": cp}})
-    cp["different_groups"]["c"]["modules"] = ["^0$"]       # masks on the dense conv feeding it work
+    cp["different_groups"]["c"]["modules"] = ["^0$"]  # masks on the dense conv feeding it work
     model = init_compression(net(), {"compression_training": {"channel_pruning": cp}})
     dead = model[0](torch.randn(2, 3, 5, 5)).detach().abs().sum((0, 2, 3)) == 0
     assert int(dead.sum()) == 4
 
 
 # --- what the mechanism cannot see is reported -------------------------------------------------
+
 
 class PretransposedLinear(nn.Linear):
     """An inference-optimized port that reads a pre-transposed copy, never self.weight."""
@@ -472,14 +538,19 @@ class PretransposedLinear(nn.Linear):
 
 def test_forward_that_never_reads_the_weight_warns_naming_the_class():
     model = nn.Sequential(PretransposedLinear(4, 3), PretransposedLinear(3, 3))
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4}}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4}}},
+            }
+        }
+    }
     init_compression(model, cfg)
     with pytest.warns(UserWarning, match=r"^0: .*PretransposedLinear\.forward ran without reading self\.weight"):
         model(torch.randn(2, 4))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")            # once per class
+        warnings.simplefilter("error")  # once per class
         model(torch.randn(2, 4))
     # a forward that does read it stays silent
     eq = init_compression(nn.Sequential(EqualizedLinear(4, 3)), cfg)
@@ -509,19 +580,27 @@ def test_input_passed_by_keyword_is_quantized():
             return super().forward(inputs) + shift
 
     model = nn.Sequential(Kw(4, 3))
-    cfg = {"compression_training": {"activation_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0},
-        "different_groups": {"a": {"params": {"bits": 4}}}}}}
+    cfg = {
+        "compression_training": {
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                "different_groups": {"a": {"params": {"bits": 4}}},
+            }
+        }
+    }
     init_compression(model, cfg)
     x = torch.randn(3, 4)
     with torch.no_grad():
-        want = F.linear(fake_quantize(x, 4, granularity="token", backend="reference"),
-                        model[0].weight, model[0].bias) + 1.0
+        want = (
+            F.linear(fake_quantize(x, 4, granularity="token", backend="reference"), model[0].weight, model[0].bias)
+            + 1.0
+        )
         assert torch.equal(model[0](inputs=x, shift=1.0), want)
         assert torch.equal(model[0](x, shift=1.0), want)
 
 
 # --- what already held still holds -------------------------------------------------------------
+
 
 def test_pickle_dtype_and_device_moves_keep_the_own_forward():
     model = make_model("cnn")
@@ -536,9 +615,15 @@ def test_pickle_dtype_and_device_moves_keep_the_own_forward():
     from qcompress.nn.state import MasterState, WeightQuant, ActQuant
     from qcompress.quant.static_range import StaticRange
     from qcompress.quant.reference import Spec
+
     allowed = [_new_compress_aware, WeightQuant, MasterState, ActQuant, StaticRange, Spec]
     from qcompress.nn.layers import base_class
-    classes = {c for m in model.modules() for c in (type(m), base_class(type(m)) if isinstance(m, qc.nn.CompressMixin) else type(m))}
+
+    classes = {
+        c
+        for m in model.modules()
+        for c in (type(m), base_class(type(m)) if isinstance(m, qc.nn.CompressMixin) else type(m))
+    }
     with torch.serialization.safe_globals(allowed + sorted(classes, key=str)):
         back = torch.load(buf, weights_only=True)
     assert type(back.stem) is type(model.stem) and isinstance(back.stem, _ComposedForward)
@@ -554,13 +639,16 @@ def test_pickle_dtype_and_device_moves_keep_the_own_forward():
 
 def test_torch_compile_runs_the_own_forward():
     torch.manual_seed(0)
-    model = nn.Sequential(Conv2dSameDynamic(3, 4, 3, stride=2), nn.ReLU(), WSConv2d(4, 4, 3, padding=1),
-                          nn.Flatten(), ScaledLinear(64, 3))
+    model = nn.Sequential(
+        Conv2dSameDynamic(3, 4, 3, stride=2), nn.ReLU(), WSConv2d(4, 4, 3, padding=1), nn.Flatten(), ScaledLinear(64, 3)
+    )
     x = make_input("cnn")[:, :, :8, :8]
     cfg = copy.deepcopy(W8)
     cfg["compression_training"]["weight_quantization"]["shared_parameters"]["quantize_weight_in_forward"] = True
     cfg["compression_training"]["activation_quantization"] = {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0}, "different_groups": {"a": {"params": {"bits": 8}}}}
+        "shared_parameters": {"enabled": True, "schedule_offset": 0},
+        "different_groups": {"a": {"params": {"bits": 8}}},
+    }
     init_compression(model, cfg)
     assert all(isinstance(model[i], _ComposedForward) for i in (0, 2, 4))
     eager = model(x)
@@ -576,7 +664,7 @@ def test_torch_compile_runs_the_own_forward():
 
 
 def test_non_linear_module_with_a_weight_is_left_alone_and_reported():
-    class RawProj(nn.Module):       # not a Linear subclass: nothing to attach to
+    class RawProj(nn.Module):  # not a Linear subclass: nothing to attach to
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(3, 4))
@@ -586,9 +674,14 @@ def test_non_linear_module_with_a_weight_is_left_alone_and_reported():
             return F.linear(x, self.weight * self.scale)
 
     model = nn.ModuleDict({"raw": RawProj()})
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True},
-        "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["raw"]}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["raw"]}},
+            }
+        }
+    }
     with pytest.warns(UserWarning, match="matches no compressible module"):
         init_compression(model, cfg)
     assert type(model["raw"]) is RawProj
@@ -596,18 +689,24 @@ def test_non_linear_module_with_a_weight_is_left_alone_and_reported():
 
 # --- FSDP2 (ZeRO stage 3) --------------------------------------------------------------------------
 
+
 def fsdp_worker(rank, world, names):
     """Every rank trains on the same batch, so FSDP2's averaged gradient is the one-process gradient:
     stage 3 must give the losses and weights of a plain loop over the same compressed model
     (run_ranks(fsdp_worker, 2, MODELS) checks the same on two ranks)."""
     from qcompress.engine import initialize
+
     out = {}
     for name in names:
         x = make_input(name)
         ct = wq_cfg(8, 4, act_bits=8, in_forward=True)["compression_training"]
-        cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
-               "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-               "zero_optimization": {"stage": 3}, "compression_training": ct}
+        cfg = {
+            "train_batch_size": 2 * world,
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "zero_optimization": {"stage": 3},
+            "compression_training": ct,
+        }
         ref = compress(make_model(name).train(), {"compression_training": ct})
         sched = qc.CompressionScheduler(ref)
         opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -627,10 +726,13 @@ def fsdp_worker(rank, world, names):
         params = dict(engine.module.named_parameters())
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
         want = {n: p.detach() for n, p in ref.named_parameters()}
-        out[name] = {"losses": losses, "ref_losses": ref_losses,
-                     "sharded": all(hasattr(p, "full_tensor") for p in params.values()),
-                     "max_diff": max(float((full[n] - want[n]).abs().max()) for n in want),
-                     "names": sorted(full) == sorted(want)}
+        out[name] = {
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "sharded": all(hasattr(p, "full_tensor") for p in params.values()),
+            "max_diff": max(float((full[n] - want[n]).abs().max()) for n in want),
+            "names": sorted(full) == sorted(want),
+        }
     return out
 
 
@@ -639,6 +741,7 @@ def test_fsdp2_stage3_runs_the_own_forward():
     """One rank in this process (spawning ranks costs ~15 s here): FSDP2 still shards every
     parameter into a DTensor and swaps the unsharded ones in and out around each forward."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

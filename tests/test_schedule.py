@@ -1,4 +1,5 @@
 """Bit schedules, fp16_mixed_quantize, optimizer-step mode and checkpoint round trips."""
+
 import copy
 
 import pytest
@@ -23,17 +24,36 @@ def deepspeed_moq_bits(start, target, period, n_calls):
     return out
 
 
-def wq_cfg(start, target, period, *, offset=0, growth=None, in_forward=True, mixed=None, rounding="nearest",
-           extra_params=None, act=None):
+def wq_cfg(
+    start,
+    target,
+    period,
+    *,
+    offset=0,
+    growth=None,
+    in_forward=True,
+    mixed=None,
+    rounding="nearest",
+    extra_params=None,
+    act=None,
+):
     params = {"start_bits": start, "target_bits": target, "quantization_period": period, **(extra_params or {})}
     if growth:
         params["period_growth"] = growth
-    shared = {"enabled": True, "schedule_offset": offset, "quantize_weight_in_forward": in_forward,
-              "rounding": rounding}
+    shared = {
+        "enabled": True,
+        "schedule_offset": offset,
+        "quantize_weight_in_forward": in_forward,
+        "rounding": rounding,
+    }
     if mixed is not None:
         shared["fp16_mixed_quantize"] = {"enabled": True, "quantize_change_ratio": mixed}
-    ct = {"weight_quantization": {"shared_parameters": shared,
-                                  "different_groups": {"wq1": {"params": params, "modules": ["fc"]}}}}
+    ct = {
+        "weight_quantization": {
+            "shared_parameters": shared,
+            "different_groups": {"wq1": {"params": params, "modules": ["fc"]}},
+        }
+    }
     if act:
         ct["activation_quantization"] = act
     return load_config({"compression_training": ct})
@@ -56,8 +76,9 @@ def test_documented_example():
     assert change_points(12, 8, 50) == [(0, 12), (50, 11), (100, 10), (200, 9), (400, 8)]
 
 
-@pytest.mark.parametrize("start,target,period", [(12, 8, 50), (8, 4, 3), (6, 1, 1), (4, 2, 7), (8, 8, 5),
-                                                  (8, 4, 0), (6, 1, 0), (8, 8, 0)])
+@pytest.mark.parametrize(
+    "start,target,period", [(12, 8, 50), (8, 4, 3), (6, 1, 1), (4, 2, 7), (8, 8, 5), (8, 4, 0), (6, 1, 0), (8, 8, 0)]
+)
 def test_exponential_rule_matches_deepspeed_simulation(start, target, period):
     ds = deepspeed_moq_bits(start, target, period, 1200)
     ours = [bits_at(t, start=start, target=target, period=period) for t in range(1201)]
@@ -81,7 +102,7 @@ def test_scheduler_bits_around_every_drop_in_forward(growth, offset):
     cfg = wq_cfg(8, 4, 5, offset=offset, growth=growth)
     init_compression(model, cfg)
     sched = CompressionScheduler(model, cfg)
-    dues = [5 * 2 ** k if growth == "exponential" else 5 * (k + 1) for k in range(4)]
+    dues = [5 * 2**k if growth == "exponential" else 5 * (k + 1) for k in range(4)]
     checks = {offset - 1, offset} | {offset + d + e for d in dues for e in (-1, 0)}
     for t in range(0, max(checks) + 2):
         if t > 0:
@@ -135,13 +156,13 @@ def test_optimizer_step_mode_keeps_full_precision_master():
             # the weight forward sees is the master quantized once, at this step's bits
             assert torch.equal(m.weight.detach(), fake_quantize(m.qc_wq.master, bits))
             assert torch.equal(m.effective_weight(), m.weight)
-            ref_master[n] = m.qc_wq.master.clone()              # follow the master (no drift build-up)
+            ref_master[n] = m.qc_wq.master.clone()  # follow the master (no drift build-up)
 
 
 def test_fp16_mixed_quantize_anneal_restarts_at_each_drop():
     model = Net()
     cr = 0.25
-    cfg = wq_cfg(6, 4, 8, mixed=cr)                              # drops at 8 and 16
+    cfg = wq_cfg(6, 4, 8, mixed=cr)  # drops at 8 and 16
     init_compression(model, cfg)
     sched = CompressionScheduler(model, cfg)
     for t in range(0, 30):
@@ -159,11 +180,11 @@ def test_fp16_mixed_quantize_anneal_restarts_at_each_drop():
 
 def test_fp16_mixed_quantize_in_optimizer_step_mode():
     model = Net()
-    cfg = wq_cfg(6, 5, 3, in_forward=False, mixed=0.5)           # drop at 3
+    cfg = wq_cfg(6, 5, 3, in_forward=False, mixed=0.5)  # drop at 3
     init_compression(model, cfg)
     sched = CompressionScheduler(model, cfg)
     for t in range(1, 7):
-        sched.step()                                              # no optimizer updates: master fixed
+        sched.step()  # no optimizer updates: master fixed
         r = max(0.0, 1.0 - (t - (3 if t >= 3 else 0)) * 0.5)
         m = model.fc2
         master = m.qc_wq.master
@@ -171,19 +192,20 @@ def test_fp16_mixed_quantize_in_optimizer_step_mode():
         torch.testing.assert_close(m.weight.detach(), r * master + (1 - r) * q, rtol=0, atol=1e-7)
 
 
-ACT_STATIC = {"shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 2},
-              "different_groups": {"a": {"params": {"bits": 8}, "modules": ["fc"]}}}
+ACT_STATIC = {
+    "shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 2},
+    "different_groups": {"a": {"params": {"bits": 8}, "modules": ["fc"]}},
+}
 
 
-@pytest.mark.parametrize("in_forward,order", [(True, "sched_first"), (False, "sched_first"),
-                                              (False, "model_first")])
+@pytest.mark.parametrize("in_forward,order", [(True, "sched_first"), (False, "sched_first"), (False, "model_first")])
 def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path, in_forward, order):
     cfg = wq_cfg(8, 4, 3, in_forward=in_forward, rounding="stochastic", mixed=0.3, act=ACT_STATIC)
     x, y = _data(64)
 
     def fresh(state=None):
         model = init_compression(Net(seed=1), cfg)
-        if state is not None and order == "model_first":    # weights loaded before the scheduler exists
+        if state is not None and order == "model_first":  # weights loaded before the scheduler exists
             model.load_state_dict(state)
         sched = CompressionScheduler(model, cfg)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -192,7 +214,7 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path, in_forward, order
     def run(model, sched, opt, steps, start=0):
         losses = []
         for i in range(start, start + steps):
-            xb, yb = x[(i % 4) * 16:(i % 4 + 1) * 16], y[(i % 4) * 16:(i % 4 + 1) * 16]
+            xb, yb = x[(i % 4) * 16 : (i % 4 + 1) * 16], y[(i % 4) * 16 : (i % 4 + 1) * 16]
             losses.append(_train_step(model, opt, xb, yb))
             sched.step()
         return losses
@@ -211,8 +233,8 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path, in_forward, order
         model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["opt"])
     sched.load_state_dict(ck["sched"])
-    assert sched.training_steps == 9 and sched.current_bits() == {"fc1": 6, "fc2": 6}   # drops at 3, 6
-    rest = run(model, sched, opt, 17, start=9)   # crosses the drops at 12 and 24
+    assert sched.training_steps == 9 and sched.current_bits() == {"fc1": 6, "fc2": 6}  # drops at 3, 6
+    rest = run(model, sched, opt, 17, start=9)  # crosses the drops at 12 and 24
     assert torch.equal(torch.stack(first + rest), torch.stack(ref_losses))
     for (n, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         assert torch.equal(a, b), n
@@ -251,6 +273,7 @@ def test_low_precision_weights(dtype, in_forward):
 
 # --- optimizer-step state: devices, dtypes, loaded weights, the scheduler's config -----------------
 
+
 def _moq_model(cfg, seed=0):
     return init_compression(Net(seed=seed), cfg)
 
@@ -263,7 +286,7 @@ def test_optimizer_step_state_follows_the_module_to_meta_and_back():
     for m in (model.fc1, model.fc2):
         assert m.qc_wq.master.is_meta and m.qc_wq.applied.is_meta
         assert all(t.is_meta for t in m.qc_wq.codes if t is not None)
-    sched = CompressionScheduler(model, cfg)     # used to crash: master on cpu, weight on meta
+    sched = CompressionScheduler(model, cfg)  # used to crash: master on cpu, weight on meta
     sched.step()
     assert list(model.state_dict()) == keys
     # materialize, then load real weights: they become the master and are quantized once
@@ -288,7 +311,7 @@ def test_optimizer_step_state_follows_a_dtype_change(dtype):
     assert wq.master.dtype == torch.float32 and torch.equal(wq.master, master)
     assert wq.applied.dtype == dtype and torch.equal(wq.applied, model.fc1.weight.detach())
     for _ in range(3):
-        sched.step()            # no optimizer update: the cast is not an update of the master
+        sched.step()  # no optimizer update: the cast is not an update of the master
     assert torch.equal(wq.master, master)
     assert torch.equal(model.fc1.weight.detach(), fake_quantize(master, 8).to(dtype))
 
@@ -324,10 +347,10 @@ def test_loaded_weights_become_the_master(existing_scheduler):
         CompressionScheduler(a, cfg)
     for n in ("fc1", "fc2"):
         m, ref = getattr(a, n), getattr(b, n).weight.detach()
-        assert torch.equal(m.qc_wq.master, ref)                   # not B + A's old rounding error
+        assert torch.equal(m.qc_wq.master, ref)  # not B + A's old rounding error
         assert torch.equal(m.weight.detach(), fake_quantize(ref, 4))
         q, s, z, spec = m.quantized_weight()
-        assert torch.equal((q.float() * s), m.weight.detach())    # codes describe the new weight
+        assert torch.equal((q.float() * s), m.weight.detach())  # codes describe the new weight
     # and the model's state_dict still loads into the original architecture
     Net().load_state_dict(a.state_dict(), strict=True)
 
@@ -355,10 +378,11 @@ def test_scheduler_checkpoint_restores_codes_of_the_master():
 
 def test_scheduler_validates_its_config_and_the_rewrite():
     from qcompress import ConfigError
+
     cfg = wq_cfg(8, 8, 0)
     with pytest.raises(ValueError, match="init_compression"):
-        CompressionScheduler(Net(), cfg)                     # DeepSpeed did nothing, silently
+        CompressionScheduler(Net(), cfg)  # DeepSpeed did nothing, silently
     with pytest.raises(ConfigError, match="bogus"):
         CompressionScheduler(_moq_model(cfg), {"bogus": 1})
-    CompressionScheduler(Net(), {"train_batch_size": 4})       # nothing to compress: fine
-    CompressionScheduler(Net())                                # no config: nothing to check
+    CompressionScheduler(Net(), {"train_batch_size": 4})  # nothing to compress: fine
+    CompressionScheduler(Net())  # no config: nothing to check

@@ -6,8 +6,10 @@ the variants asked for), each on the same held-out sequences; GPTQ calibrated on
 train split. Prints perplexities, the share of RTN's excess over FP32 each recovers, and the wall
 time of each calibration relative to one evaluation pass, measured in the same run.
 
-    python -m benchmarks.experiments.gptq_smollm2 [--calib 128] [--heldout 64] [--seq 512] [--variants default,no_act_order]
+    python -m benchmarks.experiments.gptq_smollm2 [--calib 128] [--heldout 64] [--seq 512]
+        [--variants default,no_act_order]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +24,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTN = os.path.join(ROOT, "schedules", "w4a16_g128.yaml")
 GPTQ = os.path.join(ROOT, "schedules", "w4a16_g128_gptq.yaml")
-VARIANTS = {"default": {}, "no_act_order": {"act_order": False}, "mse": {"scale_observer": "mse"},
-            "not_sequential": {"sequential": False}}
+VARIANTS = {
+    "default": {},
+    "no_act_order": {"act_order": False},
+    "mse": {"scale_observer": "mse"},
+    "not_sequential": {"sequential": False},
+}
 
 
 def sequences(text: str, tok, n: int, seq: int) -> torch.Tensor:
@@ -33,14 +39,14 @@ def sequences(text: str, tok, n: int, seq: int) -> torch.Tensor:
     if chunks < n:
         raise SystemExit(f"the text holds {chunks} sequences of {seq} tokens, fewer than {n}")
     starts = torch.linspace(0, chunks - 1, n).round().long() * seq
-    return torch.stack([ids[s:s + seq] for s in starts])
+    return torch.stack([ids[s : s + seq] for s in starts])
 
 
 @torch.no_grad()
 def perplexity(model, data: torch.Tensor, batch: int) -> float:
     total, count = 0.0, 0
     for i in range(0, data.shape[0], batch):
-        x = data[i:i + batch]
+        x = data[i : i + batch]
         out = model(x, labels=x)
         n = x.numel() - x.shape[0]
         total += float(out.loss) * n
@@ -50,6 +56,7 @@ def perplexity(model, data: torch.Tensor, batch: int) -> float:
 
 def gptq_config(kwargs: dict) -> dict:
     import qcompress as qc
+
     doc = copy.deepcopy(qc.load_config(GPTQ).raw)
     params = doc["compression_training"]["weight_quantization"]["different_groups"]["w4_g128"]["params"]
     params["observer_kwargs"] = {**params["observer_kwargs"], **kwargs}
@@ -71,12 +78,15 @@ def main(argv=None) -> int:
     import qcompress as qc
     from model_zoo.lm_corpus import load_corpus, split_corpus
     from model_zoo.smollm2 import load_smollm2
+
     fp, tok = load_smollm2()
     train, held = split_corpus(load_corpus("austen", a.cache), 0.05, 0)
     calib = sequences(train, tok, a.calib, a.seq)
     test = sequences(held, tok, a.heldout, a.seq)
-    print(f"SmolLM2-135M-Instruct, Austen held-out {test.shape[0]} x {a.seq} tokens; GPTQ calibrated on "
-          f"{calib.shape[0]} x {a.seq} train tokens; torch threads {torch.get_num_threads()}")
+    print(
+        f"SmolLM2-135M-Instruct, Austen held-out {test.shape[0]} x {a.seq} tokens; GPTQ calibrated on "
+        f"{calib.shape[0]} x {a.seq} train tokens; torch threads {torch.get_num_threads()}"
+    )
     t0 = time.perf_counter()
     ppl_fp = perplexity(fp, test, a.batch)
     t_eval = time.perf_counter() - t0
@@ -88,7 +98,7 @@ def main(argv=None) -> int:
     rows.append(("RTN W4 g128 sym", ppl_rtn, None))
     print(f"RTN {ppl_rtn:.3f}", flush=True)
     del rtn
-    batches = [calib[i:i + a.batch] for i in range(0, calib.shape[0], a.batch)]
+    batches = [calib[i : i + a.batch] for i in range(0, calib.shape[0], a.batch)]
     for name in a.variants.split(","):
         model = copy.deepcopy(fp)
         qc.init_compression(model, gptq_config(VARIANTS[name]))
@@ -98,7 +108,10 @@ def main(argv=None) -> int:
         rows.append((f"GPTQ W4 g128 sym ({name})", perplexity(model, test, a.batch), t_cal / t_eval))
         print(f"GPTQ {name} {rows[-1][1]:.3f} (calibration {t_cal:.0f} s)", flush=True)
         del model
-    print("| weights | held-out perplexity | x FP32 | share of RTN's excess recovered | calibration / one FP32 eval pass |")
+    print(
+        "| weights | held-out perplexity | x FP32 | share of RTN's excess recovered "
+        "| calibration / one FP32 eval pass |"
+    )
     print("|---|---|---|---|---|")
     for name, ppl, ratio in rows:
         share = "" if name == "FP32" else f"{(ppl_rtn - ppl) / (ppl_rtn - ppl_fp):.0%}"

@@ -12,6 +12,7 @@ names them (qcompress recipes with `modules` set to the Linears; DeepSpeed and t
 installed, `make bench-peers`). All variants live in this process and take turns round by round;
 per-layer time = median step time / layers, and its ratio to FP32's from the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,18 @@ def setup(variant, layers, width, tokens):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     framework, recipe = train_step.VARIANTS[variant]
-    apply = {"fp32": lambda m, r: None, "qcompress": train_step.apply_qcompress,
-             "deepspeed": train_step.apply_deepspeed, "torchao": train_step.apply_torchao}[framework]
+    apply = {
+        "fp32": lambda m, r: None,
+        "qcompress": train_step.apply_qcompress,
+        "deepspeed": train_step.apply_deepspeed,
+        "torchao": train_step.apply_torchao,
+    }[framework]
     apply(model, recipe)
     x = torch.randn(2, max(1, tokens // 2), width)
 
     def step():
         model(x).sum().backward()
+
     return step
 
 
@@ -74,8 +80,10 @@ def main(argv=None):
             for _ in range(a.reps):
                 step()
             times[v].append((time.perf_counter() - t) / a.reps)
-    print(f"torch {torch.__version__}, {a.threads} thread(s); {a.layers} x Linear({a.width}, {a.width}), "
-          f"{a.tokens} tokens; forward + backward, median of {a.rounds} rounds of {a.reps} steps")
+    print(
+        f"torch {torch.__version__}, {a.threads} thread(s); {a.layers} x Linear({a.width}, {a.width}), "
+        f"{a.tokens} tokens; forward + backward, median of {a.rounds} rounds of {a.reps} steps"
+    )
     print("| variant | us per layer | x FP32 |")
     print("|---|---:|---:|")
     per = {v: statistics.median(t) / a.layers * 1e6 for v, t in times.items()}

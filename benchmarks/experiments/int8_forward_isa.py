@@ -7,6 +7,7 @@ the float forward, interleaved in one process (min and median of --rounds steps 
 The models and steps are benchmarks/train_step.py's; the integer rows force `int8_forward: true`.
 `auto` turns it on at avx512_vnni and amx only, where it is not slower than the float forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     import torch
     from qcompress.quant import lowbit
+
     torch.set_num_threads(a.threads)
     best = lowbit.isa("auto")
-    isas = ISAS[:ISAS.index(best) + 1] if best in ISAS else ()
+    isas = ISAS[: ISAS.index(best) + 1] if best in ISAS else ()
     print(f"best ISA {best}; {a.threads} threads; {a.rounds} rounds")
     for model_name in a.models.split(","):
         rows = [("FP32", "fp32", None)]
         for recipe in ("w8a8", "w4a8"):
             rows.append((f"{recipe} float forward", f"qc_{recipe}_float", None))
-            train_step.VARIANTS[f"qc_{recipe}_int8"] = ("qcompress", f"{recipe}+int8")   # int8_forward: true
+            train_step.VARIANTS[f"qc_{recipe}_int8"] = ("qcompress", f"{recipe}+int8")  # int8_forward: true
             rows += [(f"{recipe} integer forward @ {isa}", f"qc_{recipe}_int8", isa) for isa in isas]
         steps = {v: train_step.setup(model_name, v)[2] for v in {r[1] for r in rows}}
         for f in steps.values():
@@ -53,11 +55,16 @@ def main(argv=None):
                 times[label].append(time.perf_counter() - t)
         lowbit.isa(best)
         f_min, f_med = min(times["FP32"]), statistics.median(times["FP32"])
-        print(f"\n{train_step.TITLES[model_name]}\n\n| variant | step s min / median | vs FP32 min / median |\n|---|---:|---:|")
+        print(
+            f"\n{train_step.TITLES[model_name]}\n\n"
+            "| variant | step s min / median | vs FP32 min / median |\n|---|---:|---:|"
+        )
         for label, _, _ in rows:
             t = times[label]
-            print(f"| {label} | {min(t):.3f} / {statistics.median(t):.3f} | "
-                  f"{min(t) / f_min:.3f} / {statistics.median(t) / f_med:.3f} |")
+            print(
+                f"| {label} | {min(t):.3f} / {statistics.median(t):.3f} | "
+                f"{min(t) / f_min:.3f} / {statistics.median(t) / f_med:.3f} |"
+            )
     return 0
 
 

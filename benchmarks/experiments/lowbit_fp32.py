@@ -17,6 +17,7 @@ instead prints how far each path's output is from the exact plan's end to end: a
 relative difference of the last hidden state and the largest logit difference, fast against exact for
 both paths, and exact against the FP32 model.
 """
+
 import argparse
 import os
 import sys
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from qcompress.quant import lowbit  # noqa: E402
 
-SHAPES = ((384, 384), (1536, 384), (384, 1536), (2048, 2048))   # (out, in)
+SHAPES = ((384, 384), (1536, 384), (384, 1536), (2048, 2048))  # (out, in)
 
 
 def per_call_us(fn, reps=200, rounds=7):
@@ -48,8 +49,10 @@ def accuracy():
     import transformers
     import qcompress
     from qcompress.export import export_quantized
+
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import inference                                   # its MiniLM folder and recipes
+    import inference  # its MiniLM folder and recipes
+
     transformers.logging.set_verbosity_error()
     folder = inference.minilm_folder()
     if folder is None:
@@ -60,8 +63,10 @@ def accuracy():
         return transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=4).eval()
 
     g = torch.Generator().manual_seed(0)
-    print("| weights | tokens | outputs compared | last hidden state: relative difference | max logit difference |\n"
-          "|---|---|---|---:|---:|")
+    print(
+        "| weights | tokens | outputs compared | last hidden state: relative difference | max logit difference |\n"
+        "|---|---|---|---:|---:|"
+    )
     for name, doc, _ in inference.SCHEMES[:2]:
         doc = copy.deepcopy(doc)
         for tech in doc["compression_training"].values():
@@ -71,22 +76,26 @@ def accuracy():
         qcompress.init_compression(model, qcompress.load_config(doc))
         model.eval()
         with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-            model(input_ids=torch.randint(1000, 30000, (1, 64), generator=g))   # sets the weights' codes
+            model(input_ids=torch.randint(1000, 30000, (1, 64), generator=g))  # sets the weights' codes
             ckpt = os.path.join(tmp, "ckpt")
             export_quantized(model, ckpt, force=True)
-            for shape in ((4, 64), (1, 8)):           # 4 x 64 tokens: the AMX tiles; 8: the digit GEMV
+            for shape in ((4, 64), (1, 8)):  # 4 x 64 tokens: the AMX tiles; 8: the digit GEMV
                 compare(name, make, ckpt, torch.randint(1000, 30000, shape, generator=g))
 
 
 def compare(name, make, ckpt, ids):
     """Rows of --accuracy for one export and input: exact against FP32, fast (both paths) against exact."""
     from qcompress.export import load_quantized
+
     tokens = " x ".join(map(str, ids.shape))
 
     def row(what, out, ref):
         h, hr = out.hidden_states[-1], ref.hidden_states[-1]
-        print(f"| {name} | {tokens} | {what} | {float((h - hr).norm() / hr.norm()):.2e} | "
-              f"{float((out.logits - ref.logits).abs().max()):.2e} |", flush=True)
+        print(
+            f"| {name} | {tokens} | {what} | {float((h - hr).norm() / hr.norm()):.2e} | "
+            f"{float((out.logits - ref.logits).abs().max()):.2e} |",
+            flush=True,
+        )
 
     with torch.no_grad():
         exact = load_quantized(ckpt, make())(input_ids=ids, output_hidden_states=True)
@@ -130,7 +139,9 @@ def main():
                     pieces = per_call_us(call)
                 finally:
                     del os.environ["QCOMPRESS_LOWBIT_FP32"]
-                print(f"| {name} | {k} -> {n} | {m} | {digits:.1f} | {pieces:.1f} | {pieces / digits:.2f}x |", flush=True)
+                print(
+                    f"| {name} | {k} -> {n} | {m} | {digits:.1f} | {pieces:.1f} | {pieces / digits:.2f}x |", flush=True
+                )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Prints a markdown table: ms per weight matrix, seconds per million weights, and 
 time over minmax's and over the kernel's, and whether the two backends chose the same factors
 (the tests hold both to a brute-force oracle: tests/quant/test_input_weighting.py, tests/nn/test_ranges.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from qcompress.quant import kernels, observers          # noqa: E402
-from qcompress.quant.reference import make_spec         # noqa: E402
+from qcompress.quant import kernels, observers  # noqa: E402
+from qcompress.quant.reference import make_spec  # noqa: E402
 
 SPEC = make_spec(4, symmetric=True, granularity="group", group_size=32)
 
@@ -49,18 +50,29 @@ def moments_of(u: torch.Tensor, b: int):
 def rows_for(label: str, weights, repeat: int) -> list:
     """weights: [(w, (block moments, whole moments))]; one row per (observer, backend)."""
     numel = sum(w.numel() for w, _ in weights)
-    cases = [("minmax", None, False), ("mse", None, False), ("mse", "reference", False),
-             ("mse weight_by inputs, groups alone", None, True),
-             ("mse weight_by inputs, groups alone", "reference", True),
-             ("mse weight_by inputs, cross_groups", None, "cross")]
+    cases = [
+        ("minmax", None, False),
+        ("mse", None, False),
+        ("mse", "reference", False),
+        ("mse weight_by inputs, groups alone", None, True),
+        ("mse weight_by inputs, groups alone", "reference", True),
+        ("mse weight_by inputs, cross_groups", None, "cross"),
+    ]
     out, base, kernel_time, kernel_choice = [], None, {}, {}
     for name, backend, weighted in cases:
         if name == "minmax":
-            fn = lambda: [observers.weight_params(w, SPEC, "minmax") for w, _ in weights]   # noqa: E731
+            fn = lambda: [observers.weight_params(w, SPEC, "minmax") for w, _ in weights]  # noqa: E731
         else:
-            fn = lambda: [observers.mse_shrink(w, SPEC, backend=backend,                 # noqa: E731
-                                               moments=m[0] if weighted else None,
-                                               cross=m[1] if weighted == "cross" else None) for w, m in weights]
+            fn = lambda: [
+                observers.mse_shrink(
+                    w,
+                    SPEC,
+                    backend=backend,  # noqa: E731
+                    moments=m[0] if weighted else None,
+                    cross=m[1] if weighted == "cross" else None,
+                )
+                for w, m in weights
+            ]
         t, chosen = best_of(fn, repeat if backend is None and weighted != "cross" else 1)
         base = t if base is None else base
         if backend is None and weighted != "cross":
@@ -73,8 +85,10 @@ def rows_for(label: str, weights, repeat: int) -> list:
             groups = sum(a.numel() for a in got)
             same = "all equal" if differ == 0 else f"{differ} of {groups} differ"
         search = backend or ("-" if name == "minmax" else "kernel + descent" if weighted == "cross" else "kernel")
-        out.append(f"| {label} | {name} | {search} | {t * 1e3:.0f} | "
-                   f"{t / numel * 1e6:.3f} | {t / base:.0f}x | {vs_kernel} | {same} |")
+        out.append(
+            f"| {label} | {name} | {search} | {t * 1e3:.0f} | "
+            f"{t / numel * 1e6:.3f} | {t / base:.0f}x | {vs_kernel} | {same} |"
+        )
     return out
 
 
@@ -82,15 +96,21 @@ def lm_weights(path: str, batches: int = 4):
     """The causal LM's 2-D weights quantized by the W4 g32 recipe, each with the input moments of
     the module that multiplies by it (lm_head's for the tied embedding), from held-out text."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     inputs = {}
 
     def hook(name):
         def record(mod, args):
             inputs.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
+
         return record
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+    ]
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(batches):
@@ -102,7 +122,7 @@ def lm_weights(path: str, batches: int = 4):
         if name not in inputs:
             continue
         w = m.weight.detach()
-        w = w.t().contiguous() if type(m).__name__ == "Conv1D" else w      # [out, in]
+        w = w.t().contiguous() if type(m).__name__ == "Conv1D" else w  # [out, in]
         if w.shape[1] % 32:
             continue
         out.append((w, moments_of(torch.cat(inputs[name]), 32)))
@@ -119,10 +139,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if not kernels.available():
         raise SystemExit("the C++ extension is not built: run `make build` first")
-    print(f"torch {torch.__version__}, {a.threads} thread(s), W4 g32 symmetric, grid of 80 shrink factors + "
-          f"least-squares refinement; load average {os.getloadavg()[0]:.1f}\n")
-    print("| weights | observer | search | ms | s per M weights | vs minmax | reference / kernel | "
-          "factors, kernel vs reference |")
+    print(
+        f"torch {torch.__version__}, {a.threads} thread(s), W4 g32 symmetric, grid of 80 shrink factors + "
+        f"least-squares refinement; load average {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| weights | observer | search | ms | s per M weights | vs minmax | reference / kernel | "
+        "factors, kernel vs reference |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---|")
     g = torch.Generator().manual_seed(0)
     for n in (int(s) for s in a.sizes.split(",")):
@@ -132,8 +156,10 @@ def main() -> None:
             print(line, flush=True)
     if a.lm:
         weights = lm_weights(a.lm)
-        label = f"{os.path.basename(a.lm.rstrip('/'))} ({len(weights)} matrices, " \
-                f"{sum(w.numel() for w, _ in weights) / 1e6:.1f}M weights)"
+        label = (
+            f"{os.path.basename(a.lm.rstrip('/'))} ({len(weights)} matrices, "
+            f"{sum(w.numel() for w, _ in weights) / 1e6:.1f}M weights)"
+        )
         for line in rows_for(label, weights, a.repeat):
             print(line, flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")

@@ -1,6 +1,7 @@
 """How much of a causal LM's PTQ perplexity excess any choice of weight ranges can remove.
 
-    python benchmarks/experiments/range_ceiling.py --lm runs/gpt2-austen [--finetuned RUN/checkpoints/fp32_finetuned.safetensors]
+    python benchmarks/experiments/range_ceiling.py --lm runs/gpt2-austen
+        [--finetuned RUN/checkpoints/fp32_finetuned.safetensors]
         [--recipes w4_g32,w3_g32] [--steps 200] [--lr 1e-5] [--threads 1] [--out runs/range_ceiling/NAME.json]
 
 The quality target asks the mse observer alone to remove a third of the W4 g32 PTQ excess. The observers
@@ -24,6 +25,7 @@ The model is the pretrained --lm, or its FP32 fine-tune (--finetuned: a safetens
 e.g. quality.py's FP32 baseline run), quantized as `qcompress train`'s PTQ stage does
 (quantize_without_training with the job's calibration batches).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,13 +73,20 @@ def main(argv=None) -> int:
     tok = load_tokenizer(a.lm)
 
     def data_for(n):
-        return prepare_data("causal-lm", os.path.join(a.lm, "train.txt"), tok,
-                            eval_data=os.path.join(a.lm, "heldout.txt"), seed=a.seed, max_length=128,
-                            max_eval_samples=n)
+        return prepare_data(
+            "causal-lm",
+            os.path.join(a.lm, "train.txt"),
+            tok,
+            eval_data=os.path.join(a.lm, "heldout.txt"),
+            seed=a.seed,
+            max_length=128,
+            max_eval_samples=n,
+        )
+
     data, first = data_for(None), data_for(a.eval_samples).eval
     model = load_model(a.lm, "causal-lm", None, a.seed)
     if a.finetuned:
-        model.load_state_dict(load_file(a.finetuned), strict=False)     # tied weights are saved once
+        model.load_state_dict(load_file(a.finetuned), strict=False)  # tied weights are saved once
 
     def ev(m):
         return [evaluate(m, ds, "causal-lm", 64, tok.pad_token_id)["perplexity"] for ds in (first, data.eval)]
@@ -92,21 +101,33 @@ def main(argv=None) -> int:
     fp32 = ev(model)
     blocks = f"first {len(first)} / all {len(data.eval)} held-out blocks"
     print(f"FP32 {fp32[0]:.4f} / {fp32[1]:.4f} ({blocks})", flush=True)
-    out = {"lm": a.lm, "finetuned": a.finetuned, "fp32": fp32, "blocks": [len(first), len(data.eval)],
-           "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size, "recipes": {}}
+    out = {
+        "lm": a.lm,
+        "finetuned": a.finetuned,
+        "fp32": fp32,
+        "blocks": [len(first), len(data.eval)],
+        "steps": a.steps,
+        "lr": a.lr,
+        "batch_size": a.batch_size,
+        "recipes": {},
+    }
     for key in [k for k in a.recipes.split(",") if k]:
         rows = {}
         t0 = time.perf_counter()
         rows["minmax"] = ev(quantized(key, {"observer": "minmax"}))
         rows["mse"] = ev(quantized(key, {"observer": "mse"}))
-        rows["mse weight_by, groups alone"] = ev(quantized(key, {"observer": "mse", "observer_kwargs": {
-            "weight_by": "inputs", "cross_groups": False}}))
+        rows["mse weight_by, groups alone"] = ev(
+            quantized(key, {"observer": "mse", "observer_kwargs": {"weight_by": "inputs", "cross_groups": False}})
+        )
         q = quantized(key, {"observer": "mse", "observer_kwargs": {"weight_by": "inputs"}, "range_learning": True})
         rows["mse weight_by"] = ev(q)
         for label in ("minmax", "mse", "mse weight_by, groups alone", "mse weight_by"):
             r = rows[label]
-            print(f"{key} {label}: {r[0]:.4f} / {r[1]:.4f}, cut {cut(r[0], rows['minmax'][0], fp32[0]):.1f} / "
-                  f"{cut(r[1], rows['minmax'][1], fp32[1]):.1f} %", flush=True)
+            print(
+                f"{key} {label}: {r[0]:.4f} / {r[1]:.4f}, cut {cut(r[0], rows['minmax'][0], fp32[0]):.1f} / "
+                f"{cut(r[1], rows['minmax'][1], fp32[1]):.1f} %",
+                flush=True,
+            )
         scales = [prm for n, prm in q.named_parameters() if n.endswith("weight_scale")]
         for n, prm in q.named_parameters():
             prm.requires_grad_(n.endswith("weight_scale"))
@@ -117,7 +138,9 @@ def main(argv=None) -> int:
         while step < a.steps:
             order = torch.randperm(len(data.train), generator=gen)
             for i in range(0, len(order) - a.batch_size + 1, a.batch_size):
-                ids = torch.stack([torch.as_tensor(data.train[int(j)]["input_ids"]) for j in order[i:i + a.batch_size]])
+                ids = torch.stack(
+                    [torch.as_tensor(data.train[int(j)]["input_ids"]) for j in order[i : i + a.batch_size]]
+                )
                 loss = q(input_ids=ids, labels=ids).loss
                 opt.zero_grad()
                 loss.backward()
@@ -127,9 +150,11 @@ def main(argv=None) -> int:
                     q.eval()
                     r = learned[step] = ev(q)
                     q.train()
-                    print(f"{key} learned ranges, {step} steps: {r[0]:.4f} / {r[1]:.4f}, cut "
-                          f"{cut(r[0], rows['minmax'][0], fp32[0]):.1f} / {cut(r[1], rows['minmax'][1], fp32[1]):.1f} %",
-                          flush=True)
+                    print(
+                        f"{key} learned ranges, {step} steps: {r[0]:.4f} / {r[1]:.4f}, cut "
+                        f"{cut(r[0], rows['minmax'][0], fp32[0]):.1f} / {cut(r[1], rows['minmax'][1], fp32[1]):.1f} %",
+                        flush=True,
+                    )
                 if step >= a.steps:
                     break
         rows["learned ranges"] = learned

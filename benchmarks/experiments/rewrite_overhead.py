@@ -12,6 +12,7 @@ one layer whose class only defers to nn.Linear / nn.Conv2d's forward: compressed
 (inherited forward) and on the composed path (own forward), the same math, so the difference is
 what the composed mechanism costs per call. Prints markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
-import torch                                      # noqa: E402
-import torch.nn as nn                             # noqa: E402
-import torch.nn.functional as F                   # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-import qcompress as qc                            # noqa: E402
+import qcompress as qc  # noqa: E402
 
 
 # --- subclassed layers, as real model ports write them --------------------------------------------
+
 
 def _same(size, k, s, d):
     total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
@@ -47,8 +49,9 @@ class Conv2dSame(nn.Conv2d):
     def forward(self, x):
         ph = _same(x.shape[-2], self.weight.shape[-2], self.stride[0], self.dilation[0])
         pw = _same(x.shape[-1], self.weight.shape[-1], self.stride[1], self.dilation[1])
-        return F.conv2d(F.pad(x, [pw[0], pw[1], ph[0], ph[1]]), self.weight, self.bias, self.stride, 0,
-                        self.dilation, self.groups)
+        return F.conv2d(
+            F.pad(x, [pw[0], pw[1], ph[0], ph[1]]), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
+        )
 
 
 class WSConv2d(nn.Conv2d):
@@ -84,17 +87,29 @@ class QKVLinear(nn.Linear):
 
 # --- models ------------------------------------------------------------------------------------------
 
+
 class CNN(nn.Module):
     def __init__(self, sub, c=32):
         super().__init__()
-        conv = (lambda i, o, k, **kw: Conv2dSame(i, o, k, **kw)) if sub else \
-               (lambda i, o, k, **kw: nn.Conv2d(i, o, k, padding=k // 2, **kw))
+        conv = (
+            (lambda i, o, k, **kw: Conv2dSame(i, o, k, **kw))
+            if sub
+            else (lambda i, o, k, **kw: nn.Conv2d(i, o, k, padding=k // 2, **kw))
+        )
         self.stem = conv(3, c, 3)
         self.ws = (WSConv2d if sub else nn.Conv2d)(c, c, 3, padding=1)
         self.blocks = nn.ModuleList()
         for _ in range(2):
-            self.blocks.append(nn.ModuleDict({"dw": conv(c, c, 3, groups=c, bias=False), "bn1": nn.BatchNorm2d(c),
-                                              "pw": nn.Conv2d(c, c, 1, bias=False), "bn2": nn.BatchNorm2d(c)}))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        "dw": conv(c, c, 3, groups=c, bias=False),
+                        "bn1": nn.BatchNorm2d(c),
+                        "pw": nn.Conv2d(c, c, 1, bias=False),
+                        "bn2": nn.BatchNorm2d(c),
+                    }
+                )
+            )
         self.head = (ScaledLinear if sub else nn.Linear)(c, 10)
 
     def forward(self, x):
@@ -111,10 +126,18 @@ class Transformer(nn.Module):
         self.emb = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList()
         for _ in range(layers):
-            self.layers.append(nn.ModuleDict({
-                "ln1": nn.LayerNorm(d), "qkv": (QKVLinear if sub else nn.Linear)(d, 3 * d),
-                "out": (LoRALinear if sub else nn.Linear)(d, d), "ln2": nn.LayerNorm(d),
-                "fc1": (ScaledLinear if sub else nn.Linear)(d, 4 * d), "fc2": nn.Linear(4 * d, d)}))
+            self.layers.append(
+                nn.ModuleDict(
+                    {
+                        "ln1": nn.LayerNorm(d),
+                        "qkv": (QKVLinear if sub else nn.Linear)(d, 3 * d),
+                        "out": (LoRALinear if sub else nn.Linear)(d, d),
+                        "ln2": nn.LayerNorm(d),
+                        "fc1": (ScaledLinear if sub else nn.Linear)(d, 4 * d),
+                        "fc2": nn.Linear(4 * d, d),
+                    }
+                )
+            )
         self.lm_head = nn.Linear(d, vocab)
         self.sub = sub
 
@@ -131,19 +154,25 @@ class Transformer(nn.Module):
         return self.lm_head(x)
 
 
-W8A8 = {"compression_training": {
-    "weight_quantization": {"shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8,
-                                                                  "granularity": "channel"}}}},
-    "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0},
-                                "different_groups": {"a": {"params": {"bits": 8}}}}}}
+W8A8 = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}},
+        },
+        "activation_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0},
+            "different_groups": {"a": {"params": {"bits": 8}}},
+        },
+    }
+}
 
 
 def setup(kind, sub):
     torch.manual_seed(0)
     if kind == "cnn":
         model, x = CNN(sub), torch.randn(16, 3, 32, 32)
-        loss_fn = lambda out: F.cross_entropy(out, torch.arange(16) % 10)      # noqa: E731
+        loss_fn = lambda out: F.cross_entropy(out, torch.arange(16) % 10)  # noqa: E731
     else:
         model, x = Transformer(sub), torch.randint(0, 256, (8, 64))
         loss_fn = lambda out: F.cross_entropy(out.flatten(0, 1), x.flatten())  # noqa: E731
@@ -160,6 +189,7 @@ def stepper(model, x, loss_fn, sched):
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
+
     return step
 
 
@@ -198,9 +228,10 @@ def mechanism_rows(rounds):
     """(layer, input, FP32 us, fast-path W8A8 us, composed-path W8A8 us) for one layer each."""
     rows = []
     for name, cls, plain, args, shape in (
-            ("Linear(4, 4) (fixed cost)", PassLinear, nn.Linear, (4, 4), (1, 4)),
-            ("Linear(256, 256)", PassLinear, nn.Linear, (256, 256), (32, 256)),
-            ("Conv2d(32, 32, 3)", PassConv2d, nn.Conv2d, (32, 32, 3), (8, 32, 16, 16))):
+        ("Linear(4, 4) (fixed cost)", PassLinear, nn.Linear, (4, 4), (1, 4)),
+        ("Linear(256, 256)", PassLinear, nn.Linear, (256, 256), (32, 256)),
+        ("Conv2d(32, 32, 3)", PassConv2d, nn.Conv2d, (32, 32, 3), (8, 32, 16, 16)),
+    ):
         torch.manual_seed(0)
         x = torch.randn(*shape)
         fp32 = plain(*args)
@@ -208,7 +239,7 @@ def mechanism_rows(rounds):
         own = cls(*args)
         own.load_state_dict(fp32.state_dict())
         composed = qc.init_compression(nn.Sequential(own), W8A8)[0]
-        assert torch.equal(fast(x), composed(x))          # same math on both paths
+        assert torch.equal(fast(x), composed(x))  # same math on both paths
         times = per_call_us([fp32, fast, composed], x, rounds)
         rows.append((name, "x".join(map(str, shape)), *times))
     return rows
@@ -220,8 +251,8 @@ def measure(kind, sub, rounds, steps):
     try:
         qc.init_compression(model, W8A8)
         comp = stepper(model, x, loss_fn, qc.CompressionScheduler(model))
-        comp()                       # warm-up (and: does it run at all?)
-    except Exception as e:           # the pre-issue-16 rewrite breaks TF-"same" residual nets
+        comp()  # warm-up (and: does it run at all?)
+    except Exception as e:  # the pre-issue-16 rewrite breaks TF-"same" residual nets
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
     fp32()
     a, b = [], []
@@ -239,8 +270,10 @@ def main():
     ap.add_argument("--label", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), best of "
-          f"{args.rounds} rounds x {args.steps} steps; code: {args.label or ROOT}")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), best of "
+        f"{args.rounds} rounds x {args.steps} steps; code: {args.label or ROOT}"
+    )
     print()
     print("| model | layers | FP32 ms/step | W8A8 ms/step | W8A8 / FP32 | note |")
     print("|---|---|---:|---:|---:|---|")
@@ -252,9 +285,11 @@ def main():
                 print(f"| {kind} | {layers} | - | - | - | fails: {err} |")
             else:
                 print(f"| {kind} | {layers} | {f:.2f} | {c:.2f} | {c / f:.2f} | |")
-    if hasattr(qc.nn.layers, "own_forward"):      # the composed path exists in this version
+    if hasattr(qc.nn.layers, "own_forward"):  # the composed path exists in this version
         print()
-        print("| one layer, fwd+bwd | input | FP32 us | W8A8 fast path us | W8A8 composed path us | composed - fast us |")
+        print(
+            "| one layer, fwd+bwd | input | FP32 us | W8A8 fast path us | W8A8 composed path us | composed - fast us |"
+        )
         print("|---|---|---:|---:|---:|---:|")
         for name, shape, f, fast, comp in mechanism_rows(args.rounds):
             print(f"| {name} | {shape} | {f:.1f} | {fast:.1f} | {comp:.1f} | {comp - fast:+.1f} |")

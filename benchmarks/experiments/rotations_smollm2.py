@@ -10,6 +10,7 @@ ranges, no calibration, symmetric) without rotations, with R4 alone and with R1 
 (weights per channel), W4A8 (int8 per-token activations), W4A4 (int4 per-token activations) and
 NVFP4 W4A4. A probe: it writes no results page (the SmolLM2 page is benchmarks/llm.py's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,27 @@ def doc(weights, acts, rotations):
     cc = {}
     if weights is not None:
         cc["weight_quantization"] = {
-            "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "quantize_weight_in_forward": True},
-            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, **weights}, "modules": [LINEARS]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "quantize_weight_in_forward": True,
+            },
+            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, **weights}, "modules": [LINEARS]}},
+        }
     if acts is not None:
         fmt, bits = acts
-        shared = {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                  "range_calibration": "dynamic"}
+        shared = {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "schedule_offset": 0,
+            "range_calibration": "dynamic",
+        }
         if fmt != "int":
             shared["format"] = fmt
-        cc["activation_quantization"] = {"shared_parameters": shared,
-                                         "different_groups": {"a": {"params": {"bits": bits}, "modules": [LINEARS]}}}
+        cc["activation_quantization"] = {
+            "shared_parameters": shared,
+            "different_groups": {"a": {"params": {"bits": bits}, "modules": [LINEARS]}},
+        }
     if rotations:
         cc["rotation"] = {"enabled": True, "rotations": rotations, "type": "hadamard"}
     return {"compression_training": cc}
@@ -69,14 +81,17 @@ def main(argv=None) -> int:
     import qcompress as qc
     from model_zoo import lm_corpus
     from model_zoo.smollm2 import load_smollm2
+
     torch.manual_seed(0)
     base, tok = load_smollm2()
     _, held_text = lm_corpus.split_corpus(lm_corpus.load_corpus("austen", a.cache), 0.05, 0)
     ids = tok(held_text, add_special_tokens=False)["input_ids"]
     n = min(a.eval_blocks, len(ids) // a.context)
-    held = torch.tensor(ids[:n * a.context]).view(n, a.context)
-    print(f"held-out: {n} blocks of {a.context} tokens ({n * a.context:,} tokens); torch threads "
-          f"{torch.get_num_threads()} (shared machine: timings are indicative only)")
+    held = torch.tensor(ids[: n * a.context]).view(n, a.context)
+    print(
+        f"held-out: {n} blocks of {a.context} tokens ({n * a.context:,} tokens); torch threads "
+        f"{torch.get_num_threads()} (shared machine: timings are indicative only)"
+    )
     with torch.no_grad():
         ref = base(input_ids=held[:2]).logits
     for rots in (["R1", "R2"], R124):

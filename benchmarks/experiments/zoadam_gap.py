@@ -30,6 +30,7 @@ Validation loss every --eval-every steps (the workers' weights synchronized firs
 one relative to Adam's are printed, with the first step's per-tensor gradient RMS ratios that explain
 the gap (a probe: it prints, benchmarks/experiments/README.md keeps its question and answer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,19 +44,21 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-import torch                                   # noqa: E402
-import torch.nn as nn                          # noqa: E402
-import torch.nn.functional as F                # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from convergence import lr_at                  # noqa: E402  (5 % warmup, cosine to 10 %: the same schedule)
+from convergence import lr_at  # noqa: E402  (5 % warmup, cosine to 10 %: the same schedule)
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
 # --- data and model ----------------------------------------------------------------------------
 
+
 def corpus():
     from model_zoo.demo_bbc import workloads
+
     _, data = workloads()
     texts = []
     for label in sorted(os.listdir(data)):
@@ -116,8 +119,8 @@ def make_model(vocab):
 def batch(data, step, worker, bsz, ctx):
     g = torch.Generator().manual_seed(10_000 * step + worker)
     starts = torch.randint(0, data.numel() - ctx - 1, (bsz,), generator=g)
-    x = torch.stack([data[s:s + ctx] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + ctx + 1] for s in starts.tolist()])
+    x = torch.stack([data[s : s + ctx] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + ctx + 1] for s in starts.tolist()])
     return x, y
 
 
@@ -128,8 +131,8 @@ def val_loss(model, vec, val, ctx, n=32):
     total = 0.0
     for i in range(n // 16):
         starts = torch.randint(0, val.numel() - ctx - 1, (16,), generator=g)
-        x = torch.stack([val[s:s + ctx] for s in starts.tolist()])
-        y = torch.stack([val[s + 1:s + ctx + 1] for s in starts.tolist()])
+        x = torch.stack([val[s : s + ctx] for s in starts.tolist()])
+        y = torch.stack([val[s + 1 : s + ctx + 1] for s in starts.tolist()])
         total += float(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     return total / (n // 16)
 
@@ -143,6 +146,7 @@ def grad_of(model, vec, x, y):
 
 
 # --- the 1-bit compressed all-reduce, from its definition -------------------------------------------
+
 
 class CompressedMean:
     """Error-compensated two-phase 1-bit average of P vectors: worker w sends sign(y_w) * s_w with
@@ -201,7 +205,7 @@ class PerTensorMean:
     def __call__(self, xs):
         out, start = [], 0
         for n, c in zip(self.numels, self.parts):
-            out.append(c([x[start:start + n] for x in xs]))
+            out.append(c([x[start : start + n] for x in xs]))
             start += n
         return torch.cat(out)
 
@@ -219,6 +223,7 @@ class ExactMean:
 
 # --- the algorithms -----------------------------------------------------------------------------
 
+
 def run_adam(model, data, val, a, log):
     vec = nn.utils.parameters_to_vector(model.parameters()).detach().clone()
     m, v = torch.zeros_like(vec), torch.zeros_like(vec)
@@ -227,16 +232,20 @@ def run_adam(model, data, val, a, log):
         g = torch.stack(gs).mean(0)
         m.lerp_(g, 1 - B1)
         v.mul_(B2).addcmul_(g, g, value=1 - B2)
-        denom = (v.sqrt() / math.sqrt(1 - B2 ** t)).add_(EPS)
-        vec.addcdiv_(m, denom, value=-lr_at(t, a.steps, a.lr) / (1 - B1 ** t))
+        denom = (v.sqrt() / math.sqrt(1 - B2**t)).add_(EPS)
+        vec.addcdiv_(m, denom, value=-lr_at(t, a.steps, a.lr) / (1 - B1**t))
         if t % a.eval_every == 0 or t == a.steps:
             log.append((t, val_loss(model, vec, val, a.ctx)))
     return log
 
 
 def zo_schedule(a):
-    return dict(var_freeze_step=a.steps // 5, var_update_scaler=16, local_step_scaler=max(1, a.steps // 5),
-                local_step_clipper=16)
+    return dict(
+        var_freeze_step=a.steps // 5,
+        var_update_scaler=16,
+        local_step_scaler=max(1, a.steps // 5),
+        local_step_clipper=16,
+    )
 
 
 def run_zero_one(model, data, val, a, log, variant, exact=False, per_tensor=False):
@@ -261,7 +270,7 @@ def run_zero_one(model, data, val, a, log, variant, exact=False, per_tensor=Fals
     interval, counter = 1, 0
     for t in range(1, a.steps + 1):
         lr = lr_at(t, a.steps, a.lr)
-        bc1 = 1 - B1 ** t
+        bc1 = 1 - B1**t
         if not frozen:
             gs = [grad_of(model, vec, *batch(data, t, w, a.batch, a.ctx))[0] for w in range(P)]
             variance_step = t % var_interval == 0
@@ -273,16 +282,16 @@ def run_zero_one(model, data, val, a, log, variant, exact=False, per_tensor=Fals
                 var_counter += 1
                 if var_counter == sch["var_update_scaler"]:
                     var_counter, var_interval = 0, var_interval * 2
-                denom = (v.sqrt() / math.sqrt(1 - B2 ** var_steps)).add_(EPS)
+                denom = (v.sqrt() / math.sqrt(1 - B2**var_steps)).add_(EPS)
                 vec.addcdiv_(m, denom, value=-lr / bc1)
             else:
-                denom = (v.sqrt() / math.sqrt(1 - B2 ** var_steps)).add_(EPS)
+                denom = (v.sqrt() / math.sqrt(1 - B2**var_steps)).add_(EPS)
                 dead = v == 0
                 if variant == "ds":
                     gh = cal(gs).masked_fill(dead, 0.0)
                     m.lerp_(gh, 1 - B1)
                     vec.addcdiv_(m, denom, value=-lr / bc1)
-                else:   # paper: local momenta, their lr-weighted buffer averaged (1-bit), from the sync point
+                else:  # paper: local momenta, their lr-weighted buffer averaged (1-bit), from the sync point
                     u = cal([(m * B1 + gw * (1 - B1)) * (lr / bc1) for gw in gs]).masked_fill(dead, 0.0)
                     vec.addcdiv_(u, denom, value=-1.0)
                     m = u * (bc1 / lr) if lr > 0 else m
@@ -292,7 +301,7 @@ def run_zero_one(model, data, val, a, log, variant, exact=False, per_tensor=Fals
                 thetas = [vec.clone() for _ in range(P)]
                 ms = [m.clone() for _ in range(P)]
                 sync, us, lrs = vec.clone(), [torch.zeros(n) for _ in range(P)], 0.0
-                denom = (v.sqrt() / math.sqrt(1 - B2 ** var_steps)).add_(EPS)
+                denom = (v.sqrt() / math.sqrt(1 - B2**var_steps)).add_(EPS)
                 dead = v == 0
         else:
             for w in range(P):
@@ -312,7 +321,7 @@ def run_zero_one(model, data, val, a, log, variant, exact=False, per_tensor=Fals
             if counter == sch["local_step_scaler"]:
                 counter, interval = 0, min(sch["local_step_clipper"], 2 * interval)
         if t % a.eval_every == 0 or t == a.steps:
-            if frozen and lrs > 0:      # evaluate the synchronized model (the engine's eval() does the same)
+            if frozen and lrs > 0:  # evaluate the synchronized model (the engine's eval() does the same)
                 ev = sync - torch.stack(us).mean(0).masked_fill(dead, 0.0) / denom
             else:
                 ev = vec
@@ -325,11 +334,19 @@ def ours_rank(rank, world, a_dict):
     import argparse as _ap
 
     from qcompress.optim import ZeroOneAdam
+
     a = _ap.Namespace(**a_dict)
     data, val, vocab = corpus()
     model = make_model(vocab)
-    opt = ZeroOneAdam(model.parameters(), lr=a.lr, betas=(B1, B2), eps=EPS, weight_decay=0.0,
-                      scale_per_tensor=a_dict.get("scale_per_tensor", True), **zo_schedule(a))
+    opt = ZeroOneAdam(
+        model.parameters(),
+        lr=a.lr,
+        betas=(B1, B2),
+        eps=EPS,
+        weight_decay=0.0,
+        scale_per_tensor=a_dict.get("scale_per_tensor", True),
+        **zo_schedule(a),
+    )
     log = []
     for t in range(1, a.steps + 1):
         for gp in opt.param_groups:
@@ -352,6 +369,7 @@ def _synced_vector(opt, model):
     """sync point - (exact mean of the ranks' accumulated updates) / denominator, without touching
     the optimizer (the simulation evaluates the same quantity)."""
     import torch.distributed as dist
+
     out = []
     world = dist.get_world_size()
     c = opt.counters
@@ -370,49 +388,67 @@ def _synced_vector(opt, model):
 
 # --- report -------------------------------------------------------------------------------------
 
+
 def section(results, a, seconds) -> str:
     adam = results["adam"][-1][1]
     rows = ["| run | what | final val loss | vs Adam |", "|---|---|---:|---:|"]
-    what = {"adam": "AdamW, exact gradient average (base)",
-            "ds": "0/1 Adam, DeepSpeed's stage 1 (1-bit gradients between variance steps) — simulated",
-            "ours": "qcompress ZeroOneAdam on gloo ranks (real), one 1-bit scale per tensor (default)",
-            "ours_flat": "qcompress ZeroOneAdam on gloo ranks (real), scale_per_tensor=False (one scale, DeepSpeed)",
-            "ds_pt": "DeepSpeed's stage 1 with one 1-bit scale per tensor — simulated",
-            "paper_pt": "the paper's algorithm with one 1-bit scale per tensor — simulated",
-            "paper": "0/1 Adam, the paper's Algorithm 1 (1-bit momentum-buffer sync every stage-1 step) — simulated",
-            "paper_exact": "the paper's algorithm, exact averaging — simulated"}
+    what = {
+        "adam": "AdamW, exact gradient average (base)",
+        "ds": "0/1 Adam, DeepSpeed's stage 1 (1-bit gradients between variance steps) — simulated",
+        "ours": "qcompress ZeroOneAdam on gloo ranks (real), one 1-bit scale per tensor (default)",
+        "ours_flat": "qcompress ZeroOneAdam on gloo ranks (real), scale_per_tensor=False (one scale, DeepSpeed)",
+        "ds_pt": "DeepSpeed's stage 1 with one 1-bit scale per tensor — simulated",
+        "paper_pt": "the paper's algorithm with one 1-bit scale per tensor — simulated",
+        "paper": "0/1 Adam, the paper's Algorithm 1 (1-bit momentum-buffer sync every stage-1 step) — simulated",
+        "paper_exact": "the paper's algorithm, exact averaging — simulated",
+    }
     for k in ("adam", "ours", "ds_pt", "ours_flat", "ds", "paper", "paper_pt", "paper_exact"):
         if k in results:
             f = results[k][-1][1]
             rows.append(f"| {k} | {what[k]} | {f:.4f} | {f / adam:.3f}x |")
     curve_steps = [t for t, _ in results["adam"]]
     head = "| step | " + " | ".join(k for k in results) + " |\n|---|" + "---:|" * len(results)
-    curve = [head] + [f"| {t} | " + " | ".join(f"{dict(results[k]).get(t, float('nan')):.4f}" for k in results) + " |"
-                      for t in curve_steps]
+    curve = [head] + [
+        f"| {t} | " + " | ".join(f"{dict(results[k]).get(t, float('nan')):.4f}" for k in results) + " |"
+        for t in curve_steps
+    ]
     sch = zo_schedule(a)
     final = {k: v[-1][1] for k, v in results.items()}
     notes = []
     for real, sim in (("ours", "ds_pt"), ("ours_flat", "ds")):
         if real in final and sim in final:
-            notes.append(f"- `{real}` (qcompress on gloo ranks) vs `{sim}` (the simulation written from the "
-                         f"definition): {final[real]:.4f} vs {final[sim]:.4f}, largest difference along the curve "
-                         f"{max(abs(x - y) for (_, x), (_, y) in zip(results[real], results[sim])):.1e}.")
+            notes.append(
+                f"- `{real}` (qcompress on gloo ranks) vs `{sim}` (the simulation written from the "
+                f"definition): {final[real]:.4f} vs {final[sim]:.4f}, largest difference along the curve "
+                f"{max(abs(x - y) for (_, x), (_, y) in zip(results[real], results[sim])):.1e}."
+            )
     for one, per in (("ds", "ds_pt"), ("paper", "paper_pt")):
         if one in final and per in final:
-            notes.append(f"- `{one}` with one 1-bit scale for the whole model: {final[one] / adam:.3f}x Adam; "
-                         f"one scale per tensor (`{per}`): {final[per] / adam:.3f}x.")
+            notes.append(
+                f"- `{one}` with one 1-bit scale for the whole model: {final[one] / adam:.3f}x Adam; "
+                f"one scale per tensor (`{per}`): {final[per] / adam:.3f}x."
+            )
     if "paper_exact" in final:
-        notes.append(f"- local steps and the frozen variance alone (`paper_exact`, exact averaging): "
-                     f"{final['paper_exact'] / adam:.3f}x Adam.")
+        notes.append(
+            f"- local steps and the frozen variance alone (`paper_exact`, exact averaging): "
+            f"{final['paper_exact'] / adam:.3f}x Adam."
+        )
     finding = ("\n\nFinding (numbers from the table):\n\n" + "\n".join(notes)) if notes else ""
-    return ("## 0/1 Adam: where the gap comes from\n\n"
-            f"`python benchmarks/experiments/zoadam_gap.py --steps {a.steps} --workers {a.workers}`: a character-level GPT "
-            f"(4 x 128, {a.n_params:,} parameters) on BBC News text, {a.workers} workers x batch {a.batch} x "
-            f"{a.ctx} characters, lr {a.lr} (5 % warmup, cosine to 10 %), no weight decay; 0/1 Adam "
-            f"var_freeze_step {sch['var_freeze_step']}, var_update_scaler 16, local_step_scaler "
-            f"{sch['local_step_scaler']}, local_step_clipper 16. Validation loss on held-out articles (the "
-            f"workers' weights synchronized before each evaluation). {seconds:.0f} s on a shared 2-core CPU.\n\n"
-            + "\n".join(rows) + finding + explain(a.spread) + "\n\nValidation loss by step:\n\n" + "\n".join(curve) + "\n")
+    return (
+        "## 0/1 Adam: where the gap comes from\n\n"
+        f"`python benchmarks/experiments/zoadam_gap.py --steps {a.steps} --workers {a.workers}`: a character-level GPT "
+        f"(4 x 128, {a.n_params:,} parameters) on BBC News text, {a.workers} workers x batch {a.batch} x "
+        f"{a.ctx} characters, lr {a.lr} (5 % warmup, cosine to 10 %), no weight decay; 0/1 Adam "
+        f"var_freeze_step {sch['var_freeze_step']}, var_update_scaler 16, local_step_scaler "
+        f"{sch['local_step_scaler']}, local_step_clipper 16. Validation loss on held-out articles (the "
+        f"workers' weights synchronized before each evaluation). {seconds:.0f} s on a shared 2-core CPU.\n\n"
+        + "\n".join(rows)
+        + finding
+        + explain(a.spread)
+        + "\n\nValidation loss by step:\n\n"
+        + "\n".join(curve)
+        + "\n"
+    )
 
 
 def grad_rms_spread(model, data, a) -> dict:
@@ -423,7 +459,7 @@ def grad_rms_spread(model, data, a) -> dict:
     whole = float(g.square().mean().sqrt())
     out, at = {}, 0
     for name, p in model.named_parameters():
-        piece = g[at:at + p.numel()]
+        piece = g[at : at + p.numel()]
         at += p.numel()
         out[name] = float(piece.square().mean().sqrt()) / whole
     return out
@@ -470,6 +506,7 @@ def main(argv=None):
             results[name] = run_adam(make_model(vocab), data, val, a, [])
         elif name in ("ours", "ours_flat"):
             from ranks import run_ranks
+
             d = {k: v for k, v in vars(a).items()}
             d["scale_per_tensor"] = name == "ours"
             results[name] = run_ranks(ours_rank, a.workers, d, timeout=7200)[0]
@@ -479,8 +516,11 @@ def main(argv=None):
             results[name] = run_zero_one(make_model(vocab), data, val, a, [], name[:-3], per_tensor=True)
         elif name == "paper_exact":
             results[name] = run_zero_one(make_model(vocab), data, val, a, [], "paper", exact=True)
-        print(f"{name}: final val loss {results[name][-1][1]:.4f} ({time.perf_counter() - t1:.0f} s) "
-              f"curve {[round(x, 3) for _, x in results[name]]}", flush=True)
+        print(
+            f"{name}: final val loss {results[name][-1][1]:.4f} ({time.perf_counter() - t1:.0f} s) "
+            f"curve {[round(x, 3) for _, x in results[name]]}",
+            flush=True,
+        )
     text = section(results, a, time.perf_counter() - t0)
     print(text)
     return 0

@@ -12,6 +12,7 @@ Then block i runs on the outputs block i - 1 gave, with its own arguments. That 
 is the previous block's output (a decoder's residual stream) is checked on that first forward:
 a model that changes the hidden state between blocks is reported, not run wrongly.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
@@ -64,10 +65,10 @@ class BlockCalls:
 
     def __init__(self, blocks: List[nn.Module], where: str):
         self.blocks, self.where = blocks, where
-        self.calls: List[List[Tuple[tuple, dict, bool]]] = [[] for _ in blocks]   # (args, kwargs, hidden in args)
+        self.calls: List[List[Tuple[tuple, dict, bool]]] = [[] for _ in blocks]  # (args, kwargs, hidden in args)
         self.first_inputs: List[torch.Tensor] = []
-        self._out = None          # (block index, its output hidden state) of the block that ran last
-        self.unchained: List[int] = []   # blocks whose input was not the previous block's output
+        self._out = None  # (block index, its output hidden state) of the block that ran last
+        self.unchained: List[int] = []  # blocks whose input was not the previous block's output
 
     def hooks(self):
         handles = []
@@ -79,6 +80,7 @@ class BlockCalls:
     def _out_hook(self, i: int):
         def hook(module, args, out):
             self._out = (i, _hidden_of(out))
+
         return hook
 
     def _chained(self, i: int, hidden: torch.Tensor) -> bool:
@@ -97,9 +99,11 @@ class BlockCalls:
             elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
                 hidden, rest, positional = kwargs["hidden_states"], args, False
             else:
-                raise RuntimeError(f"{self.where}[{i}] ({type(module).__name__}) was called without a hidden "
-                                   "state tensor as its first argument or `hidden_states`, so its blocks cannot "
-                                   "be run one at a time: set observer_kwargs.sequential: false")
+                raise RuntimeError(
+                    f"{self.where}[{i}] ({type(module).__name__}) was called without a hidden "
+                    "state tensor as its first argument or `hidden_states`, so its blocks cannot "
+                    "be run one at a time: set observer_kwargs.sequential: false"
+                )
             if i == 0:
                 self.first_inputs.append(hidden)
             elif not self._chained(i, hidden) and i not in self.unchained:
@@ -108,6 +112,7 @@ class BlockCalls:
             kept = {k: v for k, v in kwargs.items() if k != "hidden_states" or positional}
             self.calls[i].append((rest, kept, positional))
             return args, kwargs
+
         return hook
 
     def run(self, i: int, b: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -119,9 +124,11 @@ class BlockCalls:
             out = self.blocks[i](*rest, hidden_states=hidden, **kwargs)
         out = _hidden_of(out)
         if out is None:
-            raise RuntimeError(f"{self.where}[{i}] ({type(self.blocks[i]).__name__}) returned a "
-                               f"{type(out).__name__}, not a hidden state tensor (or a tuple starting with one): "
-                               "set observer_kwargs.sequential: false")
+            raise RuntimeError(
+                f"{self.where}[{i}] ({type(self.blocks[i]).__name__}) returned a "
+                f"{type(out).__name__}, not a hidden state tensor (or a tuple starting with one): "
+                "set observer_kwargs.sequential: false"
+            )
         return out
 
 

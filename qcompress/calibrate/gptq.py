@@ -27,6 +27,7 @@ While calibrating, the modules to solve run unquantized (their own weights), and
 runs on its quantization from then on; other quantizers (minmax / mse groups, activations) act
 as configured.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,15 @@ def _path(mod) -> str:
 
 def unsolved(model: nn.Module) -> List[Tuple[str, CompressMixin]]:
     """(name, module) of the gptq modules not solved yet."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, CompressMixin) and m.qc_wq is not None and m.qc_wq.solver is not None
-            and m.qc_wq.solved is None and not m.qc_wq.baked]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, CompressMixin)
+        and m.qc_wq is not None
+        and m.qc_wq.solver is not None
+        and m.qc_wq.solved is None
+        and not m.qc_wq.baked
+    ]
 
 
 def _sequential(mod) -> bool:
@@ -70,11 +77,13 @@ def _sequential(mod) -> bool:
 def settings(mod) -> solver.Settings:
     wq = mod.qc_wq
     damp, block, act_order, _ = wq.solver_kwargs
-    return solver.Settings(damp=damp, block_size=block, act_order=act_order, observer=wq.range_observer,
-                           search=Search(*wq.range_search))
+    return solver.Settings(
+        damp=damp, block_size=block, act_order=act_order, observer=wq.range_observer, search=Search(*wq.range_search)
+    )
 
 
 # --- Hessians ------------------------------------------------------------------------------------
+
 
 class Hessians:
     """Sums of u u^T (float64, on the input's device) and token counts per module (per expert for
@@ -88,7 +97,7 @@ class Hessians:
         for _, m in mods:
             experts = m.matrix_shape()[0] if isinstance(m, ExpertMatrix) else 1
             self.counts[id(m)] = torch.zeros(experts, dtype=torch.int64)
-        self._last = (None, None)     # (input, its u^T u): q / k / v see one tensor in a row
+        self._last = (None, None)  # (input, its u^T u): q / k / v see one tensor in a row
         self.reduced = False
 
     def add(self, mod, x: torch.Tensor, expert: int = 0) -> None:
@@ -96,7 +105,7 @@ class Hessians:
             return
         cols = _cols(mod)
         if x.dim() == 0 or x.shape[-1] != cols:
-            return                  # a shape this weight does not multiply column-wise
+            return  # a shape this weight does not multiply column-wise
         n = x.numel() // cols
         self.counts[id(mod)][expert] += n
         if self.count_only or n == 0:
@@ -105,13 +114,14 @@ class Hessians:
             p = self._last[1]
         else:
             x2 = x.detach().reshape(-1, cols).float()
-            p = (x2.T @ x2).double()        # float32 product, float64 sums
+            p = (x2.T @ x2).double()  # float32 product, float64 sums
             self._last = (x, p)
         acc = self.sums[id(mod)]
         if acc is None:
             n = self.counts[id(mod)].numel()
-            acc = torch.zeros((n, cols, cols) if isinstance(mod, ExpertMatrix) else (cols, cols),
-                              dtype=torch.float64, device=p.device)
+            acc = torch.zeros(
+                (n, cols, cols) if isinstance(mod, ExpertMatrix) else (cols, cols), dtype=torch.float64, device=p.device
+            )
             self.sums[id(mod)] = acc
         if isinstance(mod, ExpertMatrix):
             acc[expert] += p
@@ -143,10 +153,13 @@ class Hessians:
     def _expert_hook(self, mod):
         def capture(x, e):
             if e is None:
-                raise RuntimeError(f"{mod.qc_name}: a product of tokens with the fused matrix that does not say "
-                                   "which expert it is (a batched experts implementation): set the model's "
-                                   "experts_implementation to 'eager' to calibrate GPTQ per expert")
+                raise RuntimeError(
+                    f"{mod.qc_name}: a product of tokens with the fused matrix that does not say "
+                    "which expert it is (a batched experts implementation): set the model's "
+                    "experts_implementation to 'eager' to calibrate GPTQ per expert"
+                )
             self.add(mod, x, e)
+
         return capture
 
     def all_reduce(self) -> None:
@@ -164,8 +177,9 @@ class Hessians:
             s = self.sums[id(m)]
             home = s.device if s is not None else m.weight.device
             if s is None:
-                s = torch.zeros(((c.numel(),) if isinstance(m, ExpertMatrix) else ()) + (_cols(m), _cols(m)),
-                                dtype=torch.float64)
+                s = torch.zeros(
+                    ((c.numel(),) if isinstance(m, ExpertMatrix) else ()) + (_cols(m), _cols(m)), dtype=torch.float64
+                )
             s = s.to(dev)
             dist.all_reduce(s)
             self.sums[id(m)] = s.to(home)
@@ -188,6 +202,7 @@ def _cols(mod) -> int:
 
 
 # --- solving one module ---------------------------------------------------------------------------
+
 
 def _source(mod) -> torch.Tensor:
     """The full-precision weight in its stored layout: the master copy in optimizer-step mode."""
@@ -229,8 +244,13 @@ def solve_module(name: str, mod, H: torch.Tensor, counts: torch.Tensor) -> Solve
         W = mod.weight_matrix_view(src)
         grid = solver.make_grid(spec, W.shape[0], W.shape[1], W.dtype, st)
         sol = solver.solve(W, H, grid, st)
-        return Solved(mod._from_matrix_view(sol.weight), mod._from_matrix_view(sol.quantized), sol.params,
-                      sol.loss, [name] if sol.rounded else [])
+        return Solved(
+            mod._from_matrix_view(sol.weight),
+            mod._from_matrix_view(sol.quantized),
+            sol.params,
+            sol.loss,
+            [name] if sol.rounded else [],
+        )
     E, out, inp = mod.matrix_shape()
     espec = _expert_spec(mod, spec)
     ws, qs, params, loss, rounded = [], [], [], 0.0, []
@@ -247,8 +267,13 @@ def solve_module(name: str, mod, H: torch.Tensor, counts: torch.Tensor) -> Solve
         qs.append(sol.quantized)
         params.append(sol.params)
         loss += sol.loss
-    return Solved(_expert_layout(mod, torch.stack(ws)), _expert_layout(mod, torch.stack(qs)),
-                  _expert_params(mod, spec, params), loss, rounded)
+    return Solved(
+        _expert_layout(mod, torch.stack(ws)),
+        _expert_layout(mod, torch.stack(qs)),
+        _expert_params(mod, spec, params),
+        loss,
+        rounded,
+    )
 
 
 def _expert_layout(mod, mats: torch.Tensor) -> torch.Tensor:
@@ -303,6 +328,7 @@ def _write_learned(mod, params) -> None:
     s, z = params
     if floats.is_float(spec):
         from ..quant import float_observers
+
         view = mod.weight_matrix_view(mod.weight.detach())
         s, g = float_observers.learned_init(view, spec, s, z)
         mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
@@ -317,20 +343,27 @@ def _write_learned(mod, params) -> None:
 
 # --- the whole calibration ------------------------------------------------------------------------
 
+
 def check_kinds(targets) -> None:
     for name, m in targets:
         if m.qc_kind not in GPTQ_KINDS:
-            raise ConfigError(_path(m), f"module {name!r} is a {m.qc_kind}; GPTQ solves a layer against the "
-                              "inputs it multiplies (Linear, transformers' Conv1D, fused experts)")
+            raise ConfigError(
+                _path(m),
+                f"module {name!r} is a {m.qc_kind}; GPTQ solves a layer against the "
+                "inputs it multiplies (Linear, transformers' Conv1D, fused experts)",
+            )
 
 
 def check_batches(targets, batches: list) -> None:
     if targets and not batches:
         name, m = targets[0]
-        raise ConfigError(_path(m), f"module {name!r}{f' and {len(targets) - 1} more' if len(targets) > 1 else ''} "
-                          "use observer gptq, which solves the weights against their inputs on calibration "
-                          "batches, but calibrate_weight_ranges got no batches; pass a few batches of training "
-                          "data (GPTQ's paper: 128 sequences of 2048 tokens)")
+        raise ConfigError(
+            _path(m),
+            f"module {name!r}{f' and {len(targets) - 1} more' if len(targets) > 1 else ''} "
+            "use observer gptq, which solves the weights against their inputs on calibration "
+            "batches, but calibrate_weight_ranges got no batches; pass a few batches of training "
+            "data (GPTQ's paper: 128 sequences of 2048 tokens)",
+        )
 
 
 @contextmanager
@@ -365,9 +398,9 @@ def calibrate_gptq(model: nn.Module, targets, batches: list, forward: Optional[C
     in_blocks = set()
     if found is not None:
         in_blocks = {id(m) for block in found[1] for m in block.modules()}
-    staged = [(n, m) for n, m in seq if id(m) in in_blocks]                # block by block
-    last = [(n, m) for n, m in seq if id(m) not in in_blocks]              # on the quantized model
-    first = [(n, m) for n, m in targets if not _sequential(m)]            # on the model before any solve
+    staged = [(n, m) for n, m in seq if id(m) in in_blocks]  # block by block
+    last = [(n, m) for n, m in seq if id(m) not in in_blocks]  # on the quantized model
+    first = [(n, m) for n, m in targets if not _sequential(m)]  # on the model before any solve
     if found is None:
         first, last = first + last, []
     solved: Dict[int, Tuple[str, object, Solved]] = {}
@@ -388,19 +421,24 @@ def calibrate_gptq(model: nn.Module, targets, batches: list, forward: Optional[C
                     h.remove()
             if calls is not None and calls.unchained:
                 m = staged[0][1]
-                raise ConfigError(_path(m).replace(".observer", ".observer_kwargs.sequential"),
-                                  f"{found[0]}[{calls.unchained[0]}] is not fed the output of {found[0]}"
-                                  f"[{calls.unchained[0] - 1}] as it is (the model changes the hidden state "
-                                  "between its blocks), so the blocks cannot be calibrated one after another: "
-                                  "set observer_kwargs.sequential: false")
+                raise ConfigError(
+                    _path(m).replace(".observer", ".observer_kwargs.sequential"),
+                    f"{found[0]}[{calls.unchained[0]}] is not fed the output of {found[0]}"
+                    f"[{calls.unchained[0] - 1}] as it is (the model changes the hidden state "
+                    "between its blocks), so the blocks cannot be calibrated one after another: "
+                    "set observer_kwargs.sequential: false",
+                )
             reach.all_reduce()
             hess.all_reduce()
             missing = hess.unreached() + reach.unreached()
             if missing:
                 m = dict(targets)[missing[0]]
-                raise ConfigError(_path(m), f"the calibration batches never reached module(s) {missing[:4]}"
-                                  f"{' ...' if len(missing) > 4 else ''}: GPTQ has no inputs to solve them "
-                                  "against; pass batches whose forward runs them, or leave them out of the group")
+                raise ConfigError(
+                    _path(m),
+                    f"the calibration batches never reached module(s) {missing[:4]}"
+                    f"{' ...' if len(missing) > 4 else ''}: GPTQ has no inputs to solve them "
+                    "against; pass batches whose forward runs them, or leave them out of the group",
+                )
             _solve_all(hess, first, solved)
             if calls is not None:
                 _run_blocks(calls, staged, solved, len(batches))
@@ -411,7 +449,7 @@ def calibrate_gptq(model: nn.Module, targets, batches: list, forward: Optional[C
                         run_batch(model, b, forward)
                 _solve_all(hess, last, solved)
         except BaseException:
-            for name, m, sol in solved.values():      # put the full-precision weights back
+            for name, m, sol in solved.values():  # put the full-precision weights back
                 m.weight.copy_(sol.original)
             raise
         finally:
@@ -420,9 +458,11 @@ def calibrate_gptq(model: nn.Module, targets, batches: list, forward: Optional[C
             _finish(m, sol, active_flags[id(m.qc_wq)])
     rounded = [r for _, _, sol in solved.values() for r in sol.rounded]
     if rounded:
-        warnings.warn(f"GPTQ: {rounded[:6]}{' ...' if len(rounded) > 6 else ''} were rounded to nearest: no "
-                      "calibration token reached these experts, or no dampening made the Hessian factor",
-                      stacklevel=3)
+        warnings.warn(
+            f"GPTQ: {rounded[:6]}{' ...' if len(rounded) > 6 else ''} were rounded to nearest: no "
+            "calibration token reached these experts, or no dampening made the Hessian factor",
+            stacklevel=3,
+        )
     return len(solved)
 
 

@@ -24,6 +24,7 @@ On several ranks the sums are all-reduced, so every rank chooses the same ranges
 
 The same call solves the weights of `observer: gptq` groups (calibrate/gptq.py), after the moments.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,10 +62,12 @@ def check_memory(whole_shapes: List[Tuple[int, int]]) -> None:
     need = sum(12 * a * b for a, b in whole_shapes)
     free = free_memory()
     if free is not None and need > free // 2:
-        raise MemoryError(f"observer_kwargs.cross_groups: the whole input moments of {len(whole_shapes)} "
-                          f"module(s) (cols x cols each) need {need / 2 ** 30:.1f} GiB, more than half of the "
-                          f"{free / 2 ** 30:.1f} GiB free; set observer_kwargs.cross_groups: false (each group "
-                          "against its own block of the moments) or calibrate on a machine with more memory")
+        raise MemoryError(
+            f"observer_kwargs.cross_groups: the whole input moments of {len(whole_shapes)} "
+            f"module(s) (cols x cols each) need {need / 2**30:.1f} GiB, more than half of the "
+            f"{free / 2**30:.1f} GiB free; set observer_kwargs.cross_groups: false (each group "
+            "against its own block of the moments) or calibrate on a machine with more memory"
+        )
 
 
 def diagonal_blocks(M: torch.Tensor, b: int) -> torch.Tensor:
@@ -72,13 +75,16 @@ def diagonal_blocks(M: torch.Tensor, b: int) -> torch.Tensor:
     cols = M.shape[0]
     nb = -(-cols // b)
     P = torch.nn.functional.pad(M, (0, nb * b - cols, 0, nb * b - cols))
-    return torch.stack([P[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
+    return torch.stack([P[i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(nb)])
 
 
 def weighted_modules(model: nn.Module) -> List[Tuple[str, CompressMixin]]:
     """(name, module) of the compress-aware modules whose weight ranges are weighted by inputs."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, CompressMixin) and m.qc_wq is not None and ranges.weighs_by_inputs(m.qc_wq)]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, CompressMixin) and m.qc_wq is not None and ranges.weighs_by_inputs(m.qc_wq)
+    ]
 
 
 def _run(model: nn.Module, batch, forward: Optional[Callable]):
@@ -93,7 +99,7 @@ def _all_reduce(sums: list, counts: torch.Tensor, device: torch.device) -> None:
     flat = flat.cpu()
     at = 0
     for s in sums:
-        s.copy_(flat[at:at + s.numel()].reshape(s.shape))
+        s.copy_(flat[at : at + s.numel()].reshape(s.shape))
         at += s.numel()
     counts.copy_(flat[at:].round().to(counts.dtype))
 
@@ -119,7 +125,7 @@ def calibrate_weight_ranges(model: nn.Module, batches: Iterable, forward: Option
     if targets:
         batches = list(batches)
         gptq.check_kinds(targets)
-        gptq.check_batches(targets, batches)    # before anything runs or changes
+        gptq.check_batches(targets, batches)  # before anything runs or changes
     with gptq.inactive(targets):
         n = _record_moments(model, batches, forward)
     if targets:
@@ -132,15 +138,17 @@ def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Calla
     takers = [(n, m) for n, m in mods if m.qc_kind in INPUT_KINDS]
     if not takers:
         return 0
-    plan = {}       # id(MasterState) -> (store, shape of the sums: [blocks, b, b] or whole [cols, cols], b, cols)
+    plan = {}  # id(MasterState) -> (store, shape of the sums: [blocks, b, b] or whole [cols, cols], b, cols)
     for _, m in takers:
         if id(m.qc_wq.store) not in plan:
             cols, b = m.weight_matrix_view(m.weight).shape[1], block_size(m.qc_wq)
             shape = (cols, cols) if ranges.takes_cross(m.qc_wq) else (-(-cols // b), b, b)
             plan[id(m.qc_wq.store)] = (m.qc_wq.store, shape, b, cols)
     check_memory([shape for _, shape, _, _ in plan.values() if len(shape) == 2])
-    stores = {key: (store, torch.zeros(shape, dtype=torch.float64), i, cols, b)     # float64 sums
-              for i, (key, (store, shape, b, cols)) in enumerate(plan.items())}
+    stores = {
+        key: (store, torch.zeros(shape, dtype=torch.float64), i, cols, b)  # float64 sums
+        for i, (key, (store, shape, b, cols)) in enumerate(plan.items())
+    }
     counts = torch.zeros(len(stores), dtype=torch.int64)
 
     def hook(mod, args):
@@ -149,14 +157,14 @@ def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Calla
             return
         _, acc, i, cols, _ = stores[id(mod.qc_wq.store)]
         if x.shape[-1] != cols:
-            return                   # a shape this module's weight does not multiply column-wise
+            return  # a shape this module's weight does not multiply column-wise
         x2 = x.detach().reshape(-1, cols).float()
         if acc.dim() == 2:
-            acc += (x2.T @ x2).double().cpu()                           # sum_t u u^T
+            acc += (x2.T @ x2).double().cpu()  # sum_t u u^T
         else:
             nb, b, _ = acc.shape
             x3 = torch.nn.functional.pad(x2, (0, nb * b - cols)).reshape(-1, nb, b).transpose(0, 1)
-            acc += torch.bmm(x3.transpose(1, 2), x3).double().cpu()      # per block: sum_t u u^T
+            acc += torch.bmm(x3.transpose(1, 2), x3).double().cpu()  # per block: sum_t u u^T
         counts[i] += x2.shape[0]
 
     handles = [m.register_forward_pre_hook(hook) for _, m in takers]
@@ -171,8 +179,11 @@ def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Calla
         model.train(was_training)
     entries = sorted(stores.values(), key=lambda e: e[2])
     param = next(model.parameters(), None)
-    device = param.device if (param is not None and dist.is_available() and dist.is_initialized()
-                              and dist.get_backend() == "nccl") else torch.device("cpu")
+    device = (
+        param.device
+        if (param is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl")
+        else torch.device("cpu")
+    )
     _all_reduce([acc for _, acc, _, _, _ in entries], counts, device)
     unseen = []
     for store, acc, i, _, b in entries:
@@ -180,22 +191,24 @@ def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Calla
             unseen.append(i)
             continue
         mean = acc / float(counts[i])
-        if mean.dim() == 2:          # whole E[u u^T]: its diagonal blocks for the per-group search
+        if mean.dim() == 2:  # whole E[u u^T]: its diagonal blocks for the per-group search
             store.input_cross = mean.to(torch.float32)
             mean = diagonal_blocks(mean, b)
         store.input_moments = mean
     if unseen:
         names = [n for n, m in takers if stores[id(m.qc_wq.store)][2] in unseen]
-        warnings.warn(f"calibrate_weight_ranges: the batches never reached module(s) {names[:4]}"
-                      f"{' ...' if len(names) > 4 else ''}: their weight ranges keep the unweighted mse search",
-                      stacklevel=2)
+        warnings.warn(
+            f"calibrate_weight_ranges: the batches never reached module(s) {names[:4]}"
+            f"{' ...' if len(names) > 4 else ''}: their weight ranges keep the unweighted mse search",
+            stacklevel=2,
+        )
     for _, m in mods:
         wq = m.qc_wq
         if not wq.active or wq.baked:
             continue
         if wq.in_forward or wq.master is None:
             ranges.init_weight_ranges(m)
-        else:                        # optimizer-step mode: the next scheduler step re-searches on the master
+        else:  # optimizer-step mode: the next scheduler step re-searches on the master
             wq.shrink = None
             wq.pending_ranges = True
     return sum(stores[id(m.qc_wq.store)][2] not in unseen for _, m in takers)
@@ -203,12 +216,16 @@ def _record_moments(model: nn.Module, batches: Iterable, forward: Optional[Calla
 
 def missing_moments(modules) -> List[str]:
     """Names of active input-weighted modules that take moments but have none recorded."""
-    return [n for n, m in modules if m.qc_wq.active and not m.qc_wq.baked and m.qc_kind in INPUT_KINDS
-            and m.qc_wq.store.input_moments is None]
+    return [
+        n
+        for n, m in modules
+        if m.qc_wq.active and not m.qc_wq.baked and m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None
+    ]
 
 
 def needs_calibration(model: nn.Module) -> bool:
     """Some module weighs its ranges by inputs it has no moments of yet (active or not), or has
     weights GPTQ has not solved yet."""
-    return (any(m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model))
-            or bool(gptq.unsolved(model)))
+    return any(
+        m.qc_kind in INPUT_KINDS and m.qc_wq.store.input_moments is None for _, m in weighted_modules(model)
+    ) or bool(gptq.unsolved(model))

@@ -9,6 +9,7 @@ AutoRound's scale tuning do the same). The weights stay bit-identical, so the ex
 size and the same integers up to their scales. How much of the PTQ perplexity excess this removes,
 against the input-weighted mse observer: benchmarks/experiments/README.md (`range_ceiling.py`).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -31,12 +32,19 @@ def range_parameters(model: nn.Module) -> list:
 def _loss(model: nn.Module, batch, loss: Optional[Callable]) -> torch.Tensor:
     if loss is not None:
         return loss(model, batch)
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (tuple, list)) \
+    out = (
+        model(**batch)
+        if isinstance(batch, dict)
+        else model(*batch)
+        if isinstance(batch, (tuple, list))
         else model(batch)
+    )
     value = getattr(out, "loss", None) if not isinstance(out, dict) else out.get("loss")
     if value is None:
-        raise ValueError("learn_ranges: the model's output has no `loss` (give batches with labels, or pass "
-                         "loss=lambda model, batch: ...)")
+        raise ValueError(
+            "learn_ranges: the model's output has no `loss` (give batches with labels, or pass "
+            "loss=lambda model, batch: ...)"
+        )
     return value
 
 
@@ -46,27 +54,31 @@ def _start_input_ranges(model: nn.Module) -> None:
     input ranges would stay unused and untrained. Initialise them here from the calibrated observer;
     warn about those whose observer has seen no batch."""
     from ..nn.ranges import init_input_ranges
+
     unseen = []
     for name, mod in model.named_modules():
         aq = getattr(mod, "qc_aq", None)
-        if aq is None or not aq.range_learning or not aq.active or aq.learned_ready:   # (learned: static)
+        if aq is None or not aq.range_learning or not aq.active or aq.learned_ready:  # (learned: static)
             continue
         if hasattr(mod.input_scale, "full_tensor"):
-            continue       # FSDP2-sharded (an engine): its scheduler initialises them at its first step
+            continue  # FSDP2-sharded (an engine): its scheduler initialises them at its first step
         if not init_input_ranges(mod):
             unseen.append(name)
     if unseen:
-        warnings.warn(f"learn_ranges: the static activation ranges of {len(unseen)} module(s) "
-                      f"({', '.join(unseen[:3])}{' ...' if len(unseen) > 3 else ''}) have seen no batch, so their "
-                      "learned ranges stay untrained: run a few calibration batches in training mode first",
-                      stacklevel=3)
+        warnings.warn(
+            f"learn_ranges: the static activation ranges of {len(unseen)} module(s) "
+            f"({', '.join(unseen[:3])}{' ...' if len(unseen) > 3 else ''}) have seen no batch, so their "
+            "learned ranges stay untrained: run a few calibration batches in training mode first",
+            stacklevel=3,
+        )
 
 
 def _average_over_ranks(params: list) -> None:
     """Replicated models on several ranks (each its own batches): one mean gradient, so every rank
     takes the same step and keeps the same ranges. Parameters sharded by FSDP2 (DTensors, ZeRO
     stages 2-3) are left out: FSDP2's backward has already reduce-scattered their mean gradient."""
-    from ..optim._dist import average_, world_size      # optim loads on first use (see __init__)
+    from ..optim._dist import average_, world_size  # optim loads on first use (see __init__)
+
     params = [p for p in params if not hasattr(p, "full_tensor")]
     if world_size() == 1 or not params:
         return
@@ -88,12 +100,14 @@ def learn_ranges(model: nn.Module, batches: Iterable, loss: Optional[Callable] =
     calibrate_weight_ranges, the schedule at its target bits, static activation ranges calibrated
     by a few training-mode batches: their learned ranges start from that calibration here).
     Returns {"steps", "first_loss", "last_loss"}."""
-    model = unwrap(model)       # an engine or DDP: their own forward would all-reduce the gradients again
+    model = unwrap(model)  # an engine or DDP: their own forward would all-reduce the gradients again
     _start_input_ranges(model)
     params = range_parameters(model)
     if not params:
-        raise ValueError("learn_ranges: no module of this model has learned ranges; set `range_learning: true` "
-                         "in the weight (or static activation) quantization groups before init_compression")
+        raise ValueError(
+            "learn_ranges: no module of this model has learned ranges; set `range_learning: true` "
+            "in the weight (or static activation) quantization groups before init_compression"
+        )
     ids = {id(p) for p in params}
     frozen = [(p, p.requires_grad) for p in model.parameters() if id(p) not in ids]
     range_flags = [(p, p.requires_grad) for p in params]

@@ -30,17 +30,40 @@ Non-finite results raise qcompress.NonFiniteError on every rank and leave the er
 Built in: "onebit" (signs + one RMS scale per worker buffer / server chunk; the kernels' ops when
 built, qcompress.quant.onebit otherwise) and "int8" (symmetric, one absmax/127 scale per chunk).
 """
+
 from .allreduce import OneBitState, compressed_allreduce, padded_length
 from .bucket import DEFAULT_BUCKET_SIZE, BucketedCompressor
-from .compressors import (Compressor, Int8Compressor, OneBitCompressor, available_compressors,
-                          get_compressor, register_compressor)
+from .compressors import (
+    Compressor,
+    Int8Compressor,
+    OneBitCompressor,
+    available_compressors,
+    get_compressor,
+    register_compressor,
+)
 from .ddp_hook import OneBitDDPHookState, onebit_ddp_hook
 from .hierarchy import Hierarchy, nodes_from_hostnames
 from .stats import reset_stats, stats
 
 OneBitDDPState = OneBitDDPHookState  # short alias
 
-__all__ = ["OneBitState", "compressed_allreduce", "padded_length", "BucketedCompressor", "DEFAULT_BUCKET_SIZE",
-           "Compressor", "OneBitCompressor", "Int8Compressor", "register_compressor", "get_compressor",
-           "available_compressors", "OneBitDDPHookState", "OneBitDDPState", "onebit_ddp_hook", "Hierarchy",
-           "nodes_from_hostnames", "stats", "reset_stats"]
+__all__ = [
+    "OneBitState",
+    "compressed_allreduce",
+    "padded_length",
+    "BucketedCompressor",
+    "DEFAULT_BUCKET_SIZE",
+    "Compressor",
+    "OneBitCompressor",
+    "Int8Compressor",
+    "register_compressor",
+    "get_compressor",
+    "available_compressors",
+    "OneBitDDPHookState",
+    "OneBitDDPState",
+    "onebit_ddp_hook",
+    "Hierarchy",
+    "nodes_from_hostnames",
+    "stats",
+    "reset_stats",
+]

@@ -3,23 +3,39 @@
 The flat two-phase algorithm is in flat.py, the hierarchical one (uncompressed inside a node,
 compressed across nodes) in hierarchy.py, which builds on flat.py; this module picks one per call.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..errors import NonFiniteError
 from .compressors import get_compressor
+
 # the flat algorithm's names stay importable from here
-from .flat import (OneBitState, _all_gather_flat, flat_compressed_allreduce, flat_compressed_allreduce_many,
-                   group_size_rank, padded_length)
+from .flat import (
+    OneBitState,
+    _all_gather_flat,
+    flat_compressed_allreduce,
+    flat_compressed_allreduce_many,
+    group_size_rank,
+    padded_length,
+)
 from .hierarchy import resolve_hierarchy
 
-__all__ = ["compressed_allreduce", "OneBitState", "flat_compressed_allreduce", "flat_compressed_allreduce_many",
-           "group_size_rank", "padded_length", "_all_gather_flat"]
+__all__ = [
+    "compressed_allreduce",
+    "OneBitState",
+    "flat_compressed_allreduce",
+    "flat_compressed_allreduce_many",
+    "group_size_rank",
+    "padded_length",
+    "_all_gather_flat",
+]
 
 
-def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *,
-                         compressor="onebit", hierarchy="auto") -> torch.Tensor:
+def compressed_allreduce(
+    tensor: torch.Tensor, state: OneBitState, group=None, *, compressor="onebit", hierarchy="auto"
+) -> torch.Tensor:
     """Error-compensated compressed average of `tensor` over `group` (default: the world).
 
     Returns a new tensor with the input's shape and dtype, bit-identical on every rank. `state`
@@ -50,17 +66,21 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group=None, *
     else:
         out, finite = hier.allreduce(flat, state, comp)
     if not finite:
-        here = ("" if bool(torch.isfinite(flat).all()) else " (this rank's does)")
-        raise NonFiniteError(f"compressed_allreduce: the input holds NaN or Inf on at least one rank{here}, or "
-                             "its values plus the error feedback overflow float32 (every rank raises this; the "
-                             "error-feedback state was left unchanged)")
+        here = "" if bool(torch.isfinite(flat).all()) else " (this rank's does)"
+        raise NonFiniteError(
+            f"compressed_allreduce: the input holds NaN or Inf on at least one rank{here}, or "
+            "its values plus the error feedback overflow float32 (every rank raises this; the "
+            "error-feedback state was left unchanged)"
+        )
     result = out.reshape(tensor.shape).to(tensor.dtype)
     if tensor.dtype != torch.float32 and not bool(torch.isfinite(result).all()):
         # The result is the same on every rank, so every rank raises here alike. Casting it back
         # to float16 overflowed: an inf would have been returned silently from finite inputs.
         state.worker_error, state.server_error, state.compressor_name = before
-        raise NonFiniteError(f"compressed_allreduce: the average of this {tensor.dtype} tensor overflows "
-                             f"{tensor.dtype} (largest value {float(out.abs().max()):.6g}); pass it in float32 "
-                             "or scale it down (every rank raises this; the error-feedback state was left "
-                             "unchanged)")
+        raise NonFiniteError(
+            f"compressed_allreduce: the average of this {tensor.dtype} tensor overflows "
+            f"{tensor.dtype} (largest value {float(out.abs().max()):.6g}); pass it in float32 "
+            "or scale it down (every rank raises this; the error-feedback state was left "
+            "unchanged)"
+        )
     return result

@@ -8,6 +8,7 @@ first call (the list of element counts); later calls must pass tensors of the sa
 A NaN/Inf anywhere raises qcompress.NonFiniteError on every rank after all buckets ran, with every
 bucket's errors left as before the call.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..errors import NonFiniteError
 from .allreduce import OneBitState, compressed_allreduce
 
-DEFAULT_BUCKET_SIZE = 2 ** 24  # 16M elements: 64 MB of fp32, 2 MB on the wire at 1 bit
+DEFAULT_BUCKET_SIZE = 2**24  # 16M elements: 64 MB of fp32, 2 MB on the wire at 1 bit
 
 
 class BucketedCompressor:
@@ -26,8 +27,7 @@ class BucketedCompressor:
     {"bucket.<i>.worker_error", "bucket.<i>.server_error"} for each initialised bucket.
     """
 
-    def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, *, compressor="onebit", group=None,
-                 hierarchy="auto"):
+    def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, *, compressor="onebit", group=None, hierarchy="auto"):
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive int (elements), got {bucket_size!r}")
         self.bucket_size = bucket_size
@@ -45,14 +45,18 @@ class BucketedCompressor:
             if not self.states:
                 self.states = [OneBitState() for _ in range(count)]
             elif len(self.states) != count:  # errors restored by load_state_dict
-                raise ValueError(f"the loaded state has {len(self.states)} buckets but these tensors need "
-                                 f"{count} buckets of {self.bucket_size} elements")
+                raise ValueError(
+                    f"the loaded state has {len(self.states)} buckets but these tensors need "
+                    f"{count} buckets of {self.bucket_size} elements"
+                )
             self.layout = sizes
         elif sizes != self.layout:
-            raise ValueError(f"BucketedCompressor was set up for tensors of sizes {self.layout[:8]}"
-                             f"{'...' if len(self.layout) > 8 else ''} ({len(self.layout)} tensors) but got "
-                             f"{sizes[:8]}{'...' if len(sizes) > 8 else ''} ({len(sizes)} tensors); "
-                             f"use one BucketedCompressor per tensor list, or reset()")
+            raise ValueError(
+                f"BucketedCompressor was set up for tensors of sizes {self.layout[:8]}"
+                f"{'...' if len(self.layout) > 8 else ''} ({len(self.layout)} tensors) but got "
+                f"{sizes[:8]}{'...' if len(sizes) > 8 else ''} ({len(sizes)} tensors); "
+                f"use one BucketedCompressor per tensor list, or reset()"
+            )
         return sum(sizes)
 
     def allreduce(self, tensors) -> list:
@@ -66,10 +70,13 @@ class BucketedCompressor:
         before = [(st.worker_error, st.server_error, st.compressor_name) for st in self.states]
         pieces, failure = [], None
         for i, start in enumerate(range(0, max(total, 1), self.bucket_size)):
-            bucket = flat[start:start + self.bucket_size]
+            bucket = flat[start : start + self.bucket_size]
             try:
-                pieces.append(compressed_allreduce(bucket, self.states[i], self.group,
-                                                   compressor=self.compressor, hierarchy=self.hierarchy))
+                pieces.append(
+                    compressed_allreduce(
+                        bucket, self.states[i], self.group, compressor=self.compressor, hierarchy=self.hierarchy
+                    )
+                )
             except NonFiniteError as exc:  # every rank gets it for the same bucket; finish the others
                 failure = exc
         if failure is not None:
@@ -80,15 +87,17 @@ class BucketedCompressor:
         out_flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         outs, offset = [], 0
         for i, t in enumerate(tensors):
-            out = out_flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype)
+            out = out_flat[offset : offset + t.numel()].reshape(t.shape).to(t.dtype)
             if t.dtype != torch.float32 and not bool(torch.isfinite(out).all()):
                 # finite float32 averages that overflow the tensor's dtype (fp16 near 65504); the
                 # results are the same on every rank, so all raise alike
                 for st, (we, se, name) in zip(self.states, before):
                     st.worker_error, st.server_error, st.compressor_name = we, se, name
-                raise NonFiniteError(f"BucketedCompressor: the average of tensor {i} ({t.dtype}, shape "
-                                     f"{tuple(t.shape)}) overflows {t.dtype}; pass it in float32 or scale it "
-                                     "down (every rank raises this; the error-feedback state was left unchanged)")
+                raise NonFiniteError(
+                    f"BucketedCompressor: the average of tensor {i} ({t.dtype}, shape "
+                    f"{tuple(t.shape)}) overflows {t.dtype}; pass it in float32 or scale it "
+                    "down (every rank raises this; the error-feedback state was left unchanged)"
+                )
             outs.append(out)
             offset += t.numel()
         return outs
@@ -121,9 +130,12 @@ class BucketedCompressor:
         count = indices[-1] + 1 if indices else 0
         self.states = [OneBitState() for _ in range(count)]
         for i in indices:
-            self.states[i].load_state_dict({"worker_error": sd[f"bucket.{i}.worker_error"],
-                                            "server_error": sd[f"bucket.{i}.server_error"]})
+            self.states[i].load_state_dict(
+                {"worker_error": sd[f"bucket.{i}.worker_error"], "server_error": sd[f"bucket.{i}.server_error"]}
+            )
 
     def __repr__(self):
-        return (f"BucketedCompressor(bucket_size={self.bucket_size}, compressor={self.compressor!r}, "
-                f"buckets={len(self.states)})")
+        return (
+            f"BucketedCompressor(bucket_size={self.bucket_size}, compressor={self.compressor!r}, "
+            f"buckets={len(self.states)})"
+        )

@@ -5,6 +5,7 @@ chunk (everything the receiver needs, scales included, so each phase is a single
 turns payload rows back into float32 values. See qcompress.comm's module docstring for the full
 interface contract.
 """
+
 from __future__ import annotations
 
 import torch

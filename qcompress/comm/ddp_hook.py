@@ -12,6 +12,7 @@ itself). Setting it back to False (e.g. 0/1 Adam's full-precision variance steps
 all-reduce for the next backward pass. The flag is read when a bucket is ready, so flip it between
 steps, not during backward.
 """
+
 # No `from __future__ import annotations`: DDP checks the hook's return annotation object.
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ class OneBitDDPHookState:
         self.process_group = process_group
         self.compression_stage = bool(compression_stage)
         self.allreduce_calls = 0  # buckets averaged so far (warmup)
-        self.local_calls = 0      # buckets returned unchanged (compression stage)
+        self.local_calls = 0  # buckets returned unchanged (compression stage)
 
     def __setstate__(self, state):  # DDP may pickle hook state with the model
         self.__dict__.update(state)

@@ -22,6 +22,7 @@ results follow the multi-rank formula exactly.
 This module is the flat algorithm among all the group's ranks; hierarchy.py runs it among node
 leaders, and allreduce.compressed_allreduce chooses between the two.
 """
+
 from __future__ import annotations
 
 import torch
@@ -84,8 +85,10 @@ class OneBitState:
         if not (isinstance(we, torch.Tensor) and isinstance(se, torch.Tensor)):
             raise TypeError("OneBitState.load_state_dict: worker_error and server_error must be tensors")
         if se.numel() == 0 or we.numel() % se.numel():
-            raise ValueError(f"OneBitState.load_state_dict: server error length {se.numel()} does not divide "
-                             f"worker error length {we.numel()}")
+            raise ValueError(
+                f"OneBitState.load_state_dict: server error length {se.numel()} does not divide "
+                f"worker error length {we.numel()}"
+            )
         self.worker_error = we.detach().to(torch.float32).reshape(-1).clone()
         self.server_error = se.detach().to(torch.float32).reshape(-1).clone()
         self.compressor_name = None
@@ -99,13 +102,16 @@ class OneBitState:
         if self.compressor_name is None:
             self.compressor_name = compressor_name
         elif self.compressor_name != compressor_name:
-            raise ValueError(f"OneBitState was used with compressor {self.compressor_name!r}, now "
-                             f"{compressor_name!r}; reset() it before switching compressors")
+            raise ValueError(
+                f"OneBitState was used with compressor {self.compressor_name!r}, now "
+                f"{compressor_name!r}; reset() it before switching compressors"
+            )
         if self.worker_error.numel() != padded or self.server_error.numel() != padded // world:
             raise ValueError(
                 f"OneBitState holds errors for padded length {self.worker_error.numel()} and world size "
                 f"{self.worker_error.numel() // max(self.server_error.numel(), 1)}, but this call needs "
-                f"padded length {padded} at world size {world}; use one state per buffer, or reset() it")
+                f"padded length {padded} at world size {world}; use one state per buffer, or reset() it"
+            )
         if self.worker_error.device != torch.device(device):
             self.worker_error = self.worker_error.to(device)
             self.server_error = self.server_error.to(device)

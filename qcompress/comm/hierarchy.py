@@ -14,6 +14,7 @@ Built from hostnames (one all-gather of a 32-byte hostname digest per rank) with
 automatically with "auto" when ranks span several hosts, or from explicit node lists:
 Hierarchy([[0, 1], [2, 3]]).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,9 @@ class Hierarchy:
         nodes = [sorted(int(r) for r in node) for node in nodes]
         flat = sorted(r for node in nodes for r in node)
         if flat != list(range(world)) or any(not node for node in nodes):
-            raise ValueError(f"Hierarchy nodes must partition the group's ranks 0..{world - 1} into non-empty "
-                             f"lists, got {nodes}")
+            raise ValueError(
+                f"Hierarchy nodes must partition the group's ranks 0..{world - 1} into non-empty lists, got {nodes}"
+            )
         self.nodes = nodes
         self.group = group
         self.world_size = world

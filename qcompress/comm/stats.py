@@ -14,6 +14,7 @@ Counting rule (payload bytes, exact, independent of the backend's internal algor
   receives (broadcast) B; the root receives (reduce) or sends (broadcast) (L-1)*B.
 Collectives over a group of one rank move nothing and count nothing.
 """
+
 from __future__ import annotations
 
 import threading

@@ -3,6 +3,7 @@
 Each such key, when a config gives it, warns (once: see warn_unused), naming the key and saying what
 happens instead. The tables are also the source of docs/deepspeed-keys.md (its "warns" rows).
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from typing import Dict, Iterable, Tuple
 # top-level keys and sections: dropped from the document before parsing
 TOP_LEVEL: Dict[str, str] = {
     "prescale_gradients": "gradients are always divided by the world size before the all-reduce "
-                          "(so fp16 sums cannot overflow)",
+    "(so fp16 sums cannot overflow)",
     "gradient_predivide_factor": "gradients are divided by the world size before the all-reduce, by nothing else",
     "sparse_gradients": "gradients are dense tensors, reduced by DDP / FSDP2",
     "zero_allow_untested_optimizer": "every optimizer is allowed with ZeRO",
@@ -26,7 +27,7 @@ TOP_LEVEL: Dict[str, str] = {
     "dump_state": "the engine state is not printed",
     "elasticity": "the batch sizes are the configured ones, for the world size the job starts with",
     "aio": "NVMe offload reads and writes with its own threads (offload_optimizer.buffer_count, "
-           "pipeline_read, pipeline_write)",
+    "pipeline_read, pipeline_write)",
     "checkpoint": "save_checkpoint writes torch.distributed.checkpoint folders",
     "data_efficiency": "batches are sampled as the training loop gives them",
     "curriculum_learning": "batches are sampled as the training loop gives them",
@@ -68,7 +69,7 @@ OFFLOAD: Dict[str, str] = {
 # fp16 keys
 FP16: Dict[str, str] = {
     "auto_cast": "the forward runs under torch.autocast, which casts each operation's inputs; the batch "
-                 "itself is not cast",
+    "itself is not cast",
 }
 
 # activation_checkpointing keys
@@ -82,11 +83,13 @@ ACTIVATION_CHECKPOINTING: Dict[str, str] = {
 # Keys of DeepSpeed 0.19's schema (deepspeed_0_19_keys.json, made by deepspeed_schema.py) that the
 # schema here does not declare: accepted, dropped before parsing, and warned about by name. These
 # say what happens instead; the others get UNHONOURED.
-_ZEROPP = ("ZeRO runs on FSDP2 / ZeroRedundancyOptimizer, which gather and reduce in the training "
-           "dtype: no ZeRO++ quantized weights or gradients, no hierarchical partitions")
+_ZEROPP = (
+    "ZeRO runs on FSDP2 / ZeroRedundancyOptimizer, which gather and reduce in the training "
+    "dtype: no ZeRO++ quantized weights or gradients, no hierarchical partitions"
+)
 NOT_HONOURED: Dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "parameters without a gradient are refused at stages 0/1 "
-                                                  "(engine.step names them) and skipped at stages 2/3",
+    "(engine.step names them) and skipped at stages 2/3",
     "zero_optimization.zero_quantized_weights": _ZEROPP,
     "zero_optimization.zero_quantized_nontrainable_weights": _ZEROPP,
     "zero_optimization.zero_quantized_gradients": _ZEROPP,
@@ -97,13 +100,12 @@ NOT_HONOURED: Dict[str, str] = {
     "zero_optimization.offload_optimizer.super_offload": "the offloaded update runs as offload_optimizer says",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "the offloaded update runs on torch's CPU threads",
     "bf16.immediate_grad_update": "gradients accumulate in the parameters and the optimizer steps once per "
-                                  "accumulation boundary",
-    "bf16.bf16_master_weights_and_grads": "the parameters keep their dtype; bf16 runs the forward under "
-                                          "torch.autocast",
+    "accumulation boundary",
+    "bf16.bf16_master_weights_and_grads": "the parameters keep their dtype; bf16 runs the forward under torch.autocast",
     "bf16.bf16_optimizer_states": "the optimizer state has the parameters' dtype",
     "bf16.check_grad_overflow": "bf16 has no loss scaling; a non-finite loss stops qcompress train",
     "fp16.fp16_master_weights_and_grads": "the parameters keep their dtype; fp16 runs the forward under "
-                                          "torch.autocast with loss scaling",
+    "torch.autocast with loss scaling",
     "torch_autocast": "use the bf16 or fp16 section: the forward then runs under torch.autocast in that dtype",
     "gradient_allreduce_op": "gradients are averaged over the data-parallel ranks",
     "graph_harvesting": "no CUDA graph capture by the engine; the compile section can ask torch.compile for it",
@@ -112,7 +114,7 @@ NOT_HONOURED: Dict[str, str] = {
     "use_data_before_expert_parallelism": "no expert parallelism: experts are trained where their layer is",
     "expert_parallel": "no expert parallelism: experts are trained where their layer is",
     "weight_quantization": "DeepSpeed's inference-time weight quantization; use "
-                           "compression_training.weight_quantization",
+    "compression_training.weight_quantization",
     "log_level": "qcompress logs through Python's logging ('qcompress' logger)",
     "datastates_ckpt": "save_checkpoint writes torch.distributed.checkpoint folders",
     "allgather_size": "ZeRO gathers as FSDP2 does",
@@ -142,6 +144,7 @@ def _section_type(hint):
     """The config dataclass a field holds (its type, or the one inside Optional[...]), or None."""
     import dataclasses
     import typing
+
     for tp in (hint, *typing.get_args(hint)):
         if dataclasses.is_dataclass(tp):
             return tp
@@ -154,6 +157,7 @@ def drop_unhonoured(doc: dict, cls, prefix: str = "") -> Tuple[dict, list]:
     either stay, for the parser to refuse by name."""
     from .schema import _layout
     import typing
+
     known = deepspeed_keys()
     hints, by_key = _layout(cls)
     out, dropped = dict(doc), []
@@ -180,14 +184,16 @@ def _refuse_misspelt(path: str, key, by_key, known) -> None:
     parser's own message suggests among the declared keys only)."""
     from ..errors import ConfigError
     from .schema import did_you_mean
+
     if not isinstance(key, str) or did_you_mean(key, by_key):
         return
-    prefix = path[:len(path) - len(key)]
-    theirs = [k[len(prefix):] for k in known if k.startswith(prefix) and "." not in k[len(prefix):]]
+    prefix = path[: len(path) - len(key)]
+    theirs = [k[len(prefix) :] for k in known if k.startswith(prefix) and "." not in k[len(prefix) :]]
     hint = did_you_mean(key, theirs)
     if hint:
-        raise ConfigError(path, f"unknown key{hint}; allowed keys: {sorted(by_key)}, and DeepSpeed's own, "
-                          "which load with a warning")
+        raise ConfigError(
+            path, f"unknown key{hint}; allowed keys: {sorted(by_key)}, and DeepSpeed's own, which load with a warning"
+        )
 
 
 def _present(doc: dict, path: Tuple[str, ...]):
@@ -204,9 +210,13 @@ def given_unused(doc: dict) -> Iterable[Tuple[str, str]]:
     for key in TOP_LEVEL:
         if key in doc:
             yield key, TOP_LEVEL[key]
-    tables = ((("zero_optimization",), ZERO), (("zero_optimization", "offload_optimizer"), OFFLOAD),
-              (("zero_optimization", "offload_param"), OFFLOAD),
-              (("activation_checkpointing",), ACTIVATION_CHECKPOINTING), (("fp16",), FP16))
+    tables = (
+        (("zero_optimization",), ZERO),
+        (("zero_optimization", "offload_optimizer"), OFFLOAD),
+        (("zero_optimization", "offload_param"), OFFLOAD),
+        (("activation_checkpointing",), ACTIVATION_CHECKPOINTING),
+        (("fp16",), FP16),
+    )
     for path, table in tables:
         section = _present(doc, path)
         if isinstance(section, dict):
@@ -218,13 +228,15 @@ def given_unused(doc: dict) -> Iterable[Tuple[str, str]]:
 def warn_dropped(dropped, stacklevel: int = 4) -> None:
     """One warning per key drop_unhonoured took out, naming it (once per key: the default filter)."""
     for key, instead in dropped:
-        warnings.warn(f"config key {key!r} is a DeepSpeed setting qcompress does not honour: {instead}",
-                      stacklevel=stacklevel)
+        warnings.warn(
+            f"config key {key!r} is a DeepSpeed setting qcompress does not honour: {instead}", stacklevel=stacklevel
+        )
 
 
 def warn_unused(doc: dict, stacklevel: int = 4) -> None:
     """Warn for each unused key the document gives; Python's default warning filter shows each
     one once per call site, however often a config is parsed again."""
     for key, instead in given_unused(doc):
-        warnings.warn(f"config key {key!r} is a DeepSpeed setting with no effect in qcompress: {instead}",
-                      stacklevel=stacklevel)
+        warnings.warn(
+            f"config key {key!r} is a DeepSpeed setting with no effect in qcompress: {instead}", stacklevel=stacklevel
+        )

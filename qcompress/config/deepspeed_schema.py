@@ -15,6 +15,7 @@ Regenerate the committed list (from a DeepSpeed sdist or an installed package fo
 A section qcompress reads as free-form (optimizer.params, scheduler.params) or owns
 (compression_training: its schema in compression.py) is not descended into (OPAQUE).
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,10 +40,10 @@ Path = Tuple[str, ...]
 class _Module:
     def __init__(self, name: str, file: str):
         self.name = name
-        self.package = os.path.basename(file) == "__init__.py"     # `from . import` means itself
+        self.package = os.path.basename(file) == "__init__.py"  # `from . import` means itself
         self.tree = ast.parse(open(file, encoding="utf-8").read(), file)
         self.defs: Dict[str, ast.AST] = {}
-        self.values: Dict[str, ast.AST] = {}        # module-level NAME = expr
+        self.values: Dict[str, ast.AST] = {}  # module-level NAME = expr
         self.imports: Dict[str, Tuple[str, str]] = {}
         self.star: List[str] = []
         for node in self.tree.body:
@@ -62,23 +63,23 @@ class _Module:
         if not node.level:
             return node.module or ""
         parts = self.name.split(".")
-        base = parts[:len(parts) - node.level + (1 if self.package else 0)]
+        base = parts[: len(parts) - node.level + (1 if self.package else 0)]
         return ".".join(base + ([node.module] if node.module else []))
 
 
 class Extractor:
     def __init__(self, package_dir: str):
         self.root = os.path.abspath(package_dir)
-        self.pkg = os.path.basename(self.root)       # "deepspeed"
+        self.pkg = os.path.basename(self.root)  # "deepspeed"
         self.modules: Dict[str, Optional[_Module]] = {}
         self.keys: Set[Path] = set()
         self.seen: Set[tuple] = set()
-        self._strs: Dict[str, str] = {}     # the walked function's parameters that name a key
+        self._strs: Dict[str, str] = {}  # the walked function's parameters that name a key
 
     # --- modules and names ---------------------------------------------------------------------
     def module(self, name: str) -> Optional[_Module]:
         if name.startswith(self.pkg + "."):
-            name = name[len(self.pkg) + 1:]
+            name = name[len(self.pkg) + 1 :]
         elif name == self.pkg:
             name = ""
         if name not in self.modules:
@@ -121,7 +122,7 @@ class Extractor:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
         if isinstance(node, ast.Name) and strs and node.id in strs:
-            return strs[node.id]          # a parameter bound to a key name (its default or the caller's)
+            return strs[node.id]  # a parameter bound to a key name (its default or the caller's)
         if isinstance(node, ast.Name):
             got = self.resolve(mod, node.id)
             if got is not None and isinstance(got[1], ast.expr):
@@ -172,11 +173,18 @@ class Extractor:
 
     # --- following the document through the readers --------------------------------------------
     def add(self, path: Path) -> None:
-        if path and not any(path[:len(o)] == o and len(path) > len(o) for o in OPAQUE):
+        if path and not any(path[: len(o)] == o and len(path) > len(o) for o in OPAQUE):
             self.keys.add(path)
 
-    def walk(self, mod: _Module, func: ast.FunctionDef, env: Dict[str, Path], cls: Optional[ast.ClassDef],
-             depth: int = 0, strs: Optional[Dict[str, str]] = None) -> None:
+    def walk(
+        self,
+        mod: _Module,
+        func: ast.FunctionDef,
+        env: Dict[str, Path],
+        cls: Optional[ast.ClassDef],
+        depth: int = 0,
+        strs: Optional[Dict[str, str]] = None,
+    ) -> None:
         strs = strs or {}
         sig = (mod.name, func.name, id(func), tuple(sorted(env.items())), tuple(sorted(strs.items())))
         if depth > 10 or sig in self.seen:
@@ -189,7 +197,7 @@ class Extractor:
             self._strs = saved
 
     def _walk(self, mod, func, env, cls, depth) -> None:
-        for _ in range(3):           # local names bound to sections of the document
+        for _ in range(3):  # local names bound to sections of the document
             for node in ast.walk(func):
                 if isinstance(node, ast.Assign) and len(node.targets) == 1:
                     target = node.targets[0]
@@ -222,7 +230,7 @@ class Extractor:
                     self.add(base + (key,))
                     return base + (key,)
             if isinstance(f, ast.Attribute) and f.attr in ("copy", "deepcopy") and node.args:
-                return self.path(mod, node.args[0], env)         # copy.copy(section)
+                return self.path(mod, node.args[0], env)  # copy.copy(section)
             if isinstance(f, ast.Name) and f.id == "dict" and node.args:
                 return self.path(mod, node.args[0], env)
         if isinstance(node, ast.BoolOp):
@@ -231,7 +239,7 @@ class Extractor:
                 if got is not None:
                     return got
         if isinstance(node, ast.DictComp) and len(node.generators) == 1:
-            gen = node.generators[0]           # {k: doc.get(k, {}) for k in ("a", "b")}: the document
+            gen = node.generators[0]  # {k: doc.get(k, {}) for k in ("a", "b")}: the document
             if isinstance(gen.iter, (ast.Tuple, ast.List)) and isinstance(node.value, ast.Call):
                 f = node.value.func
                 if isinstance(f, ast.Attribute) and f.attr == "get":
@@ -253,8 +261,12 @@ class Extractor:
             key = self.string(mod, node.left, self._strs)
             if base is not None and key is not None:
                 self.add(base + (key,))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in READERS \
-                and len(node.args) >= 2:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in READERS
+            and len(node.args) >= 2
+        ):
             base = self.path(mod, node.args[0], env)
             key = self.string(mod, node.args[1], self._strs)
             if base is not None and key is not None:
@@ -270,8 +282,12 @@ class Extractor:
         target = None
         if isinstance(node.func, ast.Name):
             target = self.resolve(mod, node.func.id)
-        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-                and node.func.value.id == "self" and cls is not None:
+        elif (
+            isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+            and cls is not None
+        ):
             method = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == node.func.attr), None)
             if method is not None:
                 target = (mod, method)
@@ -290,20 +306,19 @@ class Extractor:
             return
         if isinstance(tdef, ast.FunctionDef):
             inner_cls = cls if tmod is mod and tdef in (cls.body if cls is not None else []) else None
-            self.bind_and_walk(mod, node, tmod, tdef, args, inner_cls, depth,
-                               skip_self=inner_cls is not None)
+            self.bind_and_walk(mod, node, tmod, tdef, args, inner_cls, depth, skip_self=inner_cls is not None)
 
     def bind_and_walk(self, mod, node, tmod, func, args, cls, depth, skip_self=False):
         """Walk `func` with its parameters bound to the caller's document sections, and to the key
         names the caller passes or the parameters' defaults give (get_communication_data_type's
         comm_type=COMMUNICATION_DATA_TYPE)."""
-        params = [a.arg for a in func.args.args][1 if skip_self else 0:]
+        params = [a.arg for a in func.args.args][1 if skip_self else 0 :]
         env = {params[i]: p for i, p in args if p is not None and i < len(params)}
         if not env:
             return
         strs = {}
         defaults = func.args.defaults
-        for name, default in zip([a.arg for a in func.args.args][-len(defaults):] if defaults else [], defaults):
+        for name, default in zip([a.arg for a in func.args.args][-len(defaults) :] if defaults else [], defaults):
             value = self.string(tmod, default)
             if value is not None:
                 strs[name] = value
@@ -334,7 +349,7 @@ class Extractor:
     def run(self) -> List[str]:
         mod = self.required(ENTRY[0])
         cls = self.required_def(mod, ENTRY[1], ast.ClassDef)
-        for method in cls.body:      # __init__ parses; other methods read self._param_dict too
+        for method in cls.body:  # __init__ parses; other methods read self._param_dict too
             if isinstance(method, ast.FunctionDef):
                 self.walk(mod, method, {"self._param_dict": ()}, cls)
         for path, (mname, fname) in DEFAULTS_DICTS.items():
@@ -382,6 +397,7 @@ def extract(package_dir: str) -> List[str]:
 def installed_package_dir() -> Optional[str]:
     """The folder of an installed `deepspeed` package (not imported), or None."""
     import importlib.util
+
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -395,14 +411,17 @@ def committed() -> dict:
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("package_dir", help="the `deepspeed` package folder (sdist or installed)")
     ap.add_argument("--write", action="store_true", help=f"write {os.path.basename(COMMITTED)}")
     args = ap.parse_args(list(argv) if argv is not None else None)
     keys = extract(args.package_dir)
-    doc = {"deepspeed": version_of(args.package_dir),
-           "command": "python -m qcompress.config.deepspeed_schema DEEPSPEED_PACKAGE_DIR --write",
-           "keys": keys}
+    doc = {
+        "deepspeed": version_of(args.package_dir),
+        "command": "python -m qcompress.config.deepspeed_schema DEEPSPEED_PACKAGE_DIR --write",
+        "keys": keys,
+    }
     text = json.dumps(doc, indent=1) + "\n"
     if args.write:
         tmp = COMMITTED + ".tmp"

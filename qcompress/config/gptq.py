@@ -8,6 +8,7 @@ blocks of 128 columns, activation order on (llm-compressor's default "static" or
 strategies; the paper's code leaves it off; benchmarks/experiments/README.md says what it did on
 SmolLM2), each decoder block calibrated on the outputs of the already-quantized blocks before it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,17 +24,30 @@ SCALE_OBSERVERS = ("minmax", "mse")
 @dataclass(frozen=True)
 class GptqKwargs:
     """ext, observer gptq only: the solver's settings (ObserverKwargs takes these fields)."""
-    damp: float = field(0.01, gt=0.0, le=10.0, doc="ext, gptq: dampening added to the Hessian's diagonal, "
-                                                   "as a fraction of its mean diagonal")
-    block_size: int = field(128, ge=1, le=1 << 20, doc="ext, gptq: columns per lazy batch update (rounded "
-                                                       "to a multiple of the group size)")
-    act_order: bool = field(True, doc="ext, gptq: columns in order of decreasing Hessian diagonal; group "
-                                       "scales stay those of the original groups, chosen before the solve")
-    sequential: bool = field(True, doc="ext, gptq: each repeated block calibrated on the outputs of the "
-                                       "already-quantized blocks before it")
-    scale_observer: str = field("minmax", choices=SCALE_OBSERVERS, lower=True,
-                                doc="ext, gptq: how each group's (row's) scale is chosen inside the solve; "
-                                    "mse takes grid, maxshrink and norm")
+
+    damp: float = field(
+        0.01,
+        gt=0.0,
+        le=10.0,
+        doc="ext, gptq: dampening added to the Hessian's diagonal, as a fraction of its mean diagonal",
+    )
+    block_size: int = field(
+        128, ge=1, le=1 << 20, doc="ext, gptq: columns per lazy batch update (rounded to a multiple of the group size)"
+    )
+    act_order: bool = field(
+        True,
+        doc="ext, gptq: columns in order of decreasing Hessian diagonal; group "
+        "scales stay those of the original groups, chosen before the solve",
+    )
+    sequential: bool = field(
+        True, doc="ext, gptq: each repeated block calibrated on the outputs of the already-quantized blocks before it"
+    )
+    scale_observer: str = field(
+        "minmax",
+        choices=SCALE_OBSERVERS,
+        lower=True,
+        doc="ext, gptq: how each group's (row's) scale is chosen inside the solve; mse takes grid, maxshrink and norm",
+    )
 
 
 GPTQ_KEYS = tuple(f.name for f in dataclasses.fields(GptqKwargs))
@@ -54,12 +68,16 @@ def check_kwargs(observer, kw, where: str) -> None:
         keys = gptq_keys_set(kw)
         if keys:
             who = f"the group's observer is {observer!r}" if observer else "no group uses observer 'gptq'"
-            raise ConfigError(join(where, keys[0]), f"is a setting of observer 'gptq', but {who}; set "
-                              f"observer: gptq, or drop {keys}")
+            raise ConfigError(
+                join(where, keys[0]), f"is a setting of observer 'gptq', but {who}; set observer: gptq, or drop {keys}"
+            )
         return
     if kw.weight_by != "none":
-        raise ConfigError(join(where, "weight_by"), f"{kw.weight_by!r} weighs the mse search by the inputs; "
-                          "GPTQ solves against the whole input Hessian already: drop weight_by")
+        raise ConfigError(
+            join(where, "weight_by"),
+            f"{kw.weight_by!r} weighs the mse search by the inputs; "
+            "GPTQ solves against the whole input Hessian already: drop weight_by",
+        )
 
 
 def check_group(settings, tech_path: str) -> None:
@@ -68,18 +86,28 @@ def check_group(settings, tech_path: str) -> None:
     group = settings.name
     params_at = join(tech_path, f"different_groups.{group}.params")
     if settings.start_bits != settings.target_bits:
-        raise ConfigError(join(params_at, "start_bits"), f"GPTQ solves the weights once for one width, but "
-                          f"the schedule goes from {settings.start_bits} to {settings.target_bits} bits; set "
-                          "start_bits = target_bits (or use minmax / mse for a bit schedule)")
+        raise ConfigError(
+            join(params_at, "start_bits"),
+            f"GPTQ solves the weights once for one width, but "
+            f"the schedule goes from {settings.start_bits} to {settings.target_bits} bits; set "
+            "start_bits = target_bits (or use minmax / mse for a bit schedule)",
+        )
     if settings.target_bits <= 2 and (settings.target_bits == 1 or settings.ternary):
-        raise ConfigError(join(params_at, "target_bits"), f"{settings.target_bits}-bit weights are binary / "
-                          "ternary (a scale from the mean |w|, no integer grid for GPTQ to round onto); use "
-                          "observer minmax / mse, or ternary: false for the 4-level grid")
+        raise ConfigError(
+            join(params_at, "target_bits"),
+            f"{settings.target_bits}-bit weights are binary / "
+            "ternary (a scale from the mean |w|, no integer grid for GPTQ to round onto); use "
+            "observer minmax / mse, or ternary: false for the 4-level grid",
+        )
     if settings.rounding != "nearest":
-        raise ConfigError(join(tech_path, "shared_parameters.rounding"),
-                          f"group {group!r} uses observer gptq, which propagates each column's round-to-nearest "
-                          "error; stochastic rounding draws another grid point every step: use rounding: nearest")
+        raise ConfigError(
+            join(tech_path, "shared_parameters.rounding"),
+            f"group {group!r} uses observer gptq, which propagates each column's round-to-nearest "
+            "error; stochastic rounding draws another grid point every step: use rounding: nearest",
+        )
     if settings.mix_enabled:
-        raise ConfigError(join(tech_path, "shared_parameters.fp16_mixed_quantize.enabled"),
-                          f"group {group!r} uses observer gptq, whose grid the blend of full-precision and "
-                          "quantized weights would hide; turn fp16_mixed_quantize off")
+        raise ConfigError(
+            join(tech_path, "shared_parameters.fp16_mixed_quantize.enabled"),
+            f"group {group!r} uses observer gptq, whose grid the blend of full-precision and "
+            "quantized weights would hide; turn fp16_mixed_quantize off",
+        )

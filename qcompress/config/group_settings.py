@@ -8,6 +8,7 @@ kwargs, rounding, offsets, range learning ...). Validation, the rewrite (which c
 module's WeightQuant / ActQuant, nn/state.py), LoRA's checks and the command line read it, never
 the two sections; `at(key)` names the key path where a value was set, for error messages.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -33,9 +34,9 @@ def _pick(shared, params, group: str, key: str) -> Tuple[Any, str]:
 class _Resolved:
     name: str
     observer: str
-    observer_kwargs: Any           # config.compression.ObserverKwargs
+    observer_kwargs: Any  # config.compression.ObserverKwargs
     range_learning: bool
-    set_at: Tuple[Tuple[str, str], ...]   # (key, path under the technique) of OVERRIDABLE
+    set_at: Tuple[Tuple[str, str], ...]  # (key, path under the technique) of OVERRIDABLE
 
     def at(self, key: str) -> str:
         """Where `key` was set, under the technique's section (e.g. 'shared_parameters.observer')."""
@@ -52,19 +53,19 @@ class WeightGroupSettings(_Resolved):
     format: Format
     start_bits: int
     target_bits: int
-    period: int                    # quantization_period
-    growth: str                    # period_growth
-    offset: int                    # schedule_offset
+    period: int  # quantization_period
+    growth: str  # period_growth
+    offset: int  # schedule_offset
     symmetric: bool
-    granularity: Optional[str]     # None: each module's default (granularity_at)
+    granularity: Optional[str]  # None: each module's default (granularity_at)
     group_size: Optional[int]
-    chunks: Optional[int]          # quantize_groups where the group sets no granularity (and it is > 1)
+    chunks: Optional[int]  # quantize_groups where the group sets no granularity (and it is > 1)
     ternary: bool
     rounding: str
     numerics: str
-    clip_grad: bool                # ste: clip
-    in_forward: bool               # quantize_weight_in_forward
-    mix_enabled: bool              # fp16_mixed_quantize
+    clip_grad: bool  # ste: clip
+    in_forward: bool  # quantize_weight_in_forward
+    mix_enabled: bool  # fp16_mixed_quantize
     change_ratio: float
     seed: int
 
@@ -80,7 +81,7 @@ class WeightGroupSettings(_Resolved):
 
     @property
     def solver(self) -> Optional[str]:
-        """"gptq" when the weights are solved on calibration data."""
+        """ "gptq" when the weights are solved on calibration data."""
         return GPTQ if self.observer == GPTQ else None
 
     @property
@@ -124,13 +125,13 @@ class ActGroupSettings(_Resolved):
     format: str
     bits: int
     symmetric: bool
-    calibration: str               # range_calibration: dynamic | static
-    offset: int                    # schedule_offset
+    calibration: str  # range_calibration: dynamic | static
+    offset: int  # schedule_offset
     momentum: float
-    fused: bool                    # fused_backward
+    fused: bool  # fused_backward
     share_input: bool
-    int8_forward: Any              # True | False | "auto"
-    group_size: Optional[int]      # as the group set it (float formats fix their own)
+    int8_forward: Any  # True | False | "auto"
+    group_size: Optional[int]  # as the group set it (float formats fix their own)
 
     @property
     def quantization_type(self) -> str:
@@ -144,8 +145,11 @@ class ActGroupSettings(_Resolved):
 
 def _overridden(shared, params, group: str) -> dict:
     picked = {key: _pick(shared, params, group, key) for key in OVERRIDABLE}
-    return dict(name=group, set_at=tuple((k, at) for k, (_, at) in picked.items()),
-                **{k: value for k, (value, _) in picked.items()})
+    return dict(
+        name=group,
+        set_at=tuple((k, at) for k, (_, at) in picked.items()),
+        **{k: value for k, (value, _) in picked.items()},
+    )
 
 
 def weight_settings(shared, params, group: str) -> WeightGroupSettings:
@@ -157,14 +161,25 @@ def weight_settings(shared, params, group: str) -> WeightGroupSettings:
     if format_at(fmt, params.target_bits) != "int" or format_at(fmt, params.start_bits) != "int":
         gran, gsize = float_granularity(fmt, params)
     return WeightGroupSettings(
-        **values, start_bits=params.start_bits, target_bits=params.target_bits,
-        period=params.quantization_period, growth=params.period_growth, offset=shared.schedule_offset,
-        symmetric=shared.quantization_type == "symmetric", granularity=gran, group_size=gsize,
+        **values,
+        start_bits=params.start_bits,
+        target_bits=params.target_bits,
+        period=params.quantization_period,
+        growth=params.period_growth,
+        offset=shared.schedule_offset,
+        symmetric=shared.quantization_type == "symmetric",
+        granularity=gran,
+        group_size=gsize,
         chunks=shared.quantize_groups if params.granularity is None and shared.quantize_groups > 1 else None,
-        ternary=params.ternary, rounding=shared.rounding,
-        numerics=shared.numerics, clip_grad=shared.ste == "clip", in_forward=shared.quantize_weight_in_forward,
+        ternary=params.ternary,
+        rounding=shared.rounding,
+        numerics=shared.numerics,
+        clip_grad=shared.ste == "clip",
+        in_forward=shared.quantize_weight_in_forward,
         mix_enabled=shared.fp16_mixed_quantize.enabled,
-        change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio, seed=shared.seed)
+        change_ratio=shared.fp16_mixed_quantize.quantize_change_ratio,
+        seed=shared.seed,
+    )
 
 
 def act_settings(shared, params, group: str) -> ActGroupSettings:
@@ -172,7 +187,14 @@ def act_settings(shared, params, group: str) -> ActGroupSettings:
     values = _overridden(shared, params, group)
     values["range_learning"] = bool(values["range_learning"])
     return ActGroupSettings(
-        **values, bits=params.bits, symmetric=shared.quantization_type == "symmetric",
-        calibration=shared.range_calibration, offset=shared.schedule_offset, momentum=shared.momentum,
-        fused=shared.fused_backward, share_input=shared.share_input, int8_forward=shared.int8_forward,
-        group_size=params.group_size)
+        **values,
+        bits=params.bits,
+        symmetric=shared.quantization_type == "symmetric",
+        calibration=shared.range_calibration,
+        offset=shared.schedule_offset,
+        momentum=shared.momentum,
+        fused=shared.fused_backward,
+        share_input=shared.share_input,
+        int8_forward=shared.int8_forward,
+        group_size=params.group_size,
+    )

@@ -6,6 +6,7 @@ fake-quantized to `format` with one scale per tensor or per key/value head, from
 calibrated as the static activation ranges are (an EMA of min / max with `momentum`, averaged over
 data-parallel ranks), and optionally trained (`range_learning`, LSQ). See docs/kv-cache.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,21 +41,39 @@ def _parse_modules(value, path):
 @dataclass(frozen=True)
 class KVCacheQuantization:
     enabled: bool = field(False)
-    format: str = field("fp8_e4m3", choices=KV_FORMATS, lower=True,
-                        doc="number format the cache stores: fp8_e4m3 (what vLLM serves) or int8")
-    strategy: str = field("tensor", choices=KV_STRATEGIES, lower=True,
-                          doc="one scale per layer's K (and V) tensor, or one per key/value head "
-                              "(compressed-tensors' attn_head)")
-    range_calibration: str = field("static", choices=("static",), lower=True,
-                                   doc="static: scales from an EMA of the ranges seen in training, "
-                                       "frozen in eval and exported")
+    format: str = field(
+        "fp8_e4m3",
+        choices=KV_FORMATS,
+        lower=True,
+        doc="number format the cache stores: fp8_e4m3 (what vLLM serves) or int8",
+    )
+    strategy: str = field(
+        "tensor",
+        choices=KV_STRATEGIES,
+        lower=True,
+        doc="one scale per layer's K (and V) tensor, or one per key/value head (compressed-tensors' attn_head)",
+    )
+    range_calibration: str = field(
+        "static",
+        choices=("static",),
+        lower=True,
+        doc="static: scales from an EMA of the ranges seen in training, frozen in eval and exported",
+    )
     momentum: float = field(0.95, ge=0.0, lt=1.0, doc="EMA momentum of the static ranges")
-    observer: str = field("minmax", choices=("minmax", "mse"), lower=True,
-                          doc="each batch's range folded into the EMA: its min / max, or (mse) that range "
-                              "shrunk by the factor whose quantization error on the batch is least")
-    range_learning: bool = field(False, doc="the scales become Parameters (k_scale / v_scale of each "
-                                            "attention module) trained by LSQ, starting from the "
-                                            "calibrated range")
+    observer: str = field(
+        "minmax",
+        choices=("minmax", "mse"),
+        lower=True,
+        doc="each batch's range folded into the EMA: its min / max, or (mse) that range "
+        "shrunk by the factor whose quantization error on the batch is least",
+    )
+    range_learning: bool = field(
+        False,
+        doc="the scales become Parameters (k_scale / v_scale of each "
+        "attention module) trained by LSQ, starting from the "
+        "calibrated range",
+    )
     schedule_offset: int = field(0, ge=0, doc="training step at which the cache quantization turns on")
-    modules: Optional[Tuple[str, ...]] = field(None, parse=_parse_modules,
-                                               doc="regexes naming the attention modules; default: all")
+    modules: Optional[Tuple[str, ...]] = field(
+        None, parse=_parse_modules, doc="regexes naming the attention modules; default: all"
+    )

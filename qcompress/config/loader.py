@@ -6,6 +6,7 @@ MAX_DEPTH levels and MAX_VALUES values counted as a tree (YAML aliases that repe
 "billion laughs", would otherwise expand in every later copy or dump). So every bad document
 gives a ConfigError, never another exception.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,10 +41,10 @@ def _construct_mapping(loader, node, deep=False):
         key = loader.construct_object(key_node, deep=deep)
         try:
             hash(key)
-        except TypeError:                 # a YAML complex key such as `? [1, 2]`
+        except TypeError:  # a YAML complex key such as `? [1, 2]`
             raise yaml.constructor.ConstructorError(
-                None, None, f"a mapping key must be a string, found {type(key).__name__} {key!r}",
-                key_node.start_mark) from None
+                None, None, f"a mapping key must be a string, found {type(key).__name__} {key!r}", key_node.start_mark
+            ) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
@@ -69,8 +70,8 @@ def unique_pairs(pairs):
     return out
 
 
-MAX_DEPTH = 50          # nesting levels; DeepSpeed configs use about 6
-MAX_VALUES = 20_000     # values counted as a tree (an alias counts every time it is used)
+MAX_DEPTH = 50  # nesting levels; DeepSpeed configs use about 6
+MAX_VALUES = 20_000  # values counted as a tree (an alias counts every time it is used)
 
 
 def _path(link) -> str:
@@ -99,8 +100,10 @@ def check_document(doc: Any, source: str = "") -> None:
         value, link, depth, above = stack.pop()
         count += 1
         if count > MAX_VALUES:
-            raise ConfigError(_path(link), f"the document expands to more than {MAX_VALUES} values"
-                                           f"{where} (YAML aliases that repeat large parts?)")
+            raise ConfigError(
+                _path(link),
+                f"the document expands to more than {MAX_VALUES} values{where} (YAML aliases that repeat large parts?)",
+            )
         kind = type(value)
         if kind in _PLAIN:
             continue
@@ -118,8 +121,9 @@ def check_document(doc: Any, source: str = "") -> None:
         if isinstance(value, Mapping):
             for key, sub in value.items():
                 if type(key) is not str:
-                    raise ConfigError(_path(link), f"key {key!r} is a {type(key).__name__}; config "
-                                                   f"keys must be strings{where}")
+                    raise ConfigError(
+                        _path(link), f"key {key!r} is a {type(key).__name__}; config keys must be strings{where}"
+                    )
                 stack.append((sub, (link, key), depth + 1, inner))
         else:
             for i, sub in enumerate(value):
@@ -136,8 +140,11 @@ def _renamed_recipe(path: str) -> str:
     new = RENAMED_RECIPES.get(name)
     if new is None or os.path.exists(path) or not os.path.exists(os.path.join(folder, new)):
         return path
-    warnings.warn(f"recipe {path} was renamed to {new}; the old name stops working in the next "
-                  "release", DeprecationWarning, stacklevel=4)
+    warnings.warn(
+        f"recipe {path} was renamed to {new}; the old name stops working in the next release",
+        DeprecationWarning,
+        stacklevel=4,
+    )
     return os.path.join(folder, new)
 
 
@@ -152,11 +159,18 @@ def _missing_source(path: str) -> str:
     names = recipes.recipe_names()
     if recipes.is_name(path) and not base.endswith(".json") and names:
         from .schema import did_you_mean
-        raise ConfigError(path, f"no such config file, and no recipe of that name{did_you_mean(stem, names)}; "
-                                f"the recipes that ship with qcompress: {', '.join(names)}")
+
+        raise ConfigError(
+            path,
+            f"no such config file, and no recipe of that name{did_you_mean(stem, names)}; "
+            f"the recipes that ship with qcompress: {', '.join(names)}",
+        )
     if stem in names and not os.path.exists(path):
-        raise ConfigError(path, f"no such config file; the recipe {stem!r} ships with qcompress: pass its "
-                                f"name, {stem!r}, to load it from any folder")
+        raise ConfigError(
+            path,
+            f"no such config file; the recipe {stem!r} ships with qcompress: pass its "
+            f"name, {stem!r}, to load it from any folder",
+        )
     return path
 
 
@@ -193,11 +207,13 @@ def parse_document(text: str, name: str) -> dict:
     except (IndexError, TypeError, AttributeError, KeyError, OverflowError) as err:
         # PyYAML's constructors fail this way on explicitly tagged values that do not fit their
         # tag (`x: !!float` with no value raises IndexError)
-        raise ConfigError(path, f"not valid {kind}: a value does not fit its tag "
-                                f"({type(err).__name__}: {err})") from None
+        raise ConfigError(
+            path, f"not valid {kind}: a value does not fit its tag ({type(err).__name__}: {err})"
+        ) from None
     except RecursionError:
-        raise ConfigError(path, f"not a usable {kind} document: nested too deeply "
-                                f"(at most {MAX_DEPTH} levels)") from None
+        raise ConfigError(
+            path, f"not a usable {kind} document: nested too deeply (at most {MAX_DEPTH} levels)"
+        ) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -226,7 +242,7 @@ def load_config(*sources: Any) -> Config:
     if not sources:
         raise ConfigError("", "load_config needs at least one source (a dict or a file path)")
     merged: dict = {}
-    docs = []          # (name, document) in merge order
+    docs = []  # (name, document) in merge order
     doc: Mapping[str, Any]
     for i, src in enumerate(sources):
         if isinstance(src, Config):
@@ -246,7 +262,7 @@ def load_config(*sources: Any) -> Config:
         origin = _origin(err.path, docs)
         if origin is None:
             raise
-        message = str(err)[len(err.path) + 2:] if err.path else str(err)
+        message = str(err)[len(err.path) + 2 :] if err.path else str(err)
         raise ConfigError(err.path, f"{message} (in {origin})") from None
     # kept (not a field: no effect on equality or export) so errors found later, when the config
     # meets the model (init_compression), can name the file too

@@ -3,6 +3,7 @@ refused when the config loads: they compress the exchange of each rank's whole l
 inside their own step, on the training device, so placements that shard or offload that state
 do not hold what they need. (OneBitLamb under tensor parallelism is refused where the mesh is
 built, parallel/mesh.py, as it depends on the model's split.)"""
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -22,15 +23,21 @@ def refuse_onebit_placements(cfg) -> None:
         return
     name, zero = cfg.optimizer.type, cfg.zero_optimization
     if zero.offload_optimizer.device == "nvme":
-        raise ConfigError("zero_optimization.offload_optimizer.device",
-                          f"{name} keeps compression errors beside its moments and steps them "
-                          "all at once; 'nvme' offload streams plain optimizers (Adam, AdamW, Lamb, SGD) only")
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            f"{name} keeps compression errors beside its moments and steps them "
+            "all at once; 'nvme' offload streams plain optimizers (Adam, AdamW, Lamb, SGD) only",
+        )
     if zero.offload_optimizer.device == "cpu":
-        raise ConfigError("zero_optimization.offload_optimizer.device",
-                          f"{name} runs its compressed all-reduce inside its step, on the "
-                          "training device; 'cpu' offload steps plain optimizers (Adam, AdamW, Lamb, SGD) only")
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            f"{name} runs its compressed all-reduce inside its step, on the "
+            "training device; 'cpu' offload steps plain optimizers (Adam, AdamW, Lamb, SGD) only",
+        )
     if zero.stage >= 2:
-        raise ConfigError("zero_optimization.stage",
-                          f"{name} needs the full local gradient and momentum on every rank "
-                          f"for its compressed all-reduce; stage {zero.stage} shards them (FSDP2). "
-                          "Use stage 0 or 1")
+        raise ConfigError(
+            "zero_optimization.stage",
+            f"{name} needs the full local gradient and momentum on every rank "
+            f"for its compressed all-reduce; stage {zero.stage} shards them (FSDP2). "
+            "Use stage 0 or 1",
+        )

@@ -4,6 +4,7 @@ They live in `schedules/` at the top of a source checkout and are installed insi
 `qcompress/schedules` (setup.py), so a name works from any folder, with or without a checkout. A
 path that exists always wins over a name.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ RENAMED_RECIPES = {
     "onebit_adam.yaml": "with_onebit_adam.yaml",
 }
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # .../qcompress
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../qcompress
 
 
 def recipes_dir() -> Optional[str]:
@@ -56,5 +57,5 @@ def find(name: str) -> Optional[str]:
     if os.path.isfile(path):
         return path
     if base + ".yaml" in RENAMED_RECIPES:
-        return path          # the loader maps the old name to the new file, with its warning
+        return path  # the loader maps the old name to the new file, with its warning
     return None

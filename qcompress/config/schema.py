@@ -4,6 +4,7 @@ Each config dataclass declares its fields with :func:`field`; :func:`parse` turn
 into an instance, checking unknown keys (with a did-you-mean), types, choices and ranges, and
 raising :class:`ConfigError` with the full dotted key path. The raw input is never mutated.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +19,35 @@ from ..errors import ConfigError
 _REQUIRED = object()
 
 
-def field(default: Any = _REQUIRED, *, choices=None, ge=None, le=None, gt=None, lt=None,
-          alias: str | None = None, doc: str = "", parse: Callable | None = None,
-          lower: bool = False, internal: bool = False):
+def field(
+    default: Any = _REQUIRED,
+    *,
+    choices=None,
+    ge=None,
+    le=None,
+    gt=None,
+    lt=None,
+    alias: str | None = None,
+    doc: str = "",
+    parse: Callable | None = None,
+    lower: bool = False,
+    internal: bool = False,
+):
     """Declare a config field. `parse(value, path)` may convert nested values itself.
     `internal` fields are set by code, never read from a document (not an allowed key)."""
-    meta = dict(choices=choices, ge=ge, le=le, gt=gt, lt=lt, alias=alias, doc=doc, parse=parse,
-                lower=lower, required=default is _REQUIRED, internal=internal)
+    meta = dict(
+        choices=choices,
+        ge=ge,
+        le=le,
+        gt=gt,
+        lt=lt,
+        alias=alias,
+        doc=doc,
+        parse=parse,
+        lower=lower,
+        required=default is _REQUIRED,
+        internal=internal,
+    )
     if default is _REQUIRED:
         return dataclasses.field(default=None, metadata=meta)
     if isinstance(default, (list, dict, set)):
@@ -95,7 +118,7 @@ def _check_type(value, tp, path):
             out = float(value)
         except OverflowError:
             out = math.inf
-        if not math.isfinite(out):      # inf or NaN: every use of it would be inf or NaN
+        if not math.isfinite(out):  # inf or NaN: every use of it would be inf or NaN
             raise ConfigError(path, f"expected a finite number, got {value!r}")
         return out
     if tp is str:
@@ -117,8 +140,12 @@ def _check_meta(value, meta, path):
         hint = did_you_mean(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
         shown = ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices)
         raise ConfigError(path, f"{value!r} is not allowed; choose one of [{shown}]{hint}")
-    for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("le", lambda v, b: v <= b, "<="),
-                          ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
+    for key, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("le", lambda v, b: v <= b, "<="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("lt", lambda v, b: v < b, "<"),
+    ):
         bound = meta.get(key)
         if bound is not None and isinstance(value, (int, float)) and not ok(value, bound):
             raise ConfigError(path, f"{value!r} is out of range; it must be {word} {bound}")
@@ -146,8 +173,9 @@ def parse(cls, raw, path: str = ""):
     unknown = [k for k in raw if k not in by_key]
     if unknown:
         key = unknown[0]
-        raise ConfigError(join(path, key), f"unknown key{did_you_mean(str(key), by_key)}; "
-                                           f"allowed keys: {sorted(by_key)}")
+        raise ConfigError(
+            join(path, key), f"unknown key{did_you_mean(str(key), by_key)}; allowed keys: {sorted(by_key)}"
+        )
     values = {}
     for key, f in by_key.items():
         sub = join(path, key)
@@ -177,7 +205,7 @@ def to_dict(obj) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):
-            if not f.metadata.get("internal"):   # not a document key: load_config would refuse it
+            if not f.metadata.get("internal"):  # not a document key: load_config would refuse it
                 out[f.metadata.get("alias") or f.name] = to_dict(getattr(obj, f.name))
         return out
     if isinstance(obj, (list, tuple)):

@@ -1,4 +1,5 @@
 """Typed schema of the top-level training keys of a DeepSpeed-style config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,11 +27,23 @@ IGNORED_DEEPSPEED_KEYS = tuple(TOP_LEVEL)
 # the Trainer callback then compares nothing for them, `qcompress train` fills them from its
 # options, and the engine refuses them except the ZeRO sizes, which keep their defaults (bucket
 # sizes FSDP2 / DDP treat as hints; transformers derives them from the hidden size).
-AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "gradient_clipping", "fp16.enabled", "bf16.enabled")
-AUTO_ZERO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                  "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                  "stage3_max_reuse_distance", "sub_group_size")
+AUTO_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+AUTO_ZERO_KEYS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "sub_group_size",
+)
 AUTO = "auto"
 
 
@@ -62,12 +75,17 @@ def take_auto(doc: dict):
 @dataclass(frozen=True)
 class FP16:
     enabled: bool = field(False)
-    loss_scale: float = field(0.0, ge=0.0, le=2.0 ** 64, doc="0 means dynamic loss scaling; at most 2^64 "
-                              "(initial_scale_power's limit): larger static scales overflow every step")
+    loss_scale: float = field(
+        0.0,
+        ge=0.0,
+        le=2.0**64,
+        doc="0 means dynamic loss scaling; at most 2^64 "
+        "(initial_scale_power's limit): larger static scales overflow every step",
+    )
     initial_scale_power: int = field(16, ge=0, le=64)
     loss_scale_window: int = field(1000, ge=1)
     hysteresis: int = field(2, ge=1)
-    min_loss_scale: float = field(1.0, gt=0.0, le=2.0 ** 64)
+    min_loss_scale: float = field(1.0, gt=0.0, le=2.0**64)
     consecutive_hysteresis: bool = field(False)
     auto_cast: bool = field(False)
 
@@ -82,6 +100,7 @@ def _named_type(choices):
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a type name string, got {value!r}")
         return value
+
     return check
 
 
@@ -93,9 +112,13 @@ class Optimizer:
     def _validate(self, path):
         if self.type.lower() not in OPTIMIZER_TYPES:
             from .schema import did_you_mean
-            raise ConfigError(join(path, "type"), f"{self.type!r} is not a known optimizer; choose one of "
-                              "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb"
-                              f"{did_you_mean(self.type.lower(), OPTIMIZER_TYPES)}")
+
+            raise ConfigError(
+                join(path, "type"),
+                f"{self.type!r} is not a known optimizer; choose one of "
+                "Adam, AdamW, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb"
+                f"{did_you_mean(self.type.lower(), OPTIMIZER_TYPES)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -106,9 +129,13 @@ class Scheduler:
     def _validate(self, path):
         if self.type.lower() not in SCHEDULER_TYPES:
             from .schema import did_you_mean
-            raise ConfigError(join(path, "type"), f"{self.type!r} is not a known LR scheduler; choose one of "
-                              "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"
-                              f"{did_you_mean(self.type.lower(), SCHEDULER_TYPES)}")
+
+            raise ConfigError(
+                join(path, "type"),
+                f"{self.type!r} is not a known LR scheduler; choose one of "
+                "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"
+                f"{did_you_mean(self.type.lower(), SCHEDULER_TYPES)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -120,8 +147,13 @@ class Offload:
     pipeline_read: bool = field(True, doc="nvme: read the next chunks during an update (DeepSpeed: false)")
     pipeline_write: bool = field(True, doc="nvme: write a chunk during the next updates (DeepSpeed: false)")
     fast_init: bool = field(False)
-    ratio: float = field(1.0, gt=0.0, le=1.0, doc="offload_optimizer: the share of the optimizer state "
-                         "offloaded (by parameter size, in module order); the rest stays on the training device")
+    ratio: float = field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        doc="offload_optimizer: the share of the optimizer state "
+        "offloaded (by parameter size, in module order); the rest stays on the training device",
+    )
     buffer_size: int = field(100_000_000, ge=1, doc="offload_param only (DeepSpeed's key; unused)")
     max_in_cpu: int = field(1_000_000_000, ge=0, doc="offload_param only (DeepSpeed's key; unused)")
 
@@ -142,41 +174,53 @@ class ZeroOptimization:
     stage3_param_persistence_threshold: int = field(100_000, ge=0)
     stage3_max_live_parameters: int = field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = field(1_000_000_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: bool = field(False, doc="stage 3: engine.save_16bit_model "
-                                                            "gathers the shards and writes the whole model")
+    stage3_gather_16bit_weights_on_model_save: bool = field(
+        False, doc="stage 3: engine.save_16bit_model gathers the shards and writes the whole model"
+    )
     sub_group_size: int = field(1_000_000_000, ge=1)
 
     def _validate(self, path):
         if self.offload_param.device == "nvme":
-            raise ConfigError(join(path, "offload_param.device"),
-                              "'nvme' (ZeRO-Infinity parameter offload) is not supported yet; use "
-                              "offload_param.device: cpu (FSDP2 CPUOffloadPolicy, stages 2/3), or "
-                              "offload_optimizer.device: nvme to keep the optimizer state on NVMe")
+            raise ConfigError(
+                join(path, "offload_param.device"),
+                "'nvme' (ZeRO-Infinity parameter offload) is not supported yet; use "
+                "offload_param.device: cpu (FSDP2 CPUOffloadPolicy, stages 2/3), or "
+                "offload_optimizer.device: nvme to keep the optimizer state on NVMe",
+            )
         if self.stage == 0 and self.offload_optimizer.device == "cpu":
             raise ConfigError(join(path, "stage"), "offload_optimizer needs ZeRO stage 1, 2 or 3; stage is 0")
         if self.stage < 2 and self.offload_param.device == "cpu":
-            raise ConfigError(join(path, "offload_param.device"), "'cpu' parameter offload needs ZeRO stage 3 "
-                              f"(or 2: FSDP2 CPUOffloadPolicy); stage is {self.stage}")
+            raise ConfigError(
+                join(path, "offload_param.device"),
+                f"'cpu' parameter offload needs ZeRO stage 3 (or 2: FSDP2 CPUOffloadPolicy); stage is {self.stage}",
+            )
         if self.offload_param.device != "none" and self.offload_param.ratio != 1.0:
-            raise ConfigError(join(path, "offload_param.ratio"), "applies to offload_optimizer only (DeepSpeed's "
-                              "partial offload); parameters are offloaded whole")
+            raise ConfigError(
+                join(path, "offload_param.ratio"),
+                "applies to offload_optimizer only (DeepSpeed's partial offload); parameters are offloaded whole",
+            )
         nvme = self.offload_optimizer
         if nvme.device == "nvme":
             if self.stage == 0:
-                raise ConfigError(join(path, "stage"), "offload_optimizer.device: nvme needs ZeRO stage 1, 2 "
-                                  "or 3; stage is 0")
+                raise ConfigError(
+                    join(path, "stage"), "offload_optimizer.device: nvme needs ZeRO stage 1, 2 or 3; stage is 0"
+                )
             if not nvme.nvme_path:
-                raise ConfigError(join(path, "offload_optimizer.nvme_path"),
-                                  "is required with offload_optimizer.device: nvme (a folder on a fast disk)")
+                raise ConfigError(
+                    join(path, "offload_optimizer.nvme_path"),
+                    "is required with offload_optimizer.device: nvme (a folder on a fast disk)",
+                )
 
 
 @dataclass(frozen=True)
 class ActivationCheckpointing:
     """DeepSpeed's `activation_checkpointing` section: present, it makes the engine recompute the
     model's transformer blocks in the backward (engine/activation_checkpointing.py)."""
+
     enabled: bool = field(True, doc="ext: false keeps the section without checkpointing")
-    number_checkpoints: Optional[int] = field(None, ge=0, doc="how many blocks are checkpointed (the first "
-                                              "ones); default all")
+    number_checkpoints: Optional[int] = field(
+        None, ge=0, doc="how many blocks are checkpointed (the first ones); default all"
+    )
     cpu_checkpointing: bool = field(False, doc="saved block inputs go to CPU memory until the backward")
     partition_activations: bool = field(False)
     contiguous_memory_optimization: bool = field(False)
@@ -188,6 +232,7 @@ class ActivationCheckpointing:
 class MonitorOutput:
     """DeepSpeed's `tensorboard` and `csv_monitor` sections (its defaults): files under
     output_path/job_name, written by engine.monitor on rank 0."""
+
     enabled: bool = field(False)
     output_path: str = field("", doc="folder; '' means the current directory, as DeepSpeed")
     job_name: str = field("DeepSpeedJobName", doc="subfolder of output_path for this run")
@@ -206,13 +251,22 @@ class Config:
     zero_optimization: ZeroOptimization = field(ZeroOptimization())
     communication_data_type: Optional[str] = field(None, choices=("fp32", "fp16", "bf16"), lower=True)
     wall_clock_breakdown: bool = field(False)
-    seed: Optional[int] = field(None, ge=0, doc="seeds Python, NumPy and torch on every rank in initialize; "
-                                "`qcompress train`'s data order unless --seed is given")
-    steps_per_print: int = field(10, ge=1, doc="the engine logs the step and learning rate every this many "
-                                 "steps; `qcompress train` writes a progress line as often when not on a terminal")
+    seed: Optional[int] = field(
+        None,
+        ge=0,
+        doc="seeds Python, NumPy and torch on every rank in initialize; "
+        "`qcompress train`'s data order unless --seed is given",
+    )
+    steps_per_print: int = field(
+        10,
+        ge=1,
+        doc="the engine logs the step and learning rate every this many "
+        "steps; `qcompress train` writes a progress line as often when not on a terminal",
+    )
     activation_checkpointing: Optional[ActivationCheckpointing] = field(None)
-    comm_timeout_s: Optional[float] = field(None, gt=0.0, doc="ext: seconds a collective may wait for "
-                                            "every rank (default 1800; engine/comm_timeout.py)")
+    comm_timeout_s: Optional[float] = field(
+        None, gt=0.0, doc="ext: seconds a collective may wait for every rank (default 1800; engine/comm_timeout.py)"
+    )
     progressive_layer_drop: ProgressiveLayerDrop = field(ProgressiveLayerDrop())
     tensorboard: MonitorOutput = field(MonitorOutput())
     compile: Compile = field(Compile(), doc="torch.compile of the model by the engine (config/compile.py)")
@@ -233,9 +287,12 @@ class Config:
         keys = [key for key in self.auto_keys if not key.startswith("zero_optimization.")]
         if keys:
             also = f" (also {', '.join(keys[1:])})" if len(keys) > 1 else ""
-            raise ConfigError(keys[0], f"is \"auto\"{also}, a value transformers' Trainer fills in from its "
-                              f"TrainingArguments (qcompress.hf.CompressionCallback does the same); {who} "
-                              "needs numbers here")
+            raise ConfigError(
+                keys[0],
+                f'is "auto"{also}, a value transformers\' Trainer fills in from its '
+                f"TrainingArguments (qcompress.hf.CompressionCallback does the same); {who} "
+                "needs numbers here",
+            )
 
     @property
     def compression(self) -> CompressionConfig:
@@ -261,7 +318,7 @@ def parse_config(doc: dict, source: str = "") -> Config:
         if key == "bfloat16":  # DeepSpeed's older alias
             key = "bf16"
         kept[key] = value
-    kept, dropped = drop_unhonoured(kept, Config)    # the rest of DeepSpeed 0.19's keys
+    kept, dropped = drop_unhonoured(kept, Config)  # the rest of DeepSpeed 0.19's keys
     warn_dropped(dropped)
     kept, auto = take_auto(kept)
     cfg = parse(Config, kept, "")

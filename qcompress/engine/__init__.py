@@ -1,4 +1,5 @@
 """Training engine: qcompress.initialize(model, cfg) and memory estimates per ZeRO stage."""
+
 from .checkpoint import CheckpointError
 from .engine import Engine
 from .memory import estimate_memory

@@ -14,6 +14,7 @@ EMA only outside a recompute (nn/layers.py), and the recompute replays the range
 (nn/recompute_ranges.py, through checkpoint's context_fn), PLD replays its decision, dropout replays its random
 state (checkpoint's preserve_rng_state), so gradients equal those without checkpointing.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -30,6 +31,7 @@ KEY = "activation_checkpointing"
 
 def _checkpoint_fn(cpu: bool):
     """checkpoint(fn, *args, **kwargs), non-reentrant; with `cpu`, its saved inputs in CPU memory."""
+
     def run(function, *args, **kwargs):
         kwargs.setdefault("use_reentrant", False)
         # each recompute quantizes with the static ranges its own forward used (nn/recompute_ranges.py)
@@ -39,6 +41,7 @@ def _checkpoint_fn(cpu: bool):
         pin = torch.cuda.is_available()
         with torch.autograd.graph.save_on_cpu(pin_memory=pin):
             return checkpoint(function, *args, **kwargs)
+
     return run
 
 
@@ -78,6 +81,7 @@ class _CheckpointedForward:
 
 def _generic_blocks(model: nn.Module) -> List[nn.Module]:
     from ..nn.pld import auto_blocks
+
     return [m for stack in auto_blocks(model) for _, m in stack]
 
 
@@ -86,8 +90,11 @@ def enable_checkpointing(model: nn.Module, number_checkpoints=None, cpu_checkpoi
     hf = _hf_layers(model)
     blocks = hf or _generic_blocks(model)
     if not blocks:
-        raise ConfigError(KEY, f"found no transformer blocks to checkpoint in {type(model).__name__} (a "
-                          "Hugging Face model's decoder layers, or a ModuleList of two or more blocks of one class)")
+        raise ConfigError(
+            KEY,
+            f"found no transformer blocks to checkpoint in {type(model).__name__} (a "
+            "Hugging Face model's decoder layers, or a ModuleList of two or more blocks of one class)",
+        )
     count = len(blocks) if number_checkpoints is None else min(int(number_checkpoints), len(blocks))
     if hf:
         _enable_hf(model, hf, count, cpu_checkpointing)
@@ -95,7 +102,7 @@ def enable_checkpointing(model: nn.Module, number_checkpoints=None, cpu_checkpoi
     run = _checkpoint_fn(cpu_checkpointing)
     for block in blocks[:count]:
         if isinstance(block.__dict__.get("forward"), _CheckpointedForward):
-            continue       # enabled twice (initialize on a model that already has it)
+            continue  # enabled twice (initialize on a model that already has it)
         block.forward = _CheckpointedForward(block, block.forward, run)
     return count
 

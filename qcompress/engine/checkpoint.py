@@ -17,6 +17,7 @@ live writer owns. Every rename and removal goes through qcompress.atomic's hooks
 The optimizer state is stored in the layout the engine's placement names ("dcp", "zero1" or
 "per_rank": engine/optimizer_layouts.py), recorded as engine.json's optimizer.mode.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,9 +60,6 @@ def _write_json(path: str, obj: Any) -> None:
     atomic.fs_replace(tmp, path)
 
 
-
-
-
 _ENGINE_KEYS = ("format", "world_size", "counters", "optimizer", "client_state")
 
 
@@ -69,12 +67,14 @@ def _read_meta(path: str) -> Dict[str, Any]:
     meta = read_json(os.path.join(path, "engine.json"))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{os.path.join(path, 'engine.json')}: checkpoint format {found!r}, "
-                              f"expected {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{os.path.join(path, 'engine.json')}: checkpoint format {found!r}, expected {FORMAT_VERSION}"
+        )
     missing = [k for k in _ENGINE_KEYS if k not in meta]
     if missing or not isinstance(meta["optimizer"], dict) or "mode" not in meta["optimizer"]:
-        raise CheckpointError(f"{os.path.join(path, 'engine.json')}: damaged, "
-                              f"missing {', '.join(missing) or 'optimizer.mode'}")
+        raise CheckpointError(
+            f"{os.path.join(path, 'engine.json')}: damaged, missing {', '.join(missing) or 'optimizer.mode'}"
+        )
     return meta
 
 
@@ -82,9 +82,11 @@ def _read_metadata(path: str):
     """DCP's .metadata index (torch reads it with pickle; any failure there means a damaged file)."""
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:      # noqa: BLE001 - unpickling fails in many ways on a damaged file
-        raise CheckpointError(f"{os.path.join(path, '.metadata')}: cannot read the tensor index "
-                              f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete") from e
+    except Exception as e:  # noqa: BLE001 - unpickling fails in many ways on a damaged file
+        raise CheckpointError(
+            f"{os.path.join(path, '.metadata')}: cannot read the tensor index "
+            f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete"
+        ) from e
 
 
 def _root(engine):
@@ -119,11 +121,14 @@ def _dcp_load(target, path: str, group, note: str = "") -> None:
         with _quiet_single_process():
             dcp.load(target, checkpoint_id=path, process_group=group, no_dist=not _dist_on())
     except CheckpointException as e:
-        why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}".rstrip(": ")
-                        for r, (exc, _) in sorted(e.failures.items()))
-        raise CheckpointError(f"{path}: reading the checkpoint's tensors (*.distcp) failed{note}: {why}. "
-                              "The files are damaged or the model differs from the saved one; this "
-                              "engine's weights may be partly overwritten, load another checkpoint") from None
+        why = "; ".join(
+            f"rank {r}: {type(exc).__name__}: {exc}".rstrip(": ") for r, (exc, _) in sorted(e.failures.items())
+        )
+        raise CheckpointError(
+            f"{path}: reading the checkpoint's tensors (*.distcp) failed{note}: {why}. "
+            "The files are damaged or the model differs from the saved one; this "
+            "engine's weights may be partly overwritten, load another checkpoint"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -137,8 +142,7 @@ def _quiet_single_process():
 def _check_tag(tag: str) -> str:
     tag = str(tag)
     if not tag or tag.startswith(".") or "/" in tag or os.sep in tag or tag == "latest":
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', "
-                         "not 'latest')")
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not 'latest')")
     return tag
 
 
@@ -160,7 +164,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 # --- optimizer state -------------------------------------------------------------------------
 def _optim_mode(engine) -> str:
-    """"dcp", "zero1" or "per_rank" (see the module docstring): the placement's layout."""
+    """ "dcp", "zero1" or "per_rank" (see the module docstring): the placement's layout."""
     return engine.placement.optimizer_layout
 
 
@@ -210,8 +214,9 @@ def _verify_files(path: str, sums: Optional[Dict[str, list]]) -> None:
         if got != size:
             raise CheckpointError(f"{full}: {got} bytes, {size} when saved; the file is damaged, load another tag")
         if _crc32(full) != crc:
-            raise CheckpointError(f"{full}: contents differ from the save (crc32 mismatch); the file is damaged, "
-                                  "load another tag")
+            raise CheckpointError(
+                f"{full}: contents differ from the save (crc32 mismatch); the file is damaged, load another tag"
+            )
 
 
 # --- save ------------------------------------------------------------------------------------
@@ -233,7 +238,7 @@ def _latest_temp(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f".{tag}.latest")
 
 
-_SUFFIXES = ("tmp", "old", "lock", "latest")     # .<tag>.<suffix>: the last dot ends the tag
+_SUFFIXES = ("tmp", "old", "lock", "latest")  # .<tag>.<suffix>: the last dot ends the tag
 
 
 def _take_lock(save_dir: str, tag: str) -> atomic.OwnerLock:
@@ -245,10 +250,11 @@ def _take_lock(save_dir: str, tag: str) -> atomic.OwnerLock:
         except FileExistsError:
             lock = atomic.OwnerLock.claim(path)
             if lock is None and atomic.claims_supported():
-                raise RuntimeError(f"another process is saving checkpoint tag {tag!r} into "
-                                   f"{save_dir!r} right now ({path} is locked)") from None
+                raise RuntimeError(
+                    f"another process is saving checkpoint tag {tag!r} into {save_dir!r} right now ({path} is locked)"
+                ) from None
             if lock is not None:
-                lock.release()          # a dead writer's: remove it and create ours
+                lock.release()  # a dead writer's: remove it and create ours
             else:
                 atomic.remove_quietly(path)
     raise RuntimeError(f"cannot take the lock {path}")
@@ -267,13 +273,13 @@ def clean_leftovers(save_dir: str, own: Optional[str] = None) -> None:
         lock = None
         if tag != own:
             lock = atomic.OwnerLock.claim(_lock_path(save_dir, tag))
-            if lock is None:                 # a live writer's
+            if lock is None:  # a live writer's
                 continue
         try:
             atomic.rmtree_quietly(_temp(save_dir, tag))
             atomic.remove_quietly(_latest_temp(save_dir, tag))
             if os.path.isfile(os.path.join(save_dir, tag, "engine.json")):
-                atomic.rmtree_quietly(_parked(save_dir, tag))   # else: the tag's only copy
+                atomic.rmtree_quietly(_parked(save_dir, tag))  # else: the tag's only copy
         finally:
             if lock is not None:
                 lock.release()
@@ -284,7 +290,7 @@ def _commit(tmp: str, final: str, parked: str) -> None:
     existing `final` is first parked; until `tmp` is in place the parked copy is the tag's
     checkpoint (resolve() falls back to it), so a crash between the renames loses nothing."""
     if os.path.exists(final):
-        atomic.rmtree_quietly(parked)        # leftover of a re-save that completed
+        atomic.rmtree_quietly(parked)  # leftover of a re-save that completed
         atomic.fs_replace(final, parked)
     # else: a parked copy, if any, is the only complete one (an earlier re-save crashed): keep it
     atomic.fs_replace(tmp, final)
@@ -303,7 +309,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         lock = _take_lock(save_dir, tag)
     try:
         if rank == 0:
-            clean_leftovers(save_dir, own=tag)      # crashed saves, this tag's included
+            clean_leftovers(save_dir, own=tag)  # crashed saves, this tag's included
             os.makedirs(os.path.join(tmp, "ranks"))
         _barrier(group)
         _write_checkpoint(engine, save_dir, tag, tmp, final, client_state)
@@ -320,15 +326,23 @@ def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
         tensors[f"model.{k}"] = v
     rank_extra: Dict[str, Any] = {"rng": rng_state()}
     meta: Dict[str, Any] = {
-        "format": FORMAT_VERSION, "world_size": engine.world_size, "stage": engine.stage,
-        "precision": engine.precision, "counters": engine.counters(),
+        "format": FORMAT_VERSION,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "precision": engine.precision,
+        "counters": engine.counters(),
         "optimizer": _collect_optimizer(engine, tensors, rank_extra),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "lr_scheduler": (flatten(engine.lr_scheduler.state_dict(), "lr", tensors)
-                         if engine.lr_scheduler is not None else None),
+        "lr_scheduler": (
+            flatten(engine.lr_scheduler.state_dict(), "lr", tensors) if engine.lr_scheduler is not None else None
+        ),
         # pipeline stages: every stage's modules (parallel/stage_state.py), so any mesh can load it
-        "compression": merged_compression(flatten(engine.compression_scheduler.state_dict(), "compression", tensors)
-                                          if engine.compression_scheduler is not None else None, engine),
+        "compression": merged_compression(
+            flatten(engine.compression_scheduler.state_dict(), "compression", tensors)
+            if engine.compression_scheduler is not None
+            else None,
+            engine,
+        ),
         "mesh": _mesh(engine),
         "client_state": flatten(client_state or {}, "client", tensors),
     }
@@ -337,7 +351,7 @@ def _write_checkpoint(engine, save_dir, tag, tmp, final, client_state) -> None:
     _write_json(os.path.join(tmp, "ranks", f"rank{rank}.json"), flatten(rank_extra, "", {}, inline=True))
     _barrier(group)
     if rank == 0:
-        meta["files"] = _file_sums(tmp)       # every rank's files are in place now
+        meta["files"] = _file_sums(tmp)  # every rank's files are in place now
         _write_json(os.path.join(tmp, "engine.json"), meta)
         _commit(tmp, final, _parked(save_dir, tag))
         tmp_latest = _latest_temp(save_dir, tag)
@@ -354,24 +368,26 @@ def resolve(load_dir: str, tag: Optional[str]) -> str:
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
-            raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the 'latest' file is missing; "
-                                    "pass tag= to pick one")
+            raise FileNotFoundError(
+                f"no checkpoint in {load_dir!r}: the 'latest' file is missing; pass tag= to pick one"
+            )
         with open(latest, "r", encoding="utf-8") as fh:
             tag = fh.read().strip()
     tag = _check_tag(tag)
     path, parked = os.path.join(load_dir, tag), _parked(load_dir, tag)
     if not os.path.exists(path) and os.path.isfile(os.path.join(parked, "engine.json")):
-        path = parked                    # a re-save of this tag crashed before its new copy was in place
+        path = parked  # a re-save of this tag crashed before its new copy was in place
     if not os.path.isfile(os.path.join(path, "engine.json")):
         raise FileNotFoundError(f"{path!r} is not a complete qcompress checkpoint (engine.json missing)")
     return path
 
 
-def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
-                    load_optimizer_states: bool = True) -> Tuple[str, dict]:
+def load_checkpoint(
+    engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True
+) -> Tuple[str, dict]:
     path = resolve(load_dir, tag)
     meta = _read_meta(path)
-    _verify_files(path, meta.get("files"))      # absent in checkpoints written before it existed
+    _verify_files(path, meta.get("files"))  # absent in checkpoints written before it existed
     md = _read_metadata(path)
     rank = engine.rank
     rank_file = os.path.join(path, "ranks", f"rank{rank}.json")
@@ -382,37 +398,47 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     model_sd = get_model_state_dict(_root(engine))
     for k, v in model_sd.items():
         target[f"model.{k}"] = v
-    unexpected = sorted(k[len("model."):] for k in md.state_dict_metadata
-                        if k.startswith("model.") and k not in target)
-    if unexpected and getattr(engine, "pipeline", None) is None:   # a stage skips the others' blocks
+    unexpected = sorted(
+        k[len("model.") :] for k in md.state_dict_metadata if k.startswith("model.") and k not in target
+    )
+    if unexpected and getattr(engine, "pipeline", None) is None:  # a stage skips the others' blocks
         # strict, as DeepSpeed's load_module_strict: weights must not be dropped silently
         more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise CheckpointError(f"{path}: the checkpoint holds weights this model does not have"
-                              f"{_mesh_note(meta, engine)}: {', '.join(unexpected[:5])}{more}")
+        raise CheckpointError(
+            f"{path}: the checkpoint holds weights this model does not have"
+            f"{_mesh_note(meta, engine)}: {', '.join(unexpected[:5])}{more}"
+        )
 
     ometa = meta["optimizer"]
     mode = _optim_mode(engine)
     optim_plan = None
     if load_optimizer_states:
         if ometa["mode"] != mode and not {ometa["mode"], mode} <= {"dcp", "zero1"}:
-            raise CheckpointError(f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
-                             f"{mode!r} (1-bit optimizer checkpoints load only into 1-bit optimizers)")
+            raise CheckpointError(
+                f"{path}: optimizer state was saved as {ometa['mode']!r}, this engine needs "
+                f"{mode!r} (1-bit optimizer checkpoints load only into 1-bit optimizers)"
+            )
         note = _mesh_note(meta, engine)
         if ometa["mode"] == "per_rank" and note and _split(meta["mesh"], _mesh(engine)):
-            raise CheckpointError(f"{path}: the 1-bit optimizer state is saved rank by rank{note}; each rank's "
-                                  "moments and compression errors belong to the tensors it held, which another "
-                                  "split does not hold. Load on the saved mesh, or with load_optimizer_states=False "
-                                  "to take the weights and schedules alone")
+            raise CheckpointError(
+                f"{path}: the 1-bit optimizer state is saved rank by rank{note}; each rank's "
+                "moments and compression errors belong to the tensors it held, which another "
+                "split does not hold. Load on the saved mesh, or with load_optimizer_states=False "
+                "to take the weights and schedules alone"
+            )
         saved_cls, now_cls = ometa.get("class"), _optimizer_class(engine)
         if saved_cls is not None and saved_cls != now_cls:
             # torch would copy the other optimizer's hyper-parameters into these param groups
-            raise CheckpointError(f"{path}: optimizer state was saved by {saved_cls}, this engine runs "
-                                  f"{now_cls}; load with load_optimizer_states=False to take the weights "
-                                  "(and schedules) alone")
+            raise CheckpointError(
+                f"{path}: optimizer state was saved by {saved_cls}, this engine runs "
+                f"{now_cls}; load with load_optimizer_states=False to take the weights "
+                "(and schedules) alone"
+            )
         optim_plan = LAYOUTS[mode].plan_load(engine, ometa, md, target, rank_extra, path)
 
     if getattr(engine, "pipeline", None) is not None and meta.get("compression") is not None:
-        from ..schedule import compress_modules      # a stage loads its own modules' entries
+        from ..schedule import compress_modules  # a stage loads its own modules' entries
+
         meta["compression"] = own_compression(meta["compression"], (n for n, _ in compress_modules(engine.module)))
     extra_keys = []
     for name in ("lr_scheduler", "compression", "client_state"):
@@ -423,8 +449,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
 
     _dcp_load(target, path, engine.group, _mesh_note(meta, engine))
 
-    set_model_state_dict(_root(engine), {k[len("model."):]: v for k, v in target.items()
-                                          if k.startswith("model.")})
+    set_model_state_dict(_root(engine), {k[len("model.") :]: v for k, v in target.items() if k.startswith("model.")})
     if optim_plan is not None:
         optim_plan(target)
     if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:
@@ -432,8 +457,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None,
     if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(unflatten(meta["lr_scheduler"], target))
     if engine.compression_scheduler is not None and meta.get("compression") is not None:
-        engine.with_full_weights(engine.compression_scheduler.load_state_dict,
-                                 unflatten(meta["compression"], target))
+        engine.with_full_weights(engine.compression_scheduler.load_state_dict, unflatten(meta["compression"], target))
     engine.set_counters(meta["counters"])
     monitor = getattr(engine, "monitor", None)
     if monitor is not None and monitor.enabled:

@@ -6,6 +6,7 @@ neither the collective nor the setting; the engine's entry points turn it into a
 CommTimeoutError that does. NCCL's watchdog aborts the process itself (its message names the
 operation and the timeout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import warnings
 from datetime import timedelta
 from typing import Optional
 
-DEFAULT_S = 1800.0          # DeepSpeed's and torch's default for gloo: 30 minutes
+DEFAULT_S = 1800.0  # DeepSpeed's and torch's default for gloo: 30 minutes
 
 
 class CommTimeoutError(RuntimeError):
@@ -33,11 +34,14 @@ def apply_to_existing_group(cfg) -> None:
         return
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout
+
         _set_pg_timeout(timeout_of(cfg))
     except Exception as exc:  # a private torch helper: absent or refusing on some backends
-        warnings.warn(f"comm_timeout_s={cfg.comm_timeout_s:g} cannot be applied to the process group "
-                      f"created before initialize() ({exc}); pass timeout= to init_process_group",
-                      stacklevel=3)
+        warnings.warn(
+            f"comm_timeout_s={cfg.comm_timeout_s:g} cannot be applied to the process group "
+            f"created before initialize() ({exc}); pass timeout= to init_process_group",
+            stacklevel=3,
+        )
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -49,7 +53,8 @@ def _named(exc: RuntimeError, what: str, seconds: Optional[float]) -> CommTimeou
     limit = DEFAULT_S if seconds is None else seconds
     return CommTimeoutError(
         f"{what}: not every rank joined within comm_timeout_s={limit:g} s (a rank stalled or died; "
-        f"raise comm_timeout_s if a rank legitimately works that long alone). Backend: {exc}")
+        f"raise comm_timeout_s if a rank legitimately works that long alone). Backend: {exc}"
+    )
 
 
 def _ours(exc: RuntimeError, world_size: int) -> bool:
@@ -70,6 +75,7 @@ def collective(what: str, seconds: Optional[float], world_size: int):
 def guarded(what):
     """Method decorator: `what` is a string or a function of the engine giving one (asked only
     when a collective timed out, so the hot path pays one try block)."""
+
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
@@ -80,7 +86,9 @@ def guarded(what):
                     label = what(self) if callable(what) else what
                     raise _named(exc, label, getattr(self.config, "comm_timeout_s", None)) from exc
                 raise
+
         return wrapper
+
     return deco
 
 
@@ -95,5 +103,7 @@ def backward_collective(engine) -> str:
 def forward_collective(engine) -> str:
     if engine.placement.stage >= 2:
         return "engine.forward: the FSDP2 parameter all-gather"
-    return ("engine.forward: DistributedDataParallel's buffer broadcast / bucket-order broadcast "
-            "(it follows each rank's previous all-reduce)")
+    return (
+        "engine.forward: DistributedDataParallel's buffer broadcast / bucket-order broadcast "
+        "(it follows each rank's previous all-reduce)"
+    )

@@ -9,6 +9,7 @@ while steps within a state reuse it. torch's default recompile limit (8 per code
 send a long schedule (8 to 2 bits, activations switching on, pruning) back to eager without a
 word, so the limit is raised to RECOMPILE_LIMIT while compiling.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,12 @@ def check_backend(backend: str) -> None:
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
         from ..config.schema import did_you_mean
-        raise ConfigError("compile.backend", f"{backend!r} is not a torch.compile backend here; known: "
-                          f"{', '.join(sorted(known))}{did_you_mean(backend, known)}")
+
+        raise ConfigError(
+            "compile.backend",
+            f"{backend!r} is not a torch.compile backend here; known: "
+            f"{', '.join(sorted(known))}{did_you_mean(backend, known)}",
+        )
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
@@ -62,12 +67,16 @@ def compile_model(module: nn.Module, section) -> bool:
     raise_recompile_limit()
     moving = per_step_graphs(module)
     if moving:
-        warnings.warn(f"compile: {len(moving)} modules ({', '.join(moving[:3])}{', ...' if len(moving) > 3 else ''}) "
-                      "use stochastic rounding with learned or mse ranges, or fp16_mixed_quantize, whose seed / blend "
-                      "ratio changes every step: "
-                      f"each step compiles a new graph, and after {RECOMPILE_LIMIT} the model runs eagerly. Use "
-                      "rounding: nearest (or min/max ranges) and no fp16_mixed_quantize with compile", stacklevel=3)
+        warnings.warn(
+            f"compile: {len(moving)} modules ({', '.join(moving[:3])}{', ...' if len(moving) > 3 else ''}) "
+            "use stochastic rounding with learned or mse ranges, or fp16_mixed_quantize, whose seed / blend "
+            "ratio changes every step: "
+            f"each step compiles a new graph, and after {RECOMPILE_LIMIT} the model runs eagerly. Use "
+            "rounding: nearest (or min/max ranges) and no fp16_mixed_quantize with compile",
+            stacklevel=3,
+        )
     module.compile(backend=section.backend, **dict(section.kwargs))
-    log.info("compile: %s compiled in place with backend=%s %s", type(module).__name__, section.backend,
-             dict(section.kwargs))
+    log.info(
+        "compile: %s compiled in place with backend=%s %s", type(module).__name__, section.backend, dict(section.kwargs)
+    )
     return True

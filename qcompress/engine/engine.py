@@ -6,6 +6,7 @@ micro-step. How the model lives on the ranks (one process, DDP, ZeRO-1, FSDP2, a
 mesh, the 1-bit optimizers' local shards) is its placement's business (engine/placement/),
 chosen once here; the engine keeps the rhythm: forward, backward, step, schedules, logging.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,15 @@ from .lr_schedules import build_lr_scheduler
 from .monitor import Monitor
 from .placement import check_client_optimizer, local_optimizer, place
 from .precision import LossScaler, autocast_dtype
-from .process_group import resolve_device, start   # resolve_device: qcompress.train imports it from here
-from .replicas import (RANKS_DIFFER, ReplicaSync, broadcast_compression_state, make_compression_scheduler,
-                       refuse_unsynced_eval, setup_pld)
+from .process_group import resolve_device, start  # resolve_device: qcompress.train imports it from here
+from .replicas import (
+    RANKS_DIFFER,
+    ReplicaSync,
+    broadcast_compression_state,
+    make_compression_scheduler,
+    refuse_unsynced_eval,
+    setup_pld,
+)
 from .save16 import save_16bit_model
 from .seeding import seed_everything
 from .timers import StepTimers
@@ -47,7 +54,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Engine:
     """Returned by `qcompress.initialize`; see the module docstring for the call rhythm."""
 
-    group = None        # the default (world) group: checkpoints span all ranks
+    group = None  # the default (world) group: checkpoints span all ranks
 
     def __init__(self, model: nn.Module, cfg, model_parameters=None, optimizer=None, device=None):
         asked = resolve_device(device)
@@ -55,13 +62,16 @@ class Engine:
         cfg.refuse_auto()
         check_client_optimizer(optimizer, cfg)
         self.rank, self.world_size, self.device = start(cfg, asked)
-        self.traffic = Traffic(self.world_size)             # comm_bytes(): every byte this engine moves
+        self.traffic = Traffic(self.world_size)  # comm_bytes(): every byte this engine moves
         # DeepSpeed's 3D sizes: the (pp, dp, tp) mesh; batches and gradients count dp replicas
         self.parallel = build_mesh(cfg, self.world_size, model, self.device.type)
         self.placement = place(cfg, self.rank, self.world_size, self.device, self.parallel, self.traffic)
-        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
-            resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                          cfg.gradient_accumulation_steps, self.data_parallel_world_size)
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = resolve_batch(
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            self.data_parallel_world_size,
+        )
         self.precision = cfg.precision
         self._autocast = autocast_dtype(self.precision)
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if self.precision == "fp16" else None
@@ -70,7 +80,7 @@ class Engine:
 
         model.to(self.device)
         self.module = model
-        self.pld = setup_pld(model, cfg)     # before wrapping: it swaps the blocks' classes
+        self.pld = setup_pld(model, cfg)  # before wrapping: it swaps the blocks' classes
         # before wrapping too: FSDP2's hooks then stay outside each block's recompute
         self.checkpointed_blocks = activation_checkpointing.from_config(model, cfg)
         # Before wrapping: the scheduler applies step 0 (it may write weights) on whole tensors.
@@ -95,17 +105,17 @@ class Engine:
         self.last_timings: Dict[str, Optional[float]] = {}
         # DeepSpeed's tensorboard / csv_monitor sections; writes on rank 0 at each optimizer step
         self.monitor = Monitor.from_config(cfg, self.rank)
-        self._eval_guard = None      # forward pre-hook refusing eval on ranks with their own weights
-        if cfg.seed is not None:     # last: what the caller draws next is the seed's stream, on every rank
+        self._eval_guard = None  # forward pre-hook refusing eval on ranks with their own weights
+        if cfg.seed is not None:  # last: what the caller draws next is the seed's stream, on every rank
             seed_everything(cfg.seed)
 
     def _reset_counters(self) -> None:
-        self.global_steps = 0        # optimizer boundaries, skipped fp16 steps included (as DeepSpeed)
+        self.global_steps = 0  # optimizer boundaries, skipped fp16 steps included (as DeepSpeed)
         self.micro_steps = 0
-        self._accumulated = 0        # micro-batches since the last boundary
+        self._accumulated = 0  # micro-batches since the last boundary
         self.global_samples = 0
         self.skipped_steps = 0
-        self._step_losses = []       # detached losses given to backward since the last boundary
+        self._step_losses = []  # detached losses given to backward since the last boundary
 
     # --- what the placement decided, under the names callers read ----------------------------
     stage = property(lambda self: self.placement.stage, doc="zero_optimization.stage")
@@ -132,8 +142,11 @@ class Engine:
     def forward(self, *args, **kwargs):
         self.placement.set_grad_sync(self.is_gradient_accumulation_boundary() and self._allreduce_gradients)
         t0 = time.perf_counter()
-        ctx = (torch.autocast(self.device.type, dtype=self._autocast) if self._autocast is not None
-               else contextlib.nullcontext())
+        ctx = (
+            torch.autocast(self.device.type, dtype=self._autocast)
+            if self._autocast is not None
+            else contextlib.nullcontext()
+        )
         with ctx:
             out = self.wrapped(*args, **kwargs)
         self.timers.seconds["forward"] += self.timers.elapsed(t0)
@@ -154,8 +167,7 @@ class Engine:
         self.timers.add_backward(t0, comm_before)
         return loss
 
-    @guarded("engine.step: the all-reduce of the gradient norm / fp16 overflow flag and the optimizer's "
-             "collectives")
+    @guarded("engine.step: the all-reduce of the gradient norm / fp16 overflow flag and the optimizer's collectives")
     def step(self) -> None:
         """End of a micro-batch; at an accumulation boundary: unscale, clip, optimizer step,
         LR and compression schedules (skipped together on every rank on fp16 overflow)."""
@@ -176,7 +188,7 @@ class Engine:
             self.placement.after_optimizer_step(self.optimizer)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self._replicas.sync()         # forwards moved buffers and ranges even on a skipped step
+        self._replicas.sync()  # forwards moved buffers and ranges even on a skipped step
         if not overflow and self.compression_scheduler is not None:
             # after the sync: learned activation ranges start from the ranks' common static range
             self._compression_step()
@@ -188,7 +200,7 @@ class Engine:
         self.global_steps += 1
         self.global_samples += self.train_batch_size
         if self.pld is not None:
-            self.pld.start_step(self.global_steps)   # theta for the next step, as DeepSpeed's update_state
+            self.pld.start_step(self.global_steps)  # theta for the next step, as DeepSpeed's update_state
         self.timers.seconds["step"] += self.timers.elapsed(t0)
         if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             log.info("step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
@@ -205,9 +217,15 @@ class Engine:
         after = max(s.scale / 2.0, s.min_scale) if s.dynamic and s.hysteresis_left <= 1 else s.scale
         (log.warning if stuck else log.info)(
             "step %d: fp16 gradient overflow, step skipped; loss scale %g -> %g"
-            + (" (it cannot go lower: lower fp16.loss_scale / min_loss_scale, or use 0 for "
-               "dynamic scaling)" if stuck else ""),
-            self.global_steps + 1, s.scale, after)
+            + (
+                " (it cannot go lower: lower fp16.loss_scale / min_loss_scale, or use 0 for dynamic scaling)"
+                if stuck
+                else ""
+            ),
+            self.global_steps + 1,
+            s.scale,
+            after,
+        )
 
     def _write_monitor_events(self) -> None:
         """DeepSpeed's names at global_samples: the mean loss of this step's micro-batches (on
@@ -341,23 +359,28 @@ class Engine:
         """Bytes on this rank: parameters, gradients, optimizer state (see engine.memory)."""
         return self.placement.memory_report(self.optimizer)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """DeepSpeed's consolidated save (engine/save16.py). Collective: every rank calls it."""
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def counters(self) -> Dict[str, int]:
-        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def set_counters(self, c: Dict[str, int]) -> None:
         self.global_steps = int(c["global_steps"])
         self.micro_steps = int(c["micro_steps"])
         self.global_samples = int(c["global_samples"])
         self.skipped_steps = int(c["skipped_steps"])
-        self._accumulated = 0        # checkpoints hold no partial gradients: start a fresh step
+        self._accumulated = 0  # checkpoints hold no partial gradients: start a fresh step
         self._step_losses = []
-        if self.pld is not None:     # PLD's theta and decisions follow from the step count alone
+        if self.pld is not None:  # PLD's theta and decisions follow from the step count alone
             self.pld.start_step(self.global_steps, resumed=True)
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -365,9 +388,12 @@ class Engine:
     def save_checkpoint(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Collective: every rank calls it. Returns the checkpoint directory."""
         if self._accumulated and self.rank == 0:
-            log.warning("saving a checkpoint %d micro-batches into an accumulation step: the partial "
-                        "gradients are not saved; resume starts a fresh step", self._accumulated)
-        self.synchronize_ranks()      # one model on every rank, whatever the optimizer's rhythm
+            log.warning(
+                "saving a checkpoint %d micro-batches into an accumulation step: the partial "
+                "gradients are not saved; resume starts a fresh step",
+                self._accumulated,
+            )
+        self.synchronize_ranks()  # one model on every rank, whatever the optimizer's rhythm
         with self._optimizer_state_in_memory():
             return ckpt.save_checkpoint(self, save_dir, tag, client_state)
 

@@ -5,6 +5,7 @@ iteration k; the constructor sets iteration 0's rate, `step()` moves to the next
 torch.optim.lr_scheduler does). DeepSpeed instead runs its very first step with rate 0; we do
 not copy that quirk.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,23 +32,39 @@ def _per_group(optimizer, value, path: str) -> List[float]:
 def _check_params(name: str, params: Dict[str, Any], allowed) -> None:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ConfigError(f"scheduler.params.{unknown[0]}",
-                          f"unknown parameter for {name}; allowed: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"scheduler.params.{unknown[0]}", f"unknown parameter for {name}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 # Value checks by parameter name (one meaning per name across the four schedules).
-_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")      # number or one per group
-_STEPS = ("warmup_num_steps", "total_num_steps", "cycle_first_step_size", "cycle_second_step_size",
-          "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size")
-_NON_NEGATIVE = ("warmup_min_ratio", "cos_min_ratio", "decay_lr_rate", "decay_mom_rate", "cycle_min_mom",
-                 "cycle_max_mom")
+_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")  # number or one per group
+_STEPS = (
+    "warmup_num_steps",
+    "total_num_steps",
+    "cycle_first_step_size",
+    "cycle_second_step_size",
+    "cycle_first_stair_count",
+    "cycle_second_stair_count",
+    "decay_step_size",
+)
+_NON_NEGATIVE = (
+    "warmup_min_ratio",
+    "cos_min_ratio",
+    "decay_lr_rate",
+    "decay_mom_rate",
+    "cycle_min_mom",
+    "cycle_max_mom",
+)
 
 
 def _check_values(params: Dict[str, Any]) -> None:
     """Types and signs, named by key: float('abc') raised a bare ValueError, and a negative
     warmup_min_lr trained with negative learning rates (gradient ascent) without a word."""
+
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
     for key, v in params.items():
         path = f"scheduler.params.{key}"
         if key in _RATES:
@@ -56,7 +73,7 @@ def _check_values(params: Dict[str, Any]) -> None:
                 raise ConfigError(path, f"expected a learning rate >= 0 (or one per parameter group), got {v!r}")
         elif key in _STEPS:
             if v is None and key in ("cycle_second_step_size", "cycle_second_stair_count"):
-                continue                       # None: same as the first
+                continue  # None: same as the first
             if not (number(v) and float(v).is_integer() and v >= 0):
                 raise ConfigError(path, f"expected a whole number of steps >= 0, got {v!r}")
         elif key in _NON_NEGATIVE:
@@ -110,10 +127,18 @@ def _warmup_gamma(it: int, num_steps: int, kind: str) -> float:
 
 class WarmupLR(_Schedule):
     """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then stays."""
+
     PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
-                 warmup_type="log", last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer)
         if warmup_type not in _WARMUP_TYPES:
             raise ConfigError("scheduler.params.warmup_type", f"{warmup_type!r}; choose 'log' or 'linear'")
@@ -134,16 +159,26 @@ class WarmupLR(_Schedule):
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
+
     PARAMS = WarmupLR.PARAMS + ("total_num_steps",)
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps=1000, warmup_type="log", last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps = int(total_num_steps)
         if self.total_num_steps < warmup_num_steps:
-            raise ConfigError("scheduler.params.total_num_steps",
-                              f"{total_num_steps} is smaller than warmup_num_steps={warmup_num_steps}")
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+            raise ConfigError(
+                "scheduler.params.total_num_steps",
+                f"{total_num_steps} is smaller than warmup_num_steps={warmup_num_steps}",
+            )
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self) -> float:
         it = self.last_batch_iteration
@@ -155,11 +190,26 @@ class WarmupDecayLR(WarmupLR):
 
 class WarmupCosineLR(_Schedule):
     """Ratio of the optimizer's own lr: warmup from warmup_min_ratio to 1, then cosine to cos_min_ratio."""
-    PARAMS = ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-              "last_batch_iteration")
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
-                 cos_min_ratio=0.0001, warmup_type="log", last_batch_iteration=-1):
+    PARAMS = (
+        "total_num_steps",
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+        "last_batch_iteration",
+    )
+
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_ratio=0.0,
+        warmup_num_steps=1000,
+        cos_min_ratio=0.0001,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer)
         if warmup_type not in _WARMUP_TYPES:
             raise ConfigError("scheduler.params.warmup_type", f"{warmup_type!r}; choose 'log' or 'linear'")
@@ -167,8 +217,10 @@ class WarmupCosineLR(_Schedule):
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.warmup_num_steps = max(2, int(warmup_num_steps))
         if self.total_num_steps <= self.warmup_num_steps:
-            raise ConfigError("scheduler.params.total_num_steps",
-                              f"{total_num_steps} must exceed warmup_num_steps={self.warmup_num_steps}")
+            raise ConfigError(
+                "scheduler.params.total_num_steps",
+                f"{total_num_steps} must exceed warmup_num_steps={self.warmup_num_steps}",
+            )
         self.cos_min_ratio = float(cos_min_ratio)
         self.warmup_type = warmup_type
         self.org_lrs = [float(g["lr"]) for g in optimizer.param_groups]
@@ -204,15 +256,40 @@ def _uses_momentum(group) -> bool:
 
 class OneCycle(_Schedule):
     """1cycle: lr min->max->min over the two step sizes (momentum the other way), then optional decay."""
-    PARAMS = ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
-              "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
-              "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
-              "last_batch_iteration")
 
-    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0.0, cycle_first_step_size=2000,
-                 cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
-                 decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9,
-                 decay_mom_rate=0.0, last_batch_iteration=-1):
+    PARAMS = (
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+        "last_batch_iteration",
+    )
+
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr,
+        cycle_max_lr,
+        decay_lr_rate=0.0,
+        cycle_first_step_size=2000,
+        cycle_second_step_size=None,
+        cycle_first_stair_count=0,
+        cycle_second_stair_count=None,
+        decay_step_size=0,
+        cycle_momentum=True,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.0,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer)
         # Stair counts are accepted for config compatibility; DeepSpeed does not use them either.
         first = int(cycle_first_step_size)
@@ -229,12 +306,10 @@ class OneCycle(_Schedule):
         self.decay_mom_rate = float(decay_mom_rate)
         # As DeepSpeed: cycling is skipped for an optimizer without momentum (it would switch
         # plain SGD's momentum on); per group, since SGD groups may differ.
-        self._mom_groups = ([g for g in optimizer.param_groups if _uses_momentum(g)]
-                            if cycle_momentum else [])
+        self._mom_groups = [g for g in optimizer.param_groups if _uses_momentum(g)] if cycle_momentum else []
         self.cycle_momentum = bool(self._mom_groups)
         if cycle_momentum and not self.cycle_momentum:
-            log.info("OneCycle: the optimizer uses no momentum (no betas, SGD momentum 0); "
-                     "cycle_momentum is off")
+            log.info("OneCycle: the optimizer uses no momentum (no betas, SGD momentum 0); cycle_momentum is off")
         self.last_batch_iteration = max(0, int(last_batch_iteration))
         self._apply()
 
@@ -260,8 +335,12 @@ class OneCycle(_Schedule):
         return [lo / (1 + self.decay_lr_rate * interval) for lo in self.min_lrs]
 
 
-SCHEDULES = {"warmuplr": WarmupLR, "warmupdecaylr": WarmupDecayLR, "warmupcosinelr": WarmupCosineLR,
-             "onecycle": OneCycle}
+SCHEDULES = {
+    "warmuplr": WarmupLR,
+    "warmupdecaylr": WarmupDecayLR,
+    "warmupcosinelr": WarmupCosineLR,
+    "onecycle": OneCycle,
+}
 
 
 def build_lr_scheduler(optimizer, sched_cfg):

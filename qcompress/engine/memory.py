@@ -12,6 +12,7 @@ Model (ZeRO paper, fp32 weights as this engine keeps them; P = number of paramet
       memory holds buffer_count host buffers of at most sub_group_size elements' state each, in
       CPU memory ("offloaded"), beside what the stage keeps (stages 2/3 offload like "cpu").
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,18 @@ def _local_bytes(t: torch.Tensor) -> int:
     return _local_numel(t) * t.element_size()
 
 
-def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offload=False, *,
-                    param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8,
-                    sub_group_size: int = 1_000_000_000, buffer_count: int = 4) -> Dict[str, int]:
+def estimate_memory(
+    num_params: int,
+    world_size: int = 1,
+    stage: int = 0,
+    offload=False,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_bytes: int = 8,
+    sub_group_size: int = 1_000_000_000,
+    buffer_count: int = 4,
+) -> Dict[str, int]:
     """Bytes per rank for parameters, gradients and optimizer state (Adam: optimizer_bytes=8).
 
     offload: False / "none", True / "cpu" (CPUOffloadPolicy), or "nvme" (optimizer state in
@@ -49,8 +59,9 @@ def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offloa
     if placement not in ("none", "cpu", "nvme"):
         raise ConfigError("zero_optimization.offload_optimizer.device", f"{offload!r}; choose none, cpu or nvme")
     if placement == "nvme":
-        return _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes,
-                              sub_group_size, buffer_count)
+        return _estimate_nvme(
+            num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes, sub_group_size, buffer_count
+        )
     offload = placement == "cpu"
     if offload and stage < 1:
         raise ConfigError("zero_optimization.offload_optimizer.device", "offload needs stage 1, 2 or 3")
@@ -68,22 +79,35 @@ def estimate_memory(num_params: int, world_size: int = 1, stage: int = 0, offloa
         offloaded = shard * param_bytes + shard * grad_bytes + optim
         params = num_params * param_bytes if stage == 2 else 0
         grads = optim = 0
-    return {"parameters": params, "gradients": grads, "optimizer_state": optim,
-            "total": params + grads + optim, "offloaded": offloaded}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_state": optim,
+        "total": params + grads + optim,
+        "offloaded": offloaded,
+    }
 
 
-def _estimate_nvme(num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes,
-                   sub_group_size, buffer_count) -> Dict[str, int]:
+def _estimate_nvme(
+    num_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes, sub_group_size, buffer_count
+) -> Dict[str, int]:
     if stage < 1:
         raise ConfigError("zero_optimization.stage", "offload_optimizer.device: nvme needs stage 1, 2 or 3")
-    out = estimate_memory(num_params, world_size, stage, stage >= 2, param_bytes=param_bytes,
-                          grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    out = estimate_memory(
+        num_params,
+        world_size,
+        stage,
+        stage >= 2,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes,
+    )
     shard = math.ceil(num_params / world_size)
     chunk = min(shard, sub_group_size)
     buffers = min(buffer_count, math.ceil(shard / chunk) if chunk else 0) * chunk * optimizer_bytes
     state = shard * optimizer_bytes
     if stage >= 2:
-        out["offloaded"] += buffers - state          # the CPU update reads its state from disk
+        out["offloaded"] += buffers - state  # the CPU update reads its state from disk
     else:
         out["optimizer_state"] = 0
         out["total"] = out["parameters"] + out["gradients"]
@@ -121,14 +145,14 @@ def memory_report(module, optimizer, stage: int, offload: bool, nvme=None, offlo
     g_bytes = trainable_local if stage >= 2 else trainable_full
     o_bytes = _optimizer_state_bytes(optimizer)
     offloaded = 0
-    if nvme is not None:                 # the state in memory: scalars and the host buffers
+    if nvme is not None:  # the state in memory: scalars and the host buffers
         o_bytes += nvme.resident_bytes()
     if offloaded_ids and not (offload and all(id(p) in offloaded_ids for p in params)):
         moved = [p for p in params if id(p) in offloaded_ids]
         state = _optimizer_state_bytes(optimizer, offloaded_ids)
         offloaded = state
         o_bytes -= state
-        if offload:       # stages 2/3: those units' parameter shards and gradients live there too
+        if offload:  # stages 2/3: those units' parameter shards and gradients live there too
             p_local = sum(_local_bytes(p) for p in moved)
             g_local = sum(_local_bytes(p) for p in moved if p.requires_grad)
             offloaded += p_local + g_local
@@ -140,8 +164,13 @@ def memory_report(module, optimizer, stage: int, offload: bool, nvme=None, offlo
         g_bytes = o_bytes = 0
     elif nvme is not None:
         offloaded, o_bytes = o_bytes, 0
-    out = {"parameters": p_bytes, "gradients": g_bytes, "optimizer_state": o_bytes,
-           "total": p_bytes + g_bytes + o_bytes, "offloaded": offloaded}
+    out = {
+        "parameters": p_bytes,
+        "gradients": g_bytes,
+        "optimizer_state": o_bytes,
+        "total": p_bytes + g_bytes + o_bytes,
+        "offloaded": offloaded,
+    }
     if nvme is not None:
         out["nvme"] = nvme.disk_bytes()
     return out

@@ -6,6 +6,7 @@ header `step,lr`, then `step,value` rows). Every write_events call is flushed, s
 little, and CSV files are appended to, so a resumed run continues them (loading a checkpoint
 first drops the rows, and TensorBoard's events, past its step: see Monitor.resume_at).
 """
+
 from __future__ import annotations
 
 import csv
@@ -36,14 +37,14 @@ class CSVLog:
             fresh = not os.path.exists(path) or os.path.getsize(path) == 0
             f = open(path, "a", newline="")
             w = csv.writer(f)
-            if fresh:      # a resumed run appends rows under the header the first run wrote
+            if fresh:  # a resumed run appends rows under the header the first run wrote
                 w.writerow(["step", name.rsplit("/", 1)[-1]])
             self._files[name] = (f, w)
         return self._files[name][1]
 
     def write(self, events: Iterable[Event]) -> None:
         for name, value, step in events:
-            self._writer(name).writerow([step, value])   # floats as repr: they read back exactly
+            self._writer(name).writerow([step, value])  # floats as repr: they read back exactly
 
     def flush(self) -> None:
         for f, _ in self._files.values():
@@ -58,6 +59,7 @@ class CSVLog:
         """Drop rows past `step` from every CSV here: a run resumed from an earlier checkpoint
         writes those steps again (each file is rewritten beside and renamed into place)."""
         from .. import atomic
+
         self.close()
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
@@ -80,8 +82,11 @@ def _summary_writer(directory: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
-        warnings.warn(f"tensorboard.enabled is true, but TensorBoard is not installed ({err}); no event "
-                      "files are written. Install it with: pip install tensorboard", stacklevel=4)
+        warnings.warn(
+            f"tensorboard.enabled is true, but TensorBoard is not installed ({err}); no event "
+            "files are written. Install it with: pip install tensorboard",
+            stacklevel=4,
+        )
         return None
     os.makedirs(directory, exist_ok=True)
     return SummaryWriter(log_dir=directory)
@@ -140,6 +145,7 @@ class Monitor:
         if self._tb is not None:
             self._tb.close()
             from torch.utils.tensorboard import SummaryWriter
+
             self._tb = SummaryWriter(log_dir=self.tensorboard_dir, purge_step=step + 1)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ Files: <nvme_path>/qcompress-nvme-<host>-<pid>-<n>/chunk<i>.bin, one folder per 
 through an flock (qcompress.atomic.OwnerLock): it is removed at exit (or when the engine is
 collected), and a later run removes the folders of processes that died (killed, crashed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ from .. import atomic
 from ..errors import ConfigError
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
-_ALIGN = 64                          # bytes: every tensor in a chunk file starts on this boundary
+_ALIGN = 64  # bytes: every tensor in a chunk file starts on this boundary
 _PREFIX = "qcompress-nvme-"
 _counter = itertools.count()
 
@@ -66,7 +67,7 @@ def remove_stale_folders(nvme_path: str) -> List[str]:
         if not name.startswith(_PREFIX) or not os.path.isdir(folder):
             continue
         lock = atomic.OwnerLock.claim(os.path.join(folder, "owner.lock"))
-        if lock is None:                 # a live run's
+        if lock is None:  # a live run's
             continue
         try:
             shutil.rmtree(folder, ignore_errors=True)
@@ -108,7 +109,7 @@ def make_swap_folder(nvme_path: str, need_bytes: int) -> Tuple[str, atomic.Owner
             os.close(fd)
         os.remove(probe)
         os.rename(setup, folder)
-        lock.path = os.path.join(folder, "owner.lock")   # the flock is on the file, held through the rename
+        lock.path = os.path.join(folder, "owner.lock")  # the flock is on the file, held through the rename
     except OSError as err:
         shutil.rmtree(setup, ignore_errors=True)
         raise ConfigError(KEY, f"{nvme_path!r} is not writable: {err.strerror or err}") from None
@@ -116,8 +117,11 @@ def make_swap_folder(nvme_path: str, need_bytes: int) -> Tuple[str, atomic.Owner
     if free < need_bytes:
         lock.release(unlink=False)
         shutil.rmtree(folder, ignore_errors=True)
-        raise ConfigError(KEY, f"{nvme_path!r} has {_size(free)} free; the optimizer state of this host's "
-                          f"ranks needs about {_size(need_bytes)}: free space or choose another disk")
+        raise ConfigError(
+            KEY,
+            f"{nvme_path!r} has {_size(free)} free; the optimizer state of this host's "
+            f"ranks needs about {_size(need_bytes)}: free space or choose another disk",
+        )
     return folder, lock
 
 
@@ -126,7 +130,7 @@ def state_bytes_per_element(optimizer) -> int:
     d = getattr(optimizer, "defaults", {})
     if isinstance(optimizer, torch.optim.SGD):
         return 4 if d.get("momentum", 0) else 0
-    return 12 if d.get("amsgrad") else 8        # Adam family / LAMB: two fp32 moments
+    return 12 if d.get("amsgrad") else 8  # Adam family / LAMB: two fp32 moments
 
 
 # --- layout ----------------------------------------------------------------------------------
@@ -134,21 +138,28 @@ class _Slot:
     __slots__ = ("param", "key", "dtype", "shape", "dtensor", "offset", "nbytes")
 
     def __init__(self, param, key, dtype, shape, dtensor, offset, nbytes):
-        self.param, self.key, self.dtype, self.shape, self.dtensor, self.offset, self.nbytes = \
-            param, key, dtype, shape, dtensor, offset, nbytes
+        self.param, self.key, self.dtype, self.shape, self.dtensor, self.offset, self.nbytes = (
+            param,
+            key,
+            dtype,
+            shape,
+            dtensor,
+            offset,
+            nbytes,
+        )
 
     def spec(self) -> Tuple:
         return self.param, self.key, self.dtype, self.shape, self.dtensor
 
     def view(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        return buf[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
 class _Chunk:
     def __init__(self, index: int, params: list, path: str):
         self.index, self.params, self.path = index, params, path
         self.slots: List[_Slot] = []
-        self.nbytes = 0                  # 0: nothing on disk yet (the chunk never stepped)
+        self.nbytes = 0  # 0: nothing on disk yet (the chunk never stepped)
 
     def layout(self, state) -> List[Tuple]:
         """[(param, key, dtype, shape, is a DTensor)] of the swappable tensors now in `state`:
@@ -224,8 +235,11 @@ def _write_from(path: str, buf: torch.Tensor, nbytes: int) -> None:
         while done < nbytes:
             done += os.pwritev(fd, [view[done:]], done)
     except OSError as err:
-        raise OSError(err.errno, f"writing optimizer state to {path}: {err.strerror} "
-                      f"({_size(shutil.disk_usage(os.path.dirname(path)).free)} free)") from None
+        raise OSError(
+            err.errno,
+            f"writing optimizer state to {path}: {err.strerror} "
+            f"({_size(shutil.disk_usage(os.path.dirname(path)).free)} free)",
+        ) from None
     finally:
         os.close(fd)
 
@@ -236,12 +250,15 @@ def _reserve(path: str, nbytes: int) -> None:
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
-        else:                                        # pragma: no cover - not Linux
+        else:  # pragma: no cover - not Linux
             os.ftruncate(fd, nbytes)
     except OSError as err:
         free = shutil.disk_usage(os.path.dirname(path)).free
-        raise OSError(err.errno, f"cannot reserve {_size(nbytes)} for optimizer state in {path}: "
-                      f"{err.strerror} ({_size(free)} free on {KEY})") from None
+        raise OSError(
+            err.errno,
+            f"cannot reserve {_size(nbytes)} for optimizer state in {path}: "
+            f"{err.strerror} ({_size(free)} free on {KEY})",
+        ) from None
     finally:
         os.close(fd)
 
@@ -253,9 +270,18 @@ class NVMeOptimizerState:
     The optimizer object stays what it was (LR schedulers, ZeroRedundancyOptimizer and checkpoint
     code keep working on it); its `step` is replaced by the chunked, streamed one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, folder: str, lock: atomic.OwnerLock, *,
-                 chunk_elements: int, buffer_count: int = 4, pin_memory: bool = False,
-                 pipeline_read: bool = True, pipeline_write: bool = True):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str,
+        lock: atomic.OwnerLock,
+        *,
+        chunk_elements: int,
+        buffer_count: int = 4,
+        pin_memory: bool = False,
+        pipeline_read: bool = True,
+        pipeline_write: bool = True,
+    ):
         if getattr(optimizer, "_qc_nvme", None) is not None:
             raise ValueError("this optimizer's state is already on NVMe")
         self.optimizer, self.folder = optimizer, folder
@@ -306,7 +332,7 @@ class NVMeOptimizerState:
         todo = [c for c in self.chunks if any(p.grad is not None for p in c.params)]
         reads: Dict[int, Tuple[torch.Tensor, Optional[Future]]] = {}
         writes: List[Future] = []
-        nxt = 0                                   # next chunk of `todo` whose read is not issued
+        nxt = 0  # next chunk of `todo` whose read is not issued
         current: Optional[torch.Tensor] = None
 
         def issue(i: int, block: bool) -> bool:
@@ -317,16 +343,17 @@ class NVMeOptimizerState:
             fut = self.io.submit(self._read, c, buf) if c.nbytes else None
             reads[i] = (buf, fut)
             return True
+
         try:
             for i, chunk in enumerate(todo):
                 if nxt <= i:
                     issue(i, block=True)
                     nxt = i + 1
-                if self.pipeline_read:            # read ahead while buffers are free
+                if self.pipeline_read:  # read ahead while buffers are free
                     while nxt < len(todo) and issue(nxt, block=False):
                         nxt += 1
                 buf, fut = reads.pop(i)
-                current = buf                     # ours until a write takes it over
+                current = buf  # ours until a write takes it over
                 if fut is not None:
                     self._wait(fut, "read_wait_s")
                     self.stats["bytes_read"] += chunk.nbytes
@@ -340,9 +367,9 @@ class NVMeOptimizerState:
                 else:
                     self._wait(wfut, "write_wait_s")
         finally:
-            if current is not None:               # an error mid-way: give every buffer back
+            if current is not None:  # an error mid-way: give every buffer back
                 self.pool.release(current)
-            for buf, fut in reads.values():       # (issued reads finish first)
+            for buf, fut in reads.values():  # (issued reads finish first)
                 if fut is not None:
                     fut.exception()
                 self.pool.release(buf)
@@ -391,8 +418,10 @@ class NVMeOptimizerState:
             view = view.to(local.device, non_blocking=True)
         if slot.dtensor:
             from torch.distributed.tensor import DTensor
-            return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
+
+            return DTensor.from_local(
+                view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         return view
 
     def _store(self, chunk: _Chunk, buf: torch.Tensor) -> torch.Tensor:
@@ -406,7 +435,7 @@ class NVMeOptimizerState:
             for slot in chunk.slots:
                 t = _local(state[slot.param][slot.key])
                 dst = slot.view(buf)
-                if t.data_ptr() != dst.data_ptr():     # replaced, or on another device
+                if t.data_ptr() != dst.data_ptr():  # replaced, or on another device
                     dst.copy_(t)
         for slot in chunk.slots:
             del state[slot.param][slot.key]
@@ -420,9 +449,9 @@ class NVMeOptimizerState:
             slots.append(_Slot(p, k, dtype, shape, dtensor, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         staged = {(sl.param, sl.key): _local(state[sl.param][sl.key]).clone() for sl in slots}
-        if offset > buf.numel():                 # grown in place of buf (the pool's count stays)
+        if offset > buf.numel():  # grown in place of buf (the pool's count stays)
             buf = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pool.pin)
-        for sl in slots:                         # staged first: old views may alias buf
+        for sl in slots:  # staged first: old views may alias buf
             sl.view(buf).copy_(staged[(sl.param, sl.key)])
         _reserve(chunk.path, offset)
         chunk.slots, chunk.nbytes = slots, offset
@@ -439,6 +468,7 @@ class NVMeOptimizerState:
             # Before the first step, torch's state_dict helpers would run a zero-gradient step to
             # create the state; run it here (through the streamed step) so the files exist.
             from torch.distributed.checkpoint.state_dict import _init_optim_state
+
             _init_optim_state(self.optimizer)
         maps = {}
         for c in self.chunks:
@@ -452,13 +482,13 @@ class NVMeOptimizerState:
             for c in self.chunks:
                 mapped = maps.get(c.index)
                 if mapped is not None and c.matches(state):
-                    self._store(c, mapped)       # copies only what a load replaced
+                    self._store(c, mapped)  # copies only what a load replaced
                     continue
                 if not c.layout(state) and not c.slots:
                     continue
                 buf = self._store(c, torch.empty(0, dtype=torch.uint8))
                 _write_from(c.path, buf, c.nbytes)
-            maps.clear()                          # unmapped: the pages belong to the files
+            maps.clear()  # unmapped: the pages belong to the files
 
 
 def _swapped_step(optimizer, closure=None):
@@ -478,6 +508,13 @@ def attach(optimizer, offload_cfg, sub_group_size: int, local_world_size: int = 
     elements = sum(_local(p).numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
     need = elements * state_bytes_per_element(optimizer) * max(1, local_world_size)
     folder, lock = make_swap_folder(offload_cfg.nvme_path, need)
-    return NVMeOptimizerState(optimizer, folder, lock, chunk_elements=sub_group_size,
-                              buffer_count=offload_cfg.buffer_count, pin_memory=offload_cfg.pin_memory,
-                              pipeline_read=offload_cfg.pipeline_read, pipeline_write=offload_cfg.pipeline_write)
+    return NVMeOptimizerState(
+        optimizer,
+        folder,
+        lock,
+        chunk_elements=sub_group_size,
+        buffer_count=offload_cfg.buffer_count,
+        pin_memory=offload_cfg.pin_memory,
+        pipeline_read=offload_cfg.pipeline_read,
+        pipeline_write=offload_cfg.pipeline_write,
+    )

@@ -9,6 +9,7 @@ parameters' data and gradients move to the CPU (the same Parameter objects, so c
 ZeroRedundancyOptimizer see nothing new); after, the updated values are copied back. The update
 is the optimizer's own arithmetic, so the weights equal those of a run without offload.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List
@@ -48,8 +49,10 @@ class OptimizerOffload:
         self.ids = {id(p) for p in self.params}
         self.pin = pin_memory and torch.cuda.is_available()
         self._moved = []
-        self._handles = (optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step))
+        self._handles = (
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        )
 
     def _to_cpu(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == CPU:
@@ -67,7 +70,7 @@ class OptimizerOffload:
             p.data = self._to_cpu(on_device)
             p.grad = grad
             state = optimizer.state.get(p)
-            if state:        # a state loaded from a checkpoint lands on the parameter's device
+            if state:  # a state loaded from a checkpoint lands on the parameter's device
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.device != CPU:
                         state[k] = v.to(CPU)
@@ -75,7 +78,7 @@ class OptimizerOffload:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         for p, on_device in self._moved:
-            p.grad = None            # consumed by the step (the engine zeroes gradients next)
+            p.grad = None  # consumed by the step (the engine zeroes gradients next)
             if p.data is not on_device:
                 on_device.copy_(p.data)
                 p.data = on_device

@@ -9,6 +9,7 @@ the one it uses (placement.optimizer_layout), engine/checkpoint.py records it in
   errors differ per rank); a rank missing from the checkpoint starts from rank 0's.
 "dcp" and "zero1" checkpoints load into each other.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,16 +29,20 @@ def read_json(path: str) -> Any:
     try:
         with open(path, "r", encoding="utf-8") as fh:
             return json.load(fh)
-    except (OSError, ValueError) as e:          # ValueError: bad JSON or bad UTF-8
-        raise CheckpointError(f"{path}: cannot read this checkpoint file ({type(e).__name__}: {e}); "
-                              "the checkpoint is damaged or incomplete, load another tag") from e
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(
+            f"{path}: cannot read this checkpoint file ({type(e).__name__}: {e}); "
+            "the checkpoint is damaged or incomplete, load another tag"
+        ) from e
 
 
 def alloc_from_metadata(md, key: str) -> torch.Tensor:
     entry = md.state_dict_metadata.get(key)
     if entry is None or not hasattr(entry, "size"):
-        raise CheckpointError(f"tensor {key!r} is named by the checkpoint's JSON files but not in its "
-                              ".metadata index: the checkpoint is damaged or mixes files of two saves")
+        raise CheckpointError(
+            f"tensor {key!r} is named by the checkpoint's JSON files but not in its "
+            ".metadata index: the checkpoint is damaged or mixes files of two saves"
+        )
     return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
 
@@ -48,7 +53,7 @@ def _group_hparams(groups):
 def _saved_optimizer(ometa) -> Dict[str, Any]:
     """What engine.json holds of the optimizer: {"param_groups": hyper-parameters, "state":
     {name: {key: non-tensor value}}} (tensor entries are None here), for either save mode."""
-    if ometa.get("skeleton") is not None:                  # "dcp": the whole state-dict skeleton
+    if ometa.get("skeleton") is not None:  # "dcp": the whole state-dict skeleton
         sk = unflatten(ometa["skeleton"], {k: None for k in tensor_keys(ometa["skeleton"])})
         return {"param_groups": _group_hparams(sk.get("param_groups", [])), "state": sk.get("state", {})}
     return {"param_groups": ometa.get("param_groups"), "state": {}}
@@ -65,8 +70,9 @@ class OptimizerLayout:
 
     name = ""
 
-    def collect(self, engine, tensors: Dict[str, torch.Tensor], rank_extra: Dict[str, Any],
-                meta: Dict[str, Any]) -> None:
+    def collect(
+        self, engine, tensors: Dict[str, torch.Tensor], rank_extra: Dict[str, Any], meta: Dict[str, Any]
+    ) -> None:
         raise NotImplementedError
 
     def plan_load(self, engine, ometa, md, target: Dict[str, torch.Tensor], rank_extra, path: str) -> Install:
@@ -82,7 +88,7 @@ class DCP(OptimizerLayout):
 
     def plan_load(self, engine, ometa, md, target, rank_extra, path):
         if not _saved_keys(md):
-            return None                              # saved before the first step: nothing to restore
+            return None  # saved before the first step: nothing to restore
         saved = _saved_optimizer(ometa)
         hparams = saved.get("param_groups")
         root = engine.placement.checkpoint_root
@@ -91,20 +97,23 @@ class DCP(OptimizerLayout):
         skel = flatten(current, "optim", local)
         for key, t in local.items():
             if key not in md.state_dict_metadata:
-                raise CheckpointError(f"{path}: optimizer tensor {key!r} is not in the checkpoint (the model "
-                                      "or optimizer differs from the one saved; load_optimizer_states=False "
-                                      "loads the weights alone)")
+                raise CheckpointError(
+                    f"{path}: optimizer tensor {key!r} is not in the checkpoint (the model "
+                    "or optimizer differs from the one saved; load_optimizer_states=False "
+                    "loads the weights alone)"
+                )
             target[key] = t
 
         def install(loaded):
             sd = unflatten(skel, loaded)
-            for fqn, st in saved.get("state", {}).items():      # non-tensor state values
+            for fqn, st in saved.get("state", {}).items():  # non-tensor state values
                 for k, v in st.items():
                     if v is not None and fqn in sd["state"]:
                         sd["state"][fqn][k] = v
             for g_now, g_saved in zip(sd["param_groups"], hparams or []):
                 g_now.update(g_saved)
             set_optimizer_state_dict(root, engine.optimizer, sd)
+
         return install
 
 
@@ -140,7 +149,7 @@ class Zero1(OptimizerLayout):
         for fqn, _ in owned:
             prefix = f"optim.state.{fqn}."
             for key in saved_keys:
-                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                if key.startswith(prefix) and "." not in key[len(prefix) :]:
                     target[key] = alloc_from_metadata(md, key)
         scalars = dict(rank_extra.get("optim_scalars", {}))
         for fname in sorted(os.listdir(os.path.join(path, "ranks"))):  # owners may have changed
@@ -157,12 +166,13 @@ class Zero1(OptimizerLayout):
                 prefix = f"optim.state.{fqn}."
                 st = {}
                 for key, t in loaded.items():
-                    if key.startswith(prefix) and "." not in key[len(prefix):]:
-                        name = key[len(prefix):]
+                    if key.startswith(prefix) and "." not in key[len(prefix) :]:
+                        name = key[len(prefix) :]
                         st[name] = t if name == "step" else t.to(p.device)
                 st.update(scalars.get(fqn, {}))
                 if st:
                     zopt.optim.state[p] = st
+
         return install
 
 
@@ -176,17 +186,20 @@ class PerRank(OptimizerLayout):
     def plan_load(self, engine, ometa, md, target, rank_extra, path):
         skel = rank_extra["optim_skeleton"]
         check = getattr(engine.optimizer, "check_state_dict", None)
-        if check is not None:       # before dcp.load writes the saved weights into the model
+        if check is not None:  # before dcp.load writes the saved weights into the model
             try:
                 check(unflatten(skel, {k: None for k in tensor_keys(skel)}))
             except ValueError as e:
-                raise CheckpointError(f"{path}: the optimizer state does not load into this engine: {e} "
-                                      "(load_optimizer_states=False loads the weights alone)") from e
+                raise CheckpointError(
+                    f"{path}: the optimizer state does not load into this engine: {e} "
+                    "(load_optimizer_states=False loads the weights alone)"
+                ) from e
         for key in tensor_keys(skel):
             target[key] = alloc_from_metadata(md, key)
 
         def install(loaded):
             engine.optimizer.load_state_dict(unflatten(skel, loaded))
+
         return install
 
 

@@ -1,4 +1,5 @@
 """Optimizer construction: qcompress.optim.build_optimizer when present, else a torch fallback."""
+
 from __future__ import annotations
 
 import inspect
@@ -31,6 +32,7 @@ def accepts(builder, names) -> bool:
 def build_optimizer(params, opt_cfg, group=None, **extra):
     """Build the optimizer named by the config; `extra` (e.g. shard_state) goes to qcompress.optim."""
     from .. import optim as qc_optim
+
     builder = getattr(qc_optim, "build_optimizer", None)
     if opt_cfg is None:
         raise ConfigError("optimizer", "initialize() needs an optimizer section (type and params)")

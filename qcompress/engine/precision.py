@@ -3,6 +3,7 @@
 Parameters, gradients and optimizer state stay fp32 in every mode; bf16/fp16 run the forward under
 torch.autocast. That keeps one code path for DDP and FSDP2 and fp32 master weights for free.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -22,10 +23,17 @@ class LossScaler:
     With `consecutive_hysteresis` a clean step refills the hysteresis budget.
     """
 
-    def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False):
+    def __init__(
+        self,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+    ):
         self.dynamic = loss_scale == 0
-        self.scale = float(2 ** initial_scale_power) if self.dynamic else float(loss_scale)
+        self.scale = float(2**initial_scale_power) if self.dynamic else float(loss_scale)
         self.window = int(loss_scale_window)
         self.hysteresis = int(hysteresis)
         self.hysteresis_left = int(hysteresis)
@@ -36,8 +44,14 @@ class LossScaler:
 
     @classmethod
     def from_config(cls, fp16) -> "LossScaler":
-        return cls(fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-                   fp16.min_loss_scale, fp16.consecutive_hysteresis)
+        return cls(
+            fp16.loss_scale,
+            fp16.initial_scale_power,
+            fp16.loss_scale_window,
+            fp16.hysteresis,
+            fp16.min_loss_scale,
+            fp16.consecutive_hysteresis,
+        )
 
     def update(self, overflow: bool) -> None:
         """Advance one optimizer boundary; the caller skips the step when `overflow` is True."""
@@ -58,8 +72,12 @@ class LossScaler:
         self.iteration += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
-                "last_overflow_iteration": self.last_overflow_iteration}
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self.hysteresis_left,
+            "iteration": self.iteration,
+            "last_overflow_iteration": self.last_overflow_iteration,
+        }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         self.scale = float(sd["scale"])

@@ -1,5 +1,6 @@
 """Where an engine runs: its process group (reused, from torchrun's environment, or none) and
 its device."""
+
 from __future__ import annotations
 
 import os
@@ -26,12 +27,11 @@ def setup_distributed(stage: int, cfg=None, cuda: Optional[bool] = None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(backend, timeout=timeout_of(cfg))   # env:// from torchrun
+        dist.init_process_group(backend, timeout=timeout_of(cfg))  # env:// from torchrun
         return dist.get_rank(), world, backend
     if stage >= 2:
         backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout_of(cfg))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout_of(cfg))
         return 0, 1, backend
     return 0, 1, None
 
@@ -48,8 +48,10 @@ def resolve_device(device) -> Optional[torch.device]:
         raise ValueError(f"device {device!r}: qcompress trains on 'cpu', 'cuda' or 'cuda:N'")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: torch sees no CUDA device (torch {torch.__version__}, "
-                             f"built for CUDA {torch.version.cuda or 'none'})")
+            raise ValueError(
+                f"device {device!r}: torch sees no CUDA device (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'})"
+            )
         if dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         if dev.index >= torch.cuda.device_count():
@@ -72,6 +74,7 @@ def pick_device(backend: Optional[str], asked: Optional[torch.device] = None) ->
 
 def start(cfg, asked: Optional[torch.device] = None) -> Tuple[int, int, torch.device]:
     """(rank, world_size, device) for an engine asked to train on `asked` (resolve_device's)."""
-    rank, world, backend = setup_distributed(cfg.zero_optimization.stage, cfg,
-                                             None if asked is None else asked.type == "cuda")
+    rank, world, backend = setup_distributed(
+        cfg.zero_optimization.stage, cfg, None if asked is None else asked.type == "cuda"
+    )
     return rank, world, pick_device(backend, asked)

@@ -1,5 +1,6 @@
 """wall_clock_breakdown: forward, backward, gradient communication and optimizer-step times of
 each optimizer step (engine.last_timings), logged on rank 0 when the config asks."""
+
 from __future__ import annotations
 
 import logging
@@ -52,10 +53,20 @@ class StepTimers:
         for k in self.seconds:
             self.seconds[k] = 0.0
         if self.enabled and rank == 0:
+
             def ms(v):
                 return "n/a (counted in backward)" if v is None else f"{v * 1e3:.2f} ms"
+
             share = "" if pld is None else f" | blocks run {100 * pld.last_share:.1f}%"
-            log.info("step %d: forward %s | backward %s%s | %s %s | step %s%s", step, ms(t["forward"]),
-                     ms(t["backward"]), self.placement.backward_note, self.placement.comm_label,
-                     ms(t["allreduce"]), ms(t["step"]), share)
+            log.info(
+                "step %d: forward %s | backward %s%s | %s %s | step %s%s",
+                step,
+                ms(t["forward"]),
+                ms(t["backward"]),
+                self.placement.backward_note,
+                self.placement.comm_label,
+                ms(t["allreduce"]),
+                ms(t["step"]),
+                share,
+            )
         return t

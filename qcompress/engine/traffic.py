@@ -25,6 +25,7 @@ for all-reduce and reduce-scatter):
 Not counted: DDP's start-up shape check and the find_unused_parameters bitmap (metadata of a few
 bytes per parameter), checkpoint I/O collectives, barriers.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,6 +46,7 @@ def reduce_scatter(*args, **kwargs):
 def all_gather(*args, **kwargs):
     """dist.all_gather_single, or its old name all_gather_into_tensor; looked up per call."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
 
 KINDS = ("ddp", "fsdp", "broadcast", "engine", "optimizer", "zero1")
 
@@ -77,9 +79,11 @@ class Traffic:
             kinds = {k: {"bytes_sent": s, "bytes_received": r} for k, (s, r) in self._kinds.items()}
         now = _running_totals()
         kinds["optimizer"] = {k: now[k] - self._optimizer_base[k] for k in ("bytes_sent", "bytes_received")}
-        return {"bytes_sent": sum(v["bytes_sent"] for v in kinds.values()),
-                "bytes_received": sum(v["bytes_received"] for v in kinds.values()),
-                "by_kind": {k: kinds[k] for k in KINDS}}
+        return {
+            "bytes_sent": sum(v["bytes_sent"] for v in kinds.values()),
+            "bytes_received": sum(v["bytes_received"] for v in kinds.values()),
+            "by_kind": {k: kinds[k] for k in KINDS},
+        }
 
     def reset(self) -> None:
         with self._lock:
@@ -139,6 +143,6 @@ def count_fsdp(model, traffic: Traffic, timer=None) -> bool:
         for m in mods:
             m.set_custom_reduce_scatter(rs)
             m.set_custom_all_gather(ag)
-    except ValueError:      # several FSDP param groups in one module: torch refuses custom comms
+    except ValueError:  # several FSDP param groups in one module: torch refuses custom comms
         return False
     return True

@@ -1,5 +1,6 @@
 """ZeRO stages on PyTorch's own engines: 0 = DDP, 1 = DDP + ZeroRedundancyOptimizer,
 2 = FSDP2 fully_shard(reshard_after_forward=False), 3 = fully_shard, offload = CPUOffloadPolicy."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,7 @@ def broadcast_module_state(model: nn.Module, src: int = 0, group=None, traffic=N
         offset = 0
         for t in group_tensors:
             n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
+            t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
 
@@ -46,7 +47,7 @@ class GradReduceHook:
 
     def __init__(self, group, world_size: int, dtype: Optional[torch.dtype], timed: bool, traffic=None):
         self.group, self.world_size, self.dtype, self.timed = group, world_size, dtype, timed
-        self.traffic = traffic      # engine.traffic.Traffic: counts each bucket as it is sent
+        self.traffic = traffic  # engine.traffic.Traffic: counts each bucket as it is sent
         self.seconds = 0.0
 
     def reduce(self, bucket):
@@ -70,10 +71,11 @@ class GradReduceHook:
         work = dist.all_reduce(send, group=self.group, async_op=True)
 
         def done(f):
-            f.value()       # re-raises a failed or timed-out all-reduce (else DDP never sees it)
+            f.value()  # re-raises a failed or timed-out all-reduce (else DDP never sees it)
             if send is not buf:
                 buf.copy_(send)
             return buf
+
         return work.get_future().then(done)
 
 
@@ -93,8 +95,17 @@ def _grad_element_size(model: nn.Module) -> int:
     return next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, bucket_elements: int,
-             dtype_name: Optional[str], timed: bool, find_unused_parameters: bool = False, traffic=None):
+def wrap_ddp(
+    model: nn.Module,
+    device: torch.device,
+    group,
+    world_size: int,
+    bucket_elements: int,
+    dtype_name: Optional[str],
+    timed: bool,
+    find_unused_parameters: bool = False,
+    traffic=None,
+):
     """find_unused_parameters: progressive layer drop skips whole blocks (the same on every rank),
     whose parameters then get no gradient. traffic (engine.traffic.Traffic): count every gradient
     bucket and DDP's start-up broadcast of the module state; the hook is registered for it even
@@ -103,13 +114,22 @@ def wrap_ddp(model: nn.Module, device: torch.device, group, world_size: int, buc
     # Buffers are synced at optimizer boundaries instead of every forward (no communication on
     # accumulation micro-steps); the keyword was renamed in recent torch.
     import inspect
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                      inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
-    ddp = DDP(model, device_ids=device_ids, process_group=group,
-              bucket_cap_mb=bucket_cap_mb(bucket_elements, _grad_element_size(model)),
-              gradient_as_bucket_view=True,     # grads live in the buckets: no second copy
-              find_unused_parameters=find_unused_parameters, **no_buffer_sync)
-    if traffic is not None:     # DDP broadcast rank 0's parameters (and buffers, see above) when built
+
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
+    ddp = DDP(
+        model,
+        device_ids=device_ids,
+        process_group=group,
+        bucket_cap_mb=bucket_cap_mb(bucket_elements, _grad_element_size(model)),
+        gradient_as_bucket_view=True,  # grads live in the buckets: no second copy
+        find_unused_parameters=find_unused_parameters,
+        **no_buffer_sync,
+    )
+    if traffic is not None:  # DDP broadcast rank 0's parameters (and buffers, see above) when built
         buffers = list(model.buffers()) if "forward_sync_buffers" in no_buffer_sync else []
         state = list(model.parameters()) + buffers
         traffic.broadcast("broadcast", nbytes_of(state), dist.get_rank(group) == 0)
@@ -186,6 +206,7 @@ def shard_units(model: nn.Module):
             root[i] = root[root[i]]
             i = root[i]
         return i
+
     first_owner = {}
     for i, m in enumerate(owners):
         for p in m.parameters(recurse=False):
@@ -205,8 +226,17 @@ def shard_units(model: nn.Module):
     return [owners[idx[0]] if len(idx) == 1 else [owners[i] for i in idx] for idx in ordered]
 
 
-def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload: bool,
-              dtype_name: Optional[str], pin_memory: bool = False, offload_ratio: float = 1.0, mesh=None):
+def wrap_fsdp(
+    model: nn.Module,
+    device: torch.device,
+    group,
+    stage: int,
+    offload: bool,
+    dtype_name: Optional[str],
+    pin_memory: bool = False,
+    offload_ratio: float = 1.0,
+    mesh=None,
+):
     """fully_shard every module that owns parameters (tied ones together), then the root (FSDP2's
     usual recipe). offload: CPUOffloadPolicy (pinned host memory with pin_memory, on CUDA); with
     offload_ratio < 1, only for the first units in module order holding at most that share of the
@@ -222,24 +252,34 @@ def wrap_fsdp(model: nn.Module, device: torch.device, group, stage: int, offload
     units = shard_units(model)
     own = [[p for m in (u if isinstance(u, list) else [u]) for p in m.parameters(recurse=False)] for u in units]
     order = {id(m): k for k, m in enumerate(model.modules())}
-    by_order = sorted(range(len(units)), key=lambda i: order[id(units[i][0] if isinstance(units[i], list)
-                                                              else units[i])])
+    by_order = sorted(
+        range(len(units)), key=lambda i: order[id(units[i][0] if isinstance(units[i], list) else units[i])]
+    )
     moved = set()
     if offload:
-        chosen = choose_share(by_order, offload_ratio, size=lambda i: sum(p.numel() * p.element_size()
-                                                                           for p in own[i]))
+        chosen = choose_share(by_order, offload_ratio, size=lambda i: sum(p.numel() * p.element_size() for p in own[i]))
         moved = set(chosen) if offload_ratio < 1.0 else set(range(len(units)))
     cpu = CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda")
     mp = MixedPrecisionPolicy(reduce_dtype=comm_dtype(dtype_name))
     offloaded = []
     for i, unit in enumerate(units):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp,
-                    offload_policy=cpu if i in moved else OffloadPolicy())
-        if i in moved:          # after fully_shard: its sharded Parameters replaced the originals
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=(stage == 3),
+            mp_policy=mp,
+            offload_policy=cpu if i in moved else OffloadPolicy(),
+        )
+        if i in moved:  # after fully_shard: its sharded Parameters replaced the originals
             offloaded += [p for m in (unit if isinstance(unit, list) else [unit]) for p in m.parameters(recurse=False)]
     whole = offload and offload_ratio >= 1.0
-    fully_shard(model, mesh=mesh, reshard_after_forward=(stage == 3), mp_policy=mp,
-                offload_policy=cpu if whole else OffloadPolicy())
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=(stage == 3),
+        mp_policy=mp,
+        offload_policy=cpu if whole else OffloadPolicy(),
+    )
     if whole:
         offloaded += list(model.parameters(recurse=False))
     return model, offloaded
@@ -251,6 +291,7 @@ def build_zero1(params, factory, group):
 
     def constructor(param_groups, **_):
         return factory(param_groups)
+
     return ZeroRedundancyOptimizer(params, optimizer_class=constructor, process_group=group)
 
 
@@ -261,8 +302,10 @@ def _gather(p, device: torch.device) -> torch.Tensor:
     if local.device == device:
         return p.full_tensor()
     from torch.distributed.tensor import DTensor
-    on_device = DTensor.from_local(local.to(device), p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride())
+
+    on_device = DTensor.from_local(
+        local.to(device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
     return on_device.full_tensor()
 
 
@@ -271,7 +314,7 @@ def full_weights(model: nn.Module, rank: int, world: int, device: torch.device):
     """Give compress-aware modules whole weights (not FSDP2 shards) while the compression scheduler
     reads or rewrites them at step time, then copy each rank's slice of the result back."""
     swapped = []
-    gathered = {}     # id(shard) -> whole Parameter: tied weights (lm_head / wte) stay one tensor
+    gathered = {}  # id(shard) -> whole Parameter: tied weights (lm_head / wte) stay one tensor
     for m in model.modules():
         if not hasattr(m, "qc_wq"):
             continue
@@ -290,13 +333,15 @@ def full_weights(model: nn.Module, rank: int, world: int, device: torch.device):
             copied = set()
             for m, pname, p, full in swapped:
                 m._parameters[pname] = p
-                if id(p) in copied:    # a tied weight: its one whole copy went back already
+                if id(p) in copied:  # a tied weight: its one whole copy went back already
                     continue
                 copied.add(id(p))
                 local = p.to_local()
                 pieces = torch.chunk(full.detach(), world, dim=0)  # FSDP2 shards dim 0 like torch.chunk
                 mine = pieces[rank] if rank < len(pieces) else full.detach()[:0]
                 if local.shape != mine.shape:
-                    raise RuntimeError(f"cannot map {pname} of {type(m).__name__} back onto its shard "
-                                       f"({tuple(mine.shape)} vs {tuple(local.shape)})")
+                    raise RuntimeError(
+                        f"cannot map {pname} of {type(m).__name__} back onto its shard "
+                        f"({tuple(mine.shape)} vs {tuple(local.shape)})"
+                    )
                 local.copy_(mine)

@@ -15,6 +15,7 @@ Before step 1 the old config.json binds the old files, which are untouched. The 
 first finishes a committed generation whose writer died in step 2, then deletes the
 temporaries of dead writers (those whose lock it can take), never a live writer's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,11 +53,11 @@ def commit_lock(folder: str):
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:         # a file system without locks: commit unserialized, as before
+        except OSError:  # a file system without locks: commit unserialized, as before
             pass
         yield
     finally:
-        os.close(fd)            # releases the lock
+        os.close(fd)  # releases the lock
 
 
 class ExportWriter:
@@ -67,7 +68,7 @@ class ExportWriter:
         self.folder = folder
         self.generation = secrets.token_hex(8)
         self.digests: Dict[str, str] = {}
-        self._staged: Dict[str, str] = {}      # final name -> temporary path
+        self._staged: Dict[str, str] = {}  # final name -> temporary path
         self._lock: Optional[atomic.OwnerLock] = None
         self.committed = False
 
@@ -82,7 +83,7 @@ class ExportWriter:
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if not self.committed:         # the old export is untouched: drop the new files
+            if not self.committed:  # the old export is untouched: drop the new files
                 for path in self._staged.values():
                     atomic.remove_quietly(path)
             # committed: config.json binds the staged files, which a loader reads until they
@@ -111,7 +112,7 @@ class ExportWriter:
         folder = self.folder
         cfg_tmp = self._temp(sio.CONFIG)
         atomic.write_text_new(cfg_tmp, config_text)
-        atomic.fsync_dir(folder)                   # the staged files exist before config.json
+        atomic.fsync_dir(folder)  # the staged files exist before config.json
         with commit_lock(folder):
             self._commit(cfg_tmp)
 
@@ -155,7 +156,7 @@ def recover(folder: str, own: str) -> None:
             gens.setdefault(m.group(1), []).append(name)
     if not gens:
         return
-    with commit_lock(folder):              # not while a live writer commits
+    with commit_lock(folder):  # not while a live writer commits
         _recover(folder, gens)
 
 
@@ -163,15 +164,14 @@ def _recover(folder: str, gens: Dict[str, list]) -> None:
     current = _committed(folder)
     for gen in sorted(gens):
         lock = atomic.OwnerLock.claim(os.path.join(folder, _lock_name(gen)))
-        if lock is None:                      # a live writer's: not ours to touch
+        if lock is None:  # a live writer's: not ours to touch
             continue
         try:
             if current is not None and current["generation"] == gen:
                 files = current["files"]
                 # only staged files that are the committed ones move; anything else of that
                 # writer is an unfinished temporary
-                ready = {f: d for f, d in files.items()
-                         if _staged_digest(folder, gen, f) == d}
+                ready = {f: d for f, d in files.items() if _staged_digest(folder, gen, f) == d}
                 _roll_forward(folder, gen, ready)
             for name in gens[gen]:
                 if name != _lock_name(gen):

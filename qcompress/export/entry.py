@@ -1,5 +1,6 @@
 """WeightEntry: what one quantized weight becomes on disk. Its own module, so that codes.py
 (integer formats) and floats.py (float formats) both build entries without importing each other."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,19 +15,20 @@ from ..quant.observers import Search
 @dataclass
 class WeightEntry:
     """What one quantized weight becomes on disk (orientation [out, ...])."""
-    bits: int                 # bits stored (binary/ternary: 2)
-    qtype: str                # int | binary | ternary
+
+    bits: int  # bits stored (binary/ternary: 2)
+    qtype: str  # int | binary | ternary
     symmetric: bool
-    strategy: str             # tensor | channel | group
+    strategy: str  # tensor | channel | group
     group_size: Optional[int]
-    fmt: str                  # pack-quantized | int-quantized
-    shape: list               # weight shape, [out, ...] orientation
-    dtype: str                # torch dtype name of the float weight
-    transposed: bool          # HF Conv1D: the state_dict weight is the transpose
+    fmt: str  # pack-quantized | int-quantized
+    shape: list  # weight shape, [out, ...] orientation
+    dtype: str  # torch dtype name of the float weight
+    transposed: bool  # HF Conv1D: the state_dict weight is the transpose
     target_bits: int
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     observer: str = "minmax"  # how the range was chosen (compressed-tensors' observer name)
-    observer_kwargs: Dict[str, object] = field(default_factory=dict)   # the mse search's settings
+    observer_kwargs: Dict[str, object] = field(default_factory=dict)  # the mse search's settings
 
 
 def observer_kwargs(q) -> Dict[str, object]:

@@ -23,6 +23,7 @@ name (`experts.gate_up_proj_packed`, ...): load_quantized still reads them.
 config.json lists them in the `qcompress` manifest under `experts`; load_quantized reassembles
 each fused Parameter from them (`load_experts`).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ from .codes import dequantize_2d, weight_entry
 from .errors import CheckpointError, ExportError
 from .layout import STREAMED, weight_args
 
-Piece = Tuple[str, int, int, int]      # (saved tensor name, expert, first out row, rows)
+Piece = Tuple[str, int, int, int]  # (saved tensor name, expert, first out row, rows)
 SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale", "weight")
 
 
@@ -64,13 +65,19 @@ def saved_pieces(root: nn.Module, part) -> Tuple[Optional[str], List[Piece]]:
     for saved, t in out.items():
         e, a, b = (torch.as_tensor(v) for v in torch.unravel_index(t, shape)) if t.dim() else (None,) * 3
         o, i = (a, b) if part.qc_layout == "out_in" else (b, a)
-        ok = (t.dim() == 2 and t.shape[1] == i_n and bool((e == e[0, 0]).all())
-              and bool((i == torch.arange(i_n)).all())
-              and bool((o == o[0, 0] + torch.arange(t.shape[0]).unsqueeze(1)).all()))
+        ok = (
+            t.dim() == 2
+            and t.shape[1] == i_n
+            and bool((e == e[0, 0]).all())
+            and bool((i == torch.arange(i_n)).all())
+            and bool((o == o[0, 0] + torch.arange(t.shape[0]).unsqueeze(1)).all())
+        )
         if not ok:
-            raise ExportError(f"module {name!r}: save_pretrained writes {saved!r} (shape {list(t.shape)}) "
-                              "from it in a way that is not whole rows of one expert's [out, in] matrix; "
-                              "its quantized codes cannot be written under that name")
+            raise ExportError(
+                f"module {name!r}: save_pretrained writes {saved!r} (shape {list(t.shape)}) "
+                "from it in a way that is not whole rows of one expert's [out, in] matrix; "
+                "its quantized codes cannot be written under that name"
+            )
         pieces.append((saved, int(e[0, 0]), int(o[0, 0]), int(t.shape[0])))
     return None, sorted(pieces, key=lambda p: (p[1], p[2]))
 
@@ -86,7 +93,7 @@ def tensor_name(saved: str, suffix: str) -> str:
     `x.weight` -> `x.weight_packed`; a fused `x.gate_up_proj` -> `x.gate_up_proj_packed`."""
     if saved.endswith(".weight"):
         return saved[: -len("weight")] + suffix
-    return saved + suffix[len("weight"):]
+    return saved + suffix[len("weight") :]
 
 
 # --- gpt-oss: the per-expert names vLLM's gpt-oss loader streams --------------------------------
@@ -125,8 +132,11 @@ def _unstream(rec: dict, tensors: Dict[str, torch.Tensor], where: str) -> dict:
     out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
     flip = st.get("transposed", False)
     pieces = []
-    codes = "weight_packed" if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized",
-                                                       "mxfp4-pack-quantized") else "weight"
+    codes = (
+        "weight_packed"
+        if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+        else "weight"
+    )
     for e in range(e_n):
         saved = f"{st['prefix']}.{e}.{st['param']}.weight"
         pieces.append([saved, e, 0, out])
@@ -155,30 +165,46 @@ class _Rows:
         self.qc_wq, self.qc_aq, self.qc_name = part.qc_wq, part.qc_aq, saved
         q, s, z, spec = codes
         e_n, out, inp = part.matrix_shape()
-        if spec.kind == "float" and spec.granularity == "block":     # 128 x 128 blocks per expert
+        if spec.kind == "float" and spec.granularity == "block":  # 128 x 128 blocks per expert
             from ..quant.floats import BLOCK
+
             rb = -(-out // BLOCK[0])
             if o0 % BLOCK[0] or (r % BLOCK[0] and o0 + r != out):
-                raise ExportError(f"module {part.qc_name!r}: {saved!r} holds rows {o0}-{o0 + r} of expert {e}, "
-                                  f"which cut its {BLOCK[0]}-row scale blocks; a block format needs those "
-                                  "projections to be whole blocks")
+                raise ExportError(
+                    f"module {part.qc_name!r}: {saved!r} holds rows {o0}-{o0 + r} of expert {e}, "
+                    f"which cut its {BLOCK[0]}-row scale blocks; a block format needs those "
+                    "projections to be whole blocks"
+                )
             first = e * rb + o0 // BLOCK[0]
             rows = slice(e * out + o0, e * out + o0 + r)
-            self._codes = (q.reshape(e_n * out, -1)[rows],
-                           s.reshape(e_n * rb, -1)[first:first + -(-r // BLOCK[0])], None, spec)
-        elif spec.kind == "float":              # z: each expert's global scale (NVFP4) or None
+            self._codes = (
+                q.reshape(e_n * out, -1)[rows],
+                s.reshape(e_n * rb, -1)[first : first + -(-r // BLOCK[0])],
+                None,
+                spec,
+            )
+        elif spec.kind == "float":  # z: each expert's global scale (NVFP4) or None
             rows = slice(e * out + o0, e * out + o0 + r)
-            self._codes = (q.reshape(e_n * out, -1)[rows], s.reshape(e_n * out, -1)[rows],
-                           None if z is None else z[e], spec)
-        elif part.qc_per_expert_tensor:         # [E, out * in] view: one scale per expert
+            self._codes = (
+                q.reshape(e_n * out, -1)[rows],
+                s.reshape(e_n * out, -1)[rows],
+                None if z is None else z[e],
+                spec,
+            )
+        elif part.qc_per_expert_tensor:  # [E, out * in] view: one scale per expert
             from dataclasses import replace
-            self._codes = (q[e].reshape(out, inp)[o0:o0 + r], s.reshape(e_n)[e].reshape(1),
-                           None if z is None else z.reshape(e_n)[e].reshape(1), replace(spec, granularity="tensor"))
+
+            self._codes = (
+                q[e].reshape(out, inp)[o0 : o0 + r],
+                s.reshape(e_n)[e].reshape(1),
+                None if z is None else z.reshape(e_n)[e].reshape(1),
+                replace(spec, granularity="tensor"),
+            )
         else:
             rows = slice(e * out + o0, e * out + o0 + r)
             s2 = s.reshape(e_n * out, -1)
             self._codes = (q[rows], s2[rows], None if z is None else z.reshape(e_n * out, -1)[rows], spec)
-        self.weight = part.expert_matrix(eff, e)[o0:o0 + r]
+        self.weight = part.expert_matrix(eff, e)[o0 : o0 + r]
 
     def quantized_weight(self):
         return self._codes
@@ -202,8 +228,9 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
     tensors: Dict[str, torch.Tensor] = {}
     st = None if fused is None else streamed_layout(root, fused)
     if st is not None:
-        entries = [weight_entry(_Rows(part, codes, eff, e, 0, out, f"{st['prefix']}.{e}.{st['param']}"))
-                   for e in range(e_n)]
+        entries = [
+            weight_entry(_Rows(part, codes, eff, e, 0, out, f"{st['prefix']}.{e}.{st['param']}")) for e in range(e_n)
+        ]
         first = entries[0]
         acts = part.qc_aq is not None and part.qc_aq.active
         st["transposed"] = streamed_transposed(first.fmt, {"type": first.qtype}, acts)
@@ -211,8 +238,7 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
             for key, t in entry.tensors.items():
                 if key == "weight_shape":
                     continue
-                tensors[streamed_name(st, e, key)] = (t.t().contiguous() if st["transposed"] and t.dim() == 2
-                                                      else t)
+                tensors[streamed_name(st, e, key)] = t.t().contiguous() if st["transposed"] and t.dim() == 2 else t
         fused = None
     elif fused is not None:
         entries = [weight_entry(_Rows(part, codes, eff, e, 0, out, f"{fused}[{e}]")) for e in range(e_n)]
@@ -226,10 +252,19 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
             first = first or entry
             for key, t in entry.tensors.items():
                 tensors[tensor_name(saved, key)] = t
-    record = {"kind": "experts", "group": wq.group, "format": first.fmt, "weights": weight_args(first),
-              "qtype": first.qtype, "dtype": first.dtype, "target_bits": wq.target_bits,
-              "layout": part.qc_layout, "shape": list(part.weight.shape), "fused": fused,
-              "pieces": [list(p) for p in pieces]}
+    record = {
+        "kind": "experts",
+        "group": wq.group,
+        "format": first.fmt,
+        "weights": weight_args(first),
+        "qtype": first.qtype,
+        "dtype": first.dtype,
+        "target_bits": wq.target_bits,
+        "layout": part.qc_layout,
+        "shape": list(part.weight.shape),
+        "fused": fused,
+        "pieces": [list(p) for p in pieces],
+    }
     if st is not None:
         record["streamed"] = st
     return tensors, record
@@ -238,23 +273,32 @@ def part_entries(root: nn.Module, part) -> Tuple[Dict[str, torch.Tensor], dict]:
 def collect_experts(root: nn.Module):
     """({tensor name: tensor}, {Parameter name: manifest record}, [state_dict keys replaced])."""
     from ..nn.experts import ExpertMatrix
+
     tensors, records, replaced = {}, {}, []
     from .codes import act_entry
+
     for name, mod in root.named_modules():
         if not isinstance(mod, ExpertMatrix):
             continue
         static = mod.qc_aq is not None and mod.qc_aq.active and mod.qc_aq.calibration == "static"
-        act = _static_args(mod) if static else act_entry(mod)   # per token: arguments only, no tensors
+        act = _static_args(mod) if static else act_entry(mod)  # per token: arguments only, no tensors
         if mod.qc_wq is not None and mod.qc_wq.active:
             t, rec = part_entries(root, mod)
             tensors.update(t)
             replaced.append(name)
-            replaced.extend(f"{name}.{k}" for k in mod._parameters)    # learned ranges: in the codes
+            replaced.extend(f"{name}.{k}" for k in mod._parameters)  # learned ranges: in the codes
         elif act is not None:
             fused, pieces = saved_pieces(root, mod)
-            rec = {"kind": "experts", "group": mod.qc_aq.group, "format": "dense", "weights": None,
-                   "layout": mod.qc_layout, "shape": list(mod.weight.shape), "fused": fused,
-                   "pieces": [list(p) for p in pieces]}
+            rec = {
+                "kind": "experts",
+                "group": mod.qc_aq.group,
+                "format": "dense",
+                "weights": None,
+                "layout": mod.qc_layout,
+                "shape": list(mod.weight.shape),
+                "fused": fused,
+                "pieces": [list(p) for p in pieces],
+            }
         else:
             continue
         rec["input_activations"] = None if act is None else act[0]
@@ -266,25 +310,40 @@ def collect_experts(root: nn.Module):
 
 def _static_args(part):
     from .codes import observer_kwargs
+
     aq = part.qc_aq
-    return ({"num_bits": aq.bits, "type": "int", "symmetric": aq.symmetric, "strategy": "tensor",
-             "dynamic": False, "observer": aq.range_observer, "observer_kwargs": observer_kwargs(aq)}, {})
+    return (
+        {
+            "num_bits": aq.bits,
+            "type": "int",
+            "symmetric": aq.symmetric,
+            "strategy": "tensor",
+            "dynamic": False,
+            "observer": aq.range_observer,
+            "observer_kwargs": observer_kwargs(aq),
+        },
+        {},
+    )
 
 
 def _static_inputs(part, rec: dict) -> Dict[str, torch.Tensor]:
     """Each expert's static input range as compressed-tensors writes a Linear's (`input_scale`
     float32 [1], `input_zero_point` int8 [1]) under that expert's names; stacked [E] under a fused name."""
     from ..quant import reference
+
     aq = part.qc_aq
     spec = reference.make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
     scales, zps = [], []
     for e, r in enumerate(aq.observer.experts):
         if not r.initialized:
-            raise ExportError(f"module {part.qc_name!r}: expert {e} was routed no token while its static input "
-                              "range was calibrated, so it has no input_scale; run more (or more varied) "
-                              "training or calibration batches before exporting")
-        s, zp, _ = reference.qparams(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec,
-                                     min_val=r.min.cpu(), max_val=r.max.cpu())
+            raise ExportError(
+                f"module {part.qc_name!r}: expert {e} was routed no token while its static input "
+                "range was calibrated, so it has no input_scale; run more (or more varied) "
+                "training or calibration batches before exporting"
+            )
+        s, zp, _ = reference.qparams(
+            torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec, min_val=r.min.cpu(), max_val=r.max.cpu()
+        )
         scales.append(s.reshape(1).to(torch.float32))
         zps.append(None if zp is None else zp.reshape(1).to(torch.int8))
     out = {}
@@ -347,6 +406,7 @@ def _piece_codes(tensors, saved: str, rec: dict, rows: int, inp: int, where: str
         return t if e is None else t[e]
 
     from ..quant.packing import unpack_int32
+
     if rec["format"] == "pack-quantized":
         q = unpack_int32(take("weight_packed"), bits, inp, dim=1)
         take("weight_shape")
@@ -408,7 +468,7 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         out, inp = (a, b) if rec["layout"] == "out_in" else (b, a)
         dtype = getattr(torch, rec["dtype"])
         is_float = rec.get("qtype") == "float"
-        codes = None if is_float else _Codes(e_n, out, inp, rec)   # no low-bit kernels for float formats
+        codes = None if is_float else _Codes(e_n, out, inp, rec)  # no low-bit kernels for float formats
         full = torch.empty(e_n, out, inp, dtype=dtype)
         if rec["fused"] is not None:
             todo = [(rec["fused"], e, 0, out) for e in range(e_n)]
@@ -417,13 +477,13 @@ def load_experts(root: nn.Module, experts: Dict[str, dict], tensors: Dict[str, t
         for saved, e, o0, r in todo:
             stacked = e if rec["fused"] is not None else None
             if is_float:
-                full[e, o0:o0 + r] = _piece_float(tensors, saved, rec, r, inp, where, stacked, dtype)
+                full[e, o0 : o0 + r] = _piece_float(tensors, saved, rec, r, inp, where, stacked, dtype)
                 continue
             q, s, z, g = _piece_codes(tensors, saved, rec, r, inp, where, stacked)
-            full[e, o0:o0 + r] = dequantize_2d(q, s, z, g, dtype)
+            full[e, o0 : o0 + r] = dequantize_2d(q, s, z, g, dtype)
             codes.put(e, o0, q, s, z)
         if codes is not None:
-            part.__dict__["_qc_loaded_codes"] = codes        # for load_quantized(mode="fast")
+            part.__dict__["_qc_loaded_codes"] = codes  # for load_quantized(mode="fast")
         if rec["fused"] is not None:
             for suffix in SUFFIXES:
                 tensors.pop(tensor_name(rec["fused"], suffix), None)
@@ -435,10 +495,11 @@ def add_experts(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Dict[str,
     """Replace the fused float expert Parameters in `tensors` by their quantized entries; returns
     the manifest records ({} when the model has no quantized experts)."""
     from ..unwrap import unwrap
+
     new, records, replaced = collect_experts(unwrap(model))
     for k in replaced:
         tensors.pop(k, None)
-    tensors.update({k: v.detach().cpu().clone() for k, v in new.items()})   # own storage each (safetensors)
+    tensors.update({k: v.detach().cpu().clone() for k, v in new.items()})  # own storage each (safetensors)
     return records
 
 
@@ -450,17 +511,24 @@ def add_to_config(config: dict, records: Dict[str, dict], modules: Dict[str, dic
         return
     config["qcompress"]["experts"] = records
     import warnings
+
     fused = sorted(n for n, r in records.items() if r["weights"] is not None and r["fused"] is not None)
     if fused:
-        warnings.warn(f"{len(fused)} fused expert Parameters ({', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''}) "
-                      "keep their fused layout, which only qcompress.load_quantized reads quantized; "
-                      "transformers and vLLM refuse the export (see docs/moe.md)", stacklevel=3)
+        warnings.warn(
+            f"{len(fused)} fused expert Parameters ({', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''}) "
+            "keep their fused layout, which only qcompress.load_quantized reads quantized; "
+            "transformers and vLLM refuse the export (see docs/moe.md)",
+            stacklevel=3,
+        )
     streamed = sorted(n for n, r in records.items() if r["weights"] is not None and r.get("streamed"))
     if streamed:
-        warnings.warn(f"{len(streamed)} quantized gpt-oss expert Parameters ({', '.join(streamed[:2])}"
-                      f"{', ...' if len(streamed) > 2 else ''}) are written under the per-expert names vLLM "
-                      "loads; transformers reads gpt-oss experts only unquantized and refuses the export: "
-                      "use vLLM or qcompress.load_quantized (see docs/moe.md)", stacklevel=3)
+        warnings.warn(
+            f"{len(streamed)} quantized gpt-oss expert Parameters ({', '.join(streamed[:2])}"
+            f"{', ...' if len(streamed) > 2 else ''}) are written under the per-expert names vLLM "
+            "loads; transformers reads gpt-oss experts only unquantized and refuses the export: "
+            "use vLLM or qcompress.load_quantized (see docs/moe.md)",
+            stacklevel=3,
+        )
 
 
 def _loaded_part(modules, name: str, rec: dict):
@@ -468,21 +536,32 @@ def _loaded_part(modules, name: str, rec: dict):
     fast mode, runs each expert on the low-bit kernels."""
     from ..nn.experts import ExpertMatrix, attach
     from ..nn.state import ActQuant
+
     owner_name, pname = name.rsplit(".", 1)
     part = ExpertMatrix(modules[owner_name], pname, rec["layout"], name)
     act = rec.get("input_activations")
     if act is not None:
         static = not act.get("dynamic", True)
         fmt, group_size = "int", None
-        if act.get("type") == "float":     # FP8 / MX inputs: the format and its groups, not int8 per token
+        if act.get("type") == "float":  # FP8 / MX inputs: the format and its groups, not int8 per token
             from .floats import act_spec
+
             spec = act_spec(act)
             fmt, group_size = spec.format, (spec.group_size if spec.granularity == "group" else None)
-        part.qc_aq = ActQuant(group=rec["group"], bits=act["num_bits"], symmetric=act["symmetric"],
-                              calibration="static" if static else "dynamic", offset=0, per="token", active=True,
-                              format=fmt, group_size=group_size)
-        if static:       # per-expert ranges: a product that names no expert is refused (input_observer)
+        part.qc_aq = ActQuant(
+            group=rec["group"],
+            bits=act["num_bits"],
+            symmetric=act["symmetric"],
+            calibration="static" if static else "dynamic",
+            offset=0,
+            per="token",
+            active=True,
+            format=fmt,
+            group_size=group_size,
+        )
+        if static:  # per-expert ranges: a product that names no expert is refused (input_observer)
             from ..nn.expert_ranges import ExpertRanges
+
             part.qc_aq.observer = ExpertRanges(rec["shape"][0])
     attach([part], always=True)
     return part
@@ -501,10 +580,10 @@ class _Codes:
 
     def put(self, e, o0, q, s, z):
         r = q.shape[0]
-        self.q[e, o0:o0 + r] = q
-        self.s[e, o0:o0 + r] = s.to(torch.float32).expand(r, -1)
+        self.q[e, o0 : o0 + r] = q
+        self.s[e, o0 : o0 + r] = s.to(torch.float32).expand(r, -1)
         if self.z is not None:
-            self.z[e, o0:o0 + r] = z.to(torch.int32).expand(r, -1)
+            self.z[e, o0 : o0 + r] = z.to(torch.int32).expand(r, -1)
 
 
 class _FastExperts:
@@ -512,20 +591,22 @@ class _FastExperts:
 
     def __init__(self, codes: _Codes):
         from ..quant import lowbit
+
         w = codes.rec["weights"]
         self.lowbit, self.n, self.k = lowbit, codes.out, codes.inp
         self.group = lowbit.kernel_group(w["strategy"], w["group_size"], codes.inp)
         self.cbits = lowbit.container_bits(w["num_bits"])
-        self.packed = [lowbit.prepack_rows(codes.q[e], codes.s[e], None if codes.z is None else codes.z[e],
-                                           self.group, self.cbits) for e in range(codes.q.shape[0])]
+        self.packed = [
+            lowbit.prepack_rows(codes.q[e], codes.s[e], None if codes.z is None else codes.z[e], self.group, self.cbits)
+            for e in range(codes.q.shape[0])
+        ]
 
     def runs_on(self, x: torch.Tensor) -> bool:
         """The weights were prepacked on the CPU; elsewhere the dequantized weight multiplies."""
         return x.device == self.packed[0].packed.device and self.lowbit.runs_on(x.device)
 
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        y = self.lowbit.linear(x.reshape(-1, self.k).contiguous(), self.packed[e], None, self.n, self.group,
-                               self.cbits)
+        y = self.lowbit.linear(x.reshape(-1, self.k).contiguous(), self.packed[e], None, self.n, self.group, self.cbits)
         return y.reshape(*x.shape[:-1], self.n)
 
 
@@ -534,6 +615,7 @@ def fast_experts(root: nn.Module, modules, options) -> None:
     kernels (where the extension is built and the group fits them)."""
     from ..nn.experts import ExpertMatrix
     from ..quant import lowbit
+
     for mod in root.modules():
         codes = mod.__dict__.pop("_qc_loaded_codes", None) if isinstance(mod, ExpertMatrix) else None
         if codes is None or not lowbit.available():
@@ -545,11 +627,12 @@ def fast_experts(root: nn.Module, modules, options) -> None:
 
 def _drop_codes(root: nn.Module, modules, options) -> None:
     for mod in root.modules():
-        mod.__dict__.pop("_qc_loaded_codes", None)     # exact mode: the dequantized weights suffice
+        mod.__dict__.pop("_qc_loaded_codes", None)  # exact mode: the dequantized weights suffice
 
 
 def _register_fast() -> None:
     from .quantized import register_load_step
+
     register_load_step("fast", fast_experts)
     register_load_step("exact", _drop_codes)
 

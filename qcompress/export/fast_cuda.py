@@ -24,6 +24,7 @@ once; load_quantized warns once per load naming those layers and why. mode="dens
 dense decode for every layer. The layout functions below are pure tensor code so that the CPU tests
 can check them against the exact reload.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -34,7 +35,7 @@ import torch.nn as nn
 from .errors import CheckpointError
 
 PLANS = ("int4pack_cuda", "int8pack_cuda")
-INT4_GROUPS = (32, 64, 128, 256)      # the group sizes int4mm.cu instantiates
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes int4mm.cu instantiates
 _BUFFERS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "qweight")
 
 
@@ -66,13 +67,15 @@ def choose(rec: dict, is_linear: bool, capability: Tuple[int, int]) -> Tuple[str
 
 # --- layouts (pure tensor code, testable on the CPU) -----------------------------------------
 
+
 def inner_k_tiles(k: int) -> int:
     """The widest inner k-tiling K allows (8 k-tiles of 16 = 16-byte loads)."""
     return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
 
 
-def int4_layout(q: torch.Tensor, scale: torch.Tensor, zp: Optional[torch.Tensor],
-                dtype=torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor]:
+def int4_layout(
+    q: torch.Tensor, scale: torch.Tensor, zp: Optional[torch.Tensor], dtype=torch.bfloat16
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(nibbles uint8 [N, K/2], scales_and_zeros [K/group, N, 2]) from signed codes q [N, K] in
     [-8, 7], scales [N, groups] and zero points [N, groups] (or None): the inputs of
     _convert_weight_to_int4pack and _weight_int4pack_mm."""
@@ -103,6 +106,7 @@ def int8_layout(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> T
 
 # --- the module ------------------------------------------------------------------------------
 
+
 def to_packed(mod: nn.Module, rec: dict, plan: str, q: torch.Tensor, s: torch.Tensor, z):
     """Replace the exported buffers by the kernel's tensors on the module's device (once, at load)."""
     device = mod._buffers["weight_scale"].device
@@ -128,8 +132,10 @@ def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     b = mod._buffers
     w = b.get("cuda_int4", b.get("cuda_int8"))
     if x.device != w.device:
-        raise RuntimeError(f"module {mod.qx_name!r} holds torch's CUDA {mod.qx_plan} layout on {w.device}, "
-                           f"the input is on {x.device}; load the checkpoint again for that device")
+        raise RuntimeError(
+            f"module {mod.qx_name!r} holds torch's CUDA {mod.qx_plan} layout on {w.device}, "
+            f"the input is on {x.device}; load the checkpoint again for that device"
+        )
     x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
     if mod.qx_plan == "int4pack_cuda":
         y = torch.ops.aten._weight_int4pack_mm(x2, w, gs, b["cuda_scales_zeros"])
@@ -151,6 +157,8 @@ def weight(mod: nn.Module) -> torch.Tensor:
 
 
 def refuse_state_dict(mod: nn.Module):
-    raise CheckpointError(f"module {mod.qx_name!r} was loaded with mode='fast' into torch's CUDA "
-                          f"{mod.qx_plan} layout, which cannot be saved back; load the checkpoint with "
-                          "mode='exact' to get its state_dict")
+    raise CheckpointError(
+        f"module {mod.qx_name!r} was loaded with mode='fast' into torch's CUDA "
+        f"{mod.qx_plan} layout, which cannot be saved back; load the checkpoint with "
+        "mode='exact' to get its state_dict"
+    )

@@ -11,6 +11,7 @@ mxfp4-pack-quantized and mxfp8-quantized layouts, with the tensor names and dtyp
 
 Every module is checked: what is written dequantizes to effective_weight() bit for bit.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,12 @@ from ..quant import floats
 from .entry import WeightEntry, observer_kwargs
 from .errors import ExportError
 
-FORMAT_OF = {"fp8_e4m3": "float-quantized", "nvfp4": "nvfp4-pack-quantized",
-             "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
+FORMAT_OF = {
+    "fp8_e4m3": "float-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "mxfp8": "mxfp8-quantized",
+}
 SPEC_OF = {v: k for k, v in FORMAT_OF.items()}
 FLOAT_FORMATS = tuple(SPEC_OF)
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -36,6 +41,7 @@ def is_float_record(rec: dict) -> bool:
 
 
 # --- E2M1 packing and E8M0 exponents ----------------------------------------------------------
+
 
 def pack_fp4(q: torch.Tensor) -> torch.Tensor:
     """E2M1 values [rows, k] (k even) -> uint8 [rows, k/2]: code = grid index | 8 for a set sign
@@ -64,6 +70,7 @@ def from_e8m0(e: torch.Tensor, dtype) -> torch.Tensor:
 
 # --- what a module writes -----------------------------------------------------------------------
 
+
 def _strategy(spec) -> str:
     if spec.format == "nvfp4":
         return "tensor_group"
@@ -72,10 +79,18 @@ def _strategy(spec) -> str:
 
 def weight_args(spec) -> dict:
     """compressed-tensors' QuantizationArgs (as its presets serialize) of a float weight."""
-    out = {"num_bits": spec.bits, "type": "float", "symmetric": True,
-           "group_size": spec.group_size, "strategy": _strategy(spec), "dynamic": False,
-           "actorder": None, "observer": "minmax", "observer_kwargs": {},
-           "block_structure": list(floats.BLOCK) if spec.granularity == "block" else None}
+    out = {
+        "num_bits": spec.bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": spec.group_size,
+        "strategy": _strategy(spec),
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "block_structure": list(floats.BLOCK) if spec.granularity == "block" else None,
+    }
     if spec.format in _SCALE_DTYPE:
         out["scale_dtype"] = _SCALE_DTYPE[spec.format]
     return out
@@ -89,18 +104,30 @@ def weight_entry(mod, q, s, g, spec):
     deq = floats.dequantize_codes(q, spec, s, g, dtype=ref.dtype)
     if not torch.equal(deq, ref):
         bad = int((deq != ref).sum())
-        raise ExportError(f"module {name!r}: the exported {spec.format} codes do not reproduce "
-                          f"effective_weight() ({bad} of {ref.numel()} elements differ; pruning masks "
-                          "after quantization or a weight changed after redundancy_clean)")
+        raise ExportError(
+            f"module {name!r}: the exported {spec.format} codes do not reproduce "
+            f"effective_weight() ({bad} of {ref.numel()} elements differ; pruning masks "
+            "after quantization or a weight changed after redundancy_clean)"
+        )
     if mod.qc_aq is not None and mod.qc_aq.active and mod.qc_aq.format == "int":
-        raise ExportError(f"module {name!r}: {spec.format} weights with integer input activations "
-                          "have no compressed-tensors scheme; give the activation group a float format "
-                          "or leave the module out of it")
+        raise ExportError(
+            f"module {name!r}: {spec.format} weights with integer input activations "
+            "have no compressed-tensors scheme; give the activation group a float format "
+            "or leave the module out of it"
+        )
     fmt = FORMAT_OF[spec.format]
-    entry = WeightEntry(bits=spec.bits, qtype="float", symmetric=True, strategy=_strategy(spec),
-                        group_size=spec.group_size, fmt=fmt, shape=list(ref.shape),
-                        dtype=str(ref.dtype).replace("torch.", ""), transposed=mod.qc_kind == "hf_conv1d",
-                        target_bits=wq.target_bits)
+    entry = WeightEntry(
+        bits=spec.bits,
+        qtype="float",
+        symmetric=True,
+        strategy=_strategy(spec),
+        group_size=spec.group_size,
+        fmt=fmt,
+        shape=list(ref.shape),
+        dtype=str(ref.dtype).replace("torch.", ""),
+        transposed=mod.qc_kind == "hf_conv1d",
+        target_bits=wq.target_bits,
+    )
     entry.args = weight_args(spec)
     # the mse observer's choice, recorded as the integer path does (compressed-tensors' names)
     entry.args.update(observer=wq.range_observer, observer_kwargs=observer_kwargs(wq))
@@ -135,27 +162,41 @@ def act_entry(mod):
     spec = mod.input_spec()
     wq = mod.qc_wq
     if wq is not None and wq.active and not floats.is_float(wq.spec()):
-        raise ExportError(f"module {name!r}: integer weights with {aq.format} input activations have no "
-                          "compressed-tensors scheme here; give the weights a float format too")
+        raise ExportError(
+            f"module {name!r}: integer weights with {aq.format} input activations have no "
+            "compressed-tensors scheme here; give the weights a float format too"
+        )
     static = aq.calibration == "static"
-    args = {"num_bits": spec.bits, "type": "float", "symmetric": True, "group_size": spec.group_size,
-            "strategy": _strategy(spec) if spec.granularity == "group" else spec.granularity,
-            "dynamic": not static, "actorder": None, "observer": "minmax" if static else None,
-            "observer_kwargs": {}, "block_structure": None}
+    args = {
+        "num_bits": spec.bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": spec.group_size,
+        "strategy": _strategy(spec) if spec.granularity == "group" else spec.granularity,
+        "dynamic": not static,
+        "actorder": None,
+        "observer": "minmax" if static else None,
+        "observer_kwargs": {},
+        "block_structure": None,
+    }
     if spec.format in _SCALE_DTYPE:
         args["scale_dtype"] = _SCALE_DTYPE[spec.format]
     if not static:
         if spec.format == "nvfp4":
-            raise ExportError(f"module {name!r}: NVFP4 input activations are served with a calibrated "
-                              "global scale (input_global_scale): set compression_training."
-                              "activation_quantization.shared_parameters.range_calibration: static")
+            raise ExportError(
+                f"module {name!r}: NVFP4 input activations are served with a calibrated "
+                "global scale (input_global_scale): set compression_training."
+                "activation_quantization.shared_parameters.range_calibration: static"
+            )
         return args, {}
     if not aq.observer.initialized:
-        raise ExportError(f"module {name!r}: static activation range was never calibrated "
-                          "(run training or calibration batches before exporting)")
+        raise ExportError(
+            f"module {name!r}: static activation range was never calibrated "
+            "(run training or calibration batches before exporting)"
+        )
     lo, hi = aq.observer.min.detach().cpu(), aq.observer.max.detach().cpu()
     if spec.format == "nvfp4":
-        args["dynamic"] = "local"       # local scales per 16 from each batch, the global one stored
+        args["dynamic"] = "local"  # local scales per 16 from each batch, the global one stored
         return args, {"input_global_scale": floats.global_scale(lo.reshape(1), hi.reshape(1))}
     dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
     s = floats.scales_from_range(lo.to(dtype).reshape(1), hi.to(dtype).reshape(1), spec)
@@ -163,6 +204,7 @@ def act_entry(mod):
 
 
 # --- reading back ------------------------------------------------------------------------------
+
 
 def expected_tensors(rec: dict) -> Dict[str, tuple]:
     """suffix -> (dtype name, shape) a float record promises."""
@@ -232,10 +274,10 @@ def gather_rows(rec: dict, buf, ids: torch.Tensor, dtype) -> torch.Tensor:
     elif spec.granularity == "block":
         bw = floats.BLOCK[1]
         s = s.index_select(0, torch.div(idx, floats.BLOCK[0], rounding_mode="floor"))
-        s = s.repeat_interleave(bw, dim=1)[:, :k]          # one scale per element of the row
+        s = s.repeat_interleave(bw, dim=1)[:, :k]  # one scale per element of the row
     s, g = _decoded_scales(spec, s, buf, dtype)
     if spec.granularity == "block":
-        out = (q.to(s.dtype) * s).to(dtype)             # the product dequantize_codes forms per tile
+        out = (q.to(s.dtype) * s).to(dtype)  # the product dequantize_codes forms per tile
     else:
         out = floats.dequantize_codes(q, spec, s, g, dtype=dtype)
     return out.reshape(*ids.shape, k)

@@ -22,6 +22,7 @@ tanh form), ReLU or SiLU (transformers' GELUActivation, NewGELUActivation, GELUT
 included). Llama-style gated MLPs (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`) run the gate
 projection and its SiLU as one call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,7 +65,7 @@ _KNOWN: Tuple[Tuple[str, str, str, str, str], ...] = (
 
 
 def act_kind(mod: nn.Module) -> Optional[str]:
-    """"gelu" / "gelu_tanh" / "relu" / "silu" for exactly torch's GELU (erf or tanh form), ReLU and SiLU
+    """ "gelu" / "gelu_tanh" / "relu" / "silu" for exactly torch's GELU (erf or tanh form), ReLU and SiLU
     modules and transformers' GELUActivation, NewGELUActivation (gelu_new), GELUTanh and
     SiLUActivation, else None."""
     if type(mod) is nn.GELU:
@@ -82,21 +83,31 @@ def act_kind(mod: nn.Module) -> Optional[str]:
         return "gelu"
     if name == "NewGELUActivation":
         return "gelu_tanh"
-    if (name == "GELUTanh" and isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args
-            and fn.keywords == {"approximate": "tanh"}):
+    if (
+        name == "GELUTanh"
+        and isinstance(fn, functools.partial)
+        and fn.func is F.gelu
+        and not fn.args
+        and fn.keywords == {"approximate": "tanh"}
+    ):
         return "gelu_tanh"
     return None
 
 
 def _hook_free(mod: nn.Module) -> bool:
-    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
-                or mod._backward_pre_hooks)
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
 
 
 def _no_global_hooks() -> bool:
-    return not any(getattr(_module, name, None) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-        "_global_backward_pre_hooks"))
+    return not any(
+        getattr(_module, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
 
 
 def fused_call(layer: nn.Module, act: nn.Module, x):
@@ -114,7 +125,7 @@ class FusedActMixin:
     """A known parent (_KNOWN) whose layer -> activation runs as one call (qx_fuse: layer and
     activation attributes, the _TAILS key of the rest of its forward)."""
 
-    def forward(self, hidden_states):      # BERT's and GPT-2's argument name (LlamaMLP's is x)
+    def forward(self, hidden_states):  # BERT's and GPT-2's argument name (LlamaMLP's is x)
         layer, act, tail = self.qx_fuse
         return _TAILS[tail](self, fused_call(self._modules[layer], self._modules[act], hidden_states), hidden_states)
 
@@ -132,10 +143,16 @@ _KNOWN_RESIDUAL: Tuple[Tuple[str, str, str, str, str], ...] = (
 
 
 def _residual_ok(layer: nn.Module, dropout: nn.Module, x, res) -> bool:
-    return (type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
-            and _lowbit_layer(layer) and _hook_free(layer) and _hook_free(dropout)
-            and _no_global_hooks() and res.dtype == x.dtype
-            and res.shape == (*x.shape[:-1], layer.qx_lowbit[0]))
+    return (
+        type(dropout) is nn.Dropout
+        and (not dropout.training or dropout.p == 0)
+        and _lowbit_layer(layer)
+        and _hook_free(layer)
+        and _hook_free(dropout)
+        and _no_global_hooks()
+        and res.dtype == x.dtype
+        and res.shape == (*x.shape[:-1], layer.qx_lowbit[0])
+    )
 
 
 class FusedResidualMixin:
@@ -179,8 +196,11 @@ _CACHE: Dict[Tuple[type, type], type] = {}
 def fused_class(cls: type, mixin: type) -> type:
     """The fused class over a parent class (one per class); pickles through quantized._rebuild."""
     if (cls, mixin) not in _CACHE:
-        _CACHE[cls, mixin] = type("Fused" + cls.__name__, (mixin, cls),
-                                  {"__module__": __name__, "__reduce_ex__": quantized.QuantizedMixin.__reduce_ex__})
+        _CACHE[cls, mixin] = type(
+            "Fused" + cls.__name__,
+            (mixin, cls),
+            {"__module__": __name__, "__reduce_ex__": quantized.QuantizedMixin.__reduce_ex__},
+        )
     return _CACHE[cls, mixin]
 
 
@@ -203,8 +223,11 @@ def _known_forwards(known) -> Dict[tuple, tuple]:
 
 def _lowbit_layer(layer: Optional[nn.Module]) -> bool:
     """A fast layer whose one-call kernel (lowbit, lowbit_a8) takes act and residual."""
-    return (isinstance(layer, FastMixin) and layer.qx_plan in ("lowbit", "lowbit_a8")
-            and bool(layer.__dict__.get("qx_direct")))
+    return (
+        isinstance(layer, FastMixin)
+        and layer.qx_plan in ("lowbit", "lowbit_a8")
+        and bool(layer.__dict__.get("qx_direct"))
+    )
 
 
 def _fusable(layer: Optional[nn.Module], act: nn.Module) -> Optional[str]:
@@ -244,8 +267,11 @@ def fuse_activations(root: nn.Module) -> Dict[str, str]:
             parent.qx_fuse = attrs
             fused[prefix + attrs[0]] = kind
     if fused:
-        log.info("load_quantized(mode='fast'): %d layers run what follows them in their kernel (%s)",
-                 len(fused), ", ".join(sorted(set(fused.values()))))
+        log.info(
+            "load_quantized(mode='fast'): %d layers run what follows them in their kernel (%s)",
+            len(fused),
+            ", ".join(sorted(set(fused.values()))),
+        )
     return fused
 
 
@@ -255,4 +281,4 @@ def _fuse_step(root: nn.Module, modules, options) -> None:
 
 
 quantized.register_family(__name__, fused_class, (FusedActMixin, FusedResidualMixin, FusedSequentialMixin))
-quantized.register_load_step("fast", _fuse_step)     # after fast's convert: fuse imports fast
+quantized.register_load_step("fast", _fuse_step)  # after fast's convert: fuse imports fast

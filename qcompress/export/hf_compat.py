@@ -9,6 +9,7 @@ the call that reproduces an export's logits. Exports with weights outside compre
 (transformers' Conv1D, Conv, Embedding, Linears with partial groups) carry a config group that makes
 transformers refuse them (layout.REFUSAL_GROUP).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ def dequantize_config():
     import inspect
 
     from transformers import CompressedTensorsConfig
+
     if "dequantize" in inspect.signature(CompressedTensorsConfig.__init__).parameters:
         return CompressedTensorsConfig(dequantize=True)
     return CompressedTensorsConfig(run_compressed=False)
@@ -36,8 +38,11 @@ def dequantize_config():
 
 def _groups(qconf: dict) -> list:
     """The config groups that quantize modules (not the guard or refusal groups)."""
-    return [g for g in (qconf.get("config_groups") or {}).values()
-            if isinstance(g, dict) and g.get("targets") not in ([], ["re:^$"])]
+    return [
+        g
+        for g in (qconf.get("config_groups") or {}).values()
+        if isinstance(g, dict) and g.get("targets") not in ([], ["re:^$"])
+    ]
 
 
 def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
@@ -57,7 +62,7 @@ def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
         config = json.load(fh)
     qconf = config.get("quantization_config") or {}
     groups = _groups(qconf)
-    kv = qconf.get("kv_cache_scheme") is not None     # applied by the lifecycle only, as float activations
+    kv = qconf.get("kv_cache_scheme") is not None  # applied by the lifecycle only, as float activations
     if not kv and not any((g.get("input_activations") or {}).get("type") == "float" for g in groups):
         return {"quantization_config": dequantize_config()}
     dtype = str(dtype or config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
@@ -69,5 +74,6 @@ def transformers_kwargs(folder, dtype: Optional[str] = None) -> dict:
             f"this {dtype} model with its activation quantization (dequantize=True would run the "
             "activations unquantized); use qcompress.load_quantized(folder, model), or train and "
             "export the model in bfloat16 (qcompress train --dtype bfloat16; in Python, load it with "
-            "from_pretrained(..., dtype=torch.bfloat16))")
+            "from_pretrained(..., dtype=torch.bfloat16))"
+        )
     return {}

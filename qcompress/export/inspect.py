@@ -1,4 +1,5 @@
 """inspect_checkpoint: a per-tensor table of an export (format, bits, shape, bytes, ratio vs fp32)."""
+
 from __future__ import annotations
 
 import math
@@ -26,13 +27,21 @@ def inspect_checkpoint(folder) -> str:
             headers[k] = info
     owner = {}
     for name, rec in modules.items():
-        for suffix in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
-                       "weight_shape", "input_scale", "input_zero_point"):
+        for suffix in (
+            "weight",
+            "weight_packed",
+            "weight_scale",
+            "weight_zero_point",
+            "weight_shape",
+            "input_scale",
+            "input_zero_point",
+        ):
             owner[f"{name}.{suffix}"] = (name, rec)
-    from .experts import inspect_owners        # fused mixture-of-experts Parameters, per expert
+    from .experts import inspect_owners  # fused mixture-of-experts Parameters, per expert
+
     experts = config["qcompress"].get("experts") or {}
     owner.update(inspect_owners(experts))
-    kv = config["qcompress"].get("kv_cache") or {}        # KV-cache scales (export/kv_cache.py)
+    kv = config["qcompress"].get("kv_cache") or {}  # KV-cache scales (export/kv_cache.py)
     kv_scales = {f"{n}.{s}" for n in kv.get("modules") or () for s in ("k_scale", "v_scale")}
     rows = [("tensor", "format", "bits", "dtype", "shape", "bytes", "fp32 bytes", "ratio")]
     total = total_fp32 = 0
@@ -54,19 +63,25 @@ def inspect_checkpoint(folder) -> str:
             elif k.endswith(".weight") and w is None:
                 fp32 = numel * 4
             else:
-                fp32 = 0          # scales etc. have no fp32 counterpart
+                fp32 = 0  # scales etc. have no fp32 counterpart
         total += b
         total_fp32 += fp32
         ratio = f"{b / fp32:.3f}" if fp32 else "-"
-        rows.append((k, fmt, bits, info["dtype"], "x".join(map(str, info["shape"])) or "scalar",
-                     str(b), str(fp32), ratio))
+        rows.append(
+            (k, fmt, bits, info["dtype"], "x".join(map(str, info["shape"])) or "scalar", str(b), str(fp32), ratio)
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"total {_fmt_bytes(total)} vs fp32 {_fmt_bytes(total_fp32)}: ratio "
-                 f"{total / max(total_fp32, 1):.3f}; quantization_config format "
-                 f"{qc.get('format')!r}, {len(modules)} quantized modules"
-                 + (f", {len(experts)} fused expert Parameters" if experts else "")
-                 + (f" ({tied} tied to another's stored weight)" if (tied := sum("tied_to" in r for r in modules.values()))
-                    else ""))
+    lines.append(
+        f"total {_fmt_bytes(total)} vs fp32 {_fmt_bytes(total_fp32)}: ratio "
+        f"{total / max(total_fp32, 1):.3f}; quantization_config format "
+        f"{qc.get('format')!r}, {len(modules)} quantized modules"
+        + (f", {len(experts)} fused expert Parameters" if experts else "")
+        + (
+            f" ({tied} tied to another's stored weight)"
+            if (tied := sum("tied_to" in r for r in modules.values()))
+            else ""
+        )
+    )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ The scales are exactly those forward used last in eval (the frozen static range,
 scale as forward rounds it). `qcompress.kv_cache` in config.json lists the modules, which
 load_quantized quantizes again with these scales, in training and eval alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,23 @@ from ..nn import kv_cache
 from ..unwrap import unwrap
 from .errors import CheckpointError, ExportError
 
-STRATEGY = {"tensor": "tensor", "head": "attn_head"}      # qcompress -> compressed-tensors
+STRATEGY = {"tensor": "tensor", "head": "attn_head"}  # qcompress -> compressed-tensors
 
 
 def scheme(fmt: str, strategy: str) -> dict:
     """compressed-tensors' QuantizationArgs for the cache (the portable keys, as layout.input_args)."""
-    return {"num_bits": 8, "type": "float" if fmt == "fp8_e4m3" else "int", "symmetric": True,
-            "strategy": STRATEGY[strategy], "group_size": None, "dynamic": False, "actorder": None,
-            "observer": "minmax", "observer_kwargs": {}, "block_structure": None}
+    return {
+        "num_bits": 8,
+        "type": "float" if fmt == "fp8_e4m3" else "int",
+        "symmetric": True,
+        "strategy": STRATEGY[strategy],
+        "group_size": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "block_structure": None,
+    }
 
 
 def layer_scales(model: nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor, dict]]:
@@ -46,8 +56,10 @@ def layer_scales(model: nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor
         k = kv_cache.current_scale(mod, state, "k")
         v = kv_cache.current_scale(mod, state, "v")
         if k is None or v is None:
-            raise ExportError(f"{name}: its KV-cache range has seen no training batch, so it has no scale to "
-                              "export; run training (or a few calibration batches in train mode) first")
+            raise ExportError(
+                f"{name}: its KV-cache range has seen no training batch, so it has no scale to "
+                "export; run training (or a few calibration batches in train mode) first"
+            )
         out.append((name, k, v, scheme(state.format, state.strategy)))
     return out
 
@@ -60,14 +72,20 @@ def add_kv_cache(model: nn.Module, tensors: Dict[str, torch.Tensor]) -> Optional
         return None
     schemes = {json.dumps(s, sort_keys=True) for _, _, _, s in layers}
     if len(schemes) > 1:
-        raise ExportError("the attention modules' KV caches are quantized differently; compressed-tensors' "
-                          "kv_cache_scheme describes one scheme for all of them")
+        raise ExportError(
+            "the attention modules' KV caches are quantized differently; compressed-tensors' "
+            "kv_cache_scheme describes one scheme for all of them"
+        )
     for name, k, v, _ in layers:
         tensors[f"{name}.k_scale"] = k.detach().cpu().to(torch.float32).contiguous()
         tensors[f"{name}.v_scale"] = v.detach().cpu().to(torch.float32).contiguous()
     state = kv_cache.quantized_modules(model)[0][1].__dict__[kv_cache.ATTR]
-    return {"format": state.format, "strategy": state.strategy, "modules": [n for n, _, _, _ in layers],
-            "scheme": layers[0][3]}
+    return {
+        "format": state.format,
+        "strategy": state.strategy,
+        "modules": [n for n, _, _, _ in layers],
+        "scheme": layers[0][3],
+    }
 
 
 def add_to_config(config: dict, record: Optional[dict]) -> None:
@@ -78,6 +96,7 @@ def add_to_config(config: dict, record: Optional[dict]) -> None:
 
 
 # --- loading ----------------------------------------------------------------------------------
+
 
 def _problem(rec) -> str:
     if not isinstance(rec, dict):
@@ -92,35 +111,43 @@ def _problem(rec) -> str:
     return ""
 
 
-def load_kv_cache(root: nn.Module, config: dict, tensors: Dict[str, torch.Tensor], where: Dict[str, str],
-                  cfg_path: str) -> None:
+def load_kv_cache(
+    root: nn.Module, config: dict, tensors: Dict[str, torch.Tensor], where: Dict[str, str], cfg_path: str
+) -> None:
     """The export's KV-cache quantization onto `root` (a fresh model): checks config.json and the
-    scales and installs fixed-scale quantizers (their k_scale / v_scale buffers load with the rest) (CheckpointError naming
-    the file and tensor). Nothing when the export has no KV quantization."""
+    scales and installs fixed-scale quantizers (their k_scale / v_scale buffers load with the rest)
+    (CheckpointError naming the file and tensor). Nothing when the export has no KV quantization."""
     rec = config.get("qcompress", {}).get("kv_cache")
     ct = (config.get("quantization_config") or {}).get("kv_cache_scheme")
     if rec is None:
         if ct is not None:
-            raise CheckpointError(f"{cfg_path}: quantization_config.kv_cache_scheme is set, but the qcompress "
-                                  "manifest has no kv_cache record")
+            raise CheckpointError(
+                f"{cfg_path}: quantization_config.kv_cache_scheme is set, but the qcompress "
+                "manifest has no kv_cache record"
+            )
         return
     problem = _problem(rec)
     if problem:
         raise CheckpointError(f"{cfg_path}: qcompress.kv_cache {problem}")
     want = scheme(rec["format"], rec["strategy"])
-    if not isinstance(ct, dict) or any(ct.get(k) != want[k] for k in ("num_bits", "type", "symmetric",
-                                                                       "strategy", "dynamic")):
-        raise CheckpointError(f"{cfg_path}: quantization_config.kv_cache_scheme is {ct!r}, but the qcompress "
-                              f"manifest says {rec['format']} per {rec['strategy']}")
+    if not isinstance(ct, dict) or any(
+        ct.get(k) != want[k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")
+    ):
+        raise CheckpointError(
+            f"{cfg_path}: quantization_config.kv_cache_scheme is {ct!r}, but the qcompress "
+            f"manifest says {rec['format']} per {rec['strategy']}"
+        )
     named = dict(root.named_modules())
     scales = {}
     for name in rec["modules"]:
         mod = named.get(name)
         if mod is None or not kv_cache.dispatches(mod):
-            raise CheckpointError(f"{cfg_path}: KV-cache module {name!r} is "
-                                  f"{'missing from' if mod is None else 'not an attention module of'} the given "
-                                  "model (one whose attention dispatches through transformers' "
-                                  "ALL_ATTENTION_FUNCTIONS)")
+            raise CheckpointError(
+                f"{cfg_path}: KV-cache module {name!r} is "
+                f"{'missing from' if mod is None else 'not an attention module of'} the given "
+                "model (one whose attention dispatches through transformers' "
+                "ALL_ATTENTION_FUNCTIONS)"
+            )
         heads = kv_cache.kv_heads(mod) or 1
         shape = [1] if rec["strategy"] == "tensor" else [heads, 1, 1]
         pair = []
@@ -128,14 +155,18 @@ def load_kv_cache(root: nn.Module, config: dict, tensors: Dict[str, torch.Tensor
             key = f"{name}.{s}"
             t = tensors.get(key)
             if t is None:
-                raise CheckpointError(f"{cfg_path}: KV-cache module {name!r} needs tensor {key!r}, which no "
-                                      "checkpoint file holds")
+                raise CheckpointError(
+                    f"{cfg_path}: KV-cache module {name!r} needs tensor {key!r}, which no checkpoint file holds"
+                )
             if t.dtype != torch.float32 or list(t.shape) != shape:
-                raise CheckpointError(f"{where.get(key, cfg_path)}: tensor {key!r} is {t.dtype} {list(t.shape)}, "
-                                      f"but config.json implies torch.float32 {shape}")
+                raise CheckpointError(
+                    f"{where.get(key, cfg_path)}: tensor {key!r} is {t.dtype} {list(t.shape)}, "
+                    f"but config.json implies torch.float32 {shape}"
+                )
             if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
-                raise CheckpointError(f"{where.get(key, cfg_path)}: tensor {key!r} holds scales that are not "
-                                      "finite and positive")
+                raise CheckpointError(
+                    f"{where.get(key, cfg_path)}: tensor {key!r} holds scales that are not finite and positive"
+                )
             pair.append(t)
         scales[name] = tuple(pair)
     kv_cache.install_frozen(root, rec["format"], rec["strategy"], scales)
@@ -148,6 +179,7 @@ def report(source) -> List[Tuple[str, torch.Tensor, torch.Tensor, dict]]:
         return layer_scales(unwrap(source))
     from . import safetensors_io as sio
     from .manifest import read_config
+
     folder = os.fspath(source)
     cfg_path, config, _, _ = read_config(folder)
     rec = config.get("qcompress", {}).get("kv_cache")
@@ -175,10 +207,13 @@ def consumers(scheme_args: Optional[dict]) -> Dict[str, str]:
     fp8 = scheme_args.get("type") == "float" and scheme_args.get("num_bits") == 8
     if fp8:
         vllm = f"serves it with --kv-cache-dtype fp8, k_scale / v_scale {per}" + (
-            " (the flash-attention backend only)" if per == "per attention head" else "")
+            " (the flash-attention backend only)" if per == "per attention head" else ""
+        )
     else:
         vllm = "does not serve an int8 kv_cache_scheme (its compressed-tensors KV method takes FP8 only)"
-    return {"load_quantized": f"quantizes K / V with the stored scales {per}, bit for bit as trained",
-            "transformers": "plain from_pretrained applies compressed-tensors' QuantizedKVCache with the stored "
-                            "scales (CompressedTensorsConfig(dequantize=True) drops it)",
-            "vllm": vllm}
+    return {
+        "load_quantized": f"quantizes K / V with the stored scales {per}, bit for bit as trained",
+        "transformers": "plain from_pretrained applies compressed-tensors' QuantizedKVCache with the stored "
+        "scales (CompressedTensorsConfig(dequantize=True) drops it)",
+        "vllm": vllm,
+    }

@@ -5,6 +5,7 @@ load). Conv, Embedding and HF Conv1D weights are stored with the same tensor suf
 listed only in the `qcompress` manifest, which `load_quantized` reads. QuantizationArgs carry
 only the portable keys (no scale_dtype / zp_dtype, which loaders pinned to <=0.12 reject).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,20 @@ PORTABLE_STRATEGIES = ("tensor", "channel", "group", "token", "tensor_group")
 
 
 def weight_args(e) -> dict:
-    if getattr(e, "args", None) is not None:     # float formats: export/floats.py
+    if getattr(e, "args", None) is not None:  # float formats: export/floats.py
         return dict(e.args)
-    return {"num_bits": e.bits, "type": "int", "symmetric": e.symmetric, "strategy": e.strategy,
-            "group_size": e.group_size, "dynamic": False, "actorder": None, "observer": e.observer,
-            "observer_kwargs": dict(e.observer_kwargs), "block_structure": None}
+    return {
+        "num_bits": e.bits,
+        "type": "int",
+        "symmetric": e.symmetric,
+        "strategy": e.strategy,
+        "group_size": e.group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": e.observer,
+        "observer_kwargs": dict(e.observer_kwargs),
+        "block_structure": None,
+    }
 
 
 def input_args(a: Optional[dict]) -> Optional[dict]:
@@ -28,10 +38,18 @@ def input_args(a: Optional[dict]) -> Optional[dict]:
         return None
     if a.get("type") == "float":
         return dict(a)
-    return {"num_bits": a["num_bits"], "type": "int", "symmetric": a["symmetric"],
-            "strategy": a["strategy"], "group_size": None, "dynamic": a["dynamic"],
-            "actorder": None, "observer": a["observer"], "observer_kwargs": dict(a.get("observer_kwargs") or {}),
-            "block_structure": None}
+    return {
+        "num_bits": a["num_bits"],
+        "type": "int",
+        "symmetric": a["symmetric"],
+        "strategy": a["strategy"],
+        "group_size": None,
+        "dynamic": a["dynamic"],
+        "actorder": None,
+        "observer": a["observer"],
+        "observer_kwargs": dict(a.get("observer_kwargs") or {}),
+        "block_structure": None,
+    }
 
 
 def exact_target(names: List[str]) -> str:
@@ -47,7 +65,7 @@ def portable(m: dict) -> bool:
         return False
     w = m["weights"]
     if w is not None and w["strategy"] == "group" and m["weight_shape"][1] % w["group_size"]:
-        return False      # compressed-tensors needs in_features divisible by group_size
+        return False  # compressed-tensors needs in_features divisible by group_size
     return True
 
 
@@ -63,12 +81,17 @@ def _group_names(groups: Dict[str, dict]) -> Dict[str, str]:
 
 
 def _scheme(rec: dict) -> dict:
-    return {"weights": rec["weights"], "input_activations": input_args(rec["input_activations"]),
-            "output_activations": None, "format": rec["format"]}
+    return {
+        "weights": rec["weights"],
+        "input_activations": input_args(rec["input_activations"]),
+        "output_activations": None,
+        "format": rec["format"],
+    }
 
 
-def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
-                        experts: Optional[Dict[str, dict]] = None) -> dict:
+def quantization_config(
+    modules: Dict[str, dict], plain_linears: List[str], experts: Optional[Dict[str, dict]] = None
+) -> dict:
     """The compressed-tensors schema of everything a compressed-tensors reader can load.
 
     Linear layers are matched by their exact names; MoE experts by the per-expert module names that
@@ -95,7 +118,7 @@ def quantization_config(modules: Dict[str, dict], plain_linears: List[str],
     ignore = list(plain_linears) + local_only
     for name, rec in sorted((experts or {}).items()):
         if rec["weights"] is None:
-            continue            # input-only experts: no weight scheme for a loader to pick
+            continue  # input-only experts: no weight scheme for a loader to pick
         fragments = expert_targets(rec)
         if rec.get("streamed"):
             # gpt-oss: vLLM reads these names; transformers reads gpt-oss experts only unquantized,
@@ -213,13 +236,21 @@ def unportable_reason(m: dict) -> str:
 def refusal_scheme(names: List[str], reasons: Optional[List[str]] = None) -> dict:
     reasons = reasons or [""] * len(names)
     shown = ", ".join(f"{n} ({r})" if r else n for n, r in zip(names[:3], reasons)) + (
-        f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return {"targets": [], "weights": None, "input_activations": None, "output_activations": None,
-            REFUSAL_KEY: (f"{len(names)} quantized modules ({shown}) are not nn.Linear layers with whole "
-                          "groups, which is all compressed-tensors' transformers loader quantizes: "
-                          "transformers would load them with random weights; use "
-                          "qcompress.load_quantized(folder, model), or leave them out of the weight "
-                          "groups' modules for an export transformers loads")}
+        f" and {len(names) - 3} more" if len(names) > 3 else ""
+    )
+    return {
+        "targets": [],
+        "weights": None,
+        "input_activations": None,
+        "output_activations": None,
+        REFUSAL_KEY: (
+            f"{len(names)} quantized modules ({shown}) are not nn.Linear layers with whole "
+            "groups, which is all compressed-tensors' transformers loader quantizes: "
+            "transformers would load them with random weights; use "
+            "qcompress.load_quantized(folder, model), or leave them out of the weight "
+            "groups' modules for an export transformers loads"
+        ),
+    }
 
 
 # With several weight schemes, transformers' dequantize=True path (it decompresses every Linear
@@ -231,8 +262,13 @@ GUARD_GROUP = "_qcompress_several_weight_schemes"
 
 
 def guard_scheme(weights: dict) -> dict:
-    return {"targets": ["re:^$"], "weights": weights, "input_activations": None,
-            "output_activations": None, "format": "marlin-24"}
+    return {
+        "targets": ["re:^$"],
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+        "format": "marlin-24",
+    }
 
 
 def transformers_caveat(qc: dict) -> Optional[str]:
@@ -246,13 +282,17 @@ def transformers_caveat(qc: dict) -> Optional[str]:
     formats = sorted({g.get("format") or qc["format"] for g in schemes})
     how = "; plain from_pretrained loads it"
     if formats == ["int-quantized", "pack-quantized"]:
-        return ("transformers (5.x) cannot load checkpoints that mix int-quantized and "
-                "pack-quantized config groups with CompressedTensorsConfig(dequantize=True)" + how)
+        return (
+            "transformers (5.x) cannot load checkpoints that mix int-quantized and "
+            "pack-quantized config groups with CompressedTensorsConfig(dequantize=True)" + how
+        )
     distinct = {json.dumps(g["weights"], sort_keys=True) for g in schemes}
     if len(distinct) > 1:
-        return ("transformers (5.x) with CompressedTensorsConfig(dequantize=True) decompresses every "
-                f"Linear with the first config group's weight scheme, and this checkpoint has {len(distinct)} "
-                "different ones: it refuses to load it that way" + how)
+        return (
+            "transformers (5.x) with CompressedTensorsConfig(dequantize=True) decompresses every "
+            f"Linear with the first config group's weight scheme, and this checkpoint has {len(distinct)} "
+            "different ones: it refuses to load it that way" + how
+        )
     return None
 
 
@@ -261,9 +301,15 @@ def module_record(kind: str, group: Optional[str], entry, act: Optional[dict]) -
     if entry is None:
         rec.update(format="dense", weights=None)
         return rec
-    rec.update(format=entry.fmt, weights=weight_args(entry), qtype=entry.qtype,
-               weight_shape=entry.shape, dtype=entry.dtype, transposed=entry.transposed,
-               target_bits=entry.target_bits)
+    rec.update(
+        format=entry.fmt,
+        weights=weight_args(entry),
+        qtype=entry.qtype,
+        weight_shape=entry.shape,
+        dtype=entry.dtype,
+        transposed=entry.transposed,
+        target_bits=entry.target_bits,
+    )
     return rec
 
 
@@ -271,6 +317,7 @@ def expected_tensors(rec: dict) -> Dict[str, tuple]:
     """suffix -> (dtype name, shape) that a manifest record promises, for load-time checks."""
     import math
     from .floats import expected_tensors as float_tensors, is_float_record
+
     if is_float_record(rec):
         return float_tensors(rec)
     out = {}
@@ -292,8 +339,9 @@ def expected_tensors(rec: dict) -> Dict[str, tuple]:
         out["weight_packed"] = ("int32", [rows, math.ceil(k * bits / 32)])
         out["weight_shape"] = ("int64", [len(shape)])
         if not w["symmetric"]:
-            out["weight_zero_point"] = (("int8", [1]) if strat == "tensor"
-                                        else ("int32", [math.ceil(rows * bits / 32), ng]))
+            out["weight_zero_point"] = (
+                ("int8", [1]) if strat == "tensor" else ("int32", [math.ceil(rows * bits / 32), ng])
+            )
     else:
         out["weight"] = ("int8", shape)
         if not w["symmetric"]:

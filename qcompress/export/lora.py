@@ -11,6 +11,7 @@
 - a peft-wrapped model is exported under its own model's names: peft's layers are swapped for
   their base layers while the export runs (plain_view).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,7 +30,7 @@ from .errors import ExportError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = sio.ADAPTER_FILES
 MERGED = "merged"
-_PEFT_CONFIG = "_qc_peft_config"     # on the inner model while plain_view runs
+_PEFT_CONFIG = "_qc_peft_config"  # on the inner model while plain_view runs
 
 
 def replaced(mod) -> Dict[str, object]:
@@ -37,11 +38,12 @@ def replaced(mod) -> Dict[str, object]:
     qcompress adapted: a user's own layer with parameters called lora_A keeps them."""
     if lora.state(mod) is None:
         return {}
-    out: Dict[str, object] = {k: True for k in lora.OWN_PARAMS + lora.STORED
-                              if k in mod._parameters or k in mod._buffers}
+    out: Dict[str, object] = {
+        k: True for k in lora.OWN_PARAMS + lora.STORED if k in mod._parameters or k in mod._buffers
+    }
     if lora.merges(mod):
         wq = mod.qc_wq
-        if wq is None or not wq.active:          # no quantizer: the merged weight, dense
+        if wq is None or not wq.active:  # no quantizer: the merged weight, dense
             out["weight"] = lora.quantizer_input(mod).detach()
     return out
 
@@ -62,10 +64,13 @@ def plain_view(model):
     layers = lora.peft_lora_layers(inner)
     foreign = [n for n, m in layers if not getattr(type(m), "qc_adopted", False)]
     if foreign:
-        raise ExportError(f"peft LoRA layer {foreign[0]!r} was not adopted by init_compression (its lora "
-                          "section was off): its adapter is outside the quantized weights. Merge it with peft "
-                          "first (merge_and_unload) or rebuild with compression_training.lora.enabled: true")
+        raise ExportError(
+            f"peft LoRA layer {foreign[0]!r} was not adopted by init_compression (its lora "
+            "section was off): its adapter is outside the quantized weights. Merge it with peft "
+            "first (merge_and_unload) or rebuild with compression_training.lora.enabled: true"
+        )
     from ..schedule import CONFIG
+
     swaps = []
     for name, layer in layers:
         parent_name, _, child = name.rpartition(".")
@@ -99,12 +104,24 @@ def adapter_config(root, layers) -> dict:
         doc["inference_mode"] = True
         return doc
     st = lora.state(layers[0][1])
-    return {"peft_type": "LORA", "task_type": _task_type(root), "base_model_name_or_path": None,
-            "r": st.r, "lora_alpha": st.alpha, "lora_dropout": st.dropout,
-            "target_modules": [n for n, _ in layers], "bias": "none",
-            "fan_in_fan_out": all(m.qc_kind == "hf_conv1d" for _, m in layers),
-            "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-            "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+    return {
+        "peft_type": "LORA",
+        "task_type": _task_type(root),
+        "base_model_name_or_path": None,
+        "r": st.r,
+        "lora_alpha": st.alpha,
+        "lora_dropout": st.dropout,
+        "target_modules": [n for n, _ in layers],
+        "bias": "none",
+        "fan_in_fan_out": all(m.qc_kind == "hf_conv1d" for _, m in layers),
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
 
 
 def stage_adapter(writer, model) -> None:
@@ -120,8 +137,10 @@ def stage_adapter(writer, model) -> None:
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.detach().cpu().contiguous()
     doc = adapter_config(root, layers)
     writer.stage_safetensors(ADAPTER_WEIGHTS, tensors, {"format": "pt"})
-    writer.stage_text(ADAPTER_CONFIG, json.dumps(doc, indent=2, sort_keys=True,
-                                                 default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    writer.stage_text(
+        ADAPTER_CONFIG,
+        json.dumps(doc, indent=2, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v)),
+    )
 
 
 def wants_merged(model) -> bool:
@@ -145,4 +164,5 @@ def with_adapter(model, folder):
     if not os.path.isfile(os.path.join(os.fspath(folder), ADAPTER_CONFIG)):
         return model
     from peft import PeftModel
+
     return PeftModel.from_pretrained(model, os.fspath(folder)).eval()

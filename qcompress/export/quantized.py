@@ -11,6 +11,7 @@ imports the modules that build on it: the forward mixin of each module kind, the
 theirs when imported; qcompress/export/__init__.py imports both, so every entry is in place before
 any of its modules is used.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,14 +55,14 @@ class QuantizedMixin:
         # the class was made at load time (mixins over the model's own class), so pickle cannot
         # name it: it names the model's class and the mixins instead (torch.save(model), spawn)
         state = dict(self.__getstate__())
-        state.pop("qx_direct", None)          # an operator handle: fast.FastMixin.__setstate__ remakes it
+        state.pop("qx_direct", None)  # an operator handle: fast.FastMixin.__setstate__ remakes it
         # the state goes to _rebuild, not to pickle's BUILD: torch.load(weights_only=True) then needs
         # only _rebuild and the named classes allowlisted, not the load-time class itself
         return _rebuild, (*class_parts(type(self)), state)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if prefix + "qweight" in destination:     # back to the file's name
+        if prefix + "qweight" in destination:  # back to the file's name
             destination[prefix + "weight"] = destination.pop(prefix + "qweight")
 
     @property
@@ -95,16 +96,20 @@ class QuantizedMixin:
         if act.get("type") == "float":
             return fake_quantize_floats(self, x, act)
         if not act["dynamic"]:
-            return static_act_fake_quant(x, act["num_bits"], self.input_scale,
-                                         getattr(self, "input_zero_point", None))
+            return static_act_fake_quant(x, act["num_bits"], self.input_scale, getattr(self, "input_zero_point", None))
         gran = "channel" if act["strategy"] == "sample" else "token"
-        return fake_quantize_spec(x, make_spec(act["num_bits"], symmetric=act["symmetric"],
-                                               granularity=gran))
+        return fake_quantize_spec(x, make_spec(act["num_bits"], symmetric=act["symmetric"], granularity=gran))
 
     def extra_repr(self):
         w = self.qx_rec.get("weights")
-        desc = "dense" if w is None else (f"{self.qx_rec['qtype']} {w['num_bits']}b {w['strategy']}"
-                                          + (f"{w['group_size']}" if w["group_size"] else ""))
+        desc = (
+            "dense"
+            if w is None
+            else (
+                f"{self.qx_rec['qtype']} {w['num_bits']}b {w['strategy']}"
+                + (f"{w['group_size']}" if w["group_size"] else "")
+            )
+        )
         return super().extra_repr() + f", qx: {self.qx_rec['format']} {desc}"
 
 
@@ -112,7 +117,7 @@ def _unpack_rows(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """Signed codes [rows, k] from int32 words packed along dim 1 (int32 math: runs every forward)."""
     per = 32 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
-    u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)   # arithmetic shift, then mask
+    u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, then mask
     return u.reshape(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))
 
 
@@ -164,7 +169,7 @@ def gather_rows(rec: dict, buf, ids: torch.Tensor) -> torch.Tensor:
     """F.embedding(ids, dequantize_record(rec, buf)) from the looked-up rows' codes only: the same
     ops per row, so the same values bit for bit. Dequantizing the whole table per call costs time
     in proportion to the vocabulary (30522 x 384 for all-MiniLM-L6-v2) on every forward."""
-    if rec["format"] in FLOAT_FORMATS:     # E2M1 / e4m3 codes under float, e4m3 or E8M0 scales
+    if rec["format"] in FLOAT_FORMATS:  # E2M1 / e4m3 codes under float, e4m3 or E8M0 scales
         return gather_float_rows(rec, buf, ids, getattr(torch, rec["dtype"]))
     w = rec["weights"]
     k = rec["weight_shape"][1]
@@ -184,12 +189,17 @@ def gather_rows(rec: dict, buf, ids: torch.Tensor) -> torch.Tensor:
 class _QEmbedding(QuantizedMixin):
     def forward(self, x):
         rec = self.qx_rec
-        if (rec.get("weights") is not None and self.max_norm is None and not x.is_floating_point()
-                and not gather_refusal(rec)):
+        if (
+            rec.get("weights") is not None
+            and self.max_norm is None
+            and not x.is_floating_point()
+            and not gather_refusal(rec)
+        ):
             return gather_rows(rec, self._buffers, x)
         # max_norm renormalizes looked-up rows of the table in place: the whole table then
-        return F.embedding(x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                           self.scale_grad_by_freq, self.sparse)
+        return F.embedding(
+            x, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
 
 
 class _QHFConv1D(QuantizedMixin):
@@ -205,6 +215,7 @@ class _QComposed(QuantizedMixin):
 
     def forward(self, *args, **kwargs):
         from ..nn.layers import forward_input_name
+
         if args and isinstance(args[0], torch.Tensor):
             args = (self._qx_input(args[0]),) + args[1:]
         elif not args:
@@ -228,6 +239,7 @@ def quantized_class(cls: type, mixin: type) -> type:
 def swap(module, kind: str, name: str, rec: dict):
     """Make `module` the loaded module of manifest record `rec` (its buffers still zeros)."""
     from ..nn.layers import own_forward
+
     cls = type(module)
     mixin = FORWARDS[kind] if own_forward(cls) is None else _QComposed
     module.__class__ = quantized_class(cls, mixin)
@@ -260,9 +272,9 @@ def _rebuild(cls: type, mixins: tuple, state: dict):
 
 # --- the registry ---------------------------------------------------------------------------------
 
-FORWARDS: Dict[str, type] = {}               # manifest kind -> the forward mixin of its modules
-_FAMILIES: Dict[str, Callable[[type, type], type]] = {}   # a mixin's module -> its class factory
-_PICKLED: List[type] = []                    # mixins a pickled model may name
+FORWARDS: Dict[str, type] = {}  # manifest kind -> the forward mixin of its modules
+_FAMILIES: Dict[str, Callable[[type, type], type]] = {}  # a mixin's module -> its class factory
+_PICKLED: List[type] = []  # mixins a pickled model may name
 _LOAD_STEPS: Dict[str, List[Callable]] = {"exact": []}
 
 
@@ -291,7 +303,6 @@ def load_steps(mode: str) -> List[Callable]:
     return _LOAD_STEPS[mode]
 
 
-for _kind, _mixin in (("linear", _QLinear), ("conv", _QConv), ("embedding", _QEmbedding),
-                      ("hf_conv1d", _QHFConv1D)):
+for _kind, _mixin in (("linear", _QLinear), ("conv", _QConv), ("embedding", _QEmbedding), ("hf_conv1d", _QHFConv1D)):
     register_kind(_kind, _mixin)
 del _kind, _mixin

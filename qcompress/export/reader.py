@@ -4,6 +4,7 @@ The loaded module classes live in quantized.py, the checks of config.json and th
 manifest.py; this module puts the model together. mode="fast" and the fused activations are load
 steps that fast/ and fuse.py register (quantized.register_load_step).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,23 +15,56 @@ from . import safetensors_io as sio
 from . import saved_names
 from .kv_cache import load_kv_cache
 from .errors import CheckpointError
-from .manifest import check_expert_groups, check_manifest, check_quant_config, check_tensors, check_unlisted, read_config, resolve_ties
-from .quantized import (QuantizedMixin, _rebuild, class_parts, dequantize_record, gather_refusal, gather_rows,
-                        load_steps, pickle_globals, quantized_class, swap)
+from .manifest import (
+    check_expert_groups,
+    check_manifest,
+    check_quant_config,
+    check_tensors,
+    check_unlisted,
+    read_config,
+    resolve_ties,
+)
+from .quantized import (
+    QuantizedMixin,
+    _rebuild,
+    class_parts,
+    dequantize_record,
+    gather_refusal,
+    gather_rows,
+    load_steps,
+    pickle_globals,
+    quantized_class,
+    swap,
+)
 from .rotations import prepare_load
 from ..unwrap import unwrap
 
 # names importable from here before the split (_rebuild: what pickles saved then name)
-__all__ = ["load_quantized", "pickle_globals", "read_config", "resolve_ties", "check_manifest", "check_tensors",
-           "QuantizedMixin", "dequantize_record", "gather_rows", "gather_refusal", "class_parts",
-           "quantized_class", "_rebuild"]
+__all__ = [
+    "load_quantized",
+    "pickle_globals",
+    "read_config",
+    "resolve_ties",
+    "check_manifest",
+    "check_tensors",
+    "QuantizedMixin",
+    "dequantize_record",
+    "gather_rows",
+    "gather_refusal",
+    "class_parts",
+    "quantized_class",
+    "_rebuild",
+]
 
 
 def _check_kind(module, kind, name, cfg_path):
     from ..nn.layers import kind_of
+
     if kind_of(module) != kind:
-        raise CheckpointError(f"{cfg_path}: module {name!r} is a {kind} in the checkpoint but a "
-                              f"{type(module).__name__} in the given model")
+        raise CheckpointError(
+            f"{cfg_path}: module {name!r} is a {kind} in the checkpoint but a "
+            f"{type(module).__name__} in the given model"
+        )
 
 
 def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activations: bool = True) -> nn.Module:
@@ -53,21 +87,22 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
     cfg_path, config, qc, modules = read_config(folder)
     check_quant_config(qc, modules, cfg_path)
     check_expert_groups(qc, config["qcompress"].get("experts"), cfg_path)
-    unbound = []                  # files config.json does not bind: reported after content checks
+    unbound = []  # files config.json does not bind: reported after content checks
     tensors, where, _ = sio.read_checkpoint(folder, problems=unbound)
     saved_names.restore(tensors, config["qcompress"].get("saved_names", {}))
     resolve_ties(tensors, where, modules)
     for later, first in config["qcompress"].get("tied_tensors", {}).items():
-        if later not in tensors and first in tensors:    # a tied full-precision tensor, written once
+        if later not in tensors and first in tensors:  # a tied full-precision tensor, written once
             tensors[later] = tensors[first]
     check_tensors(tensors, where, modules, cfg_path)
     if unbound:
         raise CheckpointError(unbound[0])
     root = unwrap(model)
-    if config["qcompress"].get("experts"):      # fused expert Parameters, dequantized (export/experts.py)
+    if config["qcompress"].get("experts"):  # fused expert Parameters, dequantized (export/experts.py)
         from .experts import load_experts
+
         load_experts(root, config["qcompress"]["experts"], tensors, cfg_path)
-    prepare_load(root, config, cfg_path)    # a rotated export: its untied head, R4's online modules
+    prepare_load(root, config, cfg_path)  # a rotated export: its untied head, R4's online modules
     named = dict(root.named_modules())
     for name, rec in modules.items():
         if name not in named:
@@ -78,8 +113,10 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
             raise CheckpointError(f"{cfg_path}: module {name!r} does not exist in the given model{hint}")
         mod = named[name]
         if isinstance(mod, QuantizedMixin):
-            raise CheckpointError(f"{cfg_path}: module {name!r} of the given model already holds a loaded "
-                                  f"export ({type(mod).__name__}); pass a fresh model")
+            raise CheckpointError(
+                f"{cfg_path}: module {name!r} of the given model already holds a loaded "
+                f"export ({type(mod).__name__}); pass a fresh model"
+            )
         _check_kind(mod, rec["kind"], name, cfg_path)
         if rec.get("weights") is not None:
             if mod.weight.is_floating_point() and str(mod.weight.dtype) != f"torch.{rec['dtype']}":
@@ -92,10 +129,11 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
             if rec.get("transposed"):
                 have = have[::-1]
             if want != have:
-                raise CheckpointError(f"{cfg_path}: module {name!r} weight is {want} in the "
-                                      f"checkpoint but {have} in the given model")
+                raise CheckpointError(
+                    f"{cfg_path}: module {name!r} weight is {want} in the checkpoint but {have} in the given model"
+                )
         swap(mod, rec["kind"], name, rec)
-    load_kv_cache(root, config, tensors, where, cfg_path)     # k_scale / v_scale buffers, loaded below
+    load_kv_cache(root, config, tensors, where, cfg_path)  # k_scale / v_scale buffers, loaded below
     for name, rec in modules.items():
         if rec["format"] in ("int-quantized", "float-quantized", "mxfp8-quantized"):
             tensors[f"{name}.qweight"] = tensors.pop(f"{name}.weight")
@@ -115,5 +153,5 @@ def load_quantized(folder, model: nn.Module, *, mode: str = "exact", fuse_activa
         raise CheckpointError(f"{folder}: checkpoint tensors and model disagree: " + "; ".join(parts))
     for step in steps:
         step(root, modules, {"fuse_activations": fuse_activations})
-    model.eval()      # an inference checkpoint, as transformers' from_pretrained returns it
+    model.eval()  # an inference checkpoint, as transformers' from_pretrained returns it
     return model

@@ -12,6 +12,7 @@ untied from the embedding (config.tie_word_embeddings is then false).
 transformers 5 drops `transform_config` on load: `apply_to_transformers` applies it with
 compressed-tensors' `apply_transform_config` and loads the stored blocks into its modules.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,12 +38,16 @@ def transform_config(root: nn.Module) -> dict:
     if len(kinds) != 1 or len(blocks) != 1:
         raise ValueError(f"online rotations of several kinds / blocks ({kinds}, {blocks}) cannot share one scheme")
     block = blocks.pop()
-    scheme = {"type": kinds.pop(),
-              "apply": [{"targets": [name for name, _ in found], "location": online.LOCATION,
-                         "inverse": False, "ignore": []}],
-              "randomize": False, "requires_grad": False,
-              "head_dim": block if any(w != block for w in widths) else None,
-              "precision": "float32"}
+    scheme = {
+        "type": kinds.pop(),
+        "apply": [
+            {"targets": [name for name, _ in found], "location": online.LOCATION, "inverse": False, "ignore": []}
+        ],
+        "randomize": False,
+        "requires_grad": False,
+        "head_dim": block if any(w != block for w in widths) else None,
+        "precision": "float32",
+    }
     return {"config_groups": {SCHEME: scheme}}
 
 
@@ -66,11 +71,13 @@ def prepare_load(root: nn.Module, config: dict, cfg_path: str) -> None:
         try:
             mod = root.get_submodule(head)
         except AttributeError:
-            raise CheckpointError(f"{cfg_path}: the export's head {head!r} (untied by its rotations) does not "
-                                  "exist in the given model") from None
+            raise CheckpointError(
+                f"{cfg_path}: the export's head {head!r} (untied by its rotations) does not exist in the given model"
+            ) from None
         w = mod._parameters.get("weight")
-        if w is not None and any(p is w for n, p in root.named_parameters(remove_duplicate=False)
-                                 if not n.startswith(head + ".")):
+        if w is not None and any(
+            p is w for n, p in root.named_parameters(remove_duplicate=False) if not n.startswith(head + ".")
+        ):
             mod._parameters["weight"] = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
         cfg = getattr(root, "config", None)
         if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
@@ -78,14 +85,17 @@ def prepare_load(root: nn.Module, config: dict, cfg_path: str) -> None:
     for gname, scheme in (tc.get("config_groups") or {}).items():
         for entry in scheme.get("apply", []):
             if entry.get("location") != online.LOCATION or gname != SCHEME:
-                raise CheckpointError(f"{cfg_path}: transform_config group {gname!r} ({entry.get('location')}) is "
-                                      "not one qcompress writes; load this export with compressed-tensors")
+                raise CheckpointError(
+                    f"{cfg_path}: transform_config group {gname!r} ({entry.get('location')}) is "
+                    "not one qcompress writes; load this export with compressed-tensors"
+                )
             for name in entry.get("targets", []):
                 try:
                     lin = root.get_submodule(name)
                 except AttributeError:
-                    raise CheckpointError(f"{cfg_path}: transform_config names module {name!r}, which does not "
-                                          "exist in the given model") from None
+                    raise CheckpointError(
+                        f"{cfg_path}: transform_config names module {name!r}, which does not exist in the given model"
+                    ) from None
                 if online.CHILD in lin._modules:
                     continue
                 b = scheme.get("head_dim") or lin.in_features
@@ -95,6 +105,7 @@ def prepare_load(root: nn.Module, config: dict, cfg_path: str) -> None:
 def stored_blocks(folder: str) -> dict:
     """{tensor name: tensor} of the online rotation blocks an export holds."""
     from . import safetensors_io as sio
+
     tensors, _, _ = sio.read_checkpoint(folder)
     suffix = f".{online.CHILD}.weight"
     return {k: v for k, v in tensors.items() if k.endswith(suffix)}
@@ -105,15 +116,17 @@ def apply_to_transformers(model: nn.Module, folder: str, load_stored: bool = Tru
     compressed-tensors, and load the stored blocks into the transforms it creates. Returns the
     TransformConfig applied, or None when the export has none."""
     import json
+
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
         tc = (json.load(fh).get("quantization_config") or {}).get("transform_config") or {}
     if not tc.get("config_groups"):
         return None
     from compressed_tensors.transform import TransformConfig, apply_transform_config
+
     parsed = TransformConfig.model_validate(tc)
     apply_transform_config(model, parsed)
     if load_stored:
-        params = dict(model.named_parameters(remove_duplicate=False))   # one weight per scheme and size
+        params = dict(model.named_parameters(remove_duplicate=False))  # one weight per scheme and size
         with torch.no_grad():
             for key, value in stored_blocks(folder).items():
                 target = params.get(key)

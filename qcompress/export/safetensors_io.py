@@ -7,6 +7,7 @@ too. config.json binds each file to the export by a digest (see `resolve`): file
 export, or of an interrupted overwrite, never load as part of this one. Index entries must be
 plain file names in the export folder. No pickle anywhere.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,16 +28,41 @@ from .errors import CheckpointError
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
-TEMP_PREFIX = ".qcompress-"      # + generation id: a writer's lock and temporaries (hidden)
+TEMP_PREFIX = ".qcompress-"  # + generation id: a writer's lock and temporaries (hidden)
 CRC_KEY = "qcompress_crc32"
 SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # a qlora export's adapter in peft's format, beside the base and bound by the same config.json
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size) -> int:
@@ -90,14 +116,14 @@ def write_safetensors_new(path: str, tensors: Dict[str, torch.Tensor], metadata:
     returns the digest that binds it to its export (see header_digest)."""
     meta = dict(metadata)
     meta[CRC_KEY] = json.dumps({k: crc32(v) for k, v in tensors.items()}, sort_keys=True)
-    fd = atomic.create_exclusive(path)        # the mode a plain write gets (umask, default ACL)
+    fd = atomic.create_exclusive(path)  # the mode a plain write gets (umask, default ACL)
     mode = os.fstat(fd).st_mode & 0o7777
     os.close(fd)
     try:
         save_file(tensors, path, metadata=meta)
-    except Exception as e:              # a full disk comes back as safetensors' own error type
+    except Exception as e:  # a full disk comes back as safetensors' own error type
         raise OSError(f"{path}: cannot write the export file ({e})") from None
-    os.chmod(path, mode)                      # safetensors replaces the file with a 0600 one
+    os.chmod(path, mode)  # safetensors replaces the file with a 0600 one
     atomic.fsync_file(path)
     return header_digest(path)
 
@@ -110,14 +136,25 @@ def write_text_new(path: str, text: str) -> str:
 
 # --- reading -------------------------------------------------------------------------------------
 
+
 def check_plain_name(name, where: str, what: str) -> str:
     """A file an index or manifest names must be a plain file name inside the export folder:
     no directory part, not absolute, not '.'/'..', not hidden (temporaries are hidden)."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".")
-            or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name)
-            or os.path.basename(name) != name):
-        raise CheckpointError(f"{where}: {what} names {name!r}, which is not a plain file name inside "
-                              "the export folder (refused: no directories, absolute or hidden paths)")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or name.startswith(".")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+        or os.path.basename(name) != name
+    ):
+        raise CheckpointError(
+            f"{where}: {what} names {name!r}, which is not a plain file name inside "
+            "the export folder (refused: no directories, absolute or hidden paths)"
+        )
     return name
 
 
@@ -127,19 +164,22 @@ def _header_bounds(path: str) -> Tuple[int, int]:
         size = os.path.getsize(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
-    if not os.path.isfile(path):      # a folder (or a device) where the file should be
+    if not os.path.isfile(path):  # a folder (or a device) where the file should be
         raise CheckpointError(f"{path}: not a regular file")
     if size < 8:
-        raise CheckpointError(f"{path}: truncated ({size} bytes; a safetensors file starts with an "
-                              "8-byte header length)")
+        raise CheckpointError(
+            f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
+        )
     try:
         with open(path, "rb") as f:
             (hlen,) = struct.unpack("<Q", f.read(8))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
     if hlen > size - 8:
-        raise CheckpointError(f"{path}: truncated or corrupted header (header says {hlen} bytes, "
-                              f"file has {size - 8} after the length field)")
+        raise CheckpointError(
+            f"{path}: truncated or corrupted header (header says {hlen} bytes, "
+            f"file has {size - 8} after the length field)"
+        )
     return size, hlen
 
 
@@ -195,12 +235,16 @@ def read_header(path: str) -> Tuple[dict, dict, int]:
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupted header entry for tensor {tname!r}: {info!r}") from None
         if end > data_len:
-            raise CheckpointError(f"{path}: truncated: tensor {tname!r} ends at byte {end} of the data "
-                                  f"section, but {name} holds only {data_len} data bytes")
+            raise CheckpointError(
+                f"{path}: truncated: tensor {tname!r} ends at byte {end} of the data "
+                f"section, but {name} holds only {data_len} data bytes"
+            )
         if end - start != want or start < 0:
-            raise CheckpointError(f"{path}: corrupted header: tensor {tname!r} "
-                                  f"({info['dtype']} {info['shape']}) spans {end - start} bytes, "
-                                  f"expected {want}")
+            raise CheckpointError(
+                f"{path}: corrupted header: tensor {tname!r} "
+                f"({info['dtype']} {info['shape']}) spans {end - start} bytes, "
+                f"expected {want}"
+            )
     return header, metadata, 8 + hlen
 
 
@@ -217,17 +261,22 @@ def _crc_table(path: str, header: dict, metadata: dict) -> Optional[dict]:
         raise CheckpointError(f"{path}: corrupted metadata {CRC_KEY!r}") from None
     for tname in header:
         if tname not in crcs:
-            raise CheckpointError(f"{path}: corrupted header: tensor {tname!r} has no CRC32 record "
-                                  "(a damaged tensor name in this file's header?)")
+            raise CheckpointError(
+                f"{path}: corrupted header: tensor {tname!r} has no CRC32 record "
+                "(a damaged tensor name in this file's header?)"
+            )
     for tname in crcs:
         if tname not in header:
-            raise CheckpointError(f"{path}: corrupted header: the CRC32 table lists tensor {tname!r}, "
-                                  "which the header does not hold (a damaged tensor name?)")
+            raise CheckpointError(
+                f"{path}: corrupted header: the CRC32 table lists tensor {tname!r}, "
+                "which the header does not hold (a damaged tensor name?)"
+            )
     return crcs
 
 
-def read_safetensors(path: str, verify: bool = True, shown: Optional[str] = None
-                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+def read_safetensors(
+    path: str, verify: bool = True, shown: Optional[str] = None
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """All tensors of one file and its metadata, validated (see module docstring).
     `shown` is the path errors name when `path` is a staged copy of it."""
     shown = shown or path
@@ -274,11 +323,17 @@ def read_manifest(folder: str) -> Optional[dict]:
     if not isinstance(section, dict) or "files" not in section:
         return None
     files, gen = section.get("files"), section.get("generation")
-    if (not isinstance(files, dict) or not files or not isinstance(gen, str)
-            or not re.fullmatch(r"[0-9a-f]{16}", gen)
-            or not all(isinstance(v, str) for v in files.values())):
-        raise CheckpointError(f"{cfg_path}: qcompress.files / qcompress.generation are malformed "
-                              "(expected a generation id and a map of file name to digest)")
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not isinstance(gen, str)
+        or not re.fullmatch(r"[0-9a-f]{16}", gen)
+        or not all(isinstance(v, str) for v in files.values())
+    ):
+        raise CheckpointError(
+            f"{cfg_path}: qcompress.files / qcompress.generation are malformed "
+            "(expected a generation id and a map of file name to digest)"
+        )
     for fn in files:
         check_plain_name(fn, cfg_path, "qcompress.files")
     return {"generation": gen, "files": files}
@@ -290,10 +345,10 @@ class Resolved:
 
     def __init__(self, folder: str):
         self.folder = folder
-        self.shards: List[Tuple[str, str]] = []     # (path errors name, path to read)
+        self.shards: List[Tuple[str, str]] = []  # (path errors name, path to read)
         self.index: Optional[Tuple[str, str]] = None
         self.weight_map: Optional[dict] = None
-        self.problems: List[str] = []              # files that do not belong to config.json
+        self.problems: List[str] = []  # files that do not belong to config.json
 
 
 def _pick(folder: str, manifest: dict, final: str, res: Resolved) -> Tuple[str, str]:
@@ -306,9 +361,11 @@ def _pick(folder: str, manifest: dict, final: str, res: Resolved) -> Tuple[str, 
         return shown, staged
     if not os.path.exists(shown):
         raise CheckpointError(f"{os.path.join(folder, CONFIG)}: lists {final!r}, which does not exist")
-    res.problems.append(f"{shown}: does not belong to this export: its "
-                        f"{'content' if final == INDEX else 'header'} differs from the digest "
-                        f"{CONFIG} records for it (a damaged file, or one left from another export)")
+    res.problems.append(
+        f"{shown}: does not belong to this export: its "
+        f"{'content' if final == INDEX else 'header'} differs from the digest "
+        f"{CONFIG} records for it (a damaged file, or one left from another export)"
+    )
     return shown, shown
 
 
@@ -316,7 +373,7 @@ def resolve(folder: str) -> Resolved:
     res = Resolved(folder)
     manifest = read_manifest(folder)
     index_path = os.path.join(folder, INDEX)
-    if manifest is None:                                  # older exports: layout from the files
+    if manifest is None:  # older exports: layout from the files
         if os.path.exists(index_path):
             res.index = (index_path, index_path)
         else:
@@ -337,8 +394,9 @@ def resolve(folder: str) -> Resolved:
         shown = os.path.join(folder, fn)
         if manifest is not None:
             if fn not in manifest["files"]:
-                raise CheckpointError(f"{res.index[0]}: names shard {fn!r}, which {CONFIG} does "
-                                      "not list among the export's files")
+                raise CheckpointError(
+                    f"{res.index[0]}: names shard {fn!r}, which {CONFIG} does not list among the export's files"
+                )
             res.shards.append(_pick(folder, manifest, fn, res))
         elif not os.path.exists(shown):
             raise CheckpointError(f"{res.index[0]}: names shard {fn!r}, which does not exist")
@@ -365,12 +423,12 @@ def _check_index(folder: str, weight_map: dict, where: Dict[str, str]):
         if k not in where:
             raise CheckpointError(f"{os.path.join(folder, fn)}: missing tensor {k!r} listed in {INDEX}")
         if os.path.normpath(os.path.join(folder, fn)) != os.path.normpath(where[k]):
-            raise CheckpointError(f"{index}: maps tensor {k!r} to {fn!r}, but it is stored in "
-                                  f"{os.path.basename(where[k])}")
+            raise CheckpointError(
+                f"{index}: maps tensor {k!r} to {fn!r}, but it is stored in {os.path.basename(where[k])}"
+            )
     for k in where:
         if k not in weight_map:
-            raise CheckpointError(f"{index}: does not list tensor {k!r}, which "
-                                  f"{os.path.basename(where[k])} holds")
+            raise CheckpointError(f"{index}: does not list tensor {k!r}, which {os.path.basename(where[k])} holds")
 
 
 def read_checkpoint(folder: str, verify: bool = True, problems: Optional[list] = None):
@@ -401,5 +459,4 @@ def existing_outputs(folder: str) -> List[str]:
     """The export files (final names) in `folder`."""
     if not os.path.isdir(folder):
         return []
-    return sorted(f for f in os.listdir(folder)
-                  if f in (SINGLE, INDEX, CONFIG) + ADAPTER_FILES or SHARD_RE.match(f))
+    return sorted(f for f in os.listdir(folder) if f in (SINGLE, INDEX, CONFIG) + ADAPTER_FILES or SHARD_RE.match(f))

@@ -7,6 +7,7 @@ transformers' `revert_weight_conversion` gives it, where that is a pure rename, 
 renames in the manifest (`qcompress.saved_names`, saved -> in-memory) so that load_quantized puts
 them back. Quantized modules keep their module names: the config's targets name them.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable
@@ -31,7 +32,7 @@ def rename_plain(root: nn.Module, tensors: Dict[str, torch.Tensor], skip_modules
         t = tensors[name]
         out = dict(revert_weight_conversion(root, {name: t}))
         if len(out) != 1:
-            continue                      # split or merged on save: not a rename, left as it is
+            continue  # split or merged on save: not a rename, left as it is
         saved, value = next(iter(out.items()))
         if saved != name and value is t and saved not in tensors:
             renamed[saved] = name

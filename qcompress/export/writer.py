@@ -1,4 +1,5 @@
 """export_quantized: write a model as a compressed-tensors checkpoint (see README "Export")."""
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,17 @@ from ..unwrap import unwrap
 
 def _version():
     from .. import __version__
+
     return __version__
 
 
 def _raw_config(cfg, model) -> dict:
     if cfg is None:  # the config document init_compression applied, when there was one
         from ..schedule import CONFIG
+
         return dict(unwrap(model).__dict__.get(CONFIG) or {})
     from ..config import as_config
+
     raw = getattr(as_config(cfg), "raw", None)
     return raw if isinstance(raw, dict) else {}
 
@@ -39,13 +43,14 @@ def collect(model: nn.Module):
     """(tensors to write, manifest modules, names of plain nn.Linear modules)."""
     from ..nn.layers import CompressMixin
     from ..nn.ranges import range_parameter_names
+
     root = unwrap(model)
     sd = root.state_dict()
     tensors: Dict[str, torch.Tensor] = {}
     modules: Dict[str, dict] = {}
     plain_linears: List[str] = []
     replaced = {}
-    users: Dict[int, List[str]] = {}     # id(weight Parameter) -> quantized modules that use it
+    users: Dict[int, List[str]] = {}  # id(weight Parameter) -> quantized modules that use it
     entries = {}
     for name, mod in root.named_modules():
         if not name:
@@ -55,10 +60,10 @@ def collect(model: nn.Module):
                 plain_linears.append(name)
             continue
         if mod.qc_kind == "experts":
-            continue            # fused expert matrices: written by experts.add_experts
-        for k in range_parameter_names(mod):   # learned ranges: written as the codes' scales, if at all
+            continue  # fused expert matrices: written by experts.add_experts
+        for k in range_parameter_names(mod):  # learned ranges: written as the codes' scales, if at all
             replaced[f"{name}.{k}"] = True
-        for k, v in export_lora.replaced(mod).items():   # LoRA: adapters out, merged weights in
+        for k, v in export_lora.replaced(mod).items():  # LoRA: adapters out, merged weights in
             replaced[f"{name}.{k}"] = v
         wq = mod.qc_wq
         entry = weight_entry(mod) if wq is not None and wq.active else None
@@ -70,7 +75,7 @@ def collect(model: nn.Module):
         if mod.qc_kind == "batchnorm":
             continue
         act_args, act_tensors = act if act is not None else (None, {})
-        group = (wq.group if entry is not None else mod.qc_aq.group)
+        group = wq.group if entry is not None else mod.qc_aq.group
         modules[name] = layout.module_record(mod.qc_kind, group, entry, act_args)
         local = dict(act_tensors)
         if entry is not None:
@@ -119,15 +124,19 @@ def _store_tied_once(users, entries, modules, replaced) -> None:
         kept = entries[keep].tensors
         for n in names:
             own = entries[n].tensors
-            same = (n != keep and modules[n]["weights"] == modules[keep]["weights"]
-                    and modules[n]["format"] == modules[keep]["format"]
-                    and list(modules[n]["weight_shape"]) == list(modules[keep]["weight_shape"])
-                    and own.keys() == kept.keys() and all(torch.equal(own[k], kept[k]) for k in own))
-            if not same:              # never expected (tied modules share one quantizer): keep both
+            same = (
+                n != keep
+                and modules[n]["weights"] == modules[keep]["weights"]
+                and modules[n]["format"] == modules[keep]["format"]
+                and list(modules[n]["weight_shape"]) == list(modules[keep]["weight_shape"])
+                and own.keys() == kept.keys()
+                and all(torch.equal(own[k], kept[k]) for k in own)
+            )
+            if not same:  # never expected (tied modules share one quantizer): keep both
                 continue
             modules[n]["tied_to"] = keep
-            for k in own:       # written under `keep` only; the module's own state_dict entries
-                replaced[f"{n}.{k}"] = True      # (float weight, learned scales) stay out too
+            for k in own:  # written under `keep` only; the module's own state_dict entries
+                replaced[f"{n}.{k}"] = True  # (float weight, learned scales) stay out too
 
 
 def build_config(model, modules, plain_linears, expert_records=None) -> dict:
@@ -150,13 +159,11 @@ def build_config(model, modules, plain_linears, expert_records=None) -> dict:
             base["dtype"] = str(dtype).replace("torch.", "")
             base.pop("torch_dtype", None)
     base["quantization_config"] = layout.quantization_config(modules, plain_linears, expert_records)
-    base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION,
-                         "modules": modules}
+    base["qcompress"] = {"version": _version(), "manifest_version": layout.MANIFEST_VERSION, "modules": modules}
     return base
 
 
-def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB",
-                     force: bool = False) -> str:
+def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB", force: bool = False) -> str:
     """Write `model` (compress-aware, e.g. after redundancy_clean) to `out_dir`; returns out_dir.
 
     Files: model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -166,33 +173,40 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     or this one, never a mix; temporaries of earlier interrupted writers are removed.
     """
     out_dir = os.fspath(out_dir)
-    with export_lora.plain_view(model) as inner:     # a peft-wrapped model: under its own names
+    with export_lora.plain_view(model) as inner:  # a peft-wrapped model: under its own names
         if inner is not None:
             return export_quantized(inner, out_dir, cfg, max_shard_size=max_shard_size, force=force)
     from ..parallel.gather import export_split, needs_gather
-    if needs_gather(model):       # tensor / pipeline parallel: every rank gathers, rank 0 writes
-        return export_split(export_quantized, unwrap(model), out_dir, engine=model, cfg=cfg,
-                            max_shard_size=max_shard_size, force=force)
+
+    if needs_gather(model):  # tensor / pipeline parallel: every rank gathers, rank 0 writes
+        return export_split(
+            export_quantized, unwrap(model), out_dir, engine=model, cfg=cfg, max_shard_size=max_shard_size, force=force
+        )
     limit = sio.parse_size(max_shard_size)
-    _kernels.check_nonfinite()      # a NaN a CUDA quantizer counted is not exported silently
+    _kernels.check_nonfinite()  # a NaN a CUDA quantizer counted is not exported silently
     old = sio.existing_outputs(out_dir)
     if old and not force:
-        raise FileExistsError(f"{os.path.join(out_dir, old[0])} already exists; pass force=True "
-                              "(CLI: --force) to overwrite")
+        raise FileExistsError(
+            f"{os.path.join(out_dir, old[0])} already exists; pass force=True (CLI: --force) to overwrite"
+        )
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if unwrap(model).__dict__.get("_qc_ranks_differ"):
-        raise ExportError("the ranks hold different weights (0/1 Adam's local steps since its last "
-                          "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
-                          "and engine.save_checkpoint() do) before exporting")
-    with materialized(unwrap(model)):    # learned rotations: the rotated tensors, their factors left out
+        raise ExportError(
+            "the ranks hold different weights (0/1 Adam's local steps since its last "
+            "synchronization): call engine.synchronize_ranks() on every rank (engine.eval() "
+            "and engine.save_checkpoint() do) before exporting"
+        )
+    with materialized(unwrap(model)):  # learned rotations: the rotated tensors, their factors left out
         tensors, modules, plain_linears, tied = collect(model)
         expert_records = experts.add_experts(model, tensors)
         kv_record = kv_cache.add_kv_cache(model, tensors)
         renamed = saved_names.rename_plain(unwrap(model), tensors, list(modules) + list(expert_records))
     if not modules and not expert_records and kv_record is None:
-        raise ExportError("nothing to export: no module has active weight, activation or KV-cache "
-                          "quantization (call init_compression and train/schedule first)")
+        raise ExportError(
+            "nothing to export: no module has active weight, activation or KV-cache "
+            "quantization (call init_compression and train/schedule first)"
+        )
     config = build_config(model, modules, plain_linears, expert_records)
     kv_cache.add_to_config(config, kv_record)
     if tied:
@@ -200,20 +214,24 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
     if renamed:
         config["qcompress"]["saved_names"] = renamed
     experts.add_to_config(config, expert_records, modules)
-    rotations.add_to_config(config, unwrap(model))    # R4's transform_config, what was rotated
+    rotations.add_to_config(config, unwrap(model))  # R4's transform_config, what was rotated
     local_only = [n for n, r in modules.items() if not layout.portable(r)]
     if local_only:
-        warnings.warn(f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
-                      f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
-                      "groups; only qcompress.load_quantized reads them, transformers refuses the export "
-                      "(see docs/export.md)",
-                      stacklevel=2)
+        warnings.warn(
+            f"{len(local_only)} quantized modules ({', '.join(local_only[:4])}"
+            f"{', ...' if len(local_only) > 4 else ''}) are not nn.Linear layers with whole "
+            "groups; only qcompress.load_quantized reads them, transformers refuses the export "
+            "(see docs/export.md)",
+            stacklevel=2,
+        )
     caveat = layout.transformers_caveat(config["quantization_config"])
     if caveat:
-        warnings.warn(f"{caveat}; qcompress.load_quantized reads it exactly (see docs/export.md)",
-                      stacklevel=2)
-    metadata = {"format": "pt", "qcompress_version": _version(),
-                "qcompress_config": json.dumps(_raw_config(cfg, model), sort_keys=True, default=str)}
+        warnings.warn(f"{caveat}; qcompress.load_quantized reads it exactly (see docs/export.md)", stacklevel=2)
+    metadata = {
+        "format": "pt",
+        "qcompress_version": _version(),
+        "qcompress_config": json.dumps(_raw_config(cfg, model), sort_keys=True, default=str),
+    }
     os.makedirs(out_dir, exist_ok=True)
     shards = sio.plan_shards(tensors, limit)
     n = len(shards)
@@ -226,13 +244,14 @@ def export_quantized(model: nn.Module, out_dir, cfg=None, *, max_shard_size="2GB
             writer.stage_safetensors(final, {k: tensors[k] for k in names}, metadata)
             weight_map.update({k: final for k in names})
         if n > 1:
-            index = {"metadata": {"total_size": sum(sio.nbytes(t) for t in tensors.values())},
-                     "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": sum(sio.nbytes(t) for t in tensors.values())},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             writer.stage_text(sio.INDEX, json.dumps(index, indent=2))
-        export_lora.stage_adapter(writer, model)     # qlora: peft's adapter files beside the base
+        export_lora.stage_adapter(writer, model)  # qlora: peft's adapter files beside the base
         config["qcompress"].update(writer.manifest())
         writer.commit(dumps_config(config))
     if export_lora.wants_merged(model):
-        export_lora.write_merged(export_quantized, model, out_dir, cfg=cfg, max_shard_size=max_shard_size,
-                                 force=force)
+        export_lora.write_merged(export_quantized, model, out_dir, cfg=cfg, max_shard_size=max_shard_size, force=force)
     return out_dir

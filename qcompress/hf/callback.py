@@ -16,6 +16,7 @@ What it does at each Trainer event:
                  the weights the Trainer has just loaded from it; then export_quantized(model,
                  export_dir) plus the tokenizer files
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,12 +45,12 @@ from ..schedule import REWRITTEN, CompressionScheduler
 from ..unwrap import unwrap
 
 log = logging.getLogger("qcompress.hf")
-CALIBRATION_BATCHES = 8       # observer_kwargs.weight_by: inputs (as qcompress train)
+CALIBRATION_BATCHES = 8  # observer_kwargs.weight_by: inputs (as qcompress train)
 
-STATE_JSON = "qcompress_compression.json"                # skeleton + step; written last
-STATE_TENSORS = "qcompress_compression.safetensors"      # masters, observer ranges, masks
+STATE_JSON = "qcompress_compression.json"  # skeleton + step; written last
+STATE_TENSORS = "qcompress_compression.safetensors"  # masters, observer ranges, masks
 STATE_FORMAT = "qcompress-compression-state"
-CHECKPOINT_PREFIX = "checkpoint"                         # transformers' PREFIX_CHECKPOINT_DIR
+CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 
 
 def _root(model):
@@ -80,12 +81,18 @@ def save_compression_state(scheduler: CompressionScheduler, folder: str) -> None
     token = uuid.uuid4().hex
     meta = {"training_steps": str(scheduler.training_steps), "token": token}
     _write_atomic(folder, STATE_TENSORS, lambda path: save_file(tensors, path, metadata=meta))
-    doc = {"format": STATE_FORMAT, "version": 1, "training_steps": scheduler.training_steps,
-           "token": token, "state": skeleton}
+    doc = {
+        "format": STATE_FORMAT,
+        "version": 1,
+        "training_steps": scheduler.training_steps,
+        "token": token,
+        "state": skeleton,
+    }
 
     def write_json(path):
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh)
+
     _write_atomic(folder, STATE_JSON, write_json)
 
 
@@ -94,10 +101,12 @@ def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None
     jpath, tpath = os.path.join(folder, STATE_JSON), os.path.join(folder, STATE_TENSORS)
     for path in (jpath, tpath):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: no qcompress compression state here (was the checkpoint "
-                                    "written by a Trainer with a CompressionCallback? A run killed while "
-                                    "saving leaves the Trainer's files without it: resume from the "
-                                    "checkpoint before)")
+            raise FileNotFoundError(
+                f"{path}: no qcompress compression state here (was the checkpoint "
+                "written by a Trainer with a CompressionCallback? A run killed while "
+                "saving leaves the Trainer's files without it: resume from the "
+                "checkpoint before)"
+            )
     try:
         with open(jpath, "r", encoding="utf-8") as fh:
             doc = json.load(fh)
@@ -110,11 +119,13 @@ def load_compression_state(scheduler: CompressionScheduler, folder: str) -> None
         with safe_open(tpath, framework="pt") as fh:
             meta = fh.metadata() or {}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as err:   # safetensors raises its own error types
+    except Exception as err:  # safetensors raises its own error types
         raise ValueError(f"{tpath}: unreadable safetensors file ({err})") from None
     if meta.get("token") != token:
-        raise ValueError(f"{tpath} does not belong to {STATE_JSON} in the same folder (written by "
-                         "another save; an interrupted checkpoint?)")
+        raise ValueError(
+            f"{tpath} does not belong to {STATE_JSON} in the same folder (written by "
+            "another save; an interrupted checkpoint?)"
+        )
     missing = [k for k in tensor_keys(skeleton) if k not in tensors]
     if missing:
         raise ValueError(f"{tpath}: tensor {missing[0]!r} is missing")
@@ -131,12 +142,14 @@ def _check_same_checkpoint(folder: str, state) -> None:
         with open(path, "r", encoding="utf-8") as fh:
             saved = json.load(fh)
     except (OSError, ValueError):
-        return                      # not a Trainer checkpoint folder: nothing to compare
+        return  # not a Trainer checkpoint folder: nothing to compare
     ours = {"global_step": state.global_step, "total_flos": state.total_flos, "log_history": state.log_history}
     if any(saved.get(key) != value for key, value in ours.items()):
-        raise ValueError(f"{folder} is not the checkpoint the Trainer resumed from (its trainer_state.json "
-                         "differs from the one loaded): for train(resume_from_checkpoint=PATH) call "
-                         "callback.resume_from(PATH) with the same folder first")
+        raise ValueError(
+            f"{folder} is not the checkpoint the Trainer resumed from (its trainer_state.json "
+            "differs from the one loaded): for train(resume_from_checkpoint=PATH) call "
+            "callback.resume_from(PATH) with the same folder first"
+        )
 
 
 def check_training_args(cfg, args) -> None:
@@ -148,36 +161,51 @@ def check_training_args(cfg, args) -> None:
     raw = cfg.raw if isinstance(cfg.raw, dict) else {}
     wrong = []
     for key, ours, theirs, name in (
-            ("fp16.enabled", cfg.fp16.enabled, bool(args.fp16), "fp16"),
-            ("bf16.enabled", cfg.bf16.enabled, bool(args.bf16), "bf16")):
-        if ours and not theirs:   # the config asks for a precision the Trainer will not use
+        ("fp16.enabled", cfg.fp16.enabled, bool(args.fp16), "fp16"),
+        ("bf16.enabled", cfg.bf16.enabled, bool(args.bf16), "bf16"),
+    ):
+        if ours and not theirs:  # the config asks for a precision the Trainer will not use
             wrong.append((key, ours, f"TrainingArguments.{name}", theirs))
     for key, theirs, name in (
-            ("gradient_accumulation_steps", ga, "TrainingArguments.gradient_accumulation_steps"),
-            ("train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size"),
-            ("train_batch_size", micro * ga * world, "per_device_train_batch_size x gradient_accumulation_"
-             f"steps x world size ({micro} x {ga} x {world})")):
+        ("gradient_accumulation_steps", ga, "TrainingArguments.gradient_accumulation_steps"),
+        ("train_micro_batch_size_per_gpu", micro, "TrainingArguments.per_device_train_batch_size"),
+        (
+            "train_batch_size",
+            micro * ga * world,
+            f"per_device_train_batch_size x gradient_accumulation_steps x world size ({micro} x {ga} x {world})",
+        ),
+    ):
         ours = getattr(cfg, key)
         if ours is not None and ours != theirs:
             wrong.append((key, ours, name, theirs))
     if cfg.seed is not None and getattr(args, "seed", None) is not None and cfg.seed != args.seed:
         wrong.append(("seed", cfg.seed, "TrainingArguments.seed", args.seed))
-    if ("gradient_clipping" in raw and "gradient_clipping" not in cfg.auto_keys
-            and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0)):
-        wrong.append(("gradient_clipping", cfg.gradient_clipping, "TrainingArguments.max_grad_norm",
-                      args.max_grad_norm))
+    if (
+        "gradient_clipping" in raw
+        and "gradient_clipping" not in cfg.auto_keys
+        and float(cfg.gradient_clipping) != float(args.max_grad_norm or 0.0)
+    ):
+        wrong.append(
+            ("gradient_clipping", cfg.gradient_clipping, "TrainingArguments.max_grad_norm", args.max_grad_norm)
+        )
     if wrong:
         lines = "; ".join(f"{key} is {ours!r} but {name} is {theirs!r}" for key, ours, name, theirs in wrong)
-        raise ConfigError(wrong[0][0], f"the config disagrees with the Trainer's arguments, which decide "
-                          f"how it trains: {lines}; make them agree (or drop the keys from the config)")
+        raise ConfigError(
+            wrong[0][0],
+            f"the config disagrees with the Trainer's arguments, which decide "
+            f"how it trains: {lines}; make them agree (or drop the keys from the config)",
+        )
     if getattr(args, "deepspeed", None) is None:
         unused = [key for key in ("optimizer", "scheduler") if getattr(cfg, key) is not None]
         if cfg.zero_optimization.stage > 0:
             unused.append("zero_optimization")
         if unused:
-            warnings.warn(f"CompressionCallback: the config's {', '.join(unused)} section(s) are not used: "
-                          "the Trainer builds its optimizer and schedule from its TrainingArguments "
-                          "(learning_rate, lr_scheduler_type, ...)", stacklevel=3)
+            warnings.warn(
+                f"CompressionCallback: the config's {', '.join(unused)} section(s) are not used: "
+                "the Trainer builds its optimizer and schedule from its TrainingArguments "
+                "(learning_rate, lr_scheduler_type, ...)",
+                stacklevel=3,
+            )
 
 
 class CompressionCallback(TrainerCallback):
@@ -195,8 +223,9 @@ class CompressionCallback(TrainerCallback):
     # --- setup ----------------------------------------------------------------------------------
     def _setup(self, model) -> None:
         if model is None:
-            raise ValueError("CompressionCallback: the Trainer has no model (model_init is not supported: "
-                             "build the model first)")
+            raise ValueError(
+                "CompressionCallback: the Trainer has no model (model_init is not supported: build the model first)"
+            )
         if self.scheduler is not None and model is self.model:
             return
         if not getattr(_root(model), REWRITTEN, False):
@@ -204,6 +233,7 @@ class CompressionCallback(TrainerCallback):
             # the config's activation_checkpointing section, as qcompress.initialize applies it
             # (the Trainer's own gradient_checkpointing argument works too)
             from ..engine.activation_checkpointing import from_config
+
             from_config(_root(model), self.cfg)
         self.model = model
         self.scheduler = CompressionScheduler(model, self.cfg)
@@ -213,9 +243,11 @@ class CompressionCallback(TrainerCallback):
         self._setup(model)
         if self.export_dir and not self.force and args.should_save:
             old = existing_outputs(self.export_dir)
-            if old:   # fail now, not after training
-                raise FileExistsError(f"{os.path.join(self.export_dir, old[0])} already exists; pass "
-                                      "CompressionCallback(..., force=True) to overwrite it")
+            if old:  # fail now, not after training
+                raise FileExistsError(
+                    f"{os.path.join(self.export_dir, old[0])} already exists; pass "
+                    "CompressionCallback(..., force=True) to overwrite it"
+                )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The Trainer has loaded the checkpoint's model weights by now; that load drops the master
@@ -232,21 +264,27 @@ class CompressionCallback(TrainerCallback):
                     f"resuming at step {state.global_step}, but {folder} does not exist: the compression "
                     "state is read from the checkpoint folder under args.output_dir; call "
                     "callback.resume_from(checkpoint_folder) before trainer.train() for a checkpoint "
-                    "kept elsewhere")
+                    "kept elsewhere"
+                )
         if folder is not None:
             _check_same_checkpoint(folder, state)
             load_compression_state(sched, folder)
             if sched.training_steps != state.global_step:
-                raise ValueError(f"{folder}: compression state of step {sched.training_steps}, but the "
-                                 f"Trainer resumes at step {state.global_step}")
+                raise ValueError(
+                    f"{folder}: compression state of step {sched.training_steps}, but the "
+                    f"Trainer resumes at step {state.global_step}"
+                )
             log.info("qcompress: compression state restored from %s (step %d)", folder, sched.training_steps)
         elif state.global_step == 0 and sched.training_steps > 0:
-            log.warning("qcompress: a new training run starts while the compression schedule is at "
-                        "step %d; it continues from there", sched.training_steps)
+            log.warning(
+                "qcompress: a new training run starts while the compression schedule is at "
+                "step %d; it continues from there",
+                sched.training_steps,
+            )
         elif state.global_step == 0:
             self._calibrate(model, kwargs.get("train_dataloader"))
         pld = pld_schedule(_root(model))
-        if pld is not None:            # progressive layer drop follows the step count alone
+        if pld is not None:  # progressive layer drop follows the step count alone
             pld.start_step(state.global_step, resumed=True)
 
     def _calibrate(self, model, loader) -> None:
@@ -259,9 +297,13 @@ class CompressionCallback(TrainerCallback):
 
         def forward(m, batch):
             return m(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()})
+
         n = calibrate_weight_ranges(_root(model), itertools.islice(loader, CALIBRATION_BATCHES), forward)
-        log.info("qcompress: %d module(s) calibrated on %d training batches (input-weighted ranges, GPTQ "
-                 "solutions)", n, CALIBRATION_BATCHES)
+        log.info(
+            "qcompress: %d module(s) calibrated on %d training batches (input-weighted ranges, GPTQ solutions)",
+            n,
+            CALIBRATION_BATCHES,
+        )
 
     def resume_from(self, folder: str) -> None:
         """Restore the compression state from `folder` (a checkpoint written by on_save) when
@@ -282,8 +324,10 @@ class CompressionCallback(TrainerCallback):
             return
         folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"the Trainer saved a checkpoint, but {folder} does not exist "
-                                    "(hyper-parameter search runs are not supported)")
+            raise FileNotFoundError(
+                f"the Trainer saved a checkpoint, but {folder} does not exist "
+                "(hyper-parameter search runs are not supported)"
+            )
         save_compression_state(self.scheduler, folder)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -292,8 +336,11 @@ class CompressionCallback(TrainerCallback):
             # copies; without its compression state the model would be those weights at the last
             # step's bits (never evaluated), and baking would fail in optimizer-step mode
             load_compression_state(self.scheduler, state.best_model_checkpoint)
-            log.info("qcompress: compression state of the best checkpoint %s (step %d) restored",
-                     state.best_model_checkpoint, self.scheduler.training_steps)
+            log.info(
+                "qcompress: compression state of the best checkpoint %s (step %d) restored",
+                state.best_model_checkpoint,
+                self.scheduler.training_steps,
+            )
         if not self.export_dir or not args.should_save:
             return
         export_quantized(self.model, self.export_dir, self.cfg, force=self.force)

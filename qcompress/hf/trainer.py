@@ -9,6 +9,7 @@ The teacher "self" is copied from `model` here, before CompressionCallback rewri
 teacher is loaded with the student's own class (`type(model).from_pretrained`). Logs
 `task_loss` and `distill_loss` (means over the logging interval) beside `loss`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,9 @@ def _is_causal_lm(model: nn.Module) -> bool:
     return type(root).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def distill_mask(logits: torch.Tensor, labels: Optional[torch.Tensor], causal: bool,
-                 attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def distill_mask(
+    logits: torch.Tensor, labels: Optional[torch.Tensor], causal: bool, attention_mask: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     """Which logits rows the distillation loss averages over. [B, C] logits: every sample (None).
     [B, L, V]: with labels, the positions that have a target (causal LM: shifted labels != -100,
     see causal_lm_mask; otherwise labels != -100); without labels, the attention mask."""
@@ -55,20 +57,27 @@ def _load_folder_teacher(student: nn.Module, path: str) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{KEY}.teacher: {path} is not a transformers model folder "
-                         f"({str(err).splitlines()[0]})") from None
+        raise ValueError(
+            f"{KEY}.teacher: {path} is not a transformers model folder ({str(err).splitlines()[0]})"
+        ) from None
     if student_type is not None and getattr(config, "model_type", None) != student_type:
-        raise ValueError(f"{KEY}.teacher: {path} holds a {config.model_type!r} model, the student is "
-                         f"{student_type!r}; pass teacher= to distil from another architecture")
+        raise ValueError(
+            f"{KEY}.teacher: {path} holds a {config.model_type!r} model, the student is "
+            f"{student_type!r}; pass teacher= to distil from another architecture"
+        )
     cls = type(unwrap(student))
     teacher, info = cls.from_pretrained(path, output_loading_info=True)
-    fresh = sorted(set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
-                                                          for k in info.get("mismatched_keys") or ()})
+    fresh = sorted(
+        set(info.get("missing_keys") or ())
+        | {k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()}
+    )
     if fresh:
-        raise ValueError(f"{KEY}.teacher: {path} has no weights for {len(fresh)} tensors of "
-                         f"{cls.__name__} ({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}): "
-                         "they would start random and the teacher's logits would be noise; use a model "
-                         "fine-tuned for this task, or pass teacher=")
+        raise ValueError(
+            f"{KEY}.teacher: {path} has no weights for {len(fresh)} tensors of "
+            f"{cls.__name__} ({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}): "
+            "they would start random and the teacher's logits would be noise; use a model "
+            "fine-tuned for this task, or pass teacher="
+        )
     return teacher
 
 
@@ -85,8 +94,11 @@ class CompressionTrainer(Trainer):
         if built_here:
             moved = split_range_groups_(optimizer, range_parameter_ids(self.model if model is None else model))
             if moved:
-                log.info("qcompress: %d learned-range parameters in their own optimizer groups (lr x %g, "
-                         "no weight decay)", moved, RANGE_LR_FACTOR)
+                log.info(
+                    "qcompress: %d learned-range parameters in their own optimizer groups (lr x %g, no weight decay)",
+                    moved,
+                    RANGE_LR_FACTOR,
+                )
         return optimizer
 
 
@@ -99,19 +111,28 @@ class DistillationTrainer(CompressionTrainer):
     Both losses are per-batch means, so the Trainer divides them by the accumulation steps.
     """
 
-    def __init__(self, model=None, args=None, *trainer_args, compression_config=None,
-                 teacher: Optional[nn.Module] = None, **trainer_kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        *trainer_args,
+        compression_config=None,
+        teacher: Optional[nn.Module] = None,
+        **trainer_kwargs,
+    ):
         if compression_config is None:
-            raise ValueError("DistillationTrainer needs compression_config= (the qcompress config with "
-                             f"a {KEY} section)")
+            raise ValueError(
+                f"DistillationTrainer needs compression_config= (the qcompress config with a {KEY} section)"
+            )
         cfg = as_config(compression_config)
         kd = cfg.compression.distillation
         self.distiller: Optional[Distiller] = None
         if kd.enabled:
             if teacher is None:
                 if model is None:
-                    raise ValueError("DistillationTrainer: model_init is not supported with distillation; "
-                                     "pass the model")
+                    raise ValueError(
+                        "DistillationTrainer: model_init is not supported with distillation; pass the model"
+                    )
                 teacher = load_teacher(kd.teacher, model, lambda path: _load_folder_teacher(model, path))
             self.distiller = Distiller.from_config(cfg, teacher)
         elif teacher is not None:
@@ -132,7 +153,7 @@ class DistillationTrainer(CompressionTrainer):
         self._kd_count = 0
 
     def train(self, *args, **kwargs):
-        self._reset_kd_logs()          # losses computed outside training do not enter the logs
+        self._reset_kd_logs()  # losses computed outside training do not enter the logs
         return super().train(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -7,6 +7,7 @@ The scheduler saves it (state_dict), the engine averages it across data-parallel
 (sync_tensor / sync_from: each expert over the ranks whose expert saw tokens), export writes one
 input_scale per expert.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -48,9 +49,11 @@ class ExpertRanges:
             return
         got = sd.get("experts")
         if got is None or len(got) != len(self.experts):
-            raise ValueError(f"static input ranges of fused experts: the saved state holds "
-                             f"{'one range' if got is None else f'{len(got)} expert ranges'}, this module "
-                             f"has {len(self.experts)} experts")
+            raise ValueError(
+                f"static input ranges of fused experts: the saved state holds "
+                f"{'one range' if got is None else f'{len(got)} expert ranges'}, this module "
+                f"has {len(self.experts)} experts"
+            )
         for r, s in zip(self.experts, got):
             r.load_state_dict(s)
 
@@ -59,8 +62,9 @@ class ExpertRanges:
         rows = []
         for r in self.experts:
             if r.initialized:
-                rows.append(torch.stack([r.min.float().reshape(()), r.max.float().reshape(()), torch.ones(())
-                                         .to(r.min.device)]))
+                rows.append(
+                    torch.stack([r.min.float().reshape(()), r.max.float().reshape(()), torch.ones(()).to(r.min.device)])
+                )
             else:
                 rows.append(None)
         dev = next((t.device for t in rows if t is not None), torch.device("cpu"))

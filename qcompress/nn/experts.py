@@ -21,6 +21,7 @@ Detection is by structure and forward: floating Parameters of 3 dimensions shari
 (F.linear(x, W[e]) is [out, in]; x @ W[e] is [in, out]), or from transformers' `is_transposed`
 flag when the probe cannot run (meta tensors, another signature).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -41,9 +42,9 @@ from . import ranges
 from .expert_ranges import ExpertRanges
 from .layers import CompressMixin, _rebind_saved_forward
 
-OUT_IN, IN_OUT = "out_in", "in_out"     # each expert's matrix as nn.Linear stores it, or transposed
-_LAYOUT = "_qc_expert_layout"           # owner.__dict__: {param name: layout}, or {} when not experts
-_PARTS = "_qc_expert_parts"             # owner.__dict__: {param name: ExpertMatrix} before attaching
+OUT_IN, IN_OUT = "out_in", "in_out"  # each expert's matrix as nn.Linear stores it, or transposed
+_LAYOUT = "_qc_expert_layout"  # owner.__dict__: {param name: layout}, or {} when not experts
+_PARTS = "_qc_expert_parts"  # owner.__dict__: {param name: ExpertMatrix} before attaching
 
 
 class ExpertMatrix(CompressMixin, nn.Module):
@@ -53,14 +54,14 @@ class ExpertMatrix(CompressMixin, nn.Module):
 
     def __init__(self, owner: nn.Module, pname: str, layout: str, name: str):
         nn.Module.__init__(self)
-        self.__dict__["_qc_owner"] = owner     # not a child module: the owner holds this one
+        self.__dict__["_qc_owner"] = owner  # not a child module: the owner holds this one
         self.qc_param = pname
         self.qc_layout = layout
-        self.qc_per_expert_tensor = False      # granularity tensor: one scale per expert
-        self.qc_fast = None                    # load_quantized(mode="fast"): per-expert low-bit kernels
-        self.qc_expert = None                  # the expert whose routed tokens are being multiplied
-        self.qc_static_inputs = None           # a loaded export's per-expert (input_scale, zero point)
-        self.qc_capture = None                 # calibration: capture(x, expert) sees each routed input
+        self.qc_per_expert_tensor = False  # granularity tensor: one scale per expert
+        self.qc_fast = None  # load_quantized(mode="fast"): per-expert low-bit kernels
+        self.qc_expert = None  # the expert whose routed tokens are being multiplied
+        self.qc_static_inputs = None  # a loaded export's per-expert (input_scale, zero point)
+        self.qc_capture = None  # calibration: capture(x, expert) sees each routed input
         self._qc_setup(name)
 
     @property
@@ -97,8 +98,9 @@ class ExpertMatrix(CompressMixin, nn.Module):
             self.qc_capture(x, e)
         if self.qc_static_inputs is not None and e is not None:
             s, z = self.qc_static_inputs
-            x = fake_quantize_spec(x, self.input_spec(), scale=s[e].reshape(1),
-                                   zero_point=None if z is None else z[e].reshape(1))
+            x = fake_quantize_spec(
+                x, self.input_spec(), scale=s[e].reshape(1), zero_point=None if z is None else z[e].reshape(1)
+            )
         else:
             self.qc_expert = e
             try:
@@ -118,8 +120,12 @@ class ExpertMatrix(CompressMixin, nn.Module):
         if not floats.is_float(spec):
             return super()._fake_quantize_weight_of(w, wq, spec, learned)
         view = self.weight_matrix_view(w)
-        return torch.cat([floats.fake_quantize_float(v, spec, scale=s, gscale=g, clip_grad=wq.clip_grad)
-                          for v, (s, g) in zip(view.chunk(self.matrix_shape()[0]), self.expert_float_params(view, spec))])
+        return torch.cat(
+            [
+                floats.fake_quantize_float(v, spec, scale=s, gscale=g, clip_grad=wq.clip_grad)
+                for v, (s, g) in zip(view.chunk(self.matrix_shape()[0]), self.expert_float_params(view, spec))
+            ]
+        )
 
     def expert_float_params(self, view, spec):
         """Each expert's (scale, global scale or None): the GPTQ solution's when solved (the
@@ -154,16 +160,18 @@ class ExpertMatrix(CompressMixin, nn.Module):
         if not isinstance(obs, ExpertRanges):
             return obs
         if self.qc_expert is None:
-            raise RuntimeError(f"{self.qc_name}: a static input range is kept per expert, and this product of "
-                               "tokens with the fused matrix does not say which expert it is (a batched "
-                               "experts implementation?); set the model's experts_implementation to 'eager'")
+            raise RuntimeError(
+                f"{self.qc_name}: a static input range is kept per expert, and this product of "
+                "tokens with the fused matrix does not say which expert it is (a batched "
+                "experts implementation?); set the model's experts_implementation to 'eager'"
+            )
         return obs[self.qc_expert]
 
     def _apply(self, fn, recurse=True):
-        return nn.Module._apply(self, fn, recurse)   # the owner moves the weight, then the state
+        return nn.Module._apply(self, fn, recurse)  # the owner moves the weight, then the state
 
     def _load_from_state_dict(self, *args, **kwargs):
-        return nn.Module._load_from_state_dict(self, *args, **kwargs)   # the owner resets the state
+        return nn.Module._load_from_state_dict(self, *args, **kwargs)  # the owner resets the state
 
     def __reduce_ex__(self, protocol):
         return nn.Module.__reduce_ex__(self, protocol)
@@ -215,8 +223,11 @@ class ExpertsForward:
 
     def _input_calls(self) -> List[ExpertMatrix]:
         """The matrices whose products must be intercepted: quantized inputs or low-bit kernels."""
-        return [p for p in self.expert_parts()
-                if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None or p.qc_capture is not None]
+        return [
+            p
+            for p in self.expert_parts()
+            if (p.qc_aq is not None and p.qc_aq.active) or p.qc_fast is not None or p.qc_capture is not None
+        ]
 
     def _rowwise_inputs(self, calls) -> Optional[Dict[str, ExpertMatrix]]:
         """{param name: part} when compiling and every quantized input is dynamic per token (a
@@ -230,8 +241,13 @@ class ExpertsForward:
         if impl not in ("batched_mm", "grouped_mm"):
             return None
         for p in calls:
-            if p.qc_param not in ("gate_up_proj", "down_proj") or p.qc_fast is not None or p.qc_capture is not None \
-                    or p.qc_static_inputs is not None or p.qc_aq.calibration != "dynamic":
+            if (
+                p.qc_param not in ("gate_up_proj", "down_proj")
+                or p.qc_fast is not None
+                or p.qc_capture is not None
+                or p.qc_static_inputs is not None
+                or p.qc_aq.calibration != "dynamic"
+            ):
                 return None
             spec = p.input_spec()
             if floats.is_float(spec) or spec.granularity != "token":
@@ -260,7 +276,7 @@ class ExpertsForward:
         rv = super().__reduce_ex__(protocol)
         base = experts_base(type(self))
         if not isinstance(rv, tuple) or _CLASS_CACHE.get(base) is not type(self):
-            return rv       # a further subclass (e.g. FSDP's): leave it to its own rules
+            return rv  # a further subclass (e.g. FSDP's): leave it to its own rules
         return (_new_experts, (base,)) + tuple(rv[2:])
 
     def _apply(self, fn, recurse=True):
@@ -271,16 +287,18 @@ class ExpertsForward:
                 wq.follow(part.weight)
         return out
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         n_errors = len(error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         for part in self.expert_parts():
             wq = part.qc_wq
             if wq is None or prefix + part.qc_param not in state_dict or len(error_msgs) != n_errors:
                 continue
-            wq.store.reset()     # a loaded weight is a new starting point (as CompressMixin's)
+            wq.store.reset()  # a loaded weight is a new starting point (as CompressMixin's)
             if wq.range_learning and f"{prefix}{part.qc_param}.weight_scale" in state_dict:
                 ranges.loaded_with_scales(wq)
             else:
@@ -290,8 +308,7 @@ class ExpertsForward:
 # --- detection ---------------------------------------------------------------------------------
 def _fused_params(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """Floating 3-D Parameters sharing one leading (expert) dimension, or [] if not an experts module."""
-    params = [(n, p) for n, p in module._parameters.items()
-              if p is not None and p.is_floating_point() and p.dim() >= 3]
+    params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dim() >= 3]
     if not params or any(p.dim() != 3 for _, p in params):
         return []
     if len({p.shape[0] for _, p in params}) != 1:
@@ -302,14 +319,19 @@ def _fused_params(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 class _Watch(TorchFunctionMode):
     """Records how a forward multiplies slices of the watched Parameters."""
 
-    _DERIVE = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
-               torch.Tensor.contiguous, torch.Tensor.to}
+    _DERIVE = {
+        torch.Tensor.__getitem__,
+        torch.index_select,
+        torch.Tensor.index_select,
+        torch.Tensor.contiguous,
+        torch.Tensor.to,
+    }
     _MATMUL = {torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
 
     def __init__(self, params):
         super().__init__()
         self.src = {id(p): n for n, p in params}
-        self.keep = []          # derived tensors stay alive so their ids are not reused
+        self.keep = []  # derived tensors stay alive so their ids are not reused
         self.layout: Dict[str, str] = {}
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -350,7 +372,7 @@ class _ExpertCalls(TorchFunctionMode):
     def __init__(self, parts: Dict[int, "ExpertMatrix"]):
         super().__init__()
         self.src = {i: (p, None) for i, p in parts.items()}
-        self.keep = []           # derived tensors stay alive so their ids are not reused
+        self.keep = []  # derived tensors stay alive so their ids are not reused
         self.seen = set()
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -373,15 +395,15 @@ class _ExpertCalls(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             return part.expert_linear(args[0], args[1], e, bias)
         if func in self._MATMUL and len(args) > 1 and id(args[1]) in self.src:
-            part, e = self.src[id(args[1])]          # x @ W[e], W[e] stored [in, out]
+            part, e = self.src[id(args[1])]  # x @ W[e], W[e] stored [in, out]
             self.seen.add(id(part))
             return part.expert_linear(args[0], args[1], e, None, transposed=True)
         if func in self._BMM and len(args) > 1 and (id(args[0]) in self.src or id(args[1]) in self.src):
-            if id(args[1]) in self.src:                # x [S, 1, in] @ W [S, in, out]
+            if id(args[1]) in self.src:  # x [S, 1, in] @ W [S, in, out]
                 part = self.src[id(args[1])][0]
                 self.seen.add(id(part))
                 return func(part.quantize_input(args[0]), args[1])
-            part = self.src[id(args[0])][0]            # W [S, out, in] @ x [S, in, 1]: tokens in columns
+            part = self.src[id(args[0])][0]  # W [S, out, in] @ x [S, in, 1]: tokens in columns
             self.seen.add(id(part))
             return func(args[0], part.quantize_input(args[1].transpose(-1, -2)).transpose(-1, -2))
         return func(*args, **kwargs)
@@ -389,10 +411,12 @@ class _ExpertCalls(TorchFunctionMode):
     def check_seen(self, parts) -> None:
         for part in parts:
             if id(part) not in self.seen:
-                raise RuntimeError(f"{part.qc_name}: the experts forward multiplied no token batch by this "
-                                   "matrix through F.linear, matmul or bmm (another experts implementation, "
-                                   "e.g. grouped_mm?), so its input quantization / low-bit kernels cannot act; "
-                                   "set the model's experts_implementation to 'eager' or 'batched_mm'")
+                raise RuntimeError(
+                    f"{part.qc_name}: the experts forward multiplied no token batch by this "
+                    "matrix through F.linear, matmul or bmm (another experts implementation, "
+                    "e.g. grouped_mm?), so its input quantization / low-bit kernels cannot act; "
+                    "set the model's experts_implementation to 'eager' or 'batched_mm'"
+                )
 
 
 def experts_base(cls: type) -> type:
@@ -411,7 +435,7 @@ def _probe(module: nn.Module, params) -> Dict[str, str]:
     """Run the forward on one token routed to expert 0 and watch which axis each matrix contracts."""
     p0 = params[0][1]
     if p0.is_meta:
-        return {}            # no values to run on: transformers' is_transposed flag decides
+        return {}  # no values to run on: transformers' is_transposed flag decides
     for hidden in dict.fromkeys((p0.shape[2], p0.shape[1])):
         x = torch.zeros(1, hidden, dtype=p0.dtype, device=p0.device)
         idx = torch.zeros(1, 1, dtype=torch.long, device=p0.device)
@@ -420,7 +444,7 @@ def _probe(module: nn.Module, params) -> Dict[str, str]:
         try:
             with torch.no_grad(), watch:
                 eager_forward(type(module))(module, x, idx, w)
-        except Exception:       # another signature or this hidden size is wrong: try the next
+        except Exception:  # another signature or this hidden size is wrong: try the next
             continue
         if all(n in watch.layout for n, _ in params):
             return watch.layout
@@ -434,7 +458,7 @@ def expert_layout(module: nn.Module) -> Dict[str, str]:
         params = _fused_params(module) if not isinstance(module, (CompressMixin, ExpertsForward)) else []
         layout = _probe(module, params) if params else {}
         if params and not layout and isinstance(getattr(module, "is_transposed", None), bool):
-            flag = IN_OUT if module.is_transposed else OUT_IN        # transformers' declared layout
+            flag = IN_OUT if module.is_transposed else OUT_IN  # transformers' declared layout
             layout = {n: flag for n, _ in params}
         d[_LAYOUT] = layout
     return d[_LAYOUT]
@@ -509,22 +533,30 @@ def check_weight(part: ExpertMatrix, path: str) -> None:
     granularity becomes one scale per expert (a channel of the [E, out * in] view)."""
     wq = part.qc_wq
     e, out, inp = part.matrix_shape()
-    where = (f"module {part.qc_name!r} ({type(part.owner).__name__}.{part.qc_param}, Parameter of shape "
-             f"{list(part.weight.shape)}: {e} experts of [out {out}, in {inp}])")
+    where = (
+        f"module {part.qc_name!r} ({type(part.owner).__name__}.{part.qc_param}, Parameter of shape "
+        f"{list(part.weight.shape)}: {e} experts of [out {out}, in {inp}])"
+    )
     if wq.granularity == "groups":
-        raise ConfigError(f"{path}.params.granularity",
-                          f"quantize_groups cuts the flattened tensor into chunks across experts' "
-                          f"matrices, which export cannot write per expert: {where}; set granularity "
-                          "(tensor, channel or group) for this group")
+        raise ConfigError(
+            f"{path}.params.granularity",
+            f"quantize_groups cuts the flattened tensor into chunks across experts' "
+            f"matrices, which export cannot write per expert: {where}; set granularity "
+            "(tensor, channel or group) for this group",
+        )
     if wq.granularity == "group" and inp % wq.group_size:
-        raise ConfigError(f"{path}.params.group_size",
-                          f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
-                          f"matrix in {where}; pick a divisor of {inp}")
+        raise ConfigError(
+            f"{path}.params.group_size",
+            f"{wq.group_size} does not divide the input dimension {inp} of each expert's "
+            f"matrix in {where}; pick a divisor of {inp}",
+        )
     fmts = {f for _, f in wq.format} if isinstance(wq.format, tuple) else {wq.format or "int"}
     if fmts - {"int"} and (wq.range_learning or wq.range_observer != "minmax"):
-        raise ConfigError(f"{path}.params.{'range_learning' if wq.range_learning else 'observer'}",
-                          f"float formats on fused experts take minmax scales per expert matrix: {where}; "
-                          "drop range_learning / observer: mse here, or leave the experts out")
+        raise ConfigError(
+            f"{path}.params.{'range_learning' if wq.range_learning else 'observer'}",
+            f"float formats on fused experts take minmax scales per expert matrix: {where}; "
+            "drop range_learning / observer: mse here, or leave the experts out",
+        )
     if wq.granularity == "tensor":
         wq.granularity, wq.per_expert = "channel", True
         part.qc_per_expert_tensor = True
@@ -538,9 +570,12 @@ def refuse_unsupported(technique: str, patterns, names, kinds, path: str) -> Non
     for i, p in enumerate(patterns):
         for n, k in names:
             if k == "experts" and (re.search(p, n) or re.search(p, owner_name(n))):
-                raise ConfigError(f"{path}[{i}]", f"{p!r} selects {n!r}, a fused mixture-of-experts "
-                                  f"Parameter, which {technique} does not act on (it is defined for Linear "
-                                  "and Conv weights); narrow the regex (e.g. exclude 'experts')")
+                raise ConfigError(
+                    f"{path}[{i}]",
+                    f"{p!r} selects {n!r}, a fused mixture-of-experts "
+                    f"Parameter, which {technique} does not act on (it is defined for Linear "
+                    "and Conv weights); narrow the regex (e.g. exclude 'experts')",
+                )
 
 
 def check_act(part: ExpertMatrix, path: str, named: bool) -> bool:
@@ -555,19 +590,27 @@ def check_act(part: ExpertMatrix, path: str, named: bool) -> bool:
     elif aq.calibration == "static" and aq.format != "int":
         why = f"static {aq.format} inputs (a float-format static range per expert)"
     if why is not None and not named:
-        warnings.warn(f"{path}: module {part.qc_name!r} (fused experts) is left out: {why} is not "
-                      "implemented for experts", stacklevel=4)
+        warnings.warn(
+            f"{path}: module {part.qc_name!r} (fused experts) is left out: {why} is not implemented for experts",
+            stacklevel=4,
+        )
         return False
     if why is not None:
-        raise ConfigError(f"{path}.modules", f"module {part.qc_name!r} (fused experts, {part.matrix_shape()[0]} "
-                          f"experts): {why} is not implemented for experts; use an integer static range "
-                          "without range_learning, range_calibration: dynamic, or leave the experts out")
+        raise ConfigError(
+            f"{path}.modules",
+            f"module {part.qc_name!r} (fused experts, {part.matrix_shape()[0]} "
+            f"experts): {why} is not implemented for experts; use an integer static range "
+            "without range_learning, range_calibration: dynamic, or leave the experts out",
+        )
     if aq.calibration == "static":
         aq.observer = ExpertRanges(part.matrix_shape()[0], aq.observer.momentum)
     if aq.int8_forward is True:
-        warnings.warn(f"compression_training.activation_quantization.shared_parameters.int8_forward: module "
-                      f"{part.qc_name!r} (fused experts) runs its fake-quantized forward; int8_forward acts on "
-                      "Linear layers only", stacklevel=4)
+        warnings.warn(
+            f"compression_training.activation_quantization.shared_parameters.int8_forward: module "
+            f"{part.qc_name!r} (fused experts) runs its fake-quantized forward; int8_forward acts on "
+            "Linear layers only",
+            stacklevel=4,
+        )
     return True
 
 

@@ -32,6 +32,7 @@ forward for both weight passes.
 `plan(mod, x, op)` returns None where the fused path does not apply; the module then runs the
 composed autograd path as before (reasons at each `return None`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,9 @@ def enabled(flag: bool):
 
 # --- shared-input codes --------------------------------------------------------------------------
 
+
 class _LastCodes(threading.local):
-    entry = None        # (weakref to x, x._version, spec, (q, s, z))
+    entry = None  # (weakref to x, x._version, spec, (q, s, z))
 
 
 _last = _LastCodes()
@@ -90,9 +92,9 @@ def _input_codes(mod, x, spec, values=False):
     otherwise: the caller dequantizes); only the codes are kept for a sibling, a float x^ is not."""
     aq = mod.qc_aq
     if aq.calibration == "static":
-        lo, hi = mod.static_input_range(x, spec)   # this module's observer sees x, as unfused
+        lo, hi = mod.static_input_range(x, spec)  # this module's observer sees x, as unfused
         return _quantize(x, spec, lo, hi, values)
-    share = aq.share_input and not x.is_inference()   # inference tensors keep no version counter
+    share = aq.share_input and not x.is_inference()  # inference tensors keep no version counter
     if share:
         e = _last.entry
         if e is not None and e[0]() is x and e[1] == x._version and e[2] == spec:
@@ -131,15 +133,17 @@ _FINITE_MAX.update({dt: torch.finfo(torch.float32).max for dt in (torch.float32,
 
 # --- when the fused path applies -----------------------------------------------------------------
 
+
 class Plan:
     """What one fused forward does: the op, the activation Spec, how the weight is made."""
+
     __slots__ = ("mod", "op", "spec", "weight_mode", "weight_spec", "shrink", "int8", "weight_args", "lora")
 
     def __init__(self, mod, op, spec, weight_mode, weight_spec, shrink, int8=False, lora=False):
         self.mod, self.op, self.spec = mod, op, spec
-        self.lora = lora    # mode qat LoRA: the weight is W + (B A) * scaling, made here (nn/lora.py)
+        self.lora = lora  # mode qat LoRA: the weight is W + (B A) * scaling, made here (nn/lora.py)
         self.weight_mode, self.weight_spec, self.shrink = weight_mode, weight_spec, shrink
-        self.int8 = int8    # forward multiplies the codes (int8_forward), backward as always
+        self.int8 = int8  # forward multiplies the codes (int8_forward), backward as always
         # the weight's own (minmax) ranges: its quantizer op's arguments, made once for both calls
         self.weight_args = None
         if weight_mode == "fake_quant" and shrink is None and not mod.qc_wq.range_learning:
@@ -158,9 +162,11 @@ class Plan:
         """The weight quantizer's output for w (the Parameter, or the merged weight)."""
         mod, wq = self.mod, self.mod.qc_wq
         if ranges.chosen(wq) is not self.shrink:
-            raise RuntimeError(f"{mod.qc_name}: the weight's mse ranges changed between forward and "
-                               "backward (a scheduler step in between?); run backward first")
-        if self.weight_args is not None and not torch.is_grad_enabled():   # no graph: the op itself
+            raise RuntimeError(
+                f"{mod.qc_name}: the weight's mse ranges changed between forward and "
+                "backward (a scheduler step in between?); run backward first"
+            )
+        if self.weight_args is not None and not torch.is_grad_enabled():  # no graph: the op itself
             try:
                 wh = kernels.fake_quantize_prepared(mod.weight_matrix_view(w), self.weight_args)
             except NonFiniteError as err:
@@ -175,7 +181,7 @@ class Plan:
             return F.linear(xq, w, bias)
         if self.op == "conv":
             return mod._conv_forward(xq, w, bias)
-        size_out = xq.size()[:-1] + (mod.nf,)      # transformers Conv1D, as its forward
+        size_out = xq.size()[:-1] + (mod.nf,)  # transformers Conv1D, as its forward
         return torch.addmm(bias, xq.reshape(-1, xq.size(-1)), w).view(size_out)
 
 
@@ -186,21 +192,21 @@ def plan(mod, x, op: str) -> Optional[Plan]:
     if not _enabled or (act and not aq.fused):
         return None
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None     # float64 and non-float inputs: rare, left to the composed path
+        return None  # float64 and non-float inputs: rare, left to the composed path
     if x.dim() < 2 or x.numel() == 0:
-        return None     # 1-D inputs take matmul's vector path, whose derivative differs
+        return None  # 1-D inputs take matmul's vector path, whose derivative differs
     if act and aq.bits > 8:
-        return None     # int32 codes would take as much memory as the float32 input
+        return None  # int32 codes would take as much memory as the float32 input
     if act and aq.range_learning:
-        return None     # LSQ's scale gradient needs x / s - round(x / s), which the codes do not hold
+        return None  # LSQ's scale gradient needs x / s - round(x / s), which the codes do not hold
     if mod.qc_pruning:
-        return None     # masks multiply the weight and bias inside autograd: kept composed
+        return None  # masks multiply the weight and bias inside autograd: kept composed
     if torch.compiler.is_compiling():
-        return None     # the shared-codes cache (weak references) is not traceable
+        return None  # the shared-codes cache (weak references) is not traceable
     if type(x).__name__ == "DTensor" or type(mod.weight).__name__ == "DTensor":
-        return None     # tensor parallel: the composed path reduces ranges over the group (nn/sharded.py)
+        return None  # tensor parallel: the composed path reduces ranges over the group (nn/sharded.py)
     if op == "conv" and (mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
-        return None     # F.pad or padding='same' run before the convolution: another graph
+        return None  # F.pad or padding='same' run before the convolution: another graph
     wq = mod.qc_wq
     weight_spec = shrink = None
     if wq is None or wq.baked:
@@ -211,19 +217,20 @@ def plan(mod, x, op: str) -> Optional[Plan]:
         ranges.check_solved(mod)
         mode, weight_spec, shrink = "fake_quant", wq.spec(), ranges.chosen(wq)
     elif wq.range_learning:
-        return None      # unused learned scales get zero gradients (ranges.attach_unused)
+        return None  # unused learned scales get zero gradients (ranges.attach_unused)
     else:
-        mode = "param"   # not active yet, or optimizer-step mode: the weight is the quantized one
+        mode = "param"  # not active yet, or optimizer-step mode: the weight is the quantized one
     if not act and mode != "fake_quant":
-        return None      # nothing quantized in forward: the composed path is FP32's
+        return None  # nothing quantized in forward: the composed path is FP32's
     adapted = "qc_lora" in mod.__dict__ and mod.qc_lora.mode == "qat" and not (wq is not None and wq.baked)
     if adapted and mode != "fake_quant":
-        return None      # a LoRA adapter on a weight not quantized now: composed (effective_weight merges)
+        return None  # a LoRA adapter on a weight not quantized now: composed (effective_weight merges)
     spec = mod.input_spec() if act else None
     if getattr(weight_spec, "kind", None) == "float" or getattr(spec, "kind", None) == "float":
-        return None      # float formats (quant/floats.py) run composed
-    int8 = (act and int8_forward.enabled(aq, mod.training)
-            and int8_forward.reason(mod, op, mode, weight_spec, spec) is None)
+        return None  # float formats (quant/floats.py) run composed
+    int8 = (
+        act and int8_forward.enabled(aq, mod.training) and int8_forward.reason(mod, op, mode, weight_spec, spec) is None
+    )
     return Plan(mod, op, spec, mode, weight_spec, shrink, int8, adapted)
 
 
@@ -245,6 +252,7 @@ def run(p: Plan, x: torch.Tensor) -> torch.Tensor:
 
 
 # --- the autograd Function -----------------------------------------------------------------------
+
 
 def _autocast_dtype(device_type: str):
     if torch.is_autocast_enabled(device_type):
@@ -283,14 +291,24 @@ def _op_grads(p: Plan, grad, q, s, z, x_dtype, cast, wc, bias_shape, need_x, nee
     """(grad of x^, of the weight the op used, of the bias) in the op's compute dtype. x^ is
     dequantized here and let go before the input's gradient is made, which can reuse its memory."""
     mod = p.mod
-    if p.op == "conv":     # the input's shape and dtype are needed even without weight gradients
+    if p.op == "conv":  # the input's shape and dtype are needed even without weight gradients
         xc = _op_input(p, q, s, z, x_dtype, cast)
         n = xc.dim() - 2
         return torch.ops.aten.convolution_backward(
-            grad, xc, wc, None if bias_shape is None else list(bias_shape), list(mod.stride),
-            list(mod.padding), list(mod.dilation), False, [0] * n, mod.groups, [need_x, need_w, need_b])
+            grad,
+            xc,
+            wc,
+            None if bias_shape is None else list(bias_shape),
+            list(mod.stride),
+            list(mod.padding),
+            list(mod.dilation),
+            False,
+            [0] * n,
+            mod.groups,
+            [need_x, need_w, need_b],
+        )
     g2 = grad.reshape(-1, grad.size(-1))
-    mat2 = wc.t() if p.op == "linear" else wc      # linear: x @ w.t(); Conv1D: x @ w
+    mat2 = wc.t() if p.op == "linear" else wc  # linear: x @ w.t(); Conv1D: x @ w
     gw = gx = gb = None
     if need_w:
         xc = _op_input(p, q, s, z, x_dtype, cast)
@@ -311,14 +329,14 @@ class _FusedCompressed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_scale, w_zp, q, s, z, xh, p, lora_a=None, lora_b=None):
         ctx.cast = _autocast_dtype(x.device.type)
-        if p.spec is None:          # weight-only: keep the input as autocast would cast it for the op
+        if p.spec is None:  # weight-only: keep the input as autocast would cast it for the op
             xq = q = _cast(x, ctx.cast)
             out = None
         else:
             out = int8_forward.run(p.mod, x, weight, bias, q, s, z, ctx.cast or x.dtype) if p.int8 else None
             if out is not None:
                 xq = None
-            elif xh is not None:     # x^ from the quantizer's pass: autocast casts it for the op
+            elif xh is not None:  # x^ from the quantizer's pass: autocast casts it for the op
                 xq = _cast(xh, ctx.cast)
             else:
                 xq = _dequantize(q, s, z, x.dtype, p.spec, ctx.cast)
@@ -355,8 +373,20 @@ class _FusedCompressed(torch.autograd.Function):
             else:
                 w_used = p.weight(weight, w_scale, w_zp)
         bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
-        gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
-                               bias_shape, need_x, weight_grads, need_b)
+        gx, gw, gb = _op_grads(
+            p,
+            grad,
+            q,
+            s,
+            z,
+            ctx.x_dtype,
+            ctx.cast,
+            _cast(w_used.detach(), ctx.cast),
+            bias_shape,
+            need_x,
+            weight_grads,
+            need_b,
+        )
         gx, gb = _input_grads(ctx, gx, gb)
         g_w = g_s = g_z = None
         if weight_grads:
@@ -391,7 +421,7 @@ def _lora_backward(ctx, grad, q, s, z, weight, w_scale, w_zp, lora_a, lora_b):
     need_x, need_w, need_b, need_s, need_z = ctx.needs_input_grad[:5]
     need_la, need_lb = ctx.needs_input_grad[10:12]
     wq = p.mod.qc_wq
-    graph = wq.range_learning or wq.clip_grad     # the quantizer's backward is more than the identity
+    graph = wq.range_learning or wq.clip_grad  # the quantizer's backward is more than the identity
     with torch.no_grad():
         merged = lora.merge(p.mod, weight, lora_a, lora_b)
     leaves = []
@@ -399,17 +429,20 @@ def _lora_backward(ctx, grad, q, s, z, weight, w_scale, w_zp, lora_a, lora_b):
     with torch.set_grad_enabled(graph):
         if graph:
             m_in = merged.requires_grad_(need_m)
-            s_in, z_in = (None if t is None else t.detach().requires_grad_(need)
-                          for t, need in ((w_scale, need_s), (w_zp, need_z)))
+            s_in, z_in = (
+                None if t is None else t.detach().requires_grad_(need)
+                for t, need in ((w_scale, need_s), (w_zp, need_z))
+            )
             leaves = [t for t, need in ((m_in, need_m), (s_in, need_s), (z_in, need_z)) if need]
             w_used = p.quantized(m_in, s_in, z_in)
             del m_in
         else:
             w_used = p.quantized(merged, w_scale, w_zp)
-    del merged          # (kept by the graph only where the quantizer's backward reads it)
+    del merged  # (kept by the graph only where the quantizer's backward reads it)
     bias_shape = None if ctx.bias_meta is None else ctx.bias_meta[0]
-    gx, gw, gb = _op_grads(p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast),
-                           bias_shape, need_x, True, need_b)
+    gx, gw, gb = _op_grads(
+        p, grad, q, s, z, ctx.x_dtype, ctx.cast, _cast(w_used.detach(), ctx.cast), bias_shape, need_x, True, need_b
+    )
     gx, gb = _input_grads(ctx, gx, gb)
     gw = gw.to(w_used.dtype)
     g_s = g_z = None
@@ -420,11 +453,10 @@ def _lora_backward(ctx, grad, q, s, z, weight, w_scale, w_zp, lora_a, lora_b):
         g_s = next(got) if need_s else None
         g_z = next(got) if need_z else None
     else:
-        g_m = gw            # straight-through: the merged weight's gradient is w^'s
+        g_m = gw  # straight-through: the merged weight's gradient is w^'s
         del gw
     del w_used
     g_w = g_a = g_b = None
     if need_m:
-        g_w, g_a, g_b = lora.merge_grads(p.mod, g_m, weight, lora_a, lora_b, need_w, need_la, need_lb,
-                                         own_grad=True)
+        g_w, g_a, g_b = lora.merge_grads(p.mod, g_m, weight, lora_a, lora_b, need_w, need_la, need_lb, own_grad=True)
     return gx, g_w, gb, g_s, g_z, None, None, None, None, None, g_a, g_b

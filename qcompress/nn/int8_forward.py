@@ -27,6 +27,7 @@ forwards keep the float path, so the trained model in eval mode equals the exact
 export bit for bit, as with `false`; `true` runs the integer forward in both modes (and the model
 then equals the fast reload).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -50,7 +51,7 @@ def reload_mode(model) -> str:
     computes: "fast" when a module runs the integer forward in eval mode (`int8_forward: true`;
     the exact reload differs from it by the float GEMM's rounding), else "exact"."""
     if _device(model) != "cpu":
-        return "exact"        # the integer forward runs on CPU only
+        return "exact"  # the integer forward runs on CPU only
     return "fast" if any(enabled(getattr(m, "qc_aq", None), training=False) for m in model.modules()) else "exact"
 
 
@@ -62,8 +63,9 @@ def _device(model) -> str:
 def describe(model) -> Optional[str]:
     """One line on which forward this model's int8_forward setting gives on this machine (None
     when no module asks for the integer forward)."""
-    settings = {getattr(m.qc_aq, "int8_forward", False) for m in model.modules()
-                if getattr(m, "qc_aq", None) is not None}
+    settings = {
+        getattr(m.qc_aq, "int8_forward", False) for m in model.modules() if getattr(m, "qc_aq", None) is not None
+    }
     settings.discard(False)
     if not settings:
         return None
@@ -72,11 +74,12 @@ def describe(model) -> Optional[str]:
     if _device(model) != "cpu":
         return f"int8_forward {said}: the float forward runs (the model is on {_device(model)})"
     if reload_mode(model) == "fast":
-        return (f"int8_forward {said}: CPU Linear / Conv1D forwards multiply the integer codes "
-                f"(low-bit kernels: {isa})")
+        return f"int8_forward {said}: CPU Linear / Conv1D forwards multiply the integer codes (low-bit kernels: {isa})"
     if any(enabled(getattr(m, "qc_aq", None)) for m in model.modules()):
-        return (f"int8_forward {said}: training forwards multiply the integer codes (low-bit kernels: "
-                f"{isa}); eval-mode forwards run the float path, as the exact reload of the export does")
+        return (
+            f"int8_forward {said}: training forwards multiply the integer codes (low-bit kernels: "
+            f"{isa}); eval-mode forwards run the float path, as the exact reload of the export does"
+        )
     return f"int8_forward {said}: the float forward runs (low-bit kernels: {isa}, no int8 dot products)"
 
 
@@ -135,13 +138,22 @@ def run(mod, x: torch.Tensor, weight: torch.Tensor, bias, q, s, z, out_dtype) ->
     k = q.shape[-1]
     m = q.numel() // max(k, 1)
     if s.numel() not in (1, m) or (z is not None and z.numel() not in (1, m)):
-        return None           # per-sample scales of 3-D inputs: not one per token
+        return None  # per-sample scales of 3-D inputs: not one per token
     with torch.no_grad():
         layout = _weight_layout(mod, weight)
         if layout is None:
             return None
         packed, n, group, cbits = layout
         zx = None if z is None else z.reshape(-1).to(torch.int32)
-        y = lowbit.linear_a8(q.reshape(m, k), s.reshape(-1).to(torch.float32), zx, packed,
-                             None if bias is None else bias.detach(), n, group, cbits, out_dtype)
+        y = lowbit.linear_a8(
+            q.reshape(m, k),
+            s.reshape(-1).to(torch.float32),
+            zx,
+            packed,
+            None if bias is None else bias.detach(),
+            n,
+            group,
+            cbits,
+            out_dtype,
+        )
     return y.reshape(*q.shape[:-1], n)

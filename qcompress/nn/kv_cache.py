@@ -19,6 +19,7 @@ module, `k_scale` and `v_scale`, shaped as compressed-tensors registers them ([1
 [heads, 1, 1] per head): set from the synchronised EMA at the first scheduler step after it saw a
 batch, then trained by LSQ. Export writes exactly the scales forward uses (export/kv_cache.py).
 """
+
 from __future__ import annotations
 
 import re
@@ -38,9 +39,9 @@ from ..quant.observers import activation_range
 from ..quant.reference import int_params, make_spec
 from ..unwrap import unwrap
 
-ATTR = "qc_kv"                     # the KVQuant state on an attention module
-PREFIX = "qcompress_kv_"           # registered implementation: PREFIX + the model's own
-SCALES = ("k_scale", "v_scale")    # compressed-tensors' / vLLM's names, on the attention module
+ATTR = "qc_kv"  # the KVQuant state on an attention module
+PREFIX = "qcompress_kv_"  # registered implementation: PREFIX + the model's own
+SCALES = ("k_scale", "v_scale")  # compressed-tensors' / vLLM's names, on the attention module
 KEY = "compression_training.kv_cache_quantization"
 
 
@@ -77,18 +78,19 @@ class KVRange(StaticRange):
 @dataclass
 class KVQuant:
     """KV-cache quantization state of one attention module."""
-    format: str                    # fp8_e4m3 | int8
-    strategy: str                  # tensor | head
-    heads: int                     # key/value heads (the scales' count per head)
+
+    format: str  # fp8_e4m3 | int8
+    strategy: str  # tensor | head
+    heads: int  # key/value heads (the scales' count per head)
     offset: int = 0
-    observer: str = "minmax"       # minmax | mse
+    observer: str = "minmax"  # minmax | mse
     range_learning: bool = False
     active: bool = False
-    learned_ready: bool = False    # the learned scales were set from the observer
-    frozen: bool = False           # a loaded export: the scales are fixed buffers
+    learned_ready: bool = False  # the learned scales were set from the observer
+    frozen: bool = False  # a loaded export: the scales are fixed buffers
     k: KVRange = field(default_factory=KVRange)
     v: KVRange = field(default_factory=KVRange)
-    original: str = "sdpa"         # the model's own attention implementation, wrapped
+    original: str = "sdpa"  # the model's own attention implementation, wrapped
 
     def __setstate__(self, state):
         # an unpickled or copied model (another process, spawn) finds its implementation registered
@@ -106,11 +108,15 @@ class KVQuant:
         return make_spec(8, symmetric=True, granularity=gran)
 
     def describe(self) -> str:
-        return f"{self.format} per {self.strategy}" + (f", {self.observer}" if self.observer != "minmax" else "") \
+        return (
+            f"{self.format} per {self.strategy}"
+            + (f", {self.observer}" if self.observer != "minmax" else "")
             + (", learned scales" if self.range_learning else "")
+        )
 
 
 # --- which modules are attention, and can be reached ------------------------------------------
+
 
 def dispatches(module: nn.Module) -> bool:
     """Whether the module's forward calls the function transformers' attention interface holds."""
@@ -123,8 +129,10 @@ def _looks_like_attention(module: nn.Module) -> bool:
     if isinstance(module, nn.MultiheadAttention):
         return True
     name = type(module).__name__.lower()
-    return "attention" in name and any(hasattr(module, p) for p in (
-        "k_proj", "v_proj", "qkv_proj", "c_attn", "key", "value", "in_proj_weight", "kv_b_proj"))
+    return "attention" in name and any(
+        hasattr(module, p)
+        for p in ("k_proj", "v_proj", "qkv_proj", "c_attn", "key", "value", "in_proj_weight", "kv_b_proj")
+    )
 
 
 def _is_cross(module: nn.Module) -> bool:
@@ -167,8 +175,10 @@ def plan(model: nn.Module, kv) -> List[str]:
     root = unwrap(model)
     installed = [n for n, m in root.named_modules() if ATTR in m.__dict__]
     if installed:
-        raise ValueError(f"init_compression: KV-cache quantization is already installed on {installed[0]!r}; "
-                         "apply the config to a freshly built model instead")
+        raise ValueError(
+            f"init_compression: KV-cache quantization is already installed on {installed[0]!r}; "
+            "apply the config to a freshly built model instead"
+        )
     reached, unreached = [], []
     for name, mod in root.named_modules():
         if not name:
@@ -184,79 +194,120 @@ def plan(model: nn.Module, kv) -> List[str]:
         reached = [(n, m) for n, m in reached if any(re.search(p, n) for p in kv.modules)]
         unreached = [n for n in unreached if any(re.search(p, n) for p in kv.modules)]
         if not reached and not unreached:
-            raise ConfigError(f"{KEY}.modules", f"{list(kv.modules)} matches none of the attention modules "
-                                                f"({_describe(every) or 'none found'}); fix the regexes or drop "
-                                                "the key (all of them)")
+            raise ConfigError(
+                f"{KEY}.modules",
+                f"{list(kv.modules)} matches none of the attention modules "
+                f"({_describe(every) or 'none found'}); fix the regexes or drop "
+                "the key (all of them)",
+            )
     if not reached:
-        found = (f"; its attention modules ({_describe(unreached)}) compute attention in their own code"
-                 if unreached else "; it has no attention module")
-        raise ConfigError(where, f"{type(root).__name__}'s attention cannot be reached: KV-cache quantization "
-                                 "wraps the function transformers' attention modules call through "
-                                 f"ALL_ATTENTION_FUNCTIONS{found}. Use a transformers model whose attention "
-                                 "dispatches that way (Llama, Qwen3, Mistral, Mixtral, gpt-oss, GPT-2 ...), "
-                                 "or set enabled: false")
+        found = (
+            f"; its attention modules ({_describe(unreached)}) compute attention in their own code"
+            if unreached
+            else "; it has no attention module"
+        )
+        raise ConfigError(
+            where,
+            f"{type(root).__name__}'s attention cannot be reached: KV-cache quantization "
+            "wraps the function transformers' attention modules call through "
+            f"ALL_ATTENTION_FUNCTIONS{found}. Use a transformers model whose attention "
+            "dispatches that way (Llama, Qwen3, Mistral, Mixtral, gpt-oss, GPT-2 ...), "
+            "or set enabled: false",
+        )
     impls = set()
     for name, mod in reached:
         _check_module(name, mod, kv, where)
         impls.add(original_implementation(mod))
     if len(impls) > 1:
-        raise ConfigError(where, f"the attention modules use different implementations {sorted(impls)}; "
-                                 "set one with model.set_attn_implementation(...) first")
+        raise ConfigError(
+            where,
+            f"the attention modules use different implementations {sorted(impls)}; "
+            "set one with model.set_attn_implementation(...) first",
+        )
     impl = impls.pop()
     _check_implementation(impl, reached[0][1], where)
     if unreached:
-        raise ConfigError(where, f"attention modules {_describe(unreached)} compute attention in their own code, "
-                                 "so their keys and values cannot be quantized; quantize only the others with "
-                                 f"{KEY}.modules, or set enabled: false")
+        raise ConfigError(
+            where,
+            f"attention modules {_describe(unreached)} compute attention in their own code, "
+            "so their keys and values cannot be quantized; quantize only the others with "
+            f"{KEY}.modules, or set enabled: false",
+        )
     return [n for n, _ in reached]
 
 
 def _check_module(name: str, mod: nn.Module, kv, where: str) -> None:
     cfg = getattr(mod, "config", None)
     if cfg is None or not isinstance(getattr(cfg, "_attn_implementation", None), str):
-        raise ConfigError(where, f"attention module {name!r} has no config._attn_implementation to dispatch "
-                                 "on: its attention cannot be reached; set enabled: false")
+        raise ConfigError(
+            where,
+            f"attention module {name!r} has no config._attn_implementation to dispatch "
+            "on: its attention cannot be reached; set enabled: false",
+        )
     if getattr(mod, "is_causal", True) is False:
-        raise ConfigError(where, f"attention module {name!r} ({type(mod).__name__}) is bidirectional "
-                                 "(is_causal false): an encoder keeps no KV cache to quantize; leave it out with "
-                                 f"{KEY}.modules (the decoder's attention only), or set enabled: false")
+        raise ConfigError(
+            where,
+            f"attention module {name!r} ({type(mod).__name__}) is bidirectional "
+            "(is_causal false): an encoder keeps no KV cache to quantize; leave it out with "
+            f"{KEY}.modules (the decoder's attention only), or set enabled: false",
+        )
     if _is_latent(mod):
-        raise ConfigError(where, f"attention module {name!r} ({type(mod).__name__}) is multi-head latent "
-                                 "attention: serving engines cache its compressed latent, not the keys and values "
-                                 "this quantizes; set enabled: false")
+        raise ConfigError(
+            where,
+            f"attention module {name!r} ({type(mod).__name__}) is multi-head latent "
+            "attention: serving engines cache its compressed latent, not the keys and values "
+            "this quantizes; set enabled: false",
+        )
     if getattr(mod, "reorder_and_upcast_attn", False) and cfg._attn_implementation == "eager":
-        raise ConfigError(where, f"attention module {name!r} runs its own upcast attention "
-                                 "(config.reorder_and_upcast_attn with eager attention), past the attention "
-                                 "interface; set reorder_and_upcast_attn: false or use attn_implementation 'sdpa'")
+        raise ConfigError(
+            where,
+            f"attention module {name!r} runs its own upcast attention "
+            "(config.reorder_and_upcast_attn with eager attention), past the attention "
+            "interface; set reorder_and_upcast_attn: false or use attn_implementation 'sdpa'",
+        )
     if kv.strategy == "head" and kv_heads(mod) is None:
-        raise ConfigError(f"{KEY}.strategy", f"'head' needs the number of key/value heads of {name!r}, and "
-                                             "its config names none (num_key_value_heads / "
-                                             "num_attention_heads); use strategy: tensor")
+        raise ConfigError(
+            f"{KEY}.strategy",
+            f"'head' needs the number of key/value heads of {name!r}, and "
+            "its config names none (num_key_value_heads / "
+            "num_attention_heads); use strategy: tensor",
+        )
 
 
 def original_implementation(mod: nn.Module) -> str:
     """The implementation the module's config names, under the wrapping one (a model built from a
     config object another model already switched shares it)."""
     impl = mod.config._attn_implementation
-    return impl[len(PREFIX):] if impl.startswith(PREFIX) else impl
+    return impl[len(PREFIX) :] if impl.startswith(PREFIX) else impl
 
 
 def _check_implementation(impl: str, mod: nn.Module, where: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     if impl not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise ConfigError(where, f"the model's attention implementation {impl!r} builds no attention mask "
-                                 "qcompress can keep; use 'sdpa' or 'eager'")
+        raise ConfigError(
+            where,
+            f"the model's attention implementation {impl!r} builds no attention mask "
+            "qcompress can keep; use 'sdpa' or 'eager'",
+        )
     if impl == "eager":
         if eager_function(mod) is None:
-            raise ConfigError(where, f"{type(mod).__name__}'s module defines no eager_attention_forward to "
-                                     "wrap; use attn_implementation 'sdpa'")
+            raise ConfigError(
+                where,
+                f"{type(mod).__name__}'s module defines no eager_attention_forward to "
+                "wrap; use attn_implementation 'sdpa'",
+            )
     elif impl not in ALL_ATTENTION_FUNCTIONS:
-        raise ConfigError(where, f"attention implementation {impl!r} is not registered in transformers' "
-                                 "ALL_ATTENTION_FUNCTIONS; use 'sdpa' or 'eager'")
+        raise ConfigError(
+            where,
+            f"attention implementation {impl!r} is not registered in transformers' "
+            "ALL_ATTENTION_FUNCTIONS; use 'sdpa' or 'eager'",
+        )
 
 
 # --- installing -------------------------------------------------------------------------------
+
 
 def _wrapper(original: str) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -276,6 +327,7 @@ def register(original: str) -> str:
     """The implementation name that quantizes K / V before `original`, registered once."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     name = PREFIX + original
     if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
         ALL_ATTENTION_FUNCTIONS.register(name, _wrapper(original))
@@ -286,7 +338,7 @@ def register(original: str) -> str:
 def _switch(root: nn.Module, mods: List[nn.Module], name: str) -> None:
     if hasattr(root, "set_attn_implementation"):
         root.set_attn_implementation(name)
-    for mod in mods:                 # a sub-config set_attn_implementation did not reach
+    for mod in mods:  # a sub-config set_attn_implementation did not reach
         if mod.config._attn_implementation != name:
             mod.config._attn_implementation = name
 
@@ -304,21 +356,33 @@ def install(model: nn.Module, kv, names: List[str]) -> None:
         if kv.range_learning:
             for s in SCALES:
                 if s in mod._parameters or s in mod._buffers or s in mod.__dict__ or s in mod._modules:
-                    raise ConfigError(f"{KEY}.range_learning", f"module {n!r} already has an attribute {s!r}, "
-                                                               "where the learned scale goes; set range_learning: false")
+                    raise ConfigError(
+                        f"{KEY}.range_learning",
+                        f"module {n!r} already has an attribute {s!r}, "
+                        "where the learned scale goes; set range_learning: false",
+                    )
     try:
         for mod in mods:
             heads = kv_heads(mod) or 1
             per_head = kv.strategy == "head"
-            state = KVQuant(format=kv.format, strategy=kv.strategy, heads=heads, offset=kv.schedule_offset,
-                            observer=kv.observer, range_learning=kv.range_learning, k=KVRange(kv.momentum, per_head),
-                            v=KVRange(kv.momentum, per_head), original=original)
+            state = KVQuant(
+                format=kv.format,
+                strategy=kv.strategy,
+                heads=heads,
+                offset=kv.schedule_offset,
+                observer=kv.observer,
+                range_learning=kv.range_learning,
+                k=KVRange(kv.momentum, per_head),
+                v=KVRange(kv.momentum, per_head),
+                original=original,
+            )
             mod.__dict__[ATTR] = state
             if kv.range_learning:
                 dev = next((p.device for p in mod.parameters()), None)
                 for s in SCALES:
-                    mod.register_parameter(s, nn.Parameter(torch.ones(state.scale_shape, dtype=torch.float32,
-                                                                      device=dev)))
+                    mod.register_parameter(
+                        s, nn.Parameter(torch.ones(state.scale_shape, dtype=torch.float32, device=dev))
+                    )
     except BaseException:
         uninstall(root)
         raise
@@ -359,11 +423,17 @@ def observers(model: nn.Module) -> List[KVRange]:
 
 
 def learned_parameter_ids(model: nn.Module) -> set:
-    return {id(mod._parameters[s]) for _, mod in quantized_modules(model)
-            if mod.__dict__[ATTR].range_learning for s in SCALES if mod._parameters.get(s) is not None}
+    return {
+        id(mod._parameters[s])
+        for _, mod in quantized_modules(model)
+        if mod.__dict__[ATTR].range_learning
+        for s in SCALES
+        if mod._parameters.get(s) is not None
+    }
 
 
 # --- quantizing -------------------------------------------------------------------------------
+
 
 def scales_from_range(state: KVQuant, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """float32 scales (shape state.scale_shape) of the symmetric grid for ranges [lo, hi]."""
@@ -390,8 +460,9 @@ def fake_quantize_kv(x: torch.Tensor, state: KVQuant, scale: torch.Tensor) -> to
     spec = state.spec()
     v = _view(x, state)
     if state.format == "fp8_e4m3":
-        y = floats.fake_quantize_float(v, spec, scale=scale.reshape(-1, 1) if state.strategy == "head"
-                                       else scale.reshape(1))
+        y = floats.fake_quantize_float(
+            v, spec, scale=scale.reshape(-1, 1) if state.strategy == "head" else scale.reshape(1)
+        )
     else:
         y = fake_quantize_spec(v, spec, scale=scale.reshape(-1))
     return _unview(y, state)
@@ -401,9 +472,10 @@ def _learned(x: torch.Tensor, state: KVQuant, param: torch.Tensor) -> torch.Tens
     spec = state.spec()
     v = _view(x, state)
     per = v.numel() // max(1, param.numel())
-    if state.format == "fp8_e4m3":     # in float32 with a float32 scale, as the static and loaded paths
-        y = float_observers.fake_quantize_learned(v.float(), spec, param,
-                                                  grad_scale=float_observers.lsq_grad_scale(per, spec)).to(v.dtype)
+    if state.format == "fp8_e4m3":  # in float32 with a float32 scale, as the static and loaded paths
+        y = float_observers.fake_quantize_learned(
+            v.float(), spec, param, grad_scale=float_observers.lsq_grad_scale(per, spec)
+        ).to(v.dtype)
     else:
         y = fake_quantize_learned(v, spec, param, None, grad_scale=lsq_grad_scale(per, spec))
     return _unview(y, state)
@@ -417,7 +489,7 @@ def current_scale(module: nn.Module, state: KVQuant, which: str) -> Optional[tor
         return module._buffers[name].detach().float().reshape(state.scale_shape)
     if state.range_learning and state.learned_ready:
         p = module._parameters[name]
-        if hasattr(p, "full_tensor"):      # an FSDP2 shard outside forward (collective)
+        if hasattr(p, "full_tensor"):  # an FSDP2 shard outside forward (collective)
             p = p.full_tensor()
         if state.format == "fp8_e4m3":
             s = float_observers.learned_scales(torch.empty(0), state.spec(), p)[0]
@@ -431,8 +503,10 @@ def current_scale(module: nn.Module, state: KVQuant, which: str) -> Optional[tor
 
 def _check_heads(module: nn.Module, state: KVQuant, x: torch.Tensor) -> None:
     if state.strategy == "head" and (x.dim() != 4 or x.shape[1] != state.heads):
-        raise ValueError(f"{KEY}.strategy 'head': {type(module).__name__} passed keys/values of shape "
-                         f"{tuple(x.shape)} to attention, not [batch, {state.heads} heads, seq, dim]; use strategy: tensor")
+        raise ValueError(
+            f"{KEY}.strategy 'head': {type(module).__name__} passed keys/values of shape "
+            f"{tuple(x.shape)} to attention, not [batch, {state.heads} heads, seq, dim]; use strategy: tensor"
+        )
 
 
 def _one(module: nn.Module, state: KVQuant, which: str, x: torch.Tensor) -> torch.Tensor:
@@ -446,6 +520,7 @@ def _one(module: nn.Module, state: KVQuant, which: str, x: torch.Tensor) -> torc
         return _learned(x, state, module._parameters[name])
     obs: KVRange = getattr(state, which)
     from .layers import _recomputing
+
     if module.training and not (obs.initialized and _recomputing()):
         # activation checkpointing's recompute folds nothing in twice
         lo, hi = obs.observe(x, _mse_range(state) if state.observer == "mse" else None)
@@ -457,6 +532,7 @@ def _one(module: nn.Module, state: KVQuant, which: str, x: torch.Tensor) -> torc
     y = fake_quantize_kv(x, state, scales_from_range(state, lo.to(x.device), hi.to(x.device)))
     if state.range_learning:
         from .ranges import attach_unused
+
         y = attach_unused(y, module, (name,))
     return y
 
@@ -481,11 +557,15 @@ _warned = set()
 def _warn_uncalibrated(module: nn.Module) -> None:
     if id(module) not in _warned:
         _warned.add(id(module))
-        warnings.warn(f"{type(module).__name__}: KV-cache range used in eval before any training batch calibrated "
-                      "it; quantizing with this batch's own range", stacklevel=5)
+        warnings.warn(
+            f"{type(module).__name__}: KV-cache range used in eval before any training batch calibrated "
+            "it; quantizing with this batch's own range",
+            stacklevel=5,
+        )
 
 
 # --- the schedule and checkpoints --------------------------------------------------------------
+
 
 @torch.no_grad()
 def _init_learned(module: nn.Module, state: KVQuant) -> None:
@@ -496,8 +576,9 @@ def _init_learned(module: nn.Module, state: KVQuant) -> None:
         obs = getattr(state, which)
         p = module._parameters[f"{which}_scale"]
         s = scales_from_range(state, obs.min, obs.max).to(device=p.device, dtype=p.dtype)
-        if hasattr(p, "full_tensor"):      # an FSDP2 shard (ZeRO 2 / 3): the same value on every rank
+        if hasattr(p, "full_tensor"):  # an FSDP2 shard (ZeRO 2 / 3): the same value on every rank
             from torch.distributed.tensor import distribute_tensor
+
             s = distribute_tensor(s, p.device_mesh, p.placements)
         p.copy_(s)
     state.learned_ready = True
@@ -529,8 +610,9 @@ def load_state_dict(model: nn.Module, sd: Dict[str, dict], step: int) -> None:
     for name, entry in (sd or {}).items():
         mod = mods.get(name)
         if mod is None:
-            raise KeyError(f"compression state names attention module {name!r}, which has no KV-cache "
-                           "quantization in this model")
+            raise KeyError(
+                f"compression state names attention module {name!r}, which has no KV-cache quantization in this model"
+            )
         state = mod.__dict__[ATTR]
         state.k.load_state_dict(entry.get("k", {}))
         state.v.load_state_dict(entry.get("v", {}))
@@ -543,7 +625,10 @@ def load_state_dict(model: nn.Module, sd: Dict[str, dict], step: int) -> None:
 
 # --- loaded exports ---------------------------------------------------------------------------
 
-def install_frozen(model: nn.Module, fmt: str, strategy: str, scales: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+
+def install_frozen(
+    model: nn.Module, fmt: str, strategy: str, scales: Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+) -> None:
     """A loaded export's KV quantization: fixed scales (buffers k_scale / v_scale) on the named
     attention modules ({name: (k_scale, v_scale)}), quantizing in training and eval alike."""
     root = unwrap(model)
@@ -552,8 +637,9 @@ def install_frozen(model: nn.Module, fmt: str, strategy: str, scales: Dict[str, 
     original = original_implementation(mods[0])
     try:
         for name, mod in zip(scales, mods):
-            state = KVQuant(format=fmt, strategy=strategy, heads=kv_heads(mod) or 1, active=True, frozen=True,
-                            original=original)
+            state = KVQuant(
+                format=fmt, strategy=strategy, heads=kv_heads(mod) or 1, active=True, frozen=True, original=original
+            )
             mod.__dict__[ATTR] = state
             for s, t in zip(SCALES, scales[name]):
                 mod.register_buffer(s, t.detach().to(torch.float32).reshape(state.scale_shape).clone())

@@ -15,6 +15,7 @@ Two forwards:
   class's own forward, and puts the Parameters back. Whatever the forward does with
   `self.weight` then acts on the compressed weight.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -71,7 +72,7 @@ class CompressMixin:
         self.qc_name = name
         self.qc_wq: Optional[WeightQuant] = None
         self.qc_aq: Optional[ActQuant] = None
-        self.qc_pruning = {}          # technique -> pruning state (qcompress.pruning)
+        self.qc_pruning = {}  # technique -> pruning state (qcompress.pruning)
 
     def qc_located(self, what: str, err: NonFiniteError) -> NonFiniteError:
         """`err` naming this module and its tensor `what` (a method, so that nn/fused.py, which
@@ -87,21 +88,23 @@ class CompressMixin:
             wq.follow(self.weight)
         return out
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         """A loaded weight is a new starting point, not an optimizer update: drop the master copy
         and codes so the next scheduler step takes the loaded weight as the master."""
         n_errors = len(error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         wq = self.__dict__.get("qc_wq")
         loaded = wq is not None and prefix + "weight" in state_dict and len(error_msgs) == n_errors
         if loaded:
             wq.store.reset()
         if wq is not None and wq.range_learning and prefix + "weight_scale" in state_dict:
-            ranges.loaded_with_scales(wq)   # trained scales: the next range initialisation keeps them
+            ranges.loaded_with_scales(wq)  # trained scales: the next range initialisation keeps them
         elif loaded:
-            ranges.reinit_after_load(self)   # no scales with them: observe the new weights
+            ranges.reinit_after_load(self)  # no scales with them: observe the new weights
 
     def __reduce_ex__(self, protocol):
         """Pickle by (base class, kind): the compress-aware class is made at run time, so pickle
@@ -109,7 +112,7 @@ class CompressMixin:
         rv = super().__reduce_ex__(protocol)
         base = base_class(type(self))
         if not isinstance(rv, tuple) or _CLASS_CACHE.get(base) is not type(self):
-            return rv       # a further subclass (e.g. FSDP's): leave it to its own rules
+            return rv  # a further subclass (e.g. FSDP's): leave it to its own rules
         return (_new_compress_aware, (base, self.qc_kind)) + tuple(rv[2:])
 
     # --- weights ------------------------------------------------------------------------------
@@ -129,6 +132,7 @@ class CompressMixin:
         numerics, no fp16_mixed blend in progress). None when weight quantization is inactive.
         """
         from ..quant.api import quantize_spec
+
         wq = self.qc_wq
         if wq is None or not wq.active:
             return None
@@ -137,7 +141,7 @@ class CompressMixin:
         w = self.quantizer_input() if weight is None else weight
         spec = wq.spec()
         view = self.weight_matrix_view(w.detach())
-        if floats.is_float(spec):    # (codes, scale, global scale or None, spec): export/floats.py
+        if floats.is_float(spec):  # (codes, scale, global scale or None, spec): export/floats.py
             s, g = ranges.float_weight_params(self, view, spec)
             return floats.quantize_codes(view, spec, s, g), s, g, spec
         params = ranges.weight_params(self, view, spec)
@@ -166,6 +170,7 @@ class CompressMixin:
             w = ranges.attach_unused(w, self, ranges.WEIGHT_PARAMS)
         if self.qc_pruning:
             from ..pruning.masks import apply_weight_masks
+
             w = apply_weight_masks(self, w)
         return w
 
@@ -180,18 +185,20 @@ class CompressMixin:
 
     def _fake_quantize_weight_of(self, w, wq, spec, learned):
         spec = wq.spec() if spec is None else spec
-        if sharded.is_dtensor(w):    # tensor parallel: the shard, with the whole weight's scales
+        if sharded.is_dtensor(w):  # tensor parallel: the shard, with the whole weight's scales
             return sharded.fake_quantize_weight(self, self.weight_matrix_view(w), spec, wq.clip_grad)
         view = self.weight_matrix_view(w)
         if floats.is_float(spec):
             if wq.range_learning:
-                return float_observers.fake_quantize_learned(view, spec, self.weight_scale,
-                                                             self._parameters.get("weight_global_scale"))
+                return float_observers.fake_quantize_learned(
+                    view, spec, self.weight_scale, self._parameters.get("weight_global_scale")
+                )
             s, g = ranges.float_weight_params(self, view.detach(), spec)
             return floats.fake_quantize_float(view, spec, scale=s, gscale=g, clip_grad=wq.clip_grad)
         if wq.range_learning:
-            scale, zp = learned if learned is not None else (self.weight_scale,
-                                                             self._parameters.get("weight_zero_point"))
+            scale, zp = (
+                learned if learned is not None else (self.weight_scale, self._parameters.get("weight_zero_point"))
+            )
             zp = zp if spec.kind == "int" else None
             n = view.numel() // max(1, scale.numel())
             return fake_quantize_learned(view, spec, scale, zp, grad_scale=lsq_grad_scale(n, spec))
@@ -204,6 +211,7 @@ class CompressMixin:
         b = getattr(self, "bias", None)
         if b is not None and self.qc_pruning:
             from ..pruning.masks import apply_bias_masks
+
             b = apply_bias_masks(self, b)
         return b
 
@@ -211,9 +219,12 @@ class CompressMixin:
     def input_spec(self):
         """The activation quantizer's Spec: per tensor (static), per sample (convs) or per token."""
         aq = self.qc_aq
-        if aq.format != "int":       # quant/floats.py
-            gran = "group" if aq.group_size or aq.format != "fp8_e4m3" else \
-                ("tensor" if aq.calibration == "static" else "token")
+        if aq.format != "int":  # quant/floats.py
+            gran = (
+                "group"
+                if aq.group_size or aq.format != "fp8_e4m3"
+                else ("tensor" if aq.calibration == "static" else "token")
+            )
             return floats.float_spec(aq.format, gran, aq.group_size)
         if aq.calibration == "static":
             return make_spec(aq.bits, symmetric=aq.symmetric, granularity="tensor")
@@ -236,9 +247,11 @@ class CompressMixin:
             if aq.range_observer == "minmax":
                 return recompute_ranges.record(self, obs.observe(x))
             from ..quant.observers import Search, activation_range
+
             choose = float_observers.activation_range if floats.is_float(spec) else activation_range
-            return recompute_ranges.record(self, obs.update(*choose(x, spec, aq.range_observer,
-                                                                     Search(*aq.range_search))))
+            return recompute_ranges.record(
+                self, obs.update(*choose(x, spec, aq.range_observer, Search(*aq.range_search)))
+            )
         if obs.initialized:
             return obs.min, obs.max
         _warn_uncalibrated(self.qc_name)
@@ -256,16 +269,21 @@ class CompressMixin:
     def _quantize_input_of(self, x: torch.Tensor) -> torch.Tensor:
         aq = self.qc_aq
         spec = self.input_spec()
-        if sharded.is_dtensor(x):    # tensor parallel: ranges of the whole input
+        if sharded.is_dtensor(x):  # tensor parallel: ranges of the whole input
             return sharded.quantize_input(self, x, spec, aq, self.training, _recomputing())
-        if floats.is_float(spec):    # static: the range sets FP8's scale, NVFP4's global scale
+        if floats.is_float(spec):  # static: the range sets FP8's scale, NVFP4's global scale
             rng = self.static_input_range(x, spec) if aq.calibration == "static" else None
             return floats.fake_quantize_float(x, spec, static_range=rng)
         if aq.calibration == "static":
             if aq.range_learning and aq.learned_ready:
                 per_sample = x.numel() // max(1, x.shape[0]) if x.dim() > 1 else x.numel()
-                return fake_quantize_learned(x, spec, self.input_scale, self._parameters.get("input_zero_point"),
-                                             grad_scale=lsq_grad_scale(per_sample, spec))
+                return fake_quantize_learned(
+                    x,
+                    spec,
+                    self.input_scale,
+                    self._parameters.get("input_zero_point"),
+                    grad_scale=lsq_grad_scale(per_sample, spec),
+                )
             lo, hi = self.static_input_range(x, spec)
             y = fake_quantize_spec(x, spec, min_val=lo, max_val=hi)
             return ranges.attach_unused(y, self, ranges.INPUT_PARAMS) if aq.range_learning else y
@@ -300,8 +318,11 @@ _warned_uncalibrated = set()
 def _warn_uncalibrated(name):
     if name not in _warned_uncalibrated:
         _warned_uncalibrated.add(name)
-        warnings.warn(f"{name}: static activation range used in eval before any training batch "
-                      "calibrated it; falling back to this batch's own range", stacklevel=4)
+        warnings.warn(
+            f"{name}: static activation range used in eval before any training batch "
+            "calibrated it; falling back to this batch's own range",
+            stacklevel=4,
+        )
 
 
 # The fast forwards keep the library classes' argument names (`input`; transformers' Conv1D `x`),
@@ -336,12 +357,13 @@ class _EmbeddingForward(CompressMixin):
             # autograd view that cannot be changed in place), then quantize the renormed weight
             with torch.no_grad():
                 torch.embedding_renorm_(self.weight, input.contiguous(), self.max_norm, self.norm_type)
-        return F.embedding(input, self.effective_weight(), self.padding_idx, None,
-                           self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return F.embedding(
+            input, self.effective_weight(), self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
 
 
 class _BatchNormForward(CompressMixin):
-    qc_kind = "batchnorm"   # passive side of channel pruning only
+    qc_kind = "batchnorm"  # passive side of channel pruning only
 
     def forward(self, input):
         return super().forward(input)
@@ -361,8 +383,11 @@ class _HFConv1DForward(CompressMixin):
 
 
 _FORWARDS: Dict[str, Type[CompressMixin]] = {
-    "linear": _LinearForward, "conv": _ConvForward, "embedding": _EmbeddingForward,
-    "batchnorm": _BatchNormForward, "hf_conv1d": _HFConv1DForward,
+    "linear": _LinearForward,
+    "conv": _ConvForward,
+    "embedding": _EmbeddingForward,
+    "batchnorm": _BatchNormForward,
+    "hf_conv1d": _HFConv1DForward,
 }
 
 
@@ -388,7 +413,7 @@ class _ComposedForward(CompressMixin):
         wq = self.qc_wq
         # the weight is compressed now (in forward, or written in by the optimizer-step mode)
         watch = ew is not w or (wq is not None and wq.active)
-        if not watch and eb is b:             # nothing acts on the tensors (e.g. before the offset)
+        if not watch and eb is b:  # nothing acts on the tensors (e.g. before the offset)
             return super().forward(*args, **kwargs)
         seen = self.__dict__
         seen["_qc_weight_read"] = False
@@ -433,10 +458,13 @@ def _warn_unread(mod) -> None:
     cls = base_class(type(mod))
     if cls not in _warned_unread:
         _warned_unread.add(cls)
-        warnings.warn(f"{mod.qc_name}: {cls.__module__}.{cls.__qualname__}.forward ran without reading "
-                      "self.weight, so the compressed weight was not used (does it read a copy of the "
-                      "weight, or does another module use it?); its outputs are not those of the "
-                      "compressed model", stacklevel=3)
+        warnings.warn(
+            f"{mod.qc_name}: {cls.__module__}.{cls.__qualname__}.forward ran without reading "
+            "self.weight, so the compressed weight was not used (does it read a copy of the "
+            "weight, or does another module use it?); its outputs are not those of the "
+            "compressed model",
+            stacklevel=3,
+        )
 
 
 def library_class(cls: type) -> Optional[type]:
@@ -463,20 +491,26 @@ def own_forward(cls: type) -> Optional[str]:
 def unsupported_reason(module: nn.Module) -> Optional[str]:
     """Why this weight layer cannot be made compress-aware; None when it can (or is no weight layer)."""
     if isinstance(module, nn.modules.conv._ConvTransposeNd):
-        return ("transposed convolutions are not supported (their weight is [in, out/groups, ...]: "
-                "per-channel scales and channel pruning would act on input channels)")
+        return (
+            "transposed convolutions are not supported (their weight is [in, out/groups, ...]: "
+            "per-channel scales and channel pruning would act on input channels)"
+        )
     if isinstance(module, CompressMixin) or kind_of(module) in (None, "batchnorm"):
         return None
     if parametrize.is_parametrized(module):
-        return ("its tensors are computed by torch.nn.utils.parametrize (weight_norm, spectral_norm, "
-                "...), so no Parameter named weight exists to compress; remove the parametrization "
-                "(parametrize.remove_parametrizations) first")
+        return (
+            "its tensors are computed by torch.nn.utils.parametrize (weight_norm, spectral_norm, "
+            "...), so no Parameter named weight exists to compress; remove the parametrization "
+            "(parametrize.remove_parametrizations) first"
+        )
     if inspect.getattr_static(type(module), "weight", None) is not None:
         return "its class defines `weight` itself (a property or class attribute), which hides the Parameter"
     w = module._parameters.get("weight")
     if not isinstance(w, nn.Parameter):
-        return ("its weight is not a registered Parameter (computed outside the parameters, e.g. by "
-                "the deprecated torch.nn.utils.weight_norm's forward pre-hook)")
+        return (
+            "its weight is not a registered Parameter (computed outside the parameters, e.g. by "
+            "the deprecated torch.nn.utils.weight_norm's forward pre-hook)"
+        )
     if isinstance(w, nn.parameter.UninitializedParameter):
         return "it is a lazy module whose weight is not materialized yet (run one forward first)"
     return None
@@ -486,10 +520,9 @@ def compress_class(cls: type, kind: str) -> type:
     """The compress-aware subclass of `cls` (created once per class): the fast forward when `cls`
     inherits its library class's forward, the composed one when it has its own."""
     if cls not in _CLASS_CACHE:
-        fast = kind == "batchnorm" or own_forward(cls) is None   # BatchNorm's already defers to super()
+        fast = kind == "batchnorm" or own_forward(cls) is None  # BatchNorm's already defers to super()
         mixin = _FORWARDS[kind] if fast else _ComposedForward
-        _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (mixin, cls),
-                                 {"__module__": __name__, "qc_kind": kind})
+        _CLASS_CACHE[cls] = type(f"Compress{cls.__name__}", (mixin, cls), {"__module__": __name__, "qc_kind": kind})
     return _CLASS_CACHE[cls]
 
 
@@ -530,16 +563,17 @@ def _rebind_saved_forward(module: nn.Module, old_cls: type, new_cls: type, name:
     if "forward" not in d and "_old_forward" not in d:
         return
     saved = d.get("_old_forward")
-    if (isinstance(saved, types.MethodType) and saved.__self__ is module
-            and saved.__func__ is old_cls.forward):
+    if isinstance(saved, types.MethodType) and saved.__self__ is module and saved.__func__ is old_cls.forward:
         d["_old_forward"] = types.MethodType(new_cls.forward, module)
         return
     if name is not None:
-        warnings.warn(f"{name}: its forward was replaced on the instance (module.forward = ...); that "
-                      "function runs instead of the compress-aware forward, so this module's outputs "
-                      "are not compressed unless it calls type(module).forward. Set such hooks after "
-                      "init_compression, or use register_forward_hook / register_forward_pre_hook",
-                      stacklevel=4)
+        warnings.warn(
+            f"{name}: its forward was replaced on the instance (module.forward = ...); that "
+            "function runs instead of the compress-aware forward, so this module's outputs "
+            "are not compressed unless it calls type(module).forward. Set such hooks after "
+            "init_compression, or use register_forward_hook / register_forward_pre_hook",
+            stacklevel=4,
+        )
 
 
 def restore_class(module: nn.Module) -> nn.Module:

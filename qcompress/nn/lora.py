@@ -16,6 +16,7 @@ Two modes:
 - qlora: the base is stored as the export's integer codes, frozen, and forward is peft's:
   base(x) + B(A(dropout(x))) * scaling (nn/qlora.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,23 +29,24 @@ import torch.nn as nn
 from ..quant.reference import Spec
 
 OWN_PARAMS = ("lora_A", "lora_B")
-STORED = ("qlora_codes", "qlora_scale", "qlora_zero_point")   # qlora's stored base (nn/qlora.py)
+STORED = ("qlora_codes", "qlora_scale", "qlora_zero_point")  # qlora's stored base (nn/qlora.py)
 
 
 @dataclass
 class LoraState:
     """One adapted layer's settings; the matrices are looked up where they live at each use (FSDP2
     replaces Parameters with sharded ones, so no reference to a Parameter is kept here)."""
-    mode: str                       # qat | qlora
+
+    mode: str  # qat | qlora
     r: int
     alpha: float
     scaling: float
     dropout: float
-    holder: Optional[nn.Module] = None   # peft's layer holding the adapter; None: the layer itself
-    adapter: Optional[str] = None        # peft's adapter name
-    merge: bool = False                  # qlora: the export also writes the merged model
-    spec: Optional[Spec] = None          # qlora: the stored codes' Spec
-    dtype: Optional[torch.dtype] = None       # qlora: the weight's dtype
+    holder: Optional[nn.Module] = None  # peft's layer holding the adapter; None: the layer itself
+    adapter: Optional[str] = None  # peft's adapter name
+    merge: bool = False  # qlora: the export also writes the merged model
+    spec: Optional[Spec] = None  # qlora: the stored codes' Spec
+    dtype: Optional[torch.dtype] = None  # qlora: the weight's dtype
 
     @property
     def peft(self) -> bool:
@@ -84,7 +86,7 @@ def merge(mod, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     """W + (B A) * scaling in W's dtype and layout: peft's get_delta_weight and merge, so a merged
     peft model and this layer hold the same numbers."""
     delta = b @ a
-    if mod.qc_kind == "hf_conv1d":        # weight stored [in, out] (peft's fan_in_fan_out)
+    if mod.qc_kind == "hf_conv1d":  # weight stored [in, out] (peft's fan_in_fan_out)
         delta = delta.t()
     scaling = mod.__dict__["qc_lora"].scaling
     if delta.requires_grad:
@@ -94,8 +96,17 @@ def merge(mod, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     return (w + delta.mul_(scaling)).to(w.dtype)
 
 
-def merge_grads(mod, grad: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                need_w: bool = False, need_a: bool = True, need_b: bool = True, own_grad: bool = False):
+def merge_grads(
+    mod,
+    grad: torch.Tensor,
+    w: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    need_w: bool = False,
+    need_a: bool = True,
+    need_b: bool = True,
+    own_grad: bool = False,
+):
     """(gradient of w, of a, of b) for the gradient `grad` of merge(mod, w, a, b): the tensors
     torch's autograd makes through merge's ops (to, add, mul by the scaling, the Conv1D transpose,
     mm), bit for bit, without a recorded graph keeping weight-size intermediates alive. The fused
@@ -103,24 +114,24 @@ def merge_grads(mod, grad: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: to
     `own_grad`: nothing else holds `grad`, which is then scaled in place (one weight-size tensor
     fewer)."""
     scaling = mod.__dict__["qc_lora"].scaling
-    summed = torch.promote_types(w.dtype, a.dtype)      # w + delta * scaling, before .to(w.dtype)
-    g = grad if grad.dtype == summed else grad.to(summed)             # ToCopyBackward
+    summed = torch.promote_types(w.dtype, a.dtype)  # w + delta * scaling, before .to(w.dtype)
+    g = grad if grad.dtype == summed else grad.to(summed)  # ToCopyBackward
     gw = None
-    if need_w:                                          # AddBackward, cast to w's dtype by the engine
+    if need_w:  # AddBackward, cast to w's dtype by the engine
         gw = g if g.dtype == w.dtype else g.to(w.dtype)
     if not (need_a or need_b):
         return gw, None, None
-    g = g if g.dtype == a.dtype else g.to(a.dtype)      # the engine's cast to delta's dtype
+    g = g if g.dtype == a.dtype else g.to(a.dtype)  # the engine's cast to delta's dtype
     if own_grad and g is grad and not need_w:
-        g = g.mul_(scaling)                             # MulBackward, in place: the same values
+        g = g.mul_(scaling)  # MulBackward, in place: the same values
     else:
-        g = g * scaling                                 # MulBackward
-    if mod.qc_kind == "hf_conv1d":                      # TBackward
+        g = g * scaling  # MulBackward
+    if mod.qc_kind == "hf_conv1d":  # TBackward
         g = g.t()
     ga = gb = None
-    if need_b:          # mm_mat1_backward(g, a, b's sizes and strides)
+    if need_b:  # mm_mat1_backward(g, a, b's sizes and strides)
         gb = a.mm(g.t()).t() if b.stride(0) == 1 and b.stride(1) == b.size(0) else g.mm(a.t())
-    if need_a:          # mm_mat2_backward(g, b, a's sizes and strides)
+    if need_a:  # mm_mat2_backward(g, b, a's sizes and strides)
         ga = g.t().mm(b).t() if a.stride(0) == 1 and a.stride(1) == a.size(0) else b.t().mm(g)
     return gw, ga, gb
 
@@ -153,11 +164,13 @@ def add_adapter(mod, *, mode: str, r: int, alpha: float, dropout: float) -> None
         init_adapter(a, b)
     mod.register_parameter("lora_A", a)
     mod.register_parameter("lora_B", b)
-    mod.__dict__["qc_lora"] = LoraState(mode=mode, r=r, alpha=float(alpha), scaling=float(alpha) / r,
-                                        dropout=float(dropout))
+    mod.__dict__["qc_lora"] = LoraState(
+        mode=mode, r=r, alpha=float(alpha), scaling=float(alpha) / r, dropout=float(dropout)
+    )
 
 
 # --- peft-wrapped models ---------------------------------------------------------------------
+
 
 def is_peft_lora_layer(module) -> bool:
     """A peft LoraLayer (found by class, so peft is imported only where a model uses it)."""
@@ -193,9 +206,11 @@ _PEFT_CLASSES: Dict[type, type] = {}
 
 def _adopted_class(cls: type) -> type:
     if cls not in _PEFT_CLASSES:
-        _PEFT_CLASSES[cls] = type(f"Adopted{cls.__name__}", (cls,),
-                                  {"forward": _base_only_forward, "__module__": __name__,
-                                   "qc_adopted": True})
+        _PEFT_CLASSES[cls] = type(
+            f"Adopted{cls.__name__}",
+            (cls,),
+            {"forward": _base_only_forward, "__module__": __name__, "qc_adopted": True},
+        )
     return _PEFT_CLASSES[cls]
 
 
@@ -204,10 +219,15 @@ def adopt_peft(layer, base, mode: str) -> None:
     adapter = next(iter(layer.lora_A.keys()))
     drop = layer.lora_dropout[adapter]
     p = float(getattr(drop, "p", 0.0))
-    base.__dict__["qc_lora"] = LoraState(mode=mode, r=int(layer.r[adapter]),
-                                         alpha=float(layer.lora_alpha[adapter]),
-                                         scaling=float(layer.scaling[adapter]), dropout=p,
-                                         holder=layer, adapter=adapter)
+    base.__dict__["qc_lora"] = LoraState(
+        mode=mode,
+        r=int(layer.r[adapter]),
+        alpha=float(layer.lora_alpha[adapter]),
+        scaling=float(layer.scaling[adapter]),
+        dropout=p,
+        holder=layer,
+        adapter=adapter,
+    )
     if not getattr(type(layer), "qc_adopted", False):
         layer.__class__ = _adopted_class(type(layer))
 

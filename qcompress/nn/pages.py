@@ -16,6 +16,7 @@ read again from the file if ever touched, so nothing outside those bytes can see
 tensor in anonymous memory is simply let go (the allocator returns it), and on other systems, or
 when the tensor is referenced elsewhere, dropping it is all that happens.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -70,8 +71,14 @@ def drop(holder: dict, key: str) -> int:
     """Remove holder[key] (a tensor) and give back its pages where they lie in a mapped file and
     nothing else uses them; returns the bytes given back (0 if none)."""
     t = holder.pop(key)
-    if (_MADV_DONTNEED is None or not sys.platform.startswith("linux") or not isinstance(t, torch.Tensor)
-            or t.device.type != "cpu" or t.is_meta or _use_count is None):
+    if (
+        _MADV_DONTNEED is None
+        or not sys.platform.startswith("linux")
+        or not isinstance(t, torch.Tensor)
+        or t.device.type != "cpu"
+        or t.is_meta
+        or _use_count is None
+    ):
         return 0
     # nothing else may use it: no other name for the tensor, no other tensor on its storage (a
     # view, an alias); both counts are compared with a tensor held by one local name only

@@ -16,6 +16,7 @@ step), never from torch's RNG: every rank drops the same blocks, dropout streams
 and a resumed run replays the decisions exactly. Blocks change class in place (a subclass of their
 own class), so parameters keep their identity and state_dict keys.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
-_KEEP_KW = "_qc_pld_keep"      # the decision travels as a keyword, so activation-checkpoint replays reuse it
+_KEEP_KW = "_qc_pld_keep"  # the decision travels as a keyword, so activation-checkpoint replays reuse it
 
 
 def theta_at(step: float, theta_bar: float, gamma: float) -> float:
@@ -66,11 +67,11 @@ class PLDSchedule:
     def __init__(self, theta: float, gamma: float, seed: int = 0, rescale: bool = True):
         self.theta_bar, self.gamma, self.seed, self.rescale = float(theta), float(gamma), int(seed), bool(rescale)
         self.step = 0
-        self.theta = 1.0                 # DeepSpeed's current_theta before the first boundary
+        self.theta = 1.0  # DeepSpeed's current_theta before the first boundary
         self.blocks: List["PLDState"] = []
         self._calls: Dict[int, int] = {}  # block id -> training calls in this step
         self._kept = self._run = 0
-        self.last_share = 1.0            # share of block calls that ran in the last finished step
+        self.last_share = 1.0  # share of block calls that ran in the last finished step
 
     def start_step(self, global_steps: int, resumed: bool = False) -> None:
         if not resumed and self._run:
@@ -110,8 +111,8 @@ class PLDState:
 
     def __init__(self, schedule: PLDSchedule, name: str, index: int, depth: int, stack_size: int):
         self.schedule, self.name = schedule, name
-        self.index = index                # position among all the model's blocks (hash key)
-        self.depth, self.stack_size = depth, stack_size   # 1-based depth within its stack
+        self.index = index  # position among all the model's blocks (hash key)
+        self.depth, self.stack_size = depth, stack_size  # 1-based depth within its stack
 
     def keep_probability(self) -> float:
         return keep_probability(self.depth, self.stack_size, self.schedule.theta)
@@ -120,8 +121,10 @@ class PLDState:
 def _hidden_input(args, kwargs, name: str) -> torch.Tensor:
     x = args[0] if args else kwargs.get("hidden_states", kwargs.get("src", kwargs.get("x")))
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"progressive_layer_drop: block {name!r} got no hidden-state tensor as its first "
-                        "argument (or hidden_states=...), so it cannot pass its input through")
+        raise TypeError(
+            f"progressive_layer_drop: block {name!r} got no hidden-state tensor as its first "
+            "argument (or hidden_states=...), so it cannot pass its input through"
+        )
     return x
 
 
@@ -145,9 +148,11 @@ class PLDBlock:
             return x
         y = super().forward(*args, **kwargs)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-            raise TypeError(f"progressive_layer_drop: block {st.name!r} ({base_block_class(type(self)).__name__}) "
-                            f"returns {type(y).__name__}, not a tensor shaped like its input, so a dropped "
-                            "block cannot stand in for it; name other blocks with progressive_layer_drop.modules")
+            raise TypeError(
+                f"progressive_layer_drop: block {st.name!r} ({base_block_class(type(self)).__name__}) "
+                f"returns {type(y).__name__}, not a tensor shaped like its input, so a dropped "
+                "block cannot stand in for it; name other blocks with progressive_layer_drop.modules"
+            )
         if st.schedule.rescale and keep < 1.0:
             y = x + (y - x) / keep
         return y
@@ -181,6 +186,7 @@ def _new_pld_block(base: type):
 
 # --- which modules are blocks ----------------------------------------------------------------
 
+
 def _is_block(module: nn.Module) -> bool:
     """A transformer-style block: at least two sub-modules that hold parameters."""
     return sum(1 for c in module.children() if any(True for _ in c.parameters())) >= 2
@@ -211,8 +217,11 @@ def matched_blocks(model: nn.Module, patterns: Sequence[str]) -> List[List[Tuple
     for n in names:
         outer = next((o for o in names if n.startswith(o + ".")), None)
         if outer is not None:
-            raise ConfigError("progressive_layer_drop.modules", f"{n!r} lies inside {outer!r}, which is "
-                              "also selected; a block cannot be dropped inside a dropped block")
+            raise ConfigError(
+                "progressive_layer_drop.modules",
+                f"{n!r} lies inside {outer!r}, which is "
+                "also selected; a block cannot be dropped inside a dropped block",
+            )
     stacks: Dict[str, List[Tuple[str, nn.Module]]] = {}
     for n, m in hits:
         stacks.setdefault(n.rpartition(".")[0], []).append((n, m))
@@ -226,18 +235,20 @@ def apply_pld(model: nn.Module, pld_cfg) -> Optional[PLDSchedule]:
         return None
     if pld_schedule(model) is not None:
         raise ValueError("progressive_layer_drop is already applied to this model")
-    stacks = (matched_blocks(model, pld_cfg.modules) if pld_cfg.modules
-              else auto_blocks(model))
+    stacks = matched_blocks(model, pld_cfg.modules) if pld_cfg.modules else auto_blocks(model)
     if not stacks:
-        raise ConfigError("progressive_layer_drop.modules", f"no repeated blocks found in {type(model).__name__} "
-                          "(looked for ModuleLists of same-class blocks); name them with a regex, e.g. "
-                          "[\"encoder\\\\.layer\\\\.\\\\d+$\"]")
+        raise ConfigError(
+            "progressive_layer_drop.modules",
+            f"no repeated blocks found in {type(model).__name__} "
+            "(looked for ModuleLists of same-class blocks); name them with a regex, e.g. "
+            '["encoder\\\\.layer\\\\.\\\\d+$"]',
+        )
     sched = PLDSchedule(pld_cfg.theta, pld_cfg.gamma, pld_cfg.seed, pld_cfg.rescale)
     for stack in stacks:
         for depth, (name, mod) in enumerate(stack, start=1):
             state = PLDState(sched, name, len(sched.blocks), depth, len(stack))
             mod.__class__ = pld_class(type(mod))
-            mod.__dict__["qc_pld"] = state        # not a sub-module: nothing new in state_dict
+            mod.__dict__["qc_pld"] = state  # not a sub-module: nothing new in state_dict
             sched.blocks.append(state)
     return sched
 

@@ -6,6 +6,7 @@ the layer computes with exactly the weight the export writes. Forward is peft's 
 base(x) + B(A(dropout(x))) * scaling; the base's input gradient is computed from the codes again in
 backward rather than from a float copy of the weight kept by autograd.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -23,8 +24,9 @@ from .lora import OWN_PARAMS, STORED, adapter_weights, merge
 
 def _dequantize(mod, q, s, z, spec: Spec, dtype) -> torch.Tensor:
     """Codes as a float weight (the layer's layout and dtype), by the fake quantizer's own formula."""
-    w = dequantize(q, s, z, group_size=spec.group_size if spec.granularity == "group" else None,
-                   num_groups=spec.num_groups)
+    w = dequantize(
+        q, s, z, group_size=spec.group_size if spec.granularity == "group" else None, num_groups=spec.num_groups
+    )
     return mod._from_matrix_view(saturate(w, dtype).to(dtype).reshape(q.shape))
 
 
@@ -56,11 +58,11 @@ class StoredBaseMixin(QLoraForwardMixin):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        _point_codes(self)        # the buffers are new tensors after .to(): the codes follow
+        _point_codes(self)  # the buffers are new tensors after .to(): the codes follow
         return out
 
     def _load_from_state_dict(self, *args, **kwargs):
-        nn.Module._load_from_state_dict(self, *args, **kwargs)    # codes load in place, nothing to reset
+        nn.Module._load_from_state_dict(self, *args, **kwargs)  # codes load in place, nothing to reset
 
 
 _QLORA_CLASSES: Dict[tuple, type] = {}
@@ -71,8 +73,11 @@ def qlora_class(base: type, kind: str, stored: bool) -> type:
     key = (base, stored)
     if key not in _QLORA_CLASSES:
         mixin = StoredBaseMixin if stored else QLoraForwardMixin
-        _QLORA_CLASSES[key] = type(f"QLora{base.__name__}", (mixin, compress_class(base, kind)),
-                                   {"__module__": __name__, "qc_kind": kind, "_qc_stored": stored})
+        _QLORA_CLASSES[key] = type(
+            f"QLora{base.__name__}",
+            (mixin, compress_class(base, kind)),
+            {"__module__": __name__, "qc_kind": kind, "_qc_stored": stored},
+        )
     return _QLORA_CLASSES[key]
 
 
@@ -147,7 +152,7 @@ class _StoredMatmul(torch.autograd.Function):
         mod = ctx.mod
         w = mod.weight
         g2 = grad.reshape(-1, grad.size(-1))
-        mat = w if mod.qc_kind == "linear" else w.t()      # y = x W^T (Linear), x W (Conv1D)
+        mat = w if mod.qc_kind == "linear" else w.t()  # y = x W^T (Linear), x W (Conv1D)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = g2.to(mat.dtype).mm(mat).reshape(*grad.shape[:-1], mat.size(1))
@@ -160,7 +165,7 @@ class _StoredMatmul(torch.autograd.Function):
 def _base_op(mod, x, w, bias):
     if mod.qc_kind == "linear":
         return F.linear(x, w, bias)
-    size_out = x.size()[:-1] + (mod.nf,)     # transformers Conv1D, as its forward
+    size_out = x.size()[:-1] + (mod.nf,)  # transformers Conv1D, as its forward
     return torch.addmm(bias, x.reshape(-1, x.size(-1)), w).view(size_out)
 
 
@@ -208,4 +213,4 @@ def merge_in(mod) -> None:
         wq.baked = False
         wq.codes = wq.codes_spec = None
         if wq.range_observer != "minmax":
-            ranges.init_weight_ranges(mod)      # the search runs on the merged weight
+            ranges.init_weight_ranges(mod)  # the search runs on the merged weight

@@ -2,16 +2,18 @@
 
 AdamW moves each parameter by about lr per step whatever its gradient; at the weights' lr that is
 a sizeable share of a 4-bit scale per step, so learned scales in the weights' group random-walk
-instead of following their gradient, and QAD recovers less of the PTQ gap (benchmarks/results/quality.md). Weight decay would pull every scale towards 0.
+instead of following their gradient, and QAD recovers less of the PTQ gap
+(benchmarks/results/quality.md). Weight decay would pull every scale towards 0.
 `qcompress train` and qcompress.hf.CompressionTrainer build their default optimizer with these groups.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
 
 import torch
 
-RANGE_LR_FACTOR = 0.1   # learned ranges' lr relative to the weights' (see the docstring)
+RANGE_LR_FACTOR = 0.1  # learned ranges' lr relative to the weights' (see the docstring)
 
 
 def range_parameter_ids(model: Optional[torch.nn.Module]) -> set:
@@ -22,8 +24,10 @@ def range_parameter_ids(model: Optional[torch.nn.Module]) -> set:
     from .kv_cache import learned_parameter_ids
     from .layers import CompressMixin
     from .ranges import range_parameter_names
-    return {id(m._parameters[n]) for m in model.modules() if isinstance(m, CompressMixin)
-            for n in range_parameter_names(m)} | learned_parameter_ids(model)
+
+    return {
+        id(m._parameters[n]) for m in model.modules() if isinstance(m, CompressMixin) for n in range_parameter_names(m)
+    } | learned_parameter_ids(model)
 
 
 def split_range_groups(groups: List[dict], ids: set, lr: Optional[float] = None) -> List[dict]:

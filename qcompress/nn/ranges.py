@@ -23,6 +23,7 @@
   step; with range learning they initialise the learned Parameters instead. A gptq module used
   before it was solved is an error naming it, not a silent round-to-nearest.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -46,8 +47,11 @@ def range_parameter_names(mod) -> Tuple[str, ...]:
 
 def _claim(mod, name: str, path: str) -> None:
     if name in mod._parameters or name in mod._buffers or name in mod.__dict__ or name in mod._modules:
-        raise ConfigError(path, f"module {mod.qc_name!r} already has an attribute {name!r}, where range "
-                          "learning keeps its learned scale; turn range_learning off for this module")
+        raise ConfigError(
+            path,
+            f"module {mod.qc_name!r} already has an attribute {name!r}, where range "
+            "learning keeps its learned scale; turn range_learning off for this module",
+        )
 
 
 def _weight_view(mod, source: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -64,11 +68,11 @@ def register_weight_ranges(mod, path: str) -> None:
         _register_float_weight_ranges(mod, view, spec, path)
         return
     shape = scale_shape(view, spec)
-    if view.is_meta:     # a model built on the meta device: values come with its weights (reinit_after_load)
+    if view.is_meta:  # a model built on the meta device: values come with its weights (reinit_after_load)
         s = torch.empty(shape, dtype=torch.float32, device="meta")
         z = s if spec.kind == "int" and not spec.symmetric else None
     else:
-        s, z = observers.weight_params(view, spec, "minmax")    # placeholders: set when quantization starts
+        s, z = observers.weight_params(view, spec, "minmax")  # placeholders: set when quantization starts
     _claim(mod, "weight_scale", path)
     mod.register_parameter("weight_scale", nn.Parameter(s.reshape(shape).to(view.device)))
     if z is not None:
@@ -81,7 +85,7 @@ def _register_float_weight_ranges(mod, view, spec, path) -> None:
     if view.is_meta:
         s = torch.empty(shape, dtype=torch.float32, device="meta")
         g = torch.empty(1, dtype=torch.float32, device="meta")
-    else:       # placeholders: set when quantization starts
+    else:  # placeholders: set when quantization starts
         s, g = float_observers.learned_init(view, spec, *floats.qparams(view, spec))
     _claim(mod, "weight_scale", path)
     mod.register_parameter("weight_scale", nn.Parameter(s.reshape(shape).to(view.device)))
@@ -112,12 +116,14 @@ def register_input_ranges(mod, path: str) -> None:
 
 def unsolved_error(mod) -> ConfigError:
     wq = mod.qc_wq
-    return ConfigError(f"compression_training.weight_quantization.different_groups.{wq.group}.params.observer",
-                       f"module {mod.qc_name!r} uses observer gptq but its weights were never solved: call "
-                       "qcompress.calibrate_weight_ranges(model, batches) after init_compression (qcompress "
-                       "train does), or load an engine checkpoint saved after it (engine.load_checkpoint, "
-                       "qcompress export --checkpoint); a state_dict alone (qcompress export --weights) does "
-                       "not hold GPTQ's scales")
+    return ConfigError(
+        f"compression_training.weight_quantization.different_groups.{wq.group}.params.observer",
+        f"module {mod.qc_name!r} uses observer gptq but its weights were never solved: call "
+        "qcompress.calibrate_weight_ranges(model, batches) after init_compression (qcompress "
+        "train does), or load an engine checkpoint saved after it (engine.load_checkpoint, "
+        "qcompress export --checkpoint); a state_dict alone (qcompress export --weights) does "
+        "not hold GPTQ's scales",
+    )
 
 
 def check_solved(mod) -> None:
@@ -173,11 +179,11 @@ def init_weight_ranges(mod, source: Optional[torch.Tensor] = None) -> None:
     wq = mod.qc_wq
     if wq.solver is not None:
         wq.shrink = None
-        return           # the solver chose the scales (calibrate_weight_ranges), once
+        return  # the solver chose the scales (calibrate_weight_ranges), once
     spec = wq.spec()
     view = _weight_view(mod, source)
     if view.is_meta:
-        return           # no values to observe yet: reinit_after_load runs when weights arrive
+        return  # no values to observe yet: reinit_after_load runs when weights arrive
     search, moments, cross = observers.Search(*wq.range_search), input_moments(mod), input_cross(mod)
     if floats.is_float(spec):
         _init_float_weight_ranges(mod, view, spec, search)
@@ -207,8 +213,11 @@ def _init_float_weight_ranges(mod, view, spec, search) -> None:
     if wq.ranges_loaded:
         wq.ranges_loaded = False
         return
-    chosen = float_observers.scales_with_shrink(view, spec, float_observers.mse_shrink(view, spec, search)) \
-        if mse else floats.qparams(view, spec)
+    chosen = (
+        float_observers.scales_with_shrink(view, spec, float_observers.mse_shrink(view, spec, search))
+        if mse
+        else floats.qparams(view, spec)
+    )
     s, g = float_observers.learned_init(view, spec, *chosen)
     mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
     if g is not None:
@@ -221,10 +230,10 @@ def reinit_after_load(mod) -> None:
     the first quantization, instead of keeping those observed on the weights they replaced."""
     wq = mod.qc_wq
     if wq.solver is not None and not wq.baked:
-        wq.solved = None     # solved for other weights; a checkpoint's compression state restores its own
+        wq.solved = None  # solved for other weights; a checkpoint's compression state restores its own
         return
     if wq.baked or not wq.active or (wq.range_observer == "minmax" and not wq.range_learning):
-        return           # minmax ranges follow the weight anyway; inactive: set when it turns on
+        return  # minmax ranges follow the weight anyway; inactive: set when it turns on
     # optimizer-step mode too: the loaded weight is the next step's master (the store was reset),
     # and a CompressionScheduler.load_state_dict after this puts a resumed run's own ranges back
     init_weight_ranges(mod)
@@ -235,8 +244,9 @@ def weight_params(mod, view: torch.Tensor, spec):
     wq = mod.qc_wq
     check_solved(mod)
     if wq.range_learning:
-        return learned_params(mod.weight_scale, mod._parameters.get("weight_zero_point") if spec.kind == "int"
-                              else None, spec)
+        return learned_params(
+            mod.weight_scale, mod._parameters.get("weight_zero_point") if spec.kind == "int" else None, spec
+        )
     if wq.solved:
         s, z = wq.solved
         return s.to(view.device), None if z is None else z.to(view.device)
@@ -251,8 +261,7 @@ def float_weight_params(mod, view: torch.Tensor, spec):
     wq = mod.qc_wq
     check_solved(mod)
     if wq.range_learning:
-        return float_observers.learned_scales(view, spec, mod.weight_scale,
-                                              mod._parameters.get("weight_global_scale"))
+        return float_observers.learned_scales(view, spec, mod.weight_scale, mod._parameters.get("weight_global_scale"))
     if wq.solved:
         s, g = wq.solved
         return s.to(view.device), None if g is None else g.to(view.device)

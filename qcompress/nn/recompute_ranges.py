@@ -8,6 +8,7 @@ not the one the forward quantized with. torch's non-reentrant checkpoint takes a
 giving one context for the forward and one for its recompute, per checkpointed call: the forward
 context records each module's range in call order, the recompute context replays them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 Range = Tuple[torch.Tensor, torch.Tensor]
-_local = threading.local()      # autograd runs a CUDA backward (and its recomputes) on a thread of its own
+_local = threading.local()  # autograd runs a CUDA backward (and its recomputes) on a thread of its own
 
 
 class RangeLog:
@@ -41,7 +42,7 @@ class _Entered:
 
     def __enter__(self):
         if self.mode == "replay":
-            self.log.next = {}          # a second backward through a retained graph replays from the start
+            self.log.next = {}  # a second backward through a retained graph replays from the start
         _stack().append((self.mode, self.log))
 
     def __exit__(self, *exc):

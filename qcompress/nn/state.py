@@ -5,6 +5,7 @@ module's state_dict (keys stay those of the original model); the CompressionSche
 Tensors held here follow the module on .to()/.cuda()/.half() (CompressMixin._apply calls
 MasterState.follow) and are dropped when a state_dict is loaded into the module.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,9 +27,9 @@ class MasterState:
     embeddings) share one MasterState, so the weight has one master and cannot drift."""
 
     def __init__(self):
-        self.master: Optional[torch.Tensor] = None    # float32, on the weight's device
-        self.applied: Optional[torch.Tensor] = None   # weight's dtype and device
-        self.codes: Optional[tuple] = None            # (q, scale, zero_point) behind `applied`
+        self.master: Optional[torch.Tensor] = None  # float32, on the weight's device
+        self.applied: Optional[torch.Tensor] = None  # weight's dtype and device
+        self.codes: Optional[tuple] = None  # (q, scale, zero_point) behind `applied`
         self.codes_spec: Optional[Spec] = None
         # observer_kwargs.weight_by: inputs: the diagonal blocks of E[x x^T] of the input the weight
         # multiplies (float64 [blocks, b, b], CPU; observers.input_weighting), recorded by
@@ -52,7 +53,7 @@ class MasterState:
         dev = weight.device
         held = [t for t in (self.master, self.applied, *(self.codes or ())) if t is not None]
         if not weight.is_meta and any(t.is_meta for t in held):
-            self.reset()       # to_empty(): the values are gone; re-read the weight next step
+            self.reset()  # to_empty(): the values are gone; re-read the weight next step
             return
         if self.master is not None:
             self.master = self.master.to(dev)
@@ -62,58 +63,77 @@ class MasterState:
             self.codes = tuple(None if t is None else t.to(dev) for t in self.codes)
 
 
-_WEIGHT_SETTINGS = ("start_bits", "target_bits", "period", "growth", "offset", "symmetric",
-                    "granularity", "group_size", "num_groups", "rounding", "numerics", "ternary",
-                    "in_forward", "mix_enabled", "change_ratio", "range_observer", "range_search",
-                    "range_learning", "format", "solver", "solver_kwargs")
+_WEIGHT_SETTINGS = (
+    "start_bits",
+    "target_bits",
+    "period",
+    "growth",
+    "offset",
+    "symmetric",
+    "granularity",
+    "group_size",
+    "num_groups",
+    "rounding",
+    "numerics",
+    "ternary",
+    "in_forward",
+    "mix_enabled",
+    "change_ratio",
+    "range_observer",
+    "range_search",
+    "range_learning",
+    "format",
+    "solver",
+    "solver_kwargs",
+)
 
 
 def _delegate(attr):
-    return property(lambda self: getattr(self.store, attr),
-                    lambda self, value: setattr(self.store, attr, value))
+    return property(lambda self: getattr(self.store, attr), lambda self, value: setattr(self.store, attr, value))
 
 
 @dataclass
 class WeightQuant:
     """One module's weight-quantization settings (from its group) and live schedule state."""
+
     group: str
     start_bits: int
     target_bits: int
     period: int
-    growth: str                    # "exponential" (DeepSpeed's doubling) or "linear"
-    offset: int                    # schedule_offset
+    growth: str  # "exponential" (DeepSpeed's doubling) or "linear"
+    offset: int  # schedule_offset
     symmetric: bool
-    granularity: str               # tensor | channel | group | groups (DeepSpeed quantize_groups)
+    granularity: str  # tensor | channel | group | groups (DeepSpeed quantize_groups)
     group_size: Optional[int]
     num_groups: Optional[int]
     rounding: str
     numerics: str
     ternary: bool
     clip_grad: bool
-    in_forward: bool               # quantize_weight_in_forward
-    mix_enabled: bool              # fp16_mixed_quantize
+    in_forward: bool  # quantize_weight_in_forward
+    mix_enabled: bool  # fp16_mixed_quantize
     change_ratio: float
     seed: int
     range_observer: str = "minmax"  # minmax | mse (qcompress.quant.observers)
     range_search: tuple = DEFAULT_SEARCH_FIELDS  # mse: observers.Search's fields, a plain tuple
     #                                              (a pickled model loads with weights_only)
-    range_learning: bool = False   # scales (zero points) are the module's weight_scale (_zero_point) Parameters
-    format: object = "int"         # a format name or ((bits, name), ...): config/formats.py
+    range_learning: bool = False  # scales (zero points) are the module's weight_scale (_zero_point) Parameters
+    format: object = "int"  # a format name or ((bits, name), ...): config/formats.py
     # live state
     active: bool = False
     bits: int = 0
-    mix_ratio: float = 0.0         # share of the full-precision weight in the blend
-    step: int = 0                  # training step the current bits/seed belong to
-    baked: bool = False            # redundancy_clean wrote the quantized weight in
+    mix_ratio: float = 0.0  # share of the full-precision weight in the blend
+    step: int = 0  # training step the current bits/seed belong to
+    baked: bool = False  # redundancy_clean wrote the quantized weight in
     shrink: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     # ^ mse observer, no range learning: each group's shrink factor, chosen at the first
     #   quantization and at each bit drop, applied to the group's current range in every forward
-    ranges_loaded: bool = False    # learned scales came with a loaded state_dict: the next range
+    ranges_loaded: bool = False  # learned scales came with a loaded state_dict: the next range
     #                                (re)initialisation keeps them (a model rebuilt from trained weights)
-    pending_ranges: bool = False   # optimizer-step mode: re-run the observer on the updated master
-    per_expert: bool = False       # fused experts at granularity tensor: a channel of [E, out * in] each
-    solver: Optional[str] = None   # "gptq": the weights are solved on calibration data (calibrate/gptq.py)
-    solver_kwargs: tuple = ()      # quant.gptq.Settings' damp, block_size, act_order, and `sequential`
+    pending_ranges: bool = False  # optimizer-step mode: re-run the observer on the updated master
+    per_expert: bool = False  # fused experts at granularity tensor: a channel of [E, out * in] each
+    solver: Optional[str] = None  # "gptq": the weights are solved on calibration data (calibrate/gptq.py)
+    solver_kwargs: tuple = ()  # quant.gptq.Settings' damp, block_size, act_order, and `sequential`
     solved: Optional[tuple] = field(default=None, repr=False, compare=False)
     # ^ the solver's scales, fixed from then on: integers (scale [groups], zero point or None),
     #   float formats (scale as floats.qparams shapes it, global scale or None); () when they were
@@ -121,8 +141,9 @@ class WeightQuant:
     store: MasterState = field(default_factory=MasterState, repr=False, compare=False)
     # `step` as a 0-d int64 CPU tensor, filled in place whenever step is set: compiled graphs take
     # it as an input (stochastic rounding), so a new step does not compile a new graph
-    step_tensor: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
-                                      repr=False, compare=False)
+    step_tensor: torch.Tensor = field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int64), repr=False, compare=False
+    )
 
     def __post_init__(self):
         self.step_tensor.fill_(self.step)
@@ -160,21 +181,27 @@ class WeightQuant:
 
     def spec(self) -> Spec:
         fmt = format_at(self.format, self.bits)
-        if fmt != "int":       # a float format (quant/floats.py) at the bits in force
+        if fmt != "int":  # a float format (quant/floats.py) at the bits in force
             return float_spec(fmt, self.granularity, self.group_size)
         step = None
         if self.rounding != "stochastic":
             seed = 0
         elif torch.compiler.is_compiling() and self.step_as_input():
-            seed, step = self.seed, self.step_tensor   # mixed inside the op: one graph for all steps
+            seed, step = self.seed, self.step_tensor  # mixed inside the op: one graph for all steps
         else:
             seed = rng.mix_seed(self.seed, self.step)
-        return make_spec(self.bits, symmetric=self.symmetric,
-                         granularity="tensor" if self.granularity == "groups" else self.granularity,
-                         group_size=self.group_size,
-                         num_groups=self.num_groups if self.granularity == "groups" else None,
-                         rounding=self.rounding, seed=seed, numerics=self.numerics,
-                         ternary=self.ternary, step=step)
+        return make_spec(
+            self.bits,
+            symmetric=self.symmetric,
+            granularity="tensor" if self.granularity == "groups" else self.granularity,
+            group_size=self.group_size,
+            num_groups=self.num_groups if self.granularity == "groups" else None,
+            rounding=self.rounding,
+            seed=seed,
+            numerics=self.numerics,
+            ternary=self.ternary,
+            step=step,
+        )
 
     def describe(self) -> str:
         if self.granularity == "group":
@@ -198,22 +225,23 @@ class WeightQuant:
 @dataclass
 class ActQuant:
     """One module's input-activation quantization."""
+
     group: str
     bits: int
     symmetric: bool
-    calibration: str               # dynamic | static
+    calibration: str  # dynamic | static
     offset: int
-    per: str                       # token (Linear) | sample (Conv)
+    per: str  # token (Linear) | sample (Conv)
     active: bool = False
     observer: StaticRange = field(default_factory=StaticRange)
     range_observer: str = "minmax"  # static ranges: minmax | mse (each batch's range shrunk)
     range_search: tuple = DEFAULT_SEARCH_FIELDS  # mse: observers.Search's fields
-    range_learning: bool = False   # static range learned: the module's input_scale (_zero_point)
-    learned_ready: bool = False    # the learned range was initialised from the observer
-    fused: bool = True             # fused forward/backward keeping int8 codes (qcompress.nn.fused)
-    share_input: bool = True       # siblings fed the same tensor quantize it once (dynamic ranges)
-    int8_forward: object = False   # True | False | "auto": forward multiplies the integer codes (nn.int8_forward)
-    format: str = "int"            # int | fp8_e4m3 | nvfp4 | mxfp4 | mxfp8 (quant/floats.py)
+    range_learning: bool = False  # static range learned: the module's input_scale (_zero_point)
+    learned_ready: bool = False  # the learned range was initialised from the observer
+    fused: bool = True  # fused forward/backward keeping int8 codes (qcompress.nn.fused)
+    share_input: bool = True  # siblings fed the same tensor quantize it once (dynamic ranges)
+    int8_forward: object = False  # True | False | "auto": forward multiplies the integer codes (nn.int8_forward)
+    format: str = "int"  # int | fp8_e4m3 | nvfp4 | mxfp4 | mxfp8 (quant/floats.py)
     group_size: Optional[int] = None  # float formats, dynamic: one scale per group_size inputs
 
     def describe(self) -> str:

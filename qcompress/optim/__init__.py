@@ -53,6 +53,7 @@ Contract with the caller (the qcompress engine, a DDP hook, or a hand-written lo
 * Every rank must call step() the same number of times (the compressed all-reduce is collective).
   A parameter without a gradient counts as a zero gradient in the compression stage.
 """
+
 from .build import build_optimizer
 from .lamb import Lamb
 from .onebit_adam import OneBitAdam

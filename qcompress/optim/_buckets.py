@@ -18,6 +18,7 @@ first all-reduce, so errors restored from a checkpoint are checked against it th
 another layout, they are dropped with a warning. The layouts are global facts, identical on every
 rank, so every rank drops or keeps its errors alike (no rank is left waiting in a collective).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,9 @@ def is_frozen(p: torch.Tensor) -> bool:
 
 def param_names(groups) -> List[str]:
     """'param_groups[i].params[j] (shape ...)' for each parameter, in layout order (error messages)."""
-    return [f"param_groups[{i}].params[{j}] (shape {tuple(p.shape)})"
-            for i, g in groups for j, p in enumerate(g["params"])]
+    return [
+        f"param_groups[{i}].params[{j}] (shape {tuple(p.shape)})" for i, g in groups for j, p in enumerate(g["params"])
+    ]
 
 
 class Buckets:
@@ -52,12 +54,21 @@ class Buckets:
     requires_grad flags, so every rank rebuilds alike. Off (ZeRO-1 sharding, whose owned slices
     follow the layout), frozen parameters keep their place and send zeros."""
 
-    def __init__(self, params: List[torch.Tensor], bucket_size: int, group=None,
-                 compressor="onebit", comm_hierarchy=None, owner: str = "optimizer", per_tensor: bool = False,
-                 skip_frozen: bool = False, pending=None):
+    def __init__(
+        self,
+        params: List[torch.Tensor],
+        bucket_size: int,
+        group=None,
+        compressor="onebit",
+        comm_hierarchy=None,
+        owner: str = "optimizer",
+        per_tensor: bool = False,
+        skip_frozen: bool = False,
+        pending=None,
+    ):
         self.params = list(params)
         self.skip_frozen = bool(skip_frozen)
-        self.pending = pending   # p -> bool: a frozen tensor that still has an update to average
+        self.pending = pending  # p -> bool: a frozen tensor that still has an update to average
         self.bucket_size = int(bucket_size)
         self.group = group
         self.compressor = compressor
@@ -66,14 +77,15 @@ class Buckets:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.states = None  # one qcompress.comm.OneBitState per bucket, made on first use
         self.owner = owner  # names the optimizer in warnings
-        self.nodes = None   # node layout the errors belong to: None = flat, else lists of ranks
+        self.nodes = None  # node layout the errors belong to: None = flat, else lists of ranks
         self._resolved = False
         self._hier = None
         self._build(self._active_now())
 
     def _active_now(self) -> tuple:
-        return tuple(not (self.skip_frozen and is_frozen(p) and not (self.pending and self.pending(p)))
-                     for p in self.params)
+        return tuple(
+            not (self.skip_frozen and is_frozen(p) and not (self.pending and self.pending(p))) for p in self.params
+        )
 
     def _build(self, active: tuple) -> None:
         """The bucket layout over the parameters marked active."""
@@ -89,7 +101,7 @@ class Buckets:
                 start += n
         else:
             self.ranges = [(s, min(s + self.bucket_size, self.total)) for s in range(0, self.total, self.bucket_size)]
-        self._flat = None   # persistent float32 staging buffer: no 4N-byte allocation per step
+        self._flat = None  # persistent float32 staging buffer: no 4N-byte allocation per step
         self._views = None  # one view of _flat per parameter in self.params, None where not active
 
     def _follow_freezing(self) -> None:
@@ -97,15 +109,20 @@ class Buckets:
         if active == self.active:
             return
         if self.states is not None:
-            log.warning("%s: the set of parameters that require grad (or still have an update to average) "
-                        "changed; the compressed layout now covers %d of %d parameters and the compression "
-                        "errors restart from zero",
-                        self.owner, sum(active), len(active))
+            log.warning(
+                "%s: the set of parameters that require grad (or still have an update to average) "
+                "changed; the compressed layout now covers %d of %d parameters and the compression "
+                "errors restart from zero",
+                self.owner,
+                sum(active),
+                len(active),
+            )
         self.states = None
         self._build(active)
 
     def _new_states(self):
         from ..comm import OneBitState
+
         return [OneBitState() for _ in self.ranges]
 
     def allreduce_(self, tensors: List[torch.Tensor]) -> None:
@@ -134,14 +151,15 @@ class Buckets:
         return self._views
 
     @staticmethod
-    def momentum_slot(stage: Optional[List[torch.Tensor]], k: int, m: torch.Tensor,
-                      frozen: bool) -> Optional[torch.Tensor]:
+    def momentum_slot(
+        stage: Optional[List[torch.Tensor]], k: int, m: torch.Tensor, frozen: bool
+    ) -> Optional[torch.Tensor]:
         """Where parameter k's new momentum is built: its staging view holding a copy of m (the
         state changes only once the collective succeeds), or m itself at one rank (stage None).
         A frozen parameter's view is zeroed and None returned: every rank keeps the same layout."""
         view = None if stage is None else stage[k]
         if frozen:
-            if view is not None:   # in the layout (skip_frozen off, or frozen since it was built)
+            if view is not None:  # in the layout (skip_frozen off, or frozen since it was built)
                 view.zero_()
             return None
         out = m if stage is None else view.view_as(m)
@@ -156,19 +174,22 @@ class Buckets:
         (names[i], else its index), and the error-feedback state is left unchanged."""
         from ..comm import compressed_allreduce
         from ..errors import NonFiniteError
+
         hier = self._resolve()
         if self.states is None:
             self.states = self._new_states()
         if not self.ranges:
-            return          # every parameter is frozen: nothing to send
+            return  # every parameter is frozen: nothing to send
         flat = self._flat
         pieces = [flat[s:e] for s, e in self.ranges]
         if self.per_tensor and hier is None:
             # many small buffers: their rows share the two collectives of one call (latency)
             from ..comm.allreduce import flat_compressed_allreduce_many
             from ..comm.compressors import get_compressor
-            outs, finite = flat_compressed_allreduce_many(pieces, self.states, self.group,
-                                                          get_compressor(self.compressor))
+
+            outs, finite = flat_compressed_allreduce_many(
+                pieces, self.states, self.group, get_compressor(self.compressor)
+            )
         else:
             # a later bucket failing must not leave earlier buckets' errors advanced (errors are
             # replaced, not written into, by each call: keeping the references is the snapshot)
@@ -176,8 +197,15 @@ class Buckets:
             outs, finite = [], True
             for piece, state in zip(pieces, self.states):
                 try:
-                    outs.append(compressed_allreduce(piece, state, self.group, compressor=self.compressor,
-                                                     hierarchy="flat" if hier is None else hier))
+                    outs.append(
+                        compressed_allreduce(
+                            piece,
+                            state,
+                            self.group,
+                            compressor=self.compressor,
+                            hierarchy="flat" if hier is None else hier,
+                        )
+                    )
                 except NonFiniteError:  # raised on every rank alike: all leave the loop here
                     finite = False
                     for st, (we, se, name) in zip(self.states, saved):
@@ -198,22 +226,29 @@ class Buckets:
                 name = names[i] if names is not None else f"parameter {i} of the compressed layout"
                 where = f"on this rank it is {name}"
                 break
-        return (f"{self.owner}: the compressed quantity holds NaN or Inf on at least one rank; {where}. Every "
-                "rank raises this before changing the optimizer state or the error feedback, so the step can "
-                "be skipped")
+        return (
+            f"{self.owner}: the compressed quantity holds NaN or Inf on at least one rank; {where}. Every "
+            "rank raises this before changing the optimizer state or the error feedback, so the step can "
+            "be skipped"
+        )
 
     def _resolve(self):
         """The Hierarchy this run uses (None: flat); collective the first time (hostnames). Drops
         restored errors made under another node layout (on every rank alike, see the module doc)."""
         if not self._resolved:
             from ..comm.hierarchy import resolve_hierarchy
+
             self._hier = resolve_hierarchy(self.hierarchy, self.group, self.device)
             self._resolved = True
             nodes = None if self._hier is None else [list(n) for n in self._hier.nodes]
             if self.states is not None and self.nodes != nodes:
-                log.warning("%s: compression errors reset at the first step after loading (they were made for "
-                            "node layout %s, this run has %s); training continues with zero error feedback",
-                            self.owner, _describe(self.nodes), _describe(nodes))
+                log.warning(
+                    "%s: compression errors reset at the first step after loading (they were made for "
+                    "node layout %s, this run has %s); training continues with zero error feedback",
+                    self.owner,
+                    _describe(self.nodes),
+                    _describe(nodes),
+                )
                 self.states = None
             self.nodes = nodes
         return self._hier
@@ -224,8 +259,12 @@ class Buckets:
     # ----------------------------------------------------------------- checkpointing
     def layout(self) -> dict:
         name = lambda x: x if isinstance(x, str) else type(x).__name__  # noqa: E731
-        out = {"bucket_size": self.bucket_size, "numels": list(self.numels),
-               "compressor": name(self.compressor), "hierarchy": name(self.hierarchy)}
+        out = {
+            "bucket_size": self.bucket_size,
+            "numels": list(self.numels),
+            "compressor": name(self.compressor),
+            "hierarchy": name(self.hierarchy),
+        }
         if self.per_tensor:
             out["per_tensor"] = True
         if not all(self.active):

@@ -1,4 +1,5 @@
 """torch.distributed helpers that also work when no process group exists (world size 1)."""
+
 from __future__ import annotations
 
 from typing import Iterable, List
@@ -39,7 +40,7 @@ def average_(tensors: List[torch.Tensor], group=None) -> None:
         offset = 0
         for t in items:
             n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
+            t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
 

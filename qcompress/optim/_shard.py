@@ -15,6 +15,7 @@ of not holding the full variance on every rank. In hierarchical mode (comm_hiera
 chunks are still the flat P-way chunks: ownership is a bookkeeping choice and does not have to
 match who serves what for the results to be exact.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
@@ -29,6 +30,7 @@ class Shards:
 
     def __init__(self, params: List[torch.Tensor], buckets, group=None):
         from ..comm.allreduce import padded_length
+
         self.params = list(params)
         self.group = group
         self.world = _dist.world_size(group)
@@ -80,7 +82,7 @@ class Shards:
         """Copy this rank's owned values (1-D, from `owned`) into p."""
         flat = p.view(-1)  # parameters are contiguous; view() raises otherwise instead of copying
         for lo, hi, so, _ in self.segments[id(p)][0]:
-            flat[lo:hi].copy_(values[so:so + hi - lo])
+            flat[lo:hi].copy_(values[so : so + hi - lo])
 
     def gather(self, owned_of: Callable[[torch.Tensor], torch.Tensor], dtype) -> List[torch.Tensor]:
         """Every parameter's full flat vector, assembled from each rank's owned values
@@ -90,10 +92,11 @@ class Shards:
         for p in self.params:
             values = owned_of(p)
             for lo, hi, so, ob in self.segments[id(p)][0]:
-                own[ob:ob + hi - lo].copy_(values[so:so + hi - lo])
+                own[ob : ob + hi - lo].copy_(values[so : so + hi - lo])
         if self.world > 1:
             from ..comm.stats import add as _count_bytes
             from ..comm.allreduce import _all_gather_flat
+
             out = torch.empty(self.world * self.own_len, dtype=dtype, device=device)
             _all_gather_flat(out, own, group=self.group)
             nbytes = (self.world - 1) * self.own_len * own.element_size()
@@ -106,10 +109,10 @@ class Shards:
                 a, b = start + q * c, min(start + (q + 1) * c, end)
                 if a < b:
                     src = q * self.own_len + ob
-                    full[a:b].copy_(out[src:src + b - a])
+                    full[a:b].copy_(out[src : src + b - a])
         pieces, offset = [], 0
         for p in self.params:
-            pieces.append(full[offset:offset + p.numel()])
+            pieces.append(full[offset : offset + p.numel()])
             offset += p.numel()
         return pieces
 
@@ -126,4 +129,3 @@ class Shards:
         """Full boolean masks from each rank's owned boolean values (used once, at the freeze)."""
         full = self.gather(lambda p: owned_mask_of(p).to(torch.uint8), torch.uint8)
         return [f.bool() for f in full]
-

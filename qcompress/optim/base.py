@@ -12,6 +12,7 @@ state, as torch's AdamW leaves it. The compressed stages still fill its slot of 
 rank agrees on which tensors have a gradient (progressive layer drop decides alike on every
 rank).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,18 +46,25 @@ def check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size,
     if isinstance(compressor, str):
         # checked now: it is first used at freeze_step, possibly hours into the run
         from ..comm.compressors import available_compressors
+
         if compressor.lower() not in available_compressors():
-            raise ValueError(f"unknown compressor {compressor!r}; known: "
-                             f"{', '.join(available_compressors())} (qcompress.comm.register_compressor adds one)")
+            raise ValueError(
+                f"unknown compressor {compressor!r}; known: "
+                f"{', '.join(available_compressors())} (qcompress.comm.register_compressor adds one)"
+            )
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
     if isinstance(comm_hierarchy, str) or comm_hierarchy is None:
         if comm_hierarchy not in (None, "auto", "flat", "node"):
-            raise ValueError(f"comm_hierarchy must be None ('auto': hierarchical when ranks span hosts), "
-                             f"'flat', 'node' or a qcompress.comm.Hierarchy, got {comm_hierarchy!r}")
+            raise ValueError(
+                f"comm_hierarchy must be None ('auto': hierarchical when ranks span hosts), "
+                f"'flat', 'node' or a qcompress.comm.Hierarchy, got {comm_hierarchy!r}"
+            )
     elif not hasattr(comm_hierarchy, "allreduce"):
-        raise ValueError(f"comm_hierarchy must be None, 'flat', 'node' or a qcompress.comm.Hierarchy, "
-                         f"got {type(comm_hierarchy).__name__}")
+        raise ValueError(
+            f"comm_hierarchy must be None, 'flat', 'node' or a qcompress.comm.Hierarchy, "
+            f"got {type(comm_hierarchy).__name__}"
+        )
 
 
 def check_positive_int(name, value, minimum=1):
@@ -69,8 +77,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     _COUNTERS: Dict[str, object] = {}
 
-    def __init__(self, params, defaults, *, group=None, compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE,
-                 comm_hierarchy=None, ddp_hook_state=None, scale_per_tensor=False):
+    def __init__(
+        self,
+        params,
+        defaults,
+        *,
+        group=None,
+        compressor="onebit",
+        bucket_size=DEFAULT_BUCKET_SIZE,
+        comm_hierarchy=None,
+        ddp_hook_state=None,
+        scale_per_tensor=False,
+    ):
         if not isinstance(scale_per_tensor, bool):
             raise ValueError(f"scale_per_tensor must be true or false, got {scale_per_tensor!r}")
         super().__init__(params, defaults)
@@ -103,8 +121,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param_groups[{index}].exp_avg_mask must be a tensor")
             total = sum(p.numel() for p in g["params"])
             if mask.numel() != total:
-                raise ValueError(f"param_groups[{index}].exp_avg_mask has {mask.numel()} elements; it must cover "
-                                 f"the group's parameters flattened in order ({total} elements)")
+                raise ValueError(
+                    f"param_groups[{index}].exp_avg_mask has {mask.numel()} elements; it must cover "
+                    f"the group's parameters flattened in order ({total} elements)"
+                )
 
     def add_param_group(self, param_group):
         if getattr(self, "_buckets", None) is not None:
@@ -135,6 +155,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         after every step the optimizer switches the hook between all-reducing (warmup, 0/1 Adam variance
         steps) and sending nothing (compression stage). Returns the hook state."""
         from .. import comm
+
         state = comm.OneBitDDPHookState(process_group=self.comm_group)
         ddp_model.register_comm_hook(state, comm.onebit_ddp_hook)
         self._hook_states.append(state)
@@ -165,11 +186,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _get_buckets(self) -> Buckets:
         if self._buckets is None:
-            self._buckets = Buckets(self._compressed_params(), self.bucket_size, self.comm_group,
-                                    self.compressor, self.comm_hierarchy, owner=type(self).__name__,
-                                    per_tensor=self.scale_per_tensor,
-                                    skip_frozen=not getattr(self, "shard_state", False),
-                                    pending=self._pending_update)
+            self._buckets = Buckets(
+                self._compressed_params(),
+                self.bucket_size,
+                self.comm_group,
+                self.compressor,
+                self.comm_hierarchy,
+                owner=type(self).__name__,
+                per_tensor=self.scale_per_tensor,
+                skip_frozen=not getattr(self, "shard_state", False),
+                pending=self._pending_update,
+            )
         return self._buckets
 
     def _pending_update(self, p) -> bool:
@@ -188,7 +215,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 offset = 0
                 for q in g["params"]:
                     n = q.numel()
-                    self._masks[id(q)] = flat[offset:offset + n].to(device=q.device, dtype=torch.float32).view_as(q)
+                    self._masks[id(q)] = flat[offset : offset + n].to(device=q.device, dtype=torch.float32).view_as(q)
                     offset += n
         return self._masks.get(id(p))
 
@@ -238,7 +265,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not group["bias_correction"]:
             return 1.0, 1.0
         b1, b2 = group["betas"]
-        return 1 - b1 ** steps_m, (1 - b2 ** steps_v) ** 0.5
+        return 1 - b1**steps_m, (1 - b2**steps_v) ** 0.5
 
     def frozen_denom(self, p, exp_avg_sq, bc2_sqrt, eps) -> torch.Tensor:
         """sqrt(v)/sqrt(bc2) + eps for a frozen variance, computed once (it is the costliest part of
@@ -282,8 +309,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         extra = state_dict.get("qcompress")
         if extra is None or extra.get("optimizer") != type(self).__name__:
             found = "a plain torch optimizer" if extra is None else extra.get("optimizer")
-            raise ValueError(f"this state dict was not saved by qcompress.optim.{type(self).__name__} "
-                             f"(it comes from {found})")
+            raise ValueError(
+                f"this state dict was not saved by qcompress.optim.{type(self).__name__} (it comes from {found})"
+            )
 
     def load_state_dict(self, state_dict):
         CompressedOptimizer.check_state_dict(self, state_dict)
@@ -304,8 +332,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for sg, g in zip(saved_groups, self.param_groups):
             for pid, p in zip(sg["params"], g["params"]):
                 if pid in saved_state:
-                    self.state[p] = {k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
-                                     for k, v in saved_state[pid].items()}
+                    self.state[p] = {
+                        k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
+                        for k, v in saved_state[pid].items()
+                    }
         self.counters = _copy_counters(extra["counters"])
         self._buckets = None
         buckets = self._get_buckets()
@@ -318,11 +348,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 # first step (resolving it may need a collective, which load_state_dict must not issue).
                 buckets.load_errors(errors, _saved_nodes(extra))
             else:
-                why = (f"world size/rank {extra['world_size']}/{extra['rank']} -> "
-                       f"{self.world_size}/{_dist.rank(self.comm_group)}" if not same_ws
-                       else "the compression bucket layout changed")
-                log.warning("%s: compression errors reset on load (%s); training continues with zero error "
-                            "feedback", type(self).__name__, why)
+                why = (
+                    f"world size/rank {extra['world_size']}/{extra['rank']} -> "
+                    f"{self.world_size}/{_dist.rank(self.comm_group)}"
+                    if not same_ws
+                    else "the compression bucket layout changed"
+                )
+                log.warning(
+                    "%s: compression errors reset on load (%s); training continues with zero error feedback",
+                    type(self).__name__,
+                    why,
+                )
         self._after_load()
         self._notify_hooks()
 

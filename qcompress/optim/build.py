@@ -4,6 +4,7 @@ Type names follow DeepSpeed, case-insensitively. As in DeepSpeed's engine, type 
 AdamW (decoupled weight decay) unless params say "adam_w_mode": false, which gives torch.optim.Adam;
 "AdamW" is always torch.optim.AdamW.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,11 +29,11 @@ _NO_SHARD = {"zerooneadam": ZeroOneAdam.NO_SHARD, "onebitlamb": OneBitLamb.NO_SH
 _ADAM_IGNORED = ("torch_adam", "fused")
 
 
-def _accepted(cls, drop=("self", "params", "deepspeed", "group", "ddp_hook_state",
-                           "shard_state")):
+def _accepted(cls, drop=("self", "params", "deepspeed", "group", "ddp_hook_state", "shard_state")):
     sig = inspect.signature(cls.__init__)
-    return [n for n, p in sig.parameters.items() if n not in drop and p.kind != p.VAR_KEYWORD
-            and p.kind != p.VAR_POSITIONAL]
+    return [
+        n for n, p in sig.parameters.items() if n not in drop and p.kind != p.VAR_KEYWORD and p.kind != p.VAR_POSITIONAL
+    ]
 
 
 def _split(cfg):
@@ -40,8 +41,10 @@ def _split(cfg):
         unknown = set(cfg) - {"type", "params"}
         if unknown:
             key = sorted(unknown)[0]
-            raise ConfigError(f"optimizer.{key}", f"unknown key{did_you_mean(key, ['type', 'params'])}; "
-                              "an optimizer section has 'type' and 'params'")
+            raise ConfigError(
+                f"optimizer.{key}",
+                f"unknown key{did_you_mean(key, ['type', 'params'])}; an optimizer section has 'type' and 'params'",
+            )
         kind, params = cfg.get("type"), cfg.get("params", {})
     else:
         kind, params = getattr(cfg, "type", None), getattr(cfg, "params", None)
@@ -57,12 +60,18 @@ def _split(cfg):
 def _check_keys(params: dict, allowed, kind):
     for key in params:
         if key == "max_grad_norm":
-            raise ConfigError(f"{_PATH}.max_grad_norm", "is not an optimizer parameter; use the top-level "
-                              "'gradient_clipping' setting (DeepSpeed rejects it too)")
+            raise ConfigError(
+                f"{_PATH}.max_grad_norm",
+                "is not an optimizer parameter; use the top-level "
+                "'gradient_clipping' setting (DeepSpeed rejects it too)",
+            )
         if key not in allowed:
             allowed = [a for a in allowed if a != "max_grad_norm"]
-            raise ConfigError(f"{_PATH}.{key}", f"unknown parameter for optimizer {kind!r}"
-                              f"{did_you_mean(key, allowed)}; allowed: {', '.join(sorted(allowed))}")
+            raise ConfigError(
+                f"{_PATH}.{key}",
+                f"unknown parameter for optimizer {kind!r}"
+                f"{did_you_mean(key, allowed)}; allowed: {', '.join(sorted(allowed))}",
+            )
 
 
 _NUMBERS = ("lr", "eps", "weight_decay", "momentum", "dampening")
@@ -72,8 +81,10 @@ _FLAGS = ("amsgrad", "nesterov")
 def _check_torch_params(params: dict) -> None:
     """Types of torch.optim's arguments, checked here: torch compares them without looking (a string
     lr fails with "'<=' not supported", a one-value betas with an IndexError, amsgrad "yes" passes)."""
+
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
     for key in _NUMBERS:
         if key in params and not number(params[key]):
             raise ConfigError(f"{_PATH}.{key}", f"expected a finite number, got {params[key]!r}")
@@ -87,8 +98,15 @@ def _check_torch_params(params: dict) -> None:
 
 
 # torch's messages name the argument in words; map them back to the key
-_TORCH_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "momentum": "momentum",
-                "weight_decay": "weight_decay", "dampening": "dampening", "nesterov": "nesterov"}
+_TORCH_WORDS = {
+    "learning rate": "lr",
+    "epsilon": "eps",
+    "beta": "betas",
+    "momentum": "momentum",
+    "weight_decay": "weight_decay",
+    "dampening": "dampening",
+    "nesterov": "nesterov",
+}
 
 
 def _construct(cls, model_params, params, **extra):
@@ -99,9 +117,11 @@ def _construct(cls, model_params, params, **extra):
     except (ValueError, TypeError) as e:
         msg = str(e)
         low = msg.lower()
-        key = next((k for k in params if msg.startswith(k) or f"'{k}'" in msg), None) or \
-            next((k for k in params if k.rstrip("s") in low), None) or \
-            next((k for w, k in _TORCH_WORDS.items() if w in low and k in params), None)
+        key = (
+            next((k for k in params if msg.startswith(k) or f"'{k}'" in msg), None)
+            or next((k for k in params if k.rstrip("s") in low), None)
+            or next((k for w, k in _TORCH_WORDS.items() if w in low and k in params), None)
+        )
         raise ConfigError(f"{_PATH}.{key}" if key else _PATH, msg) from None
 
 
@@ -115,16 +135,16 @@ def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool
     name = kind.lower()
     if shard_state and name != "onebitadam":
         why = _NO_SHARD.get(name, "plain optimizers are sharded by ZeroRedundancyOptimizer, not shard_state")
-        raise ConfigError("zero_optimization.stage", f"{kind} cannot shard its state for stage 1: {why}. "
-                          "Use stage 0 (or OneBitAdam)")
+        raise ConfigError(
+            "zero_optimization.stage", f"{kind} cannot shard its state for stage 1: {why}. Use stage 0 (or OneBitAdam)"
+        )
     if name in _ONEBIT:
         cls = _ONEBIT[name]
         _check_keys(p, _accepted(cls), kind)
         extra = {"shard_state": True} if shard_state else {}
         return _construct(cls, params, p, group=group, **extra)
     if name in ("adam", "adamw"):
-        allowed = ["lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode",
-                   *_ADAM_IGNORED]
+        allowed = ["lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode", *_ADAM_IGNORED]
         _check_keys(p, allowed, kind)
         for k in _ADAM_IGNORED:
             p.pop(k, None)
@@ -132,8 +152,10 @@ def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool
         if not isinstance(w_mode, bool):
             raise ConfigError(f"{_PATH}.adam_w_mode", f"expected true or false, got {w_mode!r}")
         if not p.pop("bias_correction", True):
-            raise ConfigError(f"{_PATH}.bias_correction", "false is not supported for Adam/AdamW "
-                              "(torch.optim.Adam always corrects); remove it or use true")
+            raise ConfigError(
+                f"{_PATH}.bias_correction",
+                "false is not supported for Adam/AdamW (torch.optim.Adam always corrects); remove it or use true",
+            )
         _check_torch_params(p)
         cls = torch.optim.AdamW if (name == "adamw" or w_mode) else torch.optim.Adam
         p.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch.optim.AdamW's own is 0.01
@@ -146,5 +168,8 @@ def build_optimizer(params, optimizer_cfg: Any, *, group=None, shard_state: bool
         p.setdefault("lr", 1e-3)
         _check_torch_params(p)
         return _construct(torch.optim.SGD, params, p)
-    raise ConfigError("optimizer.type", f"{kind!r} is not a known optimizer; choose one of {_NAMES}"
-                      f"{did_you_mean(name, ['adam', 'adamw', 'lamb', 'sgd', *_ONEBIT])}")
+    raise ConfigError(
+        "optimizer.type",
+        f"{kind!r} is not a known optimizer; choose one of {_NAMES}"
+        f"{did_you_mean(name, ['adam', 'adamw', 'lamb', 'sgd', *_ONEBIT])}",
+    )

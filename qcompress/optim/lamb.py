@@ -11,6 +11,7 @@ them: m.lerp_(g, 1-b1), v.mul_(b2).addcmul_(g, g, value=1-b2)), so a LAMB writte
 formulas gives the same bits. Fused forms are avoided on purpose: torch's add(alpha=) is a fused
 multiply-add on CPU and sqrt(bc2) via ** 0.5 (C pow) is not always correctly rounded.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def bias_corrections(group, steps_m: int, steps_v: int):
     if not group["bias_correction"]:
         return 1.0, 1.0
     b1, b2 = group["betas"]
-    return 1 - b1 ** steps_m, math.sqrt(1 - b2 ** steps_v)
+    return 1 - b1**steps_m, math.sqrt(1 - b2**steps_v)
 
 
 def lamb_direction(p32, exp_avg, exp_avg_sq, wd, eps, bc1, bc2_sqrt, denom=None):
@@ -51,8 +52,23 @@ def trust_ratio(p32, update, max_coeff, min_coeff) -> float:
     return min(max(w / u, min_coeff), max_coeff)
 
 
-def lamb_step_(p32, grad, exp_avg, exp_avg_sq, *, lr, betas, eps, wd, bc1, bc2_sqrt, max_coeff, min_coeff,
-               eps_inside_sqrt=False, bc2=1.0):
+def lamb_step_(
+    p32,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    betas,
+    eps,
+    wd,
+    bc1,
+    bc2_sqrt,
+    max_coeff,
+    min_coeff,
+    eps_inside_sqrt=False,
+    bc2=1.0,
+):
     """One LAMB step on float32 tensors in place; returns the trust ratio used. `bc2` (1 - b2^t,
     or 1) is read only with eps_inside_sqrt."""
     b1, b2 = betas
@@ -68,15 +84,33 @@ def lamb_step_(p32, grad, exp_avg, exp_avg_sq, *, lr, betas, eps, wd, bc1, bc2_s
 class Lamb(torch.optim.Optimizer):
     """Plain LAMB with DeepSpeed's parameter names (FusedLamb); fp32 state, fp32 master copy for bf16/fp16."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0, max_coeff=10.0, min_coeff=0.01,
-                 amsgrad=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        eps_inside_sqrt=False,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        amsgrad=False,
+    ):
         check_common(lr, betas, eps, weight_decay, amsgrad, "onebit", 1, None)
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
-                        eps_inside_sqrt=bool(eps_inside_sqrt))
+        defaults = dict(
+            lr=lr,
+            bias_correction=bool(bias_correction),
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            eps_inside_sqrt=bool(eps_inside_sqrt),
+        )
         super().__init__(params, defaults)
         self._coeffs = []
 
@@ -108,11 +142,23 @@ class Lamb(torch.optim.Optimizer):
                 bc1, bc2_sqrt = bias_corrections(g, t, t)
                 p32 = st.get("master", p)
                 grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
-                inside = g.get("eps_inside_sqrt", False)    # absent from groups saved before it existed
-                coeff = lamb_step_(p32, grad, st["exp_avg"], st["exp_avg_sq"], lr=g["lr"], betas=(b1, b2),
-                                   eps=g["eps"], wd=g["weight_decay"], bc1=bc1, bc2_sqrt=bc2_sqrt,
-                                   max_coeff=g["max_coeff"], min_coeff=g["min_coeff"], eps_inside_sqrt=inside,
-                                   bc2=(1 - b2 ** t) if g["bias_correction"] else 1.0)
+                inside = g.get("eps_inside_sqrt", False)  # absent from groups saved before it existed
+                coeff = lamb_step_(
+                    p32,
+                    grad,
+                    st["exp_avg"],
+                    st["exp_avg_sq"],
+                    lr=g["lr"],
+                    betas=(b1, b2),
+                    eps=g["eps"],
+                    wd=g["weight_decay"],
+                    bc1=bc1,
+                    bc2_sqrt=bc2_sqrt,
+                    max_coeff=g["max_coeff"],
+                    min_coeff=g["min_coeff"],
+                    eps_inside_sqrt=inside,
+                    bc2=(1 - b2**t) if g["bias_correction"] else 1.0,
+                )
                 if p32 is not p:
                     p.copy_(p32)
                 self._coeffs.append(coeff)
@@ -125,5 +171,6 @@ class Lamb(torch.optim.Optimizer):
         for sg, g in zip(state_dict["param_groups"], self.param_groups):
             for pid, p in zip(sg["params"], g["params"]):
                 if pid in saved:
-                    self.state[p] = {k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
-                                     for k, v in saved[pid].items()}
+                    self.state[p] = {
+                        k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v) for k, v in saved[pid].items()
+                    }

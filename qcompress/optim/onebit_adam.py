@@ -20,6 +20,7 @@ zoadam.py; DeepSpeed's fp32 path does so too); False keeps DeepSpeed's fp16 layo
 flat bucket, which converges worse: one scale must fit tensors of very different magnitudes
 (benchmarks/experiments/README.md, `zoadam_gap.py`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,20 +34,47 @@ from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_
 class OneBitAdam(CompressedOptimizer):
     _COUNTERS = {"step": 0, "frozen": False, "var_steps": 0}
 
-    def __init__(self, params, deepspeed=None, lr=1e-3, freeze_step=100000, bias_correction=True,
-                 betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0,
-                 amsgrad=False, cuda_aware=False, comm_backend_name="nccl", *, group=None,
-                 compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
-                 ddp_hook_state=None, shard_state=False, scale_per_tensor=True):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr=1e-3,
+        freeze_step=100000,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        eps_inside_sqrt=False,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        amsgrad=False,
+        cuda_aware=False,
+        comm_backend_name="nccl",
+        *,
+        group=None,
+        compressor="onebit",
+        bucket_size=DEFAULT_BUCKET_SIZE,
+        comm_hierarchy=None,
+        ddp_hook_state=None,
+        shard_state=False,
+        scale_per_tensor=True,
+    ):
         # deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware, comm_backend_name: accepted so DeepSpeed
         # configs load; DeepSpeed ignores the first three too, the last two pick transports we do not need.
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
         check_positive_int("freeze_step", freeze_step)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bool(bias_correction))
-        super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
-                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state,
-                         scale_per_tensor=scale_per_tensor)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction)
+        )
+        super().__init__(
+            params,
+            defaults,
+            group=group,
+            compressor=compressor,
+            bucket_size=bucket_size,
+            comm_hierarchy=comm_hierarchy,
+            ddp_hook_state=ddp_hook_state,
+            scale_per_tensor=scale_per_tensor,
+        )
         self.freeze_step = freeze_step
         if not isinstance(shard_state, bool):
             raise ValueError(f"shard_state must be true or false, got {shard_state!r}")
@@ -104,15 +132,22 @@ class OneBitAdam(CompressedOptimizer):
                 g_own = sh.owned(p, grad)
                 st["exp_avg_sq"].mul_(b2).addcmul_(g_own, g_own, value=1 - b2)
                 p32 = self._param32_owned(p, sh)
-                self.adam_update_(p32, sh.owned(p, st["exp_avg"]), st["exp_avg_sq"], g["lr"],
-                                  g["weight_decay"], g["eps"], bc1, bc2_sqrt)
+                self.adam_update_(
+                    p32,
+                    sh.owned(p, st["exp_avg"]),
+                    st["exp_avg_sq"],
+                    g["lr"],
+                    g["weight_decay"],
+                    g["eps"],
+                    bc1,
+                    bc2_sqrt,
+                )
                 sh.write(p, p32)
                 continue
             p32 = self._param32(p)
             st["exp_avg"].lerp_(grad, 1 - b1)
             st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"],
-                              bc1, bc2_sqrt)
+            self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"], bc1, bc2_sqrt)
             self._write_back(p, p32)
 
     def _compressed_step(self, groups, t, var_steps):
@@ -127,7 +162,7 @@ class OneBitAdam(CompressedOptimizer):
                 grad = self._grad32(p)
                 out = buckets.momentum_slot(stage, k, m, is_frozen(p) or grad is None)
                 k += 1
-                if out is None:   # frozen, or no gradient (base.py): the state stays as it was
+                if out is None:  # frozen, or no gradient (base.py): the state stays as it was
                     targets.append(None)
                     continue
                 out.lerp_(grad, 1 - b1)
@@ -152,15 +187,25 @@ class OneBitAdam(CompressedOptimizer):
                         st["exp_avg"].masked_fill_(dead, 0.0)
                     p32 = self._param32_owned(p, sh)
                     denom = self.frozen_denom(p, st["exp_avg_sq"], bc2_sqrt, g["eps"])
-                    self.adam_update_(p32, sh.owned(p, st["exp_avg"]), st["exp_avg_sq"], g["lr"],
-                                      g["weight_decay"], g["eps"], bc1, bc2_sqrt, denom)
+                    self.adam_update_(
+                        p32,
+                        sh.owned(p, st["exp_avg"]),
+                        st["exp_avg_sq"],
+                        g["lr"],
+                        g["weight_decay"],
+                        g["eps"],
+                        bc1,
+                        bc2_sqrt,
+                        denom,
+                    )
                     sh.write(p, p32)
                     continue
                 self._zero_unseen_(p, st["exp_avg"], st["exp_avg_sq"])
                 p32 = self._param32(p)
                 denom = self.frozen_denom(p, st["exp_avg_sq"], bc2_sqrt, g["eps"])
-                self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"],
-                                  bc1, bc2_sqrt, denom)
+                self.adam_update_(
+                    p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"], bc1, bc2_sqrt, denom
+                )
                 self._write_back(p, p32)
 
     def _state(self, p):
@@ -211,18 +256,24 @@ class OneBitAdam(CompressedOptimizer):
             here = (self.world_size, _dist.rank(self.comm_group))
             there = (extra.get("world_size"), extra.get("rank"))
             if saved != self.shard_state:
-                raise ValueError(f"{type(self).__name__}: the state dict was saved with shard_state={saved} "
-                                 f"(ZeRO stage {1 if saved else 0}) but this optimizer has "
-                                 f"shard_state={self.shard_state}; the variance sizes do not match")
+                raise ValueError(
+                    f"{type(self).__name__}: the state dict was saved with shard_state={saved} "
+                    f"(ZeRO stage {1 if saved else 0}) but this optimizer has "
+                    f"shard_state={self.shard_state}; the variance sizes do not match"
+                )
             if there != here:
-                raise ValueError(f"{type(self).__name__}: sharded optimizer state saved at world size/rank "
-                                 f"{there[0]}/{there[1]} cannot load at {here[0]}/{here[1]}: each rank holds the "
-                                 "variance only for its chunk of the compressed all-reduce, whose bounds depend "
-                                 "on the world size; resume on the same world size")
+                raise ValueError(
+                    f"{type(self).__name__}: sharded optimizer state saved at world size/rank "
+                    f"{there[0]}/{there[1]} cannot load at {here[0]}/{here[1]}: each rank holds the "
+                    "variance only for its chunk of the compressed all-reduce, whose bounds depend "
+                    "on the world size; resume on the same world size"
+                )
             if extra.get("layout") not in (None, self._get_buckets().layout()):
-                raise ValueError(f"{type(self).__name__}: sharded optimizer state saved with another bucket "
-                                 "layout (bucket_size, scale_per_tensor or parameters changed); the owned "
-                                 "slices do not line up")
+                raise ValueError(
+                    f"{type(self).__name__}: sharded optimizer state saved with another bucket "
+                    "layout (bucket_size, scale_per_tensor or parameters changed); the owned "
+                    "slices do not line up"
+                )
 
     def _after_load(self):
         self._shards = None

@@ -14,6 +14,7 @@ Compression stage (local gradients):
 There is no scale_per_tensor option (OneBitAdam, ZeroOneAdam): step 1 already brings every
 tensor's momentum (as it was at the freeze) to one RMS before the one-scale compression.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,16 +30,41 @@ log = logging.getLogger("qcompress")
 
 class OneBitLamb(CompressedOptimizer):
     # why shard_state (ZeRO stage 1) is refused; build_optimizer gives the same reason
-    NO_SHARD = ("its per-parameter trust ratio needs norms of whole parameters and updates; summing them "
-                "from slices changes the summation order, so it would not match stage 0")
+    NO_SHARD = (
+        "its per-parameter trust ratio needs norms of whole parameters and updates; summing them "
+        "from slices changes the summation order, so it would not match stage 0"
+    )
     _COUNTERS = {"step": 0, "frozen": False, "var_steps": 0, "scaled": False}
 
-    def __init__(self, params, deepspeed=None, lr=1e-3, freeze_step=100000, bias_correction=True,
-                 betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0,
-                 max_coeff=10.0, min_coeff=0.01, amsgrad=False, cuda_aware=False, comm_backend_name="nccl",
-                 coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, *, group=None,
-                 compressor="onebit", bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None,
-                 ddp_hook_state=None, shard_state=False):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr=1e-3,
+        freeze_step=100000,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        eps_inside_sqrt=False,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        amsgrad=False,
+        cuda_aware=False,
+        comm_backend_name="nccl",
+        coeff_beta=0.9,
+        factor_max=4.0,
+        factor_min=0.5,
+        factor_threshold=0.1,
+        *,
+        group=None,
+        compressor="onebit",
+        bucket_size=DEFAULT_BUCKET_SIZE,
+        comm_hierarchy=None,
+        ddp_hook_state=None,
+        shard_state=False,
+    ):
         if shard_state:
             raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by OneBitLamb: {self.NO_SHARD}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
@@ -51,14 +77,30 @@ class OneBitLamb(CompressedOptimizer):
             raise ValueError(f"need 0 < factor_min <= factor_max, got {factor_min}, {factor_max}")
         if not factor_threshold >= 0.0:
             raise ValueError(f"factor_threshold must be >= 0, got {factor_threshold}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bool(bias_correction), max_coeff=max_coeff, min_coeff=min_coeff,
-                        coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                        factor_threshold=factor_threshold)
-        super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
-                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bool(bias_correction),
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+        )
+        super().__init__(
+            params,
+            defaults,
+            group=group,
+            compressor=compressor,
+            bucket_size=bucket_size,
+            comm_hierarchy=comm_hierarchy,
+            ddp_hook_state=ddp_hook_state,
+        )
         self.freeze_step = freeze_step
-        self._warned_no_coeff = set()   # ids of tensors warned about a zero frozen trust ratio
+        self._warned_no_coeff = set()  # ids of tensors warned about a zero frozen trust ratio
         self._coeffs = []
 
     @property
@@ -102,9 +144,20 @@ class OneBitLamb(CompressedOptimizer):
                 continue
             st = self._state(p)
             p32 = self._param32(p)
-            coeff = lamb_step_(p32, grad, st["exp_avg"], st["exp_avg_sq"], lr=g["lr"], betas=g["betas"],
-                               eps=g["eps"], wd=g["weight_decay"], bc1=bc1, bc2_sqrt=bc2_sqrt,
-                               max_coeff=g["max_coeff"], min_coeff=g["min_coeff"])
+            coeff = lamb_step_(
+                p32,
+                grad,
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                lr=g["lr"],
+                betas=g["betas"],
+                eps=g["eps"],
+                wd=g["weight_decay"],
+                bc1=bc1,
+                bc2_sqrt=bc2_sqrt,
+                max_coeff=g["max_coeff"],
+                min_coeff=g["min_coeff"],
+            )
             if coeff != 1.0:
                 st["lamb_coeff_freeze"] = g["coeff_beta"] * st["lamb_coeff_freeze"] + (1 - g["coeff_beta"]) * coeff
             if snapshot:
@@ -135,11 +188,11 @@ class OneBitLamb(CompressedOptimizer):
                 st = self.state[p]
                 m = st["exp_avg"]
                 grad = self._grad32(p)
-                skip = is_frozen(p) or grad is None     # frozen, or no gradient (base.py)
+                skip = is_frozen(p) or grad is None  # frozen, or no gradient (base.py)
                 prev.append(None if skip else m.clone())
                 out = buckets.momentum_slot(stage, k, m, skip)
                 k += 1
-                if out is None:   # the state stays as it was
+                if out is None:  # the state stays as it was
                     targets.append(None)
                     continue
                 out.lerp_(grad, 1 - b1)
@@ -147,8 +200,9 @@ class OneBitLamb(CompressedOptimizer):
                     out.mul_(st["scaling_coeff"])
                 targets.append(m)
         if stage is not None:
-            buckets.allreduce_staged_(targets, param_names(
-                [(i, g) for i, g in enumerate(self.param_groups) if any(g is x for x in groups)]))
+            buckets.allreduce_staged_(
+                targets, param_names([(i, g) for i, g in enumerate(self.param_groups) if any(g is x for x in groups)])
+            )
         it = iter(prev)
         for g in groups:
             b1, b2 = g["betas"]
@@ -157,7 +211,7 @@ class OneBitLamb(CompressedOptimizer):
             _, bc2_fresh = bias_corrections(g, t, t)
             for p in g["params"]:
                 m_prev = next(it)
-                if m_prev is None:      # frozen or no gradient
+                if m_prev is None:  # frozen or no gradient
                     continue
                 st = self.state[p]
                 m = st["exp_avg"]
@@ -186,11 +240,15 @@ class OneBitLamb(CompressedOptimizer):
                 st["last_factor"] = factor
                 coeff = st["lamb_coeff_freeze"] * factor
                 if st["lamb_coeff_freeze"] == 0.0 and id(p) not in self._warned_no_coeff:
-                    self._warned_no_coeff.add(id(p))    # DeepSpeed's algorithm: said once per tensor
-                    log.warning("OneBitLamb: a parameter of shape %s trains in the compression stage but had no "
-                                "update during the warmup (frozen, or no gradient, until freeze_step %d), so "
-                                "its frozen trust ratio is 0 and it does not move; unfreeze it before "
-                                "freeze_step", tuple(p.shape), self.freeze_step)
+                    self._warned_no_coeff.add(id(p))  # DeepSpeed's algorithm: said once per tensor
+                    log.warning(
+                        "OneBitLamb: a parameter of shape %s trains in the compression stage but had no "
+                        "update during the warmup (frozen, or no gradient, until freeze_step %d), so "
+                        "its frozen trust ratio is 0 and it does not move; unfreeze it before "
+                        "freeze_step",
+                        tuple(p.shape),
+                        self.freeze_step,
+                    )
                 apply_update_(p32, update, lr, coeff)
                 self._write_back(p, p32)
                 self._coeffs.append(coeff)

@@ -22,6 +22,7 @@ Differences from DeepSpeed's version (by design):
   bit-identical instead of drifting by rounding; the momentum rebuilt at a sync holds no
   weight-decay term; resuming restores every schedule counter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,17 +34,49 @@ from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_common, check_
 
 class ZeroOneAdam(CompressedOptimizer):
     # why shard_state (ZeRO stage 1) is refused; build_optimizer gives the same reason
-    NO_SHARD = ("its local steps move every rank's parameters by that rank's own momentum between "
-                "synchronisations, so parameters differ across ranks and cannot be rebuilt from owned slices")
-    _COUNTERS = {"step": 0, "frozen": False, "var_steps": 0, "var_interval": 1, "var_counter": 0,
-                 "local_step_interval": 1, "local_step_counter": 0, "lrs": [], "decay": []}
+    NO_SHARD = (
+        "its local steps move every rank's parameters by that rank's own momentum between "
+        "synchronisations, so parameters differ across ranks and cannot be rebuilt from owned slices"
+    )
+    _COUNTERS = {
+        "step": 0,
+        "frozen": False,
+        "var_steps": 0,
+        "var_interval": 1,
+        "var_counter": 0,
+        "local_step_interval": 1,
+        "local_step_counter": 0,
+        "lrs": [],
+        "decay": [],
+    }
 
-    def __init__(self, params, deepspeed=None, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0, var_freeze_step=100000,
-                 var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16, amsgrad=False,
-                 cuda_aware=False, comm_backend_name="nccl", *, group=None, compressor="onebit",
-                 bucket_size=DEFAULT_BUCKET_SIZE, comm_hierarchy=None, ddp_hook_state=None,
-                 shard_state=False, scale_per_tensor=True):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        eps_inside_sqrt=False,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        var_freeze_step=100000,
+        var_update_scaler=16,
+        local_step_scaler=32678,
+        local_step_clipper=16,
+        amsgrad=False,
+        cuda_aware=False,
+        comm_backend_name="nccl",
+        *,
+        group=None,
+        compressor="onebit",
+        bucket_size=DEFAULT_BUCKET_SIZE,
+        comm_hierarchy=None,
+        ddp_hook_state=None,
+        shard_state=False,
+        scale_per_tensor=True,
+    ):
         if shard_state:
             raise ValueError(f"shard_state=True (ZeRO stage 1) is not supported by ZeroOneAdam: {self.NO_SHARD}")
         check_common(lr, betas, eps, weight_decay, amsgrad, compressor, bucket_size, comm_hierarchy)
@@ -51,11 +84,19 @@ class ZeroOneAdam(CompressedOptimizer):
         check_positive_int("var_update_scaler", var_update_scaler)
         check_positive_int("local_step_scaler", local_step_scaler)
         check_positive_int("local_step_clipper", local_step_clipper)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bool(bias_correction))
-        super().__init__(params, defaults, group=group, compressor=compressor, bucket_size=bucket_size,
-                         comm_hierarchy=comm_hierarchy, ddp_hook_state=ddp_hook_state,
-                         scale_per_tensor=scale_per_tensor)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction)
+        )
+        super().__init__(
+            params,
+            defaults,
+            group=group,
+            compressor=compressor,
+            bucket_size=bucket_size,
+            comm_hierarchy=comm_hierarchy,
+            ddp_hook_state=ddp_hook_state,
+            scale_per_tensor=scale_per_tensor,
+        )
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -129,8 +170,7 @@ class ZeroOneAdam(CompressedOptimizer):
             if update_v:
                 st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
             p32 = self._param32(p)
-            self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"],
-                              bc1, bc2_sqrt)
+            self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"], bc1, bc2_sqrt)
             self._write_back(p, p32)
 
     def _local_grads(self, groups):
@@ -139,8 +179,11 @@ class ZeroOneAdam(CompressedOptimizer):
             for p in g["params"]:
                 grad = self._grad32(p)
                 # every rank must send the same layout: a missing gradient counts as zero
-                grads.append(torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                             if grad is None or is_frozen(p) else grad.clone())
+                grads.append(
+                    torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    if grad is None or is_frozen(p)
+                    else grad.clone()
+                )
         return grads
 
     def _compressed_gradient_step(self, t):
@@ -155,7 +198,7 @@ class ZeroOneAdam(CompressedOptimizer):
             bc1, bc2_sqrt = self.bias_corrections(g, t, c["var_steps"])
             for p in g["params"]:
                 grad = next(it)
-                if is_frozen(p) or p.grad is None:   # no gradient (base.py): it sent zeros
+                if is_frozen(p) or p.grad is None:  # no gradient (base.py): it sent zeros
                     continue
                 mask = self._mask(p)
                 if mask is not None:
@@ -164,8 +207,9 @@ class ZeroOneAdam(CompressedOptimizer):
                 st = self._state(p)
                 st["exp_avg"].lerp_(grad, 1 - b1)
                 p32 = self._param32(p)
-                self.adam_update_(p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"],
-                                  bc1, bc2_sqrt)
+                self.adam_update_(
+                    p32, st["exp_avg"], st["exp_avg_sq"], g["lr"], g["weight_decay"], g["eps"], bc1, bc2_sqrt
+                )
                 self._write_back(p, p32)
         for g in self.param_groups:
             if g["non_freeze"]:  # keeps full Adam; its gradients are local on this step
@@ -179,7 +223,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if stage is None:
             return
         for v, x in zip(stage, tensors):
-            if v is not None:       # None: a frozen parameter outside the layout
+            if v is not None:  # None: a frozen parameter outside the layout
                 v.copy_(x.reshape(-1))
         try:
             buckets.allreduce_staged_(tensors, param_names(comp))
@@ -188,9 +232,11 @@ class ZeroOneAdam(CompressedOptimizer):
                 raise
             # the accumulated updates are already in the weights of the rank that made them: the
             # "skip the step" of stage 1 would not undo anything here
-            raise NonFiniteError(f"{str(e).split('. Every rank')[0]}. 0/1 Adam's local steps (stage 2) "
-                                 "already applied it to that rank's weights and momentum, so skipping this "
-                                 "step cannot recover; resume from the last checkpoint") from None
+            raise NonFiniteError(
+                f"{str(e).split('. Every rank')[0]}. 0/1 Adam's local steps (stage 2) "
+                "already applied it to that rank's weights and momentum, so skipping this "
+                "step cannot recover; resume from the last checkpoint"
+            ) from None
 
     def _enter_stage2(self):
         c = self.counters
@@ -223,7 +269,7 @@ class ZeroOneAdam(CompressedOptimizer):
             for p in g["params"]:
                 st = self._state(p)
                 grad = self._grad32(p)
-                if is_frozen(p) or grad is None:     # no gradient: left alone (base.py)
+                if is_frozen(p) or grad is None:  # no gradient: left alone (base.py)
                     continue
                 st["exp_avg"].lerp_(grad, 1 - b1)
                 p32 = self._param32(p)
@@ -251,7 +297,7 @@ class ZeroOneAdam(CompressedOptimizer):
             for p in g["params"]:
                 st = self.state[p]
                 acc = st["update_acc"]
-                pending = "interval_lr" in st      # local steps since the sync point (frozen since: still due)
+                pending = "interval_lr" in st  # local steps since the sync point (frozen since: still due)
                 lrs, decay = st.pop("interval_lr", 0.0), st.pop("interval_decay", 1.0)
                 if is_frozen(p) and not pending:  # left alone; unfrozen later, its local steps start from here
                     acc.zero_()
@@ -288,8 +334,14 @@ class ZeroOneAdam(CompressedOptimizer):
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 st = self.state.get(p)
-                if not g["non_freeze"] and st and "update_acc" in st and "interval_lr" not in st \
-                        and not is_frozen(p) and c["lrs"][gi] > 0:
+                if (
+                    not g["non_freeze"]
+                    and st
+                    and "update_acc" in st
+                    and "interval_lr" not in st
+                    and not is_frozen(p)
+                    and c["lrs"][gi] > 0
+                ):
                     st["interval_lr"], st["interval_decay"] = c["lrs"][gi], c["decay"][gi]
 
     def _state(self, p):

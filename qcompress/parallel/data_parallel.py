@@ -10,6 +10,7 @@ dp sub-mesh) at stages 1-3. A pipeline's root is its stage module (the one Pipel
 else the model. The 1-bit optimizers exchange over the dp group themselves and run without a
 wrapper (LocalShards); dp_whole_weights gives the compression scheduler whole weights over dp.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ def replicate_over(root: nn.Module, dp_mesh, comm_dtype=None) -> nn.Module:
     (averaged) over it by FSDP2's replicate; returns root, changed in place."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return replicate(root, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=comm_dtype))
 
 
@@ -46,6 +48,7 @@ def dp_whole_weights(model: nn.Module, pmesh):
     tensor-parallel weight stays a DTensor on the tp mesh (as in forward, nn/sharded.py). Each
     rank's dp shard of the result is copied back after."""
     from torch.distributed.tensor import DTensor, Replicate
+
     swapped = []
     for m in model.modules():
         if not hasattr(m, "qc_wq"):
@@ -55,12 +58,14 @@ def dp_whole_weights(model: nn.Module, pmesh):
                 continue
             i = _dp_index(p)
             rest = [(d, pl) for k, (d, pl) in enumerate(zip(p.device_mesh.mesh_dim_names, p.placements)) if k != i]
-            local = p.redistribute(placements=[Replicate() if k == i else pl
-                                               for k, pl in enumerate(p.placements)]).to_local()
-            if rest:        # a tensor-parallel shard: a DTensor on the tp mesh, as forward sees it
-                (dim, placement), = rest
-                whole = DTensor.from_local(local, pmesh.mesh[dim], [placement], run_check=False,
-                                           shape=p.shape, stride=p.stride())
+            local = p.redistribute(
+                placements=[Replicate() if k == i else pl for k, pl in enumerate(p.placements)]
+            ).to_local()
+            if rest:  # a tensor-parallel shard: a DTensor on the tp mesh, as forward sees it
+                ((dim, placement),) = rest
+                whole = DTensor.from_local(
+                    local, pmesh.mesh[dim], [placement], run_check=False, shape=p.shape, stride=p.stride()
+                )
             else:
                 whole = local
             m._parameters[pname] = nn.Parameter(whole, requires_grad=p.requires_grad)
@@ -75,7 +80,7 @@ def dp_whole_weights(model: nn.Module, pmesh):
                 m._parameters[pname] = p
                 if p.placements[i].is_replicate():
                     p.to_local().copy_(new)
-                else:   # FSDP2 shards the tp-local tensor along dim 0 like torch.chunk
+                else:  # FSDP2 shards the tp-local tensor along dim 0 like torch.chunk
                     pieces = torch.chunk(new, pmesh.shape.dp, dim=0)
                     rank = pmesh.dp_rank
                     p.to_local().copy_(pieces[rank] if rank < len(pieces) else new[:0])
@@ -89,16 +94,16 @@ class LocalShards:
     gradients and, while it expects averaged ones (warmup), averages them over the dp group."""
 
     def __init__(self, params):
-        self.pairs = []          # (model parameter, the plain tensor the optimizer steps)
+        self.pairs = []  # (model parameter, the plain tensor the optimizer steps)
         self._views = {}
 
         def view(p):
             if id(p) not in self._views:
                 # requires_grad as the parameter's: the 1-bit optimizers skip frozen tensors by it
-                self._views[id(p)] = (p.to_local().detach().requires_grad_(p.requires_grad) if is_dtensor(p)
-                                      else p)
+                self._views[id(p)] = p.to_local().detach().requires_grad_(p.requires_grad) if is_dtensor(p) else p
                 self.pairs.append((p, self._views[id(p)]))
             return self._views[id(p)]
+
         items = list(params)
         if items and isinstance(items[0], dict):
             self.params = [dict(g, params=[view(p) for p in g["params"]]) for g in items]

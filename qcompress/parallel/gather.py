@@ -5,6 +5,7 @@ Each DTensor parameter is swapped for its full tensor (a collective) for the dur
 write and put back after, so the export reads the same weights the unsplit model would hold and
 its codes equal the single-process export's (nn/sharded.py keeps the scales those of the whole).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ def needs_gather(model) -> bool:
     """Whether `model` (an engine or a module) is split over ranks: pipeline stages or DTensors."""
     from ..unwrap import unwrap
     from .pipeline import Pipeline
+
     if isinstance(getattr(model, "pipeline", None), Pipeline):
         return True
     inner = unwrap(model)
@@ -53,7 +55,7 @@ def export_split(export, model: nn.Module, out_dir, engine=None, **kwargs) -> st
             with whole_stages(engine) if staged else contextlib.nullcontext(model) as whole:
                 if dist.get_rank() == 0:
                     export(whole, out_dir, **kwargs)
-        except BaseException as err:      # the other ranks must not wait for a write that failed
+        except BaseException as err:  # the other ranks must not wait for a write that failed
             error = err
         failed = [error is not None]
         dist.broadcast_object_list(failed, src=0)

@@ -6,6 +6,7 @@ under FSDP2 on the dp dimension, its dp shard or (replicate) a copy. A piece hel
 enters this rank's share of the squared norm divided by n, so one all-reduce (sum) over the
 world counts every element exactly once.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable
@@ -28,8 +29,10 @@ def holders(grad, shape, replicas_agree: bool = True) -> int:
     as the 1-bit optimizers keep them) counts no dp copies."""
     names = tuple(grad.device_mesh.mesh_dim_names or ()) if is_dtensor(grad) else ()
     if is_dtensor(grad) and len(names) != grad.device_mesh.ndim:
-        raise NotImplementedError(f"the norm of a gradient on an unnamed {grad.device_mesh.ndim}-D mesh: "
-                                  "expected dims of the engine's (pp, dp, tp) mesh")
+        raise NotImplementedError(
+            f"the norm of a gradient on an unnamed {grad.device_mesh.ndim}-D mesh: "
+            "expected dims of the engine's (pp, dp, tp) mesh"
+        )
     n = 1
     for dim, size in (("dp", shape.dp), ("tp", shape.tp)):
         if dim in names:
@@ -56,5 +59,5 @@ def share_of_sumsq(grads: Iterable[torch.Tensor], shape, device, replicas_agree:
         norms = torch._foreach_norm(pieces)
         total += torch.stack([x.to(device, torch.float64) for x in norms]).square().sum() / n
     if not replicas_agree:
-        total /= shape.dp                   # the mean over replicas of their squared norms
+        total /= shape.dp  # the mean over replicas of their squared norms
     return total

@@ -1,4 +1,5 @@
 """The engine's DeviceMesh (pp, dp, tp), built from the config's sizes and the world size."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from ..errors import ConfigError
 @dataclass
 class ParallelMesh:
     """The mesh and this rank's place in it; `mesh` is None when nothing is split (tp = pp = 1)."""
+
     shape: MeshShape
     mesh: object = None
 
@@ -66,6 +68,7 @@ def build_mesh(cfg, world: int, model, device_type: str) -> ParallelMesh:
         return ParallelMesh(shape)
     _refuse_with_split(cfg, tp, pp)
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=("pp", "dp", "tp"))
     return ParallelMesh(shape, mesh)
 
@@ -74,6 +77,9 @@ def _refuse_with_split(cfg, tp: int, pp: int) -> None:
     """Settings the tensor / pipeline engine does not run yet, refused by key before anything starts."""
     opt = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
     if opt == "onebitlamb" and tp > 1:
-        raise ConfigError("optimizer.type", f"{cfg.optimizer.type} with tensor_parallel.autotp_size {tp}: LAMB's "
-                          "trust ratio is the norm of each whole tensor, and a tensor-parallel rank holds a shard "
-                          "of it; use OneBitAdam or ZeroOneAdam, or pipeline stages without tensor parallelism")
+        raise ConfigError(
+            "optimizer.type",
+            f"{cfg.optimizer.type} with tensor_parallel.autotp_size {tp}: LAMB's "
+            "trust ratio is the norm of each whole tensor, and a tensor-parallel rank holds a shard "
+            "of it; use OneBitAdam or ZeroOneAdam, or pipeline stages without tensor parallelism",
+        )

@@ -7,6 +7,7 @@ masks); the engine steps the optimizer and the compression scheduler once per op
 on every stage. Loss: the model's own loss_function, on the last stage, micro-batch by
 micro-batch, gradients averaged over the micro-batches (scale_grads), as gradient accumulation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,15 +25,17 @@ def split_blocks(sizes: List[int], stages: int, partition: str) -> List[Tuple[in
     DeepSpeed's `best`) balances the blocks' parameter counts; every stage gets one block or more."""
     n = len(sizes)
     if stages > n:
-        raise ConfigError("pipeline.stages", f"{stages} stages but the model has {n} transformer blocks; "
-                          "each stage needs at least one")
+        raise ConfigError(
+            "pipeline.stages",
+            f"{stages} stages but the model has {n} transformer blocks; each stage needs at least one",
+        )
     if partition == "uniform":
         bounds = [round(i * n / stages) for i in range(stages + 1)]
     else:
         total, bounds, acc = sum(sizes), [0], 0
         for i, s in enumerate(sizes):
             acc += s
-            left = stages - len(bounds)       # boundaries still to place after this block
+            left = stages - len(bounds)  # boundaries still to place after this block
             if left > 0 and (acc >= total * len(bounds) / stages or n - (i + 1) == left):
                 bounds.append(i + 1)
         bounds.append(n)
@@ -43,8 +46,11 @@ def _decoder_parts(model: nn.Module):
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or getattr(model, "lm_head", None) is None:
-        raise ConfigError("pipeline.stages", f"{type(model).__name__}: pipeline stages split transformers "
-                          "decoder LMs (model.model.layers and lm_head, e.g. Llama, Qwen, Mistral)")
+        raise ConfigError(
+            "pipeline.stages",
+            f"{type(model).__name__}: pipeline stages split transformers "
+            "decoder LMs (model.model.layers and lm_head, e.g. Llama, Qwen, Mistral)",
+        )
     return base, layers
 
 
@@ -69,16 +75,19 @@ class _Stage(nn.Module):
 
     def forward(self, x):
         base = self.lm.model
-        h = (base(input_ids=x, use_cache=False) if self.first else
-             base(inputs_embeds=x, use_cache=False)).last_hidden_state
+        h = (
+            base(input_ids=x, use_cache=False) if self.first else base(inputs_embeds=x, use_cache=False)
+        ).last_hidden_state
         # under autocast (bf16 / fp16) too, stages exchange the dtype they were told of
         return (self.lm.lm_head(h) if self.last else h).to(self.dtype)
 
 
 def _refuse_whole_forward(module, args, kwargs):
     """Forward pre-hook on the split model: the stages call its parts, never its own forward."""
-    raise RuntimeError("with pipeline.stages > 1 the model runs in stages: call engine.train_batch(data_iter) "
-                       "(engine(x) / backward / step run the whole model on one rank)")
+    raise RuntimeError(
+        "with pipeline.stages > 1 the model runs in stages: call engine.train_batch(data_iter) "
+        "(engine(x) / backward / step run the whole model on one rank)"
+    )
 
 
 def dropped_parts(model: nn.Module, layers, lo: int, hi: int, first: bool, last: bool) -> dict:
@@ -90,8 +99,11 @@ def dropped_parts(model: nn.Module, layers, lo: int, hi: int, first: bool, last:
         parts["model.embed_tokens"] = model.model.embed_tokens
     if not last:
         parts["model.norm"], parts["lm_head"] = model.model.norm, model.lm_head
-    kept = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
-            if not any(n.startswith(k + ".") for k in parts)}
+    kept = {
+        id(p)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if not any(n.startswith(k + ".") for k in parts)
+    }
     for part in parts.values():
         if not any(id(p) in kept for p in part.parameters()):
             part.to("meta")
@@ -100,14 +112,14 @@ def dropped_parts(model: nn.Module, layers, lo: int, hi: int, first: bool, last:
 
 @dataclass
 class Pipeline:
-    module: nn.Module        # this rank's stage (_Stage)
-    make_schedule: object    # (micro-batch, sequence length) -> schedule, see build_pipeline
+    module: nn.Module  # this rank's stage (_Stage)
+    make_schedule: object  # (micro-batch, sequence length) -> schedule, see build_pipeline
     index: int
     stages: int
     blocks: Tuple[int, int]
     group: object
     schedules: dict = None
-    skeleton: dict = None    # the other stages' parts on the meta device: {name in model: module}
+    skeleton: dict = None  # the other stages' parts on the meta device: {name in model: module}
     loss_scale: float = 1.0  # fp16: the loss is multiplied by it before the backward (run_pipeline)
 
     def schedule_for(self, micro: int, seq: int):
@@ -131,10 +143,14 @@ class Pipeline:
 def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, device) -> Pipeline:
     """Keep this rank's stage of `model` (in place) and the schedule that runs it."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     stages = pipeline_cfg.stages
     if pipeline_cfg.schedule == "1f1b" and micro_batches < stages:
-        raise ConfigError("gradient_accumulation_steps", f"{micro_batches} micro-batches per step for {stages} "
-                          "1F1B pipeline stages: use at least as many micro-batches as stages")
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            f"{micro_batches} micro-batches per step for {stages} "
+            "1F1B pipeline stages: use at least as many micro-batches as stages",
+        )
     base, layers = _decoder_parts(model)
     sizes = [sum(p.numel() for p in block.parameters()) for block in layers]
     index = pmesh.mesh["pp"].get_local_rank()
@@ -154,16 +170,21 @@ def build_pipeline(model: nn.Module, pmesh, pipeline_cfg, micro_batches: int, de
 
     def loss_fn(logits, labels):
         return model.loss_function(logits=logits, labels=labels, vocab_size=vocab) * pipe.loss_scale
+
     kind = Schedule1F1B if pipeline_cfg.schedule == "1f1b" else ScheduleGPipe
 
     def make_schedule(micro: int, seq: int):
         meta = dict(device="meta")
-        x = (torch.empty(micro, seq, dtype=torch.long, **meta) if first else
-             torch.empty(micro, seq, hidden, dtype=dtype, requires_grad=True, **meta))  # grads flow back
+        x = (
+            torch.empty(micro, seq, dtype=torch.long, **meta)
+            if first
+            else torch.empty(micro, seq, hidden, dtype=dtype, requires_grad=True, **meta)
+        )  # grads flow back
         y = torch.empty(micro, seq, vocab if last else hidden, dtype=dtype, requires_grad=True, **meta)
         stage = PipelineStage(module, index, stages, device, input_args=(x,), output_args=(y,), group=group)
         # every stage gets loss_fn: without one a schedule runs forward only (the last calls it)
         return kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+
     model.register_forward_pre_hook(_refuse_whole_forward, with_kwargs=True)
     pipe = Pipeline(module, make_schedule, index, stages, (lo, hi), group, skeleton=skeleton)
     return pipe
@@ -176,19 +197,26 @@ def run_pipeline(engine, batches: List[dict]) -> Optional[torch.Tensor]:
     for i, b in enumerate(batches):
         extra = sorted(set(b) - {"input_ids", "labels"})
         if extra:
-            raise ValueError(f"train_batch with pipeline stages: micro-batch {i} has {extra}; the stages "
-                             "pass token ids and labels only")
+            raise ValueError(
+                f"train_batch with pipeline stages: micro-batch {i} has {extra}; the stages "
+                "pass token ids and labels only"
+            )
     ids = torch.cat([b["input_ids"] for b in batches]).to(engine.device)
     labels = torch.cat([b["labels"] for b in batches]).to(engine.device)
     losses: List[torch.Tensor] = []
     shapes = {tuple(b["input_ids"].shape) for b in batches}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-        raise ValueError(f"train_batch with pipeline stages: the micro-batches' input_ids must share one "
-                         f"[batch, sequence] shape, got {sorted(shapes)}")
+        raise ValueError(
+            f"train_batch with pipeline stages: the micro-batches' input_ids must share one "
+            f"[batch, sequence] shape, got {sorted(shapes)}"
+        )
     schedule = pipe.schedule_for(*next(iter(shapes)))
     pipe.loss_scale = engine.loss_scale
-    with (torch.autocast(engine.device.type, dtype=engine._autocast) if engine._autocast is not None
-          else contextlib.nullcontext()):     # the precision engine(x) runs under
+    with (
+        torch.autocast(engine.device.type, dtype=engine._autocast)
+        if engine._autocast is not None
+        else contextlib.nullcontext()
+    ):  # the precision engine(x) runs under
         if pipe.is_first:
             schedule.step(ids, target=labels if pipe.is_last else None, losses=losses)
         elif pipe.is_last:

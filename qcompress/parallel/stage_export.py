@@ -7,6 +7,7 @@ state (parallel/transfer.py); rank 0 fills its skeleton with them, loads the com
 through a CompressionScheduler of those parts, and puts them in the model for the write. After
 it the parts go back to the meta device, so the export costs memory only while it runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +18,12 @@ import torch.nn as nn
 
 from .transfer import recv_state, send_state
 
-_COMP = "qc_compression"     # key prefix of the compression state's tensors (no model key starts so)
+_COMP = "qc_compression"  # key prefix of the compression state's tensors (no model key starts so)
 
 
 def stage_leaders(engine) -> List[int]:
     """Global rank of each stage's first data- and tensor-parallel rank (stage 0's is rank 0)."""
-    grid = engine.parallel.mesh.mesh          # [pp, dp, tp] global ranks
+    grid = engine.parallel.mesh.mesh  # [pp, dp, tp] global ranks
     return [int(grid[s, 0, 0]) for s in range(engine.pipeline.stages)]
 
 
@@ -39,6 +40,7 @@ def _own_parts(pipe) -> List[str]:
 def _stage_state(engine):
     """(this stage's parts' tensors and compression tensors, compression skeleton or None)."""
     from ..serialize import flatten
+
     own = _own_parts(engine.pipeline)
     tensors = {k: v for k, v in engine.module.state_dict().items() if any(k.startswith(p + ".") for p in own)}
     skel = None
@@ -65,6 +67,7 @@ def _fill(parts: Dict[str, nn.Module], received, device) -> None:
     """Materialize the skeleton parts with the stages' tensors and compression state."""
     from ..serialize import unflatten
     from ..schedule import CompressionScheduler
+
     state, modules, steps = {}, {}, 0
     for tensors, doc in received:
         state.update({k: v for k, v in tensors.items() if not k.startswith(_COMP + ".")})
@@ -75,7 +78,7 @@ def _fill(parts: Dict[str, nn.Module], received, device) -> None:
     for name, part in parts.items():
         part.to_empty(device=device)
         prefix = name + "."
-        part.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+        part.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
     if modules:
         # built over the filled parts only: its step-0 state is then replaced by the stages' own
         CompressionScheduler(_holder(parts)).load_state_dict({"training_steps": steps, "modules": modules})
@@ -93,20 +96,26 @@ def whole_stages(engine):
             send_state(tensors, {"compression": skel}, 0, device)
         yield model
         return
-    received = [recv_state(src, device) for src in leaders[1:]]   # all of it first: senders never wait
+    received = [recv_state(src, device) for src in leaders[1:]]  # all of it first: senders never wait
     parts = pipe.skeleton
     shared = [n for n, p in parts.items() if not any(t.is_meta for t in p.parameters())]
     if shared:
-        raise NotImplementedError(f"export_quantized of pipeline stages: {', '.join(shared)} shares a "
-                                  "Parameter with another stage's part (tied embeddings), which each stage "
-                                  "trains on its own; save a checkpoint and export it from one process")
+        raise NotImplementedError(
+            f"export_quantized of pipeline stages: {', '.join(shared)} shares a "
+            "Parameter with another stage's part (tied embeddings), which each stage "
+            "trains on its own; save a checkpoint and export it from one process"
+        )
     base = model.model
     saved = {"layers": base.layers, "embed_tokens": base.embed_tokens, "norm": base.norm}, model.lm_head
     try:
         _fill(parts, received, device)
         own = dict(base.layers.named_children())
-        base.layers = nn.ModuleList([own[str(i)] if str(i) in own else parts[f"model.layers.{i}"]
-                                     for i in range(model.config.num_hidden_layers)])
+        base.layers = nn.ModuleList(
+            [
+                own[str(i)] if str(i) in own else parts[f"model.layers.{i}"]
+                for i in range(model.config.num_hidden_layers)
+            ]
+        )
         for key in ("embed_tokens", "norm"):
             if f"model.{key}" in parts:
                 setattr(base, key, parts[f"model.{key}"])

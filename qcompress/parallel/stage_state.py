@@ -5,6 +5,7 @@ Each stage's CompressionScheduler holds its own modules only. A checkpoint recor
 (every stage's skeleton gathered into engine.json), so any mesh can load it: a stage takes the
 entries of its own modules, one process all of them.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, List
@@ -28,7 +29,7 @@ def merged_compression(skel: Any, engine) -> Any:
     entries = {}
     for other in all_gather_json(skel, engine.device):
         for name, entry in _modules(other):
-            entries.setdefault(name, entry)       # a stage's tensor-parallel ranks hold the same
+            entries.setdefault(name, entry)  # a stage's tensor-parallel ranks hold the same
     return _with_modules(skel, [[n, e] for n, e in entries.items()])
 
 

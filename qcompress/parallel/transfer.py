@@ -4,6 +4,7 @@ The sender first sends a JSON header (the document, and each tensor's name, shap
 then the tensors in that order; the receiver allocates from the header. Works on gloo and NCCL
 (`device`: where the tensors travel; NCCL needs the GPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 
-
 def _dtypes() -> Dict[str, torch.dtype]:
-    from ..serialize import _DTYPES      # the dtypes checkpoints name, by the same strings
+    from ..serialize import _DTYPES  # the dtypes checkpoints name, by the same strings
+
     return _DTYPES
 
 
 def _wire(t: torch.Tensor, device) -> torch.Tensor:
     t = t.detach().to(device).contiguous()
-    return t.view(torch.uint8) if t.dtype == torch.bool else t    # gloo does not send bool
+    return t.view(torch.uint8) if t.dtype == torch.bool else t  # gloo does not send bool
 
 
 def send_state(tensors: Dict[str, torch.Tensor], doc: Any, dst: int, device) -> None:
@@ -61,7 +62,7 @@ def all_gather_json(doc: Any, device, group=None) -> list:
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
+    padded[: data.numel()] = data
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [json.loads(bytes(p[:int(s.item())].cpu().tolist()).decode("utf-8")) for p, s in zip(parts, sizes)]
+    return [json.loads(bytes(p[: int(s.item())].cpu().tolist()).decode("utf-8")) for p, s in zip(parts, sizes)]

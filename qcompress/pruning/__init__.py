@@ -2,6 +2,7 @@
 
 Semantics (DeepSpeed's, with its defects fixed) are described in README.md, "Pruning".
 """
+
 from .masks import apply_bias_masks, apply_weight_masks, topk_mask
 from .state import PruningState
 

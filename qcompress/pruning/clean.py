@@ -14,6 +14,7 @@ head / channel pruning only zero the pruned weights (and biases). With them:
 Related modules pair by position: within group G, for the i-th `modules` regex and each regex
 in related_modules[i], the j-th matched related module gets the j-th matched primary's mask.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -29,6 +30,7 @@ from .related import ChannelMaskHook, head_sections, pairs, weight_matrix
 
 
 # --- tensor surgery ----------------------------------------------------------------------------
+
 
 def _set_weight(mod, view: torch.Tensor) -> None:
     w = view.t() if kind_of(mod) == "hf_conv1d" else view
@@ -59,13 +61,16 @@ def _slice_codes(mod, dim: int, keep: torch.Tensor) -> None:
             # (heads a multiple of group_size wide): keep those groups' scales. Dropping the
             # codes made an asymmetric export fail (re-quantizing the baked weight is not exact)
             out.append(t.index_select(dim, _whole_groups(wq, dim, n, t.shape[dim], keep)))
-        else:   # grouped scales along the sliced dim: no exact slice
+        else:  # grouped scales along the sliced dim: no exact slice
             # say what follows: the export re-quantizes and refuses the inexact result
-            warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after slicing "
-                          "(its scales cover groups of inputs that the pruned structure splits), so "
-                          "export_quantized will refuse this module; set compression_training."
-                          f"weight_quantization.different_groups.{wq.group}.params.granularity to "
-                          "'channel' (or, for head pruning, a group_size dividing the head width)", stacklevel=2)
+            warnings.warn(
+                f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after slicing "
+                "(its scales cover groups of inputs that the pruned structure splits), so "
+                "export_quantized will refuse this module; set compression_training."
+                f"weight_quantization.different_groups.{wq.group}.params.granularity to "
+                "'channel' (or, for head pruning, a group_size dividing the head width)",
+                stacklevel=2,
+            )
             wq.codes, wq.codes_spec = None, None
             return
     wq.codes = tuple(out)
@@ -102,15 +107,18 @@ def _drop_outputs(mod, keep: torch.Tensor) -> None:
 def _drop_inputs(mod, keep: torch.Tensor) -> None:
     """Keep input columns/channels `keep` of a Linear / HF Conv1D / Conv."""
     if kind_of(mod) == "conv" and mod.groups != 1:
-        raise ConfigError("", f"{getattr(mod, 'qc_name', type(mod).__name__)}: cannot drop input "
-                              f"channels of a grouped convolution (groups={mod.groups})")
+        raise ConfigError(
+            "",
+            f"{getattr(mod, 'qc_name', type(mod).__name__)}: cannot drop input "
+            f"channels of a grouped convolution (groups={mod.groups})",
+        )
     _set_weight(mod, weight_matrix(mod).index_select(1, keep))
     _slice_codes(mod, 1, keep)
     kind = kind_of(mod)
     if kind == "linear":
         mod.in_features = len(keep)
     elif kind == "hf_conv1d" and isinstance(getattr(mod, "nx", None), int):
-        mod.nx = len(keep)          # only repr() reads it, but it should not show the old width
+        mod.nx = len(keep)  # only repr() reads it, but it should not show the old width
     elif kind == "conv":
         mod.in_channels = len(keep)
 
@@ -132,6 +140,7 @@ def _check(cond, tech, group, msg):
 
 
 # --- per technique -----------------------------------------------------------------------------
+
 
 def _zero(mod, tech, state, mask: torch.Tensor) -> None:
     """Multiply the mask in permanently (no shape change)."""
@@ -163,7 +172,7 @@ def _zero_codes(mod, tech, state, mask) -> None:
     zero = torch.zeros((), dtype=q.dtype, device=q.device) if z is None else z.to(q.dtype)
     try:
         wq.codes = (torch.where(keep.expand_as(q), q, zero), s, z)
-    except RuntimeError:   # zero points laid out per group: no cheap broadcast
+    except RuntimeError:  # zero points laid out per group: no cheap broadcast
         warnings.warn(f"{getattr(mod, 'qc_name', '?')!r}: integer codes dropped after pruning clean", stacklevel=2)
         wq.codes, wq.codes_spec = None, None
 
@@ -176,13 +185,20 @@ def _slice(tech, group, name, mod, state, mask, rels, modules, parents_done):
         for rp, names in rels:
             r = modules[names[0]]
             if kind_of(r) == "batchnorm":
-                _check(r.num_features == n_out, tech, group,
-                       f"{names[0]!r} has {r.num_features} features but {name!r} has {n_out} channels")
+                _check(
+                    r.num_features == n_out,
+                    tech,
+                    group,
+                    f"{names[0]!r} has {r.num_features} features but {name!r} has {n_out} channels",
+                )
                 _drop_bn(r, keep)
             else:
-                _check(weight_matrix(r).shape[1] == n_out, tech, group,
-                       f"{names[0]!r} takes {weight_matrix(r).shape[1]} inputs but {name!r} has "
-                       f"{n_out} outputs")
+                _check(
+                    weight_matrix(r).shape[1] == n_out,
+                    tech,
+                    group,
+                    f"{names[0]!r} takes {weight_matrix(r).shape[1]} inputs but {name!r} has {n_out} outputs",
+                )
                 _drop_inputs(r, keep)
         return
     # head pruning: primary is the O-projection
@@ -230,18 +246,30 @@ def clean_pruning(root: nn.Module, cfg) -> nn.Module:
     cc = cfg.compression
     for tech in ORDER:
         technique = getattr(cc, tech)
-        modules = dict(root.named_modules())     # refreshed: earlier techniques replaced params
+        modules = dict(root.named_modules())  # refreshed: earlier techniques replaced params
         for group in technique.groups:
-            primaries = [n for n, m in modules.items() if isinstance(m, CompressMixin)
-                         and tech in m.qc_pruning and m.qc_pruning[tech].group == group.name]
+            primaries = [
+                n
+                for n, m in modules.items()
+                if isinstance(m, CompressMixin) and tech in m.qc_pruning and m.qc_pruning[tech].group == group.name
+            ]
             masks = {n: modules[n].qc_pruning[tech].final_mask(modules[n]) for n in primaries}
             if tech != "sparse_pruning" and group.related_modules:
                 parents_done = set()
                 for prim, rels in pairs(tech, group, primaries, modules):
                     for j, n in enumerate(prim):
                         mod = modules[n]
-                        _slice(tech, group, n, mod, mod.qc_pruning[tech], masks[n],
-                               [(rp, [names[j]]) for rp, names in rels], modules, parents_done)
+                        _slice(
+                            tech,
+                            group,
+                            n,
+                            mod,
+                            mod.qc_pruning[tech],
+                            masks[n],
+                            [(rp, [names[j]]) for rp, names in rels],
+                            modules,
+                            parents_done,
+                        )
             else:
                 for n in primaries:
                     _zero(modules[n], tech, modules[n].qc_pruning[tech], masks[n])

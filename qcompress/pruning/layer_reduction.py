@@ -5,6 +5,7 @@ other_module_name module copied whole. Unlike DeepSpeed (which zips .parameters(
 tensors are matched BY NAME (parameters and persistent buffers) with shape checks; everything is
 checked before anything is copied, so a bad config leaves the student untouched.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -30,13 +31,19 @@ def _plan_copy(dst: nn.Module, src: nn.Module, dst_name: str, src_name: str, pat
     missing = sorted(set(d) - set(s))
     extra = sorted(set(s) - set(d))
     if missing or extra:
-        raise ConfigError(path, f"student {dst_name!r} and teacher {src_name!r} hold different "
-                                f"tensors: only in student {missing[:5]}, only in teacher {extra[:5]}")
+        raise ConfigError(
+            path,
+            f"student {dst_name!r} and teacher {src_name!r} hold different "
+            f"tensors: only in student {missing[:5]}, only in teacher {extra[:5]}",
+        )
     pairs = []
     for key, t in d.items():
         if tuple(t.shape) != tuple(s[key].shape):
-            raise ConfigError(path, f"tensor {dst_name}.{key} has shape {tuple(t.shape)} in the "
-                                    f"student but {src_name}.{key} has {tuple(s[key].shape)} in the teacher")
+            raise ConfigError(
+                path,
+                f"tensor {dst_name}.{key} has shape {tuple(t.shape)} in the "
+                f"student but {src_name}.{key} has {tuple(s[key].shape)} in the teacher",
+            )
         pairs.append((t, s[key]))
     return pairs
 
@@ -50,9 +57,11 @@ def student_initialization(student: nn.Module, teacher: nn.Module, cfg) -> List[
         raise ConfigError(PATH, "module_name_prefix and teacher_layer are required")
     container = _get(student, prefix, f"{PATH}.module_name_prefix", "student")
     if hasattr(container, "__len__") and len(container) != len(cfg.teacher_layer):
-        raise ConfigError(f"{PATH}.teacher_layer",
-                          f"lists {len(cfg.teacher_layer)} teacher layers but the student's "
-                          f"{prefix!r} has {len(container)}; build the student with that many layers")
+        raise ConfigError(
+            f"{PATH}.teacher_layer",
+            f"lists {len(cfg.teacher_layer)} teacher layers but the student's "
+            f"{prefix!r} has {len(container)}; build the student with that many layers",
+        )
     copies, names = [], []
     for i, t in enumerate(cfg.teacher_layer):
         dname, sname = f"{prefix}.{i}", f"{prefix}.{t}"

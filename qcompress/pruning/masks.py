@@ -5,6 +5,7 @@ on the way in and out), with these shapes:
   sparse  like the weight          row [out, 1]     head [num_heads, 1] on W^T blocks
   channel [out, 1, 1, 1] (conv2d; one trailing 1 per kernel dim)
 """
+
 from __future__ import annotations
 
 import math
@@ -50,10 +51,10 @@ def l1_scores(technique: str, w: torch.Tensor) -> torch.Tensor:
     if technique == "sparse_pruning":
         return w.abs()
     if technique == "row_pruning":
-        return w.abs().sum(dim=1, keepdim=True)                      # [out, 1]
+        return w.abs().sum(dim=1, keepdim=True)  # [out, 1]
     if technique == "channel_pruning":
         dims = tuple(range(1, w.dim()))
-        return w.abs().sum(dim=dims, keepdim=True)                   # [out, 1, 1, 1]
+        return w.abs().sum(dim=dims, keepdim=True)  # [out, 1, 1, 1]
     raise ValueError(f"{technique} has no l1 method (head pruning is topk only)")
 
 

@@ -5,6 +5,7 @@ redundancy_clean). Related modules pair by position: within group G, for the i-t
 regex and each regex in related_modules[i], the j-th matched related module gets the j-th
 matched primary's mask.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,17 +17,26 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..nn.layers import kind_of
 
-RELATED_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
-                 "channel_pruning": ("conv", "batchnorm")}
-PRIMARY_KINDS = {"row_pruning": ("linear", "hf_conv1d"), "head_pruning": ("linear", "hf_conv1d"),
-                 "channel_pruning": ("conv",)}
+RELATED_KINDS = {
+    "row_pruning": ("linear", "hf_conv1d"),
+    "head_pruning": ("linear", "hf_conv1d"),
+    "channel_pruning": ("conv", "batchnorm"),
+}
+PRIMARY_KINDS = {
+    "row_pruning": ("linear", "hf_conv1d"),
+    "head_pruning": ("linear", "hf_conv1d"),
+    "channel_pruning": ("conv",),
+}
 
 
 def related_of(technique, group, name, modules):
     """Names of the related modules paired with primary `name` (ConfigError if counts differ)."""
     kinds = PRIMARY_KINDS[technique]
-    primaries = [n for n, m in modules.items() if n and kind_of(m) in kinds
-                 and (group.modules is None or any(re.search(p, n) for p in group.modules))]
+    primaries = [
+        n
+        for n, m in modules.items()
+        if n and kind_of(m) in kinds and (group.modules is None or any(re.search(p, n) for p in group.modules))
+    ]
     for prim, rels in pairs(technique, group, primaries, modules):
         if name in prim:
             return [names[prim.index(name)] for _, names in rels]
@@ -41,14 +51,16 @@ def weight_matrix(mod) -> torch.Tensor:
 
 # --- pairing by position ------------------------------------------------------------------
 
+
 def pairs(tech: str, group, primaries: List[str], modules: Dict[str, nn.Module]):
     """[(primary names, [(related regex, related names)])], one entry per `modules` regex."""
     path = f"compression_training.{tech}.different_groups.{group.name}.related_modules"
     patterns = group.modules if group.modules is not None else (None,)
     related = group.related_modules
     if len(related) != len(patterns):
-        raise ConfigError(path, f"has {len(related)} entries but the group has {len(patterns)} "
-                                "module patterns; they pair by position")
+        raise ConfigError(
+            path, f"has {len(related)} entries but the group has {len(patterns)} module patterns; they pair by position"
+        )
     kinds = RELATED_KINDS[tech]
     taken = set()
     out = []
@@ -59,12 +71,15 @@ def pairs(tech: str, group, primaries: List[str], modules: Dict[str, nn.Module])
         for rp in rel_patterns:
             names = [n for n, m in modules.items() if n and kind_of(m) in kinds and re.search(rp, n)]
             if len(names) != len(prim):
-                raise ConfigError(path, f"related regex {rp!r} matches {len(names)} module(s) "
-                                        f"{names[:6]}{'...' if len(names) > 6 else ''} but modules "
-                                        f"regex {pat!r} matched {len(prim)} pruned module(s) "
-                                        f"{prim[:6]}{'...' if len(prim) > 6 else ''}; the j-th related "
-                                        "module takes the j-th primary's mask, so the counts must "
-                                        "be equal (tighten the regex)")
+                raise ConfigError(
+                    path,
+                    f"related regex {rp!r} matches {len(names)} module(s) "
+                    f"{names[:6]}{'...' if len(names) > 6 else ''} but modules "
+                    f"regex {pat!r} matched {len(prim)} pruned module(s) "
+                    f"{prim[:6]}{'...' if len(prim) > 6 else ''}; the j-th related "
+                    "module takes the j-th primary's mask, so the counts must "
+                    "be equal (tighten the regex)",
+                )
             rels.append((rp, names))
         out.append((prim, rels))
     return out
@@ -83,10 +98,12 @@ def head_sections(rname: str, out: int, oname: str, inp: int):
     """
     if out >= inp and out % inp == 0:
         return out // inp, None
-    return 0, (f"{rname!r} has {out} outputs, not a multiple of the {inp} head inputs of {oname!r}: "
-               "its heads are not the O-projection's (grouped-query K/V share a head among several "
-               "query heads and cannot follow a per-query-head mask); leave related_modules out to "
-               "zero the pruned heads without slicing")
+    return 0, (
+        f"{rname!r} has {out} outputs, not a multiple of the {inp} head inputs of {oname!r}: "
+        "its heads are not the O-projection's (grouped-query K/V share a head among several "
+        "query heads and cannot follow a per-query-head mask); leave related_modules out to "
+        "zero the pruned heads without slicing"
+    )
 
 
 class ChannelMaskHook:

@@ -7,6 +7,7 @@ topk: the scores are an nn.Parameter registered on the module as `<technique>_sc
     optimizer must train them), so they are in the module's state_dict; the mask is recomputed
     from them at every forward, with a straight-through gradient.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,17 +20,17 @@ from .masks import keep_count, topk_binarize, topk_mask
 
 @dataclass
 class PruningState:
-    technique: str                 # sparse_pruning | row_pruning | head_pruning | channel_pruning
+    technique: str  # sparse_pruning | row_pruning | head_pruning | channel_pruning
     group: str
-    method: str                    # l1 | topk
-    dense_ratio: float             # fraction KEPT at the end of the schedule
-    offset: int                    # schedule_offset: masks apply from this step on
-    offset_end: Optional[int] = None   # sparse only: kept ratio ramps 1 -> dense_ratio until here
-    stride: int = 1                    # sparse only: the ramped ratio changes every `stride` steps
-    num_heads: Optional[int] = None    # head pruning
+    method: str  # l1 | topk
+    dense_ratio: float  # fraction KEPT at the end of the schedule
+    offset: int  # schedule_offset: masks apply from this step on
+    offset_end: Optional[int] = None  # sparse only: kept ratio ramps 1 -> dense_ratio until here
+    stride: int = 1  # sparse only: the ramped ratio changes every `stride` steps
+    num_heads: Optional[int] = None  # head pruning
     scores_name: Optional[str] = None  # topk: attribute name of the score Parameter
     l1_scores: Optional[torch.Tensor] = None  # l1 with a ramp: init-time scores
-    l1_mask: Optional[torch.Tensor] = None    # l1 without a ramp: the fixed mask
+    l1_mask: Optional[torch.Tensor] = None  # l1 without a ramp: the fixed mask
     # live state
     active: bool = False
     ratio: float = 1.0
@@ -45,7 +46,7 @@ class PruningState:
             return 1.0
         if end is None or end <= self.offset or t >= end:
             return self.dense_ratio
-        t = self.offset + (t - self.offset) // self.stride * self.stride   # schedule_offset_stride
+        t = self.offset + (t - self.offset) // self.stride * self.stride  # schedule_offset_stride
         frac = (t - self.offset) / (end - self.offset)
         return 1.0 - (1.0 - self.dense_ratio) * frac
 
@@ -62,7 +63,7 @@ class PruningState:
             return topk_binarize(getattr(module, self.scores_name), r)
         dev = module.weight.device
         if self.l1_mask is not None and r == self.dense_ratio:
-            if self.l1_mask.device != dev:      # the model moved after init_compression
+            if self.l1_mask.device != dev:  # the model moved after init_compression
                 self.l1_mask = self.l1_mask.to(dev)
             return self.l1_mask
         if self.l1_scores.device != dev:
@@ -77,8 +78,13 @@ class PruningState:
         rounded to whole units, ceil(ratio * n) / n (4 of 12 heads at 0.3 is 0.333)."""
         if not self.active:
             return 1.0
-        ref = (getattr(module, self.scores_name) if self.method == "topk"
-               else self.l1_mask if self.l1_mask is not None else self.l1_scores)
+        ref = (
+            getattr(module, self.scores_name)
+            if self.method == "topk"
+            else self.l1_mask
+            if self.l1_mask is not None
+            else self.l1_scores
+        )
         n = ref.numel()
         return keep_count(self.ratio, n) / n
 
@@ -109,15 +115,19 @@ class PruningState:
 
     def load_state_dict(self, sd: dict) -> None:
         from ..errors import ConfigError
+
         if sd.get("method", self.method) != self.method:
-            raise ConfigError(self._path("method"),
-                              f"the checkpoint was saved with method {sd['method']!r}, the config "
-                              f"now says {self.method!r}")
-        cur = self.l1_mask if self.l1_mask is not None else self.l1_scores   # masks are shaped like scores
+            raise ConfigError(
+                self._path("method"),
+                f"the checkpoint was saved with method {sd['method']!r}, the config now says {self.method!r}",
+            )
+        cur = self.l1_mask if self.l1_mask is not None else self.l1_scores  # masks are shaped like scores
         for key in ("mask", "scores"):
             if key in sd and cur is not None and tuple(cur.shape) != tuple(sd[key].shape):
-                raise ValueError(f"{self.technique}: saved {key} has shape {tuple(sd[key].shape)}, "
-                                 f"this module needs {tuple(cur.shape)}")
+                raise ValueError(
+                    f"{self.technique}: saved {key} has shape {tuple(sd[key].shape)}, "
+                    f"this module needs {tuple(cur.shape)}"
+                )
         ramped = self.l1_scores is not None and self.l1_mask is None
         dev = cur.device if cur is not None else None
         if "scores" in sd:
@@ -130,16 +140,20 @@ class PruningState:
             # only the final mask was saved: it can neither ramp nor keep another count
             mask = sd["mask"]
             if ramped:
-                raise ConfigError(self._path("schedule_offset_end"),
-                                  "the checkpoint was saved without a ramp and holds only the final "
-                                  "l1 mask, so the kept ratio cannot ramp; resume with the config it "
-                                  "was saved with")
+                raise ConfigError(
+                    self._path("schedule_offset_end"),
+                    "the checkpoint was saved without a ramp and holds only the final "
+                    "l1 mask, so the kept ratio cannot ramp; resume with the config it "
+                    "was saved with",
+                )
             kept, want = int((mask > 0.5).sum()), keep_count(self.dense_ratio, mask.numel())
             if kept != want:
-                raise ConfigError(self._path("dense_ratio"),
-                                  f"{self.dense_ratio} keeps {want} of {mask.numel()}, but the "
-                                  f"checkpoint's l1 mask keeps {kept} (saved with another dense_ratio); "
-                                  "resume with the config it was saved with")
+                raise ConfigError(
+                    self._path("dense_ratio"),
+                    f"{self.dense_ratio} keeps {want} of {mask.numel()}, but the "
+                    f"checkpoint's l1 mask keeps {kept} (saved with another dense_ratio); "
+                    "resume with the config it was saved with",
+                )
             self.l1_mask = mask.to(dev) if dev is not None else mask.clone()
 
     def describe(self) -> str:

@@ -3,6 +3,7 @@
 backend=None uses the kernels when the csrc extension loaded, else the reference (with a
 one-time warning); "kernel" insists on the kernels, "reference" forces the pure-torch path.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -22,7 +23,7 @@ def kernels_available() -> bool:
 
 def _backend(backend: Optional[str]):
     global _warned
-    if backend is None and _kernels.available():     # the common call: no checks beyond this one
+    if backend is None and _kernels.available():  # the common call: no checks beyond this one
         return _kernels
     if backend not in (None, "kernel", "reference"):
         raise ValueError(f"backend must be None, 'kernel' or 'reference', got {backend!r}")
@@ -31,12 +32,16 @@ def _backend(backend: Optional[str]):
     if _kernels.available():
         return _kernels
     if backend == "kernel":
-        raise RuntimeError(f"backend='kernel' asked for, but the qcompress C++ extension is not "
-                           f"loaded: {_kernels.load_error()}")
+        raise RuntimeError(
+            f"backend='kernel' asked for, but the qcompress C++ extension is not loaded: {_kernels.load_error()}"
+        )
     if not _warned:
         _warned = True
-        warnings.warn("qcompress kernels are not built; using the pure-torch reference quantizer "
-                      f"(slower). Reason: {_kernels.load_error()}", stacklevel=3)
+        warnings.warn(
+            "qcompress kernels are not built; using the pure-torch reference quantizer "
+            f"(slower). Reason: {_kernels.load_error()}",
+            stacklevel=3,
+        )
     return reference
 
 
@@ -79,24 +84,45 @@ def _values_only(impl, x, spec, min_val, max_val, params=None):
     return _with_mask(impl, x, spec, min_val, max_val, params)[0]
 
 
-def fake_quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor",
-                  group_size=None, num_groups=None, rounding="nearest", seed=0,
-                  numerics="default", ternary=False, clip_grad=False, min_val=None, max_val=None,
-                  backend=None) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric=True,
+    granularity="tensor",
+    group_size=None,
+    num_groups=None,
+    rounding="nearest",
+    seed=0,
+    numerics="default",
+    ternary=False,
+    clip_grad=False,
+    min_val=None,
+    max_val=None,
+    backend=None,
+) -> torch.Tensor:
     """Quantize then dequantize x (same shape and dtype) with a straight-through gradient.
 
     `clip_grad=True` zeroes the gradient where a value was clipped to the integer range.
     `min_val`/`max_val` give a static range (tensor granularity) instead of the tensor's own.
     """
-    spec = make_spec(bits, symmetric=symmetric, granularity=granularity, group_size=group_size,
-                     num_groups=num_groups, rounding=rounding, seed=seed, numerics=numerics,
-                     ternary=ternary)
-    return fake_quantize_spec(x, spec, clip_grad=clip_grad, min_val=min_val, max_val=max_val,
-                              backend=backend)
+    spec = make_spec(
+        bits,
+        symmetric=symmetric,
+        granularity=granularity,
+        group_size=group_size,
+        num_groups=num_groups,
+        rounding=rounding,
+        seed=seed,
+        numerics=numerics,
+        ternary=ternary,
+    )
+    return fake_quantize_spec(x, spec, clip_grad=clip_grad, min_val=min_val, max_val=max_val, backend=backend)
 
 
-def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=None, backend=None,
-                       scale=None, zero_point=None):
+def fake_quantize_spec(
+    x, spec: Spec, *, clip_grad=False, min_val=None, max_val=None, backend=None, scale=None, zero_point=None
+):
     """As fake_quantize with a Spec. `scale` (and `zero_point`, asymmetric) give each group's
     parameters instead of computing them from x (observer-chosen ranges); x's gradient is still
     straight-through, nothing flows to the given parameters (see fake_quantize_learned)."""
@@ -114,6 +140,7 @@ def fake_quantize_spec(x, spec: Spec, *, clip_grad=False, min_val=None, max_val=
 
 
 # --- learned step sizes (LSQ) ---------------------------------------------------------------------
+
 
 def learned_params(scale: torch.Tensor, zero_point, spec: Spec):
     """The (scale, zero point) a learned range quantizes with: float32 [groups], the scale floored
@@ -160,8 +187,15 @@ class _LearnedFakeQuantize(torch.autograd.Function):
         return (gx if ctx.needs_input_grad[0] else None), g_s, g_z, None, None, None
 
 
-def fake_quantize_learned(x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero_point=None, *,
-                          grad_scale: Optional[float] = None, backend=None) -> torch.Tensor:
+def fake_quantize_learned(
+    x: torch.Tensor,
+    spec: Spec,
+    scale: torch.Tensor,
+    zero_point=None,
+    *,
+    grad_scale: Optional[float] = None,
+    backend=None,
+) -> torch.Tensor:
     """Fake-quantize x with learnable per-group `scale` (and `zero_point` when spec is asymmetric;
     any shapes holding one value per group) and LSQ gradients to x, scale and zero point.
     grad_scale defaults to lsq_grad_scale(elements per group)."""
@@ -172,22 +206,44 @@ def fake_quantize_learned(x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero
     groups = reference.num_groups(x, spec)
     if grad_scale is None:
         grad_scale = lsq_grad_scale(x.numel() // max(1, groups), spec)
-    return _LearnedFakeQuantize.apply(x, scale, zero_point if spec.kind == "int" else None, spec,
-                                      _backend(backend), float(grad_scale))
+    return _LearnedFakeQuantize.apply(
+        x, scale, zero_point if spec.kind == "int" else None, spec, _backend(backend), float(grad_scale)
+    )
 
 
-def quantize(x: torch.Tensor, bits: int, *, symmetric=True, granularity="tensor", group_size=None,
-             num_groups=None, rounding="nearest", seed=0, numerics="default", ternary=False,
-             min_val=None, max_val=None, backend=None):
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric=True,
+    granularity="tensor",
+    group_size=None,
+    num_groups=None,
+    rounding="nearest",
+    seed=0,
+    numerics="default",
+    ternary=False,
+    min_val=None,
+    max_val=None,
+    backend=None,
+):
     """Quantize x to integers: returns (q, scale, zero_point).
 
     q has x's shape (int8 up to 8 bits, int32 above); scale is float32, shaped to broadcast
     against x for tensor/channel/token granularity, [rows, n_groups] for `group` and
     [num_groups, 1] for `num_groups`; zero_point is int32 like scale, or None when symmetric.
     """
-    spec = make_spec(bits, symmetric=symmetric, granularity=granularity, group_size=group_size,
-                     num_groups=num_groups, rounding=rounding, seed=seed, numerics=numerics,
-                     ternary=ternary)
+    spec = make_spec(
+        bits,
+        symmetric=symmetric,
+        granularity=granularity,
+        group_size=group_size,
+        num_groups=num_groups,
+        rounding=rounding,
+        seed=seed,
+        numerics=numerics,
+        ternary=ternary,
+    )
     return quantize_spec(x, spec, min_val=min_val, max_val=max_val, backend=backend)
 
 
@@ -200,16 +256,22 @@ def quantize_spec(x, spec: Spec, *, min_val=None, max_val=None, backend=None, sc
     return _backend(backend).quantize(x, spec, min_val, max_val)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,
-               num_groups=None, dtype=torch.float32, backend=None) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point=None,
+    *,
+    group_size=None,
+    num_groups=None,
+    dtype=torch.float32,
+    backend=None,
+) -> torch.Tensor:
     """x^ = (q - zero_point) * scale (see :func:`quantize` for the scale shapes)."""
-    return _backend(backend).dequantize(q, scale, zero_point, group_size=group_size,
-                                        num_groups=num_groups, dtype=dtype)
+    return _backend(backend).dequantize(q, scale, zero_point, group_size=group_size, num_groups=num_groups, dtype=dtype)
 
 
 def _check_range_args(spec, min_val, max_val):
     if (min_val is None) != (max_val is None):
         raise ValueError("give both min_val and max_val for a static range, or neither")
     if min_val is not None and spec.granularity != "tensor":
-        raise ValueError(f"a static range (min_val/max_val) needs granularity 'tensor', "
-                         f"not {spec.granularity!r}")
+        raise ValueError(f"a static range (min_val/max_val) needs granularity 'tensor', not {spec.granularity!r}")

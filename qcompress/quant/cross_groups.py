@@ -24,14 +24,15 @@ candidate errors fit CHUNK_BYTES.
 It lowers the per-layer output error on the calibration inputs below the per-group choice's, and
 with it the PTQ perplexity excess (benchmarks/results/quality.md).
 """
+
 from __future__ import annotations
 
 import torch
 
 from .reference import Spec, group_minmax, group_view, shrunk_deviation
 
-MAX_SWEEPS = 4                 # passes over a row's groups (each rarely changes much after the third)
-CHUNK_BYTES = 256 * 2 ** 20    # float64 candidate errors held at once: [candidates, rows, cols]
+MAX_SWEEPS = 4  # passes over a row's groups (each rarely changes much after the third)
+CHUNK_BYTES = 256 * 2**20  # float64 candidate errors held at once: [candidates, rows, cols]
 
 
 def padded(M: torch.Tensor, width: int, device) -> torch.Tensor:
@@ -42,18 +43,21 @@ def padded(M: torch.Tensor, width: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid: torch.Tensor,
-            sweeps: int = MAX_SWEEPS) -> torch.Tensor:
+def descend(
+    x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid: torch.Tensor, sweeps: int = MAX_SWEEPS
+) -> torch.Tensor:
     """Shrink factors (float32 [rows * groups], group fastest) minimising each row's d^T M d by
     coordinate descent from p (see the module docstring). x: the float32 [rows, cols] weight
     matrix, quantized per group of spec.group_size columns; M: E[u u^T], [cols, cols]; grid: the
     candidate factors (float32 [K]); spec: the search's rounding (nearest)."""
     rows, cols = x.shape
     if spec.granularity != "group" or tuple(M.shape) != (cols, cols):
-        raise ValueError(f"cross-group moments of shape {tuple(M.shape)} do not fit a weight matrix of "
-                         f"shape {tuple(x.shape)} quantized per {spec.granularity}")
+        raise ValueError(
+            f"cross-group moments of shape {tuple(M.shape)} do not fit a weight matrix of "
+            f"shape {tuple(x.shape)} quantized per {spec.granularity}"
+        )
     g = spec.group_size
-    assert g is not None                    # granularity "group", checked above
+    assert g is not None  # granularity "group", checked above
     X, counts = group_view(x, spec)
     G = X.shape[0] // rows
     width = G * g
@@ -62,9 +66,9 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
     grid = grid.to(device=x.device, dtype=torch.float32)
     K = grid.numel()
     out = p.to(device=x.device, dtype=torch.float32).clone().reshape(rows, G)
-    chunk = max(1, CHUNK_BYTES // (8 * (2 * K + 3) * width))   # cand and bmm's product
+    chunk = max(1, CHUNK_BYTES // (8 * (2 * K + 3) * width))  # cand and bmm's product
     slices = [slice(j * g, (j + 1) * g) for j in range(G)]
-    blocks = torch.stack([Mp[sl, sl] for sl in slices])          # [G, g, g]
+    blocks = torch.stack([Mp[sl, sl] for sl in slices])  # [G, g, g]
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         sel = slice(r0 * G, r1 * G)
@@ -79,25 +83,29 @@ def descend(x: torch.Tensor, spec: Spec, p: torch.Tensor, M: torch.Tensor, grid:
         # each candidate's own block term d^T M_gg d: fixed while the other groups move
         own = (torch.bmm(cand.reshape(G, K * R, g), blocks) * cand.reshape(G, K * R, g)).sum(-1).reshape(G, K, R)
         pc = out[r0:r1]
-        MD = D @ Mp                                       # kept current by each move below
+        MD = D @ Mp  # kept current by each move below
         for _ in range(sweeps):
             changed = False
             for j, sl in enumerate(slices):
                 Mgg = blocks[j]
                 cur = D[:, sl]
                 cur_M = cur @ Mgg
-                cross = MD[:, sl] - cur_M                 # sum over h != g of M_gh d_h
+                cross = MD[:, sl] - cur_M  # sum over h != g of M_gh d_h
                 opts = cand[j]
-                err = torch.cat([((cur_M + 2.0 * cross) * cur).sum(-1)[None],
-                                 own[j] + 2.0 * torch.einsum("krg,rg->kr", opts, cross)])
-                best = torch.argmin(err, dim=0)           # index 0 (the current factor) wins ties
+                err = torch.cat(
+                    [
+                        ((cur_M + 2.0 * cross) * cur).sum(-1)[None],
+                        own[j] + 2.0 * torch.einsum("krg,rg->kr", opts, cross),
+                    ]
+                )
+                best = torch.argmin(err, dim=0)  # index 0 (the current factor) wins ties
                 new = torch.where((best > 0)[:, None], opts[(best - 1).clamp(min=0), idx], cur)
                 moved = torch.nonzero((new != cur).any(dim=1)).flatten()
                 if moved.numel() == 0:
                     continue
                 changed = True
                 pc[moved, j] = grid[best[moved] - 1]
-                MD[moved] += (new[moved] - cur[moved]) @ Mp[sl, :]     # only the rows that moved
+                MD[moved] += (new[moved] - cur[moved]) @ Mp[sl, :]  # only the rows that moved
                 D[moved, sl] = new[moved]
             if not changed:
                 break

@@ -30,6 +30,7 @@ decides how the block scales round, which a straight-through gradient does not s
 observer searches that). MX scales are powers of two: no straight-through step moves one, so they
 are not learned (refused in the config).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -40,11 +41,12 @@ from . import floats
 from .floats import FloatSpec
 from .observers import ACT_SAMPLE, DEFAULT_SEARCH, Search, shrink_grid
 
-E4M3_MIN = 2.0 ** -9          # the smallest e4m3 subnormal: a learned NVFP4 block scale's floor
+E4M3_MIN = 2.0**-9  # the smallest e4m3 subnormal: a learned NVFP4 block scale's floor
 LEARNABLE = ("fp8_e4m3", "nvfp4")
 
 
 # --- scales from (shrunk) absmax --------------------------------------------------------------
+
 
 def _absmax(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
     """Each scale's absmax, in x's dtype: [1] tensor, [rows] channel/token, [r, g] group, [R, C] block."""
@@ -87,16 +89,18 @@ def block_scales(a: torch.Tensor, spec: FloatSpec, p, gscale: Optional[torch.Ten
         return _shaped(floats.scales_from_absmax(_shrunk(a, p), spec), spec)
     s = floats.scales_from_absmax(a, spec, gscale)
     p = torch.as_tensor(p, device=a.device)
-    if spec.scale_kind == "e4m3":      # p e4m3 steps below, never down to 0
+    if spec.scale_kind == "e4m3":  # p e4m3 steps below, never down to 0
         raw = floats.scales_from_absmax(a, spec, gscale, zero_floor=False)
         b = (_e4m3_bits(raw) - p.to(torch.int32)).clamp(min=1)
         return torch.where(raw > 0, b.to(torch.uint8).view(torch.float8_e4m3fn).to(s.dtype), s)
-    half = s * 0.5               # one exponent below; only where E8M0 can hold it
-    ok = (half > 0) & (half.to(torch.float32) >= 2.0 ** -127)
+    half = s * 0.5  # one exponent below; only where E8M0 can hold it
+    ok = (half > 0) & (half.to(torch.float32) >= 2.0**-127)
     return torch.where((p < 1) & ok, half, s)
 
 
-def scales_with_shrink(x: torch.Tensor, spec: FloatSpec, shrink: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def scales_with_shrink(
+    x: torch.Tensor, spec: FloatSpec, shrink: torch.Tensor
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, global scale or None) of x with the kept shrink factors (mse_shrink's layout)."""
     a = _absmax(x, spec)
     n = a.numel()
@@ -107,14 +111,21 @@ def scales_with_shrink(x: torch.Tensor, spec: FloatSpec, shrink: torch.Tensor) -
 
 # --- the mse search ---------------------------------------------------------------------------
 
-def group_errors(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor],
-                 norm: float = 2.0, x64: Optional[torch.Tensor] = None) -> torch.Tensor:
+
+def group_errors(
+    x: torch.Tensor,
+    spec: FloatSpec,
+    scale: torch.Tensor,
+    gscale: Optional[torch.Tensor],
+    norm: float = 2.0,
+    x64: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Per scale: sum over its elements of |x^ - x|^norm (float64, the scale's absmax shape);
     x64: x.double(), when the caller computes it once for many candidates."""
     y = floats.fake_quantize_float(x.detach(), spec, scale=scale, gscale=gscale)
     x64 = x.detach().double() if x64 is None else x64
     d = y.double().sub_(x64)
-    e = floats._tiles(d.mul_(d) if norm == 2.0 else d.abs_().pow_(norm), spec)    # block padding adds 0
+    e = floats._tiles(d.mul_(d) if norm == 2.0 else d.abs_().pow_(norm), spec)  # block padding adds 0
     return e.sum(dim=floats._reduce_dims(e, spec))
 
 
@@ -148,7 +159,7 @@ def _argmin(x, spec, a, grid, g, norm):
     x64 = x.double()
     for p in choices:
         err = group_errors(x, spec, block_scales(a, spec, p, g), g, norm, x64)
-        better = err < best_err          # strict: on a tie the larger scale stays
+        better = err < best_err  # strict: on a tie the larger scale stays
         if spec.scale_kind == "e4m3":
             better &= p <= steps
         best_err = torch.where(better, err, best_err)
@@ -174,14 +185,15 @@ def mse_shrink(x: torch.Tensor, spec: FloatSpec, search: Search = DEFAULT_SEARCH
         for pg in pgs:
             gp = global_at(x, pg)
             tot.append(group_errors(x, spec, block_scales(a, spec, zero, gp), gp, search.norm, x64).sum())
-        pg = pgs[int(torch.argmin(torch.stack(tot)))]      # argmin: the first (largest) of equal errors
+        pg = pgs[int(torch.argmin(torch.stack(tot)))]  # argmin: the first (largest) of equal errors
         g, tail = global_at(x, pg), [pg.reshape(1)]
     best = _argmin(x, spec, a, grid, g, search.norm)
     return torch.cat([best.reshape(-1)] + tail).to(torch.float32)
 
 
-def activation_range(x: torch.Tensor, spec: FloatSpec, observer: str,
-                     search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, torch.Tensor]:
+def activation_range(
+    x: torch.Tensor, spec: FloatSpec, observer: str, search: Search = DEFAULT_SEARCH
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(min, max) float32 scalars of a whole activation tensor for a static float range: its own
     range, or (mse) that range times activation_shrink's factor."""
     flat = x.detach().reshape(-1).to(torch.float32)
@@ -192,8 +204,9 @@ def activation_range(x: torch.Tensor, spec: FloatSpec, observer: str,
     return lo * p, hi * p
 
 
-def activation_shrink(x: torch.Tensor, spec: FloatSpec, lo: torch.Tensor, hi: torch.Tensor,
-                      search: Search = DEFAULT_SEARCH) -> torch.Tensor:
+def activation_shrink(
+    x: torch.Tensor, spec: FloatSpec, lo: torch.Tensor, hi: torch.Tensor, search: Search = DEFAULT_SEARCH
+) -> torch.Tensor:
     """The factor p (float32 scalar) of a static range [lo, hi] whose error on x is least: the
     range sets FP8's per-tensor scale and NVFP4's global scale (its block scales stay dynamic).
     The error is measured on evenly strided rows of x (whole rows keep NVFP4's groups), at most
@@ -212,18 +225,20 @@ def activation_shrink(x: torch.Tensor, spec: FloatSpec, lo: torch.Tensor, hi: to
 
 # --- learned scales ---------------------------------------------------------------------------
 
+
 def _gvalue(gscale: torch.Tensor) -> torch.Tensor:
     return gscale.detach().to(torch.float32).reshape(1).clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def learned_scales(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
-                   gscale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def learned_scales(
+    x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, global scale) forward quantizes with, as export stores them: FP8 the learned scale
     in x's dtype (floored at its smallest normal); NVFP4 the e4m3 block scale of sigma * g and g."""
     if spec.format not in LEARNABLE:
         raise ValueError(f"{spec.format} scales are not learned (powers of two)")
     if spec.scale_kind == "e4m3":
-        assert gscale is not None           # e4m3 block scales come with their global scale
+        assert gscale is not None  # e4m3 block scales come with their global scale
         g = _gvalue(gscale)
         u = scale.detach().to(torch.float32) * g
         code = torch.clamp(u, E4M3_MIN, floats.E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
@@ -232,12 +247,13 @@ def learned_scales(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
     return s, None
 
 
-def learned_init(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
-                 gscale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def learned_init(
+    x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The Parameters' values that make learned_scales give (scale, gscale) back (an observer's
     choice): FP8 the scale, NVFP4 sigma = block scale / g (e4m3(sigma * g) is the block scale again)."""
     if spec.scale_kind == "e4m3":
-        assert gscale is not None           # e4m3 block scales come with their global scale
+        assert gscale is not None  # e4m3 block scales come with their global scale
         g = gscale.to(torch.float32).reshape(1)
         return scale.to(torch.float32) / g, g.clone()
     return scale.to(torch.float32), None
@@ -261,13 +277,13 @@ class _LearnedFloat(torch.autograd.Function):
         spec = ctx.spec
         s, g = learned_scales(x, spec, scale, gparam)
         t, sb, v = floats._scaled(x.detach(), spec, s, g)
-        inside = v.abs() <= spec.qmax          # x / s as forward rounded it (bf16 FP8: in bf16)
+        inside = v.abs() <= spec.qmax  # x / s as forward rounded it (bf16 FP8: in bf16)
         q = floats._codes(v, spec).to(torch.float32)
-        v = t.to(torch.float32) / sb.to(torch.float32)      # that rounding passed straight through
+        v = t.to(torch.float32) / sb.to(torch.float32)  # that rounding passed straight through
         ds = torch.where(inside, q - v, torch.sign(v) * spec.qmax)
         G = floats._tiles(grad.detach().to(torch.float32), spec)
         gx = floats._untile(G * inside, x, spec).to(grad.dtype)
-        gs = (G.double() * ds.double()).sum(dim=floats._reduce_dims(t, spec))     # dL / d(effective scale)
+        gs = (G.double() * ds.double()).sum(dim=floats._reduce_dims(t, spec))  # dL / d(effective scale)
         gs = gs.reshape(scale.shape)
         g_scale = g_g = None
         if spec.scale_kind == "e4m3":
@@ -288,8 +304,13 @@ class _LearnedFloat(torch.autograd.Function):
         return gx, g_scale, g_g, None, None
 
 
-def fake_quantize_learned(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
-                          gscale: Optional[torch.Tensor] = None, grad_scale: Optional[float] = None) -> torch.Tensor:
+def fake_quantize_learned(
+    x: torch.Tensor,
+    spec: FloatSpec,
+    scale: torch.Tensor,
+    gscale: Optional[torch.Tensor] = None,
+    grad_scale: Optional[float] = None,
+) -> torch.Tensor:
     """x fake-quantized with learned scales (`scale` in the shape floats.qparams gives; NVFP4 also
     the global `gscale` [1]), LSQ gradients; grad_scale defaults to 1 / sqrt(n * qmax)."""
     if (gscale is None) != (spec.scale_kind != "e4m3"):

@@ -14,6 +14,7 @@ cast is the e4m3 conversion (round half to even, saturated by the clamp) or the 
 {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to even; every intermediate keeps the dtype torch's type
 promotion gives it there (bf16 weights: bf16 amax / 448, FP32 NVFP4 scales), as there.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ from ..errors import NonFiniteError
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-BLOCK = (128, 128)       # FP8_BLOCK's weight blocks (rows, columns)
+BLOCK = (128, 128)  # FP8_BLOCK's weight blocks (rows, columns)
 _MX_OFFSET = {4: 2, 8: 8}  # floor(log2(qmax)) of E2M1 and e4m3
 
 
@@ -36,6 +37,7 @@ class FloatSpec:
     """How a tensor is quantized to a float format. Granularity acts on the tensor as a matrix:
     channel = rows of [shape[0], -1]; token = rows of [-1, shape[-1]]; group = runs of
     group_size along the last dim; block = 128 x 128 tiles of a 2-D weight."""
+
     format: str
     granularity: str
     group_size: Optional[int] = None
@@ -85,12 +87,15 @@ def check_shape(shape, spec: FloatSpec) -> Optional[str]:
     if spec.granularity == "block" and len(shape) != 2:
         return f"128 x 128 blocks need a 2-D weight, got shape {tuple(shape)}"
     if spec.granularity == "group" and shape[-1] % spec.group_size:
-        return (f"the last dim {shape[-1]} is not a multiple of {spec.format}'s group size "
-                f"{spec.group_size} (shape {tuple(shape)})")
+        return (
+            f"the last dim {shape[-1]} is not a multiple of {spec.format}'s group size "
+            f"{spec.group_size} (shape {tuple(shape)})"
+        )
     return None
 
 
 # --- grouping: stats and scales per granularity -------------------------------------------------
+
 
 def _tiles(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
     """x with each scale's elements on trailing dims: [1, n] tensor, [r, k] channel/token,
@@ -107,7 +112,7 @@ def _tiles(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
         if reason:
             raise ValueError(reason)
         gs = spec.group_size
-        assert gs is not None               # check_shape refuses a group spec without one
+        assert gs is not None  # check_shape refuses a group spec without one
         return x.reshape(-1, x.shape[-1] // gs, gs)
     rows, cols = x.shape
     bh, bw = BLOCK
@@ -132,8 +137,10 @@ def _reduce_dims(t: torch.Tensor, spec: FloatSpec) -> Tuple[int, ...]:
 def _check_finite(lo, hi, what):
     bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
     if bool(bad.any()):
-        raise NonFiniteError(f"{int(bad.sum())} of {bad.numel()} quantization groups contain NaN or "
-                             f"Inf values ({what}); fix the input before quantizing")
+        raise NonFiniteError(
+            f"{int(bad.sum())} of {bad.numel()} quantization groups contain NaN or "
+            f"Inf values ({what}); fix the input before quantizing"
+        )
 
 
 def absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -162,27 +169,33 @@ def tensor_global_scale(x: torch.Tensor) -> torch.Tensor:
 def _pow2_round(a: torch.Tensor) -> torch.Tensor:
     """The power of two an MX scale starts from: a's sign and exponent after adding half an
     E2M1 mantissa step below the stored mantissa (compressed-tensors' round_to_power_2)."""
-    bits = {torch.bfloat16: (torch.uint16, 7, 8), torch.float16: (torch.uint16, 10, 5),
-            torch.float32: (torch.uint32, 23, 8), torch.float64: (torch.uint64, 52, 11)}
+    bits = {
+        torch.bfloat16: (torch.uint16, 7, 8),
+        torch.float16: (torch.uint16, 10, 5),
+        torch.float32: (torch.uint32, 23, 8),
+        torch.float64: (torch.uint64, 52, 11),
+    }
     if a.dtype not in bits:
         raise TypeError(f"MX scales need a float dtype, got {a.dtype}")
     udt, mant, expo = bits[a.dtype]
     i = a.view(udt).to(torch.int64 if udt == torch.uint64 else torch.int32)
-    add = 1 << (mant - 1 - 1)           # E2M1's one mantissa bit, for every MX element type
+    add = 1 << (mant - 1 - 1)  # E2M1's one mantissa bit, for every MX element type
     mask = ((1 << (expo + 1)) - 1) << mant
     r = torch.bitwise_and(i + add, mask)
     return r.to(udt).view(a.dtype) if udt == torch.uint16 else r.view(a.dtype)
 
 
-def scales_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: FloatSpec,
-                      gscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def scales_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Each group's scale (as compressed-tensors' calculate_qparams returns it: a float tensor,
     already rounded to e4m3 / a power of two where the format says so)."""
     return scales_from_absmax(absmax(lo, hi), spec, gscale)
 
 
-def scales_from_absmax(a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None,
-                       zero_floor: bool = True) -> torch.Tensor:
+def scales_from_absmax(
+    a: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None, zero_floor: bool = True
+) -> torch.Tensor:
     """Each group's scale from its absmax; zero_floor=False leaves a scale that rounds to 0 at 0
     (the mse search's e4m3 steps need to see it) instead of the format's floor."""
     if spec.scale_kind == "e8m0":
@@ -230,8 +243,10 @@ def _codes(scaled: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
 
 # --- public: parameters, codes, fake quantization ---------------------------------------------
 
-def qparams(x: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None,
-            static_range=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+
+def qparams(
+    x: torch.Tensor, spec: FloatSpec, gscale: Optional[torch.Tensor] = None, static_range=None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, global scale) of x: scale shaped [1] (tensor), [rows, 1] (channel, token),
     [rows, groups] (group), [row blocks, col blocks] (block). NVFP4's global scale is x's own
     unless given. `static_range` (lo, hi) replaces x's per-tensor range (static activations)."""
@@ -275,8 +290,9 @@ def _scaled(x, spec, scale, gscale):
     return t, s, scaled
 
 
-def quantize_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
-                   gscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def quantize_codes(
+    x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The format's values for x (same shape): float8_e4m3fn for 8-bit formats, the E2M1 grid
     values (as float32) for FP4; export packs these."""
     with torch.no_grad():
@@ -285,8 +301,9 @@ def quantize_codes(x: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
     return q.to(torch.float8_e4m3fn) if spec.bits == 8 else q.to(torch.float32)
 
 
-def dequantize_codes(q: torch.Tensor, spec: FloatSpec, scale: torch.Tensor,
-                     gscale: Optional[torch.Tensor] = None, dtype=torch.float32) -> torch.Tensor:
+def dequantize_codes(
+    q: torch.Tensor, spec: FloatSpec, scale: torch.Tensor, gscale: Optional[torch.Tensor] = None, dtype=torch.float32
+) -> torch.Tensor:
     """q * (scale / global scale) in the scale's dtype, then `dtype` (inverse of quantize_codes)."""
     t = _tiles(q, spec)
     s = _broadcast(t, scale, spec)
@@ -311,9 +328,15 @@ def _use_kernel(x, backend) -> bool:
     if backend == "reference":
         return False
     from . import kernels
-    ok = kernels.available() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
-        torch.ops.qcompress.float_fake_quant.default.has_kernel_for_dispatch_key(
-            "CUDA" if x.is_cuda else "CPU") if kernels.available() else False  # type: ignore[arg-type]  # a key's name
+
+    key = "CUDA" if x.is_cuda else "CPU"
+    ok = (
+        kernels.available()
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and torch.ops.qcompress.float_fake_quant.default.has_kernel_for_dispatch_key(key)  # type: ignore[arg-type]
+        if kernels.available()
+        else False
+    )
     if backend == "kernel" and not ok:
         raise RuntimeError(f"backend='kernel': no float_fake_quant kernel for {x.dtype} on {x.device}")
     return ok
@@ -360,8 +383,9 @@ class _FloatSTE(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def fake_quantize_float(x: torch.Tensor, spec: FloatSpec, *, scale=None, gscale=None,
-                        static_range=None, clip_grad=False, backend=None) -> torch.Tensor:
+def fake_quantize_float(
+    x: torch.Tensor, spec: FloatSpec, *, scale=None, gscale=None, static_range=None, clip_grad=False, backend=None
+) -> torch.Tensor:
     """x quantized to spec's format and back (x's shape and dtype), straight-through gradient.
     Scales come from x itself (weights, dynamic activations), from `static_range` or are given.
     backend: None (the kernel when built, else torch), "kernel" or "reference" (plain torch)."""
@@ -380,5 +404,9 @@ def fake_quantize_float(x: torch.Tensor, spec: FloatSpec, *, scale=None, gscale=
 def scale_grid_shape(shape, spec: FloatSpec) -> Tuple[int, ...]:
     """Stored shape of a 2-D weight's scale (what export writes)."""
     rows, cols = shape[0], math.prod(shape[1:])
-    return {"tensor": (1,), "channel": (rows, 1), "group": (rows, cols // (spec.group_size or 1)),
-            "block": (math.ceil(rows / BLOCK[0]), math.ceil(cols / BLOCK[1]))}[spec.granularity]
+    return {
+        "tensor": (1,),
+        "channel": (rows, 1),
+        "group": (rows, cols // (spec.group_size or 1)),
+        "block": (math.ceil(rows / BLOCK[0]), math.ceil(cols / BLOCK[1])),
+    }[spec.granularity]

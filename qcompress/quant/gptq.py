@@ -25,6 +25,7 @@ weight's dtype: what the compress-aware module's forward then computes from the 
 and scales, element for element. The returned weight is every column as it stood when it was
 quantized (the error-compensated weights); Q is its quantization.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ from .floats import FloatSpec
 from .observers import DEFAULT_SEARCH, Search
 from .reference import Spec, make_spec
 
-DAMP_RETRIES = 3      # a Hessian Cholesky cannot factor: damp x 10 each time, then round to nearest
+DAMP_RETRIES = 3  # a Hessian Cholesky cannot factor: damp x 10 each time, then round to nearest
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,18 @@ class Settings:
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
-    observer: str = "minmax"                 # how each group's scale is chosen: minmax | mse
+    observer: str = "minmax"  # how each group's scale is chosen: minmax | mse
     search: Search = field(default=DEFAULT_SEARCH)
 
 
 @dataclass
 class Solution:
-    weight: torch.Tensor        # the error-compensated weights, W's dtype and shape
-    quantized: torch.Tensor     # their quantization (W's dtype)
-    params: tuple               # the scales: int (scale, zero point or None), float (scale, global or None)
-    loss: float                 # sum over columns of (w - q)^2 / U_jj^2 / 2: the output error estimate
-    damp: float                 # the dampening that factored (a retry raises it)
-    rounded: bool = False       # no dampening factored H: rounded to nearest with the same scales
+    weight: torch.Tensor  # the error-compensated weights, W's dtype and shape
+    quantized: torch.Tensor  # their quantization (W's dtype)
+    params: tuple  # the scales: int (scale, zero point or None), float (scale, global or None)
+    loss: float  # sum over columns of (w - q)^2 / U_jj^2 / 2: the output error estimate
+    damp: float  # the dampening that factored (a retry raises it)
+    rounded: bool = False  # no dampening factored H: rounded to nearest with the same scales
 
 
 class IntGrid:
@@ -75,8 +76,9 @@ class IntGrid:
         self.width: int = spec.group_size if spec.granularity == "group" and spec.group_size else cols
         self.groups = max(1, math.ceil(cols / self.width))
         self.scale = torch.zeros(rows, self.groups, dtype=torch.float32)
-        self.zero: Optional[torch.Tensor] = None if spec.symmetric else torch.zeros(rows, self.groups,
-                                                                                      dtype=torch.float32)
+        self.zero: Optional[torch.Tensor] = (
+            None if spec.symmetric else torch.zeros(rows, self.groups, dtype=torch.float32)
+        )
         self._tensor: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     @property
@@ -87,7 +89,7 @@ class IntGrid:
         """Group k's scales (one per row) from its columns X [rows, n] (float32)."""
         s, z = observers.weight_params(X, self.row_spec, self.observer, search=self.search)
         self.scale[:, k] = s.cpu()
-        if self.zero is not None and z is not None:      # asymmetric grids have a zero point
+        if self.zero is not None and z is not None:  # asymmetric grids have a zero point
             self.zero[:, k] = z.cpu()
 
     def fit_all(self, W: torch.Tensor) -> None:
@@ -101,7 +103,7 @@ class IntGrid:
                 self.zero[:, 0] = z1
             return
         for k in range(self.groups):
-            self.fit(W[:, k * self.width:(k + 1) * self.width], k)
+            self.fit(W[:, k * self.width : (k + 1) * self.width], k)
 
     def quantize(self, w: torch.Tensor, k: int) -> torch.Tensor:
         s = self.scale[:, k].to(w.device)
@@ -121,14 +123,21 @@ class FloatGrid:
     group or 128 x 128 block, NVFP4 (groups of 16 under one global scale chosen on the whole
     matrix first, as llm-compressor does), MXFP4 / MXFP8 (groups of 32)."""
 
-    def __init__(self, spec: FloatSpec, rows: int, cols: int, dtype: torch.dtype, observer: str = "minmax",
-                 search: Search = DEFAULT_SEARCH):
+    def __init__(
+        self,
+        spec: FloatSpec,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        observer: str = "minmax",
+        search: Search = DEFAULT_SEARCH,
+    ):
         self.spec, self.rows, self.cols, self.dtype = spec, rows, cols, dtype
         self.observer, self.search = observer, search
         gran = spec.granularity
         self.width: int = {"group": spec.group_size, "block": floats.BLOCK[1]}.get(gran) or cols
         self.groups = max(1, math.ceil(cols / self.width))
-        self.row_spec = FloatSpec(spec.format, "channel")      # one scale per row of a column
+        self.row_spec = FloatSpec(spec.format, "channel")  # one scale per row of a column
         self.slice_spec = FloatSpec(spec.format, gran, spec.group_size) if gran in ("group", "block") else spec
         self.gscale: Optional[torch.Tensor] = None
         # per group: [rows] scale of each row (block: expanded)
@@ -153,13 +162,14 @@ class FloatGrid:
         if self.observer != "mse":
             return floats.qparams(X, spec, self.gscale)[0]
         a = float_observers._absmax(X, spec)
-        best = float_observers._argmin(X, spec, a, float_observers.candidates(spec, self.search, a.device),
-                                       self.gscale, self.search.norm)
+        best = float_observers._argmin(
+            X, spec, a, float_observers.candidates(spec, self.search, a.device), self.gscale, self.search.norm
+        )
         return float_observers.block_scales(a, spec, best, self.gscale)
 
     def fit(self, X: torch.Tensor, k: int) -> None:
         s = self._choose(X.to(self.dtype), self.slice_spec)
-        if self.spec.granularity == "block":    # [row blocks, 1] -> one per row
+        if self.spec.granularity == "block":  # [row blocks, 1] -> one per row
             s = s.reshape(-1).repeat_interleave(floats.BLOCK[0])[: self.rows]
         self.scales[k] = s.reshape(-1)
 
@@ -172,23 +182,24 @@ class FloatGrid:
             self.scales = [row]
             return
         for k in range(self.groups):
-            self.fit(W[:, k * self.width:(k + 1) * self.width], k)
+            self.fit(W[:, k * self.width : (k + 1) * self.width], k)
 
     def quantize(self, w: torch.Tensor, k: int) -> torch.Tensor:
         s = self.scales[0 if self._whole is not None else k]
         assert s is not None, "fit or fit_all chooses a group's scales before it is quantized"
         s = s.to(w.device)
-        return floats.fake_quantize_float(w.reshape(-1, 1), self.row_spec, scale=s.reshape(-1, 1),
-                                          gscale=self.gscale).reshape(-1)
+        return floats.fake_quantize_float(
+            w.reshape(-1, 1), self.row_spec, scale=s.reshape(-1, 1), gscale=self.gscale
+        ).reshape(-1)
 
     def params(self):
         """(scale in the shape floats.qparams gives the module's spec, global scale or None)."""
         if self._whole is not None:
             return self._whole.clone(), self.gscale
         gran = self.spec.granularity
-        cols = torch.stack(self.scales, dim=1)        # [rows, groups]
+        cols = torch.stack(self.scales, dim=1)  # [rows, groups]
         if gran == "block":
-            cols = cols[:: floats.BLOCK[0]]          # one row per row block
+            cols = cols[:: floats.BLOCK[0]]  # one row per row block
         return cols.contiguous(), self.gscale
 
 
@@ -204,7 +215,7 @@ def _inverse_factor(H: torch.Tensor, damp: float):
     mean = float(torch.diagonal(H).mean())
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for attempt in range(DAMP_RETRIES):
-        d = damp * (10 ** attempt)
+        d = damp * (10**attempt)
         L, info = torch.linalg.cholesky_ex(H + (d * mean) * eye)
         if int(info) == 0:
             Hinv = torch.cholesky_inverse(L)
@@ -236,7 +247,7 @@ def solve(W: torch.Tensor, H: torch.Tensor, grid, settings: Optional[Settings] =
     if settings.act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
         work, H = work[:, perm], H[perm][:, perm]
-    with _one_thread(work.device):      # torch's threaded cholesky_inverse stalls on a busy CPU
+    with _one_thread(work.device):  # torch's threaded cholesky_inverse stalls on a busy CPU
         U, damp = _inverse_factor(H, settings.damp)
     rounded = U is None
     if rounded:
@@ -287,8 +298,8 @@ def _columns(block, errs, out, quant, U, grid, perm, upfront, width, i1, i2, dty
         j = i1 + i
         c = int(perm[j]) if perm is not None else j
         k = c // width
-        if not upfront and c % width == 0:       # a group starts: its scales from its current columns
-            grid.fit(block[i:i + width].t().to(dtype), k)
+        if not upfront and c % width == 0:  # a group starts: its scales from its current columns
+            grid.fit(block[i : i + width].t().to(dtype), k)
         w = block[i]
         stored = w.to(dtype)
         q = grid.quantize(stored, k).to(dtype)

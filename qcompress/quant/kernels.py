@@ -6,6 +6,7 @@ Same functions as :mod:`qcompress.quant.reference` (`fake_quantize_with_mask`, `
 The operators live in the `torch.ops.qcompress` namespace with fake (meta) kernels registered
 here, so `torch.compile` treats them as opaque custom ops.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,10 @@ from .reference import Spec
 _error: Optional[str] = None
 _has_cuda = False
 try:
-    if os.environ.get("QCOMPRESS_PURE_PYTHON") == "1":   # asked for by name: even a built extension stays unused
+    if os.environ.get("QCOMPRESS_PURE_PYTHON") == "1":  # asked for by name: even a built extension stays unused
         raise ImportError("QCOMPRESS_PURE_PYTHON=1 asks for the pure-torch reference paths")
     from .. import _C  # noqa: F401  (registers torch.ops.qcompress.*)
+
     # torch's stubs ask for a DispatchKey; the operator takes the key's name as well
     _has_cuda = torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA")  # type: ignore[arg-type]
 except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
@@ -37,8 +39,11 @@ if _has_cuda and os.environ.get("QCOMPRESS_CUDA_SYNC_CHECKS", "") == "1":
 
 _cache_mb = os.environ.get("QCOMPRESS_CPU_CACHE_MB", "").strip()
 if _cache_mb and not _cache_mb.lstrip("-").isdigit():
-    warnings.warn(f"QCOMPRESS_CPU_CACHE_MB={_cache_mb!r} is not a whole number of MB; the kernels keep "
-                  "the default 512 MB of reusable output blocks (0 turns the cache off)", stacklevel=2)
+    warnings.warn(
+        f"QCOMPRESS_CPU_CACHE_MB={_cache_mb!r} is not a whole number of MB; the kernels keep "
+        "the default 512 MB of reusable output blocks (0 turns the cache off)",
+        stacklevel=2,
+    )
 
 _KIND = {"int": 0, "binary": 1, "ternary": 2}
 _NONFINITE = "qcompress.NonFiniteError: "
@@ -63,7 +68,7 @@ def _ops():
 
 def on_kernel_device(*tensors) -> bool:
     """True when every tensor lives where a built kernel runs (CPU, or CUDA in a CUDA build)."""
-    for t in tensors:       # a loop, not all(genexpr): this runs several times per layer call
+    for t in tensors:  # a loop, not all(genexpr): this runs several times per layer call
         if not (t.is_cpu or (_has_cuda and t.is_cuda)):
             return False
     return True
@@ -79,15 +84,18 @@ def cuda_sync_checks(on: bool) -> bool:
 def check_nonfinite() -> None:
     """Raise NonFiniteError when a CUDA quantizer met NaN/Inf since the last check (the count is
     then reset). The CPU kernels and the reference raise at the call itself; the CUDA kernels
-    count instead, because reading the count back syncs the GPU (benchmarks/results/gpu.md). CompressionScheduler.step, export_quantized and the train job's evaluate() call this."""
+    count instead, because reading the count back syncs the GPU (benchmarks/results/gpu.md).
+    CompressionScheduler.step, export_quantized and the train job's evaluate() call this."""
     if not _has_cuda or not torch.cuda.is_initialized():
         return
     for dev in range(torch.cuda.device_count()):
         n = int(torch.ops.qcompress.cuda_nonfinite_take(dev))
         if n:
-            raise NonFiniteError(f"{n} quantization groups on cuda:{dev} contained NaN or Inf values since the "
-                                 "last check (the last optimizer step); the run has diverged or its input holds "
-                                 "NaN/Inf: fix it, or set QCOMPRESS_CUDA_SYNC_CHECKS=1 to stop at the call")
+            raise NonFiniteError(
+                f"{n} quantization groups on cuda:{dev} contained NaN or Inf values since the "
+                "last check (the last optimizer step); the run has diverged or its input holds "
+                "NaN/Inf: fix it, or set QCOMPRESS_CUDA_SYNC_CHECKS=1 to stop at the call"
+            )
 
 
 def _call(op, *args):
@@ -103,6 +111,7 @@ def _call(op, *args):
 
 
 # --- layout: every granularity is x viewed as [rows, cols] with groups of `group` along cols ----
+
 
 def _rows(x: torch.Tensor) -> int:
     return x.shape[0] if x.dim() >= 2 else 1
@@ -124,15 +133,14 @@ def layout(x: torch.Tensor, spec: Spec) -> Tuple[int, int, int]:
         return rows, cols, cols
     if g == "groups":
         groups = spec.num_groups
-        assert groups is not None           # make_spec sets it with granularity "groups"
+        assert groups is not None  # make_spec sets it with granularity "groups"
         if n % groups:
-            raise ValueError(f"num_groups={groups} does not divide the tensor's "
-                             f"{n} elements (shape {tuple(x.shape)})")
+            raise ValueError(f"num_groups={groups} does not divide the tensor's {n} elements (shape {tuple(x.shape)})")
         cols = n // groups
         return groups, cols, cols
     rows = _rows(x)
     cols = n // rows if rows else 0
-    assert spec.group_size is not None      # granularity "group"
+    assert spec.group_size is not None  # granularity "group"
     return rows, cols, spec.group_size
 
 
@@ -140,18 +148,33 @@ def _args(x: torch.Tensor, spec: Spec, min_val, max_val, unmixed: bool = False):
     rows, cols, group = layout(x, spec)
     rng = None
     if min_val is not None and spec.kind == "int":
-        rng = torch.stack([torch.as_tensor(min_val, dtype=torch.float32).reshape(()),
-                           torch.as_tensor(max_val, dtype=torch.float32).reshape(())]).to(x.device)
-    return (rng, rows, cols, group, spec.bits, _KIND[spec.kind], spec.symmetric,
-            spec.numerics == "deepspeed", 1 if spec.rounding == "stochastic" else 0,
-            spec.seed & 0xFFFFFFFF if unmixed else _int_seed(spec))
+        rng = torch.stack(
+            [
+                torch.as_tensor(min_val, dtype=torch.float32).reshape(()),
+                torch.as_tensor(max_val, dtype=torch.float32).reshape(()),
+            ]
+        ).to(x.device)
+    return (
+        rng,
+        rows,
+        cols,
+        group,
+        spec.bits,
+        _KIND[spec.kind],
+        spec.symmetric,
+        spec.numerics == "deepspeed",
+        1 if spec.rounding == "stochastic" else 0,
+        spec.seed & 0xFFFFFFFF if unmixed else _int_seed(spec),
+    )
 
 
 def _int_seed(spec: Spec) -> int:
     """The ops' int seed; a step tensor (compiled stochastic rounding) only the fake_quant op takes."""
     if spec.step is not None:
-        raise ValueError("a stochastic-rounding Spec with a step tensor reaches only the fake_quant op "
-                         "(quant/stepped.py); give this call the mixed int seed (rng.mix_seed)")
+        raise ValueError(
+            "a stochastic-rounding Spec with a step tensor reaches only the fake_quant op "
+            "(quant/stepped.py); give this call the mixed int seed (rng.mix_seed)"
+        )
     return spec.seed & 0xFFFFFFFF
 
 
@@ -162,11 +185,17 @@ def _prep(x: torch.Tensor) -> torch.Tensor:
 
 # --- the reference's functions ---------------------------------------------------------------
 
+
 def _params_kernel(x: torch.Tensor, spec: Spec, params) -> bool:
     """Whether the given-parameters kernels take this call (else the reference does)."""
     s = params[0]
-    return (spec.kind == "int" and spec.numerics == "default" and x.numel() > 0
-            and on_kernel_device(x, s) and s.device == x.device)
+    return (
+        spec.kind == "int"
+        and spec.numerics == "default"
+        and x.numel() > 0
+        and on_kernel_device(x, s)
+        and s.device == x.device
+    )
 
 
 def _group_params(x: torch.Tensor, spec: Spec, params):
@@ -174,8 +203,7 @@ def _group_params(x: torch.Tensor, spec: Spec, params):
     return reference.flat_params(params[0], params[1], groups, x.device)
 
 
-def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, *, with_mask=True,
-                            params=None):
+def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, *, with_mask=True, params=None):
     """(x^ in x's dtype, bool mask of elements that were not clipped), as the reference.
 
     with_mask=False skips writing the mask (returns an empty one): less memory traffic when
@@ -190,17 +218,25 @@ def fake_quantize_with_mask(x: torch.Tensor, spec: Spec, min_val=None, max_val=N
         if (z is None) != spec.symmetric:
             raise ValueError("give a zero point exactly when the spec is asymmetric")
         rows, cols, group = layout(xk, spec)
-        y, mask = _ops().fake_quant_params(xk, s, z, rows, cols, group, spec.bits,
-                                           1 if spec.rounding == "stochastic" else 0,
-                                           _int_seed(spec), with_mask)
-        return (y if y.dtype == x.dtype else y.to(x.dtype)), mask   # the ops' outputs have x's shape
+        y, mask = _ops().fake_quant_params(
+            xk,
+            s,
+            z,
+            rows,
+            cols,
+            group,
+            spec.bits,
+            1 if spec.rounding == "stochastic" else 0,
+            _int_seed(spec),
+            with_mask,
+        )
+        return (y if y.dtype == x.dtype else y.to(x.dtype)), mask  # the ops' outputs have x's shape
     if not on_kernel_device(x) or x.numel() == 0:  # empty: nothing to run, shapes from the reference
         return reference.fake_quantize_with_mask(x, spec, min_val, max_val)
     xk = _prep(x)
-    if spec.step is not None:    # compiled stochastic rounding: the step is a graph input
+    if spec.step is not None:  # compiled stochastic rounding: the step is a graph input
         rng, rows, cols, group, bits, kind, sym, ds, _, seed = _args(xk, spec, min_val, max_val, unmixed=True)
-        y, mask = _call(stepped.fake_quant, xk, rng, spec.step, rows, cols, group, bits, kind, sym, ds, seed,
-                        with_mask)
+        y, mask = _call(stepped.fake_quant, xk, rng, spec.step, rows, cols, group, bits, kind, sym, ds, seed, with_mask)
     else:
         y, mask = _call(_ops().fake_quant, xk, *_args(xk, spec, min_val, max_val), with_mask)
     return (y if y.dtype == x.dtype else y.to(x.dtype)), mask
@@ -239,8 +275,9 @@ def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.T
     g = grad if grad.dtype in _FLOATS else grad.to(torch.float32)
     s, z = _group_params(xk, spec, (scale, zero_point))
     rows, cols, group = layout(xk, spec)
-    gx, gs, gz = _ops().lsq_backward(g.detach(), xk, s, z, rows, cols, group, spec.bits,
-                                     1 if spec.rounding == "stochastic" else 0, _int_seed(spec))
+    gx, gs, gz = _ops().lsq_backward(
+        g.detach(), xk, s, z, rows, cols, group, spec.bits, 1 if spec.rounding == "stochastic" else 0, _int_seed(spec)
+    )
     gx = gx.reshape(grad.shape)
     if gx.dtype != grad.dtype:
         gx = gx.to(grad.dtype)
@@ -259,9 +296,16 @@ def mse_errors(x: torch.Tensor, spec: Spec, scales: torch.Tensor, zero_points=No
     rows, cols, group = layout(xk, spec)
     if moments is not None:
         moments = moments.to(device=xk.device, dtype=torch.float64).contiguous()
-    return _ops().mse_errors(xk, scales.to(torch.float32).contiguous(),
-                             None if zero_points is None else zero_points.to(torch.float32).contiguous(),
-                             rows, cols, group, spec.bits, moments)
+    return _ops().mse_errors(
+        xk,
+        scales.to(torch.float32).contiguous(),
+        None if zero_points is None else zero_points.to(torch.float32).contiguous(),
+        rows,
+        cols,
+        group,
+        spec.bits,
+        moments,
+    )
 
 
 def mse_refine_terms(x: torch.Tensor, spec: Spec, scales: torch.Tensor, moments=None):
@@ -287,7 +331,7 @@ def quantize(x: torch.Tensor, spec: Spec, min_val=None, max_val=None, params=Non
     q, s, zp = _call(_ops().quantize, xk, *_args(xk, spec, min_val, max_val))
     shape = reference.scale_shape(x, spec)
     zp = zp.reshape(shape) if (spec.kind == "int" and not spec.symmetric) else None
-    return q, s.reshape(shape), zp       # q has x's shape
+    return q, s.reshape(shape), zp  # q has x's shape
 
 
 def quantize_values(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
@@ -300,7 +344,7 @@ def quantize_values(x: torch.Tensor, spec: Spec, min_val=None, max_val=None):
     q, s, zp, y = _call(_ops().quantize_values, xk, *_args(xk, spec, min_val, max_val))
     shape = reference.scale_shape(x, spec)
     zp = zp.reshape(shape) if (spec.kind == "int" and not spec.symmetric) else None
-    return q, s.reshape(shape), zp, y       # q and y have x's shape
+    return q, s.reshape(shape), zp, y  # q and y have x's shape
 
 
 def _broadcast_layout(q: torch.Tensor, scale: torch.Tensor, zero_point):
@@ -320,13 +364,19 @@ def _broadcast_layout(q: torch.Tensor, scale: torch.Tensor, zero_point):
     return rows, (q.numel() // rows if rows else 0)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,
-               num_groups=None, dtype=torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None, num_groups=None, dtype=torch.float32
+) -> torch.Tensor:
     """x^ = (q - zero_point) * scale, as reference.dequantize."""
-    simple = (not q.is_floating_point() and q.dtype != torch.bool and q.numel() > 0
-              and dtype in _FLOATS + (torch.float64,) and on_kernel_device(q, scale)
-              and scale.device == q.device
-              and (zero_point is None or zero_point.device == q.device))
+    simple = (
+        not q.is_floating_point()
+        and q.dtype != torch.bool
+        and q.numel() > 0
+        and dtype in _FLOATS + (torch.float64,)
+        and on_kernel_device(q, scale)
+        and scale.device == q.device
+        and (zero_point is None or zero_point.device == q.device)
+    )
     lay = None
     if simple:
         if num_groups is not None:
@@ -341,8 +391,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
             if rc is not None:
                 lay = (rc[0], rc[1], rc[1])
     if lay is None or scale.numel() != lay[0] * max(1, math.ceil(lay[1] / lay[2])):
-        return reference.dequantize(q, scale, zero_point, group_size=group_size,
-                                    num_groups=num_groups, dtype=dtype)
+        return reference.dequantize(q, scale, zero_point, group_size=group_size, num_groups=num_groups, dtype=dtype)
     s = scale.to(torch.float32).reshape(-1)
     z = None if zero_point is None else zero_point.to(torch.float32).reshape(-1)
     return _ops().dequantize(q, s, z, *lay, dtype)
@@ -352,8 +401,14 @@ def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero_point, spec: Spe
     """x^ of codes `quantize(x, spec)` returned (scale and zero point as it shaped them), in one kernel
     call with the layout taken from spec: the fused layers' hot path, which skips dequantize's layout
     inference. None where the kernel does not take it (the caller then runs dequantize)."""
-    if (_error is not None or dtype not in _FLOATS or not on_kernel_device(q) or scale.device != q.device
-            or q.numel() == 0 or scale.dtype != torch.float32):
+    if (
+        _error is not None
+        or dtype not in _FLOATS
+        or not on_kernel_device(q)
+        or scale.device != q.device
+        or q.numel() == 0
+        or scale.dtype != torch.float32
+    ):
         return None
     z = None if zero_point is None else zero_point.reshape(-1).to(torch.float32)
     return _ops().dequantize(q, scale.reshape(-1), z, *layout(q, spec), dtype)
@@ -361,8 +416,12 @@ def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero_point, spec: Spe
 
 def ste_backward(grad: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
     """grad * inside.to(grad.dtype) in one pass (clip-aware straight-through gradient)."""
-    if (not on_kernel_device(grad, inside) or grad.device != inside.device
-            or grad.shape != inside.shape or grad.dtype not in _FLOATS + (torch.float64,)):
+    if (
+        not on_kernel_device(grad, inside)
+        or grad.device != inside.device
+        or grad.shape != inside.shape
+        or grad.dtype not in _FLOATS + (torch.float64,)
+    ):
         return grad * inside.to(grad.dtype)
     return _ops().ste_backward(grad, inside)
 
@@ -411,23 +470,25 @@ def onebit_decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
     Rows may be a view with a row stride (e.g. payload rows without their trailing scale bytes).
     """
-    if (_error is not None or not on_kernel_device(packed, scales)
-            or packed.dtype != torch.uint8 or packed.dim() != 2):
-        return torch.stack([_onebit.decode(packed[r], scales[r]) for r in range(packed.shape[0])]) \
-            if packed.shape[0] else packed.new_empty((0, 8 * packed.shape[-1]), dtype=torch.float32)
+    if _error is not None or not on_kernel_device(packed, scales) or packed.dtype != torch.uint8 or packed.dim() != 2:
+        return (
+            torch.stack([_onebit.decode(packed[r], scales[r]) for r in range(packed.shape[0])])
+            if packed.shape[0]
+            else packed.new_empty((0, 8 * packed.shape[-1]), dtype=torch.float32)
+        )
     return _ops().onebit_decode(packed, scales.to(torch.float32))
 
 
 # --- fake (meta) kernels: opaque custom ops under torch.compile (autograd: csrc/autograd.cpp) ---
 
 if _error is None:
+
     @torch.library.register_fake("qcompress::onebit_decode")
     def _fake_onebit_decode(packed, scales):
         return packed.new_empty((packed.shape[0], 8 * packed.shape[1]), dtype=torch.float32)
 
     @torch.library.register_fake("qcompress::fake_quant")
-    def _fake_fake_quant(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding,
-                         seed, with_mask):
+    def _fake_fake_quant(x, rng, rows, cols, group, bits, kind, symmetric, deepspeed, rounding, seed, with_mask):
         mask = x.new_empty(x.shape if with_mask else (0,), dtype=torch.bool)
         return torch.empty_like(x, memory_format=torch.contiguous_format), mask
 
@@ -455,9 +516,11 @@ if _error is None:
     @torch.library.register_fake("qcompress::lsq_backward")
     def _fake_lsq_backward(grad, x, scale, zero_point, rows, cols, group, bits, rounding, seed):
         groups = scale.numel()
-        return (torch.empty_like(grad, memory_format=torch.contiguous_format),
-                x.new_empty((groups,), dtype=torch.float32),
-                x.new_empty((groups if zero_point is not None else 0,), dtype=torch.float32))
+        return (
+            torch.empty_like(grad, memory_format=torch.contiguous_format),
+            x.new_empty((groups,), dtype=torch.float32),
+            x.new_empty((groups if zero_point is not None else 0,), dtype=torch.float32),
+        )
 
     @torch.library.register_fake("qcompress::mse_errors")
     def _fake_mse_errors(x, scales, zero_points, rows, cols, group, bits, moments=None):
@@ -483,8 +546,11 @@ if _error is None:
     @torch.library.register_fake("qcompress::onebit_compress")
     def _fake_onebit_compress(x, error):
         n = x.numel()
-        return (x.new_empty((n // 8,), dtype=torch.uint8), x.new_empty((), dtype=torch.float32),
-                x.new_empty((n,), dtype=torch.float32))
+        return (
+            x.new_empty((n // 8,), dtype=torch.uint8),
+            x.new_empty((), dtype=torch.float32),
+            x.new_empty((n,), dtype=torch.float32),
+        )
 
     @torch.library.register_fake("qcompress::onebit_decode_average")
     def _fake_decode_average(packed, scales):

@@ -14,6 +14,7 @@ exported compressed-tensors tensors and back for `state_dict()`.
 - `linear_a8`: int8 activation codes (what the exact path's input quantization produces) times
   the weight codes, summed exactly in int32 per group; scales applied once per group and token.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,10 +24,10 @@ import torch
 
 from . import kernels as _kernels
 
-ROWS = 16                 # output rows per block
-K_ALIGN = 8               # every group is padded to a multiple of 8 columns (2-bit: 16)
-MAX_GROUP = 16384         # longest group whose int32 sums cannot overflow (lowbit.h kMaxGroup)
-CHUNK = 8192              # rows longer than MAX_GROUP (channel / tensor scales) sum in chunks
+ROWS = 16  # output rows per block
+K_ALIGN = 8  # every group is padded to a multiple of 8 columns (2-bit: 16)
+MAX_GROUP = 16384  # longest group whose int32 sums cannot overflow (lowbit.h kMaxGroup)
+CHUNK = 8192  # rows longer than MAX_GROUP (channel / tensor scales) sum in chunks
 
 
 def available() -> bool:
@@ -51,11 +52,10 @@ def _runs_on(kind: str) -> bool:
     if kind == "cpu":
         return True
     # torch's stubs ask for a DispatchKey; the operator takes the key's name as well
-    return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key(
-        "CUDA")  # type: ignore[arg-type]
+    return kind == "cuda" and torch.ops.qcompress.lowbit_linear.default.has_kernel_for_dispatch_key("CUDA")  # type: ignore[arg-type]
 
 
-_ISA: List[str] = []   # the active instruction set's name, asked once (isa(request) refreshes it)
+_ISA: List[str] = []  # the active instruction set's name, asked once (isa(request) refreshes it)
 
 
 def isa(request: str = "") -> str:
@@ -84,26 +84,25 @@ def container_bits(bits: int) -> int:
 def kernel_group(strategy: str, group_size: Optional[int], k: int) -> Optional[int]:
     """Columns per scale in the kernel layout, or None when the kernels cannot take the group."""
     if strategy == "group":
-        assert group_size is not None       # a "group" strategy names its group size
+        assert group_size is not None  # a "group" strategy names its group size
         return group_size if group_size <= MAX_GROUP else None
     return k if k <= MAX_GROUP else CHUNK
 
 
 class Packed(NamedTuple):
-    packed: torch.Tensor      # uint8 codes, blocked
-    scales: torch.Tensor      # float32 [Nb * ng * 16]
-    offsets: torch.Tensor     # uint8 [Nb * ng * 16] (empty: symmetric)
+    packed: torch.Tensor  # uint8 codes, blocked
+    scales: torch.Tensor  # float32 [Nb * ng * 16]
+    offsets: torch.Tensor  # uint8 [Nb * ng * 16] (empty: symmetric)
 
 
-def prepack(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int,
-            cbits: int) -> Packed:
+def prepack(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int, cbits: int) -> Packed:
     """Signed codes q [N, K], scale / zero point [N, ceil(K / group)] -> the blocked layout."""
-    return Packed(*torch.ops.qcompress.lowbit_prepack(q.to(torch.int8).contiguous(), scale, zero_point,
-                                                     group, cbits))
+    return Packed(*torch.ops.qcompress.lowbit_prepack(q.to(torch.int8).contiguous(), scale, zero_point, group, cbits))
 
 
-def prepack_rows(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int,
-                 cbits: int) -> Packed:
+def prepack_rows(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group: int, cbits: int
+) -> Packed:
     """prepack with scale / zero point [N, 1] (one per row: tensor / channel strategies, summed in
     groups of `group` columns) or [N, ceil(K / group)]."""
     n, ng = q.shape[0], -(-q.shape[1] // group)
@@ -120,35 +119,65 @@ def unpack(p: Packed, n: int, k: int, group: int, cbits: int):
 
     def rows(t):
         return t.reshape(-1, ng, ROWS).transpose(1, 2).reshape(-1, ng)[:n]
+
     zp = None if p.offsets.numel() == 0 else rows(p.offsets).to(torch.int32) - (1 << (cbits - 1))
     return q, rows(p.scales), zp
 
 
-def linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
-           act: str = "none", residual: Optional[torch.Tensor] = None):
+def linear(
+    x: torch.Tensor,
+    p: Packed,
+    bias: Optional[torch.Tensor],
+    n: int,
+    group: int,
+    cbits: int,
+    act: str = "none",
+    residual: Optional[torch.Tensor] = None,
+):
     """act(x @ W^T + bias) + residual; act "gelu" (erf), "gelu_tanh", "silu" (within 2e-6 |x| of
-    torch's) or "relu" is applied to each output before it is stored, and so is the residual (a tensor of the output's shape)
-    added, for float32 inputs, in the kernels' store."""
-    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act,
-                                             residual)
+    torch's) or "relu" is applied to each output before it is stored, and so is the residual (a
+    tensor of the output's shape) added, for float32 inputs, in the kernels' store."""
+    return torch.ops.qcompress.lowbit_linear(x, p.packed, p.scales, p.offsets, bias, n, group, cbits, act, residual)
 
 
-def linear_a8(xq: torch.Tensor, x_scale: torch.Tensor, x_zero_point: Optional[torch.Tensor], p: Packed,
-              bias: Optional[torch.Tensor], n: int, group: int, cbits: int, out_dtype: torch.dtype):
-    return torch.ops.qcompress.lowbit_linear_a8(xq, x_scale, x_zero_point, p.packed, p.scales, p.offsets,
-                                                bias, n, group, cbits, out_dtype)
+def linear_a8(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_zero_point: Optional[torch.Tensor],
+    p: Packed,
+    bias: Optional[torch.Tensor],
+    n: int,
+    group: int,
+    cbits: int,
+    out_dtype: torch.dtype,
+):
+    return torch.ops.qcompress.lowbit_linear_a8(
+        xq, x_scale, x_zero_point, p.packed, p.scales, p.offsets, bias, n, group, cbits, out_dtype
+    )
 
 
-def linear_dyn_a8(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor], n: int, group: int, cbits: int,
-                  abits: int, symmetric: bool, seed: int, act: str = "none",
-                  residual: Optional[torch.Tensor] = None):
+def linear_dyn_a8(
+    x: torch.Tensor,
+    p: Packed,
+    bias: Optional[torch.Tensor],
+    n: int,
+    group: int,
+    cbits: int,
+    abits: int,
+    symmetric: bool,
+    seed: int,
+    act: str = "none",
+    residual: Optional[torch.Tensor] = None,
+):
     """linear_a8 on x's dynamic per-token codes (the quantize op's, nearest rounding), one C++ call;
     act and residual as linear's (act, then + residual)."""
-    return torch.ops.qcompress.lowbit_linear_dyn_a8(x, p.packed, p.scales, p.offsets, bias, n, group, cbits,
-                                                    abits, symmetric, seed, act, residual)
+    return torch.ops.qcompress.lowbit_linear_dyn_a8(
+        x, p.packed, p.scales, p.offsets, bias, n, group, cbits, abits, symmetric, seed, act, residual
+    )
 
 
 # --- fake (meta) kernels: the operators are opaque to torch.compile ------------------------------
+
 
 def _geometry(n: int, k: int, group: int, cbits: int):
     ng = -(-k // group)
@@ -159,13 +188,17 @@ def _geometry(n: int, k: int, group: int, cbits: int):
 
 
 if available():
+
     @torch.library.register_fake("qcompress::lowbit_prepack")
     def _fake_prepack(q, scale, zero_point, group, cbits):
         n, k = q.shape
         nb, ng, nbytes = _geometry(n, k, group, cbits)
         params = nb * ng * ROWS
-        return (q.new_empty((nbytes,), dtype=torch.uint8), q.new_empty((params,), dtype=torch.float32),
-                q.new_empty((params if zero_point is not None else 0,), dtype=torch.uint8))
+        return (
+            q.new_empty((nbytes,), dtype=torch.uint8),
+            q.new_empty((params,), dtype=torch.float32),
+            q.new_empty((params if zero_point is not None else 0,), dtype=torch.uint8),
+        )
 
     @torch.library.register_fake("qcompress::lowbit_unpack")
     def _fake_unpack(packed, n, k, group, cbits):
@@ -176,11 +209,11 @@ if available():
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("qcompress::lowbit_linear_a8")
-    def _fake_linear_a8(xq, x_scale, x_zero_point, packed, scales, offsets, bias, n, group, cbits,
-                        out_dtype):
+    def _fake_linear_a8(xq, x_scale, x_zero_point, packed, scales, offsets, bias, n, group, cbits, out_dtype):
         return xq.new_empty((*xq.shape[:-1], n), dtype=out_dtype)
 
     @torch.library.register_fake("qcompress::lowbit_linear_dyn_a8")
-    def _fake_linear_dyn_a8(x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, seed, act="none",
-                            residual=None):
+    def _fake_linear_dyn_a8(
+        x, packed, scales, offsets, bias, n, group, cbits, abits, symmetric, seed, act="none", residual=None
+    ):
         return x.new_empty((*x.shape[:-1], n))

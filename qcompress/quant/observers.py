@@ -49,6 +49,7 @@ What it buys (benchmarks/results/quality.md): the grid lowers the weights' summe
 well below minmax's and the refinement a little further, but the PTQ perplexity hardly moves: the
 weights' error is not the loss's. Weighted by the inputs, with cross_groups, the excess falls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,28 +64,34 @@ from .reference import Spec, group_minmax, group_view, int_params, shrunk_deviat
 OBSERVERS = ("minmax", "mse")
 GRID_STEPS = 100
 MAX_SHRINK = 0.80
-REFINE_ITERS = 4     # least-squares refinements of a symmetric grid's choice (each kept only if better)
-ACT_SAMPLE = 16384   # activations: the error is measured on at most this many strided elements
-Inner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # per-group weighted inner product
+REFINE_ITERS = 4  # least-squares refinements of a symmetric grid's choice (each kept only if better)
+ACT_SAMPLE = 16384  # activations: the error is measured on at most this many strided elements
+Inner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # per-group weighted inner product
 
 
 @dataclass(frozen=True)
 class Search:
     """The mse observer's search (config: observer_kwargs): candidates p = 1 - k / grid for
     k = 0 .. round(maxshrink * grid) - 1, error sum |x^(p) - x|^norm."""
+
     grid: int = GRID_STEPS
     maxshrink: float = MAX_SHRINK
     norm: float = 2.0
-    weight_by: str = "none"     # "inputs": the caller passes the input moments (mse_shrink)
-    cross_groups: bool = True   # weight_by inputs, per group: the row's groups chosen together (cross_groups.py)
+    weight_by: str = "none"  # "inputs": the caller passes the input moments (mse_shrink)
+    cross_groups: bool = True  # weight_by inputs, per group: the row's groups chosen together (cross_groups.py)
 
     def candidates(self) -> int:
         return int(round(self.maxshrink * self.grid))
 
 
 DEFAULT_SEARCH = Search()
-DEFAULT_SEARCH_FIELDS = (DEFAULT_SEARCH.grid, DEFAULT_SEARCH.maxshrink, DEFAULT_SEARCH.norm,
-                         DEFAULT_SEARCH.weight_by, DEFAULT_SEARCH.cross_groups)   # Search(*fields)
+DEFAULT_SEARCH_FIELDS = (
+    DEFAULT_SEARCH.grid,
+    DEFAULT_SEARCH.maxshrink,
+    DEFAULT_SEARCH.norm,
+    DEFAULT_SEARCH.weight_by,
+    DEFAULT_SEARCH.cross_groups,
+)  # Search(*fields)
 
 
 def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
@@ -96,23 +103,37 @@ def shrink_grid(device=None, search: Search = DEFAULT_SEARCH) -> torch.Tensor:
 def _nearest(spec: Spec) -> Spec:
     if spec.rounding == "nearest":
         return spec
-    return reference.make_spec(spec.bits, symmetric=spec.symmetric, granularity=spec.granularity,
-                               group_size=spec.group_size, num_groups=spec.num_groups,
-                               numerics=spec.numerics, ternary=spec.ternary)
+    return reference.make_spec(
+        spec.bits,
+        symmetric=spec.symmetric,
+        granularity=spec.granularity,
+        group_size=spec.group_size,
+        num_groups=spec.num_groups,
+        numerics=spec.numerics,
+        ternary=spec.ternary,
+    )
 
 
 def _kernels_run(x: torch.Tensor) -> bool:
     """The fused search kernels (mse_errors, mse_refine_terms) run on CPU tensors when built."""
     from . import kernels
+
     return kernels.available() and x.device.type == "cpu"
 
 
-def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
-                   search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def _search_kernel(
+    x: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    spec: Spec,
+    search: Search = DEFAULT_SEARCH,
+    moments: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
     """The same search with the fused CPU kernel: every candidate's parameters at once, then one
     pass over the tensor per candidate computing only the (squared, or with the input moments the
     weighted) errors."""
     from . import kernels
+
     if search.norm != 2.0 and moments is None:
         return None
     grid = shrink_grid(lo.device, search)[:, None]
@@ -120,11 +141,18 @@ def _search_kernel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Sp
     err = kernels.mse_errors(x, spec, s, zp, moments)
     if err is None:
         return None
-    return grid[:, 0][torch.argmin(err, dim=0)]      # argmin: the first (largest p) of equal errors
+    return grid[:, 0][torch.argmin(err, dim=0)]  # argmin: the first (largest p) of equal errors
 
 
-def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-            spec: Spec, search: Search = DEFAULT_SEARCH, W: Optional[Inner] = None) -> torch.Tensor:
+def _search(
+    X: torch.Tensor,
+    counts: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    spec: Spec,
+    search: Search = DEFAULT_SEARCH,
+    W: Optional[Inner] = None,
+) -> torch.Tensor:
     """Per-group argmin over the grid of the error of X quantized with [p lo, p hi] (the
     reference: one vectorized pass per grid point); W: the weighted error (input_weighting)."""
     spec = _nearest(spec)
@@ -132,14 +160,22 @@ def _search(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.T
     best_err = torch.full((X.shape[0],), float("inf"), dtype=torch.float64, device=X.device)
     for p in shrink_grid(X.device, search):
         err = _errors(X, counts, lo, hi, p, spec, search.norm, W)[0]
-        better = err < best_err          # strict: on a tie the larger shrink factor stays
+        better = err < best_err  # strict: on a tie the larger shrink factor stays
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, p, best)
     return best
 
 
-def _errors(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor,
-            spec: Spec, norm: float = 2.0, W: Optional[Inner] = None):
+def _errors(
+    X: torch.Tensor,
+    counts: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    p: torch.Tensor,
+    spec: Spec,
+    norm: float = 2.0,
+    W: Optional[Inner] = None,
+):
     """Per-group error (float64) of X quantized with [p lo, p hi]: sum |x^ - x|^norm, or with W
     the input-weighted d^T M d; its codes and scales."""
     d, q, s = shrunk_deviation(X, counts, lo, hi, p, spec)
@@ -171,8 +207,9 @@ def refine(p: torch.Tensor, terms: Terms) -> torch.Tensor:
     return p
 
 
-def reference_terms(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
-                    W: Optional[Inner] = None) -> Terms:
+def reference_terms(
+    X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec, W: Optional[Inner] = None
+) -> Terms:
     """refine()'s terms in torch, on the group view X (W: the input weighting, else plain)."""
     Xd = X.double()
     inner = W if W is not None else (lambda a, b: (a * b).sum(dim=1))
@@ -181,17 +218,20 @@ def reference_terms(X: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi:
         err, q, s = _errors(X, counts, lo, hi, p, spec, W=W)
         qd = q.double()
         return s, inner(qd, Xd), inner(qd, qd), err
+
     return terms
 
 
-def kernel_terms(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec,
-                 moments: Optional[torch.Tensor] = None) -> Terms:
+def kernel_terms(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Spec, moments: Optional[torch.Tensor] = None
+) -> Terms:
     """refine()'s terms from the fused CPU kernel (_kernels_run(x)), one pass per step."""
     from . import kernels
 
     def terms(p):
         s = int_params(lo * p, hi * p, spec)[0]
         return (s, *kernels.mse_refine_terms(x, spec, s, moments))
+
     return terms
 
 
@@ -200,18 +240,24 @@ def moment_block(spec: Spec) -> int:
     own columns (granularity group), else 1 (the diagonal: a group spans whole rows)."""
     if spec.granularity != "group":
         return 1
-    assert spec.group_size is not None      # make_spec sets it with granularity "group"
+    assert spec.group_size is not None  # make_spec sets it with granularity "group"
     return spec.group_size
 
 
 def check_moments(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> int:
     """ValueError unless the moments fit the weight matrix x as quantized by spec; their block b."""
     b = moment_block(spec)
-    if x.dim() != 2 or spec.granularity == "groups" or moments.dim() != 3 \
-            or tuple(moments.shape) != (-(-x.shape[1] // b), b, b):
-        raise ValueError(f"input moments of shape {tuple(moments.shape)} do not fit a weight matrix of shape "
-                         f"{tuple(x.shape)} quantized per {spec.granularity}"
-                         f"{f' of {spec.group_size}' if spec.granularity == 'group' else ''}")
+    if (
+        x.dim() != 2
+        or spec.granularity == "groups"
+        or moments.dim() != 3
+        or tuple(moments.shape) != (-(-x.shape[1] // b), b, b)
+    ):
+        raise ValueError(
+            f"input moments of shape {tuple(moments.shape)} do not fit a weight matrix of shape "
+            f"{tuple(x.shape)} quantized per {spec.granularity}"
+            f"{f' of {spec.group_size}' if spec.granularity == 'group' else ''}"
+        )
     return b
 
 
@@ -228,16 +274,22 @@ def input_weighting(x: torch.Tensor, spec: Spec, moments: torch.Tensor) -> Inner
         return lambda a, c: (w * a * c).sum(dim=1)
     nb = M.shape[0]
 
-    def inner(a, c):               # rows of X are (weight row, group) pairs, group fastest
+    def inner(a, c):  # rows of X are (weight row, group) pairs, group fastest
         a3 = a.reshape(rows, nb, b).transpose(0, 1)
         c3 = c.reshape(rows, nb, b).transpose(0, 1)
         return (torch.bmm(a3, M) * c3).sum(dim=2).transpose(0, 1).reshape(-1)
+
     return inner
 
 
-def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
-               search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None,
-               cross: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mse_shrink(
+    x: torch.Tensor,
+    spec: Spec,
+    backend: Optional[str] = None,
+    search: Search = DEFAULT_SEARCH,
+    moments: Optional[torch.Tensor] = None,
+    cross: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The mse observer's shrink factor of each group of x (float32 [groups]; ones for binary and
     ternary kinds, which have no range): the grid's choice, refined by least squares on symmetric
     grids (norm 2). backend: None (the CPU kernels when built: mse_errors for the grid,
@@ -256,13 +308,13 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
     W = None
     if moments is not None:
         check_moments(xf, spec, moments)
-        if not fused:               # the torch weighting, only where torch searches
+        if not fused:  # the torch weighting, only where torch searches
             W = input_weighting(xf, spec, moments)
     p = _search_kernel(xf, lo, hi, spec, search, moments) if fused else None
     if p is None:
         p = _search(X, counts, lo, hi, spec, search, W)
     nearest = _nearest(spec)
-    if search.norm == 2.0 and nearest.symmetric:      # the refinement is norm 2's, on symmetric grids
+    if search.norm == 2.0 and nearest.symmetric:  # the refinement is norm 2's, on symmetric grids
         terms = kernel_terms(xf, lo, hi, nearest, moments) if fused else reference_terms(X, counts, lo, hi, nearest, W)
         p = refine(p, terms)
     if cross is not None:
@@ -270,9 +322,15 @@ def mse_shrink(x: torch.Tensor, spec: Spec, backend: Optional[str] = None,
     return p
 
 
-def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[torch.Tensor] = None,
-                  search: Search = DEFAULT_SEARCH, moments: Optional[torch.Tensor] = None,
-                  cross: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def weight_params(
+    x: torch.Tensor,
+    spec: Spec,
+    observer: str,
+    shrink: Optional[torch.Tensor] = None,
+    search: Search = DEFAULT_SEARCH,
+    moments: Optional[torch.Tensor] = None,
+    cross: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, zero point or None) of each group of x, float32 [groups] (the zero point holds an
     integer), as the observer chooses them; `shrink` reuses factors chosen earlier; moments,
     cross: the mse search's input weighting (mse_shrink)."""
@@ -286,8 +344,9 @@ def weight_params(x: torch.Tensor, spec: Spec, observer: str, shrink: Optional[t
     return s, zp
 
 
-def activation_range(x: torch.Tensor, spec: Spec, observer: str,
-                     search: Search = DEFAULT_SEARCH) -> Tuple[torch.Tensor, torch.Tensor]:
+def activation_range(
+    x: torch.Tensor, spec: Spec, observer: str, search: Search = DEFAULT_SEARCH
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(min, max) float32 scalars of a whole activation tensor as the observer chooses them: its own
     range, or (mse) that range shrunk by the factor whose error is least on at most ACT_SAMPLE
     evenly strided elements of x."""

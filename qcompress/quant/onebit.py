@@ -6,6 +6,7 @@ decode_average of P packed chunks with scales s_j:  out = sum_j (2 bit_j - 1) * 
            accumulated in float32 in order j = 0 .. P-1.
 The sum of squares accumulates in float64 and the scale rounds once to float32.
 """
+
 from __future__ import annotations
 
 import torch

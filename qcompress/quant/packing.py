@@ -4,6 +4,7 @@ Signed b-bit values are offset by 2^(b-1) to unsigned, then element j of each ru
 values goes to bits [j*b, (j+1)*b) of an int32 word (LSB first) along the packed dim.
 Only b in {1, 2, 4, 8} divide 32, the widths whose layout is stable across versions.
 """
+
 from __future__ import annotations
 
 import math

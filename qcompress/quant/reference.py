@@ -20,6 +20,7 @@ every scale floored at EPS so a zero-range group never gives NaN. Stochastic rou
 round(v) by floor(v + u) with u from :mod:`qcompress.quant.rng` (deepspeed: round(v + u - 0.5)).
 Sums (mean|x|) accumulate in float64 and round once to float32.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,14 @@ import torch
 from ..errors import NonFiniteError
 from . import rng
 
-EPS = 2.0 ** -100  # scale floor: finite 1/EPS in float32, far below any real weight range
+EPS = 2.0**-100  # scale floor: finite 1/EPS in float32, far below any real weight range
 GRANULARITIES = ("tensor", "channel", "group", "token")
 
 
 @dataclass(frozen=True)
 class Spec:
     """Everything that decides how a tensor is quantized, validated once."""
+
     bits: int
     symmetric: bool = True
     granularity: str = "tensor"
@@ -72,8 +74,19 @@ class Spec:
         return (1 << (self.bits - 1)) - 1
 
 
-def make_spec(bits, *, symmetric=True, granularity="tensor", group_size=None, num_groups=None,
-              rounding="nearest", seed=0, numerics="default", ternary=False, step=None) -> Spec:
+def make_spec(
+    bits,
+    *,
+    symmetric=True,
+    granularity="tensor",
+    group_size=None,
+    num_groups=None,
+    rounding="nearest",
+    seed=0,
+    numerics="default",
+    ternary=False,
+    step=None,
+) -> Spec:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
         raise ValueError(f"bits must be an integer in 1..16, got {bits!r}")
     if num_groups is not None:
@@ -88,14 +101,16 @@ def make_spec(bits, *, symmetric=True, granularity="tensor", group_size=None, nu
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if numerics not in ("default", "deepspeed"):
         raise ValueError(f"numerics must be 'default' or 'deepspeed', got {numerics!r}")
-    spec = Spec(bits, bool(symmetric), granularity, group_size, num_groups, rounding, int(seed),
-                numerics, bool(ternary), step)
+    spec = Spec(
+        bits, bool(symmetric), granularity, group_size, num_groups, rounding, int(seed), numerics, bool(ternary), step
+    )
     if spec.kind != "int" and not spec.symmetric:
         raise ValueError(f"{spec.kind} quantization ({bits} bit) is symmetric only")
     return spec
 
 
 # --- grouping: every granularity becomes a 2-D view [groups, elements] ---------------------------
+
 
 def _rows(x: torch.Tensor) -> int:
     return x.shape[0] if x.dim() >= 2 else 1
@@ -119,16 +134,15 @@ def group_view(x: torch.Tensor, spec: Spec) -> Tuple[torch.Tensor, torch.Tensor]
         view = x.reshape(n // last if last else math.prod(x.shape[:-1]), last)
     elif g == "groups":
         groups = spec.num_groups
-        assert groups is not None           # make_spec sets it with granularity "groups"
+        assert groups is not None  # make_spec sets it with granularity "groups"
         if n % groups:
-            raise ValueError(f"num_groups={groups} does not divide the tensor's "
-                             f"{n} elements (shape {tuple(x.shape)})")
+            raise ValueError(f"num_groups={groups} does not divide the tensor's {n} elements (shape {tuple(x.shape)})")
         view = x.reshape(groups, n // groups)
     else:  # group: contiguous runs of group_size along the input (last flattened) dim
         rows = _rows(x)
         k = _row_len(x)
         gs = spec.group_size
-        assert gs is not None               # make_spec sets it with granularity "group"
+        assert gs is not None  # make_spec sets it with granularity "group"
         ng = max(1, math.ceil(k / gs))
         x2 = x.reshape(rows, k)
         if ng * gs != k:
@@ -153,9 +167,9 @@ def scale_shape(x: torch.Tensor, spec: Spec) -> Tuple[int, ...]:
         return tuple(x.shape[:-1]) + (1,) if x.dim() else (1,)
     groups, gs = spec.num_groups, spec.group_size
     if g == "groups":
-        assert groups is not None           # make_spec sets it with granularity "groups"
+        assert groups is not None  # make_spec sets it with granularity "groups"
         return (groups, 1)
-    assert gs is not None                   # granularity "group"
+    assert gs is not None  # granularity "group"
     return (_rows(x), max(1, math.ceil(_row_len(x) / gs)))
 
 
@@ -182,16 +196,20 @@ def check_float32_range(x: torch.Tensor) -> None:
     a = x.detach().abs()
     big = (a > _F32_MAX) & torch.isfinite(a)
     if bool(big.any()):
-        raise NonFiniteError(f"{int(big.sum())} finite float64 values exceed float32's range (largest "
-                             f"|x| = {float(a[big].max()):.4g} > {_F32_MAX:.4g}); the quantizer computes "
-                             "in float32, where they would be inf: scale the tensor down first")
+        raise NonFiniteError(
+            f"{int(big.sum())} finite float64 values exceed float32's range (largest "
+            f"|x| = {float(a[big].max()):.4g} > {_F32_MAX:.4g}); the quantizer computes "
+            "in float32, where they would be inf: scale the tensor down first"
+        )
 
 
 def _check_finite(stat: torch.Tensor, what: str):
     bad = ~torch.isfinite(stat)
     if bool(bad.any()):
-        raise NonFiniteError(f"{int(bad.sum())} of {stat.numel()} quantization groups contain NaN or "
-                             f"Inf values ({what}); fix the input before quantizing")
+        raise NonFiniteError(
+            f"{int(bad.sum())} of {stat.numel()} quantization groups contain NaN or "
+            f"Inf values ({what}); fix the input before quantizing"
+        )
 
 
 def _mean_abs(X: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -254,7 +272,7 @@ def group_minmax(X: torch.Tensor, counts: torch.Tensor):
         real = torch.arange(X.shape[1], device=X.device)[None, :] < counts[:, None]
         lo = torch.where(real, X, float("inf")).amin(dim=1)
         hi = torch.where(real, X, -float("inf")).amax(dim=1)
-        empty = counts == 0            # a group with no real element has range [0, 0]
+        empty = counts == 0  # a group with no real element has range [0, 0]
         return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     return X.amin(dim=1), X.amax(dim=1)
 
@@ -269,10 +287,10 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, spec: Spec):
         s = (amax / float(1 << (spec.bits - 1))) if ds else amax / float(spec.qmax)
         return s.clamp(min=EPS), None
     if ds:
-        lo = lo + 0.0   # -0 -> +0: an all-zero group's offset round(lo / s) * s is +0 (math.h too)
+        lo = lo + 0.0  # -0 -> +0: an all-zero group's offset round(lo / s) * s is +0 (math.h too)
         # Floor the step at the float32 resolution of the group's values: a (near-)constant group
         # otherwise gets s ~ EPS and a zero point round(min / s) far outside int32 (DeepSpeed: NaN).
-        floor = torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -23
+        floor = torch.maximum(lo.abs(), hi.abs()) * 2.0**-23
         s = torch.maximum(_range_over(hi, lo, float(1 << spec.bits)), floor).clamp(min=EPS)
         zq = torch.round(lo / s)
         return s, -zq
@@ -284,10 +302,11 @@ def int_params(lo: torch.Tensor, hi: torch.Tensor, spec: Spec):
 
 # --- elementwise ---------------------------------------------------------------------------------
 
+
 def _round(v: torch.Tensor, spec: Spec, u: Optional[torch.Tensor]) -> torch.Tensor:
     if spec.rounding == "nearest":
         return torch.round(v)
-    assert u is not None                    # stochastic rounding: _noise drew it
+    assert u is not None  # stochastic rounding: _noise drew it
     if spec.numerics == "deepspeed":
         return torch.round(v + (u - 0.5))
     return torch.floor(v + u)
@@ -321,7 +340,7 @@ def quantize_view(X, counts, spec: Spec, min_val=None, max_val=None, U=None, par
             q = torch.where(X >= 0, 1.0, -1.0)
         return q, s, None, torch.ones_like(X, dtype=torch.bool)
     if kind == "ternary":
-        if thr is None:                 # zero-width groups: nothing to quantize
+        if thr is None:  # zero-width groups: nothing to quantize
             return torch.zeros_like(X), s, None, torch.ones_like(X, dtype=torch.bool)
         q = torch.where(X > thr[:, None], 1.0, torch.where(X < -thr[:, None], -1.0, 0.0))
         return q, s, None, torch.ones_like(X, dtype=torch.bool)
@@ -421,8 +440,9 @@ def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.clamp(-m, m)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None,
-               num_groups=None, dtype=torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_size=None, num_groups=None, dtype=torch.float32
+) -> torch.Tensor:
     """x^ = (q - zero_point) * scale, expanding per-group scales when group_size / num_groups is given."""
     qf = q.to(torch.float32)
     s = scale.to(torch.float32)
@@ -451,6 +471,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point=None, *, group_s
 
 
 # --- learned step sizes (LSQ) ---------------------------------------------------------------------
+
 
 def lsq_backward(grad: torch.Tensor, x: torch.Tensor, spec: Spec, scale: torch.Tensor, zero_point=None):
     """Gradients of x^ = (clamp(round(x / s) + z, qmin, qmax) - z) * s, with round() passed straight

@@ -5,6 +5,7 @@ hash32 is a 32-bit integer mixer (xorshift-multiply, "lowbias32"). The C/CUDA ke
 csrc/include/qcompress/math.h compute the same function with uint32 arithmetic; here it is
 written with int64 tensors, splitting products so nothing overflows.
 """
+
 from __future__ import annotations
 
 from typing import Union
@@ -51,4 +52,4 @@ def uniform(seed: Union[int, torch.Tensor], numel: int, device=None) -> torch.Te
     inner = hash32((idx >> 32) ^ 0)  # hi word of the index (zero below 2^32 elements)
     inner = hash32(inner ^ (seed & _M32))
     h = hash32((idx & _M32) ^ inner)
-    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+    return (h >> 8).to(torch.float32) * (2.0**-24)

@@ -1,4 +1,5 @@
 """Activation range observers: dynamic (recomputed every call) and static (EMA of min/max)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -42,7 +43,7 @@ class StaticRange:
         return self._held()
 
     def _held(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        assert self.min is not None and self.max is not None   # set together, by update or a load
+        assert self.min is not None and self.max is not None  # set together, by update or a load
         return self.min, self.max
 
     def sync_tensor(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Which samples each optimizer step and micro-batch takes: a seeded order per epoch, the same on
 every rank, so a run is reproducible and a resumed run picks up at the exact sample."""
+
 from __future__ import annotations
 
 import math
@@ -30,14 +31,24 @@ def step_indices(n: int, train_batch_size: int, seed: int, step: int) -> List[in
     return idx
 
 
-def micro_batches(dataset, step: int, *, seed: int, train_batch_size: int, micro: int, accumulation: int,
-                  rank: int, world: int, pad_id: int) -> Iterator[Dict[str, torch.Tensor]]:
+def micro_batches(
+    dataset,
+    step: int,
+    *,
+    seed: int,
+    train_batch_size: int,
+    micro: int,
+    accumulation: int,
+    rank: int,
+    world: int,
+    pad_id: int,
+) -> Iterator[Dict[str, torch.Tensor]]:
     """This rank's `accumulation` micro-batches of step `step`: the step's samples are cut into
     world × accumulation chunks of `micro`; micro-step j of rank r takes chunk j·world + r."""
     idx = step_indices(len(dataset), train_batch_size, seed, step)
     for j in range(accumulation):
         c = j * world + rank
-        yield collate([dataset[i] for i in idx[c * micro:(c + 1) * micro]], pad_id)
+        yield collate([dataset[i] for i in idx[c * micro : (c + 1) * micro]], pad_id)
 
 
 def eval_batches(dataset, batch_size: int, pad_id: int) -> Iterator[Dict[str, torch.Tensor]]:

@@ -6,6 +6,7 @@ files (label = sub-folder name), and for causal-lm .txt files or a folder of the
 the input is a `DataError` whose message names the file (and the row or column), so the CLI can print
 one line and exit with status 2.
 """
+
 from __future__ import annotations
 
 import csv
@@ -27,7 +28,7 @@ TASKS = ("text-classification", "causal-lm")
 # Tokenizer calls take this many texts at a time: fast tokenizers encode a batch in parallel, and
 # the per-call overhead stays small, while memory holds only one batch of encodings.
 _TOKENIZE_BATCH = 1000
-_LABEL_PAD = -100          # ignored by the cross-entropy losses of transformers' models
+_LABEL_PAD = -100  # ignored by the cross-entropy losses of transformers' models
 _INT_LABEL = re.compile(r"[+-]?\d+")
 
 
@@ -38,9 +39,10 @@ class DataError(ValueError):
 @dataclass
 class Examples:
     """Raw texts before tokenization."""
+
     texts: List[str]
-    labels: Optional[List[str]]        # text-classification: each text's label as a string; causal-lm: None
-    source: str                        # the path they came from (for messages)
+    labels: Optional[List[str]]  # text-classification: each text's label as a string; causal-lm: None
+    source: str  # the path they came from (for messages)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -57,18 +59,19 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return dict(self.items[i])    # a fresh dict: callers may add or drop keys
+        return dict(self.items[i])  # a fresh dict: callers may add or drop keys
 
 
 @dataclass
 class PreparedData:
     train: TokenizedDataset
     eval: TokenizedDataset
-    labels: Optional[List[str]]        # classification label names (id = position); None for causal-lm
-    summary: str                       # one line for the log and the report
+    labels: Optional[List[str]]  # classification label names (id = position); None for causal-lm
+    summary: str  # one line for the log and the report
 
 
 # --- reading ---------------------------------------------------------------------------------------
+
 
 def _check_task(task: str) -> None:
     if task not in TASKS:
@@ -82,7 +85,7 @@ def _allow_large_csv_fields() -> None:
         try:
             csv.field_size_limit(limit)
             return
-        except OverflowError:       # a C long narrower than Py_ssize_t (Windows)
+        except OverflowError:  # a C long narrower than Py_ssize_t (Windows)
             limit //= 2
 
 
@@ -120,8 +123,9 @@ def _missing_column(path: str, kind: str, column: str, present: Sequence[str], f
     return DataError(f"{path}: no {kind} column {column!r} ({flag}); the columns are: {shown}")
 
 
-def _rows_to_examples(path: str, rows: Iterable[Tuple[str, dict]], columns: List[str], task: str,
-                      text_column: str, label_column: str) -> Examples:
+def _rows_to_examples(
+    path: str, rows: Iterable[Tuple[str, dict]], columns: List[str], task: str, text_column: str, label_column: str
+) -> Examples:
     """Examples from (where, row-dict) pairs whose keys are `columns` (all keys seen in the file)."""
     want_labels = task == "text-classification"
     if text_column not in columns:
@@ -151,12 +155,14 @@ def _read_delimited(path: str, delimiter: str, task: str, text_column: str, labe
             header = [h.strip() for h in header]
             for column in (text_column,) + ((label_column,) if task == "text-classification" else ()):
                 at = [i + 1 for i, h in enumerate(header) if h == column]
-                if len(at) > 1:     # a dict per row would silently keep the last of them
-                    raise DataError(f"{path}: the header names column {column!r} {len(at)} times "
-                                    f"(columns {', '.join(map(str, at))}); rename all but one")
+                if len(at) > 1:  # a dict per row would silently keep the last of them
+                    raise DataError(
+                        f"{path}: the header names column {column!r} {len(at)} times "
+                        f"(columns {', '.join(map(str, at))}); rename all but one"
+                    )
             for cells in reader:
                 if not cells or all(not c.strip() for c in cells):
-                    continue                               # blank lines separate nothing
+                    continue  # blank lines separate nothing
                 where = f"{path}, line {reader.line_num}"
                 if len(cells) > len(header):
                     raise DataError(f"{where}: {len(cells)} fields but the header names {len(header)} columns")
@@ -187,7 +193,7 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
             whole = json.loads(content, object_pairs_hook=unique_pairs)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        except DuplicateKeyError as e:    # json keeps the last copy: the row would be ambiguous
+        except DuplicateKeyError as e:  # json keeps the last copy: the row would be ambiguous
             raise DataError(f"{path}: an object has the key {e.key!r} twice") from None
         for i, obj in enumerate(whole, 1):
             if not isinstance(obj, dict):
@@ -200,7 +206,9 @@ def _read_json(path: str, task: str, text_column: str, label_column: str, allow_
             try:
                 obj = json.loads(line, object_pairs_hook=unique_pairs)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {n}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+                raise DataError(
+                    f"{path}, line {n}: not valid JSON ({e.msg}); expected one JSON object per line"
+                ) from None
             except DuplicateKeyError as e:
                 raise DataError(f"{path}, line {n}: the key {e.key!r} is given twice") from None
             if not isinstance(obj, dict):
@@ -224,7 +232,7 @@ def _not_utf8(path: str, e: UnicodeDecodeError) -> DataError:
             head = fh.read(2)
     except OSError:
         head = b""
-    if head in (b"\xff\xfe", b"\xfe\xff"):    # spreadsheets' "Unicode text" export is UTF-16
+    if head in (b"\xff\xfe", b"\xfe\xff"):  # spreadsheets' "Unicode text" export is UTF-16
         return DataError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
     return DataError(f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
 
@@ -236,14 +244,19 @@ def _visible(names: Iterable[str]) -> List[str]:
 def _read_class_folders(path: str) -> Examples:
     classes = [d for d in _visible(os.listdir(path)) if os.path.isdir(os.path.join(path, d))]
     if not classes:
-        raise DataError(f"{path}: no class sub-folders; text-classification reads a folder as one "
-                        f"sub-folder of .txt files per class (or give a CSV/TSV/JSONL file)")
+        raise DataError(
+            f"{path}: no class sub-folders; text-classification reads a folder as one "
+            f"sub-folder of .txt files per class (or give a CSV/TSV/JSONL file)"
+        )
     texts: List[str] = []
     labels: List[str] = []
     for label in classes:
         folder = os.path.join(path, label)
-        files = [f for f in _visible(os.listdir(folder))
-                 if f.lower().endswith(".txt") and os.path.isfile(os.path.join(folder, f))]
+        files = [
+            f
+            for f in _visible(os.listdir(folder))
+            if f.lower().endswith(".txt") and os.path.isfile(os.path.join(folder, f))
+        ]
         if not files:
             raise DataError(f"{folder}: the class folder {label!r} holds no .txt files")
         for name in files:
@@ -282,18 +295,23 @@ def read_examples(path, task: str, text_column: str = "text", label_column: str 
             ex = _read_json(path, task, text_column, label_column, allow_list=ext == ".json")
         elif ext == ".txt":
             if task == "text-classification":
-                raise DataError(f"{path}: a .txt file holds no labels; text-classification reads a CSV, TSV "
-                                f"or JSON-lines file, or a folder of class sub-folders of .txt files")
+                raise DataError(
+                    f"{path}: a .txt file holds no labels; text-classification reads a CSV, TSV "
+                    f"or JSON-lines file, or a folder of class sub-folders of .txt files"
+                )
             ex = Examples([_read_text_file(path)], None, path)
         else:
-            raise DataError(f"{path}: unknown data file type {ext or '(no extension)'!r}; "
-                            f"use .csv, .tsv, .jsonl, .json, .txt or a folder")
+            raise DataError(
+                f"{path}: unknown data file type {ext or '(no extension)'!r}; "
+                f"use .csv, .tsv, .jsonl, .json, .txt or a folder"
+            )
     if not ex.texts:
         raise DataError(f"{path}: no examples in the data")
     return ex
 
 
 # --- labels, splits, subsets -----------------------------------------------------------------------
+
 
 def label_names(*label_lists: Optional[Sequence[str]]) -> List[str]:
     """Sorted unique labels of all the lists (None lists are skipped); numeric order when every label
@@ -306,22 +324,27 @@ def label_names(*label_lists: Optional[Sequence[str]]) -> List[str]:
 
 def _split_indices(n: int, eval_fraction: float, seed: int, source: str, what: str) -> Tuple[List[int], List[int]]:
     """(train, eval) positions: a seeded shuffle, eval = the first round(f * n), train = the rest."""
-    if (isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float))
-            or not math.isfinite(eval_fraction) or not 0 < eval_fraction < 1):
+    if (
+        isinstance(eval_fraction, bool)
+        or not isinstance(eval_fraction, (int, float))
+        or not math.isfinite(eval_fraction)
+        or not 0 < eval_fraction < 1
+    ):
         raise DataError(f"eval fraction {eval_fraction!r} is not between 0 and 1 (exclusive)")
     n_eval = round(eval_fraction * n)
     if n_eval == 0 or n_eval == n:
         side = "eval" if n_eval == 0 else "training"
-        raise DataError(f"{source}: {n} {what} are too few to hold out {eval_fraction:g} for eval "
-                        f"(the {side} set would be empty); add data or give --eval-data")
+        raise DataError(
+            f"{source}: {n} {what} are too few to hold out {eval_fraction:g} for eval "
+            f"(the {side} set would be empty); add data or give --eval-data"
+        )
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return order[n_eval:], order[:n_eval]
 
 
 def _take(ex: Examples, idx: Sequence[int]) -> Examples:
-    return Examples([ex.texts[i] for i in idx], None if ex.labels is None else [ex.labels[i] for i in idx],
-                    ex.source)
+    return Examples([ex.texts[i] for i in idx], None if ex.labels is None else [ex.labels[i] for i in idx], ex.source)
 
 
 def split_examples(ex: Examples, eval_fraction: float, seed: int) -> Tuple[Examples, Examples]:
@@ -333,8 +356,10 @@ def split_examples(ex: Examples, eval_fraction: float, seed: int) -> Tuple[Examp
 def split_blocks(ds: TokenizedDataset, eval_fraction: float, seed: int) -> Tuple[TokenizedDataset, TokenizedDataset]:
     """The causal-lm held-out split: over token blocks, by the same rule as `split_examples`."""
     train_idx, eval_idx = _split_indices(len(ds), eval_fraction, seed, ds.source, "token blocks")
-    return (TokenizedDataset([ds.items[i] for i in train_idx], ds.source),
-            TokenizedDataset([ds.items[i] for i in eval_idx], ds.source))
+    return (
+        TokenizedDataset([ds.items[i] for i in train_idx], ds.source),
+        TokenizedDataset([ds.items[i] for i in eval_idx], ds.source),
+    )
 
 
 def subset(ex: Union[Examples, TokenizedDataset], n: Optional[int]):
@@ -350,6 +375,7 @@ def subset(ex: Union[Examples, TokenizedDataset], n: Optional[int]):
 
 # --- tokenization ----------------------------------------------------------------------------------
 
+
 def _check_max_length(max_length) -> None:
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise DataError(f"max_length must be a positive integer, got {max_length!r}")
@@ -359,8 +385,9 @@ def _unknown_labels(ex: Examples, label2id: Dict[str, int]) -> Optional[DataErro
     for i, label in enumerate(ex.labels or ()):
         if label not in label2id:
             known = ", ".join(repr(k) for k in label2id)
-            return DataError(f"{ex.source}: label {label!r} (example {i + 1}) is not among the training "
-                             f"labels: {known}")
+            return DataError(
+                f"{ex.source}: label {label!r} (example {i + 1}) is not among the training labels: {known}"
+            )
     return None
 
 
@@ -374,7 +401,7 @@ def tokenize_classification(tokenizer, ex: Examples, label2id: Dict[str, int], m
         raise err
     items: List[Dict[str, torch.Tensor]] = []
     for start in range(0, len(ex.texts), _TOKENIZE_BATCH):
-        batch = ex.texts[start:start + _TOKENIZE_BATCH]
+        batch = ex.texts[start : start + _TOKENIZE_BATCH]
         enc = tokenizer(batch, truncation=True, max_length=max_length, padding=False)
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
         for j in range(len(batch)):
@@ -398,7 +425,7 @@ def tokenize_causal_lm(tokenizer, ex: Examples, max_length: int) -> TokenizedDat
     eos = _end_of_text_id(tokenizer)
     stream: List[int] = []
     for start in range(0, len(ex.texts), _TOKENIZE_BATCH):
-        batch = ex.texts[start:start + _TOKENIZE_BATCH]
+        batch = ex.texts[start : start + _TOKENIZE_BATCH]
         # verbose=False: a whole book is longer than the model's window on purpose; no warning.
         enc = tokenizer(batch, add_special_tokens=False, truncation=False, verbose=False)
         for ids in enc["input_ids"]:
@@ -406,10 +433,12 @@ def tokenize_causal_lm(tokenizer, ex: Examples, max_length: int) -> TokenizedDat
             stream.append(eos)
     n_blocks = len(stream) // max_length
     if n_blocks == 0:
-        raise DataError(f"{ex.source}: {len(stream)} tokens, fewer than max_length ({max_length}) tokens "
-                        f"make no training block; add text or lower --max-length")
+        raise DataError(
+            f"{ex.source}: {len(stream)} tokens, fewer than max_length ({max_length}) tokens "
+            f"make no training block; add text or lower --max-length"
+        )
     # The last partial block is dropped: every block is full, so no padding and no masking.
-    blocks = torch.tensor(stream[:n_blocks * max_length], dtype=torch.long).view(n_blocks, max_length)
+    blocks = torch.tensor(stream[: n_blocks * max_length], dtype=torch.long).view(n_blocks, max_length)
     ones = torch.ones(max_length, dtype=torch.long)
     items = [{"input_ids": row, "attention_mask": ones, "labels": row} for row in blocks]
     return TokenizedDataset(items, ex.source)
@@ -434,24 +463,45 @@ def collate(items: List[dict], pad_id: Optional[int]) -> Dict[str, torch.Tensor]
         longest = max(v.shape[0] for v in values)
         batch = torch.full((len(values), longest), fill, dtype=values[0].dtype)
         for row, v in zip(batch, values):
-            row[:v.shape[0]] = v
+            row[: v.shape[0]] = v
         out[key] = batch
     return out
 
 
 # --- the whole pipeline ----------------------------------------------------------------------------
 
-def prepare_data(task: str, data, tokenizer, *, eval_data=None, eval_fraction: float = 0.2, seed: int = 0,
-                 max_length: int = 128, text_column: str = "text", label_column: str = "label",
-                 max_train_samples: Optional[int] = None, max_eval_samples: Optional[int] = None) -> PreparedData:
+
+def prepare_data(
+    task: str,
+    data,
+    tokenizer,
+    *,
+    eval_data=None,
+    eval_fraction: float = 0.2,
+    seed: int = 0,
+    max_length: int = 128,
+    text_column: str = "text",
+    label_column: str = "label",
+    max_train_samples: Optional[int] = None,
+    max_eval_samples: Optional[int] = None,
+) -> PreparedData:
     """Read, split (or read eval_data), map labels to ids, subset and tokenize: what the job trains on."""
     _check_task(task)
     _check_max_length(max_length)
     data = os.fspath(data)
     eval_data = None if eval_data is None else os.fspath(eval_data)
     if task == "causal-lm":
-        return _prepare_causal_lm(data, tokenizer, eval_data, eval_fraction, seed, max_length, text_column,
-                                  max_train_samples, max_eval_samples)
+        return _prepare_causal_lm(
+            data,
+            tokenizer,
+            eval_data,
+            eval_fraction,
+            seed,
+            max_length,
+            text_column,
+            max_train_samples,
+            max_eval_samples,
+        )
     train_ex = read_examples(data, task, text_column, label_column)
     if eval_data is None:
         train_ex, eval_ex = split_examples(train_ex, eval_fraction, seed)
@@ -461,22 +511,26 @@ def prepare_data(task: str, data, tokenizer, *, eval_data=None, eval_fraction: f
         origin = f"from {data} / eval from {eval_data}"
     labels = label_names(train_ex.labels)
     if len(labels) < 2:
-        raise DataError(f"{data}: only one class ({labels[0]!r}) in the training data; "
-                        f"text-classification needs at least two")
+        raise DataError(
+            f"{data}: only one class ({labels[0]!r}) in the training data; text-classification needs at least two"
+        )
     label2id = {name: i for i, name in enumerate(labels)}
     err = _unknown_labels(eval_ex, label2id)
     if err is not None:
-        if eval_data is None:     # both sides come from one file: a rare class fell wholly into eval
-            raise DataError(f"{err} (it fell wholly into the held-out eval split; add examples of it, "
-                            f"change --seed or give --eval-data)")
+        if eval_data is None:  # both sides come from one file: a rare class fell wholly into eval
+            raise DataError(
+                f"{err} (it fell wholly into the held-out eval split; add examples of it, "
+                f"change --seed or give --eval-data)"
+            )
         raise err
     n_train, n_eval = len(train_ex), len(eval_ex)
     train_ex = subset(train_ex, max_train_samples)
     eval_ex = subset(eval_ex, max_eval_samples)
     train = tokenize_classification(tokenizer, train_ex, label2id, max_length)
     ev = tokenize_classification(tokenizer, eval_ex, label2id, max_length)
-    summary = (f"{_count(len(train), n_train)} train / {_count(len(ev), n_eval)} eval texts {origin} "
-               f"({len(labels)} labels)")
+    summary = (
+        f"{_count(len(train), n_train)} train / {_count(len(ev), n_eval)} eval texts {origin} ({len(labels)} labels)"
+    )
     return PreparedData(train, ev, labels, summary)
 
 
@@ -484,8 +538,9 @@ def _count(kept: int, total: int) -> str:
     return str(kept) if kept == total else f"{kept} of {total}"
 
 
-def _prepare_causal_lm(data, tokenizer, eval_data, eval_fraction, seed, max_length, text_column,
-                       max_train_samples, max_eval_samples) -> PreparedData:
+def _prepare_causal_lm(
+    data, tokenizer, eval_data, eval_fraction, seed, max_length, text_column, max_train_samples, max_eval_samples
+) -> PreparedData:
     train_ex = read_examples(data, "causal-lm", text_column)
     train = tokenize_causal_lm(tokenizer, train_ex, max_length)
     if eval_data is None:
@@ -497,6 +552,8 @@ def _prepare_causal_lm(data, tokenizer, eval_data, eval_fraction, seed, max_leng
     n_train, n_eval = len(train), len(ev)
     train = subset(train, max_train_samples)
     ev = subset(ev, max_eval_samples)
-    summary = (f"{_count(len(train), n_train)} train / {_count(len(ev), n_eval)} eval blocks of "
-               f"{max_length} tokens {origin} ({len(train_ex)} texts)")
+    summary = (
+        f"{_count(len(train), n_train)} train / {_count(len(ev), n_eval)} eval blocks of "
+        f"{max_length} tokens {origin} ({len(train_ex)} texts)"
+    )
     return PreparedData(train, ev, None, summary)

@@ -11,6 +11,7 @@ Works in any training loop (plain PyTorch, `qcompress.initialize`, the transform
 
 Outputs may be Hugging Face ModelOutputs (`.logits`, `.hidden_states`) or plain logits tensors.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,11 +29,12 @@ from ..pruning.distill import hidden_state_mse
 from ..schedule import REWRITTEN
 
 KEY = "compression_training.distillation"
-IGNORE_INDEX = -100   # label value that marks a position without a target (transformers' convention)
+IGNORE_INDEX = -100  # label value that marks a position without a target (transformers' convention)
 
 
-def logit_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
-             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def logit_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """T^2 * KL(softmax(teacher/T) || softmax(student/T)), summed over the last (class / vocab)
     dimension and averaged over samples ([B, C]) or positions ([B, L, V]); with `mask` (shape of
     the logits without the last dimension) only where it is true. float32; teacher detached.
@@ -40,20 +42,24 @@ def logit_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempera
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ in shape (same head and vocabulary?)")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ in shape (same head and vocabulary?)"
+        )
     log_t = F.log_softmax(teacher_logits.detach().float() / temperature, dim=-1)
     log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
     if mask is not None:
         if mask.shape != per_row.shape:
-            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(per_row.shape)} "
-                             "(the logits without their last dimension)")
+            raise ValueError(
+                f"mask has shape {tuple(mask.shape)}, expected {tuple(per_row.shape)} "
+                "(the logits without their last dimension)"
+            )
         mask = mask.to(device=per_row.device, dtype=torch.bool)
         if not bool(mask.any()):
-            return per_row.sum() * 0.0   # nothing to distill; still attached to the student graph
+            return per_row.sum() * 0.0  # nothing to distill; still attached to the student graph
         per_row = per_row[mask]
-    return temperature ** 2 * per_row.mean()
+    return temperature**2 * per_row.mean()
 
 
 def causal_lm_mask(labels: torch.Tensor) -> torch.Tensor:
@@ -73,8 +79,10 @@ def logits_of(out: Any) -> torch.Tensor:
     if logits is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         logits = out[0]
     if logits is None:
-        raise TypeError(f"cannot find logits in a model output of type {type(out).__name__} "
-                        "(expected a tensor or an object with .logits)")
+        raise TypeError(
+            f"cannot find logits in a model output of type {type(out).__name__} "
+            "(expected a tensor or an object with .logits)"
+        )
     return logits
 
 
@@ -83,9 +91,11 @@ def _hidden_of(out: Any, who: str) -> Sequence[torch.Tensor]:
     if hidden is None and isinstance(out, Mapping):
         hidden = out.get("hidden_states")
     if hidden is None:
-        raise ValueError(f"{KEY}.hidden_mse is > 0 but the {who} output has no hidden_states: run its "
-                         "forward with output_hidden_states=True (a Hugging Face model), or set "
-                         "hidden_mse: 0")
+        raise ValueError(
+            f"{KEY}.hidden_mse is > 0 but the {who} output has no hidden_states: run its "
+            "forward with output_hidden_states=True (a Hugging Face model), or set "
+            "hidden_mse: 0"
+        )
     return hidden
 
 
@@ -103,16 +113,20 @@ def load_teacher(spec: str, start_model: nn.Module, load_folder: Callable[[str],
     if spec == "self":
         root = start_model.module if isinstance(getattr(start_model, "module", None), nn.Module) else start_model
         if getattr(root, REWRITTEN, False):
-            raise ValueError(f"{KEY}.teacher is 'self', but the model was already rewritten by "
-                             "init_compression, so its copy would be compressed too: load the teacher "
-                             "before init_compression, or pass the teacher model explicitly")
+            raise ValueError(
+                f"{KEY}.teacher is 'self', but the model was already rewritten by "
+                "init_compression, so its copy would be compressed too: load the teacher "
+                "before init_compression, or pass the teacher model explicitly"
+            )
         return _freeze(copy.deepcopy(root))
     path = os.path.expanduser(spec)
     if spec == "baseline" and not os.path.isdir(path):
         # schedules/with_qad_range_learning.yaml says `baseline`: only `qcompress train` makes one
-        raise ValueError(f"{KEY}.teacher: 'baseline' is the FP32 fine-tune that `qcompress train "
-                         "--baseline` trains first; here there is none: set teacher to the folder of a "
-                         "model fine-tuned for this task (or pass that model as the teacher)")
+        raise ValueError(
+            f"{KEY}.teacher: 'baseline' is the FP32 fine-tune that `qcompress train "
+            "--baseline` trains first; here there is none: set teacher to the folder of a "
+            "model fine-tuned for this task (or pass that model as the teacher)"
+        )
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{KEY}.teacher: {spec!r} is not 'self' and no such model folder exists")
     return _freeze(load_folder(path))
@@ -123,15 +137,17 @@ class Distiller:
 
     def __init__(self, teacher: nn.Module, cfg: Distillation, teacher_layer: Optional[Sequence[int]] = None):
         if not isinstance(cfg, Distillation):
-            raise TypeError(f"Distiller needs the parsed {KEY} section (a Distillation), got "
-                            f"{type(cfg).__name__}; use Distiller.from_config for a whole config")
+            raise TypeError(
+                f"Distiller needs the parsed {KEY} section (a Distillation), got "
+                f"{type(cfg).__name__}; use Distiller.from_config for a whole config"
+            )
         self.teacher = _freeze(teacher)
         self.cfg = cfg
         self.temperature = cfg.temperature
         self.alpha = cfg.alpha
         self.hidden_weight = cfg.hidden_mse
         mapping = teacher_layer if teacher_layer is not None else cfg.teacher_layer
-        self.teacher_layer = tuple(mapping) if mapping is not None else None   # None: identity
+        self.teacher_layer = tuple(mapping) if mapping is not None else None  # None: identity
 
     @classmethod
     def from_config(cls, cfg, teacher: nn.Module) -> Optional["Distiller"]:
@@ -158,7 +174,7 @@ class Distiller:
         positional inputs) under no_grad in eval mode; labels are not passed."""
         self.teacher.eval()
         self._follow_device(batch)
-        if isinstance(batch, Mapping):     # a dict, or transformers' BatchEncoding
+        if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
             if self.needs_hidden_states:
                 inputs["output_hidden_states"] = True
@@ -169,7 +185,9 @@ class Distiller:
 
     def _follow_device(self, batch: Any) -> None:
         """Move the teacher to the device of the batch (a Trainer moves only the student)."""
-        tensors = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+        tensors = (
+            batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+        )
         dev = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
         p = next(self.teacher.parameters(), None)
         if dev is not None and p is not None and p.device != dev:
@@ -184,22 +202,27 @@ class Distiller:
             mapping = self.teacher_layer
             if mapping is None:
                 if len(s_hidden) != len(t_hidden):
-                    raise ValueError(f"{KEY}.teacher_layer is not set and the student has "
-                                     f"{len(s_hidden) - 1} layers but the teacher {len(t_hidden) - 1}; "
-                                     "identity mapping needs equal depth: set teacher_layer")
+                    raise ValueError(
+                        f"{KEY}.teacher_layer is not set and the student has "
+                        f"{len(s_hidden) - 1} layers but the teacher {len(t_hidden) - 1}; "
+                        "identity mapping needs equal depth: set teacher_layer"
+                    )
                 mapping = range(len(s_hidden) - 1)
             loss = loss + self.hidden_weight * hidden_state_mse(s_hidden, t_hidden, list(mapping))
         return loss
 
-    def loss(self, student_out, teacher_out, task_loss: Optional[torch.Tensor],
-             mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def loss(
+        self, student_out, teacher_out, task_loss: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(total, task, distill) with total = (1 - alpha) * task + alpha * distill.
         `task_loss` may be None only when alpha is 1 (it then counts as 0)."""
         distill = self.distill_loss(student_out, teacher_out, mask)
         if task_loss is None:
             if self.alpha != 1.0:
-                raise ValueError(f"no task loss (did the batch carry labels?) but {KEY}.alpha is "
-                                 f"{self.alpha}: the task loss has weight {1 - self.alpha}")
+                raise ValueError(
+                    f"no task loss (did the batch carry labels?) but {KEY}.alpha is "
+                    f"{self.alpha}: the task loss has weight {1 - self.alpha}"
+                )
             task_loss = torch.zeros((), device=distill.device)
         total = (1.0 - self.alpha) * task_loss.float() + self.alpha * distill
         return total, task_loss, distill

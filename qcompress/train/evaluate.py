@@ -1,4 +1,5 @@
 """Task metrics of a model on a tokenized dataset: accuracy (classification), perplexity (causal LM)."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ def _logits(out) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, task: str, batch_size: int, pad_id: int,
-             forward: Optional[Callable] = None) -> Dict[str, float]:
+def evaluate(
+    model: nn.Module, dataset, task: str, batch_size: int, pad_id: int, forward: Optional[Callable] = None
+) -> Dict[str, float]:
     """{'accuracy', 'loss'} or {'perplexity', 'loss'}; the model is put in eval mode and left there.
     `forward(batch)` overrides model(**batch) (e.g. an engine's autocast)."""
     model.eval()
@@ -35,10 +37,11 @@ def evaluate(model: nn.Module, dataset, task: str, batch_size: int, pad_id: int,
             count += labels.numel()
         else:
             shift, target = logits[:, :-1], labels[:, 1:]
-            loss_sum += F.cross_entropy(shift.reshape(-1, shift.shape[-1]), target.reshape(-1),
-                                        ignore_index=-100, reduction="sum").item()
+            loss_sum += F.cross_entropy(
+                shift.reshape(-1, shift.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+            ).item()
             count += int((target != -100).sum())
-    kernels.check_nonfinite()     # a NaN the CUDA quantizers counted: raised here, as on the CPU
+    kernels.check_nonfinite()  # a NaN the CUDA quantizers counted: raised here, as on the CPU
     if count == 0:
         raise ValueError("the evaluation set is empty")
     loss = loss_sum / count
@@ -52,8 +55,7 @@ def metric_name(task: str) -> str:
 
 
 @torch.no_grad()
-def max_logit_difference(a: nn.Module, b: nn.Module, dataset, batch_size: int, pad_id: int,
-                         batches: int = 2) -> float:
+def max_logit_difference(a: nn.Module, b: nn.Module, dataset, batch_size: int, pad_id: int, batches: int = 2) -> float:
     """Largest |logit_a - logit_b| over the first batches of the dataset (both in eval mode; each
     runs where its parameters are, the logits are compared on the CPU)."""
     a.eval(), b.eval()

@@ -1,5 +1,6 @@
 """One training phase (the FP32 baseline or the compressed run) through a qcompress engine:
 micro-batches, optional distillation, per-step metrics, checkpoints that resume exactly."""
+
 from __future__ import annotations
 
 import math
@@ -35,11 +36,12 @@ def group_columns(model: nn.Module) -> Dict[str, float]:
             out[f"act_bits.{aq.group}"] = aq.bits if aq.active else 32
         for st in (getattr(m, "qc_pruning", None) or {}).values():
             kept.setdefault(f"density.{st.group}", []).append(st.kept_fraction(m))
-    for key, shares in kept.items():     # what the masks keep (whole units), not the scheduled ratio
+    for key, shares in kept.items():  # what the masks keep (whole units), not the scheduled ratio
         out[key] = sum(shares) / len(shares)
     from ..nn.pld import pld_schedule
+
     pld = pld_schedule(model)
-    if pld is not None:              # progressive layer drop: share of block calls run in the last step
+    if pld is not None:  # progressive layer drop: share of block calls run in the last step
         out["pld.blocks_run"] = pld.last_share
     return out
 
@@ -54,8 +56,10 @@ def final_bits(model: nn.Module) -> Dict[str, dict]:
             rec = out.setdefault(f"{kind}:{q.group}", {"bits": set(), "modules": 0})
             rec["bits"].add(q.bits if q.active else 32)
             rec["modules"] += 1
-    return {k: {"bits": min(v["bits"]) if len(v["bits"]) == 1 else sorted(v["bits"]), "modules": v["modules"]}
-            for k, v in sorted(out.items())}
+    return {
+        k: {"bits": min(v["bits"]) if len(v["bits"]) == 1 else sorted(v["bits"]), "modules": v["modules"]}
+        for k, v in sorted(out.items())
+    }
 
 
 def schedule_shortfalls(model: nn.Module) -> list:
@@ -69,19 +73,23 @@ def schedule_shortfalls(model: nn.Module) -> list:
     lines = []
     for group, (bits, target, offset) in sorted(now.items()):
         if bits is None:
-            lines.append(f"weight group {group!r} was never quantized: its schedule starts at step {offset}, "
-                         "after the last step; it is exported unquantized")
+            lines.append(
+                f"weight group {group!r} was never quantized: its schedule starts at step {offset}, "
+                "after the last step; it is exported unquantized"
+            )
         elif bits != target:
-            lines.append(f"weight group {group!r} ended training at {bits} bits, not its target_bits {target}: "
-                         "the schedule needs more steps; the qat row and the export are at "
-                         f"{bits} bits (the ptq row is at {target})")
+            lines.append(
+                f"weight group {group!r} ended training at {bits} bits, not its target_bits {target}: "
+                "the schedule needs more steps; the qat row and the export are at "
+                f"{bits} bits (the ptq row is at {target})"
+            )
     return lines
 
 
 @dataclass
 class Phase:
-    name: str                    # "qat" or "fp32_finetuned"
-    engine: object               # qcompress Engine
+    name: str  # "qat" or "fp32_finetuned"
+    engine: object  # qcompress Engine
     dataset: object
     task: str
     steps: int
@@ -89,11 +97,11 @@ class Phase:
     pad_id: int
     ckpt_dir: str
     save_steps: int
-    metrics: Optional[MetricsLog]   # rank 0 only
+    metrics: Optional[MetricsLog]  # rank 0 only
     distiller: object = None
     progress: bool = True
-    prior_seconds: float = 0.0      # training time of earlier attempts (from the resumed checkpoint)
-    keep_all: bool = False          # --keep-checkpoints all: older tags stay
+    prior_seconds: float = 0.0  # training time of earlier attempts (from the resumed checkpoint)
+    keep_all: bool = False  # --keep-checkpoints all: older tags stay
 
     @property
     def rank(self) -> int:
@@ -145,11 +153,13 @@ def _mean_across_ranks(values, engine):
 def _forward_loss(phase: Phase, batch: dict):
     """(total loss, task loss, distillation loss or None) of one micro-batch."""
     from .distill import causal_lm_mask
+
     eng, distiller = phase.engine, phase.distiller
     batch = to_device(batch, eng.device)
     kwargs = dict(batch)
-    if phase.task == "causal-lm":          # a MoE model's loss includes its router's load-balancing loss
+    if phase.task == "causal-lm":  # a MoE model's loss includes its router's load-balancing loss
         from ..nn.experts import router_aux_kwargs
+
         kwargs.update(router_aux_kwargs(eng.module))
     teacher_out = None
     if distiller is not None:
@@ -171,6 +181,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
     bar = None
     if phase.progress and phase.rank == 0:
         from .progress import StepProgress
+
         every = getattr(getattr(eng, "config", None), "steps_per_print", 10)
         bar = StepProgress(phase.name, phase.steps, start_step, every)
     acc = eng.gradient_accumulation_steps
@@ -182,12 +193,19 @@ def run(phase: Phase, start_step: int = 0) -> None:
             sums = [0.0, 0.0, 0.0]
             has_kd = False
             # each data-parallel replica its share; the ranks of one replica (TP / PP) the same
-            batches = micro_batches(phase.dataset, step, seed=phase.seed, train_batch_size=eng.train_batch_size,
-                                    micro=eng.train_micro_batch_size_per_gpu, accumulation=acc,
-                                    rank=eng.data_parallel_rank, world=eng.data_parallel_world_size,
-                                    pad_id=phase.pad_id)
+            batches = micro_batches(
+                phase.dataset,
+                step,
+                seed=phase.seed,
+                train_batch_size=eng.train_batch_size,
+                micro=eng.train_micro_batch_size_per_gpu,
+                accumulation=acc,
+                rank=eng.data_parallel_rank,
+                world=eng.data_parallel_world_size,
+                pad_id=phase.pad_id,
+            )
             staged = getattr(eng, "pipeline", None) is not None
-            if staged:                            # the stages run inside train_batch
+            if staged:  # the stages run inside train_batch
                 sums = [_pipeline_step(phase, step, batches)] * 2 + [0.0]
                 batches = ()
             for batch in batches:
@@ -195,7 +213,7 @@ def run(phase: Phase, start_step: int = 0) -> None:
                     total, task, kd = _forward_loss(phase, batch)
                     eng.backward(total)
                     eng.step()
-                except NonFiniteError as err:     # a quantizer met NaN / Inf: the run has diverged
+                except NonFiniteError as err:  # a quantizer met NaN / Inf: the run has diverged
                     raise _diverged(phase, step, str(err)) from None
                 sums[0] += float(total.detach()) / acc
                 sums[1] += float(task.detach()) / acc
@@ -205,15 +223,25 @@ def run(phase: Phase, start_step: int = 0) -> None:
             loss, task_loss, kd_loss = sums if staged else _mean_across_ranks(sums, eng)
             elapsed = time.perf_counter() - t0
             if phase.rank == 0 and phase.metrics is not None:
-                row = dict(step=step + 1, loss=loss, task_loss=task_loss,
-                           distill_loss=kd_loss if has_kd else None, lr=lr,
-                           samples_per_s=eng.train_batch_size / elapsed)
+                row = dict(
+                    step=step + 1,
+                    loss=loss,
+                    task_loss=task_loss,
+                    distill_loss=kd_loss if has_kd else None,
+                    lr=lr,
+                    samples_per_s=eng.train_batch_size / elapsed,
+                )
                 row.update(group_columns(eng.module))
                 phase.metrics.write(row)
                 monitor = getattr(eng, "monitor", None)
                 if monitor is not None and monitor.enabled:
-                    monitor.write_events([(f"Train/Steps/{k}", float(v), step + 1) for k, v in row.items()
-                                          if k != "step" and v is not None])
+                    monitor.write_events(
+                        [
+                            (f"Train/Steps/{k}", float(v), step + 1)
+                            for k, v in row.items()
+                            if k != "step" and v is not None
+                        ]
+                    )
             # fp16 skips overflowing steps by design; elsewhere a non-finite loss means every later
             # step, evaluation and the export would be NaN: stop here, after its metrics row
             if not math.isfinite(loss) and eng.precision != "fp16":
@@ -237,16 +265,21 @@ def _pipeline_step(phase: Phase, step: int, batches) -> float:
     """One optimizer step through engine.train_batch (pipeline stages): the model's own loss, the
     mean over micro-batches and replicas, the same on every rank."""
     if phase.distiller is not None:
-        raise JobError("compression_training.distillation with pipeline.stages > 1: the teacher's outputs "
-                       "do not reach the stages' loss; train without distillation or with pipeline.stages 1")
+        raise JobError(
+            "compression_training.distillation with pipeline.stages > 1: the teacher's outputs "
+            "do not reach the stages' loss; train without distillation or with pipeline.stages 1"
+        )
 
     def plain():
         for batch in batches:
             mask = batch.pop("attention_mask", None)
             if mask is not None and not bool(mask.all()):
-                raise JobError("pipeline.stages > 1 passes token ids and labels only: this data has padded "
-                               "micro-batches (attention_mask with zeros); use --task causal-lm's token blocks")
+                raise JobError(
+                    "pipeline.stages > 1 passes token ids and labels only: this data has padded "
+                    "micro-batches (attention_mask with zeros); use --task causal-lm's token blocks"
+                )
             yield batch
+
     try:
         return float(phase.engine.train_batch(plain()))
     except NonFiniteError as err:
@@ -254,8 +287,11 @@ def _pipeline_step(phase: Phase, step: int, batches) -> float:
 
 
 def _diverged(phase: Phase, step: int, what: str) -> JobError:
-    return JobError(f"[{phase.name}] training diverged at step {step + 1}: {what}; lower the learning rate "
-                    f"(--lr, or the config's optimizer lr) and start again with --overwrite", code=1)
+    return JobError(
+        f"[{phase.name}] training diverged at step {step + 1}: {what}; lower the learning rate "
+        f"(--lr, or the config's optimizer lr) and start again with --overwrite",
+        code=1,
+    )
 
 
 def metric_columns(model: nn.Module):

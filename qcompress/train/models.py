@@ -1,4 +1,5 @@
 """Loading a local Hugging Face model folder for a task, offline, and building fresh copies of it."""
+
 from __future__ import annotations
 
 import os
@@ -9,18 +10,18 @@ import torch.nn as nn
 
 from .errors import JobError
 
-AUTO_CLASSES = {"text-classification": "AutoModelForSequenceClassification",
-                "causal-lm": "AutoModelForCausalLM"}
+AUTO_CLASSES = {"text-classification": "AutoModelForSequenceClassification", "causal-lm": "AutoModelForCausalLM"}
 
 
 def _transformers():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")        # nothing is ever downloaded
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
     try:
         import transformers
     except ImportError:
         from ..errors import install_hint
+
         raise JobError(f"qcompress train needs transformers: {install_hint('hf')}", code=1) from None
-    transformers.logging.set_verbosity_error()           # our report says what matters
+    transformers.logging.set_verbosity_error()  # our report says what matters
     transformers.logging.disable_progress_bar()
     return transformers
 
@@ -31,8 +32,10 @@ def auto_class(task: str):
 
 def check_model_folder(folder: str) -> None:
     if not os.path.isdir(folder):
-        raise JobError(f"--model {folder}: no such folder (a local Hugging Face model folder with "
-                       "config.json, safetensors weights and tokenizer files)")
+        raise JobError(
+            f"--model {folder}: no such folder (a local Hugging Face model folder with "
+            "config.json, safetensors weights and tokenizer files)"
+        )
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise JobError(f"--model {folder}: no config.json there; is it a Hugging Face model folder?")
 
@@ -43,15 +46,21 @@ def load_tokenizer(folder: str):
         tok = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
         raise JobError(f"--model {folder}: cannot load its tokenizer ({err})") from None
-    if tok.pad_token_id is None:     # GPT-2 style tokenizers: pad with eos (masked out anyway)
+    if tok.pad_token_id is None:  # GPT-2 style tokenizers: pad with eos (masked out anyway)
         tok.pad_token = tok.eos_token or tok.sep_token
     if tok.pad_token_id is None:
         raise JobError(f"--model {folder}: the tokenizer has no pad, eos or sep token to pad batches with")
     return tok
 
 
-def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed: int = 0,
-               pad_token_id: Optional[int] = None, dtype: str = "float32") -> nn.Module:
+def load_model(
+    folder: str,
+    task: str,
+    labels: Optional[List[str]] = None,
+    seed: int = 0,
+    pad_token_id: Optional[int] = None,
+    dtype: str = "float32",
+) -> nn.Module:
     """The pretrained model with the task's head; a classification head with one class per label
     (a fresh head, seeded, unless the checkpoint's head already has that many classes).
     `pad_token_id`: the id batches are padded with, recorded in a config that has none."""
@@ -59,13 +68,18 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
     cls = auto_class(task)
     kwargs, ckpt_labels = {}, None
     if task == "text-classification":
-        kwargs = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                      label2id={name: i for i, name in enumerate(labels)}, ignore_mismatched_sizes=True)
+        kwargs = dict(
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={name: i for i, name in enumerate(labels)},
+            ignore_mismatched_sizes=True,
+        )
         ckpt_labels = _checkpoint_labels(folder)
     torch.manual_seed(seed)
     try:
-        model, info = cls.from_pretrained(folder, local_files_only=True, dtype=getattr(torch, dtype),
-                                          output_loading_info=True, **kwargs)
+        model, info = cls.from_pretrained(
+            folder, local_files_only=True, dtype=getattr(torch, dtype), output_loading_info=True, **kwargs
+        )
     except ValueError as err:
         msg = str(err).splitlines()[0]
         raise JobError(f"--model {folder} cannot do --task {task}: {msg}") from None
@@ -73,8 +87,13 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
         raise JobError(f"--model {folder}: cannot load the weights ({err})") from None
     # a head the checkpoint did not have (or had with another number of classes) starts random
     model.qc_fresh_head = bool(info.get("missing_keys") or info.get("mismatched_keys"))
-    if task == "text-classification" and not model.qc_fresh_head and ckpt_labels is not None \
-            and ckpt_labels != list(labels) and sorted(ckpt_labels) == sorted(labels):
+    if (
+        task == "text-classification"
+        and not model.qc_fresh_head
+        and ckpt_labels is not None
+        and ckpt_labels != list(labels)
+        and sorted(ckpt_labels) == sorted(labels)
+    ):
         # from_pretrained keeps the head's rows in the checkpoint's class order while our id2label
         # is sorted: without this, a fine-tuned head would answer "tech" under the name "business"
         _reorder_head(model, folder, [ckpt_labels.index(name) for name in labels])
@@ -83,7 +102,7 @@ def load_model(folder: str, task: str, labels: Optional[List[str]] = None, seed:
         # the config's pad id and refuse batches without one; GPT-2 checkpoints have none
         model.config.pad_token_id = pad_token_id
     if task == "causal-lm" and getattr(model.config, "is_decoder", True) is False:
-        model.config.is_decoder = True      # BERT-style configs used as a causal LM
+        model.config.is_decoder = True  # BERT-style configs used as a causal LM
     return model
 
 
@@ -103,8 +122,10 @@ def _reorder_head(model: nn.Module, folder: str, order: List[int]) -> None:
     as transformers' heads are) in `order`: new class i is the checkpoint's class order[i]."""
     heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == len(order)]
     if not heads:
-        raise JobError(f"--model {folder}: cannot find the classification head to put its classes in the "
-                       "order of the data's labels")
+        raise JobError(
+            f"--model {folder}: cannot find the classification head to put its classes in the "
+            "order of the data's labels"
+        )
     head = heads[-1]
     index = torch.tensor(order, device=head.weight.device)
     head.weight.copy_(head.weight.index_select(0, index))
@@ -135,8 +156,10 @@ def position_limit(model: nn.Module) -> Optional[int]:
 def check_max_length(model: nn.Module, folder: str, max_length: int) -> None:
     limit = position_limit(model)
     if limit is not None and max_length > limit:
-        raise JobError(f"--max-length {max_length} is more tokens than --model {folder} has positions for "
-                       f"({limit}); use --max-length {limit} or less")
+        raise JobError(
+            f"--max-length {max_length} is more tokens than --model {folder} has positions for "
+            f"({limit}); use --max-length {limit} or less"
+        )
 
 
 def fp32_bytes(model: nn.Module) -> int:

@@ -1,5 +1,6 @@
 """The options of `qcompress train` and the fingerprints that decide what a resumed run, or a
 borrowed baseline, must share with the run that made it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ class JobOptions:
     max_length: int = 128
     epochs: float = 1.0
     max_steps: Optional[int] = None
-    seed: Optional[int] = 0         # None (no --seed): the config's seed, else 0 (job_config sets it)
+    seed: Optional[int] = 0  # None (no --seed): the config's seed, else 0 (job_config sets it)
     baseline: bool = False
     resume: bool = False
     overwrite: bool = False
@@ -34,14 +35,14 @@ class JobOptions:
     max_eval_samples: Optional[int] = None
     save_steps: int = 50
     baseline_from: Optional[str] = None
-    device: str = "auto"            # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
-    ptq_range_steps: int = 0        # the ptq_learned stage (qcompress.learn_ranges); 0: none
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (where, not what: not in the fingerprint)
+    ptq_range_steps: int = 0  # the ptq_learned stage (qcompress.learn_ranges); 0: none
     progress: bool = True
-    gradient_checkpointing: bool = False   # memory, not results: not in the fingerprints
-    compile: bool = False           # torch.compile: speed, not results (not in the fingerprints)
-    dtype: str = "float32"          # float32 | bfloat16: the model's dtype from loading to the reload
+    gradient_checkpointing: bool = False  # memory, not results: not in the fingerprints
+    compile: bool = False  # torch.compile: speed, not results (not in the fingerprints)
+    dtype: str = "float32"  # float32 | bfloat16: the model's dtype from loading to the reload
     keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
-    lora_r: Optional[int] = None    # --lora-r: the lora section switched on at this rank
+    lora_r: Optional[int] = None  # --lora-r: the lora section switched on at this rank
     calibrate: Optional[str] = None  # "gptq": observer gptq over the configs' weight groups
     notes: List[str] = field(default_factory=list)
 
@@ -49,17 +50,33 @@ class JobOptions:
         """What a resumed run must share with the interrupted one (not out/resume/progress): files by
         absolute path and configs by content (`./a.yaml` from another folder is the same run), and
         the data by what was read from it (an edited data file is other data)."""
-        keep = {k: v for k, v in asdict(self).items()
-                if k not in ("out", "resume", "overwrite", "progress", "save_steps", "notes", "baseline_from",
-                             "configs", "device", "gradient_checkpointing", "compile", "keep_checkpoints")}
+        keep = {
+            k: v
+            for k, v in asdict(self).items()
+            if k
+            not in (
+                "out",
+                "resume",
+                "overwrite",
+                "progress",
+                "save_steps",
+                "notes",
+                "baseline_from",
+                "configs",
+                "device",
+                "gradient_checkpointing",
+                "compile",
+                "keep_checkpoints",
+            )
+        }
         if not self.ptq_range_steps:
-            keep.pop("ptq_range_steps")     # runs without the stage keep their earlier fingerprint
+            keep.pop("ptq_range_steps")  # runs without the stage keep their earlier fingerprint
         if self.dtype == "float32":
-            keep.pop("dtype")               # as runs made before --dtype existed
+            keep.pop("dtype")  # as runs made before --dtype existed
         if self.lora_r is None:
-            keep.pop("lora_r")              # likewise runs without --lora-r
+            keep.pop("lora_r")  # likewise runs without --lora-r
         if self.calibrate is None:
-            keep.pop("calibrate")           # likewise runs without --calibrate
+            keep.pop("calibrate")  # likewise runs without --calibrate
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]
@@ -68,14 +85,33 @@ class JobOptions:
 
     def baseline_fingerprint(self, plain_doc: dict, data_digest: Optional[str] = None) -> str:
         """What decides the FP32 fine-tune: an earlier run with the same one can lend its baseline."""
-        keep = {k: v for k, v in asdict(self).items()
-                if k in ("model", "data", "task", "eval_data", "eval_fraction", "text_column", "label_column",
-                         "max_length", "epochs", "max_steps", "seed", "lr", "batch_size", "eval_batch_size",
-                         "max_train_samples", "max_eval_samples")}
-        if self.dtype != "float32":         # float32 runs keep the fingerprint they had before --dtype
+        keep = {
+            k: v
+            for k, v in asdict(self).items()
+            if k
+            in (
+                "model",
+                "data",
+                "task",
+                "eval_data",
+                "eval_fraction",
+                "text_column",
+                "label_column",
+                "max_length",
+                "epochs",
+                "max_steps",
+                "seed",
+                "lr",
+                "batch_size",
+                "eval_batch_size",
+                "max_train_samples",
+                "max_eval_samples",
+            )
+        }
+        if self.dtype != "float32":  # float32 runs keep the fingerprint they had before --dtype
             keep["dtype"] = self.dtype
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
-        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)   # same file, any cwd
+        keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)  # same file, any cwd
         keep["plain_config"] = plain_doc
         keep["data_digest"] = data_digest
         return _digest(keep)
@@ -84,7 +120,8 @@ class JobOptions:
 def _file_hex(path: str) -> str:
     if not os.path.isfile(path):
         from ..config import recipes
-        found = recipes.find(path)          # a recipe by name: its file's content, as a path's
+
+        found = recipes.find(path)  # a recipe by name: its file's content, as a path's
         if found is None or not os.path.isfile(found):
             return path
         path = found

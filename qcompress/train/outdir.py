@@ -1,5 +1,6 @@
 """The --out folder of a job: refusing to mix runs, the lock a live job holds, and the finished
 stages --resume skips (checkpoints/progress.json)."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,13 @@ def check_out(opts) -> bool:
     Returns whether it holds one."""
     if os.path.exists(opts.out) and not os.path.isdir(opts.out):
         raise JobError(f"--out {opts.out} exists and is not a folder")
-    taken = os.path.isdir(opts.out) and any(os.path.exists(os.path.join(opts.out, n)) for n in
-                                            ("report.json", "metrics.csv", "checkpoints", "export"))
+    taken = os.path.isdir(opts.out) and any(
+        os.path.exists(os.path.join(opts.out, n)) for n in ("report.json", "metrics.csv", "checkpoints", "export")
+    )
     if taken and not (opts.resume or opts.overwrite):
-        raise JobError(f"--out {opts.out} already holds a run; pass --resume to continue it or "
-                       "--overwrite to start again")
+        raise JobError(
+            f"--out {opts.out} already holds a run; pass --resume to continue it or --overwrite to start again"
+        )
     return taken
 
 
@@ -32,20 +35,22 @@ def lock_out(out: str):
     --overwrite alike, would interleave metrics rows and delete checkpoints under a live run."""
     try:
         import fcntl
-    except ImportError:          # no flock (Windows): no guard
+    except ImportError:  # no flock (Windows): no guard
         return None
     fh = open(os.path.join(out, LOCK_NAME), "a+", encoding="utf-8")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        if not isinstance(err, BlockingIOError):   # a file system without flock: no guard, not "in use"
+        if not isinstance(err, BlockingIOError):  # a file system without flock: no guard, not "in use"
             fh.close()
             return None
         fh.seek(0)
         holder = fh.read().strip()
         fh.close()
-        raise JobError(f"--out {out} is in use by another qcompress train that is still running"
-                       f"{f' (pid {holder})' if holder else ''}; wait for it to end or pick another --out") from None
+        raise JobError(
+            f"--out {out} is in use by another qcompress train that is still running"
+            f"{f' (pid {holder})' if holder else ''}; wait for it to end or pick another --out"
+        ) from None
     fh.seek(0)
     fh.truncate()
     fh.write(str(os.getpid()))
@@ -62,8 +67,16 @@ def prepare_out(opts, rank: int):
     lock = lock_out(opts.out)
     try:
         if taken and opts.overwrite and not opts.resume:
-            for name in ("report.json", "report.md", "metrics.csv", "metrics_fp32.csv", "checkpoints",
-                         "export", "plots", "tensorboard"):
+            for name in (
+                "report.json",
+                "report.md",
+                "metrics.csv",
+                "metrics_fp32.csv",
+                "checkpoints",
+                "export",
+                "plots",
+                "tensorboard",
+            ):
                 path = os.path.join(opts.out, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path)
@@ -90,16 +103,20 @@ class Progress:
             with open(self.path, encoding="utf-8") as fh:
                 saved = json.load(fh)
             if saved.get("fingerprint") != fingerprint:
-                raise JobError(f"--resume: the run in --out {out} was started with other options, data or "
-                               "configs; resume with the same command, or start again with --overwrite")
+                raise JobError(
+                    f"--resume: the run in --out {out} was started with other options, data or "
+                    "configs; resume with the same command, or start again with --overwrite"
+                )
             before = saved.get("world_size")
             if before is not None and before != world and "qat_train" not in saved.get("stages", {}):
                 # the same samples per step, but each rank's dropout stream and the gradient sums
                 # change: not the bit-identical continuation --resume otherwise gives
-                self.world_note = (f"resumed with {world} process(es); the interrupted run had {before}: the same "
-                                   "data order, but dropout and gradient sums differ from an uninterrupted run")
+                self.world_note = (
+                    f"resumed with {world} process(es); the interrupted run had {before}: the same "
+                    "data order, but dropout and gradient sums differ from an uninterrupted run"
+                )
             saved["world_size"] = world
-            if self.world_note:       # kept for the report, whatever later resumes use
+            if self.world_note:  # kept for the report, whatever later resumes use
                 saved["notes"] = saved.get("notes", []) + [self.world_note]
             self.data = saved
 

@@ -1,4 +1,5 @@
 """Which rank this process is, and the collective helpers the job needs around its phases."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     """The model's state_dict as whole CPU tensors; a sharded (FSDP2 DTensor) entry is gathered,
     collectively, so every rank must call this in the same order."""
     from torch.distributed.tensor import DTensor
+
     out = {}
     for k, v in model.state_dict().items():
         if isinstance(v, DTensor):

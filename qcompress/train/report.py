@@ -3,6 +3,7 @@
 Every file is written atomically or appended line by line with a flush, so an interrupted run
 never leaves a half-written report that looks finished.
 """
+
 from __future__ import annotations
 
 import csv
@@ -106,8 +107,7 @@ def stage_table(report: dict) -> str:
     """The metrics of every stage as a Markdown table (also what the CLI prints)."""
     metric = report["metric"]
     ref = report["stages"].get("fp32_finetuned") or {}
-    lines = [f"| stage | {metric} | vs FP32 fine-tuned | loss | time | what |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| stage | {metric} | vs FP32 fine-tuned | loss | time | what |", "|---|---|---|---|---|---|"]
     for name in STAGE_ORDER:
         if name not in report["stages"]:
             continue
@@ -121,8 +121,10 @@ def stage_table(report: dict) -> str:
             d = st[metric] - ref[metric]
             delta = f"{d * 100:+.2f} pts" if metric == "accuracy" else f"{d:+.3f}"
         secs = report["wall_time_s"].get(name)
-        lines.append(f"| {name} | {_fmt(st[metric])} | {delta} | {_fmt(st.get('loss'))} | "
-                     f"{'—' if secs is None else f'{secs:.1f} s'} | {STAGE_TEXT[name]} |")
+        lines.append(
+            f"| {name} | {_fmt(st[metric])} | {delta} | {_fmt(st.get('loss'))} | "
+            f"{'—' if secs is None else f'{secs:.1f} s'} | {STAGE_TEXT[name]} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,20 +137,34 @@ def _mesh(training: dict) -> str:
 def report_markdown(report: dict) -> str:
     sizes = report["sizes"]
     ratio = sizes.get("compression_ratio")
-    out = [f"# qcompress train: {report['task']} on {os.path.basename(report['model'].rstrip('/'))}", "",
-           f"- model: `{report['model']}` ({report['model_class']}, {report['parameters']:,} parameters)",
-           f"- data: {report['data']['summary']}",
-           f"- configs: {', '.join('`%s`' % c for c in report['configs']) or '(none)'}",
-           f"- training: {report['training']['steps']} optimizer steps of {report['training']['train_batch_size']} "
-           f"samples, world size {report['training']['world_size']}{_mesh(report['training'])}, "
-           f"precision {report['training']['precision']}",
-           "", "## Metrics", "", stage_table(report), "",
-           "## Size", "",
-           "| weights | bytes | size |", "|---|---|---|",
-           f"| FP32 | {sizes['fp32_bytes']:,} | {_size(sizes['fp32_bytes'])} |",
-           f"| export (safetensors) | {sizes.get('export_bytes') or 0:,} | {_size(sizes.get('export_bytes'))} |",
-           "", f"Compression ratio: {ratio:.2f}x" if ratio else "", "",
-           "## Final bits per group", "", "| group | bits | modules |", "|---|---|---|"]
+    out = [
+        f"# qcompress train: {report['task']} on {os.path.basename(report['model'].rstrip('/'))}",
+        "",
+        f"- model: `{report['model']}` ({report['model_class']}, {report['parameters']:,} parameters)",
+        f"- data: {report['data']['summary']}",
+        f"- configs: {', '.join('`%s`' % c for c in report['configs']) or '(none)'}",
+        f"- training: {report['training']['steps']} optimizer steps of {report['training']['train_batch_size']} "
+        f"samples, world size {report['training']['world_size']}{_mesh(report['training'])}, "
+        f"precision {report['training']['precision']}",
+        "",
+        "## Metrics",
+        "",
+        stage_table(report),
+        "",
+        "## Size",
+        "",
+        "| weights | bytes | size |",
+        "|---|---|---|",
+        f"| FP32 | {sizes['fp32_bytes']:,} | {_size(sizes['fp32_bytes'])} |",
+        f"| export (safetensors) | {sizes.get('export_bytes') or 0:,} | {_size(sizes.get('export_bytes'))} |",
+        "",
+        f"Compression ratio: {ratio:.2f}x" if ratio else "",
+        "",
+        "## Final bits per group",
+        "",
+        "| group | bits | modules |",
+        "|---|---|---|",
+    ]
     for name, g in report["final_bits"].items():
         out.append(f"| {name} | {g['bits']} | {g['modules']} |")
     out += ["", "## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
@@ -161,9 +177,11 @@ def report_markdown(report: dict) -> str:
 
 # --- plots -----------------------------------------------------------------------------------
 
+
 def _pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -216,9 +234,16 @@ def plot_bits(path: str, rows: List[Dict[str, str]]) -> bool:
     for i, c in enumerate(x for x in cols if x.startswith(("bits.", "act_bits."))):
         ys = _floats(rows, c)
         top = max([top] + [y for y in ys if y == y])
-        ax.step(steps, ys, where="post", label=c, linestyle="--" if c.startswith("act_") else "-",
-                linewidth=2.2 - 0.4 * (i % 3))      # equal lines stay visible on top of each other
+        ax.step(
+            steps,
+            ys,
+            where="post",
+            label=c,
+            linestyle="--" if c.startswith("act_") else "-",
+            linewidth=2.2 - 0.4 * (i % 3),
+        )  # equal lines stay visible on top of each other
     from matplotlib.ticker import MaxNLocator
+
     ax.set_ylim(0, top + 1)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

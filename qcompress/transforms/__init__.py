@@ -8,6 +8,7 @@ fuse.py (norm folding, R1 / R2 fused, R4's weight half), online.py (R4 in the fo
 learned.py (Cayley factors trained with the model). The config is config/rotation.py; export
 writes R4 as compressed-tensors' transform_config (export/rotations.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,8 +23,7 @@ from .families import PATH
 from .fuse import describe, record_of
 from .learned import bake as bake_learned, materialized
 
-__all__ = ["apply_rotations", "prepare_rotations", "describe", "record_of", "bake_learned", "materialized",
-           "Pending"]
+__all__ = ["apply_rotations", "prepare_rotations", "describe", "record_of", "bake_learned", "materialized", "Pending"]
 
 
 class Pending:
@@ -46,12 +46,20 @@ def prepare_rotations(model: nn.Module, cfg) -> Optional[Pending]:
     root = unwrap(model)
     done = record_of(root)
     if done is not None:
-        want = {"rotations": list(rot.rotations), "type": rot.type, "block_size": rot.block_size,
-                "learned": rot.learned, "seed": rot.seed}
+        want = {
+            "rotations": list(rot.rotations),
+            "type": rot.type,
+            "block_size": rot.block_size,
+            "learned": rot.learned,
+            "seed": rot.seed,
+        }
         have = {k: done[k] for k in want}
         if have != want:
-            raise ConfigError(PATH, f"the model was already rotated with {have}; the config asks for {want}. "
-                              "Rotate a freshly built model instead")
+            raise ConfigError(
+                PATH,
+                f"the model was already rotated with {have}; the config asks for {want}. "
+                "Rotate a freshly built model instead",
+            )
         return None
     return Pending(root, fuse.plan(root, rot))
 

@@ -11,6 +11,7 @@ The families are pre-norm decoders whose norms are RMSNorms scaling by their wei
 into the following layers the norm commutes with the rotation. A LayerNorm subtracts the mean,
 which a rotation does not keep (GPT-2, OPT, BERT are refused).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ PATH = "compression_training.rotation"
 class Family:
     """What differs between the families: extra per-head norms on q / k (Qwen3), attention sinks
     and biases (gpt-oss), transposed fused experts (gpt-oss stores each expert [in, out])."""
+
     qk_norm: bool = False
     sinks: bool = False
     experts_transposed: bool = False
@@ -49,7 +51,7 @@ REFUSED = {
     "gpt2": "its LayerNorms subtract the mean, which a rotation of the residual stream does not keep",
     "opt": "its LayerNorms subtract the mean, which a rotation of the residual stream does not keep",
     "bert": "it is post-norm (LayerNorm after each residual add): there is no norm in front of the "
-            "layers to fold, and LayerNorm subtracts the mean",
+    "layers to fold, and LayerNorm subtracts the mean",
     "gemma": "its RMSNorm scales by (1 + weight), a form the norm folding does not handle",
     "gemma2": "its RMSNorm scales by (1 + weight) and it has norms after the sublayers",
     "gemma3": "its RMSNorm scales by (1 + weight) and it has norms after the sublayers",
@@ -59,6 +61,7 @@ REFUSED = {
 @dataclass
 class Site:
     """One tensor and the axis of it that lives in a rotated space."""
+
     module: str
     param: str
     dim: int
@@ -73,14 +76,14 @@ class Layer:
     index: int
     attn_norm: str
     mlp_norm: str
-    attn_reads: List[Site]              # q, k, v weights (the norm's output)
-    attn_writes: List[Site]             # o_proj weight / bias
-    mlp_reads: List[Site]               # gate / up / router / experts' gate_up / shared expert
-    mlp_writes: List[Site]              # down projections, experts' down, their biases
-    values: List[Site]                  # R2, output side: v_proj weight rows, bias (per head)
-    head_inputs: List[Site]             # R2, input side: o_proj weight columns (per head)
+    attn_reads: List[Site]  # q, k, v weights (the norm's output)
+    attn_writes: List[Site]  # o_proj weight / bias
+    mlp_reads: List[Site]  # gate / up / router / experts' gate_up / shared expert
+    mlp_writes: List[Site]  # down projections, experts' down, their biases
+    values: List[Site]  # R2, output side: v_proj weight rows, bias (per head)
+    head_inputs: List[Site]  # R2, input side: o_proj weight columns (per head)
     head_dim: int
-    down: Optional[str] = None          # a dense down_proj Linear (R4)
+    down: Optional[str] = None  # a dense down_proj Linear (R4)
     down_experts: Optional[str] = None  # fused experts' down projection (R4 cannot run there)
 
 
@@ -90,9 +93,9 @@ class Layout:
     hidden: int
     embed: Site
     final_norm: str
-    heads: List[Site]                  # lm_head / score weight (reads the final norm)
+    heads: List[Site]  # lm_head / score weight (reads the final norm)
     layers: List[Layer]
-    tied: Optional[Tuple[str, str]] = None     # (head module, embedding module) sharing one weight
+    tied: Optional[Tuple[str, str]] = None  # (head module, embedding module) sharing one weight
     norms: List[str] = field(default_factory=list)
 
 
@@ -124,7 +127,7 @@ def check_norm(mod: nn.Module, name: str, width: int) -> None:
     if not isinstance(eps, (int, float)):
         _fail(name, f"{type(mod).__name__} names no epsilon (variance_epsilon / eps): not a known RMSNorm")
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, width, generator=g) + 0.5).to(w.device, w.dtype)   # a non-zero mean: LayerNorm shows
+    x = (torch.randn(3, width, generator=g) + 0.5).to(w.device, w.dtype)  # a non-zero mean: LayerNorm shows
     with torch.no_grad():
         y = mod(x).float()
         xf = x.float()
@@ -132,8 +135,11 @@ def check_norm(mod: nn.Module, name: str, width: int) -> None:
     # the families normalise in float32 whatever the weight's dtype
     tol = 1e-4 if w.dtype in (torch.float32, torch.float64) else 2e-2
     if not torch.allclose(y, want, rtol=tol, atol=tol):
-        _fail(name, f"{type(mod).__name__} does not compute weight * x / rms(x) (a LayerNorm subtracts the "
-                    "mean, a (1 + weight) norm adds one): no norm to fold")
+        _fail(
+            name,
+            f"{type(mod).__name__} does not compute weight * x / rms(x) (a LayerNorm subtracts the "
+            "mean, a (1 + weight) norm adds one): no norm to fold",
+        )
 
 
 def _base(root: nn.Module) -> Tuple[nn.Module, str]:
@@ -158,8 +164,11 @@ def resolve(model: nn.Module) -> Layout:
     if family in REFUSED:
         _fail(type(root).__name__, f"model family {family!r}: {REFUSED[family]}")
     if family not in FAMILIES:
-        _fail(type(root).__name__, f"model family {family!r} has an attention / norm layout the rotations do not "
-                                   f"know; known families: {sorted(FAMILIES)}")
+        _fail(
+            type(root).__name__,
+            f"model family {family!r} has an attention / norm layout the rotations do not "
+            f"know; known families: {sorted(FAMILIES)}",
+        )
     spec = FAMILIES[family]
     base, bp = _base(root)
     embed = getattr(base, "embed_tokens", None)
@@ -183,8 +192,11 @@ def resolve(model: nn.Module) -> Layout:
         if not params:
             continue
         if not isinstance(child, nn.Linear) or child.in_features != hidden:
-            _fail(name, f"{type(child).__name__} outside the decoder reads the hidden states in a way the "
-                        "rotations do not know (a head must be an nn.Linear of the hidden width)")
+            _fail(
+                name,
+                f"{type(child).__name__} outside the decoder reads the hidden states in a way the "
+                "rotations do not know (a head must be an nn.Linear of the hidden width)",
+            )
         if child.bias is not None:
             accounted.add(id(child.bias))
         heads.append(Site(name, "weight", -1))
@@ -193,11 +205,13 @@ def resolve(model: nn.Module) -> Layout:
             tied = (name, _join(bp, "embed_tokens"))
     for n, p in root.named_parameters(remove_duplicate=True):
         if id(p) not in accounted and not n.startswith("qc_rotations."):
-            _fail(n.rsplit(".", 1)[0], f"its parameter {n!r} is not in the {family} layout the rotations "
-                                       "know, so rotating around it would change the model")
+            _fail(
+                n.rsplit(".", 1)[0],
+                f"its parameter {n!r} is not in the {family} layout the rotations "
+                "know, so rotating around it would change the model",
+            )
     norms = [final_norm] + [n for lay in layers for n in (lay.attn_norm, lay.mlp_norm)]
-    return Layout(family, hidden, Site(_join(bp, "embed_tokens"), "weight", -1), final_norm, heads, layers,
-                  tied, norms)
+    return Layout(family, hidden, Site(_join(bp, "embed_tokens"), "weight", -1), final_norm, heads, layers, tied, norms)
 
 
 def _layer(layer, lp, i, hidden, spec: Family, accounted) -> Layer:
@@ -214,8 +228,11 @@ def _layer(layer, lp, i, hidden, spec: Family, accounted) -> Layer:
         _fail(f"{ap}.o_proj", f"it writes {o.out_features} outputs, not the residual width {hidden}")
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int) or v.out_features % head_dim or o.in_features % head_dim:
-        _fail(ap, f"head_dim {head_dim!r} does not split v_proj's {v.out_features} outputs and o_proj's "
-                  f"{o.in_features} inputs into heads: unknown attention layout")
+        _fail(
+            ap,
+            f"head_dim {head_dim!r} does not split v_proj's {v.out_features} outputs and o_proj's "
+            f"{o.in_features} inputs into heads: unknown attention layout",
+        )
     if (o.in_features // head_dim) % (v.out_features // head_dim):
         _fail(ap, "the query heads are not a whole multiple of the key / value heads")
     for mod in (q, k, v, o):
@@ -225,18 +242,32 @@ def _layer(layer, lp, i, hidden, spec: Family, accounted) -> Layer:
             m = getattr(attn, nn_name, None)
             if m is None:
                 _fail(f"{ap}.{nn_name}", "the family has per-head q / k norms, but this layer has none")
-            accounted.update(id(p) for p in m.parameters())      # act on q / k only: R1, R2 keep them
+            accounted.update(id(p) for p in m.parameters())  # act on q / k only: R1, R2 keep them
     if spec.sinks:
         s = getattr(attn, "sinks", None)
         if isinstance(s, nn.Parameter):
-            accounted.add(id(s))                  # one logit per head: no rotated axis
+            accounted.add(id(s))  # one logit per head: no rotated axis
     attn_reads = [Site(f"{ap}.{n}", "weight", -1) for n in ("q_proj", "k_proj", "v_proj")]
-    attn_writes = [Site(f"{ap}.o_proj", "weight", 0)] + ([Site(f"{ap}.o_proj", "bias", 0)] if o.bias is not None else [])
+    attn_writes = [Site(f"{ap}.o_proj", "weight", 0)] + (
+        [Site(f"{ap}.o_proj", "bias", 0)] if o.bias is not None else []
+    )
     values = [Site(f"{ap}.v_proj", "weight", 0)] + ([Site(f"{ap}.v_proj", "bias", 0)] if v.bias is not None else [])
     head_inputs = [Site(f"{ap}.o_proj", "weight", -1)]
     reads, writes, down, down_experts = _mlp(getattr(layer, "mlp", None), f"{lp}.mlp", hidden, spec, accounted)
-    return Layer(i, f"{lp}.input_layernorm", f"{lp}.post_attention_layernorm", attn_reads, attn_writes, reads,
-                 writes, values, head_inputs, head_dim, down, down_experts)
+    return Layer(
+        i,
+        f"{lp}.input_layernorm",
+        f"{lp}.post_attention_layernorm",
+        attn_reads,
+        attn_writes,
+        reads,
+        writes,
+        values,
+        head_inputs,
+        head_dim,
+        down,
+        down_experts,
+    )
 
 
 def _dense(mlp, mp, hidden, accounted):
@@ -247,7 +278,9 @@ def _dense(mlp, mp, hidden, accounted):
     for mod in (gate, up, down):
         accounted.update(id(p) for p in mod.parameters())
     reads = [Site(f"{mp}.gate_proj", "weight", -1), Site(f"{mp}.up_proj", "weight", -1)]
-    writes = [Site(f"{mp}.down_proj", "weight", 0)] + ([Site(f"{mp}.down_proj", "bias", 0)] if down.bias is not None else [])
+    writes = [Site(f"{mp}.down_proj", "weight", 0)] + (
+        [Site(f"{mp}.down_proj", "bias", 0)] if down.bias is not None else []
+    )
     return reads, writes
 
 
@@ -261,16 +294,22 @@ def _mlp(mlp, mp, hidden, spec: Family, accounted):
     gu = getattr(experts, "_parameters", {}).get("gate_up_proj")
     dn = getattr(experts, "_parameters", {}).get("down_proj")
     if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3:
-        _fail(mp, f"{type(mlp).__name__} is neither a gate / up / down MLP nor a block of fused experts "
-                  "(gate_up_proj, down_proj 3-D Parameters): unknown MLP layout")
+        _fail(
+            mp,
+            f"{type(mlp).__name__} is neither a gate / up / down MLP nor a block of fused experts "
+            "(gate_up_proj, down_proj 3-D Parameters): unknown MLP layout",
+        )
     ep = f"{mp}.experts"
-    if spec.experts_transposed:         # [E, in, out]
+    if spec.experts_transposed:  # [E, in, out]
         gu_dim, dn_dim = 1, 2
-    else:                               # [E, out, in], as nn.Linear stores each expert
+    else:  # [E, out, in], as nn.Linear stores each expert
         gu_dim, dn_dim = 2, 1
     if gu.shape[gu_dim] != hidden or dn.shape[dn_dim] != hidden:
-        _fail(ep, f"gate_up_proj {list(gu.shape)} / down_proj {list(dn.shape)} do not have the residual width "
-                  f"{hidden} where the {'transposed ' if spec.experts_transposed else ''}expert layout puts it")
+        _fail(
+            ep,
+            f"gate_up_proj {list(gu.shape)} / down_proj {list(dn.shape)} do not have the residual width "
+            f"{hidden} where the {'transposed ' if spec.experts_transposed else ''}expert layout puts it",
+        )
     reads = [Site(ep, "gate_up_proj", gu_dim)]
     writes = [Site(ep, "down_proj", dn_dim)]
     accounted.update((id(gu), id(dn)))
@@ -279,7 +318,7 @@ def _mlp(mlp, mp, hidden, spec: Family, accounted):
             continue
         if pname == "down_proj_bias" and p.dim() == 2 and p.shape[1] == hidden:
             writes.append(Site(ep, pname, 1))
-        elif pname != "gate_up_proj_bias":      # gate_up's bias lives in the expert's own width
+        elif pname != "gate_up_proj_bias":  # gate_up's bias lives in the expert's own width
             _fail(ep, f"its parameter {pname!r} is not in the experts layout the rotations know")
         accounted.add(id(p))
     router_name = next((n for n in ("gate", "router") if hasattr(mlp, n)), None)
@@ -288,7 +327,7 @@ def _mlp(mlp, mp, hidden, spec: Family, accounted):
     if rw is None or rw.dim() != 2 or rw.shape[1] != hidden:
         _fail(f"{mp}.{router_name or 'gate'}", "no router with a [experts, hidden] weight: unknown MoE layout")
     reads.append(Site(f"{mp}.{router_name}", "weight", 1))
-    accounted.update(id(p) for p in router.parameters())        # a router bias is per expert: unrotated
+    accounted.update(id(p) for p in router.parameters())  # a router bias is per expert: unrotated
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         s_reads, s_writes = _dense(shared, f"{mp}.shared_expert", hidden, accounted)

@@ -13,6 +13,7 @@ R4: down_proj's input columns W T; T runs online on its input (transforms/online
 
 All products are computed in float64 and written once into each tensor in its own dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,15 +27,15 @@ from . import learned, online
 from .families import PATH, Layout, Site, resolve
 from .hadamard import block_for, rotate_dim, unnormalized_block
 
-RECORD = "_qc_rotation"          # root.__dict__: what was rotated (a plain dict)
-_STREAMS = {"R1": 0, "R2": 1, "R4": 2}   # each rotation draws its signs from its own seed
+RECORD = "_qc_rotation"  # root.__dict__: what was rotated (a plain dict)
+_STREAMS = {"R1": 0, "R2": 1, "R4": 2}  # each rotation draws its signs from its own seed
 
 
 @dataclass
 class Op:
     dim: int
-    rotation: str                   # R1 | R2 | R4
-    norm: Optional[str] = None      # the norm whose weight is folded into this axis first
+    rotation: str  # R1 | R2 | R4
+    norm: Optional[str] = None  # the norm whose weight is folded into this axis first
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Edit:
     module: str
     param: str
     ops: List[Op] = field(default_factory=list)
-    layer: Optional[int] = None     # R2's learned factor is per layer
+    layer: Optional[int] = None  # R2's learned factor is per layer
 
 
 @dataclass
@@ -59,14 +60,22 @@ class Plan:
     head_dims: List[int]
 
     def settings(self) -> dict:
-        return {"rotations": list(self.rotations), "type": self.kind, "block_size": self.block_size,
-                "learned": self.learned, "seed": self.seed}
+        return {
+            "rotations": list(self.rotations),
+            "type": self.kind,
+            "block_size": self.block_size,
+            "learned": self.learned,
+            "seed": self.seed,
+        }
 
 
 def _block_error(module: str, what: str, width: int, block_size: int):
-    raise ConfigError(f"{PATH}.block_size", f"{block_size} does not divide {what} of module {module!r} "
-                      f"({width}); choose a power of two that divides it, or leave block_size unset "
-                      "(the largest power of two that divides each width)")
+    raise ConfigError(
+        f"{PATH}.block_size",
+        f"{block_size} does not divide {what} of module {module!r} "
+        f"({width}); choose a power of two that divides it, or leave block_size unset "
+        "(the largest power of two that divides each width)",
+    )
 
 
 def plan(root: nn.Module, rot) -> Plan:
@@ -90,25 +99,30 @@ def plan(root: nn.Module, rot) -> Plan:
                 _block_error(lay.values[0].module, "the head dim", lay.head_dim, bs)
             found.append(b)
         if len(set(head_dims)) > 1:
-            raise ConfigError(f"{PATH}.rotations", f"R2: the layers' head dims differ ({sorted(set(head_dims))}); "
-                              "R2 needs one head dim")
+            raise ConfigError(
+                f"{PATH}.rotations",
+                f"R2: the layers' head dims differ ({sorted(set(head_dims))}); R2 needs one head dim",
+            )
         blocks["R2"] = min(found)
     on = []
     if "R4" in names:
         found = []
         for lay in layout.layers:
             if lay.down is None:
-                raise ConfigError(f"{PATH}.rotations", f"R4 cannot rotate module {lay.down_experts!r}: it runs "
-                                  "online on a Linear's input, and this layer's down projections are fused "
-                                  "experts (3-D Parameters), which compressed-tensors and vLLM give no online "
-                                  "transforms; drop R4 for this model (R1 and R2 work)")
+                raise ConfigError(
+                    f"{PATH}.rotations",
+                    f"R4 cannot rotate module {lay.down_experts!r}: it runs "
+                    "online on a Linear's input, and this layer's down projections are fused "
+                    "experts (3-D Parameters), which compressed-tensors and vLLM give no online "
+                    "transforms; drop R4 for this model (R1 and R2 work)",
+                )
             width = modules[lay.down].in_features
             b = block_for(width, bs)
             if b is None:
                 _block_error(lay.down, "the input width", width, bs)
             found.append(b)
             on.append(lay.down)
-        blocks["R4"] = min(found)       # one transform weight for every down_proj (one scheme)
+        blocks["R4"] = min(found)  # one transform weight for every down_proj (one scheme)
     edits: Dict[str, Edit] = {}
 
     def add(site: Site, op: Op, layer: Optional[int] = None):
@@ -116,6 +130,7 @@ def plan(root: nn.Module, rot) -> Plan:
         e.ops.append(op)
         if layer is not None:
             e.layer = layer
+
     if "R1" in names:
         add(layout.embed, Op(layout.embed.dim, "R1"))
         for lay in layout.layers:
@@ -153,7 +168,7 @@ class Applied:
     def __init__(self, root):
         self.root = root
         self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.untied = None          # (head name, its shared Parameter, the tie flag, transformers' tie entry)
+        self.untied = None  # (head name, its shared Parameter, the tie flag, transformers' tie entry)
         self.online: List[nn.Module] = []
 
     @torch.no_grad()
@@ -194,7 +209,7 @@ def _untie(root: nn.Module, head_name: str, applied: Applied) -> None:
     flag = bool(getattr(getattr(root, "config", None), "tie_word_embeddings", True))
     head._parameters["weight"] = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
     _set_tie_flag(root, False)
-    tied_keys = getattr(root, "all_tied_weights_keys", None)   # transformers' record of the tie
+    tied_keys = getattr(root, "all_tied_weights_keys", None)  # transformers' record of the tie
     entry = tied_keys.pop(f"{head_name}.weight", None) if isinstance(tied_keys, dict) else None
     applied.untied = (head_name, shared, flag, entry)
 
@@ -216,11 +231,13 @@ def execute(root: nn.Module, p: Plan) -> Applied:
         device = modules[lay.embed.module].weight.device
         raw = blocks_of(p, device)
         normal = {k: v / torch.tensor(float(v.shape[0]), dtype=torch.float64).sqrt() for k, v in raw.items()}
-        norms = {n: modules[n].weight.detach().to(torch.float64).clone() for n in lay.norms} if "R1" in p.rotations else {}
+        norms = (
+            {n: modules[n].weight.detach().to(torch.float64).clone() for n in lay.norms} if "R1" in p.rotations else {}
+        )
         done = set()
         for key, e in p.edits.items():
             param = modules[e.module]._parameters[e.param]
-            if id(param) in done:     # a head still tied to the embedding: rotated once, as E Q
+            if id(param) in done:  # a head still tied to the embedding: rotated once, as E Q
                 continue
             done.add(id(param))
             t = param.detach().to(torch.float64)
@@ -270,12 +287,17 @@ def _wire_learned(root: nn.Module, p: Plan) -> None:
 
 def _record(p: Plan, untied: Optional[str]) -> dict:
     lay = p.layout
-    return {**p.settings(), "family": lay.family, "blocks": dict(p.blocks),
-            "fused_tensors": sum(1 for e in p.edits.values() if any(o.rotation != "R4" for o in e.ops)),
-            "folded_norms": len(lay.norms) if "R1" in p.rotations else 0,
-            "layers": len(lay.layers), "online": list(p.online),
-            "untied": None if untied is None else {"head": untied, "embedding": lay.tied[1]},
-            "tied_kept": lay.tied is not None and untied is None and "R1" in p.rotations}
+    return {
+        **p.settings(),
+        "family": lay.family,
+        "blocks": dict(p.blocks),
+        "fused_tensors": sum(1 for e in p.edits.values() if any(o.rotation != "R4" for o in e.ops)),
+        "folded_norms": len(lay.norms) if "R1" in p.rotations else 0,
+        "layers": len(lay.layers),
+        "online": list(p.online),
+        "untied": None if untied is None else {"head": untied, "embedding": lay.tied[1]},
+        "tied_kept": lay.tied is not None and untied is None and "R1" in p.rotations,
+    }
 
 
 def record_of(root: nn.Module) -> Optional[dict]:
@@ -289,8 +311,10 @@ def describe(rec: Optional[dict]) -> str:
     parts = []
     b = rec["blocks"]
     if "R1" in b:
-        parts.append(f"R1 (residual stream, block {b['R1']}) fused into {rec['fused_tensors']} tensors after "
-                     f"folding {rec['folded_norms']} norms")
+        parts.append(
+            f"R1 (residual stream, block {b['R1']}) fused into {rec['fused_tensors']} tensors after "
+            f"folding {rec['folded_norms']} norms"
+        )
     if "R2" in b:
         parts.append(f"R2 (per head, block {b['R2']}) fused into v_proj / o_proj of {rec['layers']} layers")
     if "R4" in b:
@@ -298,8 +322,7 @@ def describe(rec: Optional[dict]) -> str:
     head = ""
     if rec.get("untied"):
         u = rec["untied"]
-        head = (f"; {u['head']} untied from {u['embedding']} (the final norm's weight, folded into it, "
-                "differs from one)")
+        head = f"; {u['head']} untied from {u['embedding']} (the final norm's weight, folded into it, differs from one)"
     elif rec.get("tied_kept"):
         head = "; the tied embedding / head stay tied (the final norm's weight is one)"
     how = f"{rec['type']}{', learned (Cayley)' if rec['learned'] else ''}"

@@ -6,6 +6,7 @@ orthogonal. `random-hadamard` multiplies its rows by random signs, which keeps i
 compressed-tensors stores such blocks unnormalized (its `head_dim` is the block size) and divides
 by sqrt(b) when it applies them; so do we (transforms/online.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -18,6 +18,7 @@ quantizes is rotated on its activations instead (the same function, without mult
 vocabulary-sized matrix at every step). `materialized()` gives export the rotated tensors;
 `bake()` writes them into the Parameters for good (redundancy_clean).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,8 @@ from .hadamard import rotate_dim
 from .online import online_rotations
 
 ROOT_CHILD = "qc_rotations"
-_SITES = "_qc_rot_sites"        # module.__dict__: {param name: [(dim, Cayley)]}
-_SAVED = "_qc_rot_saved"        # module.__dict__: the Parameters swapped out for this call
+_SITES = "_qc_rot_sites"  # module.__dict__: {param name: [(dim, Cayley)]}
+_SAVED = "_qc_rot_saved"  # module.__dict__: the Parameters swapped out for this call
 
 
 class Cayley(nn.Module):
@@ -93,8 +94,12 @@ def _on_weights(module: nn.Module) -> bool:
 
 def _activation_side(module: nn.Module) -> bool:
     sites = module.__dict__.get(_SITES) or {}
-    return (isinstance(module, (nn.Embedding, nn.Linear)) and list(sites) == ["weight"]
-            and len(sites["weight"]) == 1 and not _on_weights(module))
+    return (
+        isinstance(module, (nn.Embedding, nn.Linear))
+        and list(sites) == ["weight"]
+        and len(sites["weight"]) == 1
+        and not _on_weights(module)
+    )
 
 
 def _rotated(module: nn.Module, pname: str, t: torch.Tensor) -> torch.Tensor:
@@ -105,8 +110,8 @@ def _rotated(module: nn.Module, pname: str, t: torch.Tensor) -> torch.Tensor:
 
 def _pre(module: nn.Module, args):
     if _activation_side(module):
-        if isinstance(module, nn.Linear) and args:       # x (W C)^T = (x C^T) W^T
-            (dim, cay), = module.__dict__[_SITES]["weight"]
+        if isinstance(module, nn.Linear) and args:  # x (W C)^T = (x C^T) W^T
+            ((dim, cay),) = module.__dict__[_SITES]["weight"]
             return (args[0] @ cay.matrix().to(args[0].dtype).t(),) + tuple(args[1:])
         return None
     saved = {}
@@ -125,13 +130,17 @@ def _post(module: nn.Module, args, output):
             module._parameters[pname] = p
         return None
     if _activation_side(module) and isinstance(module, nn.Embedding) and isinstance(output, torch.Tensor):
-        (dim, cay), = module.__dict__[_SITES]["weight"]
+        ((dim, cay),) = module.__dict__[_SITES]["weight"]
         return output @ cay.matrix().to(output.dtype)
     return None
 
 
-def wire(root: nn.Module, sites: Dict[str, List[Tuple[str, int, str]]], factors: LearnedRotations,
-         online: Dict[str, nn.Module]) -> None:
+def wire(
+    root: nn.Module,
+    sites: Dict[str, List[Tuple[str, int, str]]],
+    factors: LearnedRotations,
+    online: Dict[str, nn.Module],
+) -> None:
     """Attach the learned factors: `sites` maps a module name to (param, dim, factor key) with
     factor keys 'R1', 'R2.<layer>', 'R4'; `online` maps down_proj names to their OnlineRotation."""
     root.add_module(ROOT_CHILD, factors)
@@ -146,7 +155,7 @@ def wire(root: nn.Module, sites: Dict[str, List[Tuple[str, int, str]]], factors:
         mod.register_forward_hook(_post, always_call=True)
     for rot in online.values():
         rot.__dict__["_qc_cayley"] = factors.get_submodule("R4")
-        rot.kind = "random-hadamard"        # a dense orthogonal block once trained (see export)
+        rot.kind = "random-hadamard"  # a dense orthogonal block once trained (see export)
     root.register_forward_pre_hook(_new_forward)
 
 
@@ -207,7 +216,7 @@ def materialized(root: nn.Module):
             rot._buffers["weight"] = rot.block().detach()
         hidden = root._modules.pop(ROOT_CHILD)
         cayleys = {}
-        for _, rot in online_rotations(root):       # block() must not apply C a second time
+        for _, rot in online_rotations(root):  # block() must not apply C a second time
             cayleys[id(rot)] = (rot, rot.__dict__.pop("_qc_cayley", None))
     try:
         yield

@@ -8,6 +8,7 @@ scheme's float32 precision, divided by sqrt(b), cast back to the input's dtype),
 by compressed-tensors computes what load_quantized computes. The Linear's weight holds W @ T (its
 input columns rotated the same way), so the layer's output does not change.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,7 +28,7 @@ class OnlineRotation(nn.Module):
     def __init__(self, weight: torch.Tensor, kind: str = "hadamard"):
         super().__init__()
         self.register_buffer("weight", weight.to(torch.float32).contiguous())
-        self.kind = kind                       # exported scheme type (learned: random-hadamard)
+        self.kind = kind  # exported scheme type (learned: random-hadamard)
 
     def block(self) -> torch.Tensor:
         """The unnormalized block in use now (what export writes), in float32 (compressed-tensors'

@@ -5,6 +5,7 @@ loads wrong weights, runs a module unquantized or generates other tokens (each p
 module and the reason); 2 bad input (not an export, a truncated shard, a config that contradicts
 the tensors): one line naming the file and tensor. Nothing is written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,16 @@ import sys
 
 def parser(p=None):
     p = p or argparse.ArgumentParser(prog="qcompress verify")
-    p.description = ("For every quantized module of an export: the scheme each consumer uses and whether "
-                     "the export loads and generates there.")
+    p.description = (
+        "For every quantized module of an export: the scheme each consumer uses and whether "
+        "the export loads and generates there."
+    )
     p.add_argument("path", help="export folder")
-    p.add_argument("--vllm", action="store_true",
-                   help="also resolve, load and (where this machine has the kernels) run it with vLLM's own classes")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also resolve, load and (where this machine has the kernels) run it with vLLM's own classes",
+    )
     p.add_argument("--transformers", action="store_true", help="also load it with transformers' from_pretrained")
     p.add_argument("--vllm-dtype", default=None, help="dtype vLLM serves in (default: bfloat16 for int formats)")
     p.add_argument("--no-load", action="store_true", help="skip loading with load_quantized (tensors are still read)")
@@ -29,10 +35,10 @@ def parser(p=None):
 def main_verify(argv=None) -> int:
     from ..export.errors import CheckpointError
     from . import verify
+
     a = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        report = verify(a.path, vllm=a.vllm, transformers=a.transformers, load=not a.no_load,
-                        vllm_dtype=a.vllm_dtype)
+        report = verify(a.path, vllm=a.vllm, transformers=a.transformers, load=not a.no_load, vllm_dtype=a.vllm_dtype)
     except CheckpointError as err:
         print(f"qcompress verify: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ weight is known by to compressed-tensors' loaders (a Linear's module name; an ex
 per-expert names, `...experts.{e}.gate_proj`). Reading it runs load_quantized's own checks, so a
 folder that is not an export, a truncated shard or a config that contradicts the tensors is a
 CheckpointError naming the file and tensor (the CLI prints it on one line and exits 2)."""
+
 from __future__ import annotations
 
 import re
@@ -47,24 +48,31 @@ def read_export(folder: str) -> Export:
 def _check_expert_tensors(experts, tensors, cfg_path) -> None:
     """Every stored entry an experts record names must be there (load_quantized would stop at it)."""
     from ..export.experts import streamed_name, tensor_name
+
     for name, rec in experts.items():
         if rec.get("weights") is None:
             continue
-        codes = "weight_packed" if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized",
-                                                          "mxfp4-pack-quantized") else "weight"
+        codes = (
+            "weight_packed"
+            if rec.get("format") in ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+            else "weight"
+        )
         if rec.get("streamed"):
-            keys = [streamed_name(rec["streamed"], e, s) for e in range(rec["shape"][0])
-                    for s in (codes, "weight_scale")]
+            keys = [
+                streamed_name(rec["streamed"], e, s) for e in range(rec["shape"][0]) for s in (codes, "weight_scale")
+            ]
         else:
             saved = [rec["fused"]] if rec.get("fused") is not None else [p[0] for p in rec.get("pieces") or ()]
             keys = [tensor_name(s, suffix) for s in saved for suffix in (codes, "weight_scale")]
         for key in keys:
             if key not in tensors:
-                raise CheckpointError(f"{cfg_path}: experts {name!r} needs tensor {key!r}, which no "
-                                      "checkpoint file holds")
+                raise CheckpointError(
+                    f"{cfg_path}: experts {name!r} needs tensor {key!r}, which no checkpoint file holds"
+                )
 
 
 # --- compressed-tensors' matching of a name against targets / ignore ---------------------------
+
 
 def matches(pattern, name: str, kind: str) -> bool:
     """A `targets` / `ignore` entry against a module name: `re:` patterns with re.match, plain
@@ -80,8 +88,11 @@ def declared(qc: dict, name: str, kind: str) -> Tuple[str, Optional[str]]:
     """("ignored" | "group" | "undeclared" | "ambiguous", the config group's name)."""
     if any(matches(p, name, kind) for p in qc.get("ignore") or ()):
         return "ignored", None
-    hits = [g for g, s in (qc.get("config_groups") or {}).items()
-            if isinstance(s, dict) and any(matches(t, name, kind) for t in s.get("targets") or ())]
+    hits = [
+        g
+        for g, s in (qc.get("config_groups") or {}).items()
+        if isinstance(s, dict) and any(matches(t, name, kind) for t in s.get("targets") or ())
+    ]
     if not hits:
         return "undeclared", None
     return ("group", hits[0]) if len(hits) == 1 else ("ambiguous", ", ".join(hits))

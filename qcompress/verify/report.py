@@ -1,6 +1,7 @@
 """What `qcompress verify` found: one row per quantized module, one result per consumer, and the
 problems that make it exit 1 (a consumer asked about refuses a module, loads wrong weights or runs
 it unquantized without saying so)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ CONSUMERS = ("load_quantized", "transformers", "vllm")
 @dataclass
 class ConsumerResult:
     """Whether the export loads / generates in one consumer (None: not checked)."""
+
     loads: Optional[bool] = None
     generates: Optional[bool] = None
     detail: str = ""
@@ -20,11 +22,12 @@ class ConsumerResult:
 @dataclass
 class ModuleRow:
     """One quantized module (an expert matrix counts once, under its per-expert names' pattern)."""
+
     name: str
     kind: str
-    scheme: str                                   # what the tensors hold (load_quantized reads this)
-    declared: str                                 # compressed-tensors' scheme from config.json
-    consumers: Dict[str, str] = field(default_factory=dict)   # consumer -> what it uses / why not
+    scheme: str  # what the tensors hold (load_quantized reads this)
+    declared: str  # compressed-tensors' scheme from config.json
+    consumers: Dict[str, str] = field(default_factory=dict)  # consumer -> what it uses / why not
 
 
 @dataclass
@@ -58,21 +61,31 @@ class Report:
         return 1 if self.problems else 0
 
     def to_dict(self) -> dict:
-        return {"folder": self.folder, "exit_code": self.exit_code,
-                "modules": {n: {"kind": r.kind, "scheme": r.scheme, "declared": r.declared,
-                                "consumers": dict(r.consumers)} for n, r in self.rows.items()},
-                "consumers": {c: {"loads": r.loads, "generates": r.generates, "detail": r.detail}
-                              for c, r in self.consumers.items()},
-                "problems": [p.line() for p in self.problems], "notes": list(self.notes)}
+        return {
+            "folder": self.folder,
+            "exit_code": self.exit_code,
+            "modules": {
+                n: {"kind": r.kind, "scheme": r.scheme, "declared": r.declared, "consumers": dict(r.consumers)}
+                for n, r in self.rows.items()
+            },
+            "consumers": {
+                c: {"loads": r.loads, "generates": r.generates, "detail": r.detail} for c, r in self.consumers.items()
+            },
+            "problems": [p.line() for p in self.problems],
+            "notes": list(self.notes),
+        }
 
     def format(self, max_rows: int = 200) -> str:
         cons = [c for c in CONSUMERS if c in self.consumers]
-        head = ["module", "kind", "tensors (load_quantized)", "config.json (compressed-tensors)"] + \
-            [c for c in cons if c != "load_quantized"]
+        head = ["module", "kind", "tensors (load_quantized)", "config.json (compressed-tensors)"] + [
+            c for c in cons if c != "load_quantized"
+        ]
         rows = [head]
         for r in list(self.rows.values())[:max_rows]:
-            rows.append([r.name, r.kind, r.scheme, r.declared] +
-                        [r.consumers.get(c, "-") for c in cons if c != "load_quantized"])
+            rows.append(
+                [r.name, r.kind, r.scheme, r.declared]
+                + [r.consumers.get(c, "-") for c in cons if c != "load_quantized"]
+            )
         widths = [min(60, max(len(x[i]) for x in rows)) for i in range(len(head))]
         lines = [f"qcompress verify {self.folder}"]
         for i, r in enumerate(rows):
@@ -84,9 +97,10 @@ class Report:
         lines.append("")
         for c in cons:
             r = self.consumers[c]
-            state = lambda v: "not checked" if v is None else ("yes" if v else "NO")   # noqa: E731
-            lines.append(f"{c}: loads {state(r.loads)}, generates {state(r.generates)}"
-                         + (f" ({r.detail})" if r.detail else ""))
+            state = lambda v: "not checked" if v is None else ("yes" if v else "NO")  # noqa: E731
+            lines.append(
+                f"{c}: loads {state(r.loads)}, generates {state(r.generates)}" + (f" ({r.detail})" if r.detail else "")
+            )
         for n in self.notes:
             lines.append(f"note: {n}")
         for p in self.problems:

@@ -14,22 +14,32 @@ not checked, never a failure, so an export of a newer writer still verifies. To 
 Checks registered for consumer "vllm" run only under `qcompress verify --vllm`, with vLLM
 importable; they get `vllm_config` (vLLM's CompressedTensorsConfig) as a fourth argument.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
 
 # keys of quantization_config that verify's module checks cover (or that carry no tensors)
-CORE_KEYS = ("quant_method", "format", "quantization_status", "config_groups", "ignore",
-             "global_compression_ratio", "version")
+CORE_KEYS = (
+    "quant_method",
+    "format",
+    "quantization_status",
+    "config_groups",
+    "ignore",
+    "global_compression_ratio",
+    "version",
+)
 
 SECTION_CHECKS: Dict[Tuple[str, str], Callable] = {}
 
 
 def section_check(key: str, consumer: str = "offline"):
     """Register `fn(export, report, value[, vllm_config])` as the check of quantization_config[key]."""
+
     def register(fn):
         SECTION_CHECKS[(key, consumer)] = fn
         return fn
+
     return register
 
 
@@ -45,12 +55,17 @@ def run_sections(export, report, consumer: str = "offline", *extra) -> None:
         if fn is not None:
             fn(export, report, value, *extra)
         elif consumer == "offline" and not any(k == key for k, _ in SECTION_CHECKS):
-            report.notes.append(f"quantization_config.{key} is present; qcompress verify has no check "
-                                "for it (its tensors and what consumers do with it are not verified)")
+            report.notes.append(
+                f"quantization_config.{key} is present; qcompress verify has no check "
+                "for it (its tensors and what consumers do with it are not verified)"
+            )
 
 
 @section_check("sparsity_config")
 def _sparsity(export, report, value) -> None:
     """qcompress never writes sparse layouts; vLLM has dropped them (it refuses such configs)."""
-    report.problem("vllm", "quantization_config.sparsity_config",
-                   "a non-empty sparsity_config: vLLM no longer loads compressed-tensors sparsity")
+    report.problem(
+        "vllm",
+        "quantization_config.sparsity_config",
+        "a non-empty sparsity_config: vLLM no longer loads compressed-tensors sparsity",
+    )

@@ -9,6 +9,7 @@ unnormalized as `{module}.R4_input.weight`. What each consumer does with it:
 - vLLM applies online input transforms of Linear layers (hadamard through its Hadamard kernel, any
   other type as a dense product), with tensor parallelism 1 only.
 """
+
 from __future__ import annotations
 
 from .report import Report
@@ -24,12 +25,16 @@ def check_transform_config(export, report: Report, value) -> None:
     export, and every target's block is stored with a square shape that divides its input width."""
     try:
         from compressed_tensors.transform import TransformConfig
+
         TransformConfig.model_validate(value)
     except ImportError:
         report.notes.append("compressed-tensors is not importable: transform_config checked by qcompress only")
-    except Exception as err:     # noqa: BLE001 -- a pydantic error names the field
-        report.problem("config.json", "quantization_config.transform_config",
-                       f"compressed-tensors cannot read it: {str(err).splitlines()[0][:200]}")
+    except Exception as err:  # noqa: BLE001 -- a pydantic error names the field
+        report.problem(
+            "config.json",
+            "quantization_config.transform_config",
+            f"compressed-tensors cannot read it: {str(err).splitlines()[0][:200]}",
+        )
         return
     for scheme_name, scheme in (value.get("config_groups") or {}).items():
         for entry in scheme.get("apply", []):
@@ -38,8 +43,11 @@ def check_transform_config(export, report: Report, value) -> None:
                 key = f"{target}.{scheme_name}_{location}.weight"
                 row = report.rows.get(target)
                 if row is None:
-                    report.problem("config.json", target, f"transform_config {scheme_name!r} targets a module the "
-                                                          "export does not quantize or hold")
+                    report.problem(
+                        "config.json",
+                        target,
+                        f"transform_config {scheme_name!r} targets a module the export does not quantize or hold",
+                    )
                     continue
                 block = export.tensors.get(key)
                 if block is None:
@@ -51,7 +59,12 @@ def check_transform_config(export, report: Report, value) -> None:
                     continue
                 row.scheme += f" + {scheme_name} {location} ({scheme.get('type')})"
                 row.consumers["transformers"] = TRANSFORMERS_USE
-                row.consumers["vllm"] = VLLM_USE if location in ("input", "output") else \
-                    f"refuses {location} transforms (online input / output only)"
+                row.consumers["vllm"] = (
+                    VLLM_USE
+                    if location in ("input", "output")
+                    else f"refuses {location} transforms (online input / output only)"
+                )
                 if location not in ("input", "output"):
-                    report.problem("vllm", target, f"vLLM applies only online input / output transforms, not {location}")
+                    report.problem(
+                        "vllm", target, f"vLLM applies only online input / output transforms, not {location}"
+                    )

@@ -6,6 +6,7 @@ one, when a checkpoint tensor never reaches a parameter (dropped by the loader) 
 no tensor. Where vLLM has kernels for every layer on this machine, it also generates, and its
 greedy tokens and top-5 log-probabilities are compared with load_quantized's.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ def default_dtype(export: Export) -> str:
     recs = list(export.modules.values()) + list(export.experts.values())
     formats = {r.get("format") for r in recs}
     blocks = any((r.get("weights") or {}).get("strategy") == "block" for r in recs)
-    return ("bfloat16" if formats & {"int-quantized", "pack-quantized"} or blocks
-            else str(export.config.get("dtype") or "float32"))
+    return (
+        "bfloat16"
+        if formats & {"int-quantized", "pack-quantized"} or blocks
+        else str(export.config.get("dtype") or "float32")
+    )
 
 
 def has_quantized_experts(export: Export) -> bool:
@@ -47,6 +51,7 @@ def expert_check(export: Export, dtype: str, params) -> dict:
     import tempfile as _tf
     from safetensors.torch import load_file
     from .vllm_experts import compare_expert_weights
+
     with _tf.TemporaryDirectory(prefix="qc-vllm-dump-") as tmp:
         dump = os.path.join(tmp, "experts.safetensors")
         loaded = run_worker(["load", export.folder, "--dtype", dtype, "--dump", dump])
@@ -62,14 +67,15 @@ def load_error_line(export: Export, loaded: dict):
     MoE method, is a limitation of vLLM's loader for that method."""
     tensor = loaded["load_error"]["tensor"] or "(model)"
     error = loaded["load_error"]["error"][:240]
-    owner = next((p for p, r in export.experts.items() if r.get("weights") is not None
-                  and _owns(p, r, tensor)), None)
+    owner = next((p for p, r in export.experts.items() if r.get("weights") is not None and _owns(p, r, tensor)), None)
     if owner is None:
         return tensor, f"vLLM's load_weights stops at this checkpoint tensor: {error}"
     layer = _vllm_layer(loaded["layers"], owner.rsplit(".", 1)[0] + ".0.x") or owner
     method = loaded["layers"].get(layer, "?")
-    return owner, (f"vLLM limitation: its {method} for {layer} stops on the expert tensors its own gpt-oss / MoE "
-                   f"name mapping asks for ({tensor}): {error}")
+    return owner, (
+        f"vLLM limitation: its {method} for {layer} stops on the expert tensors its own gpt-oss / MoE "
+        f"name mapping asks for ({tensor}): {error}"
+    )
 
 
 def _owns(pname: str, rec: dict, tensor: str) -> bool:
@@ -93,8 +99,14 @@ def run_worker(args, timeout: int = 900) -> dict:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.run([sys.executable, "-m", "qcompress.verify.vllm_worker", *args, "--out", out, *extra],
-                              capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+        proc = subprocess.run(
+            [sys.executable, "-m", "qcompress.verify.vllm_worker", *args, "--out", out, *extra],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=tmp,
+        )
         if not os.path.exists(out):
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
             return {"error": f"the vLLM worker exited with status {proc.returncode}: {' | '.join(tail)}"}
@@ -106,6 +118,7 @@ def _vllm_layer(layers: dict, name: str) -> Optional[str]:
     """vLLM's layer for an HF module name: itself, its fused qkv / gate_up layer, gpt-oss' `attn`,
     or the experts layer of `...experts.{e}.proj`."""
     import re
+
     cands = [name, re.sub(r"\.(q|k|v)_proj$", ".qkv_proj", name), re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", name)]
     cands += [c.replace(".self_attn.", ".attn.") for c in cands]
     m = re.match(r"^(.*\.experts)\.(?:\*|\d+)\.[^.]+$", name)
@@ -114,8 +127,16 @@ def _vllm_layer(layers: dict, name: str) -> Optional[str]:
     return next((c for c in cands if c in layers), None)
 
 
-def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prompts=None, steps: int = 6,
-               reference=None, tol: float = 1e-2, model=None) -> dict:
+def check_vllm(
+    export: Export,
+    report: Report,
+    dtype: Optional[str] = None,
+    prompts=None,
+    steps: int = 6,
+    reference=None,
+    tol: float = 1e-2,
+    model=None,
+) -> dict:
     """Resolve and load with vLLM; compare its loaded expert weights with `model`'s (load_quantized's)
     where the export has quantized experts; generate where it has the kernels. Returns the raw results."""
     res = report.consumers.setdefault("vllm", ConsumerResult())
@@ -123,8 +144,12 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
         import vllm  # noqa: F401
     except ImportError as err:
         res.detail = f"vLLM is not importable here ({err})"
-        report.problem("vllm", "(export)", f"--vllm asked, but vLLM is not importable ({err}); run verify in "
-                                           "vLLM's environment (make serve-check builds one)")
+        report.problem(
+            "vllm",
+            "(export)",
+            f"--vllm asked, but vLLM is not importable ({err}); run verify in "
+            "vLLM's environment (make serve-check builds one)",
+        )
         return {}
     dtype = dtype or default_dtype(export)
     experts = []
@@ -153,8 +178,9 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
         if used in UNQUANTIZED and state == "group":
             report.problem("vllm", label, f"declared {row.declared}, but vLLM builds it with {used}")
         elif used in UNQUANTIZED and row.scheme.split(" / ")[0] != "W16":
-            report.problem("vllm", label, f"quantized ({row.scheme}) but vLLM builds it with {used} "
-                                          f"(config.json: {row.declared})")
+            report.problem(
+                "vllm", label, f"quantized ({row.scheme}) but vLLM builds it with {used} (config.json: {row.declared})"
+            )
     for k in loaded["dropped"]:
         report.problem("vllm", k, "checkpoint tensor dropped by vLLM's weight loader (it reaches no parameter)")
     for p in loaded["unloaded"]:
@@ -163,18 +189,25 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
         report.problem("vllm", module, why)
     res.loads = not loaded["dropped"] and not loaded["unloaded"] and not experts
     if not res.loads:
-        res.detail = ("vLLM's loader drops checkpoint tensors, leaves parameters unfilled or fills expert "
-                      "weights other than the export holds")
+        res.detail = (
+            "vLLM's loader drops checkpoint tensors, leaves parameters unfilled or fills expert "
+            "weights other than the export holds"
+        )
         return out
     if loaded["missing_kernels"]:
         kinds = sorted({m.split(":")[0] for m in loaded["missing_kernels"]})
-        held = "; every expert's weights as load_quantized's, bit for bit" if has_quantized_experts(export) \
-            and model is not None else ""
-        res.detail = (f"resolved and loaded{held}; no kernel on this machine ({', '.join(kinds)}): serves "
-                      "where vLLM has one")
+        held = (
+            "; every expert's weights as load_quantized's, bit for bit"
+            if has_quantized_experts(export) and model is not None
+            else ""
+        )
+        res.detail = (
+            f"resolved and loaded{held}; no kernel on this machine ({', '.join(kinds)}): serves where vLLM has one"
+        )
         return out
     if prompts is None:
         from .offline import probe_ids
+
         prompts = probe_ids(export.config, batch=2).tolist()
     gen = run_worker(["generate", export.folder, "--dtype", dtype, "--steps", str(steps), prompts])
     out["generate"] = gen
@@ -186,8 +219,10 @@ def check_vllm(export: Export, report: Report, dtype: Optional[str] = None, prom
     if reference is not None:
         cmp = compare(reference, gen["outputs"], tol)
         out["compare"] = cmp
-        res.detail = (f"{dtype}; greedy tokens equal load_quantized's in {cmp['equal_seqs']}/{cmp['seqs']} "
-                      f"sequences; top-5 log-prob max diff {cmp['max_lp_diff']:.2e}")
+        res.detail = (
+            f"{dtype}; greedy tokens equal load_quantized's in {cmp['equal_seqs']}/{cmp['seqs']} "
+            f"sequences; top-5 log-prob max diff {cmp['max_lp_diff']:.2e}"
+        )
         for line in cmp["problems"]:
             report.problem("vllm", "(generation)", line)
     return out
@@ -209,8 +244,9 @@ def compare(reference, outputs, tol: float, ties: bool = True) -> dict:
                 gap = abs(float(lps[i][s][want]) - float(lps[i][s][tok]))
                 ok = False
                 if not (ties and gap <= tol):
-                    problems.append(f"sequence {i} step {s}: vLLM picks token {tok}, load_quantized {want} "
-                                    f"(log-prob gap {gap:.3g})")
+                    problems.append(
+                        f"sequence {i} step {s}: vLLM picks token {tok}, load_quantized {want} (log-prob gap {gap:.3g})"
+                    )
                 break
         equal += ok
     if worst > tol:

@@ -9,6 +9,7 @@ gate/up rows as its checkpoints order them). Each expert's rows are dequantized 
 scheme and compared bit for bit with the fused Parameter load_quantized rebuilt from the export.
 A difference is vLLM reading the checkpoint differently from how it is written.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,15 +54,15 @@ def _rows_entry(dump, prefix: str, w: str, rec: dict, e: int, o0: int, r: int, i
             continue
         t = t[e]
         if t.dim() == 2 and suffix == "weight_zero_point" and rec["format"] == "pack-quantized":
-            per = 32 // bits                   # zero points packed along the rows
-            t = t[o0 // per:(o0 + r) // per]
+            per = 32 // bits  # zero points packed along the rows
+            t = t[o0 // per : (o0 + r) // per]
         elif t.dim() == 2 and suffix == "weight_scale" and rec["weights"].get("strategy") == "block":
-            b = rec["weights"]["block_structure"][0]     # one scale row per block of rows
-            t = t[o0 // b:(o0 + r + b - 1) // b]
+            b = rec["weights"]["block_structure"][0]  # one scale row per block of rows
+            t = t[o0 // b : (o0 + r + b - 1) // b]
         elif t.dim() == 2:
-            t = t[o0:o0 + r]
+            t = t[o0 : o0 + r]
         elif t.dim() == 1 and t.numel() > 1:
-            t = t[shard].reshape(1)            # one per shard (gate, up) of w13
+            t = t[shard].reshape(1)  # one per shard (gate, up) of w13
         else:
             t = t.reshape(1)
         local[tensor_name("x.weight", suffix)] = t
@@ -70,8 +71,9 @@ def _rows_entry(dump, prefix: str, w: str, rec: dict, e: int, o0: int, r: int, i
     return local
 
 
-def compare_expert_weights(dump: Dict[str, torch.Tensor], experts: Dict[str, dict],
-                           params: Dict[str, torch.Tensor]) -> List[Tuple[str, str]]:
+def compare_expert_weights(
+    dump: Dict[str, torch.Tensor], experts: Dict[str, dict], params: Dict[str, torch.Tensor]
+) -> List[Tuple[str, str]]:
     """[(module, problem)] where vLLM's loaded expert weights differ from load_quantized's
     (`params`: the fused Parameters of a model load_quantized loaded, float32)."""
     problems = []
@@ -79,8 +81,18 @@ def compare_expert_weights(dump: Dict[str, torch.Tensor], experts: Dict[str, dic
         if rec.get("weights") is None:
             continue
         prefix, w, rows = _layer_and_rows(pname, rec)
-        if prefix is None or w is None or _param(dump, prefix, f"{w}_weight" if rec["format"] in (
-                "int-quantized", "float-quantized", "mxfp8-quantized") else f"{w}_weight_packed") is None:
+        if (
+            prefix is None
+            or w is None
+            or _param(
+                dump,
+                prefix,
+                f"{w}_weight"
+                if rec["format"] in ("int-quantized", "float-quantized", "mxfp8-quantized")
+                else f"{w}_weight_packed",
+            )
+            is None
+        ):
             problems.append((pname, "vLLM built no quantized experts layer holding it"))
             continue
         want = params[pname].detach().to(torch.float32)
@@ -96,18 +108,26 @@ def compare_expert_weights(dump: Dict[str, torch.Tensor], experts: Dict[str, dic
                 else:
                     q, s, z, g = _piece_codes(local, "x.weight", rec, r, inp, pname)
                     got = dequantize_2d(q, s, z, g, torch.float32)
-            except Exception as err:         # noqa: BLE001 -- a parameter of another shape
+            except Exception as err:  # noqa: BLE001 -- a parameter of another shape
                 bad.append(f"expert {e} rows {o0}-{o0 + r}: {type(err).__name__}: {err}")
                 continue
-            ref = want[e, o0:o0 + r]
+            ref = want[e, o0 : o0 + r]
             if not torch.equal(got, ref):
                 diff = (got - ref).abs().nan_to_num(float("inf")).max().item()
                 bad.append(f"expert {e} rows {o0}-{o0 + r} differ by up to {diff:.3g}")
         bias = _param(dump, prefix, f"{w}_bias")
-        if bias is not None and f"{pname}_bias" in params and not torch.equal(
-                bias.to(torch.float32), params[f"{pname}_bias"].detach().to(torch.float32)):
+        if (
+            bias is not None
+            and f"{pname}_bias" in params
+            and not torch.equal(bias.to(torch.float32), params[f"{pname}_bias"].detach().to(torch.float32))
+        ):
             bad.append("the biases differ")
         if bad:
-            problems.append((pname, f"vLLM's loader fills {prefix} {w} other than the export holds: "
-                                    f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")))
+            problems.append(
+                (
+                    pname,
+                    f"vLLM's loader fills {prefix} {w} other than the export holds: "
+                    f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
+                )
+            )
     return problems

@@ -14,6 +14,7 @@ the experts layers' parameters as the loader left them are written out, for the 
 with load_quantized's weights (qcompress/verify/vllm_experts.py).
 `generate` serves the export with vLLM's LLM (greedy, top-5 log-probabilities). Output: JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import pkgutil
 import sys
 import tempfile
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: the parent waits for it
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the parent waits for it
 # vLLM's CPU backend runs WNA16 (W4A16) layers with int8-quantized activations on AMX CPUs unless
 # told not to: the check serves the export's own scheme, 16-bit activations
 os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
@@ -35,6 +36,7 @@ def _amx_permission() -> None:
     """vLLM's 16-bit-activation WNA16 GEMM uses AMX tiles without asking Linux for them (oneDNN's
     AMX kernels ask; with none run before it, it dies of SIGILL): ask once, as oneDNN would."""
     import torch
+
     init = getattr(torch._C._cpu, "_init_amx", None)
     if init is not None:
         init()
@@ -45,10 +47,11 @@ def _patch_backend_selection(missing: list) -> None:
     schemes) that vLLM's compressed-tensors package calls: a failure (no kernel here) is recorded
     and answered with a stand-in, so the layer is still built and its weights loaded."""
     import vllm.model_executor.layers.quantization.compressed_tensors as ct
+
     for info in pkgutil.walk_packages(ct.__path__, ct.__name__ + "."):
         try:
             mod = importlib.import_module(info.name)
-        except ImportError:            # a ROCm-only module
+        except ImportError:  # a ROCm-only module
             continue
         for key, fn in list(vars(mod).items()):
             if not callable(fn):
@@ -62,7 +65,7 @@ def _patch_backend_selection(missing: list) -> None:
 class _NoKernel:
     """Stands in for a Linear kernel (or its class) vLLM has none of here: every method answers None."""
 
-    __name__ = "NoKernelHere"           # vLLM logs the chosen kernel class by name
+    __name__ = "NoKernelHere"  # vLLM logs the chosen kernel class by name
 
     def __call__(self, *args, **kwargs):
         return self
@@ -78,9 +81,10 @@ def _standin(fn, key, missing, answer):
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception as err:       # noqa: BLE001 -- vLLM's own "no kernel" errors vary by format
+        except Exception as err:  # noqa: BLE001 -- vLLM's own "no kernel" errors vary by format
             missing.append(f"{key}: {type(err).__name__}: {err}")
             return answer
+
     return call
 
 
@@ -91,7 +95,8 @@ class _Follow:
     def __init__(self, targets):
         from torch.overrides import TorchFunctionMode
         import torch
-        self.targets = targets          # storage pointers of the model's parameters and buffers
+
+        self.targets = targets  # storage pointers of the model's parameters and buffers
         self.consumed = set()
         outer = self
 
@@ -101,7 +106,7 @@ class _Follow:
                 tags = set()
                 flat = list(args) + list(kwargs.values())
                 for a in flat:
-                    for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    for t in a if isinstance(a, (list, tuple)) else (a,):
                         if isinstance(t, torch.Tensor):
                             tags |= getattr(t, "_qc_tags", set())
                 out = func(*args, **kwargs)
@@ -112,13 +117,14 @@ class _Follow:
                     hits = [t for t in flat + [out] if isinstance(t, torch.Tensor) and outer._is_target(t)]
                     if hits:
                         outer.consumed |= tags
-                    for o in (out if isinstance(out, (list, tuple)) else (out,)):
+                    for o in out if isinstance(out, (list, tuple)) else (out,):
                         if isinstance(o, torch.Tensor):
                             try:
                                 o._qc_tags = getattr(o, "_qc_tags", set()) | tags
                             except (AttributeError, RuntimeError):
                                 pass
                 return out
+
         self.mode = Mode()
 
     def _is_target(self, t) -> bool:
@@ -130,9 +136,11 @@ class _Follow:
 
 def _checkpoint_tensors(folder):
     from safetensors import safe_open
+
     index = os.path.join(folder, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    )
     for f in files:
         with safe_open(os.path.join(folder, f), "pt") as fh:
             for k in fh.keys():
@@ -143,6 +151,7 @@ def _dump_experts(model, path: str) -> None:
     """Every experts layer's w13_* / w2_* parameters as vLLM's loader left them (before
     process_weights_after_loading repacks them for a kernel), to a safetensors file."""
     from safetensors.torch import save_file
+
     out = {}
     for name, mod in model.named_modules():
         if type(getattr(mod, "quant_method", None)).__name__.endswith("MoEMethod"):
@@ -159,11 +168,18 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    vcfg = EngineArgs(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                      max_model_len=64).create_engine_config()
+
+    vcfg = EngineArgs(
+        model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=64
+    ).create_engine_config()
     with set_current_vllm_config(vcfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='qc-vllm-')}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='qc-vllm-')}",
+        )
         initialize_model_parallel(1, 1)
     missing: list = []
     _patch_backend_selection(missing)
@@ -179,8 +195,9 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
                 if key.endswith("_backend") and str(getattr(val, "value", val)).upper() == "NONE":
                     missing.append(f"{key}: vLLM's {type(method).__name__} has no backend here")
         # vLLM runs `type: hadamard` online transforms with its hadacore op, built for CUDA only
-        if any(type(m).__name__ == "HadamardTransform" for m in model.modules()) and \
-                not hasattr(torch.ops._C, "hadacore_transform"):
+        if any(type(m).__name__ == "HadamardTransform" for m in model.modules()) and not hasattr(
+            torch.ops._C, "hadacore_transform"
+        ):
             missing.append("hadacore_transform: vLLM's online Hadamard op is not in this build")
         for name, mod in model.named_modules():
             scheme = getattr(mod, "scheme", None)
@@ -201,10 +218,11 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
                 t._qc_tags = {k}
                 names.append(k)
                 yield k, t
+
         try:
             with follow.mode:
                 loaded = model.load_weights(tagged())
-        except Exception as err:     # noqa: BLE001 -- the model was built: say where its loader stopped
+        except Exception as err:  # noqa: BLE001 -- the model was built: say where its loader stopped
             out["load_error"] = {"tensor": names[-1] if names else None, "error": f"{type(err).__name__}: {err}"}
             return out
     out["dropped"] = [k for k in names if k not in follow.consumed]
@@ -215,13 +233,22 @@ def load_check(folder: str, dtype: str, dump: str = None) -> dict:
     unread = (".w13_weight_shape", ".w2_weight_shape")
     # NVFP4 MoE methods register per-expert input global scales for W4A16 too (use_a16), and the
     # A16 kernels never read them; llm-compressor's NVFP4A16 checkpoints carry none either
-    a16 = tuple(f"{name}.{p}" for name, mod in model.named_modules()
-                if getattr(getattr(mod, "quant_method", None), "use_a16", False)
-                for p in ("w13_input_global_scale", "w2_input_global_scale"))
-    out["unloaded"] = sorted(p for p in params - set(loaded or ())
-                             if not p.endswith(unread) and p not in a16
-                             and not (vcfg.model_config.hf_config.to_dict().get("quantization_config", {})
-                                      .get("kv_cache_scheme") is None and p.endswith(kv_placeholders)))
+    a16 = tuple(
+        f"{name}.{p}"
+        for name, mod in model.named_modules()
+        if getattr(getattr(mod, "quant_method", None), "use_a16", False)
+        for p in ("w13_input_global_scale", "w2_input_global_scale")
+    )
+    out["unloaded"] = sorted(
+        p
+        for p in params - set(loaded or ())
+        if not p.endswith(unread)
+        and p not in a16
+        and not (
+            vcfg.model_config.hf_config.to_dict().get("quantization_config", {}).get("kv_cache_scheme") is None
+            and p.endswith(kv_placeholders)
+        )
+    )
     if dump:
         _dump_experts(model, dump)
     return out
@@ -232,10 +259,19 @@ def generate(folder: str, dtype: str, prompts, steps: int) -> dict:
     each batch one generate call (batch 1 and batch 8 in one process)."""
     runs = prompts["runs"] if isinstance(prompts, dict) else [prompts]
     from vllm import LLM, SamplingParams
+
     with open(os.path.join(folder, "config.json")) as fh:
         positions = int(json.load(fh).get("max_position_embeddings") or 128)
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=min(128, positions),
-              max_num_seqs=max(8, max(len(r) for r in runs)), seed=0, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        model=folder,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=min(128, positions),
+        max_num_seqs=max(8, max(len(r) for r in runs)),
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+    )
     sp = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=5, detokenize=False)
     results = []
     for batch in runs:
@@ -243,8 +279,12 @@ def generate(folder: str, dtype: str, prompts, steps: int) -> dict:
         res = []
         for o in outs:
             c = o.outputs[0]
-            res.append({"tokens": list(c.token_ids),
-                        "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]})
+            res.append(
+                {
+                    "tokens": list(c.token_ids),
+                    "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs],
+                }
+            )
         results.append(res)
     return {"outputs": results[0], "runs": results}
 
@@ -266,7 +306,7 @@ def main(argv=None) -> int:
         else:
             with open(a.prompts) as fh:
                 result = generate(a.folder, a.dtype, json.load(fh), a.steps)
-    except Exception as err:     # noqa: BLE001 -- vLLM's refusal is the result
+    except Exception as err:  # noqa: BLE001 -- vLLM's refusal is the result
         result = {"error": f"{type(err).__name__}: {err}"}
     with open(a.out, "w") as fh:
         json.dump(result, fh)

@@ -1,6 +1,7 @@
 """benchmarks/gpu.py --quick without CUDA: the device check's parts run on the CPU at tiny sizes,
 one JSON comes back and the results section is written from it. Oracles: the reference quantizer,
 the stage-0 engine's losses, the 1-bit compressor's signs, the exact reload."""
+
 import json
 import os
 import subprocess
@@ -16,10 +17,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quick_check_cpu_fallback_runs_every_part(tmp_path):
     out, page = tmp_path / "quick.json", tmp_path / "gpu.md"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--quick", "--json", str(out), "--page", str(page),
-                          "--pytest-paths", "tests/quant/test_kernels_cuda.py", "--models", "llama", "--widths", "32",
-                          "--backend", "aot_eager", "--budget-s", "900"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu.py",
+            "--quick",
+            "--json",
+            str(out),
+            "--page",
+            str(page),
+            "--pytest-paths",
+            "tests/quant/test_kernels_cuda.py",
+            "--models",
+            "llama",
+            "--widths",
+            "32",
+            "--backend",
+            "aot_eager",
+            "--budget-s",
+            "900",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
     parts = doc["parts"]

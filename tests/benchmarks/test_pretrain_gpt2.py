@@ -1,4 +1,5 @@
 """The GPT-2 pretraining pieces (benchmarks/pretrain_gpt2.py), offline: tiny texts and a tiny GPT-2."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,7 +22,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-pretrain_spec = importlib.util.spec_from_file_location("qc_pretrain_gpt2", os.path.join(ROOT, "benchmarks", "pretrain_gpt2.py"))
+pretrain_spec = importlib.util.spec_from_file_location(
+    "qc_pretrain_gpt2", os.path.join(ROOT, "benchmarks", "pretrain_gpt2.py")
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +37,28 @@ def pg():
 
 
 TEXT = "\n\n".join(
-    ["It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-     "must be in want of a wife.",
-     "However little known the feelings or views of such a man may be on his first entering a "
-     "neighbourhood, this truth is so well fixed in the minds of the surrounding families.",
-     "\"My dear Mr. Bennet,\" said his lady to him one day, \"have you heard that Netherfield Park is "
-     "let at last?\""] * 12)
+    [
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife.",
+        "However little known the feelings or views of such a man may be on his first entering a "
+        "neighbourhood, this truth is so well fixed in the minds of the surrounding families.",
+        '"My dear Mr. Bennet," said his lady to him one day, "have you heard that Netherfield Park is let at last?"',
+    ]
+    * 12
+)
 
 
 def test_tokenizer_is_lossless_and_loads_with_autotokenizer(pg, tmp_path):
     from transformers import AutoTokenizer
+
     tok = pg.train_tokenizer(pg.paragraphs(TEXT), vocab_size=320, model_max_length=16)
-    assert 257 < len(tok) <= 320                         # 256 bytes + <|endoftext|> + merges
+    assert 257 < len(tok) <= 320  # 256 bytes + <|endoftext|> + merges
     assert tok.eos_token == tok.bos_token == pg.EOT and tok.convert_tokens_to_ids(pg.EOT) == tok.eos_token_id
-    for s in (TEXT[:300], "na\u00efve caf\u00e9 \u2014 \u65e5\u672c \U0001F642\ttabs\n\nnew lines"):
+    for s in (TEXT[:300], "na\u00efve caf\u00e9 \u2014 \u65e5\u672c \U0001f642\ttabs\n\nnew lines"):
         ids = tok(s, add_special_tokens=False)["input_ids"]
-        assert tok.decode(ids) == s                      # byte-level: unseen characters round-trip
+        assert tok.decode(ids) == s  # byte-level: unseen characters round-trip
     common = tok(" truth", add_special_tokens=False)["input_ids"]
-    assert len(common) == 1                              # a frequent word became one merge
+    assert len(common) == 1  # a frequent word became one merge
     tok.save_pretrained(str(tmp_path))
     tok2 = AutoTokenizer.from_pretrained(str(tmp_path))
     assert tok2(TEXT, add_special_tokens=False)["input_ids"] == tok(TEXT, add_special_tokens=False)["input_ids"]
@@ -60,6 +67,7 @@ def test_tokenizer_is_lossless_and_loads_with_autotokenizer(pg, tmp_path):
 
 def test_token_stream_matches_qcompress_train_blocks(pg, tmp_path):
     from qcompress.train import data as train_data
+
     tok = pg.train_tokenizer(pg.paragraphs(TEXT), vocab_size=320, model_max_length=16)
     path = tmp_path / "heldout.txt"
     path.write_text(TEXT, encoding="utf-8")
@@ -82,16 +90,30 @@ def test_lr_schedule_closed_form(pg):
     assert pg.lr_at(9, 0.0, peak, 10) == pytest.approx(peak)
     assert pg.lr_at(50, 0.5, peak, 10) == pytest.approx(peak * (0.1 + 0.9 * 0.5))
     assert pg.lr_at(50, 1.0, peak, 10) == pytest.approx(0.1 * peak)
-    assert pg.lr_at(50, 7.0, peak, 10) == pytest.approx(0.1 * peak)   # past the budget: the floor
+    assert pg.lr_at(50, 7.0, peak, 10) == pytest.approx(0.1 * peak)  # past the budget: the floor
     assert pg.lr_at(50, 0.25, peak, 0) == pytest.approx(peak * (0.1 + 0.45 * (1 + math.cos(math.pi / 4))))
 
 
 @pytest.fixture(scope="module")
 def tiny_run(pg):
     train, held = TEXT, TEXT[:1200] + " Mr. Bennet made no answer."
-    model, tok, report = pg.pretrain(train, held, vocab_size=300, layers=1, d_model=32, heads=2, context=16,
-                                     batch_size=8, lr=3e-3, warmup_steps=5, minutes=None, max_steps=60,
-                                     bf16=False, seed=0, log=lambda s: None)
+    model, tok, report = pg.pretrain(
+        train,
+        held,
+        vocab_size=300,
+        layers=1,
+        d_model=32,
+        heads=2,
+        context=16,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=5,
+        minutes=None,
+        max_steps=60,
+        bf16=False,
+        seed=0,
+        log=lambda s: None,
+    )
     return model, tok, report, train, held
 
 
@@ -109,6 +131,7 @@ def test_pretrain_learns_and_reports(tiny_run):
 
 def test_mean_nll_equals_a_direct_log_softmax(pg, tiny_run):
     import torch
+
     model, tok, _, _, held = tiny_run
     blocks = pg.full_blocks(pg.token_stream(tok, held), 16)
     model.eval()
@@ -121,13 +144,21 @@ def test_mean_nll_equals_a_direct_log_softmax(pg, tiny_run):
 def test_saved_folder_loads_with_auto_classes(pg, tiny_run, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model, tok, report, train, held = tiny_run
     out = str(tmp_path / "gpt2-tiny")
     pg.save_folder(out, model, tok, train, held, report)
     names = set(os.listdir(out))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train.txt",
-            "heldout.txt", "pretrain_report.json"} <= names
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]          # no temp folder left
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train.txt",
+        "heldout.txt",
+        "pretrain_report.json",
+    } <= names
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp folder left
     assert open(os.path.join(out, "heldout.txt"), encoding="utf-8").read() == held
     assert json.load(open(os.path.join(out, "pretrain_report.json")))["steps"] == 60
     loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -145,5 +176,6 @@ def test_saved_folder_loads_with_auto_classes(pg, tiny_run, tmp_path):
     assert json.load(open(os.path.join(out, "pretrain_report.json")))["steps"] == 61
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     with torch.no_grad():
-        assert torch.equal(AutoModelForCausalLM.from_pretrained(out).transformer.wte.weight,
-                           model.transformer.wte.weight)
+        assert torch.equal(
+            AutoModelForCausalLM.from_pretrained(out).transformer.wte.weight, model.transformer.wte.weight
+        )

@@ -2,6 +2,7 @@
 every section on the pages (but the GPU page's) and no command whose section is not on its page;
 no page's command names a file of the machine that ran it; parallel.md's prose quotes its own
 table's ranges; RESULTS.md's table of what each section was run at is the one the headers give."""
+
 import os
 import re
 import shlex
@@ -76,8 +77,7 @@ def test_regenerate_runs_exactly_the_sections_on_the_pages():
 def test_no_page_command_names_a_machine_path():
     for (page, key), cmd in _header_commands().items():
         assert not re.search(r"(^|\s)/(tmp|work|home|root)/", cmd), (page, key, cmd)
-    assert "--json" not in common.command(["benchmarks/compile_step.py", "--json", "/tmp/x.json",
-                                           "--write-results"])
+    assert "--json" not in common.command(["benchmarks/compile_step.py", "--json", "/tmp/x.json", "--write-results"])
 
 
 def test_parallel_prose_quotes_its_table():
@@ -109,8 +109,10 @@ def test_results_index_says_what_each_section_was_run_at():
 def test_docs_cite_no_gpu_timings_the_pages_lack():
     """docs/export.md may point at GPU timings of the packed reload only once a page holds them."""
     doc = open(os.path.join(ROOT, "docs", "export.md"), encoding="utf-8").read()
-    held = any("gpu_quick" in cmd for cmd in _header_commands().values()) or \
-        "gpu_quick" in open(os.path.join(common.RESULTS_DIR, "gpu.md"), encoding="utf-8").read()
+    held = (
+        any("gpu_quick" in cmd for cmd in _header_commands().values())
+        or "gpu_quick" in open(os.path.join(common.RESULTS_DIR, "gpu.md"), encoding="utf-8").read()
+    )
     if not held:
         assert not re.search(r"GPU timings[^.]*are in", " ".join(doc.split())), "docs/export.md cites GPU timings"
         assert "no results page holds those timings" in " ".join(doc.split())

@@ -1,5 +1,6 @@
 """benchmarks/common.py: interleaved timing, per-round ratios and generated sections of results pages.
 Oracles: a fake clock whose readings are chosen by hand, and pages written out by hand."""
+
 import importlib.util
 import os
 
@@ -12,10 +13,10 @@ spec.loader.exec_module(common)
 
 
 def test_interleaved_takes_turns_and_reports_median_and_range(monkeypatch):
-    calls, clock = [], iter([0, 1, 1, 4, 4, 6, 6, 12, 12, 15, 15, 17])   # a: 1, 2, 3 s; b: 3, 6, 2 s
+    calls, clock = [], iter([0, 1, 1, 4, 4, 6, 6, 12, 12, 15, 15, 17])  # a: 1, 2, 3 s; b: 3, 6, 2 s
     monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
     t = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3)
-    assert calls == ["a", "b"] + ["a", "b"] * 3                       # one warm-up each, then round by round
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # one warm-up each, then round by round
     assert t["a"] == common.Timing(2, 1, 3, (1, 2, 3)) and t["b"] == common.Timing(3, 2, 6, (3, 6, 2))
     # per-round ratios b / a: 3, 3, 0.667 -> median 3, range 0.67-3
     assert common.ratio(t, "b", "a") == "3.00x [0.67-3.00]" and common.ratio_value(t, "b", "a") == 3

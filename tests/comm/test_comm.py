@@ -4,6 +4,7 @@ The simulations follow the formulas (RMS scale in float64 rounded to float32, si
 positive, server average sum_j sign_j * (s_j / P) in rank order, server error, recompression) on
 plain sign tensors: they never pack bits and never call qcompress code.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ TIMEOUT = 150  # one spawned job per world size runs every multi-rank check
 
 
 # ---------------------------------------------------------------- inputs and simulations
+
 
 def make_input(seed: int, rank: int, call: int, shape=(17, 59)) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + call)
@@ -59,12 +61,12 @@ class OneBitSim:
         for r in range(p):
             z = torch.zeros(c)
             for j in range(p):
-                z = z + signs[j][r * c:(r + 1) * c] * (scales[j] / float(p))
+                z = z + signs[j][r * c : (r + 1) * c] * (scales[j] / float(p))
             z = z + self.es[r]
             t = _rms(z)
             sg = _sign(z)
             self.es[r] = z - t * sg
-            out[r * c:(r + 1) * c] = sg * t
+            out[r * c : (r + 1) * c] = sg * t
         return out[: self.n]
 
 
@@ -93,7 +95,7 @@ class Int8Sim:
             y = y + self.ew[r]
             dec = []
             for k in range(p):
-                q, s = self._q(y[k * c:(k + 1) * c])
+                q, s = self._q(y[k * c : (k + 1) * c])
                 dec.append(q * s)
             self.ew[r] = y - torch.cat(dec)
             parts.append(dec)
@@ -105,11 +107,12 @@ class Int8Sim:
             z = acc / float(p) + self.es[r]
             q, s = self._q(z)
             self.es[r] = z - q * s
-            out[r * c:(r + 1) * c] = q * s
+            out[r * c : (r + 1) * c] = q * s
         return out[: self.n]
 
 
 # ---------------------------------------------------------------- rank functions (run in children)
+
 
 def _rank_calls(rank, world, seed, calls, compressor):
     state = qcomm.OneBitState()
@@ -182,8 +185,9 @@ def _rank_node_single(rank, world):
         before = qcomm.stats()
         out["node"].append(qcomm.compressed_allreduce(x, states["node"], hierarchy="node"))
         after = qcomm.stats()
-        out["bytes"].append((after["bytes_sent"] - before["bytes_sent"],
-                             after["bytes_received"] - before["bytes_received"]))
+        out["bytes"].append(
+            (after["bytes_sent"] - before["bytes_sent"], after["bytes_received"] - before["bytes_received"])
+        )
         out["explicit"].append(qcomm.compressed_allreduce(x, states["explicit"], hierarchy=one_node))
     out["errors_kept"] = [st.initialized for st in states.values()]
     return out
@@ -201,8 +205,14 @@ def _rank_buckets(rank, world, bucket_size):
     resumed = qcomm.BucketedCompressor(bucket_size=bucket_size)
     resumed.load_state_dict(sd)
     second_resumed = resumed.allreduce(tensors)
-    return {"inputs": tensors, "first": first, "second": second, "second_resumed": second_resumed,
-            "buckets": n_buckets, "bytes": qcomm.stats()["bytes_sent"] - calls_before}
+    return {
+        "inputs": tensors,
+        "first": first,
+        "second": second,
+        "second_resumed": second_resumed,
+        "buckets": n_buckets,
+        "bytes": qcomm.stats()["bytes_sent"] - calls_before,
+    }
 
 
 class ExactCompressor(qcomm.Compressor):
@@ -288,8 +298,7 @@ def _rank_nonfinite(rank, world):
     except NonFiniteError:
         bucket_raised = True
     bucket_kept = all(torch.equal(bucket_before[k], v) for k, v in bc.state_dict().items())
-    return {"raised": raised, "kept": kept, "after": after, "bucket_raised": bucket_raised,
-            "bucket_kept": bucket_kept}
+    return {"raised": raised, "kept": kept, "after": after, "bucket_raised": bucket_raised, "bucket_kept": bucket_kept}
 
 
 def _rank_many(rank, world):
@@ -298,6 +307,7 @@ def _rank_many(rank, world):
     a NaN in the last buffer on rank 1: every rank reports non-finite and keeps all its errors."""
     from qcompress.comm.allreduce import flat_compressed_allreduce, flat_compressed_allreduce_many
     from qcompress.comm.compressors import get_compressor
+
     comp = get_compressor("onebit")
     sizes = (5, 64, 131)
     many, single = [qcomm.OneBitState() for _ in sizes], [qcomm.OneBitState() for _ in sizes]
@@ -333,10 +343,12 @@ def _rank_subgroup(rank, world):
 def _rank_all(rank, world):
     """Everything the multi-rank tests check, in one spawned job per world size (spawning is the
     expensive part on a 2-core machine)."""
-    out = {"onebit": _rank_calls(rank, world, 1, 12, "onebit"),
-           "int8": _rank_calls(rank, world, 4, 4, "int8"),
-           "converge": _rank_converge(rank, world, 800, 1024),
-           "bytes": _rank_bytes(rank, world, 1 << 16)}
+    out = {
+        "onebit": _rank_calls(rank, world, 1, 12, "onebit"),
+        "int8": _rank_calls(rank, world, 4, 4, "int8"),
+        "converge": _rank_converge(rank, world, 800, 1024),
+        "bytes": _rank_bytes(rank, world, 1 << 16),
+    }
     if world == 2:
         out["buckets"] = _rank_buckets(rank, world, 700)
         out["custom"] = _rank_custom(rank, world)
@@ -361,6 +373,7 @@ def results(world: int, part: str) -> list:
 
 
 # ---------------------------------------------------------------- tests
+
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_onebit_matches_simulation_bit_for_bit(world):
@@ -425,7 +438,7 @@ def test_bytes_per_call_within_bound(world):
 def test_hierarchy_simulated_nodes_matches_simulation():
     calls = 4
     res = results(4, "hierarchy")
-    sim = OneBitSim(2, 17 * 59)   # the two node leaders
+    sim = OneBitSim(2, 17 * 59)  # the two node leaders
     flat = OneBitSim(4, 17 * 59)  # the flat algorithm over all four ranks
     for k in range(calls):
         xs = [make_input(3, r, k).reshape(-1) for r in range(4)]
@@ -490,8 +503,9 @@ def test_buckets_equal_per_bucket_simulation_and_resume():
     assert res[0]["buckets"] == math.ceil(total / bucket)
     sims = [OneBitSim(world, min(bucket, total - s)) for s in range(0, total, bucket)]
     for name in ("first", "second"):
-        expect = torch.cat([sim.step([f[i * bucket:(i + 1) * bucket] for f in flat_in])
-                            for i, sim in enumerate(sims)])
+        expect = torch.cat(
+            [sim.step([f[i * bucket : (i + 1) * bucket] for f in flat_in]) for i, sim in enumerate(sims)]
+        )
         for r in range(world):
             got = torch.cat([t.reshape(-1) for t in res[r][name]])
             assert torch.equal(got, expect), f"{name} call, rank {r}"
@@ -536,6 +550,7 @@ def test_nan_on_one_rank_raises_on_every_rank_and_keeps_errors():
 
 # ---------------------------------------------------------------- single process (no spawn)
 
+
 def test_world_size_one_applies_the_same_math():
     """Without torch.distributed the call is the P = 1 formula: worker then server compression."""
     st = qcomm.OneBitState()
@@ -566,8 +581,10 @@ def test_reference_and_kernel_ops_give_the_simulated_bits(monkeypatch):
     from qcompress.quant import kernels, onebit
 
     reference_ops = lambda: (onebit.compress, onebit.decode_average)  # noqa: E731
-    paths = {"reference": (reference_ops, _reference_row_decode, True),
-             "table-lookup decode": (reference_ops, lambda payload: None, True)}
+    paths = {
+        "reference": (reference_ops, _reference_row_decode, True),
+        "table-lookup decode": (reference_ops, lambda payload: None, True),
+    }
     if cmod._onebit_ops()[0] is not onebit.compress:
         paths["kernels"] = (cmod._onebit_ops, cmod._onebit_decode_op, False)
     print("1-bit op paths checked:", sorted(paths))
@@ -595,6 +612,7 @@ def test_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
     """Finite fp16 inputs near 65504 can average (with error feedback) past fp16's range: the cast
     back returned inf silently and advanced the errors. Oracle: OneBitSim in float32."""
     from qcompress import NonFiniteError
+
     g = torch.Generator().manual_seed(0)
     st, sim = qcomm.OneBitState(), OneBitSim(1, 64)
     raised = returned = 0
@@ -608,7 +626,9 @@ def test_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
             with pytest.raises(NonFiniteError, match="overflows torch.float16"):
                 qcomm.compressed_allreduce(x, st)
             after = st.state_dict()
-            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), "errors advanced"
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), (
+                "errors advanced"
+            )
             sim.ew, sim.es = ew, es  # the caller skips the call: the simulation forgets it too
             raised += 1
         else:
@@ -619,6 +639,7 @@ def test_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
 
 def test_bucketed_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors():
     from qcompress import NonFiniteError
+
     g = torch.Generator().manual_seed(0)
     bc, sim = qcomm.BucketedCompressor(bucket_size=1000), OneBitSim(1, 64 + 8)
     raised = 0
@@ -633,7 +654,9 @@ def test_bucketed_fp16_average_that_overflows_fp16_raises_and_keeps_the_errors()
             with pytest.raises(NonFiniteError, match=r"tensor 1 \(torch.float16, shape \(64,\)\) overflows"):
                 bc.allreduce([small, x])
             after = bc.state_dict()
-            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), "errors advanced"
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), (
+                "errors advanced"
+            )
             sim.ew, sim.es = ew, es
             raised += 1
         else:
@@ -697,5 +720,5 @@ def test_many_buffers_in_two_collectives_equal_one_call_each(world):
         assert r["bytes_many"] == r["bytes_single"]
         assert not r["finite_with_nan"] and r["kept"]
     first = results(world, "many")[0]["many"]
-    for other in results(world, "many")[1:]:   # bit-identical on every rank
+    for other in results(world, "many")[1:]:  # bit-identical on every rank
         assert all(torch.equal(a, b) for x, y in zip(first, other["many"]) for a, b in zip(x, y))

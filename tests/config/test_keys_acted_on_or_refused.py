@@ -1,5 +1,6 @@
 """Config keys that were accepted and silently ignored: each is now implemented or a
 ConfigError; a loss scale that makes every step an overflow is refused or reported loudly."""
+
 import logging
 import math
 
@@ -15,9 +16,14 @@ SP = "compression_training.sparse_pruning.shared_parameters"
 
 def sparse_cfg(modules=(".*",), ratio=0.5, **shared):
     sp = {"enabled": True, "schedule_offset": 0, "method": "l1", **shared}
-    return {"compression_training": {"sparse_pruning": {
-        "shared_parameters": sp,
-        "different_groups": {"g1": {"params": {"dense_ratio": ratio}, "modules": list(modules)}}}}}
+    return {
+        "compression_training": {
+            "sparse_pruning": {
+                "shared_parameters": sp,
+                "different_groups": {"g1": {"params": {"dense_ratio": ratio}, "modules": list(modules)}},
+            }
+        }
+    }
 
 
 def mlp():
@@ -26,6 +32,7 @@ def mlp():
 
 
 # --- fp16 loss scale ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e30, -1.0])
 def test_unusable_loss_scales_are_config_errors(value):
@@ -42,20 +49,23 @@ def test_loss_scale_inf_from_json_and_yaml(tmp_path):
 
 
 def _fp16_engine(**fp16):
-    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "fp16": {"enabled": True, **fp16}}
+    cfg = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, **fp16},
+    }
     return qc.initialize(mlp(), cfg)
 
 
 def _overflowing_step(engine):
     x = torch.randn(4, 8)
-    loss = engine(x).float().sum() * 1e30          # x 2^64 overflows float32
+    loss = engine(x).float().sum() * 1e30  # x 2^64 overflows float32
     engine.backward(loss)
     engine.step()
 
 
 def test_a_static_loss_scale_that_overflows_is_a_warning(caplog):
-    engine = _fp16_engine(loss_scale=2.0 ** 64)
+    engine = _fp16_engine(loss_scale=2.0**64)
     before = [p.detach().clone() for p in engine.module.parameters()]
     with caplog.at_level(logging.INFO, logger="qcompress.engine"):
         _overflowing_step(engine)
@@ -67,13 +77,14 @@ def test_a_static_loss_scale_that_overflows_is_a_warning(caplog):
     caplog.clear()
     engine = _fp16_engine(loss_scale=0, initial_scale_power=4, hysteresis=1, min_loss_scale=8)
     with caplog.at_level(logging.INFO, logger="qcompress.engine"):
-        _overflowing_step(engine)                  # 16 -> 8
-        _overflowing_step(engine)                  # at the floor
+        _overflowing_step(engine)  # 16 -> 8
+        _overflowing_step(engine)  # at the floor
     levels = [r.levelno for r in caplog.records if "overflow" in r.getMessage()]
     assert levels == [logging.INFO, logging.WARNING]
 
 
 # --- sparse pruning keys of DeepSpeed's snip_momentum ------------------------------------------------
+
 
 def test_block_pattern_and_shared_dense_ratio_are_refused_for_l1_and_topk():
     for method in ("l1", "topk"):
@@ -87,9 +98,19 @@ def test_block_pattern_and_shared_dense_ratio_are_refused_for_l1_and_topk():
 
 
 def test_snip_momentum_enabled_is_refused_even_without_groups():
-    doc = {"compression_training": {"sparse_pruning": {"shared_parameters": {
-        "enabled": True, "method": "snip_momentum", "dense_ratio": 0.2, "block_pattern": "4x1"},
-        "different_groups": {}}}}
+    doc = {
+        "compression_training": {
+            "sparse_pruning": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "method": "snip_momentum",
+                    "dense_ratio": 0.2,
+                    "block_pattern": "4x1",
+                },
+                "different_groups": {},
+            }
+        }
+    }
     with pytest.raises(ConfigError, match=rf"^{SP}\.method: 'snip_momentum' .*not supported"):
         load_config(doc)
 
@@ -106,9 +127,9 @@ def test_excluded_modules_are_not_pruned():
     assert "sparse_pruning" in model[0].qc_pruning
     assert "sparse_pruning" not in getattr(model[2], "qc_pruning", {})
     w0 = model[0].effective_weight().detach()
-    assert int((w0 == 0).sum()) == w0.numel() // 2          # oracle: half of 8 x 16 kept
+    assert int((w0 == 0).sum()) == w0.numel() // 2  # oracle: half of 8 x 16 kept
     w2 = model[2].effective_weight() if hasattr(model[2], "effective_weight") else model[2].weight
-    assert torch.equal(w2.detach(), mlp()[2].weight.detach())   # untouched
+    assert torch.equal(w2.detach(), mlp()[2].weight.detach())  # untouched
     # without the exclusion the same group prunes it
     model = qc.init_compression(mlp(), load_config(sparse_cfg()))
     assert int((model[2].effective_weight() == 0).sum()) == 32
@@ -133,8 +154,8 @@ def test_schedule_offset_stride_steps_the_ramp():
 
 # --- DeepSpeed keys qcompress does not implement -------------------------------------------------------
 
-@pytest.mark.parametrize("key", ["eigenvalue", "quantize_training", "sparse_attention",
-                                 "wandb", "hybrid_engine"])
+
+@pytest.mark.parametrize("key", ["eigenvalue", "quantize_training", "sparse_attention", "wandb", "hybrid_engine"])
 def test_unimplemented_deepspeed_keys_warn_instead_of_unknown_key(key):
     with pytest.warns(UserWarning, match=rf"config key '{key}' is a DeepSpeed setting with no effect in qcompress: "):
         cfg = load_config({"train_batch_size": 8, key: {"enabled": True}})
@@ -143,6 +164,7 @@ def test_unimplemented_deepspeed_keys_warn_instead_of_unknown_key(key):
 
 def test_comm_timeout_key():
     from qcompress.engine.comm_timeout import DEFAULT_S, timeout_of
+
     assert timeout_of(load_config({})).total_seconds() == DEFAULT_S == 1800
     assert timeout_of(load_config({"comm_timeout_s": 2.5})).total_seconds() == 2.5
     for bad in (0, -1, math.inf, "10"):

@@ -1,5 +1,6 @@
 """Recipe names: the old file names still load (with a DeprecationWarning) as the renamed files do,
 and schedules/README.md lists every recipe and every old name, with the right kind."""
+
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ def test_old_name_loads_the_renamed_file_with_a_deprecation_warning(old, new):
     with pytest.warns(DeprecationWarning, match=re.escape(f"was renamed to {new}")):
         got = qc.load_config(os.path.join(SCHEDULES, old))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)    # the new name loads without one
+        warnings.simplefilter("error", DeprecationWarning)  # the new name loads without one
         want = qc.load_config(os.path.join(SCHEDULES, new))
     assert got == want and got.raw == want.raw
 
@@ -62,8 +63,7 @@ def test_readme_lists_every_recipe_with_its_kind():
     assert sorted(r[0] for r in rows) == files
     for name, *_, kind in rows:
         cfg = qc.load_config(os.path.join(SCHEDULES, name))
-        quantizes = (cfg.compression.weight_quantization.enabled
-                     or cfg.compression.activation_quantization.enabled)
+        quantizes = cfg.compression.weight_quantization.enabled or cfg.compression.activation_quantization.enabled
         # a fragment configures nothing to quantize alone, and is named with_*
         assert kind == ("full" if quantizes else "fragment"), name
         assert name.startswith("with_") == (kind == "fragment"), name

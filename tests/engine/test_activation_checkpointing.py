@@ -2,6 +2,7 @@
 oracle is the same model and batch trained without checkpointing (fp32, bit for bit), with
 fused QAT layers and static activation ranges, W4 g32, dropout, progressive layer drop and a
 Hugging Face GPT-2 through its own switch."""
+
 import copy
 
 import pytest
@@ -42,23 +43,54 @@ class Stack(nn.Module):
 
 
 def w8a8_static():
-    return {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                              "quantize_weight_in_forward": True},
-        "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0,
-                                                "granularity": "channel"}}}},
+    return {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "schedule_offset": 0,
+                "quantize_weight_in_forward": True,
+            },
+            "different_groups": {
+                "w8": {
+                    "params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0, "granularity": "channel"}
+                }
+            },
+        },
         "activation_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "asymmetric", "range_calibration": "static",
-                              "schedule_offset": 0},
-        "different_groups": {"a8": {"params": {"bits": 8}}}}}
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "asymmetric",
+                "range_calibration": "static",
+                "schedule_offset": 0,
+            },
+            "different_groups": {"a8": {"params": {"bits": 8}}},
+        },
+    }
 
 
 def w4_g32(group=32):
-    return {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                              "quantize_weight_in_forward": True},
-        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4, "quantization_period": 0,
-                                                "granularity": "group", "group_size": group}}}}}
+    return {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "schedule_offset": 0,
+                "quantize_weight_in_forward": True,
+            },
+            "different_groups": {
+                "w4": {
+                    "params": {
+                        "start_bits": 4,
+                        "target_bits": 4,
+                        "quantization_period": 0,
+                        "granularity": "group",
+                        "group_size": group,
+                    }
+                }
+            },
+        }
+    }
 
 
 def pld():
@@ -85,7 +117,7 @@ def _grads_per_step(engine, batches, loss_fn):
     """The gradients of every step (before the optimizer applies them) and the final weights."""
     out = []
     for batch in batches:
-        torch.manual_seed(11)            # dropout masks: the same stream in both runs
+        torch.manual_seed(11)  # dropout masks: the same stream in both runs
         loss = loss_fn(engine, batch)
         engine.backward(loss)
         out.append({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
@@ -100,8 +132,10 @@ def _stack_loss(engine, batch):
 
 def _stack_batches(n=3):
     g = torch.Generator().manual_seed(5)
-    return [(torch.randn(4, 8, 16, generator=g).reshape(4, 8, 16), torch.randint(0, 4, (4, 8), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(4, 8, 16, generator=g).reshape(4, 8, 16), torch.randint(0, 4, (4, 8), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _ce(engine, batch):
@@ -111,8 +145,11 @@ def _ce(engine, batch):
 
 
 def _observer_ranges(model):
-    return {n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone()) for n, m in model.named_modules()
-            if getattr(m, "qc_aq", None) is not None and m.qc_aq.observer.initialized}
+    return {
+        n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone())
+        for n, m in model.named_modules()
+        if getattr(m, "qc_aq", None) is not None and m.qc_aq.observer.initialized
+    }
 
 
 def _compare(compression, checkpointing, extra=None, make=Stack, batches=None, loss_fn=_ce):
@@ -131,7 +168,7 @@ def _compare(compression, checkpointing, extra=None, make=Stack, batches=None, l
             assert torch.equal(ga[name], gb[name]), (step, name)
     ra, rb = _observer_ranges(plain.module), _observer_ranges(ckpt.module)
     assert ra.keys() == rb.keys()
-    for name in ra:      # each batch folded into the static ranges once, not again in the recompute
+    for name in ra:  # each batch folded into the static ranges once, not again in the recompute
         assert torch.equal(ra[name][0], rb[name][0]) and torch.equal(ra[name][1], rb[name][1]), name
     for (n, p), q in zip(plain.module.named_parameters(), ckpt.module.parameters()):
         assert torch.equal(p, q), n
@@ -144,7 +181,7 @@ def test_checkpointed_gradients_equal_plain_ones_bit_for_bit(compression):
     _, ckpt = _compare(cc, {})
     assert ckpt.checkpointed_blocks == 4
     if compression == "w8a8_static":
-        assert _observer_ranges(ckpt.module)      # the static ranges were really in play
+        assert _observer_ranges(ckpt.module)  # the static ranges were really in play
 
 
 def test_with_progressive_layer_drop_and_cpu_checkpointing():
@@ -169,11 +206,11 @@ def test_number_checkpoints_recomputes_that_many_blocks(number):
     assert calls == [1, 1, 1, 1]
     engine.backward(loss)
     n = 4 if number is None else number
-    assert calls == [2] * n + [1] * (4 - n)     # the recompute runs in the backward
+    assert calls == [2] * n + [1] * (4 - n)  # the recompute runs in the backward
     with torch.no_grad():
         engine.eval()
         engine(_stack_batches(1)[0][0])
-    assert calls == [3] * n + [2] * (4 - n)     # evaluation is not checkpointed
+    assert calls == [3] * n + [2] * (4 - n)  # evaluation is not checkpointed
 
 
 def test_a_model_without_blocks_is_refused_by_key():
@@ -199,6 +236,7 @@ def _lm_loss(engine, ids):
 def test_hf_gpt2_uses_its_own_switch_and_keeps_gradients(section):
     def make():
         return make_gpt2().train()
+
     plain, ckpt = _compare(w8a8_static(), section, make=make, batches=_gpt2_batches(), loss_fn=_lm_loss)
     flags = [layer.gradient_checkpointing for layer in ckpt.module.transformer.h]
     assert flags == ([True, True] if not section else [True, False])
@@ -237,6 +275,7 @@ def test_zero3_fsdp2_trains_to_the_same_weights():
             engine.step()
         runs.append({n: p.full_tensor().clone() for n, p in engine.module.named_parameters()})
         import torch.distributed as dist
+
         dist.destroy_process_group()
     assert runs[0].keys() == runs[1].keys()
     for n in runs[0]:
@@ -247,6 +286,7 @@ def test_distillation_student_checkpointed_teacher_not():
     """A distillation step (the teacher runs under no_grad, outside any checkpoint) gives the
     student the gradients it gets without checkpointing."""
     from qcompress.train.distill import logit_kl
+
     torch.manual_seed(0)
     teacher = Stack().eval()
 
@@ -256,4 +296,5 @@ def test_distillation_student_checkpointed_teacher_not():
             t = teacher(x)
         s = engine(x)
         return F.cross_entropy(s.reshape(-1, 4), y.reshape(-1)) + logit_kl(s.reshape(-1, 4), t.reshape(-1, 4), 2.0)
+
     _compare(w8a8_static(), {}, loss_fn=loss_fn)

@@ -10,6 +10,7 @@ checkpoint_compat_workers.py). For each case the current engine must
 - load the stored checkpoint into a fresh engine with other initial weights, hold exactly the
   saved state, and take the next two optimizer steps exactly as the saving engine took them.
 """
+
 import json
 import os
 
@@ -18,8 +19,7 @@ import pytest
 from tests.helpers import checkpoint_compat_workers as w
 from tests.helpers.dist_utils import run_ranks
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
-                        "engine_checkpoints")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "engine_checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,16 @@ def test_checkpoint_of_the_earlier_engine_loads_and_layout_is_unchanged(results,
     ranks = results[case]
     with open(os.path.join(FIXTURES, case, "layout.json"), encoding="utf-8") as fh:
         want_layout = json.load(fh)
-    got_layout = json.loads(json.dumps(ranks[0]["layout"]))     # tuples as JSON lists
+    got_layout = json.loads(json.dumps(ranks[0]["layout"]))  # tuples as JSON lists
     for part in ("engine.json", "tensors", "ranks"):
         assert got_layout[part] == want_layout[part], f"{case}: the checkpoint's {part} changed"
     for rank, res in enumerate(ranks):
         exp = res["expected"]
-        for what, got, want in (("state at the save", res["fresh_saved"], exp["saved"]),
-                                ("state loaded from the stored checkpoint", res["loaded"], exp["saved"]),
-                                ("state two steps after the load", res["after"], exp["after"])):
+        for what, got, want in (
+            ("state at the save", res["fresh_saved"], exp["saved"]),
+            ("state loaded from the stored checkpoint", res["loaded"], exp["saved"]),
+            ("state two steps after the load", res["after"], exp["after"]),
+        ):
             bad = _mismatch(json.loads(json.dumps(got)), want)
             assert not bad, f"{case} rank {rank}: {what} differs at {bad[:6]} (+{max(0, len(bad) - 6)})"
         assert res["losses"] == exp["losses"], f"{case} rank {rank}: losses after the load"

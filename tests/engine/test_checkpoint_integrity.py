@@ -4,6 +4,7 @@ checkpoint; temporaries of dead savers are removed by the next save (never a liv
 checkpoint files get the mode of a plain write.
 
 Oracle: the engine's full parameters right after each save (W.full_params)."""
+
 import os
 import shutil
 import signal
@@ -61,17 +62,17 @@ def test_save_is_atomic_at_every_rename_and_remove(tmp_path, same_tag, dead):
                 crashed = False
             except Crash:
                 crashed = True
-        got = _loaded(cfg, d)                             # through `latest`
+        got = _loaded(cfg, d)  # through `latest`
         if not crashed:
             assert _same(got, new)
             assert _listing(d) == sorted({tag_old, tag_new, "latest"})
             break
         assert _same(got, old) or _same(got, new), f"crash at rename/remove {k}: neither"
         outcomes.append("old" if _same(got, old) else "new")
-        if same_tag:                                       # by name too
+        if same_tag:  # by name too
             by_name = _loaded(cfg, d, tag=tag_new)
             assert _same(by_name, old) or _same(by_name, new)
-        engine.save_checkpoint(str(d), tag=tag_new)        # the next save repairs and cleans up
+        engine.save_checkpoint(str(d), tag=tag_new)  # the next save repairs and cleans up
         assert _same(_loaded(cfg, d), new)
         assert _listing(d) == sorted({tag_old, tag_new, "latest"}), (k, _listing(d))
     else:
@@ -85,20 +86,21 @@ def test_leftovers_of_killed_saves_are_removed(tmp_path, monkeypatch):
     # 12 saves of growing step numbers killed after writing everything: the next save removes
     # all they left (each killed save would clean its predecessor; switched off to pile them up)
     from qcompress.engine import checkpoint as ck
+
     cfg, engine = _engine()
     W.train_steps(engine, 0, 1, 1, 4, 1, 0)
     d = str(tmp_path)
     engine.save_checkpoint(d, tag="good")
     monkeypatch.setattr(ck, "clean_leftovers", lambda *a, **k: None)
     for step in range(12):
-        with Inject(3, dead=True):                         # dies at the commit rename
+        with Inject(3, dead=True):  # dies at the commit rename
             with pytest.raises(Crash):
                 engine.save_checkpoint(d, tag=f"global_step{step}")
     monkeypatch.undo()
     left = [f for f in _listing(d) if f.startswith(".")]
     assert sum(f.endswith(".tmp") for f in left) == 12 and sum(f.endswith(".lock") for f in left) == 12
     assert all(os.path.isfile(os.path.join(d, f".global_step{i}.tmp", "engine.json")) for i in range(12))
-    assert _same(_loaded(cfg, d), W.full_params(engine))   # `latest` still names "good"
+    assert _same(_loaded(cfg, d), W.full_params(engine))  # `latest` still names "good"
     engine.save_checkpoint(d, tag="global_step99")
     assert _listing(d) == ["global_step99", "good", "latest"]
 
@@ -127,7 +129,7 @@ def test_live_saver_is_not_cleaned_and_cannot_be_doubled(tmp_path):
         theirs = [f for f in _listing(d) if f.startswith(".slow.")]
         assert sorted(theirs) == [".slow.lock", ".slow.tmp"]
         cfg, engine = _engine()
-        engine.save_checkpoint(d, tag="other")             # cleans leftovers, not a live saver's
+        engine.save_checkpoint(d, tag="other")  # cleans leftovers, not a live saver's
         assert set(theirs) <= set(_listing(d))
         with pytest.raises(RuntimeError, match="another process is saving checkpoint tag 'slow'"):
             engine.save_checkpoint(d, tag="slow")
@@ -157,10 +159,12 @@ def test_checkpoint_files_honour_the_umask(tmp_path, umask):
 
 def _damage(kind, ck):
     """Damage the checkpoint folder `ck` one way; returns the path the error must name."""
+
     def truncate(path, size):
         with open(path, "r+b") as fh:
             fh.truncate(size)
         return path
+
     distcp = sorted(f for f in os.listdir(ck) if f.endswith(".distcp"))[0]
     if kind == "engine.json truncated":
         return truncate(os.path.join(ck, "engine.json"), 40)
@@ -179,7 +183,7 @@ def _damage(kind, ck):
     if kind == "tensor file missing":
         os.remove(os.path.join(ck, distcp))
         return ck
-    if kind == "tensor bytes flipped":      # same size, still unpickles: loaded garbage silently
+    if kind == "tensor bytes flipped":  # same size, still unpickles: loaded garbage silently
         path = os.path.join(ck, distcp)
         data = bytearray(open(path, "rb").read())
         for frac in (0.5, 0.6, 0.7, 0.8):
@@ -191,13 +195,23 @@ def _damage(kind, ck):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["engine.json truncated", "engine.json not an object", "rank file missing",
-                                  ".metadata truncated", "tensor file truncated", "tensor file missing",
-                                  "tensor bytes flipped"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "engine.json truncated",
+        "engine.json not an object",
+        "rank file missing",
+        ".metadata truncated",
+        "tensor file truncated",
+        "tensor file missing",
+        "tensor bytes flipped",
+    ],
+)
 def test_damaged_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path, kind):
     # Damage used to surface as a bare JSONDecodeError / AttributeError / UnpicklingError, or as
     # DCP's CheckpointException, a BaseException that `except Exception` does not catch.
     from qcompress.engine import CheckpointError
+
     cfg, engine = _engine()
     W.train_steps(engine, 0, 2, 1, 4, 1, 0)
     d = str(tmp_path)
@@ -209,9 +223,9 @@ def test_damaged_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path, kind)
     with pytest.raises(CheckpointError) as err:
         fresh.load_checkpoint(d, tag="bad")
     assert isinstance(err.value, ValueError) and named in str(err.value)
-    assert _same(W.full_params(fresh), before)                 # nothing was half-loaded
+    assert _same(W.full_params(fresh), before)  # nothing was half-loaded
     assert fresh.global_steps == 0
-    fresh.load_checkpoint(d, tag="good")                        # the engine is still usable
+    fresh.load_checkpoint(d, tag="good")  # the engine is still usable
     assert _same(W.full_params(fresh), W.full_params(engine))
 
 
@@ -219,6 +233,7 @@ def test_checkpoint_of_another_model_or_optimizer_is_refused(tmp_path):
     # Saved weights the model lacks were dropped silently, and another optimizer's state loaded
     # silently (SGD took AdamW's betas and eps into its param groups).
     from qcompress.engine import CheckpointError
+
     cfg, engine = _engine()
     W.train_steps(engine, 0, 2, 1, 4, 1, 0)
     d = str(tmp_path)
@@ -232,7 +247,7 @@ def test_checkpoint_of_another_model_or_optimizer_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="saved by AdamW, this engine runs SGD"):
         sgd.load_checkpoint(d, tag="t")
     assert "betas" not in sgd.optimizer.param_groups[0]
-    sgd.load_checkpoint(d, tag="t", load_optimizer_states=False)    # the weights alone
+    sgd.load_checkpoint(d, tag="t", load_optimizer_states=False)  # the weights alone
     assert _same(W.full_params(sgd), W.full_params(engine))
 
 
@@ -241,6 +256,7 @@ def test_an_owner_lock_is_held_from_the_moment_its_name_appears(tmp_path, monkey
     cleaner looking at that instant finds a live owner (before, a window between the exclusive
     create and the flock let a cleaner take the lock of a live writer)."""
     from qcompress import atomic
+
     if not atomic.claims_supported():
         pytest.skip("no flock here: owner locks are not used")
     path = str(tmp_path / "x.lock")
@@ -248,20 +264,22 @@ def test_an_owner_lock_is_held_from_the_moment_its_name_appears(tmp_path, monkey
 
     def link(src, dst):
         real_link(src, dst)
-        seen.append(atomic.OwnerLock.claim(dst))      # a cleaner, right as the name appears
+        seen.append(atomic.OwnerLock.claim(dst))  # a cleaner, right as the name appears
+
     monkeypatch.setattr(os, "link", link)
     lock = atomic.OwnerLock.create(path)
     assert seen == [None]
-    assert os.listdir(tmp_path) == ["x.lock"]         # the private name is gone
+    assert os.listdir(tmp_path) == ["x.lock"]  # the private name is gone
     with pytest.raises(FileExistsError):
         atomic.OwnerLock.create(path)
     assert os.listdir(tmp_path) == ["x.lock"]
     lock.release()
-    assert atomic.OwnerLock.claim(path) is not None   # released: a dead owner's (missing file)
+    assert atomic.OwnerLock.claim(path) is not None  # released: a dead owner's (missing file)
 
     def no_links(src, dst):
         raise PermissionError(1, "hard links are not supported here")
-    monkeypatch.setattr(os, "link", no_links)          # the fallback: created in place, then locked
+
+    monkeypatch.setattr(os, "link", no_links)  # the fallback: created in place, then locked
     lock = atomic.OwnerLock.create(path)
     assert atomic.OwnerLock.claim(path) is None
     assert os.listdir(tmp_path) == ["x.lock"]

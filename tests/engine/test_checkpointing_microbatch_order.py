@@ -44,23 +44,30 @@ def _compression(fmt):
         w = {"start_bits": 8, "target_bits": 8, "granularity": "channel"}
         a = {"bits": 8}
         shared_a = {"quantization_type": "asymmetric"}
-    else:       # NVFP4: the static range sets the activations' global scale
+    else:  # NVFP4: the static range sets the activations' global scale
         w = {"start_bits": 4, "target_bits": 4, "format": "nvfp4"}
         a = {"bits": 4, "format": "nvfp4"}
         shared_a = {}
-    return {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": w}}},
+    return {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
+            "different_groups": {"w": {"params": w}},
+        },
         "activation_quantization": {
-        "shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0, **shared_a},
-        "different_groups": {"a": {"params": a}}}}
+            "shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0, **shared_a},
+            "different_groups": {"a": {"params": a}},
+        },
+    }
 
 
 def _model(fmt, checkpointing):
     torch.manual_seed(0)
     model = Stack()
-    doc = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "compression_training": _compression(fmt)}
+    doc = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "compression_training": _compression(fmt),
+    }
     if checkpointing:
         doc["activation_checkpointing"] = {}
     qcompress.init_compression(model, doc)
@@ -72,8 +79,9 @@ def _model(fmt, checkpointing):
 def _micro_batches(n):
     g = torch.Generator().manual_seed(7)
     # different scales per micro-batch: each one moves the EMA range visibly
-    return [(torch.randn(2, 8, 16, generator=g) * (1.0 + 2 * i), torch.randint(0, 4, (2, 8), generator=g))
-            for i in range(n)]
+    return [
+        (torch.randn(2, 8, 16, generator=g) * (1.0 + 2 * i), torch.randint(0, 4, (2, 8), generator=g)) for i in range(n)
+    ]
 
 
 ORDERS = {"gpipe": "F0 F1 B0 B1", "1f1b": "F0 F1 B0 F2 B1 B2"}
@@ -91,8 +99,11 @@ def _run(model, order):
         else:
             losses.pop(i).backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    ranges = {n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone())
-              for n, m in model.named_modules() if getattr(m, "qc_aq", None) is not None}
+    ranges = {
+        n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone())
+        for n, m in model.named_modules()
+        if getattr(m, "qc_aq", None) is not None
+    }
     return grads, ranges
 
 
@@ -108,7 +119,7 @@ def test_each_recompute_uses_its_own_forwards_range(fmt, schedule):
         differ = [n for n in a if not torch.equal(a[n], b[n])]
         assert not differ, (k, differ)
     assert ra.keys() == rb.keys() and ra
-    for n in ra:          # each micro-batch folded into the EMA once, not again in its recompute
+    for n in ra:  # each micro-batch folded into the EMA once, not again in its recompute
         assert torch.equal(ra[n][0], rb[n][0]) and torch.equal(ra[n][1], rb[n][1]), n
 
 
@@ -118,7 +129,7 @@ def test_recompute_after_a_retained_graph_replays_the_same_ranges():
     model = _model("int8", True)
     (x0, y0), (x1, y1) = _micro_batches(2)
     loss0 = F.cross_entropy(model(x0).reshape(-1, 4), y0.reshape(-1))
-    F.cross_entropy(model(x1).reshape(-1, 4), y1.reshape(-1))      # moves the ranges
+    F.cross_entropy(model(x1).reshape(-1, 4), y1.reshape(-1))  # moves the ranges
     loss0.backward(retain_graph=True)
     first = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -1,6 +1,7 @@
 """A stalled rank ends the job instead of hanging it: two gloo ranks launched as torchrun would (the engine
 creates the process group with comm_timeout_s); rank 1 stops itself with SIGSTOP after a
 step; rank 0 must fail within the timeout with an error naming the collective and the timeout."""
+
 import socket
 import subprocess
 import sys
@@ -49,18 +50,28 @@ def test_a_stalled_rank_ends_the_job_with_a_named_timeout():
     port = _port()
     procs = []
     for rank in (0, 1):
-        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                        LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo",
-                        OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = child_env(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     t0 = time.monotonic()
     try:
-        out, _ = procs[0].communicate(timeout=50)     # bounded: never a hung test
+        out, _ = procs[0].communicate(timeout=50)  # bounded: never a hung test
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()                              # SIGKILL ends a stopped process too
+                p.kill()  # SIGKILL ends a stopped process too
                 p.wait(timeout=30)
     assert "stepped" in out, out[-3000:]
     line = next((ln for ln in out.splitlines() if ln.startswith(("RAISED", "NO ERROR"))), out[-3000:])

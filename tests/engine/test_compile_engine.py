@@ -1,6 +1,7 @@
 """DeepSpeed's `compile` section: initialize compiles the model in place, and a compiled QAT run
 trains to the eager run's weights. Oracle: the same run with compile off (aot_eager keeps every
 bit), torch._dynamo's compiled-frame counter."""
+
 import copy
 import warnings
 
@@ -32,16 +33,30 @@ def _mlp(seed=0):
 
 
 def _doc(compile_section=None, start_bits=4, period=0):
-    doc = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "compression_training": {
-               "weight_quantization": {
-                   "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
-                   "different_groups": {"w": {"params": {"start_bits": start_bits, "target_bits": 4,
-                                                         "quantization_period": period, "period_growth": "linear",
-                                                         "group_size": 16}}}},
-               "activation_quantization": {
-                   "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-                   "different_groups": {"a": {"params": {"bits": 8}}}}}}
+    doc = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "w": {
+                        "params": {
+                            "start_bits": start_bits,
+                            "target_bits": 4,
+                            "quantization_period": period,
+                            "period_growth": "linear",
+                            "group_size": 16,
+                        }
+                    }
+                },
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+                "different_groups": {"a": {"params": {"bits": 8}}},
+            },
+        },
+    }
     if compile_section is not None:
         doc["compile"] = compile_section
     return doc
@@ -66,7 +81,7 @@ def test_compiled_engine_trains_to_the_eager_weights():
     torch._dynamo.reset()
     compiled = _train(twin, _doc({"enabled": True, "backend": "aot_eager", "kwargs": {"fullgraph": True}}), 4)
     assert not eager.compiled and compiled.compiled
-    assert getattr(twin, "_compiled_call_impl", None) is not None      # Module.compile, in place
+    assert getattr(twin, "_compiled_call_impl", None) is not None  # Module.compile, in place
     for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters()):
         assert torch.equal(a, b), n
 
@@ -101,10 +116,15 @@ def test_unknown_backend_is_a_config_error_naming_the_key():
         _train(model, _doc({"enabled": True, "backend": "inductr"}), 0)
 
 
-@pytest.mark.parametrize("section,path", [({"kwargs": {"fulgraph": True}}, r"compile\.kwargs\.fulgraph"),
-                                          ({"kwargs": {"mode": "fastest"}}, r"compile\.kwargs\.mode"),
-                                          ({"deepcompile": True}, r"compile\.deepcompile"),
-                                          ({"enabeld": True}, r"compile\.enabeld")])
+@pytest.mark.parametrize(
+    "section,path",
+    [
+        ({"kwargs": {"fulgraph": True}}, r"compile\.kwargs\.fulgraph"),
+        ({"kwargs": {"mode": "fastest"}}, r"compile\.kwargs\.mode"),
+        ({"deepcompile": True}, r"compile\.deepcompile"),
+        ({"enabeld": True}, r"compile\.enabeld"),
+    ],
+)
 def test_bad_compile_keys_are_config_errors(section, path):
     with pytest.raises(ConfigError, match=path):
         qcompress.load_config(_doc(section))
@@ -119,6 +139,7 @@ def test_train_compile_option_switches_the_section_on(tmp_path):
     from qcompress.train.args import build_parser, options_from
     from qcompress.train.jobconfig import job_config
     import yaml
+
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**_doc(), "compile": {"backend": "aot_eager", "kwargs": {"fullgraph": True}}}))
     base = [str(cfg), "--model", "m", "--data", "d", "--task", "causal-lm", "--out", str(tmp_path / "o")]
@@ -136,7 +157,7 @@ def test_stochastic_rounding_with_learned_ranges_warns_that_each_step_compiles_a
     qcompress.init_compression(plain, doc)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*compiles a new graph", category=UserWarning)
-        qcompress.initialize(plain, doc)    # min/max ranges: the step is a graph input, no warning
+        qcompress.initialize(plain, doc)  # min/max ranges: the step is a graph input, no warning
     doc["compression_training"]["weight_quantization"]["shared_parameters"]["range_learning"] = True
     model = _mlp()
     qcompress.init_compression(model, doc)

@@ -1,6 +1,7 @@
 """DeepSpeed keys the engine acts on: seed, offload_optimizer (stage 1, ratio, pin_memory) and the
 consolidated 16-bit save. Oracles: Python / NumPy / torch seeded directly, parameter sizes counted
 here, a run without offload, the model's own state_dict cast."""
+
 import random
 
 import numpy as np
@@ -38,12 +39,12 @@ def _draws():
 
 
 def _seeded_rank(rank, world):
-    random.seed(99)              # every rank disturbed differently before initialize
+    random.seed(99)  # every rank disturbed differently before initialize
     torch.manual_seed(1000 + rank)
     engine = qcompress.initialize(_mlp(), _cfg(seed=7))
     draws = _draws()
-    late = nn.Linear(4, 4)       # initialised after initialize: the seeded generator
-    order = torch.randperm(10)   # a shuffle's first batch
+    late = nn.Linear(4, 4)  # initialised after initialize: the seeded generator
+    order = torch.randperm(10)  # a shuffle's first batch
     return draws, late.weight.detach().clone(), order, engine.world_size
 
 
@@ -71,7 +72,7 @@ def test_stage1_cpu_offload_ratio_counts_that_share_and_trains_alike(ratio):
     engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=_offload_zero(ratio)))
     _train(engine)
     for a, b in zip(plain.module.parameters(), engine.module.parameters()):
-        assert torch.equal(a, b)         # the update is the optimizer's own arithmetic
+        assert torch.equal(a, b)  # the update is the optimizer's own arithmetic
     # oracle: the leading parameters, in module order, within ratio of the bytes; AdamW's
     # per-parameter state is two moments shaped like the parameter plus a scalar step
     params = list(engine.module.parameters())
@@ -133,7 +134,7 @@ def test_save_16bit_model_is_the_state_dict_cast(tmp_path, precision, dtype):
     assert saved.keys() == want.keys()
     for k, v in want.items():
         assert saved[k].dtype == dtype and torch.equal(saved[k], v.to(dtype))
-    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]    # no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temporary left
 
 
 def _stage3_save(rank, world, folder, gather):
@@ -141,8 +142,10 @@ def _stage3_save(rank, world, folder, gather):
     engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero))
     _train(engine, steps=2)
     ok = engine.save_16bit_model(folder)
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in engine.module.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in engine.module.state_dict().items()
+    }
     return ok, full
 
 
@@ -159,13 +162,15 @@ def test_stage3_16bit_save_gathers_the_shards_only_when_asked(tmp_path):
 def _train_full_weights(doc_zero, steps=3):
     engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=doc_zero))
     _train(engine, steps)
-    weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for p in engine.module.parameters()]
+    weights = [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in engine.module.parameters()
+    ]
     return engine, weights
 
 
 def test_stage3_ratio_offloads_the_leading_modules_and_trains_alike():
     import torch.distributed as dist
+
     _, plain = _train_full_weights({"stage": 3})
     dist.destroy_process_group()
     engine, part = _train_full_weights({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
@@ -184,9 +189,13 @@ def test_stage3_ratio_offloads_the_leading_modules_and_trains_alike():
     want_ids = {id(p) for i in chosen for p in linears[i].parameters()}
     assert engine._offloaded_ids == want_ids
     report = engine.memory_report()
-    state = {id(p): sum(v.numel() * v.element_size() for v in
-                        ((t.to_local() if hasattr(t, "to_local") else t) for t in engine.optimizer.state[p].values()))
-             for p in engine.module.parameters()}
+    state = {
+        id(p): sum(
+            v.numel() * v.element_size()
+            for v in ((t.to_local() if hasattr(t, "to_local") else t) for t in engine.optimizer.state[p].values())
+        )
+        for p in engine.module.parameters()
+    }
     moved_params = sum(p.to_local().numel() * 4 for p in engine.module.parameters() if id(p) in want_ids)
     assert report["offloaded"] == sum(state[i] for i in want_ids) + 2 * moved_params
 
@@ -196,7 +205,7 @@ def _zero1_offload(rank, world, ratio):
     engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=zero))
     _train(engine, steps=3, seed=1 + rank)
     offloaded = engine.optimizer_offload.state_bytes() if engine.optimizer_offload else 0
-    local = engine.optimizer.optim           # this rank's partition (ZeroRedundancyOptimizer)
+    local = engine.optimizer.optim  # this rank's partition (ZeroRedundancyOptimizer)
     total = sum(v.numel() * v.element_size() for s in local.state.values() for k, v in s.items() if k != "step")
     return [p.detach().clone() for p in engine.module.parameters()], (offloaded, total, len(local.state))
 
@@ -211,19 +220,20 @@ def test_zero1_on_two_ranks_with_cpu_offload_equals_without():
     for _, (off, total, n) in offl:
         assert off <= 0.9 * total + 4 * n
     assert sum(off for _, (off, _, _) in offl) > 0
-    assert all(torch.equal(a, b) for a, b in zip(offl[0][0], offl[1][0]))    # ranks agree
+    assert all(torch.equal(a, b) for a, b in zip(offl[0][0], offl[1][0]))  # ranks agree
 
 
 def test_stage1_offload_estimate_matches_the_measured_report():
     """estimate_memory's stage-1 CPU offload (closed form: the optimizer state kP/W moves to CPU
     memory) equals what the engine measures on one process (W = 1, whole offload)."""
     from qcompress.engine import estimate_memory
+
     engine = qcompress.initialize(_mlp(), _cfg(zero_optimization=_offload_zero(1.0)))
     _train(engine, steps=1)
     n = sum(p.numel() for p in engine.module.parameters())
     est = estimate_memory(n, 1, 1, offload="cpu")
     got = engine.memory_report()
-    steps = 4 * len(list(engine.module.parameters()))      # AdamW's scalar step per parameter
+    steps = 4 * len(list(engine.module.parameters()))  # AdamW's scalar step per parameter
     assert est["optimizer_state"] == got["optimizer_state"] == 0
     assert est["offloaded"] == 8 * n == got["offloaded"] - steps
     assert est["parameters"] == got["parameters"] and est["gradients"] == got["gradients"]

@@ -4,6 +4,7 @@ The distributed checks share two spawned gloo groups (2 ranks, then 1 rank); the
 is in engine_workers.py. The model is a small MLP rewritten by init_compression with W8A8
 (weights 10 -> 8 bits written at optimizer-step time, static 8-bit activation ranges).
 """
+
 from __future__ import annotations
 
 import glob
@@ -55,7 +56,7 @@ def test_stage_matches_stage0(two_rank, stage):
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         assert _close(got["final"], ref["final"])
     first = two_rank[0]["s0"]["losses"]
-    assert first[-1] != first[0]                              # it does train
+    assert first[-1] != first[0]  # it does train
     # The compression schedule ran: 10 bits at start, 8 bits after 4 optimizer steps.
     assert set(two_rank[0][stage]["bits"].values()) == {8}
     assert two_rank[0][stage]["sched_steps"] == W.STEPS
@@ -85,8 +86,13 @@ def test_memory_report_falls_with_stage_and_matches_estimate(two_rank):
 
 def test_estimate_memory_closed_form():
     P, Wd = 1000, 4
-    assert estimate_memory(P, Wd, 0) == {"parameters": 4000, "gradients": 4000, "optimizer_state": 8000,
-                                         "total": 16000, "offloaded": 0}
+    assert estimate_memory(P, Wd, 0) == {
+        "parameters": 4000,
+        "gradients": 4000,
+        "optimizer_state": 8000,
+        "total": 16000,
+        "offloaded": 0,
+    }
     assert estimate_memory(P, Wd, 1)["optimizer_state"] == 2000
     assert estimate_memory(P, Wd, 2)["gradients"] == 1000 and estimate_memory(P, Wd, 2)["parameters"] == 4000
     assert estimate_memory(P, Wd, 3)["total"] == 1000 + 1000 + 2000
@@ -111,8 +117,8 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(two_rank, stage):
         assert r["unchanged"], "parameters moved on an overflowed step"
         assert r["skipped"] == 1 and r["global_steps"] == 2
         assert r["sched"] == (1, 1), "compression schedule advanced on a skipped step"
-        assert r["scale"] == (256.0, 128.0)                  # hysteresis 1: halved at once
-        assert r["lr_iter"] == 1                              # LR schedule did not advance either
+        assert r["scale"] == (256.0, 128.0)  # hysteresis 1: halved at once
+        assert r["lr_iter"] == 1  # LR schedule did not advance either
         assert r["sched_after_clean_step"] == 2
 
 
@@ -131,7 +137,7 @@ def test_clipping_uses_the_global_norm(two_rank):
 def test_clipping_scales_the_update(two_rank, stage):
     """SGD after clipping equals torch's clip_grad_norm_ on the unsharded averaged gradient."""
     want, norms = W.clipped_sgd_oracle(2)
-    assert min(norms) > 2 * W.CLIP["max_norm"]             # clipping changes every step
+    assert min(norms) > 2 * W.CLIP["max_norm"]  # clipping changes every step
     for rank in range(2):
         for got, ref in zip(two_rank[rank]["clip"][stage], want):
             assert _close(got, ref, tol=1e-6), (stage, rank)
@@ -181,7 +187,7 @@ def test_sharded_onebit_state_at_another_world_size_is_refused_before_loading(tw
 def test_checkpoint_dir_is_atomic(two_rank, ckpt_root):
     d = os.path.join(ckpt_root, "s0")
     names = sorted(os.listdir(d))
-    assert names == ["global_step3", "latest"], names      # no temp dirs left behind
+    assert names == ["global_step3", "latest"], names  # no temp dirs left behind
     files = os.listdir(os.path.join(d, "global_step3"))
     assert "engine.json" in files and not any(f.endswith((".pt", ".pkl", ".bin")) for f in files)
 
@@ -195,10 +201,13 @@ def test_batch_triple():
         resolve_batch(30, 4, 2, 2)
     with pytest.raises(qc.ConfigError, match="not divisible"):
         resolve_batch(30, 4, None, 2)
-    assert resolve_batch(32, None, None, 2) == (32, 16, 1)      # accumulation defaults to 1
+    assert resolve_batch(32, None, None, 2) == (32, 16, 1)  # accumulation defaults to 1
     assert resolve_batch(None, 4, None, 2) == (8, 4, 1)
-    with pytest.raises(qc.ConfigError, match=r"^train_batch_size: set train_batch_size or "
-                       r"train_micro_batch_size_per_gpu \(only gradient_accumulation_steps = 3"):
+    with pytest.raises(
+        qc.ConfigError,
+        match=r"^train_batch_size: set train_batch_size or "
+        r"train_micro_batch_size_per_gpu \(only gradient_accumulation_steps = 3",
+    ):
         resolve_batch(None, None, 3, 2)
     with pytest.raises(qc.ConfigError, match="train_micro_batch_size_per_gpu"):
         resolve_batch(None, None, None, 1)
@@ -206,7 +215,7 @@ def test_batch_triple():
 
 def test_initialize_rejects_impossible_configs():
     cfg = W.make_cfg(stage=0, world=1)
-    model = W.make_model(cfg)              # rewritten: only the config can be wrong
+    model = W.make_model(cfg)  # rewritten: only the config can be wrong
     cfg["train_batch_size"] = 9
     with pytest.raises(qc.ConfigError, match="train_batch_size"):
         initialize(model, cfg)
@@ -223,26 +232,41 @@ def test_initialize_rejects_impossible_configs():
         initialize(model, cfg)
 
 
-@pytest.mark.parametrize("sched, path", [
-    ({"type": "WarmupLR", "params": {"warmup_min_lr": -1.0}}, "warmup_min_lr"),   # trained with lr < 0
-    ({"type": "WarmupLR", "params": {"warmup_max_lr": "3e-4"}}, "warmup_max_lr"),  # a bare ValueError
-    ({"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}}, "warmup_num_steps"),
-    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 10.7, "warmup_num_steps": 2}}, "total_num_steps"),
-    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "cos_min_ratio": "x"}}, "cos_min_ratio"),
-    ({"type": "OneCycle", "params": {"cycle_min_lr": [-0.1], "cycle_max_lr": 1.0}}, "cycle_min_lr"),
-    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "decay_step_size": -1}},
-     "decay_step_size"),
-    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_momentum": "no"}},
-     "cycle_momentum"),
-])
+@pytest.mark.parametrize(
+    "sched, path",
+    [
+        ({"type": "WarmupLR", "params": {"warmup_min_lr": -1.0}}, "warmup_min_lr"),  # trained with lr < 0
+        ({"type": "WarmupLR", "params": {"warmup_max_lr": "3e-4"}}, "warmup_max_lr"),  # a bare ValueError
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}}, "warmup_num_steps"),
+        ({"type": "WarmupDecayLR", "params": {"total_num_steps": 10.7, "warmup_num_steps": 2}}, "total_num_steps"),
+        ({"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "cos_min_ratio": "x"}}, "cos_min_ratio"),
+        ({"type": "OneCycle", "params": {"cycle_min_lr": [-0.1], "cycle_max_lr": 1.0}}, "cycle_min_lr"),
+        (
+            {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "decay_step_size": -1}},
+            "decay_step_size",
+        ),
+        (
+            {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_momentum": "no"}},
+            "cycle_momentum",
+        ),
+    ],
+)
 def test_scheduler_values_are_checked_by_key(sched, path):
     cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": sched}
     with pytest.raises(qc.ConfigError) as err:
         initialize(torch.nn.Linear(3, 2), cfg)
     assert err.value.path == f"scheduler.params.{path}"
     # the accepted forms of the same keys still build
-    ok = {"type": "OneCycle", "params": {"cycle_min_lr": [0.1], "cycle_max_lr": 1, "cycle_first_step_size": 4.0,
-                                         "cycle_second_step_size": None, "cycle_momentum": False}}
+    ok = {
+        "type": "OneCycle",
+        "params": {
+            "cycle_min_lr": [0.1],
+            "cycle_max_lr": 1,
+            "cycle_first_step_size": 4.0,
+            "cycle_second_step_size": None,
+            "cycle_momentum": False,
+        },
+    }
     assert initialize(torch.nn.Linear(3, 2), dict(cfg, scheduler=ok)).get_lr() == [0.1]
 
 
@@ -263,8 +287,9 @@ def test_single_process_fp16_bf16_train():
 
 class _Opt:
     def __init__(self, lr=0.1, n=1, betas=True):
-        self.param_groups = [({"lr": lr, "betas": (0.9, 0.999)} if betas else {"lr": lr, "momentum": 0.9})
-                             for _ in range(n)]
+        self.param_groups = [
+            ({"lr": lr, "betas": (0.9, 0.999)} if betas else {"lr": lr, "momentum": 0.9}) for _ in range(n)
+        ]
 
 
 def test_warmup_schedules_closed_form():
@@ -272,14 +297,14 @@ def test_warmup_schedules_closed_form():
     got = [s.get_last_lr()[0]] + [(s.step(), s.get_last_lr()[0])[1] for _ in range(11)]
     assert got[:10] == pytest.approx([math.log(k + 1) / math.log(10) for k in range(10)])
     assert got[10:] == [1.0, 1.0]
-    s = WarmupDecayLR(_Opt(), total_num_steps=20, warmup_max_lr=2.0, warmup_num_steps=10,
-                      warmup_type="linear")
+    s = WarmupDecayLR(_Opt(), total_num_steps=20, warmup_max_lr=2.0, warmup_num_steps=10, warmup_type="linear")
     lrs = [s.get_last_lr()[0]] + [(s.step(), s.get_last_lr()[0])[1] for _ in range(21)]
     assert lrs[5] == pytest.approx(1.0) and lrs[10] == pytest.approx(2.0)
     assert lrs[15] == pytest.approx(1.0) and lrs[20] == 0.0 and lrs[21] == 0.0
     opt = _Opt(lr=0.5)
-    s = WarmupCosineLR(opt, total_num_steps=12, warmup_min_ratio=0.1, warmup_num_steps=2,
-                       cos_min_ratio=0.01, warmup_type="linear")
+    s = WarmupCosineLR(
+        opt, total_num_steps=12, warmup_min_ratio=0.1, warmup_num_steps=2, cos_min_ratio=0.01, warmup_type="linear"
+    )
     lrs = [s.get_last_lr()[0]] + [(s.step(), s.get_last_lr()[0])[1] for _ in range(12)]
     assert lrs[0] == pytest.approx(0.05) and lrs[1] == pytest.approx(0.5 * 0.55)
     for k in range(2, 13):
@@ -287,16 +312,31 @@ def test_warmup_schedules_closed_form():
         want = 0.5 * (0.01 + 0.99 * (1 + math.cos(math.pi * done / 10)) / 2)
         assert lrs[k] == pytest.approx(want)
     sd = s.state_dict()
-    s2 = WarmupCosineLR(_Opt(lr=0.5), total_num_steps=12, warmup_min_ratio=0.1, warmup_num_steps=2,
-                        cos_min_ratio=0.01, warmup_type="linear")
+    s2 = WarmupCosineLR(
+        _Opt(lr=0.5),
+        total_num_steps=12,
+        warmup_min_ratio=0.1,
+        warmup_num_steps=2,
+        cos_min_ratio=0.01,
+        warmup_type="linear",
+    )
     s2.load_state_dict(sd)
     assert s2.get_last_lr() == s.get_last_lr()
 
 
 def test_onecycle_closed_form():
     opt = _Opt()
-    s = OneCycle(opt, cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=4, cycle_second_step_size=4,
-                 decay_lr_rate=0.5, decay_step_size=2, cycle_min_mom=0.8, cycle_max_mom=0.9)
+    s = OneCycle(
+        opt,
+        cycle_min_lr=0.1,
+        cycle_max_lr=1.0,
+        cycle_first_step_size=4,
+        cycle_second_step_size=4,
+        decay_lr_rate=0.5,
+        decay_step_size=2,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+    )
     lrs, moms = [], []
     for _ in range(12):
         lrs.append(s.get_last_lr()[0])
@@ -325,9 +365,14 @@ def test_onecycle_cycles_only_momentum_the_optimizer_uses():
     assert [m[1] for m in moms] == [0.0] * 4
     # plain SGD on b (gradient 1): minus the sum of the rates, no momentum carried over
     assert torch.allclose(b.detach(), torch.full((2,), 1.0 - (0.1 + 0.55 + 1.0 + 0.55)))
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
-                                                        "cycle_first_step_size": 2}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {
+            "type": "OneCycle",
+            "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 2},
+        },
+    }
     engine = initialize(torch.nn.Linear(2, 2), cfg)
     assert engine.optimizer.param_groups[0]["momentum"] == 0.0 and not engine.lr_scheduler.cycle_momentum
 
@@ -348,7 +393,7 @@ def test_loss_scaler_rules():
 # --- 1-bit optimizers --------------------------------------------------------------------------
 def test_onebit_adam_stage0_trains_and_resumes_bit_exact(two_rank):
     a, b = two_rank[0]["onebit"]["s0"], two_rank[1]["onebit"]["s0"]
-    assert all(torch.equal(a["final"][k], b["final"][k]) for k in a["final"])   # ranks agree
+    assert all(torch.equal(a["final"][k], b["final"][k]) for k in a["final"])  # ranks agree
     assert a["losses"][-1] != a["losses"][0]
     for r in (a, b):
         assert r["resumed_losses"] == r["tail_losses"]
@@ -365,8 +410,11 @@ def test_onebit_adam_stage1_matches_stage0_bit_for_bit(two_rank):
     # stage 1 keeps the momentum whole and the variance only for each rank's chunk: across the two
     # ranks, stage 1 saves exactly one rank's worth of variance, 4 bytes per parameter
     n = two_rank[0]["onebit"]["s0"]["num_params"]
-    saved = sum(two_rank[r]["onebit"]["s0"]["memory"]["optimizer_state"] -
-                two_rank[r]["onebit"]["s1"]["memory"]["optimizer_state"] for r in range(2))
+    saved = sum(
+        two_rank[r]["onebit"]["s0"]["memory"]["optimizer_state"]
+        - two_rank[r]["onebit"]["s1"]["memory"]["optimizer_state"]
+        for r in range(2)
+    )
     assert two_rank[0]["onebit"]["s0"]["memory"]["optimizer_state"] == 8 * n
     assert saved == 4 * n
     for kind, msg in ob["refused"].items():
@@ -384,7 +432,7 @@ def test_no_gradient_communication_on_accumulation_micro_steps(two_rank, stage):
     assert any(k in GRAD_COMM for k in boundary["backward"]), boundary
     if stage in (0, 1):
         assert first == {"forward": {}, "backward": {}, "step": {}}
-    if stage == 2:   # weights stay gathered between micro-steps: no second all-gather
+    if stage == 2:  # weights stay gathered between micro-steps: no second all-gather
         assert "all_gather_single" not in boundary["forward"]
 
 
@@ -393,7 +441,7 @@ def test_communication_data_type_changes_the_reduction(two_rank, stage):
     finals = two_rank[0]["comm"]["dtype"][stage]
     for dtype in ("bf16", "fp16"):
         diff = max((finals[dtype][k] - finals["fp32"][k]).abs().max().item() for k in finals["fp32"])
-        assert 0 < diff < 0.05, (dtype, diff)        # rounded in transit, still the same training
+        assert 0 < diff < 0.05, (dtype, diff)  # rounded in transit, still the same training
         a, b = two_rank[0]["comm"]["dtype"][stage][dtype], two_rank[1]["comm"]["dtype"][stage][dtype]
         assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -402,7 +450,7 @@ def test_wall_clock_breakdown_reports_each_phase(two_rank):
     t = two_rank[0]["comm"]["timings"]
     for stage in (0, 1):
         assert all(t[stage][k] > 0 for k in ("forward", "backward", "allreduce", "step")), t[stage]
-    for stage in (2, 3):    # FSDP2's gradient reduce-scatter, timed through set_custom_reduce_scatter
+    for stage in (2, 3):  # FSDP2's gradient reduce-scatter, timed through set_custom_reduce_scatter
         assert t[stage]["allreduce"] > 0 and t[stage]["backward"] > 0, t[stage]
 
 
@@ -426,6 +474,7 @@ def test_stage1_resumes_on_one_rank(two_rank, one_rank):
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     from qcompress.engine import checkpoint as ck
+
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
     engine = initialize(W.make_model(cfg), cfg)
     W.train_steps(engine, 0, 2, 1, 4, 1, 0)
@@ -435,6 +484,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     def crash(*a, **k):
         raise OSError("disk full")
+
     monkeypatch.setattr(ck.dcp, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         engine.save_checkpoint(tmp_path)
@@ -446,7 +496,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert path.endswith("global_step2") and fresh.global_steps == 2
     after = W.full_params(fresh)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    engine.save_checkpoint(tmp_path)                    # the next save cleans the leftovers
+    engine.save_checkpoint(tmp_path)  # the next save cleans the leftovers
     assert sorted(os.listdir(tmp_path)) == ["global_step2", "global_step3", "latest"]
     with pytest.raises(FileNotFoundError, match="latest"):
         fresh.load_checkpoint(tmp_path / "nowhere")
@@ -456,6 +506,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_crash_while_resaving_a_tag_keeps_it_loadable(tmp_path, monkeypatch, crash_at):
     """Re-saving tag "best": a crash at each step of the commit leaves a complete "best"."""
     import shutil
+
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
     engine = initialize(W.make_model(cfg), cfg)
     W.train_steps(engine, 0, 2, 1, 4, 1, 0)
@@ -473,20 +524,21 @@ def test_crash_while_resaving_a_tag_keeps_it_loadable(tmp_path, monkeypatch, cra
 
     def rmtree(path, *a, **k):
         if crash_at == "cleanup" and os.fspath(path) == parked and not os.path.exists(tmp):
-            raise OSError("killed")                       # the new copy is in place, the old one not gone
+            raise OSError("killed")  # the new copy is in place, the old one not gone
         return real_rmtree(path, *a, **k)
+
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     with pytest.raises(OSError, match="killed"):
         engine.save_checkpoint(tmp_path, tag="best")
     monkeypatch.undo()
     want = second if crash_at == "cleanup" else first
-    for tag in (None, "best"):                            # through `latest` and by name
+    for tag in (None, "best"):  # through `latest` and by name
         fresh = initialize(W.make_model(cfg, seed=4), cfg)
         fresh.load_checkpoint(tmp_path, tag=tag)
         got = W.full_params(fresh)
         assert all(torch.equal(want[k], got[k]) for k in want), (crash_at, tag)
-    engine.save_checkpoint(tmp_path, tag="best")          # the next save repairs and cleans up
+    engine.save_checkpoint(tmp_path, tag="best")  # the next save repairs and cleans up
     assert sorted(os.listdir(tmp_path)) == ["best", "latest"]
     fresh.load_checkpoint(tmp_path)
     got = W.full_params(fresh)
@@ -496,6 +548,7 @@ def test_crash_while_resaving_a_tag_keeps_it_loadable(tmp_path, monkeypatch, cra
 def test_resume_restores_rng_states(tmp_path):
     import random
     import numpy as np
+
     cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1)
     engine = initialize(W.make_model(cfg), cfg)
     W.train_steps(engine, 0, 2, 1, 4, 1, 0)
@@ -503,7 +556,7 @@ def test_resume_restores_rng_states(tmp_path):
     engine.save_checkpoint(tmp_path)
     uninterrupted = (torch.rand(5), random.random(), np.random.rand(3))
     fresh = initialize(W.make_model(cfg, seed=4), cfg)
-    torch.rand(9), random.random(), np.random.rand(2)     # the resumed process is elsewhere
+    torch.rand(9), random.random(), np.random.rand(2)  # the resumed process is elsewhere
     fresh.load_checkpoint(tmp_path)
     resumed = (torch.rand(5), random.random(), np.random.rand(3))
     assert torch.equal(uninterrupted[0], resumed[0])
@@ -521,8 +574,7 @@ def test_resume_restores_loss_scaler_and_counters(tmp_path):
     fresh = initialize(W.make_model(cfg, seed=4), cfg)
     fresh.load_checkpoint(tmp_path)
     assert fresh.loss_scaler.state_dict() == scaler
-    assert fresh.counters() == {"global_steps": 6, "micro_steps": 6, "global_samples": 6 * 4,
-                                "skipped_steps": skipped}
+    assert fresh.counters() == {"global_steps": 6, "micro_steps": 6, "global_samples": 6 * 4, "skipped_steps": skipped}
     # the scale, hysteresis and window position decide the next skips: both runs go on alike
     a, _ = W.train_steps(engine, 6, 10, 1, 4, 1, 0)
     b, _ = W.train_steps(fresh, 6, 10, 1, 4, 1, 0)
@@ -554,20 +606,39 @@ def test_train_ddp_example_under_torchrun(tmp_path):
     """model_zoo/train_ddp.py as a user runs it: torchrun, 2 processes, RANK/WORLD_SIZE from the env."""
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = tmp_path / "cfg.yaml"
     # train_batch_size and accumulation as a ds_config.json gives them: micro batch 16 is derived
-    cfg.write_text("zero_optimization: {stage: 2}\nbf16: {enabled: true}\n"
-                   "train_batch_size: 64\ngradient_accumulation_steps: 2\n")
+    cfg.write_text(
+        "zero_optimization: {stage: 2}\nbf16: {enabled: true}\ntrain_batch_size: 64\ngradient_accumulation_steps: 2\n"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(root, "model_zoo", "train_ddp.py"), "--config", str(cfg),
-                           "--epochs", "1", "--out", str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(root, "model_zoo", "train_ddp.py"),
+            "--config",
+            str(cfg),
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("epoch 0:"))
     accuracy = float(line.split("test accuracy")[1].split()[0])
-    assert accuracy > 0.5, line                       # 10 classes: chance is 0.1
+    assert accuracy > 0.5, line  # 10 classes: chance is 0.1
     assert "stage 2, 2 ranks" in proc.stdout
     assert (tmp_path / "ck" / "latest").read_text() == "global_step21"
 
@@ -577,10 +648,11 @@ def test_buffers_agree_across_ranks(two_rank, stage):
     a, b = two_rank[0]["comm"]["bn"][stage], two_rank[1]["comm"]["bn"][stage]
     assert set(a) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert int(a["1.num_batches_tracked"]) == 6           # 3 steps × 2 micro-batches
+    assert int(a["1.num_batches_tracked"]) == 6  # 3 steps × 2 micro-batches
 
 
 # --- a client optimizer (configs without an optimizer section, as DeepSpeed takes one) -----------
+
 
 def _mlp():
     torch.manual_seed(0)
@@ -592,8 +664,11 @@ def test_client_optimizer_trains_like_a_plain_torch_loop(client):
     # oracle: the same model, data, clipping and optimizer in a plain PyTorch loop
     model, ref = _mlp(), _mlp()
     make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # noqa: E731
-    engine = initialize(model, {"train_batch_size": 4, "gradient_clipping": 0.5},
-                        optimizer=make if client == "factory" else make(model.parameters()))
+    engine = initialize(
+        model,
+        {"train_batch_size": 4, "gradient_clipping": 0.5},
+        optimizer=make if client == "factory" else make(model.parameters()),
+    )
     ref_opt = make(ref.parameters())
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -616,8 +691,11 @@ def test_client_optimizer_mistakes_are_named():
         initialize(_mlp(), cfg, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     model = _mlp()
     with pytest.raises(qc.ConfigError, match=r"zero_optimization.stage.*factory"):
-        initialize(model, {"train_batch_size": 4, "zero_optimization": {"stage": 3}},
-                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        initialize(
+            model,
+            {"train_batch_size": 4, "zero_optimization": {"stage": 3}},
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
     with pytest.raises(ValueError, match="not parameters of this model"):
         initialize(model, {"train_batch_size": 4}, optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1))
     with pytest.raises(qc.ConfigError, match="declare it in the config"):
@@ -680,6 +758,7 @@ def test_int8_forward_trains_under_zero3_like_stage0():
     matches stage 0, the ranks agree, every quantized forward took the kernel, and the run follows
     the float forward's (they differ only by that GEMM's rounding)."""
     from qcompress.quant import lowbit
+
     if not lowbit.available():
         pytest.skip("the C++ extension with the low-bit kernels is not built")
     res = run_ranks(W.run_int8_forward, 2, timeout=200)
@@ -702,6 +781,7 @@ def test_tied_weights_train_at_every_stage_like_stage0():
     of the tied weight was overwritten by a second, stale whole copy. Oracle: a single-process
     torch AdamW loop on the global batch (uncompressed) and stage 0 (compressed)."""
     from tests.helpers.tiny_models import make_gpt2
+
     res = run_ranks(W.run_tied, 2, 1, timeout=300)
     model = make_gpt2().train()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
@@ -714,14 +794,16 @@ def test_tied_weights_train_at_every_stage_like_stage0():
         for compress in (False, True):
             got = res[0][(compress, stage)]
             assert got["tied"]
-            assert _close(got["final"], res[1][(compress, stage)]["final"], tol=0)   # ranks agree
+            assert _close(got["final"], res[1][(compress, stage)]["final"], tol=0)  # ranks agree
             assert _close(got["final"], res[0][(compress, 0)]["final"], tol=1e-6)
         assert _close(res[0][(False, stage)]["final"], oracle, tol=1e-4)
+
     # the tied weight is on its 8-bit grid after the step at stage 3 too (symmetric, per row:
     # w / (absmax / 127) is an integer); the uncompressed one is not
     def off_grid(w):
         codes = w / (w.abs().amax(dim=1, keepdim=True) / 127)
         return (codes - codes.round()).abs().max().item()
+
     assert off_grid(res[0][(True, 3)]["final"]["transformer.wte.weight"]) < 1e-3
     assert off_grid(res[0][(False, 3)]["final"]["transformer.wte.weight"]) > 0.1
 
@@ -778,16 +860,22 @@ def test_csv_monitor_after_resume_holds_each_step_once(tmp_path):
             return list(csv.reader(fh))
 
     def engine_in(folder):
-        cfg = W.make_cfg(stage=0, micro=4, gas=1, world=1,
-                         csv_monitor={"enabled": True, "output_path": str(folder), "job_name": "job"})
+        cfg = W.make_cfg(
+            stage=0,
+            micro=4,
+            gas=1,
+            world=1,
+            csv_monitor={"enabled": True, "output_path": str(folder), "job_name": "job"},
+        )
         return initialize(W.make_model(cfg), cfg)
+
     straight = engine_in(tmp_path / "straight")
     W.train_steps(straight, 0, 5, 1, 4, 1, 0)
     straight.monitor.close()
     run = engine_in(tmp_path / "run")
     W.train_steps(run, 0, 2, 1, 4, 1, 0)
     run.save_checkpoint(str(tmp_path / "ck"))
-    W.train_steps(run, 2, 4, 1, 4, 1, 0)            # interrupted after step 4, resumed from step 2
+    W.train_steps(run, 2, 4, 1, 4, 1, 0)  # interrupted after step 4, resumed from step 2
     run.monitor.close()
     resumed = engine_in(tmp_path / "run")
     resumed.load_checkpoint(str(tmp_path / "ck"))

@@ -1,5 +1,6 @@
 """Engine.comm_bytes(): every byte the engine moves, DDP's own traffic included,
 against closed forms for a known model on 2 gloo ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ STEPS = 4
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))   # 259 float32 parameters
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))  # 259 float32 parameters
 
 
 def _batch(rank, step):
@@ -28,13 +29,17 @@ def _cfg(opt):
 
 def bytes_worker(rank, world):
     import qcompress.comm as qcomm
+
     out = {}
     adamw = {"type": "AdamW", "params": {"lr": 0.01}}
-    for name, opt, stage in (("adamw", adamw, 0),
-                             ("onebit", {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}, 0),
-                             ("zero1", adamw, 1), ("zero2", adamw, 2)):
+    for name, opt, stage in (
+        ("adamw", adamw, 0),
+        ("onebit", {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}, 0),
+        ("zero1", adamw, 1),
+        ("zero2", adamw, 2),
+    ):
         engine = qc.initialize(_model(), {**_cfg(opt), "zero_optimization": {"stage": stage}})
-        qcomm.reset_stats()          # must not disturb the engine's counter
+        qcomm.reset_stats()  # must not disturb the engine's counter
         for step in range(STEPS):
             x, y = _batch(rank, step)
             engine.backward(F.cross_entropy(engine(x), y))
@@ -69,14 +74,14 @@ def _results():
 def test_engine_counts_ddp_and_compressed_bytes_on_two_ranks():
     res = _results()
     P = 2
-    state = 259 * 4                                   # bytes of the model's parameters (no buffers)
-    ring = 2 * (P - 1) * state // P                   # one fp32 gradient all-reduce, ring volume
+    state = 259 * 4  # bytes of the model's parameters (no buffers)
+    ring = 2 * (P - 1) * state // P  # one fp32 gradient all-reduce, ring volume
     # 1-bit all-reduce, one scale per tensor (192, 16, 48 and 3 elements): each padded to a multiple of
     # 8P = 16, cut in P chunks; a row is the chunk's sign bits + one float32 scale; all_to_all and
     # all_gather each move (P-1) rows of every tensor each way
     row = sum(-(-n // 16) * 16 // P // 8 + 4 for n in (192, 16, 48, 3))
     onebit_call = 2 * (P - 1) * row
-    hosts = (P - 1) * 32          # once: the all-gather of hostname digests that looks for nodes
+    hosts = (P - 1) * 32  # once: the all-gather of hostname digests that looks for nodes
     for rank, r in enumerate(res):
         root = rank == 0
         # rank 0's model reaches the other rank twice: the engine's broadcast and DDP's own
@@ -102,7 +107,7 @@ def test_engine_counts_zero_stage_1_and_fsdp_bytes_on_two_ranks():
     res = _results()
     P, state = 2, 259 * 4
     for rank, r in enumerate(res):
-        bsent, brecv = ((P - 1) * state, 0) if rank == 0 else (0, state)   # the engine's broadcast only
+        bsent, brecv = ((P - 1) * state, 0) if rank == 0 else (0, state)  # the engine's broadcast only
         z1 = r["zero1"]
         assert z1["by_kind"]["ddp"]["bytes_sent"] == STEPS * 2 * (P - 1) * state // P
         assert z1["by_kind"]["broadcast"] == {"bytes_sent": 2 * bsent, "bytes_received": 2 * brecv}

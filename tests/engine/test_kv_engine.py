@@ -1,5 +1,6 @@
 """KV-cache quantization under the engine: static ranges averaged over data-parallel ranks (as
 static activation ranges are), learned KV scales trained and resumed from a checkpoint exactly."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ def test_ranges_are_averaged_over_data_parallel_ranks_and_resume_under_zero3(tmp
     ranks' EMA ranges, per head, for every layer's K and V. Then ZeRO-3 (FSDP2-sharded learned
     scales): checkpoint after 3 steps and resume a fresh engine: the same losses and parameters."""
     from tests.helpers.dist_utils import run_ranks
+
     res = run_ranks(KW.run_ranks_checks, 2, str(tmp_path), timeout=600)
     for rank in (0, 1):
         z = res[rank]["zero3"]
@@ -26,12 +28,12 @@ def test_ranges_are_averaged_over_data_parallel_ranks_and_resume_under_zero3(tmp
     a, b = res[0]["sync"], res[1]["sync"]
     assert set(a["local"]) == set(a["synced"]) and len(a["local"]) == 4
     for key in a["local"]:
-        assert not torch.equal(a["local"][key][0], b["local"][key][0])       # the ranks saw different data
+        assert not torch.equal(a["local"][key][0], b["local"][key][0])  # the ranks saw different data
         for i in (0, 1):
             mean = (a["local"][key][i] + b["local"][key][i]) / 2
             assert torch.equal(a["synced"][key][i], b["synced"][key][i])
             assert torch.allclose(a["synced"][key][i], mean, rtol=0, atol=1e-7)
-            assert a["synced"][key][i].shape == (2,)                         # per key/value head
+            assert a["synced"][key][i].shape == (2,)  # per key/value head
 
 
 def test_learned_kv_scales_resume_exactly(tmp_path):

@@ -1,6 +1,7 @@
 """LoRA through qcompress.initialize on two gloo ranks at ZeRO stages 0-3 (tests/helpers/lora_workers.py):
 only the adapters are in the optimizer, the frozen base never moves, every stage trains as stage 0,
 and a checkpoint resumes bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,14 +24,14 @@ def _is_adapter(name):
 @pytest.mark.parametrize("stage", W.STAGES)
 def test_only_adapters_train(ranks, mode, stage):
     r = ranks[0][f"{mode}-{stage}"]
-    held = set(r["optimizer"]) | set(ranks[1][f"{mode}-{stage}"]["optimizer"])   # ZeRO-1: split over ranks
+    held = set(r["optimizer"]) | set(ranks[1][f"{mode}-{stage}"]["optimizer"])  # ZeRO-1: split over ranks
     assert held and all(_is_adapter(n) for n in held), held
     assert len(held) == 6
     for name, t in r["final"].items():
         moved = not torch.equal(t, r["start"][name])
-        assert moved == _is_adapter(name), name      # the adapters train, nothing else changes
+        assert moved == _is_adapter(name), name  # the adapters train, nothing else changes
     if mode == "qlora":
-        assert not [n for n in r["final"] if n.endswith(".weight")]      # bases stored as codes
+        assert not [n for n in r["final"] if n.endswith(".weight")]  # bases stored as codes
         assert any(n.endswith("qlora_codes") for n in r["final"])
 
 
@@ -49,6 +50,6 @@ def test_every_stage_trains_as_stage_0(ranks, mode, stage):
 def test_resume_is_exact(ranks, mode, stage):
     for rank in (0, 1):
         r = ranks[rank][f"{mode}-{stage}"]
-        assert r["resumed_losses"] == r["losses"][W.SAVE_AT:]
+        assert r["resumed_losses"] == r["losses"][W.SAVE_AT :]
         for name, t in r["final"].items():
             assert torch.equal(r["resumed_final"][name], t), name

@@ -2,6 +2,7 @@
 stages 1-3. Oracles: the same training with the state in memory (CPU offload at stages 2/3, none at
 stage 1), bit for bit; the process's resident memory from /proc; an uninterrupted run for resume
 after a kill; the closed-form memory estimate."""
+
 from __future__ import annotations
 
 import errno
@@ -43,12 +44,18 @@ def cfg(stage, device="none", path=None, world=1, gas=2, chunk=1500, buffers=2, 
     off = {"device": device, "buffer_count": buffers, **offload}
     if path is not None:
         off["nvme_path"] = str(path)
-    return {"train_batch_size": 4 * gas * world, "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-            "optimizer": opt or {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                                         "warmup_num_steps": 3}},
-            "zero_optimization": {"stage": stage, "offload_optimizer": off, "sub_group_size": chunk}}
+    return {
+        "train_batch_size": 4 * gas * world,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "optimizer": opt or {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 3},
+        },
+        "zero_optimization": {"stage": stage, "offload_optimizer": off, "sub_group_size": chunk},
+    }
 
 
 def reference(stage):
@@ -71,8 +78,10 @@ def train(engine, first, last, rank=0, world=1):
 
 
 def full(engine):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in engine.module.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
 
 
 def same(a, b):
@@ -101,8 +110,10 @@ def test_training_matches_cpu_offload_bit_for_bit(tmp_path, stage):
 
 def test_sgd_with_momentum_and_lamb_stream_too(tmp_path):
     # (Lamb at stage 1: the engine's Lamb does not run under FSDP2's DTensor parameters)
-    for stage, opt in ((2, {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}),
-                       (1, {"type": "Lamb", "params": {"lr": 0.01}})):
+    for stage, opt in (
+        (2, {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}),
+        (1, {"type": "Lamb", "params": {"lr": 0.01}}),
+    ):
         ref = initialize(mlp(), cfg(stage, reference(stage), opt=opt))
         train(ref, 0, 3)
         eng = initialize(mlp(), cfg(stage, "nvme", tmp_path, opt=opt))
@@ -115,14 +126,13 @@ def test_reads_of_the_next_chunk_overlap_the_update(tmp_path):
     """With pipeline_read (our default) chunk i+1's read is issued before chunk i's update ends;
     with pipeline_read/pipeline_write false everything is sequential."""
     for pipelined in (True, False):
-        eng = initialize(mlp(), cfg(1, "nvme", tmp_path, buffers=3, pipeline_read=pipelined,
-                                    pipeline_write=pipelined))
-        train(eng, 0, 1)                               # the first step lays the files out
+        eng = initialize(mlp(), cfg(1, "nvme", tmp_path, buffers=3, pipeline_read=pipelined, pipeline_write=pipelined))
+        train(eng, 0, 1)  # the first step lays the files out
         events = []
         nv = eng.nvme
         real_read, real_update = nv._read, nv._update
 
-        issued = threading.Event()     # read 1 was issued: set by the I/O thread
+        issued = threading.Event()  # read 1 was issued: set by the I/O thread
 
         def read(chunk, buf, real=real_read):
             events.append(("read", chunk.index))
@@ -138,9 +148,10 @@ def test_reads_of_the_next_chunk_overlap_the_update(tmp_path):
                 issued.wait(timeout=30)
             real(chunk, buf)
             events.append(("updated", chunk.index))
+
         nv._read, nv._update = read, update
         train(eng, 1, 2)
-        reads_before = [e for e in events[:events.index(("updated", 0))] if e[0] == "read"]
+        reads_before = [e for e in events[: events.index(("updated", 0))] if e[0] == "read"]
         if pipelined:
             assert ("read", 1) in reads_before, events
         else:
@@ -177,8 +188,7 @@ def run_two_ranks(rank, world, root):
         again = initialize(mlp(seed=3), cfg(stage, "nvme", os.path.join(root, "swap"), world=world))
         again.load_checkpoint(os.path.join(root, f"ck{stage}"))
         train(again, 2, 3, rank, world)
-        out[stage] = {"ref": full(ref), "nvme": full(eng), "resumed": full(again),
-                      "disk": eng.nvme.disk_bytes()}
+        out[stage] = {"ref": full(ref), "nvme": full(eng), "resumed": full(again), "disk": eng.nvme.disk_bytes()}
     return out
 
 
@@ -250,7 +260,7 @@ def test_resident_memory_stays_under_the_buffer_bound(tmp_path):
     grads = 4 * nv["params"]
     chunk_state = 8 * (512 * 512 + 512)
     bound = 2 * chunk_state
-    slack = 3 * 2**20 + 4 * (512 * 512 + 512)             # allocator noise + one Adam temporary
+    slack = 3 * 2**20 + 4 * (512 * 512 + 512)  # allocator noise + one Adam temporary
     # steady state (steps 2-4): between steps only the buffers remain
     assert max(nv["after"][1:]) <= bound + slack, nv
     assert min(mem["after"][1:]) >= state - slack, mem
@@ -281,7 +291,7 @@ def test_kill_mid_save_leaves_the_previous_checkpoint_and_no_swap_files(tmp_path
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env())
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     dead_folder = res.stdout.strip().splitlines()[-1]
-    assert os.path.isdir(dead_folder) and os.listdir(dead_folder)      # a kill cleans nothing
+    assert os.path.isdir(dead_folder) and os.listdir(dead_folder)  # a kill cleans nothing
     assert (ck / "latest").read_text() == "step2" and (ck / ".step4.tmp").is_dir()
     # the next run on the same nvme_path removes the dead run's files; `latest` resumes exactly
     resumed = initialize(mlp(seed=5), cfg(1, "nvme", swap))
@@ -310,7 +320,7 @@ def test_swap_files_are_removed_at_exit(tmp_path):
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env())
     assert res.returncode == 0, res.stderr[-3000:]
-    assert not os.path.exists(res.stdout.strip().splitlines()[-1])   # interpreter exit removed it
+    assert not os.path.exists(res.stdout.strip().splitlines()[-1])  # interpreter exit removed it
     assert os.listdir(tmp_path) == []
 
 
@@ -322,7 +332,7 @@ def test_unwritable_or_missing_path_is_a_config_error_before_training(tmp_path):
     assert err.value.path == N.KEY and str(blocker / "swap") in str(err.value)
     with pytest.raises(qc.ConfigError, match="is not a folder"):
         initialize(mlp(), cfg(1, "nvme", blocker))
-    if os.geteuid() != 0:                      # root writes through permission bits
+    if os.geteuid() != 0:  # root writes through permission bits
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         with pytest.raises(qc.ConfigError, match="not writable"):
@@ -338,13 +348,14 @@ def test_full_disk_is_a_config_error_before_training(tmp_path, monkeypatch):
     def nearly_full(path):
         u = real(path)
         return type(u)(u.total, u.total - 1000, 1000)
+
     monkeypatch.setattr(N.shutil, "disk_usage", nearly_full)
     with pytest.raises(qc.ConfigError, match="free") as err:
         initialize(mlp(), cfg(1, "nvme", tmp_path))
     assert err.value.path == N.KEY
     n = sum(p.numel() for p in mlp().parameters())
     assert f"({8 * n} bytes)" in str(err.value) and "(1000 bytes) free" in str(err.value)
-    assert os.listdir(tmp_path) == []          # nothing left behind
+    assert os.listdir(tmp_path) == []  # nothing left behind
 
 
 def test_disk_filling_up_later_names_the_file(tmp_path, monkeypatch):
@@ -352,6 +363,7 @@ def test_disk_filling_up_later_names_the_file(tmp_path, monkeypatch):
 
     def enospc(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(N.os, "posix_fallocate", enospc)
     with pytest.raises(OSError, match="cannot reserve .*/chunk00000.bin: No space left on device"):
         train(eng, 0, 1)
@@ -376,8 +388,14 @@ def test_estimate_memory_knows_the_nvme_placement():
     P, W = 10_000, 2
     shard = 5_000
     s1 = estimate_memory(P, W, 1, "nvme", sub_group_size=1_000, buffer_count=3)
-    assert s1 == {"parameters": 4 * P, "gradients": 4 * P, "optimizer_state": 0, "total": 8 * P,
-                  "offloaded": 3 * 1_000 * 8, "nvme": 8 * shard}
+    assert s1 == {
+        "parameters": 4 * P,
+        "gradients": 4 * P,
+        "optimizer_state": 0,
+        "total": 8 * P,
+        "offloaded": 3 * 1_000 * 8,
+        "nvme": 8 * shard,
+    }
     s3 = estimate_memory(P, W, 3, "nvme", sub_group_size=1_000, buffer_count=3)
     cpu3 = estimate_memory(P, W, 3, "cpu")
     assert s3["total"] == cpu3["total"] == 0
@@ -397,19 +415,21 @@ def test_a_cleaner_running_while_the_swap_folder_is_set_up_leaves_it(tmp_path, m
     exactly that moment."""
     from qcompress import atomic
     from qcompress.engine import nvme
+
     real = atomic.OwnerLock.create
 
     def create_after_a_cleaner(cls, path):
         nvme.remove_stale_folders(str(tmp_path))
         return real(path)
+
     monkeypatch.setattr(atomic.OwnerLock, "create", classmethod(create_after_a_cleaner))
     folder, lock = nvme.make_swap_folder(str(tmp_path), 1)
     monkeypatch.undo()
     try:
         assert os.path.isdir(folder) and os.path.basename(folder).startswith(nvme._PREFIX)
         assert os.path.isfile(lock.path) and os.path.dirname(lock.path) == folder
-        assert nvme.remove_stale_folders(str(tmp_path)) == []      # its lock is held: kept
+        assert nvme.remove_stale_folders(str(tmp_path)) == []  # its lock is held: kept
         assert os.listdir(tmp_path) == [os.path.basename(folder)]  # no set-up folder left behind
     finally:
         lock.release(unlink=False)
-    assert nvme.remove_stale_folders(str(tmp_path)) == [folder]    # once released, it is stale
+    assert nvme.remove_stale_folders(str(tmp_path)) == [folder]  # once released, it is stale

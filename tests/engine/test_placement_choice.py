@@ -1,6 +1,7 @@
 """The placement table picks, for every (split, optimizer, ZeRO stage, world size), the class whose
 wrapper, sharding and checkpoint layout are those the engine ran before placements were classes:
 the oracle is that engine's own conditions, restated here from its code."""
+
 import itertools
 from types import SimpleNamespace
 
@@ -8,8 +9,18 @@ import pytest
 import torch
 
 import qcompress as qc
-from qcompress.engine.placement import (DDP, FSDP2, PLACEMENTS, MeshReplicas, MeshSharded, OneBitLocalShards,
-                                        SingleProcess, ZeRO1, choose, place)
+from qcompress.engine.placement import (
+    DDP,
+    FSDP2,
+    PLACEMENTS,
+    MeshReplicas,
+    MeshSharded,
+    OneBitLocalShards,
+    SingleProcess,
+    ZeRO1,
+    choose,
+    place,
+)
 
 
 def _cfg(opt, stage):
@@ -37,12 +48,21 @@ def _old_engine(split, onebit, stage, world):
     return sharded, wrapper, layout
 
 
-WRAPPER = {SingleProcess: "none", DDP: "ddp", ZeRO1: "ddp", FSDP2: "fully_shard", MeshSharded: "fully_shard",
-           OneBitLocalShards: "none"}
+WRAPPER = {
+    SingleProcess: "none",
+    DDP: "ddp",
+    ZeRO1: "ddp",
+    FSDP2: "fully_shard",
+    MeshSharded: "fully_shard",
+    OneBitLocalShards: "none",
+}
 
-CASES = [c for c in itertools.product([False, True], ["AdamW", "OneBitAdam"], [0, 1, 2, 3], [1, 2, 4])
-         if not (c[0] and c[3] == 1)                  # a split needs two ranks
-         and not (c[1] == "OneBitAdam" and c[2] >= 2)]  # refused when the config loads
+CASES = [
+    c
+    for c in itertools.product([False, True], ["AdamW", "OneBitAdam"], [0, 1, 2, 3], [1, 2, 4])
+    if not (c[0] and c[3] == 1)  # a split needs two ranks
+    and not (c[1] == "OneBitAdam" and c[2] >= 2)
+]  # refused when the config loads
 
 
 @pytest.mark.parametrize("split,opt,stage,world", CASES)

@@ -2,6 +2,7 @@
 rewrite pass to the repeated blocks of Hugging Face models. Oracles: the schedule formula written
 out here, the plain model's blocks run by hand, a binomial bound on drop counts, and the same run
 without interruption / on the other rank / at another ZeRO stage."""
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,9 @@ import torch.nn as nn
 import qcompress as qc
 from qcompress.nn import pld as P
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)'
+)
 
 from tests.helpers.dist_utils import run_ranks  # noqa: E402
 
@@ -25,33 +28,54 @@ THETA, GAMMA = 0.3, 0.4
 
 def gpt2(seed=0, layers=4, dropout=0.0, tied=True):
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=layers, n_head=2,
-                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                  tie_word_embeddings=tied)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        tie_word_embeddings=tied,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def bert(seed=0, layers=3):
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, num_labels=3,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForSequenceClassification(cfg)
 
 
 def ds_config(stage=0, world=1, theta=THETA, gamma=GAMMA, micro=2, gas=1, compression=True, **pld):
     cfg = {
-        "train_batch_size": micro * gas * world, "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": micro * gas * world,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "zero_optimization": {"stage": stage},
         "progressive_layer_drop": {"enabled": True, "theta": theta, "gamma": gamma, **pld},
     }
     if compression:
-        cfg["compression_training"] = {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0},
-            "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8},
-                                        "modules": [r"attn\.c_attn", r"mlp\.c_fc"]}}}}
+        cfg["compression_training"] = {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                "different_groups": {
+                    "w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": [r"attn\.c_attn", r"mlp\.c_fc"]}
+                },
+            }
+        }
     return cfg
 
 
@@ -79,6 +103,7 @@ def record_decisions(sched):
         keep = inner(block)
         log.append((sched.step, block.index, keep))
         return keep
+
     sched.decide = decide
     return log
 
@@ -109,22 +134,35 @@ def full_params(model):
 def test_deepspeed_config_with_the_key_loads(tmp_path):
     """A DeepSpeed config (the PLD tutorial's keys) loads unchanged; defaults are DeepSpeed's."""
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-                                "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 8,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+                "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001},
+            }
+        )
+    )
     cfg = qc.load_config(str(path))
-    assert (cfg.progressive_layer_drop.enabled, cfg.progressive_layer_drop.theta,
-            cfg.progressive_layer_drop.gamma) == (True, 0.5, 0.001)
+    assert (cfg.progressive_layer_drop.enabled, cfg.progressive_layer_drop.theta, cfg.progressive_layer_drop.gamma) == (
+        True,
+        0.5,
+        0.001,
+    )
     default = qc.load_config({"progressive_layer_drop": {}}).progressive_layer_drop
     assert (default.enabled, default.theta, default.gamma, default.modules) == (False, 1.0, 0.001, None)
 
 
-@pytest.mark.parametrize("section, path, words", [
-    ({"enabled": True, "theta": 0.0}, "progressive_layer_drop.theta", "> 0"),
-    ({"enabled": True, "theta": 1.5}, "progressive_layer_drop.theta", "<= 1"),
-    ({"enabled": True, "gamma": -1}, "progressive_layer_drop.gamma", ">= 0"),
-    ({"enabled": True, "gama": 0.1}, "progressive_layer_drop.gama", "did you mean 'gamma'"),
-    ({"enabled": True, "modules": ["("]}, "progressive_layer_drop.modules[0]", "not a valid regex"),
-])
+@pytest.mark.parametrize(
+    "section, path, words",
+    [
+        ({"enabled": True, "theta": 0.0}, "progressive_layer_drop.theta", "> 0"),
+        ({"enabled": True, "theta": 1.5}, "progressive_layer_drop.theta", "<= 1"),
+        ({"enabled": True, "gamma": -1}, "progressive_layer_drop.gamma", ">= 0"),
+        ({"enabled": True, "gama": 0.1}, "progressive_layer_drop.gama", "did you mean 'gamma'"),
+        ({"enabled": True, "modules": ["("]}, "progressive_layer_drop.modules[0]", "not a valid regex"),
+    ],
+)
 def test_bad_values_name_the_key(section, path, words):
     with pytest.raises(qc.ConfigError) as err:
         qc.load_config({"progressive_layer_drop": section})
@@ -143,7 +181,7 @@ def test_keep_probabilities_follow_the_formula_over_steps_and_depth():
     seen = {}
     for g in range(7):
         seen[g] = dict(sched.keep_probabilities())
-        engine.step()                          # an optimizer boundary (no gradients needed)
+        engine.step()  # an optimizer boundary (no gradients needed)
     for g, probs in seen.items():
         theta = (1 - THETA) * math.exp(-GAMMA * max(g - 1, 0)) + THETA
         want = {f"transformer.h.{i}": 1 - (i + 1) / 4 * (1 - theta) for i in range(4)}
@@ -158,7 +196,7 @@ def test_keep_probabilities_follow_the_formula_over_steps_and_depth():
 
 def test_drop_counts_match_the_keep_probabilities():
     """Over many calls each block runs in a share within 5 sigma of its keep probability."""
-    sched = P.PLDSchedule(theta=0.2, gamma=60.0, seed=3)      # theta(t >= 1) = 0.2 to 1e-26
+    sched = P.PLDSchedule(theta=0.2, gamma=60.0, seed=3)  # theta(t >= 1) = 0.2 to 1e-26
     blocks = [P.PLDState(sched, f"b{i}", i, i + 1, 4) for i in range(4)]
     kept = [0] * 4
     steps, calls = 1000, 4
@@ -181,12 +219,12 @@ def test_eval_output_is_unchanged_and_state_dict_loads_into_the_plain_model():
     qc.init_compression(model, ds_config(compression=False))
     assert {n: id(p) for n, p in model.named_parameters()} == ids_before
     sched = P.pld_schedule(model)
-    sched.start_step(50)                       # theta far below 1: training would drop blocks
+    sched.start_step(50)  # theta far below 1: training would drop blocks
     x = batch(0, 0)
     plain.eval(), model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
-    assert sched._run == 0                     # no decision drawn in eval
+    assert sched._run == 0  # no decision drawn in eval
     assert list(model.state_dict()) == list(plain.state_dict())
     fresh = gpt2(seed=5).eval()
     fresh.load_state_dict(model.state_dict(), strict=True)
@@ -225,24 +263,42 @@ def test_dropped_block_passes_input_through_and_kept_block_is_rescaled():
 
 
 def test_blocks_are_found_in_bert_roberta_gpt2_llama_and_by_regex():
-    llama_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    roberta_cfg = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                             intermediate_size=64, max_position_embeddings=40)
-    cases = [(bert(), [f"bert.encoder.layer.{i}" for i in range(3)]),
-             (transformers.RobertaModel(roberta_cfg), [f"encoder.layer.{i}" for i in range(2)]),
-             (gpt2(layers=2), ["transformer.h.0", "transformer.h.1"]),
-             (transformers.LlamaForCausalLM(llama_cfg), [f"model.layers.{i}" for i in range(3)])]
+    llama_cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    roberta_cfg = transformers.RobertaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=40,
+    )
+    cases = [
+        (bert(), [f"bert.encoder.layer.{i}" for i in range(3)]),
+        (transformers.RobertaModel(roberta_cfg), [f"encoder.layer.{i}" for i in range(2)]),
+        (gpt2(layers=2), ["transformer.h.0", "transformer.h.1"]),
+        (transformers.LlamaForCausalLM(llama_cfg), [f"model.layers.{i}" for i in range(3)]),
+    ]
     on = {"progressive_layer_drop": {"enabled": True, "theta": 0.5}}
     for model, names in cases:
         qc.init_compression(model, on)
         assert [b.name for b in P.pld_schedule(model).blocks] == names
-        assert [(b.depth, b.stack_size) for b in P.pld_schedule(model).blocks] == \
-            [(i + 1, len(names)) for i in range(len(names))]
+        assert [(b.depth, b.stack_size) for b in P.pld_schedule(model).blocks] == [
+            (i + 1, len(names)) for i in range(len(names))
+        ]
     model = bert()
     qc.init_compression(model, {"progressive_layer_drop": {"enabled": True, "modules": [r"layer\.[12]$"]}})
-    assert [(b.name, b.depth, b.stack_size) for b in P.pld_schedule(model).blocks] == \
-        [("bert.encoder.layer.1", 1, 2), ("bert.encoder.layer.2", 2, 2)]
+    assert [(b.name, b.depth, b.stack_size) for b in P.pld_schedule(model).blocks] == [
+        ("bert.encoder.layer.1", 1, 2),
+        ("bert.encoder.layer.2", 2, 2),
+    ]
     with pytest.raises(qc.ConfigError, match="matches no module") as err:
         qc.init_compression(bert(), {"progressive_layer_drop": {"enabled": True, "modules": ["decoder"]}})
     assert err.value.path == "progressive_layer_drop.modules[0]"
@@ -289,6 +345,7 @@ def test_resume_is_exact(tmp_path):
         qc.init_compression(model, cfg)
         eng = qc.initialize(model, cfg)
         return eng, record_decisions(eng.pld)
+
     eng, log = build(0)
     train(eng, 0, 3)
     eng.save_checkpoint(str(tmp_path))
@@ -307,9 +364,10 @@ def test_resume_is_exact(tmp_path):
 
 def test_wall_clock_breakdown_and_main_job_metrics_show_the_share_of_blocks_run(caplog):
     from qcompress.train.loop import group_columns, metric_columns
+
     model = gpt2(layers=4)
     cfg = dict(ds_config(compression=False, theta=0.1, gamma=5.0), wall_clock_breakdown=True)
-    engine = qc.initialize(model, cfg)          # not rewritten first: the engine applies PLD itself
+    engine = qc.initialize(model, cfg)  # not rewritten first: the engine applies PLD itself
     assert engine.pld is not None and "pld.blocks_run" in metric_columns(model)
     assert group_columns(model)["pld.blocks_run"] == 1.0
     log = record_decisions(engine.pld)
@@ -323,8 +381,13 @@ def test_wall_clock_breakdown_and_main_job_metrics_show_the_share_of_blocks_run(
 
 
 # --- ranks, ZeRO stages, 1-bit Adam (2 spawned gloo ranks) ------------------------------------------
-RANK_CASES = [("s0", 0, "AdamW"), ("s1", 1, "AdamW"), ("s2", 2, "AdamW"), ("s3", 3, "AdamW"),
-              ("onebit", 0, "OneBitAdam")]
+RANK_CASES = [
+    ("s0", 0, "AdamW"),
+    ("s1", 1, "AdamW"),
+    ("s2", 2, "AdamW"),
+    ("s3", 3, "AdamW"),
+    ("onebit", 0, "OneBitAdam"),
+]
 
 
 def run_stages_with_pld(rank, world):
@@ -333,7 +396,7 @@ def run_stages_with_pld(rank, world):
         cfg = ds_config(stage=stage, world=world, theta=0.2, gamma=2.0, micro=1, gas=2)
         if opt == "OneBitAdam":
             cfg["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 3e-3, "freeze_step": 2}}
-        model = gpt2(layers=3, tied=False)     # the engine's FSDP2 wrapping shards modules one by one
+        model = gpt2(layers=3, tied=False)  # the engine's FSDP2 wrapping shards modules one by one
         qc.init_compression(model, cfg)
         eng = qc.initialize(model, cfg)
         log = record_decisions(eng.pld)
@@ -352,10 +415,10 @@ def test_ranks_agree_at_every_stage_and_with_onebit_adam(two_ranks):
     ref_log = r0["s0"]["log"]
     assert any(k == 0.0 for *_, k in ref_log) and any(k > 0 for *_, k in ref_log)
     for label, *_ in RANK_CASES:
-        assert r0[label]["log"] == r1[label]["log"] == ref_log, label      # same drops everywhere
+        assert r0[label]["log"] == r1[label]["log"] == ref_log, label  # same drops everywhere
         a, b = r0[label]["final"], r1[label]["final"]
         assert all(torch.equal(a[k], b[k]) for k in a), label
-    for label in ("s1", "s2", "s3"):          # sharding changes nothing but the arithmetic order
+    for label in ("s1", "s2", "s3"):  # sharding changes nothing but the arithmetic order
         for rank in (0, 1):
             assert two_ranks[rank][label]["losses"] == pytest.approx(two_ranks[rank]["s0"]["losses"], rel=1e-4)
     assert r0["onebit"]["losses"][-1] != r0["onebit"]["losses"][0]
@@ -364,12 +427,21 @@ def test_ranks_agree_at_every_stage_and_with_onebit_adam(two_ranks):
 def test_hf_trainer_callback_advances_the_schedule(tmp_path):
     """qcompress.hf.CompressionCallback steps PLD with the Trainer's optimizer steps."""
     from qcompress.hf import CompressionCallback
+
     model = gpt2(layers=4)
     data = [{"input_ids": batch(i, 0, micro=1)[0], "labels": batch(i, 0, micro=1)[0]} for i in range(12)]
     cb = CompressionCallback({"progressive_layer_drop": {"enabled": True, "theta": 0.2, "gamma": 2.0}})
-    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=6,
-                                          per_device_train_batch_size=2, save_strategy="no",
-                                          disable_tqdm=True, seed=0, logging_steps=100)
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=6,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        logging_steps=100,
+    )
     trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[cb])
     sched = P.pld_schedule(model)
     log = record_decisions(sched)

@@ -1,6 +1,7 @@
 """Export round trips: what is written dequantizes to effective_weight() bit for bit, and
 load_quantized reproduces the trained model's eval outputs. The oracle for the bytes on disk
 is compressed-tensors' own unpacking helper plus the closed-form (q - zp) * s."""
+
 import json
 import math
 import os
@@ -23,7 +24,7 @@ class Net(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(40, 256)
         self.fc = nn.Linear(256, 48)
-        self.conv = nn.Conv2d(16, 8, 3)       # K = 144: ragged last group for 64 and 128
+        self.conv = nn.Conv2d(16, 8, 3)  # K = 144: ragged last group for 64 and 128
         self.head = nn.Linear(48, 5)
 
     def forward(self, ids, img):
@@ -31,24 +32,46 @@ class Net(nn.Module):
         return self.head(torch.relu(h)), self.conv(img)
 
 
-def wq_cfg(bits, symmetric=True, granularity="channel", group_size=None, modules=("fc", "emb", "conv"),
-           act=None, quantize_groups=1, numerics="default"):
+def wq_cfg(
+    bits,
+    symmetric=True,
+    granularity="channel",
+    group_size=None,
+    modules=("fc", "emb", "conv"),
+    act=None,
+    quantize_groups=1,
+    numerics="default",
+):
     params = {"start_bits": bits, "target_bits": bits, "ternary": False}
     if granularity is not None:
         params["granularity"] = granularity
     if group_size:
         params["group_size"] = group_size
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
-                              "quantization_type": "symmetric" if symmetric else "asymmetric",
-                              "quantize_groups": quantize_groups, "numerics": numerics},
-        "different_groups": {"wq1": {"params": params, "modules": list(modules)}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "quantization_type": "symmetric" if symmetric else "asymmetric",
+                    "quantize_groups": quantize_groups,
+                    "numerics": numerics,
+                },
+                "different_groups": {"wq1": {"params": params, "modules": list(modules)}},
+            }
+        }
+    }
     if act:
         calib, asym = act
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
-                                  "quantization_type": "asymmetric" if asym else "symmetric"},
-            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["fc", "head", "conv"]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": calib,
+                "quantization_type": "asymmetric" if asym else "symmetric",
+            },
+            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["fc", "head", "conv"]}},
+        }
     return qcompress.load_config(doc)
 
 
@@ -62,12 +85,12 @@ def compressed_net(cfg, seed=0):
     m = Net()
     qcompress.init_compression(m, cfg)
     m.train()
-    m(*inputs())       # calibrates static activation ranges
+    m(*inputs())  # calibrates static activation ranges
     return m.eval()
 
 
 def _dense(t):
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)     # standard strides, even for size-1 dims
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # standard strides, even for size-1 dims
 
 
 def oracle_dequant(sd, prefix, rec):
@@ -93,8 +116,13 @@ def oracle_dequant(sd, prefix, rec):
     return (x * s).reshape(shape)
 
 
-CASES = [(b, sym, gran, gs) for b in (8, 4, 2, 1) for sym in (True, False) if not (b == 1 and not sym)
-         for gran, gs in (("channel", None), ("group", 32), ("group", 64), ("group", 128))]
+CASES = [
+    (b, sym, gran, gs)
+    for b in (8, 4, 2, 1)
+    for sym in (True, False)
+    if not (b == 1 and not sym)
+    for gran, gs in (("channel", None), ("group", 32), ("group", 64), ("group", 128))
+]
 
 
 @pytest.mark.parametrize("bits,sym,gran,gs", CASES)
@@ -133,7 +161,7 @@ def test_activation_quantization_round_trip(tmp_path, act):
     cfg = wq_cfg(4, True, "group", 32, act=act)
     m = compressed_net(cfg)
     ids, img = inputs()
-    ids2, img2 = ids.flip(0), img * 1.7      # static ranges must come from the checkpoint
+    ids2, img2 = ids.flip(0), img * 1.7  # static ranges must come from the checkpoint
     with torch.no_grad():
         ref, ref2 = m(ids, img), m(ids2, img2)
     export_quantized(m, tmp_path / "out", cfg)
@@ -160,13 +188,25 @@ def test_activation_quantization_round_trip(tmp_path, act):
 
 
 def test_ternary_and_binary_written_as_two_bits(tmp_path):
-    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {
-            "t": {"params": {"start_bits": 2, "target_bits": 2, "ternary": True, "granularity": "channel"},
-                  "modules": ["fc"]},
-            "b": {"params": {"start_bits": 1, "target_bits": 1, "granularity": "channel"},
-                  "modules": ["head"]}}}}})
+    cfg = qcompress.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                    "different_groups": {
+                        "t": {
+                            "params": {"start_bits": 2, "target_bits": 2, "ternary": True, "granularity": "channel"},
+                            "modules": ["fc"],
+                        },
+                        "b": {
+                            "params": {"start_bits": 1, "target_bits": 1, "granularity": "channel"},
+                            "modules": ["head"],
+                        },
+                    },
+                }
+            }
+        }
+    )
     m = compressed_net(cfg)
     export_quantized(m, tmp_path / "out", cfg)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -220,6 +260,7 @@ def test_metadata_and_inspect(tmp_path):
     m = compressed_net(cfg)
     export_quantized(m, tmp_path / "out", cfg)
     from safetensors import safe_open
+
     with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
         meta = f.metadata()
     assert meta["format"] == "pt"
@@ -238,6 +279,7 @@ def test_w4a16_g128_size_ratio(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
     from safetensors.torch import save_file
+
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "fp32.safetensors")
     cfg = wq_cfg(4, True, "group", 128, modules=("0", "2"))
     qcompress.init_compression(m, cfg)
@@ -257,16 +299,20 @@ def test_tied_gpt2_exports_after_redundancy_clean(tmp_path):
         cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=32)
         return transformers.GPT2LMHeadModel(cfg)
 
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4,
-                                                "granularity": "channel"}}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}}},
+            }
+        }
+    }
     cfg = qcompress.load_config(doc)
     model = build()
     wte = model.transformer.wte.weight.detach().clone()
     model = qcompress.redundancy_clean(qcompress.init_compression(model, cfg), cfg).eval()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
+        warnings.simplefilter("ignore")  # Conv1D / Embedding: qcompress-only export
         export_quantized(model, tmp_path / "out", cfg)
     sd = load_file(tmp_path / "out" / "model.safetensors")
     # the tied codes and scales are stored once, under the Linear's name; wte points to them
@@ -289,6 +335,7 @@ def test_float32_export_loads_into_a_bfloat16_model(tmp_path, mode):
     def net(dtype=torch.float32):
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16, bias=False)).to(dtype)
+
     cfg = qcompress.load_config(wq_cfg(4, granularity="group", group_size=32, modules=("0", "2")))
     model = qcompress.init_compression(net(), cfg).eval()
     export_quantized(model, tmp_path / "out", cfg)
@@ -305,8 +352,8 @@ def test_float32_export_loads_into_a_bfloat16_model(tmp_path, mode):
     assert y.dtype == torch.bfloat16
     if mode == "exact":
         assert torch.equal(y, want)
-    else:   # the fused kernels sum in another order: within bfloat16 rounding of the result
-        assert torch.allclose(y.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+    else:  # the fused kernels sum in another order: within bfloat16 rounding of the result
+        assert torch.allclose(y.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
@@ -317,20 +364,27 @@ def test_loaded_model_cast_with_to_keeps_its_scales(tmp_path, mode):
     def net(dtype=torch.float32):
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16)).to(dtype)
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["0", "2"]}}}}}
+
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["0", "2"]}},
+            }
+        }
+    }
     doc["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["0", "2"]}},
+    }
     cfg = qcompress.load_config(doc)
     model = qcompress.init_compression(net(), cfg)
     model.train()
-    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))   # calibrates the ranges
+    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))  # calibrates the ranges
     qcompress.CompressionScheduler(model, cfg).step()
     export_quantized(model.eval(), tmp_path / "out", cfg)
     cast = load_quantized(tmp_path / "out", net(), mode=mode).to(torch.bfloat16)
-    want = load_quantized(tmp_path / "out", net(torch.bfloat16), mode=mode)   # oracle: loaded as bf16
+    want = load_quantized(tmp_path / "out", net(torch.bfloat16), mode=mode)  # oracle: loaded as bf16
     x = torch.randn(3, 64).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(cast(x), want(x))
@@ -350,15 +404,29 @@ def test_bf16_gpt2_trained_baked_and_reloaded_agree_bit_for_bit(tmp_path):
 
     def gpt2():
         torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=384, n_layer=2, n_head=6, vocab_size=512, n_positions=64)).to(torch.bfloat16).eval()
+        return (
+            transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(n_embd=384, n_layer=2, n_head=6, vocab_size=512, n_positions=64)
+            )
+            .to(torch.bfloat16)
+            .eval()
+        )
 
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                               "group_size": 64}, "modules": [r"\.h\.\d+\."]}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "w4": {
+                        "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 64},
+                        "modules": [r"\.h\.\d+\."],
+                    }
+                },
+            }
+        }
+    }
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)              # the blocking where the two layouts' sums differ on CPU
+    torch.set_num_threads(2)  # the blocking where the two layouts' sums differ on CPU
     try:
         model = qcompress.init_compression(gpt2(), qcompress.load_config(cfg))
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -375,8 +443,9 @@ def test_bf16_gpt2_trained_baked_and_reloaded_agree_bit_for_bit(tmp_path):
 
 # The recipe leaves wte / lm_head out (serving loaders do not read them); the tied-weight tests need
 # the one Parameter both modules share quantized, so its group takes every module.
-ALL_MODULES_W4_G32 = {"compression_training": {"weight_quantization": {"different_groups": {
-    "w4_g32": {"modules": ["."]}}}}}
+ALL_MODULES_W4_G32 = {
+    "compression_training": {"weight_quantization": {"different_groups": {"w4_g32": {"modules": ["."]}}}}
+}
 
 
 def _tied_gpt2_export(tmp_path):
@@ -385,14 +454,19 @@ def _tied_gpt2_export(tmp_path):
 
     def build():
         torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)).eval()
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)
+        ).eval()
 
-    cfg = qcompress.load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                             "schedules", "w4a16_g32.yaml"), ALL_MODULES_W4_G32)
+    cfg = qcompress.load_config(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "schedules", "w4a16_g32.yaml"
+        ),
+        ALL_MODULES_W4_G32,
+    )
     model = qcompress.init_compression(build(), cfg)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")        # Conv1D / Embedding: qcompress-only export
+        warnings.simplefilter("ignore")  # Conv1D / Embedding: qcompress-only export
         export_quantized(model, tmp_path / "out", cfg)
     return model, build
 
@@ -418,7 +492,7 @@ def test_tied_weights_are_stored_once_and_load_into_both_modules(tmp_path):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     stored = sum(v.numel() * v.element_size() for v in sd.values())
     tied = sum(v.numel() * v.element_size() for k, v in sd.items() if k.startswith("lm_head.weight"))
-    assert tied > 0.2 * stored          # what storing it twice would have added
+    assert tied > 0.2 * stored  # what storing it twice would have added
 
 
 def _edit_manifest(out, fn):
@@ -428,12 +502,15 @@ def _edit_manifest(out, fn):
     path.write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("case,match", [
-    ("missing target", r"tied_to='nowhere' does not name another module"),
-    ("itself", r"tied_to='transformer.wte' does not name another module"),
-    ("chain", r"tied_to='transformer.wte' does not name another module"),
-    ("records differ", r"tied_to='lm_head', but the two modules' weight records differ"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing target", r"tied_to='nowhere' does not name another module"),
+        ("itself", r"tied_to='transformer.wte' does not name another module"),
+        ("chain", r"tied_to='transformer.wte' does not name another module"),
+        ("records differ", r"tied_to='lm_head', but the two modules' weight records differ"),
+    ],
+)
 def test_bad_tie_records_are_checkpoint_errors(tmp_path, case, match):
     _, build = _tied_gpt2_export(tmp_path)
     out = tmp_path / "out"
@@ -448,8 +525,10 @@ def test_bad_tie_records_are_checkpoint_errors(tmp_path, case, match):
             mods["transformer.h.0.attn.c_attn"]["tied_to"] = "lm_head"
         else:
             mods["transformer.wte"]["weights"]["group_size"] = 16
+
     _edit_manifest(out, edit)
     from qcompress.export.errors import CheckpointError
+
     with pytest.raises(CheckpointError, match=match):
         load_quantized(out, build())
 
@@ -460,15 +539,19 @@ def test_a_tied_module_whose_tensors_are_stored_anyway_is_refused(tmp_path):
     from qcompress.export import safetensors_io as sio
     from qcompress.export.errors import CheckpointError
     from qcompress.export.reader import read_config, resolve_ties
+
     _tied_gpt2_export(tmp_path)
     out = tmp_path / "out"
     _, _, _, modules = read_config(str(out))
     tensors, where, _ = sio.read_checkpoint(str(out))
-    resolve_ties(dict(tensors), dict(where), modules)           # as exported: fine
+    resolve_ties(dict(tensors), dict(where), modules)  # as exported: fine
     tensors["transformer.wte.weight_scale"] = tensors["lm_head.weight_scale"].clone()
     where["transformer.wte.weight_scale"] = where["lm_head.weight_scale"]
-    with pytest.raises(CheckpointError, match=r"'transformer.wte.weight_scale' is stored although config.json "
-                                              r"says 'transformer.wte' is tied_to 'lm_head'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'transformer.wte.weight_scale' is stored although config.json "
+        r"says 'transformer.wte' is tied_to 'lm_head'",
+    ):
         resolve_ties(tensors, where, modules)
 
 
@@ -481,17 +564,25 @@ def test_tied_weights_with_learned_ranges_are_stored_once_and_reload_exactly(tmp
 
     def build():
         torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=1, n_head=2, n_positions=32)
+        )
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g32.yaml"), ALL_MODULES_W4_G32, {"compression_training": {
-        "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}}})
+    cfg = qcompress.load_config(
+        os.path.join(root, "schedules", "w4a16_g32.yaml"),
+        ALL_MODULES_W4_G32,
+        {
+            "compression_training": {
+                "weight_quantization": {"shared_parameters": {"observer": "mse", "range_learning": True}}
+            }
+        },
+    )
     model = qcompress.init_compression(build(), cfg)
     sched = qcompress.CompressionScheduler(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-    model(input_ids=ids, labels=ids).loss.backward()          # the learned scales move
+    model(input_ids=ids, labels=ids).loss.backward()  # the learned scales move
     opt.step()
     sched.step()
     model.eval()
@@ -515,13 +606,27 @@ def test_tied_full_precision_weights_are_stored_once_and_reload_tied(tmp_path):
 
     def build():
         torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+            )
+        ).eval()
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = qcompress.load_config(os.path.join(root, "schedules", "w4a16_g128.yaml"), {"compression_training": {
-        "weight_quantization": {"different_groups": {"w4_g128": {"params": {"group_size": 64}}}}}})
+    cfg = qcompress.load_config(
+        os.path.join(root, "schedules", "w4a16_g128.yaml"),
+        {
+            "compression_training": {
+                "weight_quantization": {"different_groups": {"w4_g128": {"params": {"group_size": 64}}}}
+            }
+        },
+    )
     model = qcompress.init_compression(build(), cfg).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,5 +1,6 @@
 """Export/load failure modes: existing outputs, sharding, truncation, corruption, config and model
 mismatches, interrupted writes, un-exportable models, and the CLI entry points."""
+
 import copy
 import json
 import os
@@ -12,8 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 import qcompress
-from qcompress.export import (CheckpointError, ExportError, export_quantized, load_quantized,
-                              main_export, main_inspect)
+from qcompress.export import CheckpointError, ExportError, export_quantized, load_quantized, main_export, main_inspect
 from qcompress.export import safetensors_io as sio
 from qcompress.quant import reference as R
 
@@ -23,10 +23,19 @@ def make_net():
     return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-CFG = {"compression_training": {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-    "different_groups": {"wq1": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                            "group_size": 32}, "modules": ["0", "2"]}}}}}
+CFG = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {
+                "wq1": {
+                    "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 32},
+                    "modules": ["0", "2"],
+                }
+            },
+        }
+    }
+}
 
 
 def exported(tmp_path, name="out", **kw):
@@ -54,15 +63,16 @@ def test_sharded_export_and_force_cleans_old_layout(tmp_path):
     assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((out / sio.INDEX).read_text())
     assert set(index["weight_map"].values()) == set(shards)
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for f in shards
-                                                  for t in load_file(out / f).values())
-    for f in shards:      # a shard passes 2 KB only when one tensor alone is larger
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for f in shards for t in load_file(out / f).values()
+    )
+    for f in shards:  # a shard passes 2 KB only when one tensor alone is larger
         sizes = [t.numel() * t.element_size() for t in load_file(out / f).values()]
         assert sum(sizes) <= 2000 or len(sizes) == 1, (f, sizes)
     x = torch.randn(3, 128)
     with torch.no_grad():
         assert torch.equal(load_quantized(out, make_net())(x), m(x))
-    export_quantized(m, out, force=True)          # single file now: stale shards must go
+    export_quantized(m, out, force=True)  # single file now: stale shards must go
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
@@ -83,13 +93,13 @@ def test_corrupted_bytes_and_header(tmp_path):
     path = out / "model.safetensors"
     data = bytearray(path.read_bytes())
     (hlen,) = struct.unpack("<Q", bytes(data[:8]))
-    header = json.loads(bytes(data[8:8 + hlen]))
+    header = json.loads(bytes(data[8 : 8 + hlen]))
     start = 8 + hlen + header["0.weight_packed"]["data_offsets"][0]
     data[start + 3] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"corrupted: tensor '0\.weight_packed' fails its CRC32"):
         load_quantized(out, make_net())
-    data[8 + 2] = ord("!")                         # break the header JSON
+    data[8 + 2] = ord("!")  # break the header JSON
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="corrupted header"):
         load_quantized(out, make_net())
@@ -109,6 +119,7 @@ def test_config_tensor_mismatch(tmp_path):
             c["qcompress"]["modules"][n]["weights"]["num_bits"] = 2
         for g in c["quantization_config"]["config_groups"].values():
             g["weights"]["num_bits"] = 2
+
     _edit_config(out, two_bits)
     with pytest.raises(CheckpointError, match=r"tensor '0\.weight_packed' is torch.int32 \[64, 16\].*\[64, 8\]"):
         load_quantized(out, make_net())
@@ -117,6 +128,7 @@ def test_config_tensor_mismatch(tmp_path):
     def group64(c):
         for g in c["quantization_config"]["config_groups"].values():
             g["weights"]["group_size"] = 64
+
     _edit_config(out, group64)
     with pytest.raises(CheckpointError, match=r"config\.json.*group_size=64 for '0'"):
         load_quantized(out, make_net())
@@ -155,10 +167,11 @@ def test_interrupted_export_leaves_no_partial_file(tmp_path, monkeypatch, existi
         calls.append(path)
         if len(calls) == 2:
             real(tensors, path, metadata=metadata)
-            with open(path, "r+b") as f:          # half-written file, then the crash
+            with open(path, "r+b") as f:  # half-written file, then the crash
                 f.truncate(os.path.getsize(path) // 2)
             raise KeyboardInterrupt("simulated crash mid-export")
         real(tensors, path, metadata=metadata)
+
     monkeypatch.setattr(sio, "save_file", failing)
     with pytest.raises(KeyboardInterrupt):
         export_quantized(m, out, cfg, max_shard_size="2KB", force=True)
@@ -181,7 +194,8 @@ def test_unexportable_models(tmp_path):
         export_quantized(m, tmp_path / "b")
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["weight_quantization"]["shared_parameters"].update(
-        numerics="deepspeed", quantization_type="asymmetric")
+        numerics="deepspeed", quantization_type="asymmetric"
+    )
     cfg = qcompress.load_config(doc)
     m = qcompress.init_compression(make_net(), cfg)
     with pytest.raises(ExportError, match="numerics"):
@@ -189,7 +203,8 @@ def test_unexportable_models(tmp_path):
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["4"]}}}
+        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["4"]}},
+    }
     m = qcompress.init_compression(make_net(), qcompress.load_config(doc))
     with pytest.raises(ExportError, match="'4'.*never calibrated"):
         export_quantized(m, tmp_path / "d")
@@ -201,7 +216,8 @@ def write_factory(tmp_path, monkeypatch, module):
     (tmp_path / f"{module}.py").write_text(
         "import torch.nn as nn, torch\n"
         "def build():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n")
+        "    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
@@ -211,8 +227,16 @@ def test_cli_export_and_inspect(tmp_path, monkeypatch, capsys):
     save_file(net.state_dict(), tmp_path / "w.safetensors")
     (tmp_path / "cfg.json").write_text(json.dumps(CFG))
     out = tmp_path / "out"
-    argv = ["--model", "qc_factory:build", "--weights", str(tmp_path / "w.safetensors"),
-            "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
+    argv = [
+        "--model",
+        "qc_factory:build",
+        "--weights",
+        str(tmp_path / "w.safetensors"),
+        "--config",
+        str(tmp_path / "cfg.json"),
+        "--out",
+        str(out),
+    ]
     assert main_export(argv) == 0
     with pytest.raises(FileExistsError):
         main_export(argv)
@@ -235,15 +259,28 @@ def test_cli_export_writes_target_bit_codes(tmp_path, monkeypatch, in_forward):
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["weight_quantization"]["shared_parameters"]["quantize_weight_in_forward"] = in_forward
     doc["compression_training"]["weight_quantization"]["different_groups"]["wq1"]["params"].update(
-        start_bits=8, target_bits=4, quantization_period=10)
+        start_bits=8, target_bits=4, quantization_period=10
+    )
     (tmp_path / "cfg.json").write_text(json.dumps(doc))
     out = tmp_path / "out"
-    assert main_export(["--model", "qc_factory3:build", "--weights", str(tmp_path / "w.safetensors"),
-                        "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+    assert (
+        main_export(
+            [
+                "--model",
+                "qc_factory3:build",
+                "--weights",
+                str(tmp_path / "w.safetensors"),
+                "--config",
+                str(tmp_path / "cfg.json"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     loaded = load_quantized(out, make_net())
     for i in (0, 2):  # oracle: the reference quantizer at the target bits on the trained weights
-        want = R.fake_quantize_with_mask(net[i].weight.detach(),
-                                         R.make_spec(4, granularity="group", group_size=32))[0]
+        want = R.fake_quantize_with_mask(net[i].weight.detach(), R.make_spec(4, granularity="group", group_size=32))[0]
         assert torch.equal(loaded[i].weight, want), i
 
 
@@ -254,7 +291,8 @@ def test_cli_export_from_an_engine_checkpoint_keeps_static_ranges(tmp_path, monk
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}},
+    }
     doc.update(train_batch_size=4, optimizer={"type": "SGD", "params": {"lr": 0.05}})
     cfg = qcompress.load_config(doc)
     (tmp_path / "cfg.json").write_text(json.dumps(doc))
@@ -268,29 +306,55 @@ def test_cli_export_from_an_engine_checkpoint_keeps_static_ranges(tmp_path, monk
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     trained = qcompress.redundancy_clean(copy.deepcopy(engine.module), cfg).eval()  # the oracle
     out = tmp_path / "out"
-    assert main_export(["--model", "qc_factory4:build", "--checkpoint", str(tmp_path / "ckpt"),
-                        "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+    assert (
+        main_export(
+            [
+                "--model",
+                "qc_factory4:build",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--config",
+                str(tmp_path / "cfg.json"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "0.input_scale" in load_file(out / "model.safetensors")
     x = torch.randn(5, 128, generator=g)
     with torch.no_grad():
         assert torch.equal(load_quantized(out, make_net())(x), trained(x))
     with pytest.raises(SystemExit, match="not both"):
-        main_export(["--model", "qc_factory4:build", "--checkpoint", str(tmp_path / "ckpt"), "--weights", "w",
-                     "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "o2")])
+        main_export(
+            [
+                "--model",
+                "qc_factory4:build",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--weights",
+                "w",
+                "--config",
+                str(tmp_path / "cfg.json"),
+                "--out",
+                str(tmp_path / "o2"),
+            ]
+        )
 
 
 def _act_cfg(calibration):
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calibration},
-        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}}}
+        "different_groups": {"aq1": {"params": {"bits": 8}, "modules": ["0", "2"]}},
+    }
     return qcompress.load_config(doc)
 
 
 def _exported_act(tmp_path, calibration):
     cfg = _act_cfg(calibration)
     m = qcompress.init_compression(make_net(), cfg).train()
-    m(torch.randn(4, 128))                       # calibrates the static ranges
+    m(torch.randn(4, 128))  # calibrates the static ranges
     out = tmp_path / calibration
     export_quantized(m.eval(), out, cfg)
     return out
@@ -305,18 +369,33 @@ def _set_inputs(c, value):
         g["input_activations"] = value
 
 
-DYNAMIC_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
-                 "dynamic": True, "actorder": None, "observer": None, "observer_kwargs": {},
-                 "block_structure": None}
+DYNAMIC_TOKEN = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "group_size": None,
+    "dynamic": True,
+    "actorder": None,
+    "observer": None,
+    "observer_kwargs": {},
+    "block_structure": None,
+}
 STATIC_TENSOR = dict(DYNAMIC_TOKEN, strategy="tensor", dynamic=False, observer="minmax")
 
 QC_EDITS = [
-    ("plain", lambda c: c["quantization_config"].update(format="int-quantized"),
-     r"'0' format 'int-quantized'.*pack-quantized"),
+    (
+        "plain",
+        lambda c: c["quantization_config"].update(format="int-quantized"),
+        r"'0' format 'int-quantized'.*pack-quantized",
+    ),
     ("plain", lambda c: c["quantization_config"].update(ignore=["0"]), r"ignore lists '0'"),
     ("plain", lambda c: c["quantization_config"].update(ignore=["re:^2$"]), r"ignore lists '2'"),
-    ("plain", lambda c: c["quantization_config"].update(quantization_status="frozen"),
-     r"quantization_status is 'frozen'"),
+    (
+        "plain",
+        lambda c: c["quantization_config"].update(quantization_status="frozen"),
+        r"quantization_status is 'frozen'",
+    ),
     ("plain", lambda c: _set_inputs(c, DYNAMIC_TOKEN), r"input_activations=8-bit token dynamic for '0'"),
     ("static", lambda c: _set_inputs(c, DYNAMIC_TOKEN), r"input_activations\.strategy='token' for '0'"),
     ("static", lambda c: _set_inputs(c, None), r"input_activations=null for '0'.*static"),
@@ -325,12 +404,24 @@ QC_EDITS = [
 ]
 
 
-@pytest.mark.parametrize("kind,edit,message", QC_EDITS, ids=[
-    "format", "ignore", "ignore-regex", "status", "inputs-added", "static-to-dynamic", "static-to-null",
-    "dynamic-to-static", "dynamic-to-null"])
+@pytest.mark.parametrize(
+    "kind,edit,message",
+    QC_EDITS,
+    ids=[
+        "format",
+        "ignore",
+        "ignore-regex",
+        "status",
+        "inputs-added",
+        "static-to-dynamic",
+        "static-to-null",
+        "dynamic-to-static",
+        "dynamic-to-null",
+    ],
+)
 def test_quantization_config_must_agree_with_the_tensors(tmp_path, kind, edit, message):
     out = exported(tmp_path)[1] if kind == "plain" else _exported_act(tmp_path, kind)
-    load_quantized(out, make_net())              # the untouched export loads
+    load_quantized(out, make_net())  # the untouched export loads
     _edit_config(out, edit)
     with pytest.raises(CheckpointError, match=r"config\.json: .*" + message):
         load_quantized(out, make_net())
@@ -353,8 +444,9 @@ MANIFEST_EDITS = [
 ]
 
 
-@pytest.mark.parametrize("edit,message", MANIFEST_EDITS,
-                         ids=["group-size-0", "no-weight-shape", "no-num-bits", "bad-kind"])
+@pytest.mark.parametrize(
+    "edit,message", MANIFEST_EDITS, ids=["group-size-0", "no-weight-shape", "no-num-bits", "bad-kind"]
+)
 def test_malformed_manifest_names_config_and_module(tmp_path, edit, message):
     _, out = exported(tmp_path)
     _edit_config(out, edit)
@@ -368,8 +460,11 @@ def test_malformed_manifest_names_config_and_module(tmp_path, edit, message):
 def test_module_missing_from_manifest(tmp_path):
     _, out = exported(tmp_path)
     _edit_config(out, lambda c: c["qcompress"]["modules"].pop("2"))
-    with pytest.raises(CheckpointError, match=r"config\.json: the qcompress manifest does not list "
-                                              r"module '2'.*'2\.weight_packed'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: the qcompress manifest does not list "
+        r"module '2'.*'2\.weight_packed'",
+    ):
         load_quantized(out, make_net())
 
 
@@ -382,8 +477,11 @@ def test_index_pointing_at_the_wrong_shard(tmp_path):
     key = next(k for k, f in wm.items() if f == shards[0])
     assert key in load_file(out / shards[0]) and key not in load_file(out / shards[1])
     (out / sio.INDEX).write_text(json.dumps(dict(index, weight_map=dict(wm, **{key: shards[1]}))))
-    with pytest.raises(CheckpointError, match=rf"index\.json: maps tensor '{re.escape(key)}' to "
-                                              rf"'{shards[1]}', but it is stored in {shards[0]}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"index\.json: maps tensor '{re.escape(key)}' to "
+        rf"'{shards[1]}', but it is stored in {shards[0]}",
+    ):
         load_quantized(out, make_net())
     (out / sio.INDEX).write_text(json.dumps(dict(index, weight_map={k: f for k, f in wm.items() if k != key})))
     with pytest.raises(CheckpointError, match=rf"index\.json: does not list tensor '{re.escape(key)}'"):
@@ -392,26 +490,35 @@ def test_index_pointing_at_the_wrong_shard(tmp_path):
 
 def test_cli_main_reports_export_errors_without_traceback(tmp_path, monkeypatch, capsys):
     from qcompress import cli
+
     write_factory(tmp_path, monkeypatch, "qc_factory2")
     (tmp_path / "cfg.json").write_text(json.dumps(CFG))
     out = tmp_path / "out"
     argv = ["export", "--model", "qc_factory2:build", "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
     assert cli.main(argv) == 0
     capsys.readouterr()
-    assert cli.main(argv) == 2                                  # FileExistsError: no --force
+    assert cli.main(argv) == 2  # FileExistsError: no --force
     err = capsys.readouterr().err
     assert err.startswith("qcompress export: error: ") and "already exists" in err and "--force" in err
     assert "Traceback" not in err
     doc = json.loads(json.dumps(CFG))
     doc["compression_training"]["weight_quantization"]["shared_parameters"].update(
-        numerics="deepspeed", quantization_type="asymmetric")
+        numerics="deepspeed", quantization_type="asymmetric"
+    )
     (tmp_path / "ds.json").write_text(json.dumps(doc))
-    argv = ["export", "--model", "qc_factory2:build", "--config", str(tmp_path / "ds.json"),
-            "--out", str(tmp_path / "ds")]
-    assert cli.main(argv) == 2                                  # ExportError
+    argv = [
+        "export",
+        "--model",
+        "qc_factory2:build",
+        "--config",
+        str(tmp_path / "ds.json"),
+        "--out",
+        str(tmp_path / "ds"),
+    ]
+    assert cli.main(argv) == 2  # ExportError
     assert capsys.readouterr().err.startswith("qcompress export: error: module '0': asymmetric DeepSpeed")
     _edit_config(out, _group_size_zero)
-    assert cli.main(["inspect", str(out)]) == 2                 # CheckpointError
+    assert cli.main(["inspect", str(out)]) == 2  # CheckpointError
     err = capsys.readouterr().err
     assert err.startswith("qcompress inspect: error: ") and "config.json" in err and "group_size=0" in err
 
@@ -420,22 +527,34 @@ def test_cli_export_weights_errors_name_the_file(tmp_path, monkeypatch, capsys):
     # --weights that is missing, truncated or from another model: one line naming the file (and
     # the tensors), exit status 2, nothing written
     from qcompress import cli
+
     write_factory(tmp_path, monkeypatch, "qc_factory5")
     (tmp_path / "cfg.json").write_text(json.dumps(CFG))
     save_file(make_net().state_dict(), tmp_path / "w.safetensors")
     (tmp_path / "trunc.safetensors").write_bytes((tmp_path / "w.safetensors").read_bytes()[:900])
     other = make_net().state_dict()
-    other["4.weight"] = torch.zeros(8, 16)                 # a layer of another shape
+    other["4.weight"] = torch.zeros(8, 16)  # a layer of another shape
     save_file(other, tmp_path / "shape.safetensors")
     save_file({k: v for k, v in make_net().state_dict().items() if k != "2.bias"}, tmp_path / "miss.safetensors")
-    cases = {"nope": r"--weights .*nope\.safetensors: no such file",
-             "trunc": r"trunc\.safetensors: truncated: tensor '[0-9.a-z]+' ends at byte",
-             "shape": r"shape\.safetensors: tensor '4\.weight' is \[8, 16\], the model's is \[8, 32\]",
-             "miss": r"miss\.safetensors: does not fit .* 1 tensors of the model are not in the file \(2\.bias\)"}
+    cases = {
+        "nope": r"--weights .*nope\.safetensors: no such file",
+        "trunc": r"trunc\.safetensors: truncated: tensor '[0-9.a-z]+' ends at byte",
+        "shape": r"shape\.safetensors: tensor '4\.weight' is \[8, 16\], the model's is \[8, 32\]",
+        "miss": r"miss\.safetensors: does not fit .* 1 tensors of the model are not in the file \(2\.bias\)",
+    }
     for name, pattern in cases.items():
         out = tmp_path / f"out_{name}"
-        argv = ["export", "--model", "qc_factory5:build", "--weights", str(tmp_path / f"{name}.safetensors"),
-                "--config", str(tmp_path / "cfg.json"), "--out", str(out)]
+        argv = [
+            "export",
+            "--model",
+            "qc_factory5:build",
+            "--weights",
+            str(tmp_path / f"{name}.safetensors"),
+            "--config",
+            str(tmp_path / "cfg.json"),
+            "--out",
+            str(out),
+        ]
         assert cli.main(argv) == 2, name
         err = capsys.readouterr().err
         assert err.startswith("qcompress export: error: ") and "Traceback" not in err, err
@@ -451,25 +570,49 @@ def test_cli_export_weights_with_tied_tensors_saved_once(tmp_path, monkeypatch):
         "import torch, transformers\n"
         "def build():\n    torch.manual_seed(0)\n"
         "    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, "
-        "n_layer=1, n_head=2, n_positions=16))\n")
+        "n_layer=1, n_head=2, n_positions=16))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     torch.manual_seed(5)
-    trained = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1,
-                                                                   n_head=2, n_positions=16))
+    trained = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    )
     trained.save_pretrained(tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"
     assert "lm_head.weight" not in load_file(weights)
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte", "lm_head"]}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "w8": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["wte", "lm_head"]}
+                },
+            }
+        }
+    }
     (tmp_path / "cfg.json").write_text(json.dumps(doc))
     out = tmp_path / "out"
     import warnings
+
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # the Embedding is a qcompress-only export
-        assert main_export(["--model", "qc_gpt2f:build", "--weights", str(weights),
-                            "--config", str(tmp_path / "cfg.json"), "--out", str(out)]) == 0
+        warnings.simplefilter("ignore")  # the Embedding is a qcompress-only export
+        assert (
+            main_export(
+                [
+                    "--model",
+                    "qc_gpt2f:build",
+                    "--weights",
+                    str(weights),
+                    "--config",
+                    str(tmp_path / "cfg.json"),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     import qc_gpt2f
+
     loaded = load_quantized(out, qc_gpt2f.build())
     # oracle: the reference 8-bit per-row quantizer on the saved (trained) embedding
     want = R.fake_quantize_with_mask(trained.transformer.wte.weight.detach(), R.make_spec(8, granularity="channel"))[0]
@@ -490,8 +633,11 @@ def test_nonfinite_weight_is_an_export_error_naming_the_tensor(tmp_path, value, 
         bad = qcompress.redundancy_clean(bad, cfg)
     with torch.no_grad():
         bad[2].weight[5, 7] = value
-    with pytest.raises(ExportError, match=r"module '2': tensor '2\.weight' holds 1 NaN or Inf values "
-                                          r"\(the first at index \[5, 7\]"):
+    with pytest.raises(
+        ExportError,
+        match=r"module '2': tensor '2\.weight' holds 1 NaN or Inf values "
+        r"\(the first at index \[5, 7\]",
+    ):
         export_quantized(bad.eval(), out, cfg, force=True)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
     load_quantized(out, make_net())
@@ -511,18 +657,38 @@ def test_wrong_model_class_names_both_classes(tmp_path):
     # what went wrong; config.json's architectures does
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     import warnings
-    bcfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=64, max_position_embeddings=16, num_labels=3)
+
+    bcfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=3,
+    )
     torch.manual_seed(0)
-    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["classifier"]}}}}})
+    cfg = qcompress.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                    "different_groups": {
+                        "g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["classifier"]}
+                    },
+                }
+            }
+        }
+    )
     model = qcompress.init_compression(transformers.BertForSequenceClassification(bcfg), cfg).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_quantized(model, tmp_path / "out", cfg)
-    with pytest.raises(CheckpointError, match=r"module 'classifier' does not exist in the given model \(the "
-                                              r"export is a BertForSequenceClassification, the given model a BertModel\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"module 'classifier' does not exist in the given model \(the "
+        r"export is a BertForSequenceClassification, the given model a BertModel\)",
+    ):
         load_quantized(tmp_path / "out", transformers.BertModel(bcfg))
 
 
@@ -530,14 +696,18 @@ def test_loading_into_an_already_loaded_model_says_so(tmp_path):
     # was KeyError: 'weight'
     m, out = exported(tmp_path)
     loaded = load_quantized(out, make_net())
-    with pytest.raises(CheckpointError, match=r"module '0' of the given model already holds a loaded export "
-                                              r"\(QuantizedLinear\); pass a fresh model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"module '0' of the given model already holds a loaded export "
+        r"\(QuantizedLinear\); pass a fresh model",
+    ):
         load_quantized(out, loaded)
 
 
 def test_a_file_given_for_the_export_folder(tmp_path, capsys):
     # `qcompress inspect out/model.safetensors` was a NotADirectoryError traceback
     from qcompress import cli
+
     m, out = exported(tmp_path)
     target = str(out / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a folder; an export is the folder"):
@@ -556,19 +726,30 @@ def test_manifest_transposed_flag_must_fit_the_kind(tmp_path, kind, flag):
 
     def build():
         torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1,
-                                                                     n_head=2, n_positions=16))
-    cfg = qcompress.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8},
-                                   "modules": ["attn.c_proj", "mlp.c_fc"]}}}}})
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+        )
+
+    cfg = qcompress.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                    "different_groups": {
+                        "g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["attn.c_proj", "mlp.c_fc"]}
+                    },
+                }
+            }
+        }
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = qcompress.init_compression(build(), cfg).eval()
         export_quantized(model, tmp_path / "out", cfg)
     loaded = load_quantized(tmp_path / "out", build())
-    assert torch.equal(loaded.transformer.h[0].attn.c_proj.weight,
-                       model.transformer.h[0].attn.c_proj.effective_weight())
+    assert torch.equal(
+        loaded.transformer.h[0].attn.c_proj.weight, model.transformer.h[0].attn.c_proj.effective_weight()
+    )
     name = "transformer.h.0.attn.c_proj"
 
     def edit(c):
@@ -576,7 +757,11 @@ def test_manifest_transposed_flag_must_fit_the_kind(tmp_path, kind, flag):
         rec["transposed"] = flag
         if kind == "linear":
             rec["kind"] = "linear"
+
     _edit_config(tmp_path / "out", edit)
-    with pytest.raises(CheckpointError, match=rf"module '{re.escape(name)}': transposed={flag} does not fit "
-                                              rf"kind '{kind}'"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"module '{re.escape(name)}': transposed={flag} does not fit "
+        rf"kind '{kind}'",
+    ):
         load_quantized(tmp_path / "out", build())

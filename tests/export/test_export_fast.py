@@ -20,6 +20,7 @@ off. Tolerances:
   integer sums for A8): within the same 1e-5 of the output scale; in bf16 the int8pack bound.
 - dequant plan: same values as the exact weight, so outputs are bit-identical.
 """
+
 import logging
 
 import pytest
@@ -40,30 +41,46 @@ def cfg_for(bits, symmetric=True, granularity="channel", group_size=None, act=No
     params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": granularity}
     if group_size:
         params["group_size"] = group_size
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
-                              "quantization_type": "symmetric" if symmetric else "asymmetric"},
-        "different_groups": {"wq1": {"params": params, "modules": list(modules)}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "quantization_type": "symmetric" if symmetric else "asymmetric",
+                },
+                "different_groups": {"wq1": {"params": params, "modules": list(modules)}},
+            }
+        }
+    }
     if act:
         calib, asym = act
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
-                                  "quantization_type": "asymmetric" if asym else "symmetric"},
-            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": list(modules)}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": calib,
+                "quantization_type": "asymmetric" if asym else "symmetric",
+            },
+            "different_groups": {"aq1": {"params": {"bits": 8}, "modules": list(modules)}},
+        }
     return qcompress.load_config(doc)
 
 
 def mlp(dtype):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
-                         nn.Linear(128, 32)).to(dtype).eval()
+    return (
+        nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 32))
+        .to(dtype)
+        .eval()
+    )
 
 
 def export_and_load(tmp_path, make, cfg, calib_input, fuse=True):
     trained = make()
     qcompress.init_compression(trained, cfg)
     trained.train()
-    trained(*calib_input)                # calibrates static activation ranges
+    trained(*calib_input)  # calibrates static activation ranges
     trained.eval()
     export_quantized(trained, tmp_path / "ckpt")
     exact = load_quantized(tmp_path / "ckpt", make()).eval()
@@ -73,8 +90,10 @@ def export_and_load(tmp_path, make, cfg, calib_input, fuse=True):
 
 def no_float_weight(monkeypatch):
     """Make any per-call weight dequantization fail loudly."""
+
     def boom(*a, **k):
         raise AssertionError("a kernel plan dequantized the float weight in forward")
+
     patch_fast(monkeypatch, "planes_dequantize", boom)
     patch_fast(monkeypatch, "dequantize_record", boom)
     patch_fast(monkeypatch, "_lowbit_weight", boom)
@@ -120,10 +139,14 @@ TORCH_CASES = [  # bits, sym, granularity, group, act, dtype, expected plan (no 
     (4, False, "group", 128, None, torch.bfloat16, "int4pack"),
 ]
 # with the extension, the same layers run qcompress's kernels
-CASES = ([c + (False,) for c in TORCH_CASES]
-         + [c[:6] + ("lowbit_a8" if c[4] else "lowbit", True) for c in TORCH_CASES]
-         + [(2, False, "group", 16, None, torch.float32, "lowbit", True),
-            (8, False, "group", 32, ("static", True), torch.float32, "lowbit_a8", True)])
+CASES = (
+    [c + (False,) for c in TORCH_CASES]
+    + [c[:6] + ("lowbit_a8" if c[4] else "lowbit", True) for c in TORCH_CASES]
+    + [
+        (2, False, "group", 16, None, torch.float32, "lowbit", True),
+        (8, False, "group", 32, ("static", True), torch.float32, "lowbit_a8", True),
+    ]
+)
 
 
 @pytest.mark.parametrize("bits,sym,gran,gs,act,dtype,plan,ext", CASES)
@@ -134,13 +157,12 @@ def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gra
         without_extension(monkeypatch)
     g = torch.Generator().manual_seed(1)
     calib = (torch.randn(6, 256, generator=g).to(dtype),)
-    trained, exact, fast = export_and_load(tmp_path, lambda: mlp(dtype), cfg_for(bits, sym, gran, gs, act),
-                                           calib)
+    trained, exact, fast = export_and_load(tmp_path, lambda: mlp(dtype), cfg_for(bits, sym, gran, gs, act), calib)
     assert set(plans_of(fast).values()) == {plan}
     assert tensor_bytes(fast) <= tensor_bytes(exact) + meta_bytes(fast, exact)
-    x = torch.randn(3, 5, 256, generator=g).to(dtype)         # 3-D input: tokens flattened
+    x = torch.randn(3, 5, 256, generator=g).to(dtype)  # 3-D input: tokens flattened
     with torch.no_grad():
-        assert torch.equal(exact(x), trained(x))                # the oracle is the trained model
+        assert torch.equal(exact(x), trained(x))  # the oracle is the trained model
         if plan != "dequant":
             no_float_weight(monkeypatch)
         h = x
@@ -149,30 +171,34 @@ def test_fast_matches_exact_layer_by_layer(tmp_path, monkeypatch, bits, sym, gra
             assert got.dtype == want.dtype and got.shape == want.shape
             if plan == "dequant" or not isinstance(e, nn.Linear):
                 assert torch.equal(got, want), f"layer {i}"
-            elif dtype == torch.float32:   # tests/quant/test_lowbit_kernels.py's bound: float32 sums, and
+            elif dtype == torch.float32:  # tests/quant/test_lowbit_kernels.py's bound: float32 sums, and
                 xin = e._qx_input(h).double()  # the int8 digits of the input (amax / 64000 per element)
                 w = e.weight.double().abs()
                 b = 0.0 if e.bias is None else e.bias.double().abs()
-                bound = ((6 * w.shape[1] + 16) * 2.0 ** -24 * (xin.abs() @ w.t() + b)
-                         + xin.abs().amax(-1, keepdim=True) / 64000 * w.sum(-1))
+                bound = (6 * w.shape[1] + 16) * 2.0**-24 * (xin.abs() @ w.t() + b) + xin.abs().amax(
+                    -1, keepdim=True
+                ) / 64000 * w.sum(-1)
                 worst = float(((got.double() - want.double()).abs() / bound).max())
                 assert worst <= 1, f"layer {i}: {worst:.3g} x bound"
             else:
                 xin = e._qx_input(h).float()
-                bound = 2.0 ** -7 * (xin.abs() @ e.weight.float().abs().t() + want.float().abs())
+                bound = 2.0**-7 * (xin.abs() @ e.weight.float().abs().t() + want.float().abs())
                 assert bool(((got.float() - want.float()).abs() <= bound).all()), f"layer {i}"
             h = want
 
 
 @needs_ext
-@pytest.mark.parametrize("bits,sym,gran,gs,act", [
-    (8, True, "channel", None, ("dynamic", False)),     # int-quantized, lowbit_a8
-    (8, False, "tensor", None, None),                   # int-quantized zero point [1]
-    (4, False, "group", 32, None),                      # packed codes and zero points
-    (4, False, "channel", None, ("static", True)),
-    (2, False, "tensor", None, None),                   # packed codes, zero point [1]
-    (5, False, "group", 64, None),                      # odd width in int8
-])
+@pytest.mark.parametrize(
+    "bits,sym,gran,gs,act",
+    [
+        (8, True, "channel", None, ("dynamic", False)),  # int-quantized, lowbit_a8
+        (8, False, "tensor", None, None),  # int-quantized zero point [1]
+        (4, False, "group", 32, None),  # packed codes and zero points
+        (4, False, "channel", None, ("static", True)),
+        (2, False, "tensor", None, None),  # packed codes, zero point [1]
+        (5, False, "group", 64, None),  # odd width in int8
+    ],
+)
 def test_lowbit_weight_and_state_dict(tmp_path, bits, sym, gran, gs, act):
     # the kernel layout gives the exported tensors back (names, dtypes, shapes, values) and the
     # exact path's float weight, bit for bit
@@ -194,8 +220,9 @@ def test_fast_weight_and_state_dict(tmp_path, monkeypatch):
     without_extension(monkeypatch)
     g = torch.Generator().manual_seed(2)
     calib = (torch.randn(6, 256, generator=g),)
-    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32),
-                                     cfg_for(8, True, "channel", act=("dynamic", False)), calib)
+    _, exact, fast = export_and_load(
+        tmp_path, lambda: mlp(torch.float32), cfg_for(8, True, "channel", act=("dynamic", False)), calib
+    )
     # int_mm keeps the exported int8 codes: weight and state_dict are those of the exact path
     assert torch.equal(fast[0].weight, exact[0].weight)
     a, b = exact.state_dict(), fast.state_dict()
@@ -206,7 +233,7 @@ def test_fast_weight_and_state_dict(tmp_path, monkeypatch):
     exact(xe).square().sum().backward()
     fast(xf).square().sum().backward()
     assert torch.equal(xe.grad, xf.grad)
-    if lowbit.available():        # the same with qcompress's kernels (lowbit_a8)
+    if lowbit.available():  # the same with qcompress's kernels (lowbit_a8)
         monkeypatch.undo()
         fast_k = load_quantized(tmp_path / "ckpt", mlp(torch.float32), mode="fast")
         assert set(plans_of(fast_k).values()) == {"lowbit_a8"}
@@ -216,15 +243,17 @@ def test_fast_weight_and_state_dict(tmp_path, monkeypatch):
         without_extension(monkeypatch)
 
     # dequant plan on re-laid-out 4-bit planes: state_dict gives the exported tensors back
-    _, exact_p, fast_p = export_and_load(tmp_path / "planes", lambda: mlp(torch.float32),
-                                         cfg_for(4, False, "group", 32), calib)
+    _, exact_p, fast_p = export_and_load(
+        tmp_path / "planes", lambda: mlp(torch.float32), cfg_for(4, False, "group", 32), calib
+    )
     assert set(plans_of(fast_p).values()) == {"dequant"} and "fast_planes" in fast_p[0]._buffers
     a, b = exact_p.state_dict(), fast_p.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(fast_p[0].weight, exact_p[0].weight)
 
-    _, exact4, fast4 = export_and_load(tmp_path / "w4", lambda: mlp(torch.bfloat16),
-                                       cfg_for(4, False, "group", 32), (calib[0].bfloat16(),))
+    _, exact4, fast4 = export_and_load(
+        tmp_path / "w4", lambda: mlp(torch.bfloat16), cfg_for(4, False, "group", 32), (calib[0].bfloat16(),)
+    )
     # int4pack: `weight` is what the kernel uses, (u - 8) * s + z with s and z = -zp * s in bf16:
     # each rounding is <= 2^-9 of at most 16 steps s, so it is within s / 8 of the exact weight,
     # while one wrong code would be a whole step s off
@@ -242,8 +271,8 @@ def test_digits_are_exact_and_fine():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 300, generator=g) * torch.logspace(-20, 20, 6).reshape(6, 1)
     x[1] = 0.0
-    x[2, :] = -3.0                         # every entry at the extreme of the grid
-    x[3, 7] = 1e6                          # one dominant entry
+    x[2, :] = -3.0  # every entry at the extreme of the grid
+    x[3, 7] = 1e6  # one dominant entry
     (a1, a2, a3), big, sx = fastmod._digits(x)
     assert a1.dtype == a2.dtype == a3.dtype == torch.int8
     rebuilt = a1.double() * 65536 + a2.double() * 256 + a3.double()
@@ -263,9 +292,9 @@ class Mixed(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(64, 48)            # W8A8 -> lowbit_a8 (no extension: int_mm)
-        self.two = nn.Linear(48, 32)           # 2-bit -> lowbit (no extension: dequant)
-        self.conv = nn.Conv2d(4, 8, 3)         # conv -> dequant
+        self.fc = nn.Linear(64, 48)  # W8A8 -> lowbit_a8 (no extension: int_mm)
+        self.two = nn.Linear(48, 32)  # 2-bit -> lowbit (no extension: dequant)
+        self.conv = nn.Conv2d(4, 8, 3)  # conv -> dequant
 
     def forward(self, x, img):
         return self.two(torch.relu(self.fc(x))), self.conv(img)
@@ -277,22 +306,36 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog, monkeypatch, ext):
         pytest.skip("the qcompress C++ extension is not built")
     if not ext:
         without_extension(monkeypatch)
-    doc = {"compression_training": {
-        "weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {
-                "w8": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                       "modules": ["fc"]},
-                "w2": {"params": {"start_bits": 2, "target_bits": 2, "ternary": False,
-                                  "granularity": "group", "group_size": 16}, "modules": ["two", "conv"]}}},
-        "activation_quantization": {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["fc"]}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "w8": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}, "modules": ["fc"]},
+                    "w2": {
+                        "params": {
+                            "start_bits": 2,
+                            "target_bits": 2,
+                            "ternary": False,
+                            "granularity": "group",
+                            "group_size": 16,
+                        },
+                        "modules": ["two", "conv"],
+                    },
+                },
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["fc"]}},
+            },
+        }
+    }
     g = torch.Generator().manual_seed(3)
     inputs = (torch.randn(5, 64, generator=g), torch.randn(2, 4, 7, 7, generator=g))
     with caplog.at_level(logging.INFO, logger="qcompress.export.fast"):
-        trained, exact, fast = export_and_load(tmp_path, lambda: (torch.manual_seed(0), Mixed())[1],
-                                               qcompress.load_config(doc), inputs)
+        trained, exact, fast = export_and_load(
+            tmp_path, lambda: (torch.manual_seed(0), Mixed())[1], qcompress.load_config(doc), inputs
+        )
     text = caplog.text
     if ext:
         assert plans_of(fast) == {"fc": "lowbit_a8", "two": "lowbit", "conv": "dequant"}
@@ -317,16 +360,22 @@ def test_fallback_is_exercised_and_logged(tmp_path, caplog, monkeypatch, ext):
 def test_lowbit_plan_refuses_overlong_groups():
     # the int32 sums of the kernels hold groups of at most lowbit.MAX_GROUP columns
     mod = fastmod._QLinear.__new__(type("QL", (fastmod._QLinear, nn.Linear), {}))
-    rec = {"kind": "linear", "qtype": "int", "dtype": "float32", "weight_shape": [4, 40000],
-           "input_activations": None,
-           "weights": {"num_bits": 4, "strategy": "group", "group_size": 20000, "symmetric": True}}
+    rec = {
+        "kind": "linear",
+        "qtype": "int",
+        "dtype": "float32",
+        "weight_shape": [4, 40000],
+        "input_activations": None,
+        "weights": {"num_bits": 4, "strategy": "group", "group_size": 20000, "symmetric": True},
+    }
     assert fastmod.choose_plan(mod, rec) == ("dequant", "group size 20000 above the kernels' 16384")
-    rec["weights"] = dict(rec["weights"], strategy="channel", group_size=None)   # chunked: kernels
+    rec["weights"] = dict(rec["weights"], strategy="channel", group_size=None)  # chunked: kernels
     assert fastmod.choose_plan(mod, rec) == ("lowbit", "")
 
 
-@pytest.mark.parametrize("dtype,ext", [(torch.float32, False), (torch.bfloat16, False),
-                                       (torch.float32, True), (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "dtype,ext", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)]
+)
 def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext):
     pytest.importorskip("transformers")
     if ext and not lowbit.available():
@@ -334,28 +383,46 @@ def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext)
     if not ext:
         without_extension(monkeypatch)
     from transformers import BertConfig, BertModel
-    conf = BertConfig(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=128, max_position_embeddings=32)
+
+    conf = BertConfig(
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+    )
 
     def make():
         torch.manual_seed(0)
         return BertModel(conf).to(dtype).eval()
 
-    if dtype == torch.float32:     # W8A8 attention (int_mm), W8 feed-forward (int_mm24), W4 pooler
-        cfg = qcompress.load_config({"compression_training": {
-            "weight_quantization": {
-                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                "different_groups": {
-                    "enc": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                            "modules": ["encoder"]},
-                    "pool": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                        "group_size": 32}, "modules": ["pooler"]}}},
-            "activation_quantization": {
-                "shared_parameters": {"enabled": True, "schedule_offset": 0,
-                                      "range_calibration": "dynamic"},
-                "different_groups": {"a": {"params": {"bits": 8}, "modules": ["attention"]}}}}})
+    if dtype == torch.float32:  # W8A8 attention (int_mm), W8 feed-forward (int_mm24), W4 pooler
+        cfg = qcompress.load_config(
+            {
+                "compression_training": {
+                    "weight_quantization": {
+                        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                        "different_groups": {
+                            "enc": {
+                                "params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                                "modules": ["encoder"],
+                            },
+                            "pool": {
+                                "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 32},
+                                "modules": ["pooler"],
+                            },
+                        },
+                    },
+                    "activation_quantization": {
+                        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+                        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["attention"]}},
+                    },
+                }
+            }
+        )
         want = {"lowbit_a8", "lowbit"} if ext else {"int_mm", "int_mm24", "dequant"}
-    else:                          # W4 group 32 everywhere (int4pack)
+    else:  # W4 group 32 everywhere (int4pack)
         cfg = cfg_for(4, False, "group", 32, modules=("encoder", "pooler"))
         want = {"lowbit"} if ext else {"int4pack"}
     ids = torch.randint(0, 99, (2, 11), generator=torch.Generator().manual_seed(4))
@@ -373,25 +440,29 @@ def test_transformers_bert_fast_matches_exact(tmp_path, monkeypatch, dtype, ext)
     else:
         # bf16: per-layer 2^-7 gaps (see the module docstring) through two LayerNorm'd blocks;
         # a wrong group, scale or zero point gives O(1) differences after LayerNorm
-        assert err <= 2.0 ** -3 * e.abs().max().item(), err
-        assert (f - e).abs().mean().item() <= 2.0 ** -6 * e.abs().mean().item()
+        assert err <= 2.0**-3 * e.abs().max().item(), err
+        assert (f - e).abs().mean().item() <= 2.0**-6 * e.abs().mean().item()
 
 
 @pytest.mark.skipif(not lowbit.available(), reason="needs the compiled lowbit kernels")
-@pytest.mark.parametrize("act,direct", [
-    (None, True),                      # lowbit: weight-only float input
-    (("dynamic", False), True),        # lowbit_a8, dynamic per-token codes in one call
-    (("dynamic", True), True),
-    (("static", True), False),         # static range: codes made in Python first (general path)
-])
+@pytest.mark.parametrize(
+    "act,direct",
+    [
+        (None, True),  # lowbit: weight-only float input
+        (("dynamic", False), True),  # lowbit_a8, dynamic per-token codes in one call
+        (("dynamic", True), True),
+        (("static", True), False),  # static range: codes made in Python first (general path)
+    ],
+)
 def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
     # the per-call shortcut (_direct) runs the same op on the same tensors as the general path, so
     # outputs are equal bit for bit; under autograd the general path runs (activations not fused:
     # a fused GELU is the kernel's, the general path's torch's; tests/export/test_export_fuse.py)
     g = torch.Generator().manual_seed(5)
     calib = (torch.randn(6, 256, generator=g),)
-    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act), calib,
-                                     fuse=False)
+    _, exact, fast = export_and_load(
+        tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act), calib, fuse=False
+    )
     mods = [m for m in fast if hasattr(m, "qx_plan")]
     assert all((m.qx_direct is not None) == direct for m in mods)
     calls = []
@@ -406,11 +477,11 @@ def test_direct_call_matches_general_path(tmp_path, monkeypatch, act, direct):
             y_general = fast(x)
             for m, d in zip(mods, saved):
                 m.qx_direct = d
-        assert torch.equal(y_direct, y_general)     # (fast against exact: the tests above)
+        assert torch.equal(y_direct, y_general)  # (fast against exact: the tests above)
     assert any(calls) == direct
     calls.clear()
     x = torch.randn(2, 256, generator=g, requires_grad=True)
-    fast(x).sum().backward()             # autograd: the general path (a float weight), with gradients
+    fast(x).sum().backward()  # autograd: the general path (a float weight), with gradients
     assert x.grad is not None and not any(calls)
 
 
@@ -423,9 +494,11 @@ def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
     import copy
     import io
     from qcompress.export import pickle_globals
+
     g = torch.Generator().manual_seed(9)
-    _, exact, fast = export_and_load(tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act),
-                                     (torch.randn(6, 256, generator=g),))
+    _, exact, fast = export_and_load(
+        tmp_path, lambda: mlp(torch.float32), cfg_for(4, True, "group", 32, act), (torch.randn(6, 256, generator=g),)
+    )
     x = torch.randn(3, 256, generator=g)
     for model in (exact, fast):
         buf = io.BytesIO()
@@ -439,17 +512,23 @@ def test_loaded_models_pickle_and_deepcopy(tmp_path, act):
             with torch.no_grad():
                 assert torch.equal(other(x), model(x))
             if lowbit.available() and model is fast:
-                assert all((m.qx_direct is None) == (n.qx_direct is None)
-                           for m, n in zip(other, model) if hasattr(m, "qx_plan"))
+                assert all(
+                    (m.qx_direct is None) == (n.qx_direct is None)
+                    for m, n in zip(other, model)
+                    if hasattr(m, "qx_plan")
+                )
 
 
-@pytest.mark.parametrize("bits,sym,gran,gs,plan", [
-    (4, True, "group", 16, "gather"),        # pack-quantized, per-row groups
-    (2, True, "channel", None, "gather"),
-    (8, False, "channel", None, "gather"),   # int-quantized: zero points per row, gathered with it
-    (8, True, "tensor", None, "gather"),     # one scale for the table
-    (4, False, "group", 16, "dequant"),      # packed zero points run across rows: whole table
-])
+@pytest.mark.parametrize(
+    "bits,sym,gran,gs,plan",
+    [
+        (4, True, "group", 16, "gather"),  # pack-quantized, per-row groups
+        (2, True, "channel", None, "gather"),
+        (8, False, "channel", None, "gather"),  # int-quantized: zero points per row, gathered with it
+        (8, True, "tensor", None, "gather"),  # one scale for the table
+        (4, False, "group", 16, "dequant"),  # packed zero points run across rows: whole table
+    ],
+)
 def test_embedding_gathers_only_the_looked_up_rows(tmp_path, monkeypatch, bits, sym, gran, gs, plan):
     # oracle: F.embedding on the whole dequantized table (the `weight` property, checked against the
     # trained model in test_export.py); gathering the rows' codes must give the same bits
@@ -470,6 +549,6 @@ def test_embedding_gathers_only_the_looked_up_rows(tmp_path, monkeypatch, bits, 
         assert torch.equal(emb(ids), want)
         assert bool(calls) == (plan == "gather")
         monkeypatch.setattr(quantized, "gather_rows", real)
-        emb.max_norm = 1.0                   # renormalizing rows: the whole table, as F.embedding does
+        emb.max_norm = 1.0  # renormalizing rows: the whole table, as F.embedding does
         assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, emb.weight, max_norm=1.0))
         emb.max_norm = None

@@ -5,6 +5,7 @@ torch's activation module). The fused call is the same kernel call with the acti
 its store, so per layer the two differ only by the kernel's GELU against torch's (within
 2e-6 |y| + 1e-6 |gelu(y)|, tests/quant/test_lowbit_kernels.py) and ReLU outputs are equal bit for bit.
 """
+
 import copy
 import io
 
@@ -37,29 +38,42 @@ def export_both(tmp_path, make, cfg, calib):
 
 def tiny_bert(act="gelu"):
     from transformers import BertConfig, BertModel
-    conf = BertConfig(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=160, max_position_embeddings=40, hidden_act=act)
+
+    conf = BertConfig(
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=160,
+        max_position_embeddings=40,
+        hidden_act=act,
+    )
     torch.manual_seed(0)
     return BertModel(conf).eval()
 
 
 def mixins(model, only=None):
-    return {name: type(m).__mro__[1].__name__ for name, m in model.named_modules()
-            if type(m).__module__ == fuse.__name__ and (only is None or type(m).__mro__[1].__name__ == only)}
+    return {
+        name: type(m).__mro__[1].__name__
+        for name, m in model.named_modules()
+        if type(m).__module__ == fuse.__name__ and (only is None or type(m).__mro__[1].__name__ == only)
+    }
 
 
 def test_bert_feed_forward_gelu_is_fused(tmp_path):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 99, (2, 33), generator=torch.Generator().manual_seed(1))
     fused, plain = export_both(tmp_path, tiny_bert, w4(["encoder"]), (ids,))
-    assert mixins(fused) == {**{f"encoder.layer.{i}.intermediate": "FusedActMixin" for i in range(2)},
-                             **{f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)},
-                             **{f"encoder.layer.{i}.output": "FusedResidualMixin" for i in range(2)}}
+    assert mixins(fused) == {
+        **{f"encoder.layer.{i}.intermediate": "FusedActMixin" for i in range(2)},
+        **{f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)},
+        **{f"encoder.layer.{i}.output": "FusedResidualMixin" for i in range(2)},
+    }
     assert mixins(plain) == {}
     inter = fused.encoder.layer[0].intermediate
     assert "fused: dense + intermediate_act_fn (gelu)" in repr(inter)
     with torch.no_grad():
-        for tokens in (1, 5, 33):      # the GEMV below 16 tokens, AMX tiles / vector kernels above
+        for tokens in (1, 5, 33):  # the GEMV below 16 tokens, AMX tiles / vector kernels above
             x = torch.randn(2, tokens, 64, generator=torch.Generator().manual_seed(tokens))
             got, want = inter(x), plain.encoder.layer[0].intermediate(x)
             h = plain.encoder.layer[0].intermediate.dense(x)
@@ -75,7 +89,8 @@ def test_bert_feed_forward_gelu_is_fused(tmp_path):
         calls = []
         for m in (fused, plain):
             m.encoder.layer[0].intermediate.intermediate_act_fn.register_forward_pre_hook(
-                lambda mod, args: calls.append(args[0].clone()))
+                lambda mod, args: calls.append(args[0].clone())
+            )
             m(input_ids=ids)
     assert len(calls) == 2 and torch.equal(calls[0], calls[1])
 
@@ -84,7 +99,7 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.models.bert.modeling_bert import BertIntermediate
 
-    class Doubled(BertIntermediate):          # same attributes, another forward
+    class Doubled(BertIntermediate):  # same attributes, another forward
         def forward(self, hidden_states):
             return 2 * self.intermediate_act_fn(self.dense(hidden_states))
 
@@ -97,7 +112,7 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
     fused, _ = export_both(tmp_path / "a", make_doubled, w4(["encoder"]), (ids,))
     assert mixins(fused, "FusedActMixin") == {"encoder.layer.1.intermediate": "FusedActMixin"}
     fused, _ = export_both(tmp_path / "b", lambda: tiny_bert("quick_gelu"), w4(["encoder"]), (ids,))
-    assert mixins(fused, "FusedActMixin") == {}      # x * sigmoid(1.702 x): no kernel epilogue for it
+    assert mixins(fused, "FusedActMixin") == {}  # x * sigmoid(1.702 x): no kernel epilogue for it
     fused, _ = export_both(tmp_path / "c", tiny_bert, w4(["attention"]), (ids,))
     assert mixins(fused) == {f"encoder.layer.{i}.attention.output": "FusedResidualMixin" for i in range(2)}
     assert transformers
@@ -106,8 +121,16 @@ def test_changed_forward_activation_kind_or_plan_is_not_fused(tmp_path):
 def test_sequential_neighbours_and_pickle(tmp_path):
     def make():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 96), nn.GELU(approximate="tanh"),
-                             nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 8), nn.SiLU()).eval()
+        return nn.Sequential(
+            nn.Linear(64, 96),
+            nn.ReLU(),
+            nn.Linear(96, 96),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(96, 64),
+            nn.GELU(),
+            nn.Linear(64, 8),
+            nn.SiLU(),
+        ).eval()
 
     x = torch.randn(3, 20, 64, generator=torch.Generator().manual_seed(3))
     fused, plain = export_both(tmp_path, make, w4(["."]), (x,))
@@ -116,7 +139,7 @@ def test_sequential_neighbours_and_pickle(tmp_path):
     plain = load_quantized(tmp_path / "ck", make(), mode="fast", fuse_activations=False)
     with torch.no_grad():
         h = fused[1](fused[0](x))
-        assert torch.equal(h, plain[1](plain[0](x)))      # children unchanged
+        assert torch.equal(h, plain[1](plain[0](x)))  # children unchanged
         y, want = fused(x), plain(x)
         assert (y - want).abs().max().item() <= 1e-5 * want.abs().max().item()
         # ReLU: the fused call equals layer then torch.relu bit for bit
@@ -151,7 +174,7 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
 
     ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     cfg = w4(["transformer.h"])
-    if act == "gelu_new":      # W8A8 with dynamic per-token codes: the lowbit_a8 plan fuses too
+    if act == "gelu_new":  # W8A8 with dynamic per-token codes: the lowbit_a8 plan fuses too
         cfg = cfg_for(8, True, "channel", act=("dynamic", False), modules=["transformer.h"])
     fused, plain = export_both(tmp_path, make, cfg, (ids,))
     assert mixins(fused) == {f"transformer.h.{i}.mlp": "FusedActMixin" for i in range(2)}
@@ -159,7 +182,7 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
     assert fuse.act_kind(fused.transformer.h[0].mlp.act) == kind
     assert f"({kind})" in repr(fused.transformer.h[0].mlp)
     with torch.no_grad():
-        for tokens in (1, 20):           # decode steps and the prompt
+        for tokens in (1, 20):  # decode steps and the prompt
             x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
             mlp, want_mlp = fused.transformer.h[0].mlp, plain.transformer.h[0].mlp
             h = want_mlp.c_fc(x)
@@ -173,7 +196,9 @@ def test_gpt2_mlp_gelu_is_fused(tmp_path, act, kind):
 def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path, scheme):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 99, (2, 9), generator=torch.Generator().manual_seed(1))
-    cfg = w4(["encoder"]) if scheme == "w4" else cfg_for(8, True, "channel", act=("dynamic", False), modules=["encoder"])
+    cfg = (
+        w4(["encoder"]) if scheme == "w4" else cfg_for(8, True, "channel", act=("dynamic", False), modules=["encoder"])
+    )
     fused, plain = export_both(tmp_path, tiny_bert, cfg, (ids,))
     out, want_mod = fused.encoder.layer[1].output, plain.encoder.layer[1].output
     assert out.dense.qx_plan == ("lowbit" if scheme == "w4" else "lowbit_a8")
@@ -191,9 +216,9 @@ def test_bert_skip_connection_in_the_store_changes_nothing(tmp_path, scheme):
             want_mod.train()
             assert torch.equal(a, want_mod(h, r))
             out.eval(), want_mod.eval()
-            rb = r.bfloat16()                  # h + rb promotes to float32; in place it would not
+            rb = r.bfloat16()  # h + rb promotes to float32; in place it would not
             assert torch.equal(out(h, rb), want_mod(h, rb))
-            assert torch.equal(out(h, r[:, :1]), want_mod(h, r[:, :1]))      # broadcast residual
+            assert torch.equal(out(h, r[:, :1]), want_mod(h, r[:, :1]))  # broadcast residual
     # a residual that needs a gradient: the kernel has no backward, so the add stays torch's
     r = torch.randn(2, 5, 64, generator=g, requires_grad=True)
     h = torch.randn(2, 5, 160, generator=g)
@@ -210,19 +235,29 @@ def test_llama_gated_mlp_runs_its_gate_and_silu_as_one_call(tmp_path, scheme):
 
     def make():
         torch.manual_seed(0)
-        conf = LlamaConfig(vocab_size=60, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        conf = LlamaConfig(
+            vocab_size=60,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
         return LlamaForCausalLM(conf).eval()
 
     ids = torch.randint(0, 60, (2, 20), generator=torch.Generator().manual_seed(1))
-    cfg = (w4(["model.layers"]) if scheme == "w4"
-           else cfg_for(8, True, "channel", act=("dynamic", False), modules=["model.layers"]))
+    cfg = (
+        w4(["model.layers"])
+        if scheme == "w4"
+        else cfg_for(8, True, "channel", act=("dynamic", False), modules=["model.layers"])
+    )
     fused, plain = export_both(tmp_path, make, cfg, (ids,))
     assert mixins(fused) == {f"model.layers.{i}.mlp": "FusedActMixin" for i in range(2)}
     mlp, want_mlp = fused.model.layers[0].mlp, plain.model.layers[0].mlp
     assert "fused: gate_proj + act_fn (silu)" in repr(mlp)
     with torch.no_grad():
-        for tokens in (1, 20):           # decode steps and the prompt
+        for tokens in (1, 20):  # decode steps and the prompt
             x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
             got, want = mlp(x), want_mlp(x)
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), tokens

@@ -5,6 +5,7 @@ live writer's), and files get the mode of a plain write.
 
 The oracle for "exactly the old or exactly the new export" is a clean export of each model,
 loaded once: every tensor of the model loaded after a crash must equal one of the two."""
+
 import json
 import os
 import shutil
@@ -24,10 +25,19 @@ from qcompress.export import CheckpointError, export_quantized, load_quantized
 from qcompress.export import safetensors_io as sio
 from tests.helpers.child_env import child_env
 
-CFG = {"compression_training": {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-    "different_groups": {"wq1": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                            "group_size": 32}, "modules": ["0", "2"]}}}}}
+CFG = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+            "different_groups": {
+                "wq1": {
+                    "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 32},
+                    "modules": ["0", "2"],
+                }
+            },
+        }
+    }
+}
 
 
 def make_net(seed=0):
@@ -75,6 +85,7 @@ class Inject:
             if self.calls == self.k or (self.dead and self.calls > self.k):
                 raise Crash(f"injected crash at rename/remove {self.calls}")
             return real(*args)
+
         return hook
 
     def __exit__(self, *exc):
@@ -95,8 +106,9 @@ def _export(model, out, sharded, force=True):
 LAYOUTS = [(False, False), (True, True), (False, True), (True, False)]
 
 
-@pytest.mark.parametrize("old_sharded,new_sharded", LAYOUTS,
-                         ids=["single-single", "sharded-sharded", "single-sharded", "sharded-single"])
+@pytest.mark.parametrize(
+    "old_sharded,new_sharded", LAYOUTS, ids=["single-single", "sharded-sharded", "single-sharded", "sharded-single"]
+)
 @pytest.mark.parametrize("dead", [False, True], ids=["exception", "kill"])
 def test_overwrite_is_atomic_at_every_rename_and_remove(tmp_path, models, old_sharded, new_sharded, dead):
     template = tmp_path / "template"
@@ -116,7 +128,7 @@ def test_overwrite_is_atomic_at_every_rename_and_remove(tmp_path, models, old_sh
             except Crash:
                 crashed = True
         got = state_of(out)
-        if not crashed:           # k is past the last rename/removal: a complete export
+        if not crashed:  # k is past the last rename/removal: a complete export
             assert same(got, new)
             assert not hidden(out)
             break
@@ -129,7 +141,7 @@ def test_overwrite_is_atomic_at_every_rename_and_remove(tmp_path, models, old_sh
     else:
         pytest.fail("the export never finished")
     n_new = 2 if new_sharded else 1
-    assert inj.calls >= n_new + 1          # config.json + every data file renamed in
+    assert inj.calls >= n_new + 1  # config.json + every data file renamed in
     # the first rename is config.json's (the commit): failing it keeps the old export; from
     # then on the folder is the new one
     assert outcomes[0] == "old" and outcomes[1:] and set(outcomes[1:]) == {"new"}, outcomes
@@ -152,7 +164,7 @@ def test_crash_while_recovering_a_crashed_export(tmp_path, models):
     # of recovering them or of its own commit still leaves exactly one of the two exports
     base = tmp_path / "base"
     _export(models[0], base, True, force=False)
-    with Inject(2, dead=True):                 # config.json renamed in, then the process died
+    with Inject(2, dead=True):  # config.json renamed in, then the process died
         with pytest.raises(Crash):
             _export(models[1], base, True)
     assert hidden(base), "expected staged files of the committed export"
@@ -181,10 +193,10 @@ def test_mixed_shards_never_load(tmp_path, models):
     _export(models[1], b, True, force=False)
     shards = sorted(f for f in os.listdir(a) if f.startswith("model-"))
     assert len(shards) >= 3 and shards == sorted(f for f in os.listdir(b) if f.startswith("model-"))
-    shutil.copy(b / shards[1], a / shards[1])        # every per-tensor CRC of the copy passes
+    shutil.copy(b / shards[1], a / shards[1])  # every per-tensor CRC of the copy passes
     with pytest.raises(CheckpointError, match=rf"{shards[1]}: does not belong to this export"):
         load_quantized(a, make_net())
-    for f in shards + [sio.INDEX]:                   # all of b's files under a's config.json
+    for f in shards + [sio.INDEX]:  # all of b's files under a's config.json
         shutil.copy(b / f, a / f)
     with pytest.raises(CheckpointError, match=r"does not belong to this export"):
         load_quantized(a, make_net())
@@ -207,8 +219,9 @@ def _drop_manifest(folder):
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["bound", "legacy-export"])
-@pytest.mark.parametrize("bad", ["../outside/x.safetensors", "ABS", "sub/x.safetensors", "..",
-                                 ".hidden.safetensors", "a\\..\\x.safetensors"])
+@pytest.mark.parametrize(
+    "bad", ["../outside/x.safetensors", "ABS", "sub/x.safetensors", "..", ".hidden.safetensors", "a\\..\\x.safetensors"]
+)
 def test_index_entries_cannot_escape_the_folder(tmp_path, models, legacy, bad):
     out = tmp_path / "exp" / "out"
     _export(models[0], out, True, force=False)
@@ -229,6 +242,7 @@ def test_index_entries_cannot_escape_the_folder(tmp_path, models, legacy, bad):
     def spy(path, *a, **kw):
         opened.append(os.path.abspath(path))
         return real_open(path, *a, **kw)
+
     sio.safe_open = spy
     try:
         with pytest.raises(CheckpointError) as err:
@@ -260,10 +274,10 @@ def test_bit_flip_in_a_tensor_name_names_the_damaged_file(tmp_path, models):
         shard = sorted(f for f in os.listdir(out) if f.startswith("model-"))[1]
         data = bytearray((out / shard).read_bytes())
         hlen = int.from_bytes(data[:8], "little")
-        header = json.loads(bytes(data[8:8 + hlen]))
+        header = json.loads(bytes(data[8 : 8 + hlen]))
         name = next(k for k in header if k != "__metadata__")
-        pos = data.index(json.dumps(name).encode(), 8)   # the first occurrence: the tensor entry
-        data[pos + 1] ^= 0x01                             # '2' -> '3', '0' -> '1': still valid JSON
+        pos = data.index(json.dumps(name).encode(), 8)  # the first occurrence: the tensor entry
+        data[pos + 1] ^= 0x01  # '2' -> '3', '0' -> '1': still valid JSON
         (out / shard).write_bytes(bytes(data))
         with pytest.raises(CheckpointError, match=rf"{shard}: corrupted header: tensor '.*' has no CRC32"):
             load_quantized(out, make_net())
@@ -281,6 +295,7 @@ def test_failed_write_leaves_the_old_export_and_no_temporaries(tmp_path, models,
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
         real(tensors, path, metadata=metadata)
+
     monkeypatch.setattr(sio, "save_file", failing)
     with pytest.raises(OSError, match="No space"):
         _export(models[1], out, True)
@@ -321,20 +336,21 @@ def test_live_writer_temporaries_are_kept_dead_ones_removed(tmp_path, models):
     try:
         theirs = hidden(out)
         assert any(f.endswith(".lock") for f in theirs) and any(f.endswith(".tmp") for f in theirs)
-        _export(models[2], out, False)                    # a second writer while the first lives
+        _export(models[2], out, False)  # a second writer while the first lives
         assert set(theirs) <= set(hidden(out)), "a live writer's temporaries were deleted"
         assert same(state_of(out), state_of_clean(tmp_path, models[2], False))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    assert hidden(out) == theirs                          # killed: everything it had is left over
-    _export(models[0], out, False)                        # the next write cleans it
+    assert hidden(out) == theirs  # killed: everything it had is left over
+    _export(models[0], out, False)  # the next write cleans it
     assert hidden(out) == []
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
 def test_in_process_live_writer_is_respected(tmp_path, models):
     from qcompress.export.commit import ExportWriter
+
     out = tmp_path / "out"
     _export(models[0], out, False, force=False)
     with ExportWriter(str(out)) as live:
@@ -342,10 +358,11 @@ def test_in_process_live_writer_is_respected(tmp_path, models):
         mine = hidden(out)
         _export(models[1], out, False)
         assert set(mine) <= set(hidden(out))
-    assert hidden(out) == []                              # not committed: it removed its own files
+    assert hidden(out) == []  # not committed: it removed its own files
 
 
 # --- file modes -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_exported_files_honour_the_umask(tmp_path, models, umask):
@@ -398,6 +415,7 @@ def test_two_writers_committing_at_once_leave_the_last_export(tmp_path, monkeypa
     # ran after the second had committed, leaving its files under the second's config.json, a
     # folder that loaded as neither. Commits now take turns; the last one is the export.
     import threading
+
     out = tmp_path / "out"
     ref = tmp_path / "ref"
     export_quantized(compressed(2), ref)
@@ -407,22 +425,24 @@ def test_two_writers_committing_at_once_leave_the_last_export(tmp_path, monkeypa
 
     def slow_first(src, dst):
         if threading.current_thread().name == "first" and not dst.endswith(sio.CONFIG):
-            first_rolls.set()          # the first writer has renamed its config.json in
-            time.sleep(1.0)            # ... and is slow to rename its files
+            first_rolls.set()  # the first writer has renamed its config.json in
+            time.sleep(1.0)  # ... and is slow to rename its files
         real(src, dst)
+
     monkeypatch.setattr(atomic, "fs_replace", slow_first)
     errors = []
 
     def run(seed):
         try:
             export_quantized(compressed(seed), out, force=True)
-        except Exception as e:        # pragma: no cover - reported below
+        except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
+
     os.makedirs(out)
     first = threading.Thread(target=run, args=(1,), name="first")
     first.start()
     assert first_rolls.wait(30)
-    run(2)                             # the second writer commits while the first rolls forward
+    run(2)  # the second writer commits while the first rolls forward
     first.join(60)
     assert not errors and not first.is_alive()
     assert same(state_of(out), want)

@@ -10,6 +10,7 @@ and 2^-7 (|x| @ |W|^T) + 2^-7 |exact| per output; a wrong code, nibble, group or
 by a whole quantization step (>= 1/15 of a group's range). The tests marked cuda run the kernels
 themselves on a GPU and skip elsewhere with the reason printed.
 """
+
 import os
 
 import pytest
@@ -25,7 +26,7 @@ from tests.export.test_export_fast import cfg_for
 import qcompress
 
 BF = torch.bfloat16
-EPS = 2.0 ** -7
+EPS = 2.0**-7
 
 
 def _mlp():
@@ -64,8 +65,8 @@ def test_int4_layout_reproduces_the_exact_weights(tmp_path, sym, gran, gs):
         want = mod.weight.float()
         bound = EPS * (want.abs() + sz[..., 1].t().float().abs().repeat_interleave(got.shape[1] // sz.shape[0], 1))
         assert ((got - want).abs() <= bound).all()
-        step = s.repeat_interleave(got.shape[1] // s.shape[1], 1)       # one code step per weight
-        assert (bound < 0.5 * step).all()                               # so a wrong code cannot pass
+        step = s.repeat_interleave(got.shape[1] // s.shape[1], 1)  # one code step per weight
+        assert (bound < 0.5 * step).all()  # so a wrong code cannot pass
 
 
 @pytest.mark.parametrize("sym,gran,gs", W4_CASES[:3])
@@ -102,8 +103,13 @@ def test_int8_layout_with_torch_kernel_matches_exact(tmp_path, gran):
 
 
 def _rec(bits, strat="group", gs=128, sym=True, dtype="bfloat16", n=64, k=256, kind="linear", qtype="int"):
-    return {"kind": kind, "qtype": qtype, "dtype": dtype, "weight_shape": [n, k],
-            "weights": {"num_bits": bits, "strategy": strat, "group_size": gs, "symmetric": sym}}
+    return {
+        "kind": kind,
+        "qtype": qtype,
+        "dtype": dtype,
+        "weight_shape": [n, k],
+        "weights": {"num_bits": bits, "strategy": strat, "group_size": gs, "symmetric": sym},
+    }
 
 
 def test_plan_choice_and_reasons():
@@ -113,16 +119,21 @@ def test_plan_choice_and_reasons():
     assert fast_cuda.choose(_rec(4, "channel", None, k=128), True, ampere) == ("int4pack_cuda", "")
     assert fast_cuda.choose(_rec(8, "channel", None), True, ampere) == ("int8pack_cuda", "")
     refused = {
-        "group 96": _rec(4, gs=96, k=288), "n % 8": _rec(4, n=60), "float32": _rec(4, dtype="float32"),
-        "2-bit": _rec(2), "asymmetric 8-bit": _rec(8, "channel", None, sym=False),
-        "8-bit group": _rec(8), "conv": _rec(4, kind="conv"), "fp4": _rec(4, qtype="float"),
+        "group 96": _rec(4, gs=96, k=288),
+        "n % 8": _rec(4, n=60),
+        "float32": _rec(4, dtype="float32"),
+        "2-bit": _rec(2),
+        "asymmetric 8-bit": _rec(8, "channel", None, sym=False),
+        "8-bit group": _rec(8),
+        "conv": _rec(4, kind="conv"),
+        "fp4": _rec(4, qtype="float"),
         "group 512": _rec(4, "channel", None, k=512),
     }
     for what, rec in refused.items():
         plan, why = fast_cuda.choose(rec, rec["kind"] == "linear", ampere)
         assert plan == "" and why, what
     assert fast_cuda.choose(_rec(4), True, (7, 5))[0] == ""
-    assert fast_cuda.choose(_rec(4), False, ampere)[0] == ""          # a Linear subclass with its own forward
+    assert fast_cuda.choose(_rec(4), False, ampere)[0] == ""  # a Linear subclass with its own forward
 
 
 def test_inner_k_tiles():
@@ -142,7 +153,8 @@ def test_dense_mode_on_cpu_gives_the_fast_plans(tmp_path):
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)),
-    reason="needs a CUDA GPU of compute capability 8.0+ (torch's int4 weight-only kernel)")
+    reason="needs a CUDA GPU of compute capability 8.0+ (torch's int4 weight-only kernel)",
+)
 
 
 def _disk_bytes(folder):
@@ -151,9 +163,14 @@ def _disk_bytes(folder):
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("bits,sym,gran,gs,plan", [(4, True, "group", 128, "int4pack_cuda"),
-                                                   (4, False, "group", 32, "int4pack_cuda"),
-                                                   (8, True, "channel", None, "int8pack_cuda")])
+@pytest.mark.parametrize(
+    "bits,sym,gran,gs,plan",
+    [
+        (4, True, "group", 128, "int4pack_cuda"),
+        (4, False, "group", 32, "int4pack_cuda"),
+        (8, True, "channel", None, "int8pack_cuda"),
+    ],
+)
 def test_cuda_packed_matches_exact_in_export_memory(tmp_path, bits, sym, gran, gs, plan):
     folder = _export(tmp_path, bits, sym, gran, gs)
     exact = load_quantized(folder, _mlp().cuda())
@@ -164,7 +181,7 @@ def test_cuda_packed_matches_exact_in_export_memory(tmp_path, bits, sym, gran, g
     torch.manual_seed(3)
     for m in (1, 33, 256):
         x = torch.randn(m, 256, device="cuda").to(BF)
-        h = exact[1](exact[0](x))                      # layer by layer: same input for both
+        h = exact[1](exact[0](x))  # layer by layer: same input for both
         for i, (e, f) in enumerate(((exact[0], fast[0]), (exact[2], fast[2]))):
             xin = x if i == 0 else h
             want, got = e(xin).float(), f(xin).float()

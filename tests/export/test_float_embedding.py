@@ -2,6 +2,7 @@
 dim, as a Linear's input dim) and transformers' Conv1D export in compressed-tensors' layouts and
 reload exactly; convolutions are refused at init_compression by name. Oracles: the compressed
 model's effective weights and its outputs, and compressed-tensors' own decompressors."""
+
 import json
 import warnings
 
@@ -14,7 +15,9 @@ import qcompress as qc
 from qcompress.errors import ConfigError
 from qcompress.export import export_quantized, load_quantized
 
-ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
+ct = pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)"
+)
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -29,7 +32,7 @@ FORMATS = {
     "mxfp4": dict(start_bits=4, target_bits=4, format="mxfp4"),
     "mxfp8": dict(start_bits=8, target_bits=8, format="mxfp8"),
 }
-ROWS, DIM = 300, 288     # ragged 128 x 128 blocks in both dims; a multiple of 16 and 32
+ROWS, DIM = 300, 288  # ragged 128 x 128 blocks in both dims; a multiple of 16 and 32
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +43,16 @@ def _quiet():
 
 
 def config(params):
-    return qc.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"g": {"params": dict(params)}}}}})
+    return qc.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+                    "different_groups": {"g": {"params": dict(params)}},
+                }
+            }
+        }
+    )
 
 
 def compress(model, params):
@@ -66,7 +76,7 @@ def ct_weight(out_dir, prefix):
     scheme = QuantizationScheme(targets=["Linear"], weights=rec["weights"], format=fmt)
     comp = BaseCompressor.get_value_from_registry(fmt)
     tensors = load_file(str(out_dir / "model.safetensors"))
-    local = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+    local = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
     names = set(comp.compression_param_names(scheme))
     assert names <= set(local), (names, sorted(local))
     return comp.decompress({k: local[k] for k in names}, scheme)["weight"]
@@ -77,7 +87,7 @@ def ct_weight(out_dir, prefix):
 def test_embedding_round_trip(tmp_path, name, dtype):
     model = compress(embedding(dtype), FORMATS[name])
     eff = model[0].effective_weight().detach()
-    assert not torch.equal(eff, model[0].weight.detach())      # the format changed the table
+    assert not torch.equal(eff, model[0].weight.detach())  # the format changed the table
     # rows from every 128-row block, the last (ragged) one included, in a 2-D batch
     ids = torch.tensor([[0, 1, 127, 128], [255, 256, 299, 5]])
     with torch.no_grad():
@@ -85,7 +95,7 @@ def test_embedding_round_trip(tmp_path, name, dtype):
     assert torch.equal(want, F.embedding(ids, eff))
     export_quantized(model, tmp_path / "out")
     dense = ct_weight(tmp_path / "out", "0")
-    assert torch.equal(dense, eff.to(dense.dtype)), name      # its FP4 decompressors return bf16
+    assert torch.equal(dense, eff.to(dense.dtype)), name  # its FP4 decompressors return bf16
     for mode in ("exact", "fast"):
         back = load_quantized(tmp_path / "out", embedding(dtype), mode=mode)
         assert torch.equal(back[0].weight, eff), (name, mode)
@@ -97,6 +107,7 @@ def test_embedding_round_trip(tmp_path, name, dtype):
 
 def gpt2_mlp(dtype):
     from transformers.pytorch_utils import Conv1D
+
     torch.manual_seed(0)
     return nn.Sequential(Conv1D(160, 64), nn.GELU(), Conv1D(64, 160)).to(dtype)
 
@@ -122,8 +133,11 @@ def test_hf_conv1d_round_trip(tmp_path, name):
             assert torch.equal(back(x), want), (name, mode)
 
 
-@pytest.mark.parametrize("conv", [lambda: nn.Conv2d(32, 48, 3), lambda: nn.Conv1d(4, 48, 32),
-                                  lambda: nn.Conv2d(64, 48, 1)], ids=["conv2d", "conv1d_k32", "conv2d_1x1"])
+@pytest.mark.parametrize(
+    "conv",
+    [lambda: nn.Conv2d(32, 48, 3), lambda: nn.Conv1d(4, 48, 32), lambda: nn.Conv2d(64, 48, 1)],
+    ids=["conv2d", "conv1d_k32", "conv2d_1x1"],
+)
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_conv_is_refused_at_init(tmp_path, name, conv):
     """compressed-tensors defines no float layout for a conv kernel: refused before anything trains."""

@@ -4,6 +4,7 @@ load_quantized's bit for bit, for 3-D inputs (the encoder) and 2-D ones (the poo
 FP8 per-token on 2-D inputs, which compressed-tensors quantizes per tensor (vLLM and qcompress per
 row): there the difference is exactly that rule. FP4 / MX exports of float32 models are refused,
 as compressed-tensors decompresses them to bfloat16."""
+
 import json
 import warnings
 
@@ -28,13 +29,16 @@ from safetensors.torch import load_file  # noqa: E402
 PRESETS = {
     "FP8": (dict(format="fp8_e4m3", granularity="tensor"), dict(bits=8, format="fp8_e4m3"), "static"),
     "FP8_DYNAMIC": (dict(format="fp8_e4m3", granularity="channel"), dict(bits=8, format="fp8_e4m3"), "dynamic"),
-    "FP8_BLOCK": (dict(format="fp8_e4m3", granularity="block"),
-                  dict(bits=8, format="fp8_e4m3", group_size=128), "dynamic"),
+    "FP8_BLOCK": (
+        dict(format="fp8_e4m3", granularity="block"),
+        dict(bits=8, format="fp8_e4m3", group_size=128),
+        "dynamic",
+    ),
     "NVFP4": (dict(format="nvfp4"), dict(bits=4, format="nvfp4"), "static"),
     "MXFP4": (dict(format="mxfp4"), dict(bits=4, format="mxfp4"), "dynamic"),
     "MXFP8": (dict(format="mxfp8"), dict(bits=8, format="mxfp8"), "dynamic"),
 }
-SCOPE = ["encoder", "pooler"]          # the classifier head stays full precision
+SCOPE = ["encoder", "pooler"]  # the classifier head stays full precision
 IDS = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
@@ -48,21 +52,33 @@ def _quiet():
 
 def bert(dtype):
     torch.manual_seed(0)
-    conf = transformers.BertConfig(vocab_size=60, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=256, max_position_embeddings=32, num_labels=3)
+    conf = transformers.BertConfig(
+        vocab_size=60,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(conf).eval().to(dtype)
 
 
 def doc_of(name, wbits=None):
     wp, ap, calib = PRESETS[name]
     bits = wbits or ap["bits"]
-    return {"compression_training": {
-        "weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-            "different_groups": {"w": {"params": dict(wp, start_bits=bits, target_bits=bits), "modules": SCOPE}}},
-        "activation_quantization": {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib},
-            "different_groups": {"a": {"params": ap, "modules": SCOPE}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+                "different_groups": {"w": {"params": dict(wp, start_bits=bits, target_bits=bits), "modules": SCOPE}},
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib},
+                "different_groups": {"a": {"params": ap, "modules": SCOPE}},
+            },
+        }
+    }
 
 
 def exported(tmp_path, name, dtype, doc=None):
@@ -71,14 +87,18 @@ def exported(tmp_path, name, dtype, doc=None):
     qc.init_compression(model, cfg)
     qc.CompressionScheduler(model, cfg).step()
     model.train()
-    model(IDS)                   # calibrates the static ranges
+    model(IDS)  # calibrates the static ranges
     model.eval()
     export_quantized(model, tmp_path / "out")
     return model, tmp_path / "out"
 
 
 def quantized_linears(model):
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(("bert.encoder", "bert.pooler"))}
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.startswith(("bert.encoder", "bert.pooler"))
+    }
 
 
 def as_one_batch(module):
@@ -103,7 +123,7 @@ def test_transformers_logits_equal_ours(tmp_path, name, dtype):
         # the refusal holds while compressed-tensors' own decompressor returns bfloat16 weights
         tensors = load_file(str(folder / "model.safetensors"))
         prefix = "bert.encoder.layer.0.intermediate.dense."
-        local = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        local = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         comp = BaseCompressor.get_value_from_registry(group["format"])
         scheme = QuantizationScheme.model_validate({k: v for k, v in group.items()})
         names = comp.compression_param_names(scheme)
@@ -112,12 +132,12 @@ def test_transformers_logits_equal_ours(tmp_path, name, dtype):
             transformers_kwargs(folder)
         return
     kwargs = transformers_kwargs(folder)
-    assert kwargs == {}              # plain from_pretrained: compressed-tensors quantizes the inputs
+    assert kwargs == {}  # plain from_pretrained: compressed-tensors quantizes the inputs
     hf = transformers.BertForSequenceClassification.from_pretrained(folder, dtype=dtype, **kwargs).eval()
     per_token_2d = group["input_activations"]["strategy"] == "token"
     with torch.no_grad():
         got = hf(IDS).logits
-        if per_token_2d:         # the pooler's 2-D input: per tensor there, per row here and in vLLM
+        if per_token_2d:  # the pooler's 2-D input: per tensor there, per row here and in vLLM
             assert not torch.equal(got, want)
             hooks = as_one_batch(hf.bert.pooler.dense)
             got = hf(IDS).logits
@@ -126,7 +146,8 @@ def test_transformers_logits_equal_ours(tmp_path, name, dtype):
     assert torch.equal(got, want), (name, (got - want).abs().max().item())
     # decompressing on load drops the activation quantization: other logits
     dense = transformers.BertForSequenceClassification.from_pretrained(
-        folder, dtype=dtype, quantization_config=dequantize_config()).eval()
+        folder, dtype=dtype, quantization_config=dequantize_config()
+    ).eval()
     with torch.no_grad():
         assert not torch.equal(dense(IDS).logits, want)
 
@@ -168,11 +189,13 @@ def test_train_stage_runs_float_activations_through_plain_from_pretrained(tmp_pa
     """`qcompress train`'s transformers stage: the plain call for float activations (no fallback that
     runs them unquantized), the refusal's message for a float32 NVFP4 export."""
     from qcompress.train.stages import transformers_attempts
+
     _, folder = exported(tmp_path / "fp8", "FP8", torch.float32)
     with torch.no_grad():
         want = load_quantized(folder, bert(torch.float32))(IDS).logits
-    got = transformers_attempts(str(folder), "text-classification",
-                                lambda m: {"equal": torch.equal(m(input_ids=IDS).logits, want)})
+    got = transformers_attempts(
+        str(folder), "text-classification", lambda m: {"equal": torch.equal(m(input_ids=IDS).logits, want)}
+    )
     assert got == {"equal": True, "loaded_with": "from_pretrained"}
     _, folder = exported(tmp_path / "nvfp4", "NVFP4", torch.float32)
     got = transformers_attempts(str(folder), "text-classification", lambda m: pytest.fail("loaded"))

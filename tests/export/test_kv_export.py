@@ -2,6 +2,7 @@
 kv_cache_scheme and the k_scale / v_scale tensors vLLM reads, read back by compressed-tensors,
 by transformers' loader (which applies compressed-tensors' KV quantizer) and by load_quantized,
 and the checkpoint errors."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ def _trained(family, fmt, strategy, weights=False, learned=False, steps=2):
     if weights:
         raw["compression_training"]["weight_quantization"] = {
             "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                                  "group_size": 16}, "modules": ["proj"]}}}
+            "different_groups": {
+                "w": {
+                    "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 16},
+                    "modules": ["proj"],
+                }
+            },
+        }
     qc.init_compression(model, raw)
     sched = qc.CompressionScheduler(model, raw)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -43,14 +49,18 @@ def _trained(family, fmt, strategy, weights=False, learned=False, steps=2):
 X = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(9))
 
 
-@pytest.mark.parametrize("family,fmt,strategy,weights,learned", [
-    ("llama", "fp8_e4m3", "tensor", False, False),
-    ("qwen3", "int8", "head", True, False),
-    ("gpt2", "fp8_e4m3", "head", False, True),
-    ("mixtral", "int8", "tensor", False, True),
-])
+@pytest.mark.parametrize(
+    "family,fmt,strategy,weights,learned",
+    [
+        ("llama", "fp8_e4m3", "tensor", False, False),
+        ("qwen3", "int8", "head", True, False),
+        ("gpt2", "fp8_e4m3", "head", False, True),
+        ("mixtral", "int8", "tensor", False, True),
+    ],
+)
 def test_export_writes_what_compressed_tensors_reads_and_load_quantized_reproduces(
-        tmp_path, family, fmt, strategy, weights, learned):
+    tmp_path, family, fmt, strategy, weights, learned
+):
     ct_q = pytest.importorskip("compressed_tensors.quantization", reason="compressed-tensors is the oracle")
     model = _trained(family, fmt, strategy, weights, learned)
     ref = model(X).logits
@@ -59,8 +69,12 @@ def test_export_writes_what_compressed_tensors_reads_and_load_quantized_reproduc
     config = json.load(open(tmp_path / "config.json"))
     qconf = ct_q.QuantizationConfig.model_validate(config["quantization_config"])
     args = qconf.kv_cache_scheme
-    assert (args.num_bits, args.type, args.symmetric, args.dynamic) == (8, "float" if fmt == "fp8_e4m3" else "int",
-                                                                        True, False)
+    assert (args.num_bits, args.type, args.symmetric, args.dynamic) == (
+        8,
+        "float" if fmt == "fp8_e4m3" else "int",
+        True,
+        False,
+    )
     assert args.strategy == ("tensor" if strategy == "tensor" else "attn_head")
     tensors = load_file(tmp_path / "model.safetensors")
     names = [n for n, m in model.named_modules() if kv_cache.ATTR in m.__dict__]
@@ -89,10 +103,11 @@ def test_transformers_loader_applies_compressed_tensors_kv_quantization(tmp_path
     ref = model(X).logits
     qc.export_quantized(model, tmp_path)
     from qcompress.export.hf_compat import transformers_kwargs
-    assert transformers_kwargs(tmp_path) == {}        # dequantize=True would skip the KV scheme
+
+    assert transformers_kwargs(tmp_path) == {}  # dequantize=True would skip the KV scheme
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **transformers_kwargs(tmp_path)).eval()
     attn = loaded.model.layers[0].self_attn
-    assert hasattr(attn, "kv_cache")          # compressed-tensors' QuantizedKVCache
+    assert hasattr(attn, "kv_cache")  # compressed-tensors' QuantizedKVCache
     assert torch.equal(attn.k_scale.detach().float(), qc_scales(model)["model.layers.0.self_attn"][0])
     assert torch.equal(loaded(X).logits, ref)
 
@@ -100,8 +115,9 @@ def test_transformers_loader_applies_compressed_tensors_kv_quantization(tmp_path
 def test_kv_only_export_needs_a_calibrated_range(tmp_path):
     model = make_model("llama")
     qc.init_compression(model, kv_config("fp8_e4m3", "tensor"))
-    with pytest.raises(qc.export.ExportError, match="model.layers.0.self_attn: its KV-cache range has seen no "
-                                                    "training batch"):
+    with pytest.raises(
+        qc.export.ExportError, match="model.layers.0.self_attn: its KV-cache range has seen no training batch"
+    ):
         qc.export_quantized(model, tmp_path)
     assert not os.path.exists(tmp_path / "config.json")
 
@@ -118,8 +134,11 @@ def test_missing_or_misshapen_scales_are_checkpoint_errors(tmp_path):
     tensors = load_file(folder / "model.safetensors")
     model = make_model("llama")
     bad = dict(tensors, **{"model.layers.1.self_attn.v_scale": torch.ones(1)})
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.1.self_attn.v_scale' is "
-                                              r"torch.float32 \[1\], but config.json implies torch.float32 \[2, 1, 1\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: tensor 'model.layers.1.self_attn.v_scale' is "
+        r"torch.float32 \[1\], but config.json implies torch.float32 \[2, 1, 1\]",
+    ):
         kv_export.load_kv_cache(model, config, bad, {k: str(folder / "model.safetensors") for k in bad}, "config.json")
     bad = dict(tensors, **{"model.layers.0.self_attn.k_scale": -tensors["model.layers.0.self_attn.k_scale"]})
     with pytest.raises(CheckpointError, match="not finite and positive"):

@@ -2,6 +2,7 @@
 reload exactly: load_quantized, exact and fast, gives the logits of the compressed model it was
 exported from, before training and after a few optimizer steps. The loaded experts used to quantize
 their inputs as int8 per token, whatever format the export's input_activations named."""
+
 import warnings
 
 import pytest
@@ -11,24 +12,31 @@ import qcompress
 from tests.helpers.moe_fixtures import make_moe, tokens
 
 RECIPES = {
-    "fp8_e4m3": ({"format": "fp8_e4m3", "start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                 {"format": "fp8_e4m3", "bits": 8}),
-    "mxfp8": ({"format": "mxfp8", "start_bits": 8, "target_bits": 8},
-              {"format": "mxfp8", "bits": 8}),
+    "fp8_e4m3": (
+        {"format": "fp8_e4m3", "start_bits": 8, "target_bits": 8, "granularity": "channel"},
+        {"format": "fp8_e4m3", "bits": 8},
+    ),
+    "mxfp8": ({"format": "mxfp8", "start_bits": 8, "target_bits": 8}, {"format": "mxfp8", "bits": 8}),
 }
 WIDTHS = {"qwen3_moe": {"moe_intermediate_size": 64}, "mixtral": {"intermediate_size": 64}}
 
 
 def _config(fmt):
     w, a = RECIPES[fmt]
-    return {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "compression_training": {
-                "weight_quantization": {
-                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                    "different_groups": {"wq": {"params": w, "modules": [r"mlp\.experts"]}}},
-                "activation_quantization": {
-                    "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
-                    "different_groups": {"aq": {"params": a, "modules": [r"mlp\.experts"]}}}}}
+    return {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {"wq": {"params": w, "modules": [r"mlp\.experts"]}},
+            },
+            "activation_quantization": {
+                "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
+                "different_groups": {"aq": {"params": a, "modules": [r"mlp\.experts"]}},
+            },
+        },
+    }
 
 
 @pytest.mark.parametrize("family,fmt", [("qwen3_moe", "fp8_e4m3"), ("mixtral", "fp8_e4m3"), ("qwen3_moe", "mxfp8")])

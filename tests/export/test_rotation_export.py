@@ -1,6 +1,7 @@
 """A rotated model's export: R4 as compressed-tensors' transform_config, read back by
 compressed-tensors (and transformers + apply_transform_config) with the logits load_quantized
 gives, which equal the trained model's; an untied head stays untied on every reload."""
+
 import copy
 import json
 import os
@@ -32,12 +33,15 @@ def w4_doc(rotations=("R1", "R2", "R4"), act=False, **rot):
     doc = rotation_doc(rotations, **rot)
     doc["compression_training"]["weight_quantization"] = {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32},
-                                   "modules": ["layers"]}}}
+        "different_groups": {
+            "w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}, "modules": ["layers"]}
+        },
+    }
     if act:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["layers"]}}}
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["layers"]}},
+        }
     return doc
 
 
@@ -73,9 +77,11 @@ def test_r4_export_reads_back_in_compressed_tensors_and_transformers_with_load_q
     assert scheme.apply[0].targets == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     stored = load_file(os.path.join(out, "model.safetensors"))
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
-    for i in range(2):     # unnormalized, as compressed-tensors and vLLM store it
-        assert torch.equal(stored[f"model.layers.{i}.mlp.down_proj.R4_input.weight"],
-                           deterministic_hadamard_matrix(32, torch.float32))
+
+    for i in range(2):  # unnormalized, as compressed-tensors and vLLM store it
+        assert torch.equal(
+            stored[f"model.layers.{i}.mlp.down_proj.R4_input.weight"], deterministic_hadamard_matrix(32, torch.float32)
+        )
     # transformers drops transform_config; compressed-tensors' own apply_transform_config restores R4
     for kwargs in ({}, {"quantization_config": dequantize_config()}):
         tm = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **kwargs).eval()
@@ -93,13 +99,15 @@ def test_random_hadamard_blocks_come_from_the_stored_tensors(tmp_path):
     assert torch.equal(logits(loaded, ids), logits(model, ids))
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["quantization_config"]["transform_config"]["config_groups"]["R4"]["type"] == "random-hadamard"
-    tm = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                           quantization_config=dequantize_config()).eval()
+    tm = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=dequantize_config()
+    ).eval()
     apply_to_transformers(tm, out)
     assert torch.allclose(logits(tm, ids), logits(loaded, ids), atol=1e-6, rtol=0)
-    tm2 = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                            quantization_config=dequantize_config()).eval()
-    apply_to_transformers(tm2, out, load_stored=False)     # compressed-tensors draws its own signs
+    tm2 = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=dequantize_config()
+    ).eval()
+    apply_to_transformers(tm2, out, load_stored=False)  # compressed-tensors draws its own signs
     assert not torch.allclose(logits(tm2, ids), logits(loaded, ids), atol=1e-3)
 
 
@@ -120,8 +128,9 @@ def test_tied_head_kept_tied_reloads_tied(tmp_path):
     loaded = qc.load_quantized(out, fresh)
     ids = tokens(64)
     assert torch.equal(logits(loaded, ids), logits(model, ids))
-    tm = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                           quantization_config=dequantize_config()).eval()
+    tm = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=dequantize_config()
+    ).eval()
     assert torch.allclose(logits(tm, ids), logits(loaded, ids), atol=1e-5, rtol=0)
 
 
@@ -130,8 +139,10 @@ def test_moe_export_with_rotated_experts_reloads_exactly(tmp_path):
     doc = rotation_doc(["R1", "R2"])
     doc["compression_training"]["weight_quantization"] = {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"e": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 16},
-                                   "modules": [r"mlp\.experts"]}}}
+        "different_groups": {
+            "e": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 16}, "modules": [r"mlp\.experts"]}
+        },
+    }
     fresh, out = _export(tmp_path, model, doc)
     ids = tokens(model.config.vocab_size)
     assert torch.equal(logits(qc.load_quantized(out, fresh), ids), logits(model, ids))

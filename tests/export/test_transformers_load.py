@@ -16,6 +16,7 @@ activations unquantized).
 - exports with weights compressed-tensors cannot describe (GPT-2's Conv1D, Embedding) are
   refused by both calls with an error that names qcompress.load_quantized.
 """
+
 import json
 import warnings
 
@@ -26,7 +27,9 @@ import torch.nn as nn
 import qcompress
 from qcompress.export import export_quantized, load_quantized
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)'
+)
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
 from qcompress.export.hf_compat import dequantize_config  # noqa: E402
 
@@ -50,16 +53,29 @@ def group(bits, gran="channel", gs=None, modules=("encoder", "pooler", "classifi
 
 
 def config(groups, sym=True, act=None):
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
-                              "quantization_type": "symmetric" if sym else "asymmetric"},
-        "different_groups": groups}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                },
+                "different_groups": groups,
+            }
+        }
+    }
     if act:
         calib, asym = act
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
-                                  "quantization_type": "asymmetric" if asym else "symmetric"},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["encoder"]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": calib,
+                "quantization_type": "asymmetric" if asym else "symmetric",
+            },
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["encoder"]}},
+        }
     return doc
 
 
@@ -88,7 +104,9 @@ MIXED = {
     "mixed-w8-w4": config({"a": group(8, modules=ENC), "b": group(4, "group", 32, modules=HEAD)}),
     "mixed-channel-group16": config({"a": group(4, modules=ENC), "b": group(4, "group", 16, modules=HEAD)}),
     "mixed-group16-channel": config({"a": group(4, "group", 16, modules=ENC), "b": group(4, modules=HEAD)}),
-    "mixed-group32-group16": config({"a": group(4, "group", 32, modules=ENC), "b": group(4, "group", 16, modules=HEAD)}),
+    "mixed-group32-group16": config(
+        {"a": group(4, "group", 32, modules=ENC), "b": group(4, "group", 16, modules=HEAD)}
+    ),
     "mixed-w4-w2": config({"a": group(4, "group", 32, modules=ENC), "b": group(2, "group", 32, modules=HEAD)}),
     "mixed-w2-w4": config({"a": group(2, "group", 32, modules=ENC), "b": group(4, "group", 32, modules=HEAD)}),
     "mixed-w8-w5": config({"a": group(8, modules=ENC), "b": group(5, modules=HEAD)}),
@@ -97,8 +115,15 @@ MIXED = {
 
 def bert():
     torch.manual_seed(0)
-    conf = transformers.BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=96, max_position_embeddings=32, num_labels=3)
+    conf = transformers.BertConfig(
+        vocab_size=60,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(conf).eval()
 
 
@@ -109,7 +134,7 @@ def export(tmp_path, doc, make=bert):
     model = make()
     qcompress.init_compression(model, qcompress.load_config(doc))
     model.train()
-    model(IDS)                      # calibrates static activation ranges
+    model(IDS)  # calibrates static activation ranges
     model.eval()
     export_quantized(model, tmp_path / "export")
     return tmp_path / "export", load_quantized(tmp_path / "export", make())
@@ -135,7 +160,7 @@ def test_every_scheme_loads_right(tmp_path, name):
     doc, plain_loads, dequantize_loads = SCHEMES[name]
     folder, ours = export(tmp_path, doc)
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
-    assert all("format" in g for g in qc["config_groups"].values())   # compressed-tensors infers wrong ones
+    assert all("format" in g for g in qc["config_groups"].values())  # compressed-tensors infers wrong ones
     acts = "activation_quantization" in doc["compression_training"]
     cls = transformers.BertForSequenceClassification
     for loads, kwargs in ((dequantize_loads, {"quantization_config": dequantize_config()}), (plain_loads, {})):
@@ -190,6 +215,7 @@ def test_bfloat16_export_records_its_dtype(tmp_path):
     # the export loaded as a float32 model
     def make():
         return bert().to(torch.bfloat16)
+
     folder, ours = export(tmp_path, config({"w": group(8, modules=ENC)}), make)
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
     hf = transformers.BertForSequenceClassification.from_pretrained(folder, quantization_config=dequantize_config())

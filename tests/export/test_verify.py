@@ -3,6 +3,7 @@
 Oracles: compressed-tensors' own name matcher (`match_name`) for what config_groups declare, the
 per-expert names vLLM's get_moe_method asks for (`{experts}.0.{proj}` with the family's checkpoint
 names), transformers' from_pretrained for what it loads, and the exit codes / messages of the CLI."""
+
 import json
 import os
 
@@ -16,20 +17,36 @@ from tests.helpers.moe_fixtures import make_moe
 ct_match = pytest.importorskip("compressed_tensors.utils.match")
 
 # the names vLLM asks for when it picks an experts layer's MoE method (its ckpt_*_proj_name)
-VLLM_PROJ = {"qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-             "mixtral": ("mlp.experts", ("w1", "w3", "w2"))}
+VLLM_PROJ = {
+    "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("mlp.experts", ("w1", "w3", "w2")),
+}
 
 
 def cfg(bits=4, group_size=16, act=False):
-    c = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"wq": {"params": {"start_bits": bits, "target_bits": bits, "granularity": "group",
-                                               "group_size": group_size},
-                                    "modules": [r"mlp\.experts", "self_attn"]}}}}}
+    c = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "wq": {
+                        "params": {
+                            "start_bits": bits,
+                            "target_bits": bits,
+                            "granularity": "group",
+                            "group_size": group_size,
+                        },
+                        "modules": [r"mlp\.experts", "self_attn"],
+                    }
+                },
+            }
+        }
+    }
     if act:
         c["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
-            "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.experts", "self_attn"]}}}
+            "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.experts", "self_attn"]}},
+        }
     return c
 
 
@@ -76,6 +93,7 @@ def test_experts_declared_where_vllm_and_compressed_tensors_look(tmp_path, famil
     # per-expert tensors under the declared names, with compressed-tensors' suffixes
     with open(out / "model.safetensors", "rb"):
         from safetensors import safe_open
+
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             keys = set(f.keys())
     block = "block_sparse_moe.experts" if family == "mixtral" else "mlp.experts"
@@ -96,7 +114,7 @@ def test_verify_good_export_exit_0_and_names_every_module(tmp_path, capsys):
 def test_verify_names_experts_an_older_export_left_undeclared(tmp_path, capsys):
     _, out = export(tmp_path)
     config = _config(out)
-    for g in config["quantization_config"]["config_groups"].values():     # as exports before declared them
+    for g in config["quantization_config"]["config_groups"].values():  # as exports before declared them
         g["targets"] = [t for t in g["targets"] if not t.startswith("re:")]
     (out / "config.json").write_text(json.dumps(config))
     assert cli_main(["verify", str(out)]) == 1
@@ -135,6 +153,7 @@ def test_verify_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys):
 
 def test_unknown_sections_are_noted_and_registered_checks_run(tmp_path):
     from qcompress.verify import sections
+
     _, out = export(tmp_path)
     config = _config(out)
     config["quantization_config"]["some_future_section"] = {"config_groups": {"x": {}}}
@@ -169,7 +188,7 @@ def test_verify_transformers_reports_unquantized_expert_inputs_and_gpt_oss_refus
     report = qcompress.verify.verify(out, transformers=True)
     assert report.consumers["transformers"].loads is False and report.exit_code == 1
     assert any("gpt-oss experts under vLLM's per-expert names" in n for n in report.notes), report.notes
-    rows = [r for r in report.rows.values() if r.kind == "experts"]   # declared per expert, as vLLM asks
+    rows = [r for r in report.rows.values() if r.kind == "experts"]  # declared per expert, as vLLM asks
     assert rows and all(r.declared.startswith("W") for r in rows), report.format()
 
 
@@ -201,13 +220,19 @@ def test_verify_names_transformers_dropping_the_nvfp4_experts_global_scale(tmp_p
     model = make_moe("qwen3_moe")
     c = cfg()
     c["compression_training"]["weight_quantization"]["different_groups"]["wq"]["params"] = {
-        "start_bits": 4, "target_bits": 4, "format": "nvfp4"}
+        "start_bits": 4,
+        "target_bits": 4,
+        "format": "nvfp4",
+    }
     qcompress.init_compression(model, c)
     out = tmp_path / "nvfp4"
     qcompress.export_quantized(model, out)
     report = qcompress.verify.verify(out, transformers=True)
-    experts = [p for p in report.problems if p.consumer == "transformers" and p.module.endswith("_proj")
-               and "experts" in p.module]
+    experts = [
+        p
+        for p in report.problems
+        if p.consumer == "transformers" and p.module.endswith("_proj") and "experts" in p.module
+    ]
     assert experts and all("weight_global_scale" in p.reason for p in experts), report.format()
     dense = [r for r in report.rows.values() if r.kind != "experts" and "self_attn" in r.name]
     assert dense and all("bfloat16" in r.consumers.get("transformers", "") for r in dense), report.format()

@@ -2,6 +2,7 @@
 (kv_cache_scheme): the rows it reports, the problems that make it exit 1, and transformers' own
 loading as the oracle of what that consumer does (it drops transform_config; compressed-tensors'
 apply_transform_config puts it back)."""
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,19 @@ import qcompress
 import qcompress.verify
 from tests.helpers.rotation_fixtures import make_dense
 
-pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install -e \".[hf]\")")
+pytest.importorskip("compressed_tensors", reason='compressed-tensors is not installed (pip install -e ".[hf]")')
 
-W4 = {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "quantization_type": "symmetric"},
-    "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 16},
-                               "modules": ["^(?!.*(embed|lm_head))"]}}}}
+W4 = {
+    "weight_quantization": {
+        "shared_parameters": {"enabled": True, "quantization_type": "symmetric"},
+        "different_groups": {
+            "w": {
+                "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 16},
+                "modules": ["^(?!.*(embed|lm_head))"],
+            }
+        },
+    }
+}
 
 
 def _export(tmp_path, **sections):
@@ -28,6 +36,7 @@ def _export(tmp_path, **sections):
     qcompress.init_compression(model, cfg)
     if "kv_cache_quantization" in sections:
         from qcompress.train.stages import calibrate_static_ranges
+
         ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
         calibrate_static_ranges(model, [{"input_ids": ids}])
     folder = tmp_path / "export"
@@ -50,7 +59,7 @@ def test_rotated_export_rows_and_transformers_dropping_the_rotation(tmp_path):
     assert offline.exit_code == 0, offline.format()
     down = offline.rows["model.layers.0.mlp.down_proj"]
     assert "R4 input" in down.scheme and "apply_transform_config" in down.consumers["transformers"]
-    assert not any("transform_config" in n for n in offline.notes)      # a registered check ran
+    assert not any("transform_config" in n for n in offline.notes)  # a registered check ran
 
     full = qcompress.verify.verify(folder, transformers=True)
     lines = [p.line() for p in full.problems]
@@ -65,11 +74,13 @@ def test_rotated_export_missing_its_block_is_a_problem(tmp_path):
 
     def retarget(config):
         scheme = config["quantization_config"]["transform_config"]["config_groups"]["R4"]
-        scheme["apply"][0]["targets"].append("model.layers.1.self_attn.o_proj")   # no block stored for it
+        scheme["apply"][0]["targets"].append("model.layers.1.self_attn.o_proj")  # no block stored for it
+
     _rewrite(folder, retarget)
     report = qcompress.verify.verify(folder, load=False)
-    assert any(p.module == "model.layers.1.self_attn.o_proj" and "no shard holds" in p.reason
-               for p in report.problems), report.format()
+    assert any(
+        p.module == "model.layers.1.self_attn.o_proj" and "no shard holds" in p.reason for p in report.problems
+    ), report.format()
 
 
 @pytest.mark.parametrize("fmt,vllm_ok", [("fp8_e4m3", True), ("int8", False)])
@@ -88,10 +99,12 @@ def test_kv_cache_bad_scale_is_a_problem(tmp_path, monkeypatch):
     verify reads are edited on their way out of qcompress.export.kv_cache.report."""
     folder = _export(tmp_path, kv_cache_quantization={"enabled": True, "format": "fp8_e4m3"})
     from qcompress.export import kv_cache
+
     real = kv_cache.report
 
     def negated(source):
         return [(n, -k if n.endswith("layers.1.self_attn") else k, v, s) for n, k, v, s in real(source)]
+
     monkeypatch.setattr(kv_cache, "report", negated)
     report = qcompress.verify.verify(folder, load=False)
     assert [p.module for p in report.problems] == ["model.layers.1.self_attn.k_scale"], report.format()

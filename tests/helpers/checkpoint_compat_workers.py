@@ -10,6 +10,7 @@ README.md says how). `check` runs the same case with the current engine: a fresh
 point must hold the same state bit for bit and save the same layout, and a fresh engine that loads
 the stored checkpoint must continue exactly as the saving engine did.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,44 +24,77 @@ import torch.nn.functional as F
 
 import qcompress as qc
 
-SAVE_AT, AFTER = 3, 2          # optimizer steps before the save, and after it
+SAVE_AT, AFTER = 3, 2  # optimizer steps before the save, and after it
 MICRO, GAS = 4, 2
 IN, HID, OUT = 8, 16, 4
 
-_W8 = {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "symmetric"},
-    "different_groups": {"wq": {"params": {"start_bits": 10, "target_bits": 8, "quantization_period": 2},
-                                "modules": ["*"]}}},
+_W8 = {
+    "weight_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "symmetric"},
+        "different_groups": {
+            "wq": {"params": {"start_bits": 10, "target_bits": 8, "quantization_period": 2}, "modules": ["*"]}
+        },
+    },
     "activation_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-    "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["*"]}}}}
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["*"]}},
+    },
+}
 
-_LLAMA_W4 = {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
-                          "quantization_type": "asymmetric"},
-    "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, "quantization_period": 1,
-                                           "granularity": "group", "group_size": 8},
-                                "modules": ["proj"]}}},
+_LLAMA_W4 = {
+    "weight_quantization": {
+        "shared_parameters": {
+            "enabled": True,
+            "schedule_offset": 0,
+            "quantize_weight_in_forward": True,
+            "quantization_type": "asymmetric",
+        },
+        "different_groups": {
+            "wq": {
+                "params": {
+                    "start_bits": 4,
+                    "target_bits": 4,
+                    "quantization_period": 1,
+                    "granularity": "group",
+                    "group_size": 8,
+                },
+                "modules": ["proj"],
+            }
+        },
+    },
     "activation_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-    "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["proj"]}}}}
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["proj"]}},
+    },
+}
 
 
 def _mlp_doc(world, stage=0, optimizer=None):
-    return {"train_batch_size": MICRO * GAS * world, "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-            "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                                         "warmup_num_steps": 3}},
-            "zero_optimization": {"stage": stage}, "compression_training": _W8}
+    return {
+        "train_batch_size": MICRO * GAS * world,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 3},
+        },
+        "zero_optimization": {"stage": stage},
+        "compression_training": _W8,
+    }
 
 
 def _llama_doc(tp=1, pp=1, optimizer=None):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-            "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-            "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
-            "compression_training": _LLAMA_W4}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "tensor_parallel": {"autotp_size": tp},
+        "pipeline": {"stages": pp},
+        "compression_training": _LLAMA_W4,
+    }
 
 
 _ONEBIT = {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}}
@@ -84,9 +118,19 @@ def _model(kind, doc, seed=0):
         model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                             max_position_embeddings=16, attn_implementation="eager")).float()
+
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=16,
+                attn_implementation="eager",
+            )
+        ).float()
     return qc.init_compression(model, qc.load_config(doc))
 
 
@@ -125,8 +169,7 @@ def snapshot(engine):
                 optim[f"{gi}.{pi}.{k}"] = _whole(v) if torch.is_tensor(v) else v
     model = {n: _whole(t) for n, t in engine.module.state_dict().items()}
     comp = engine.compression_scheduler.state_dict()
-    return {"model": model, "optim": optim, "compression": comp, "lr": engine.get_lr(),
-            "counters": engine.counters()}
+    return {"model": model, "optim": optim, "compression": comp, "lr": engine.get_lr(), "counters": engine.counters()}
 
 
 def digest(state, prefix=""):
@@ -155,14 +198,16 @@ def layout(folder):
     checksums), this rank's JSON keys, and the name, shape and dtype of every stored tensor."""
     import torch.distributed.checkpoint as dcp
     from qcompress.engine.checkpoint import resolve
+
     path = resolve(folder, None)
     with open(os.path.join(path, "engine.json"), encoding="utf-8") as fh:
         meta = json.load(fh)
     meta["files"] = sorted(meta.get("files", {}))
     meta.pop("counters", None)
     md = dcp.FileSystemReader(path).read_metadata()
-    tensors = {k: [list(v.size), str(v.properties.dtype)] for k, v in md.state_dict_metadata.items()
-               if hasattr(v, "size")}
+    tensors = {
+        k: [list(v.size), str(v.properties.dtype)] for k, v in md.state_dict_metadata.items() if hasattr(v, "size")
+    }
     ranks = {}
     for name in sorted(os.listdir(os.path.join(path, "ranks"))):
         with open(os.path.join(path, "ranks", name), encoding="utf-8") as fh:
@@ -194,26 +239,32 @@ def check(rank, world, case, fixture, scratch):
     engine.save_checkpoint(scratch, tag="saved")
     fresh_saved = snapshot(engine)
     fresh_layout = layout(scratch) if rank == 0 else None
-    resumed = qc.initialize(_model(kind, doc, seed=7), doc)        # other initial weights
+    resumed = qc.initialize(_model(kind, doc, seed=7), doc)  # other initial weights
     resumed.load_checkpoint(os.path.join(fixture, "checkpoint"))
     loaded = snapshot(resumed)
     losses = _steps(resumed, kind, SAVE_AT, SAVE_AT + AFTER)
     with open(os.path.join(fixture, f"expected_rank{rank}.json"), encoding="utf-8") as fh:
         expected = json.load(fh)
-    return {"fresh_saved": digest(fresh_saved), "layout": fresh_layout, "loaded": digest(loaded),
-            "after": digest(snapshot(resumed)), "losses": losses, "expected": expected}
+    return {
+        "fresh_saved": digest(fresh_saved),
+        "layout": fresh_layout,
+        "loaded": digest(loaded),
+        "after": digest(snapshot(resumed)),
+        "losses": losses,
+        "expected": expected,
+    }
 
 
 def check_all(rank, world, cases, fixtures, scratch):
     """check() for each case in `cases` (all on this world size), one process group for all."""
-    return {case: check(rank, world, case, os.path.join(fixtures, case), os.path.join(scratch, case))
-            for case in cases}
+    return {case: check(rank, world, case, os.path.join(fixtures, case), os.path.join(scratch, case)) for case in cases}
 
 
-if __name__ == "__main__":      # regenerate: python -m tests.helpers.checkpoint_compat_workers OUT_DIR [CASE...]
-    from tests.helpers import checkpoint_compat_workers as workers      # by name, so spawned ranks import it
+if __name__ == "__main__":  # regenerate: python -m tests.helpers.checkpoint_compat_workers OUT_DIR [CASE...]
+    from tests.helpers import checkpoint_compat_workers as workers  # by name, so spawned ranks import it
     import qcompress.engine
     from tests.helpers.dist_utils import run_ranks
+
     print("engine:", qcompress.engine.__file__, flush=True)
     out = sys.argv[1]
     for name in sys.argv[2:] or CASES:

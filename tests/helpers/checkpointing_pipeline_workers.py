@@ -1,5 +1,6 @@
 """Rank workers for tests/parallel/test_pipeline_checkpointing.py: a tiny Llama at 2 pipeline
 stages, static activation ranges, trained with and without activation checkpointing."""
+
 import torch
 
 import qcompress as qc
@@ -17,9 +18,13 @@ def train_pipeline(rank, world, schedule, checkpointing, fmt="int8", steps=1, ga
         aq = comp["activation_quantization"]
         aq["shared_parameters"].update(format="nvfp4", quantization_type="symmetric")
         aq["different_groups"]["aq"]["params"] = {"bits": 4}
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "pipeline": {"stages": world, "schedule": schedule}, "compression_training": comp}
+    doc = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"stages": world, "schedule": schedule},
+        "compression_training": comp,
+    }
     if checkpointing:
         doc["activation_checkpointing"] = {}
     model = qc.init_compression(tiny_llama(), qc.load_config(doc))
@@ -30,13 +35,16 @@ def train_pipeline(rank, world, schedule, checkpointing, fmt="int8", steps=1, ga
 
     def batches():
         for i in range(data.shape[0] // 2):
-            ids = data[i * 2:(i + 1) * 2]
+            ids = data[i * 2 : (i + 1) * 2]
             yield {"input_ids": ids, "labels": ids}
+
     it = batches()
     for _ in range(steps):
         engine.train_batch(it)
     weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    ranges = {n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone())
-              for n, m in engine.module.named_modules()
-              if getattr(m, "qc_aq", None) is not None and m.qc_aq.observer.initialized}
+    ranges = {
+        n: (m.qc_aq.observer.min.clone(), m.qc_aq.observer.max.clone())
+        for n, m in engine.module.named_modules()
+        if getattr(m, "qc_aq", None) is not None and m.qc_aq.observer.initialized
+    }
     return weights, ranges

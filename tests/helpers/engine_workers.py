@@ -3,6 +3,7 @@
 Each worker runs many checks inside one process group and returns plain data; the assertions
 live in test_engine.py. No test functions here.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,9 @@ SAVE_AT = 3
 COMPRESSION = {
     "weight_quantization": {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "symmetric"},
-        "different_groups": {"wq": {"params": {"start_bits": 10, "target_bits": 8, "quantization_period": 2},
-                                    "modules": ["*"]}},
+        "different_groups": {
+            "wq": {"params": {"start_bits": 10, "target_bits": 8, "quantization_period": 2}, "modules": ["*"]}
+        },
     },
     "activation_quantization": {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
@@ -37,7 +39,7 @@ COMPRESSION = {
 
 def make_cfg(stage=0, micro=4, gas=2, world=2, offload=False, static_ranges=True, **extra):
     compression = copy.deepcopy(COMPRESSION)
-    if not static_ranges:   # per-token ranges do not depend on how samples are grouped
+    if not static_ranges:  # per-token ranges do not depend on how samples are grouped
         compression["activation_quantization"]["shared_parameters"]["range_calibration"] = "dynamic"
     cfg = {
         "train_batch_size": micro * gas * world,
@@ -45,8 +47,10 @@ def make_cfg(stage=0, micro=4, gas=2, world=2, offload=False, static_ranges=True
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.5,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                                     "warmup_num_steps": 3, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 3, "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": stage},
         "compression_training": compression,
     }
@@ -75,7 +79,7 @@ def micro_batch(step, micro_idx, rank, world, micro, gas):
     """Rank r's micro-batch m of a step; sample order: [rank][micro] blocks."""
     x, y = global_batch(step, micro * gas * world)
     start = (rank * gas + micro_idx) * micro
-    return x[start:start + micro], y[start:start + micro]
+    return x[start : start + micro], y[start : start + micro]
 
 
 def train_steps(engine, first, last, world, micro, gas, rank, hook=None):
@@ -126,12 +130,19 @@ def run_with_resume(rank, world, cfg, ckdir, micro, gas, keep_optim=False):
     saved = full_params(engine)
     saved_optim = full_optim_state(engine) if keep_optim else None
     more, more_norms = train_steps(engine, SAVE_AT, STEPS, world, micro, gas, rank)
-    out = {"losses": losses + more, "norms": norms + more_norms, "final": full_params(engine),
-           "memory": engine.memory_report(), "bits": engine.compression_scheduler.current_bits(),
-           "sched_steps": engine.compression_scheduler.training_steps, "saved": saved,
-           "tail_losses": more, "optim_state": saved_optim,
-           "num_params": sum(p.numel() for p in engine.module.parameters()),
-           "latest": open(os.path.join(ckdir, "latest")).read()}
+    out = {
+        "losses": losses + more,
+        "norms": norms + more_norms,
+        "final": full_params(engine),
+        "memory": engine.memory_report(),
+        "bits": engine.compression_scheduler.current_bits(),
+        "sched_steps": engine.compression_scheduler.training_steps,
+        "saved": saved,
+        "tail_losses": more,
+        "optim_state": saved_optim,
+        "num_params": sum(p.numel() for p in engine.module.parameters()),
+        "latest": open(os.path.join(ckdir, "latest")).read(),
+    }
     del engine
     # Resume: a model built from another seed, then the checkpoint.
     engine2 = initialize(make_model(cfg, seed=123), cfg)
@@ -149,13 +160,13 @@ def run_stages(rank, world, ckpt_root):
     results = {}
     for label, stage, offload in STAGES:
         cfg = make_cfg(stage, micro, gas, world, offload)
-        results[label] = run_with_resume(rank, world, cfg, os.path.join(ckpt_root, label), micro, gas,
-                                         keep_optim=label == "s1")
+        results[label] = run_with_resume(
+            rank, world, cfg, os.path.join(ckpt_root, label), micro, gas, keep_optim=label == "s1"
+        )
     # Stage 3 with per-token activation ranges, whose results do not depend on the world size:
     # the checkpoint run_stage3_one_rank resumes from.
     cfg = make_cfg(3, micro, gas, world, static_ranges=False)
-    results["s3dyn"] = run_with_resume(rank, world, cfg, os.path.join(ckpt_root, "s3dyn"), micro, gas,
-                                       keep_optim=True)
+    results["s3dyn"] = run_with_resume(rank, world, cfg, os.path.join(ckpt_root, "s3dyn"), micro, gas, keep_optim=True)
     results["accum"] = run_accumulation(rank, world)
     results["overflow"] = run_overflow(rank, world)
     results["onebit"] = run_onebit(rank, world, ckpt_root)
@@ -187,6 +198,7 @@ def run_overflow(rank, world):
                 p = next(iter(engine.module.parameters()))
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 g.view(-1)[0] = float("inf")
+
         engine = initialize(make_model(cfg), cfg)
         train_steps(engine, 0, 1, world, 4, 2, rank)
         before = full_params(engine)
@@ -196,9 +208,11 @@ def run_overflow(rank, world):
         after = full_params(engine)
         out[stage] = {
             "unchanged": all(torch.equal(before[k], after[k]) for k in before),
-            "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+            "skipped": engine.skipped_steps,
+            "global_steps": engine.global_steps,
             "sched": (sched_before, engine.compression_scheduler.training_steps),
-            "scale": (scale_before, engine.loss_scale), "lr_iter": engine.lr_scheduler.last_batch_iteration,
+            "scale": (scale_before, engine.loss_scale),
+            "lr_iter": engine.lr_scheduler.last_batch_iteration,
         }
         train_steps(engine, 2, 3, world, 4, 2, rank)
         out[stage]["sched_after_clean_step"] = engine.compression_scheduler.training_steps
@@ -207,7 +221,7 @@ def run_overflow(rank, world):
 
 def run_stage3_one_rank(rank, world, ckpt_root):
     """Load the 2-rank stage-3 checkpoint on a single rank and keep training on the same batches."""
-    cfg1 = make_cfg(3, 4, 4, 1, static_ranges=False)   # same 16-sample global batch and blocks
+    cfg1 = make_cfg(3, 4, 4, 1, static_ranges=False)  # same 16-sample global batch and blocks
     engine = initialize(make_model(cfg1, seed=5), cfg1)
     path, client = engine.load_checkpoint(os.path.join(ckpt_root, "s3dyn"))
     loaded = full_params(engine)
@@ -233,8 +247,14 @@ def run_stage3_one_rank(rank, world, ckpt_root):
     s1["onebit_steps"] = engine_ob.global_steps
     engine_ob.load_checkpoint(os.path.join(ckpt_root, "onebit1"), load_optimizer_states=False)
     s1["onebit_weights_only"] = full_params(engine_ob)
-    return {"s1": s1, "loaded": loaded, "optim_state": optim_state, "losses": losses, "final": full_params(engine),
-            "client": client}
+    return {
+        "s1": s1,
+        "loaded": loaded,
+        "optim_state": optim_state,
+        "losses": losses,
+        "final": full_params(engine),
+        "client": client,
+    }
 
 
 def grad_norm_oracle(micro, gas, world, cfg):
@@ -288,8 +308,9 @@ def plain_model(seed=0):
 def clip_cfg(stage, world):
     """Plain SGD, no schedule, no compression: the update is -lr × the clipped gradient, so
     whether clipping scaled the gradients shows in the parameters."""
-    cfg = make_cfg(stage, 4, 2, world, gradient_clipping=CLIP["max_norm"],
-                   optimizer={"type": "SGD", "params": {"lr": CLIP["lr"]}})
+    cfg = make_cfg(
+        stage, 4, 2, world, gradient_clipping=CLIP["max_norm"], optimizer={"type": "SGD", "params": {"lr": CLIP["lr"]}}
+    )
     del cfg["scheduler"], cfg["compression_training"]
     return cfg
 
@@ -325,8 +346,15 @@ def clipped_sgd_oracle(world):
     return params, norms
 
 
-_COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_single",
-            "all_gather_into_tensor", "broadcast", "all_to_all_single")
+_COUNTED = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_to_all_single",
+)
 
 
 class CollectiveCounter:
@@ -345,6 +373,7 @@ class CollectiveCounter:
                 def wrapped(*a, _orig=orig, _name=name, **k):
                     self.counts[_name] = self.counts.get(_name, 0) + 1
                     return _orig(*a, **k)
+
                 setattr(dist, name, wrapped)
         return self
 
@@ -364,7 +393,7 @@ def run_comm_checks(rank, world):
         # wall_clock_breakdown routes DDP's all-reduce through our Python hook, so it is counted.
         cfg = make_cfg(stage, 4, 2, world, wall_clock_breakdown=True, static_ranges=False)
         engine = initialize(make_model(cfg), cfg)
-        train_steps(engine, 0, 1, world, 4, 2, rank)            # buckets and state settle
+        train_steps(engine, 0, 1, world, 4, 2, rank)  # buckets and state settle
         per_micro = []
         with CollectiveCounter() as cc:
             for m in range(2):
@@ -377,31 +406,36 @@ def run_comm_checks(rank, world):
                 per_micro.append({"forward": fwd, "backward": bwd, "step": cc.take()})
         out["micro"][stage] = per_micro
         out.setdefault("timings", {})[stage] = dict(engine.last_timings)
-    for stage in (0, 3):    # odd row counts: FSDP2's uneven shards, weights rewritten at step time
+    for stage in (0, 3):  # odd row counts: FSDP2's uneven shards, weights rewritten at step time
         cfg = make_cfg(stage, 4, 2, world)
         torch.manual_seed(3)
-        model = qc.init_compression(nn.Sequential(nn.Linear(IN, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(),
-                                                  nn.Linear(3, 1), nn.ReLU(), nn.Linear(1, OUT)),
-                                    qc.load_config(cfg))
+        model = qc.init_compression(
+            nn.Sequential(
+                nn.Linear(IN, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 1), nn.ReLU(), nn.Linear(1, OUT)
+            ),
+            qc.load_config(cfg),
+        )
         engine = initialize(model, cfg)
         losses, _ = train_steps(engine, 0, 3, world, 4, 2, rank)
         out.setdefault("odd", {})[stage] = (losses, full_params(engine))
-    for stage in (0, 2):    # buffers of two dtypes (BatchNorm): synced from rank 0 at each step
+    for stage in (0, 2):  # buffers of two dtypes (BatchNorm): synced from rank 0 at each step
         cfg = make_cfg(stage, 4, 2, world)
         torch.manual_seed(0)
-        model = qc.init_compression(nn.Sequential(nn.Linear(IN, HID), nn.BatchNorm1d(HID), nn.ReLU(),
-                                                  nn.Linear(HID, OUT)), qc.load_config(cfg))
+        model = qc.init_compression(
+            nn.Sequential(nn.Linear(IN, HID), nn.BatchNorm1d(HID), nn.ReLU(), nn.Linear(HID, OUT)), qc.load_config(cfg)
+        )
         engine = initialize(model, cfg)
         train_steps(engine, 0, 3, world, 4, 2, rank)
-        out.setdefault("bn", {})[stage] = {k: v.clone() for k, v in engine.module.state_dict().items()
-                                           if "running" in k or "num_batches" in k}
-    for stage in (0, 3):    # ranks built from different seeds start from rank 0's model
+        out.setdefault("bn", {})[stage] = {
+            k: v.clone() for k, v in engine.module.state_dict().items() if "running" in k or "num_batches" in k
+        }
+    for stage in (0, 3):  # ranks built from different seeds start from rank 0's model
         cfg = make_cfg(stage, 4, 2, world)
         engine = initialize(make_model(cfg, seed=11 + rank), cfg)
         train_steps(engine, 0, 2, world, 4, 2, rank)
         out.setdefault("seeded", {})[stage] = full_params(engine)
     out["bucket_bytes"] = {}
-    for dtype in ("fp32", "fp16"):    # reduce_bucket_size counts elements, whatever is sent
+    for dtype in ("fp32", "fp16"):  # reduce_bucket_size counts elements, whatever is sent
         cfg = make_cfg(0, 4, 2, world, communication_data_type=dtype)
         cfg["zero_optimization"]["reduce_bucket_size"] = 1000
         out["bucket_bytes"][dtype] = initialize(make_model(cfg), cfg).wrapped.bucket_bytes_cap
@@ -421,6 +455,7 @@ def run_int8_forward(rank, world):
     at stage 0 and stage 3 (FSDP2): losses, final parameters and how many forwards ran on the
     int8 kernel."""
     from qcompress.quant import lowbit
+
     calls = [0]
     real = lowbit.linear_a8
 
@@ -448,13 +483,20 @@ def run_int8_forward(rank, world):
 
 
 def tied_cfg(stage, compress):
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage}}
-    if compress:   # weights written at optimizer-step time: the engine gathers the tied weight whole
-        cfg["compression_training"] = {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": False},
-            "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8}}}}}
+    cfg = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+    if compress:  # weights written at optimizer-step time: the engine gathers the tied weight whole
+        cfg["compression_training"] = {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": False},
+                "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8}}},
+            }
+        }
     return cfg
 
 
@@ -462,12 +504,13 @@ def tied_batch(step, rank, micro, world):
     """Rank r's slice of the step's global batch of token ids (GPT-2 of tiny_models: vocab 96)."""
     g = torch.Generator().manual_seed(500 + step)
     x = torch.randint(0, 96, (micro * world, 12), generator=g)
-    return x[rank * micro:(rank + 1) * micro]
+    return x[rank * micro : (rank + 1) * micro]
 
 
 def run_tied(rank, world, steps=1):
     """GPT-2 with its tied lm_head / wte at every stage (FSDP2 needs them in one group)."""
     from tests.helpers.tiny_models import make_gpt2
+
     out = {}
     for compress in (False, True):
         for stage in (0, 2, 3):
@@ -482,8 +525,10 @@ def run_tied(rank, world, steps=1):
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
             params = full_params(engine)
-            out[(compress, stage)] = {"final": params, "tied": engine.module.lm_head.weight is
-                                      engine.module.transformer.wte.weight}
+            out[(compress, stage)] = {
+                "final": params,
+                "tied": engine.module.lm_head.weight is engine.module.transformer.wte.weight,
+            }
     return out
 
 
@@ -504,8 +549,12 @@ def run_unused(rank, world):
     """Stages 0/1 (DDP) with a parameter the loss does not use: the step is refused, naming it."""
     out = {}
     for stage in (0, 1):
-        cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+        cfg = {
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage},
+        }
         model = WithUnused()
         engine = initialize(model, cfg)
         before = full_params(engine)
@@ -518,7 +567,7 @@ def run_unused(rank, world):
             out[stage] = str(e)
         out[f"untouched{stage}"] = all(torch.equal(before[k], v) for k, v in full_params(engine).items())
         frozen = WithUnused()
-        frozen.spare.requires_grad_(False)          # the advice in the message: then it trains
+        frozen.spare.requires_grad_(False)  # the advice in the message: then it trains
         engine = initialize(frozen, cfg)
         for step in range(2):
             x, y = micro_batch(step, 0, rank, world, 4, 1)
@@ -533,6 +582,7 @@ def run_channel_prune(rank, world, path):
     conv masks its output from the conv's topk scores, which stage 3 had resharded by then."""
     import json
     from tests.helpers.tiny_models import TinyResNet
+
     out = {}
     for stage in (0, 3):
         raw = json.load(open(path))
@@ -551,13 +601,20 @@ def run_channel_prune(rank, world, path):
     return out
 
 
-SCHEDULED = {   # Parameters that join the graph at step 2: topk row scores, learned input ranges
-    "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 2, "method": "topk"},
-                    "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"]}}},
+SCHEDULED = {  # Parameters that join the graph at step 2: topk row scores, learned input ranges
+    "row_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 2, "method": "topk"},
+        "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"]}},
+    },
     "activation_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 2, "range_calibration": "static",
-                              "range_learning": True},
-        "different_groups": {"aq": {"params": {"bits": 8}}}},
+        "shared_parameters": {
+            "enabled": True,
+            "schedule_offset": 2,
+            "range_calibration": "static",
+            "range_learning": True,
+        },
+        "different_groups": {"aq": {"params": {"bits": 8}}},
+    },
 }
 
 
@@ -565,8 +622,13 @@ def run_scheduled_params(rank, world):
     """Stage 0 (DDP) and stage 3 on a model whose compression Parameters are unused before step 2."""
     out = {}
     for stage in (0, 3):
-        cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
-               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "compression_training": SCHEDULED}
+        cfg = {
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "compression_training": SCHEDULED,
+        }
         model = plain_model()
         qc.init_compression(model, qc.load_config(cfg))
         engine = initialize(model, cfg)

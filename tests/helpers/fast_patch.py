@@ -1,5 +1,6 @@
 """Patching a name of the fast-mode package (qcompress.export.fast) where its code reads it: the
 package's modules import their helpers by name, so a name is patched in each module that binds it."""
+
 import importlib
 import pkgutil
 

@@ -1,6 +1,7 @@
 """Shared by the float-format observer and range-learning tests: a weight-quantization config
 for one format, a small MLP, and the check that compressed-tensors' own decompressor returns
 each exported Linear's effective weight bit for bit."""
+
 import json
 
 import torch
@@ -14,9 +15,14 @@ def float_weight_doc(fmt, gran=None, **params):
     p = {"start_bits": floats.WIDTH[fmt], "target_bits": floats.WIDTH[fmt], "format": fmt, **params}
     if gran:
         p["granularity"] = gran
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"w": {"params": p}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+                "different_groups": {"w": {"params": p}},
+            }
+        }
+    }
 
 
 def float_mlp(dtype, outlier=None):
@@ -35,6 +41,7 @@ def assert_decompresses_to_effective(model, out_dir, indices=(0, 2)):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file
+
     qconf = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     (group,) = qconf["config_groups"].values()
     scheme = QuantizationScheme.model_validate(group)
@@ -53,6 +60,7 @@ def export_round_trip(model, out_dir, fresh, dtype):
     equal the model's; returns (exported tensors, input, the model's output on it)."""
     import warnings
     from qcompress.export import export_quantized, load_quantized
+
     x = torch.randn(3, 64).to(dtype)
     with torch.no_grad():
         want = model(x)

@@ -5,13 +5,14 @@ lazy block updates. Group scales are chosen when the loop reaches the group's fi
 the group's columns as every earlier column's update left them (computed here explicitly from the
 deferred updates, for any block size); per tensor / channel, and every group with act_order, on W
 before the loop. Integer scales and rounding are qcompress's default numerics written out."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-EPS = 2.0 ** -100
+EPS = 2.0**-100
 
 
 def int_fit(X, bits, sym):
@@ -43,7 +44,7 @@ def reference(W, H, fit, quant, width, upfront, damp=0.01, block=128, act_order=
     ngroups = math.ceil(cols / width)
     params = [None] * ngroups
     if upfront:
-        params = [fit(W[:, g * width:(g + 1) * width]) for g in range(ngroups)]
+        params = [fit(W[:, g * width : (g + 1) * width]) for g in range(ngroups)]
     perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
     W64, H = W64[:, perm], H[perm][:, perm]
     H = H + damp * H.diagonal().mean() * torch.eye(cols, dtype=torch.float64)

@@ -1,5 +1,6 @@
 """Rank-side code for tests/engine/test_kv_engine.py (spawned by tests/helpers/dist_utils.run_ranks): the
 engine averaging KV-cache ranges over data-parallel ranks, and resuming a checkpoint. No tests."""
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,22 @@ MICRO = 2
 
 def engine_cfg(world=1, learned=True, stage=0):
     return {
-        "train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": MICRO * world,
+        "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage},
         "compression_training": {
-            "kv_cache_quantization": {"enabled": True, "format": "int8", "strategy": "head",
-                                      "range_learning": learned, "momentum": 0.5},
+            "kv_cache_quantization": {
+                "enabled": True,
+                "format": "int8",
+                "strategy": "head",
+                "range_learning": learned,
+                "momentum": 0.5,
+            },
             "weight_quantization": {
                 "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["proj"]}}},
+                "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["proj"]}},
+            },
         },
     }
 
@@ -73,8 +81,10 @@ def train(engine, start, stop, rank=0):
 
 def state_of(engine):
     """(state_dict with whole tensors, KV ranges); collective under ZeRO 2 / 3."""
-    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-          for k, v in engine.module.state_dict().items()}
+    sd = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in engine.module.state_dict().items()
+    }
     return sd, ranges(engine.module)
 
 
@@ -92,8 +102,13 @@ def run_resume(rank, world, ckdir, stage=0):
     engine2 = qc.initialize(model2, cfg)
     engine2.load_checkpoint(ckdir)
     resumed = train(engine2, 3, 5, rank)
-    return {"tail": tail, "resumed": resumed, "final": final, "resumed_final": state_of(engine2),
-            "files": sorted(os.listdir(ckdir))}
+    return {
+        "tail": tail,
+        "resumed": resumed,
+        "final": final,
+        "resumed_final": state_of(engine2),
+        "files": sorted(os.listdir(ckdir)),
+    }
 
 
 def run_ranks_checks(rank, world, ckdir):

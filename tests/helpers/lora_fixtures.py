@@ -1,4 +1,5 @@
 """Shared pieces of the LoRA tests: a tiny Llama, configs, a few training steps."""
+
 from __future__ import annotations
 
 import copy
@@ -12,24 +13,44 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 def tiny_llama(seed=0, tie=True, hidden=32, inter=64, vocab=64):
     import transformers
+
     torch.manual_seed(seed)
-    conf = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=32, tie_word_embeddings=tie)
+    conf = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
     return transformers.LlamaForCausalLM(conf)
 
 
-def lora_cfg(mode="qat", targets=TARGETS, wq_modules=("proj",), group_size=16, bits=4, lora_extra=None,
-             shared_extra=None, params_extra=None):
+def lora_cfg(
+    mode="qat",
+    targets=TARGETS,
+    wq_modules=("proj",),
+    group_size=16,
+    bits=4,
+    lora_extra=None,
+    shared_extra=None,
+    params_extra=None,
+):
     shared = {"enabled": True, "quantize_weight_in_forward": True}
     shared.update(shared_extra or {})
     params = {"start_bits": bits, "target_bits": bits, "group_size": group_size}
     params.update(params_extra or {})
     section = {"enabled": True, "r": 4, "alpha": 8, "target_modules": list(targets), "mode": mode}
     section.update(lora_extra or {})
-    cc = {"weight_quantization": {"shared_parameters": shared,
-                                  "different_groups": {"w": {"params": params, "modules": list(wq_modules)}}},
-          "lora": section}
+    cc = {
+        "weight_quantization": {
+            "shared_parameters": shared,
+            "different_groups": {"w": {"params": params, "modules": list(wq_modules)}},
+        },
+        "lora": section,
+    }
     return {"compression_training": cc}
 
 

@@ -1,6 +1,7 @@
 """Rank-side code for tests/engine/test_lora_engine.py (spawned by tests/helpers/dist_utils.run_ranks): LoRA
 training through qcompress.initialize at every ZeRO stage, with a checkpoint and resume. Returns
 plain data; the assertions live in the test file."""
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,18 @@ STAGES = (0, 1, 2, 3)
 
 def make_cfg(mode, stage, world):
     return {
-        "train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "train_batch_size": 4 * world,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage},
         "compression_training": {
             "weight_quantization": {
                 "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-                "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 8}}}},
-            "lora": {"enabled": True, "r": 2, "alpha": 4, "mode": mode}},
+                "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 8}}},
+            },
+            "lora": {"enabled": True, "r": 2, "alpha": 4, "mode": mode},
+        },
     }
 
 
@@ -40,7 +45,7 @@ def micro_batch(step, rank, world):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(4 * world, IN, generator=g)
     y = torch.randint(0, OUT, (4 * world,), generator=g)
-    return x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    return x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
 
 
 def train(engine, first, last, rank, world):
@@ -80,8 +85,7 @@ def run(rank, world, root):
             ckdir = os.path.join(root, f"{mode}-{stage}")
             engine.save_checkpoint(ckdir)
             losses += train(engine, SAVE_AT, STEPS, rank, world)
-            res = {"start": start, "final": full_state(engine), "losses": losses,
-                   "optimizer": optimizer_names(engine)}
+            res = {"start": start, "final": full_state(engine), "losses": losses, "optimizer": optimizer_names(engine)}
             del engine
             resumed = initialize(make_model(cfg, seed=7), cfg)
             resumed.load_checkpoint(ckdir)

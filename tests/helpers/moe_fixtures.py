@@ -1,6 +1,7 @@
 """Tiny random-weight mixture-of-experts causal LMs of transformers' families (built from their
 configs, no download), and the independent oracle: an untouched FP copy whose expert matrices are
 replaced by qcompress.quant.fake_quantize of each expert's [out, in] matrix."""
+
 from __future__ import annotations
 
 import copy
@@ -8,43 +9,70 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)'
+)
 
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
-_COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)
+_COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def moe_config(family: str):
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**_COMMON, intermediate_size=64, moe_intermediate_size=48,
-                                           num_experts=4, num_experts_per_tok=2, head_dim=8)
+        return transformers.Qwen3MoeConfig(
+            **_COMMON, intermediate_size=64, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, head_dim=8
+        )
     if family == "mixtral":
-        return transformers.MixtralConfig(**_COMMON, intermediate_size=48, num_local_experts=4,
-                                          num_experts_per_tok=2, head_dim=8)
+        return transformers.MixtralConfig(
+            **_COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=8
+        )
     if family == "gpt_oss":
-        return transformers.GptOssConfig(**_COMMON, intermediate_size=48, num_local_experts=4,
-                                         num_experts_per_tok=2, head_dim=8, sliding_window=16,
-                                         layer_types=["sliding_attention", "full_attention"])
+        return transformers.GptOssConfig(
+            **_COMMON,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     if family == "deepseek_v3":
-        common = {**_COMMON, "num_key_value_heads": 4}      # multi-head latent attention
-        return transformers.DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=48,
-                                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                                             n_group=1, topk_group=1, first_k_dense_replace=1,
-                                             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                             qk_nope_head_dim=8, v_head_dim=8,
-                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        common = {**_COMMON, "num_key_value_heads": 4}  # multi-head latent attention
+        return transformers.DeepseekV3Config(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=48,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     raise ValueError(family)
 
 
 def make_moe(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = moe_config(family)
-    for k, v in overrides.items():      # e.g. expert widths a format's group size divides
+    for k, v in overrides.items():  # e.g. expert widths a format's group size divides
         setattr(config, k, v)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():          # routers start at zero in some families: spread the routing
+    with torch.no_grad():  # routers start at zero in some families: spread the routing
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight")):
                 p.normal_(0, 0.5)
@@ -102,4 +130,5 @@ def reference_experts_forward(mod, quantize_input):
             o = lin("dn", e, h, dn[e], mod.down_proj_bias[e] if transposed else None)
             out.index_add_(0, tok, o * weights[tok, pos, None])
         return out
+
     return forward

@@ -5,6 +5,7 @@ on its replica's share of one global batch stream and returns what the test comp
 one process fed the whole global batch: the loss, the gradient the optimizer stepped with
 (whole tensors, named as in the unsplit model) and the weights after the step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,14 @@ MICRO, SEQ = 2, 12
 
 def config(tp=1, pp=1, gas=2, optimizer=None, **extra):
     """The composition tests' config: W8 channel weights and dynamic 8-bit inputs in forward."""
-    doc = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "optimizer": optimizer or {"type": "SGD", "params": {"lr": 0.5}},
-           "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
-           "compression_training": compression(bits=8, granularity="channel", act="dynamic")}
+    doc = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": optimizer or {"type": "SGD", "params": {"lr": 0.5}},
+        "tensor_parallel": {"autotp_size": tp},
+        "pipeline": {"stages": pp},
+        "compression_training": compression(bits=8, granularity="channel", act="dynamic"),
+    }
     doc.update(extra)
     return doc
 
@@ -40,7 +45,7 @@ def replica_batches(data: torch.Tensor, dp_rank: int, dp_world: int):
     """Micro-batch i of the global stream goes to replica i % dp_world (so a run of dp x gas
     micro-batches per step takes the same samples as one process at dp x gas)."""
     for i in range(dp_rank, data.shape[0] // MICRO, dp_world):
-        ids = data[i * MICRO:(i + 1) * MICRO]
+        ids = data[i * MICRO : (i + 1) * MICRO]
         yield {"input_ids": ids, "labels": ids}
 
 
@@ -57,6 +62,7 @@ def train(doc, steps: int = 1, seed: int = 7):
         # the gradient the optimizer steps with: averaged over replicas and micro-batches, clipped
         grads.clear()
         grads.update({n: _whole(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None})
+
     opt = getattr(engine.optimizer, "optim", engine.optimizer)
     opt.register_step_pre_hook(keep_grads)
     dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
@@ -73,8 +79,12 @@ def train(doc, steps: int = 1, seed: int = 7):
 def single(doc, dp: int, steps: int = 1, seed: int = 7):
     """The oracle: one process, gradient_accumulation_steps x dp micro-batches per step (the
     same global batch), no tensor / pipeline split."""
-    one = dict(doc, gradient_accumulation_steps=doc["gradient_accumulation_steps"] * dp,
-               tensor_parallel={"autotp_size": 1}, pipeline={"stages": 1})
+    one = dict(
+        doc,
+        gradient_accumulation_steps=doc["gradient_accumulation_steps"] * dp,
+        tensor_parallel={"autotp_size": 1},
+        pipeline={"stages": 1},
+    )
     return train(one, steps, seed)
 
 
@@ -113,6 +123,7 @@ class ElementwiseFp16(Compressor):
     with error feedback): a tensor-parallel shard compressed on its own then gives exactly what
     the whole tensor does, so a TP run can be compared with an unsplit one. 1-bit scales span a
     whole tensor (a shard has its own), so the real 1-bit compressor cannot be compared so."""
+
     name = "elementwise-fp16"
 
     def payload_nbytes(self, numel):
@@ -124,4 +135,4 @@ class ElementwiseFp16(Compressor):
         return h.reshape(chunks, -1).contiguous().view(torch.uint8), y - h.to(torch.float32)
 
     def decompress(self, payload, numel):
-        return payload[:, :2 * numel].contiguous().view(torch.float16).to(torch.float32)
+        return payload[:, : 2 * numel].contiguous().view(torch.float16).to(torch.float32)

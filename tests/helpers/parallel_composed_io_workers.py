@@ -1,6 +1,7 @@
 """Rank functions of the composed-mesh I/O tests (tests/parallel/test_composed_io.py): checkpoints
 and export of TP2 x DP2 engines (ZeRO stage 0 and 3, CPU offload), all cases in one spawn of the
 ranks. Each data-parallel replica reads its own share of one batch stream, as train_batch asks."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import os
 import qcompress as qc
 from tests.helpers import parallel_io_workers as iow
 
-STEPS, MORE = 2, 2          # steps before the save, steps after it
+STEPS, MORE = 2, 2  # steps before the save, steps after it
 
 
 def composed_config(zero=None, act="static"):
@@ -50,7 +51,7 @@ def save_resume_export(folder, zero):
     fresh.load_checkpoint(folder)
     loaded = iow.snapshot(fresh)
     it = _share(fresh, gas * (STEPS + MORE))
-    for _ in range(gas * STEPS):          # the micro-batches the saving run had consumed
+    for _ in range(gas * STEPS):  # the micro-batches the saving run had consumed
         next(it)
     resumed = (_run(fresh, it, MORE), iow.whole_weights(fresh))
     return {"saved": saved, "loaded": loaded, "export": export, "continued": continued, "resumed": resumed}
@@ -64,7 +65,7 @@ def offload_step(zero):
     doc = composed_config(zero, act="dynamic")
     try:
         engine = iow.engine_for(doc)
-    except Exception as err:         # noqa: BLE001 - the test reads which error each rank raised
+    except Exception as err:  # noqa: BLE001 - the test reads which error each rank raised
         return type(err).__name__, str(err)
     losses = _run(engine, _share(engine, doc["gradient_accumulation_steps"]), 1)
     return losses, iow.whole_weights(engine), len(engine._offloaded_ids)

@@ -1,6 +1,7 @@
 """Rank functions of the parallel I/O tests (export and checkpoints across meshes): importable by
 spawned ranks. Each trains the tiny Llama of parallel_workers on a mesh and returns what the test
 compares against one process: whole weights, compression state, exported files."""
+
 from __future__ import annotations
 
 import os
@@ -13,17 +14,20 @@ from tests.helpers import parallel_workers as pw
 
 def config(tp=1, pp=1, gas=2, act="static"):
     """W4 group-16 asymmetric weights and 8-bit inputs (static: a range the stages carry)."""
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-            "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
-            "compression_training": pw.compression(bits=4, granularity="group", group_size=16,
-                                                   symmetric=False, act=act)}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "tensor_parallel": {"autotp_size": tp},
+        "pipeline": {"stages": pp},
+        "compression_training": pw.compression(bits=4, granularity="group", group_size=16, symmetric=False, act=act),
+    }
 
 
 def batches(n=8, seed=5):
     ids = torch.randint(0, 64, (2 * n, 12), generator=torch.Generator().manual_seed(seed))
-    return [{"input_ids": ids[i:i + 2], "labels": ids[i:i + 2]} for i in range(0, 2 * n, 2)]
+    return [{"input_ids": ids[i : i + 2], "labels": ids[i : i + 2]} for i in range(0, 2 * n, 2)]
 
 
 def engine_for(doc, seed=0):
@@ -74,12 +78,21 @@ def snapshot(engine):
     """What a resume must carry, whole tensors keyed by name (this rank's share under pipeline
     stages): weights, optimizer state, compression state, LR schedule, counters."""
     opt = getattr(engine.optimizer, "optim", engine.optimizer)
-    optim = {f"{engine.param_names[p]}.{k}": _whole(v) if torch.is_tensor(v) else v
-             for p, st in opt.state.items() for k, v in st.items()}
+    optim = {
+        f"{engine.param_names[p]}.{k}": _whole(v) if torch.is_tensor(v) else v
+        for p, st in opt.state.items()
+        for k, v in st.items()
+    }
     comp = engine.compression_scheduler.state_dict()
-    return {"model": whole_weights(engine), "optim": optim, "compression": comp["modules"],
-            "training_steps": comp["training_steps"], "lr": engine.get_lr(),
-            "lr_scheduler": engine.lr_scheduler.state_dict(), "counters": engine.counters()}
+    return {
+        "model": whole_weights(engine),
+        "optim": optim,
+        "compression": comp["modules"],
+        "training_steps": comp["training_steps"],
+        "lr": engine.get_lr(),
+        "lr_scheduler": engine.lr_scheduler.state_dict(),
+        "counters": engine.counters(),
+    }
 
 
 def mesh_resume(rank, world, folder, tp, pp, save):
@@ -113,13 +126,23 @@ def onebit_save(rank, world, folder):
 def tied_export(rank, world, folder):
     """export_quantized at PP2 of a Llama whose lm_head is its embedding: (error type, message)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     doc = config(pp=2)
     engine = qc.initialize(qc.init_compression(model, qc.load_config(doc)), doc)
     try:
         qc.export_quantized(engine, os.path.join(folder, "tied"))
-    except Exception as err:       # noqa: BLE001 - the test reads which error each rank raised
+    except Exception as err:  # noqa: BLE001 - the test reads which error each rank raised
         return type(err).__name__, str(err)
     return None

@@ -4,6 +4,7 @@ Each one builds the same model on every rank from one seed, runs it once unsplit
 the single-process numbers) and once split by qcompress.parallel, and returns what the test
 compares: gathered codes, outputs, losses and gradients.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,24 +22,44 @@ def compression(bits=8, granularity="channel", group_size=None, symmetric=True, 
     params = {"start_bits": bits, "target_bits": bits, "quantization_period": 1, "granularity": granularity}
     if group_size:
         params["group_size"] = group_size
-    out = {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
-                              "quantization_type": "symmetric" if symmetric else "asymmetric"},
-        "different_groups": {"wq": {"params": params, "modules": ["proj", "fc"]}}}}
+    out = {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "quantize_weight_in_forward": True,
+                "quantization_type": "symmetric" if symmetric else "asymmetric",
+            },
+            "different_groups": {"wq": {"params": params, "modules": ["proj", "fc"]}},
+        }
+    }
     if act:
         out["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": act,
-                                  "quantization_type": "symmetric" if symmetric else "asymmetric"},
-            "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["proj", "fc"]}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": act,
+                "quantization_type": "symmetric" if symmetric else "asymmetric",
+            },
+            "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["proj", "fc"]}},
+        }
     return out
 
 
 def tiny_llama(seed=0, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -75,6 +96,7 @@ def _codes_dim(style, spec, which):
 
 def gathered_codes(mod, style):
     from qcompress.nn.sharded import weight_codes
+
     spec = mod.qc_wq.spec()
     out = []
     for i, t in enumerate(weight_codes(mod, spec)):
@@ -91,6 +113,7 @@ def codes_match(rank, world, cases):
     {name: (codes equal, fake-quantized weights equal, max |output diff|)} against the unsplit model."""
     from qcompress.parallel import apply_tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name, kw in cases:
@@ -111,10 +134,12 @@ def codes_match(rank, world, cases):
                     ok_codes &= w is None and g is None
                 else:
                     ok_codes &= torch.equal(w, g.reshape(w.shape))
-            ok_w &= torch.equal(ref.get_submodule(mname).effective_weight().detach(),
-                                tp.get_submodule(mname).effective_weight().full_tensor().detach())
+            ok_w &= torch.equal(
+                ref.get_submodule(mname).effective_weight().detach(),
+                tp.get_submodule(mname).effective_weight().full_tensor().detach(),
+            )
         ref.train(), tp.train()
-        for _ in range(2):       # twice: static ranges fold a second batch into their EMA
+        for _ in range(2):  # twice: static ranges fold a second batch into their EMA
             y_ref, y_tp = ref(x), tp(x)
         results[name] = (ok_codes, ok_w, float((y_ref - y_tp).detach().abs().max()))
     return results
@@ -135,6 +160,7 @@ def llama_step(rank, world, comp):
     from qcompress.parallel import apply_tensor_parallel
     from qcompress.config.parallel import TensorParallel
     from torch.distributed.device_mesh import init_device_mesh
+
     cfg = qc.load_config({"compression_training": comp})
     ref = qc.init_compression(tiny_llama(), cfg)
     tp = copy.deepcopy(ref)
@@ -160,10 +186,14 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
     weights (named as in the unsplit model). Returns (losses, data_parallel_rank,
     data_parallel_world_size, full weights)."""
     comp = compression(bits=8, granularity="channel", act="dynamic")
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-           "tensor_parallel": {"autotp_size": tp_size}, "pipeline": {"stages": pp},
-           "compression_training": comp}
+    doc = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "tensor_parallel": {"autotp_size": tp_size},
+        "pipeline": {"stages": pp},
+        "compression_training": comp,
+    }
     model = qc.init_compression(tiny_llama(), qc.load_config(doc))
     engine = qc.initialize(model, doc)
     dp_rank, dp_world = engine.data_parallel_rank, engine.data_parallel_world_size
@@ -176,12 +206,15 @@ def engine_train_batch(rank, world, tp_size, gas, steps=3, pp=1):
     def batches():
         # micro-batch i of the global stream goes to replica i % dp_world
         for i in range(dp_rank, data.shape[0] // micro, dp_world):
-            ids = data[i * micro:(i + 1) * micro]
+            ids = data[i * micro : (i + 1) * micro]
             yield {"input_ids": ids, "labels": ids}
+
     it = batches()
     losses = [float(engine.train_batch(it)) for _ in range(steps)]
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for n, p in engine.module.named_parameters()}
+    weights = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
     return losses, dp_rank, dp_world, weights
 
 
@@ -190,16 +223,23 @@ def export_matches(rank, world, folder):
     the gathered trained weights into an unsplit model and export that: {tensor name: equal}."""
     import os
     from safetensors.torch import load_file
+
     comp = compression(bits=4, granularity="group", group_size=16, symmetric=False, act="dynamic")
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-           "tensor_parallel": {"autotp_size": world}, "compression_training": comp}
+    doc = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "tensor_parallel": {"autotp_size": world},
+        "compression_training": comp,
+    }
     engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
     it = iter([{"input_ids": ids, "labels": ids}] * 2)
     engine.train_batch(it), engine.train_batch(it)
-    whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-             for n, p in engine.module.named_parameters()}
+    whole = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
     split_dir = os.path.join(folder, "split")
     qc.export_quantized(engine, split_dir)
     if rank != 0:
@@ -217,12 +257,16 @@ def resume_matches(rank, world, folder, pp=1):
     """Train 2 steps at TP (or PP), save a checkpoint, train a third; a fresh engine loads the
     checkpoint and trains the third step again. Returns (third loss, third loss after resume)."""
     comp = compression(bits=8, granularity="channel", act="dynamic")
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-           "tensor_parallel": {"autotp_size": world // pp}, "pipeline": {"stages": pp},
-           "compression_training": comp}
+    doc = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "tensor_parallel": {"autotp_size": world // pp},
+        "pipeline": {"stages": pp},
+        "compression_training": comp,
+    }
     ids = torch.randint(0, 64, (12, 12), generator=torch.Generator().manual_seed(5))
-    batches = [{"input_ids": ids[i:i + 2], "labels": ids[i:i + 2]} for i in range(0, 12, 2)]
+    batches = [{"input_ids": ids[i : i + 2], "labels": ids[i : i + 2]} for i in range(0, 12, 2)]
     engine = qc.initialize(qc.init_compression(tiny_llama(), qc.load_config(doc)), doc)
     it = iter(batches)
     engine.train_batch(it), engine.train_batch(it)

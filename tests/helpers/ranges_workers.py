@@ -1,5 +1,6 @@
 """Rank-side code for tests/nn/test_ranges.py (spawned by tests/helpers/dist_utils.run_ranks): learned
 ranges under the engine at every ZeRO stage, with a checkpoint and resume. No test functions."""
+
 from __future__ import annotations
 
 import os
@@ -11,14 +12,34 @@ from tests.helpers import engine_workers as W
 # static 8-bit activation ranges (initialised after the first step's synchronised EMA).
 COMPRESSION = {
     "weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantization_type": "asymmetric",
-                              "quantize_weight_in_forward": True, "observer": "mse", "range_learning": True},
-        "different_groups": {"wq": {"params": {"start_bits": 6, "target_bits": 4, "quantization_period": 2,
-                                               "period_growth": "linear", "granularity": "channel"}}},
+        "shared_parameters": {
+            "enabled": True,
+            "schedule_offset": 0,
+            "quantization_type": "asymmetric",
+            "quantize_weight_in_forward": True,
+            "observer": "mse",
+            "range_learning": True,
+        },
+        "different_groups": {
+            "wq": {
+                "params": {
+                    "start_bits": 6,
+                    "target_bits": 4,
+                    "quantization_period": 2,
+                    "period_growth": "linear",
+                    "granularity": "channel",
+                }
+            }
+        },
     },
     "activation_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static",
-                              "quantization_type": "asymmetric", "range_learning": True},
+        "shared_parameters": {
+            "enabled": True,
+            "schedule_offset": 0,
+            "range_calibration": "static",
+            "quantization_type": "asymmetric",
+            "range_learning": True,
+        },
         "different_groups": {"aq": {"params": {"bits": 8}}},
     },
 }

@@ -1,5 +1,6 @@
 """Tiny random-weight decoders of the families rotations know (built from transformers configs, no
 download), with norm weights drawn away from 1 so that folding them is exercised, and helpers."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,20 +24,38 @@ def spread_norms(model, seed: int = 5):
     return model
 
 
-def make_dense(family: str = "llama", seed: int = 0, tie: bool = True, hidden: int = 48, heads: int = 6,
-               kv: int = 2, head_dim: int = 8, inter: int = 96, layers: int = 2, dtype=torch.float32):
+def make_dense(
+    family: str = "llama",
+    seed: int = 0,
+    tie: bool = True,
+    hidden: int = 48,
+    heads: int = 6,
+    kv: int = 2,
+    head_dim: int = 8,
+    inter: int = 96,
+    layers: int = 2,
+    dtype=torch.float32,
+):
     """A 2-layer decoder: hidden 48 = 3 x 16 (no power of two: block-diagonal R1), GQA 6 / 2 heads."""
     torch.manual_seed(seed)
     cfg = getattr(transformers, _CONFIGS[family])(
-        vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, tie_word_embeddings=tie,
-        max_position_embeddings=64)
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        tie_word_embeddings=tie,
+        max_position_embeddings=64,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     return spread_norms(model).eval()
 
 
 def make_moe_model(family: str, seed: int = 0):
     from tests.helpers.moe_fixtures import make_moe
+
     return spread_norms(make_moe(family, seed)).eval()
 
 

@@ -1,5 +1,6 @@
 """Where the shared DeepSpeed example configs live: `shared/` beside the checkout (as CI lays it
 out), else this workplace's /work/shared."""
+
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

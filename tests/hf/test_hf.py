@@ -5,6 +5,7 @@ Oracles: DeepSpeed's doubling rule written out step by step (start 8, target 4, 
 2, 4, 8 ... optimizer steps after the offset), the number of distinct weight values (at most
 2^bits), an uninterrupted run compared tensor by tensor with a resumed one, the model's own
 logits against the exported checkpoint's, and the distillation loss written out by hand."""
+
 import json
 import os
 import shutil
@@ -17,8 +18,12 @@ import torch.nn.functional as F
 
 from tests.helpers.hf_fixtures import tiny_bert_folder, tiny_gpt2_folder, topic_texts
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
-pytest.importorskip("accelerate", reason='the transformers Trainer needs accelerate (pip install -e ".[hf]" in the checkout)')
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)'
+)
+pytest.importorskip(
+    "accelerate", reason='the transformers Trainer needs accelerate (pip install -e ".[hf]" in the checkout)'
+)
 
 import qcompress as qc  # noqa: E402
 from qcompress.hf import CompressionCallback, DistillationTrainer  # noqa: E402
@@ -26,10 +31,19 @@ from qcompress.hf.callback import STATE_JSON, STATE_TENSORS  # noqa: E402
 from qcompress.pruning.distill import hidden_state_mse  # noqa: E402
 
 QUERY = "bert.encoder.layer.0.attention.self.query"
-CFG = {"compression_training": {"weight_quantization": {
-    "shared_parameters": {"enabled": True},
-    "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 4, "quantization_period": 2},
-                                "modules": ["encoder", "classifier"]}}}}}
+CFG = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True},
+            "different_groups": {
+                "wq": {
+                    "params": {"start_bits": 8, "target_bits": 4, "quantization_period": 2},
+                    "modules": ["encoder", "classifier"],
+                }
+            },
+        }
+    }
+}
 # DeepSpeed's rule written out: one bit less 2, 4, 8 steps after offset 0
 EXPECTED_BITS = {0: 8, 1: 8, 2: 7, 3: 7, 4: 6, 5: 6, 6: 6}
 STEPS, SAVE_AT, ACCUM = 6, 3, 2
@@ -49,7 +63,7 @@ def one_thread():
 def base(tmp_path_factory):
     folder = tiny_bert_folder(str(tmp_path_factory.mktemp("bert")), num_labels=3)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    texts = topic_texts(n_per_class=8)          # 24 samples: 6 optimizer steps of 2 x 2
+    texts = topic_texts(n_per_class=8)  # 24 samples: 6 optimizer steps of 2 x 2
     names = sorted({label for _, label in texts})
     data = [dict(tok(t, truncation=True, max_length=16), labels=names.index(label)) for t, label in texts]
     return folder, tok, data
@@ -91,11 +105,26 @@ def run(base, out, *, export=None, stop_at=None, resume=None, model=None, load_f
     cb = CompressionCallback(CFG, export_dir=export)
     rec = Recorder(cb, model)
     args = transformers.TrainingArguments(
-        out, use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=2,
-        gradient_accumulation_steps=ACCUM, learning_rate=1e-3, save_strategy="steps", save_steps=SAVE_AT,
-        logging_steps=1, disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model, args, train_dataset=data, processing_class=tok,
-                                   callbacks=[cb, rec] + ([StopAt(stop_at)] if stop_at else []))
+        out,
+        use_cpu=True,
+        report_to=[],
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = transformers.Trainer(
+        model,
+        args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[cb, rec] + ([StopAt(stop_at)] if stop_at else []),
+    )
     if load_from:
         cb.resume_from(load_from)
     trainer.train(resume_from_checkpoint=resume)
@@ -114,10 +143,10 @@ def test_bits_drop_at_scheduled_optimizer_steps_under_accumulation(full):
     model, cb, rec, _ = full
     assert [s for s, *_ in rec.steps] == list(range(1, STEPS + 1))
     for step, bits, distinct, forwards in rec.steps:
-        assert forwards == ACCUM                     # each optimizer step saw 2 micro-batches
+        assert forwards == ACCUM  # each optimizer step saw 2 micro-batches
         assert bits == EXPECTED_BITS[step], (step, bits)
-        assert distinct <= 2 ** bits                 # the weight really sits on a `bits` grid
-    assert [d for _, b, d, _ in rec.steps if b == 8][0] > 2 ** 7   # and uses it (not a coarser one)
+        assert distinct <= 2**bits  # the weight really sits on a `bits` grid
+    assert [d for _, b, d, _ in rec.steps if b == 8][0] > 2**7  # and uses it (not a coarser one)
     # micro-steps between two optimizer steps keep the bits of the last optimizer step
     assert rec.micro == [(s, EXPECTED_BITS[s]) for s in range(STEPS)]
     assert cb.scheduler.training_steps == STEPS
@@ -148,7 +177,7 @@ def test_resume_from_checkpoint_continues_exactly(base, full, tmp_path):
             if key in entry.get("wq", {}):
                 assert torch.equal(entry["wq"][key], b["modules"][name]["wq"][key]), (name, key)
                 masters += 1
-    assert masters == 2 * 13          # 12 encoder Linears + the classifier, master and applied
+    assert masters == 2 * 13  # 12 encoder Linears + the classifier, master and applied
 
     # a checkpoint kept outside output_dir: resume_from(folder) continues exactly too
     kept = str(tmp_path / "kept")
@@ -162,7 +191,7 @@ def test_resume_from_checkpoint_continues_exactly(base, full, tmp_path):
     os.remove(os.path.join(ckpt, STATE_JSON))
     with pytest.raises(FileNotFoundError, match=STATE_JSON) as err:
         run(base, out, resume=ckpt)
-    assert "resume from the checkpoint before" in str(err.value)    # what a killed save leaves
+    assert "resume from the checkpoint before" in str(err.value)  # what a killed save leaves
 
 
 def test_export_loads_and_gives_the_trained_logits(base, full):
@@ -176,8 +205,9 @@ def test_export_loads_and_gives_the_trained_logits(base, full):
     with torch.no_grad():
         want, got = model(**batch).logits, fresh(**batch).logits
     assert torch.equal(want, got)
-    assert not torch.equal(want, transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-                           .eval()(**batch).logits)      # the trained, quantized model, not the start
+    assert not torch.equal(
+        want, transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()(**batch).logits
+    )  # the trained, quantized model, not the start
     again = transformers.AutoTokenizer.from_pretrained(export)
     assert again.get_vocab() == tok.get_vocab()
 
@@ -185,9 +215,17 @@ def test_export_loads_and_gives_the_trained_logits(base, full):
 def _trainer(base, out, callbacks, model=None, cls=transformers.Trainer, **kw):
     folder, tok, data = base
     model = model or transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-    args = transformers.TrainingArguments(out, use_cpu=True, report_to=[], max_steps=2,
-                                          per_device_train_batch_size=4, logging_steps=1,
-                                          save_strategy="no", disable_tqdm=True, seed=0)
+    args = transformers.TrainingArguments(
+        out,
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     return cls(model, args, train_dataset=data, processing_class=tok, callbacks=callbacks, **kw)
 
 
@@ -196,15 +234,15 @@ def test_callback_rewrites_once_and_accepts_a_rewritten_model(base, tmp_path):
     cb = CompressionCallback(CFG)
     trainer = _trainer(base, str(tmp_path / "a"), [cb])
     query = dict(trainer.model.named_modules())[QUERY]
-    assert query.qc_wq is not None and query.qc_wq.bits == 8   # rewritten at on_init_end
-    assert trainer.optimizer is None                            # before the optimizer exists
+    assert query.qc_wq is not None and query.qc_wq.bits == 8  # rewritten at on_init_end
+    assert trainer.optimizer is None  # before the optimizer exists
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     qc.init_compression(model, CFG)
     state = dict(model.named_modules())[QUERY].qc_wq
     cb2 = CompressionCallback(CFG)
     _trainer(base, str(tmp_path / "b"), [cb2], model=model)
-    assert dict(model.named_modules())[QUERY].qc_wq is state   # not rewritten a second time
+    assert dict(model.named_modules())[QUERY].qc_wq is state  # not rewritten a second time
     assert cb2.scheduler.model is model
 
 
@@ -227,8 +265,9 @@ def _manual_kd(student_out, teacher_out, mask=None):
     pt = F.softmax(teacher_out.logits.double() / T, -1)
     kl = (pt * (pt.log() - F.log_softmax(student_out.logits.double() / T, -1))).sum(-1)
     kl = kl[mask].mean() if mask is not None else kl.mean()
-    mse = sum(((s.double() - t.double()) ** 2).mean()
-              for s, t in zip(student_out.hidden_states, teacher_out.hidden_states))
+    mse = sum(
+        ((s.double() - t.double()) ** 2).mean() for s, t in zip(student_out.hidden_states, teacher_out.hidden_states)
+    )
     kd = T * T * kl + w * mse
     return (1 - a) * student_out.loss.double() + a * kd, kd
 
@@ -237,11 +276,18 @@ def test_distillation_trainer_loss_and_logs(base, tmp_path):
     folder, tok, data = base
     cfg = {**CFG, "compression_training": {**CFG["compression_training"], "distillation": KD}}
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)   # one forward = the next
-    trainer = _trainer(base, str(tmp_path / "out"), [CompressionCallback(cfg)], model=model,
-                       cls=DistillationTrainer, compression_config=cfg)
+        folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )  # one forward = the next
+    trainer = _trainer(
+        base,
+        str(tmp_path / "out"),
+        [CompressionCallback(cfg)],
+        model=model,
+        cls=DistillationTrainer,
+        compression_config=cfg,
+    )
     teacher, student = trainer.distiller.teacher, trainer.model
-    assert type(dict(teacher.named_modules())[QUERY]) is torch.nn.Linear      # full-precision copy
+    assert type(dict(teacher.named_modules())[QUERY]) is torch.nn.Linear  # full-precision copy
     assert dict(student.named_modules())[QUERY].qc_wq is not None
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
@@ -265,20 +311,20 @@ def test_distillation_trainer_loss_and_logs(base, tmp_path):
 def test_distillation_trainer_causal_lm_uses_positions_with_a_label(tmp_path):
     folder = tiny_gpt2_folder(str(tmp_path / "gpt2"))
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0,
-                                                              attn_pdrop=0.0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg = {"compression_training": {"distillation": KD}}
-    enc = tok(["the game team win", "market bank profit shares price growth"], padding=True,
-              return_tensors="pt")
+    enc = tok(["the game team win", "market bank profit shares price growth"], padding=True, return_tensors="pt")
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-    labels[0, 1] = -100                        # a prompt token without a target, too
+    labels[0, 1] = -100  # a prompt token without a target, too
     batch = {**enc, "labels": labels}
-    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
-                                          disable_tqdm=True)
-    trainer = DistillationTrainer(model, args, compression_config=cfg,
-                                  teacher=transformers.AutoModelForCausalLM.from_pretrained(folder))
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1, disable_tqdm=True
+    )
+    trainer = DistillationTrainer(
+        model, args, compression_config=cfg, teacher=transformers.AutoModelForCausalLM.from_pretrained(folder)
+    )
     with torch.no_grad():
-        torch.nn.init.normal_(trainer.distiller.teacher.lm_head.weight)   # a teacher that disagrees
+        torch.nn.init.normal_(trainer.distiller.teacher.lm_head.weight)  # a teacher that disagrees
     model.train()
     total = trainer.compute_loss(model, dict(batch))
     with torch.no_grad():
@@ -289,45 +335,61 @@ def test_distillation_trainer_causal_lm_uses_positions_with_a_label(tmp_path):
     mask[:, :-1] = labels[:, 1:] != -100
     want, kd = _manual_kd(s_out, t_out, mask)
     assert total.item() == pytest.approx(want.item(), rel=1e-5)
-    wrong, _ = _manual_kd(s_out, t_out, labels != -100)       # unshifted: a different number
+    wrong, _ = _manual_kd(s_out, t_out, labels != -100)  # unshifted: a different number
     assert abs(wrong.item() - want.item()) > 1e-4
     with pytest.raises(ValueError, match="distillation.enabled is false"):
         DistillationTrainer(model, args, compression_config={}, teacher=trainer.distiller.teacher)
 
 
 def test_qcompress_does_not_import_transformers_and_hf_says_what_to_install():
-    code = ("import sys\n"
-            "import qcompress, qcompress.train.distill\n"
-            "assert 'transformers' not in sys.modules, 'qcompress imported transformers'\n"
-            "sys.modules['transformers'] = None\n"
-            "try:\n"
-            "    import qcompress.hf\n"
-            "except ImportError as e:\n"
-            "    print('ERR', e)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = (
+        "import sys\n"
+        "import qcompress, qcompress.train.distill\n"
+        "assert 'transformers' not in sys.modules, 'qcompress imported transformers'\n"
+        "sys.modules['transformers'] = None\n"
+        "try:\n"
+        "    import qcompress.hf\n"
+        "except ImportError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and 'pip install -e ".[hf]"' in res.stdout
 
 
 # --- accumulation, folder teachers, the best checkpoint, config vs TrainingArguments ------------
 
+
 def _lm_data(tok, n, length=10, seed=0):
     """n causal-LM samples of `length` tokens each (equal lengths: no padding)."""
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(5, len(tok), (n, length), generator=g).tolist()]
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(5, len(tok), (n, length), generator=g).tolist()]
 
 
 def _lm_args(out, **kw):
-    return transformers.TrainingArguments(out, use_cpu=True, report_to=[], per_device_train_batch_size=2,
-                                          gradient_accumulation_steps=2, learning_rate=1e-2,
-                                          save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, **kw)
+    return transformers.TrainingArguments(
+        out,
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        **kw,
+    )
 
 
 def _dropout_free_gpt2(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0,
-                                                             attn_pdrop=0.0)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def test_distillation_trainer_without_distillation_trains_like_the_trainer_under_accumulation(tmp_path):
@@ -357,7 +419,7 @@ def test_distillation_gradient_under_accumulation_is_the_mean_over_micro_batches
     data = _lm_data(tok, 4, seed=1)
     teacher = _dropout_free_gpt2(folder)
     with torch.no_grad():
-        torch.nn.init.normal_(teacher.lm_head.weight)                 # a teacher that disagrees
+        torch.nn.init.normal_(teacher.lm_head.weight)  # a teacher that disagrees
     model = _dropout_free_gpt2(folder)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = {"compression_training": {"distillation": KD}}
@@ -367,9 +429,14 @@ def test_distillation_gradient_under_accumulation_is_the_mean_over_micro_batches
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
             grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
-    trainer = DistillationTrainer(model, _lm_args(str(tmp_path / "out"), max_steps=1, max_grad_norm=0.0),
-                                  compression_config=cfg, teacher=teacher, train_dataset=data,
-                                  callbacks=[Grab()])
+    trainer = DistillationTrainer(
+        model,
+        _lm_args(str(tmp_path / "out"), max_steps=1, max_grad_norm=0.0),
+        compression_config=cfg,
+        teacher=teacher,
+        train_dataset=data,
+        callbacks=[Grab()],
+    )
     trainer.train()
 
     ref = _dropout_free_gpt2(folder)
@@ -398,16 +465,20 @@ def test_folder_teacher_that_does_not_fit_the_student_is_refused(tmp_path):
     the first step). Both are refused up front, naming the folder; fitting folders load."""
     student_folder = tiny_bert_folder(str(tmp_path / "student"), num_labels=3)
     student = transformers.AutoModelForSequenceClassification.from_pretrained(student_folder)
-    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
-                                          disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1, disable_tqdm=True
+    )
 
     def build(folder, model=student):
         cfg = {"compression_training": {"distillation": {"enabled": True, "teacher": folder}}}
         return DistillationTrainer(model, args, compression_config=cfg)
 
-    headless = tiny_bert_folder(str(tmp_path / "encoder"))             # a BertModel checkpoint
-    with pytest.raises(ValueError, match=r"encoder has no weights for 2 tensors of "
-                                         r"BertForSequenceClassification \(classifier.bias, classifier.weight\)"):
+    headless = tiny_bert_folder(str(tmp_path / "encoder"))  # a BertModel checkpoint
+    with pytest.raises(
+        ValueError,
+        match=r"encoder has no weights for 2 tensors of "
+        r"BertForSequenceClassification \(classifier.bias, classifier.weight\)",
+    ):
         build(headless)
     gpt2 = tiny_gpt2_folder(str(tmp_path / "gpt2"))
     with pytest.raises(ValueError, match="holds a 'gpt2' model, the student is 'bert'"):
@@ -419,7 +490,7 @@ def test_folder_teacher_that_does_not_fit_the_student_is_refused(tmp_path):
     for (name, a), b in zip(want.state_dict().items(), teacher.state_dict().values()):
         assert torch.equal(a, b), name
     lm = build(gpt2, model=transformers.AutoModelForCausalLM.from_pretrained(gpt2)).distiller.teacher
-    assert lm.lm_head.weight is lm.transformer.wte.weight                # tied head: not "missing"
+    assert lm.lm_head.weight is lm.transformer.wte.weight  # tied head: not "missing"
 
 
 @pytest.mark.parametrize("in_forward", [False, True])
@@ -443,22 +514,41 @@ def test_load_best_model_at_end_keeps_the_best_checkpoints_compression(base, tmp
 
     def first_is_best(_):
         evals.append(len(evals))
-        return {"rank": -len(evals)}        # the first evaluation (step 2) scores best
+        return {"rank": -len(evals)}  # the first evaluation (step 2) scores best
 
     export = str(tmp_path / "export")
     cb = CompressionCallback(cfg, export_dir=export)
     args = transformers.TrainingArguments(
-        str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
-        learning_rate=1e-2, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
-        load_best_model_at_end=True, metric_for_best_model="rank", greater_is_better=True,
-        disable_tqdm=True, seed=0)
+        str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="rank",
+        greater_is_better=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-    trainer = transformers.Trainer(model, args, train_dataset=data, eval_dataset=data[:6], processing_class=tok,
-                                   callbacks=[cb, Snapshot()], compute_metrics=first_is_best)
+    trainer = transformers.Trainer(
+        model,
+        args,
+        train_dataset=data,
+        eval_dataset=data[:6],
+        processing_class=tok,
+        callbacks=[cb, Snapshot()],
+        compute_metrics=first_is_best,
+    )
     trainer.train()
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2") and sorted(seen) == [2, 4, 6]
     assert cb.scheduler.training_steps == 2 and cb.scheduler.current_bits()[QUERY] == EXPECTED_BITS[2]
-    assert not torch.equal(seen[2], seen[6])                       # the last step's model differs
+    assert not torch.equal(seen[2], seen[6])  # the last step's model differs
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(**probe).logits, seen[2])
@@ -477,35 +567,62 @@ def test_config_that_disagrees_with_the_training_arguments_is_refused(base, tmp_
     args = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0)
 
     def build(doc, **kw):
-        targs = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
-                                               save_strategy="no", disable_tqdm=True, **{**args, **kw})
+        targs = transformers.TrainingArguments(
+            str(tmp_path / "out"),
+            use_cpu=True,
+            report_to=[],
+            max_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            **{**args, **kw},
+        )
         model = transformers.AutoModelForSequenceClassification.from_pretrained(base[0])
-        return transformers.Trainer(model, targs, train_dataset=base[2],
-                                    callbacks=[CompressionCallback({**doc, "compression_training": wq})])
+        return transformers.Trainer(
+            model, targs, train_dataset=base[2], callbacks=[CompressionCallback({**doc, "compression_training": wq})]
+        )
 
     with pytest.raises(qc.ConfigError) as err:
-        build({"train_batch_size": 16, "gradient_accumulation_steps": 4, "fp16": {"enabled": True},
-               "gradient_clipping": 0.5})
+        build(
+            {
+                "train_batch_size": 16,
+                "gradient_accumulation_steps": 4,
+                "fp16": {"enabled": True},
+                "gradient_clipping": 0.5,
+            }
+        )
     msg = str(err.value)
     assert err.value.path == "fp16.enabled"
-    for part in ("fp16.enabled is True but TrainingArguments.fp16 is False",
-                 "gradient_accumulation_steps is 4 but TrainingArguments.gradient_accumulation_steps is 2",
-                 "train_batch_size is 16 but per_device_train_batch_size x gradient_accumulation_steps "
-                 "x world size (4 x 2 x 1) is 8",
-                 "gradient_clipping is 0.5 but TrainingArguments.max_grad_norm is 1.0"):
+    for part in (
+        "fp16.enabled is True but TrainingArguments.fp16 is False",
+        "gradient_accumulation_steps is 4 but TrainingArguments.gradient_accumulation_steps is 2",
+        "train_batch_size is 16 but per_device_train_batch_size x gradient_accumulation_steps "
+        "x world size (4 x 2 x 1) is 8",
+        "gradient_clipping is 0.5 but TrainingArguments.max_grad_norm is 1.0",
+    ):
         assert part in msg, (part, msg)
-    with pytest.raises(qc.ConfigError, match="train_micro_batch_size_per_gpu is 2 but "
-                                            "TrainingArguments.per_device_train_batch_size is 4"):
+    with pytest.raises(
+        qc.ConfigError,
+        match="train_micro_batch_size_per_gpu is 2 but TrainingArguments.per_device_train_batch_size is 4",
+    ):
         build({"train_micro_batch_size_per_gpu": 2})
     with pytest.raises(qc.ConfigError, match="bf16.enabled is True but TrainingArguments.bf16 is False"):
         build({"bf16": {"enabled": True}})
     import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = build({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-                         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-                         "fp16": {"enabled": False}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
-                        bf16=True)
+        trainer = build(
+            {
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 1.0,
+                "bf16": {"enabled": True},
+                "fp16": {"enabled": False},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            },
+            bf16=True,
+        )
     assert dict(trainer.model.named_modules())[QUERY].qc_wq is not None
     assert any("optimizer section(s) are not used" in str(w.message) for w in caught)
 
@@ -517,16 +634,26 @@ def test_distillation_task_loss_is_the_trainers_own_label_smoothing_included(bas
 
     def run(cls, **kw):
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        args = transformers.TrainingArguments(str(tmp_path / cls.__name__), use_cpu=True, report_to=[], max_steps=2,
-                                              per_device_train_batch_size=4, label_smoothing_factor=0.3,
-                                              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+            folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
+        args = transformers.TrainingArguments(
+            str(tmp_path / cls.__name__),
+            use_cpu=True,
+            report_to=[],
+            max_steps=2,
+            per_device_train_batch_size=4,
+            label_smoothing_factor=0.3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         trainer = cls(model, args, train_dataset=data, processing_class=tok, **kw)
         trainer.train()
         return [r for r in trainer.state.log_history if "loss" in r], model
 
     plain_logs, plain = run(transformers.Trainer)
-    cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.0}}}   # task loss only
+    cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.0}}}  # task loss only
     kd_logs, kd = run(DistillationTrainer, compression_config=cfg)
     assert len(plain_logs) == 2
     for want, got in zip(plain_logs, kd_logs):
@@ -539,6 +666,7 @@ def test_distillation_task_loss_is_the_trainers_own_label_smoothing_included(bas
     def loss_func(outputs, labels, num_items_in_batch=None):
         seen.append(labels.shape)
         return F.cross_entropy(outputs.logits, labels) * 0 + 7.0 + outputs.logits.sum() * 0
+
     cfg = {"compression_training": {"distillation": {"enabled": True, "alpha": 0.5}}}
     logs, _ = run(DistillationTrainer, compression_config=cfg, compute_loss_func=loss_func)
     assert seen and all(r["task_loss"] == pytest.approx(7.0) for r in logs)
@@ -553,22 +681,34 @@ def test_resuming_from_another_runs_checkpoint_is_refused(base, tmp_path):
     run(base, out_a, stop_at=SAVE_AT)
     other = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     with torch.no_grad():
-        other.classifier.weight.mul_(3.0)                        # another run, same step numbers
+        other.classifier.weight.mul_(3.0)  # another run, same step numbers
     run(base, out_b, stop_at=SAVE_AT, model=other)
     ckpt_a, ckpt_b = (os.path.join(o, f"checkpoint-{SAVE_AT}") for o in (out_a, out_b))
     with pytest.raises(ValueError, match=r"checkpoint-3 is not the checkpoint the Trainer resumed from"):
         run(base, out_b, resume=ckpt_a)
     with pytest.raises(ValueError, match="resume_from"):
         run(base, str(tmp_path / "c"), resume=ckpt_a, load_from=ckpt_b)
-    model, cb, _ = run(base, out_b, resume=ckpt_a, load_from=ckpt_a)      # the right pairing works
+    model, cb, _ = run(base, out_b, resume=ckpt_a, load_from=ckpt_a)  # the right pairing works
     assert cb.scheduler.training_steps == STEPS
 
 
-RL_CFG = {"compression_training": {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "quantize_weight_in_forward": True},
-    "different_groups": {"wq1": {"params": {"start_bits": 4, "target_bits": 4, "range_learning": True,
-                                            "granularity": "channel"},
-                                 "modules": ["attention.self.query", "attention.self.key"]}}}}}
+RL_CFG = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {
+                "enabled": True,
+                "quantization_type": "symmetric",
+                "quantize_weight_in_forward": True,
+            },
+            "different_groups": {
+                "wq1": {
+                    "params": {"start_bits": 4, "target_bits": 4, "range_learning": True, "granularity": "channel"},
+                    "modules": ["attention.self.query", "attention.self.key"],
+                }
+            },
+        }
+    }
+}
 
 
 def test_compression_trainer_puts_learned_ranges_in_their_own_groups(base, tmp_path):
@@ -576,16 +716,28 @@ def test_compression_trainer_puts_learned_ranges_in_their_own_groups(base, tmp_p
     # scales leave the weights' groups, and their lr follows the schedule at the factor
     from qcompress.hf import CompressionTrainer
     from qcompress.nn.range_groups import RANGE_LR_FACTOR, range_parameter_ids
+
     folder, tok, data = base
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=4,
-                                          per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.1,
-                                          save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0)
-    trainer = CompressionTrainer(model, args, train_dataset=data, processing_class=tok,
-                                 callbacks=[CompressionCallback(RL_CFG)])
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        save_strategy="steps",
+        save_steps=2,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = CompressionTrainer(
+        model, args, train_dataset=data, processing_class=tok, callbacks=[CompressionCallback(RL_CFG)]
+    )
     trainer.train()
     ranges = range_parameter_ids(model)
-    assert len(ranges) == 4                                   # weight_scale of 2 layers x 2 blocks
+    assert len(ranges) == 4  # weight_scale of 2 layers x 2 blocks
     groups = trainer.optimizer.param_groups
     with_ranges = [g for g in groups if any(id(p) in ranges for p in g["params"])]
     assert with_ranges and all(all(id(p) in ranges for p in g["params"]) for g in with_ranges)
@@ -594,15 +746,16 @@ def test_compression_trainer_puts_learned_ranges_in_their_own_groups(base, tmp_p
     assert any(g["weight_decay"] == 0.1 for g in weights)
     for g in with_ranges:
         assert g["initial_lr"] == pytest.approx(1e-3 * RANGE_LR_FACTOR)
-        assert g["lr"] == pytest.approx(weights[0]["lr"] * RANGE_LR_FACTOR)    # the schedule applies
+        assert g["lr"] == pytest.approx(weights[0]["lr"] * RANGE_LR_FACTOR)  # the schedule applies
     # a plain Trainer keeps them in the weights' group (the documented difference)
     plain = _trainer(base, str(tmp_path / "plain"), [CompressionCallback(RL_CFG)])
     plain.create_optimizer()
     assert len(plain.optimizer.param_groups) == 2
     # resuming rebuilds the same groups, so the saved optimizer state loads
     model2 = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-    again = CompressionTrainer(model2, args, train_dataset=data, processing_class=tok,
-                               callbacks=[CompressionCallback(RL_CFG)])
+    again = CompressionTrainer(
+        model2, args, train_dataset=data, processing_class=tok, callbacks=[CompressionCallback(RL_CFG)]
+    )
     again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     for a, b in zip(model.parameters(), model2.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -615,19 +768,29 @@ def test_input_weighted_ranges_are_calibrated_on_training_batches_before_the_fir
     import copy
     import warnings
     from qcompress.quant import observers
+
     folder, tok, data = base
     cfg = copy.deepcopy(CFG)
     shared = cfg["compression_training"]["weight_quantization"]["shared_parameters"]
     shared.update(observer="mse", observer_kwargs={"weight_by": "inputs"}, quantize_weight_in_forward=True)
     cfg["compression_training"]["weight_quantization"]["different_groups"]["wq"]["params"].update(
-        start_bits=4, target_bits=4, group_size=16)
+        start_bits=4, target_bits=4, group_size=16
+    )
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     query = dict(model.named_modules())[QUERY]
     w0 = query.weight.detach().clone()
     cb = CompressionCallback(cfg)
-    args = transformers.TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1,
-                                          per_device_train_batch_size=4, learning_rate=0.0, save_strategy="no",
-                                          disable_tqdm=True, seed=0)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=0.0,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = transformers.Trainer(model, args, train_dataset=data, processing_class=tok, callbacks=[cb])
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*no input statistics.*")
@@ -635,6 +798,6 @@ def test_input_weighted_ranges_are_calibrated_on_training_batches_before_the_fir
     query = dict(model.named_modules())[QUERY]
     moments = query.qc_wq.store.input_moments
     assert moments is not None and moments.shape == (query.in_features // 16, 16, 16)
-    cross = query.qc_wq.store.input_cross        # cross_groups (the default): the whole E[u u^T]
+    cross = query.qc_wq.store.input_cross  # cross_groups (the default): the whole E[u u^T]
     assert cross is not None and cross.shape == (query.in_features, query.in_features)
     assert torch.equal(query.qc_wq.shrink, observers.mse_shrink(w0, query.qc_wq.spec(), moments=moments, cross=cross))

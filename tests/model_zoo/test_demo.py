@@ -1,4 +1,5 @@
 """model_zoo: the Fashion-MNIST demo end to end, the data readers, the model, the schedule files."""
+
 import glob
 import gzip
 import os
@@ -31,13 +32,30 @@ MARGIN = 0.02
 
 def test_demo_runs_end_to_end_and_reaches_its_accuracies(tmp_path):
     if not zdata.fashion_mnist_available():
-        pytest.skip(f"Fashion-MNIST is not installed in {zdata.fashion_mnist_dir()} "
-                    "(apt-get install dataset-fashion-mnist)")
+        pytest.skip(
+            f"Fashion-MNIST is not installed in {zdata.fashion_mnist_dir()} (apt-get install dataset-fashion-mnist)"
+        )
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "model_zoo.demo_fashion_mnist", "--quick", "--no-progress",
-                           "--train-limit", "10000", "--test-limit", "2000", "--export-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "model_zoo.demo_fashion_mnist",
+            "--quick",
+            "--no-progress",
+            "--train-limit",
+            "10000",
+            "--test-limit",
+            "2000",
+            "--export-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     elapsed = time.perf_counter() - t0
     print(f"demo: {elapsed:.1f} s wall")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,8 +63,9 @@ def test_demo_runs_end_to_end_and_reaches_its_accuracies(tmp_path):
     fp32 = float(re.search(r"FP32 test accuracy: ([0-9.]+)", out).group(1))
     runs = re.findall(r"\[(\S+)\] compressed test accuracy: ([0-9.]+) \(baked by redundancy_clean: ([0-9.]+)", out)
     assert [r[0] for r in runs] == ["w8a8.yaml", "w4a8_progressive.yaml"]
-    same_budget = float(re.search(r"FP32 fine-tuned for 1 more epoch\(s\), the budget of each QAT run: ([0-9.]+)",
-                                  out).group(1))
+    same_budget = float(
+        re.search(r"FP32 fine-tuned for 1 more epoch\(s\), the budget of each QAT run: ([0-9.]+)", out).group(1)
+    )
     got = {"fp32": fp32, "same_budget": same_budget, **{name: float(acc) for name, acc, _ in runs}}
     print("accuracies:", got)
     for key, want in REACHED.items():
@@ -58,11 +77,14 @@ def test_demo_runs_end_to_end_and_reaches_its_accuracies(tmp_path):
         # redundancy_clean bakes the same weights forward used, so eval predictions do not change
         assert acc == baked, name
     assert "bits in force" in out and "W8 →8 sym channel" in out and "A8 per sample" in out
-    assert "W6 →4 sym channel" in out     # the progressive schedule dropped a bit at steps 30 and 60
+    assert "W6 →4 sym channel" in out  # the progressive schedule dropped a bit at steps 30 and 60
     assert "model size at target bits" in out
     # each QAT model was exported and reloaded: the reloaded model predicts exactly as the baked one
-    reloads = re.findall(r"\[(\S+)\] exported to .*?: model.safetensors ([0-9.]+) KiB on disk \(FP32 safetensors "
-                         r"([0-9.]+) KiB.*?test accuracy ([0-9.]+)", out)
+    reloads = re.findall(
+        r"\[(\S+)\] exported to .*?: model.safetensors ([0-9.]+) KiB on disk \(FP32 safetensors "
+        r"([0-9.]+) KiB.*?test accuracy ([0-9.]+)",
+        out,
+    )
     assert [r[0] for r in reloads] == ["w8a8.yaml", "w4a8_progressive.yaml"]
     for (name, acc, baked), (_, disk, fp32_disk, reloaded) in zip(runs, reloads):
         assert reloaded == baked, name
@@ -82,7 +104,7 @@ def test_missing_dataset_message_tells_how_to_install(tmp_path, capsys):
 def _write_idx(path, array, gz):
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
     raw = header + array.astype(np.uint8).tobytes()
-    with (gzip.open(path, "wb") if gz else open(path, "wb")) as fh:
+    with gzip.open(path, "wb") if gz else open(path, "wb") as fh:
         fh.write(raw)
 
 
@@ -112,7 +134,7 @@ def test_load_digits_split_and_normalisation():
     assert set(ytr.tolist()) == set(range(10))
     assert abs(xtr.mean().item()) < 1e-4 and abs(xtr.std().item() - 1) < 1e-3
     (xtr2, _), _ = zdata.load_digits()
-    assert torch.equal(xtr, xtr2)          # fixed seed: the same split every time
+    assert torch.equal(xtr, xtr2)  # fixed seed: the same split every time
 
 
 def test_small_cnn_shapes():
@@ -137,20 +159,25 @@ def test_model_size_closed_form():
 
 def test_every_schedule_file_loads_and_applies_to_the_demo_model():
     names = {os.path.basename(p) for p in SCHEDULES}
-    assert {"w8a8.yaml", "w4a8_progressive.yaml", "w4a16_g128.yaml", "w1a8_xtc.yaml",
-            "w8a8_static.yaml", "with_onebit_adam.yaml"} <= names
+    assert {
+        "w8a8.yaml",
+        "w4a8_progressive.yaml",
+        "w4a16_g128.yaml",
+        "w1a8_xtc.yaml",
+        "w8a8_static.yaml",
+        "with_onebit_adam.yaml",
+    } <= names
     for path in SCHEDULES:
         with open(path) as fh:
             assert fh.readline().startswith("# "), f"{path} must start with a comment saying what it does"
         cfg = qc.load_config(path)
         wq = cfg.compression.weight_quantization
         if not wq.enabled:
-            overlay = "compression_training" in cfg.raw   # e.g. observer settings merged over a recipe
-            assert cfg.optimizer is not None or overlay, \
-                f"{path} configures neither compression nor an optimizer"
+            overlay = "compression_training" in cfg.raw  # e.g. observer settings merged over a recipe
+            assert cfg.optimizer is not None or overlay, f"{path} configures neither compression nor an optimizer"
             continue
         if any(g.modules is not None for g in wq.groups):
-            continue   # module regexes of transformer recipes: tests/train/test_train_job.py applies them
+            continue  # module regexes of transformer recipes: tests/train/test_train_job.py applies them
         model = SmallCNN()
         qc.init_compression(model, cfg)
         start = {g.params.start_bits for g in wq.groups}
@@ -163,6 +190,7 @@ def test_every_schedule_file_loads_and_applies_to_the_demo_model():
 
 def test_onebit_adam_file_builds_the_optimizer():
     from qcompress.optim.build import build_optimizer
+
     cfg = qc.load_config(os.path.join(ROOT, "schedules", "with_onebit_adam.yaml"))
     opt = build_optimizer(SmallCNN().parameters(), cfg.optimizer)
     assert type(opt).__name__ == "OneBitAdam" and opt.freeze_step == 100

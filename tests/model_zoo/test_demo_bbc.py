@@ -1,6 +1,7 @@
 """`make demo` end to end on the real workload: model_zoo/demo_bbc.py runs `qcompress train` twice
 (W8A8 with an FP32 baseline, then W4A8 group 128 reusing it) on the packaged all-MiniLM-L6-v2 and
 BBC News topics, at a size that takes a few CPU minutes."""
+
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ ARGS = ["--train-samples", "192", "--eval-samples", "100", "--max-length", "64",
 def code_bytes(folder, dtype: str) -> int:
     """Bytes of the quantized weight codes (`weight` as int8, `weight_packed` as int32) in an export."""
     from safetensors import safe_open
+
     size = {"I8": 1, "I32": 4}[dtype]
     total = 0
     for name in os.listdir(folder):
@@ -41,22 +43,29 @@ def test_bbc_demo_trains_quantizes_exports_and_reloads_above_the_floor(tmp_path)
     if missing:
         pytest.skip(f"the demo's packaged workloads are not installed ({', '.join(missing)}): `make workloads`")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "model_zoo.demo_bbc", "--out", str(tmp_path), *ARGS],
-                          cwd=ROOT, capture_output=True, text=True, timeout=2300,
-                          env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "model_zoo.demo_bbc", "--out", str(tmp_path), *ARGS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2300,
+        env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"},
+    )
     print(f"BBC demo: {time.perf_counter() - t0:.0f} s wall")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     reports = {}
     for run in ("w8a8", "w4a8_g128"):
         with open(tmp_path / run / "report.json", encoding="utf-8") as f:
             reports[run] = json.load(f)
-    acc = {run: {stage: (res or {}).get("accuracy") for stage, res in rep["stages"].items()}
-           for run, rep in reports.items()}
+    acc = {
+        run: {stage: (res or {}).get("accuracy") for stage, res in rep["stages"].items()}
+        for run, rep in reports.items()
+    }
     print("accuracies:", acc)
     w8, w4 = acc["w8a8"], acc["w4a8_g128"]
     # the second run reuses the first one's FP32 baseline (--baseline-from), not a new fine-tune
     assert w4["fp32_finetuned"] == w8["fp32_finetuned"] >= FLOOR
-    assert w8["fp32_finetuned"] > w8["fp32"]             # the fine-tune learned the topics
+    assert w8["fp32_finetuned"] > w8["fp32"]  # the fine-tune learned the topics
     for run, a in acc.items():
         assert a["qat"] >= FLOOR, f"{run}: QAT accuracy {a['qat']} below {FLOOR}"
         # the export reloaded by load_quantized predicts exactly as the trained model in eval

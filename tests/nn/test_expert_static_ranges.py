@@ -2,6 +2,7 @@
 the tokens routed to it, checked against a reference experts forward written from the routing
 rule that keeps its own per-expert EMA (the oracle), in training (ranges move) and in eval
 (frozen); the ranges travel in the scheduler state and average across data-parallel ranks."""
+
 import copy
 
 import pytest
@@ -17,16 +18,29 @@ MOMENTUM = 0.9
 
 
 def _cfg(sym=False, **aq_params):
-    return {"compression_training": {
-        "weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-            "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                                        "modules": [EXPERTS]}}},
-        "activation_quantization": {
-            "shared_parameters": {"enabled": True, "range_calibration": "static", "schedule_offset": 0,
-                                  "momentum": MOMENTUM,
-                                  "quantization_type": "symmetric" if sym else "asymmetric"},
-            "different_groups": {"aq": {"params": {"bits": 8, **aq_params}, "modules": [EXPERTS]}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "wq": {
+                        "params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                        "modules": [EXPERTS],
+                    }
+                },
+            },
+            "activation_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "range_calibration": "static",
+                    "schedule_offset": 0,
+                    "momentum": MOMENTUM,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                },
+                "different_groups": {"aq": {"params": {"bits": 8, **aq_params}, "modules": [EXPERTS]}},
+            },
+        }
+    }
 
 
 class _Ema:
@@ -68,7 +82,7 @@ def test_per_expert_static_ranges_match_a_reference_with_its_own_ema(family, sym
     with torch.no_grad():
         for m in (model, ref):
             m.train()
-        for seed in range(3):                      # ranges move in training
+        for seed in range(3):  # ranges move in training
             x = tokens(model, batch=2, seq=10, seed=seed)
             torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
         for m in (model, ref):
@@ -111,11 +125,12 @@ def test_scheduler_state_carries_each_experts_range():
 
 def test_sync_averages_each_expert_over_the_ranks_that_routed_tokens_to_it():
     from qcompress.nn.expert_ranges import ExpertRanges
+
     ranks = [ExpertRanges(3), ExpertRanges(3)]
     ranks[0][0].update(torch.tensor(-1.0), torch.tensor(1.0))
     ranks[1][0].update(torch.tensor(-3.0), torch.tensor(5.0))
-    ranks[1][1].update(torch.tensor(-2.0), torch.tensor(2.0))      # expert 1 only on rank 1
-    summed = ranks[0].sync_tensor() + ranks[1].sync_tensor()      # what all_reduce(SUM) gives
+    ranks[1][1].update(torch.tensor(-2.0), torch.tensor(2.0))  # expert 1 only on rank 1
+    summed = ranks[0].sync_tensor() + ranks[1].sync_tensor()  # what all_reduce(SUM) gives
     for r in ranks:
         r.sync_from(summed, 2)
         assert (float(r[0].min), float(r[0].max)) == (-2.0, 3.0)
@@ -135,6 +150,7 @@ def test_learned_static_expert_ranges_are_refused_by_name():
 def test_export_writes_one_input_scale_per_expert_and_reload_applies_them(tmp_path, family, sym, mode):
     from safetensors import safe_open
     from qcompress.quant import reference
+
     model, _, _ = _pair(family, sym)
     model.train()
     with torch.no_grad():
@@ -147,18 +163,30 @@ def test_export_writes_one_input_scale_per_expert_and_reload_applies_them(tmp_pa
     obs = model.model.layers[1].mlp.experts._modules["down_proj"].qc_aq.observer
     spec = reference.make_spec(8, symmetric=sym, granularity="tensor")
     for e in range(4):
-        want, wz, _ = reference.qparams(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec,
-                                        min_val=obs[e].min, max_val=obs[e].max)
-        if family == "gpt_oss":      # the per-expert names vLLM's gpt-oss loader uses (w2 = down_proj)
+        want, wz, _ = reference.qparams(
+            torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), spec, min_val=obs[e].min, max_val=obs[e].max
+        )
+        if family == "gpt_oss":  # the per-expert names vLLM's gpt-oss loader uses (w2 = down_proj)
             got = sd[f"model.layers.1.mlp.experts.{e}.w2_input_scale"]
-        else:                        # save_pretrained's per-expert Linear names
+        else:  # save_pretrained's per-expert Linear names
             got = sd[f"model.layers.1.mlp.experts.{e}.down_proj.input_scale"]
-            assert torch.equal(sd[f"model.layers.1.mlp.experts.{e}.gate_proj.input_scale"],
-                               sd[f"model.layers.1.mlp.experts.{e}.up_proj.input_scale"])
+            assert torch.equal(
+                sd[f"model.layers.1.mlp.experts.{e}.gate_proj.input_scale"],
+                sd[f"model.layers.1.mlp.experts.{e}.up_proj.input_scale"],
+            )
             assert sd[f"model.layers.1.mlp.experts.{e}.up_proj.input_zero_point"].dtype == torch.int8
         assert torch.equal(got.reshape(()), want.reshape(()).float()), e
-    assert len({float(sd[f"model.layers.1.mlp.experts.{e}.w2_input_scale"]) if family == "gpt_oss" else
-                float(sd[f"model.layers.1.mlp.experts.{e}.down_proj.input_scale"]) for e in range(4)}) > 1
+    assert (
+        len(
+            {
+                float(sd[f"model.layers.1.mlp.experts.{e}.w2_input_scale"])
+                if family == "gpt_oss"
+                else float(sd[f"model.layers.1.mlp.experts.{e}.down_proj.input_scale"])
+                for e in range(4)
+            }
+        )
+        > 1
+    )
     loaded = qcompress.load_quantized(tmp_path / "q", make_moe(family, seed=5), mode=mode)
     x = tokens(model, batch=2, seq=9, seed=11)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Fused mixture-of-experts Parameters as compress-aware weights (qcompress.nn.experts): each
 expert's matrix is quantized as its own 2-D weight, checked against an untouched FP copy whose
 expert matrices were replaced by qcompress.quant.fake_quantize of each matrix (the oracle)."""
+
 import copy
 import warnings
 
@@ -10,13 +11,19 @@ import torch
 import qcompress
 from qcompress import ConfigError
 from qcompress.quant import fake_quantize
-from tests.helpers.moe_fixtures import FAMILIES, experts_params, make_moe, oracle_copy, reference_experts_forward, tokens
+from tests.helpers.moe_fixtures import (
+    FAMILIES,
+    experts_params,
+    make_moe,
+    oracle_copy,
+    reference_experts_forward,
+    tokens,
+)
 
 EXPERTS = r"mlp\.experts"
 
 
-def cfg_w(bits=4, sym=True, gran="group", group_size=16, modules=(EXPERTS,), start=None, period=None,
-          **params):
+def cfg_w(bits=4, sym=True, gran="group", group_size=16, modules=(EXPERTS,), start=None, period=None, **params):
     p = {"start_bits": start or bits, "target_bits": bits, **params}
     if gran is not None:
         p["granularity"] = gran
@@ -27,10 +34,18 @@ def cfg_w(bits=4, sym=True, gran="group", group_size=16, modules=(EXPERTS,), sta
     group = {"params": p}
     if modules is not None:
         group["modules"] = list(modules)
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": "symmetric" if sym else "asymmetric",
-                              "quantize_weight_in_forward": True},
-        "different_groups": {"wq": group}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                    "quantize_weight_in_forward": True,
+                },
+                "different_groups": {"wq": group},
+            }
+        }
+    }
 
 
 CASES = [(4, True, "group"), (4, False, "group"), (8, False, "channel"), (3, True, "tensor")]
@@ -43,8 +58,10 @@ def test_logits_equal_the_per_expert_fake_quantize_oracle(family, bits, sym, gra
     fp = copy.deepcopy(model)
     qcompress.init_compression(model, cfg_w(bits, sym, gran))
     # per-tensor granularity is per expert: one scale for each expert's matrix
-    ref = oracle_copy(fp, lambda m: fake_quantize(m, bits, symmetric=sym, granularity=gran,
-                                                  group_size=16 if gran == "group" else None))
+    ref = oracle_copy(
+        fp,
+        lambda m: fake_quantize(m, bits, symmetric=sym, granularity=gran, group_size=16 if gran == "group" else None),
+    )
     x = tokens(model)
     with torch.no_grad():
         got, want, plain = model(x).logits, ref(x).logits, fp(x).logits
@@ -73,13 +90,13 @@ def test_gradients_reach_every_expert_parameter_straight_through(family):
 def test_default_group_takes_experts_routers_stay_full_precision_shared_experts_are_linears():
     model = make_moe("deepseek_v3")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")     # no "stays full precision" report: the experts are covered
+        warnings.simplefilter("error")  # no "stays full precision" report: the experts are covered
         qcompress.init_compression(model, cfg_w(8, True, "channel", modules=None))
     names = {n: type(m).__name__ for n, m in model.named_modules()}
     assert names["model.layers.1.mlp.experts.gate_up_proj"] == "ExpertMatrix"
     assert names["model.layers.1.mlp.experts.down_proj"] == "ExpertMatrix"
     assert names["model.layers.1.mlp.shared_experts.gate_proj"] == "CompressLinear"
-    assert not hasattr(model.model.layers[1].mlp.gate, "qc_wq")          # the router
+    assert not hasattr(model.model.layers[1].mlp.gate, "qc_wq")  # the router
     gpt = make_moe("gpt_oss")
     qcompress.init_compression(gpt, cfg_w(8, True, "channel", modules=None))
     assert not hasattr(gpt.model.layers[0].mlp.router, "qc_wq")
@@ -101,7 +118,8 @@ def test_uncompressible_report_counts_only_what_stays_full_precision():
     with pytest.warns(UserWarning, match=r"stay full precision: '1\.w' \(_Einsum, \[4, 8, 8\]\)"):
         qcompress.init_compression(model, cfg_w(8, True, "channel", modules=None))
     assert not isinstance(model[1], torch.nn.Linear) and not any(
-        type(m).__name__ == "ExpertMatrix" for m in model.modules())
+        type(m).__name__ == "ExpertMatrix" for m in model.modules()
+    )
 
 
 def test_state_dict_keys_and_parameters_unchanged():
@@ -141,9 +159,14 @@ def test_quantize_groups_chunks_are_refused_for_experts():
 
 def test_pruning_that_names_experts_is_refused():
     model = make_moe("mixtral")
-    cfg = {"compression_training": {"sparse_pruning": {
-        "shared_parameters": {"enabled": True, "method": "l1"},
-        "different_groups": {"sp": {"params": {"dense_ratio": 0.5}, "modules": ["experts"]}}}}}
+    cfg = {
+        "compression_training": {
+            "sparse_pruning": {
+                "shared_parameters": {"enabled": True, "method": "l1"},
+                "different_groups": {"sp": {"params": {"dense_ratio": 0.5}, "modules": ["experts"]}},
+            }
+        }
+    }
     with pytest.raises(ConfigError, match="fused mixture-of-experts"):
         qcompress.init_compression(model, cfg)
 
@@ -199,7 +222,8 @@ def _act_cfg(wbits=8, abits=8, calibration="dynamic"):
     cfg = cfg_w(wbits, True, "channel")
     cfg["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "range_calibration": calibration, "schedule_offset": 0},
-        "different_groups": {"aq": {"params": {"bits": abits}, "modules": [EXPERTS]}}}
+        "different_groups": {"aq": {"params": {"bits": abits}, "modules": [EXPERTS]}},
+    }
     return cfg
 
 
@@ -222,7 +246,7 @@ def test_expert_inputs_quantized_per_token_match_a_reference_forward(family):
         got, want = model(x).logits, ref(x).logits
         weights_only = oracle_copy(fp, lambda m: fake_quantize(m, 8, granularity="channel"))(x).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(got, weights_only)          # the inputs were quantized
+    assert not torch.equal(got, weights_only)  # the inputs were quantized
 
 
 def test_batched_experts_implementation_quantizes_inputs_too():
@@ -254,12 +278,13 @@ def test_a_whole_compressed_moe_model_pickles():
     # An in-memory round trip of the object just built (as multiprocessing and deepcopy-by-pickle
     # do); files are never loaded with pickle, so this goes through pickle itself, not torch.load.
     import pickle
+
     model = make_moe("gpt_oss")
     qcompress.init_compression(model, cfg_w(4, True, "group"))
     x = tokens(model)
     again = pickle.loads(pickle.dumps(model))
     experts = again.model.layers[0].mlp.experts
-    assert experts._modules["gate_up_proj"].owner is experts      # the part follows its own owner
+    assert experts._modules["gate_up_proj"].owner is experts  # the part follows its own owner
     with torch.no_grad():
         assert torch.equal(again(x).logits, model(x).logits)
 

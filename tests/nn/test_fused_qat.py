@@ -1,5 +1,6 @@
 """Fused compress-aware Linear / Conv (qcompress.nn.fused): int8 codes saved for backward, the
 same gradients bit for bit as the unfused path, one quantization of a shared input."""
+
 import copy
 import itertools
 
@@ -25,32 +26,57 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def make_cfg(granularity="channel", ste="identity", calibration="dynamic", in_forward=True,
-             learn=False, symmetric=True, wbits=8, abits=8, share=True):
+def make_cfg(
+    granularity="channel",
+    ste="identity",
+    calibration="dynamic",
+    in_forward=True,
+    learn=False,
+    symmetric=True,
+    wbits=8,
+    abits=8,
+    share=True,
+):
     qtype = "symmetric" if symmetric else "asymmetric"
     params = {"start_bits": wbits, "target_bits": wbits, "quantization_period": 0}
-    shared_w = {"enabled": True, "quantize_weight_in_forward": in_forward, "schedule_offset": 0,
-                "ste": ste, "quantization_type": qtype, "range_learning": learn}
+    shared_w = {
+        "enabled": True,
+        "quantize_weight_in_forward": in_forward,
+        "schedule_offset": 0,
+        "ste": ste,
+        "quantization_type": qtype,
+        "range_learning": learn,
+    }
     if granularity == "groups":
         shared_w["quantize_groups"] = 4
     elif granularity == "group":
         params["group_size"] = 16
     else:
         params["granularity"] = granularity
-    return {"compression_training": {
-        "weight_quantization": {"shared_parameters": shared_w, "different_groups": {"w": {"params": params}}},
-        "activation_quantization": {
-            "shared_parameters": {"enabled": True, "range_calibration": calibration, "schedule_offset": 0,
-                                  "quantization_type": qtype, "share_input": share},
-            "different_groups": {"a": {"params": {"bits": abits}}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {"shared_parameters": shared_w, "different_groups": {"w": {"params": params}}},
+            "activation_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "range_calibration": calibration,
+                    "schedule_offset": 0,
+                    "quantization_type": qtype,
+                    "share_input": share,
+                },
+                "different_groups": {"a": {"params": {"bits": abits}}},
+            },
+        }
+    }
 
 
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "linear":
         return nn.Sequential(nn.Linear(48, 64), nn.GELU(), nn.Linear(64, 32))
-    if kind == "hf_conv1d":     # GPT-2's Linear, weight stored [in, out]
+    if kind == "hf_conv1d":  # GPT-2's Linear, weight stored [in, out]
         from transformers.pytorch_utils import Conv1D
+
         model = nn.Sequential(Conv1D(64, 48), nn.GELU(), Conv1D(32, 64))
         with torch.no_grad():
             for m in model[::2]:
@@ -96,15 +122,20 @@ def fused_plans(model, x):
     return fused.plan(first, x, first.qc_kind) is not None
 
 
-CASES = [c for c in itertools.product(("linear", "conv"), GRANULARITIES, ("identity", "clip"),
-                                      ("dynamic", "static"), (True, False), (False, True))
-         if not (c[5] and not c[4])]    # range learning needs quantize_weight_in_forward
+CASES = [
+    c
+    for c in itertools.product(
+        ("linear", "conv"), GRANULARITIES, ("identity", "clip"), ("dynamic", "static"), (True, False), (False, True)
+    )
+    if not (c[5] and not c[4])
+]  # range learning needs quantize_weight_in_forward
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind,granularity,ste,calibration,in_forward,learn", CASES)
-def test_fused_gradients_equal_unfused_bit_for_bit(backend, kind, granularity, ste, calibration, in_forward,
-                                                   learn, dtype):
+def test_fused_gradients_equal_unfused_bit_for_bit(
+    backend, kind, granularity, ste, calibration, in_forward, learn, dtype
+):
     model = make_model(kind)
     init_compression(model, make_cfg(granularity, ste, calibration, in_forward, learn))
     x = make_input(kind)
@@ -121,8 +152,10 @@ def test_fused_gradients_equal_unfused_bit_for_bit(backend, kind, granularity, s
 @pytest.mark.parametrize("calibration", ["dynamic", "static"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_asymmetric_and_4bit_weights(backend, kind, calibration, dtype):
-    for cfg in (make_cfg("channel", "clip", calibration, True, True, symmetric=False),
-                make_cfg("group", "identity", calibration, True, False, wbits=4, abits=6)):
+    for cfg in (
+        make_cfg("channel", "clip", calibration, True, True, symmetric=False),
+        make_cfg("group", "identity", calibration, True, False, wbits=4, abits=6),
+    ):
         model = make_model(kind)
         init_compression(model, cfg)
         x = make_input(kind)
@@ -167,14 +200,19 @@ def weight_only_cfg(granularity, ste, learn, wbits=4, symmetric=True):
     return cfg
 
 
-WEIGHT_ONLY = [c for c in itertools.product(("linear", "conv", "hf_conv1d"), GRANULARITIES,
-                                            ("identity", "clip"), (False, True), (True, False))]
+WEIGHT_ONLY = [
+    c
+    for c in itertools.product(
+        ("linear", "conv", "hf_conv1d"), GRANULARITIES, ("identity", "clip"), (False, True), (True, False)
+    )
+]
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind,granularity,ste,learn,symmetric", WEIGHT_ONLY)
-def test_fused_weight_only_gradients_equal_unfused_bit_for_bit(backend, kind, granularity, ste, learn, symmetric,
-                                                               dtype):
+def test_fused_weight_only_gradients_equal_unfused_bit_for_bit(
+    backend, kind, granularity, ste, learn, symmetric, dtype
+):
     # no activation quantization: the Function keeps the input itself and recomputes w^
     if kind == "hf_conv1d":
         pytest.importorskip("transformers", reason="transformers provides GPT-2's Conv1D")
@@ -197,7 +235,7 @@ def test_weight_only_keeps_what_fp32_keeps(backend, dtype):
     model = copy.deepcopy(plain)
     init_compression(model, weight_only_cfg("group", "clip", False))
     x = (torch.randn(4, 64, 256) * 3).requires_grad_(True)
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)   # noqa: E731
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     kept, fp32 = saved_tensors(model, x, True, dtype), saved_tensors(plain, x, True, dtype)
     assert nbytes(kept) == x.numel() * (2 if dtype else 4)
     assert nbytes(kept) == nbytes(fp32) if dtype is None else nbytes(kept) < nbytes(fp32)
@@ -209,6 +247,7 @@ def test_weight_only_keeps_what_fp32_keeps(backend, dtype):
 
 # --- what backward keeps ---------------------------------------------------------------------------
 
+
 def saved_tensors(model, x, use_fused, autocast=None):
     """Every tensor autograd packs for backward during one forward, and the parameters' storages."""
     packed = []
@@ -217,8 +256,11 @@ def saved_tensors(model, x, use_fused, autocast=None):
         packed.append(t)
         return t
 
-    with fused.enabled(use_fused), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (
+        fused.enabled(use_fused),
+        torch.autocast("cpu", dtype=autocast, enabled=autocast is not None),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         model(x)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return [t for t in packed if t.untyped_storage().data_ptr() not in params]
@@ -228,6 +270,7 @@ def saved_tensors(model, x, use_fused, autocast=None):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_saved_tensors_are_the_integer_codes(backend, in_forward, dtype):
     from qcompress.quant import reference
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 192))
     init_compression(model, make_cfg("channel", "clip", "dynamic", in_forward, False, symmetric=False))
@@ -266,6 +309,7 @@ def test_falls_back_where_the_codes_do_not_suffice():
 
 
 # --- one quantization of a shared input ------------------------------------------------------------
+
 
 class Attention(nn.Module):
     """Q, K, V as separate Linears over the same hidden states (BERT / GPT-2 style)."""
@@ -306,6 +350,7 @@ def count_quantize(monkeypatch):
 
 def test_qkv_quantize_their_shared_input_once(backend, monkeypatch):
     from qcompress.quant import reference
+
     x = make_input("linear")[..., :32].detach().requires_grad_(True)
     seen = {}
     real_codes = fused._input_codes
@@ -345,12 +390,12 @@ def test_float_forward_takes_the_values_from_the_quantizer_pass(monkeypatch, cal
     model = make_attention(True, calibration)
     x = make_input("linear")[..., :32].detach().requires_grad_(True)
     out = model(x)
-    shared = calibration == "dynamic"       # Q/K/V share one quantization of their input
+    shared = calibration == "dynamic"  # Q/K/V share one quantization of their input
     assert len(calls) == (4 if shared else 8) and all(o[3] is not None for _, o in calls)
-    assert len(deq) == (4 if shared else 0)        # K and V of each block: the codes only
+    assert len(deq) == (4 if shared else 0)  # K and V of each block: the codes only
     deq.clear()
     out.sum().backward()
-    assert len(deq) == 8                           # every module's weight gradient needs x^
+    assert len(deq) == 8  # every module's weight gradient needs x^
     assert_same(step(make_attention(True, calibration), x, True), step(make_attention(True, calibration), x, False))
 
 
@@ -359,7 +404,7 @@ def test_static_ranges_are_not_shared(monkeypatch):
     x = make_input("linear")[..., :32].detach().requires_grad_(True)
     model = make_attention(True, "static")
     a = step(model, x, True)
-    assert len(calls) == 8        # every module's observer sees its input
+    assert len(calls) == 8  # every module's observer sees its input
     assert_same(a, step(model, x, False))
 
 
@@ -382,7 +427,7 @@ def test_shared_input_under_activation_checkpointing(backend, monkeypatch, reent
     plain = step(model, x, True)
     calls = count_quantize(monkeypatch)
     ckpt = step(Checkpointed(model), x, True)
-    assert len(calls) == 8        # forward (4) and the recompute in backward (4)
+    assert len(calls) == 8  # forward (4) and the recompute in backward (4)
     out, grads = ckpt
     assert_same(plain, (out, {k.replace("inner.", "", 1): v for k, v in grads.items()}))
 
@@ -390,6 +435,7 @@ def test_shared_input_under_activation_checkpointing(backend, monkeypatch, reent
 def test_shared_input_with_hooks_that_change_the_input(backend):
     """A pre-hook returning a new tensor (K) and one changing the input in place (V): those
     modules quantize what they are given, as with sharing off and as unfused."""
+
     def new_tensor(mod, args):
         return (args[0] * 1.5,)
 

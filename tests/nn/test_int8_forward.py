@@ -1,6 +1,7 @@
 """Opt-in integer forward of the fused QAT path (qcompress.nn.int8_forward): the forward's
 product from the integer codes, against the float64 product of the unfused fake-quantized input
 and weight; backward unchanged (a layer's gradients equal the float path's bit for bit)."""
+
 import copy
 
 import pytest
@@ -14,10 +15,14 @@ from qcompress.quant import kernels, lowbit
 
 from tests.nn.test_fused_qat import make_cfg
 
-pytestmark = [pytest.mark.filterwarnings("ignore:qcompress kernels are not built"),
-              pytest.mark.skipif(not (kernels.available() and lowbit.available()),
-                                 reason="the C++ extension with the low-bit kernels is not built")]
-U = 2.0 ** -24
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:qcompress kernels are not built"),
+    pytest.mark.skipif(
+        not (kernels.available() and lowbit.available()),
+        reason="the C++ extension with the low-bit kernels is not built",
+    ),
+]
+U = 2.0**-24
 
 
 def layer(kind, cfg, int8=True, k=80, n=40):
@@ -27,6 +32,7 @@ def layer(kind, cfg, int8=True, k=80, n=40):
         mod = nn.Sequential(nn.Linear(k, n))
     else:
         from transformers.pytorch_utils import Conv1D
+
         mod = nn.Sequential(Conv1D(n, k))
         with torch.no_grad():
             mod[0].bias.normal_()
@@ -41,8 +47,13 @@ def inputs(tokens=33, k=80):
     return torch.randn(3, tokens, k, generator=g) * 2 + 0.3
 
 
-CASES = [(kind, gran, sym, wbits) for kind in ("linear", "hf_conv1d") for gran in ("tensor", "channel", "group")
-         for sym in (True, False) for wbits in (8, 4)]
+CASES = [
+    (kind, gran, sym, wbits)
+    for kind in ("linear", "hf_conv1d")
+    for gran in ("tensor", "channel", "group")
+    for sym in (True, False)
+    for wbits in (8, 4)
+]
 
 
 @pytest.mark.parametrize("tokens", [1, 33])
@@ -69,7 +80,7 @@ def test_output_is_the_exact_product_within_the_bound(kind, granularity, symmetr
     bound = (ng + 3) * U * (xh.abs() @ wh.abs().t() + b.abs())
     if dtype is not None:
         assert y.dtype == dtype
-        bound = bound + 2.0 ** -8 * exact.abs()
+        bound = bound + 2.0**-8 * exact.abs()
     err = (y.double() - exact).abs()
     assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
@@ -101,7 +112,7 @@ def test_static_ranges_and_the_config_switch():
     mod = layer("linear", raw)
     assert mod[0].qc_aq.int8_forward is True
     x = inputs()
-    mod(x)                                  # calibrates the static range
+    mod(x)  # calibrates the static range
     mod.eval()
     y = mod(x)
     with torch.no_grad(), fused.enabled(False):
@@ -159,13 +170,13 @@ def test_auto_runs_the_integer_forward_only_with_int8_dot_products():
                 ran = dot and mode == "train"
                 assert fused.plan(auto[0], x, "linear").int8 is ran
                 y, y_off = auto(x), off(x)
-                if ran:    # the kernel's exact integer sums, not the float GEMM's
+                if ran:  # the kernel's exact integer sums, not the float GEMM's
                     assert not torch.equal(y, y_off)
                 else:
                     assert torch.equal(y, y_off)
     finally:
         lowbit.isa(best)
-    on = layer("linear", raw, int8=True).eval()      # true: the integer forward in eval mode too
+    on = layer("linear", raw, int8=True).eval()  # true: the integer forward in eval mode too
     assert int8_forward.reload_mode(on) == "fast" and fused.plan(on[0], x, "linear").int8
     assert "CPU Linear / Conv1D forwards multiply the integer codes" in int8_forward.describe(on)
 
@@ -176,7 +187,7 @@ def test_a_wrong_int8_forward_value_names_the_key(value):
     raw["compression_training"]["activation_quantization"]["shared_parameters"]["int8_forward"] = value
     with pytest.raises(Exception, match=r"activation_quantization\.shared_parameters\.int8_forward") as err:
         load_config(raw)
-    if value == "on":        # choices as the document writes them
+    if value == "on":  # choices as the document writes them
         assert "choose one of [false, true, 'auto']" in str(err.value)
 
 
@@ -222,6 +233,6 @@ def test_bf16_weights_and_inputs():
         wh = q.effective_weight().double()
     b = q.bias.double()
     exact = xh @ wh.t() + b
-    bound = (8 * U + 2 * 2.0 ** -8) * (xh.abs() @ wh.abs().t() + b.abs()) + 2.0 ** -8 * exact.abs()
+    bound = (8 * U + 2 * 2.0**-8) * (xh.abs() @ wh.abs().t() + b.abs()) + 2.0**-8 * exact.abs()
     err = (y.double() - exact).abs()
     assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"

@@ -1,6 +1,7 @@
 """KV-cache quantization (qcompress/nn/kv_cache.py): the quantizer against compressed-tensors'
 own, every family's attention reached through transformers' attention interface, static ranges
 (EMA) and learned scales, the schedule, and the config errors raised before anything changes."""
+
 from __future__ import annotations
 
 import copy
@@ -21,7 +22,7 @@ CASES = [("fp8_e4m3", "tensor"), ("fp8_e4m3", "head"), ("int8", "tensor"), ("int
 def _kv(batch=2, heads=3, seq=7, dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, heads, seq, dim, generator=g)
-    x[0, 1, 2, 3] = 9.0            # an outlier in one head
+    x[0, 1, 2, 3] = 9.0  # an outlier in one head
     x[1, 0, 0, 0] = -0.0
     return x
 
@@ -34,6 +35,7 @@ def test_fake_quantization_equals_compressed_tensors_quantizer(fmt, strategy):
     ct = pytest.importorskip("compressed_tensors.quantization", reason="compressed-tensors is the oracle")
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
+
     x = _kv()
     state = kv_cache.KVQuant(format=fmt, strategy=strategy, heads=3, k=kv_cache.KVRange(per_head=strategy == "head"))
     lo, hi = state.k.observe(x)
@@ -63,6 +65,7 @@ def _spy_attention(monkeypatch, model, seen):
     """Record the keys / values the model's own attention function receives (behind qcompress'
     wrapper): the registry entry of sdpa, or the family module's eager_attention_forward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     mod = next(m for _, m in kv_cache.quantized_modules(model))
     impl = kv_cache.original_implementation(mod)
     if impl == "eager":
@@ -72,6 +75,7 @@ def _spy_attention(monkeypatch, model, seen):
         def spy(module, q, k, v, *a, **kw):
             seen.append((module, k.detach().clone(), v.detach().clone()))
             return real(module, q, k, v, *a, **kw)
+
         monkeypatch.setattr(family, "eager_attention_forward", spy)
     else:
         real = ALL_ATTENTION_FUNCTIONS[impl]
@@ -79,6 +83,7 @@ def _spy_attention(monkeypatch, model, seen):
         def spy(module, q, k, v, *a, **kw):
             seen.append((module, k.detach().clone(), v.detach().clone()))
             return real(module, q, k, v, *a, **kw)
+
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, impl, spy)
 
 
@@ -98,7 +103,7 @@ def test_every_family_attention_sees_quantized_kv_and_equals_compressed_tensors(
     assert names == expected and len(names) == 2
     x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     model.train()
-    model(x)                      # one calibration batch
+    model(x)  # one calibration batch
     model.eval()
     scales = qc_scales(model)
     seen = []
@@ -133,8 +138,7 @@ def test_generation_with_a_cache_equals_compressed_tensors_cache():
     model(x)
     model.eval()
     oracle = ct_oracle(untouched, qc_scales(model), "int8", "head")
-    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
-              pad_token_id=0)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     a, b = model.generate(x, **kw), oracle.generate(x, **kw)
     assert torch.equal(a.sequences, b.sequences)
     assert all(torch.equal(p, q) for p, q in zip(a.logits, b.logits))
@@ -146,6 +150,7 @@ def test_static_ranges_are_an_ema_frozen_in_eval(strategy, monkeypatch):
     of the ranges of the keys / values handed to qcompress' wrapper (unquantized); eval neither
     moves it nor uses the batch's own range."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     model = make_model("llama")
     qc.init_compression(model, kv_config("fp8_e4m3", strategy, momentum=0.8))
     name = model.config._attn_implementation
@@ -156,6 +161,7 @@ def test_static_ranges_are_an_ema_frozen_in_eval(strategy, monkeypatch):
     def spy(module, q, k, v, *a, **kw):
         seen.append((k.detach().clone(), v.detach().clone()))
         return wrapper(module, q, k, v, *a, **kw)
+
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
 
     def rng(t):
@@ -163,6 +169,7 @@ def test_static_ranges_are_an_ema_frozen_in_eval(strategy, monkeypatch):
             t = t.transpose(0, 1).reshape(t.shape[1], -1)
             return t.amin(1), t.amax(1)
         return t.amin(), t.amax()
+
     model.train()
     for seed in (3, 4):
         model(torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(seed)))
@@ -186,6 +193,7 @@ def test_mse_observer_shrinks_the_range_to_a_smaller_error(fmt, strategy, monkey
     (per head), and quantizing the raw keys / values with its scales errs no more than with the
     min / max scales (the sum of squared errors the search minimises, on the whole batch)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     model = make_model("llama")
     qc.init_compression(model, kv_config(fmt, strategy, observer="mse"))
     name = model.config._attn_implementation
@@ -195,6 +203,7 @@ def test_mse_observer_shrinks_the_range_to_a_smaller_error(fmt, strategy, monkey
     def spy(module, q, k, v, *a, **kw):
         seen.append((module, k.detach().clone(), v.detach().clone()))
         return wrapper(module, q, k, v, *a, **kw)
+
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
     model.train()
     model(torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5)))
@@ -227,10 +236,10 @@ def test_schedule_offset_and_learned_scales_start_from_the_range():
     x = torch.randint(0, 96, (2, 8))
     model.train()
     before = model(x).logits
-    assert not state.active and not state.k.initialized           # off: the range not observed either
+    assert not state.active and not state.k.initialized  # off: the range not observed either
     sched.step()
     assert state.active and not state.learned_ready
-    model(x, labels=x).loss.backward()                             # observes; learned scales not used yet
+    model(x, labels=x).loss.backward()  # observes; learned scales not used yet
     assert attn.k_scale.grad is not None and float(attn.k_scale.grad.abs().sum()) == 0.0
     sched.step()
     assert state.learned_ready
@@ -247,6 +256,7 @@ def test_learned_scales_get_range_optimizer_groups():
     """The learned KV scales are learned ranges: qcompress' range optimizer groups (and
     learn_ranges) take them."""
     from qcompress.nn.range_groups import range_parameter_ids
+
     model = make_model("llama")
     qc.init_compression(model, kv_config("fp8_e4m3", "tensor", range_learning=True))
     ids = range_parameter_ids(model)
@@ -273,13 +283,17 @@ def test_scheduler_state_round_trips():
 
 # --- bad input ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,value,match", [
-    ("format", "fp16", "kv_cache_quantization.format: 'fp16' is not allowed"),
-    ("strategy", "channel", "kv_cache_quantization.strategy: 'channel' is not allowed"),
-    ("range_calibration", "dynamic", "kv_cache_quantization.range_calibration: 'dynamic' is not allowed"),
-    ("momentum", 1.0, "kv_cache_quantization.momentum"),
-    ("formt", "int8", "did you mean 'format'"),
-])
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("format", "fp16", "kv_cache_quantization.format: 'fp16' is not allowed"),
+        ("strategy", "channel", "kv_cache_quantization.strategy: 'channel' is not allowed"),
+        ("range_calibration", "dynamic", "kv_cache_quantization.range_calibration: 'dynamic' is not allowed"),
+        ("momentum", 1.0, "kv_cache_quantization.momentum"),
+        ("formt", "int8", "did you mean 'format'"),
+    ],
+)
 def test_bad_keys_are_config_errors(key, value, match):
     raw = kv_config()
     raw["compression_training"]["kv_cache_quantization"][key] = value
@@ -296,6 +310,7 @@ def _unchanged(model, impl):
 
 def test_attention_that_cannot_be_reached_is_refused_before_anything_changes():
     """nn.MultiheadAttention computes attention in its own code: no wrapper can see its K / V."""
+
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -304,20 +319,28 @@ def test_attention_that_cannot_be_reached_is_refused_before_anything_changes():
 
         def forward(self, x):
             return self.proj(self.attn(x, x, x)[0])
+
     model = Block()
-    with pytest.raises(ConfigError, match=r"kv_cache_quantization\.enabled: Block's attention cannot be reached.*"
-                                          r"'attn'.*set enabled: false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kv_cache_quantization\.enabled: Block's attention cannot be reached.*"
+        r"'attn'.*set enabled: false",
+    ):
         qc.init_compression(model, kv_config())
     _unchanged(model, None)
 
 
 def test_encoder_and_latent_attention_are_refused():
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1,
-                                                                num_attention_heads=4, intermediate_size=48))
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48
+        )
+    )
     with pytest.raises(ConfigError, match="bidirectional.*encoder keeps no KV cache"):
         qc.init_compression(bert, kv_config())
     _unchanged(bert, "sdpa")
     from tests.helpers.moe_fixtures import make_moe
+
     ds = make_moe("deepseek_v3")
     impl = ds.config._attn_implementation
     with pytest.raises(ConfigError, match="multi-head latent attention"):
@@ -353,6 +376,7 @@ def test_a_failed_rewrite_leaves_the_attention_as_it_was(monkeypatch):
 
     def fail(root):
         raise RuntimeError("stop")
+
     monkeypatch.setattr(rewrite, "CompressionScheduler", fail)
     model = make_model("llama")
     with pytest.raises(RuntimeError, match="stop"):
@@ -367,6 +391,7 @@ def test_a_pickled_model_registers_its_implementation_again(monkeypatch):
 
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     model = make_model("llama")
     qc.init_compression(model, kv_config("int8", "head"))
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -380,6 +405,6 @@ def test_a_pickled_model_registers_its_implementation_again(monkeypatch):
     monkeypatch.delitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name)
     monkeypatch.delitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name)
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)    # a whole-model pickle the user made (torch.save(model)) needs it
+    loaded = torch.load(buf, weights_only=False)  # a whole-model pickle the user made (torch.save(model)) needs it
     assert name in ALL_ATTENTION_FUNCTIONS._global_mapping
     assert torch.equal(loaded(x).logits, ref)

@@ -1,6 +1,7 @@
 """LoRA adapters on compress-aware layers (qcompress/nn/lora.py, nn/qlora.py): the merged weight the
 quantizer sees (mode qat), the stored base (mode qlora), their gradients, against formulas written
 here with the reference quantizer."""
+
 from __future__ import annotations
 
 import weakref
@@ -18,7 +19,7 @@ from qcompress.quant.api import fake_quantize
 
 from tests.helpers.lora_fixtures import adapted, compressed, lora_cfg
 
-SCALE = 8 / 4      # alpha / r of lora_cfg
+SCALE = 8 / 4  # alpha / r of lora_cfg
 
 
 def _mlp(seed=0):
@@ -56,7 +57,7 @@ def test_qat_adapters_start_as_the_base_and_only_they_train():
     model = qc.init_compression(_mlp(), _cfg())
     base = _mlp()
     for layer, plain in ((model[0], base[0]), (model[2], base[2])):
-        assert torch.equal(layer.lora_B, torch.zeros_like(layer.lora_B))     # B starts at zero
+        assert torch.equal(layer.lora_B, torch.zeros_like(layer.lora_B))  # B starts at zero
         assert torch.equal(layer.effective_weight().detach(), _ref_fq(plain.weight.detach()))
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert trainable == ["0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"]
@@ -89,7 +90,7 @@ def test_qat_gradients_follow_the_straight_through_estimator():
     a, b = layer.lora_A.detach(), layer.lora_B.detach()
     wq = _ref_fq((layer.weight + (b @ a) * SCALE).detach())
     torch.testing.assert_close(y, x @ wq.t() + layer.bias)
-    G = g_out.t() @ x                                    # dL/dWq
+    G = g_out.t() @ x  # dL/dWq
     torch.testing.assert_close(layer.lora_A.grad, SCALE * b.t() @ G)
     torch.testing.assert_close(layer.lora_B.grad, SCALE * G @ a.t())
     assert layer.weight.grad is None and not layer.weight.requires_grad
@@ -104,8 +105,13 @@ def test_qat_backward_keeps_no_float_copy_of_the_weight():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(torch.randn(4, 256)).sum().backward()
     held = {id(p) for p in layer.parameters()}
-    big = [t for t in saved if t.numel() >= 256 * 256 and id(t) not in held
-           and t.untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()]
+    big = [
+        t
+        for t in saved
+        if t.numel() >= 256 * 256
+        and id(t) not in held
+        and t.untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr()
+    ]
     assert not big, [tuple(t.shape) for t in big]
 
 
@@ -118,7 +124,7 @@ def test_qlora_stores_codes_and_computes_pefts_forward():
     assert layer.qlora_codes.dtype == torch.int8
     assert "0.weight" not in model.state_dict() and "0.qlora_codes" in model.state_dict()
     deq = _ref_fq(base[0].weight.detach())
-    assert torch.equal(layer.weight, deq)                # the stored base is the quantized weight
+    assert torch.equal(layer.weight, deq)  # the stored base is the quantized weight
     x = torch.randn(5, 32, requires_grad=True)
     y = layer(x)
     want = F.linear(x, deq, base[0].bias) + F.linear(F.linear(x, layer.lora_A), layer.lora_B) * SCALE
@@ -144,8 +150,9 @@ def test_qlora_dropout_is_on_the_adapter_input_only():
     want = F.linear(x, layer.weight, layer.bias) + F.linear(F.linear(drop, layer.lora_A), layer.lora_B) * SCALE
     assert torch.equal(y, want)
     model.eval()
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)
-                       + F.linear(F.linear(x, layer.lora_A), layer.lora_B) * SCALE)
+    assert torch.equal(
+        layer(x), F.linear(x, layer.weight, layer.bias) + F.linear(F.linear(x, layer.lora_A), layer.lora_B) * SCALE
+    )
 
 
 def test_qlora_codes_follow_to_and_state_dict_round_trip():
@@ -153,7 +160,7 @@ def test_qlora_codes_follow_to_and_state_dict_round_trip():
     _randomize_b(model)
     x = torch.randn(3, 32)
     want = model(x)
-    model.to(torch.float64).to(torch.float32)          # buffers are rebuilt; codes must follow
+    model.to(torch.float64).to(torch.float32)  # buffers are rebuilt; codes must follow
     assert torch.equal(model(x), want)
     other = qc.init_compression(_mlp(seed=5), _cfg("qlora"))
     other.load_state_dict(model.state_dict())
@@ -164,13 +171,15 @@ def test_qlora_codes_follow_to_and_state_dict_round_trip():
 def test_gpt2_conv1d_merges_in_its_layout():
     """transformers' Conv1D stores [in, out]: the merged weight is W + (B A)^T s (peft's fan_in_fan_out)."""
     from tests.helpers.tiny_models import make_gpt2
+
     model = make_gpt2()
     qc.init_compression(model, lora_cfg("qat", targets=["c_attn"], wq_modules=["c_attn"], group_size=32))
     _randomize_b(model)
     layer = model.transformer.h[0].attn.c_attn
     merged = layer.weight + (layer.lora_B @ layer.lora_A).t() * SCALE
-    want = fake_quantize(merged.detach().t(), 4, symmetric=True, granularity="group", group_size=32,
-                         backend="reference").t()
+    want = fake_quantize(
+        merged.detach().t(), 4, symmetric=True, granularity="group", group_size=32, backend="reference"
+    ).t()
     assert torch.equal(layer.effective_weight().detach(), want)
 
 
@@ -178,7 +187,7 @@ def test_llama_trains_in_both_modes():
     for mode in ("qat", "qlora"):
         model = compressed(mode)
         names = [n for n, _ in adapted(model)]
-        assert len(names) == 6, names              # q, v, down of 2 blocks
+        assert len(names) == 6, names  # q, v, down of 2 blocks
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         x = torch.randint(0, 64, (2, 8))
         first = None
@@ -190,7 +199,7 @@ def test_llama_trains_in_both_modes():
             opt.zero_grad()
         assert loss.item() < first, mode
         states = opt.state_dict()["state"]
-        assert len(states) == 12                   # A and B of 6 layers, nothing else
+        assert len(states) == 12  # A and B of 6 layers, nothing else
 
 
 @pytest.mark.parametrize("mode", ["qat", "qlora"])
@@ -213,8 +222,9 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
 
 
 def test_qat_with_learned_ranges_trains_the_scales_too():
-    model = qc.init_compression(_mlp(), lora_cfg("qat", targets=["0", "2"], wq_modules=["0", "2"],
-                                                 params_extra={"range_learning": True}))
+    model = qc.init_compression(
+        _mlp(), lora_cfg("qat", targets=["0", "2"], wq_modules=["0", "2"], params_extra={"range_learning": True})
+    )
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert trainable == ["0.lora_A", "0.lora_B", "0.weight_scale", "2.lora_A", "2.lora_B", "2.weight_scale"]
     _randomize_b(model)
@@ -249,7 +259,7 @@ def test_merge_grads_are_autograds_bit_for_bit(kind, dtype, layout, need_w):
     w_in, a_in, b_in = w.clone().requires_grad_(need_w), a.clone().requires_grad_(), b.clone().requires_grad_()
     merged = lora.merge(layer, w_in, a_in, b_in)
     with torch.no_grad():
-        assert torch.equal(merged, lora.merge(layer, w, a, b))    # the in-place scaling: the same values
+        assert torch.equal(merged, lora.merge(layer, w, a, b))  # the in-place scaling: the same values
     grad = torch.randn(merged.shape, generator=g).to(dtype)
     want = torch.autograd.grad(merged, [t for t in (w_in, a_in, b_in) if t.requires_grad], grad)
     for own in (False, True):
@@ -290,8 +300,9 @@ def test_qat_makes_no_more_than_two_weight_size_tensors_at_once():
     weight and w^, in backward w^ and its gradient are the only weight-size tensors alive at once
     (a recorded merge kept a third)."""
     n = 256
-    model = qc.init_compression(nn.Sequential(nn.Linear(n, n, bias=False)),
-                                lora_cfg("qat", targets=["0"], wq_modules=["0"]))
+    model = qc.init_compression(
+        nn.Sequential(nn.Linear(n, n, bias=False)), lora_cfg("qat", targets=["0"], wq_modules=["0"])
+    )
     _randomize_b(model)
     x = torch.randn(3, n, requires_grad=True)
     with _WeightSized(n * n * 4) as fwd:

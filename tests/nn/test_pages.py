@@ -1,5 +1,6 @@
 """Dropping a weight mapped from its checkpoint file gives its pages back (qcompress/nn/pages.py), and
 mode qlora does so for the float bases it replaces by codes."""
+
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,7 @@ def _resident(path) -> int:
 @pytest.fixture
 def mapped(tmp_path):
     from safetensors.torch import load_file, save_file
+
     g = torch.Generator().manual_seed(0)
     want = {"a": torch.randn(256, 1024, generator=g), "b": torch.randn(256, 1024, generator=g)}
     path = tmp_path / "w.safetensors"
@@ -36,7 +38,7 @@ def mapped(tmp_path):
     if pages._file_mapping(got["a"].data_ptr(), got["a"].data_ptr() + 1) is None:
         pytest.skip("safetensors did not map the file")
     for t in got.values():
-        float(t.sum())                   # every page read: resident
+        float(t.sum())  # every page read: resident
     return path, got, want
 
 
@@ -48,7 +50,7 @@ def test_an_unreferenced_mapped_tensor_gives_its_pages_back(mapped):
     assert "a" not in got
     assert n - 2 * pages._PAGE <= back <= n
     assert _resident(path) <= before - back
-    assert torch.equal(got["b"], want["b"])          # the neighbour keeps its bytes
+    assert torch.equal(got["b"], want["b"])  # the neighbour keeps its bytes
 
 
 def test_a_tensor_used_elsewhere_keeps_its_pages(mapped):
@@ -73,9 +75,17 @@ def test_qlora_gives_back_the_mapped_float_base(tmp_path):
 
     import qcompress as qc
     from tests.helpers.lora_fixtures import lora_cfg
+
     torch.manual_seed(0)
-    conf = transformers.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    conf = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     transformers.LlamaForCausalLM(conf).save_pretrained(tmp_path)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     path = tmp_path / "model.safetensors"
@@ -92,4 +102,4 @@ def test_qlora_gives_back_the_mapped_float_base(tmp_path):
     assert all("weight" not in m._parameters for n, m in model.named_modules() if n.endswith(tuple(targets)))
     assert _resident(path) <= before - dropped * 0.9
     x = torch.randint(0, 64, (1, 8))
-    model(input_ids=x, labels=x).loss.backward()      # what stayed mapped still computes
+    model(input_ids=x, labels=x).loss.backward()  # what stayed mapped still computes

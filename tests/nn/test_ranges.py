@@ -7,6 +7,7 @@ here (and finite differences where the function is smooth); the fused kernels ag
 reference; exports against compressed-tensors' own decompressors; resume against the
 uninterrupted run; range learning against the same QAT run without it on real data (digits).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,10 +26,11 @@ from qcompress.quant.api import fake_quantize_learned, fake_quantize_spec, learn
 from qcompress.quant.reference import make_spec
 
 BACKENDS = ["reference"] + (["kernel"] if qc.quant.kernels_available() else [])
-GRID = [(100 - k) / 100 for k in range(80)]     # the documented grid: 1.00, 0.99, ..., 0.21
+GRID = [(100 - k) / 100 for k in range(80)]  # the documented grid: 1.00, 0.99, ..., 0.21
 
 
 # --- independent formulas ----------------------------------------------------------------------
+
 
 def groups_of(x, gran, gs=None):
     """The groups of a 2-D x as separate 1-D tensors (row-major), written out by hand."""
@@ -36,7 +38,7 @@ def groups_of(x, gran, gs=None):
         return [x.reshape(-1)]
     if gran == "channel":
         return [x[r] for r in range(x.shape[0])]
-    return [x[r, j:j + gs] for r in range(x.shape[0]) for j in range(0, x.shape[1], gs)]
+    return [x[r, j : j + gs] for r in range(x.shape[0]) for j in range(0, x.shape[1], gs)]
 
 
 def grid_params(lo, hi, p, bits, sym):
@@ -84,17 +86,18 @@ def least_squares_refined(xs, lo, hi, p, err, bits, iters=observers.REFINE_ITERS
 def heavy_tailed(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) / torch.rand(shape, generator=g).clamp(min=0.05).sqrt()
-    return x + 0.3                              # not centred: asymmetric ranges matter
+    return x + 0.3  # not centred: asymmetric ranges matter
 
 
 # --- 1. the mse observer -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("gran,gs", [("tensor", None), ("channel", None), ("group", 16)])
 def test_mse_choice_equals_brute_force_and_never_loses_to_minmax(backend, sym, bits, gran, gs):
-    x = heavy_tailed((6, 40), seed=bits)        # 40 = 2 x 16 + 8: a ragged last group
+    x = heavy_tailed((6, 40), seed=bits)  # 40 = 2 x 16 + 8: a ragged last group
     spec = make_spec(bits, symmetric=sym, granularity=gran, group_size=gs)
     chosen = observers.mse_shrink(x, spec, backend=None if backend == "kernel" else "reference")
     groups = groups_of(x, gran, gs)
@@ -103,25 +106,25 @@ def test_mse_choice_equals_brute_force_and_never_loses_to_minmax(backend, sym, b
     for g, xs in enumerate(groups):
         lo, hi = xs.min(), xs.max()
         errs = [sq_err(fq(xs, *grid_params(lo, hi, p, bits, sym), bits), xs) for p in GRID]
-        best = min(range(len(GRID)), key=lambda k: (errs[k], k))     # ties: the larger p
+        best = min(range(len(GRID)), key=lambda k: (errs[k], k))  # ties: the larger p
         want, err = torch.tensor(GRID[best], dtype=torch.float32), errs[best]
-        if sym:                                 # then least squares on the scale, kept only if better
+        if sym:  # then least squares on the scale, kept only if better
             want, err = least_squares_refined(xs, lo, hi, want, err, bits)
             refined += int(err < errs[best])
         assert chosen[g] == want, (g, GRID[best], float(want), float(chosen[g]))
-        assert err <= errs[best] <= errs[0]     # never worse than the grid's choice; p = 1 is minmax
+        assert err <= errs[best] <= errs[0]  # never worse than the grid's choice; p = 1 is minmax
     if sym and bits <= 4:
-        assert refined > 0                      # the refinement does act on coarse grids
+        assert refined > 0  # the refinement does act on coarse grids
     # and as quantizer parameters: never a larger reconstruction error than minmax, per group
     s, z = observers.weight_params(x, spec, "mse")
     s0, z0 = observers.weight_params(x, spec, "minmax")
     y = fake_quantize_spec(x, spec, scale=s, zero_point=z)
     y0 = fake_quantize_spec(x, spec)
-    assert torch.equal(fake_quantize_spec(x, spec, scale=s0, zero_point=z0), y0)   # minmax = spec's own
+    assert torch.equal(fake_quantize_spec(x, spec, scale=s0, zero_point=z0), y0)  # minmax = spec's own
     for a, a0, xs in zip(groups_of(y, gran, gs), groups_of(y0, gran, gs), groups):
         assert sq_err(a, xs) <= sq_err(a0, xs)
     if bits <= 4:
-        assert sq_err(y, x) < sq_err(y0, x)     # heavy tails on a coarse grid: strictly better
+        assert sq_err(y, x) < sq_err(y0, x)  # heavy tails on a coarse grid: strictly better
 
 
 def test_mse_leaves_binary_and_ternary_scales_alone():
@@ -130,11 +133,13 @@ def test_mse_leaves_binary_and_ternary_scales_alone():
         spec = make_spec(bits, granularity="channel", ternary=True)
         assert torch.equal(observers.mse_shrink(x, spec), torch.ones(4))
         s, _ = observers.weight_params(x, spec, "mse")
-        assert torch.equal(s.reshape(-1), qc.quant.quantize(x, bits, granularity="channel", ternary=True)[1].reshape(-1))
+        assert torch.equal(
+            s.reshape(-1), qc.quant.quantize(x, bits, granularity="channel", ternary=True)[1].reshape(-1)
+        )
 
 
 def test_mse_activation_range_is_the_best_shrink_of_the_batch():
-    x = heavy_tailed((8, 100), seed=3)            # 800 elements: no sub-sampling
+    x = heavy_tailed((8, 100), seed=3)  # 800 elements: no sub-sampling
     spec = make_spec(4, symmetric=False, granularity="tensor")
     lo, hi = observers.activation_range(x, spec, "mse")
     xs = x.reshape(-1)
@@ -145,6 +150,7 @@ def test_mse_activation_range_is_the_best_shrink_of_the_batch():
 
 
 # --- 2. LSQ gradients --------------------------------------------------------------------------
+
 
 def lsq_oracle(x, s_groups, z_groups, bits, gran, gs, r, gscale):
     """Autograd of x^ = s (clamp(round_ste(x / s) + round_ste(z)) - round_ste(z)), per element."""
@@ -182,22 +188,23 @@ def test_lsq_gradients_match_the_autograd_oracle(backend, sym, gran, gs):
     spec = make_spec(bits, symmetric=sym, granularity=gran, group_size=gs)
     s0, z0 = observers.weight_params(x, spec, "minmax")
     g = torch.Generator().manual_seed(1)
-    s_param = (s0 * (0.3 + 0.6 * torch.rand(s0.shape, generator=g))).reshape(R.scale_shape(x, spec))   # some clipping
+    s_param = (s0 * (0.3 + 0.6 * torch.rand(s0.shape, generator=g))).reshape(R.scale_shape(x, spec))  # some clipping
     z_param = None if sym else (z0 + torch.rand(z0.shape, generator=g) - 0.5).reshape(s_param.shape)
     r = torch.randn(x.shape, generator=g)
     xs = x.clone().requires_grad_(True)
     sp = s_param.clone().requires_grad_(True)
     zp = None if z_param is None else z_param.clone().requires_grad_(True)
     gscale = qc.quant.lsq_grad_scale(x.numel() // s0.numel(), spec)
-    assert gscale == pytest.approx(1 / ((x.numel() // s0.numel()) * 7) ** 0.5)   # 1 / sqrt(n Qp)
+    assert gscale == pytest.approx(1 / ((x.numel() // s0.numel()) * 7) ** 0.5)  # 1 / sqrt(n Qp)
     y = fake_quantize_learned(xs, spec, sp, zp, backend=backend)
     (y * r).sum().backward()
-    oy, ogx, ogs, ogz = lsq_oracle(x, s_param.reshape(-1), None if z_param is None else z_param.reshape(-1),
-                                   bits, gran, gs, r, gscale)
+    oy, ogx, ogs, ogz = lsq_oracle(
+        x, s_param.reshape(-1), None if z_param is None else z_param.reshape(-1), bits, gran, gs, r, gscale
+    )
     assert torch.equal(y.detach(), oy)
     assert torch.allclose(xs.grad, ogx, rtol=1e-6, atol=1e-6)
     clipped = ogx == 0
-    assert 0 < int(clipped.sum()) < x.numel()                   # both regimes are exercised
+    assert 0 < int(clipped.sum()) < x.numel()  # both regimes are exercised
     assert torch.equal(xs.grad[clipped], torch.zeros_like(xs.grad[clipped]))
     assert torch.allclose(sp.grad.reshape(-1), ogs, rtol=1e-5, atol=1e-6)
     if not sym:
@@ -220,8 +227,10 @@ def test_lsq_scale_gradient_is_the_derivative_where_every_value_is_clipped(backe
     (fake_quantize_learned(x, spec, sp, z, grad_scale=1.0, backend=backend) * r).sum().backward()
 
     def loss(sv):
-        return float((fake_quantize_learned(x, spec, sv, z, grad_scale=1.0, backend=backend).double()
-                      * r.double()).sum())
+        return float(
+            (fake_quantize_learned(x, spec, sv, z, grad_scale=1.0, backend=backend).double() * r.double()).sum()
+        )
+
     h = 1e-3
     for row in range(3):
         up, down = s.clone(), s.clone()
@@ -260,25 +269,59 @@ def test_given_parameter_kernels_match_the_reference(dtype, rounding, sym):
 
 # --- 3. modules, schedules, checkpoints ------------------------------------------------------------
 
-def wq_cfg(bits=4, start=None, gran="channel", gs=None, sym=True, observer="minmax", rl=False, period=0,
-           offset=0, act=None, modules=None):
-    params = {"start_bits": start or bits, "target_bits": bits, "quantization_period": period,
-              "granularity": gran, "ternary": False}
+
+def wq_cfg(
+    bits=4,
+    start=None,
+    gran="channel",
+    gs=None,
+    sym=True,
+    observer="minmax",
+    rl=False,
+    period=0,
+    offset=0,
+    act=None,
+    modules=None,
+):
+    params = {
+        "start_bits": start or bits,
+        "target_bits": bits,
+        "quantization_period": period,
+        "granularity": gran,
+        "ternary": False,
+    }
     if gs:
         params["group_size"] = gs
     group = {"params": params}
     if modules:
         group["modules"] = modules
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": offset,
-                              "quantization_type": "symmetric" if sym else "asymmetric",
-                              "observer": observer, "range_learning": rl},
-        "different_groups": {"w": group}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "schedule_offset": offset,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                    "observer": observer,
+                    "range_learning": rl,
+                },
+                "different_groups": {"w": group},
+            }
+        }
+    }
     if act:
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static",
-                                  "quantization_type": act, "range_learning": rl, "observer": observer},
-            "different_groups": {"a": {"params": {"bits": 8}}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": "static",
+                "quantization_type": act,
+                "range_learning": rl,
+                "observer": observer,
+            },
+            "different_groups": {"a": {"params": {"bits": 8}}},
+        }
     return qc.load_config(doc)
 
 
@@ -286,7 +329,7 @@ def mlp(seed=0):
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
     with torch.no_grad():
-        m[0].weight[0, 0] = 1.5                # an outlier: minmax wastes the grid on it
+        m[0].weight[0, 0] = 1.5  # an outlier: minmax wastes the grid on it
     return m
 
 
@@ -335,28 +378,27 @@ def test_learned_scales_are_parameters_trained_and_reinitialised_at_each_bit_dro
     assert names["0.weight_scale"].shape == (48, 1)
     sched = qc.CompressionScheduler(m, cfg)
     spec6 = m[0].qc_wq.spec()
-    assert torch.equal(m[0].weight_scale.detach().reshape(-1),
-                       observers.weight_params(m[0].weight, spec6, "mse")[0])
+    assert torch.equal(m[0].weight_scale.detach().reshape(-1), observers.weight_params(m[0].weight, spec6, "mse")[0])
     assert not m[0].qc_aq.learned_ready
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
     nn.functional.cross_entropy(m(x), y).backward()
     assert m[0].weight_scale.grad.abs().sum() > 0 and m[0].weight_zero_point.grad is not None
-    assert torch.equal(m[0].input_scale.grad, torch.zeros(1))   # not in use before its first step
+    assert torch.equal(m[0].input_scale.grad, torch.zeros(1))  # not in use before its first step
     opt.step()
     sched.step()
-    assert m[0].qc_aq.learned_ready                          # initialised from the observer's range
+    assert m[0].qc_aq.learned_ready  # initialised from the observer's range
     lo, hi = m[0].qc_aq.observer.min, m[0].qc_aq.observer.max
     s, z = R.int_params(lo.reshape(1), hi.reshape(1), make_spec(8, symmetric=False))
     assert torch.equal(m[0].input_scale.detach(), s) and torch.equal(m[0].input_zero_point.detach(), z)
-    _train(m, sched, steps=2, lr=1e-2)                       # step 3: 6 -> 5 bits
+    _train(m, sched, steps=2, lr=1e-2)  # step 3: 6 -> 5 bits
     assert m[0].qc_wq.bits == 5
     spec5 = m[0].qc_wq.spec()
     s5, z5 = observers.weight_params(m[0].weight, spec5, "mse")
     assert torch.equal(m[0].weight_scale.detach().reshape(-1), s5)
     assert torch.equal(m[0].weight_zero_point.detach().reshape(-1), z5)
     _train(m, sched, steps=1, lr=1e-2)
-    assert not torch.equal(m[0].weight_scale.detach().reshape(-1), s5)   # and training moves them
+    assert not torch.equal(m[0].weight_scale.detach().reshape(-1), s5)  # and training moves them
 
 
 def test_scheduler_state_and_state_dict_resume_exactly():
@@ -408,6 +450,7 @@ def test_learned_ranges_survive_the_engine_checkpoint_at_every_zero_stage(tmp_pa
     steps, resume into a fresh engine: bit-exact, ranks identical, every stage equal to stage 0."""
     from tests.helpers import ranges_workers as RW
     from tests.helpers.dist_utils import run_ranks
+
     res = run_ranks(RW.run_stages, 2, str(tmp_path), timeout=300)
     ref = res[0]["s0"]["final"]
     assert {"0.weight_scale", "0.weight_zero_point", "0.input_scale", "0.input_zero_point"} <= set(ref)
@@ -425,8 +468,11 @@ def test_learned_ranges_survive_the_engine_checkpoint_at_every_zero_stage(tmp_pa
 
 # --- 4. export ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits,sym,gran,gs", [(4, True, "group", 32), (4, False, "group", 32),
-                                              (8, True, "channel", None), (8, False, "tensor", None)])
+
+@pytest.mark.parametrize(
+    "bits,sym,gran,gs",
+    [(4, True, "group", 32), (4, False, "group", 32), (8, True, "channel", None), (8, False, "tensor", None)],
+)
 def test_export_after_range_learning_decompresses_to_effective_weight(tmp_path, bits, sym, gran, gs):
     ct_quant = pytest.importorskip("compressed_tensors.quantization", reason="compressed-tensors is the oracle")
     ct_comp = pytest.importorskip("compressed_tensors.compressors", reason="compressed-tensors is the oracle")
@@ -446,17 +492,18 @@ def test_export_after_range_learning_decompresses_to_effective_weight(tmp_path, 
     with torch.no_grad():
         want = m(x)
     init_s = observers.weight_params(m[0].weight, m[0].qc_wq.spec(), "mse")[0]
-    assert not torch.equal(m[0].weight_scale.detach().reshape(-1), init_s)    # really learned
+    assert not torch.equal(m[0].weight_scale.detach().reshape(-1), init_s)  # really learned
     qc.export_quantized(m, tmp_path / "out", cfg)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     qconf = ct_quant.QuantizationConfig.model_validate(config["quantization_config"])
     from safetensors.torch import load_file
+
     sd = load_file(tmp_path / "out" / "model.safetensors")
     fmt = "int-quantized" if bits == 8 else "pack-quantized"
     comp = ct_comp.BaseCompressor.get_value_from_registry(fmt)
     for idx in ("0", "2"):
         scheme = next(s for s in qconf.config_groups.values() if any(re.match(t[3:], idx) for t in s.targets))
-        local = {k[len(idx) + 1:]: v for k, v in sd.items() if k.startswith(idx + ".")}
+        local = {k[len(idx) + 1 :]: v for k, v in sd.items() if k.startswith(idx + ".")}
         names = set(comp.compression_param_names(scheme))
         dense = comp.decompress({k: local[k] for k in names}, scheme)["weight"]
         assert torch.equal(dense, m[int(idx)].effective_weight()), idx
@@ -471,6 +518,7 @@ def test_export_after_range_learning_decompresses_to_effective_weight(tmp_path, 
 def test_tied_gpt2_embedding_and_head_share_one_learned_scale(tmp_path):
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
     from tests.helpers.tiny_models import make_gpt2
+
     m = make_gpt2()
     cfg = wq_cfg(bits=4, gran="channel", rl=True)
     qc.init_compression(m, cfg)
@@ -482,6 +530,7 @@ def test_tied_gpt2_embedding_and_head_share_one_learned_scale(tmp_path):
 
 # --- 5. config ----------------------------------------------------------------------------------
 
+
 def test_bad_combinations_name_the_key():
     base = wq_cfg(rl=True).raw
     doc = copy.deepcopy(base)
@@ -490,8 +539,9 @@ def test_bad_combinations_name_the_key():
         qc.load_config(doc)
     doc = copy.deepcopy(base)
     doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["observer"] = "mse"
-    doc["compression_training"]["weight_quantization"]["shared_parameters"].update(numerics="deepspeed",
-                                                                                   range_learning=False)
+    doc["compression_training"]["weight_quantization"]["shared_parameters"].update(
+        numerics="deepspeed", range_learning=False
+    )
     with pytest.raises(qc.ConfigError, match=r"different_groups\.w\.params\.observer.*deepspeed"):
         qc.load_config(doc)
     doc = copy.deepcopy(wq_cfg(act="symmetric").raw)
@@ -507,12 +557,14 @@ def test_bad_combinations_name_the_key():
 
 # --- 6. a real QAT run ----------------------------------------------------------------------------
 
+
 def test_range_learning_beats_fixed_ranges_on_digits():
     """W2 (4-level grid, one scale per tensor, minmax start) fine-tuned for 3 epochs from an FP32
     MLP on sklearn's digits, same seed and data order: learned scales end far more accurate
     (measured: 0.87 vs 0.66); asserted with a 10-point margin."""
     pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
     from tests.train.test_qat_train import accuracy, digits_split, make_mlp, train
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -535,10 +587,26 @@ def test_mse_in_optimizer_step_mode_searches_the_master_at_each_drop():
     """quantize_weight_in_forward: false: the weight holds the codes of the master copy quantized
     with the mse shrink factors, re-searched on the updated master at each bit drop."""
     m = mlp()
-    cfg = qc.load_config({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, "observer": "mse"},
-        "different_groups": {"w": {"params": {"start_bits": 6, "target_bits": 4, "quantization_period": 2,
-                                              "period_growth": "linear", "granularity": "channel"}}}}}})
+    cfg = qc.load_config(
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "quantize_weight_in_forward": False, "observer": "mse"},
+                    "different_groups": {
+                        "w": {
+                            "params": {
+                                "start_bits": 6,
+                                "target_bits": 4,
+                                "quantization_period": 2,
+                                "period_growth": "linear",
+                                "granularity": "channel",
+                            }
+                        }
+                    },
+                }
+            }
+        }
+    )
     qc.init_compression(m, cfg)
     sched = qc.CompressionScheduler(m, cfg)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
@@ -550,7 +618,7 @@ def test_mse_in_optimizer_step_mode_searches_the_master_at_each_drop():
         wq = m[0].qc_wq
         q, s, z, spec = m[0].quantized_weight()
         assert torch.equal(qc.quant.dequantize(q, s, z), m[0].weight.detach())
-        if step in (2, 4):                      # drops to 5 and 4 bits
+        if step in (2, 4):  # drops to 5 and 4 bits
             assert torch.equal(wq.shrink, observers.mse_shrink(wq.master, spec))
     assert m[0].qc_wq.bits == 4
 
@@ -569,7 +637,7 @@ def test_learned_ternary_scale_gradient_and_export(tmp_path, backend):
     assert torch.equal(y.detach(), q * 0.7)
     (y * r).sum().backward()
     assert torch.allclose(s.grad, 0.5 * (r * q).sum(1, keepdim=True), rtol=1e-6)
-    assert torch.equal(xs.grad, r)                     # straight through
+    assert torch.equal(xs.grad, r)  # straight through
     m = mlp()
     doc = copy.deepcopy(wq_cfg(bits=2, gran="channel", rl=True).raw)
     doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["ternary"] = True
@@ -588,27 +656,32 @@ def test_job_optimizer_gives_learned_ranges_their_own_group_without_decay():
     every other parameter exactly once at the job's lr with decay 0.01."""
     from qcompress.nn.range_groups import RANGE_LR_FACTOR
     from qcompress.train.job import client_optimizer
+
     m = mlp()
     cfg = wq_cfg(bits=4, rl=True, act="symmetric")
     qc.init_compression(m, cfg)
     named = dict(m.named_parameters())
-    ranges_ = {n for n in named if n.rsplit(".", 1)[-1] in ("weight_scale", "weight_zero_point",
-                                                              "input_scale", "input_zero_point")}
+    ranges_ = {
+        n
+        for n in named
+        if n.rsplit(".", 1)[-1] in ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+    }
     assert ranges_, "range learning registered no parameters"
     opt = client_optimizer({}, 1e-3, m)(list(m.parameters()))
     by_id = {id(p): n for n, p in named.items()}
     seen = [by_id[id(p)] for g in opt.param_groups for p in g["params"]]
-    assert sorted(seen) == sorted(named)                    # each parameter once
+    assert sorted(seen) == sorted(named)  # each parameter once
     for g in opt.param_groups:
         names = {by_id[id(p)] for p in g["params"]}
         if names & ranges_:
             assert names <= ranges_ and g["weight_decay"] == 0.0 and g["lr"] == pytest.approx(1e-3 * RANGE_LR_FACTOR)
         else:
             assert g["weight_decay"] == 0.01 and g["lr"] == 1e-3
-    assert client_optimizer({"optimizer": {"type": "Adam"}}, 1e-3, m) is None   # the config's own optimizer
+    assert client_optimizer({"optimizer": {"type": "Adam"}}, 1e-3, m) is None  # the config's own optimizer
 
 
 # --- observer_kwargs: the mse search's grid, shrink limit and error norm ----------------------------
+
 
 def norm_err(y, x, norm):
     return float(((y - x).double().abs() ** norm).sum())
@@ -640,13 +713,31 @@ def test_mse_search_settings_equal_brute_force(backend, sym, grid, maxshrink, no
 def test_observer_kwargs_reach_the_modules_and_the_export(tmp_path):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationArgs
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "observer": "mse",
-                              "observer_kwargs": {"maxshrink": 0.2, "norm": 2.4}},
-        "different_groups": {
-            "a": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}, "modules": ["^0$"]},
-            "b": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel",
-                             "observer_kwargs": {"grid": 20}}, "modules": ["^2$"]}}}}}
+
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "observer": "mse",
+                    "observer_kwargs": {"maxshrink": 0.2, "norm": 2.4},
+                },
+                "different_groups": {
+                    "a": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}, "modules": ["^0$"]},
+                    "b": {
+                        "params": {
+                            "start_bits": 4,
+                            "target_bits": 4,
+                            "granularity": "channel",
+                            "observer_kwargs": {"grid": 20},
+                        },
+                        "modules": ["^2$"],
+                    },
+                },
+            }
+        }
+    }
     m = mlp()
     w0, w2 = m[0].weight.detach().clone(), m[2].weight.detach().clone()
     qc.init_compression(m, doc)
@@ -657,29 +748,39 @@ def test_observer_kwargs_reach_the_modules_and_the_export(tmp_path):
     assert float(m[0].qc_wq.shrink.min()) >= 0.8 - 1e-6
     qc.export_quantized(m, tmp_path / "e", doc)
     conf = json.loads((tmp_path / "e" / "config.json").read_text())
-    got = {json.dumps(g["weights"]["observer_kwargs"], sort_keys=True)
-           for g in conf["quantization_config"]["config_groups"].values()}
-    assert got == {json.dumps({"grid": 100, "maxshrink": 0.2, "norm": 2.4}, sort_keys=True),
-                   json.dumps({"grid": 20, "maxshrink": 0.8, "norm": 2.0}, sort_keys=True)}
+    got = {
+        json.dumps(g["weights"]["observer_kwargs"], sort_keys=True)
+        for g in conf["quantization_config"]["config_groups"].values()
+    }
+    assert got == {
+        json.dumps({"grid": 100, "maxshrink": 0.2, "norm": 2.4}, sort_keys=True),
+        json.dumps({"grid": 20, "maxshrink": 0.8, "norm": 2.0}, sort_keys=True),
+    }
     for g in conf["quantization_config"]["config_groups"].values():
-        QuantizationArgs.model_validate(g["weights"])     # compressed-tensors reads them
+        QuantizationArgs.model_validate(g["weights"])  # compressed-tensors reads them
     fresh = qc.load_quantized(tmp_path / "e", mlp(seed=5))
     assert torch.equal(fresh[0].weight, m[0].effective_weight().detach())
 
 
-@pytest.mark.parametrize("where,kwargs,observer,said", [
-    ("group", {"norm": 2.4}, "minmax", "different_groups.w.params.observer_kwargs: sets the mse observer's search"),
-    ("shared", {"norm": 2.4}, "minmax", "shared_parameters.observer_kwargs: sets the mse observer's search"),
-    ("shared", {"maxshrink": 0.004}, "mse", "observer_kwargs.maxshrink: 0.004 x grid 100 leaves no shrink"),
-    ("shared", {"patience": 5}, "mse", "observer_kwargs.patience: unknown key"),
-    ("shared", {"norm": 0}, "mse", "observer_kwargs.norm: 0.0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "where,kwargs,observer,said",
+    [
+        ("group", {"norm": 2.4}, "minmax", "different_groups.w.params.observer_kwargs: sets the mse observer's search"),
+        ("shared", {"norm": 2.4}, "minmax", "shared_parameters.observer_kwargs: sets the mse observer's search"),
+        ("shared", {"maxshrink": 0.004}, "mse", "observer_kwargs.maxshrink: 0.004 x grid 100 leaves no shrink"),
+        ("shared", {"patience": 5}, "mse", "observer_kwargs.patience: unknown key"),
+        ("shared", {"norm": 0}, "mse", "observer_kwargs.norm: 0.0 is out of range"),
+    ],
+)
 def test_observer_kwargs_errors_name_the_key(where, kwargs, observer, said):
     shared = {"enabled": True, "observer": observer}
     params = {"start_bits": 4, "target_bits": 4}
     (shared if where == "shared" else params)["observer_kwargs"] = kwargs
-    doc = {"compression_training": {"weight_quantization": {"shared_parameters": shared,
-                                                            "different_groups": {"w": {"params": params}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {"shared_parameters": shared, "different_groups": {"w": {"params": params}}}
+        }
+    }
     with pytest.raises(qc.ConfigError) as err:
         qc.load_config(doc)
     assert said in str(err.value), str(err.value)

@@ -1,5 +1,6 @@
 """qcompress.optim: warmup equals the uncompressed algorithms, the compression stage equals its closed
 form on one rank, two gloo ranks train digits like Adam, resume is bit-exact, build_optimizer."""
+
 import copy
 import logging
 import math
@@ -44,14 +45,17 @@ def _drive(opt, params, steps, seed=100):
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_warmup_equals_torch_adam_bit_for_bit(wd):
     ref_params = _params()
-    ref = (torch.optim.AdamW if wd else torch.optim.Adam)(ref_params, lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
-                                                          weight_decay=wd)
+    ref = (torch.optim.AdamW if wd else torch.optim.Adam)(
+        ref_params, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd
+    )
     candidates = {
-        "OneBitAdam": lambda ps: OneBitAdam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd,
-                                            freeze_step=1000),
+        "OneBitAdam": lambda ps: OneBitAdam(
+            ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, freeze_step=1000
+        ),
         # var_update_scaler >= steps: every stage-1 step is a full-precision variance step
-        "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd,
-                                              var_freeze_step=1000, var_update_scaler=1000),
+        "ZeroOneAdam": lambda ps: ZeroOneAdam(
+            ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, var_freeze_step=1000, var_update_scaler=1000
+        ),
     }
     runs = {k: (make(ps := _params()), ps) for k, make in candidates.items()}
     for _ in _drive(ref, ref_params, 12):
@@ -86,8 +90,9 @@ def test_warmup_without_bias_correction_matches_formula():
         torch.testing.assert_close(b.detach(), a, rtol=1e-6, atol=1e-7)
 
 
-def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True,
-                    eps_inside_sqrt=False):
+def _lamb_reference(
+    params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bias_correction=True, eps_inside_sqrt=False
+):
     """LAMB as DeepSpeed defines it, written from the formulas in their order, each operation rounded on
     its own (moments moved as torch.optim.Adam moves them); returns (params, trust ratios per step)."""
     p = [q.detach().clone() for q in params]
@@ -95,8 +100,8 @@ def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bi
     v = [torch.zeros_like(q) for q in p]
     coeffs = []
     for t in range(1, steps + 1):
-        bc1 = 1 - b1 ** t if bias_correction else 1.0
-        bc2 = 1 - b2 ** t if bias_correction else 1.0
+        bc1 = 1 - b1**t if bias_correction else 1.0
+        bc2 = 1 - b2**t if bias_correction else 1.0
         step_coeffs = []
         for i, g in enumerate(_grads(t - 1, [q.shape for q in p])):
             m[i].lerp_(g, 1 - b1)
@@ -113,8 +118,15 @@ def _lamb_reference(params, steps, lr, b1, b2, eps, wd, max_coeff, min_coeff, bi
 
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_warmup_equals_reference_lamb(bias_correction):
-    kw = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05, max_coeff=1.2, min_coeff=0.01,
-              bias_correction=bias_correction)
+    kw = dict(
+        lr=2e-2,
+        betas=(0.9, 0.99),
+        eps=1e-6,
+        weight_decay=0.05,
+        max_coeff=1.2,
+        min_coeff=0.01,
+        bias_correction=bias_correction,
+    )
     expect, coeffs = _lamb_reference(_params(), 10, 2e-2, 0.9, 0.99, 1e-6, 0.05, 1.2, 0.01, bias_correction)
     flat = [c for step in coeffs for c in step]
     assert any(0.01 < c < 1.2 for c in flat) and 1.2 in flat, "trust ratios must be both clipped and not"
@@ -132,10 +144,18 @@ def test_warmup_equals_reference_lamb(bias_correction):
 def test_lamb_eps_inside_sqrt_follows_deepspeeds_definition(bias_correction):
     # DeepSpeed's FusedLamb: eps is added to the bias-corrected second moment under the square
     # root. It used to be accepted and ignored, silently training the eps-outside variant.
-    kw = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.05, max_coeff=1.2, min_coeff=0.01,
-              bias_correction=bias_correction)
-    expect, _ = _lamb_reference(_params(), 6, 2e-2, 0.9, 0.99, 1e-3, 0.05, 1.2, 0.01, bias_correction,
-                                eps_inside_sqrt=True)
+    kw = dict(
+        lr=2e-2,
+        betas=(0.9, 0.99),
+        eps=1e-3,
+        weight_decay=0.05,
+        max_coeff=1.2,
+        min_coeff=0.01,
+        bias_correction=bias_correction,
+    )
+    expect, _ = _lamb_reference(
+        _params(), 6, 2e-2, 0.9, 0.99, 1e-3, 0.05, 1.2, 0.01, bias_correction, eps_inside_sqrt=True
+    )
     outside, _ = _lamb_reference(_params(), 6, 2e-2, 0.9, 0.99, 1e-3, 0.05, 1.2, 0.01, bias_correction)
     assert not all(torch.equal(a, b) for a, b in zip(expect, outside)), "eps placement must matter here"
     ps = _params()
@@ -152,8 +172,9 @@ def test_onebit_adam_compression_stage_closed_form_one_rank():
     ps = _params()
     mask = torch.ones(sum(p.numel() for p in ps))
     mask[:5] = 0  # first row of the first weight: its momentum must stay zero
-    opt = OneBitAdam([{"params": ps, "exp_avg_mask": mask}], lr=lr, betas=(b1, b2), eps=eps,
-                     weight_decay=wd, freeze_step=freeze)
+    opt = OneBitAdam(
+        [{"params": ps, "exp_avg_mask": mask}], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze
+    )
     p_ref = [p.detach().clone() for p in ps]
     m = [torch.zeros_like(p) for p in ps]
     v = [torch.zeros_like(p) for p in ps]
@@ -167,8 +188,8 @@ def test_onebit_adam_compression_stage_closed_form_one_rank():
             elif i == 0:
                 m[i][0] = 0.0
             tv = min(t, freeze)  # the variance and its bias correction freeze together
-            denom = v[i].sqrt() / math.sqrt(1 - b2 ** tv) + eps
-            p_ref[i] = p_ref[i] * (1 - lr * wd) - lr / (1 - b1 ** t) * m[i] / denom
+            denom = v[i].sqrt() / math.sqrt(1 - b2**tv) + eps
+            p_ref[i] = p_ref[i] * (1 - lr * wd) - lr / (1 - b1**t) * m[i] / denom
         for a, b in zip(p_ref, ps):
             torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-7)
         assert flags == (t < freeze), "gradients are local from the step after freeze_step"
@@ -183,8 +204,17 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.01
     vfs, scaler, lscaler, clipper = 7, 2, 2, 4
     ps = _params()
-    opt = ZeroOneAdam(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, var_freeze_step=vfs,
-                      var_update_scaler=scaler, local_step_scaler=lscaler, local_step_clipper=clipper)
+    opt = ZeroOneAdam(
+        ps,
+        lr=lr,
+        betas=(b1, b2),
+        eps=eps,
+        weight_decay=wd,
+        var_freeze_step=vfs,
+        var_update_scaler=scaler,
+        local_step_scaler=lscaler,
+        local_step_clipper=clipper,
+    )
     p = [q.detach().clone() for q in ps]
     m = [torch.zeros_like(q) for q in p]
     v = [torch.zeros_like(q) for q in p]
@@ -195,7 +225,7 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
     for t in _drive(opt, ps, 20):
         got_flags.append(opt.allreduce_gradients)
         g = [q.grad for q in ps]
-        bc1 = 1 - b1 ** t
+        bc1 = 1 - b1**t
         if t <= vfs:
             full = t % var_interval == 0
             expect_flags.append(full)
@@ -206,7 +236,7 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
             if full:
                 tv += 1
             for i in range(len(p)):
-                p[i] = p[i] * (1 - lr * wd) - lr / bc1 * m[i] / (v[i].sqrt() / math.sqrt(1 - b2 ** tv) + eps)
+                p[i] = p[i] * (1 - lr * wd) - lr / bc1 * m[i] / (v[i].sqrt() / math.sqrt(1 - b2**tv) + eps)
             if full:
                 var_counter += 1
                 if var_counter == scaler:
@@ -217,7 +247,7 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
         else:
             expect_flags.append(False)
             for i in range(len(p)):
-                denom = v[i].sqrt() / math.sqrt(1 - b2 ** tv) + eps
+                denom = v[i].sqrt() / math.sqrt(1 - b2**tv) + eps
                 m[i] = b1 * m[i] + (1 - b1) * g[i]
                 p[i] = p[i] * (1 - lr * wd) - lr / bc1 * m[i] / denom
                 acc[i] = acc[i] + lr / bc1 * m[i]
@@ -226,7 +256,7 @@ def test_zero_one_adam_schedule_and_closed_form_one_rank():
             if t % interval == 0:  # synchronisation: recompute from the last sync point
                 syncs.append(t)
                 for i in range(len(p)):
-                    denom = v[i].sqrt() / math.sqrt(1 - b2 ** tv) + eps
+                    denom = v[i].sqrt() / math.sqrt(1 - b2**tv) + eps
                     p[i] = sync[i] * decay - acc[i] / denom
                     m[i] = acc[i] * bc1 / lrs
                     sync[i] = p[i].clone()
@@ -248,10 +278,10 @@ def _lamb_frozen_step(p, m, m_prev, v, fresh, last, ema, t, freeze, lr, b1, b2, 
     (factor_min 0.5, factor_max 4.0, factor_threshold 0.1): (new p, new fresh variance, factor)."""
     g_hat = (m - b1 * m_prev) / (1 - b1)
     fresh = b2 * fresh + (1 - b2) * g_hat * g_hat
-    denom = v.sqrt() / math.sqrt(1 - b2 ** freeze) + eps
-    pre = (m / (1 - b1 ** t)) / denom
+    denom = v.sqrt() / math.sqrt(1 - b2**freeze) + eps
+    pre = (m / (1 - b1**t)) / denom
     u = pre + wd * p
-    factor = float((denom / (fresh.sqrt() / math.sqrt(1 - b2 ** t) + eps)).max())
+    factor = float((denom / (fresh.sqrt() / math.sqrt(1 - b2**t) + eps)).max())
     ratio = min(1.0, float(pre.norm()) / float(u.norm()))
     factor = min(max(factor * ratio + (1 - ratio), 0.5), 4.0)
     factor = min(max(factor, last * 0.9), last * 1.1)
@@ -260,8 +290,7 @@ def _lamb_frozen_step(p, m, m_prev, v, fresh, last, ema, t, freeze, lr, b1, b2, 
 
 def test_onebit_lamb_compression_stage_closed_form_one_rank():
     lr, b1, b2, eps, wd, freeze = 2e-2, 0.9, 0.99, 1e-6, 0.05, 4
-    kw = dict(max_coeff=0.5, min_coeff=0.01, coeff_beta=0.5, factor_max=4.0, factor_min=0.5,
-              factor_threshold=0.1)
+    kw = dict(max_coeff=0.5, min_coeff=0.01, coeff_beta=0.5, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
     ps = _params()
     opt = OneBitLamb(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze, **kw)
     p = [q.detach().clone() for q in ps]
@@ -272,12 +301,12 @@ def test_onebit_lamb_compression_stage_closed_form_one_rank():
     last = [1.0] * len(p)
     for t in _drive(opt, ps, 12):
         g = [q.grad for q in ps]
-        bc1 = 1 - b1 ** t
+        bc1 = 1 - b1**t
         for i in range(len(p)):
             if t <= freeze:
                 m[i] = b1 * m[i] + (1 - b1) * g[i]
                 v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i]
-                u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(1 - b2 ** t) + eps) + wd * p[i]
+                u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(1 - b2**t) + eps) + wd * p[i]
                 wn, un = float(p[i].norm()), float(u.norm())
                 c = min(max(wn / un, kw["min_coeff"]), kw["max_coeff"])
                 if c != 1.0:
@@ -288,8 +317,9 @@ def test_onebit_lamb_compression_stage_closed_form_one_rank():
             else:
                 m_prev = m[i]
                 m[i] = b1 * m[i] + (1 - b1) * g[i]
-                p[i], fresh[i], last[i] = _lamb_frozen_step(p[i], m[i], m_prev, v[i], fresh[i], last[i], ema[i],
-                                                            t, freeze, lr, b1, b2, eps, wd)
+                p[i], fresh[i], last[i] = _lamb_frozen_step(
+                    p[i], m[i], m_prev, v[i], fresh[i], last[i], ema[i], t, freeze, lr, b1, b2, eps, wd
+                )
         for a, b in zip(p, ps):
             torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.state[ps[0]]["exp_avg_sq"], v[0], rtol=1e-6, atol=0)
@@ -298,8 +328,11 @@ def test_onebit_lamb_compression_stage_closed_form_one_rank():
 def test_bf16_params_train_like_fp32_with_fp32_state():
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for cls, kw in ((OneBitAdam, dict(freeze_step=5)), (ZeroOneAdam, dict(var_freeze_step=5)),
-                        (OneBitLamb, dict(freeze_step=5))):
+        for cls, kw in (
+            (OneBitAdam, dict(freeze_step=5)),
+            (ZeroOneAdam, dict(var_freeze_step=5)),
+            (OneBitLamb, dict(freeze_step=5)),
+        ):
             ps = _params(dtype=dtype)
             opt = cls(ps, lr=1e-2, **kw)
             for _ in _drive(opt, ps, 15):
@@ -322,16 +355,14 @@ def test_bf16_params_train_like_fp32_with_fp32_state():
 
 def test_state_dict_loads_with_weights_only_and_restores_counters(tmp_path):
     ps = _params()
-    opt = ZeroOneAdam(ps, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2,
-                      local_step_clipper=4)
+    opt = ZeroOneAdam(ps, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
     for _ in _drive(opt, ps, 6):
         pass
     path = tmp_path / "opt.pt"
     torch.save(opt.state_dict(), path)
     sd = torch.load(path, weights_only=True)
     ps2 = [q.detach().clone().requires_grad_() for q in ps]
-    opt2 = ZeroOneAdam(ps2, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2,
-                       local_step_clipper=4)
+    opt2 = ZeroOneAdam(ps2, lr=1e-2, var_freeze_step=3, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
     opt2.load_state_dict(sd)
     assert opt2.counters == opt.counters and opt2.counters["frozen"]
     for a, b in zip(_drive(opt, ps, 5), _drive(opt2, ps2, 5)):
@@ -389,6 +420,7 @@ def test_bad_arguments_are_named():
 # ---------------------------------------------------------------------------------------------- build_optimizer
 def test_build_optimizer_types_and_semantics():
     from qcompress.config import Optimizer
+
     ps = _params()
     assert type(build_optimizer(ps, {"type": "ADAMW", "params": {"lr": 1e-3}})) is torch.optim.AdamW
     # DeepSpeed: type Adam means AdamW unless adam_w_mode is false; weight decay defaults to 0 either way
@@ -397,12 +429,17 @@ def test_build_optimizer_types_and_semantics():
     assert type(build_optimizer(ps, {"type": "adam", "params": {"adam_w_mode": False}})) is torch.optim.Adam
     assert type(build_optimizer(ps, {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}})) is torch.optim.SGD
     assert type(build_optimizer(ps, {"type": "lamb", "params": {"max_coeff": 0.3}})) is Lamb
-    ob = build_optimizer(ps, Optimizer(type="OneBitAdam", params={"freeze_step": 7, "betas": [0.8, 0.9],
-                                                                   "cuda_aware": False,
-                                                                   "comm_backend_name": "nccl"}))
+    ob = build_optimizer(
+        ps,
+        Optimizer(
+            type="OneBitAdam",
+            params={"freeze_step": 7, "betas": [0.8, 0.9], "cuda_aware": False, "comm_backend_name": "nccl"},
+        ),
+    )
     assert type(ob) is OneBitAdam and ob.freeze_step == 7 and ob.defaults["betas"] == (0.8, 0.9)
-    zo = build_optimizer(ps, {"type": "zerooneadam", "params": {"var_freeze_step": 9, "compressor": "int8",
-                                                                "bucket_size": 1024}})
+    zo = build_optimizer(
+        ps, {"type": "zerooneadam", "params": {"var_freeze_step": 9, "compressor": "int8", "bucket_size": 1024}}
+    )
     assert type(zo) is ZeroOneAdam and zo.var_freeze_step == 9 and zo.compressor == "int8"
     assert type(build_optimizer(ps, {"type": "OneBitLamb", "params": {"factor_max": 2.0}})) is OneBitLamb
 
@@ -412,9 +449,13 @@ def test_scale_per_tensor_from_config_and_recorded_in_the_checkpoint_layout():
     the choice reaches the optimizer from a ds_config and is part of the saved compression layout (a
     resume under the other choice drops the errors: its buckets differ)."""
     ps = [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    built = {(kind, str(v)): build_optimizer(ps, {"type": kind, "params": {} if v is None else
-                                                 {"scale_per_tensor": v, "bucket_size": 32}})
-             for kind in ("ZeroOneAdam", "OneBitAdam") for v in (None, True, False)}
+    built = {
+        (kind, str(v)): build_optimizer(
+            ps, {"type": kind, "params": {} if v is None else {"scale_per_tensor": v, "bucket_size": 32}}
+        )
+        for kind in ("ZeroOneAdam", "OneBitAdam")
+        for v in (None, True, False)
+    }
     assert built["ZeroOneAdam", "None"].scale_per_tensor and built["OneBitAdam", "None"].scale_per_tensor
     for kind in ("ZeroOneAdam", "OneBitAdam"):
         per, flat = built[kind, "True"], built[kind, "False"]
@@ -426,31 +467,50 @@ def test_scale_per_tensor_from_config_and_recorded_in_the_checkpoint_layout():
         assert "per_tensor" not in flat.state_dict()["qcompress"]["layout"]
 
 
-@pytest.mark.parametrize("cfg, path, text", [
-    ({"type": "OneBitAdam", "params": {"freeze_stp": 3}}, "optimizer.params.freeze_stp", "did you mean 'freeze_step'"),
-    ({"type": "ZeroOneAdam", "params": {"var_freeze_steps": 3}}, "optimizer.params.var_freeze_steps",
-     "did you mean 'var_freeze_step'"),
-    ({"type": "Lamb", "params": {"max_coef": 3}}, "optimizer.params.max_coef", "did you mean 'max_coeff'"),
-    ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm", "gradient_clipping"),
-    ({"type": "Adam", "params": {"betas": [1.5, 0.9]}}, "optimizer.params.betas", "beta"),
-    ({"type": "OneBitAdam", "params": {"freeze_step": -1}}, "optimizer.params.freeze_step", ">= 1"),
-    ({"type": "OneBitLmab"}, "optimizer.type", "did you mean 'onebitlamb'"),
-    ({"type": "Adam", "prams": {}}, "optimizer.prams", "did you mean 'params'"),
-    ({"type": "ZeroOneAdam", "params": {"scale_per_tensor": "yes"}}, "optimizer.params.scale_per_tensor",
-     "true or false"),
-    ({"type": "OneBitLamb", "params": {"scale_per_tensor": True}}, "optimizer.params.scale_per_tensor",
-     "unknown parameter"),
-    # torch.optim's own checks: an IndexError, a message without the key, or nothing at all
-    ({"type": "Adam", "params": {"betas": [0.9]}}, "optimizer.params.betas", "two numbers"),
-    ({"type": "AdamW", "params": {"lr": "1e-3"}}, "optimizer.params.lr", "finite number"),
-    ({"type": "Adam", "params": {"lr": True}}, "optimizer.params.lr", "finite number"),
-    ({"type": "Adam", "params": {"lr": -1.0}}, "optimizer.params.lr", "Invalid learning rate"),
-    ({"type": "Adam", "params": {"amsgrad": "yes"}}, "optimizer.params.amsgrad", "true or false"),
-    ({"type": "SGD", "params": {"momentum": None}}, "optimizer.params.momentum", "finite number"),
-    # a compressor name is first used at freeze_step: checked when the optimizer is built
-    ({"type": "OneBitAdam", "params": {"compressor": "onebt"}}, "optimizer.params.compressor",
-     "unknown compressor 'onebt'; known: int8, onebit"),
-])
+@pytest.mark.parametrize(
+    "cfg, path, text",
+    [
+        (
+            {"type": "OneBitAdam", "params": {"freeze_stp": 3}},
+            "optimizer.params.freeze_stp",
+            "did you mean 'freeze_step'",
+        ),
+        (
+            {"type": "ZeroOneAdam", "params": {"var_freeze_steps": 3}},
+            "optimizer.params.var_freeze_steps",
+            "did you mean 'var_freeze_step'",
+        ),
+        ({"type": "Lamb", "params": {"max_coef": 3}}, "optimizer.params.max_coef", "did you mean 'max_coeff'"),
+        ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm", "gradient_clipping"),
+        ({"type": "Adam", "params": {"betas": [1.5, 0.9]}}, "optimizer.params.betas", "beta"),
+        ({"type": "OneBitAdam", "params": {"freeze_step": -1}}, "optimizer.params.freeze_step", ">= 1"),
+        ({"type": "OneBitLmab"}, "optimizer.type", "did you mean 'onebitlamb'"),
+        ({"type": "Adam", "prams": {}}, "optimizer.prams", "did you mean 'params'"),
+        (
+            {"type": "ZeroOneAdam", "params": {"scale_per_tensor": "yes"}},
+            "optimizer.params.scale_per_tensor",
+            "true or false",
+        ),
+        (
+            {"type": "OneBitLamb", "params": {"scale_per_tensor": True}},
+            "optimizer.params.scale_per_tensor",
+            "unknown parameter",
+        ),
+        # torch.optim's own checks: an IndexError, a message without the key, or nothing at all
+        ({"type": "Adam", "params": {"betas": [0.9]}}, "optimizer.params.betas", "two numbers"),
+        ({"type": "AdamW", "params": {"lr": "1e-3"}}, "optimizer.params.lr", "finite number"),
+        ({"type": "Adam", "params": {"lr": True}}, "optimizer.params.lr", "finite number"),
+        ({"type": "Adam", "params": {"lr": -1.0}}, "optimizer.params.lr", "Invalid learning rate"),
+        ({"type": "Adam", "params": {"amsgrad": "yes"}}, "optimizer.params.amsgrad", "true or false"),
+        ({"type": "SGD", "params": {"momentum": None}}, "optimizer.params.momentum", "finite number"),
+        # a compressor name is first used at freeze_step: checked when the optimizer is built
+        (
+            {"type": "OneBitAdam", "params": {"compressor": "onebt"}},
+            "optimizer.params.compressor",
+            "unknown compressor 'onebt'; known: int8, onebit",
+        ),
+    ],
+)
 def test_build_optimizer_errors(cfg, path, text):
     with pytest.raises(ConfigError) as info:
         build_optimizer(_params(), cfg)
@@ -460,6 +520,7 @@ def test_build_optimizer_errors(cfg, path, text):
 # ---------------------------------------------------------------------------------------------- two ranks
 def _digits():
     from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x[:1792], dtype=torch.float32)
     std = x.std(dim=0)
@@ -489,19 +550,22 @@ def _digit_runs(lr, freeze):
         "Adam": lambda ps: torch.optim.Adam(ps, lr=lr),
         "OneBitAdam": lambda ps: OneBitAdam(ps, lr=lr, freeze_step=freeze),
         "OneBitAdam-int8": lambda ps: OneBitAdam(ps, lr=lr, freeze_step=freeze, compressor="int8"),
-        "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=lr, var_freeze_step=2 * freeze, var_update_scaler=8,
-                                              local_step_scaler=10, local_step_clipper=4),
+        "ZeroOneAdam": lambda ps: ZeroOneAdam(
+            ps, lr=lr, var_freeze_step=2 * freeze, var_update_scaler=8, local_step_scaler=10, local_step_clipper=4
+        ),
         # LAMB's trust ratio shrinks its steps; it needs a larger lr to settle (and freeze) in time
         "Lamb": lambda ps: Lamb(ps, lr=5 * lr, max_coeff=0.3),
         # factor_max=1 as in DeepSpeed's own test: on a model this small the 1-bit noise in the fresh
         # variance otherwise lets the adaptive factor grow the step
-        "OneBitLamb": lambda ps: OneBitLamb(ps, lr=5 * lr, freeze_step=freeze, coeff_beta=0.8, max_coeff=0.3,
-                                            factor_max=1.0),
+        "OneBitLamb": lambda ps: OneBitLamb(
+            ps, lr=5 * lr, freeze_step=freeze, coeff_beta=0.8, max_coeff=0.3, factor_max=1.0
+        ),
     }
 
 
 def _rank_digits(rank, world, steps, lr, freeze):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     x, y = _digits()
     xs, ys = x[rank::world], y[rank::world]  # each rank draws minibatches from its own half
     gen = torch.Generator().manual_seed(rank)
@@ -534,8 +598,7 @@ def _rank_digits(rank, world, steps, lr, freeze):
         opt.step()
         sched.step()
     with torch.no_grad():
-        out["OneBitAdam-DDP"] = (float(_objective(model, x, y)),
-                                 torch.cat([p.reshape(-1) for p in model.parameters()]))
+        out["OneBitAdam-DDP"] = (float(_objective(model, x, y)), torch.cat([p.reshape(-1) for p in model.parameters()]))
     out["hook"] = (hook.allreduce_calls, hook.local_calls, hook.compression_stage)
     return out
 
@@ -560,8 +623,15 @@ _RESUME_RUNS = {
     "OneBitAdam-early": lambda ps: OneBitAdam(ps, lr=3e-3, freeze_step=5, weight_decay=0.01),
     "OneBitAdam-late": lambda ps: OneBitAdam(ps, lr=3e-3, freeze_step=15),
     # stage 2 from step 7; local interval 2 at the save after step 11 (mid-interval)
-    "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=3e-3, weight_decay=0.01, var_freeze_step=6,
-                                          var_update_scaler=2, local_step_scaler=3, local_step_clipper=4),
+    "ZeroOneAdam": lambda ps: ZeroOneAdam(
+        ps,
+        lr=3e-3,
+        weight_decay=0.01,
+        var_freeze_step=6,
+        var_update_scaler=2,
+        local_step_scaler=3,
+        local_step_clipper=4,
+    ),
     "OneBitLamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=5, weight_decay=0.01),
 }
 
@@ -643,8 +713,15 @@ def _shard_run(rank, dtype, shard, steps, bucket_size, start=0, opt_sd=None, par
         with torch.no_grad():
             for p, v in zip(ps, params0):
                 p.copy_(v)
-    opt = OneBitAdam(ps, lr=0.01, freeze_step=3, weight_decay=0.01, bucket_size=bucket_size, shard_state=shard,
-                     scale_per_tensor=per_tensor)
+    opt = OneBitAdam(
+        ps,
+        lr=0.01,
+        freeze_step=3,
+        weight_decay=0.01,
+        bucket_size=bucket_size,
+        shard_state=shard,
+        scale_per_tensor=per_tensor,
+    )
     if opt_sd is not None:
         opt.load_state_dict(opt_sd)
     for t in range(start, steps):
@@ -666,9 +743,11 @@ def _state_bytes(opt):
 
 def _rank_shard(rank, world, folder):
     from qcompress import comm
+
     out = {}
-    runs = [(dtype, bucket_size, False) for dtype in (torch.float32, torch.bfloat16)
-            for bucket_size in (40, 1 << 20)]  # many buckets (parameters straddle them) and one
+    runs = [
+        (dtype, bucket_size, False) for dtype in (torch.float32, torch.bfloat16) for bucket_size in (40, 1 << 20)
+    ]  # many buckets (parameters straddle them) and one
     for dtype, bucket_size, per_tensor in runs + [(torch.float32, 40, True)]:  # and per-tensor scales
         key = ("per_tensor." if per_tensor else "") + f"{dtype}.{bucket_size}"
         plain, opt0 = _shard_run(rank, dtype, False, 7, bucket_size, per_tensor=per_tensor)
@@ -677,25 +756,29 @@ def _rank_shard(rank, world, folder):
         sent_sharded = comm.stats()["bytes_sent"]
         comm.reset_stats()
         _shard_run(rank, dtype, False, 7, bucket_size, per_tensor=per_tensor)
-        out[key] = {"plain": [p.detach().clone() for p in plain],
-                    "sharded": [p.detach().clone() for p in sharded],
-                    "bytes": (_state_bytes(opt0), _state_bytes(opt1)),
-                    "extra_sent": sent_sharded - comm.stats()["bytes_sent"],
-                    "stage": opt1.stage}
+        out[key] = {
+            "plain": [p.detach().clone() for p in plain],
+            "sharded": [p.detach().clone() for p in sharded],
+            "bytes": (_state_bytes(opt0), _state_bytes(opt1)),
+            "extra_sent": sent_sharded - comm.stats()["bytes_sent"],
+            "stage": opt1.stage,
+        }
     # resume: 2 steps (warmup), save, new optimizer, load, 5 more (crossing the freeze)
     ps, opt = _shard_run(rank, torch.float32, True, 2, 40)
     path = os.path.join(folder, f"shard.rank{rank}.pt")
     torch.save(opt.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
     ps_mid = [p.detach().clone() for p in ps]
-    resumed, _ = _shard_run(rank, torch.float32, True, 7, 40, start=2,
-                            opt_sd=torch.load(path, weights_only=True), params0=ps_mid)
+    resumed, _ = _shard_run(
+        rank, torch.float32, True, 7, 40, start=2, opt_sd=torch.load(path, weights_only=True), params0=ps_mid
+    )
     out["resumed"] = [p.detach().clone() for p in resumed]
     # resume inside the compression stage (errors, frozen variance and dead pattern restored)
     ps, opt = _shard_run(rank, torch.float32, True, 5, 40)
     sd = opt.state_dict()
-    resumed, _ = _shard_run(rank, torch.float32, True, 7, 40, start=5, opt_sd=sd,
-                            params0=[p.detach().clone() for p in ps])
+    resumed, _ = _shard_run(
+        rank, torch.float32, True, 7, 40, start=5, opt_sd=sd, params0=[p.detach().clone() for p in ps]
+    )
     out["resumed_late"] = [p.detach().clone() for p in resumed]
     return out
 
@@ -720,8 +803,9 @@ def test_onebit_adam_shard_state_equals_unsharded_bit_for_bit(tmp_path):
             assert (full - sharded) + (full - other) == (per_elem - 4) * numel
             assert sharded < full and other < full
             # own chunk per rank: each bucket of n elements padded to a multiple of 8 * 2, halved
-            buckets = ([35, 13, 27, 18] if key.startswith("per_tensor") else [40, 40, 13] if key.endswith(".40")
-                       else [numel])
+            buckets = (
+                [35, 13, 27, 18] if key.startswith("per_tensor") else [40, 40, 13] if key.endswith(".40") else [numel]
+            )
             own = sum(-(-n // 16) * 8 for n in buckets)
             itemsize = 2 if "bfloat16" in key else 4
             # 7 parameter all-gathers of (P-1) * own elements, plus one uint8 gather of the dead pattern
@@ -787,22 +871,78 @@ def _grads4(t, rank, shapes=_SHAPES4):
 
 
 _RUNS4 = {  # name -> (constructor, steps); every run ends on a step where the ranks synchronise
-    "OneBitAdam": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
-                                             freeze_step=3, bucket_size=_BUCKET4, scale_per_tensor=False), 6),
+    "OneBitAdam": (
+        lambda groups: OneBitAdam(
+            groups,
+            lr=_LR,
+            betas=(_B1, _B2),
+            eps=_EPS,
+            weight_decay=_WD,
+            freeze_step=3,
+            bucket_size=_BUCKET4,
+            scale_per_tensor=False,
+        ),
+        6,
+    ),
     # variance steps 1, 2, 4; compressed gradients 3, 5, 6; local steps from 7, syncs at 7, 8, 10
-    "ZeroOneAdam": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
-                                               var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
-                                               local_step_clipper=2, bucket_size=_BUCKET4), 10),
+    "ZeroOneAdam": (
+        lambda groups: ZeroOneAdam(
+            groups,
+            lr=_LR,
+            betas=(_B1, _B2),
+            eps=_EPS,
+            weight_decay=_WD,
+            var_freeze_step=6,
+            var_update_scaler=1,
+            local_step_scaler=2,
+            local_step_clipper=2,
+            bucket_size=_BUCKET4,
+        ),
+        10,
+    ),
     # one 1-bit scale per flat bucket (DeepSpeed's fp16 layout) instead of the default one per tensor
-    "ZeroOneAdamFlat": (lambda groups: ZeroOneAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
-                                                   var_freeze_step=6, var_update_scaler=1, local_step_scaler=2,
-                                                   local_step_clipper=2, bucket_size=_BUCKET4,
-                                                   scale_per_tensor=False), 10),
-    "OneBitAdamPerTensor": (lambda groups: OneBitAdam(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS,  # the default
-                                                      weight_decay=_WD, freeze_step=3, bucket_size=_BUCKET4), 6),
-    "OneBitLamb": (lambda groups: OneBitLamb(groups, lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD,
-                                             freeze_step=3, max_coeff=0.5, coeff_beta=0.5,
-                                             bucket_size=_BUCKET4), 6),
+    "ZeroOneAdamFlat": (
+        lambda groups: ZeroOneAdam(
+            groups,
+            lr=_LR,
+            betas=(_B1, _B2),
+            eps=_EPS,
+            weight_decay=_WD,
+            var_freeze_step=6,
+            var_update_scaler=1,
+            local_step_scaler=2,
+            local_step_clipper=2,
+            bucket_size=_BUCKET4,
+            scale_per_tensor=False,
+        ),
+        10,
+    ),
+    "OneBitAdamPerTensor": (
+        lambda groups: OneBitAdam(
+            groups,
+            lr=_LR,
+            betas=(_B1, _B2),
+            eps=_EPS,  # the default
+            weight_decay=_WD,
+            freeze_step=3,
+            bucket_size=_BUCKET4,
+        ),
+        6,
+    ),
+    "OneBitLamb": (
+        lambda groups: OneBitLamb(
+            groups,
+            lr=_LR,
+            betas=(_B1, _B2),
+            eps=_EPS,
+            weight_decay=_WD,
+            freeze_step=3,
+            max_coeff=0.5,
+            coeff_beta=0.5,
+            bucket_size=_BUCKET4,
+        ),
+        6,
+    ),
 }
 
 
@@ -811,6 +951,7 @@ def _rank_run4(rank, name):
     included). OneBitAdam also has a non_freeze parameter (its gradient is averaged in every stage)."""
     import qcompress.comm.hierarchy as hmod
     from qcompress import comm
+
     make, steps = _RUNS4[name]
     ps = [p.clone().requires_grad_() for p in _params4()]
     extra = [torch.zeros(3, requires_grad=True)] if name.startswith("OneBitAdam") else []
@@ -831,6 +972,7 @@ def _rank_run4(rank, name):
 def _rank_mixed_dtypes4(rank):
     """sync_gradients with fp32 and bf16 gradients: one all_reduce per dtype."""
     from qcompress import comm
+
     ps = [torch.zeros(3, requires_grad=True), torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)]
     opt = OneBitAdam(ps, freeze_step=5)
     for p in ps:
@@ -843,6 +985,7 @@ def _rank_mixed_dtypes4(rank):
 def _set_hosts(layout, rank):
     """Simulated hosts: "1x4" (one host) or "2x2" (ranks 0, 1 on hostA, 2, 3 on hostB)."""
     import qcompress.comm.hierarchy as hmod
+
     hmod.socket.gethostname = (lambda: "hostA") if layout == "1x4" else (lambda: "hostA" if rank < 2 else "hostB")
     hmod._AUTO_CACHE.clear()  # a restarted job detects its hosts anew
 
@@ -851,6 +994,7 @@ def _rank_host_resume(rank):
     """Save OneBitAdam in the compression stage on one host layout, resume on another ("restart":
     new optimizer, hosts detected again) with the checkpoint's errors and with none."""
     import qcompress.comm.hierarchy as hmod
+
     real_gethostname = hmod.socket.gethostname
     messages = []
     handler = logging.Handler()
@@ -917,9 +1061,10 @@ class _BucketMean:
 
     def __init__(self, shapes, bucket=_BUCKET4, world=_W4, per_tensor=False):
         from tests.comm.test_comm import OneBitSim
+
         self.shapes = shapes
         sizes = [math.prod(s) for s in shapes]
-        spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))] if per_tensor else [(0, sum(sizes))]
+        spans = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))] if per_tensor else [(0, sum(sizes))]
         self.ranges = [(s, min(s + bucket, hi)) for lo, hi in spans for s in range(lo, hi, bucket)]
         self.sims = [OneBitSim(world, e - s) for s, e in self.ranges]
 
@@ -934,7 +1079,7 @@ def _mean(per_rank):
 
 
 def _adam_update(p, m, v, t, tv):
-    return p * (1 - _LR * _WD) - _LR / (1 - _B1 ** t) * m / (v.sqrt() / math.sqrt(1 - _B2 ** tv) + _EPS)
+    return p * (1 - _LR * _WD) - _LR / (1 - _B1**t) * m / (v.sqrt() / math.sqrt(1 - _B2**tv) + _EPS)
 
 
 def _sim_onebit_adam(steps=6, freeze=3, per_tensor=False):
@@ -978,8 +1123,8 @@ def _sim_zero_one_adam(steps=10, vfs=6, per_tensor=True):
     acc = [[torch.zeros_like(q) for q in p] for _ in range(_W4)]
     lrs, decay = 0.0, 1.0
     for t in range(vfs + 1, steps + 1):  # stage 2: local steps on each rank, periodic synchronisation
-        bc1 = 1 - _B1 ** t
-        denom = [v[i].sqrt() / math.sqrt(1 - _B2 ** tv) + _EPS for i in range(n)]
+        bc1 = 1 - _B1**t
+        denom = [v[i].sqrt() / math.sqrt(1 - _B2**tv) + _EPS for i in range(n)]
         for r in range(_W4):
             g = _grads4(t, r)
             for i in range(n):
@@ -1009,13 +1154,13 @@ def _sim_onebit_lamb(steps=6, freeze=3, max_coeff=0.5, min_coeff=0.01, coeff_bet
     cmean = _BucketMean(_SHAPES4)
     for t in range(1, steps + 1):
         gs = [_grads4(t, r) for r in range(_W4)]
-        bc1 = 1 - _B1 ** t
+        bc1 = 1 - _B1**t
         if t <= freeze:  # LAMB on averaged gradients; the trust ratio feeds the frozen coefficient
             g = _mean(gs)
             for i in range(n):
                 m[i] = _B1 * m[i] + (1 - _B1) * g[i]
                 v[i] = _B2 * v[i] + (1 - _B2) * g[i] * g[i]
-                u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(1 - _B2 ** t) + _EPS) + _WD * p[i]
+                u = (m[i] / bc1) / (v[i].sqrt() / math.sqrt(1 - _B2**t) + _EPS) + _WD * p[i]
                 c = min(max(float(p[i].norm()) / float(u.norm()), min_coeff), max_coeff)
                 ema[i] = coeff_beta * ema[i] + (1 - coeff_beta) * c
                 p[i] = p[i] - _LR * c * u
@@ -1028,15 +1173,22 @@ def _sim_onebit_lamb(steps=6, freeze=3, max_coeff=0.5, min_coeff=0.01, coeff_bet
         local = [[(_B1 * m[i] + (1 - _B1) * gs[r][i]) * scaling[i] for i in range(n)] for r in range(_W4)]
         m_prev, m = m, [x / s for x, s in zip(cmean(local), scaling)]
         for i in range(n):
-            p[i], fresh[i], last[i] = _lamb_frozen_step(p[i], m[i], m_prev[i], v[i], fresh[i], last[i], ema[i],
-                                                        t, freeze, _LR, _B1, _B2, _EPS, _WD)
+            p[i], fresh[i], last[i] = _lamb_frozen_step(
+                p[i], m[i], m_prev[i], v[i], fresh[i], last[i], ema[i], t, freeze, _LR, _B1, _B2, _EPS, _WD
+            )
     return p
 
 
-@pytest.mark.parametrize("name, simulate", [
-    ("OneBitAdam", _sim_onebit_adam), ("ZeroOneAdam", _sim_zero_one_adam), ("OneBitLamb", _sim_onebit_lamb),
-    ("ZeroOneAdamFlat", lambda: _sim_zero_one_adam(per_tensor=False)),
-    ("OneBitAdamPerTensor", lambda: _sim_onebit_adam(per_tensor=True))])
+@pytest.mark.parametrize(
+    "name, simulate",
+    [
+        ("OneBitAdam", _sim_onebit_adam),
+        ("ZeroOneAdam", _sim_zero_one_adam),
+        ("OneBitLamb", _sim_onebit_lamb),
+        ("ZeroOneAdamFlat", lambda: _sim_zero_one_adam(per_tensor=False)),
+        ("OneBitAdamPerTensor", lambda: _sim_onebit_adam(per_tensor=True)),
+    ],
+)
 def test_four_ranks_match_simulation_through_the_freeze(name, simulate):
     res = _results4(name)
     assert res[0]["stage"] == ("local_steps" if name.startswith("ZeroOneAdam") else "compression")
@@ -1057,16 +1209,22 @@ def _ring(nbytes, world=_W4):
 def test_four_ranks_bytes_sent_match_closed_form():
     """Every collective counted: sync_gradients and non_freeze all_reduces (ring volume), each bucket's
     compressed all-reduce (2 (P-1) rows of C/8 + 4 bytes), the one-time hostname exchange (32 bytes)."""
+
     def onebit_bytes(buckets):
         return sum(2 * (_W4 - 1) * (-(-n // (8 * _W4)) + 4) for n in buckets)  # C/8 = ceil(n / 8P)
-    onebit = onebit_bytes([32, 16])       # 48 elements end to end, cut every 32
+
+    onebit = onebit_bytes([32, 16])  # 48 elements end to end, cut every 32
     per_tensor = onebit_bytes([32, 3, 13])  # (7, 5) cut at 32 and (13,): one scale per piece
     hosts = (_W4 - 1) * 32
     full, nf = _ring(4 * 51), _ring(4 * 3)  # all 51 fp32 gradients; the non_freeze parameter's 3
 
     def zero_one(ob):
-        return ([_ring(4 * 48)] * 2 + [ob + hosts, _ring(4 * 48), ob, ob]  # stage 1
-                + [ob, ob, 0, ob])  # local steps: bytes only where the ranks sync
+        return (
+            [_ring(4 * 48)] * 2
+            + [ob + hosts, _ring(4 * 48), ob, ob]  # stage 1
+            + [ob, ob, 0, ob]
+        )  # local steps: bytes only where the ranks sync
+
     expect = {
         "OneBitAdam": [full] * 3 + [nf + onebit + hosts, nf + onebit, nf + onebit],
         "OneBitAdamPerTensor": [full] * 3 + [nf + per_tensor + hosts, nf + per_tensor, nf + per_tensor],
@@ -1114,7 +1272,7 @@ def _rank_layout_resume(rank, world):
     try:
         ps = [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)]
         opt = ZeroOneAdam(ps, var_freeze_step=10, var_update_scaler=1, bucket_size=32)
-        for t in range(3):       # steps 1, 2 variance steps, step 3 a compressed-gradient step
+        for t in range(3):  # steps 1, 2 variance steps, step 3 a compressed-gradient step
             g = torch.Generator().manual_seed(10 * t + rank)
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g)
@@ -1123,9 +1281,13 @@ def _rank_layout_resume(rank, world):
         sd = copy.deepcopy(opt.state_dict())
         for per_tensor in (True, False):
             del messages[:]
-            other = ZeroOneAdam([torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)],
-                                var_freeze_step=10, var_update_scaler=1, bucket_size=32,
-                                scale_per_tensor=per_tensor)
+            other = ZeroOneAdam(
+                [torch.zeros(40, requires_grad=True), torch.zeros(3, requires_grad=True)],
+                var_freeze_step=10,
+                var_update_scaler=1,
+                bucket_size=32,
+                scale_per_tensor=per_tensor,
+            )
             other.load_state_dict(sd)
             out[per_tensor] = {"errors": other._get_buckets().errors_state_dict(), "log": list(messages)}
         out["saved"] = sd["qcompress"]["errors"]
@@ -1136,7 +1298,7 @@ def _rank_layout_resume(rank, world):
 
 def test_errors_resume_only_under_the_same_scale_per_tensor():
     for r in run_ranks(_rank_layout_resume, 2, timeout=TIMEOUT):
-        assert len(r["saved"]) == 3 and all(e for e in r["saved"])     # three per-tensor buckets with errors
+        assert len(r["saved"]) == 3 and all(e for e in r["saved"])  # three per-tensor buckets with errors
         kept = r[True]["errors"]
         assert all(torch.equal(a[k], b[k]) for a, b in zip(kept, r["saved"]) for k in a) and not r[True]["log"]
         assert r[False]["errors"] is None
@@ -1150,8 +1312,9 @@ def test_errors_resume_only_under_the_same_scale_per_tensor():
 # skips the step): the momentum was already updated in place on every rank, so every later step raised too.
 _FROZEN_RUNS = {
     "OneBitAdam": lambda ps: OneBitAdam(ps, lr=1e-2, weight_decay=0.1, freeze_step=2),
-    "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=0.1, var_freeze_step=4, var_update_scaler=1,
-                                          local_step_scaler=1, local_step_clipper=2),
+    "ZeroOneAdam": lambda ps: ZeroOneAdam(
+        ps, lr=1e-2, weight_decay=0.1, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2
+    ),
     "OneBitLamb": lambda ps: OneBitLamb(ps, lr=1e-2, weight_decay=0.1, freeze_step=2),
 }
 
@@ -1160,6 +1323,7 @@ def _frozen_run(name, rank, with_frozen, steps=9, freeze_at=1, sent=None):
     """Two trained tensors and (with_frozen) a third one frozen (requires_grad=False) after freeze_at
     steps; `sent`: a list that gets each step's bytes sent (qcompress.comm.stats)."""
     from qcompress import comm
+
     ps = _params4()  # (7, 5), (13,)
     ps = [p.clone().requires_grad_() for p in ps]
     frozen = torch.linspace(-1, 1, 6).requires_grad_()
@@ -1198,6 +1362,7 @@ def test_frozen_parameter_stays_put_in_every_stage_one_rank(name):
 
 def _rank_frozen_and_nan(rank, world):
     from qcompress import NonFiniteError
+
     out = {}
     for name in _FROZEN_RUNS:
         out[name, "frozen", "sent"], out[name, "plain", "sent"] = [], []
@@ -1225,8 +1390,9 @@ def _rank_frozen_and_nan(rank, world):
     # 0/1 Adam: a tensor frozen in the middle of a local-step interval, after local steps of its own
     ps = [p.clone().requires_grad_() for p in _params4()]
     mid = torch.linspace(-1, 1, 6).requires_grad_()
-    opt = ZeroOneAdam(ps + [mid], lr=1e-2, weight_decay=0.1, var_freeze_step=2, local_step_scaler=1,
-                      local_step_clipper=8)
+    opt = ZeroOneAdam(
+        ps + [mid], lr=1e-2, weight_decay=0.1, var_freeze_step=2, local_step_scaler=1, local_step_clipper=8
+    )
     for t in range(1, 12):
         for p, g in zip(ps, _grads4(t, rank)):
             p.grad = g
@@ -1243,8 +1409,9 @@ def _rank_frozen_and_nan(rank, world):
         for skip_run in (False, True):
             ps = [p.clone().requires_grad_() for p in _params4()]
             make = _FROZEN_RUNS[name]
-            opt = make(ps) if name != "ZeroOneAdam" else ZeroOneAdam(ps, lr=1e-2, var_freeze_step=8,
-                                                                     var_update_scaler=2)
+            opt = (
+                make(ps) if name != "ZeroOneAdam" else ZeroOneAdam(ps, lr=1e-2, var_freeze_step=8, var_update_scaler=2)
+            )
             errors = []
             for t in range(1, 9):
                 if skip_run and t == 5:
@@ -1314,13 +1481,13 @@ def test_frozen_parameter_sends_nothing_and_trains_again_when_unfrozen(name):
     res = _frozen2()
     for r in range(2):
         frozen, plain = res[r][name, "frozen", "sent"], res[r][name, "plain", "sent"]
-        assert frozen[0] > plain[0]                      # step 1: it was trained and all-reduced
+        assert frozen[0] > plain[0]  # step 1: it was trained and all-reduced
         assert frozen[-5:] == plain[-5:], f"{name} rank {r}: bytes per step {frozen} vs {plain} without it"
         late = res[r][name, "unfrozen"]
         assert torch.equal(late, res[0][name, "unfrozen"]), "ranks differ"
         log = res[r][name, "unfrozen", "log"]
         assert any("layout now covers 3 of 3" in m for m in log), log
-        if name != "OneBitLamb":   # 1-bit LAMB scales each update by the trust ratio frozen at the end
+        if name != "OneBitLamb":  # 1-bit LAMB scales each update by the trust ratio frozen at the end
             # of its warmup, which is 0 for a tensor that was frozen all through it (as in DeepSpeed): said
             assert not torch.equal(late, torch.linspace(-1, 1, 6)), f"{name}: the unfrozen tensor did not train"
         else:
@@ -1375,8 +1542,7 @@ def test_zero_one_adam_decays_a_tensor_unfrozen_mid_interval_only_for_its_steps(
     w = torch.randn(5, 3, requires_grad=True)
     late = torch.linspace(-1, 1, 8).requires_grad_(False)
     lr, wd = 1e-2, 0.1
-    opt = ZeroOneAdam([w, late], lr=lr, weight_decay=wd, var_freeze_step=2, local_step_scaler=1,
-                      local_step_clipper=8)
+    opt = ZeroOneAdam([w, late], lr=lr, weight_decay=wd, var_freeze_step=2, local_step_scaler=1, local_step_clipper=8)
     expected = late.detach().clone()
     for t in range(1, 10):
         w.grad = torch.randn(5, 3)
@@ -1392,13 +1558,20 @@ def test_zero_one_adam_decays_a_tensor_unfrozen_mid_interval_only_for_its_steps(
 
 
 # ---------------------------------------------------------------------------------------------- no gradient
-_SKIP_STEPS = (2, 6, 7, 8, 11)      # the second layer is not run: no gradient on any rank (2: warmup)
+_SKIP_STEPS = (2, 6, 7, 8, 11)  # the second layer is not run: no gradient on any rank (2: warmup)
 _SKIP_OPTS = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
     "OneBitAdam": lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=4, weight_decay=0.01),
     "OneBitLamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=4, weight_decay=0.01),
-    "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-2, weight_decay=0.01, var_freeze_step=4, var_update_scaler=1,
-                                          local_step_scaler=2, local_step_clipper=4),
+    "ZeroOneAdam": lambda ps: ZeroOneAdam(
+        ps,
+        lr=1e-2,
+        weight_decay=0.01,
+        var_freeze_step=4,
+        var_update_scaler=1,
+        local_step_scaler=2,
+        local_step_clipper=4,
+    ),
 }
 
 
@@ -1428,14 +1601,21 @@ def _rank_skip(rank, world, names, steps=14):
             opt.step()
             synced = "update_acc" in opt.state[a.weight] and not opt.state[a.weight]["update_acc"].any()
             if step in _SKIP_STEPS:
-                same = all(torch.equal(p, p0) and _state_of(opt, p).keys() == s0.keys()
-                           and all(torch.equal(_state_of(opt, p)[k], s0[k]) for k in s0)
-                           for p, (p0, s0) in zip(b.parameters(), before))
+                same = all(
+                    torch.equal(p, p0)
+                    and _state_of(opt, p).keys() == s0.keys()
+                    and all(torch.equal(_state_of(opt, p)[k], s0[k]) for k in s0)
+                    for p, (p0, s0) in zip(b.parameters(), before)
+                )
                 kept.append((step, same, synced))
             moved.append(not torch.equal(a.weight, a_before))
-        out[name] = dict(kept=kept, moved=all(moved), stage=getattr(opt, "stage", "adamw"),
-                         a=torch.cat([p.detach().reshape(-1) for p in a.parameters()]),
-                         b=torch.cat([p.detach().reshape(-1) for p in b.parameters()]))
+        out[name] = dict(
+            kept=kept,
+            moved=all(moved),
+            stage=getattr(opt, "stage", "adamw"),
+            a=torch.cat([p.detach().reshape(-1) for p in a.parameters()]),
+            b=torch.cat([p.detach().reshape(-1) for p in b.parameters()]),
+        )
     return out
 
 
@@ -1444,7 +1624,7 @@ def _check_skips(res, name):
     assert r["moved"], f"{name}: the used layer must train every step"
     for step, same, synced in r["kept"]:
         if synced and name == "ZeroOneAdam":
-            continue        # a sync step averages the earlier local steps of the interval: not this step's update
+            continue  # a sync step averages the earlier local steps of the interval: not this step's update
         assert same, f"{name}: the layer without a gradient changed at step {step}"
 
 
@@ -1466,5 +1646,5 @@ def test_a_tensor_without_a_gradient_is_left_alone_two_ranks():
     for name in names:
         for rank in range(2):
             _check_skips(res[rank], name)
-    for name in ("OneBitAdam", "OneBitLamb"):     # every step ends with the same weights on both ranks
+    for name in ("OneBitAdam", "OneBitLamb"):  # every step ends with the same weights on both ranks
         assert torch.equal(res[0][name]["a"], res[1][name]["a"]) and torch.equal(res[0][name]["b"], res[1][name]["b"])

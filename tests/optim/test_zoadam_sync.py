@@ -1,6 +1,7 @@
 """0/1 Adam's local steps leave each rank its own weights between synchronizations:
 the engine gives every rank the same weights at every evaluation (engine.eval()) and
 checkpoint, and refuses an eval-mode forward or an export while they differ."""
+
 from __future__ import annotations
 
 import os
@@ -12,18 +13,31 @@ import torch.nn.functional as F
 import qcompress as qc
 from tests.helpers.dist_utils import run_ranks
 
-W8 = {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
-    "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}}}}
+W8 = {
+    "weight_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}}},
+    }
+}
 
 
 def _cfg():
     # variance frozen after 2 steps; local-step interval 1 -> 2 -> 4 (doubling every 2 local steps)
-    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
-            "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 0.01, "var_freeze_step": 2,
-                                                             "var_update_scaler": 1, "local_step_scaler": 2,
-                                                             "local_step_clipper": 4}},
-            "compression_training": W8}
+    return {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {
+            "type": "ZeroOneAdam",
+            "params": {
+                "lr": 0.01,
+                "var_freeze_step": 2,
+                "var_update_scaler": 1,
+                "local_step_scaler": 2,
+                "local_step_clipper": 4,
+            },
+        },
+        "compression_training": W8,
+    }
 
 
 def _full(engine):
@@ -32,13 +46,14 @@ def _full(engine):
 
 def _same_everywhere(t):
     import torch.distributed as dist
+
     got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(got, t)
     return all(torch.equal(got[0], g) for g in got)
 
 
 def _step(engine, rank, step):
-    g = torch.Generator().manual_seed(100 * step + rank)        # each rank its own data
+    g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
     x, y = torch.randn(4, 12, generator=g), torch.randint(0, 3, (4,), generator=g)
     engine.backward(F.cross_entropy(engine(x), y))
     engine.step()
@@ -46,6 +61,7 @@ def _step(engine, rank, step):
 
 def sync_worker(rank, world, root):
     from qcompress.export.errors import ExportError
+
     torch.manual_seed(0)
     model = qc.init_compression(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)), _cfg())
     engine = qc.initialize(model, _cfg())
@@ -57,17 +73,17 @@ def sync_worker(rank, world, root):
         step += 1
     out["diverged_at"] = step
     out["apart"] = not _same_everywhere(_full(engine))
-    try:                                   # eval-mode forward without synchronizing: refused
+    try:  # eval-mode forward without synchronizing: refused
         engine.module.eval()
         engine.module(torch.randn(2, 12))
     except RuntimeError as err:
         out["eval_refused"] = "synchronize_ranks" in str(err)
     engine.module.train()
-    try:                                   # export without synchronizing: refused (every rank checks)
+    try:  # export without synchronizing: refused (every rank checks)
         qc.export_quantized(engine.module, os.path.join(root, f"refused{rank}"))
     except ExportError as err:
         out["export_refused"] = "synchronize_ranks" in str(err)
-    engine.eval()                          # synchronizes
+    engine.eval()  # synchronizes
     out["same_after_eval"] = _same_everywhere(_full(engine))
     with torch.no_grad():
         out["eval_ok"] = bool(torch.isfinite(engine.module(torch.randn(2, 12))).all())
@@ -99,7 +115,7 @@ def sync_worker(rank, world, root):
 def test_ranks_hold_identical_weights_at_every_evaluation_checkpoint_and_export(tmp_path):
     res = run_ranks(sync_worker, 2, str(tmp_path), timeout=180)
     for r in res:
-        assert r["diverged_at"] < 20 and r["apart"]               # the situation is real
+        assert r["diverged_at"] < 20 and r["apart"]  # the situation is real
         assert r["eval_refused"] and r["export_refused"]
         assert r["same_after_eval"] and r["eval_ok"]
         assert r["apart_again"] and r["same_after_checkpoint"]
@@ -111,8 +127,9 @@ def test_synchronize_is_the_scheduled_sync_run_early():
     the scheduled sync step does (the average over one rank is exact), and is a no-op when in sync."""
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(6, 5))]
-    opt = qc.optim.ZeroOneAdam(ps, lr=0.05, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1,
-                               local_step_clipper=4)
+    opt = qc.optim.ZeroOneAdam(
+        ps, lr=0.05, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=4
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ps[0].grad = torch.randn(6, 5, generator=g)
@@ -128,7 +145,7 @@ def test_synchronize_is_the_scheduled_sync_run_early():
     denom = opt.frozen_denom(ps[0], st["exp_avg_sq"], bc2, opt.param_groups[0]["eps"])
     opt.synchronize()
     assert opt.ranks_in_sync
-    assert torch.equal(ps[0].detach(), sync - acc / denom)     # weight decay 0: p = p_sync - a / denom
+    assert torch.equal(ps[0].detach(), sync - acc / denom)  # weight decay 0: p = p_sync - a / denom
     assert torch.equal(st["exp_avg"], acc * (bc1 / lrs[0]))
     before = ps[0].detach().clone()
     opt.synchronize()

@@ -11,6 +11,7 @@ gloo ranks, ZeRO stage 0: FSDP2 replicate over dp; stage 3: a 2-D (dp, tp) DTens
 - export_quantized equals, tensor for tensor, the single-process export of the same weights.
 - ZeRO-2/3 CPU offload with the split steps as one process does.
 All cases run in one spawn of the ranks (each 4-rank start costs tens of seconds here)."""
+
 import json
 import os
 import subprocess
@@ -28,9 +29,14 @@ from tests.parallel.test_parallel_resume import _same
 from tests.train.test_train_parallel import llama  # noqa: F401  (the fixture: a tiny Llama and its corpus)
 
 ZERO = {"tp2 x dp2": None, "tp2 x dp2 zero-3": {"stage": 3}}
-OFFLOAD = {"zero-3 offload param + optimizer": {"stage": 3, "offload_param": {"device": "cpu"},
-                                                "offload_optimizer": {"device": "cpu"}},
-           "zero-2 offload optimizer": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+OFFLOAD = {
+    "zero-3 offload param + optimizer": {
+        "stage": 3,
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+    },
+    "zero-2 offload optimizer": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+}
 REL = 1e-5
 
 
@@ -79,7 +85,7 @@ def test_checkpoint_loads_into_one_process_exactly(composed, name):
     saved = _merged(results, name, "saved")
     assert any(k.endswith("exp_avg_sq") for k in saved["optim"])
     assert any("aq" in e for e in saved["compression"].values()), "static activation ranges carried"
-    engine = _one_process(seed=2)        # other initial weights: the checkpoint replaces them
+    engine = _one_process(seed=2)  # other initial weights: the checkpoint replaces them
     engine.load_checkpoint(os.path.join(folder, name))
     _same(saved, iow.snapshot(engine))
 
@@ -95,9 +101,9 @@ def test_export_equals_single_process_export(composed, name):
 @pytest.mark.parametrize("name", list(OFFLOAD))
 def test_cpu_offload_with_the_split_steps_as_one_process(composed, name):
     _, results = composed
-    engine = _one_process(seed=0, act="dynamic")        # the initial weights of the ranks
+    engine = _one_process(seed=0, act="dynamic")  # the initial weights of the ranks
     gas = engine.gradient_accumulation_steps
-    loss = float(engine.train_batch(iter(iow.batches(gas))))    # the replicas' micro-batches
+    loss = float(engine.train_batch(iter(iow.batches(gas))))  # the replicas' micro-batches
     want = iow.whole_weights(engine)
     for rank, result in enumerate(results):
         losses, weights, offloaded = result[name]
@@ -113,14 +119,43 @@ def test_train_under_torchrun_at_tp2_x_dp2_follows_one_process(llama, tmp_path):
     so with half the accumulation steps of one process it takes the same samples and losses."""
     model, corpus = llama
     one = str(tmp_path / "one")
-    assert cli_main(["train", tt._config(tmp_path / "one.yaml", gradient_accumulation_steps=4), "--model", model,
-                     "--data", corpus, "--out", one, *tt.FAST]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                tt._config(tmp_path / "one.yaml", gradient_accumulation_steps=4),
+                "--model",
+                model,
+                "--data",
+                corpus,
+                "--out",
+                one,
+                *tt.FAST,
+            ]
+        )
+        == 0
+    )
     out = str(tmp_path / "split")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tt.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "qcompress", "train",
-           tt._config(tmp_path / "split.yaml", tensor_parallel={"autotp_size": 2}),
-           "--model", model, "--data", corpus, "--out", out, *tt.FAST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "qcompress",
+        "train",
+        tt._config(tmp_path / "split.yaml", tensor_parallel={"autotp_size": 2}),
+        "--model",
+        model,
+        "--data",
+        corpus,
+        "--out",
+        out,
+        *tt.FAST,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(out, "report.json")) as fh:

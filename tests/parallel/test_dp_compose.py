@@ -6,6 +6,7 @@ global batch (gradient_accumulation_steps x replicas micro-batches, nothing spli
 same loss, global gradient norm, gradient into the optimizer and weights after the step. The
 1-bit optimizers at TP2 x DP2 are compared with the same optimizer on 2 unsplit replicas.
 """
+
 import os
 
 import pytest
@@ -73,10 +74,12 @@ def _fp16(power=14, **extra):
 
 
 def test_gradient_clipping_and_fp16_norms_over_stages_shards_and_replicas():
-    cases = [("tp2 x dp2 clip", dict(tp=2, gradient_clipping=0.3)),
-             ("pp2 x dp2 clip", dict(pp=2, gradient_clipping=0.3)),
-             ("pp2 x dp2 fp16", dict(pp=2, fp16=_fp16())),
-             ("tp2 x dp2 fp16", dict(tp=2, fp16=_fp16()))]
+    cases = [
+        ("tp2 x dp2 clip", dict(tp=2, gradient_clipping=0.3)),
+        ("pp2 x dp2 clip", dict(pp=2, gradient_clipping=0.3)),
+        ("pp2 x dp2 fp16", dict(pp=2, fp16=_fp16())),
+        ("tp2 x dp2 fp16", dict(tp=2, fp16=_fp16())),
+    ]
     overflow_doc = cw.config(pp=2, fp16=_fp16(hysteresis=1))
     results = run_ranks(cw.clip_and_fp16, 4, cases, overflow_doc, timeout=500)
     for name, kw in cases:
@@ -97,15 +100,17 @@ def test_gradient_clipping_and_fp16_norms_over_stages_shards_and_replicas():
     for rank, (skipped, scale, unchanged, steps) in enumerate(r[1] for r in results):
         assert (skipped, steps) == (1, 1), f"rank {rank}"
         assert unchanged, f"rank {rank} stepped its weights after an overflow elsewhere"
-        assert scale == 2.0 ** 13, f"rank {rank}: loss scale {scale}"
+        assert scale == 2.0**13, f"rank {rank}: loss scale {scale}"
 
 
 def test_zero_stages_shard_over_the_dp_group_only():
     # FSDP2 on the dp sub-mesh: a TP weight becomes a 2-D (dp, tp) DTensor, a pipeline stage an
     # FSDP2 module that torch.distributed.pipelining syncs once per step
-    cases = [("tp2 x dp2 zero-3", dict(tp=2, zero_optimization={"stage": 3})),
-             ("pp2 x dp2 zero-2", dict(pp=2, zero_optimization={"stage": 2})),
-             ("tp2 x dp2 zero-1 clip", dict(tp=2, zero_optimization={"stage": 1}, gradient_clipping=0.3))]
+    cases = [
+        ("tp2 x dp2 zero-3", dict(tp=2, zero_optimization={"stage": 3})),
+        ("pp2 x dp2 zero-2", dict(pp=2, zero_optimization={"stage": 2})),
+        ("tp2 x dp2 zero-1 clip", dict(tp=2, zero_optimization={"stage": 1}, gradient_clipping=0.3)),
+    ]
     _check_cases(cases, 4, timeout=500)
 
 
@@ -113,23 +118,27 @@ def _onebit(kind):
     # two warmup steps (gradients averaged over dp), then two compressed steps; the elementwise
     # compressor (parallel_compose_workers.ElementwiseFp16) makes a TP shard's exchange equal the
     # whole tensor's, so the split run must equal the unsplit one
-    freeze = {"freeze_step": 2} if kind != "ZeroOneAdam" else {"var_freeze_step": 2, "local_step_scaler": 2,
-                                                               "local_step_clipper": 2}
+    freeze = (
+        {"freeze_step": 2}
+        if kind != "ZeroOneAdam"
+        else {"var_freeze_step": 2, "local_step_scaler": 2, "local_step_clipper": 2}
+    )
     return {"type": kind, "params": {"lr": 1e-3, "compressor": cw.ElementwiseFp16.name, **freeze}}
 
 
 def test_onebit_optimizers_exchange_over_the_dp_group_with_tp2():
-    cases = {"OneBitAdam tp2": dict(tp=2, optimizer=_onebit("OneBitAdam")),
-             "ZeroOneAdam tp2": dict(tp=2, optimizer=_onebit("ZeroOneAdam")),
-             "OneBitAdam tp2 zero-1": dict(tp=2, optimizer=_onebit("OneBitAdam"), zero_optimization={"stage": 1}),
-             "OneBitLamb pp2": dict(pp=2, optimizer=_onebit("OneBitLamb"))}
+    cases = {
+        "OneBitAdam tp2": dict(tp=2, optimizer=_onebit("OneBitAdam")),
+        "ZeroOneAdam tp2": dict(tp=2, optimizer=_onebit("ZeroOneAdam")),
+        "OneBitAdam tp2 zero-1": dict(tp=2, optimizer=_onebit("OneBitAdam"), zero_optimization={"stage": 1}),
+        "OneBitLamb pp2": dict(pp=2, optimizer=_onebit("OneBitLamb")),
+    }
     split = run_ranks(cw.meshes, 4, list(cases.items()), 4, timeout=500)
-    unsplit = run_ranks(cw.meshes, 2, [(name, dict(kw, tp=1, pp=1)) for name, kw in cases.items()], 4,
-                        timeout=300)
+    unsplit = run_ranks(cw.meshes, 2, [(name, dict(kw, tp=1, pp=1)) for name, kw in cases.items()], 4, timeout=300)
     for name in cases:
         for rank, result in enumerate(split):
             losses, _, weights, _, (dp_rank, _) = result[name]
-            want = unsplit[dp_rank][name]          # the same replica of the unsplit run
+            want = unsplit[dp_rank][name]  # the same replica of the unsplit run
             assert losses == pytest.approx(want[0], rel=REL), f"{name}, rank {rank}"
             for pname, w in weights.items():
                 # Adam divides float summation noise by small second moments: weights agree less
@@ -143,18 +152,24 @@ def test_onebit_lamb_with_tensor_parallelism_is_refused_by_key():
     from qcompress.errors import ConfigError
     from qcompress.parallel import build_mesh
     from tests.helpers.parallel_workers import tiny_llama
+
     cfg = qc.load_config(cw.config(tp=2, optimizer=_onebit("OneBitLamb")))
     with pytest.raises(ConfigError, match="optimizer.type") as err:
-        build_mesh(cfg, 4, tiny_llama(), "cpu")      # refused before any mesh is built
+        build_mesh(cfg, 4, tiny_llama(), "cpu")  # refused before any mesh is built
     assert "trust ratio" in str(err.value)
 
 
 EIGHT_RANKS = os.environ.get("QCOMPRESS_TEST_8_RANKS") == "1"
 
 
-@pytest.mark.skipif(not EIGHT_RANKS, reason="8 gloo ranks take 2-4 minutes on a 2-core machine: set "
-                    "QCOMPRESS_TEST_8_RANKS=1 to run PP2 x TP2 x DP2 (benchmarks/parallel.py trains it too)")
+@pytest.mark.skipif(
+    not EIGHT_RANKS,
+    reason="8 gloo ranks take 2-4 minutes on a 2-core machine: set "
+    "QCOMPRESS_TEST_8_RANKS=1 to run PP2 x TP2 x DP2 (benchmarks/parallel.py trains it too)",
+)
 def test_pp2_x_tp2_x_dp2_step_equals_one_process():
-    cases = [("pp2 x tp2 x dp2 clip", dict(tp=2, pp=2, gradient_clipping=0.3)),
-             ("pp2 x tp2 x dp2 zero-3", dict(tp=2, pp=2, zero_optimization={"stage": 3}))]
+    cases = [
+        ("pp2 x tp2 x dp2 clip", dict(tp=2, pp=2, gradient_clipping=0.3)),
+        ("pp2 x tp2 x dp2 zero-3", dict(tp=2, pp=2, zero_optimization={"stage": 3})),
+    ]
     _check_cases(cases, 8, timeout=900)

@@ -1,5 +1,6 @@
 """The tensor_parallel and pipeline sections: parsing, the mesh sizes, and the ConfigErrors
 naming the key for sizes the world or the model cannot take (single process)."""
+
 import warnings
 
 import pytest
@@ -15,20 +16,24 @@ from tests.helpers import parallel_workers as pw
 
 
 def test_sections_parse_with_deepspeed_defaults():
-    cfg = qc.load_config({"tensor_parallel": {"autotp_size": 2},
-                          "pipeline": {"stages": "auto", "partition": "parameters"}})
+    cfg = qc.load_config(
+        {"tensor_parallel": {"autotp_size": 2}, "pipeline": {"stages": "auto", "partition": "parameters"}}
+    )
     assert cfg.tensor_parallel.autotp_size == 2 and cfg.tensor_parallel.tp_plan is None
     assert (cfg.pipeline.stages, cfg.pipeline.partition, cfg.pipeline.schedule) == (1, "parameters", "1f1b")
     assert qc.load_config({}).tensor_parallel.autotp_size == 1
 
 
-@pytest.mark.parametrize("doc, key", [
-    ({"tensor_parallel": {"autotp_size": 0}}, "tensor_parallel.autotp_size"),
-    ({"tensor_parallel": {"tp_plan": {"fc": "diagonal"}}}, "tensor_parallel.tp_plan.fc"),
-    ({"pipeline": {"stages": -1}}, "pipeline.stages"),
-    ({"pipeline": {"stagse": 2}}, "pipeline.stagse"),
-    ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
-])
+@pytest.mark.parametrize(
+    "doc, key",
+    [
+        ({"tensor_parallel": {"autotp_size": 0}}, "tensor_parallel.autotp_size"),
+        ({"tensor_parallel": {"tp_plan": {"fc": "diagonal"}}}, "tensor_parallel.tp_plan.fc"),
+        ({"pipeline": {"stages": -1}}, "pipeline.stages"),
+        ({"pipeline": {"stagse": 2}}, "pipeline.stagse"),
+        ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
+    ],
+)
 def test_bad_values_name_the_key(doc, key):
     with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.") + ": "):
         qc.load_config(doc)
@@ -39,7 +44,7 @@ def test_pipeline_keys_without_effect_warn_by_name():
         qc.load_config({"pipeline": {"seed_layers": True}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        qc.load_config({"pipeline": {"stages": 1, "seed_layers": False}})   # DeepSpeed's default: silent
+        qc.load_config({"pipeline": {"stages": 1, "seed_layers": False}})  # DeepSpeed's default: silent
 
 
 def test_mesh_sizes_follow_deepspeed():
@@ -63,8 +68,11 @@ def test_model_sizes_the_split_cannot_take():
 
 def test_initialize_refuses_a_mesh_larger_than_the_world():
     model = pw.tiny_llama()
-    doc = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "tensor_parallel": {"autotp_size": 2}}
+    doc = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "tensor_parallel": {"autotp_size": 2},
+    }
     with pytest.raises(ConfigError, match=r"^tensor_parallel\.autotp_size: 2 does not divide the world size 1"):
         qc.initialize(model, doc)
 
@@ -74,7 +82,7 @@ def test_plans_from_the_model_and_from_the_config():
     plan = resolve_plan(model, qc.load_config({}).tensor_parallel)
     assert plan["model.layers.1.self_attn.q_proj"] == "colwise"
     assert plan["model.layers.0.mlp.down_proj"] == "rowwise"
-    assert len(plan) == 2 * 7 and "lm_head" not in plan       # transformers' base plan: 7 per block
+    assert len(plan) == 2 * 7 and "lm_head" not in plan  # transformers' base plan: 7 per block
     mlp_plan = resolve_plan(pw.MLP(), qc.load_config(pw.MLP_PLAN).tensor_parallel)
     assert mlp_plan == {"fc1": "colwise", "fc2": "rowwise"}
     with pytest.raises(ConfigError, match=r"^tensor_parallel\.tp_plan: .*matches no module"):
@@ -94,10 +102,13 @@ PATH = "compression_training.weight_quantization.different_groups.wq.params"
 
 def test_quantizers_a_split_cannot_keep_exact_are_refused_before_training():
     wq, aq = _quantized_mlp(bits=4, granularity="group", group_size=48)
-    with pytest.raises(ConfigError, match=r"group_size: 48: module 'fc2' is row-parallel over 2 ranks, 64 "
-                                          r"input columns each; a group would cross a shard boundary"):
+    with pytest.raises(
+        ConfigError,
+        match=r"group_size: 48: module 'fc2' is row-parallel over 2 ranks, 64 "
+        r"input columns each; a group would cross a shard boundary",
+    ):
         check_split("fc2", wq, aq, "rowwise", 128, 2, PATH)
-    check_split("fc2", wq, aq, "colwise", 128, 2, PATH)    # column-parallel: groups stay on their rows
+    check_split("fc2", wq, aq, "colwise", 128, 2, PATH)  # column-parallel: groups stay on their rows
     wq, aq = _quantized_mlp(bits=4, granularity="group", group_size=32)
     check_split("fc2", wq, aq, "rowwise", 128, 2, PATH)
     cfg = pw.compression(bits=8)
@@ -114,12 +125,13 @@ def test_quantizers_a_split_cannot_keep_exact_are_refused_before_training():
 
 def test_pipeline_partitions():
     from qcompress.parallel.pipeline import split_blocks
+
     assert split_blocks([1] * 4, 2, "uniform") == [(0, 2), (2, 4)]
     assert split_blocks([1] * 5, 3, "uniform") == [(0, 2), (2, 3), (3, 5)]
     # by parameter count: a heavy first block is a stage of its own
     assert split_blocks([4, 1, 1, 1, 1], 2, "parameters") == [(0, 1), (1, 5)]
     assert split_blocks([1, 1, 1, 1, 8], 2, "best") == [(0, 4), (4, 5)]
-    assert split_blocks([9, 1, 1], 3, "parameters") == [(0, 1), (1, 2), (2, 3)]   # one block each at least
+    assert split_blocks([9, 1, 1], 3, "parameters") == [(0, 1), (1, 2), (2, 3)]  # one block each at least
     with pytest.raises(ConfigError, match=r"^pipeline\.stages: 3 stages but the model has 2 transformer blocks"):
         split_blocks([1, 1], 3, "uniform")
 
@@ -128,6 +140,9 @@ def test_float_formats_on_a_split_layer_are_refused():
     cfg = pw.compression(bits=8)
     cfg["weight_quantization"]["shared_parameters"]["format"] = "fp8_e4m3"
     model = qc.init_compression(pw.MLP(), qc.load_config({"compression_training": cfg}))
-    with pytest.raises(ConfigError, match=r"^compression_training\.weight_quantization\.different_groups\.wq\.params: "
-                                          r"module 'fc1' is colwise-parallel: float formats"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^compression_training\.weight_quantization\.different_groups\.wq\.params: "
+        r"module 'fc1' is colwise-parallel: float formats",
+    ):
         check_split("fc1", model.fc1.qc_wq, None, "colwise", 64, 2, PATH)

@@ -1,6 +1,7 @@
 """export_quantized from a pipeline-split engine (PP2, PP2 x TP2 on gloo ranks) equals, tensor for
 tensor and in config.json, the single-process export of the same trained weights and compression
 state (static activation ranges included)."""
+
 import json
 import os
 

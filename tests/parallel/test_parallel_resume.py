@@ -3,6 +3,7 @@ shape equals exactly what the saving engine held (whole weights, AdamW moments, 
 state with static activation ranges, LR schedule, counters), and the next step's loss follows
 the saving run's within float reduction-order noise. A checkpoint the new mesh cannot read is
 refused naming the folder and both meshes."""
+
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def _at(folder, world, tp, pp, save):
             else:
                 assert merged.setdefault(key, value) == value, key
     losses = {loss for _, loss in results}
-    assert len(losses) == 1, losses                # the mean loss is the same on every rank
+    assert len(losses) == 1, losses  # the mean loss is the same on every rank
     return merged, losses.pop()
 
 
@@ -48,9 +49,16 @@ def _same(a, b, path=""):
 MESHES = {"one process": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2), "pp2 x dp2": (4, 1, 2)}
 
 
-@pytest.mark.parametrize("saved,loaded", [("tp2", "one process"), ("one process", "tp2"),
-                                          ("pp2", "one process"), ("one process", "pp2"),
-                                          ("pp2 x dp2", "one process")])
+@pytest.mark.parametrize(
+    "saved,loaded",
+    [
+        ("tp2", "one process"),
+        ("one process", "tp2"),
+        ("pp2", "one process"),
+        ("one process", "pp2"),
+        ("pp2 x dp2", "one process"),
+    ],
+)
 def test_resume_into_another_mesh_shape_carries_every_state_exactly(tmp_path, saved, loaded):
     before, third = _at(str(tmp_path), *MESHES[saved], save=True)
     after, resumed = _at(str(tmp_path), *MESHES[loaded], save=False)

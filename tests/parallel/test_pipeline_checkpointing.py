@@ -2,6 +2,7 @@
 1F1B run several micro-batches forward before their backwards, and every recompute must use the
 range its own forward used. Oracle: the same 2-stage run without checkpointing; with plain SGD
 (no normalisation) equal gradients give equal weights bit for bit."""
+
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ Codes of a column- and a row-parallel quantized Linear gathered from the shards 
 unsplit module's exactly; a tiny Llama split by its own base_model_tp_plan gives the same loss
 and gradients; engine.train_batch at TP2, DP2 and PP2 follows the single process.
 """
+
 import pytest
 
 from tests.helpers import parallel_workers as pw
@@ -12,8 +13,10 @@ from tests.helpers.dist_utils import run_ranks
 CASES = [
     ("channel sym, no activations", dict(bits=8)),
     ("channel asym, static activations", dict(bits=4, symmetric=False, act="static")),
-    ("group 32 asym, dynamic activations", dict(bits=4, granularity="group", group_size=32, symmetric=False,
-                                                act="dynamic")),
+    (
+        "group 32 asym, dynamic activations",
+        dict(bits=4, granularity="group", group_size=32, symmetric=False, act="dynamic"),
+    ),
     ("group 16 sym, static activations", dict(bits=8, granularity="group", group_size=16, act="static")),
     ("tensor sym, dynamic activations", dict(bits=8, granularity="tensor", act="dynamic")),
     ("tensor asym, static activations", dict(bits=6, granularity="tensor", symmetric=False, act="static")),
@@ -53,12 +56,12 @@ def test_train_batch_tp2_and_dp2_follow_single_process():
     assert single[1:3] == (0, 1)
     tp = run_ranks(pw.engine_train_batch, 2, 2, 4, timeout=300)
     for losses, dp_rank, dp_world, weights in tp:
-        assert (dp_rank, dp_world) == (0, 1)       # both ranks are one replica
+        assert (dp_rank, dp_world) == (0, 1)  # both ranks are one replica
         assert losses == pytest.approx(single[0], rel=1e-5)
         _close_weights(weights, single[3])
     dp = run_ranks(pw.engine_train_batch, 2, 1, 2, timeout=300)
     assert [r[1:3] for r in dp] == [(0, 2), (1, 2)]
-    assert dp[0][0] == dp[1][0]                    # the mean loss is the same on every rank
+    assert dp[0][0] == dp[1][0]  # the mean loss is the same on every rank
     assert dp[0][0] == pytest.approx(single[0], rel=1e-5)
     _close_weights(dp[0][3], single[3])
 
@@ -91,4 +94,4 @@ def test_export_from_tp2_equals_single_process_export_of_the_same_weights(tmp_pa
 @pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2"])
 def test_sharded_checkpoint_resumes_exactly(tmp_path, pp):
     for third, resumed in run_ranks(pw.resume_matches, 2, str(tmp_path), pp, timeout=300):
-        assert resumed == third       # the same loss, bit for bit, after loading into a fresh engine
+        assert resumed == third  # the same loss, bit for bit, after loading into a fresh engine

@@ -1,4 +1,5 @@
 """Pruning (sparse/row/head/channel), redundancy_clean slicing and scheduler state."""
+
 import copy
 import math
 import os
@@ -22,8 +23,7 @@ def prune_cfg(tech, method="l1", ratio=0.5, offset=0, modules=("^0$",), related=
     if related is not None:
         group["related_modules"] = related
     sp = {"enabled": True, "schedule_offset": offset, "method": method, **shared}
-    return {"compression_training": {tech: {"shared_parameters": sp,
-                                            "different_groups": {"g1": {**group}}}}}
+    return {"compression_training": {tech: {"shared_parameters": sp, "different_groups": {"g1": {**group}}}}}
 
 
 def mlp(seed=0, d_in=6, hidden=10, d_out=3):
@@ -33,6 +33,7 @@ def mlp(seed=0, d_in=6, hidden=10, d_out=3):
 
 # --- mask oracles ------------------------------------------------------------------------------
 
+
 def test_topk_mask_count_and_choice():
     rng = np.random.default_rng(0)
     for numel, ratio in [(30, 0.1), (30, 0.37), (7, 0.5), (12, 1.0), (5, 0.01)]:
@@ -41,7 +42,7 @@ def test_topk_mask_count_and_choice():
         k = math.ceil(round(ratio * numel, 6))
         assert mask.sum() == k
         assert set(np.nonzero(mask)[0]) == set(np.argsort(-s)[:k])
-    assert keep_count(0.1, 30) == 3          # 0.1*30 = 3.0000000000000004 must not give 4
+    assert keep_count(0.1, 30) == 3  # 0.1*30 = 3.0000000000000004 must not give 4
 
 
 def test_l1_masks_pick_largest():
@@ -91,9 +92,11 @@ def test_topk_scores_shapes_keys_and_straight_through_grad():
     torch.testing.assert_close(scores.grad, mask.grad)
     assert scores.grad.abs().sum() > 0
 
-    for tech, mod, shape, extra in [("sparse_pruning", nn.Linear(6, 4), (4, 6), {}),
-                                    ("head_pruning", nn.Linear(8, 4), (1, 4), {"num_heads": 4}),
-                                    ("channel_pruning", nn.Conv2d(2, 6, 3), (6, 1, 1, 1), {})]:
+    for tech, mod, shape, extra in [
+        ("sparse_pruning", nn.Linear(6, 4), (4, 6), {}),
+        ("head_pruning", nn.Linear(8, 4), (1, 4), {"num_heads": 4}),
+        ("channel_pruning", nn.Conv2d(2, 6, 3), (6, 1, 1, 1), {}),
+    ]:
         net = nn.Sequential(mod)
         qc.init_compression(net, prune_cfg(tech, method="topk", **extra))
         assert getattr(net[0], f"{tech}_scores").shape == shape
@@ -106,7 +109,7 @@ def test_head_mask_zeroes_input_columns():
         lin[0].head_pruning_scores.copy_(torch.tensor([[0.1, 0.9, -1.0, 0.5]]))
     eff = lin[0].effective_weight().detach()
     w = lin[0].weight.detach()
-    keep_cols = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool)   # heads 1 and 3 kept
+    keep_cols = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool)  # heads 1 and 3 kept
     torch.testing.assert_close(eff, w * keep_cols)
 
 
@@ -116,6 +119,7 @@ def test_snip_momentum_is_a_config_error():
 
 
 # --- schedule ----------------------------------------------------------------------------------
+
 
 def test_offset_respected_and_state_round_trip():
     m = mlp()
@@ -166,6 +170,7 @@ def test_l1_mask_round_trip_without_ramp():
 
 # --- redundancy_clean --------------------------------------------------------------------------
 
+
 def test_row_clean_slices_mlp():
     m = mlp(hidden=12)
     cfg = prune_cfg("row_pruning", method="topk", ratio=0.5, related=[["^2$"]])
@@ -195,35 +200,55 @@ def test_related_count_mismatch_names_group_and_regexes():
     m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     cfg = prune_cfg("row_pruning", related=[["^[24]$"]])
     pattern = r"row_pruning\.different_groups\.g1\.related_modules.*'\^\[24\]\$' matches 2.*'\^0\$' matched 1"
-    with pytest.raises(ConfigError, match=pattern):      # found at init already
+    with pytest.raises(ConfigError, match=pattern):  # found at init already
         qc.init_compression(copy.deepcopy(m), cfg)
     ok = prune_cfg("row_pruning", related=[["^2$"]])
     qc.init_compression(m, ok)
-    with pytest.raises(ConfigError, match=pattern):      # and at clean with another config
+    with pytest.raises(ConfigError, match=pattern):  # and at clean with another config
         qc.redundancy_clean(m, cfg)
 
 
 def _bert(layers, heads=4, seed=0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    conf = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
-                                   num_attention_heads=heads, intermediate_size=40,
-                                   max_position_embeddings=32, num_labels=3)
+    conf = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=40,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(conf).eval()
 
 
 def test_head_clean_bert_matches_masked_model():
     model = _bert(2)
-    cfg = {"compression_training": {
-        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
-                                               "num_heads": 4},
-                         "different_groups": {"hp1": {"params": {"dense_ratio": 0.5},
-                                                      "modules": ["attention.output.dense"],
-                                                      "related_modules": [["self.query", "self.key", "self.value"]]}}},
-        "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk"},
-                        "different_groups": {"rp1": {"params": {"dense_ratio": 0.5},
-                                                     "modules": ["intermediate.dense"],
-                                                     "related_modules": [["layer.\\w+.output.dense"]]}}}}}
+    cfg = {
+        "compression_training": {
+            "head_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+                "different_groups": {
+                    "hp1": {
+                        "params": {"dense_ratio": 0.5},
+                        "modules": ["attention.output.dense"],
+                        "related_modules": [["self.query", "self.key", "self.value"]],
+                    }
+                },
+            },
+            "row_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk"},
+                "different_groups": {
+                    "rp1": {
+                        "params": {"dense_ratio": 0.5},
+                        "modules": ["intermediate.dense"],
+                        "related_modules": [["layer.\\w+.output.dense"]],
+                    }
+                },
+            },
+        }
+    }
     qc.init_compression(model, cfg)
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
@@ -242,7 +267,7 @@ def test_head_clean_bert_matches_masked_model():
 def test_cifar_channel_prune_config_end_to_end():
     torch.manual_seed(0)
     model = TinyResNet()
-    for mod in model.modules():              # non-trivial BN statistics
+    for mod in model.modules():  # non-trivial BN statistics
         if isinstance(mod, nn.BatchNorm2d):
             mod.running_mean.uniform_(-1, 1)
             mod.running_var.uniform_(0.5, 2)
@@ -253,7 +278,7 @@ def test_cifar_channel_prune_config_end_to_end():
     sched = qc.CompressionScheduler(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(4, 3, 8, 8)
-    for _ in range(2):                       # scores train
+    for _ in range(2):  # scores train
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
@@ -261,7 +286,7 @@ def test_cifar_channel_prune_config_end_to_end():
     model.eval()
     with torch.no_grad():
         y = model(x)
-    twin = copy.deepcopy(model)              # the BN hooks follow the copy's own convs
+    twin = copy.deepcopy(model)  # the BN hooks follow the copy's own convs
     qc.redundancy_clean(twin, cfg)
     assert model.layer1[0].bn1._forward_hooks and model.layer1[0].conv1.weight.shape[0] == 8
     qc.redundancy_clean(model, cfg)
@@ -270,7 +295,7 @@ def test_cifar_channel_prune_config_end_to_end():
         assert blk.conv2.weight.shape == (8, 4, 3, 3) and blk.conv2.in_channels == 4
         assert blk.bn1.num_features == 4 and blk.bn1.running_var.shape == (4,)
         assert not blk.bn1._forward_hooks
-    assert model.conv1.weight.shape == (8, 3, 3, 3)        # "layer....conv1" does not match it
+    assert model.conv1.weight.shape == (8, 3, 3, 3)  # "layer....conv1" does not match it
     with torch.no_grad():
         torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(twin(x), y, rtol=1e-5, atol=1e-5)
@@ -278,12 +303,15 @@ def test_cifar_channel_prune_config_end_to_end():
 
 def test_clean_with_weight_quant_keeps_codes_consistent():
     from qcompress.quant.api import dequantize
+
     m = mlp(hidden=8)
     cfg = prune_cfg("row_pruning", ratio=0.5, related=[["^2$"]])
     cfg["compression_training"]["weight_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
-        "different_groups": {"wq": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                                    "modules": ["^[02]$"]}}}
+        "different_groups": {
+            "wq": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"}, "modules": ["^[02]$"]}
+        },
+    }
     qc.init_compression(m, cfg)
     x = torch.randn(5, 6)
     y = m(x).detach()
@@ -299,13 +327,20 @@ def test_clean_with_weight_quant_keeps_codes_consistent():
 @pytest.mark.parametrize("qtype", ["symmetric", "asymmetric"])
 def test_sparse_clean_zeroes_baked_codes(qtype):
     from qcompress.quant.api import dequantize
+
     m = mlp()
     cfg = prune_cfg("sparse_pruning", ratio=0.3)
     cfg["compression_training"]["weight_quantization"] = {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
-                              "quantization_type": qtype},
-        "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"},
-                                    "modules": ["^0$"]}}}
+        "shared_parameters": {
+            "enabled": True,
+            "schedule_offset": 0,
+            "quantize_weight_in_forward": True,
+            "quantization_type": qtype,
+        },
+        "different_groups": {
+            "wq": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "channel"}, "modules": ["^0$"]}
+        },
+    }
     qc.init_compression(m, cfg)
     x = torch.randn(5, 6)
     y = m(x).detach()
@@ -319,7 +354,7 @@ def test_sparse_clean_zeroes_baked_codes(qtype):
 def test_row_clean_hf_conv1d():
     pu = pytest.importorskip("transformers.pytorch_utils")
     torch.manual_seed(0)
-    m = nn.Sequential(pu.Conv1D(12, 6), nn.GELU(), pu.Conv1D(3, 12))   # Conv1D(nf, nx): weight [nx, nf]
+    m = nn.Sequential(pu.Conv1D(12, 6), nn.GELU(), pu.Conv1D(3, 12))  # Conv1D(nf, nx): weight [nx, nf]
     cfg = prune_cfg("row_pruning", method="topk", ratio=0.5, related=[["^2$"]])
     qc.init_compression(m, cfg)
     assert m[0].row_pruning_scores.shape == (12, 1)
@@ -335,9 +370,14 @@ def head_pruning_cfg(output: str, related=None) -> dict:
     group = {"params": {"dense_ratio": 0.5}, "modules": [output]}
     if related is not None:
         group["related_modules"] = [list(related)]
-    return {"compression_training": {"head_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
-        "different_groups": {"hp": group}}}}
+    return {
+        "compression_training": {
+            "head_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+                "different_groups": {"hp": group},
+            }
+        }
+    }
 
 
 def test_head_clean_gpt2_fused_c_attn():
@@ -352,7 +392,7 @@ def test_head_clean_gpt2_fused_c_attn():
     qc.init_compression(model, cfg)
     attn = model.transformer.h[0].attn
     kept = attn.c_proj.qc_pruning["head_pruning"].final_mask(attn.c_proj).flatten().nonzero().flatten()
-    w0, b0 = attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone()   # [32, 96]
+    w0, b0 = attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone()  # [32, 96]
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         y = model(input_ids=ids).logits
@@ -371,9 +411,15 @@ def test_head_clean_gpt2_fused_c_attn():
 def _llama(kv_heads):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    conf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=kv_heads,
-                                    max_position_embeddings=32)
+    conf = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(conf).eval()
 
 
@@ -397,13 +443,16 @@ def test_head_pruning_grouped_query_kv_is_refused_at_init():
     """2 K/V heads serve 4 query heads: slicing k_proj per query head changed the logits (0.14)."""
     model = _llama(kv_heads=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ConfigError, match=r"head_pruning\.different_groups\.hp\.related_modules: "
-                                          r"'model\.layers\.0\.self_attn\.k_proj' has 16 outputs.*grouped-query"):
+    with pytest.raises(
+        ConfigError,
+        match=r"head_pruning\.different_groups\.hp\.related_modules: "
+        r"'model\.layers\.0\.self_attn\.k_proj' has 16 outputs.*grouped-query",
+    ):
         qc.init_compression(model, LLAMA_HEADS)
-    assert set(model.state_dict()) == set(before)          # the failed rewrite left the model as it was
+    assert set(model.state_dict()) == set(before)  # the failed rewrite left the model as it was
     ok = copy.deepcopy(LLAMA_HEADS)
     del ok["compression_training"]["head_pruning"]["different_groups"]["hp"]["related_modules"]
-    qc.init_compression(model, ok)                        # without slicing: masked, then zeroed
+    qc.init_compression(model, ok)  # without slicing: masked, then zeroed
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         y = model(input_ids=ids).logits
@@ -416,8 +465,14 @@ def _sparse_l1_cfg(ratio, end=None):
     sp = {"enabled": True, "schedule_offset": 0, "method": "l1"}
     if end is not None:
         sp["schedule_offset_end"] = end
-    return {"compression_training": {"sparse_pruning": {"shared_parameters": sp, "different_groups": {
-        "g": {"params": {"dense_ratio": ratio}, "modules": ["^0$"]}}}}}
+    return {
+        "compression_training": {
+            "sparse_pruning": {
+                "shared_parameters": sp,
+                "different_groups": {"g": {"params": {"dense_ratio": ratio}, "modules": ["^0$"]}},
+            }
+        }
+    }
 
 
 def _saved_sparse_run(cfg, steps=2):
@@ -431,7 +486,7 @@ def _saved_sparse_run(cfg, steps=2):
 
 
 def _resumed(cfg, model_sd, sched_sd):
-    m = mlp(seed=1, d_in=8, hidden=8)          # other weights: only the checkpoint may decide
+    m = mlp(seed=1, d_in=8, hidden=8)  # other weights: only the checkpoint may decide
     qc.init_compression(m, cfg)
     sched = qc.CompressionScheduler(m)
     m.load_state_dict(model_sd)
@@ -443,14 +498,17 @@ def test_resume_with_another_dense_ratio_or_ramp_is_refused_naming_the_key():
     """A checkpoint holding only the final l1 mask kept its own ratio silently (0.5 where the
     config said 0.25), and a ramp resumed from it ramped over the fresh model's weights."""
     _, msd, ssd = _saved_sparse_run(_sparse_l1_cfg(0.5))
-    with pytest.raises(ConfigError, match=r"sparse_pruning\.different_groups\.g\.params\.dense_ratio: "
-                                          r"0\.25 keeps 16 of 64, but the checkpoint's l1 mask keeps 32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sparse_pruning\.different_groups\.g\.params\.dense_ratio: "
+        r"0\.25 keeps 16 of 64, but the checkpoint's l1 mask keeps 32",
+    ):
         _resumed(_sparse_l1_cfg(0.25), msd, ssd)
     with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.schedule_offset_end: "):
         _resumed(_sparse_l1_cfg(0.5, end=4), msd, ssd)
-    with pytest.raises(ConfigError, match="keeps 29 of 64"):    # ceil(0.45 * 64) = 29
+    with pytest.raises(ConfigError, match="keeps 29 of 64"):  # ceil(0.45 * 64) = 29
         _resumed(_sparse_l1_cfg(0.45), msd, ssd)
-    m = _resumed(_sparse_l1_cfg(0.49), msd, ssd)                  # ceil(0.49 * 64) = 32: that mask
+    m = _resumed(_sparse_l1_cfg(0.49), msd, ssd)  # ceil(0.49 * 64) = 32: that mask
     assert int(m[0].qc_pruning["sparse_pruning"].final_mask(m[0]).sum()) == 32
 
 
@@ -461,7 +519,7 @@ def test_resume_from_ramped_l1_scores_uses_the_saved_importance():
     m = _resumed(_sparse_l1_cfg(0.25), msd, ssd)
     st = m[0].qc_pruning["sparse_pruning"]
     want = torch.zeros(64)
-    want[w0.abs().flatten().topk(16).indices] = 1              # oracle: the original |W|
+    want[w0.abs().flatten().topk(16).indices] = 1  # oracle: the original |W|
     torch.testing.assert_close(st.mask(m[0]).flatten(), want, rtol=0, atol=0)
     assert st.ratio == 0.25 and int(st.final_mask(m[0]).sum()) == 16
 
@@ -471,30 +529,47 @@ def test_head_clean_keeps_group_codes_that_align_with_heads(tmp_path):
     codes still dequantize to the cleaned weight and an asymmetric export succeeds (the codes were
     dropped, and re-quantizing the baked weight missed 49 of 512 elements)."""
     model = _bert(2)
-    cfg = {"compression_training": {
-        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
-                                               "num_heads": 4},
-                         "different_groups": {"hp": {"params": {"dense_ratio": 0.5},
-                                                     "modules": ["attention.output.dense"],
-                                                     "related_modules": [["self.query", "self.key", "self.value"]]}}},
-        "weight_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 0,
-                                                      "quantize_weight_in_forward": True,
-                                                      "quantization_type": "asymmetric"},
-                                "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4,
-                                                                       "granularity": "group", "group_size": 4},
-                                                            "modules": ["attention"]}}}}}
+    cfg = {
+        "compression_training": {
+            "head_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 4},
+                "different_groups": {
+                    "hp": {
+                        "params": {"dense_ratio": 0.5},
+                        "modules": ["attention.output.dense"],
+                        "related_modules": [["self.query", "self.key", "self.value"]],
+                    }
+                },
+            },
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "schedule_offset": 0,
+                    "quantize_weight_in_forward": True,
+                    "quantization_type": "asymmetric",
+                },
+                "different_groups": {
+                    "wq": {
+                        "params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 4},
+                        "modules": ["attention"],
+                    }
+                },
+            },
+        }
+    }
     qc.init_compression(model, cfg)
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         y = model(input_ids=ids).logits
     import warnings
+
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                    # no "integer codes dropped"
+        warnings.simplefilter("error")  # no "integer codes dropped"
         qc.redundancy_clean(model, cfg)
     o = model.bert.encoder.layer[0].attention.output.dense
     q, s, z = o.qc_wq.codes
     assert q.shape == (32, 16) and s.shape == (32, 4)
-    g = s.repeat_interleave(4, dim=1), z.repeat_interleave(4, dim=1)   # oracle: per-element scales
+    g = s.repeat_interleave(4, dim=1), z.repeat_interleave(4, dim=1)  # oracle: per-element scales
     torch.testing.assert_close((q.float() - g[1].float()) * g[0], o.weight.detach(), rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
@@ -509,17 +584,21 @@ def test_row_clean_of_a_group_quantized_related_module_warns_that_export_will_re
         cfg = prune_cfg("row_pruning", ratio=0.5, related=[["^2$"]])
         cfg["compression_training"]["weight_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True},
-            "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, **gran}, "modules": ["^2$"]}}}
+            "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, **gran}, "modules": ["^2$"]}},
+        }
         qc.init_compression(m, cfg)
         w = m[0].weight.detach().abs().sum(1)
         if exports:
             qc.redundancy_clean(m, cfg)
             qc.export_quantized(m, tmp_path / "channel")
             continue
-        with pytest.warns(UserWarning, match=r"'2': integer codes dropped.*weight_quantization\.different_groups"
-                                             r"\.wq\.params\.granularity"):
+        with pytest.warns(
+            UserWarning,
+            match=r"'2': integer codes dropped.*weight_quantization\.different_groups"
+            r"\.wq\.params\.granularity",
+        ):
             qc.redundancy_clean(m, cfg)
-        assert sorted(w.topk(6).indices.tolist()) != [0, 1, 2, 3, 4, 5]   # the kept rows split groups
+        assert sorted(w.topk(6).indices.tolist()) != [0, 1, 2, 3, 4, 5]  # the kept rows split groups
         with pytest.raises(Exception, match="'2'"):
             qc.export_quantized(m, tmp_path / "group")
 
@@ -529,21 +608,30 @@ def test_ramped_l1_mask_is_computed_once_per_ratio(monkeypatch):
     for a 4096x4096 layer on CPU); it is now computed when the ratio changes, and still equals
     the top-k of the init-time |W| at every step."""
     import qcompress.pruning.state as state_mod
+
     calls = []
     real = state_mod.topk_mask
     monkeypatch.setattr(state_mod, "topk_mask", lambda s, r: calls.append(r) or real(s, r))
     m = mlp(seed=0, d_in=8, hidden=8)
     w0 = m[0].weight.detach().abs().clone()
-    sp = {"enabled": True, "schedule_offset": 1, "schedule_offset_end": 5, "method": "l1",
-          "schedule_offset_stride": 2}
-    qc.init_compression(m, {"compression_training": {"sparse_pruning": {
-        "shared_parameters": sp, "different_groups": {"g": {"params": {"dense_ratio": 0.25}, "modules": ["^0$"]}}}}})
+    sp = {"enabled": True, "schedule_offset": 1, "schedule_offset_end": 5, "method": "l1", "schedule_offset_stride": 2}
+    qc.init_compression(
+        m,
+        {
+            "compression_training": {
+                "sparse_pruning": {
+                    "shared_parameters": sp,
+                    "different_groups": {"g": {"params": {"dense_ratio": 0.25}, "modules": ["^0$"]}},
+                }
+            }
+        },
+    )
     sched = qc.CompressionScheduler(m)
     x = torch.randn(3, 8)
     st = m[0].qc_pruning["sparse_pruning"]
     ratios = []
     for _ in range(8):
-        for _ in range(3):                   # three forwards (micro-batches) per step
+        for _ in range(3):  # three forwards (micro-batches) per step
             m(x)
         if st.active:
             ratios.append(st.ratio)
@@ -553,7 +641,7 @@ def test_ramped_l1_mask_is_computed_once_per_ratio(monkeypatch):
             torch.testing.assert_close(st.mask(m[0]).flatten(), want, rtol=0, atol=0)
         sched.step()
     assert sorted(set(ratios)) == [0.25, 0.625, 1.0] and sorted(set(calls)) == [0.25, 0.625, 1.0]
-    assert len(calls) == 3                   # one top-k per ratio, not one per forward
+    assert len(calls) == 3  # one top-k per ratio, not one per forward
 
 
 def test_head_clean_gpt_neox_fused_head_major_query_key_value():
@@ -561,19 +649,25 @@ def test_head_clean_gpt_neox_fused_head_major_query_key_value():
     section-major Conv1D c_attn: each kept head keeps its 3d consecutive rows."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    conf = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=40, max_position_embeddings=32)
+    conf = transformers.GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=40,
+        max_position_embeddings=32,
+    )
     model = transformers.GPTNeoXForCausalLM(conf).eval()
     cfg = head_pruning_cfg("attention.dense", ["query_key_value"])
     qc.init_compression(model, cfg)
     att = model.gpt_neox.layers[0].attention
     kept = att.dense.qc_pruning["head_pruning"].final_mask(att.dense).flatten().nonzero().flatten()
-    w0 = att.query_key_value.weight.detach().clone()                 # [96, 32]
+    w0 = att.query_key_value.weight.detach().clone()  # [96, 32]
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         y = model(input_ids=ids).logits
     qc.redundancy_clean(model, cfg)
-    rows = [h * 24 + i for h in kept.tolist() for i in range(24)]    # oracle: head h's [q; k; v] rows
+    rows = [h * 24 + i for h in kept.tolist() for i in range(24)]  # oracle: head h's [q; k; v] rows
     torch.testing.assert_close(att.query_key_value.weight, w0[rows], rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, y, rtol=1e-5, atol=1e-5)
@@ -587,12 +681,16 @@ def test_head_slicing_of_alibi_attention_is_refused_at_init():
 
     def bloom():
         torch.manual_seed(0)
-        return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=64,
-                                                                      n_layer=2, n_head=4)).eval()
+        return transformers.BloomForCausalLM(
+            transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)
+        ).eval()
 
     cfg = head_pruning_cfg(r"self_attention\.dense", [r"self_attention\.query_key_value"])
-    with pytest.raises(ConfigError, match=r"head_pruning\.different_groups\.hp\.related_modules: .*BloomAttention"
-                                          r".*ALiBi"):
+    with pytest.raises(
+        ConfigError,
+        match=r"head_pruning\.different_groups\.hp\.related_modules: .*BloomAttention"
+        r".*ALiBi",
+    ):
         qc.init_compression(bloom(), cfg)
     cfg = head_pruning_cfg(r"self_attention\.dense")
     model = qc.init_compression(bloom(), cfg)
@@ -605,14 +703,21 @@ def test_density_column_is_what_the_masks_keep():
     """metrics.csv's density.<group> reported the scheduled ratio: 4 of 12 heads kept at
     dense_ratio 0.3 showed 0.3. The oracle is the mask itself (its share of ones)."""
     from qcompress.train.loop import group_columns
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 10))
-    cfg = {"compression_training": {
-        "head_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk",
-                                               "num_heads": 12},
-                         "different_groups": {"hp": {"params": {"dense_ratio": 0.3}, "modules": ["^0$"]}}},
-        "row_pruning": {"shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
-                        "different_groups": {"rp": {"params": {"dense_ratio": 0.25}, "modules": ["^2$"]}}}}}
+    cfg = {
+        "compression_training": {
+            "head_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 12},
+                "different_groups": {"hp": {"params": {"dense_ratio": 0.3}, "modules": ["^0$"]}},
+            },
+            "row_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "l1"},
+                "different_groups": {"rp": {"params": {"dense_ratio": 0.25}, "modules": ["^2$"]}},
+            },
+        }
+    }
     qc.init_compression(model, cfg)
     cols = group_columns(model)
     for mod, key in ((model[0], "density.hp"), (model[2], "density.rp")):
@@ -620,4 +725,4 @@ def test_density_column_is_what_the_masks_keep():
         with torch.no_grad():
             share = float(st.mask(mod).double().mean())
         assert cols[key] == pytest.approx(share, abs=1e-9)
-    assert cols["density.hp"] == pytest.approx(4 / 12)        # ceil(0.3 * 12) heads
+    assert cols["density.hp"] == pytest.approx(4 / 12)  # ceil(0.3 * 12) heads

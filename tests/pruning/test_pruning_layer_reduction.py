@@ -1,4 +1,5 @@
 """Layer reduction (student initialised from teacher layers, by name) and the KD losses."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,20 +15,32 @@ transformers = pytest.importorskip("transformers")
 
 def bert(layers, seed, hidden=32, inter=40):
     torch.manual_seed(seed)
-    conf = transformers.BertConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=4, intermediate_size=inter,
-                                   max_position_embeddings=32, num_labels=3)
+    conf = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=inter,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(conf).eval()
 
 
-LR = {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "bert.encoder.layer",
-      "teacher_layer": [1, 3], "other_module_name": ["bert.pooler", "bert.embeddings", "classifier"]}
+LR = {
+    "enabled": True,
+    "keep_number_layer": 2,
+    "module_name_prefix": "bert.encoder.layer",
+    "teacher_layer": [1, 3],
+    "other_module_name": ["bert.pooler", "bert.embeddings", "classifier"],
+}
 
 
 def test_student_gets_exactly_the_mapped_tensors():
     teacher, student = bert(4, seed=0), bert(2, seed=1)
-    assert not torch.equal(student.bert.encoder.layer[0].output.dense.weight,
-                           teacher.bert.encoder.layer[1].output.dense.weight)
+    assert not torch.equal(
+        student.bert.encoder.layer[0].output.dense.weight, teacher.bert.encoder.layer[1].output.dense.weight
+    )
     qc.init_compression(student, {"compression_training": {"layer_reduction": LR}}, teacher_model=teacher)
     tsd = teacher.state_dict()
     for key, val in student.state_dict().items():
@@ -49,11 +62,13 @@ def test_student_gets_exactly_the_mapped_tensors():
 def test_layer_reduction_errors():
     teacher = bert(4, seed=0)
     with pytest.raises(ConfigError, match=r"layer_reduction\.teacher_layer\[1\].*bert\.encoder\.layer\.7"):
-        student_initialization(bert(2, 1), teacher, LayerReduction(**{**LR, "teacher_layer": (1, 7),
-                                                                      "other_module_name": ()}))
+        student_initialization(
+            bert(2, 1), teacher, LayerReduction(**{**LR, "teacher_layer": (1, 7), "other_module_name": ()})
+        )
     with pytest.raises(ConfigError, match=r"layer_reduction\.teacher_layer.*3 teacher layers.*has 2"):
-        student_initialization(bert(2, 1), teacher, LayerReduction(**{**LR, "teacher_layer": (0, 1, 2),
-                                                                      "keep_number_layer": None}))
+        student_initialization(
+            bert(2, 1), teacher, LayerReduction(**{**LR, "teacher_layer": (0, 1, 2), "keep_number_layer": None})
+        )
     wide = bert(2, 1, inter=48)
     before = {k: v.clone() for k, v in wide.state_dict().items()}
     with pytest.raises(ConfigError, match=r"teacher_layer\[0\].*intermediate\.dense\.weight.*\(48, 32\)"):
@@ -92,9 +107,15 @@ def test_failed_init_with_layer_reduction_puts_the_students_tensors_back():
     tensors overwritten, although a failed init_compression leaves the model as it was."""
     teacher, student = bert(4, 0), bert(2, 1)
     before = {k: v.clone() for k, v in student.state_dict().items()}
-    cfg = {"compression_training": {"layer_reduction": LR, "head_pruning": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 5},
-        "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.output.dense"]}}}}}
+    cfg = {
+        "compression_training": {
+            "layer_reduction": LR,
+            "head_pruning": {
+                "shared_parameters": {"enabled": True, "schedule_offset": 0, "method": "topk", "num_heads": 5},
+                "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": ["attention.output.dense"]}},
+            },
+        }
+    }
     with pytest.raises(ConfigError, match="num_heads"):
         qc.init_compression(student, cfg, teacher_model=teacher)
     after = student.state_dict()

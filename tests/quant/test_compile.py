@@ -3,6 +3,7 @@ step equal to the eager one, one graph per schedule state (not per step), NaN st
 
 Oracle: the same model run eagerly (the fused eager path, itself bit for bit the unfused one), and
 torch._dynamo's own counters (explain's graph breaks, a counting backend's compiled frames)."""
+
 import copy
 
 import pytest
@@ -12,7 +13,9 @@ import qcompress as qc
 from qcompress.errors import NonFiniteError
 from qcompress.quant import kernels
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)')
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install -e ".[hf]" in the checkout)'
+)
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -20,23 +23,38 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def make_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def make_bert(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
 def make_gpt2(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=64, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -44,25 +62,42 @@ MODELS = {"bert": make_bert, "llama": make_llama, "gpt2": make_gpt2}
 
 
 def recipe(wbits=4, abits=8, group=32, start=None, period=0, act_offset=0, rounding="nearest"):
-    params = {"start_bits": start or wbits, "target_bits": wbits, "quantization_period": period,
-              "period_growth": "linear"}
+    params = {
+        "start_bits": start or wbits,
+        "target_bits": wbits,
+        "quantization_period": period,
+        "period_growth": "linear",
+    }
     if group:
         params["group_size"] = group
     else:
         params["granularity"] = "channel"
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
-                              "rounding": rounding},
-        "different_groups": {"w": {"params": params}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "schedule_offset": 0,
+                    "quantize_weight_in_forward": True,
+                    "rounding": rounding,
+                },
+                "different_groups": {"w": {"params": params}},
+            }
+        }
+    }
     if abits:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": act_offset, "range_calibration": "dynamic"},
-            "different_groups": {"a": {"params": {"bits": abits}}}}
+            "different_groups": {"a": {"params": {"bits": abits}}},
+        }
     return qc.load_config(doc)
 
 
-RECIPES = {"w8a8": dict(wbits=8, abits=8, group=None), "w4a8_g32": dict(wbits=4, abits=8, group=32),
-           "w4_g32": dict(wbits=4, abits=0, group=32)}
+RECIPES = {
+    "w8a8": dict(wbits=8, abits=8, group=None),
+    "w4a8_g32": dict(wbits=4, abits=8, group=32),
+    "w4_g32": dict(wbits=4, abits=0, group=32),
+}
 
 
 def compressed(kind, **kw):
@@ -116,8 +151,9 @@ def test_training_and_eval_forwards_have_no_graph_break(kind):
     assert ex.graph_break_count == 0 and ex.graph_count == 1, [b.reason for b in ex.break_reasons]
 
 
-@pytest.mark.parametrize("kind,name", [("llama", "w4_g32"), ("llama", "w4a8_g32"), ("bert", "w8a8"),
-                                       ("gpt2", "w4a8_g32")])
+@pytest.mark.parametrize(
+    "kind,name", [("llama", "w4_g32"), ("llama", "w4a8_g32"), ("bert", "w8a8"), ("gpt2", "w4a8_g32")]
+)
 def test_compiled_training_step_equals_eager_bit_for_bit(kind, name):
     # aot_eager runs the graph AOTAutograd traced (the composed quantizer path, the same kernels):
     # every value and gradient has the eager fused path's bits
@@ -147,7 +183,7 @@ def test_inductor_step_matches_eager_within_float_tolerance():
     for n in grads_e:
         scale = grads_e[n].abs().max().clamp(min=1e-12)
         err = (grads_c[n] - grads_e[n]).abs().max() / scale
-        assert err < 2e-3, (n, float(err))   # relative to the tensor's largest gradient
+        assert err < 2e-3, (n, float(err))  # relative to the tensor's largest gradient
 
 
 def run_schedule(model, cfg, steps, compiled):
@@ -203,8 +239,9 @@ def test_group_layout_ops_pass_opcheck(rows, cols, group):
     zp = torch.randint(-3, 3, (groups,), generator=g).float()
     for z in (None, zp):
         torch.library.opcheck(ops.fake_quant_params, (x, scale, z, rows, cols, group, 4, 0, 0, True))
-        torch.library.opcheck(ops.lsq_backward, (torch.randn(rows, cols, generator=g), x, scale, z, rows, cols,
-                                                 group, 4, 0, 0))
+        torch.library.opcheck(
+            ops.lsq_backward, (torch.randn(rows, cols, generator=g), x, scale, z, rows, cols, group, 4, 0, 0)
+        )
     torch.library.opcheck(ops.quantize, (x, None, rows, cols, group, 4, 0, True, False, 0, 0))
     torch.library.opcheck(ops.quantize_values, (x.bfloat16(), None, rows, cols, group, 4, 0, False, False, 0, 0))
     torch.library.opcheck(ops.mse_errors, (x, scale.repeat(3, 1), None, rows, cols, group, 4))
@@ -216,6 +253,7 @@ def test_weight_only_moe_training_forward_has_no_graph_break(family):
     # fused 3-D expert Parameters quantized per expert (qcompress/nn/experts.py) inside the model's
     # own experts implementation
     from tests.helpers.moe_fixtures import make_moe
+
     model = make_moe(family).train()
     qc.init_compression(model, recipe(wbits=4, abits=0, group=16))
     torch._dynamo.reset()
@@ -232,11 +270,12 @@ def test_per_token_input_quantized_moe_compiles_whole_and_equals_the_eager_loop(
     # gate, instead of the per-expert eager loop the eager mode runs (the oracle here)
     from tests.helpers.moe_fixtures import make_moe
     from qcompress.nn.experts import ExpertMatrix
+
     kw = dict(RECIPES["w8a8"]) if name == "w8a8" else dict(wbits=4, abits=8, group=16)
     model = make_moe(family).train()
     model.config._experts_implementation = impl
     qc.init_compression(model, recipe(**kw))
-    experts_unquantized = copy.deepcopy(model)      # the same model, its expert inputs left as they are
+    experts_unquantized = copy.deepcopy(model)  # the same model, its expert inputs left as they are
     for m in experts_unquantized.modules():
         if isinstance(m, ExpertMatrix):
             m.qc_aq = None
@@ -252,5 +291,5 @@ def test_per_token_input_quantized_moe_compiles_whole_and_equals_the_eager_loop(
     assert c_grads.keys() == grads.keys()
     for n in grads:
         torch.testing.assert_close(c_grads[n], grads[n], rtol=1e-4, atol=1e-6, msg=n)
-        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):   # the compiled graph quantized their inputs
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):  # the compiled graph quantized their inputs
             assert not torch.allclose(c_grads[n], plain[n], rtol=1e-2, atol=1e-6), n

@@ -4,6 +4,7 @@ Oracles: the row's output error d^T M d computed here in float64 from the quanti
 through cross_groups' incremental sums), brute force over each group's candidates, and the layer's
 own output error on the calibration inputs (which is N x sum over rows of d^T M d exactly).
 """
+
 import copy
 
 import pytest
@@ -15,7 +16,7 @@ from qcompress.quant import cross_groups, observers
 from qcompress.quant.reference import make_spec
 
 SPEC = make_spec(4, symmetric=True, granularity="group", group_size=8)
-GRID = observers.shrink_grid(None, observers.Search(grid=20, maxshrink=0.5))    # 1.00 .. 0.55
+GRID = observers.shrink_grid(None, observers.Search(grid=20, maxshrink=0.5))  # 1.00 .. 0.55
 
 
 def correlated(n, cols, seed=0):
@@ -29,7 +30,7 @@ def correlated(n, cols, seed=0):
 def weight(rows, cols, seed=1):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * 0.05
-    w[:, ::7] *= 4.0                                # a few large weights per group: clipping matters
+    w[:, ::7] *= 4.0  # a few large weights per group: clipping matters
     return w
 
 
@@ -48,16 +49,15 @@ def moments(u):
     return u.T @ u / u.shape[0]
 
 
-@pytest.mark.parametrize("cols", [32, 44])        # 44: a ragged last group (4 of 8 columns)
+@pytest.mark.parametrize("cols", [32, 44])  # 44: a ragged last group (4 of 8 columns)
 def test_the_result_is_a_coordinate_minimum_never_worse_than_its_start(cols):
     w, M = weight(6, cols), moments(correlated(400, cols))
-    start = observers.mse_shrink(w, SPEC, search=observers.Search(grid=20, maxshrink=0.5),
-                                 moments=None)
+    start = observers.mse_shrink(w, SPEC, search=observers.Search(grid=20, maxshrink=0.5), moments=None)
     got = cross_groups.descend(w, SPEC, start, M, GRID, sweeps=100)
     G = -(-cols // 8)
     e = row_error(w, got, M)
     assert torch.all(e <= row_error(w, start, M) * (1 + 1e-12))
-    assert bool((e < row_error(w, start, M) * (1 - 1e-6)).any())      # correlated inputs: some row gains
+    assert bool((e < row_error(w, start, M) * (1 - 1e-6)).any())  # correlated inputs: some row gains
     # no single group's move to any grid factor lowers its row's error (brute force, float64)
     for j in range(G):
         for c in GRID:
@@ -71,13 +71,19 @@ def test_block_diagonal_moments_leave_the_per_group_choice():
     the row's error: nothing moves."""
     cols = 32
     full = moments(correlated(400, cols))
-    blocks = torch.block_diag(*[full[i:i + 8, i:i + 8] for i in range(0, cols, 8)])
+    blocks = torch.block_diag(*[full[i : i + 8, i : i + 8] for i in range(0, cols, 8)])
     w = weight(5, cols)
     search = observers.Search(grid=20, maxshrink=0.5)
-    per_group = observers.mse_shrink(w, SPEC, search=search, moments=torch.stack(
-        [full[i:i + 8, i:i + 8] for i in range(0, cols, 8)]))
-    got = observers.mse_shrink(w, SPEC, search=search, moments=torch.stack(
-        [full[i:i + 8, i:i + 8] for i in range(0, cols, 8)]), cross=blocks)
+    per_group = observers.mse_shrink(
+        w, SPEC, search=search, moments=torch.stack([full[i : i + 8, i : i + 8] for i in range(0, cols, 8)])
+    )
+    got = observers.mse_shrink(
+        w,
+        SPEC,
+        search=search,
+        moments=torch.stack([full[i : i + 8, i : i + 8] for i in range(0, cols, 8)]),
+        cross=blocks,
+    )
     assert torch.equal(got, per_group)
 
 
@@ -86,18 +92,30 @@ def test_moments_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match=r"cross-group moments of shape \(16, 16\) do not fit .* \(4, 32\)"):
         cross_groups.descend(w, SPEC, torch.ones(16), torch.eye(16, dtype=torch.float64), GRID)
     with pytest.raises(ValueError, match=r"per channel"):
-        cross_groups.descend(w, make_spec(4, granularity="channel"), torch.ones(4),
-                             torch.eye(32, dtype=torch.float64), GRID)
+        cross_groups.descend(
+            w, make_spec(4, granularity="channel"), torch.ones(4), torch.eye(32, dtype=torch.float64), GRID
+        )
 
 
 # --- through calibrate_weight_ranges --------------------------------------------------------------
 
+
 def doc(**kw):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "observer": "mse",
-                              "observer_kwargs": {"weight_by": "inputs", **kw}},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group",
-                                              "group_size": 8}}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "observer": "mse",
+                    "observer_kwargs": {"weight_by": "inputs", **kw},
+                },
+                "different_groups": {
+                    "w": {"params": {"start_bits": 4, "target_bits": 4, "granularity": "group", "group_size": 8}}
+                },
+            }
+        }
+    }
 
 
 def layer(seed=0):
@@ -134,6 +152,7 @@ def test_calibration_output_error_drops_below_each_group_alone():
 def test_scheduler_state_carries_the_whole_moments_once_for_tied_weights():
     pytest.importorskip("transformers", reason="GPT-2 from transformers")
     from tests.helpers.tiny_models import make_gpt2
+
     m = make_gpt2()
     cfg = copy.deepcopy(doc())
     cfg["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["group_size"] = 16
@@ -142,7 +161,7 @@ def test_scheduler_state_carries_the_whole_moments_once_for_tied_weights():
     qc.calibrate_weight_ranges(m, [torch.randint(0, m.config.vocab_size, (2, 12), generator=g) for _ in range(2)])
     wte, head = m.transformer.wte, m.lm_head
     assert wte.qc_wq.store.input_cross is head.qc_wq.store.input_cross
-    assert torch.equal(wte.qc_wq.shrink, head.qc_wq.shrink)          # one tensor, one choice
+    assert torch.equal(wte.qc_wq.shrink, head.qc_wq.shrink)  # one tensor, one choice
     sd = qc.CompressionScheduler(m, cfg).state_dict()["modules"]
     tied = [n for n in ("transformer.wte", "lm_head") if "input_cross" in sd[n]["wq"]]
     assert len(tied) == 1
@@ -153,6 +172,7 @@ def test_whole_moments_that_would_not_fit_in_memory_are_refused_up_front(monkeyp
     calibration refuses before any batch runs, naming the key that avoids it; cross_groups: false
     (no whole moments) runs."""
     from qcompress.calibrate import input_moments
+
     monkeypatch.setattr(input_moments, "free_memory", lambda: 30_000)
     drawn = []
 
@@ -160,6 +180,7 @@ def test_whole_moments_that_would_not_fit_in_memory_are_refused_up_front(monkeyp
         for b in correlated(64, 40).split(32):
             drawn.append(1)
             yield b
+
     m = layer()
     qc.init_compression(m, doc())
     with pytest.raises(MemoryError, match=r"cross_groups: the whole input moments of 1 module.*cross_groups: false"):

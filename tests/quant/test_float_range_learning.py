@@ -2,6 +2,7 @@
 scales. Their gradients equal autograd's on the reference formula with the roundings passed
 straight through, learning lowers the quantization error, and export writes the scales forward
 used (compressed-tensors decompresses effective_weight bit for bit; reloads are exact)."""
+
 import copy
 
 import pytest
@@ -12,7 +13,9 @@ from qcompress.quant import float_observers as fo
 from qcompress.quant import floats
 from tests.helpers.float_fixtures import export_round_trip, float_mlp, float_weight_doc
 
-ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)")
+ct = pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors is the oracle (pip install compressed-tensors)"
+)
 
 
 def _ste(rounded, u):
@@ -25,7 +28,7 @@ def reference(x, spec, sigma, g):
     if g is None:
         s = sigma
     else:
-        c = torch.clamp(sigma * g, 2.0 ** -9, 448.0)
+        c = torch.clamp(sigma * g, 2.0**-9, 448.0)
         s = _ste(c.to(torch.float8_e4m3fn).to(torch.float32), c) / g
     # the division rounds in the dtype torch's promotion gives it (FP8 in bf16: bf16), passed through
     v_used = x.detach() / s.detach().to(x.dtype) if g is None else x.detach().to(torch.float32) / s.detach()
@@ -46,24 +49,25 @@ def _expand(s, spec, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt,gran", [("fp8_e4m3", "tensor"), ("fp8_e4m3", "channel"), ("fp8_e4m3", "block"),
-                                      ("nvfp4", "group")])
+@pytest.mark.parametrize(
+    "fmt,gran", [("fp8_e4m3", "tensor"), ("fp8_e4m3", "channel"), ("fp8_e4m3", "block"), ("nvfp4", "group")]
+)
 def test_gradients_equal_autograd_on_the_reference_formula(fmt, gran, dtype):
     torch.manual_seed(0)
     spec = floats.float_spec(fmt, gran)
     x = (torch.randn(136, 160) * 0.05).to(dtype).requires_grad_(True)
     s0, g0 = floats.qparams(x.detach(), spec)
     sigma, g = fo.learned_init(x, spec, s0, g0)
-    sigma = (sigma * (0.8 + 0.4 * torch.rand_like(sigma))).requires_grad_(True)    # some clip, some not
-    g = None if g is None else (g * 1.3).requires_grad_(True)                      # some blocks saturate
+    sigma = (sigma * (0.8 + 0.4 * torch.rand_like(sigma))).requires_grad_(True)  # some clip, some not
+    g = None if g is None else (g * 1.3).requires_grad_(True)  # some blocks saturate
     y = fo.fake_quantize_learned(x, spec, sigma, g, grad_scale=1.0)
-    w = torch.randn(y.shape).to(dtype).float()          # the gradient y receives is in its dtype
+    w = torch.randn(y.shape).to(dtype).float()  # the gradient y receives is in its dtype
     (y.float() * w).sum().backward()
 
     x2 = x.detach().clone().requires_grad_(True)
     sigma2 = sigma.detach().clone().requires_grad_(True)
     g2 = None if g is None else g.detach().clone().requires_grad_(True)
-    sig_e = sigma2 if fmt == "nvfp4" else _ste(sigma2.detach().to(dtype).float(), sigma2)   # FP8: stored dtype
+    sig_e = sigma2 if fmt == "nvfp4" else _ste(sigma2.detach().to(dtype).float(), sigma2)  # FP8: stored dtype
     y2 = reference(x2, spec, _expand(sig_e, spec, x.shape), g2)
     assert torch.equal(y2.detach().to(dtype), y.detach())
     (y2 * w).sum().backward()
@@ -89,6 +93,7 @@ def test_default_gradient_scale_is_lsq():
 
 # --- modules --------------------------------------------------------------------------------
 
+
 def _doc(fmt, gran=None, observer="minmax"):
     return float_weight_doc(fmt, gran, range_learning=True, observer=observer)
 
@@ -104,8 +109,12 @@ def _compressed(doc, dtype):
     return model
 
 
-CASES = [("fp8_e4m3", "channel", torch.float32, 3e-6), ("fp8_e4m3", "block", torch.bfloat16, 3e-6),
-         ("nvfp4", None, torch.float32, 2e-4), ("nvfp4", None, torch.bfloat16, 2e-4)]
+CASES = [
+    ("fp8_e4m3", "channel", torch.float32, 3e-6),
+    ("fp8_e4m3", "block", torch.bfloat16, 3e-6),
+    ("nvfp4", None, torch.float32, 2e-4),
+    ("nvfp4", None, torch.bfloat16, 2e-4),
+]
 
 
 @pytest.mark.parametrize("observer", ["minmax", "mse"])
@@ -134,6 +143,7 @@ def test_learning_lowers_the_error_and_exports_what_forward_used(tmp_path, fmt, 
     def error():
         with torch.no_grad():
             return float((model(held).float() - teacher(held).float()).square().mean())
+
     before = error()
     weights = [m.weight.detach().clone() for m in (model[0], model[2])]
     qc.learn_ranges(model, batches, loss=lambda m, x: (m(x).float() - teacher(x).float()).square().mean(), lr=lr)
@@ -146,8 +156,10 @@ def test_learning_lowers_the_error_and_exports_what_forward_used(tmp_path, fmt, 
     for i in (0, 2):
         mod = model[i]
         local = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.startswith(f"{i}.")}
-        s, g = fo.learned_scales(mod.weight, mod.qc_wq.spec(), mod.weight_scale, mod._parameters.get("weight_global_scale"))
-        assert torch.equal(local["weight_scale"].to(s.dtype).reshape(s.shape), s)      # stored as forward used it
+        s, g = fo.learned_scales(
+            mod.weight, mod.qc_wq.spec(), mod.weight_scale, mod._parameters.get("weight_global_scale")
+        )
+        assert torch.equal(local["weight_scale"].to(s.dtype).reshape(s.shape), s)  # stored as forward used it
         if g is not None:
             assert local["weight_scale"].dtype == torch.float8_e4m3fn
             assert torch.equal(local["weight_global_scale"], g)

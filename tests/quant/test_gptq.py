@@ -3,6 +3,7 @@ tests/helpers/gptq_reference.py (float64, Cholesky of the damped inverse Hessian
 propagation, lazy block updates; integer scales and rounding written out there); float formats use
 the format's own quantizer (quant/floats.py, checked against compressed-tensors elsewhere) inside
 that reference loop."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,13 @@ def params_of(spec, refs, rows, cols, width, upfront_tensor=False):
 
 
 CASES = [  # granularity, group size, bits, symmetric
-    ("group", 32, 4, True), ("group", 32, 4, False), ("group", 16, 3, True),
-    ("channel", None, 4, True), ("channel", None, 8, False), ("tensor", None, 4, True), ("tensor", None, 4, False),
+    ("group", 32, 4, True),
+    ("group", 32, 4, False),
+    ("group", 16, 3, True),
+    ("channel", None, 4, True),
+    ("channel", None, 8, False),
+    ("tensor", None, 4, True),
+    ("tensor", None, 4, False),
 ]
 
 
@@ -48,18 +54,29 @@ def test_integer_solve_matches_reference(gran, gs, bits, sym, act_order):
     spec = make_spec(bits, symmetric=sym, granularity=gran, group_size=gs)
     width = gs or cols
     if gran == "tensor":
+
         def fit(X):
             s, z = int_fit(W.reshape(1, -1), bits, sym)
             return s.expand(rows), None if z is None else z.expand(rows)
     else:
+
         def fit(X):
             return int_fit(X, bits, sym)
-    for block in (128, 24, 7):      # the lazy updates' block size changes nothing
+
+    for block in (128, 24, 7):  # the lazy updates' block size changes nothing
         settings = gptq.Settings(damp=0.01, block_size=block, act_order=act_order)
         grid = gptq.make_grid(spec, rows, cols, W.dtype, settings)
         sol = gptq.solve(W, H, grid, settings)
-        Wc, Q, refs = reference(W, H, fit, lambda w, p: int_quant(w, p, bits), width,
-                                upfront=act_order or gran != "group", block=block, act_order=act_order)
+        Wc, Q, refs = reference(
+            W,
+            H,
+            fit,
+            lambda w, p: int_quant(w, p, bits),
+            width,
+            upfront=act_order or gran != "group",
+            block=block,
+            act_order=act_order,
+        )
         assert (sol.weight - Wc).abs().max() < 1e-6
         assert (sol.quantized - Q).abs().max() < 1e-6
         s, z = params_of(spec, refs, rows, cols, width)
@@ -82,6 +99,7 @@ def test_gptq_lowers_the_output_error_below_round_to_nearest():
     def err(Q):
         D = (W - Q).double()
         return float((D @ H * D).sum())
+
     assert err(sol.quantized) < 0.8 * err(rtn)
 
 
@@ -92,22 +110,29 @@ def test_mse_scale_observer_matches_reference():
     row = make_spec(4, granularity="channel")
     settings = gptq.Settings(observer="mse", act_order=False)
     sol = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, settings), settings)
-    Wc, Q, _ = reference(W, H, lambda X: observers.weight_params(X, row, "mse"),
-                         lambda w, p: int_quant(w, p, 4), 32, upfront=False)
+    Wc, Q, _ = reference(
+        W, H, lambda X: observers.weight_params(X, row, "mse"), lambda w, p: int_quant(w, p, 4), 32, upfront=False
+    )
     assert (sol.weight - Wc).abs().max() < 1e-6 and (sol.quantized - Q).abs().max() < 1e-6
     minmax = gptq.Settings(act_order=False)
     plain = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, minmax), minmax)
-    assert not torch.equal(plain.params[0], sol.params[0])      # mse chose other scales
+    assert not torch.equal(plain.params[0], sol.params[0])  # mse chose other scales
 
 
-FLOATS = [("fp8_e4m3", "channel"), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "block"), ("nvfp4", "group"),
-          ("mxfp4", "group"), ("mxfp8", "group")]
+FLOATS = [
+    ("fp8_e4m3", "channel"),
+    ("fp8_e4m3", "tensor"),
+    ("fp8_e4m3", "block"),
+    ("nvfp4", "group"),
+    ("mxfp4", "group"),
+    ("mxfp8", "group"),
+]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("fmt,gran", FLOATS)
 def test_float_solve_matches_reference(fmt, gran, act_order):
-    rows, cols = (160, 192) if gran == "block" else (24, 64)   # 192: a partial 128-column block
+    rows, cols = (160, 192) if gran == "block" else (24, 64)  # 192: a partial 128-column block
     W, H = problem(rows, cols, seed=2)
     spec = floats.float_spec(fmt, gran)
     width = {"group": spec.group_size, "block": 128}.get(gran, cols)
@@ -121,12 +146,22 @@ def test_float_solve_matches_reference(fmt, gran, act_order):
         return s.reshape(-1).expand(rows) if gran == "tensor" else s.reshape(-1)
 
     def quant(w, s):
-        return floats.fake_quantize_float(w.reshape(-1, 1), floats.FloatSpec(fmt, "channel"),
-                                          scale=s.reshape(-1, 1), gscale=gscale).reshape(-1)
+        return floats.fake_quantize_float(
+            w.reshape(-1, 1), floats.FloatSpec(fmt, "channel"), scale=s.reshape(-1, 1), gscale=gscale
+        ).reshape(-1)
+
     settings = gptq.Settings(block_size=64, act_order=act_order)
     sol = gptq.solve(W, H, gptq.make_grid(spec, rows, cols, W.dtype, settings), settings)
-    Wc, Q, _ = reference(W, H, fit if gran != "tensor" else (lambda X: fit(W)), quant, width,
-                         upfront=act_order or gran in ("tensor", "channel"), block=64, act_order=act_order)
+    Wc, Q, _ = reference(
+        W,
+        H,
+        fit if gran != "tensor" else (lambda X: fit(W)),
+        quant,
+        width,
+        upfront=act_order or gran in ("tensor", "channel"),
+        block=64,
+        act_order=act_order,
+    )
     assert (sol.weight - Wc).abs().max() < 1e-6
     assert (sol.quantized - Q).abs().max() < 1e-6
     s, g = sol.params
@@ -146,7 +181,7 @@ def test_dead_columns_keep_their_weights():
 
 def test_a_hessian_no_dampening_factors_is_rounded_to_nearest():
     W, _ = problem()
-    H = -torch.eye(W.shape[1], dtype=torch.float64)        # negative definite: no Cholesky
+    H = -torch.eye(W.shape[1], dtype=torch.float64)  # negative definite: no Cholesky
     spec = make_spec(4, granularity="group", group_size=32)
     sol = gptq.solve(W, H, gptq.make_grid(spec, *W.shape, W.dtype, gptq.Settings()), gptq.Settings())
     assert sol.rounded
@@ -158,17 +193,24 @@ def test_bfloat16_weights_quantize_back_to_the_solution(fmt):
     """bf16 weights: each column is stored and quantized in bf16, as the module's forward does."""
     W, H = problem(rows=32, cols=64, seed=5)
     W = W.to(torch.bfloat16)
-    spec = make_spec(4, granularity="group", group_size=32) if fmt == "int" else \
-        floats.float_spec(fmt, "group" if fmt == "nvfp4" else "channel")
+    spec = (
+        make_spec(4, granularity="group", group_size=32)
+        if fmt == "int"
+        else floats.float_spec(fmt, "group" if fmt == "nvfp4" else "channel")
+    )
     sol = gptq.solve(W, H, gptq.make_grid(spec, 32, 64, W.dtype, gptq.Settings()), gptq.Settings())
     assert sol.weight.dtype == sol.quantized.dtype == torch.bfloat16
     s, z = sol.params
-    again = fake_quantize_spec(sol.weight, spec, scale=s, zero_point=z) if fmt == "int" else \
-        floats.fake_quantize_float(sol.weight, spec, scale=s, gscale=z)
+    again = (
+        fake_quantize_spec(sol.weight, spec, scale=s, zero_point=z)
+        if fmt == "int"
+        else floats.fake_quantize_float(sol.weight, spec, scale=s, gscale=z)
+    )
     assert torch.equal(again, sol.quantized)
     rtn = fake_quantize_spec(W, spec) if fmt == "int" else floats.fake_quantize_float(W, spec)
 
     def err(Q):
         D = (W - Q).double()
         return float((D @ H * D).sum())
+
     assert err(sol.quantized) < err(rtn)

@@ -3,6 +3,7 @@
 Oracles: qcompress.quant.reference / packing / onebit (independent torch code), compressed-tensors'
 own pack_to_int32, and closed-form values for the 1-bit compressor.
 """
+
 import itertools
 import math
 
@@ -13,11 +14,11 @@ from qcompress.errors import NonFiniteError
 from qcompress.quant import api, kernels as K, onebit as O, packing as P, reference as R
 
 if not K.available():
-    pytest.skip(f"qcompress C++ extension not built ({K.load_error()}); run `make build`",
-                allow_module_level=True)
+    pytest.skip(f"qcompress C++ extension not built ({K.load_error()}); run `make build`", allow_module_level=True)
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
 
 def same(a, b, what=""):
     """Equal shape, dtype and values (NaN equal to NaN, -0.0 equal to 0.0)."""
@@ -54,25 +55,37 @@ def specs(granularity, **extra):
     """Every valid mode for one granularity."""
     out = []
     for bits, ternary in [(1, False), (2, True), (2, False), (3, False), (4, False), (8, False), (12, False)]:
-        for sym, numerics, rounding in itertools.product([True, False], ["default", "deepspeed"],
-                                                         ["nearest", "stochastic"]):
+        for sym, numerics, rounding in itertools.product(
+            [True, False], ["default", "deepspeed"], ["nearest", "stochastic"]
+        ):
             if bits == 1 or ternary:
                 if not sym or rounding == "stochastic":
                     continue
-            out.append(R.make_spec(bits, symmetric=sym, granularity=granularity, rounding=rounding,
-                                   numerics=numerics, ternary=ternary, seed=1234567, **extra))
+            out.append(
+                R.make_spec(
+                    bits,
+                    symmetric=sym,
+                    granularity=granularity,
+                    rounding=rounding,
+                    numerics=numerics,
+                    ternary=ternary,
+                    seed=1234567,
+                    **extra,
+                )
+            )
     return out
 
 
 def check_spec(x, spec, min_val=None, max_val=None):
-    ref, ker = run_both(lambda: R.fake_quantize_with_mask(x, spec, min_val, max_val),
-                        lambda: K.fake_quantize_with_mask(x, spec, min_val, max_val))
+    ref, ker = run_both(
+        lambda: R.fake_quantize_with_mask(x, spec, min_val, max_val),
+        lambda: K.fake_quantize_with_mask(x, spec, min_val, max_val),
+    )
     if ref is not None:
         same(ker[0], ref[0], f"y {spec}")
         same(ker[1], ref[1], f"mask {spec}")
         same(K.fake_quantize(x, spec, min_val, max_val), ref[0], f"y (no mask) {spec}")
-    ref, ker = run_both(lambda: R.quantize(x, spec, min_val, max_val),
-                        lambda: K.quantize(x, spec, min_val, max_val))
+    ref, ker = run_both(lambda: R.quantize(x, spec, min_val, max_val), lambda: K.quantize(x, spec, min_val, max_val))
     if ref is not None:
         for name, a, b in zip(("q", "scale", "zero_point"), ker, ref):
             same(a, b, f"{name} {spec}")
@@ -83,19 +96,20 @@ def check_spec(x, spec, min_val=None, max_val=None):
             kw["num_groups"] = spec.num_groups
         if x.numel():
             for dtype in (torch.float32, torch.bfloat16):
-                same(K.dequantize(*ker, dtype=dtype, **kw), R.dequantize(*ref, dtype=dtype, **kw),
-                     f"dequantize {spec}")
+                same(K.dequantize(*ker, dtype=dtype, **kw), R.dequantize(*ref, dtype=dtype, **kw), f"dequantize {spec}")
     # codes and values from one pass: quantize's and the fake quantizer's, bit for bit
-    both = run_both(lambda: (R.quantize(x, spec, min_val, max_val),
-                             R.fake_quantize_with_mask(x, spec, min_val, max_val)[0]),
-                    lambda: K.quantize_values(x, spec, min_val, max_val))
+    both = run_both(
+        lambda: (R.quantize(x, spec, min_val, max_val), R.fake_quantize_with_mask(x, spec, min_val, max_val)[0]),
+        lambda: K.quantize_values(x, spec, min_val, max_val),
+    )
     if both[0] is not None and both[1] is not None:
         (codes, y), ker = both
         for name, a, b in zip(("q", "scale", "zero_point", "values"), ker, (*codes, y)):
             same(a, b, f"quantize_values {name} {spec}")
     elif both[0] is not None:
-        assert x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x.numel(), \
+        assert x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x.numel(), (
             f"quantize_values declined a {x.dtype} tensor of shape {tuple(x.shape)}"
+        )
 
 
 SHAPES = [(7, 13), (3, 5, 9), (33,), (1,), (5, 1), (2, 1, 6)]
@@ -108,9 +122,18 @@ def _inputs(shape, seed=0):
 
 # --- every mode, every granularity ----------------------------------------------------------------
 
-@pytest.mark.parametrize("gran,extra", [("tensor", {}), ("channel", {}), ("token", {}),
-                                        ("group", {"group_size": 4}), ("group", {"group_size": 1}),
-                                        ("group", {"group_size": 128})])
+
+@pytest.mark.parametrize(
+    "gran,extra",
+    [
+        ("tensor", {}),
+        ("channel", {}),
+        ("token", {}),
+        ("group", {"group_size": 4}),
+        ("group", {"group_size": 1}),
+        ("group", {"group_size": 128}),
+    ],
+)
 def test_modes_match_reference(gran, extra):
     for shape in SHAPES:
         x = _inputs(shape)
@@ -239,16 +262,33 @@ def test_seed_and_rng_are_the_reference_rng():
 
 # --- dequantize, backward ------------------------------------------------------------------------
 
+
 def test_dequantize_layouts_and_fallbacks():
     q = torch.randint(-8, 8, (6, 10), dtype=torch.int8)
     s = torch.rand(6, 3) + 0.1
     z = torch.randint(-3, 3, (6, 3), dtype=torch.int32)
     for zp in (None, z):
         same(K.dequantize(q, s, zp, group_size=4), R.dequantize(q, s, zp, group_size=4), "group")
-        same(K.dequantize(q, s.reshape(-1)[:6].reshape(6, 1), None if zp is None else zp[:, :1]),
-             R.dequantize(q, s.reshape(-1)[:6].reshape(6, 1), None if zp is None else zp[:, :1]), "channel")
-        same(K.dequantize(q.to(torch.int32), s.reshape(-1)[:2].reshape(2, 1), None if zp is None else zp.reshape(-1)[:2].reshape(2, 1), num_groups=2),
-             R.dequantize(q.to(torch.int32), s.reshape(-1)[:2].reshape(2, 1), None if zp is None else zp.reshape(-1)[:2].reshape(2, 1), num_groups=2), "groups")
+        same(
+            K.dequantize(q, s.reshape(-1)[:6].reshape(6, 1), None if zp is None else zp[:, :1]),
+            R.dequantize(q, s.reshape(-1)[:6].reshape(6, 1), None if zp is None else zp[:, :1]),
+            "channel",
+        )
+        same(
+            K.dequantize(
+                q.to(torch.int32),
+                s.reshape(-1)[:2].reshape(2, 1),
+                None if zp is None else zp.reshape(-1)[:2].reshape(2, 1),
+                num_groups=2,
+            ),
+            R.dequantize(
+                q.to(torch.int32),
+                s.reshape(-1)[:2].reshape(2, 1),
+                None if zp is None else zp.reshape(-1)[:2].reshape(2, 1),
+                num_groups=2,
+            ),
+            "groups",
+        )
     odd = torch.rand(1, 10)  # broadcast along rows: not a kernel layout, falls back
     same(K.dequantize(q, odd), R.dequantize(q, odd), "fallback")
 
@@ -257,8 +297,10 @@ def test_ste_backward_and_api_gradients():
     x = _inputs((8, 32), seed=3)
     for clip in (False, True):
         xs = [x.clone().requires_grad_(True) for _ in range(2)]
-        ys = [api.fake_quantize(t, 4, granularity="group", group_size=16, symmetric=False, clip_grad=clip,
-                                backend=b) for t, b in zip(xs, ("kernel", "reference"))]
+        ys = [
+            api.fake_quantize(t, 4, granularity="group", group_size=16, symmetric=False, clip_grad=clip, backend=b)
+            for t, b in zip(xs, ("kernel", "reference"))
+        ]
         same(ys[0], ys[1], "api forward")
         g = torch.randn_like(x)
         for y in ys:
@@ -271,6 +313,7 @@ def test_ste_backward_and_api_gradients():
 
 
 # --- packing ---------------------------------------------------------------------------------------
+
 
 def test_packing_matches_reference_and_round_trips():
     g = torch.Generator().manual_seed(4)
@@ -287,8 +330,9 @@ def test_packing_matches_reference_and_round_trips():
 
 
 def test_packing_matches_compressed_tensors():
-    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers",
-                                  reason="compressed-tensors is not installed")
+    helpers = pytest.importorskip(
+        "compressed_tensors.compressors.pack_quantized.helpers", reason="compressed-tensors is not installed"
+    )
     fixed = torch.tensor([[-8, -1, 0, 1, 7, 3, -4, 2, 5, -6, 6, -7, 4, -3, -2, -5, 0, 7]], dtype=torch.int8)
     for bits in (2, 4, 8):
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -301,6 +345,7 @@ def test_packing_matches_compressed_tensors():
 
 
 # --- 1-bit compressor ------------------------------------------------------------------------------
+
 
 def test_onebit_matches_reference_and_formula():
     g = torch.Generator().manual_seed(5)
@@ -361,13 +406,16 @@ def test_onebit_large_and_strided_rows_match_reference():
 
 # --- torch.library and torch.compile ---------------------------------------------------------------
 
+
 def test_opcheck_every_op():
     ops = torch.ops.qcompress
     x = _inputs((6, 10))
     rng = torch.tensor([-2.0, 3.0])
-    for args in [(x, None, 6, 10, 4, 4, 0, False, False, 1, 7, True),
-                 (x, rng, 1, 60, 60, 8, 0, True, True, 0, 0, True),
-                 (x.bfloat16(), None, 6, 10, 10, 2, 2, True, False, 0, 0, False)]:
+    for args in [
+        (x, None, 6, 10, 4, 4, 0, False, False, 1, 7, True),
+        (x, rng, 1, 60, 60, 8, 0, True, True, 0, 0, True),
+        (x.bfloat16(), None, 6, 10, 10, 2, 2, True, False, 0, 0, False),
+    ]:
         torch.library.opcheck(ops.fake_quant, args)
         torch.library.opcheck(ops.quantize, args[:-1])
         torch.library.opcheck(ops.quantize_values, args[:-1])
@@ -388,8 +436,7 @@ def test_raw_fake_quant_op_passes_the_gradient_straight_through():
     # the op's own autograd (csrc/autograd.cpp): d x^ / d x taken as the identity, the mask none
     x = _inputs((6, 10)).requires_grad_(True)
     y, mask = torch.ops.qcompress.fake_quant(x, None, 6, 10, 4, 4, 0, True, False, 0, 0, True)
-    same(y, K.fake_quantize_with_mask(x.detach(), R.make_spec(4, granularity="group", group_size=4))[0],
-         "raw op value")
+    same(y, K.fake_quantize_with_mask(x.detach(), R.make_spec(4, granularity="group", group_size=4))[0], "raw op value")
     assert y.requires_grad and not mask.requires_grad
     g = torch.randn(6, 10)
     (y * g).sum().backward()
@@ -405,8 +452,15 @@ class _QLinear(torch.nn.Module):
         self.clip = clip
 
     def forward(self, x):
-        w = api.fake_quantize(self.lin.weight, 4, granularity="group", group_size=8, symmetric=False,
-                              clip_grad=self.clip, backend="kernel")
+        w = api.fake_quantize(
+            self.lin.weight,
+            4,
+            granularity="group",
+            group_size=8,
+            symmetric=False,
+            clip_grad=self.clip,
+            backend="kernel",
+        )
         a = api.fake_quantize(x, 8, granularity="token", rounding="stochastic", seed=3, backend="kernel")
         return torch.nn.functional.linear(a, w, self.lin.bias)
 

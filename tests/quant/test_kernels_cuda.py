@@ -2,6 +2,7 @@
 
 Skips (with the reason) when there is no GPU or the extension was built without CUDA.
 """
+
 import itertools
 
 import pytest
@@ -15,8 +16,9 @@ if not K.available():
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the CUDA kernels are only compiled (make cuda-check)", allow_module_level=True)
 if not torch.ops.qcompress.fake_quant.default.has_kernel_for_dispatch_key("CUDA"):
-    pytest.skip("the extension was built without CUDA (QCOMPRESS_CUDA=1 with nvcc to build it)",
-                allow_module_level=True)
+    pytest.skip(
+        "the extension was built without CUDA (QCOMPRESS_CUDA=1 with nvcc to build it)", allow_module_level=True
+    )
 
 DEV = torch.device("cuda")
 pytestmark = pytest.mark.cuda
@@ -34,18 +36,38 @@ def same(a, b, what):
 def all_specs(granularity, **extra):
     out = []
     for bits, ternary in [(1, False), (2, True), (2, False), (4, False), (8, False)]:
-        for sym, numerics, rounding in itertools.product([True, False], ["default", "deepspeed"],
-                                                         ["nearest", "stochastic"]):
+        for sym, numerics, rounding in itertools.product(
+            [True, False], ["default", "deepspeed"], ["nearest", "stochastic"]
+        ):
             if (bits == 1 or ternary) and (not sym or rounding == "stochastic"):
                 continue
-            out.append(R.make_spec(bits, symmetric=sym, granularity=granularity, rounding=rounding,
-                                   numerics=numerics, ternary=ternary, seed=99, **extra))
+            out.append(
+                R.make_spec(
+                    bits,
+                    symmetric=sym,
+                    granularity=granularity,
+                    rounding=rounding,
+                    numerics=numerics,
+                    ternary=ternary,
+                    seed=99,
+                    **extra,
+                )
+            )
     return out
 
 
-@pytest.mark.parametrize("gran,extra", [("tensor", {}), ("channel", {}), ("token", {}),
-                                        ("group", {"group_size": 5}), ("group", {"group_size": 1}),
-                                        ("group", {"group_size": 2048}), ("tensor", {"num_groups": 3})])
+@pytest.mark.parametrize(
+    "gran,extra",
+    [
+        ("tensor", {}),
+        ("channel", {}),
+        ("token", {}),
+        ("group", {"group_size": 5}),
+        ("group", {"group_size": 1}),
+        ("group", {"group_size": 2048}),
+        ("tensor", {"num_groups": 3}),
+    ],
+)
 @pytest.mark.parametrize("shape", [(7, 3000), (3, 5, 9), (1,)])
 def test_cuda_matches_cpu_reference(gran, extra, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
@@ -69,7 +91,7 @@ def test_cuda_matches_cpu_reference(gran, extra, shape):
             if spec.num_groups:
                 kw = {"num_groups": spec.num_groups}
             same(K.dequantize(*ker, **kw), R.dequantize(*ref, **kw), f"dequantize {spec}")
-            both = K.quantize_values(xc.to(DEV), spec)       # codes and values from one pass
+            both = K.quantize_values(xc.to(DEV), spec)  # codes and values from one pass
             for name, a, b in zip(("q", "scale", "zp", "values"), both, (*ref, y_ref)):
                 if b is None:
                     assert a is None, f"quantize_values {name} {spec}"
@@ -82,17 +104,20 @@ def test_cuda_static_range_and_nonfinite():
     raised at the call itself in sync mode."""
     x = torch.randn(4, 33)
     spec = R.make_spec(8, symmetric=False)
-    same(K.fake_quantize_with_mask(x.to(DEV), spec, -1.0, 2.0)[0],
-         R.fake_quantize_with_mask(x, spec, -1.0, 2.0)[0], "static range")
+    same(
+        K.fake_quantize_with_mask(x.to(DEV), spec, -1.0, 2.0)[0],
+        R.fake_quantize_with_mask(x, spec, -1.0, 2.0)[0],
+        "static range",
+    )
     x[1, 2] = float("nan")
     x[3, 30] = float("inf")
-    gspec = R.make_spec(4, granularity="group", group_size=8)     # 5 groups per row: 2 are hit
+    gspec = R.make_spec(4, granularity="group", group_size=8)  # 5 groups per row: 2 are hit
     K.check_nonfinite()
     K.fake_quantize_with_mask(x.to(DEV), gspec)
     K.quantize(x.to(DEV), gspec)
     with pytest.raises(NonFiniteError, match="^4 quantization groups on cuda:0"):
         K.check_nonfinite()
-    K.check_nonfinite()                          # reset: nothing new since
+    K.check_nonfinite()  # reset: nothing new since
     old = K.cuda_sync_checks(True)
     try:
         with pytest.raises(NonFiniteError, match="2 of 20 quantization groups"):
@@ -139,12 +164,15 @@ def test_cuda_given_parameter_and_lsq_kernels_match_cpu_reference(dtype, roundin
     reference: values and input gradients bit for bit; the scale / zero-point gradients are sums
     over each group, in another order on the GPU."""
     from qcompress.quant import observers
+
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(7, 45, generator=g) / torch.rand(7, 45, generator=g).clamp(min=0.05).sqrt() + 0.3).to(dtype)
-    for spec in (R.make_spec(5, symmetric=sym, granularity="group", group_size=16, rounding=rounding, seed=99),
-                 R.make_spec(4, symmetric=sym, granularity="channel", rounding=rounding, seed=7)):
+    for spec in (
+        R.make_spec(5, symmetric=sym, granularity="group", group_size=16, rounding=rounding, seed=99),
+        R.make_spec(4, symmetric=sym, granularity="channel", rounding=rounding, seed=7),
+    ):
         s, z = observers.weight_params(x.float(), spec, "minmax")
-        s = s * 0.8                                   # some values clip: both gradient regimes
+        s = s * 0.8  # some values clip: both gradient regimes
         y_ref, m_ref = R.fake_quantize_with_mask(x, spec, params=(s, z))
         y, m = K.fake_quantize_with_mask(x.to(DEV), spec, params=(s.to(DEV), None if z is None else z.to(DEV)))
         same(y, y_ref, f"y {spec}")

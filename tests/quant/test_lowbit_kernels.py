@@ -38,6 +38,7 @@ float16 also has subnormals below 2^-14: a rounded weight or input entry can be 
 absolutely, which adds 2^-25 (sum |x^| + sum |W| + 1) per output (the weights here never get that
 small, the term is there for soundness).
 """
+
 import functools
 import math
 import os
@@ -62,7 +63,7 @@ ALL_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")
 
 def cpu_isas():
     best = lowbit.isa("auto")
-    return ALL_ISAS[:ALL_ISAS.index(best) + 1]
+    return ALL_ISAS[: ALL_ISAS.index(best) + 1]
 
 
 @pytest.fixture(autouse=True)
@@ -78,16 +79,29 @@ def cfg_for(bits, gran, gs, sym, act):
     params = {"start_bits": bits, "target_bits": bits, "ternary": False, "granularity": gran}
     if gs:
         params["group_size"] = gs
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True,
-                              "quantization_type": "symmetric" if sym else "asymmetric"},
-        "different_groups": {"w": {"params": params}}}}}
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "quantize_weight_in_forward": True,
+                    "quantization_type": "symmetric" if sym else "asymmetric",
+                },
+                "different_groups": {"w": {"params": params}},
+            }
+        }
+    }
     if act:
         calib, asym = act
         doc["compression_training"]["activation_quantization"] = {
-            "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": calib,
-                                  "quantization_type": "asymmetric" if asym else "symmetric"},
-            "different_groups": {"a": {"params": {"bits": 8}}}}
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": 0,
+                "range_calibration": calib,
+                "quantization_type": "asymmetric" if asym else "symmetric",
+            },
+            "different_groups": {"a": {"params": {"bits": 8}}},
+        }
     return qcompress.load_config(doc)
 
 
@@ -95,15 +109,18 @@ def odd_model(dtype):
     """In-features 100 / 37 / 50 and out-features 37 / 50 / 19: no multiple of the vector width
     (8, 16 rows), and partial last groups for group sizes 16 and 32."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(100, 37), nn.GELU(), nn.Linear(37, 50, bias=False), nn.GELU(),
-                         nn.Linear(50, 19)).to(dtype).eval()
+    return (
+        nn.Sequential(nn.Linear(100, 37), nn.GELU(), nn.Linear(37, 50, bias=False), nn.GELU(), nn.Linear(50, 19))
+        .to(dtype)
+        .eval()
+    )
 
 
 def export_pair(tmp_path, make, cfg, calib):
     trained = make()
     qcompress.init_compression(trained, cfg)
     trained.train()
-    trained(calib)                       # calibrates static activation ranges
+    trained(calib)  # calibrates static activation ranges
     trained.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # partial groups: "only qcompress.load_quantized reads them"
@@ -116,6 +133,7 @@ def export_pair(tmp_path, make, cfg, calib):
 def no_float_weight(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a kernel plan built the float weight in forward")
+
     for name in ("_lowbit_weight", "planes_dequantize", "dequantize_record"):
         patch_fast(monkeypatch, name, boom)
 
@@ -133,13 +151,13 @@ def exact_and_bound(e, h, dtype, split_rest=False):
     w = e.weight.double()
     b = 0.0 if e.bias is None else e.bias.double().abs()
     mag = xin.abs() @ w.abs().t() + b
-    fp32_sums = (6 * w.shape[1] + 16) * 2.0 ** -24 * mag
+    fp32_sums = (6 * w.shape[1] + 16) * 2.0**-24 * mag
     if dtype == torch.float32:
         return want, fp32_sums + (digit_term(xin, w) if split_rest else 0.0)
-    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     bound = 2 * u * (mag + want.double().abs()) + fp32_sums
-    if dtype == torch.float16:       # subnormal rounding of weights, inputs and the result
-        bound = bound + 2.0 ** -25 * (xin.abs().sum(-1, keepdim=True) + w.abs().sum(-1) + 1)
+    if dtype == torch.float16:  # subnormal rounding of weights, inputs and the result
+        bound = bound + 2.0**-25 * (xin.abs().sum(-1, keepdim=True) + w.abs().sum(-1) + 1)
     return want, bound
 
 
@@ -150,38 +168,56 @@ def check(got, want, bound, where):
 
 
 WEIGHTS = [  # bits, granularity, group size
-    (4, "group", 32),       # pack-quantized, 4-bit container
-    (2, "group", 16),       # pack-quantized 2-bit, in the 4-bit container
-    (8, "channel", None),   # int-quantized, 8-bit container
-    (5, "tensor", None),    # int-quantized 5-bit, one scale, 8-bit container
+    (4, "group", 32),  # pack-quantized, 4-bit container
+    (2, "group", 16),  # pack-quantized 2-bit, in the 4-bit container
+    (8, "channel", None),  # int-quantized, 8-bit container
+    (5, "tensor", None),  # int-quantized 5-bit, one scale, 8-bit container
 ]
 FP32_ACTS = [  # symmetric weights?, activation quantization (calibration, asymmetric)
-    (True, None), (False, None), (True, ("dynamic", False)), (False, ("dynamic", True)),
+    (True, None),
+    (False, None),
+    (True, ("dynamic", False)),
+    (False, ("dynamic", True)),
     (False, ("static", True)),
 ]
-HALF_WEIGHTS = WEIGHTS + [(8, "group", 32), (4, "channel", None)]   # W4/W8 x group/channel
+HALF_WEIGHTS = WEIGHTS + [(8, "group", 32), (4, "channel", None)]  # W4/W8 x group/channel
 HALF_ACTS = (None, ("dynamic", True))
-CASES = ([(w, sym, act, torch.float32) for w in WEIGHTS for sym, act in FP32_ACTS]
-         + [(w, sym, act, dt) for dt in (torch.bfloat16, torch.float16) for w in HALF_WEIGHTS
-            for sym in (True, False) for act in HALF_ACTS])
+CASES = [(w, sym, act, torch.float32) for w in WEIGHTS for sym, act in FP32_ACTS] + [
+    (w, sym, act, dt)
+    for dt in (torch.bfloat16, torch.float16)
+    for w in HALF_WEIGHTS
+    for sym in (True, False)
+    for act in HALF_ACTS
+]
 
 
-@pytest.mark.parametrize("weights,sym,act,dtype", CASES,
-                         ids=[f"w{w[0]}{w[1]}{w[2] or ''}-{'sym' if s else 'asym'}-"
-                              f"{'none' if a is None else a[0] + ('A' if a[1] else 'S')}-{str(d)[6:]}"
-                              for w, s, a, d in CASES])
+@pytest.mark.parametrize(
+    "weights,sym,act,dtype",
+    CASES,
+    ids=[
+        f"w{w[0]}{w[1]}{w[2] or ''}-{'sym' if s else 'asym'}-"
+        f"{'none' if a is None else a[0] + ('A' if a[1] else 'S')}-{str(d)[6:]}"
+        for w, s, a, d in CASES
+    ],
+)
 def test_kernels_match_exact_path(tmp_path, monkeypatch, weights, sym, act, dtype):
     bits, gran, gs = weights
     g = torch.Generator().manual_seed(bits)
-    trained, exact, fast = export_pair(tmp_path, lambda: odd_model(dtype), cfg_for(bits, gran, gs, sym, act),
-                                       torch.randn(6, 100, generator=g).to(dtype))
+    trained, exact, fast = export_pair(
+        tmp_path,
+        lambda: odd_model(dtype),
+        cfg_for(bits, gran, gs, sym, act),
+        torch.randn(6, 100, generator=g).to(dtype),
+    )
     plan = "lowbit_a8" if act else "lowbit"
     assert set(plans_of(fast).values()) == {plan}
     for e, f in zip(exact, fast):
-        if isinstance(e, nn.Linear):      # the kernels' weight is the exact path's, bit for bit
+        if isinstance(e, nn.Linear):  # the kernels' weight is the exact path's, bit for bit
             assert torch.equal(f.weight, e.weight)
-    inputs = [torch.randn(1, 100, generator=g).to(dtype),             # one token: the GEMV path
-              torch.randn(3, 11, 100, generator=g).to(dtype)]         # 33 tokens: tiles of 8/6/4/2 + rest
+    inputs = [
+        torch.randn(1, 100, generator=g).to(dtype),  # one token: the GEMV path
+        torch.randn(3, 11, 100, generator=g).to(dtype),
+    ]  # 33 tokens: tiles of 8/6/4/2 + rest
     with torch.no_grad():
         assert torch.equal(exact(inputs[1]), trained(inputs[1]))
         for x in inputs:
@@ -219,8 +255,13 @@ def test_isa_choice_and_refusal():
         want = "amx" if all(f" {f}" in flags for f in ("amx_tile", "amx_int8", "amx_bf16")) else "avx512_vnni"
         assert best == want, f"the CPU has {want} but the kernels use {best}"
     env = dict(os.environ, QCOMPRESS_LOWBIT_ISA="scalar")
-    out = subprocess.run([sys.executable, "-c", "from qcompress.quant import lowbit; print(lowbit.isa())"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "from qcompress.quant import lowbit; print(lowbit.isa())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr[-500:]
 
 
@@ -263,19 +304,19 @@ def test_int32_sums_at_the_longest_group():
     q[1::2] = 127
     zp = torch.full((n, 1), 127, dtype=torch.int8)
     zp[2::3] = -128
-    s = torch.full((n, 1), 2.0 ** -20)
+    s = torch.full((n, 1), 2.0**-20)
     p = lowbit.prepack(q, s, zp, k, 8)
     xq = torch.full((2, k), -128, dtype=torch.int8)
     xq[1, ::2] = 127
     zx = torch.tensor([127, -128], dtype=torch.int32)
-    sx = torch.tensor([2.0 ** -10, 1.0])
-    a = (xq.double() - zx.double()[:, None])
-    want = (a @ (q.double() - zp.double()).t()) * 2.0 ** -20 * sx.double()[:, None]
+    sx = torch.tensor([2.0**-10, 1.0])
+    a = xq.double() - zx.double()[:, None]
+    want = (a @ (q.double() - zp.double()).t()) * 2.0**-20 * sx.double()[:, None]
     for isa in cpu_isas():
         lowbit.isa(isa)
         got = lowbit.linear_a8(xq, sx, zx, p, None, n, k, 8, torch.float32)
         # one float32 rounding of each 31-bit group sum and of the two scale products
-        assert torch.allclose(got.double(), want, rtol=4 * 2.0 ** -24, atol=0), isa
+        assert torch.allclose(got.double(), want, rtol=4 * 2.0**-24, atol=0), isa
 
 
 def test_gpt2_conv1d_runs_the_kernels(tmp_path):
@@ -346,21 +387,21 @@ def test_amx_tiles_against_references(monkeypatch):
                         assert got.dtype == dt
                         want = x.double() @ w.t() + bias.double()
                         mag = x.double().abs() @ w.abs().t() + bias.double().abs()
-                        bound = (6 * k + 16) * 2.0 ** -24 * mag
-                        if dt == torch.float32:                  # int8 digits, or the rest of two pieces
+                        bound = (6 * k + 16) * 2.0**-24 * mag
+                        if dt == torch.float32:  # int8 digits, or the rest of two pieces
                             bound = bound + digit_term(x, w)
                         else:
-                            bound = bound + (2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11) * want.abs()
+                            bound = bound + (2.0**-8 if dt == torch.bfloat16 else 2.0**-11) * want.abs()
                         where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {dt}"
                         assert bool(((got.double() - want).abs() <= bound).all()), where
-                        if dt == torch.float32:                  # the bf16 pieces, within 2^-16 |x|
+                        if dt == torch.float32:  # the bf16 pieces, within 2^-16 |x|
                             monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")
                             got = lowbit.linear(x, p, bias, n, group, cbits)
                             monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
-                            bound = (6 * k + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag
+                            bound = (6 * k + 16) * 2.0**-24 * mag + 2.0**-16 * mag
                             assert bool(((got.double() - want).abs() <= bound).all()), where + " pieces"
                     if k % 64:
-                        continue                     # W-A8 tiles take 64-column steps
+                        continue  # W-A8 tiles take 64-column steps
                     xq = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
                     sx = torch.rand(m, generator=g)
                     for zx in (None, torch.randint(-128, 128, (m,), generator=g, dtype=torch.int32)):
@@ -417,7 +458,7 @@ def test_amx_takes_nonfinite_inputs_elsewhere():
     # results follow IEEE (oracle: the float64 product, inf and nan where it has them)
     g = torch.Generator().manual_seed(3)
     q, s, zp = _codes(g, 16, 64, 64, 8, True)
-    q[q == 0] = 1                              # no 0 * inf
+    q[q == 0] = 1  # no 0 * inf
     p = lowbit.prepack(q, s, zp, 64, 8)
     x = torch.randn(20, 64, generator=g)
     x[3, 5] = float("inf")
@@ -457,25 +498,38 @@ def test_amx_split_scratch_reuse_keeps_results():
     # equal the same call made first on a fresh thread, bit for bit (stale pieces never read),
     # and the big call must still be within the float64 bound.
     import threading
+
     g = torch.Generator().manual_seed(7)
     lowbit.isa("amx")
     calls = []
-    for n, k, group, cbits, m, dt in ((40, 200, 64, 4, 33, torch.float32), (96, 384, 128, 8, 1100, torch.float32),
-                                      (24, 96, 32, 4, 17, torch.float16), (40, 200, 64, 4, 300, torch.bfloat16)):
+    for n, k, group, cbits, m, dt in (
+        (40, 200, 64, 4, 33, torch.float32),
+        (96, 384, 128, 8, 1100, torch.float32),
+        (24, 96, 32, 4, 17, torch.float16),
+        (40, 200, 64, 4, 300, torch.bfloat16),
+    ):
         q, s, zp = _codes(g, n, k, group, cbits, False)
-        calls.append((torch.randn(m, k, generator=g).to(dt), lowbit.prepack(q, s, zp, group, cbits),
-                      torch.randn(n, generator=g), n, group, cbits))
+        calls.append(
+            (
+                torch.randn(m, k, generator=g).to(dt),
+                lowbit.prepack(q, s, zp, group, cbits),
+                torch.randn(n, generator=g),
+                n,
+                group,
+                cbits,
+            )
+        )
 
     def run_all(out):
         lowbit.isa("amx")
         out.extend(lowbit.linear(*c) for c in calls)
 
     fresh = []
-    for c in calls:                            # each call first on a thread of its own
+    for c in calls:  # each call first on a thread of its own
         t = threading.Thread(target=lambda c=c: (lowbit.isa("amx"), fresh.append(lowbit.linear(*c))))
         t.start()
         t.join()
-    for _ in range(2):                         # grown, shrunk, grown again on this thread
+    for _ in range(2):  # grown, shrunk, grown again on this thread
         here = []
         run_all(here)
         for i, (a, b) in enumerate(zip(here, fresh)):
@@ -489,7 +543,7 @@ def test_amx_split_scratch_reuse_keeps_results():
     q, s, zp = lowbit.unpack(p, n, x.shape[1], group, cbits)
     w = _reference(q, s, zp, group)
     want = x.double() @ w.t() + bias.double()
-    bound = (6 * x.shape[1] + 16) * 2.0 ** -24 * (x.double().abs() @ w.abs().t() + bias.double().abs())
+    bound = (6 * x.shape[1] + 16) * 2.0**-24 * (x.double().abs() @ w.abs().t() + bias.double().abs())
     assert bool(((fresh[1].double() - want).abs() <= bound + digit_term(x, w)).all())
 
 
@@ -521,20 +575,21 @@ def test_amx_float32_digits_against_their_definition(monkeypatch):
                 x[m // 2] = 0
                 xh = _digits_reference(x)
                 want = xh @ w.t() + bias.double()
-                bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
+                bound = (6 * k + 16) * 2.0**-24 * (xh.abs() @ w.abs().t() + bias.double().abs())
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
                     got = lowbit.linear(x, p, bias, n, group, cbits).double()
                     where = f"{cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens {threads} threads"
                     assert bool(((got - want).abs() <= bound).all()), where
-                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")   # not the same sums: the
-                    other = lowbit.linear(x, p, bias, n, group, cbits).double()   # digit path ran
+                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")  # not the same sums: the
+                    other = lowbit.linear(x, p, bias, n, group, cbits).double()  # digit path ran
                     monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
                     assert not torch.equal(got, other), where
 
 
-@pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") not in ("avx512_vnni", "amx"),
-                    reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.skipif(
+    not lowbit.available() or lowbit.isa("auto") not in ("avx512_vnni", "amx"), reason="the CPU has no AVX-512 VNNI"
+)
 def test_gemv_float32_digits_against_their_definition(monkeypatch):
     # Below 16 tokens, float32 weight-only runs each token's two int8 digits as two rows of the
     # VNNI W-A8 kernel: exactly x^ @ W^T (x^ the digits' value, reference above) up to float32
@@ -553,18 +608,18 @@ def test_gemv_float32_digits_against_their_definition(monkeypatch):
                         x[m - 1] = 0
                     xh = _digits_reference(x)
                     want = xh @ w.t() + bias.double()
-                    bound = (6 * k + 16) * 2.0 ** -24 * (xh.abs() @ w.abs().t() + bias.double().abs())
+                    bound = (6 * k + 16) * 2.0**-24 * (xh.abs() @ w.abs().t() + bias.double().abs())
                     got = lowbit.linear(x, p, bias, n, group, cbits).double()
                     where = f"{isa} {cbits}-bit {n}x{k} group {group} {'sym' if sym else 'asym'} {m} tokens"
                     assert bool(((got - want).abs() <= bound).all()), where
-                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")         # the float kernel: other sums
+                    monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")  # the float kernel: other sums
                     assert not torch.equal(got, lowbit.linear(x, p, bias, n, group, cbits).double()), where
                     monkeypatch.delenv("QCOMPRESS_LOWBIT_FP32")
         p, w, bias = _layer(g, 8, 16, 64, 64, True)
         for bad in (float("inf"), float("nan"), 1e-33):
             x = torch.randn(2, 64, generator=g)
             if bad < 1:
-                x[1] *= bad          # a tiny token
+                x[1] *= bad  # a tiny token
             else:
                 x[1, 5] = bad
             got = lowbit.linear(x, p, None, 16, 64, 8).double()
@@ -572,7 +627,7 @@ def test_gemv_float32_digits_against_their_definition(monkeypatch):
             assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
             fin = torch.isfinite(want)
             mag = (x.double().abs() @ w.abs().t())[fin]
-            assert bool(((got[fin] - want[fin]).abs() <= (6 * 64 + 16) * 2.0 ** -24 * mag).all()), (isa, bad)
+            assert bool(((got[fin] - want[fin]).abs() <= (6 * 64 + 16) * 2.0**-24 * mag).all()), (isa, bad)
 
 
 @pytest.mark.skipif(not lowbit.available() or lowbit.isa("auto") != "amx", reason="the CPU has no AMX tiles")
@@ -589,8 +644,8 @@ def test_amx_float32_digits_hand_tiny_tokens_to_the_pieces():
     got = lowbit.linear(x, p, None, 32, 128, 8).double()
     want = x.double() @ w.t()
     mag = x.double().abs() @ w.abs().t()
-    assert bool(((got - want).abs() <= (6 * 128 + 16) * 2.0 ** -24 * mag + 2.0 ** -16 * mag).all())
-    assert float(got[4].abs().max()) > 0            # not flushed to zero as a digit scale of 0 would
+    assert bool(((got - want).abs() <= (6 * 128 + 16) * 2.0**-24 * mag + 2.0**-16 * mag).all())
+    assert float(got[4].abs().max()) > 0  # not flushed to zero as a digit scale of 0 would
 
 
 def _check_dyn_a8(g, p, bias, n, k, m, group, cbits):
@@ -598,13 +653,15 @@ def _check_dyn_a8(g, p, bias, n, k, m, group, cbits):
     bit for bit, for 8-bit sym / asym and 5-bit activations, float32 and bfloat16."""
     from qcompress.quant import kernels as K
     from qcompress.quant.api import make_spec
+
     for abits, sym in ((8, True), (8, False), (5, True)):
         spec = make_spec(abits, symmetric=sym, granularity="token")
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(3, m, k, generator=g) * 3).to(dtype)
             xq, sx, zx = K.quantize(x.reshape(-1, k), spec)
-            want = lowbit.linear_a8(xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n,
-                                    group, cbits, dtype).reshape(3, m, n)
+            want = lowbit.linear_a8(
+                xq, sx, None if zx is None else zx.to(torch.int32), p, bias, n, group, cbits, dtype
+            ).reshape(3, m, n)
             got = lowbit.linear_dyn_a8(x, p, bias, n, group, cbits, abits, sym, spec.seed)
             assert got.dtype == dtype and got.shape == want.shape
             assert torch.equal(got, want), (cbits, n, k, m, abits, sym, dtype)
@@ -622,7 +679,7 @@ def test_one_call_dynamic_a8_token_tasks_equal_quantize_then_linear_a8():
         q, s, zp = _codes(g, n, k, group, cbits, sym_w)
         p = lowbit.prepack(q, s, zp, group, cbits)
         bias = torch.randn(n, generator=g)
-        for m in (22, 100):                       # 66 and 300 tokens (not multiples of 16)
+        for m in (22, 100):  # 66 and 300 tokens (not multiples of 16)
             _check_dyn_a8(g, p, bias, n, k, m, group, cbits)
         x = torch.randn(100, k, generator=g)
         x[70, 3] = float("nan")
@@ -647,7 +704,7 @@ def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
         for cbits, n, k, group, sym_w in ((8, 45, 96, 96, True), (4, 33, 128, 32, False), (8, 17, 64, 32, False)):
             q, s, zp = _codes(g, n, k, group, cbits, sym_w)
             p = lowbit.prepack(q, s, zp, group, cbits)
-            for m in (1, 5):                          # 3 and 15 tokens
+            for m in (1, 5):  # 3 and 15 tokens
                 _check_dyn_a8(g, p, torch.randn(n, generator=g), n, k, m, group, cbits)
                 _check_dyn_a8(g, p, None, n, k, m, group, cbits)
             x = torch.randn(2, k, generator=g)
@@ -656,8 +713,17 @@ def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
                 lowbit.linear_dyn_a8(x, p, None, n, group, cbits, 8, True, 0)
     lowbit.isa("auto")
     with pytest.raises(RuntimeError, match="activation bits must be 2..8"):
-        lowbit.linear_dyn_a8(torch.zeros(2, 8), lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8),
-                             torch.ones(4, 1), None, 8, 4), None, 4, 8, 4, 9, True, 0)
+        lowbit.linear_dyn_a8(
+            torch.zeros(2, 8),
+            lowbit.prepack(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1), None, 8, 4),
+            None,
+            4,
+            8,
+            4,
+            9,
+            True,
+            0,
+        )
 
 
 # --- the activation epilogue (lowbit_linear's `act`, fused by load_quantized; export/fuse.py) ----
@@ -665,6 +731,7 @@ def test_one_call_dynamic_a8_equals_quantize_then_linear_a8():
 # 1e-6 |gelu(y)| of torch's (the formula's 3e-7 and float rounding of p^16: see lowbit.h); ReLU is
 # exact. Oracle: torch's F.gelu / F.relu of the same call without `act`, which every path computes
 # identically (the activation is applied to the finished output, in the tile / GEMV store or after).
+
 
 def _gelu_bound(y):
     y = y.double()
@@ -680,7 +747,7 @@ def test_activation_epilogue_on_every_path(monkeypatch, sym):
             p, _, bias = _layer(g, cbits, n, k, group, sym)
             for m in (1, 5, 33):
                 for dt in (torch.float32, torch.bfloat16):
-                    for pieces in ((False, True) if dt == torch.float32 else (False,)):
+                    for pieces in (False, True) if dt == torch.float32 else (False,):
                         if pieces:
                             monkeypatch.setenv("QCOMPRESS_LOWBIT_FP32", "pieces")
                         lowbit.isa(isa)
@@ -699,18 +766,43 @@ def test_activation_epilogue_on_every_path(monkeypatch, sym):
                             if dt == torch.float32:
                                 diff = (got.double() - fn(base.double())).abs()
                                 assert bool((diff <= _gelu_bound(base)).all()), where + approx
-                            else:       # the float result of the epilogue, rounded once to bf16
+                            else:  # the float result of the epilogue, rounded once to bf16
                                 want = fn(base.float())
                                 diff = (got.float() - want).abs()
-                                assert bool((diff <= 2.0 ** -8 * want.abs() + _gelu_bound(base.float())).all()), \
+                                assert bool((diff <= 2.0**-8 * want.abs() + _gelu_bound(base.float())).all()), (
                                     where + approx
+                                )
 
 
 def test_gelu_epilogue_special_values():
     # one token per value, x = (v, 0, ..., 0), identity weights (8-bit codes 1 on the diagonal,
     # scale 1) on the scalar kernel: output column 0 is v exactly, so the epilogue sees v as it is
-    vals = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.5, -0.5, 1.0, -1.0, 3.0, -3.0, 5.5, -5.5,
-                         10.0, -10.0, 30.0, -30.0, 1e4, -1e4, float("nan"), float("inf")])
+    vals = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            1e-3,
+            -1e-3,
+            0.5,
+            -0.5,
+            1.0,
+            -1.0,
+            3.0,
+            -3.0,
+            5.5,
+            -5.5,
+            10.0,
+            -10.0,
+            30.0,
+            -30.0,
+            1e4,
+            -1e4,
+            float("nan"),
+            float("inf"),
+        ]
+    )
     k = 16
     x = torch.zeros(vals.numel(), k)
     x[:, 0] = vals
@@ -723,7 +815,7 @@ def test_gelu_epilogue_special_values():
         finite = torch.isfinite(vals)
         assert bool(((got.double() - want).abs()[finite] <= _gelu_bound(vals)[finite]).all()), act
         assert got[-2].isnan() and got[-1] == float("inf"), act
-        assert bool((got[vals < -9] <= 0).all()) and bool((got[vals < -9] > -1e-15).all()), act   # no cancellation
+        assert bool((got[vals < -9] <= 0).all()) and bool((got[vals < -9] > -1e-15).all()), act  # no cancellation
 
 
 def test_activation_argument_is_checked():
@@ -756,7 +848,7 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
     # lowbit_linear_dyn_a8's act: applied in place to the finished output (lowbit.h apply_act)
     g = torch.Generator().manual_seed(25)
     F = torch.nn.functional
-    torch.set_num_threads(2)      # 70 tokens on AMX: the token-task path, act in the tile store
+    torch.set_num_threads(2)  # 70 tokens on AMX: the token-task path, act in the tile store
     for isa in cpu_isas():
         p, _, bias = _layer(g, 8, 48, 128, 128, True)
         for m in (1, 5, 40, 70):
@@ -774,8 +866,9 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
                 for dt in (torch.float32, torch.bfloat16):
                     xd, r = x.to(dt), torch.randn(m, 48, generator=g).to(dt)
                     want = lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act) + r
-                    assert torch.equal(lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act, residual=r),
-                                       want), f"{isa} {m} {act} {dt}"
+                    assert torch.equal(
+                        lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act, residual=r), want
+                    ), f"{isa} {m} {act} {dt}"
             with pytest.raises(RuntimeError, match="lowbit_linear_dyn_a8: residual has shape"):
                 lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, residual=torch.zeros(m, 47))
 
@@ -786,13 +879,17 @@ def test_fast_layers_keep_the_gradients_of_their_bias(tmp_path):
     # the exact path (before, the kernel ran and the bias gradient came out wrong, with only a
     # torch warning), so the fast model's bias gradients are the exact model's.
     g = torch.Generator().manual_seed(8)
-    _, exact, fast = export_pair(tmp_path, lambda: odd_model(torch.float32), cfg_for(4, "group", 32, True, None),
-                                 torch.randn(6, 100, generator=g))
-    x = torch.randn(3, 100, generator=g)            # an input that needs no gradient
+    _, exact, fast = export_pair(
+        tmp_path,
+        lambda: odd_model(torch.float32),
+        cfg_for(4, "group", 32, True, None),
+        torch.randn(6, 100, generator=g),
+    )
+    x = torch.randn(3, 100, generator=g)  # an input that needs no gradient
     for model in (exact, fast):
         model(x).square().sum().backward()
     for e, f in zip(exact, fast):
         if isinstance(e, nn.Linear) and e.bias is not None:
             assert f.bias.grad is not None and torch.equal(f.bias.grad, e.bias.grad)
-    with torch.no_grad():                           # inference: the kernels run
+    with torch.no_grad():  # inference: the kernels run
         assert torch.allclose(fast(x), exact(x), rtol=1e-4, atol=1e-5)

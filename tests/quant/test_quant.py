@@ -3,6 +3,7 @@
 The oracle below is written from the formulas in the issue / reference notes (§2), not from
 qcompress.quant.reference: numpy float32 arithmetic, np.round (half to even).
 """
+
 import math
 
 import numpy as np
@@ -18,10 +19,11 @@ from qcompress.quant import kernels_available, rng
 BACKENDS = ["reference"] + (["kernel"] if kernels_available() else [])
 
 F32 = np.float32
-EPS = F32(2.0 ** -100)
+EPS = F32(2.0**-100)
 
 
 # --- the oracle ---------------------------------------------------------------------------------
+
 
 def np_u32_hash(x):
     """lowbias32 mixer in uint32 arithmetic (wraps mod 2^32)."""
@@ -40,7 +42,7 @@ def np_uniform(seed, n):
     idx = np.arange(n, dtype=np.uint64)
     inner = np_u32_hash(np_u32_hash((idx >> np.uint64(32)).astype(np.uint32)) ^ np.uint32(seed & 0xFFFFFFFF))
     h = np_u32_hash((idx & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ inner)
-    return ((h >> np.uint32(8)).astype(F32) * F32(2.0 ** -24)).astype(F32)
+    return ((h >> np.uint32(8)).astype(F32) * F32(2.0**-24)).astype(F32)
 
 
 def np_groups(x, gran, group_size=None, num_groups=None):
@@ -63,8 +65,18 @@ def np_groups(x, gran, group_size=None, num_groups=None):
     return pad.reshape(rows * ng, group_size), lambda v: v.reshape(rows, ng * group_size)[:, :k].reshape(shape)
 
 
-def oracle(x, bits, symmetric=True, gran="tensor", group_size=None, num_groups=None,
-           rounding="nearest", seed=0, numerics="default", counts=None):
+def oracle(
+    x,
+    bits,
+    symmetric=True,
+    gran="tensor",
+    group_size=None,
+    num_groups=None,
+    rounding="nearest",
+    seed=0,
+    numerics="default",
+    counts=None,
+):
     """(x^, q) by the documented formulas; q in the same integer convention qcompress returns."""
     x = np.asarray(x, F32)
     X, back = np_groups(x, gran, group_size, num_groups)
@@ -92,7 +104,7 @@ def oracle(x, bits, symmetric=True, gran="tensor", group_size=None, num_groups=N
     else:
         lo, hi = X.min(1).astype(F32), X.max(1).astype(F32)
     if numerics == "deepspeed":
-        Q = F32(2.0 ** bits)
+        Q = F32(2.0**bits)
         if symmetric:
             m = np.maximum(np.abs(lo), np.abs(hi))
             s = np.maximum(F32(2.0) * m / Q, EPS)[:, None]
@@ -121,8 +133,14 @@ def oracle(x, bits, symmetric=True, gran="tensor", group_size=None, num_groups=N
 
 INT_MODES = []
 for _sym in (True, False):
-    for _gran, _kw in (("tensor", {}), ("channel", {}), ("group", {"group_size": 4}),
-                       ("group", {"group_size": 5}), ("token", {}), ("tensor", {"num_groups": 6})):
+    for _gran, _kw in (
+        ("tensor", {}),
+        ("channel", {}),
+        ("group", {"group_size": 4}),
+        ("group", {"group_size": 5}),
+        ("token", {}),
+        ("tensor", {"num_groups": 6}),
+    ):
         for _rnd in ("nearest", "stochastic"):
             for _num in ("default", "deepspeed"):
                 INT_MODES.append(dict(symmetric=_sym, granularity=_gran, rounding=_rnd, numerics=_num, **_kw))
@@ -133,16 +151,29 @@ def _id(m):
 
 
 def _as_oracle_kw(m):
-    return dict(symmetric=m["symmetric"], gran=m["granularity"], group_size=m.get("group_size"),
-                num_groups=m.get("num_groups"), rounding=m["rounding"], numerics=m["numerics"])
+    return dict(
+        symmetric=m["symmetric"],
+        gran=m["granularity"],
+        group_size=m.get("group_size"),
+        num_groups=m.get("num_groups"),
+        rounding=m["rounding"],
+        numerics=m["numerics"],
+    )
 
 
 def _dq(q, s, z, mode, backend=None):
-    return dequantize(q, s, z, group_size=mode.get("group_size") if mode["granularity"] == "group" else None,
-                      num_groups=mode.get("num_groups"), backend=backend)
+    return dequantize(
+        q,
+        s,
+        z,
+        group_size=mode.get("group_size") if mode["granularity"] == "group" else None,
+        num_groups=mode.get("num_groups"),
+        backend=backend,
+    )
 
 
 # --- against the oracle -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", INT_MODES, ids=_id)
@@ -163,13 +194,14 @@ def test_int_modes_match_oracle(mode, bits, backend):
 
 
 def test_rng_matches_documented_hash():
-    for seed in (0, 1, 12345, 2 ** 31 + 7):
+    for seed in (0, 1, 12345, 2**31 + 7):
         u = rng.uniform(seed, 4096).numpy()
         np.testing.assert_array_equal(u, np_uniform(seed, 4096))
         assert u.min() >= 0 and u.max() < 1
 
 
 # --- hand-computed cases ------------------------------------------------------------------------
+
 
 def test_hand_sym_tensor_half_to_even():
     x = torch.tensor([7.0, -3.5, 2.5, 0.5, -1.5])  # 4 bits: s = 7/7 = 1
@@ -181,14 +213,14 @@ def test_hand_sym_tensor_half_to_even():
 
 def test_hand_asym_tensor():
     q, s, z = quantize(torch.tensor([-2.0, 13.0, 0.0]), 4, symmetric=False)
-    assert s.tolist() == [1.0] and z.tolist() == [-6]     # zp = -8 - round(-2 / 1)
+    assert s.tolist() == [1.0] and z.tolist() == [-6]  # zp = -8 - round(-2 / 1)
     assert q.tolist() == [-8, 7, -6]
     q, s, z = quantize(torch.tensor([3.0, 15.0]), 4, symmetric=False)  # lo clamps to 0
     assert s.tolist() == [1.0] and z.tolist() == [-8] and q.tolist() == [-5, 7]
 
 
 def test_hand_channel_and_token():
-    x = torch.tensor([[1.5, -3.0], [0.75, 0.375]])        # 3 bits: qmax 3; s = 1 and 0.25
+    x = torch.tensor([[1.5, -3.0], [0.75, 0.375]])  # 3 bits: qmax 3; s = 1 and 0.25
     q, s, _ = quantize(x, 3, granularity="channel")
     assert s.flatten().tolist() == [1.0, 0.25] and s.shape == (2, 1)
     assert q.tolist() == [[2, -3], [3, 2]]
@@ -198,7 +230,7 @@ def test_hand_channel_and_token():
 
 
 def test_hand_group_size_with_ragged_tail():
-    x = torch.tensor([[3.0, 1.5, -0.75, 0.375, 6.0]])     # groups of 2: s = 1, 0.25, 2
+    x = torch.tensor([[3.0, 1.5, -0.75, 0.375, 6.0]])  # groups of 2: s = 1, 0.25, 2
     q, s, _ = quantize(x, 3, granularity="group", group_size=2)
     assert s.tolist() == [[1.0, 0.25, 2.0]]
     assert q.tolist() == [[3, 2, -3, 2, 3]]
@@ -214,7 +246,7 @@ def test_hand_num_groups():
 
 
 def test_hand_binary_and_ternary():
-    x = torch.tensor([0.5, -1.5, 0.0, 2.0])                # mean|x| = 1
+    x = torch.tensor([0.5, -1.5, 0.0, 2.0])  # mean|x| = 1
     q, s, _ = quantize(x, 1)
     assert q.tolist() == [1, -1, 1, 1] and s.flatten().tolist() == [1.0]
     assert fake_quantize(x, 1, numerics="deepspeed").tolist() == [1.0, -1.0, 0.0, 1.0]  # sign(0) = 0
@@ -226,13 +258,13 @@ def test_hand_binary_and_ternary():
 
 
 def test_hand_deepspeed_sym_and_asym():
-    x = torch.tensor([8.0, -8.0, 4.5, -0.5])               # s = 2*8/16 = 1; +8 clips to 7
+    x = torch.tensor([8.0, -8.0, 4.5, -0.5])  # s = 2*8/16 = 1; +8 clips to 7
     q, s, _ = quantize(x, 4, numerics="deepspeed")
     assert s.flatten().tolist() == [1.0] and q.tolist() == [7, -8, 4, 0]
     assert fake_quantize(x, 4, numerics="deepspeed").tolist() == [7.0, -8.0, 4.0, 0.0]
-    x = torch.tensor([-1.0, 15.0, 3.5])                    # s = 16/16 = 1, z = round(-1) = -1
+    x = torch.tensor([-1.0, 15.0, 3.5])  # s = 16/16 = 1, z = round(-1) = -1
     y = fake_quantize(x, 4, symmetric=False, numerics="deepspeed")
-    assert y.tolist() == [-1.0, 14.0, 3.0]                 # 15 clips to level 15 -> 14; 4.5 -> 4
+    assert y.tolist() == [-1.0, 14.0, 3.0]  # 15 clips to level 15 -> 14; 4.5 -> 4
     q, s, z = quantize(x, 4, symmetric=False, numerics="deepspeed")
     assert q.tolist() == [0, 15, 4]
     assert dequantize(q, s, z).tolist() == [-1.0, 14.0, 3.0]
@@ -247,11 +279,12 @@ def test_ternary_is_deepspeed_2bit_and_plain_2bit_is_a_grid():
     torch.testing.assert_close(y, alpha * keep * torch.sign(x))
     y_ds = fake_quantize(x, 2, ternary=True, numerics="deepspeed")
     torch.testing.assert_close(y_ds, y)
-    y2 = fake_quantize(x, 2)                               # plain 4-level grid
+    y2 = fake_quantize(x, 2)  # plain 4-level grid
     np.testing.assert_allclose(y2.numpy(), oracle(x.numpy(), 2)[0], atol=1e-6)
 
 
 # --- properties ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", [m for m in INT_MODES if m["rounding"] == "nearest"], ids=_id)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -262,7 +295,7 @@ def test_values_on_integer_grid(mode, backend):
     q, s, z = quantize(x, bits, **mode)
     qf = q.to(torch.float64)
     if mode["numerics"] == "deepspeed" and not mode["symmetric"]:
-        assert qf.min() >= 0 and qf.max() <= 2 ** bits - 1
+        assert qf.min() >= 0 and qf.max() <= 2**bits - 1
     else:
         assert qf.min() >= -(2 ** (bits - 1)) and qf.max() <= 2 ** (bits - 1) - 1
     if z is not None:
@@ -280,14 +313,16 @@ def test_16_bits_relative_error(mode):
     assert err < 1e-4, float(err)
 
 
-@pytest.mark.parametrize("mode", [m for m in INT_MODES if m["numerics"] == "default" and m["rounding"] == "nearest"]
-                         + [dict(symmetric=True, granularity="tensor", rounding="nearest", numerics="default",
-                                 ternary=True)],
-                         ids=_id)
+@pytest.mark.parametrize(
+    "mode",
+    [m for m in INT_MODES if m["numerics"] == "default" and m["rounding"] == "nearest"]
+    + [dict(symmetric=True, granularity="tensor", rounding="nearest", numerics="default", ternary=True)],
+    ids=_id,
+)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_fake_quantize_idempotent(mode, bits):
     if bits == 1 and not mode["symmetric"]:
-        mode = dict(mode, symmetric=True)   # binary is symmetric only
+        mode = dict(mode, symmetric=True)  # binary is symmetric only
     x = torch.randn(4, 24, generator=torch.Generator().manual_seed(3)) + 0.2
     y = fake_quantize(x, bits, **mode)
     yy = fake_quantize(y, bits, **mode)
@@ -317,19 +352,21 @@ def test_stochastic_rounding_unbiased_and_reproducible():
 def test_stochastic_unbiased_many_values(numerics):
     g = torch.Generator().manual_seed(5)
     x = torch.rand(500, generator=g) * 6 - 3
-    x[0], x[1] = 8.0, -8.0                                  # pin the grid
-    draws = torch.stack([fake_quantize(x, 4, rounding="stochastic", seed=s, numerics=numerics)
-                         for s in range(400)])
+    x[0], x[1] = 8.0, -8.0  # pin the grid
+    draws = torch.stack([fake_quantize(x, 4, rounding="stochastic", seed=s, numerics=numerics) for s in range(400)])
     s = 8.0 / 7.0 if numerics == "default" else 1.0
     frac = (x / s) - torch.floor(x / s)
     sigma = s * torch.sqrt(frac * (1 - frac) / draws.shape[0]) + 1e-6
     dev = (draws.mean(0) - x)[2:].abs() / sigma[2:]
-    assert (dev < 3).float().mean() > 0.98                  # ~0.3% expected beyond 3 sigma
+    assert (dev < 3).float().mean() > 0.98  # ~0.3% expected beyond 3 sigma
     assert (draws.mean(0) - x)[2:].mean().abs() < 3 * s * 0.5 / math.sqrt(draws.numel())
 
 
-ALL_MODES = INT_MODES + [dict(symmetric=True, granularity="tensor", rounding="nearest", numerics=n, bits=b, ternary=True)
-                         for n in ("default", "deepspeed") for b in (1, 2)]
+ALL_MODES = INT_MODES + [
+    dict(symmetric=True, granularity="tensor", rounding="nearest", numerics=n, bits=b, ternary=True)
+    for n in ("default", "deepspeed")
+    for b in (1, 2)
+]
 
 
 def _call(fn, x, mode):
@@ -343,11 +380,14 @@ def _call(fn, x, mode):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_degenerate_inputs_are_finite(mode, kind, backend):
     mode = dict(mode, backend=backend)
-    x = {"zero": torch.zeros(3, 20), "constant": torch.full((3, 20), 0.7),
-         "tiny": torch.randn(3, 20, generator=torch.Generator().manual_seed(0)) * 1e-30,
-         "huge": torch.randn(3, 20, generator=torch.Generator().manual_seed(0)) * 1e30,
-         # hi - lo and 2 absmax overflow float32 here (4e38 > FLT_MAX); the scales must not
-         "near_max": torch.linspace(-1.0, 1.0, 60).reshape(3, 20) * 2.0e38}[kind]
+    x = {
+        "zero": torch.zeros(3, 20),
+        "constant": torch.full((3, 20), 0.7),
+        "tiny": torch.randn(3, 20, generator=torch.Generator().manual_seed(0)) * 1e-30,
+        "huge": torch.randn(3, 20, generator=torch.Generator().manual_seed(0)) * 1e30,
+        # hi - lo and 2 absmax overflow float32 here (4e38 > FLT_MAX); the scales must not
+        "near_max": torch.linspace(-1.0, 1.0, 60).reshape(3, 20) * 2.0e38,
+    }[kind]
     y = _call(fake_quantize, x, mode)
     q, s, z = _call(quantize, x, mode)
     if kind == "near_max" and mode.get("numerics") == "deepspeed" and not mode.get("symmetric", True):
@@ -358,10 +398,12 @@ def test_degenerate_inputs_are_finite(mode, kind, backend):
     assert torch.isfinite(y).all()
     assert torch.isfinite(s).all() and (s > 0).all()
     if kind == "constant" and mode["numerics"] == "deepspeed" and not mode["symmetric"]:
-        assert torch.equal(y, x)            # the grid-snapped zero point lands on the constant
+        assert torch.equal(y, x)  # the grid-snapped zero point lands on the constant
     if kind == "zero":
-        assert (y.abs() <= 2.0 ** -100).all()   # binary: sign * EPS-floored scale
-    if kind in ("constant", "huge", "near_max") and "bits" not in mode:   # representable: error within one step of the range
+        assert (y.abs() <= 2.0**-100).all()  # binary: sign * EPS-floored scale
+    if (
+        kind in ("constant", "huge", "near_max") and "bits" not in mode
+    ):  # representable: error within one step of the range
         assert ((y - x).abs() <= x.abs().max() * 0.51).all()
     if "bits" not in mode:
         yq = _dq(q, s, z, mode, backend)
@@ -395,7 +437,7 @@ def test_clip_grad_zero_exactly_on_clipped():
     # deepspeed symmetric clips +absmax (level 2^(b-1) -> 2^(b-1)-1)
     x = torch.tensor([8.0, -8.0, 3.0, 7.6], requires_grad=True)
     fake_quantize(x, 4, numerics="deepspeed", clip_grad=True).backward(torch.ones(4))
-    assert x.grad.tolist() == [0.0, 1.0, 1.0, 0.0]          # 7.6 -> 8 -> clipped too
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 0.0]  # 7.6 -> 8 -> clipped too
     # static range: everything outside [-1, 1] is clipped
     x = torch.tensor([-3.0, -0.5, 0.2, 1.0, 2.5], requires_grad=True)
     y = fake_quantize(x, 8, clip_grad=True, min_val=-1.0, max_val=1.0)
@@ -434,11 +476,18 @@ def test_reduced_precision_dtypes_keep_dtype():
 
 def test_bad_arguments_raise():
     x = torch.randn(4, 6)
-    for kw in (dict(bits=0), dict(bits=17), dict(bits=4, granularity="row"),
-               dict(bits=4, granularity="group"), dict(bits=4, rounding="up"),
-               dict(bits=4, numerics="tf"), dict(bits=1, symmetric=False),
-               dict(bits=4, num_groups=5), dict(bits=4, min_val=0.0),
-               dict(bits=4, granularity="channel", min_val=-1.0, max_val=1.0)):
+    for kw in (
+        dict(bits=0),
+        dict(bits=17),
+        dict(bits=4, granularity="row"),
+        dict(bits=4, granularity="group"),
+        dict(bits=4, rounding="up"),
+        dict(bits=4, numerics="tf"),
+        dict(bits=1, symmetric=False),
+        dict(bits=4, num_groups=5),
+        dict(bits=4, min_val=0.0),
+        dict(bits=4, granularity="channel", min_val=-1.0, max_val=1.0),
+    ):
         with pytest.raises(ValueError):
             fake_quantize(x, **kw)
     if not kernels_available():
@@ -450,18 +499,19 @@ def test_bad_arguments_raise():
 
 # --- packing ------------------------------------------------------------------------------------
 
+
 def _signed(word):
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
 def test_pack_int32_hand_packed():
-    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int8)   # int4 -> u = 8..15
+    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int8)  # int4 -> u = 8..15
     assert pack_int32(q, 4).tolist() == [[_signed(0xFEDCBA98)]]
-    q = torch.tensor([[-128, -1, 0, 127, 5]], dtype=torch.int8)       # int8, ragged tail pads u=0
+    q = torch.tensor([[-128, -1, 0, 127, 5]], dtype=torch.int8)  # int8, ragged tail pads u=0
     assert pack_int32(q, 8).tolist() == [[_signed(0xFF807F00), 0x85]]
-    q = torch.tensor([[-2, -1, 0, 1] * 4], dtype=torch.int8)          # int2: u = 0,1,2,3
+    q = torch.tensor([[-2, -1, 0, 1] * 4], dtype=torch.int8)  # int2: u = 0,1,2,3
     assert pack_int32(q, 2).tolist() == [[_signed(int("11100100" * 4, 2))]]
-    q = torch.tensor([[-1, 0] * 16], dtype=torch.int8)                # int1: u = 0,1
+    q = torch.tensor([[-1, 0] * 16], dtype=torch.int8)  # int1: u = 0,1
     assert pack_int32(q, 1).tolist() == [[_signed(int("10" * 16, 2))]]
     # dim=0 packs down the columns
     q = torch.tensor([[0], [1], [2], [3], [4], [5], [6], [7]], dtype=torch.int8)
@@ -485,7 +535,9 @@ def test_pack_roundtrip_and_compressed_tensors(bits):
         pytest.skip(f"compressed-tensors not importable: {err}")
     assert torch.equal(packed, pack_to_int32(q, bits))
     assert torch.equal(pack_int32(qr, bits), pack_to_int32(qr, bits))
-    assert torch.equal(pack_int32(q.t().contiguous(), bits, dim=0), pack_to_int32(q.t().contiguous(), bits, packed_dim=0))
+    assert torch.equal(
+        pack_int32(q.t().contiguous(), bits, dim=0), pack_to_int32(q.t().contiguous(), bits, packed_dim=0)
+    )
 
 
 def test_pack_rejects_other_widths():
@@ -494,9 +546,17 @@ def test_pack_rejects_other_widths():
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0,), (2, 0, 3)])
-@pytest.mark.parametrize("kw", [dict(granularity="group", group_size=4), dict(bits=2, ternary=True),
-                                dict(bits=1), dict(symmetric=False, granularity="group", group_size=4),
-                                dict(granularity="channel"), dict(granularity="token", symmetric=False)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(granularity="group", group_size=4),
+        dict(bits=2, ternary=True),
+        dict(bits=1),
+        dict(symmetric=False, granularity="group", group_size=4),
+        dict(granularity="channel"),
+        dict(granularity="token", symmetric=False),
+    ],
+)
 def test_empty_tensors_keep_their_shape(shape, kw):
     kw = dict(kw)
     bits = kw.pop("bits", 4)

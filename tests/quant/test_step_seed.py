@@ -1,5 +1,6 @@
 """The stochastic-rounding seed with the step as a tensor: the same bits as the int path, and a
 compiled graph that takes the step as an input compiles once for every step."""
+
 import pytest
 import torch
 
@@ -44,6 +45,7 @@ def test_uniform_takes_a_tensor_seed():
 
 def test_compiled_step_seed_compiles_once():
     from torch._dynamo.testing import CompileCounter
+
     torch._dynamo.reset()
     counter = CompileCounter()
 
@@ -61,21 +63,40 @@ def test_compiled_step_seed_compiles_once():
 def _llama():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _stochastic_recipe(abits):
     import qcompress as qc
-    doc = {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0, "quantize_weight_in_forward": True,
-                              "rounding": "stochastic", "seed": 5},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}}}}}}
+
+    doc = {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "schedule_offset": 0,
+                    "quantize_weight_in_forward": True,
+                    "rounding": "stochastic",
+                    "seed": 5,
+                },
+                "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}}},
+            }
+        }
+    }
     if abits:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
-            "different_groups": {"a": {"params": {"bits": abits}}}}
+            "different_groups": {"a": {"params": {"bits": abits}}},
+        }
     return qc.load_config(doc)
 
 
@@ -88,6 +109,7 @@ def _steps(model, cfg, fn, n):
     """(loss, grads) of n scheduler steps on one batch, no weight update: only the step, hence the
     rounding noise, changes from step to step."""
     import qcompress as qc
+
     sched = qc.CompressionScheduler(model, cfg)
     x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     out = []
@@ -107,6 +129,7 @@ def test_stochastic_qat_compiles_once_and_equals_eager(abits):
 
     import qcompress as qc
     from torch._dynamo.testing import CompileCounterWithBackend
+
     model = _llama()
     cfg = _stochastic_recipe(abits)
     qc.init_compression(model, cfg)
@@ -117,8 +140,9 @@ def test_stochastic_qat_compiles_once_and_equals_eager(abits):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = _steps(twin, cfg, torch.compile(_loss, backend=counter, fullgraph=True), 6)
     assert counter.frame_count == 1
-    assert not torch.equal(eager[0][1]["model.layers.0.mlp.down_proj.weight"],
-                           eager[1][1]["model.layers.0.mlp.down_proj.weight"])  # the step reached the noise
+    assert not torch.equal(
+        eager[0][1]["model.layers.0.mlp.down_proj.weight"], eager[1][1]["model.layers.0.mlp.down_proj.weight"]
+    )  # the step reached the noise
     for t, ((le, ge), (lc, gc)) in enumerate(zip(eager, compiled)):
         assert torch.equal(le, lc), t
         assert ge.keys() == gc.keys()

@@ -1,6 +1,7 @@
 """The report says how much of the export is full-precision embedding tables and how to quantize
 them (the with_embeddings fragment): the recipes leave embeddings unquantized, so on a small model
 they bound the compression ratio. Oracle: the export's own tensors, read back."""
+
 import json
 import os
 
@@ -10,8 +11,19 @@ from safetensors import safe_open
 from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
-FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress",
-        "--max-steps", "2", "--save-steps", "0"]
+FAST = [
+    "--max-length",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-batch-size",
+    "32",
+    "--no-progress",
+    "--max-steps",
+    "2",
+    "--save-steps",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +37,12 @@ def setup(tmp_path_factory):
 
 def _run(setup, out, *recipes):
     bert, data = setup
-    assert cli_main(["train", *recipes, "--model", bert, "--data", data, "--task", "text-classification",
-                     "--out", out, *FAST]) == 0
+    assert (
+        cli_main(
+            ["train", *recipes, "--model", bert, "--data", data, "--task", "text-classification", "--out", out, *FAST]
+        )
+        == 0
+    )
     return json.load(open(os.path.join(out, "report.json")))
 
 

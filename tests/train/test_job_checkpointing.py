@@ -1,6 +1,7 @@
 """`qcompress train --gradient-checkpointing` end to end: the run checkpoints the model's layers
 and ends with the metrics and export of the same run without it (gradients are equal bit for bit,
 so the trained weights are too). Oracle: the run without the flag."""
+
 import json
 import os
 
@@ -21,8 +22,26 @@ def test_gradient_checkpointing_run_equals_the_plain_run(tmp_path):
     reports = []
     for flags in ((), ("--gradient-checkpointing",)):
         out = str(tmp_path / ("ckpt" if flags else "plain"))
-        args = ["train", W8A8, "--model", gpt2, "--data", str(data), "--task", "causal-lm", "--out", out,
-                "--max-steps", "2", "--max-length", "32", "--batch-size", "4", "--no-progress", *flags]
+        args = [
+            "train",
+            W8A8,
+            "--model",
+            gpt2,
+            "--data",
+            str(data),
+            "--task",
+            "causal-lm",
+            "--out",
+            out,
+            "--max-steps",
+            "2",
+            "--max-length",
+            "32",
+            "--batch-size",
+            "4",
+            "--no-progress",
+            *flags,
+        ]
         assert cli_main(args) == 0
         reports.append(json.load(open(os.path.join(out, "report.json"))))
     plain, ckpt = reports

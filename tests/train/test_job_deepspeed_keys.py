@@ -1,6 +1,7 @@
 """`qcompress train` and DeepSpeed's seed / activation_checkpointing: the config's seed orders the
 data unless --seed is given; --gradient-checkpointing adds the section; neither flag changes what
 a resumed run must share except the seed itself."""
+
 import json
 
 import pytest
@@ -9,16 +10,33 @@ from qcompress.train.args import build_parser, options_from
 from qcompress.train.job import job_config
 from qcompress.train.batches import step_indices
 
-RECIPE = {"compression_training": {"weight_quantization": {
-    "shared_parameters": {"enabled": True, "schedule_offset": 0},
-    "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}}}}}}
+RECIPE = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0},
+            "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8}}},
+        }
+    }
+}
 
 
 def _opts(tmp_path, doc, *flags):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(doc))
-    ns = build_parser().parse_args([str(path), "--model", "m", "--data", "d", "--out", str(tmp_path / "o"),
-                                     "--task", "text-classification", *flags])
+    ns = build_parser().parse_args(
+        [
+            str(path),
+            "--model",
+            "m",
+            "--data",
+            "d",
+            "--out",
+            str(tmp_path / "o"),
+            "--task",
+            "text-classification",
+            *flags,
+        ]
+    )
     return options_from(ns)
 
 
@@ -41,6 +59,7 @@ def test_gradient_checkpointing_adds_the_section_and_keeps_the_fingerprint(tmp_p
     assert job_config(ckpt)["activation_checkpointing"] == {}
     assert plain.fingerprint("x") == ckpt.fingerprint("x")
     # a section the config gives is kept as it is
-    given = _opts(tmp_path, dict(RECIPE, activation_checkpointing={"number_checkpoints": 1}),
-                  "--gradient-checkpointing")
+    given = _opts(
+        tmp_path, dict(RECIPE, activation_checkpointing={"number_checkpoints": 1}), "--gradient-checkpointing"
+    )
     assert job_config(given)["activation_checkpointing"] == {"number_checkpoints": 1}

@@ -2,6 +2,7 @@
 --out/checkpoints. all: every checkpoint saved (each --save-steps); last: the latest of each
 training phase, as --resume uses; none: the engine checkpoints and the baseline's weights removed
 once the report is written (progress.json stays). The export and the report are the same."""
+
 import json
 import os
 
@@ -10,8 +11,19 @@ import pytest
 from tests.helpers import hf_fixtures as hf
 from qcompress.cli import main as cli_main
 
-FAST = ["--max-length", "16", "--batch-size", "8", "--eval-batch-size", "32", "--no-progress",
-        "--max-steps", "4", "--save-steps", "2"]
+FAST = [
+    "--max-length",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-batch-size",
+    "32",
+    "--no-progress",
+    "--max-steps",
+    "4",
+    "--save-steps",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +37,23 @@ def setup(tmp_path_factory):
 
 def _run(setup, out, *extra):
     bert, data = setup
-    code = cli_main(["train", "w8a8", "--model", bert, "--data", data, "--task", "text-classification",
-                     "--out", out, "--baseline", *FAST, *extra])
+    code = cli_main(
+        [
+            "train",
+            "w8a8",
+            "--model",
+            bert,
+            "--data",
+            data,
+            "--task",
+            "text-classification",
+            "--out",
+            out,
+            "--baseline",
+            *FAST,
+            *extra,
+        ]
+    )
     assert code == 0
     return json.load(open(os.path.join(out, "report.json")))
 
@@ -54,12 +81,27 @@ def test_all_keeps_every_checkpoint_and_none_keeps_none(setup, tmp_path, capsys)
     left = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert left == ["progress.json"], left
     assert "--keep-checkpoints none" in capsys.readouterr().out
-    for r in (rep, rep_none):      # the same run otherwise
+    for r in (rep, rep_none):  # the same run otherwise
         assert r["stages"]["qat"] == last["stages"]["qat"]
         assert r["sizes"]["export_bytes"] == last["sizes"]["export_bytes"]
     # a run without its baseline's weights cannot lend it, and says why
     bert, data = setup
-    code = cli_main(["train", "w8a8", "--model", bert, "--data", data, "--task", "text-classification",
-                     "--out", str(tmp_path / "borrow"), "--baseline-from", out, *FAST])
+    code = cli_main(
+        [
+            "train",
+            "w8a8",
+            "--model",
+            bert,
+            "--data",
+            data,
+            "--task",
+            "text-classification",
+            "--out",
+            str(tmp_path / "borrow"),
+            "--baseline-from",
+            out,
+            *FAST,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--keep-checkpoints none" in err, err

@@ -2,6 +2,7 @@
 exports the merged quantized model, whose reload ('exported') scores as the trained model ('qat');
 mode qlora exports the base plus peft's adapter files, and the reload with the adapter scores the
 same. Oracle: the run's own trained model."""
+
 import json
 import os
 
@@ -24,9 +25,30 @@ def test_lora_r_trains_adapters_and_exports(tmp_path, mode):
     extra = tmp_path / "lora.yaml"
     extra.write_text(f"compression_training:\n  lora:\n    mode: {mode}\n    alpha: 8\n", encoding="utf-8")
     out = str(tmp_path / "run")
-    args = ["train", W4, str(extra), "--model", gpt2, "--data", str(data), "--task", "causal-lm", "--out", out,
-            "--max-steps", "2", "--max-length", "32", "--batch-size", "4", "--no-progress", "--lora-r", "4",
-            "--lr", "0.01"]
+    args = [
+        "train",
+        W4,
+        str(extra),
+        "--model",
+        gpt2,
+        "--data",
+        str(data),
+        "--task",
+        "causal-lm",
+        "--out",
+        out,
+        "--max-steps",
+        "2",
+        "--max-length",
+        "32",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--lora-r",
+        "4",
+        "--lr",
+        "0.01",
+    ]
     assert cli_main(args) == 0
     report = json.load(open(os.path.join(out, "report.json")))
     section = report["config"]["compression_training"]["lora"]

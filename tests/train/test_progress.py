@@ -1,6 +1,7 @@
 """Progress written to a file or a CI log is one plain line every N steps and at the end; on a
 terminal it is tqdm's bar. Oracle: the lines expected from the step count, and tqdm's own
 carriage returns."""
+
 import io
 
 from qcompress.train.progress import StepProgress
@@ -57,8 +58,18 @@ def test_the_training_loop_logs_through_it(monkeypatch, tmp_path):
     data = [{"input_ids": torch.randint(0, 96, (8,)), "labels": torch.randint(0, 96, (8,))} for _ in range(8)]
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    phase = loop.Phase(name="qat", engine=engine, dataset=data, task="causal-lm", steps=5, seed=0, pad_id=0,
-                       ckpt_dir=str(tmp_path / "ckpt"), save_steps=0, metrics=None)
+    phase = loop.Phase(
+        name="qat",
+        engine=engine,
+        dataset=data,
+        task="causal-lm",
+        steps=5,
+        seed=0,
+        pad_id=0,
+        ckpt_dir=str(tmp_path / "ckpt"),
+        save_steps=0,
+        metrics=None,
+    )
     loop.run(phase)
     lines = err.getvalue().splitlines()
     assert [line.split()[2] for line in lines if line.startswith("[qat] step")] == ["2/5", "4/5", "5/5"]

@@ -1,4 +1,5 @@
 """A real QAT run: W8A8 MLP on sklearn's digits ends within 1 point of the FP32 model."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,14 +8,22 @@ import qcompress as qc
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn provides the digits data")
 
-W8A8 = {"compression_training": {
-    "weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
-        "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0,
-                                                "granularity": "channel"}}}},
-    "activation_quantization": {
-        "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
-        "different_groups": {"aq1": {"params": {"bits": 8}}}}}}
+W8A8 = {
+    "compression_training": {
+        "weight_quantization": {
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True, "schedule_offset": 0},
+            "different_groups": {
+                "wq1": {
+                    "params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0, "granularity": "channel"}
+                }
+            },
+        },
+        "activation_quantization": {
+            "shared_parameters": {"enabled": True, "range_calibration": "dynamic", "schedule_offset": 0},
+            "different_groups": {"aq1": {"params": {"bits": 8}}},
+        },
+    }
+}
 
 
 def digits_split():
@@ -67,8 +76,7 @@ def test_w8a8_digits_within_one_point_of_fp32(one_thread):
 
     cfg = qc.load_config(W8A8)
     model = qc.init_compression(make_mlp(), cfg)
-    assert sum(m.qc_wq is not None and m.qc_aq is not None
-               for m in model.modules() if isinstance(m, nn.Linear)) == 3
+    assert sum(m.qc_wq is not None and m.qc_aq is not None for m in model.modules() if isinstance(m, nn.Linear)) == 3
     sched = qc.CompressionScheduler(model, cfg)
     train(model, xtr, ytr, sched)
     acc_q = accuracy(model, xte, yte)

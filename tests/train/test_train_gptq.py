@@ -1,6 +1,7 @@
 """`qcompress train --calibrate gptq` and the GPTQ recipes on a tiny GPT-2: the PTQ and QAT stages
 start from GPTQ's solution (another PTQ than minmax's), the export reloaded equals the trained
 model, the fragment and the flag are the same run, and a resumed run equals an uninterrupted one."""
+
 from __future__ import annotations
 
 import json
@@ -51,18 +52,52 @@ def test_calibrate_gptq_trains_from_gptqs_solution(setup, tmp_path, capsys):
 def test_calibrate_gptq_with_no_group_to_take_it_is_refused(setup, tmp_path, capsys):
     gpt2, data = setup
     own = tmp_path / "own.yaml"
-    own.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n      w4_g128:\n"
-                   "        params:\n          observer: mse\n")
-    code = cli_main(["train", G128, str(own), "--model", gpt2, "--data", data, "--task", "causal-lm",
-                     "--max-steps", "1", "--out", str(tmp_path / "x"), "--calibrate", "gptq", *FAST])
+    own.write_text(
+        "compression_training:\n  weight_quantization:\n    different_groups:\n      w4_g128:\n"
+        "        params:\n          observer: mse\n"
+    )
+    code = cli_main(
+        [
+            "train",
+            G128,
+            str(own),
+            "--model",
+            gpt2,
+            "--data",
+            data,
+            "--task",
+            "causal-lm",
+            "--max-steps",
+            "1",
+            "--out",
+            str(tmp_path / "x"),
+            "--calibrate",
+            "gptq",
+            *FAST,
+        ]
+    )
     assert code == 2 and "--calibrate gptq: no weight quantization group" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x" / "report.json")
 
 
 def test_resume_after_gptq_matches_uninterrupted(setup, tmp_path, monkeypatch):
     gpt2, data = setup
-    args = [G128, "--model", gpt2, "--data", data, "--task", "causal-lm", "--max-steps", "4", "--save-steps", "2",
-            "--calibrate", "gptq", *FAST]
+    args = [
+        G128,
+        "--model",
+        gpt2,
+        "--data",
+        data,
+        "--task",
+        "causal-lm",
+        "--max-steps",
+        "4",
+        "--save-steps",
+        "2",
+        "--calibrate",
+        "gptq",
+        *FAST,
+    ]
     assert cli_main(["train", *args, "--out", str(tmp_path / "whole")]) == 0
     out = str(tmp_path / "cut")
     train_until_qat_checkpoint([*args, "--out", out], 2, monkeypatch)
@@ -77,8 +112,28 @@ def test_calibrate_gptq_in_optimizer_step_mode_with_quantized_activations(setup,
     compensated weights become that master) and the activations per token."""
     gpt2, data = setup
     out = str(tmp_path / "w8a8")
-    assert cli_main(["train", os.path.join(ROOT, "schedules", "w8a8.yaml"), "--model", gpt2, "--data", data,
-                     "--task", "causal-lm", "--max-steps", "2", "--out", out, "--calibrate", "gptq", *FAST]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                os.path.join(ROOT, "schedules", "w8a8.yaml"),
+                "--model",
+                gpt2,
+                "--data",
+                data,
+                "--task",
+                "causal-lm",
+                "--max-steps",
+                "2",
+                "--out",
+                out,
+                "--calibrate",
+                "gptq",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     st = stages(out)
     assert st["exported"]["perplexity"] == st["qat"]["perplexity"]
     assert st["exported"]["max_logit_diff_vs_qat"] == 0.0

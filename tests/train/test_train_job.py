@@ -1,5 +1,6 @@
 """`qcompress train` end to end on tiny Hugging Face models built here: every data format, both
 tasks, every output file, exported == qat, --resume, torchrun with 2 ranks, and bad input."""
+
 from __future__ import annotations
 
 import csv
@@ -75,6 +76,7 @@ class Interrupted(Exception):
 def train_until_qat_checkpoint(args, step, monkeypatch):
     """Run the job and interrupt it right after the compressed run saves its checkpoint at `step`."""
     from qcompress.train import loop
+
     real_save = loop.save
 
     saved = []
@@ -84,13 +86,14 @@ def train_until_qat_checkpoint(args, step, monkeypatch):
         if phase.name == "qat" and at == step:
             saved.extend(rest)
             raise Interrupted()
+
     monkeypatch.setattr(loop, "save", save_then_die)
     try:
         with pytest.raises(Interrupted):
             train(args)
     finally:
         monkeypatch.setattr(loop, "save", real_save)
-    return saved[0] if saved else None       # the QAT training seconds its checkpoint recorded
+    return saved[0] if saved else None  # the QAT training seconds its checkpoint recorded
 
 
 def train(args, capsys=None):
@@ -106,8 +109,16 @@ def _warnings(notes):
 
 def check_outputs(out, task, steps):
     """Every file the issue names, with content that agrees with itself."""
-    for name in ("report.json", "report.md", "metrics.csv", "plots/loss.png", "plots/bits.png",
-                 "export/config.json", "export/model.safetensors", "export/tokenizer_config.json"):
+    for name in (
+        "report.json",
+        "report.md",
+        "metrics.csv",
+        "plots/loss.png",
+        "plots/bits.png",
+        "export/config.json",
+        "export/model.safetensors",
+        "export/tokenizer_config.json",
+    ):
         assert os.path.isfile(os.path.join(out, name)), name
     rep = json.load(open(os.path.join(out, "report.json")))
     metric = "accuracy" if task == "text-classification" else "perplexity"
@@ -130,6 +141,7 @@ def check_outputs(out, task, steps):
     assert rep["training"]["steps"] == steps
     try:
         import tensorboard  # noqa: F401
+
         assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(out, "tensorboard", "qat")))
     except ImportError:
         print("tensorboard is not installed: no event files to check")
@@ -142,8 +154,25 @@ def check_outputs(out, task, steps):
 def test_classification_every_format(folders, tmp_path, fmt):
     data = write_data(str(tmp_path / "d"), fmt, folders["rows"])
     out = str(tmp_path / "out")
-    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                  "--out", out, "--max-steps", "3", *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--out",
+                out,
+                "--max-steps",
+                "3",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     rep = check_outputs(out, "text-classification", 3)
     assert rep["data"]["labels"] == sorted(hf.TOPICS)
     cfg = json.load(open(os.path.join(out, "export", "config.json")))
@@ -156,8 +185,25 @@ def test_classification_every_format(folders, tmp_path, fmt):
 def test_causal_lm_formats(folders, tmp_path, fmt):
     data = write_data(str(tmp_path / "d"), fmt, folders["rows"] * 2)
     out = str(tmp_path / "out")
-    assert train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm",
-                  "--out", out, "--max-steps", "2", *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folders["gpt2"],
+                "--data",
+                data,
+                "--task",
+                "causal-lm",
+                "--out",
+                out,
+                "--max-steps",
+                "2",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     rep = check_outputs(out, "causal-lm", 2)
     # perplexity is exp of the mean token loss of the same stage
     for stage in ("fp32", "qat"):
@@ -168,12 +214,33 @@ def test_baseline_and_distillation(folders, tmp_path):
     """--baseline adds an FP32 fine-tune of the same budget; distillation fills distill_loss with
     total = (1 - alpha) task + alpha KD."""
     cfg = tmp_path / "kd.yaml"
-    cfg.write_text("compression_training:\n  distillation:\n    enabled: true\n    teacher: self\n"
-                   "    temperature: 2.0\n    alpha: 0.25\n")
+    cfg.write_text(
+        "compression_training:\n  distillation:\n    enabled: true\n    teacher: self\n"
+        "    temperature: 2.0\n    alpha: 0.25\n"
+    )
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
-    assert train([W8A8, str(cfg), "--model", folders["bert"], "--data", data, "--task",
-                  "text-classification", "--out", out, "--max-steps", "3", "--baseline", *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                str(cfg),
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--out",
+                out,
+                "--max-steps",
+                "3",
+                "--baseline",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     rep = check_outputs(out, "text-classification", 3)
     assert rep["stages"]["fp32_finetuned"]["accuracy"] is not None
     assert rep["training"]["distillation"] is True
@@ -196,20 +263,47 @@ def test_baseline_and_distillation(folders, tmp_path):
     rows2 = list(csv.DictReader(open(os.path.join(out2, "metrics.csv"))))
     assert all(float(r["loss"]) == pytest.approx(float(r["distill_loss"]), rel=1e-5) for r in rows2)
     # another budget: the baseline does not fit and is refused
-    assert train([W8A8, *common[:-len(FAST) - 2], "--max-steps", "4", *FAST, "--out", str(tmp_path / "o3"),
-                  "--baseline-from", out]) == 2
-    assert train([W8A8, str(kd2), *common, "--out", str(tmp_path / "o4")]) == 2   # baseline teacher, none
+    assert (
+        train(
+            [
+                W8A8,
+                *common[: -len(FAST) - 2],
+                "--max-steps",
+                "4",
+                *FAST,
+                "--out",
+                str(tmp_path / "o3"),
+                "--baseline-from",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert train([W8A8, str(kd2), *common, "--out", str(tmp_path / "o4")]) == 2  # baseline teacher, none
 
 
 def _export_tensors(out):
     from safetensors.torch import load_file
+
     return load_file(os.path.join(out, "export", "model.safetensors"))
 
 
 def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monkeypatch):
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--max-steps", "6", "--save-steps", "2", *FAST]
+    args = [
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--max-steps",
+        "6",
+        "--save-steps",
+        "2",
+        *FAST,
+    ]
     whole = str(tmp_path / "whole")
     assert train([*args, "--out", whole]) == 0
 
@@ -217,8 +311,8 @@ def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monk
     t0 = time.perf_counter()
     first = train_until_qat_checkpoint([*args, "--out", cut], 4, monkeypatch)
     first_attempt = time.perf_counter() - t0
-    assert not os.path.exists(os.path.join(cut, "report.json"))   # nothing presented as done
-    assert train([*args, "--out", cut]) == 2                       # the folder holds a run
+    assert not os.path.exists(os.path.join(cut, "report.json"))  # nothing presented as done
+    assert train([*args, "--out", cut]) == 2  # the folder holds a run
     t0 = time.perf_counter()
     assert train([*args, "--out", cut, "--resume"]) == 0
     second_attempt = time.perf_counter() - t0
@@ -236,7 +330,7 @@ def test_resume_after_interruption_matches_uninterrupted(folders, tmp_path, monk
     rb = list(csv.DictReader(open(os.path.join(cut, "metrics.csv"))))
     assert [(r["step"], r["loss"]) for r in ra] == [(r["step"], r["loss"]) for r in rb]
     # other options than the interrupted run: refused, not mixed
-    assert train([*args[:-len(FAST)], "--seed", "1", *FAST, "--out", cut, "--resume"]) == 2
+    assert train([*args[: -len(FAST)], "--seed", "1", *FAST, "--out", cut, "--resume"]) == 2
 
 
 def test_torchrun_two_ranks_rank0_writes(folders, tmp_path):
@@ -244,16 +338,36 @@ def test_torchrun_two_ranks_rank0_writes(folders, tmp_path):
     out = str(tmp_path / "out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     from tests.helpers.dist_utils import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}",
-           "-m", "qcompress", "train", W8A8, "--model", folders["bert"], "--data", data, "--task",
-           "text-classification", "--out", out, "--max-steps", "3", *FAST]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "qcompress",
+        "train",
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--out",
+        out,
+        "--max-steps",
+        "3",
+        *FAST,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = check_outputs(out, "text-classification", 3)
     assert rep["training"]["world_size"] == 2
-    assert rep["training"]["micro_batch_size"] == 4          # 8 samples a step over 2 ranks
-    assert proc.stdout.count("| qat |") == 1                 # one report printed: rank 0's
+    assert rep["training"]["micro_batch_size"] == 4  # 8 samples a step over 2 ranks
+    assert proc.stdout.count("| qat |") == 1  # one report printed: rank 0's
     leftovers = [f for f in os.listdir(out) if ".tmp" in f]
     assert not leftovers
 
@@ -268,9 +382,10 @@ def test_bad_input_exit_2(folders, tmp_path, capsys):
 
     code, err = run(W8A8, "--model", str(tmp_path / "nope"), "--data", data, "--out", str(tmp_path / "o1"))
     assert code == 2 and "nope" in err and "no such folder" in err
-    code, err = run(W8A8, "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o2"),
-                    "--text-column", "body")
-    assert code == 2 and "body" in err and "text" in err and "label" in err   # names the columns there
+    code, err = run(
+        W8A8, "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o2"), "--text-column", "body"
+    )
+    assert code == 2 and "body" in err and "text" in err and "label" in err  # names the columns there
     empty = tmp_path / "empty.csv"
     empty.write_text("text,label\n")
     code, err = run(W8A8, "--model", folders["bert"], "--data", str(empty), "--out", str(tmp_path / "o3"))
@@ -283,18 +398,34 @@ def test_bad_input_exit_2(folders, tmp_path, capsys):
     typo.write_text("compression_training:\n  weight_quantisation: {}\n")
     code, err = run(str(typo), "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o5"))
     assert code == 2 and "weight_quantisation" in err and "weight_quantization" in err
-    code, err = run(str(tmp_path / "missing.yaml"), "--model", folders["bert"], "--data", data,
-                    "--out", str(tmp_path / "o6"))
+    code, err = run(
+        str(tmp_path / "missing.yaml"), "--model", folders["bert"], "--data", data, "--out", str(tmp_path / "o6")
+    )
     assert code == 2 and "missing.yaml" in err
     # a model that cannot do the task: a vision transformer folder asked for causal-lm
     import transformers
+
     vit = tmp_path / "vit"
     hf.write_tokenizer(str(vit))
-    transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                 intermediate_size=32, image_size=8, patch_size=4)
-                          ).save_pretrained(str(vit))
-    code, err = run(W8A8, "--model", str(vit), "--data", data, "--out", str(tmp_path / "o7"),
-                    "--task", "causal-lm", "--max-steps", "1", *FAST)
+    transformers.ViTModel(
+        transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8, patch_size=4
+        )
+    ).save_pretrained(str(vit))
+    code, err = run(
+        W8A8,
+        "--model",
+        str(vit),
+        "--data",
+        data,
+        "--out",
+        str(tmp_path / "o7"),
+        "--task",
+        "causal-lm",
+        "--max-steps",
+        "1",
+        *FAST,
+    )
     assert code == 2 and "causal-lm" in err and "vit" in err.lower()
     for o in ("o1", "o2", "o3", "o4", "o5", "o6", "o7"):
         assert not os.path.exists(tmp_path / o / "report.json")
@@ -304,6 +435,7 @@ def test_ternary_recipe_targets_the_blocks(folders):
     """schedules/w2a8_kd.yaml: ternary weights in the transformer blocks, 8 bits elsewhere."""
     import qcompress as qc
     import transformers
+
     model = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
     qc.init_compression(model, qc.load_config(os.path.join(ROOT, "schedules", "w2a8_kd.yaml")))
     bits = {n: m.qc_wq.bits for n, m in model.named_modules() if getattr(m, "qc_wq", None) is not None}
@@ -315,13 +447,20 @@ def test_baseline_fingerprint_names_files_not_how_they_were_spelled(tmp_path, mo
     """--baseline-from must match a run given the same model/data/eval files by relative or absolute
     path (eval_data was compared as spelled), and must not match another eval file."""
     from qcompress.train.job import JobOptions
+
     (tmp_path / "m").mkdir()
     for name in ("train.txt", "heldout.txt", "other.txt"):
         (tmp_path / name).write_text("x\n")
     monkeypatch.chdir(tmp_path)
     rel = JobOptions(configs=[], model="m", data="train.txt", task="causal-lm", out="o", eval_data="heldout.txt")
-    ab = JobOptions(configs=[], model=str(tmp_path / "m"), data=str(tmp_path / "train.txt"), task="causal-lm",
-                    out="o2", eval_data=str(tmp_path / "heldout.txt"))
+    ab = JobOptions(
+        configs=[],
+        model=str(tmp_path / "m"),
+        data=str(tmp_path / "train.txt"),
+        task="causal-lm",
+        out="o2",
+        eval_data=str(tmp_path / "heldout.txt"),
+    )
     other = JobOptions(configs=[], model="m", data="train.txt", task="causal-lm", out="o", eval_data="other.txt")
     assert rel.baseline_fingerprint({}) == ab.baseline_fingerprint({})
     assert rel.baseline_fingerprint({}) != other.baseline_fingerprint({})
@@ -332,17 +471,23 @@ def test_int8_forward_export_equals_the_trained_model(folders, tmp_path, task):
     """Trained with int8_forward, the export reloads in fast mode (the same int8 kernels) and
     reproduces the trained model bit for bit; the exact reload would differ by float rounding."""
     from qcompress.quant import lowbit
+
     if not lowbit.available():
         pytest.skip("the C++ extension with the low-bit kernels is not built")
     frag = tmp_path / "int8.yaml"
-    frag.write_text("compression_training:\n  activation_quantization:\n    shared_parameters:\n"
-                    "      int8_forward: true\n")
+    frag.write_text(
+        "compression_training:\n  activation_quantization:\n    shared_parameters:\n      int8_forward: true\n"
+    )
     model = folders["bert"] if task == "text-classification" else folders["gpt2"]
     rows = folders["rows"] if task == "text-classification" else folders["rows"] * 2
     data = write_data(str(tmp_path / "d"), "jsonl", rows)
     out = str(tmp_path / "out")
-    assert train([W8A8, str(frag), "--model", model, "--data", data, "--task", task,
-                  "--out", out, "--max-steps", "2", *FAST]) == 0
+    assert (
+        train(
+            [W8A8, str(frag), "--model", model, "--data", data, "--task", task, "--out", out, "--max-steps", "2", *FAST]
+        )
+        == 0
+    )
     rep = check_outputs(out, task, 2)
     assert rep["stages"]["exported"]["reload_mode"] == "fast"
 
@@ -374,9 +519,11 @@ def test_inputs_checked_before_out_is_touched(folders, tmp_path, capsys):
     no_weights = tmp_path / "no_weights"
     hf.write_tokenizer(str(no_weights))
     (no_weights / "config.json").write_text(open(os.path.join(folders["bert"], "config.json")).read())
-    twice = tmp_path / "twice.yaml"      # a second group over every module: claims what w8 claimed
-    twice.write_text("compression_training:\n  weight_quantization:\n    different_groups:\n"
-                     "      w4: {params: {start_bits: 4, target_bits: 4}}\n")
+    twice = tmp_path / "twice.yaml"  # a second group over every module: claims what w8 claimed
+    twice.write_text(
+        "compression_training:\n  weight_quantization:\n    different_groups:\n"
+        "      w4: {params: {start_bits: 4, target_bits: 4}}\n"
+    )
     cases = [
         ([W8A8, "--model", str(no_weights)], "no_weights"),
         ([W8A8, str(twice), "--model", folders["bert"]], "twice.yaml"),
@@ -403,6 +550,7 @@ def test_fine_tuned_head_keeps_its_classes_under_sorted_labels(tmp_path):
     at the same position (the head was reused as is, so 'tech' answered as 'business')."""
     import transformers
     from qcompress.train.models import load_model
+
     folder = hf.tiny_bert_folder(str(tmp_path / "clf"), num_labels=3)
     cfg = json.load(open(os.path.join(folder, "config.json")))
     ckpt_order = ["tech", "business", "sport"]
@@ -410,8 +558,7 @@ def test_fine_tuned_head_keeps_its_classes_under_sorted_labels(tmp_path):
     cfg["label2id"] = {n: i for i, n in enumerate(ckpt_order)}
     json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    batch = tok(["the market and the bank", "phone software", "team win the cup"], return_tensors="pt",
-                padding=True)
+    batch = tok(["the market and the bank", "phone software", "team win the cup"], return_tensors="pt", padding=True)
     ref = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
     with torch.no_grad():
         want = ref(**batch).logits
@@ -455,28 +602,74 @@ def test_resume_knows_the_data_not_how_paths_are_spelled(folders, tmp_path, monk
     assert "another model, data" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe, said", [
-    # pruning alone: the export (a quantized checkpoint) failed with a traceback after training
-    ("compression_training:\n  sparse_pruning:\n    shared_parameters: {enabled: true, schedule_offset: 0, "
-     "method: l1}\n    different_groups:\n      sp: {params: {dense_ratio: 0.5}}\n", "quantize no module"),
-    # weights quantized only from step 50 of a 3-step run: nothing active to export at the end
-    ("compression_training:\n  weight_quantization:\n    shared_parameters: {enabled: true, schedule_offset: 50}\n"
-     "    different_groups:\n      w8: {params: {start_bits: 8, target_bits: 8}}\n", "starts at step 50"),
-])
+@pytest.mark.parametrize(
+    "recipe, said",
+    [
+        # pruning alone: the export (a quantized checkpoint) failed with a traceback after training
+        (
+            "compression_training:\n  sparse_pruning:\n    shared_parameters: {enabled: true, schedule_offset: 0, "
+            "method: l1}\n    different_groups:\n      sp: {params: {dense_ratio: 0.5}}\n",
+            "quantize no module",
+        ),
+        # weights quantized only from step 50 of a 3-step run: nothing active to export at the end
+        (
+            "compression_training:\n  weight_quantization:\n"
+            "    shared_parameters: {enabled: true, schedule_offset: 50}\n"
+            "    different_groups:\n      w8: {params: {start_bits: 8, target_bits: 8}}\n",
+            "starts at step 50",
+        ),
+    ],
+)
 def test_nothing_to_export_is_refused_up_front(folders, tmp_path, capsys, recipe, said):
     cfg = tmp_path / "recipe.yaml"
     cfg.write_text(recipe)
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
-    assert train([str(cfg), "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                  "--out", out, "--max-steps", "3", *FAST]) == 2
+    assert (
+        train(
+            [
+                str(cfg),
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--out",
+                out,
+                "--max-steps",
+                "3",
+                *FAST,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert said in err and "recipe.yaml" in err and "\n" not in err, err
     assert not os.path.exists(out)
     # the same recipe long enough to reach the offset runs and exports
     if "50" in said:
-        assert train([str(cfg), "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                      "--out", out, "--max-steps", "50", "--save-steps", "0", *FAST]) == 0
+        assert (
+            train(
+                [
+                    str(cfg),
+                    "--model",
+                    folders["bert"],
+                    "--data",
+                    data,
+                    "--task",
+                    "text-classification",
+                    "--out",
+                    out,
+                    "--max-steps",
+                    "50",
+                    "--save-steps",
+                    "0",
+                    *FAST,
+                ]
+            )
+            == 0
+        )
         rep = json.load(open(os.path.join(out, "report.json")))
         assert rep["final_bits"]["weight:w8"]["bits"] == 8
         assert rep["stages"]["exported"]["max_logit_diff_vs_qat"] == 0.0
@@ -489,6 +682,7 @@ def test_export_clears_what_a_killed_export_left(folders, tmp_path):
     import transformers
     from qcompress.nn import int8_forward
     from qcompress.train.stages import export_model
+
     model = transformers.BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3)
     doc = qc.load_config(W8A8).raw
     qc.init_compression(model, doc)
@@ -498,7 +692,7 @@ def test_export_clears_what_a_killed_export_left(folders, tmp_path):
     for d in stale:
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"partial")
-    (out / "export.keep").write_text("not ours")           # other names stay
+    (out / "export.keep").write_text("not ours")  # other names stay
     nbytes = export_model(model.eval(), doc, tok, str(out / "export"))
     assert sorted(os.listdir(out)) == ["export", "export.keep"]
     assert nbytes == os.path.getsize(out / "export" / "model.safetensors") > 0
@@ -515,6 +709,7 @@ def test_a_schedule_cut_short_is_said(folders, tmp_path, capsys):
     """w4a8_progressive (8 -> 4 bits, period 30) trained 2 steps ends at 8 bits: the export is 8-bit
     while the ptq row is at 4; the run says so (it was silent) and a finished schedule says nothing."""
     from qcompress.schedule import bits_at
+
     progressive = os.path.join(ROOT, "schedules", "w4a8_progressive.yaml")
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "2", *FAST]
@@ -536,15 +731,32 @@ def test_max_length_beyond_the_position_table_is_refused(folders, tmp_path, caps
     IndexError traceback in the fp32 stage)."""
     import transformers
     from qcompress.train.models import position_limit
-    models = [transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                             num_attention_heads=2, intermediate_size=16,
-                                                             max_position_embeddings=40)),
-              transformers.GPT2Model(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
-                                                             n_positions=40)),
-              # RoBERTa's positions start after padding_idx: 40 rows hold 38 tokens
-              transformers.RobertaModel(transformers.RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                                   num_attention_heads=2, intermediate_size=16,
-                                                                   max_position_embeddings=40, pad_token_id=1))]
+
+    models = [
+        transformers.BertModel(
+            transformers.BertConfig(
+                vocab_size=50,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=16,
+                max_position_embeddings=40,
+            )
+        ),
+        transformers.GPT2Model(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=40)),
+        # RoBERTa's positions start after padding_idx: 40 rows hold 38 tokens
+        transformers.RobertaModel(
+            transformers.RobertaConfig(
+                vocab_size=50,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=16,
+                max_position_embeddings=40,
+                pad_token_id=1,
+            )
+        ),
+    ]
     for model in models:
         limit = position_limit(model.eval())
         with torch.no_grad():
@@ -554,8 +766,27 @@ def test_max_length_beyond_the_position_table_is_refused(folders, tmp_path, caps
     assert [position_limit(m) for m in models] == [40, 40, 38]
     data = write_data(str(tmp_path / "d"), "txt", folders["rows"] * 4)
     out = str(tmp_path / "out")
-    assert train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--out", out,
-                  "--max-steps", "1", *FAST[2:], "--max-length", "129"]) == 2
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folders["gpt2"],
+                "--data",
+                data,
+                "--task",
+                "causal-lm",
+                "--out",
+                out,
+                "--max-steps",
+                "1",
+                *FAST[2:],
+                "--max-length",
+                "129",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "--max-length 129" in err and "(128)" in err and "\n" not in err, err
     assert not os.path.exists(out)
@@ -565,13 +796,27 @@ def test_report_json_is_written_last(folders, tmp_path, monkeypatch):
     """A run that dies while drawing its plots has no report.json (it was written first, so the
     folder looked finished without plots); --resume then finishes it."""
     from qcompress.train import job
+
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--out", str(tmp_path / "out"), "--max-steps", "1", *FAST]
+    args = [
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--out",
+        str(tmp_path / "out"),
+        "--max-steps",
+        "1",
+        *FAST,
+    ]
     real = job.plot_bits
 
     def dies(*a, **k):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(job, "plot_bits", dies)
     with pytest.raises(KeyboardInterrupt):
         train(args)
@@ -588,10 +833,19 @@ def test_gpt2_without_pad_token_classifies_padded_batches(folders, tmp_path, cap
     import transformers
     from qcompress.train.data import collate
     from qcompress.train.models import load_model, load_tokenizer
+
     folder = str(tmp_path / "gpt2")
     tok = hf.write_tokenizer(folder)
-    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                  bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=None)
+    cfg = transformers.GPT2Config(
+        vocab_size=len(tok),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
     cfg_json = json.load(open(os.path.join(folder, "config.json")))
@@ -607,8 +861,25 @@ def test_gpt2_without_pad_token_classifies_padded_batches(folders, tmp_path, cap
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
-    assert train([W8A8, "--model", folder, "--data", data, "--task", "text-classification", "--out", out,
-                  "--max-steps", "1", *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folder,
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--out",
+                out,
+                "--max-steps",
+                "1",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert json.load(open(os.path.join(out, "export", "config.json")))["pad_token_id"] == tok.pad_token_id
 
 
@@ -618,19 +889,39 @@ def test_a_live_run_keeps_its_out_folder(folders, tmp_path, capsys):
     own rows to the same metrics.csv); once the holder is gone, --resume works."""
     import fcntl
     from qcompress.train.job import LOCK_NAME
+
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = tmp_path / "out"
-    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--out", str(out), "--max-steps", "1", *FAST]
+    args = [
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--out",
+        str(out),
+        "--max-steps",
+        "1",
+        *FAST,
+    ]
     assert train(args) == 0
     before = _tree(out)
-    holder = subprocess.Popen([sys.executable, "-c",
-                               "import fcntl, sys, time\n"
-                               f"f = open({str(out / LOCK_NAME)!r}, 'a+')\n"
-                               "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
-                               "print('held', flush=True)\n"
-                               "sys.stdin.read()\n"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            f"f = open({str(out / LOCK_NAME)!r}, 'a+')\n"
+            "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()
@@ -654,6 +945,7 @@ def test_baseline_from_on_a_rank_that_does_not_copy(folders, tmp_path, monkeypat
     (FileNotFoundError, 1 run in 2 here). Rank 1 alone, without a rank 0, now loads RUN's weights."""
     from safetensors.torch import load_file
     from qcompress.train import job
+
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "1", *FAST]
     src = str(tmp_path / "src")
@@ -664,6 +956,7 @@ def test_baseline_from_on_a_rank_that_does_not_copy(folders, tmp_path, monkeypat
 
     def stop(model, cfg, calibrate):
         raise Reached(model)
+
     monkeypatch.setattr(job, "quantize_without_training", stop)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(Reached) as got:
@@ -671,7 +964,7 @@ def test_baseline_from_on_a_rank_that_does_not_copy(folders, tmp_path, monkeypat
     want = load_file(os.path.join(src, "checkpoints", "fp32_finetuned.safetensors"))
     sd = got.value.args[0].state_dict()
     assert want and all(torch.equal(sd[k], v) for k, v in want.items())
-    assert not os.path.exists(tmp_path / "out")        # rank 1 writes nothing
+    assert not os.path.exists(tmp_path / "out")  # rank 1 writes nothing
 
 
 def test_baseline_under_zero3(folders, tmp_path):
@@ -679,21 +972,43 @@ def test_baseline_under_zero3(folders, tmp_path):
     whole, saved and used for PTQ (it died: DTensors have no data pointer to save, and FSDP modules
     refuse the deepcopy PTQ makes). Its weights are those of the same fine-tune at stage 0."""
     from safetensors.torch import load_file
+
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     runs = {}
     for stage in (0, 3):
         cfg = tmp_path / f"z{stage}.json"
         cfg.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": stage}}))
         out = str(tmp_path / f"out{stage}")
-        assert train([str(cfg), W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                      "--out", out, "--max-steps", "2", "--baseline", *FAST]) == 0, stage
-        runs[stage] = (load_file(os.path.join(out, "checkpoints", "fp32_finetuned.safetensors")),
-                       json.load(open(os.path.join(out, "report.json"))))
+        assert (
+            train(
+                [
+                    str(cfg),
+                    W8A8,
+                    "--model",
+                    folders["bert"],
+                    "--data",
+                    data,
+                    "--task",
+                    "text-classification",
+                    "--out",
+                    out,
+                    "--max-steps",
+                    "2",
+                    "--baseline",
+                    *FAST,
+                ]
+            )
+            == 0
+        ), stage
+        runs[stage] = (
+            load_file(os.path.join(out, "checkpoints", "fp32_finetuned.safetensors")),
+            json.load(open(os.path.join(out, "report.json"))),
+        )
     (w0, r0), (w3, r3) = runs[0], runs[3]
     assert w0.keys() == w3.keys()
     start = load_file(os.path.join(folders["bert"], "model.safetensors"))
     moved = [k for k in start if "bert." + k in w0 and not torch.equal(start[k], w0["bert." + k])]
-    assert moved                                          # the baseline did train
+    assert moved  # the baseline did train
     for k in w0:
         torch.testing.assert_close(w3[k], w0[k], rtol=1e-4, atol=1e-5)
     assert r3["stages"]["ptq"]["loss"] == pytest.approx(r0["stages"]["ptq"]["loss"], rel=1e-3)
@@ -705,13 +1020,39 @@ def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
     notes it, and the uninterrupted world size gets no such note."""
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "cut")
-    args = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--max-steps", "4", "--save-steps", "2", *FAST, "--out", out]
+    args = [
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--max-steps",
+        "4",
+        "--save-steps",
+        "2",
+        *FAST,
+        "--out",
+        out,
+    ]
     train_until_qat_checkpoint(args, 2, monkeypatch)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     from tests.helpers.dist_utils import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--resume"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "qcompress",
+        "train",
+        *args,
+        "--resume",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.load(open(os.path.join(out, "report.json")))
@@ -724,9 +1065,28 @@ def test_resume_on_another_world_size_says_so(folders, tmp_path, monkeypatch):
 def test_eval_data_that_is_the_training_data_is_said(folders, tmp_path, capsys):
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
-    same = os.path.join(os.path.dirname(data), ".", os.path.basename(data))    # another spelling
-    assert train([W8A8, "--model", folders["bert"], "--data", data, "--eval-data", same, "--task",
-                  "text-classification", "--out", out, "--max-steps", "1", *FAST]) == 0
+    same = os.path.join(os.path.dirname(data), ".", os.path.basename(data))  # another spelling
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--eval-data",
+                same,
+                "--task",
+                "text-classification",
+                "--out",
+                out,
+                "--max-steps",
+                "1",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert "warning: --eval-data is --data" in capsys.readouterr().out
     assert any("training data" in n for n in json.load(open(os.path.join(out, "report.json")))["notes"])
 
@@ -768,10 +1128,28 @@ def test_out_on_a_file_system_without_flock_still_runs(folders, tmp_path, monkey
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(fcntl, "flock", no_locks)
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    assert train([W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                  "--out", str(tmp_path / "out"), "--max-steps", "1", *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--out",
+                str(tmp_path / "out"),
+                "--max-steps",
+                "1",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert os.path.isfile(tmp_path / "out" / "report.json")
 
 
@@ -780,8 +1158,19 @@ def test_divergence_stops_with_one_line(folders, tmp_path, capsys):
     NaN export, and the compressed run died in a quantizer with a NonFiniteError traceback. Both
     now stop at the first non-finite step with one line naming the phase and the step."""
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    common = ["--model", folders["bert"], "--data", data, "--task", "text-classification", "--max-steps", "6",
-              "--lr", "1e6", *FAST]
+    common = [
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e6",
+        *FAST,
+    ]
     for extra, phase, csv_name in ((["--baseline"], "fp32_finetuned", "metrics_fp32.csv"), ([], "qat", "metrics.csv")):
         out = tmp_path / phase
         code = train([W8A8, *common, "--out", str(out), *extra])
@@ -790,7 +1179,7 @@ def test_divergence_stops_with_one_line(folders, tmp_path, capsys):
         step = int(err.split("at step ")[1].split(":")[0])
         rows = list(csv.DictReader(open(out / csv_name)))
         assert 1 < step <= 6 and len(rows) in (step - 1, step)
-        assert all(math.isfinite(float(r["loss"])) for r in rows[:step - 1])
+        assert all(math.isfinite(float(r["loss"])) for r in rows[: step - 1])
         assert not (out / "report.json").exists()
 
 
@@ -799,13 +1188,36 @@ def test_transformers_stage_after_a_resume_still_compares_with_the_export(folder
     compare transformers' load with: the transformers row lost max_logit_diff_vs_exported. The
     resumed run reloads the export for it; the oracle is the uninterrupted run's row."""
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    recipe = tmp_path / "w8_encoder.json"          # Linears only: an export transformers loads
-    recipe.write_text(json.dumps({"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
-                                    "modules": ["encoder"]}}}}}))
-    args = [str(recipe), "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--max-steps", "2", *FAST]
+    recipe = tmp_path / "w8_encoder.json"  # Linears only: an export transformers loads
+    recipe.write_text(
+        json.dumps(
+            {
+                "compression_training": {
+                    "weight_quantization": {
+                        "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
+                        "different_groups": {
+                            "w8": {
+                                "params": {"start_bits": 8, "target_bits": 8, "granularity": "channel"},
+                                "modules": ["encoder"],
+                            }
+                        },
+                    }
+                }
+            }
+        )
+    )
+    args = [
+        str(recipe),
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--max-steps",
+        "2",
+        *FAST,
+    ]
     whole = str(tmp_path / "whole")
     assert train([*args, "--out", whole]) == 0
     want = json.load(open(os.path.join(whole, "report.json")))["stages"]["transformers"]
@@ -815,6 +1227,7 @@ def test_transformers_stage_after_a_resume_still_compares_with_the_export(folder
 
     def dies(*a, **k):
         raise Interrupted()
+
     cut = str(tmp_path / "cut")
     real = job.transformers_attempts
     monkeypatch.setattr(job, "transformers_attempts", dies)
@@ -832,11 +1245,30 @@ def test_demo_summary_says_why_a_cell_is_empty(folders, tmp_path):
     # stage's reason from report.json (here: transformers cannot load quantized embeddings, which
     # schedules/with_embeddings.yaml opts in)
     from model_zoo.demo_bbc import summary_table, table_notes
+
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
     out = str(tmp_path / "out")
     embeddings = os.path.join(ROOT, "schedules", "with_embeddings.yaml")
-    assert train([W8A8, embeddings, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-                  "--max-steps", "1", "--out", out, *FAST]) == 0
+    assert (
+        train(
+            [
+                W8A8,
+                embeddings,
+                "--model",
+                folders["bert"],
+                "--data",
+                data,
+                "--task",
+                "text-classification",
+                "--max-steps",
+                "1",
+                "--out",
+                out,
+                *FAST,
+            ]
+        )
+        == 0
+    )
     rep = json.load(open(os.path.join(out, "report.json")))
     reason = rep["stages"]["transformers"]["reason"]
     assert "—" in summary_table([("W8A8", rep)])
@@ -847,10 +1279,24 @@ def test_device_option_is_checked_up_front(folders, tmp_path, capsys):
     """--device names where the job runs; one torch cannot use is refused before --out is touched
     (this suite sees no GPU: conftest hides it from tests not marked cuda)."""
     data = write_data(str(tmp_path / "d"), "csv", folders["rows"])
-    base = [W8A8, "--model", folders["bert"], "--data", data, "--task", "text-classification",
-            "--max-steps", "1", *FAST]
-    for dev, said in (("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"), ("tpu", "'cpu', 'cuda' or 'cuda:N'"),
-                      ("gpu0", "'cpu', 'cuda' or 'cuda:N'")):
+    base = [
+        W8A8,
+        "--model",
+        folders["bert"],
+        "--data",
+        data,
+        "--task",
+        "text-classification",
+        "--max-steps",
+        "1",
+        *FAST,
+    ]
+    for dev, said in (
+        ("cuda", "no CUDA device"),
+        ("cuda:1", "no CUDA device"),
+        ("tpu", "'cpu', 'cuda' or 'cuda:N'"),
+        ("gpu0", "'cpu', 'cuda' or 'cuda:N'"),
+    ):
         out = tmp_path / f"o_{dev.replace(':', '_')}"
         assert train([*base, "--out", str(out), "--device", dev]) == 2
         err = capsys.readouterr().err
@@ -869,8 +1315,21 @@ def test_ptq_range_steps_adds_a_stage_and_changes_nothing_else(folders, tmp_path
     rl = tmp_path / "rl.yaml"
     rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
     w4 = os.path.join(ROOT, "schedules", "w4a16_g32.yaml")
-    base = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
-            "--lr", "0.1", *FAST]
+    base = [
+        w4,
+        str(rl),
+        "--model",
+        folders["gpt2"],
+        "--data",
+        data,
+        "--task",
+        "causal-lm",
+        "--max-steps",
+        "2",
+        "--lr",
+        "0.1",
+        *FAST,
+    ]
     assert train([*base, "--out", str(tmp_path / "plain")]) == 0
     assert train([*base, "--out", str(tmp_path / "learned"), "--ptq-range-steps", "3"]) == 0
     plain = json.load(open(tmp_path / "plain" / "report.json"))["stages"]
@@ -879,11 +1338,27 @@ def test_ptq_range_steps_adds_a_stage_and_changes_nothing_else(folders, tmp_path
     for stage in ("fp32", "ptq", "qat", "exported"):
         assert learned[stage]["perplexity"] == plain[stage]["perplexity"], stage
     assert math.isfinite(learned["ptq_learned"]["perplexity"])
-    assert learned["ptq_learned"]["perplexity"] != learned["ptq"]["perplexity"]     # the ranges moved
+    assert learned["ptq_learned"]["perplexity"] != learned["ptq"]["perplexity"]  # the ranges moved
     assert "| ptq_learned |" in open(tmp_path / "learned" / "report.md").read()
     capsys.readouterr()
-    code = train([W8A8, "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "1",
-                  "--out", str(tmp_path / "refused"), "--ptq-range-steps", "2", *FAST])
+    code = train(
+        [
+            W8A8,
+            "--model",
+            folders["gpt2"],
+            "--data",
+            data,
+            "--task",
+            "causal-lm",
+            "--max-steps",
+            "1",
+            "--out",
+            str(tmp_path / "refused"),
+            "--ptq-range-steps",
+            "2",
+            *FAST,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--ptq-range-steps" in err and "range_learning: true" in err
     assert not os.path.exists(tmp_path / "refused" / "report.json")
@@ -896,13 +1371,41 @@ def test_ptq_range_steps_under_torchrun_equals_one_process(folders, tmp_path):
     rl = tmp_path / "rl.yaml"
     rl.write_text("compression_training:\n  weight_quantization:\n    shared_parameters:\n      range_learning: true\n")
     w4 = os.path.join(ROOT, "schedules", "w4a16_g32.yaml")
-    args = [w4, str(rl), "--model", folders["gpt2"], "--data", data, "--task", "causal-lm", "--max-steps", "2",
-            "--lr", "0.1", "--ptq-range-steps", "3", *FAST]
+    args = [
+        w4,
+        str(rl),
+        "--model",
+        folders["gpt2"],
+        "--data",
+        data,
+        "--task",
+        "causal-lm",
+        "--max-steps",
+        "2",
+        "--lr",
+        "0.1",
+        "--ptq-range-steps",
+        "3",
+        *FAST,
+    ]
     assert train([*args, "--out", str(tmp_path / "one")]) == 0
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     from tests.helpers.dist_utils import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "qcompress", "train", *args, "--out", str(tmp_path / "two")]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "qcompress",
+        "train",
+        *args,
+        "--out",
+        str(tmp_path / "two"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = json.load(open(tmp_path / "one" / "report.json"))["stages"]

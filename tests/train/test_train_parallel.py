@@ -3,6 +3,7 @@ keys, on a tiny Llama (causal LM): the loop steps through engine.train_batch (pi
 split engine, each step's loss follows the one-process run of the same config without the
 split (same samples per step), rank 0 measures and exports the whole trained model (the export
 reloads equal to it), and the report records the mesh."""
+
 from __future__ import annotations
 
 import csv
@@ -19,18 +20,33 @@ from tests.helpers.dist_utils import free_port
 from qcompress.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST = ["--task", "causal-lm", "--max-length", "16", "--max-steps", "3", "--eval-batch-size", "32",
-        "--no-progress"]
-W8A8 = {"weight_quantization": {
-            "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "schedule_offset": 0,
-                                  "quantize_weight_in_forward": True},
-            "different_groups": {"w8": {"params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0,
-                                                   "granularity": "channel"},
-                                        "modules": ["proj"]}}},
-        "activation_quantization": {
-            "shared_parameters": {"enabled": True, "quantization_type": "symmetric", "range_calibration": "dynamic",
-                                  "schedule_offset": 0, "int8_forward": False},
-            "different_groups": {"a8": {"params": {"bits": 8}, "modules": ["proj"]}}}}
+FAST = ["--task", "causal-lm", "--max-length", "16", "--max-steps", "3", "--eval-batch-size", "32", "--no-progress"]
+W8A8 = {
+    "weight_quantization": {
+        "shared_parameters": {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "schedule_offset": 0,
+            "quantize_weight_in_forward": True,
+        },
+        "different_groups": {
+            "w8": {
+                "params": {"start_bits": 8, "target_bits": 8, "quantization_period": 0, "granularity": "channel"},
+                "modules": ["proj"],
+            }
+        },
+    },
+    "activation_quantization": {
+        "shared_parameters": {
+            "enabled": True,
+            "quantization_type": "symmetric",
+            "range_calibration": "dynamic",
+            "schedule_offset": 0,
+            "int8_forward": False,
+        },
+        "different_groups": {"a8": {"params": {"bits": 8}, "modules": ["proj"]}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +54,22 @@ def llama(tmp_path_factory):
     """A 2-block Llama (4 heads, 2 key/value heads) with the word-level tokenizer, and a corpus."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     base = tmp_path_factory.mktemp("llama")
     folder = str(base / "model")
     tok = hf.write_tokenizer(folder)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     corpus = base / "corpus.txt"
@@ -52,8 +78,7 @@ def llama(tmp_path_factory):
 
 
 def _config(path, **split):
-    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "compression_training": W8A8,
-           **split}
+    doc = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "compression_training": W8A8, **split}
     with open(path, "w") as fh:
         yaml.safe_dump(doc, fh)
     return str(path)
@@ -64,19 +89,42 @@ def _losses(out):
         return [float(r["loss"]) for r in csv.DictReader(fh)]
 
 
-@pytest.mark.parametrize("split,mesh", [({"pipeline": {"stages": 2}}, {"pp": 2, "dp": 1, "tp": 1}),
-                                        ({"tensor_parallel": {"autotp_size": 2}}, {"pp": 1, "dp": 1, "tp": 2})],
-                         ids=["pp2", "tp2"])
+@pytest.mark.parametrize(
+    "split,mesh",
+    [
+        ({"pipeline": {"stages": 2}}, {"pp": 2, "dp": 1, "tp": 1}),
+        ({"tensor_parallel": {"autotp_size": 2}}, {"pp": 1, "dp": 1, "tp": 2}),
+    ],
+    ids=["pp2", "tp2"],
+)
 def test_train_under_torchrun_with_split_keys_follows_one_process(llama, tmp_path, split, mesh):
     model, corpus = llama
     one = str(tmp_path / "one")
-    assert cli_main(["train", _config(tmp_path / "one.yaml"), "--model", model, "--data", corpus,
-                     "--out", one, *FAST]) == 0
+    assert (
+        cli_main(["train", _config(tmp_path / "one.yaml"), "--model", model, "--data", corpus, "--out", one, *FAST])
+        == 0
+    )
     out = str(tmp_path / "split")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "qcompress", "train", _config(tmp_path / "split.yaml", **split),
-           "--model", model, "--data", corpus, "--out", out, *FAST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "qcompress",
+        "train",
+        _config(tmp_path / "split.yaml", **split),
+        "--model",
+        model,
+        "--data",
+        corpus,
+        "--out",
+        out,
+        *FAST,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(out, "report.json")) as fh:

@@ -1,16 +1,23 @@
 """Hadamard blocks and block-diagonal rotations, against compressed-tensors' constructions and an
 explicit block-diagonal matrix."""
+
 import pytest
 import torch
 
-from qcompress.transforms.hadamard import (block_for, largest_power_of_two_block, rotate_dim, sylvester,
-                                           unnormalized_block)
+from qcompress.transforms.hadamard import (
+    block_for,
+    largest_power_of_two_block,
+    rotate_dim,
+    sylvester,
+    unnormalized_block,
+)
 
 
 @pytest.mark.parametrize("b", [1, 2, 4, 8, 64, 128])
 def test_sylvester_equals_compressed_tensors_deterministic_hadamard(b):
-    ct = pytest.importorskip("compressed_tensors.transform.utils.hadamard",
-                             reason="compressed-tensors is not installed")
+    ct = pytest.importorskip(
+        "compressed_tensors.transform.utils.hadamard", reason="compressed-tensors is not installed"
+    )
     assert torch.equal(sylvester(b), ct.deterministic_hadamard_matrix(b, torch.float64))
 
 
@@ -19,7 +26,7 @@ def test_blocks_are_orthogonal_after_normalising():
     for kind in ("hadamard", "random-hadamard"):
         h = unnormalized_block(32, kind, g)
         assert set(h.unique().tolist()) == {-1.0, 1.0}
-        q = h / 32 ** 0.5
+        q = h / 32**0.5
         assert torch.allclose(q @ q.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
     r1 = unnormalized_block(16, "random-hadamard", torch.Generator().manual_seed(1))
     r2 = unnormalized_block(16, "random-hadamard", torch.Generator().manual_seed(2))

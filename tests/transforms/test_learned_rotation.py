@@ -1,5 +1,6 @@
 """Learned rotations: orthogonal factors (1e-5) trained with the model, their gradient equal to
 finite differences, fused / exported at the end, and resumed bit for bit from a checkpoint."""
+
 import copy
 import json
 import os
@@ -17,14 +18,22 @@ def qat_doc(lr=1e-2, act=True, **rot):
     doc = rotation_doc(learned=True, **rot)
     doc["compression_training"]["weight_quantization"] = {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32},
-                                   "modules": ["layers"]}}}
+        "different_groups": {
+            "w": {"params": {"start_bits": 4, "target_bits": 4, "group_size": 32}, "modules": ["layers"]}
+        },
+    }
     if act:
         doc["compression_training"]["activation_quantization"] = {
             "shared_parameters": {"enabled": True, "schedule_offset": 0},
-            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["layers"]}}}
-    doc.update({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}})
+            "different_groups": {"a": {"params": {"bits": 8}, "modules": ["layers"]}},
+        }
+    doc.update(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        }
+    )
     return doc
 
 
@@ -69,22 +78,23 @@ def test_learned_rotations_train_with_the_model_and_stay_orthogonal():
     names = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     factors = _factors(model)
     assert sorted(factors) == ["R1", "R2.0", "R2.1", "R4"]
-    assert all(id(f.skew) in names for f in factors.values())          # in the optimizer with the model
+    assert all(id(f.skew) in names for f in factors.values())  # in the optimizer with the model
     losses = _train(engine, 4)
     assert all(torch.isfinite(torch.tensor(losses)))
     for name, f in factors.items():
-        assert float(f.skew.detach().abs().max()) > 1e-3, name                   # they moved
+        assert float(f.skew.detach().abs().max()) > 1e-3, name  # they moved
         m = f.matrix().detach()
         eye = torch.eye(m.shape[0], dtype=torch.float64)
         assert float((m.T @ m - eye).abs().max()) < 1e-5, name
         assert float((m - eye).abs().max()) > 1e-3, name
     # the weights the quantizers see are W C: rotating the embedding's stored weight gives it back
     from qcompress.transforms import materialized
+
     e = model.model.embed_tokens.weight.detach().clone()
     with materialized(model):
         seen = model.model.embed_tokens.weight
         assert torch.allclose(seen, e @ factors["R1"].matrix().float(), atol=1e-6)
-        assert float((seen.norm(dim=1) - e.norm(dim=1)).abs().max()) < 1e-4    # a rotation keeps lengths
+        assert float((seen.norm(dim=1) - e.norm(dim=1)).abs().max()) < 1e-4  # a rotation keeps lengths
 
 
 def _rms_norm_in_its_dtype(self, x):
@@ -100,11 +110,12 @@ def test_gradient_of_the_factors_matches_finite_differences(monkeypatch):
     model.double()
     seen = []
 
-    def grab_weight(mod, args):              # registered after the rotation's hooks: sees W C
+    def grab_weight(mod, args):  # registered after the rotation's hooks: sees W C
         seen.append(mod.weight)
 
-    def grab_input(mod, args):               # after R4's online rotation: the input down_proj sees
+    def grab_input(mod, args):  # after R4's online rotation: the input down_proj sees
         seen.append(args[0])
+
     layer = model.model.layers[1]
     for mod in (layer.self_attn.v_proj, layer.self_attn.o_proj, model.model.embed_tokens):
         mod.register_forward_pre_hook(grab_weight)
@@ -113,10 +124,11 @@ def test_gradient_of_the_factors_matches_finite_differences(monkeypatch):
     ids = tokens(64, seq=6)
     probe = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
 
-    def loss():        # not rotation-invariant: fourth powers of the rotated weights and inputs
+    def loss():  # not rotation-invariant: fourth powers of the rotated weights and inputs
         seen.clear()
         out = model(ids).logits
-        return (out * probe).sum() + sum((t ** 4).sum() for t in seen)
+        return (out * probe).sum() + sum((t**4).sum() for t in seen)
+
     with torch.no_grad():
         for f in _factors(model).values():
             f.skew.normal_(0, 0.05)
@@ -148,19 +160,20 @@ def test_trained_rotations_export_fused_and_as_a_transform(tmp_path):
     model.eval()
     ids = tokens(64)
     trained = logits(model, ids)
-    assert torch.equal(logits(copy.deepcopy(model), ids), trained)      # a copy carries its factors
+    assert torch.equal(logits(copy.deepcopy(model), ids), trained)  # a copy carries its factors
     out = str(tmp_path / "out")
     qc.export_quantized(model, out)
     config = json.load(open(os.path.join(out, "config.json")))
     scheme = config["quantization_config"]["transform_config"]["config_groups"]["R4"]
     assert scheme["type"] == "random-hadamard" and scheme["head_dim"] == 32
     from safetensors.torch import load_file
+
     stored = load_file(os.path.join(out, "model.safetensors"))
     assert not any(k.startswith("qc_rotations") for k in stored)
     block = stored["model.layers.0.mlp.down_proj.R4_input.weight"]
-    q = block.double() / 32 ** 0.5          # unnormalized: an orthogonal matrix once divided by sqrt(32)
+    q = block.double() / 32**0.5  # unnormalized: an orthogonal matrix once divided by sqrt(32)
     assert float((q.T @ q - torch.eye(32, dtype=torch.float64)).abs().max()) < 1e-5
-    assert not torch.allclose(block.abs(), torch.ones_like(block))    # no longer a +-1 Hadamard block
+    assert not torch.allclose(block.abs(), torch.ones_like(block))  # no longer a +-1 Hadamard block
     loaded = qc.load_quantized(out, copy.deepcopy(fresh))
     assert torch.allclose(logits(loaded, ids), trained, atol=1e-5, rtol=0)
     # redundancy_clean writes the rotations into the weights: the same function, no factors left
@@ -176,11 +189,12 @@ def test_trained_rotations_read_back_by_transformers_and_compressed_tensors(tmp_
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
     from qcompress.export.hf_compat import dequantize_config
     from qcompress.export.rotations import apply_to_transformers
+
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
     model = _model(seed=1)
     fresh = copy.deepcopy(model)
-    doc = qat_doc(lr=5e-2, act=False)      # transformers runs activations unquantized: weights only
+    doc = qat_doc(lr=5e-2, act=False)  # transformers runs activations unquantized: weights only
     qc.init_compression(model, doc)
     _train(qc.initialize(model, doc), 2)
     out = str(tmp_path / "out")
@@ -188,8 +202,9 @@ def test_trained_rotations_read_back_by_transformers_and_compressed_tensors(tmp_
     ids = tokens(64)
     ref = logits(qc.load_quantized(out, fresh), ids)
     assert torch.allclose(ref, logits(model.eval(), ids), atol=1e-5, rtol=0)
-    tm = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                           quantization_config=dequantize_config()).eval()
+    tm = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=dequantize_config()
+    ).eval()
     apply_to_transformers(tm, out)
     assert torch.allclose(logits(tm, ids), ref, atol=1e-6, rtol=0)
 
@@ -203,6 +218,7 @@ def test_resume_with_learned_rotations_is_bit_exact(tmp_path):
         model = _model(seed=2)
         qc.init_compression(model, doc)
         return qc.initialize(model, doc)
+
     engine = build()
     _train(engine, 2)
     engine.save_checkpoint(str(tmp_path))

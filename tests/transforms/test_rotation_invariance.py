@@ -1,13 +1,23 @@
 """R1 / R2 / R4 keep the function: FP32 logits of each family unchanged (1e-4 relative), and the
 rotated weights equal what compressed-tensors' own transforms make of the same model (an
 independent implementation of the same products) after folding the norms by hand."""
+
 import copy
 
 import pytest
 import torch
 
 import qcompress as qc
-from tests.helpers.rotation_fixtures import (DENSE, MOE, logits, make_dense, make_moe_model, rel_diff, rotation_doc, tokens)
+from tests.helpers.rotation_fixtures import (
+    DENSE,
+    MOE,
+    logits,
+    make_dense,
+    make_moe_model,
+    rel_diff,
+    rotation_doc,
+    tokens,
+)
 
 ct = pytest.importorskip("compressed_tensors.transform", reason="compressed-tensors is not installed")
 
@@ -21,10 +31,10 @@ def test_dense_families_keep_their_logits(family, kind):
     qc.apply_rotations(model, rotation_doc(type=kind, seed=7))
     assert rel_diff(logits(model, ids), ref) < 1e-4
     rec = model.__dict__["_qc_rotation"]
-    assert rec["blocks"] == {"R1": 16, "R2": 8, "R4": 32}        # 48 = 3 x 16, head 8, MLP 96 = 3 x 32
+    assert rec["blocks"] == {"R1": 16, "R2": 8, "R4": 32}  # 48 = 3 x 16, head 8, MLP 96 = 3 x 32
     for name, p in model.named_parameters():
         if "norm" in name and "q_norm" not in name and "k_norm" not in name:
-            assert torch.equal(p, torch.ones_like(p)), name       # folded into the next layers
+            assert torch.equal(p, torch.ones_like(p)), name  # folded into the next layers
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert rec["untied"] == {"head": "lm_head", "embedding": "model.embed_tokens"}
     assert model.config.tie_word_embeddings is False
@@ -41,12 +51,13 @@ def test_moe_families_keep_their_logits_with_each_expert_and_router_rotated(fami
     assert rel_diff(logits(model, ids), ref) < 1e-4
     experts = model.model.layers[0].mlp.experts
     old = before.model.layers[0].mlp.experts
-    for pname in ("gate_up_proj", "down_proj"):        # every expert's matrix moved
+    for pname in ("gate_up_proj", "down_proj"):  # every expert's matrix moved
         moved = (getattr(experts, pname) - getattr(old, pname)).flatten(1).abs().amax(1)
         assert bool((moved > 1e-3).all()), pname
     router = "router" if family == "gpt_oss" else "gate"
-    assert not torch.allclose(getattr(model.model.layers[0].mlp, router).weight,
-                              getattr(before.model.layers[0].mlp, router).weight)
+    assert not torch.allclose(
+        getattr(model.model.layers[0].mlp, router).weight, getattr(before.model.layers[0].mlp, router).weight
+    )
 
 
 def test_a_tied_head_stays_tied_when_the_final_norm_weight_is_one():
@@ -73,7 +84,7 @@ def test_forced_block_size_and_r2_alone():
     norms = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
     qc.apply_rotations(model, rotation_doc(["R2"]))
     assert rel_diff(logits(model, ids), ref) < 1e-4
-    assert all(torch.equal(p, norms[n]) for n, p in model.named_parameters() if "norm" in n)   # R2 folds none
+    assert all(torch.equal(p, norms[n]) for n, p in model.named_parameters() if "norm" in n)  # R2 folds none
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -96,21 +107,42 @@ def _fold_by_hand(model):
 
 def test_weights_equal_compressed_tensors_transforms_of_the_folded_model():
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme, apply_transform_config
+
     model = make_dense("llama", tie=False)
     oracle = copy.deepcopy(model)
     qc.apply_rotations(model, rotation_doc())
     _fold_by_hand(oracle)
     readers = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*gate_proj$", "re:.*up_proj$", "lm_head"]
-    config = TransformConfig(config_groups={
-        "R1": TransformScheme(type="hadamard", head_dim=16, apply=[
-            TransformArgs(targets=["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"], location="weight_output"),
-            TransformArgs(targets=readers, location="weight_input", inverse=True)]),
-        "R2": TransformScheme(type="hadamard", head_dim=8, apply=[
-            TransformArgs(targets=["re:.*v_proj$"], location="weight_output"),
-            TransformArgs(targets=["re:.*o_proj$"], location="weight_input", inverse=True)]),
-        "R4": TransformScheme(type="hadamard", head_dim=32, apply=[
-            TransformArgs(targets=["re:.*down_proj$"], location="input"),
-            TransformArgs(targets=["re:.*down_proj$"], location="weight_input", inverse=True)])})
+    config = TransformConfig(
+        config_groups={
+            "R1": TransformScheme(
+                type="hadamard",
+                head_dim=16,
+                apply=[
+                    TransformArgs(
+                        targets=["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"], location="weight_output"
+                    ),
+                    TransformArgs(targets=readers, location="weight_input", inverse=True),
+                ],
+            ),
+            "R2": TransformScheme(
+                type="hadamard",
+                head_dim=8,
+                apply=[
+                    TransformArgs(targets=["re:.*v_proj$"], location="weight_output"),
+                    TransformArgs(targets=["re:.*o_proj$"], location="weight_input", inverse=True),
+                ],
+            ),
+            "R4": TransformScheme(
+                type="hadamard",
+                head_dim=32,
+                apply=[
+                    TransformArgs(targets=["re:.*down_proj$"], location="input"),
+                    TransformArgs(targets=["re:.*down_proj$"], location="weight_input", inverse=True),
+                ],
+            ),
+        }
+    )
     apply_transform_config(oracle, config)
     ours = dict(model.named_parameters())
     for name, p in oracle.named_parameters():
@@ -125,13 +157,25 @@ def test_weights_equal_compressed_tensors_transforms_of_the_folded_model():
 
 def test_r4_alone_matches_compressed_tensors_online_transform_bit_for_bit_in_the_forward():
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme, apply_transform_config
+
     model = make_dense("mistral")
     oracle = copy.deepcopy(model)
     qc.apply_rotations(model, rotation_doc(["R4"]))
-    apply_transform_config(oracle, TransformConfig(config_groups={"R4": TransformScheme(
-        type="hadamard", head_dim=32, apply=[TransformArgs(targets=["re:.*down_proj$"], location="input"),
-                                             TransformArgs(targets=["re:.*down_proj$"], location="weight_input",
-                                                           inverse=True)])}))
+    apply_transform_config(
+        oracle,
+        TransformConfig(
+            config_groups={
+                "R4": TransformScheme(
+                    type="hadamard",
+                    head_dim=32,
+                    apply=[
+                        TransformArgs(targets=["re:.*down_proj$"], location="input"),
+                        TransformArgs(targets=["re:.*down_proj$"], location="weight_input", inverse=True),
+                    ],
+                )
+            }
+        ),
+    )
     x = torch.randn(2, 5, 96)
     a = model.model.layers[1].mlp.down_proj.R4_input(x)
     b = oracle.model.layers[1].mlp.down_proj.R4_input(x)
@@ -149,8 +193,9 @@ def test_a_model_rotated_before_init_compression_is_not_rotated_twice():
     doc = rotation_doc()
     doc["compression_training"]["weight_quantization"] = {
         "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True},
-        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["layers"]}}}
+        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["layers"]}},
+    }
     qc.init_compression(model, doc)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
-    assert rel_diff(logits(model, ids), ref) < 1e-2          # 8-bit weights: close, not equal
+    assert rel_diff(logits(model, ids), ref) < 1e-2  # 8-bit weights: close, not equal
     assert len([h for h in model.model.layers[0].mlp.down_proj._forward_pre_hooks.values()]) == 1

@@ -3,6 +3,7 @@
 PLACEMENTS is read top to bottom; the first row whose test holds for the run's facts names the
 class. A new placement is a Placement subclass and one row here.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Tuple, Type
@@ -16,10 +17,11 @@ from .mesh import MeshReplicas, MeshSharded, OneBitLocalShards
 
 class Facts(NamedTuple):
     """What the choice depends on."""
-    split: bool      # tensor or pipeline parallel: the model is split over a (pp, dp, tp) mesh
-    onebit: bool     # the config's optimizer is a 1-bit one (they exchange gradients themselves)
-    stage: int       # zero_optimization.stage
-    world: int       # ranks
+
+    split: bool  # tensor or pipeline parallel: the model is split over a (pp, dp, tp) mesh
+    onebit: bool  # the config's optimizer is a 1-bit one (they exchange gradients themselves)
+    stage: int  # zero_optimization.stage
+    world: int  # ranks
 
 
 class SingleProcess(Placement):
@@ -48,5 +50,20 @@ def place(cfg, rank: int, world_size: int, device, parallel, traffic) -> Placeme
     return choose(cfg, world_size, parallel)(Ranks(cfg, rank, world_size, device, parallel, traffic))
 
 
-__all__ = ["PLACEMENTS", "Facts", "Placement", "Ranks", "SingleProcess", "DDP", "ZeRO1", "FSDP2", "MeshReplicas",
-           "MeshSharded", "OneBitLocalShards", "choose", "place", "check_client_optimizer", "local_optimizer"]
+__all__ = [
+    "PLACEMENTS",
+    "Facts",
+    "Placement",
+    "Ranks",
+    "SingleProcess",
+    "DDP",
+    "ZeRO1",
+    "FSDP2",
+    "MeshReplicas",
+    "MeshSharded",
+    "OneBitLocalShards",
+    "choose",
+    "place",
+    "check_client_optimizer",
+    "local_optimizer",
+]

@@ -7,6 +7,7 @@ offload), the global gradient norm, whole weights for the compression scheduler,
 layout of checkpoints, and what the memory and timing reports say. The engine keeps the training
 rhythm and asks its placement; a new placement is one subclass and one row of the table.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,10 @@ from ..optimizers import build_optimizer
 
 log = logging.getLogger("qcompress.engine")
 
-_INSTANCE_SHARDED = ("a ready optimizer instance holds the unsharded parameters, but stage {stage} shards them; "
-                     "pass a factory instead, e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4)")
+_INSTANCE_SHARDED = (
+    "a ready optimizer instance holds the unsharded parameters, but stage {stage} shards them; "
+    "pass a factory instead, e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4)"
+)
 
 
 def check_client_optimizer(optimizer, cfg) -> None:
@@ -36,11 +39,16 @@ def check_client_optimizer(optimizer, cfg) -> None:
     if optimizer is None:
         return
     if cfg.optimizer is not None:
-        raise ConfigError("optimizer", f"the config has an optimizer section ({cfg.optimizer.type}) and "
-                          "initialize() got optimizer=...; keep one of them (DeepSpeed refuses both too)")
+        raise ConfigError(
+            "optimizer",
+            f"the config has an optimizer section ({cfg.optimizer.type}) and "
+            "initialize() got optimizer=...; keep one of them (DeepSpeed refuses both too)",
+        )
     if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
-        raise TypeError("initialize(optimizer=...) takes a torch.optim.Optimizer or a callable params -> "
-                        f"Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            "initialize(optimizer=...) takes a torch.optim.Optimizer or a callable params -> "
+            f"Optimizer, got {type(optimizer).__name__}"
+        )
     stage = cfg.zero_optimization.stage
     if isinstance(optimizer, torch.optim.Optimizer) and stage >= 2:
         raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=stage))
@@ -74,21 +82,22 @@ def nonfinite(sumsq: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ranks:
     """Where the engine runs, as every placement reads it."""
-    cfg: Any                 # the loaded Config
+
+    cfg: Any  # the loaded Config
     rank: int
     world_size: int
     device: torch.device
-    parallel: Any            # parallel.mesh.ParallelMesh: the (pp, dp, tp) sizes, the mesh when split
-    traffic: Any             # engine.traffic.Traffic: counts what the placement sends
+    parallel: Any  # parallel.mesh.ParallelMesh: the (pp, dp, tp) sizes, the mesh when split
+    traffic: Any  # engine.traffic.Traffic: counts what the placement sends
 
 
 class Placement:
     """One process: the model itself, the optimizer on its parameters, nothing to reduce."""
 
-    sharded = False              # parameters are FSDP2 shards between steps
-    offload = False              # FSDP2's CPUOffloadPolicy holds (some) units on the CPU
-    comm_label = "allreduce"     # wall_clock_breakdown's name for the gradient communication
-    backward_note = ""           # what wall_clock_breakdown's backward time includes besides compute
+    sharded = False  # parameters are FSDP2 shards between steps
+    offload = False  # FSDP2's CPUOffloadPolicy holds (some) units on the CPU
+    comm_label = "allreduce"  # wall_clock_breakdown's name for the gradient communication
+    backward_note = ""  # what wall_clock_breakdown's backward time includes besides compute
 
     def __init__(self, ranks: Ranks):
         self.cfg = ranks.cfg
@@ -96,13 +105,13 @@ class Placement:
         self.parallel, self.traffic = ranks.parallel, ranks.traffic
         self.stage = ranks.cfg.zero_optimization.stage
         self.onebit = is_onebit(ranks.cfg.optimizer)
-        self.group = None            # the world: checkpoints and the gradient norm span all ranks
+        self.group = None  # the world: checkpoints and the gradient norm span all ranks
         self.pipeline = self.tp_plan = None
         self.module: Optional[nn.Module] = None
         self.wrapped: Optional[nn.Module] = None
-        self.timer = None            # .seconds: the gradient communication, taken out of backward
-        self.nvme = None             # engine/nvme.py: the optimizer state in files
-        self.optimizer_offload: Optional[OptimizerOffload] = None   # stage 1: engine/offload.py
+        self.timer = None  # .seconds: the gradient communication, taken out of backward
+        self.nvme = None  # engine/nvme.py: the optimizer state in files
+        self.optimizer_offload: Optional[OptimizerOffload] = None  # stage 1: engine/offload.py
         self.offloaded_ids: Set[int] = set()
         self.param_names: Dict[nn.Parameter, str] = {}
         self._names_before: Dict[int, str] = {}
@@ -140,10 +149,15 @@ class Placement:
         params = self._optimizer_params(self._resolve_params(model_parameters))
         opt = self._client_optimizer(params, client) if client is not None else self._config_optimizer(params)
         zero = self.cfg.zero_optimization
-        if zero.offload_optimizer.device == "nvme":     # checked before training
+        if zero.offload_optimizer.device == "nvme":  # checked before training
             from ..nvme import attach
-            self.nvme = attach(local_optimizer(opt), zero.offload_optimizer, zero.sub_group_size,
-                               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+            self.nvme = attach(
+                local_optimizer(opt),
+                zero.offload_optimizer,
+                zero.sub_group_size,
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            )
         self._attach_offload(opt)
         return opt
 
@@ -158,8 +172,11 @@ class Placement:
         zero = self.cfg.zero_optimization
         pin = zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory
         if pin and self.device.type != "cuda" and self.rank == 0:
-            log.warning("zero_optimization.offload_*.pin_memory: training on %s, so nothing is copied to or "
-                        "from a GPU; host memory stays pageable", self.device)
+            log.warning(
+                "zero_optimization.offload_*.pin_memory: training on %s, so nothing is copied to or "
+                "from a GPU; host memory stays pageable",
+                self.device,
+            )
         return pin and self.device.type == "cuda"
 
     def _resolve_params(self, model_parameters):
@@ -176,6 +193,7 @@ class Placement:
                     return p
                 raise ValueError("model_parameters holds a tensor that is not a parameter of the model")
             return now[name]
+
         items = list(model_parameters)
         if items and isinstance(items[0], dict):
             return [dict(g, params=[remap(p) for p in g["params"]]) for g in items]
@@ -188,12 +206,15 @@ class Placement:
     def _config_optimizer(self, params):
         opt_cfg = self.cfg.optimizer
         if opt_cfg is None:
-            raise ConfigError("optimizer", "initialize() needs an optimizer: an `optimizer` section (type and "
-                              "params) in the config, or initialize(..., optimizer=...) as DeepSpeed takes one")
+            raise ConfigError(
+                "optimizer",
+                "initialize() needs an optimizer: an `optimizer` section (type and "
+                "params) in the config, or initialize(..., optimizer=...) as DeepSpeed takes one",
+            )
         if self.onebit and self.stage == 1 and self.world_size > 1:
             # 1-bit optimizers shard their own state by the compressed all-reduce's chunks.
             return build_optimizer(params, opt_cfg, group=self.parallel.dp_group, shard_state=True)
-        return build_optimizer(params, opt_cfg, group=self.parallel.dp_group)   # the world unless split
+        return build_optimizer(params, opt_cfg, group=self.parallel.dp_group)  # the world unless split
 
     def _client_optimizer(self, params, client):
         """A user's optimizer: built by its factory on the (wrapped) parameters, or used as given."""
@@ -202,8 +223,10 @@ class Placement:
                 raise ConfigError("zero_optimization.stage", _INSTANCE_SHARDED.format(stage=self.stage))
             own = {id(p) for p in self.module.parameters()}
             if any(id(p) not in own for g in client.param_groups for p in g["params"]):
-                raise ValueError("initialize(optimizer=...): the optimizer holds tensors that are not parameters "
-                                 "of this model (build it after init_compression, on model.parameters())")
+                raise ValueError(
+                    "initialize(optimizer=...): the optimizer holds tensors that are not parameters "
+                    "of this model (build it after init_compression, on model.parameters())"
+                )
             opt = client
         else:
             opt = self._from_factory(params, client)
@@ -211,8 +234,11 @@ class Placement:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"initialize(optimizer=...) must build a torch.optim.Optimizer, got {type(inner).__name__}")
         if getattr(inner, "allreduce_gradients", None) is not None:
-            raise ConfigError("optimizer", f"{type(inner).__name__} exchanges compressed gradients itself; declare "
-                              "it in the config's optimizer section so the engine wires its communication")
+            raise ConfigError(
+                "optimizer",
+                f"{type(inner).__name__} exchanges compressed gradients itself; declare "
+                "it in the config's optimizer section so the engine wires its communication",
+            )
         return opt
 
     def _from_factory(self, params, factory):
@@ -237,8 +263,9 @@ class Placement:
     def after_zero_grad(self) -> None:
         """After optimizer.zero_grad at the end of a boundary."""
 
-    def grad_sumsq(self, params: List[nn.Parameter], allreduce_gradients: bool,
-                   fp16: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    def grad_sumsq(
+        self, params: List[nn.Parameter], allreduce_gradients: bool, fp16: bool
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(squared global gradient norm, fp16 overflow flag on any rank), float64 tensors, of
         the gradients of `params`. allreduce_gradients False: each rank holds its own gradients
         (a 1-bit optimizer between its exchanges)."""
@@ -263,5 +290,6 @@ class Placement:
         return None
 
     def memory_report(self, optimizer) -> Dict[str, int]:
-        return memory_report(self.module, optimizer, self.stage, self.offload, nvme=self.nvme,
-                             offloaded_ids=self.offloaded_ids)
+        return memory_report(
+            self.module, optimizer, self.stage, self.offload, nvme=self.nvme, offloaded_ids=self.offloaded_ids
+        )

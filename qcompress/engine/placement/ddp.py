@@ -1,5 +1,6 @@
 """Whole replicas on every rank: DistributedDataParallel (ZeRO stage 0) and, at stage 1, torch's
 ZeroRedundancyOptimizer sharding the optimizer state over the ranks (engine/zero.py)."""
+
 from __future__ import annotations
 
 from typing import List
@@ -17,6 +18,7 @@ def has_scheduled_parameters(model: nn.Module) -> bool:
     """Compression Parameters that join the graph only once their technique starts (topk pruning
     scores, learned activation / weight ranges): before that DDP must expect unused parameters."""
     from ...nn.ranges import range_parameter_names
+
     for m in model.modules():
         if any(getattr(st, "scores_name", None) for st in getattr(m, "qc_pruning", {}).values()):
             return True
@@ -30,10 +32,17 @@ class DDP(Placement):
 
     def _wrap(self, model: nn.Module, skips_blocks: bool) -> nn.Module:
         zero = self.cfg.zero_optimization
-        ddp, self.timer = wrap_ddp(model, self.device, self.group, self.world_size, zero.reduce_bucket_size,
-                                   self.cfg.communication_data_type, bool(self.cfg.wall_clock_breakdown),
-                                   find_unused_parameters=skips_blocks or has_scheduled_parameters(model),
-                                   traffic=self.traffic)
+        ddp, self.timer = wrap_ddp(
+            model,
+            self.device,
+            self.group,
+            self.world_size,
+            zero.reduce_bucket_size,
+            self.cfg.communication_data_type,
+            bool(self.cfg.wall_clock_breakdown),
+            find_unused_parameters=skips_blocks or has_scheduled_parameters(model),
+            traffic=self.traffic,
+        )
         return ddp
 
     def set_grad_sync(self, sync: bool) -> None:
@@ -54,7 +63,8 @@ class DDP(Placement):
                 f"engine.step: {len(unused)} trainable parameter(s) got no gradient in this step: "
                 f"{', '.join(unused[:5])}{more}. At ZeRO stage {self.stage} DistributedDataParallel averages "
                 "gradients only when every trainable parameter takes part in the loss; freeze the unused "
-                "ones (requires_grad_(False)) before initialize, or use stage 2/3")
+                "ones (requires_grad_(False)) before initialize, or use stage 2/3"
+            )
 
     def grad_sumsq(self, params, allreduce_gradients: bool, fp16: bool):
         """Replicated gradients agree after DDP's all-reduce; a 1-bit optimizer's local ones (between
@@ -73,7 +83,7 @@ class ZeRO1(DDP):
 
     def _config_optimizer(self, params):
         opt_cfg = self.cfg.optimizer
-        if self.onebit or opt_cfg is None:      # 1-bit: they shard their own state; None: the base's error
+        if self.onebit or opt_cfg is None:  # 1-bit: they shard their own state; None: the base's error
             return super()._config_optimizer(params)
         return build_zero1(params, lambda groups: build_optimizer(groups, opt_cfg), self.group)
 
@@ -82,7 +92,7 @@ class ZeRO1(DDP):
 
     @property
     def optimizer_layout(self) -> str:
-        """"zero1": each rank writes the state of the parameters it owns (engine/checkpoint.py)."""
+        """ "zero1": each rank writes the state of the parameters it owns (engine/checkpoint.py)."""
         return "per_rank" if self.onebit else "zero1"
 
     def after_optimizer_step(self, optimizer) -> None:

@@ -1,5 +1,6 @@
 """ZeRO stages 2 and 3 on FSDP2: fully_shard every module that owns parameters (stage 3 also
 reshards the weights after forward), with CPUOffloadPolicy for offload (engine/zero.py)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -22,8 +23,9 @@ class FSDP2(Placement):
         zero = self.cfg.zero_optimization
         # CPUOffloadPolicy (stages 2/3): parameters, gradients and the update on the CPU (with NVMe,
         # the optimizer state streams from disk into that CPU update); stage 1: engine/offload.py
-        self.offload = self.stage >= 2 and (zero.offload_optimizer.device in ("cpu", "nvme")
-                                            or zero.offload_param.device == "cpu")
+        self.offload = self.stage >= 2 and (
+            zero.offload_optimizer.device in ("cpu", "nvme") or zero.offload_param.device == "cpu"
+        )
         self.fsdp_counted = True
         self._offloaded = []
 
@@ -33,12 +35,22 @@ class FSDP2(Placement):
 
     def _wrap(self, model: nn.Module, skips_blocks: bool) -> nn.Module:
         zero = self.cfg.zero_optimization
-        partial = (zero.offload_optimizer.ratio if zero.offload_param.device == "none"
-                   and zero.offload_optimizer.device == "cpu" else 1.0)
-        wrapped, self._offloaded = wrap_fsdp(wrap_root(self, model), self.device, self.group, self.stage,
-                                             self.offload, self.cfg.communication_data_type,
-                                             pin_memory=self.pin_memory(), offload_ratio=partial,
-                                             mesh=self.parallel.dp_mesh)
+        partial = (
+            zero.offload_optimizer.ratio
+            if zero.offload_param.device == "none" and zero.offload_optimizer.device == "cpu"
+            else 1.0
+        )
+        wrapped, self._offloaded = wrap_fsdp(
+            wrap_root(self, model),
+            self.device,
+            self.group,
+            self.stage,
+            self.offload,
+            self.cfg.communication_data_type,
+            pin_memory=self.pin_memory(),
+            offload_ratio=partial,
+            mesh=self.parallel.dp_mesh,
+        )
         timed = bool(self.cfg.wall_clock_breakdown)
         timer = TimedReduceScatter() if timed else None
         self.fsdp_counted = count_fsdp(model, self.traffic, timer)

@@ -1,5 +1,6 @@
 """A model split over the (pp, dp, tp) mesh (tensor-parallel shards, pipeline stages) and copied
 over its dp dimension (parallel/): the replicas average gradients over their dp group only."""
+
 from __future__ import annotations
 
 from typing import List
@@ -20,9 +21,9 @@ class _Split:
 
     def split(self, model: nn.Module, compression_scheduler, micro_batches: int) -> None:
         shape = self.parallel.shape
-        if shape.pp > 1:         # this rank keeps its stage's blocks only
+        if shape.pp > 1:  # this rank keeps its stage's blocks only
             self.pipeline = build_pipeline(model, self.parallel, self.cfg.pipeline, micro_batches, self.device)
-            if compression_scheduler is not None:    # the other stages' blocks are theirs
+            if compression_scheduler is not None:  # the other stages' blocks are theirs
                 compression_scheduler.keep_modules_of(model)
         if shape.tp > 1:
             self.tp_plan = apply_tensor_parallel(model, self.parallel.mesh["tp"], self.cfg.tensor_parallel)
@@ -30,8 +31,9 @@ class _Split:
     def grad_sumsq(self, params, allreduce_gradients: bool, fp16: bool):
         """Stages, TP shards and dp copies: each rank's share of the whole (parallel/grad_norm.py)."""
         replicas_agree = self.sharded or allreduce_gradients
-        sumsq = share_of_sumsq([p.grad for p in params], self.parallel.shape, self.device,
-                               replicas_agree=replicas_agree)
+        sumsq = share_of_sumsq(
+            [p.grad for p in params], self.parallel.shape, self.device, replicas_agree=replicas_agree
+        )
         return self._sum_over_world(sumsq, nonfinite(sumsq))
 
     def whole_weights(self):
@@ -46,11 +48,12 @@ class MeshReplicas(_Split, Placement):
     def _wrap(self, model: nn.Module, skips_blocks: bool) -> nn.Module:
         if self.parallel.shape.dp == 1:
             return model
-        return replicate_over(wrap_root(self, model), self.parallel.mesh["dp"],
-                              comm_dtype(self.cfg.communication_data_type))
+        return replicate_over(
+            wrap_root(self, model), self.parallel.mesh["dp"], comm_dtype(self.cfg.communication_data_type)
+        )
 
     def set_grad_sync(self, sync: bool) -> None:
-        replicated = getattr(self.wrapped, "set_requires_gradient_sync", None)   # absent with one replica
+        replicated = getattr(self.wrapped, "set_requires_gradient_sync", None)  # absent with one replica
         if replicated is not None:
             replicated(sync)
 

@@ -18,6 +18,7 @@ whether it takes a layer, how it re-lays the module's tensors at load, its forwa
 Here are the modules' side: the fast classes, whose forward, `weight` and state dict go to the
 plan named by the module's `qx_plan`, and the load step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,6 +33,7 @@ from ..quantized import _QHFConv1D, _QLinear, QuantizedMixin
 from . import core, cuda_plans, lowbit_plans, torch_plans
 from .core import DEQUANT, Plan, _needs_grad
 from .lowbit_plans import _direct
+
 # names that other modules, tests and benchmarks read from here (fast was one module before)
 from .core import _exported_codes, dequantize_record  # noqa: F401
 from .lowbit_plans import CUDA_LOWBIT_KERNELS, _lowbit_weight  # noqa: F401
@@ -70,7 +72,7 @@ def _choose(mod: nn.Module, rec: dict, cuda_packed: bool) -> Tuple[Plan, str]:
         choice = row.choose(mod, rec)
         if choice is not None:
             return choice
-    raise LookupError(f"no fast plan decided {rec.get('kind')!r}")    # unreachable: dequant takes all
+    raise LookupError(f"no fast plan decided {rec.get('kind')!r}")  # unreachable: dequant takes all
 
 
 def choose_plan(mod: nn.Module, rec: dict, cuda_packed: bool = False) -> Tuple[str, str]:
@@ -82,12 +84,13 @@ def choose_plan(mod: nn.Module, rec: dict, cuda_packed: bool = False) -> Tuple[s
 
 # --- the fast module -----------------------------------------------------------------------------
 
+
 class FastMixin:
     """Loaded quantized module running its plan; `weight` still returns the float weight."""
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        BY_NAME[self.qx_plan].ready(self)       # unpickled: what the pickle left out (the direct call)
+        BY_NAME[self.qx_plan].ready(self)  # unpickled: what the pickle left out (the direct call)
 
     @property
     def weight(self):
@@ -96,7 +99,7 @@ class FastMixin:
         return BY_NAME[self.qx_plan].weight(self)
 
     def _apply(self, fn, *args, **kwargs):
-        self.__dict__.pop("qx_dense", None)     # a GPU copy of the weight is not moved: decoded again
+        self.__dict__.pop("qx_dense", None)  # a GPU copy of the weight is not moved: decoded again
         return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -113,10 +116,10 @@ class _KernelForward(FastMixin):
     """The forward of the layers a plan may run a kernel for; the module's exact forward otherwise."""
 
     def forward(self, x):
-        y = _direct(self, x)        # first: at one token every Python step before the kernel counts
+        y = _direct(self, x)  # first: at one token every Python step before the kernel counts
         if y is not None:
             return y
-        if not _needs_grad(self, x):     # the integer kernels have no backward
+        if not _needs_grad(self, x):  # the integer kernels have no backward
             y = BY_NAME[self.qx_plan].forward(self, x)
             if y is not None:
                 return y
@@ -143,8 +146,13 @@ def fast_class(base: type, mixin: type) -> type:
 
 def _swap_fast(mod: nn.Module, plan: str):
     base = type(mod)
-    mixin = (FastLinearMixin if issubclass(base, _QLinear) else
-             FastConv1DMixin if issubclass(base, _QHFConv1D) else FastMixin)
+    mixin = (
+        FastLinearMixin
+        if issubclass(base, _QLinear)
+        else FastConv1DMixin
+        if issubclass(base, _QHFConv1D)
+        else FastMixin
+    )
     mod.__class__ = fast_class(base, mixin)
     mod.qx_plan = plan
     mod.qx_direct = None
@@ -154,7 +162,7 @@ def convert(root: nn.Module, modules: Dict[str, dict], cuda_packed: bool = True)
     """Give every loaded quantized module of `root` its fast plan; returns name -> (plan, reason).
     cuda_packed: layers on a CUDA device keep packed codes where torch's kernels take them
     (fast_cuda.py); False (mode="dense") decodes them to a float weight as before."""
-    unpacked = {}                 # CUDA layers the packed kernels refuse: warned about once
+    unpacked = {}  # CUDA layers the packed kernels refuse: warned about once
     named = dict(root.named_modules())
     plans: Dict[str, Tuple[str, str]] = {}
     for name, rec in modules.items():
@@ -171,10 +179,13 @@ def convert(root: nn.Module, modules: Dict[str, dict], cuda_packed: bool = True)
         plan.ready(mod)
         plans[name] = (plan.name, why)
     if unpacked:
-        warnings.warn(f"load_quantized(mode='fast'): {len(unpacked)} CUDA layers keep a dense float weight "
-                      "(torch's packed kernels do not take them): "
-                      + "; ".join(f"{n!r}: {why}" for n, why in list(unpacked.items())[:5])
-                      + (" ..." if len(unpacked) > 5 else ""), stacklevel=3)
+        warnings.warn(
+            f"load_quantized(mode='fast'): {len(unpacked)} CUDA layers keep a dense float weight "
+            "(torch's packed kernels do not take them): "
+            + "; ".join(f"{n!r}: {why}" for n, why in list(unpacked.items())[:5])
+            + (" ..." if len(unpacked) > 5 else ""),
+            stacklevel=3,
+        )
     fallbacks = {n: why for n, (p, why) in plans.items() if p == DEQUANT.name}
     counts: Dict[str, int] = {}
     for p, _ in plans.values():

@@ -1,5 +1,6 @@
 """What every fast plan is (the Plan interface), the plans that run the exact path's float math
 (dense, gather, dequant), and the helpers several plans share."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
@@ -25,7 +26,7 @@ class Plan:
     and the mixins look the plan up by it on each call."""
 
     name = ""
-    packs_on_cuda = False       # a row for codes kept on a CUDA device (skipped by mode="dense")
+    packs_on_cuda = False  # a row for codes kept on a CUDA device (skipped by mode="dense")
 
     def choose(self, mod: nn.Module, rec: dict) -> Optional[Choice]:
         """(plan, reason) where this row decides the layer, either itself or the dequant fallback
@@ -105,7 +106,7 @@ class Dequant(Plan):
 
     def saved(self, mod, destination, prefix):
         planes = destination.pop(prefix + "fast_planes", None)
-        if planes is not None:                  # back to the exported tensors
+        if planes is not None:  # back to the exported tensors
             rec = mod.qx_rec
             bits = rec["weights"]["num_bits"]
             q = planes_codes(rec, planes).to(torch.int8) - (1 << (bits - 1))
@@ -117,6 +118,7 @@ DEQUANT = Dequant()
 
 
 # --- what the rows ask of a layer -----------------------------------------------------------------
+
 
 def _kernel_refusal(mod: nn.Module, rec: dict) -> Optional[str]:
     """Why no integer kernel runs this layer, whatever the plan (None: the rows may look further)."""
@@ -145,11 +147,15 @@ def _needs_grad(mod: nn.Module, x: torch.Tensor, residual=None) -> bool:
     if not torch.is_grad_enabled():
         return False
     bias = mod._parameters.get("bias")
-    return (x.requires_grad or (bias is not None and bias.requires_grad)
-            or (residual is not None and residual.requires_grad))
+    return (
+        x.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    )
 
 
 # --- tensors several plans read -------------------------------------------------------------------
+
 
 def _exported_codes(mod: nn.Module, rec: dict):
     """(q int8 [N, K], scale fp32 [N, s_cols], zero point [N, s_cols] or None) of the exported
@@ -186,7 +192,7 @@ def _token_spec(mod: nn.Module):
     if not act["dynamic"]:
         return None
     spec = mod.__dict__.get("qx_token_spec")
-    if spec is None:                   # built once: a Spec per call costs more than the matmul at one token
+    if spec is None:  # built once: a Spec per call costs more than the matmul at one token
         spec = mod.qx_token_spec = make_spec(act["num_bits"], symmetric=act["symmetric"], granularity="token")
     return spec
 
@@ -199,7 +205,7 @@ def _input_codes(mod: nn.Module, x2: torch.Tensor):
     if act["dynamic"]:
         spec = _token_spec(mod)
         if x2.dtype != torch.float64 and _kernels.available() and _kernels.on_kernel_device(x2):
-            q, s, zp = _kernels.quantize(x2, spec)     # what quantize_spec dispatches to, minus its checks
+            q, s, zp = _kernels.quantize(x2, spec)  # what quantize_spec dispatches to, minus its checks
         else:
             q, s, zp = quantize_spec(x2, spec)
         return q.to(torch.int8), s.to(torch.float32), None if zp is None else zp.to(torch.int64)

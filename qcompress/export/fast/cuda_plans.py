@@ -1,6 +1,7 @@
 """Plans int4pack_cuda / int8pack_cuda: on a GPU, bfloat16 W4 / W8 Linear layers loaded into a model
 already there stay packed and run torch's weight-only kernels. The layouts, kernel calls and the
 choice between the two are fast_cuda.py's; these rows hand layers to it."""
+
 from __future__ import annotations
 
 from typing import Tuple

@@ -7,6 +7,7 @@ On a GPU the lowbit layers decode each weight once to the exact path's float val
 with cuBLAS (CUDA_LOWBIT_KERNELS says why): the outputs are the exact reload's bit for bit, at the
 dense model's speed and GPU memory.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -18,8 +19,18 @@ from ...quant import kernels as _kernels
 from ...quant import lowbit
 from ...quant.packing import pack_int32
 from ..codes import dequantize_2d
-from .core import (_EXACT_BUFFERS, DEQUANT, Plan, _act_codes, _exported_codes, _flat, _input_codes, _kernel_refusal,
-                   _needs_grad, _token_spec)
+from .core import (
+    _EXACT_BUFFERS,
+    DEQUANT,
+    Plan,
+    _act_codes,
+    _exported_codes,
+    _flat,
+    _input_codes,
+    _kernel_refusal,
+    _needs_grad,
+    _token_spec,
+)
 
 _LOWBIT_BUFFERS = ("lowbit_packed", "lowbit_scales", "lowbit_offsets")
 
@@ -34,7 +45,7 @@ def _lowbit_refusal(mod: nn.Module, rec: dict) -> Optional[str]:
     why = _kernel_refusal(mod, rec)
     if why is not None:
         return why
-    if rec["kind"] not in ("linear", "hf_conv1d"):     # Conv1D is x @ W^T too, W exported [out, in]
+    if rec["kind"] not in ("linear", "hf_conv1d"):  # Conv1D is x @ W^T too, W exported [out, in]
         return f"{rec['kind']} layer (integer kernels cover nn.Linear and transformers' Conv1D)"
     w = rec["weights"]
     if lowbit.kernel_group(w["strategy"], w["group_size"], rec["weight_shape"][1]) is None:
@@ -62,7 +73,7 @@ class LowbitPlan(Plan):
 
     def ready(self, mod):
         mod.qx_direct = None
-        if _kernels.available() and "bias" in mod._parameters:     # a bias kept as a buffer: general path
+        if _kernels.available() and "bias" in mod._parameters:  # a bias kept as a buffer: general path
             mod.qx_direct = self.direct_call(mod)
 
     def direct_call(self, mod: nn.Module):
@@ -73,7 +84,7 @@ class LowbitPlan(Plan):
         return _lowbit_weight(mod) if mod._buffers["lowbit_packed"].is_cpu else _dense_on_gpu(mod)
 
     def saved(self, mod, destination, prefix):
-        for name in _LOWBIT_BUFFERS:            # back to the exported tensors
+        for name in _LOWBIT_BUFFERS:  # back to the exported tensors
             destination.pop(prefix + name, None)
         for suffix, t in _lowbit_exported(mod).items():
             destination[prefix + suffix] = t
@@ -116,8 +127,11 @@ class LowbitA8(LowbitPlan):
         if spec is None:
             return None
         n, _, group, cbits = mod.qx_lowbit
-        return (torch.ops.qcompress.lowbit_linear_dyn_a8.default,
-                (n, group, cbits, spec.bits, spec.symmetric, spec.seed), True)
+        return (
+            torch.ops.qcompress.lowbit_linear_dyn_a8.default,
+            (n, group, cbits, spec.bits, spec.symmetric, spec.seed),
+            True,
+        )
 
     def forward(self, mod, x):
         if x.is_floating_point() and _lowbit_here(mod, x):
@@ -126,6 +140,7 @@ class LowbitA8(LowbitPlan):
 
 
 # --- the kernels' layout ---------------------------------------------------------------------------
+
 
 def _to_lowbit(mod: nn.Module, rec: dict):
     """Replace the exported weight tensors by the kernels' blocked layout (once, at load)."""
@@ -144,7 +159,7 @@ def _to_lowbit(mod: nn.Module, rec: dict):
 
 
 def _lowbit_packed(mod: nn.Module, device=None) -> "lowbit.Packed":
-    b = mod._buffers           # read per call (plain lookups: at one token this is per-call overhead)
+    b = mod._buffers  # read per call (plain lookups: at one token this is per-call overhead)
     p = lowbit.Packed(b["lowbit_packed"], b["lowbit_scales"], b["lowbit_offsets"])
     return p if device is None else lowbit.Packed(*(t.to(device) for t in p))
 
@@ -159,7 +174,7 @@ def _lowbit_weight(mod: nn.Module) -> torch.Tensor:
     rec = mod.qx_rec
     q, s, z = _lowbit_codes(mod)
     w = dequantize_2d(q, s, z, mod.qx_lowbit[2], getattr(torch, rec["dtype"])).reshape(rec["weight_shape"])
-    w = w.t().contiguous() if rec.get("transposed") else w            # as dequantize_record
+    w = w.t().contiguous() if rec.get("transposed") else w  # as dequantize_record
     return w.to(mod._buffers["lowbit_scales"].device)
 
 
@@ -169,7 +184,7 @@ def _lowbit_exported(mod: nn.Module) -> Dict[str, torch.Tensor]:
     w = rec["weights"]
     bits, strat = w["num_bits"], w["strategy"]
     q, s, z = _lowbit_codes(mod)
-    if strat != "group":                       # scales were repeated per chunk: one per row
+    if strat != "group":  # scales were repeated per chunk: one per row
         s, z = s[:, :1], None if z is None else z[:, :1]
         if strat == "tensor":
             s, z = s[:1].reshape(1), None if z is None else z[:1].reshape(1)
@@ -207,6 +222,7 @@ def _dense_on_gpu(mod: nn.Module) -> torch.Tensor:
 
 # --- the calls -------------------------------------------------------------------------------------
 
+
 def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
     """The lowbit plans' kernel on a CPU tensor with nothing in between, or None where the call needs
     the general path (autograd, another device, a float64 input, an input fake-quantized first).
@@ -225,8 +241,9 @@ def _direct(mod: nn.Module, x: torch.Tensor, act: str = "none", residual=None):
         return op(x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act, residual)
     if x.dtype == torch.float64:
         return None
-    return _kernels._call(op, x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act,
-                          residual)
+    return _kernels._call(
+        op, x, packed, b["lowbit_scales"], b["lowbit_offsets"], mod._parameters["bias"], *args, act, residual
+    )
 
 
 def _forward_lowbit(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -240,9 +257,20 @@ def _forward_lowbit_a8(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if spec is not None and x.device.type == "cpu" and x.dtype != torch.float64 and _kernels.available():
         # the same codes as _input_codes, quantized and multiplied in one C++ call: at one token the
         # Python between two ops costs more than the matmul
-        return _kernels._call(lowbit.linear_dyn_a8, x, _lowbit_packed(mod), mod.bias, n, group, cbits,
-                              spec.bits, spec.symmetric, spec.seed)
+        return _kernels._call(
+            lowbit.linear_dyn_a8,
+            x,
+            _lowbit_packed(mod),
+            mod.bias,
+            n,
+            group,
+            cbits,
+            spec.bits,
+            spec.symmetric,
+            spec.seed,
+        )
     qx, sx, zx = _input_codes(mod, _flat(x, k))
-    y = lowbit.linear_a8(qx, sx, None if zx is None else zx.to(torch.int32), _lowbit_packed(mod), mod.bias,
-                         n, group, cbits, x.dtype)
+    y = lowbit.linear_a8(
+        qx, sx, None if zx is None else zx.to(torch.int32), _lowbit_packed(mod), mod.bias, n, group, cbits, x.dtype
+    )
     return y.reshape(*x.shape[:-1], n)

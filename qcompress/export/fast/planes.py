@@ -5,6 +5,7 @@ shift per lane over a [rows, words, lanes] tensor. At load we re-store the same 
 "planes": bits [j*b, (j+1)*b) of byte c hold column j * K/per + c. A plane then unpacks with one
 shift-and-mask straight into a contiguous column block of the float weight.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,4 +84,4 @@ def planes_dequantize(rec: dict, buf) -> torch.Tensor:
     # integers are exact in fp32, so u - (off + z) equals the exact path's q - z; then one rounding
     view.sub_(off if z is None else z + off).mul_(s)
     out = out.to(getattr(torch, rec["dtype"])).reshape(shape)
-    return out.t().contiguous() if rec.get("transposed") else out    # as dequantize_record
+    return out.t().contiguous() if rec.get("transposed") else out  # as dequantize_record

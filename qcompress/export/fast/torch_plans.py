@@ -6,6 +6,7 @@ vectorized only for bfloat16 (float32 runs a scalar loop, far slower than the fp
 int4pack wants a (scale, zero) pair per group in the input dtype, which for float32 is twice the
 bytes of the exported scales. 4-bit float32 layers therefore stay on the dequant plan.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,10 +18,20 @@ import torch.nn.functional as F
 from ...quant import lowbit
 from ..errors import CheckpointError
 from ..quantized import _unpack_rows
-from .core import (_EXACT_BUFFERS, DEQUANT, Choice, Plan, _act_codes, _flat, _has_op, _input_codes, _kernel_refusal,
-                   _unpack_rows_dim0)
+from .core import (
+    _EXACT_BUFFERS,
+    DEQUANT,
+    Choice,
+    Plan,
+    _act_codes,
+    _flat,
+    _has_op,
+    _input_codes,
+    _kernel_refusal,
+    _unpack_rows_dim0,
+)
 
-INT4_GROUPS = (32, 64, 128, 256)        # what _weight_int4pack_mm_for_cpu accepts
+INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 _HALF = ("bfloat16", "float16")
 
 
@@ -101,7 +112,7 @@ class Int8Pack(TorchPlan):
         x = mod._qx_input(x)
         if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
             return _forward_int8pack(mod, x)
-        return F.linear(x, mod.weight, mod.bias)      # the exact forward, on the input quantized once
+        return F.linear(x, mod.weight, mod.bias)  # the exact forward, on the input quantized once
 
 
 class IntMM24(TorchPlan):
@@ -124,7 +135,7 @@ class IntMM24(TorchPlan):
         x = mod._qx_input(x)
         if x.is_floating_point() and _int_mm_ok(x, mod.qweight):
             return _forward_int_mm24(mod, x)
-        return F.linear(x, mod.weight, mod.bias)      # the exact forward, on the input quantized once
+        return F.linear(x, mod.weight, mod.bias)  # the exact forward, on the input quantized once
 
 
 class Int4Pack(TorchPlan):
@@ -140,8 +151,10 @@ class Int4Pack(TorchPlan):
         n, k = rec["weight_shape"]
         gs = w["group_size"] if w["strategy"] == "group" else k
         if rec["dtype"] not in _HALF:
-            return DEQUANT, ("4-bit float32 layer (torch's int4pack kernel is scalar for float32 "
-                             "and its fp32 scale/zero pairs outweigh the exported scales)")
+            return DEQUANT, (
+                "4-bit float32 layer (torch's int4pack kernel is scalar for float32 "
+                "and its fp32 scale/zero pairs outweigh the exported scales)"
+            )
         if gs not in INT4_GROUPS or k % gs or n % 16 or k % 2:
             return DEQUANT, f"4-bit shape {n}x{k} / group {gs} outside int4pack's limits"
         if not _has_op("_weight_int4pack_mm_for_cpu"):
@@ -158,12 +171,15 @@ class Int4Pack(TorchPlan):
         return _int4pack_weight(mod)
 
     def check_saveable(self, mod):
-        raise CheckpointError(f"module {mod.qx_name!r} was loaded with mode='fast' into torch's "
-                              "int4pack kernel layout, which cannot be saved back; load the "
-                              "checkpoint with mode='exact' to get its state_dict")
+        raise CheckpointError(
+            f"module {mod.qx_name!r} was loaded with mode='fast' into torch's "
+            "int4pack kernel layout, which cannot be saved back; load the "
+            "checkpoint with mode='exact' to get its state_dict"
+        )
 
 
 # --- the calls -------------------------------------------------------------------------------------
+
 
 def _finish(mod: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if mod.bias is not None:
@@ -174,17 +190,17 @@ def _finish(mod: nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _int_mm_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
     if x.device != q.device:
         return False
-    if x.device.type == "cuda":            # cuBLASLt int8 GEMM shape rules
+    if x.device.type == "cuda":  # cuBLASLt int8 GEMM shape rules
         m = x.numel() // x.shape[-1]
         return m > 16 and q.shape[0] % 8 == 0 and q.shape[1] % 8 == 0
     return x.device.type == "cpu"
 
 
 def _forward_int_mm(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    q = mod.qweight                                    # int8 [N, K]
+    q = mod.qweight  # int8 [N, K]
     x2 = _flat(x, q.shape[1])
     qx, sx, zx = _input_codes(mod, x2)
-    acc = torch._int_mm(qx, q.t())                     # exact int32 sums of code products
+    acc = torch._int_mm(qx, q.t())  # exact int32 sums of code products
     zw = getattr(mod, "weight_zero_point", None)
     if zx is not None or zw is not None:
         # sum (qx - zx)(qw - zw) = acc - zw*sum(qx) - zx*sum(qw) + K*zx*zw, in int64
@@ -201,7 +217,7 @@ def _forward_int_mm(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _finish(mod, y.to(x.dtype), x)
 
 
-_D1 = 127 * 65536 + 127 * 256 + 127     # largest integer three balanced int8 digits can hold
+_D1 = 127 * 65536 + 127 * 256 + 127  # largest integer three balanced int8 digits can hold
 
 
 def _digits(x2: torch.Tensor):
@@ -212,12 +228,12 @@ def _digits(x2: torch.Tensor):
     xf = x2.to(torch.float32)
     amax = xf.abs().amax(dim=1, keepdim=True)
     sx = torch.where(amax > 0, amax / _D1, torch.ones_like(amax))
-    big = torch.round(xf.double() / sx.double()).clamp_(-_D1, _D1).float()   # exact in fp32
+    big = torch.round(xf.double() / sx.double()).clamp_(-_D1, _D1).float()  # exact in fp32
     # 256 a2 + a3 spans [-32896, 32639], so a1 takes what lies outside that window
     a1 = torch.floor((big + 32896.0) / 65536.0)
-    r = big - a1 * 65536.0                    # [-32896, 32639]
+    r = big - a1 * 65536.0  # [-32896, 32639]
     a2 = torch.floor((r + 128.0) / 256.0)
-    a3 = r - a2 * 256.0                       # [-128, 127]
+    a3 = r - a2 * 256.0  # [-128, 127]
     return (a1.to(torch.int8), a2.to(torch.int8), a3.to(torch.int8)), big, sx
 
 
@@ -226,11 +242,13 @@ def _forward_int_mm24(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x2 = _flat(x, q.shape[1])
     (a1, a2, a3), big, sx = _digits(x2)
     qt = q.t()
-    acc = (torch._int_mm(a1, qt).to(torch.float64) * 65536.0
-           + torch._int_mm(a2, qt).to(torch.float64) * 256.0
-           + torch._int_mm(a3, qt).to(torch.float64))          # exact: |acc| < 2^53
+    acc = (
+        torch._int_mm(a1, qt).to(torch.float64) * 65536.0
+        + torch._int_mm(a2, qt).to(torch.float64) * 256.0
+        + torch._int_mm(a3, qt).to(torch.float64)
+    )  # exact: |acc| < 2^53
     zw = getattr(mod, "weight_zero_point", None)
-    if zw is not None:                                          # sum_k X_k (q - zw)
+    if zw is not None:  # sum_k X_k (q - zw)
         acc = acc - big.to(torch.float64).sum(dim=1, keepdim=True) * zw.to(torch.float64).reshape(1, -1)
     sw = mod.weight_scale.to(torch.float64).reshape(1, -1)
     y = (acc * sx.to(torch.float64) * sw).to(x.dtype)
@@ -246,14 +264,18 @@ def _forward_int8pack(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # --- torch's CPU int4pack layout -------------------------------------------------------------------
 
+
 def _forward_int4pack(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
-        raise RuntimeError(f"module {mod.qx_name!r} holds torch's CPU int4pack layout; load the "
-                           "checkpoint with mode='exact' (or mode='fast' on CPU) for this device")
+        raise RuntimeError(
+            f"module {mod.qx_name!r} holds torch's CPU int4pack layout; load the "
+            "checkpoint with mode='exact' (or mode='fast' on CPU) for this device"
+        )
     k = mod.in_features
     sz = mod.fast_scales_zeros
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_flat(x.to(sz.dtype), k), mod.fast_weight_int4,
-                                                   mod.fast_group_size, sz)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        _flat(x.to(sz.dtype), k), mod.fast_weight_int4, mod.fast_group_size, sz
+    )
     return _finish(mod, y.to(x.dtype), x)
 
 
@@ -262,8 +284,9 @@ def _int4pack_weight(mod: nn.Module) -> torch.Tensor:
     k = mod.in_features
     sz = mod.fast_scales_zeros
     eye = torch.eye(k, dtype=sz.dtype, device=sz.device)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, mod.fast_weight_int4,
-                                                      mod.fast_group_size, sz).t().contiguous()
+    return (
+        torch.ops.aten._weight_int4pack_mm_for_cpu(eye, mod.fast_weight_int4, mod.fast_group_size, sz).t().contiguous()
+    )
 
 
 def _to_int4pack(mod: nn.Module, rec: dict):
@@ -272,13 +295,13 @@ def _to_int4pack(mod: nn.Module, rec: dict):
     n, k = rec["weight_shape"]
     gs = w["group_size"] if w["strategy"] == "group" else k
     buf = mod._buffers
-    q = _unpack_rows(buf["weight_packed"], 4, k)                 # signed codes [-8, 7]
+    q = _unpack_rows(buf["weight_packed"], 4, k)  # signed codes [-8, 7]
     scale = buf["weight_scale"].to(torch.float32).reshape(n, -1)
     zp = buf.get("weight_zero_point")
     # kernel: w = (u - 8) * s + z with u = q + 8, so z = -zp * s (0 when symmetric)
     zero = torch.zeros_like(scale) if zp is None else -(_unpack_rows_dim0(zp, 4, n).to(torch.float32) * scale)
     dt = getattr(torch, rec["dtype"])
-    sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dt).contiguous()          # [ng, N, 2]
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dt).contiguous()  # [ng, N, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32).contiguous(), 1)
     for name in _EXACT_BUFFERS:
         buf.pop(name, None)
