@@ -86,6 +86,9 @@ ROWS = {
     ),
     "w4_qat": Row("w4", "GPTQ + R1 R2 R4, then QAT", W4G, observer=GPTQ, rotations=R124, training="qat"),
     "w4_qad": Row("w4", "GPTQ + R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, training="qad"),
+    "w4_qad_gmse": Row(
+        "w4", "GPTQ (mse group scales) + R1 R2 R4, then QAD", W4G, observer=GPTQ_MSE, rotations=R124, training="qad"
+    ),
     "w4_qad_lrot": Row(
         "w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, learned=True, training="qad"
     ),
@@ -155,7 +158,7 @@ RTN_OF = {
 # (the rows that qualify, the best of which is held to the target)
 TARGETS = [
     (("w4_gptq_r124", "w4_gptq_mse_r124"), 1.06),
-    (("w4_qad", "w4_qad_lrot"), 1.02),
+    (("w4_qad", "w4_qad_lrot", "w4_qad_gmse"), 1.02),
     (("w4a8_gptq_r124",), 1.08),
     (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10),
 ]
