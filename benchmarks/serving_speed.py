@@ -191,8 +191,12 @@ def main(argv=None) -> int:
                 v, _llm = vllm_decoder(name, exports[name], a)  # _llm: held so vLLM lives until the rows are timed
                 v(1)
             except Exception as err:  # noqa: BLE001 -- vLLM has no kernel for it here: a result
-                while err.__cause__ is not None or (err.__context__ is not None and "Dynamo" in str(err)):
-                    err = err.__cause__ or err.__context__  # torch.compile wraps the kernel's own error
+                # torch.compile wraps the kernel's own error, through causes and contexts, some of
+                # them with no message: the deepest error that has one says what is missing
+                chain = [err]
+                while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+                    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+                err = next((e for e in reversed(chain) if str(e).strip()), err)
                 msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
                 row = f"| {name} | 1, 8 | - | - | vLLM fails: {msg} | - | - |"
                 print(row, flush=True)
