@@ -198,9 +198,18 @@ def main(argv=None) -> int:
                     chain.append(chain[-1].__cause__ or chain[-1].__context__)
                 err = next((e for e in reversed(chain) if str(e).strip()), err)
                 msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
-                row = f"| {name} | 1, 8 | - | - | vLLM fails: {msg} | - | - |"
-                print(row, flush=True)
-                lines.append(row)
+                for batch in (1, 8):  # qcompress alone: what this export decodes at here
+                    fns = {"qcompress": lambda b=batch: q(b)}
+                    if qb is not None:
+                        fns["qcompress_bf16"] = lambda b=batch: qb(b)
+                    for f in fns.values():
+                        f()
+                    t = common.interleaved(fns, repeats=a.rounds)
+                    tps = {k: batch * a.tokens / t[k].median for k in t}
+                    bf = f"{tps['qcompress_bf16']:.1f}" if qb is not None else "-"
+                    row = f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | vLLM fails: {msg} | - | - |"
+                    print(row, flush=True)
+                    lines.append(row)
                 continue
             for batch in (1, 8):
                 fns = {"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)}
