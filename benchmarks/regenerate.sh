@@ -64,8 +64,9 @@ serving() {
   local PY=.venv-serve/bin/python
   $PY benchmarks/serving_check.py --transformers-python .venv/bin/python --work runs/serving --reuse --write-results
   $PY benchmarks/serving_check.py --write-docs
-  # decode speed against vLLM CPU on the same exports (this CPU's best ISA)
+  # decode speed against vLLM CPU on the same exports: this CPU's best ISA, then both held to AVX2
   $PY benchmarks/serving_speed.py --tokens 16 --rounds 3 --isa native --work runs/speed --write-results
+  ATEN_CPU_CAPABILITY=avx2 QCOMPRESS_LOWBIT_ISA=avx2 $PY benchmarks/serving_speed.py --tokens 16 --rounds 3 --isa avx2 --work runs/speed --write-results
 }
 
 parallel() {
