@@ -71,6 +71,7 @@ class Row:
     training: Optional[str] = None  # None (PTQ), "ft" / "qat" (token loss), "qad" (KL to FP32)
     kv: Optional[tuple] = None  # (format, strategy, observer) of the KV cache
     lora_r: Optional[int] = None  # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
+    calib_blocks: Optional[int] = None  # calibration blocks for this row (default: --calib-blocks)
 
 
 ROWS = {
@@ -84,10 +85,27 @@ ROWS = {
     "w4_gptq_mse_r124": Row(
         "w4", "GPTQ (group scales by mse search) + R1 R2 R4", W4G, observer=GPTQ_MSE, rotations=R124
     ),
+    "w4_gptq_mse_r124_c128": Row(
+        "w4",
+        "GPTQ (mse group scales) + R1 R2 R4, calibrated on 128 blocks",
+        W4G,
+        observer=GPTQ_MSE,
+        rotations=R124,
+        calib_blocks=128,
+    ),
     "w4_qat": Row("w4", "GPTQ + R1 R2 R4, then QAT", W4G, observer=GPTQ, rotations=R124, training="qat"),
     "w4_qad": Row("w4", "GPTQ + R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, training="qad"),
     "w4_qad_gmse": Row(
         "w4", "GPTQ (mse group scales) + R1 R2 R4, then QAD", W4G, observer=GPTQ_MSE, rotations=R124, training="qad"
+    ),
+    "w4_qad_gmse_c128": Row(
+        "w4",
+        "GPTQ (mse group scales) + R1 R2 R4 on 128 calibration blocks, then QAD",
+        W4G,
+        observer=GPTQ_MSE,
+        rotations=R124,
+        training="qad",
+        calib_blocks=128,
     ),
     "w4_qad_lrot": Row(
         "w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, learned=True, training="qad"
@@ -158,7 +176,7 @@ RTN_OF = {
 # (the rows that qualify, the best of which is held to the target)
 TARGETS = [
     (("w4_gptq_r124", "w4_gptq_mse_r124"), 1.06),
-    (("w4_qad", "w4_qad_lrot", "w4_qad_gmse"), 1.02),
+    (("w4_qad", "w4_qad_lrot", "w4_qad_gmse", "w4_qad_gmse_c128"), 1.02),
     (("w4a8_gptq_r124",), 1.08),
     (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10),
 ]
@@ -300,7 +318,7 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     if cfg.raw.get("compression_training"):
         qc.init_compression(model, cfg)
         qc.CompressionScheduler(model, cfg).finish()
-        tail = order[len(order) - a.calib_blocks :]  # training batches read the order from its start
+        tail = order[len(order) - (row.calib_blocks or a.calib_blocks) :]  # training reads the order from its start
         calib = [{"input_ids": train_blocks[tail[i : i + 4]]} for i in range(0, len(tail), 4)]
         calibrate_static_ranges(model, calib)
         qc.calibrate_weight_ranges(model, calib)
@@ -326,7 +344,8 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
 def settings(a, row: Optional[Row] = None) -> dict:
     """What a row's figure depends on: the evaluation and calibration always, the training
     settings for the rows that train (so PTQ rows are kept when only --steps changes)."""
-    out = {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": a.calib_blocks, "seed": a.seed}
+    calib = row.calib_blocks if row is not None and row.calib_blocks else a.calib_blocks
+    out = {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": calib, "seed": a.seed}
     if row is not None and row.training is not None:
         out.update(steps=a.steps, batch=a.batch, lr=a.lora_lr if row.lora_r else a.lr)
     return out
