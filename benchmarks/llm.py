@@ -116,6 +116,15 @@ ROWS = {
     "w4a8_rtn": Row("w4a8", "RTN (minmax)", W4G, ("int", 8)),
     "w4a8_gptq": Row("w4a8", "GPTQ", W4G, ("int", 8), observer=GPTQ),
     "w4a8_gptq_r124": Row("w4a8", "GPTQ + R1 R2 R4", W4G, ("int", 8), observer=GPTQ, rotations=R124),
+    "w4a8_gptq_mse_r124_c128": Row(
+        "w4a8",
+        "GPTQ (mse group scales) + R1 R2 R4, calibrated on 128 blocks",
+        W4G,
+        ("int", 8),
+        observer=GPTQ_MSE,
+        rotations=R124,
+        calib_blocks=128,
+    ),
     "w3_rtn": Row("w3", "RTN (minmax)", W3G),
     "w3_gptq": Row("w3", "GPTQ", W3G, observer=GPTQ),
     "w3_gptq_r124": Row("w3", "GPTQ + R1 R2 R4", W3G, observer=GPTQ, rotations=R124),
@@ -177,7 +186,7 @@ RTN_OF = {
 TARGETS = [
     (("w4_gptq_r124", "w4_gptq_mse_r124"), 1.06),
     (("w4_qad", "w4_qad_lrot", "w4_qad_gmse", "w4_qad_gmse_c128"), 1.02),
-    (("w4a8_gptq_r124",), 1.08),
+    (("w4a8_gptq_r124", "w4a8_gptq_mse_r124_c128"), 1.08),
     (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10),
 ]
 KV_TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}

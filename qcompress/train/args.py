@@ -123,9 +123,17 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
         "--calibrate",
         choices=("gptq",),
         default=None,
-        help="gptq: the weight groups' weights solved by GPTQ on 8 training batches before the ptq and "
+        help="gptq: the weight groups' weights solved by GPTQ on --calib-batches training batches before the ptq and "
         "qat stages (observer: gptq in weight_quantization's shared_parameters, as merging "
         "schedules/with_gptq.yaml; a group that sets its own observer keeps it)",
+    )
+    t.add_argument(
+        "--calib-batches",
+        type=int,
+        default=8,
+        metavar="N",
+        help="training batches of --eval-batch-size that calibration reads: static activation ranges, "
+        "input-weighted weight ranges and GPTQ (default 8)",
     )
     t.add_argument(
         "--save-steps",
@@ -178,6 +186,8 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
     for name in ("max_length", "batch_size", "eval_batch_size"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.calib_batches < 1:
+        raise ValueError(f"--calib-batches must be >= 1, got {ns.calib_batches}")
     if ns.ptq_range_steps < 0:
         raise ValueError(f"--ptq-range-steps must be >= 0, got {ns.ptq_range_steps}")
     if ns.lora_r is not None and ns.lora_r < 1:
@@ -221,4 +231,5 @@ def options_from(ns: argparse.Namespace) -> JobOptions:
         keep_checkpoints=ns.keep_checkpoints,
         lora_r=ns.lora_r,
         calibrate=ns.calibrate,
+        calib_batches=ns.calib_batches,
     )

@@ -44,6 +44,7 @@ class JobOptions:
     keep_checkpoints: str = "last"  # all | last | none: disk, not results (not in the fingerprints)
     lora_r: Optional[int] = None  # --lora-r: the lora section switched on at this rank
     calibrate: Optional[str] = None  # "gptq": observer gptq over the configs' weight groups
+    calib_batches: int = 8  # training batches (of eval_batch_size) every calibration reads
     notes: List[str] = field(default_factory=list)
 
     def fingerprint(self, data_digest: Optional[str] = None) -> str:
@@ -77,6 +78,8 @@ class JobOptions:
             keep.pop("lora_r")  # likewise runs without --lora-r
         if self.calibrate is None:
             keep.pop("calibrate")  # likewise runs without --calibrate
+        if self.calib_batches == 8:
+            keep.pop("calib_batches")  # likewise runs at the default calibration size
         keep["model"], keep["data"] = os.path.abspath(self.model), os.path.abspath(self.data)
         keep["eval_data"] = self.eval_data and os.path.abspath(self.eval_data)
         keep["config_text"] = [_file_hex(c) for c in self.configs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -31,11 +32,12 @@ class PhasesMixin:
 
         return ev
 
-    def calibration_batches(self, device=None, n: int = 8):
-        """A few training batches for static activation ranges (PTQ has no training to set them)
-        and input-weighted weight ranges (observer_kwargs.weight_by: inputs)."""
+    def calibration_batches(self, device=None, n: Optional[int] = None):
+        """--calib-batches training batches (n: another count) for static activation ranges (PTQ
+        has no training to set them), input-weighted weight ranges and GPTQ."""
         from .batches import eval_batches
 
+        n = self.opts.calib_batches if n is None else n
         for i, b in enumerate(eval_batches(self.data.train, self.opts.eval_batch_size, self.tok.pad_token_id)):
             if i >= n:
                 break
@@ -155,10 +157,13 @@ class PhasesMixin:
             if weighted:
                 self.say(
                     f"[qat] weight ranges of {weighted} module(s) weighted by their inputs on "
-                    "8 calibration batches (observer_kwargs.weight_by)"
+                    f"{self.opts.calib_batches} calibration batches (observer_kwargs.weight_by)"
                 )
         if solving:
-            self.say(f"[qat] weights of {solving} module(s) solved by GPTQ on 8 calibration batches (observer gptq)")
+            self.say(
+                f"[qat] weights of {solving} module(s) solved by GPTQ on {self.opts.calib_batches} calibration "
+                "batches (observer gptq)"
+            )
         forward_note = int8_forward.describe(model)
         if forward_note:
             self.say(f"[qat] {forward_note}")

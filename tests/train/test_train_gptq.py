@@ -80,6 +80,22 @@ def test_calibrate_gptq_with_no_group_to_take_it_is_refused(setup, tmp_path, cap
     assert not os.path.exists(tmp_path / "x" / "report.json")
 
 
+def test_calib_batches_sets_how_many_batches_gptq_reads(setup, tmp_path, capsys):
+    """--calib-batches N: GPTQ (and every calibration) reads N training batches; with 5 batches of
+    data, 1 batch gives another PTQ than the default 8 (all 5), and 0 is refused before anything runs."""
+    gpt2, data = setup
+    base = ["--model", gpt2, "--data", data, "--task", "causal-lm", "--max-steps", "1", *FAST, "--eval-batch-size", "4"]
+    assert cli_main(["train", G128, *base, "--out", str(tmp_path / "all"), "--calibrate", "gptq"]) == 0
+    assert "solved by GPTQ on 8 calibration batches" in capsys.readouterr().out
+    one = ["--calibrate", "gptq", "--calib-batches", "1"]
+    assert cli_main(["train", G128, *base, "--out", str(tmp_path / "one"), *one]) == 0
+    assert "solved by GPTQ on 1 calibration batches" in capsys.readouterr().out
+    assert stages(tmp_path / "one")["ptq"]["perplexity"] != stages(tmp_path / "all")["ptq"]["perplexity"]
+    code = cli_main(["train", G128, *base, "--out", str(tmp_path / "zero"), "--calib-batches", "0"])
+    assert code == 2 and "--calib-batches must be >= 1" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "zero")
+
+
 def test_resume_after_gptq_matches_uninterrupted(setup, tmp_path, monkeypatch):
     gpt2, data = setup
     args = [
