@@ -153,6 +153,16 @@ def vllm_decoder(name, folder, args):
     return run, llm
 
 
+def vllm_failure(err: BaseException) -> str:
+    """What vLLM lacks, in one line. torch.compile wraps the kernel's own error, through causes and
+    contexts, some of them with no message: the deepest error that has one says what is missing."""
+    chain = [err]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    err = next((e for e in reversed(chain) if str(e).strip()), err)
+    return " ".join(f"{type(err).__name__}: {err}".split())[:160]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=12)
@@ -187,43 +197,31 @@ def main(argv=None) -> int:
         for name in a.schemes:
             q = qcompress_decoder(name, exports[name], a)
             qb = None if name == "FP32" else qcompress_decoder(name, exports[name], a, torch.bfloat16)
+            v, _llm, failed = None, None, ""
             try:
                 v, _llm = vllm_decoder(name, exports[name], a)  # _llm: held so vLLM lives until the rows are timed
                 v(1)
             except Exception as err:  # noqa: BLE001 -- vLLM has no kernel for it here: a result
-                # torch.compile wraps the kernel's own error, through causes and contexts, some of
-                # them with no message: the deepest error that has one says what is missing
-                chain = [err]
-                while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-                    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-                err = next((e for e in reversed(chain) if str(e).strip()), err)
-                msg = " ".join(f"{type(err).__name__}: {err}".split())[:160]
-                for batch in (1, 8):  # qcompress alone: what this export decodes at here
-                    fns = {"qcompress": lambda b=batch: q(b)}
-                    if qb is not None:
-                        fns["qcompress_bf16"] = lambda b=batch: qb(b)
-                    for f in fns.values():
-                        f()
-                    t = common.interleaved(fns, repeats=a.rounds)
-                    tps = {k: batch * a.tokens / t[k].median for k in t}
-                    bf = f"{tps['qcompress_bf16']:.1f}" if qb is not None else "-"
-                    row = f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | vLLM fails: {msg} | - | - |"
-                    print(row, flush=True)
-                    lines.append(row)
-                continue
-            for batch in (1, 8):
-                fns = {"qcompress": lambda b=batch: q(b), "vllm": lambda b=batch: v(b)}
+                v, failed = None, vllm_failure(err)
+            for batch in (1, 8):  # where vLLM fails, qcompress alone: what this export decodes at here
+                fns = {"qcompress": lambda b=batch: q(b)}
+                if v is not None:
+                    fns["vllm"] = lambda b=batch: v(b)
                 if qb is not None:
                     fns["qcompress_bf16"] = lambda b=batch: qb(b)
                 for f in fns.values():  # warm-up (compilation, caches)
                     f()
                 t = common.interleaved(fns, repeats=a.rounds)
                 tps = {k: batch * a.tokens / t[k].median for k in t}
-                bf = (f"{tps['qcompress_bf16']:.1f}", common.ratio(t, "vllm", "qcompress_bf16")) if qb else ("-", "-")
-                row = (
-                    f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf[0]} | {tps['vllm']:.1f} | "
-                    f"{common.ratio(t, 'vllm', 'qcompress')} | {bf[1]} |"
-                )
+                bf = f"{tps['qcompress_bf16']:.1f}" if qb is not None else "-"
+                if v is None:
+                    row = f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | vLLM fails: {failed} | - | - |"
+                else:
+                    bf_ratio = common.ratio(t, "vllm", "qcompress_bf16") if qb is not None else "-"
+                    row = (
+                        f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | {tps['vllm']:.1f} | "
+                        f"{common.ratio(t, 'vllm', 'qcompress')} | {bf_ratio} |"
+                    )
                 print(row, flush=True)
                 lines.append(row)
             _llm = v = None  # free vLLM before the next export
