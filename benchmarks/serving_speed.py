@@ -8,8 +8,8 @@ vocab 32000, untied: 124 M parameters; random weights, which decode at the speed
 is exported as FP32 (save_pretrained), W8A8 (schedules/w8a8.yaml) and W4A16 g128
 (schedules/w4a16_g128.yaml). Each is decoded greedily for --tokens tokens after an 8-token prompt
 at batch 1 and batch 8, by
-- qcompress: transformers' generate (KV cache) on load_quantized(folder, model, mode="fast")
-  (FP32: the plain transformers model), float32;
+- qcompress: transformers' generate (KV cache, no EOS token) on load_quantized(folder, model,
+  mode="fast") (FP32: the plain transformers model), float32 and bfloat16;
 - vLLM CPU (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0): LLM.generate with ignore_eos,
   float32 for FP32, bfloat16 for W8A8 / W4A16 (its CPU kernels take bfloat16 only).
 Rounds alternate between the two (benchmarks/common.py: interleaved), on one machine that other
@@ -118,12 +118,14 @@ def qcompress_decoder(name, folder, args, dtype=torch.float32):
     else:
         model = qcompress.load_quantized(folder, llama(args).to(dtype), mode="fast")
     prompts = torch.randint(0, 32000, (8, 8), generator=torch.Generator().manual_seed(1))
+    # no end-of-sequence token, as vLLM's ignore_eos: every step decodes, none checks for EOS (a
+    # min_new_tokens instead would mask the EOS logit over the whole vocabulary at every step)
+    model.generation_config.eos_token_id = None
 
     def run(batch):
         with torch.inference_mode():
-            model.generate(
-                prompts[:batch], max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0
-            )
+            out = model.generate(prompts[:batch], max_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == prompts.shape[1] + args.tokens
 
     return run
 

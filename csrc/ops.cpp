@@ -3,6 +3,7 @@
 // (meta) kernels are registered from Python in qcompress/quant/kernels.py.
 #include <torch/library.h>
 
+#include "cpu/float_gemv.h"
 #include "cpu/kernels.h"
 #include "cpu/lowbit_gemm.h"
 
@@ -51,6 +52,8 @@ TORCH_LIBRARY(qcompress, m) {
   m.def("lowbit_linear_dyn_a8(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, "
         "int group, int cbits, int abits, bool symmetric, int seed, str act=\"none\", Tensor? residual=None) -> Tensor");
   m.def("lowbit_isa(str request) -> str", &qc::lowbit_isa);
+  // an unquantized layer at a few tokens (load_quantized(mode="fast")'s lm_head): float32 sums
+  m.def("float_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
@@ -73,6 +76,7 @@ TORCH_LIBRARY_IMPL(qcompress, CPU, m) {
   m.impl("lowbit_linear", &qc::lowbit_linear_cpu);
   m.impl("lowbit_linear_a8", &qc::lowbit_linear_a8_cpu);
   m.impl("lowbit_linear_dyn_a8", &qc::lowbit_linear_dyn_a8_cpu);
+  m.impl("float_gemv", &qc::float_gemv_cpu);
 }
 
 // Importing qcompress._C registers the operators; the module itself has no functions.

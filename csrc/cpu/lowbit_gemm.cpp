@@ -450,6 +450,8 @@ std::string lowbit_isa(c10::string_view request) {
   return kIsaNames[active_isa().load()];
 }
 
+int lowbit_isa_level() { return active_isa().load(); }
+
 void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                          int64_t n, int64_t k, int64_t group, int64_t cbits) {
   weight_view(checked_geometry(n, k, group, cbits), packed, scales, offsets);

@@ -56,4 +56,7 @@ void lowbit_check_weight(const at::Tensor& packed, const at::Tensor& scales, con
 // non-empty request switches to that one (at most what the CPU has), "auto" back to the best.
 std::string lowbit_isa(c10::string_view request);
 
+// The same choice as a level: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI, 4 AMX (float_gemv.cpp).
+int lowbit_isa_level();
+
 }  // namespace qc

@@ -552,6 +552,10 @@ if _error is None:
             x.new_empty((n,), dtype=torch.float32),
         )
 
+    @torch.library.register_fake("qcompress::float_gemv")
+    def _fake_float_gemv(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
     @torch.library.register_fake("qcompress::onebit_decode_average")
     def _fake_decode_average(packed, scales):
         return packed.new_empty((8 * packed.shape[1],), dtype=torch.float32)

@@ -218,3 +218,5 @@ quantized.register_family(__name__, fast_class, (FastMixin, FastLinearMixin, Fas
 quantized.register_load_step("fast", lambda root, modules, options: convert(root, modules))
 # the fast plans with every CUDA weight decoded once to a float weight (cuBLAS), none kept packed
 quantized.register_load_step("dense", lambda root, modules, options: convert(root, modules, cuda_packed=False))
+# the unquantized float Linears (lm_head) at a few tokens: qcompress's float GEMV kernel
+from . import float_linear  # noqa: E402,F401
