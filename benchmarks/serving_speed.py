@@ -9,10 +9,11 @@ is exported as FP32 (save_pretrained), W8A8 (schedules/w8a8.yaml) and W4A16 g128
 (schedules/w4a16_g128.yaml). Each is decoded greedily for --tokens tokens after an 8-token prompt
 at batch 1 and batch 8, by
 - qcompress: transformers' generate (KV cache, no EOS token) on load_quantized(folder, model,
-  mode="fast") (FP32: the plain transformers model), float32 and bfloat16;
+  mode="fast") (FP32: the plain transformers model), float32 and bfloat16, eager and compiled
+  (torch.compile of the model's forward with transformers' static cache, docs/export.md);
 - vLLM CPU (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0): LLM.generate with ignore_eos,
   float32 for FP32, bfloat16 for W8A8 / W4A16 (its CPU kernels take bfloat16 only).
-Rounds alternate between the two (benchmarks/common.py: interleaved), on one machine that other
+Rounds alternate between all of them (benchmarks/common.py: interleaved), on one machine that other
 jobs may share: the ratios (qcompress tokens/s over vLLM tokens/s, median of the per-round ratios)
 are the result, not the absolute times. --isa avx2 (default on) holds both to AVX2: ATEN_CPU_CAPABILITY,
 ONEDNN_MAX_CPU_ISA and qcompress' own QCOMPRESS_LOWBIT_ISA, set before torch is imported, and
@@ -110,7 +111,10 @@ def make_exports(args, work):
     return out
 
 
-def qcompress_decoder(name, folder, args, dtype=torch.float32):
+def qcompress_decoder(name, folder, args, dtype=torch.float32, compiled=False):
+    """generate() on load_quantized(mode="fast") (FP32: the plain transformers model); compiled:
+    its forward under torch.compile with transformers' static KV cache (fixed shapes, one graph per
+    batch size and step kind), as docs/export.md shows."""
     import transformers
 
     if name == "FP32":
@@ -121,10 +125,14 @@ def qcompress_decoder(name, folder, args, dtype=torch.float32):
     # no end-of-sequence token, as vLLM's ignore_eos: every step decodes, none checks for EOS (a
     # min_new_tokens instead would mask the EOS logit over the whole vocabulary at every step)
     model.generation_config.eos_token_id = None
+    kwargs = {}
+    if compiled:
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        kwargs = {"cache_implementation": "static"}
 
     def run(batch):
         with torch.inference_mode():
-            out = model.generate(prompts[:batch], max_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(prompts[:batch], max_new_tokens=args.tokens, do_sample=False, pad_token_id=0, **kwargs)
         assert out.shape[1] == prompts.shape[1] + args.tokens
 
     return run
@@ -183,22 +191,27 @@ def main(argv=None) -> int:
 
     lines = [
         f"Llama-shaped {a.layers} x {a.hidden} (random weights), {a.tokens} tokens after an 8-token prompt, "
-        f"ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds; qcompress fast mode in float32 "
-        "and in bfloat16 (the model loaded in bfloat16: the unquantized layers, lm_head above all, then read "
-        "half the bytes, as in vLLM), vLLM CPU bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 "
-        "for FP32, with its defaults (on AMX CPUs that runs W4A16 layers with int8 activations, "
-        "VLLM_CPU_INT4_W4A8=1). Shared machine: ratios are the result.",
+        f"no EOS, ISA cap {a.isa}, {a.threads} threads, {a.rounds} interleaved rounds. qcompress: generate() on "
+        'load_quantized(mode="fast") in float32 and in bfloat16 (the model loaded in bfloat16: the '
+        "unquantized layers, lm_head above all, then read half the bytes, as in vLLM), eager and compiled "
+        "(torch.compile of its forward, transformers' static KV cache; the FP32 export: the plain transformers "
+        "model). vLLM CPU: bfloat16 for W8A8 / W4A16 (its kernels' only dtype), float32 for FP32, with its "
+        "defaults (torch.compile; on AMX CPUs W4A16 layers run with int8 activations, VLLM_CPU_INT4_W4A8=1). "
+        "Shared machine: the ratios are the result.",
         "",
-        "| export | batch | qcompress fp32 tok/s | qcompress bf16 tok/s | vLLM CPU tok/s | qcompress fp32 / vLLM "
-        "| qcompress bf16 / vLLM |",
-        "|---|---|---|---|---|---|---|",
+        "| export | batch | qcompress | qcompress tok/s | vLLM CPU tok/s | qcompress / vLLM |",
+        "|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
         work = a.work or tmp
         exports = make_exports(a, work)
         for name in a.schemes:
-            q = qcompress_decoder(name, exports[name], a)
-            qb = None if name == "FP32" else qcompress_decoder(name, exports[name], a, torch.bfloat16)
+            dtypes = (torch.float32,) if name == "FP32" else (torch.float32, torch.bfloat16)
+            ours = {}  # label -> decoder
+            for compiled in (False, True):
+                for dt in dtypes:
+                    label = f"{'float32' if dt == torch.float32 else 'bfloat16'}{', compiled' if compiled else ''}"
+                    ours[label] = qcompress_decoder(name, exports[name], a, dt, compiled)
             v, _llm, failed = None, None, ""
             try:
                 v, _llm = vllm_decoder(name, exports[name], a)  # _llm: held so vLLM lives until the rows are timed
@@ -206,26 +219,23 @@ def main(argv=None) -> int:
             except Exception as err:  # noqa: BLE001 -- vLLM has no kernel for it here: a result
                 v, failed = None, vllm_failure(err)
             for batch in (1, 8):  # where vLLM fails, qcompress alone: what this export decodes at here
-                fns = {"qcompress": lambda b=batch: q(b)}
+                fns = {label: (lambda b=batch, f=f: f(b)) for label, f in ours.items()}
                 if v is not None:
                     fns["vllm"] = lambda b=batch: v(b)
-                if qb is not None:
-                    fns["qcompress_bf16"] = lambda b=batch: qb(b)
                 for f in fns.values():  # warm-up (compilation, caches)
                     f()
                 t = common.interleaved(fns, repeats=a.rounds)
                 tps = {k: batch * a.tokens / t[k].median for k in t}
-                bf = f"{tps['qcompress_bf16']:.1f}" if qb is not None else "-"
-                if v is None:
-                    row = f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | vLLM fails: {failed} | - | - |"
-                else:
-                    bf_ratio = common.ratio(t, "vllm", "qcompress_bf16") if qb is not None else "-"
-                    row = (
-                        f"| {name} | {batch} | {tps['qcompress']:.1f} | {bf} | {tps['vllm']:.1f} | "
-                        f"{common.ratio(t, 'vllm', 'qcompress')} | {bf_ratio} |"
-                    )
-                print(row, flush=True)
-                lines.append(row)
+                for label in ours:
+                    if v is None:
+                        row = f"| {name} | {batch} | {label} | {tps[label]:.1f} | vLLM fails: {failed} | - |"
+                    else:
+                        row = (
+                            f"| {name} | {batch} | {label} | {tps[label]:.1f} | {tps['vllm']:.1f} | "
+                            f"{common.ratio(t, 'vllm', label)} |"
+                        )
+                    print(row, flush=True)
+                    lines.append(row)
             _llm = v = None  # free vLLM before the next export
     text = "\n".join(lines) + "\n"
     print(text)

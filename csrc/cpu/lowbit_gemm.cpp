@@ -652,29 +652,75 @@ static void act_rows(float* y, int64_t count, int act, const float* res) {
 // per weight, then y = row 2t + row 2t + 1 + bias (float32).
 // Same precision as the tile path (within amax / 64000 of x per element). Undefined when it does not
 // apply (inf / nan or a tiny token: the caller takes the float kernel) or turned off (fp32_digits_off).
+// The few-token paths' output in x's dtype from their float32 results `v` [m, n] (overwritten):
+// rounded to the dtype, then, for bfloat16 / float16, act on the rounded value rounded again, as
+// act_in_place on the rounded output does, bit for bit. Plain loops: at one token every ATen op
+// between kernel and caller (a dtype copy, an act pass) costs as much as a small layer's kernel.
+template <typename T>
+static void round_into(float* v, int64_t count, int act, T* out) {
+  for (int64_t i = 0; i < count; ++i) v[i] = static_cast<float>(static_cast<T>(v[i]));
+  if (act != kActNone) act_rows(v, count, act, nullptr);
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(v[i]);
+}
+
+static at::Tensor low_precision_output(float* v, int64_t m, int64_t n, at::ScalarType dt, int act,
+                                       const at::TensorOptions& opts) {
+  at::Tensor y = at::empty({m, n}, opts.dtype(dt));
+  if (dt == at::kBFloat16) round_into(v, m * n, act, y.mutable_data_ptr<at::BFloat16>());
+  else round_into(v, m * n, act, y.mutable_data_ptr<at::Half>());
+  return y;
+}
+
+// x [m, k] as float32 columns padded to the kernel's groups; a bfloat16 / float16 x without padding
+// widened in a plain loop into `buf` (no ATen op), anything else through pad_groups.
+static const float* float_columns(const at::Tensor& x2, const Geometry& g, std::vector<float>& buf, at::Tensor& keep) {
+  const at::ScalarType dt = x2.scalar_type();
+  if (g.kp == g.k && x2.is_contiguous() && (dt == at::kBFloat16 || dt == at::kHalf)) {
+    buf.resize(static_cast<size_t>(x2.numel()));
+    if (dt == at::kBFloat16) {
+      const at::BFloat16* p = x2.const_data_ptr<at::BFloat16>();
+      for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(p[i]);
+    } else {
+      const at::Half* p = x2.const_data_ptr<at::Half>();
+      for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(p[i]);
+    }
+    return buf.data();
+  }
+  keep = pad_groups(x2, g, at::kFloat);
+  return keep.const_data_ptr<float>();
+}
+
 static at::Tensor gemv_digits(const at::Tensor& x2, const WView& w, const Geometry& g, const float* bias, int64_t m,
                               int isa, int act, const float* res) {
   if (fp32_digits_off() || isa < kAvx512Vnni || m == 0) return {};
-  const at::Tensor xf = pad_groups(x2, g, at::kFloat);
+  std::vector<float> xbuf;
+  at::Tensor xkeep;
+  const float* xf = float_columns(x2, g, xbuf, xkeep);
   std::vector<int8_t> codes(static_cast<size_t>(2 * m * g.kp));
   std::vector<float> sx(static_cast<size_t>(2 * m));
-  if (!amx::digits(xf.const_data_ptr<float>(), g.kp, m, 0, m, codes.data(), sx.data(), false)) return {};
+  if (!amx::digits(xf, g.kp, m, 0, m, codes.data(), sx.data(), false)) return {};
   std::vector<int32_t> xsum(static_cast<size_t>(2 * m * g.ng));
   sum_groups(codes.data(), g.gp, 0, 2 * m * g.ng, xsum.data());
   std::vector<float> y2(static_cast<size_t>(2 * m * g.n));
   const A8View a{codes.data(), g.kp, 2 * m, xsum.data(), sx.data(), nullptr, nullptr, y2.data()};
   const A8Fn fn = a8_kernel(isa);
   over_blocks(g, 2 * m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
-  at::Tensor y = at::empty({m, g.n}, xf.options());
-  float* yp = y.mutable_data_ptr<float>();
+  const at::ScalarType dt = x2.scalar_type();
+  const bool f32 = dt == at::kFloat;
+  at::Tensor y = f32 ? at::empty({m, g.n}, x2.options()) : at::Tensor();
+  float* yp = f32 ? y.mutable_data_ptr<float>() : y2.data();   // other dtypes: the sums in y2's first m rows
   for (int64_t t = 0; t < m; ++t) {
     const float* hi = y2.data() + 2 * t * g.n;
     const float* lo = hi + g.n;
     float* yt = yp + t * g.n;
     for (int64_t j = 0; j < g.n; ++j) yt[j] = hi[j] + lo[j] + (bias ? bias[j] : 0.0f);
-    act_rows(yt, g.n, act, res ? res + t * g.n : nullptr);
+    if (f32) act_rows(yt, g.n, act, res ? res + t * g.n : nullptr);
   }
-  return y;
+  if (f32) return y;
+  if (dt == at::kBFloat16 || dt == at::kHalf) return low_precision_output(y2.data(), m, g.n, dt, act, x2.options());
+  at::Tensor yf = at::empty({m, g.n}, x2.options().dtype(at::kFloat));
+  std::memcpy(yf.mutable_data_ptr<float>(), y2.data(), sizeof(float) * m * g.n);
+  return yf;
 }
 
 int lowbit_act_code(c10::string_view name) {
@@ -808,10 +854,12 @@ static at::Tensor linear_paths(const at::Tensor& x, const at::Tensor& packed, co
     // bfloat16 / float16 too: their digits' error (amax / 64000) is far below their own rounding, and
     // the float kernel costs them twice the time at one token; act and the residual then come after
     // the rounding to x's dtype, as on their other paths
-    const bool f32 = x.scalar_type() == at::kFloat;
-    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, f32 ? act : kActNone, f32 ? res : nullptr); y.defined()) {
-      fused = f32;
-      return y.to(x.scalar_type()).reshape(shape);
+    const at::ScalarType dt = x.scalar_type();
+    const bool f32 = dt == at::kFloat, low = dt == at::kBFloat16 || dt == at::kHalf;
+    if (at::Tensor y = gemv_digits(x2, w, g, bp, m, isa, f32 || low ? act : kActNone, f32 ? res : nullptr);
+        y.defined()) {
+      fused = f32 || low;   // low: act applied after the rounding, the residual added by the caller
+      return (y.scalar_type() == dt ? y : y.to(dt)).reshape(shape);
     }
   }
   const at::Tensor xf = pad_groups(x2, g, at::kFloat);
@@ -955,18 +1003,22 @@ static at::Tensor dyn_a8_gemv(const at::Tensor& x, const at::Tensor& packed, con
   if (bad) raise_nonfinite(bad, m);
   sum_groups(codes.data(), g.gp, 0, m * g.ng, xsum.data());
   for (size_t r = 0; r < zx.size(); ++r) zx[r] = static_cast<int32_t>(zf[r]);
-  at::Tensor y = at::empty({m, n}, xc.options().dtype(at::kFloat));
-  float* yp = y.mutable_data_ptr<float>();
+  const bool f32 = dt == at::kFloat;
+  at::Tensor y = f32 ? at::empty({m, n}, xc.options()) : at::Tensor();
+  std::vector<float> yv(f32 ? 0 : static_cast<size_t>(m * n));
+  float* yp = f32 ? y.mutable_data_ptr<float>() : yv.data();
   const A8View a{codes.data(), g.kp, m, xsum.data(), sx.data(), symmetric ? nullptr : zx.data(),
                  bias.defined() ? bias.const_data_ptr<float>() : nullptr, yp};
   const A8Fn fn = a8_kernel(active_isa().load());
   over_blocks(g, m, 1, [&](int64_t b0, int64_t b1) { fn(w, a, b0, b1); });
-  // float32: act and the residual in this store; bfloat16 / float16 get them after the rounding
-  act_done = dt == at::kFloat;
-  if (act_done) act_rows(yp, m * n, act, res);
+  // float32: act and the residual in this store; bfloat16 / float16: act after the rounding, the
+  // residual (never given here for them: res is float32-only) added by the caller
+  act_done = true;
+  if (f32) act_rows(yp, m * n, act, res);
+  else y = low_precision_output(yp, m, n, dt, act, xc.options());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  return y.to(dt).reshape(shape);
+  return y.reshape(shape);
 }
 
 at::Tensor lowbit_linear_dyn_a8_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

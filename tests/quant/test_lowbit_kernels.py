@@ -869,6 +869,14 @@ def test_dynamic_a8_activation_is_applied_to_the_output():
                     assert torch.equal(
                         lowbit.linear_dyn_a8(xd, p, bias, 48, 128, 8, 8, True, 0, act=act, residual=r), want
                     ), f"{isa} {m} {act} {dt}"
+            # bfloat16: act on the output already rounded to bfloat16, rounded again (ReLU exactly)
+            xb = x.bfloat16()
+            base_b = lowbit.linear_dyn_a8(xb, p, bias, 48, 128, 8, 8, True, 0)
+            relu_b = lowbit.linear_dyn_a8(xb, p, bias, 48, 128, 8, 8, True, 0, act="relu")
+            assert relu_b.dtype == torch.bfloat16 and torch.equal(relu_b, F.relu(base_b)), f"{isa} {m}"
+            silu_b = lowbit.linear_dyn_a8(xb, p, bias, 48, 128, 8, 8, True, 0, act="silu").double()
+            want_b = F.silu(base_b.double())
+            assert bool(((silu_b - want_b).abs() <= _gelu_bound(base_b.float()) + 2.0**-8 * want_b.abs()).all())
             with pytest.raises(RuntimeError, match="lowbit_linear_dyn_a8: residual has shape"):
                 lowbit.linear_dyn_a8(x, p, bias, 48, 128, 8, 8, True, 0, residual=torch.zeros(m, 47))
 
