@@ -54,8 +54,10 @@ quality() {
       --rows w4_qad,w4_qad_lrot,w4_qad_gmse,w4_qad_gmse_c128,w4_qat,fp32_ft,w4qat_kv_fp8,w4qat_kv_int8
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 20 --batch 2 --lr 2e-5 \
       --rows lora_full_qat,lora_qat_r16 --write-results
-  # LoRA QAT's and QLoRA's peak training memory against full-parameter QAT
+  # LoRA QAT's and QLoRA's peak training memory against full-parameter QAT, without and with
+  # activation checkpointing (on every variant alike)
   $PY benchmarks/lora_memory.py
+  $PY benchmarks/lora_memory.py --checkpointing
 }
 
 serving() {

@@ -153,17 +153,24 @@ class PhasesMixin:
         ):
             solving = 0  # the checkpoint brings the input moments and GPTQ's weights and scales
         else:
-            weighted = qcompress.calibrate_weight_ranges(model, self.calibration_batches(device_of(model))) - solving
+            seen = [0]  # the batches the data had (up to --calib-batches), for the messages
+
+            def counted():
+                for b in self.calibration_batches(device_of(model)):
+                    seen[0] += 1
+                    yield b
+
+            weighted = qcompress.calibrate_weight_ranges(model, counted()) - solving
             if weighted:
                 self.say(
                     f"[qat] weight ranges of {weighted} module(s) weighted by their inputs on "
-                    f"{self.opts.calib_batches} calibration batches (observer_kwargs.weight_by)"
+                    f"{seen[0]} calibration batches (observer_kwargs.weight_by)"
                 )
-        if solving:
-            self.say(
-                f"[qat] weights of {solving} module(s) solved by GPTQ on {self.opts.calib_batches} calibration "
-                "batches (observer gptq)"
-            )
+            if solving:
+                self.say(
+                    f"[qat] weights of {solving} module(s) solved by GPTQ on {seen[0]} calibration "
+                    "batches (observer gptq)"
+                )
         forward_note = int8_forward.describe(model)
         if forward_note:
             self.say(f"[qat] {forward_note}")

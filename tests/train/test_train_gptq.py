@@ -81,8 +81,9 @@ def test_calibrate_gptq_with_no_group_to_take_it_is_refused(setup, tmp_path, cap
 
 
 def test_calib_batches_sets_how_many_batches_gptq_reads(setup, tmp_path, capsys):
-    """--calib-batches N: GPTQ (and every calibration) reads N training batches; with 5 batches of
-    data, 1 batch gives another PTQ than the default 8 (all 5), and 0 is refused before anything runs."""
+    """--calib-batches N: GPTQ (and every calibration) reads N training batches (of 9: 36 blocks in
+    batches of 4); 1 batch gives another PTQ than the default 8, 20 reads all 9 and says 9, and 0
+    is refused before anything runs."""
     gpt2, data = setup
     base = ["--model", gpt2, "--data", data, "--task", "causal-lm", "--max-steps", "1", *FAST, "--eval-batch-size", "4"]
     assert cli_main(["train", G128, *base, "--out", str(tmp_path / "all"), "--calibrate", "gptq"]) == 0
@@ -90,6 +91,9 @@ def test_calib_batches_sets_how_many_batches_gptq_reads(setup, tmp_path, capsys)
     one = ["--calibrate", "gptq", "--calib-batches", "1"]
     assert cli_main(["train", G128, *base, "--out", str(tmp_path / "one"), *one]) == 0
     assert "solved by GPTQ on 1 calibration batches" in capsys.readouterr().out
+    more = ["--calibrate", "gptq", "--calib-batches", "20"]
+    assert cli_main(["train", G128, *base, "--out", str(tmp_path / "more"), *more]) == 0
+    assert "solved by GPTQ on 9 calibration batches" in capsys.readouterr().out
     assert stages(tmp_path / "one")["ptq"]["perplexity"] != stages(tmp_path / "all")["ptq"]["perplexity"]
     code = cli_main(["train", G128, *base, "--out", str(tmp_path / "zero"), "--calib-batches", "0"])
     assert code == 2 and "--calib-batches must be >= 1" in capsys.readouterr().err
