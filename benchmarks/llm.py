@@ -131,6 +131,23 @@ ROWS = {
     "nvfp4_rtn": Row("nvfp4", "minmax", NV, ("nvfp4", 4)),
     "nvfp4_r124": Row("nvfp4", "R1 R2 R4", NV, ("nvfp4", 4), rotations=R124),
     "nvfp4_gptq_r124": Row("nvfp4", "GPTQ + R1 R2 R4", NV, ("nvfp4", 4), observer=GPTQ, rotations=R124),
+    "nvfp4_gptq": Row("nvfp4", "GPTQ", NV, ("nvfp4", 4), observer=GPTQ),
+    "nvfp4_gptq_mse": Row("nvfp4", "GPTQ (mse group scales)", NV, ("nvfp4", 4), observer=GPTQ_MSE),
+    "nvfp4_gptq_mse_r4": Row(
+        "nvfp4", "GPTQ (mse group scales) + R4", NV, ("nvfp4", 4), observer=GPTQ_MSE, rotations=("R4",)
+    ),
+    "nvfp4_qad_gmse": Row(
+        "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad"
+    ),
+    "nvfp4_qad_gmse_r4": Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+    ),
     # Hadamard blocks as wide as NVFP4's groups: each group is rotated on its own, so the FP8 group
     # scales still see the groups' own ranges (MR-GPTQ's block rotations)
     "nvfp4_r124_b16": Row(
@@ -187,7 +204,18 @@ TARGETS = [
     (("w4_gptq_r124", "w4_gptq_mse_r124", "w4_gptq_mse_r124_c128"), 1.06),
     (("w4_qad", "w4_qad_lrot", "w4_qad_gmse", "w4_qad_gmse_c128"), 1.02),
     (("w4a8_gptq_r124", "w4a8_gptq_mse_r124_c128"), 1.08),
-    (("nvfp4_r124", "nvfp4_gptq_r124", "nvfp4_r124_b16", "nvfp4_gptq_r124_b16"), 1.10),
+    # NVFP4 W4A4 "with rotations": every rotated row, PTQ or QAD
+    (
+        (
+            "nvfp4_r124",
+            "nvfp4_gptq_r124",
+            "nvfp4_r124_b16",
+            "nvfp4_gptq_r124_b16",
+            "nvfp4_gptq_mse_r4",
+            "nvfp4_qad_gmse_r4",
+        ),
+        1.10,
+    ),
 ]
 KV_TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
 LORA_TARGET = 0.60  # LoRA QAT recovers at least this share of what full-parameter QAT recovers
