@@ -205,7 +205,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="qc-speed-") as tmp:
         work = a.work or tmp
         exports = make_exports(a, work)
+        # every compiled model's forward is the same code object (transformers' wrapper): each export
+        # adds its dtypes x batch sizes x (prefill, decode) graphs to one cache, whose default limit
+        # of 8 the second export would hit; the earlier exports' graphs are not needed again
+        torch._dynamo.config.recompile_limit = 32
         for name in a.schemes:
+            torch._dynamo.reset()
             dtypes = (torch.float32,) if name == "FP32" else (torch.float32, torch.bfloat16)
             ours = {}  # label -> decoder
             for compiled in (False, True):
