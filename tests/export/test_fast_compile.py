@@ -1,5 +1,5 @@
 """Decoding a fast-loaded LLM under torch.compile, as docs/export.md shows (the model's forward
-compiled whole, transformers' static KV cache).
+compiled whole with inductor's C++ wrapper, transformers' static KV cache).
 
 Oracle: the same model decoding eagerly (itself checked against mode="exact" in
 test_export_fast.py and test_lowbit_kernels.py) and torch._dynamo's own account of the graph
@@ -71,7 +71,7 @@ def test_compiled_static_cache_decode_equals_eager(tmp_path):
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
         eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward, fullgraph=True)
+        model.forward = torch.compile(model.forward, fullgraph=True, options={"cpp_wrapper": True})
         compiled = model.generate(ids, cache_implementation="static", **kw)
     assert torch.equal(compiled.sequences, eager.sequences)
     for a, b in zip(compiled.logits, eager.logits):
