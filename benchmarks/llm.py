@@ -173,6 +173,13 @@ ROWS = {
         training="qat",
         kv=("fp8_e4m3", "tensor", "minmax"),
     ),
+    "w4qat_kv_fp8_head": Row(
+        "kv",
+        "W4 g128 RTN start, QAT with FP8 KV per head in the loop",
+        W4G,
+        training="qat",
+        kv=("fp8_e4m3", "head", "minmax"),
+    ),
     "w4qat_kv_int8": Row(
         "kv",
         "W4 g128 RTN start, QAT with int8 KV per tensor in the loop",
