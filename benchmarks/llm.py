@@ -131,11 +131,7 @@ ROWS = {
     "nvfp4_rtn": Row("nvfp4", "minmax", NV, ("nvfp4", 4)),
     "nvfp4_r124": Row("nvfp4", "R1 R2 R4", NV, ("nvfp4", 4), rotations=R124),
     "nvfp4_gptq_r124": Row("nvfp4", "GPTQ + R1 R2 R4", NV, ("nvfp4", 4), observer=GPTQ, rotations=R124),
-    "nvfp4_gptq": Row("nvfp4", "GPTQ", NV, ("nvfp4", 4), observer=GPTQ),
     "nvfp4_gptq_mse": Row("nvfp4", "GPTQ (mse group scales)", NV, ("nvfp4", 4), observer=GPTQ_MSE),
-    "nvfp4_gptq_mse_r4": Row(
-        "nvfp4", "GPTQ (mse group scales) + R4", NV, ("nvfp4", 4), observer=GPTQ_MSE, rotations=("R4",)
-    ),
     "nvfp4_qad_gmse": Row(
         "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad"
     ),
@@ -218,7 +214,6 @@ TARGETS = [
             "nvfp4_gptq_r124",
             "nvfp4_r124_b16",
             "nvfp4_gptq_r124_b16",
-            "nvfp4_gptq_mse_r4",
             "nvfp4_qad_gmse_r4",
         ),
         1.10,
