@@ -1,7 +1,7 @@
 // Float matmul for a few tokens (the decode step of an unquantized layer, an LLM's lm_head above
 // all): y = x @ w^T (+ bias) with w float32 or bfloat16 [N, K] and at most kMaxTokens rows of x.
 // At one token this is a matrix-vector product bound by reading w once; torch's CPU matmul runs it
-// at a half (float32) to a third (bfloat16) of the bandwidth, and float32 at 8 tokens 6x slower
+// at a half (float32) to a third (bfloat16) of the bandwidth, and float32 at 8 tokens about 3x slower
 // than at one (benchmarks/experiments/float_gemv.py). Here every 4 weight rows are read once per
 // 4 tokens (twice for 5-8 tokens, the second time from L1), products and sums in float32
 // (bfloat16 weights widened exactly), rounded once to x's dtype at the store: torch's numerics up to
