@@ -10,6 +10,8 @@ torch's path.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,8 +27,9 @@ def available() -> bool:
     return _kernels.available() and hasattr(torch.ops.qcompress, "float_gemv")
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether the few-token kernel runs this call (CPU, one float dtype, no gradient asked)."""
+    grads = (x, weight) if bias is None else (x, weight, bias)
     return (
         x.is_cpu
         and weight.is_cpu
@@ -34,7 +37,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype in DTYPES
         and x.dim() >= 1
         and x.numel() <= MAX_TOKENS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in grads))
     )
 
 
@@ -42,7 +45,7 @@ class FastFloatLinear(nn.Linear):
     """nn.Linear whose few-token CPU calls run the float GEMV kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if takes(x, self.weight) and (self.bias is None or not (torch.is_grad_enabled() and self.bias.requires_grad)):
+        if takes(x, self.weight, self.bias):
             return torch.ops.qcompress.float_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
