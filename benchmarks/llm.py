@@ -72,6 +72,7 @@ class Row:
     kv: Optional[tuple] = None  # (format, strategy, observer) of the KV cache
     lora_r: Optional[int] = None  # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
     calib_blocks: Optional[int] = None  # calibration blocks for this row (default: --calib-blocks)
+    lr: Optional[float] = None  # training lr for this row (default: --lr, or --lora-lr with LoRA)
 
 
 ROWS = {
@@ -144,6 +145,20 @@ ROWS = {
         rotations=("R4",),
         training="qad",
     ),
+    # W4A4's larger error takes a larger step than W4's QAD: lr 1e-4 over the same 40 steps
+    "nvfp4_qad_gmse_lr": Row(
+        "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad", lr=1e-4
+    ),
+    "nvfp4_qad_gmse_r4_lr": Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+        lr=1e-4,
+    ),
     # Hadamard blocks as wide as NVFP4's groups: each group is rotated on its own, so the FP8 group
     # scales still see the groups' own ranges (MR-GPTQ's block rotations)
     "nvfp4_r124_b16": Row(
@@ -215,6 +230,7 @@ TARGETS = [
             "nvfp4_r124_b16",
             "nvfp4_gptq_r124_b16",
             "nvfp4_qad_gmse_r4",
+            "nvfp4_qad_gmse_r4_lr",
         ),
         1.10,
     ),
@@ -223,10 +239,14 @@ KV_TARGET = {"fp8_e4m3": 1.005, "int8": 1.01}
 LORA_TARGET = 0.60  # LoRA QAT recovers at least this share of what full-parameter QAT recovers
 
 
+def row_lr(row: Row, a) -> float:
+    return row.lr if row.lr is not None else a.lora_lr if row.lora_r else a.lr
+
+
 def config_doc(row: Row, a) -> dict:
     """The one config document a row runs: DeepSpeed's layout, compression_training per the row."""
     steps = max(a.steps, 3)  # DeepSpeed's WarmupCosineLR warms up for 2 steps at least
-    lr = a.lora_lr if row.lora_r else a.lr
+    lr = row_lr(row, a)
     doc = {
         "train_batch_size": a.batch,
         "train_micro_batch_size_per_gpu": a.batch,
@@ -386,7 +406,7 @@ def settings(a, row: Optional[Row] = None) -> dict:
     calib = row.calib_blocks if row is not None and row.calib_blocks else a.calib_blocks
     out = {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": calib, "seed": a.seed}
     if row is not None and row.training is not None:
-        out.update(steps=a.steps, batch=a.batch, lr=a.lora_lr if row.lora_r else a.lr)
+        out.update(steps=a.steps, batch=a.batch, lr=row_lr(row, a))
     return out
 
 
@@ -396,6 +416,11 @@ def share(rtn, row, ref):
 
 def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def training_note(row: Row, st: dict) -> str:
+    """'40 steps', and the lr when the row sets its own."""
+    return f"{st['steps']} steps" + (f", lr {st['lr']:g}" if row.lr is not None else "")
 
 
 def weight_tables(rows: dict, fp32, ft) -> list:
@@ -418,7 +443,7 @@ def weight_tables(rows: dict, fp32, ft) -> list:
             if ROWS[k].training == "qat" and ft:
                 rec += f" ({pct(share(rtn, r['perplexity'], ft))} against FP32 fine-tuned)"
             ratio = f"{r['perplexity'] / fp32:.3f}" if fp32 else "-"
-            label = ROWS[k].label + (f" ({r['settings']['steps']} steps)" if ROWS[k].training else "")
+            label = ROWS[k].label + (f" ({training_note(ROWS[k], r['settings'])})" if ROWS[k].training else "")
             out.append(f"| {label} | {r['perplexity']:.3f} | {ratio} | {rec} | {r['seconds']:.0f} |")
     return out
 
