@@ -73,6 +73,7 @@ class Row:
     lora_r: Optional[int] = None  # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
     calib_blocks: Optional[int] = None  # calibration blocks for this row (default: --calib-blocks)
     lr: Optional[float] = None  # training lr for this row (default: --lr, or --lora-lr with LoRA)
+    steps: Optional[int] = None  # training steps for this row (default: --steps)
 
 
 ROWS = {
@@ -148,6 +149,27 @@ ROWS = {
     # W4A4's larger error takes a larger step than W4's QAD: lr 1e-4 over the same 40 steps
     "nvfp4_qad_gmse_lr": Row(
         "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad", lr=1e-4
+    ),
+    "nvfp4_qad_gmse_r4_lr2": Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+        lr=2e-4,
+    ),
+    "nvfp4_qad_gmse_r4_lr_80": Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+        lr=1e-4,
+        steps=80,
     ),
     "nvfp4_qad_gmse_r4_lr": Row(
         "nvfp4",
@@ -231,6 +253,8 @@ TARGETS = [
             "nvfp4_gptq_r124_b16",
             "nvfp4_qad_gmse_r4",
             "nvfp4_qad_gmse_r4_lr",
+            "nvfp4_qad_gmse_r4_lr2",
+            "nvfp4_qad_gmse_r4_lr_80",
         ),
         1.10,
     ),
@@ -371,6 +395,9 @@ def run_row(key: str, base, train_blocks, order, held, a) -> dict:
     from qcompress.train.stages import calibrate_static_ranges
 
     row = ROWS[key]
+    if row.steps:
+        a = copy.copy(a)
+        a.steps = row.steps
     t0 = time.time()
     model = copy.deepcopy(base)
     cfg = qc.load_config(config_doc(row, a))
@@ -406,7 +433,7 @@ def settings(a, row: Optional[Row] = None) -> dict:
     calib = row.calib_blocks if row is not None and row.calib_blocks else a.calib_blocks
     out = {"context": a.context, "eval_blocks": a.eval_blocks, "calib_blocks": calib, "seed": a.seed}
     if row is not None and row.training is not None:
-        out.update(steps=a.steps, batch=a.batch, lr=row_lr(row, a))
+        out.update(steps=row.steps or a.steps, batch=a.batch, lr=row_lr(row, a))
     return out
 
 
