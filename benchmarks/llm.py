@@ -146,9 +146,16 @@ ROWS = {
         rotations=("R4",),
         training="qad",
     ),
-    # W4A4's larger error takes a larger step than W4's QAD: lr 1e-4 over the same 40 steps
-    "nvfp4_qad_gmse_lr": Row(
-        "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad", lr=1e-4
+    # W4A4's larger error takes larger steps than W4's QAD: lr 1e-4 / 2e-4 over 40 steps, 1e-4 over 80
+    "nvfp4_qad_gmse_r4_lr": Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+        lr=1e-4,
     ),
     "nvfp4_qad_gmse_r4_lr2": Row(
         "nvfp4",
@@ -170,16 +177,6 @@ ROWS = {
         training="qad",
         lr=1e-4,
         steps=80,
-    ),
-    "nvfp4_qad_gmse_r4_lr": Row(
-        "nvfp4",
-        "GPTQ (mse group scales) + R4, then QAD",
-        NV,
-        ("nvfp4", 4),
-        observer=GPTQ_MSE,
-        rotations=("R4",),
-        training="qad",
-        lr=1e-4,
     ),
     # Hadamard blocks as wide as NVFP4's groups: each group is rotated on its own, so the FP8 group
     # scales still see the groups' own ranges (MR-GPTQ's block rotations)
@@ -230,6 +227,7 @@ TABLES = {
     "w3": "W3 g128 symmetric, weight-only",
     "nvfp4": "NVFP4 W4A4 (weights and activations in groups of 16, static activation global scale)",
 }
+SHORT = {"w4": "W4 g128", "w4ch": "W4 per channel", "w4a8": "W4A8", "w3": "W3 g128", "nvfp4": "NVFP4 W4A4"}
 RTN_OF = {
     "w4": "w4_rtn",
     "w4ch": "w4ch_rtn",
@@ -568,8 +566,9 @@ def tables(summary: dict) -> str:
             if have:
                 k = min(have, key=lambda k: rows[k]["perplexity"])
                 v = rows[k]["perplexity"] / fp32
+                trained = f", {training_note(ROWS[k], rows[k]['settings'])}" if ROWS[k].training else ""
                 out.append(
-                    f"- {ROWS[k].label} ({TABLES[ROWS[k].table].split(',')[0]}): {v:.3f} (target <= {t}): "
+                    f"- {SHORT[ROWS[k].table]}: {ROWS[k].label}{trained}: {v:.3f} (target <= {t}): "
                     f"{'met' if v <= t else 'missed'}"
                 )
     return "\n".join(out) + "\n"
