@@ -70,6 +70,7 @@ class Row:
     block_size: Optional[int] = None  # Hadamard blocks forced to this size (default: the largest that fits)
     training: Optional[str] = None  # None (PTQ), "ft" / "qat" (token loss), "qad" (KL to FP32)
     kv: Optional[tuple] = None  # (format, strategy, observer) of the KV cache
+    kv_learned: bool = False  # the KV scales trained with the model (range_learning, LSQ)
     lora_r: Optional[int] = None  # LoRA QAT: base frozen, adapters of this rank (alpha 2r)
     calib_blocks: Optional[int] = None  # calibration blocks for this row (default: --calib-blocks)
     lr: Optional[float] = None  # training lr for this row (default: --lr, or --lora-lr with LoRA)
@@ -210,6 +211,14 @@ ROWS = {
         training="qat",
         kv=("fp8_e4m3", "head", "minmax"),
     ),
+    "w4qat_kv_fp8_learned": Row(
+        "kv",
+        "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop, KV scales learned (LSQ)",
+        W4G,
+        training="qat",
+        kv=("fp8_e4m3", "tensor", "minmax"),
+        kv_learned=True,
+    ),
     "w4qat_kv_int8": Row(
         "kv",
         "W4 g128 RTN start, QAT with int8 KV per tensor in the loop",
@@ -330,6 +339,7 @@ def config_doc(row: Row, a) -> dict:
             "strategy": strategy,
             "range_calibration": "static",
             "observer": observer,
+            "range_learning": row.kv_learned,
         }
     if row.lora_r:
         cc["lora"] = {
