@@ -77,6 +77,20 @@ class Row:
     steps: Optional[int] = None  # training steps for this row (default: --steps)
 
 
+def nvfp4_qad_r4(**training) -> Row:
+    """NVFP4 W4A4 from GPTQ (mse group scales) + R4, then QAD: the rotated rows, by their training."""
+    return Row(
+        "nvfp4",
+        "GPTQ (mse group scales) + R4, then QAD",
+        NV,
+        ("nvfp4", 4),
+        observer=GPTQ_MSE,
+        rotations=("R4",),
+        training="qad",
+        **training,
+    )
+
+
 ROWS = {
     "fp32": Row("w4", "FP32"),
     "fp32_ft": Row("w4", "FP32 fine-tuned (same steps as QAT; control for domain adaptation)", training="ft"),
@@ -138,47 +152,11 @@ ROWS = {
     "nvfp4_qad_gmse": Row(
         "nvfp4", "GPTQ (mse group scales), then QAD", NV, ("nvfp4", 4), observer=GPTQ_MSE, training="qad"
     ),
-    "nvfp4_qad_gmse_r4": Row(
-        "nvfp4",
-        "GPTQ (mse group scales) + R4, then QAD",
-        NV,
-        ("nvfp4", 4),
-        observer=GPTQ_MSE,
-        rotations=("R4",),
-        training="qad",
-    ),
+    "nvfp4_qad_gmse_r4": nvfp4_qad_r4(),
     # W4A4's larger error takes larger steps than W4's QAD: lr 1e-4 / 2e-4 over 40 steps, 1e-4 over 80
-    "nvfp4_qad_gmse_r4_lr": Row(
-        "nvfp4",
-        "GPTQ (mse group scales) + R4, then QAD",
-        NV,
-        ("nvfp4", 4),
-        observer=GPTQ_MSE,
-        rotations=("R4",),
-        training="qad",
-        lr=1e-4,
-    ),
-    "nvfp4_qad_gmse_r4_lr2": Row(
-        "nvfp4",
-        "GPTQ (mse group scales) + R4, then QAD",
-        NV,
-        ("nvfp4", 4),
-        observer=GPTQ_MSE,
-        rotations=("R4",),
-        training="qad",
-        lr=2e-4,
-    ),
-    "nvfp4_qad_gmse_r4_lr_80": Row(
-        "nvfp4",
-        "GPTQ (mse group scales) + R4, then QAD",
-        NV,
-        ("nvfp4", 4),
-        observer=GPTQ_MSE,
-        rotations=("R4",),
-        training="qad",
-        lr=1e-4,
-        steps=80,
-    ),
+    "nvfp4_qad_gmse_r4_lr": nvfp4_qad_r4(lr=1e-4),
+    "nvfp4_qad_gmse_r4_lr2": nvfp4_qad_r4(lr=2e-4),
+    "nvfp4_qad_gmse_r4_lr_80": nvfp4_qad_r4(lr=1e-4, steps=80),
     # Hadamard blocks as wide as NVFP4's groups: each group is rotated on its own, so the FP8 group
     # scales still see the groups' own ranges (MR-GPTQ's block rotations)
     "nvfp4_r124_b16": Row(
