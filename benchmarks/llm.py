@@ -124,6 +124,16 @@ ROWS = {
         training="qad",
         calib_blocks=128,
     ),
+    "w4_qad_gmse_c128_lr": Row(
+        "w4",
+        "GPTQ (mse group scales) + R1 R2 R4 on 128 calibration blocks, then QAD",
+        W4G,
+        observer=GPTQ_MSE,
+        rotations=R124,
+        training="qad",
+        calib_blocks=128,
+        lr=1e-4,
+    ),
     "w4_qad_lrot": Row(
         "w4", "GPTQ + learned R1 R2 R4, then QAD", W4G, observer=GPTQ, rotations=R124, learned=True, training="qad"
     ),
@@ -227,7 +237,7 @@ RTN_OF = {
 # (the rows that qualify, the best of which is held to the target)
 TARGETS = [
     (("w4_gptq_r124", "w4_gptq_mse_r124", "w4_gptq_mse_r124_c128"), 1.06),
-    (("w4_qad", "w4_qad_lrot", "w4_qad_gmse", "w4_qad_gmse_c128"), 1.02),
+    (("w4_qad", "w4_qad_lrot", "w4_qad_gmse", "w4_qad_gmse_c128", "w4_qad_gmse_c128_lr"), 1.02),
     (("w4a8_gptq_r124", "w4a8_gptq_mse_r124_c128"), 1.08),
     # NVFP4 W4A4 "with rotations": every rotated row, PTQ or QAD
     (

@@ -51,7 +51,7 @@ quality() {
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 \
       --rows fp32,w4_rtn,w4_gptq,w4_gptq_r124,w4a8_rtn,w4a8_gptq,w4a8_gptq_r124,nvfp4_rtn,nvfp4_r124,w4ch_rtn,w4ch_gptq,w3_rtn,w3_gptq,kv_fp8,kv_int8,kv_fp8_head,w4_mse,w4_gptq_r12,w4ch_gptq_r124,w3_gptq_r124,nvfp4_gptq_r124,nvfp4_r124_b16,nvfp4_gptq_r124_b16,w4_gptq_mse_r124,w4_gptq_mse_r124_c128,w4a8_gptq_mse_r124_c128,nvfp4_gptq_mse
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 40 --batch 2 --lr 2e-5 \
-      --rows w4_qad,w4_qad_lrot,w4_qad_gmse,w4_qad_gmse_c128,w4_qat,fp32_ft,w4qat_kv_fp8,w4qat_kv_fp8_head,w4qat_kv_fp8_learned,w4qat_kv_int8,nvfp4_qad_gmse_r4,nvfp4_qad_gmse,nvfp4_qad_gmse_r4_lr,nvfp4_qad_gmse_r4_lr2,nvfp4_qad_gmse_r4_lr_80
+      --rows w4_qad,w4_qad_lrot,w4_qad_gmse,w4_qad_gmse_c128,w4_qad_gmse_c128_lr,w4_qat,fp32_ft,w4qat_kv_fp8,w4qat_kv_fp8_head,w4qat_kv_fp8_learned,w4qat_kv_int8,nvfp4_qad_gmse_r4,nvfp4_qad_gmse,nvfp4_qad_gmse_r4_lr,nvfp4_qad_gmse_r4_lr2,nvfp4_qad_gmse_r4_lr_80
   $PY benchmarks/llm.py --eval-blocks 40 --calib-blocks 32 --steps 20 --batch 2 --lr 2e-5 \
       --rows lora_full_qat,lora_qat_r16 --write-results
   # LoRA QAT's and QLoRA's peak training memory against full-parameter QAT, without and with
