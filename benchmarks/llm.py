@@ -91,6 +91,12 @@ def nvfp4_qad_r4(**training) -> Row:
     )
 
 
+def w4qat_kv(what: str, fmt: str, strategy: str, learned: bool = False) -> Row:
+    """W4 g128 from RTN, QAT (token loss) with the KV cache quantized in the loop."""
+    label = f"W4 g128 RTN start, QAT with {what} in the loop" + (", KV scales learned (LSQ)" if learned else "")
+    return Row("kv", label, W4G, training="qat", kv=(fmt, strategy, "minmax"), kv_learned=learned)
+
+
 ROWS = {
     "fp32": Row("w4", "FP32"),
     "fp32_ft": Row("w4", "FP32 fine-tuned (same steps as QAT; control for domain adaptation)", training="ft"),
@@ -185,35 +191,10 @@ ROWS = {
     "kv_fp8_head": Row("kv", "FP32 + FP8 KV per head", kv=("fp8_e4m3", "head", "minmax")),
     "kv_int8": Row("kv", "FP32 + int8 KV per tensor", kv=("int8", "tensor", "minmax")),
     "kv_int8_head": Row("kv", "FP32 + int8 KV per head", kv=("int8", "head", "minmax")),
-    "w4qat_kv_fp8": Row(
-        "kv",
-        "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop",
-        W4G,
-        training="qat",
-        kv=("fp8_e4m3", "tensor", "minmax"),
-    ),
-    "w4qat_kv_fp8_head": Row(
-        "kv",
-        "W4 g128 RTN start, QAT with FP8 KV per head in the loop",
-        W4G,
-        training="qat",
-        kv=("fp8_e4m3", "head", "minmax"),
-    ),
-    "w4qat_kv_fp8_learned": Row(
-        "kv",
-        "W4 g128 RTN start, QAT with FP8 KV per tensor in the loop, KV scales learned (LSQ)",
-        W4G,
-        training="qat",
-        kv=("fp8_e4m3", "tensor", "minmax"),
-        kv_learned=True,
-    ),
-    "w4qat_kv_int8": Row(
-        "kv",
-        "W4 g128 RTN start, QAT with int8 KV per tensor in the loop",
-        W4G,
-        training="qat",
-        kv=("int8", "tensor", "minmax"),
-    ),
+    "w4qat_kv_fp8": w4qat_kv("FP8 KV per tensor", "fp8_e4m3", "tensor"),
+    "w4qat_kv_fp8_head": w4qat_kv("FP8 KV per head", "fp8_e4m3", "head"),
+    "w4qat_kv_fp8_learned": w4qat_kv("FP8 KV per tensor", "fp8_e4m3", "tensor", learned=True),
+    "w4qat_kv_int8": w4qat_kv("int8 KV per tensor", "int8", "tensor"),
     "lora_full_qat": Row("lora", "full-parameter QAT", W4G, training="qat"),
     "lora_qat_r16": Row("lora", "LoRA QAT, r 16 (alpha 32)", W4G, training="qat", lora_r=16),
 }
